@@ -1,0 +1,811 @@
+//! `ports`: TCP listeners on the node against the plan's port expectations.
+//!
+//! Listening sockets come from `<proc_root>/net/tcp` and `<proc_root>/net/tcp6` (state `0A`,
+//! LISTEN; the network namespace is the agent's, the host's for a hostNetwork DaemonSet). A
+//! socket's owner is found by scanning `<proc_root>/<pid>/fd/*` for the link `socket:[<inode>]`,
+//! then reading `<proc_root>/<pid>/exe` (the executable, never `comm`, which a wrapper and its
+//! child share) and `<proc_root>/<pid>/cgroup` (the Kubernetes pod UID, cgroupfs or systemd
+//! driver). Owners in another PID namespace or unreadable without privileges stay unknown.
+//!
+//! Results: one `host` summary (`ListeningPorts`) and one `tcp/<port>` result per plan
+//! expectation (`PortOk`, `PortConflict`, `PortNotListening`, `PortOwnerMismatch`,
+//! `PortOwnerUnknown`; `ProcNetUnavailable` when the socket tables cannot be read).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::{NodePlan, PortExpect, PortExpectation, PortOwner};
+
+use super::{Check, ChecksConfig};
+
+/// Check name.
+pub const NAME: &str = "ports";
+
+/// The `ports` check.
+#[derive(Debug, Clone)]
+pub struct PortsCheck {
+    proc_root: PathBuf,
+}
+
+impl PortsCheck {
+    /// Reads `cfg.proc_root`.
+    pub fn new(cfg: &ChecksConfig) -> Self {
+        PortsCheck {
+            proc_root: cfg.proc_root.clone(),
+        }
+    }
+}
+
+/// Which addresses a listener accepts connections on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BindScope {
+    /// Loopback only (`127.0.0.0/8`, `::1`, `::ffff:127.x.x.x`).
+    Loopback,
+    /// One specific non-loopback address.
+    Specific,
+    /// Every address (`0.0.0.0` or `::`).
+    All,
+}
+
+impl BindScope {
+    /// Scope of a bound address.
+    pub fn of(addr: IpAddr) -> Self {
+        let addr = match addr {
+            IpAddr::V6(v6) => v6
+                .to_ipv4_mapped()
+                .map(IpAddr::V4)
+                .unwrap_or(IpAddr::V6(v6)),
+            v4 => v4,
+        };
+        if addr.is_unspecified() {
+            BindScope::All
+        } else if addr.is_loopback() {
+            BindScope::Loopback
+        } else {
+            BindScope::Specific
+        }
+    }
+
+    /// Lower-case label used in observed values: `all`, `loopback`, `specific`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BindScope::Loopback => "loopback",
+            BindScope::Specific => "specific",
+            BindScope::All => "all",
+        }
+    }
+}
+
+/// One LISTEN socket from `/proc/net/tcp{,6}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// Bound address.
+    pub addr: IpAddr,
+    /// Bound TCP port.
+    pub port: u16,
+    /// Socket inode (matches the `socket:[inode]` link of the owner's fd).
+    pub inode: u64,
+}
+
+/// Parses the text of `/proc/net/tcp` or `/proc/net/tcp6` and keeps LISTEN sockets (state
+/// `0A`). The header and malformed lines are skipped. Addresses are the kernel's hex dump of
+/// 32-bit words in host byte order (`0100007F:1F90` is 127.0.0.1:8080 on little-endian hosts).
+pub fn parse_proc_net_tcp(text: &str) -> Vec<Listener> {
+    text.lines().filter_map(parse_tcp_line).collect()
+}
+
+fn parse_tcp_line(line: &str) -> Option<Listener> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    // sl local rem st tx:rx tr:when retrnsmt uid timeout inode …
+    if fields.len() < 10 || !fields[0].ends_with(':') {
+        return None;
+    }
+    if fields[3] != "0A" {
+        return None;
+    }
+    let (addr_hex, port_hex) = fields[1].split_once(':')?;
+    let port = u16::from_str_radix(port_hex, 16).ok()?;
+    let addr = parse_hex_addr(addr_hex)?;
+    let inode = fields[9].parse().ok()?;
+    Some(Listener { addr, port, inode })
+}
+
+fn parse_hex_addr(hex: &str) -> Option<IpAddr> {
+    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_ne_bytes);
+    match hex.len() {
+        8 => Some(IpAddr::V4(Ipv4Addr::from(word(hex)?))),
+        32 => {
+            let mut bytes = [0u8; 16];
+            for i in 0..4 {
+                let w = word(hex.get(i * 8..i * 8 + 8)?)?;
+                bytes[i * 4..i * 4 + 4].copy_from_slice(&w);
+            }
+            Some(IpAddr::V6(Ipv6Addr::from(bytes)))
+        }
+        _ => None,
+    }
+}
+
+/// The Kubernetes pod UID in a `/proc/<pid>/cgroup` text, normalised to lower case with
+/// dashes, or `None` when no line has a kubepods path.
+///
+/// Accepts the cgroupfs driver's `…/kubepods/burstable/pod<uid>/<container>` and the systemd
+/// driver's `…/kubepods-burstable-pod<uid_with_underscores>.slice/…`, on cgroup v1 and v2.
+pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
+    for line in text.lines() {
+        let Some(path) = line.splitn(3, ':').nth(2) else {
+            continue;
+        };
+        if !path.contains("kubepods") {
+            continue;
+        }
+        for seg in path.split('/') {
+            let candidate = if let Some(stem) = seg.strip_suffix(".slice") {
+                stem.rfind("-pod").map(|i| &stem[i + 4..])
+            } else {
+                seg.strip_prefix("pod")
+            };
+            if let Some(uid) = candidate.and_then(normalise_pod_uid) {
+                return Some(uid);
+            }
+        }
+    }
+    None
+}
+
+/// Lower-cases a pod UID and turns the systemd driver's underscores into dashes; `None` when
+/// the result is not hex digits and dashes of a plausible length (a UUID, or a static pod's
+/// 32-digit config hash).
+pub fn normalise_pod_uid(uid: &str) -> Option<String> {
+    let uid = uid.trim().replace('_', "-").to_ascii_lowercase();
+    let hexdigits = uid.chars().filter(|c| c.is_ascii_hexdigit()).count();
+    if uid.len() >= 8 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') && hexdigits >= 8
+    {
+        Some(uid)
+    } else {
+        None
+    }
+}
+
+/// A process that holds a listening socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketOwner {
+    /// Process id in the PID namespace of `proc_root`.
+    pub pid: u32,
+    /// Target of `/proc/<pid>/exe` (a ` (deleted)` suffix removed); `None` when unreadable.
+    pub exe: Option<String>,
+    /// Pod UID from `/proc/<pid>/cgroup`; `None` outside Kubernetes pods.
+    pub pod_uid: Option<String>,
+}
+
+impl SocketOwner {
+    fn describe(&self) -> String {
+        let mut s = format!("pid {}", self.pid);
+        let exe = self.exe.as_deref().unwrap_or("exe unreadable");
+        let _ = write!(s, " ({exe}");
+        if let Some(uid) = &self.pod_uid {
+            let _ = write!(s, ", pod {uid}");
+        }
+        s.push(')');
+        s
+    }
+
+    /// True when every field the expected owner gives matches.
+    pub fn matches(&self, want: &PortOwner) -> bool {
+        let exe_ok = want
+            .exe
+            .as_deref()
+            .is_none_or(|e| self.exe.as_deref() == Some(e));
+        let pod_ok = want.pod_uid.as_deref().is_none_or(|u| {
+            normalise_pod_uid(u).is_some_and(|u| self.pod_uid.as_deref() == Some(u.as_str()))
+        });
+        exe_ok && pod_ok
+    }
+}
+
+/// Maps each socket inode in `wanted` to the pids whose fd table holds it, by scanning
+/// `<proc_root>/<pid>/fd`. Processes that vanish or cannot be read are skipped.
+pub fn socket_pids(proc_root: &Path, wanted: &HashSet<u64>) -> HashMap<u64, Vec<u32>> {
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    if wanted.is_empty() {
+        return out;
+    }
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            let Some(inode) = target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+                .and_then(|t| t.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if wanted.contains(&inode) {
+                let pids = out.entry(inode).or_default();
+                if !pids.contains(&pid) {
+                    pids.push(pid);
+                }
+            }
+        }
+    }
+    for pids in out.values_mut() {
+        pids.sort_unstable();
+    }
+    out
+}
+
+/// Reads a process's executable and pod UID under `proc_root`.
+pub fn read_owner(proc_root: &Path, pid: u32) -> SocketOwner {
+    let dir = proc_root.join(pid.to_string());
+    let exe = std::fs::read_link(dir.join("exe")).ok().map(|p| {
+        let s = p.to_string_lossy().into_owned();
+        s.strip_suffix(" (deleted)").map(str::to_string).unwrap_or(s)
+    });
+    let pod_uid = std::fs::read_to_string(dir.join("cgroup"))
+        .ok()
+        .and_then(|t| pod_uid_from_cgroup(&t));
+    SocketOwner { pid, exe, pod_uid }
+}
+
+/// Everything known about one listening port.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortState {
+    /// Bound addresses (one per LISTEN socket on the port).
+    pub addrs: Vec<IpAddr>,
+    /// Socket inodes.
+    pub inodes: Vec<u64>,
+    /// Resolved owners (may be fewer than sockets when some cannot be resolved).
+    pub owners: Vec<SocketOwner>,
+}
+
+impl PortState {
+    /// The widest scope among the port's sockets.
+    pub fn scope(&self) -> Option<BindScope> {
+        self.addrs.iter().map(|a| BindScope::of(*a)).max()
+    }
+}
+
+/// Reads the LISTEN sockets of `<proc_root>/net/tcp` and `tcp6`. A missing `tcp6` (IPv6
+/// disabled) is fine; the error is returned only when neither table can be read.
+pub fn read_listeners(proc_root: &Path) -> io::Result<Vec<Listener>> {
+    let mut out = Vec::new();
+    let mut first_err = None;
+    let mut any = false;
+    for table in ["tcp", "tcp6"] {
+        match std::fs::read_to_string(proc_root.join("net").join(table)) {
+            Ok(text) => {
+                any = true;
+                out.extend(parse_proc_net_tcp(&text));
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match (any, first_err) {
+        (false, Some(e)) => Err(e),
+        _ => Ok(out),
+    }
+}
+
+fn join<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
+    items
+        .into_iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn expect_label(e: PortExpect) -> &'static str {
+    match e {
+        PortExpect::Free => "free",
+        PortExpect::Held => "held",
+    }
+}
+
+fn describe_owner(want: &PortOwner) -> String {
+    let mut parts = Vec::new();
+    if let Some(e) = &want.exe {
+        parts.push(format!("exe {e}"));
+    }
+    if let Some(u) = &want.pod_uid {
+        parts.push(format!("pod {u}"));
+    }
+    if parts.is_empty() {
+        "any owner".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// The pure decision for one expectation, given the port's state (`None` = nothing listens).
+pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) -> CheckResult {
+    let port = exp.port;
+    let label = if exp.purpose.is_empty() {
+        format!("port {port}")
+    } else {
+        format!("port {port} ({})", exp.purpose)
+    };
+    let r = |status, reason: &str, message: String| {
+        CheckResult::new(NAME, format!("tcp/{port}"), status, reason, message)
+            .with("port", port)
+            .with("expect", expect_label(exp.expect))
+    };
+    let result = match (exp.expect, state) {
+        (PortExpect::Free, None) => r(
+            CheckStatus::Ok,
+            "PortOk",
+            format!("{label} is free, as the plan expects."),
+        ),
+        (PortExpect::Held, None) => r(
+            CheckStatus::Critical,
+            "PortNotListening",
+            format!(
+                "{label} should be held by {} but nothing listens on it; start the owner or \
+                 fix its port.",
+                exp.owner
+                    .as_ref()
+                    .map(describe_owner)
+                    .unwrap_or_else(|| "a listener".to_string())
+            ),
+        ),
+        (PortExpect::Free, Some(st)) => {
+            let holders = if st.owners.is_empty() {
+                format!(
+                    "an unidentified process (socket inode {}; in another PID namespace or \
+                     unreadable)",
+                    join(&st.inodes)
+                )
+            } else {
+                st.owners
+                    .iter()
+                    .map(SocketOwner::describe)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            r(
+                CheckStatus::Critical,
+                "PortConflict",
+                format!(
+                    "{label} must be free but is held by {holders}, listening on {}; stop it or \
+                     move the port.",
+                    join(&st.addrs)
+                ),
+            )
+        }
+        (PortExpect::Held, Some(st)) => match &exp.owner {
+            None => r(
+                CheckStatus::Ok,
+                "PortOk",
+                format!("{label} is listening, as the plan expects."),
+            ),
+            Some(want) if st.owners.is_empty() => r(
+                CheckStatus::Unknown,
+                "PortOwnerUnknown",
+                format!(
+                    "{label} is listening but its owner could not be identified (socket inode \
+                     {}; in another PID namespace or unreadable), so {} cannot be confirmed.",
+                    join(&st.inodes),
+                    describe_owner(want)
+                ),
+            ),
+            Some(want) => {
+                let wrong: Vec<&SocketOwner> =
+                    st.owners.iter().filter(|o| !o.matches(want)).collect();
+                if wrong.is_empty() {
+                    r(
+                        CheckStatus::Ok,
+                        "PortOk",
+                        format!(
+                            "{label} is held by {}, as the plan expects.",
+                            st.owners
+                                .iter()
+                                .map(SocketOwner::describe)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    )
+                } else {
+                    r(
+                        CheckStatus::Critical,
+                        "PortOwnerMismatch",
+                        format!(
+                            "{label} is held by {} but the plan expects {}.",
+                            wrong
+                                .iter()
+                                .map(|o| o.describe())
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            describe_owner(want)
+                        ),
+                    )
+                }
+            }
+        },
+    };
+    let mut result = result.with("listening", state.is_some());
+    if !exp.purpose.is_empty() {
+        result = result.with("purpose", &exp.purpose);
+    }
+    if let Some(want) = &exp.owner {
+        if let Some(e) = &want.exe {
+            result = result.with("expectedExe", e);
+        }
+        if let Some(u) = &want.pod_uid {
+            result = result.with("expectedPodUid", u);
+        }
+    }
+    if let Some(st) = state {
+        result = result
+            .with("addresses", join(&st.addrs))
+            .with("inodes", join(&st.inodes))
+            .with("bindScope", st.scope().map(BindScope::as_str).unwrap_or(""));
+        if !st.owners.is_empty() {
+            result = result
+                .with("pids", join(st.owners.iter().map(|o| o.pid)))
+                .with(
+                    "exes",
+                    join(st.owners.iter().map(|o| o.exe.clone().unwrap_or_default())),
+                );
+            let uids: BTreeSet<&str> = st
+                .owners
+                .iter()
+                .filter_map(|o| o.pod_uid.as_deref())
+                .collect();
+            if !uids.is_empty() {
+                result = result.with("podUids", join(uids));
+            }
+        }
+    }
+    result
+}
+
+/// The `host` summary: counts of listening ports by bind scope.
+pub fn summarize(ports: &BTreeMap<u16, PortState>, sockets: usize) -> CheckResult {
+    let by_scope = |s: BindScope| -> Vec<u16> {
+        ports
+            .iter()
+            .filter(|(_, st)| st.scope() == Some(s))
+            .map(|(p, _)| *p)
+            .collect()
+    };
+    let all = by_scope(BindScope::All);
+    let specific = by_scope(BindScope::Specific);
+    let loopback = by_scope(BindScope::Loopback);
+    CheckResult::new(
+        NAME,
+        "host",
+        CheckStatus::Ok,
+        "ListeningPorts",
+        format!(
+            "{} TCP ports listen on this node: {} on all addresses, {} on specific addresses, \
+             {} on loopback only.",
+            ports.len(),
+            all.len(),
+            specific.len(),
+            loopback.len()
+        ),
+    )
+    .with("listeningPorts", ports.len())
+    .with("listeningSockets", sockets)
+    .with("allAddressesCount", all.len())
+    .with("specificAddressCount", specific.len())
+    .with("loopbackCount", loopback.len())
+    .with("allAddressesPorts", join(all))
+    .with("specificAddressPorts", join(specific))
+    .with("loopbackPorts", join(loopback))
+}
+
+impl Check for PortsCheck {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        let listeners = match read_listeners(&self.proc_root) {
+            Ok(l) => l,
+            Err(e) => {
+                let tables = self.proc_root.join("net").join("tcp");
+                let msg = format!(
+                    "cannot read the TCP socket tables ({}, tcp6): {e}; listening ports are \
+                     unknown.",
+                    tables.display()
+                );
+                let mut out = vec![CheckResult::new(
+                    NAME,
+                    "host",
+                    CheckStatus::Unknown,
+                    "ProcNetUnavailable",
+                    msg.clone(),
+                )];
+                out.extend(plan.ports.iter().map(|p| {
+                    CheckResult::new(
+                        NAME,
+                        format!("tcp/{}", p.port),
+                        CheckStatus::Unknown,
+                        "ProcNetUnavailable",
+                        msg.clone(),
+                    )
+                    .with("port", p.port)
+                    .with("expect", expect_label(p.expect))
+                }));
+                return out;
+            }
+        };
+
+        let mut ports: BTreeMap<u16, PortState> = BTreeMap::new();
+        for l in &listeners {
+            let st = ports.entry(l.port).or_default();
+            st.addrs.push(l.addr);
+            if !st.inodes.contains(&l.inode) {
+                st.inodes.push(l.inode);
+            }
+        }
+
+        // Resolve owners only for ports the plan names: a full fd scan is the expensive part.
+        let planned: HashSet<u16> = plan.ports.iter().map(|p| p.port).collect();
+        let wanted: HashSet<u64> = ports
+            .iter()
+            .filter(|(p, _)| planned.contains(p))
+            .flat_map(|(_, st)| st.inodes.iter().copied())
+            .collect();
+        let pids = socket_pids(&self.proc_root, &wanted);
+        let mut owner_cache: HashMap<u32, SocketOwner> = HashMap::new();
+        for (port, st) in ports.iter_mut() {
+            if !planned.contains(port) {
+                continue;
+            }
+            let mut seen = BTreeSet::new();
+            for inode in &st.inodes {
+                for pid in pids.get(inode).into_iter().flatten() {
+                    if seen.insert(*pid) {
+                        let owner = owner_cache
+                            .entry(*pid)
+                            .or_insert_with(|| read_owner(&self.proc_root, *pid))
+                            .clone();
+                        st.owners.push(owner);
+                    }
+                }
+            }
+        }
+
+        let mut out = vec![summarize(&ports, listeners.len())];
+        out.extend(
+            plan.ports
+                .iter()
+                .map(|exp| evaluate_expectation(exp, ports.get(&exp.port))),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1001 1 0000000000000000 100 0 0 10 0
+   1: 00000000:15B5 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1002 1 0000000000000000 100 0 0 10 0
+   2: 0100007F:1F90 0100007F:D4C2 01 00000000:00000000 00:00000000 00000000     0        0 1003 1 0000000000000000 20 4 30 10 -1
+   3: 0502000A:0050 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1004 1 0000000000000000 100 0 0 10 0
+";
+    const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:1F91 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2001 1 0000000000000000 100 0 0 10 0
+   1: 00000000000000000000000001000000:1F92 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2002 1 0000000000000000 100 0 0 10 0
+   2: 0000000000000000FFFF00000100007F:1F93 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2003 1 0000000000000000 100 0 0 10 0
+";
+
+    #[test]
+    #[cfg(target_endian = "little")]
+    fn parses_listen_sockets_v4_and_v6() {
+        let v4 = parse_proc_net_tcp(TCP);
+        assert_eq!(v4.len(), 3, "established socket skipped");
+        assert_eq!(v4[0].addr, "127.0.0.1".parse::<IpAddr>().unwrap());
+        assert_eq!(v4[0].port, 8080);
+        assert_eq!(v4[0].inode, 1001);
+        assert_eq!(v4[1].addr, "0.0.0.0".parse::<IpAddr>().unwrap());
+        assert_eq!(v4[1].port, 5557);
+        assert_eq!(v4[2].addr, "10.0.2.5".parse::<IpAddr>().unwrap());
+        let v6 = parse_proc_net_tcp(TCP6);
+        assert_eq!(v6.len(), 3);
+        assert_eq!(v6[0].addr, "::".parse::<IpAddr>().unwrap());
+        assert_eq!(v6[1].addr, "::1".parse::<IpAddr>().unwrap());
+        assert_eq!(v6[2].addr, "::ffff:127.0.0.1".parse::<IpAddr>().unwrap());
+        let scopes: Vec<_> = v6.iter().map(|l| BindScope::of(l.addr)).collect();
+        assert_eq!(
+            scopes,
+            [BindScope::All, BindScope::Loopback, BindScope::Loopback]
+        );
+        assert_eq!(BindScope::of(v4[2].addr), BindScope::Specific);
+    }
+
+    #[test]
+    fn pod_uid_from_both_cgroup_drivers() {
+        let cgroupfs = "12:pids:/kubepods/burstable/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/9a8b7c\n0::/\n";
+        assert_eq!(
+            pod_uid_from_cgroup(cgroupfs).as_deref(),
+            Some("3f1c2a9e-1b2c-4d5e-8f90-0123456789ab")
+        );
+        let guaranteed = "0::/kubepods/pod3F1C2A9E-1B2C-4D5E-8F90-0123456789AB/abc\n";
+        assert_eq!(
+            pod_uid_from_cgroup(guaranteed).as_deref(),
+            Some("3f1c2a9e-1b2c-4d5e-8f90-0123456789ab")
+        );
+        let systemd = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod3f1c2a9e_1b2c_4d5e_8f90_0123456789ab.slice/cri-containerd-0123.scope\n";
+        assert_eq!(
+            pod_uid_from_cgroup(systemd).as_deref(),
+            Some("3f1c2a9e-1b2c-4d5e-8f90-0123456789ab")
+        );
+        let besteffort_v1 = "4:memory:/kubepods.slice/kubepods-pod0123456789abcdef0123456789abcdef.slice/docker-1.scope\n";
+        assert_eq!(
+            pod_uid_from_cgroup(besteffort_v1).as_deref(),
+            Some("0123456789abcdef0123456789abcdef")
+        );
+        assert_eq!(
+            pod_uid_from_cgroup("0::/system.slice/sshd.service\n1:name=systemd:/user.slice\n"),
+            None
+        );
+        assert_eq!(
+            pod_uid_from_cgroup("0::/kubepods.slice/kubepods-burstable.slice\n"),
+            None
+        );
+        assert_eq!(pod_uid_from_cgroup("0::/podman/podzzz/x\n"), None);
+    }
+
+    fn held(addr: &str, owners: Vec<SocketOwner>) -> PortState {
+        PortState {
+            addrs: vec![addr.parse().unwrap()],
+            inodes: vec![42],
+            owners,
+        }
+    }
+
+    fn owner(pid: u32, exe: &str, uid: Option<&str>) -> SocketOwner {
+        SocketOwner {
+            pid,
+            exe: Some(exe.into()),
+            pod_uid: uid.map(str::to_string),
+        }
+    }
+
+    fn exp(port: u16, expect: PortExpect, exe: Option<&str>, uid: Option<&str>) -> PortExpectation {
+        PortExpectation {
+            port,
+            expect,
+            owner: (exe.is_some() || uid.is_some()).then(|| PortOwner {
+                exe: exe.map(str::to_string),
+                pod_uid: uid.map(str::to_string),
+            }),
+            purpose: "mooncake master rpc".into(),
+        }
+    }
+
+    #[test]
+    fn expectation_table() {
+        use CheckStatus::*;
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let py = owner(1234, "/usr/bin/python3.11", Some(uid));
+        let cases: Vec<(PortExpectation, Option<PortState>, CheckStatus, &str)> = vec![
+            (exp(50051, PortExpect::Free, None, None), None, Ok, "PortOk"),
+            (
+                exp(50051, PortExpect::Free, None, None),
+                Some(held("0.0.0.0", vec![py.clone()])),
+                Critical,
+                "PortConflict",
+            ),
+            (
+                exp(50051, PortExpect::Free, None, None),
+                Some(held("127.0.0.1", vec![])),
+                Critical,
+                "PortConflict",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
+                None,
+                Critical,
+                "PortNotListening",
+            ),
+            (
+                exp(50051, PortExpect::Held, None, None),
+                Some(held("::", vec![])),
+                Ok,
+                "PortOk",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
+                Some(held("::", vec![py.clone()])),
+                Ok,
+                "PortOk",
+            ),
+            (
+                exp(
+                    50051,
+                    PortExpect::Held,
+                    None,
+                    Some("3F1C2A9E_1B2C_4D5E_8F90_0123456789AB"),
+                ),
+                Some(held("::", vec![py.clone()])),
+                Ok,
+                "PortOk",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/nc"), None),
+                Some(held("::", vec![py.clone()])),
+                Critical,
+                "PortOwnerMismatch",
+            ),
+            (
+                exp(
+                    50051,
+                    PortExpect::Held,
+                    Some("/usr/bin/python3.11"),
+                    Some("00000000-1b2c-4d5e-8f90-0123456789ab"),
+                ),
+                Some(held("::", vec![py.clone()])),
+                Critical,
+                "PortOwnerMismatch",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
+                Some(held(
+                    "::",
+                    vec![py.clone(), owner(99, "/usr/bin/nc", None)],
+                )),
+                Critical,
+                "PortOwnerMismatch",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
+                Some(held("::", vec![])),
+                Unknown,
+                "PortOwnerUnknown",
+            ),
+        ];
+        for (i, (e, st, status, reason)) in cases.into_iter().enumerate() {
+            let r = evaluate_expectation(&e, st.as_ref());
+            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(r.subject, "tcp/50051");
+            assert_eq!(r.name, "ports");
+        }
+    }
+
+    #[test]
+    fn conflict_message_names_port_pid_exe_pod() {
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let r = evaluate_expectation(
+            &exp(50051, PortExpect::Free, None, None),
+            Some(&held(
+                "0.0.0.0",
+                vec![owner(1234, "/opt/mooncake/mooncake_master", Some(uid))],
+            )),
+        );
+        for needle in [
+            "port 50051 (mooncake master rpc)",
+            "pid 1234",
+            "/opt/mooncake/mooncake_master",
+            uid,
+            "0.0.0.0",
+        ] {
+            assert!(r.message.contains(needle), "{needle} not in {}", r.message);
+        }
+        assert_eq!(r.observed["bindScope"], "all");
+        assert_eq!(r.observed["pids"], "1234");
+        assert_eq!(r.observed["podUids"], uid);
+    }
+}

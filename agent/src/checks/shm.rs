@@ -1,0 +1,516 @@
+//! `shm`: the host's `/dev/shm` (size, use, file-system type) against the plan's requirement.
+//!
+//! Size and use come from `statvfs(2)` on [`ChecksConfig::shm_path`]; the file-system type,
+//! mount source and configured `size=` come from the mount that contains that path in
+//! `<proc_root>/self/mountinfo` (the longest mount point that is a prefix of the path; among
+//! equal mount points the *last* line wins, because mounts stack). Engines that map more shared
+//! memory than the tmpfs holds die with SIGBUS on first touch, so an undersized `/dev/shm` is
+//! `Critical`.
+//!
+//! One result, subject `host`. Reasons (see `docs/checks.md`): `ShmOk`, `ShmUndersized`,
+//! `ShmNearlyFull`, `ShmNotTmpfs`, `ShmMissing`, `ShmUnreadable`.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
+
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::NodePlan;
+
+use super::units::{bytes_both, human_bytes, parse_size_option};
+use super::{Check, ChecksConfig};
+
+/// Check name.
+pub const NAME: &str = "shm";
+
+/// The `shm` check.
+#[derive(Debug, Clone)]
+pub struct ShmCheck {
+    proc_root: PathBuf,
+    shm_path: PathBuf,
+    nearly_full_percent: u8,
+}
+
+impl ShmCheck {
+    /// Reads `cfg.shm_path`, `cfg.proc_root` and `cfg.shm_nearly_full_percent`.
+    pub fn new(cfg: &ChecksConfig) -> Self {
+        ShmCheck {
+            proc_root: cfg.proc_root.clone(),
+            shm_path: cfg.shm_path.clone(),
+            nearly_full_percent: cfg.shm_nearly_full_percent,
+        }
+    }
+}
+
+impl Check for ShmCheck {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        let usage = statvfs_usage(&self.shm_path);
+        let mountinfo_path = self.proc_root.join("self").join("mountinfo");
+        let (mount, mountinfo_error) = match std::fs::read_to_string(&mountinfo_path) {
+            Ok(text) => {
+                // Resolve symlinks (/dev/shm -> /run/shm) so the mount lookup sees the real path.
+                let target =
+                    std::fs::canonicalize(&self.shm_path).unwrap_or_else(|_| self.shm_path.clone());
+                (find_mount(&parse_mountinfo(&text), &target).cloned(), None)
+            }
+            Err(e) => (None, Some(format!("{}: {e}", mountinfo_path.display()))),
+        };
+        let required = plan.shm.as_ref().map(|s| s.required_bytes);
+        let mut result = evaluate(
+            &self.shm_path,
+            usage,
+            mount.as_ref(),
+            required,
+            self.nearly_full_percent,
+        );
+        if let Some(e) = mountinfo_error {
+            result = result.with("mountinfoError", e);
+        }
+        vec![result]
+    }
+}
+
+/// Capacity and use of a file system, in bytes (from `statvfs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsUsage {
+    /// Total size: `f_blocks × f_frsize`. 0 on a tmpfs mounted with `size=0` (unlimited).
+    pub size_bytes: u64,
+    /// Used: `(f_blocks − f_bfree) × f_frsize`.
+    pub used_bytes: u64,
+    /// Available to unprivileged writers: `f_bavail × f_frsize`.
+    pub available_bytes: u64,
+}
+
+/// `statvfs(2)` on `path`, converted to bytes. Errors are the raw OS error (`ENOENT` when the
+/// path does not exist).
+pub fn statvfs_usage(path: &Path) -> io::Result<FsUsage> {
+    let st = nix::sys::statvfs::statvfs(path).map_err(io::Error::from)?;
+    let frsize = u64::from(st.fragment_size());
+    let blocks = u64::from(st.blocks());
+    let free = u64::from(st.blocks_free());
+    let avail = u64::from(st.blocks_available());
+    Ok(FsUsage {
+        size_bytes: blocks.saturating_mul(frsize),
+        used_bytes: blocks.saturating_sub(free).saturating_mul(frsize),
+        available_bytes: avail.saturating_mul(frsize),
+    })
+}
+
+/// One line of `/proc/<pid>/mountinfo` (fields we use).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    /// Mount point, with the kernel's octal escapes (`\040` …) decoded.
+    pub mount_point: PathBuf,
+    /// File-system type after the ` - ` separator, e.g. `tmpfs`.
+    pub fs_type: String,
+    /// Mount source, e.g. `tmpfs` or `shm`.
+    pub source: String,
+    /// Super-block options, e.g. `rw,size=65536k,inode64`.
+    pub super_options: String,
+}
+
+impl MountEntry {
+    /// Value of one comma-separated super option (`size` → `65536k`).
+    pub fn super_option(&self, key: &str) -> Option<&str> {
+        self.super_options
+            .split(',')
+            .find_map(|o| o.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
+    }
+
+    /// The tmpfs `size=` option in bytes, if present and absolute (not a percentage).
+    pub fn configured_size_bytes(&self) -> Option<u64> {
+        self.super_option("size").and_then(parse_size_option)
+    }
+}
+
+/// Parses mountinfo text; malformed lines are skipped.
+pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
+    text.lines().filter_map(parse_mountinfo_line).collect()
+}
+
+fn parse_mountinfo_line(line: &str) -> Option<MountEntry> {
+    let (left, right) = line.split_once(" - ")?;
+    let mount_point = left.split(' ').nth(4)?;
+    let mut right = right.split(' ');
+    let fs_type = right.next()?;
+    let source = right.next()?;
+    let super_options = right.next().unwrap_or("");
+    Some(MountEntry {
+        mount_point: PathBuf::from(OsString::from_vec(unescape_octal_bytes(mount_point))),
+        fs_type: fs_type.to_string(),
+        source: unescape_octal(source),
+        super_options: super_options.to_string(),
+    })
+}
+
+/// Decodes the kernel's `\ooo` escapes (space, tab, newline, backslash) in mountinfo fields.
+fn unescape_octal(s: &str) -> String {
+    String::from_utf8_lossy(&unescape_octal_bytes(s)).into_owned()
+}
+
+fn unescape_octal_bytes(s: &str) -> Vec<u8> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            let digits = &bytes[i + 1..i + 4];
+            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                let v = digits
+                    .iter()
+                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                if let Ok(v) = u8::try_from(v) {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
+}
+
+/// The mount that contains `path`: the longest mount point that is a path prefix of it; among
+/// equal mount points, the last one listed (the top of the stack).
+pub fn find_mount<'a>(mounts: &'a [MountEntry], path: &Path) -> Option<&'a MountEntry> {
+    let mut best: Option<&MountEntry> = None;
+    for m in mounts {
+        if !path.starts_with(&m.mount_point) {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some(b) => m.mount_point.components().count() >= b.mount_point.components().count(),
+        };
+        if better {
+            best = Some(m);
+        }
+    }
+    best
+}
+
+/// The pure decision of the `shm` check from what was observed.
+///
+/// `usage` is the `statvfs` outcome (`ENOENT` → `ShmMissing`, other errors → `ShmUnreadable`),
+/// `mount` the mount containing `path` (None when unknown), `required` the plan's minimum size
+/// in bytes, `nearly_full_percent` the use above which `ShmNearlyFull` is reported. Findings are
+/// combined into one result: the status is the worst, the reason that of the first worst finding
+/// (order: undersized, not tmpfs, nearly full), the message all findings' sentences.
+pub fn evaluate(
+    path: &Path,
+    usage: io::Result<FsUsage>,
+    mount: Option<&MountEntry>,
+    required: Option<u64>,
+    nearly_full_percent: u8,
+) -> CheckResult {
+    let shown = path.display().to_string();
+    let mut observed: Vec<(&str, String)> = vec![("path", shown.clone())];
+    if let Some(r) = required {
+        observed.push(("requiredBytes", r.to_string()));
+    }
+    if let Some(m) = mount {
+        observed.push(("fsType", m.fs_type.clone()));
+        observed.push(("mountSource", m.source.clone()));
+        observed.push(("mountPoint", m.mount_point.display().to_string()));
+        if let Some(c) = m.configured_size_bytes() {
+            observed.push(("configuredSizeBytes", c.to_string()));
+        }
+    } else {
+        observed.push(("fsType", "unknown".to_string()));
+    }
+    let finish = |status, reason: &str, message: String, observed: Vec<(&str, String)>| {
+        observed.into_iter().fold(
+            CheckResult::new(NAME, "host", status, reason, message),
+            |r, (k, v)| r.with(k, v),
+        )
+    };
+
+    let usage = match usage {
+        Ok(u) => u,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let (status, tail) = match required {
+                Some(r) => (
+                    CheckStatus::Critical,
+                    format!(
+                        "engines that need {} of shared memory will fail; mount a tmpfs there",
+                        bytes_both(r)
+                    ),
+                ),
+                None => (
+                    CheckStatus::Unknown,
+                    "the plan requires none, so this is not an error yet".to_string(),
+                ),
+            };
+            return finish(
+                status,
+                "ShmMissing",
+                format!("{shown} does not exist on this node; {tail}."),
+                observed,
+            );
+        }
+        Err(e) => {
+            observed.push(("error", e.to_string()));
+            return finish(
+                CheckStatus::Unknown,
+                "ShmUnreadable",
+                format!("cannot statvfs {shown}: {e}; its size and use are unknown."),
+                observed,
+            );
+        }
+    };
+
+    observed.push(("sizeBytes", usage.size_bytes.to_string()));
+    observed.push(("usedBytes", usage.used_bytes.to_string()));
+    observed.push(("availableBytes", usage.available_bytes.to_string()));
+    let fs_type = mount.map(|m| m.fs_type.as_str());
+    let unlimited = usage.size_bytes == 0 && fs_type == Some("tmpfs");
+    let used_percent = if usage.size_bytes == 0 {
+        0
+    } else {
+        (u128::from(usage.used_bytes) * 100 / u128::from(usage.size_bytes)) as u64
+    };
+    if !unlimited {
+        observed.push(("usedPercent", used_percent.to_string()));
+    }
+
+    let mut findings: Vec<(CheckStatus, &str, String)> = Vec::new();
+    if let Some(r) = required {
+        if !unlimited && usage.size_bytes < r {
+            findings.push((
+                CheckStatus::Critical,
+                "ShmUndersized",
+                format!(
+                    "{shown} is {} but the plan requires {}; engines mapping more than the \
+                     tmpfs holds die with SIGBUS.",
+                    bytes_both(usage.size_bytes),
+                    bytes_both(r)
+                ),
+            ));
+        }
+    }
+    if let Some(m) = mount {
+        if m.fs_type != "tmpfs" {
+            findings.push((
+                CheckStatus::Warning,
+                "ShmNotTmpfs",
+                format!(
+                    "{shown} is on a {} file system (source {}, mounted at {}), not tmpfs; \
+                     shared memory there is not RAM-backed.",
+                    m.fs_type,
+                    m.source,
+                    m.mount_point.display()
+                ),
+            ));
+        }
+    }
+    if !unlimited
+        && usage.size_bytes > 0
+        && u128::from(usage.used_bytes) * 100
+            > u128::from(usage.size_bytes) * u128::from(nearly_full_percent)
+    {
+        findings.push((
+            CheckStatus::Warning,
+            "ShmNearlyFull",
+            format!(
+                "{shown} is {used_percent}% full: {} of {} used, {} available (threshold \
+                 {nearly_full_percent}%); find and remove stale segments.",
+                human_bytes(usage.used_bytes),
+                human_bytes(usage.size_bytes),
+                bytes_both(usage.available_bytes)
+            ),
+        ));
+    }
+
+    if findings.is_empty() {
+        let size = if unlimited {
+            "an unlimited tmpfs (size=0)".to_string()
+        } else {
+            format!("{} ({used_percent}% used)", bytes_both(usage.size_bytes))
+        };
+        let req = match required {
+            Some(r) => format!(", enough for the plan's {}", bytes_both(r)),
+            None => ", and the plan sets no requirement".to_string(),
+        };
+        return finish(
+            CheckStatus::Ok,
+            "ShmOk",
+            format!("{shown} is {size}{req}."),
+            observed,
+        );
+    }
+    let status = CheckStatus::worst(findings.iter().map(|f| f.0));
+    let reason = findings
+        .iter()
+        .find(|f| f.0 == status)
+        .map(|f| f.1)
+        .unwrap_or("ShmOk");
+    let message = findings
+        .iter()
+        .map(|f| f.2.as_str())
+        .collect::<Vec<_>>()
+        .join(" ");
+    finish(status, reason, message, observed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MI: &str = "\
+24 27 0:6 / /dev rw,relatime - devtmpfs devtmpfs rw,size=12334492k,nr_inodes=3083623,mode=755
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684092k
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,discard
+30 25 0:27 / /dev/shm rw,nosuid,nodev master:7 - tmpfs shm rw,size=65536k,inode64
+41 27 0:40 / /mnt/with\\040space rw - tmpfs tmpfs rw,size=1g
+";
+
+    #[test]
+    fn last_dev_shm_line_wins_and_size_is_parsed() {
+        let mounts = parse_mountinfo(MI);
+        assert_eq!(mounts.len(), 5);
+        let m = find_mount(&mounts, Path::new("/dev/shm")).unwrap();
+        assert_eq!(m.source, "shm");
+        assert_eq!(m.fs_type, "tmpfs");
+        assert_eq!(m.configured_size_bytes(), Some(64 << 20));
+        assert_eq!(m.super_option("inode64"), None);
+        let m = find_mount(&mounts, Path::new("/dev/shm/sub/dir")).unwrap();
+        assert_eq!(m.source, "shm");
+        let m = find_mount(&mounts, Path::new("/dev/pts")).unwrap();
+        assert_eq!(m.fs_type, "devtmpfs");
+        let m = find_mount(&mounts, Path::new("/dev/shmx")).unwrap();
+        assert_eq!(m.fs_type, "devtmpfs", "component-wise prefix, not string prefix");
+        let m = find_mount(&mounts, Path::new("/mnt/with space/x")).unwrap();
+        assert_eq!(m.configured_size_bytes(), Some(1 << 30));
+        assert_eq!(
+            find_mount(&mounts, Path::new("/srv")).unwrap().fs_type,
+            "ext4"
+        );
+    }
+
+    #[test]
+    fn malformed_lines_are_skipped() {
+        let mounts = parse_mountinfo("garbage\n1 2 3\n\n1 2 0:1 / /x rw - tmpfs\n");
+        assert!(mounts.is_empty());
+        assert_eq!(unescape_octal("a\\134b\\0"), "a\\b\\0");
+    }
+
+    fn tmpfs(size: &str) -> MountEntry {
+        MountEntry {
+            mount_point: PathBuf::from("/dev/shm"),
+            fs_type: "tmpfs".into(),
+            source: "shm".into(),
+            super_options: format!("rw,size={size}"),
+        }
+    }
+
+    fn usage(size: u64, used: u64) -> io::Result<FsUsage> {
+        Ok(FsUsage {
+            size_bytes: size,
+            used_bytes: used,
+            available_bytes: size - used,
+        })
+    }
+
+    #[test]
+    fn undersized_names_both_sizes() {
+        let m = tmpfs("65536k");
+        let r = evaluate(
+            Path::new("/dev/shm"),
+            usage(64 << 20, 0),
+            Some(&m),
+            Some(1 << 30),
+            90,
+        );
+        assert_eq!(r.status, CheckStatus::Critical);
+        assert_eq!(r.reason, "ShmUndersized");
+        assert!(
+            r.message.contains(
+                "/dev/shm is 64.0 MiB (67108864 bytes) but the plan requires 1.0 GiB (1073741824 bytes)"
+            ),
+            "{}",
+            r.message
+        );
+        assert_eq!(r.observed["sizeBytes"], "67108864");
+        assert_eq!(r.observed["requiredBytes"], "1073741824");
+        assert_eq!(r.observed["configuredSizeBytes"], "67108864");
+        assert_eq!(r.observed["fsType"], "tmpfs");
+        assert_eq!(r.observed["mountSource"], "shm");
+    }
+
+    #[test]
+    fn ok_nearly_full_and_combined() {
+        let m = tmpfs("1g");
+        let p = Path::new("/dev/shm");
+        let r = evaluate(p, usage(1 << 30, 1 << 20), Some(&m), Some(1 << 30), 90);
+        assert_eq!((r.status, r.reason.as_str()), (CheckStatus::Ok, "ShmOk"));
+        assert_eq!(r.observed["usedPercent"], "0");
+        let r = evaluate(p, usage(100 << 20, 95 << 20), Some(&m), None, 90);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Warning, "ShmNearlyFull")
+        );
+        assert!(r.message.contains("95% full"), "{}", r.message);
+        // exactly at the threshold is not "above" it
+        let r = evaluate(p, usage(100, 90), Some(&m), None, 90);
+        assert_eq!(r.status, CheckStatus::Ok);
+        // undersized and nearly full: Critical, reason undersized, both sentences
+        let r = evaluate(p, usage(100 << 20, 99 << 20), Some(&m), Some(1 << 30), 90);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Critical, "ShmUndersized")
+        );
+        assert!(r.message.contains("99% full"), "{}", r.message);
+    }
+
+    #[test]
+    fn not_tmpfs_missing_unreadable_unlimited() {
+        let p = Path::new("/dev/shm");
+        let ext4 = MountEntry {
+            mount_point: PathBuf::from("/"),
+            fs_type: "ext4".into(),
+            source: "/dev/vda".into(),
+            super_options: "rw".into(),
+        };
+        let r = evaluate(p, usage(10 << 30, 0), Some(&ext4), Some(1 << 20), 90);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Warning, "ShmNotTmpfs")
+        );
+        assert_eq!(r.observed["fsType"], "ext4");
+
+        let enoent = || Err(io::Error::from_raw_os_error(libc::ENOENT));
+        let r = evaluate(p, enoent(), None, Some(1 << 30), 90);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Critical, "ShmMissing")
+        );
+        let r = evaluate(p, enoent(), None, None, 90);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Unknown, "ShmMissing")
+        );
+        let r = evaluate(
+            p,
+            Err(io::Error::from_raw_os_error(libc::EACCES)),
+            None,
+            None,
+            90,
+        );
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Unknown, "ShmUnreadable")
+        );
+
+        let m = tmpfs("0");
+        let r = evaluate(p, usage(0, 0), Some(&m), Some(1 << 40), 90);
+        assert_eq!((r.status, r.reason.as_str()), (CheckStatus::Ok, "ShmOk"));
+        assert!(r.message.contains("unlimited"), "{}", r.message);
+    }
+}

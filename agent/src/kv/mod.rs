@@ -1,0 +1,1 @@
+//! KV-event subscribers (placeholder).

@@ -1,0 +1,173 @@
+//! `ic-agent`: thin binary over the `ic_agent` library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use ic_agent::checks::{self, Checks, ChecksConfig};
+use ic_shared::check::CheckStatus;
+use ic_shared::plan::NodePlan;
+use ic_shared::telemetry::{self, LogFormat};
+
+/// inference-cache node agent: checks what only a node can see (/dev/shm, host ports, GPUs),
+/// aggregates the node's engine KV-cache events, and reports both to the controller.
+#[derive(Parser)]
+#[command(name = "ic-agent", version, about, long_about = None)]
+struct Cli {
+    /// Log line format.
+    #[arg(long, env = "IC_LOG_FORMAT", value_enum, default_value_t = LogFormat::Plain, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run continuously: checks on a schedule, KV-event subscribers, the controller link, and
+    /// the HTTP endpoints /healthz, /readyz, /metrics, /v1/report.
+    Run(RunArgs),
+    /// Run every check once on this host and print a verdict table (or JSON).
+    /// Exit status: 0 ok (or unknown), 1 warning, 2 critical, 3 the plan could not be read.
+    Check(CheckArgs),
+}
+
+#[derive(Args)]
+struct CommonArgs {
+    /// Node plan (YAML or JSON): required /dev/shm, host ports, engines and their KV publishers.
+    #[arg(long, env = "IC_PLAN")]
+    plan: Option<PathBuf>,
+    /// Node name reported to the controller (default: this host's name).
+    #[arg(long, env = "NODE_NAME")]
+    node: Option<String>,
+    /// Path of libnvidia-ml (default: libnvidia-ml.so.1 from the loader path).
+    #[arg(long, env = "IC_NVML_LIBRARY")]
+    nvml_library: Option<PathBuf>,
+    /// Root of the proc filesystem to inspect (host /proc when the DaemonSet mounts it elsewhere).
+    #[arg(long, env = "IC_PROC_ROOT", default_value = "/proc")]
+    proc_root: PathBuf,
+    /// Path of the host's /dev/shm.
+    #[arg(long, env = "IC_SHM_PATH", default_value = "/dev/shm")]
+    shm_path: PathBuf,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Controller gRPC URL; without it the agent runs checks and endpoints only.
+    #[arg(long, env = "IC_CONTROLLER")]
+    controller: Option<String>,
+    /// HTTP listen address for /healthz, /readyz, /metrics, /v1/report.
+    #[arg(long, env = "IC_HTTP_ADDR", default_value = "127.0.0.1:9090")]
+    http_addr: SocketAddr,
+    /// Seconds between check passes.
+    #[arg(long, env = "IC_CHECK_INTERVAL_SECONDS", default_value_t = 5)]
+    check_interval_seconds: u64,
+    /// File holding the projected service-account token presented to the controller.
+    #[arg(long, env = "IC_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Print JSON: {"node":…, "status":…, "checks":[{"name","subject","status","reason","message","observed"}]}.
+    #[arg(long)]
+    json: bool,
+}
+
+impl CommonArgs {
+    fn node(&self) -> String {
+        self.node.clone().unwrap_or_else(|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".to_string())
+        })
+    }
+
+    fn plan(&self) -> anyhow::Result<NodePlan> {
+        match &self.plan {
+            Some(p) => Ok(NodePlan::load(p)?),
+            None => Ok(NodePlan::default()),
+        }
+    }
+
+    fn checks_config(&self) -> ChecksConfig {
+        ChecksConfig {
+            proc_root: self.proc_root.clone(),
+            shm_path: self.shm_path.clone(),
+            nvml_library: self.nvml_library.clone(),
+            ..ChecksConfig::default()
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format);
+    match cli.command {
+        Command::Check(a) => {
+            let plan = match a.common.plan() {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("ic-agent check: {e:#}");
+                    std::process::exit(3);
+                }
+            };
+            let node = a.common.node();
+            let results = Checks::new(&a.common.checks_config()).run_all(&plan);
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&checks::report_json(&node, &results))?
+                );
+            } else {
+                print!("{}", checks::render_table(&node, &results));
+            }
+            std::process::exit(CheckStatus::worst(results.iter().map(|r| r.status)).exit_code());
+        }
+        Command::Run(a) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(run(a))
+        }
+    }
+}
+
+async fn run(a: RunArgs) -> anyhow::Result<()> {
+    let plan = a.common.plan()?;
+    let node = a.common.node();
+    let state = ic_agent::state::AgentState::new(node, plan)?;
+    let link = match &a.controller {
+        Some(url) => {
+            let mut cfg = ic_agent::link::LinkConfig::new(url.clone());
+            if let Some(f) = &a.token_file {
+                cfg.token = std::fs::read_to_string(f)
+                    .with_context(|| format!("reading token file {}", f.display()))?
+                    .trim()
+                    .to_string();
+            }
+            Some(cfg)
+        }
+        None => None,
+    };
+    let running = ic_agent::runtime::start(
+        ic_agent::runtime::RunConfig {
+            link,
+            http_addr: a.http_addr,
+            check_interval: Duration::from_secs(a.check_interval_seconds.max(1)),
+        },
+        state,
+        Checks::new(&a.common.checks_config()),
+    )
+    .await?;
+    tokio::signal::ctrl_c().await?;
+    running.abort();
+    Ok(())
+}

@@ -1,0 +1,141 @@
+//! `ic-agent run`: wires the check loop, the KV hub, the controller link and the HTTP endpoints.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+use tracing::{info, warn};
+
+use crate::checks::Checks;
+use crate::link::{self, LinkConfig};
+use crate::state::{now_unix_ms, AgentState, CheckPass};
+
+/// Settings of a running agent.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Controller link; `None` runs checks and endpoints only.
+    pub link: Option<LinkConfig>,
+    /// HTTP listen address for `/healthz`, `/readyz`, `/metrics`, `/v1/report`.
+    pub http_addr: SocketAddr,
+    /// Time between check passes.
+    pub check_interval: Duration,
+}
+
+/// Why the agent could not start.
+#[derive(Debug, Error)]
+pub enum RunError {
+    /// The HTTP listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// Runs one pass of every check on a blocking thread and stores it.
+pub async fn check_pass(state: &Arc<AgentState>, checks: &Arc<Checks>) -> CheckPass {
+    let plan = state.plan.read().clone();
+    let started = Instant::now();
+    let c = checks.clone();
+    let generation = plan.generation;
+    let results = match tokio::task::spawn_blocking(move || c.run_all(&plan)).await {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(error = %e, "check pass task failed");
+            Vec::new()
+        }
+    };
+    let pass = CheckPass {
+        observed_at_unix_ms: now_unix_ms(),
+        plan_generation: generation,
+        duration_seconds: started.elapsed().as_secs_f64(),
+        results,
+    };
+    state.metrics.record_pass(&pass);
+    *state.latest.write() = Some(pass.clone());
+    pass
+}
+
+/// A started agent: the bound HTTP address and the tasks.
+pub struct Running {
+    /// Bound HTTP address.
+    pub http_addr: SocketAddr,
+    /// Shared state (tests read it).
+    pub state: Arc<AgentState>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops every task (HTTP, checks, link, KV subscribers keep their own lifetimes in the hub).
+    pub fn abort(&self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.state.hub.apply_plan(&Default::default());
+    }
+}
+
+/// Starts the check loop, the link and the HTTP server.
+pub async fn start(
+    cfg: RunConfig,
+    state: Arc<AgentState>,
+    checks: Checks,
+) -> Result<Running, RunError> {
+    let listener = TcpListener::bind(cfg.http_addr)
+        .await
+        .map_err(|source| RunError::Bind {
+            addr: cfg.http_addr,
+            source,
+        })?;
+    let http_addr = listener.local_addr().map_err(|source| RunError::Bind {
+        addr: cfg.http_addr,
+        source,
+    })?;
+    let checks = Arc::new(checks);
+    let (pass_tx, pass_rx) = watch::channel(0u64);
+    let plan_applied = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+
+    // First pass before anything else, so the link's first report carries results.
+    check_pass(&state, &checks).await;
+    pass_tx.send_modify(|n| *n += 1);
+
+    {
+        let state = state.clone();
+        let plan_applied = plan_applied.clone();
+        let interval = cfg.check_interval;
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = plan_applied.notified() => {}
+                }
+                check_pass(&state, &checks).await;
+                pass_tx.send_modify(|n| *n += 1);
+            }
+        }));
+    }
+    if let Some(link_cfg) = cfg.link {
+        let state = state.clone();
+        tasks.push(tokio::spawn(link::run(link_cfg, state, pass_rx, plan_applied)));
+    }
+    {
+        let app = crate::http::router(state.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                warn!(error = %e, "HTTP server stopped");
+            }
+        }));
+    }
+    info!(http = %http_addr, node = %state.node, "agent running");
+    Ok(Running {
+        http_addr,
+        state,
+        tasks,
+    })
+}

@@ -1,0 +1,179 @@
+//! State shared by the agent's loops and endpoints: the plan, the latest check pass, the link.
+
+use std::sync::Arc;
+
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::NodePlan;
+use parking_lot::RwLock;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
+use serde::Serialize;
+
+use crate::kv::KvHub;
+
+/// One finished pass of every check.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckPass {
+    /// Unix ms when the pass finished.
+    pub observed_at_unix_ms: i64,
+    /// Plan generation the pass ran against.
+    pub plan_generation: u64,
+    /// Wall time of the pass in seconds.
+    pub duration_seconds: f64,
+    /// Every result.
+    pub results: Vec<CheckResult>,
+}
+
+/// The agent's view of its controller link.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkStatus {
+    /// Controller URL, empty when running without one.
+    pub controller: String,
+    /// True while the stream is open.
+    pub connected: bool,
+    /// Streams opened since start.
+    pub connects: u64,
+    /// Last connection error, if any.
+    pub last_error: Option<String>,
+}
+
+/// The agent's metrics (`inferencecache_agent_…`).
+#[derive(Clone)]
+pub struct AgentMetrics {
+    /// The registry `/metrics` serves (the KV hub registers into it too).
+    pub registry: Registry,
+    /// Results of the latest pass, by check and status.
+    pub check_results: IntGaugeVec,
+    /// Duration of a full check pass.
+    pub check_pass_duration_seconds: Histogram,
+    /// 1 while the controller stream is open.
+    pub link_connected: IntGauge,
+    /// Controller streams opened.
+    pub link_connects_total: IntCounter,
+    /// KV delta batches sent.
+    pub kv_batches_sent_total: IntCounter,
+}
+
+impl AgentMetrics {
+    /// Creates and registers the agent-level metrics.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let p = "inferencecache_agent_";
+        let check_results = IntGaugeVec::new(
+            Opts::new(
+                format!("{p}check_results"),
+                "Results of the latest check pass, by check and status.",
+            ),
+            &["check", "status"],
+        )?;
+        let check_pass_duration_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                format!("{p}check_pass_duration_seconds"),
+                "Wall time of one pass over every node check, in seconds.",
+            )
+            .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+        )?;
+        let link_connected = IntGauge::new(
+            format!("{p}link_connected"),
+            "1 while the AgentService stream to the controller is open.",
+        )?;
+        let link_connects_total = IntCounter::new(
+            format!("{p}link_connects_total"),
+            "AgentService streams opened to the controller.",
+        )?;
+        let kv_batches_sent_total = IntCounter::new(
+            format!("{p}kv_batches_sent_total"),
+            "KV delta batches sent to the controller.",
+        )?;
+        registry.register(Box::new(check_results.clone()))?;
+        registry.register(Box::new(check_pass_duration_seconds.clone()))?;
+        registry.register(Box::new(link_connected.clone()))?;
+        registry.register(Box::new(link_connects_total.clone()))?;
+        registry.register(Box::new(kv_batches_sent_total.clone()))?;
+        Ok(AgentMetrics {
+            registry,
+            check_results,
+            check_pass_duration_seconds,
+            link_connected,
+            link_connects_total,
+            kv_batches_sent_total,
+        })
+    }
+
+    /// Records a pass in the gauges.
+    pub fn record_pass(&self, pass: &CheckPass) {
+        self.check_results.reset();
+        for r in &pass.results {
+            self.check_results
+                .with_label_values(&[r.name.as_str(), r.status.as_label()])
+                .inc();
+        }
+        self.check_pass_duration_seconds
+            .observe(pass.duration_seconds);
+    }
+}
+
+/// Everything the loops and endpoints share.
+pub struct AgentState {
+    /// Node name reported in Hello and reports.
+    pub node: String,
+    /// Current plan (file plan, replaced by controller plans).
+    pub plan: RwLock<NodePlan>,
+    /// Latest finished check pass.
+    pub latest: RwLock<Option<CheckPass>>,
+    /// Controller link status.
+    pub link: RwLock<LinkStatus>,
+    /// KV-event subscribers.
+    pub hub: KvHub,
+    /// Metrics.
+    pub metrics: AgentMetrics,
+}
+
+impl AgentState {
+    /// Fresh state for `node` with an initial plan.
+    pub fn new(node: String, plan: NodePlan) -> Result<Arc<Self>, prometheus::Error> {
+        let metrics = AgentMetrics::new()?;
+        let hub = KvHub::new(&metrics.registry)?;
+        hub.apply_plan(&plan);
+        Ok(Arc::new(AgentState {
+            node,
+            plan: RwLock::new(plan),
+            latest: RwLock::new(None),
+            link: RwLock::new(LinkStatus::default()),
+            hub,
+            metrics,
+        }))
+    }
+
+    /// The `/v1/report` document: the `ic-agent check --json` shape plus the plan generation,
+    /// the KV streams and the link. `None` before the first pass.
+    pub fn report_json(&self) -> Option<serde_json::Value> {
+        let pass = self.latest.read().clone()?;
+        let mut doc = crate::checks::report_json(&self.node, &pass.results);
+        if let Some(obj) = doc.as_object_mut() {
+            obj.insert("observedAtUnixMs".into(), pass.observed_at_unix_ms.into());
+            obj.insert("planGeneration".into(), pass.plan_generation.into());
+            obj.insert(
+                "kvStreams".into(),
+                serde_json::to_value(self.hub.status()).unwrap_or_default(),
+            );
+            obj.insert(
+                "link".into(),
+                serde_json::to_value(self.link.read().clone()).unwrap_or_default(),
+            );
+        }
+        Some(doc)
+    }
+
+    /// Worst status of the latest pass (`Unknown` before the first).
+    pub fn worst(&self) -> CheckStatus {
+        self.latest
+            .read()
+            .as_ref()
+            .map(|p| CheckStatus::worst(p.results.iter().map(|r| r.status)))
+            .unwrap_or(CheckStatus::Unknown)
+    }
+}
+
+pub use ic_shared::now_unix_ms;

@@ -1,0 +1,76 @@
+//! The controller's HTTP endpoints: `/healthz`, `/readyz`, `/metrics`, `/snapshot`, `/v1/nodes`,
+//! `/v1/nodes/{node}`.
+//!
+//! - `/healthz`: 200 while the process serves HTTP.
+//! - `/readyz`: 200 once the gRPC listener is bound, else 503.
+//! - `/metrics`: Prometheus text format.
+//! - `/snapshot`: the index per replica ([`IndexSnapshot`](crate::index::IndexSnapshot)).
+//! - `/v1/nodes`: `{"nodes":[NodeRecord…]}` — each agent that connected, with its latest checks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::state::Shared;
+
+/// State behind the HTTP handlers.
+#[derive(Clone)]
+pub struct HttpState {
+    /// Shared controller state.
+    pub shared: Arc<Shared>,
+    /// Set once every listener is bound.
+    pub ready: Arc<AtomicBool>,
+}
+
+/// The HTTP router.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/snapshot", get(snapshot))
+        .route("/v1/nodes", get(nodes))
+        .route("/v1/nodes/{node}", get(node))
+        .with_state(state)
+}
+
+async fn readyz(State(s): State<HttpState>) -> Response {
+    if s.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response()
+    }
+}
+
+async fn metrics(State(s): State<HttpState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.shared.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn snapshot(State(s): State<HttpState>) -> Response {
+    Json(s.shared.index.read().snapshot()).into_response()
+}
+
+async fn nodes(State(s): State<HttpState>) -> Response {
+    Json(json!({ "nodes": s.shared.nodes.lock().list() })).into_response()
+}
+
+async fn node(State(s): State<HttpState>, Path(name): Path<String>) -> Response {
+    match s.shared.nodes.lock().get(&name) {
+        Some(n) => Json(n).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no agent for node {name:?} has connected") })),
+        )
+            .into_response(),
+    }
+}

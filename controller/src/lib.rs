@@ -1,0 +1,17 @@
+//! `ic-controller` library: everything the binary wires together (DESIGN.md "Layout").
+//!
+//! - [`crdgen`]: CRD manifests for `chart/crds`.
+//! - [`index`]: the KV-prefix index and lookups.
+//! - [`ingest`]: the agents' gRPC stream.
+//! - [`router`]: `RouterService.LookupRoute`.
+//! - [`http`]: health, metrics, snapshot and node endpoints.
+//! - [`standalone`]: the one-machine stack.
+
+pub mod crdgen;
+pub mod http;
+pub mod index;
+pub mod ingest;
+pub mod metrics;
+pub mod router;
+pub mod standalone;
+pub mod state;

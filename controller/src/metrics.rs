@@ -1,0 +1,140 @@
+//! The controller's Prometheus registry (`inferencecache_controller_…`, base units, bounded labels).
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+/// Every controller metric, registered in [`ControllerMetrics::registry`].
+#[derive(Clone)]
+pub struct ControllerMetrics {
+    /// The registry `/metrics` serves.
+    pub registry: Registry,
+    /// Agents with an open stream.
+    pub agents_connected: IntGauge,
+    /// Agent streams opened, by outcome (`accepted`, `rejected`).
+    pub agent_streams_total: IntCounterVec,
+    /// KV delta batches received.
+    pub kv_batches_total: IntCounter,
+    /// Stream deltas applied to the index.
+    pub kv_deltas_applied_total: IntCounter,
+    /// Stream deltas refused, by reason (`sequence_gap`, `unknown_stream`, `missing_stream`, `awaiting_resync`).
+    pub kv_deltas_refused_total: IntCounterVec,
+    /// Full resyncs applied, by trigger (`connect`, `requested`).
+    pub kv_resyncs_total: IntCounterVec,
+    /// Check reports received.
+    pub check_reports_total: IntCounter,
+    /// (block, replica) entries in the index.
+    pub index_entries: IntGauge,
+    /// Distinct blocks in the index.
+    pub index_blocks: IntGauge,
+    /// Engine streams known to the index.
+    pub index_replicas: IntGauge,
+    /// LookupRoute answers by decision (`prefix_match`, `no_hint`).
+    pub lookups_total: IntCounterVec,
+    /// LookupRoute server-side latency.
+    pub lookup_duration_seconds: Histogram,
+}
+
+impl ControllerMetrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let p = "inferencecache_controller_";
+        let agents_connected = IntGauge::new(
+            format!("{p}agents_connected"),
+            "Node agents with an open AgentService.Connect stream.",
+        )?;
+        let agent_streams_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}agent_streams_total"),
+                "Agent streams opened, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        let kv_batches_total = IntCounter::new(
+            format!("{p}kv_batches_total"),
+            "KV delta batches received from agents.",
+        )?;
+        let kv_deltas_applied_total = IntCounter::new(
+            format!("{p}kv_deltas_applied_total"),
+            "Per-stream KV deltas applied to the prefix index.",
+        )?;
+        let kv_deltas_refused_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}kv_deltas_refused_total"),
+                "Per-stream KV deltas refused (a resync is requested), by reason.",
+            ),
+            &["reason"],
+        )?;
+        let kv_resyncs_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}kv_resyncs_total"),
+                "Full node resyncs applied to the index, by trigger.",
+            ),
+            &["trigger"],
+        )?;
+        let check_reports_total = IntCounter::new(
+            format!("{p}check_reports_total"),
+            "Node check reports received from agents.",
+        )?;
+        let index_entries = IntGauge::new(
+            format!("{p}index_entries"),
+            "(block, replica) entries in the KV-prefix index.",
+        )?;
+        let index_blocks = IntGauge::new(
+            format!("{p}index_blocks"),
+            "Distinct cached blocks in the KV-prefix index.",
+        )?;
+        let index_replicas = IntGauge::new(
+            format!("{p}index_replicas"),
+            "Engine streams (replicas) known to the KV-prefix index.",
+        )?;
+        let lookups_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}lookups_total"),
+                "LookupRoute answers, by decision.",
+            ),
+            &["decision"],
+        )?;
+        let lookup_duration_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                format!("{p}lookup_duration_seconds"),
+                "LookupRoute server-side latency in seconds.",
+            )
+            .buckets(vec![
+                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+                0.01, 0.025, 0.05, 0.1,
+            ]),
+        )?;
+        registry.register(Box::new(agents_connected.clone()))?;
+        registry.register(Box::new(agent_streams_total.clone()))?;
+        registry.register(Box::new(kv_batches_total.clone()))?;
+        registry.register(Box::new(kv_deltas_applied_total.clone()))?;
+        registry.register(Box::new(kv_deltas_refused_total.clone()))?;
+        registry.register(Box::new(kv_resyncs_total.clone()))?;
+        registry.register(Box::new(check_reports_total.clone()))?;
+        registry.register(Box::new(index_entries.clone()))?;
+        registry.register(Box::new(index_blocks.clone()))?;
+        registry.register(Box::new(index_replicas.clone()))?;
+        registry.register(Box::new(lookups_total.clone()))?;
+        registry.register(Box::new(lookup_duration_seconds.clone()))?;
+        Ok(ControllerMetrics {
+            registry,
+            agents_connected,
+            agent_streams_total,
+            kv_batches_total,
+            kv_deltas_applied_total,
+            kv_deltas_refused_total,
+            kv_resyncs_total,
+            check_reports_total,
+            index_entries,
+            index_blocks,
+            index_replicas,
+            lookups_total,
+            lookup_duration_seconds,
+        })
+    }
+
+    /// Prometheus text exposition of the registry.
+    pub fn render(&self) -> String {
+        ic_shared::telemetry::encode_metrics(&self.registry)
+    }
+}

@@ -1,0 +1,166 @@
+//! `ic-controller standalone`: the index, agent ingest, router and HTTP endpoints on one machine,
+//! without a cluster (DESIGN.md "Modes").
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::proto::agent_service_server::AgentServiceServer;
+use ic_shared::proto::router_service_server::RouterServiceServer;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use crate::http::{self, HttpState};
+use crate::ingest::{self, AgentIngest};
+use crate::router::Router;
+use crate::state::{LookupPolicy, Shared};
+
+/// Settings of the standalone stack.
+#[derive(Debug, Clone)]
+pub struct StandaloneConfig {
+    /// gRPC listen address (AgentService, RouterService, grpc.health.v1).
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address (`/healthz`, `/readyz`, `/metrics`, `/snapshot`, `/v1/nodes`).
+    pub http_addr: SocketAddr,
+    /// How long a disconnected agent's index entries are kept.
+    pub agent_expiry: Duration,
+    /// Lookup defaults.
+    pub policy: LookupPolicy,
+}
+
+/// Why the stack could not start or stopped with an error.
+#[derive(Debug, Error)]
+pub enum ServeError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Metrics registration failed.
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(std::io::Error),
+    /// A server task panicked or was cancelled.
+    #[error("server task: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// A started stack.
+pub struct Running {
+    /// Bound gRPC address.
+    pub grpc_addr: SocketAddr,
+    /// Bound HTTP address.
+    pub http_addr: SocketAddr,
+    /// Shared state (tests read the index directly).
+    pub shared: Arc<Shared>,
+    grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    http: JoinHandle<Result<(), std::io::Error>>,
+    expiry: JoinHandle<()>,
+}
+
+impl Running {
+    /// Waits until both servers stop (after the shutdown future resolves).
+    pub async fn wait(self) -> Result<(), ServeError> {
+        let grpc = self.grpc.await;
+        let http = self.http.await;
+        self.expiry.abort();
+        grpc??;
+        http?.map_err(ServeError::Http)?;
+        Ok(())
+    }
+}
+
+/// Binds both listeners and starts serving until `shutdown` resolves.
+pub async fn start<F>(cfg: StandaloneConfig, shutdown: F) -> Result<Running, ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let shared = Arc::new(Shared::new(cfg.policy)?);
+    let grpc_listener = TcpListener::bind(cfg.grpc_addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: cfg.grpc_addr,
+            source,
+        })?;
+    let http_listener = TcpListener::bind(cfg.http_addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: cfg.http_addr,
+            source,
+        })?;
+    let grpc_addr = grpc_listener.local_addr().map_err(|source| ServeError::Bind {
+        addr: cfg.grpc_addr,
+        source,
+    })?;
+    let http_addr = http_listener.local_addr().map_err(|source| ServeError::Bind {
+        addr: cfg.http_addr,
+        source,
+    })?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<AgentServiceServer<AgentIngest>>()
+        .await;
+    health.set_serving::<RouterServiceServer<Router>>().await;
+
+    // One shutdown signal fans out to both servers.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let mut grpc_stop = stop_rx.clone();
+    let mut http_stop = stop_rx;
+
+    if !cfg.grpc_addr.ip().is_loopback() {
+        warn!(addr = %grpc_addr, "standalone mode accepts agent streams WITHOUT authentication on a non-loopback address");
+    } else {
+        info!("standalone mode: agent streams are not authenticated (loopback only)");
+    }
+
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(AgentServiceServer::new(AgentIngest::new(shared.clone())))
+            .add_service(RouterServiceServer::new(Router::new(shared.clone())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
+                let _ = grpc_stop.wait_for(|s| *s).await;
+            }),
+    );
+    let ready = Arc::new(AtomicBool::new(false));
+    let app = http::router(HttpState {
+        shared: shared.clone(),
+        ready: ready.clone(),
+    });
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
+    ready.store(true, Ordering::Release);
+    info!(grpc = %grpc_addr, http = %http_addr, "standalone controller serving");
+    Ok(Running {
+        grpc_addr,
+        http_addr,
+        shared,
+        grpc,
+        http,
+        expiry,
+    })
+}

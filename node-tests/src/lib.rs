@@ -1,0 +1,1 @@
+//! Privileged integration tests live in `tests/` (run as root; see README).

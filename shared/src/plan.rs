@@ -1,0 +1,288 @@
+//! The node plan: what an agent must watch on its node (DESIGN.md "Node plans").
+//!
+//! In cluster the controller derives one plan per node from the engine pods scheduled there and
+//! pushes it down the agent's stream ([`crate::proto::NodePlanUpdate`] carries it as JSON). In
+//! standalone mode `ic-agent --plan FILE` reads the same document as YAML or JSON.
+//!
+//! ```yaml
+//! gpuNode: false
+//! shm: { requiredBytes: 1073741824 }
+//! ports:
+//!   - { port: 5557, expect: held, owner: { exe: /usr/bin/python3.11 } }
+//!   - { port: 8080, expect: free }
+//! engines:
+//!   - namespace: default
+//!     pod: vllm-0
+//!     model: meta-llama/Llama-3.1-8B
+//!     hashScheme: vllm
+//!     blockSize: 16
+//!     keepsL2: true
+//!     kvEvents:
+//!       - { endpoint: "tcp://127.0.0.1:5557", replayEndpoint: "tcp://127.0.0.1:5558", dpRank: 0 }
+//! ```
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Everything an agent checks and subscribes to on its node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodePlan {
+    /// Monotonic plan generation (controller-assigned; 0 for a file plan).
+    #[serde(default)]
+    pub generation: u64,
+    /// True when the node is expected to have GPUs: missing NVML then reads Warning, not Unknown.
+    #[serde(default)]
+    pub gpu_node: bool,
+    /// Requirement on the host's `/dev/shm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<ShmRequirement>,
+    /// Host TCP ports that must be free or held by an expected owner.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PortExpectation>,
+    /// Engine pods on this node and their KV-event publishers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engines: Vec<EnginePlan>,
+}
+
+/// Required `/dev/shm` capacity.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ShmRequirement {
+    /// Minimum size of the tmpfs in bytes.
+    pub required_bytes: u64,
+}
+
+/// What a host port must look like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum PortExpect {
+    /// Nothing may listen on it (a hostNetwork engine or Mooncake master needs it).
+    #[default]
+    Free,
+    /// Something must listen on it, and if `owner` is given it must be that owner.
+    Held,
+}
+
+/// A host port expectation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PortExpectation {
+    /// TCP port, 1–65535.
+    pub port: u16,
+    /// Free or held.
+    #[serde(default)]
+    pub expect: PortExpect,
+    /// Expected owner when held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<PortOwner>,
+    /// Why the plan cares (shown in messages), e.g. "mooncake master rpc".
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub purpose: String,
+}
+
+/// Identity of an expected listener. Every given field must match.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PortOwner {
+    /// Absolute path of the owner's executable (`/proc/<pid>/exe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exe: Option<String>,
+    /// Kubernetes pod UID the owner runs in (from its cgroup).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+}
+
+/// Engine hash scheme: which engine family's events a stream carries (spec "kvevent-subscriber"
+/// `--hash-scheme`). Lookups chunk raw tokens at the block size registered per scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum HashScheme {
+    /// vLLM (any release 0.9–0.33).
+    #[default]
+    Vllm,
+    /// SGLang (0.4.9–0.5.23).
+    Sglang,
+}
+
+impl HashScheme {
+    /// Lower-case wire name (`vllm`, `sglang`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashScheme::Vllm => "vllm",
+            HashScheme::Sglang => "sglang",
+        }
+    }
+
+    /// Parses the wire name; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "vllm" => Some(HashScheme::Vllm),
+            "sglang" => Some(HashScheme::Sglang),
+            _ => None,
+        }
+    }
+}
+
+/// One engine pod on the node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EnginePlan {
+    /// Pod namespace; also the tenant in the index.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Pod name; the replica id in routing answers.
+    pub pod: String,
+    /// Pod UID (finds its processes through their cgroups); optional in standalone mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// Model id (the CacheBackend's `observation.modelID`).
+    #[serde(default)]
+    pub model: String,
+    /// Engine family.
+    #[serde(default)]
+    pub hash_scheme: HashScheme,
+    /// Engine block size in tokens (used when an event carries none, and registered for lookups).
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// True when the pod's CacheBackend keeps an L2 (integration.mode Offload): BlockRemoved then
+    /// demotes a block to T2 instead of evicting it.
+    #[serde(default)]
+    pub keeps_l2: bool,
+    /// CacheBackend `namespace/name` that wired the pod, if any.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub backend: String,
+    /// Required `/dev/shm` inside the pod, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_required_bytes: Option<u64>,
+    /// LMCache MP-worker port inside the pod's network namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mp_worker_port: Option<u16>,
+    /// KV-event publishers, one per data-parallel rank.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_events: Vec<KvEventSource>,
+}
+
+/// One engine publisher (one data-parallel rank).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvEventSource {
+    /// ZMQ PUB endpoint to connect a SUB to, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// ZMQ ROUTER replay endpoint, if the engine has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_endpoint: Option<String>,
+    /// Topic filter (prefix); empty = everything.
+    #[serde(default)]
+    pub topic: String,
+    /// Global data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+fn default_namespace() -> String {
+    "default".to_string()
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+
+impl EnginePlan {
+    /// Stream id of one of this pod's publishers: `"<namespace>/<pod>#<dp_rank>"`.
+    pub fn stream_id(&self, dp_rank: u32) -> String {
+        format!("{}/{}#{}", self.namespace, self.pod, dp_rank)
+    }
+
+    /// Replica id used in routing answers: the pod name, plus `#rank` for ranks above 0.
+    pub fn replica_id(&self, dp_rank: u32) -> String {
+        if dp_rank == 0 {
+            self.pod.clone()
+        } else {
+            format!("{}#{}", self.pod, dp_rank)
+        }
+    }
+}
+
+/// Errors reading a plan document.
+#[derive(Debug, Error)]
+pub enum PlanError {
+    /// The file could not be read.
+    #[error("cannot read plan file {path}: {source}")]
+    Read {
+        /// File path.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// The document is not a valid plan.
+    #[error("invalid plan {origin}: {message}")]
+    Parse {
+        /// File path or "stream".
+        origin: String,
+        /// Parser message with location.
+        message: String,
+    },
+}
+
+impl NodePlan {
+    /// Parses a plan from YAML or JSON text (JSON is YAML).
+    pub fn parse(text: &str, origin: &str) -> Result<Self, PlanError> {
+        serde_yaml::from_str(text).map_err(|e| PlanError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads and parses a plan file.
+    pub fn load(path: &std::path::Path) -> Result<Self, PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_example() {
+        let text = r#"
+gpuNode: false
+shm: { requiredBytes: 1073741824 }
+ports:
+  - { port: 5557, expect: held, owner: { exe: /usr/bin/python3.11 } }
+  - { port: 8080, expect: free }
+engines:
+  - namespace: default
+    pod: vllm-0
+    model: m
+    hashScheme: sglang
+    blockSize: 32
+    keepsL2: true
+    kvEvents:
+      - { endpoint: "tcp://127.0.0.1:5557", replayEndpoint: "tcp://127.0.0.1:5558", dpRank: 1 }
+"#;
+        let p = NodePlan::parse(text, "test").unwrap();
+        assert_eq!(p.shm.as_ref().unwrap().required_bytes, 1 << 30);
+        assert_eq!(p.ports[0].expect, PortExpect::Held);
+        assert_eq!(p.ports[1].expect, PortExpect::Free);
+        let e = &p.engines[0];
+        assert_eq!(e.hash_scheme, HashScheme::Sglang);
+        assert_eq!(e.block_size, 32);
+        assert_eq!(e.stream_id(1), "default/vllm-0#1");
+        assert_eq!(e.replica_id(1), "vllm-0#1");
+        assert_eq!(e.replica_id(0), "vllm-0");
+        let back: NodePlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected_with_their_name() {
+        let err = NodePlan::parse("gpuNodes: true", "f.yaml").unwrap_err();
+        assert!(err.to_string().contains("gpuNodes"), "{err}");
+    }
+}

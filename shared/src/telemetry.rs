@@ -1,0 +1,37 @@
+//! Logging set-up shared by both binaries: `--log-format plain|json`, level from `RUST_LOG`
+//! (default `info`).
+
+use clap::ValueEnum;
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Plain,
+    /// One JSON object per line (for log shippers).
+    Json,
+}
+
+/// Installs the global tracing subscriber. Calling it twice is harmless (the second is ignored).
+pub fn init(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Plain => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+/// Prometheus text exposition (format 0.0.4) of a registry, for a `/metrics` handler.
+pub fn encode_metrics(registry: &prometheus::Registry) -> String {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    if let Err(e) = prometheus::TextEncoder::new().encode(&registry.gather(), &mut buf) {
+        return format!("# encoding failed: {e}\n");
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
