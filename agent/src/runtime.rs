@@ -122,7 +122,12 @@ pub async fn start(
     }
     if let Some(link_cfg) = cfg.link {
         let state = state.clone();
-        tasks.push(tokio::spawn(link::run(link_cfg, state, pass_rx, plan_applied)));
+        tasks.push(tokio::spawn(link::run(
+            link_cfg,
+            state,
+            pass_rx,
+            plan_applied,
+        )));
     }
     {
         let app = crate::http::router(state.clone());

@@ -72,7 +72,9 @@ impl AgentMetrics {
                 format!("{p}check_pass_duration_seconds"),
                 "Wall time of one pass over every node check, in seconds.",
             )
-            .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
         )?;
         let link_connected = IntGauge::new(
             format!("{p}link_connected"),

@@ -43,7 +43,12 @@ pub fn file_name(crd: &CustomResourceDefinition) -> String {
 pub fn render() -> Result<Vec<(String, String)>, serde_yaml::Error> {
     all_crds()
         .iter()
-        .map(|crd| Ok((file_name(crd), format!("{HEADER}{}", serde_yaml::to_string(crd)?))))
+        .map(|crd| {
+            Ok((
+                file_name(crd),
+                format!("{HEADER}{}", serde_yaml::to_string(crd)?),
+            ))
+        })
         .collect()
 }
 
@@ -59,13 +64,4 @@ pub fn write(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
         written.push(path);
     }
     Ok(written)
-}
-
-#[cfg(test)]
-mod zz_tmp {
-    #[test]
-    #[allow(clippy::unwrap_used)]
-    fn dump() {
-        super::write(std::path::Path::new("/tmp/crdout")).unwrap();
-    }
 }

@@ -81,11 +81,20 @@ fn parse_tokens(spec: &str) -> anyhow::Result<Vec<u32>> {
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         if let Some((a, b)) = part.split_once("..") {
-            let a: u32 = a.trim().parse().with_context(|| format!("bad range start in {part:?}"))?;
-            let b: u32 = b.trim().parse().with_context(|| format!("bad range end in {part:?}"))?;
+            let a: u32 = a
+                .trim()
+                .parse()
+                .with_context(|| format!("bad range start in {part:?}"))?;
+            let b: u32 = b
+                .trim()
+                .parse()
+                .with_context(|| format!("bad range end in {part:?}"))?;
             out.extend(a..b);
         } else {
-            out.push(part.parse().with_context(|| format!("bad token id {part:?}"))?);
+            out.push(
+                part.parse()
+                    .with_context(|| format!("bad token id {part:?}"))?,
+            );
         }
     }
     if out.is_empty() {
@@ -122,9 +131,12 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::Lookup(a) => {
-            let mut client = RouterServiceClient::connect(a.controller.clone())
+            let channel = tonic::transport::Endpoint::from_shared(a.controller.clone())
+                .with_context(|| format!("invalid controller URL {:?}", a.controller))?
+                .connect()
                 .await
                 .with_context(|| format!("connecting to {}", a.controller))?;
+            let mut client = RouterServiceClient::new(channel);
             let resp = client
                 .lookup_route(LookupRouteRequest {
                     tenant: a.tenant,

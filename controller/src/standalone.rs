@@ -89,26 +89,32 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let shared = Arc::new(Shared::new(cfg.policy)?);
-    let grpc_listener = TcpListener::bind(cfg.grpc_addr)
-        .await
+    let grpc_listener =
+        TcpListener::bind(cfg.grpc_addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: cfg.grpc_addr,
+                source,
+            })?;
+    let http_listener =
+        TcpListener::bind(cfg.http_addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: cfg.http_addr,
+                source,
+            })?;
+    let grpc_addr = grpc_listener
+        .local_addr()
         .map_err(|source| ServeError::Bind {
             addr: cfg.grpc_addr,
             source,
         })?;
-    let http_listener = TcpListener::bind(cfg.http_addr)
-        .await
+    let http_addr = http_listener
+        .local_addr()
         .map_err(|source| ServeError::Bind {
             addr: cfg.http_addr,
             source,
         })?;
-    let grpc_addr = grpc_listener.local_addr().map_err(|source| ServeError::Bind {
-        addr: cfg.grpc_addr,
-        source,
-    })?;
-    let http_addr = http_listener.local_addr().map_err(|source| ServeError::Bind {
-        addr: cfg.http_addr,
-        source,
-    })?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -118,8 +124,11 @@ where
 
     // One shutdown signal fans out to both servers.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopping = shared.stopping.clone();
     tokio::spawn(async move {
         shutdown.await;
+        // End agent streams first, so both servers can drain.
+        stopping.send_replace(true);
         let _ = stop_tx.send(true);
     });
     let mut grpc_stop = stop_rx.clone();

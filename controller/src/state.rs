@@ -23,6 +23,9 @@ pub struct Shared {
     pub metrics: ControllerMetrics,
     /// Lookup defaults.
     pub policy: LookupPolicy,
+    /// Set to true when the controller shuts down: open agent streams end with `Unavailable`
+    /// so servers can drain.
+    pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shared {
@@ -33,6 +36,7 @@ impl Shared {
             nodes: Mutex::new(NodeRegistry::default()),
             metrics: ControllerMetrics::new()?,
             policy,
+            stopping: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -40,7 +44,9 @@ impl Shared {
     pub fn update_index_gauges(&self, index: &PrefixIndex) {
         self.metrics.index_entries.set(index.entry_count() as i64);
         self.metrics.index_blocks.set(index.block_count() as i64);
-        self.metrics.index_replicas.set(index.replica_count() as i64);
+        self.metrics
+            .index_replicas
+            .set(index.replica_count() as i64);
     }
 }
 

@@ -4,6 +4,8 @@
 //! (PyPI `xxhash` 4.1.0: `xxh3_64_intdigest(struct.pack('<16I', *block), seed=parent)`). Any change
 //! to the definition fails here; such a change is a wire-format change for the index.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use ic_shared::kv::content_key::{block_key, chain, chain_from, ROOT};
 
 /// Content keys of tokens 0..63 at block size 16 (blocks 0..15, 16..31, 32..47, 48..63).

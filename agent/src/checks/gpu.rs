@@ -315,8 +315,16 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
     r = opt(r, "uuid", s.uuid.clone());
     r = opt(r, "driverVersion", s.driver_version.clone());
     r = opt(r, "cudaDriverVersion", s.cuda_driver_version.clone());
-    r = opt(r, "memoryTotalBytes", s.memory_total_bytes.map(|v| v.to_string()));
-    r = opt(r, "memoryUsedBytes", s.memory_used_bytes.map(|v| v.to_string()));
+    r = opt(
+        r,
+        "memoryTotalBytes",
+        s.memory_total_bytes.map(|v| v.to_string()),
+    );
+    r = opt(
+        r,
+        "memoryUsedBytes",
+        s.memory_used_bytes.map(|v| v.to_string()),
+    );
     r = opt(
         r,
         "temperatureCelsius",
@@ -397,7 +405,9 @@ fn snapshot(
     let mut pending = None;
     keep(
         "retiredPages",
-        device.are_pages_pending_retired().map(|v| pending = Some(v)),
+        device
+            .are_pages_pending_retired()
+            .map(|v| pending = Some(v)),
     );
     let mut rows = None;
     keep(
@@ -461,10 +471,7 @@ impl Check for GpuCheck {
             Err(e) => return vec![nvml_unavailable(plan.gpu_node, &library, &e)],
         };
         let driver = nvml.sys_driver_version().ok();
-        let cuda = nvml
-            .sys_cuda_driver_version()
-            .ok()
-            .map(format_cuda_version);
+        let cuda = nvml.sys_cuda_driver_version().ok().map(format_cuda_version);
         let count = match nvml.device_count() {
             Ok(c) => c,
             Err(e) => {
@@ -532,6 +539,7 @@ impl Check for GpuCheck {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -557,9 +565,14 @@ mod tests {
     #[test]
     fn device_policy_table() {
         use CheckStatus::*;
-        let cases: Vec<(Box<dyn Fn(&mut GpuSnapshot)>, CheckStatus, &str)> = vec![
+        type Case = (Box<dyn Fn(&mut GpuSnapshot)>, CheckStatus, &'static str);
+        let cases: Vec<Case> = vec![
             (Box::new(|_| {}), Ok, "GpuOk"),
-            (Box::new(|s| s.ecc_dbe_volatile = Some(2)), Critical, "GpuEccErrors"),
+            (
+                Box::new(|s| s.ecc_dbe_volatile = Some(2)),
+                Critical,
+                "GpuEccErrors",
+            ),
             (Box::new(|s| s.ecc_dbe_volatile = None), Ok, "GpuOk"),
             (
                 Box::new(|s| s.retired_pages_pending = Some(true)),
@@ -621,7 +634,11 @@ mod tests {
             let mut s = healthy();
             mutate(&mut s);
             let r = evaluate_device(&s);
-            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(
+                (r.status, r.reason.as_str()),
+                (status, reason),
+                "case {i}: {r:?}"
+            );
             assert_eq!(r.subject, "gpu0");
         }
     }

@@ -163,8 +163,7 @@ pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
 pub fn normalise_pod_uid(uid: &str) -> Option<String> {
     let uid = uid.trim().replace('_', "-").to_ascii_lowercase();
     let hexdigits = uid.chars().filter(|c| c.is_ascii_hexdigit()).count();
-    if uid.len() >= 8 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') && hexdigits >= 8
-    {
+    if uid.len() >= 8 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') && hexdigits >= 8 {
         Some(uid)
     } else {
         None
@@ -218,7 +217,11 @@ pub fn socket_pids(proc_root: &Path, wanted: &HashSet<u64>) -> HashMap<u64, Vec<
         return out;
     };
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
@@ -255,7 +258,9 @@ pub fn read_owner(proc_root: &Path, pid: u32) -> SocketOwner {
     let dir = proc_root.join(pid.to_string());
     let exe = std::fs::read_link(dir.join("exe")).ok().map(|p| {
         let s = p.to_string_lossy().into_owned();
-        s.strip_suffix(" (deleted)").map(str::to_string).unwrap_or(s)
+        s.strip_suffix(" (deleted)")
+            .map(str::to_string)
+            .unwrap_or(s)
     });
     let pod_uid = std::fs::read_to_string(dir.join("cgroup"))
         .ok()
@@ -494,9 +499,14 @@ pub fn summarize(ports: &BTreeMap<u16, PortState>, sockets: usize) -> CheckResul
         CheckStatus::Ok,
         "ListeningPorts",
         format!(
-            "{} TCP ports listen on this node: {} on all addresses, {} on specific addresses, \
-             {} on loopback only.",
+            "{} TCP {} on this node: {} on all addresses, {} on specific addresses, {} on \
+             loopback only.",
             ports.len(),
+            if ports.len() == 1 {
+                "port listens"
+            } else {
+                "ports listen"
+            },
             all.len(),
             specific.len(),
             loopback.len()
@@ -596,6 +606,7 @@ impl Check for PortsCheck {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -637,7 +648,8 @@ mod tests {
 
     #[test]
     fn pod_uid_from_both_cgroup_drivers() {
-        let cgroupfs = "12:pids:/kubepods/burstable/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/9a8b7c\n0::/\n";
+        let cgroupfs =
+            "12:pids:/kubepods/burstable/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/9a8b7c\n0::/\n";
         assert_eq!(
             pod_uid_from_cgroup(cgroupfs).as_deref(),
             Some("3f1c2a9e-1b2c-4d5e-8f90-0123456789ab")
@@ -763,10 +775,7 @@ mod tests {
             ),
             (
                 exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
-                Some(held(
-                    "::",
-                    vec![py.clone(), owner(99, "/usr/bin/nc", None)],
-                )),
+                Some(held("::", vec![py.clone(), owner(99, "/usr/bin/nc", None)])),
                 Critical,
                 "PortOwnerMismatch",
             ),
@@ -779,7 +788,11 @@ mod tests {
         ];
         for (i, (e, st, status, reason)) in cases.into_iter().enumerate() {
             let r = evaluate_expectation(&e, st.as_ref());
-            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(
+                (r.status, r.reason.as_str()),
+                (status, reason),
+                "case {i}: {r:?}"
+            );
             assert_eq!(r.subject, "tcp/50051");
             assert_eq!(r.name, "ports");
         }

@@ -88,6 +88,8 @@ pub struct FsUsage {
 
 /// `statvfs(2)` on `path`, converted to bytes. Errors are the raw OS error (`ENOENT` when the
 /// path does not exist).
+// The statvfs field types are u64 on 64-bit Linux but narrower on some 32-bit targets.
+#[allow(clippy::useless_conversion)]
 pub fn statvfs_usage(path: &Path) -> io::Result<FsUsage> {
     let st = nix::sys::statvfs::statvfs(path).map_err(io::Error::from)?;
     let frsize = u64::from(st.fragment_size());
@@ -360,6 +362,7 @@ pub fn evaluate(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -385,7 +388,10 @@ mod tests {
         let m = find_mount(&mounts, Path::new("/dev/pts")).unwrap();
         assert_eq!(m.fs_type, "devtmpfs");
         let m = find_mount(&mounts, Path::new("/dev/shmx")).unwrap();
-        assert_eq!(m.fs_type, "devtmpfs", "component-wise prefix, not string prefix");
+        assert_eq!(
+            m.fs_type, "devtmpfs",
+            "component-wise prefix, not string prefix"
+        );
         let m = find_mount(&mounts, Path::new("/mnt/with space/x")).unwrap();
         assert_eq!(m.configured_size_bytes(), Some(1 << 30));
         assert_eq!(

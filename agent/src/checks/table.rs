@@ -92,14 +92,27 @@ pub fn report_json(node: &str, results: &[CheckResult]) -> Value {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
     fn sample() -> Vec<CheckResult> {
         vec![
-            CheckResult::new("shm", "host", CheckStatus::Critical, "ShmUndersized", "too\nsmall")
-                .with("sizeBytes", 64u64),
-            CheckResult::new("gpu", "host", CheckStatus::Unknown, "NvmlUnavailable", "no lib"),
+            CheckResult::new(
+                "shm",
+                "host",
+                CheckStatus::Critical,
+                "ShmUndersized",
+                "too\nsmall",
+            )
+            .with("sizeBytes", 64u64),
+            CheckResult::new(
+                "gpu",
+                "host",
+                CheckStatus::Unknown,
+                "NvmlUnavailable",
+                "no lib",
+            ),
             CheckResult::new("ports", "tcp/8080", CheckStatus::Ok, "PortOk", "free"),
         ]
     }
@@ -117,10 +130,7 @@ mod tests {
             lines[1],
             "shm    host      Critical  ShmUndersized    too small"
         );
-        assert_eq!(
-            lines[3],
-            "ports  tcp/8080  Ok        PortOk           free"
-        );
+        assert_eq!(lines[3], "ports  tcp/8080  Ok        PortOk           free");
         assert_eq!(
             lines[4],
             "node node-a: Critical (3 results: 1 ok, 0 warning, 1 critical, 1 unknown)"

@@ -30,7 +30,11 @@ async fn readyz(State(s): State<Arc<AgentState>>) -> Response {
     if s.latest.read().is_some() {
         (StatusCode::OK, "ready\n").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "first check pass not finished\n").into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "first check pass not finished\n",
+        )
+            .into_response()
     }
 }
 

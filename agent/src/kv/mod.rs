@@ -1,1 +1,20 @@
-//! KV-event subscribers (placeholder).
+//! Engine KV-event subscribers: ZMQ SUB per engine publisher (pod × data-parallel rank), gap
+//! detection and replay, and aggregation of engine events into index deltas keyed by our content
+//! keys (`docs/kv-events.md`).
+//!
+//! - [`hub`]: [`KvHub`], what the link and the HTTP endpoints use.
+//! - [`stream`]: the pure per-stream state machine (events → ops).
+//! - [`subscriber`]: the socket tasks (SUB reader, processor, replay client).
+//! - [`publish`]: a stand-in publisher replaying golden fixture frames (`ic-agent kv publish`).
+//! - [`metrics`]: the `inferencecache_agent_kv_*` metric families.
+
+pub mod hub;
+pub mod metrics;
+pub mod publish;
+pub mod stream;
+pub mod subscriber;
+
+pub use hub::{KvHub, StreamStatus};
+pub use publish::{publish_fixture, Fixture, PublishError, PublishOptions, PublishReport};
+pub use stream::{StreamConfig, StreamState};
+pub use subscriber::SubscriberOptions;

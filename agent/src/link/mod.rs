@@ -102,7 +102,9 @@ pub async fn run(
         state.metrics.link_connected.set(0);
         match result {
             Ok(()) => info!("controller closed the stream; reconnecting"),
-            Err(e) => warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "controller link down"),
+            Err(e) => {
+                warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "controller link down")
+            }
         }
         if was_up {
             delay = cfg.backoff_initial;
@@ -178,10 +180,7 @@ async fn session(
     if let Some(m) = checks(state) {
         send(m).await?;
     }
-    let mut inbound = client
-        .connect(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+    let mut inbound = client.connect(ReceiverStream::new(rx)).await?.into_inner();
     {
         let mut l = state.link.write();
         l.connected = true;
@@ -237,7 +236,10 @@ fn apply_controller_plan(state: &AgentState, update: &proto::NodePlanUpdate) {
             plan.generation = update.generation;
             state.hub.apply_plan(&plan);
             *state.plan.write() = plan;
-            info!(generation = update.generation, "applied node plan from controller");
+            info!(
+                generation = update.generation,
+                "applied node plan from controller"
+            );
         }
         Err(e) => warn!(error = %e, generation = update.generation, "ignoring malformed node plan"),
     }

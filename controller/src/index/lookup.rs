@@ -146,23 +146,29 @@ impl PrefixIndex {
         let mut alive: HashMap<ReplicaSlot, (u32, bool)> = HashMap::new();
         let mut done: Vec<(ReplicaSlot, u32, bool)> = Vec::new();
         for (depth, key) in keys.iter().enumerate() {
-            let holders = self.entries.get(&(pid, *key)).map(Vec::as_slice).unwrap_or(&[]);
+            let holders = self
+                .entries
+                .get(&(pid, *key))
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
             if depth == 0 {
                 for h in holders {
                     alive.insert(h.replica, (1, h.tier == Tier::T1));
                 }
             } else {
-                alive.retain(|slot, (d, t1)| match holders.iter().find(|h| h.replica == *slot) {
-                    Some(h) => {
-                        *d += 1;
-                        *t1 &= h.tier == Tier::T1;
-                        true
-                    }
-                    None => {
-                        done.push((*slot, *d, *t1));
-                        false
-                    }
-                });
+                alive.retain(
+                    |slot, (d, t1)| match holders.iter().find(|h| h.replica == *slot) {
+                        Some(h) => {
+                            *d += 1;
+                            *t1 &= h.tier == Tier::T1;
+                            true
+                        }
+                        None => {
+                            done.push((*slot, *d, *t1));
+                            false
+                        }
+                    },
+                );
             }
             if alive.is_empty() {
                 break;

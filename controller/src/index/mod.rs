@@ -165,7 +165,12 @@ impl PrefixIndex {
         id
     }
 
-    fn partition_for(&mut self, desc: &proto::StreamDescriptor, adapter: &str, bs: u32) -> PartitionId {
+    fn partition_for(
+        &mut self,
+        desc: &proto::StreamDescriptor,
+        adapter: &str,
+        bs: u32,
+    ) -> PartitionId {
         self.partition_id(Partition {
             tenant: desc.tenant.clone(),
             model: desc.model.clone(),
@@ -235,7 +240,11 @@ impl PrefixIndex {
 
     /// Applies one delta from `node`. On error nothing is changed and the caller asks the agent
     /// for a resync.
-    pub fn apply_delta(&mut self, node: &str, delta: &proto::StreamDelta) -> Result<(), ApplyError> {
+    pub fn apply_delta(
+        &mut self,
+        node: &str,
+        delta: &proto::StreamDelta,
+    ) -> Result<(), ApplyError> {
         let desc = delta.stream.as_ref().ok_or(ApplyError::MissingStream)?;
         let slot = match self.slot_by_stream.get(&desc.stream_id) {
             Some(s) if self.replicas.get(s).is_some_and(|r| r.node == node) => *s,
@@ -288,7 +297,10 @@ impl PrefixIndex {
         let prev = match holders.iter_mut().find(|h| h.replica == slot) {
             Some(h) => Some(std::mem::replace(&mut h.tier, tier)),
             None => {
-                holders.push(Holder { replica: slot, tier });
+                holders.push(Holder {
+                    replica: slot,
+                    tier,
+                });
                 None
             }
         };

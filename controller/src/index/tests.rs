@@ -62,10 +62,16 @@ fn stored_prefix_is_found_with_its_depth_and_unrelated_tokens_are_not() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
     let keys = chain(&tokens(0..16), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
-    ix.apply_delta("n1", &delta("b", 1, vec![store(&keys[..2], proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("b", 1, vec![store(&keys[..2], proto::Tier::T1, "")]),
+    )
+    .unwrap();
 
     let r = ix.lookup(&query(&tokens(0..18)));
     assert!(r.prefix_match);
@@ -90,8 +96,11 @@ fn a_hole_in_the_chain_ends_the_match_there() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..16), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
     let remove = proto::KvOp {
         op: Some(Op::Remove(proto::RemoveOp {
             adapter: String::new(),
@@ -110,15 +119,24 @@ fn tier_is_t2_when_any_matched_block_is_offloaded_and_restore_returns_t1() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..8), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
-    ix.apply_delta("n1", &delta("a", 2, vec![store(&keys[1..], proto::Tier::T2, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 2, vec![store(&keys[1..], proto::Tier::T2, "")]),
+    )
+    .unwrap();
     let r = ix.lookup(&query(&tokens(0..8)));
     assert_eq!(r.replicas[0].tier, Tier::T2);
     assert_eq!(ix.snapshot().replicas[0].t2_blocks, 1);
-    ix.apply_delta("n1", &delta("a", 3, vec![store(&keys[1..], proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 3, vec![store(&keys[1..], proto::Tier::T1, "")]),
+    )
+    .unwrap();
     assert_eq!(ix.lookup(&query(&tokens(0..8))).replicas[0].tier, Tier::T1);
     assert_eq!(ix.snapshot().replicas[0].t2_blocks, 0);
 }
@@ -129,7 +147,10 @@ fn out_of_order_and_unknown_deltas_are_refused_without_change() {
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..4), 4);
     let err = ix
-        .apply_delta("n1", &delta("a", 2, vec![store(&keys, proto::Tier::T1, "")]))
+        .apply_delta(
+            "n1",
+            &delta("a", 2, vec![store(&keys, proto::Tier::T1, "")]),
+        )
         .unwrap_err();
     assert_eq!(
         err,
@@ -141,12 +162,18 @@ fn out_of_order_and_unknown_deltas_are_refused_without_change() {
     );
     assert_eq!(ix.entry_count(), 0);
     let err = ix
-        .apply_delta("n1", &delta("zz", 1, vec![store(&keys, proto::Tier::T1, "")]))
+        .apply_delta(
+            "n1",
+            &delta("zz", 1, vec![store(&keys, proto::Tier::T1, "")]),
+        )
         .unwrap_err();
     assert_eq!(err.reason(), "unknown_stream");
     // A stream of node n1 cannot be fed by node n2.
     let err = ix
-        .apply_delta("n2", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
+        .apply_delta(
+            "n2",
+            &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+        )
         .unwrap_err();
     assert_eq!(err.reason(), "unknown_stream");
 }
@@ -156,10 +183,16 @@ fn resync_replaces_the_nodes_state_and_clear_empties_a_replica() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
     let keys = chain(&tokens(0..8), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
-    ix.apply_delta("n1", &delta("b", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("b", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
     let clear = proto::KvOp {
         op: Some(Op::Clear(proto::ClearOp {
             reason: "AllBlocksCleared".into(),
@@ -225,8 +258,11 @@ fn content_keys_can_be_given_instead_of_tokens() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..8), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
     let q = LookupQuery {
         content_keys: keys.clone(),
         block_size: Some(4),
@@ -247,8 +283,11 @@ fn removing_a_node_drops_its_entries() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..8), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
     ix.remove_node("n1");
     assert_eq!(ix.entry_count(), 0);
     assert_eq!(ix.block_count(), 0);

@@ -97,22 +97,35 @@ impl AgentService for AgentIngest {
                 tx,
                 awaiting_resync: false,
             };
+            let mut stopping = shared.stopping.subscribe();
             let end = loop {
-                match inbound.message().await {
-                    Ok(Some(msg)) => {
-                        if session.handle(msg).await.is_err() {
-                            break "controller side closed";
+                tokio::select! {
+                    msg = inbound.message() => match msg {
+                        Ok(Some(msg)) => {
+                            if session.handle(msg).await.is_err() {
+                                break "controller side closed";
+                            }
                         }
+                        Ok(None) => break "agent closed the stream",
+                        Err(_) => break "stream error",
+                    },
+                    _ = async { stopping.wait_for(|s| *s).await.map(|_| ()) } => {
+                        let _ = session
+                            .tx
+                            .send(Err(Status::unavailable("controller shutting down")))
+                            .await;
+                        break "controller shutting down";
                     }
-                    Ok(None) => break "agent closed the stream",
-                    Err(_) => break "stream error",
                 }
             };
             let mut nodes = shared.nodes.lock();
             if nodes.disconnect(&ticket, now_unix_ms()) {
                 info!(node = %ticket.node, why = end, "agent disconnected");
             }
-            shared.metrics.agents_connected.set(nodes.connected_count() as i64);
+            shared
+                .metrics
+                .agents_connected
+                .set(nodes.connected_count() as i64);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -145,7 +158,11 @@ impl Session {
         match msg.msg {
             Some(Msg::Hello(_)) | None => {}
             Some(Msg::Resync(r)) => {
-                let trigger = if self.awaiting_resync { "requested" } else { "connect" };
+                let trigger = if self.awaiting_resync {
+                    "requested"
+                } else {
+                    "connect"
+                };
                 {
                     let mut ix = self.shared.index.write();
                     ix.resync_node(&self.ticket.node, &with_node(r.streams, &self.ticket.node));
@@ -184,9 +201,11 @@ impl Session {
                 if let Some(e) = refused {
                     warn!(node = %self.ticket.node, error = %e, "KV delta refused; requesting a resync");
                     self.awaiting_resync = true;
-                    self.send(controller_message::Msg::ResyncRequest(proto::ResyncRequest {
-                        reason: e.to_string(),
-                    }))
+                    self.send(controller_message::Msg::ResyncRequest(
+                        proto::ResyncRequest {
+                            reason: e.to_string(),
+                        },
+                    ))
                     .await?;
                 }
             }

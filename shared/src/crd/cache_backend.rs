@@ -289,30 +289,15 @@ pub enum HiCacheMemoryLayout {
     derive = "Default",
     derive = "PartialEq",
     doc = "CacheBackend wires vLLM / SGLang engine pods to KV-cache tiers and optionally provisions a remote tier (spec 000).",
-    printcolumn(
-        name = "Ready",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
-    ),
-    printcolumn(name = "Endpoint", type_ = "string", json_path = ".status.endpoint"),
-    printcolumn(
-        name = "Matched",
-        type_ = "integer",
-        json_path = ".status.matchedEnginePods"
-    ),
-    printcolumn(
-        name = "Prefixes",
-        type_ = "integer",
-        json_path = ".status.indexParticipation.prefixCount"
-    ),
-    printcolumn(
-        name = "LastEvent",
-        type_ = "date",
-        json_path = ".status.indexParticipation.lastEventAt"
-    ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"}"#,
+    printcolumn = r#"{"name": "Matched", "type": "integer", "jsonPath": ".status.matchedEnginePods"}"#,
+    printcolumn = r#"{"name": "Prefixes", "type": "integer", "jsonPath": ".status.indexParticipation.prefixCount"}"#,
+    printcolumn = r#"{"name": "LastEvent", "type": "date", "jsonPath": ".status.indexParticipation.lastEventAt"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = super::shorten_quantity_descriptions)]
 pub struct CacheBackendSpec {
     /// Required inference runtime: `VLLM` or `SGLang` (case-sensitive).
     pub runtime: Runtime,
@@ -723,7 +708,8 @@ pub struct CacheBackendStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// Conditions keyed by type (see [`backend_condition`]).
+    /// Conditions keyed by type: Ready, Degraded, Progressing, FunctionalProbeOK,
+    /// EngineKernelsHealthy, T2Degraded, EngineCompatibility.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

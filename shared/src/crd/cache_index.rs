@@ -32,10 +32,10 @@ use serde::{Deserialize, Serialize};
     derive = "Default",
     derive = "PartialEq",
     doc = "CacheIndex is the status-only, cluster-wide view of the KV-prefix index (spec 000).",
-    printcolumn(name = "Prefixes", type_ = "integer", json_path = ".status.prefixes.total"),
-    printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicaCount"),
-    printcolumn(name = "Changed", type_ = "date", json_path = ".status.lastUpdated"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name": "Prefixes", "type": "integer", "jsonPath": ".status.prefixes.total"}"#,
+    printcolumn = r#"{"name": "Replicas", "type": "integer", "jsonPath": ".status.replicaCount"}"#,
+    printcolumn = r#"{"name": "Changed", "type": "date", "jsonPath": ".status.lastUpdated"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CacheIndexSpec {}

@@ -117,15 +117,11 @@ impl From<CheckStatus> for NodeHealth {
     derive = "Default",
     derive = "PartialEq",
     doc = "CacheNode reports one node's agent checks, GPUs and KV-event streams (DESIGN.md \"Status\").",
-    printcolumn(
-        name = "Ready",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
-    ),
-    printcolumn(name = "GPUs", type_ = "integer", json_path = ".status.gpuCount"),
-    printcolumn(name = "Engines", type_ = "integer", json_path = ".status.engineCount"),
-    printcolumn(name = "LastReport", type_ = "date", json_path = ".status.lastReportTime"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name": "GPUs", "type": "integer", "jsonPath": ".status.gpuCount"}"#,
+    printcolumn = r#"{"name": "Engines", "type": "integer", "jsonPath": ".status.engineCount"}"#,
+    printcolumn = r#"{"name": "LastReport", "type": "date", "jsonPath": ".status.lastReportTime"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CacheNodeSpec {

@@ -27,17 +27,9 @@ use serde::{Deserialize, Serialize};
     derive = "Default",
     derive = "PartialEq",
     doc = "CachePolicy tunes KV-prefix lookups for the requests of one namespace (spec 000).",
-    printcolumn(
-        name = "MinPrefixTokens",
-        type_ = "integer",
-        json_path = ".spec.minimumPrefixTokens"
-    ),
-    printcolumn(
-        name = "LookupTimeoutMs",
-        type_ = "integer",
-        json_path = ".spec.lookupTimeoutMs"
-    ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name": "MinPrefixTokens", "type": "integer", "jsonPath": ".spec.minimumPrefixTokens"}"#,
+    printcolumn = r#"{"name": "LookupTimeoutMs", "type": "integer", "jsonPath": ".spec.lookupTimeoutMs"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CachePolicySpec {

@@ -30,14 +30,10 @@ use serde::{Deserialize, Serialize};
     derive = "Default",
     derive = "PartialEq",
     doc = "CacheTenant names a tenant of the KV-prefix index and bounds its index footprint (spec 000).",
-    printcolumn(name = "Tenant", type_ = "string", json_path = ".spec.tenantID"),
-    printcolumn(name = "Entries", type_ = "integer", json_path = ".status.indexEntries"),
-    printcolumn(
-        name = "Quota",
-        type_ = "integer",
-        json_path = ".spec.quota.maxIndexEntries"
-    ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name": "Tenant", "type": "string", "jsonPath": ".spec.tenantID"}"#,
+    printcolumn = r#"{"name": "Entries", "type": "integer", "jsonPath": ".status.indexEntries"}"#,
+    printcolumn = r#"{"name": "Quota", "type": "integer", "jsonPath": ".spec.quota.maxIndexEntries"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CacheTenantSpec {

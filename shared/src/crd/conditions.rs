@@ -199,7 +199,14 @@ mod tests {
 
     #[test]
     fn identical_update_reports_no_change() {
-        let c = new_condition("Ready", ConditionStatus::True, "BackendReady", "", None, at(10));
+        let c = new_condition(
+            "Ready",
+            ConditionStatus::True,
+            "BackendReady",
+            "",
+            None,
+            at(10),
+        );
         let mut conds = vec![c.clone()];
         let mut later = c;
         later.last_transition_time = at(50);
@@ -236,7 +243,14 @@ mod tests {
     fn find_and_remove() {
         let mut conds = vec![
             new_condition("Ready", ConditionStatus::True, "R", "", None, at(1)),
-            new_condition("Degraded", ConditionStatus::False, "NotDegraded", "", None, at(1)),
+            new_condition(
+                "Degraded",
+                ConditionStatus::False,
+                "NotDegraded",
+                "",
+                None,
+                at(1),
+            ),
         ];
         assert_eq!(
             find_condition(&conds, "Degraded").map(|c| c.reason.as_str()),

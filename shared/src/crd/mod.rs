@@ -39,6 +39,41 @@ pub const VERSION: &str = "v1alpha1";
 /// `apiVersion` string (`inferencecache.io/v1alpha1`).
 pub const API_VERSION: &str = "inferencecache.io/v1alpha1";
 
+/// Short description used in place of the upstream `Quantity` description (about 2.5 KB, repeated
+/// for every quantity in a schema).
+pub const QUANTITY_DESCRIPTION: &str =
+    "A Kubernetes resource quantity: an integer or a string such as `4Gi`, `500Mi`, `250m`.";
+
+/// schemars transform: replaces the long upstream description on every `Quantity` node
+/// (`x-kubernetes-int-or-string: true`) below `schema` with [`QUANTITY_DESCRIPTION`]. Keeps the
+/// generated CRDs readable; validation is unchanged.
+pub fn shorten_quantity_descriptions(schema: &mut schemars::Schema) {
+    fn walk(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                let is_quantity = map.get("x-kubernetes-int-or-string")
+                    == Some(&serde_json::Value::Bool(true))
+                    && map
+                        .get("description")
+                        .and_then(|d| d.as_str())
+                        .is_some_and(|d| d.starts_with("Quantity is a fixed-point"));
+                if is_quantity {
+                    map.insert(
+                        "description".to_string(),
+                        serde_json::Value::String(QUANTITY_DESCRIPTION.to_string()),
+                    );
+                }
+                map.values_mut().for_each(walk);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    if let Some(map) = schema.as_object_mut() {
+        map.values_mut().for_each(walk);
+    }
+}
+
 /// Parses a Go `time.Duration` string as `metav1.Duration` accepts it (`5m`, `1h30m`, `1.5s`,
 /// `250ms`, `0`); units `ns`, `us`/`µs`, `ms`, `s`, `m`, `h`. A leading sign is not accepted.
 /// Returns `None` for anything else (including an empty string).

@@ -83,6 +83,7 @@ pub fn chain_from(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 

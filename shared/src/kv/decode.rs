@@ -57,8 +57,13 @@ pub const BLOCK_STORED_FIELDS: &[&str] = &[
 ];
 
 /// Field order of `BlockRemoved` in array-encoded events.
-pub const BLOCK_REMOVED_FIELDS: &[&str] =
-    &["block_hashes", "medium", "group_idx", "locality", "ownership"];
+pub const BLOCK_REMOVED_FIELDS: &[&str] = &[
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
 
 /// One decoded batch: the events of one engine scheduler step.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +88,9 @@ pub struct SkippedEvent {
 }
 
 /// One engine KV-cache event.
+// Events live briefly in one batch's Vec; boxing the common variant would cost an allocation per
+// event for no gain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
     /// A run of newly full blocks of one request (and one KV-cache group) was cached.
@@ -291,7 +299,9 @@ impl<'a> Fields<'a> {
 fn decode_event(raw: &Value) -> Result<KvEvent, DecodeError> {
     let (tag, body) = match raw {
         Value::Array(items) => {
-            let (first, rest) = items.split_first().ok_or(DecodeError::BadEvent("empty array"))?;
+            let (first, rest) = items
+                .split_first()
+                .ok_or(DecodeError::BadEvent("empty array"))?;
             let tag = tag_str(first)?;
             (tag, EventBody::Array(rest))
         }
@@ -332,7 +342,8 @@ impl<'a> EventBody<'a> {
 }
 
 fn tag_str(v: &Value) -> Result<&str, DecodeError> {
-    v.as_str().ok_or(DecodeError::BadEvent("tag is not a string"))
+    v.as_str()
+        .ok_or(DecodeError::BadEvent("tag is not a string"))
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -391,7 +402,10 @@ fn hash(v: &Value) -> Option<u64> {
         Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|n| n as u64)),
         Value::Binary(b) if !b.is_empty() && b.len() <= 64 => {
             let tail = &b[b.len().saturating_sub(8)..];
-            Some(tail.iter().fold(0u64, |acc, byte| (acc << 8) | u64::from(*byte)))
+            Some(
+                tail.iter()
+                    .fold(0u64, |acc, byte| (acc << 8) | u64::from(*byte)),
+            )
         }
         _ => None,
     }
@@ -553,6 +567,7 @@ fn opt_str_value(v: &Option<String>) -> Value {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
 
@@ -564,17 +579,30 @@ mod tests {
 
     #[test]
     fn whole_batch_errors_have_stable_reasons() {
-        assert_eq!(decode_batch(&[0xc1]).unwrap_err().reason(), "not_msgpack");
+        assert_eq!(
+            decode_batch(&[0xcd, 0x01]).unwrap_err().reason(),
+            "not_msgpack"
+        );
         assert_eq!(decode_batch(&[]).unwrap_err().reason(), "not_msgpack");
         assert_eq!(decode_batch(&[0x01]).unwrap_err().reason(), "not_array");
-        assert_eq!(decode_batch(&[0x91, 0x01]).unwrap_err().reason(), "short_batch");
         assert_eq!(
-            decode_batch(&[0x92, 0xa1, b'x', 0x90]).unwrap_err().reason(),
+            decode_batch(&[0x91, 0x01]).unwrap_err().reason(),
+            "short_batch"
+        );
+        assert_eq!(
+            decode_batch(&[0x92, 0xa1, b'x', 0x90])
+                .unwrap_err()
+                .reason(),
             "bad_timestamp"
         );
-        assert_eq!(decode_batch(&[0x92, 0x01, 0x01]).unwrap_err().reason(), "bad_events");
         assert_eq!(
-            decode_batch(&[0x92, 0x01, 0x90, 0x00]).unwrap_err().reason(),
+            decode_batch(&[0x92, 0x01, 0x01]).unwrap_err().reason(),
+            "bad_events"
+        );
+        assert_eq!(
+            decode_batch(&[0x92, 0x01, 0x90, 0x00])
+                .unwrap_err()
+                .reason(),
             "trailing_bytes"
         );
         for r in DecodeError::REASONS {
@@ -599,10 +627,19 @@ mod tests {
         ]));
         let b = decode_batch(&payload).unwrap();
         assert_eq!(b.events, vec![KvEvent::AllBlocksCleared]);
-        let reasons: Vec<_> = b.skipped.iter().map(|s| (s.index, s.error.reason())).collect();
+        let reasons: Vec<_> = b
+            .skipped
+            .iter()
+            .map(|s| (s.index, s.error.reason()))
+            .collect();
         assert_eq!(
             reasons,
-            vec![(0, "unknown_tag"), (2, "bad_event"), (3, "bad_event"), (4, "bad_hash")]
+            vec![
+                (0, "unknown_tag"),
+                (2, "bad_event"),
+                (3, "bad_event"),
+                (4, "bad_hash")
+            ]
         );
         assert_eq!(b.data_parallel_rank, None);
     }

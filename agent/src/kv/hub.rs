@@ -1,0 +1,385 @@
+//! [`KvHub`]: the agent's KV-event aggregation point. The node plan says which engine publishers
+//! to follow; the hub runs one subscriber per stream and hands the link deltas and snapshots.
+//!
+//! Contract with the link (`agent/src/link/`):
+//!
+//! 1. [`KvHub::apply_plan`] on every plan (starts new streams, stops removed or changed ones;
+//!    a stopped stream's state is dropped, so the next snapshot no longer lists it).
+//! 2. On (re)connect, and on the controller's `ResyncRequest`: [`KvHub::snapshot`] → `Resync`.
+//! 3. Then loop: `hub.changed().await`, [`KvHub::take_deltas`] → `KvDeltaBatch`.
+//!
+//! Each stream numbers its deltas: the first delta after a snapshot with seq `s` has seq `s + 1`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ic_shared::plan::NodePlan;
+use ic_shared::proto::{StreamDelta, StreamDescriptor, StreamSnapshot};
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use super::metrics::KvMetrics;
+use super::stream::StreamConfig;
+use super::subscriber::{self, Running, Sink, StreamShared, StreamSpec, SubscriberOptions};
+
+/// The agent's KV-event hub. Cheap to clone (an `Arc` inside); all methods are thread-safe.
+#[derive(Clone)]
+pub struct KvHub {
+    inner: Arc<HubInner>,
+}
+
+struct HubInner {
+    sink: Sink,
+    opts: SubscriberOptions,
+    stream_defaults: StreamConfig,
+    streams: Mutex<BTreeMap<String, StreamEntry>>,
+}
+
+struct StreamEntry {
+    shared: Arc<StreamShared>,
+    /// `None` when no tokio runtime was available to start it.
+    _running: Option<Running>,
+}
+
+/// Per-stream status for `/v1/report` (JSON, camelCase).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamStatus {
+    /// `<namespace>/<pod>#<dp_rank>`.
+    pub stream_id: String,
+    /// Replica id in routing answers.
+    pub replica: String,
+    /// Data-parallel rank from the plan.
+    pub dp_rank: u32,
+    /// Rank the engine reports in its batches (a mismatch means a misplanned port).
+    pub reported_dp_rank: Option<u32>,
+    /// PUB endpoint followed.
+    pub endpoint: String,
+    /// Replay endpoint, if any.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix filter.
+    pub topic: String,
+    /// True while the SUB socket is connected.
+    pub connected: bool,
+    /// Last applied engine sequence number.
+    pub last_seq: Option<u64>,
+    /// Engine time of the newest applied batch, unix ms.
+    pub last_event_unix_ms: Option<i64>,
+    /// Agent time the last live message arrived, unix ms.
+    pub last_message_unix_ms: Option<i64>,
+    /// Live messages received.
+    pub events_received: u64,
+    /// Batches obtained by replay.
+    pub batches_replayed: u64,
+    /// Batches decoded (live and replayed).
+    pub batches_decoded: u64,
+    /// Events decoded and applied.
+    pub events_decoded: u64,
+    /// Batches or events lost, total.
+    pub events_dropped: u64,
+    /// Losses by reason.
+    pub dropped_by_reason: BTreeMap<String, u64>,
+    /// Sequence gaps detected.
+    pub gaps: u64,
+    /// Successful replays (healing and bootstrap).
+    pub replays: u64,
+    /// Failed replays.
+    pub replays_failed: u64,
+    /// Replica clears (AllBlocksCleared, restarts, unhealed gaps).
+    pub resyncs: u64,
+    /// Index entries held.
+    pub blocks_held: usize,
+    /// Blocks parked for an unknown parent.
+    pub orphans: usize,
+    /// True while the state is uncertain after an unhealed gap.
+    pub stale: bool,
+    /// The stream's current delta seq.
+    pub delta_seq: u64,
+    /// The plan's block size.
+    pub plan_block_size: u32,
+    /// Largest block size seen on indexed events (0 before any); differs from the plan's when
+    /// the router and the engine disagree.
+    pub observed_block_size: u32,
+    /// Most recent connection, replay or subscription error.
+    pub last_error: Option<String>,
+}
+
+impl KvHub {
+    /// Creates a hub with default subscriber options; its metrics (prefixed
+    /// `inferencecache_agent_kv_`) are registered in `registry`.
+    ///
+    /// # Errors
+    /// When a metric of the same name is already registered there.
+    pub fn new(registry: &prometheus::Registry) -> Result<Self, prometheus::Error> {
+        Self::with_options(
+            registry,
+            SubscriberOptions::default(),
+            StreamConfig::default(),
+        )
+    }
+
+    /// Like [`new`](Self::new) with explicit subscriber timing and state-machine limits
+    /// (`stream_defaults.keeps_l2` and `block_size` are replaced per stream from the plan).
+    pub fn with_options(
+        registry: &prometheus::Registry,
+        opts: SubscriberOptions,
+        stream_defaults: StreamConfig,
+    ) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            inner: Arc::new(HubInner {
+                sink: Sink {
+                    metrics: KvMetrics::new(registry)?,
+                    notify: Arc::new(Notify::new()),
+                },
+                opts,
+                stream_defaults,
+                streams: Mutex::new(BTreeMap::new()),
+            }),
+        })
+    }
+
+    fn streams(&self) -> MutexGuard<'_, BTreeMap<String, StreamEntry>> {
+        self.inner.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The streams a plan asks for, by stream id (first occurrence wins on duplicates).
+    fn planned(&self, plan: &NodePlan) -> BTreeMap<String, StreamSpec> {
+        let mut out = BTreeMap::new();
+        for e in &plan.engines {
+            for src in &e.kv_events {
+                let id = e.stream_id(src.dp_rank);
+                if out.contains_key(&id) {
+                    tracing::warn!(stream = %id, "kv events: duplicate stream in plan ignored");
+                    continue;
+                }
+                let spec = StreamSpec {
+                    descriptor: StreamDescriptor {
+                        stream_id: id.clone(),
+                        replica: e.replica_id(src.dp_rank),
+                        dp_rank: src.dp_rank,
+                        tenant: e.namespace.clone(),
+                        model: e.model.clone(),
+                        hash_scheme: e.hash_scheme.as_str().to_string(),
+                        backend: e.backend.clone(),
+                        node: String::new(),
+                    },
+                    endpoint: src.endpoint.clone(),
+                    replay_endpoint: src.replay_endpoint.clone().filter(|s| !s.is_empty()),
+                    topic: src.topic.clone(),
+                    config: StreamConfig {
+                        keeps_l2: e.keeps_l2,
+                        block_size: e.block_size,
+                        ..self.inner.stream_defaults.clone()
+                    },
+                };
+                out.insert(id, spec);
+            }
+        }
+        out
+    }
+
+    /// Starts subscribers for new streams in the plan, stops removed ones (their state is dropped:
+    /// the next snapshot no longer lists them). A stream whose endpoint, topic, identity or plan
+    /// facts changed is restarted with empty state. Must be called within a tokio runtime for
+    /// subscribers to start; outside one, streams are listed (with an error in their status) but
+    /// not followed.
+    pub fn apply_plan(&self, plan: &NodePlan) {
+        let desired = self.planned(plan);
+        let rt = tokio::runtime::Handle::try_current().ok();
+        let mut streams = self.streams();
+        let metrics = &self.inner.sink.metrics;
+        streams.retain(|id, entry| {
+            let keep = desired.get(id) == Some(&entry.shared.spec);
+            if !keep {
+                tracing::info!(stream = %id, "kv events: stream stopped");
+                metrics.remove_stream(id);
+            }
+            keep
+        });
+        for (id, spec) in desired {
+            if streams.contains_key(&id) {
+                continue;
+            }
+            tracing::info!(stream = %id, endpoint = %spec.endpoint, "kv events: stream started");
+            let shared = Arc::new(StreamShared::new(spec));
+            let running = match &rt {
+                Some(rt) => Some(subscriber::spawn(
+                    rt,
+                    shared.clone(),
+                    self.inner.sink.clone(),
+                    self.inner.opts.clone(),
+                )),
+                None => {
+                    shared.lock().stats.last_error = Some("no tokio runtime: not started".into());
+                    None
+                }
+            };
+            streams.insert(
+                id,
+                StreamEntry {
+                    shared,
+                    _running: running,
+                },
+            );
+        }
+    }
+
+    /// Takes pending ops: one [`StreamDelta`] per stream with pending ops, each stream's delta seq
+    /// incremented by 1 (by 2 after an op overflow, which makes the controller ask for a resync).
+    pub fn take_deltas(&self) -> Vec<StreamDelta> {
+        let streams = self.streams();
+        let mut out = Vec::new();
+        for entry in streams.values() {
+            let taken = entry.shared.lock().state.take_delta();
+            if let Some((seq, ops, last_event_unix_ms)) = taken {
+                out.push(StreamDelta {
+                    stream: Some(entry.shared.spec.descriptor.clone()),
+                    seq,
+                    ops,
+                    last_event_unix_ms,
+                });
+            }
+        }
+        out
+    }
+
+    /// Full current state of every stream (seq = the stream's current delta seq), and discards
+    /// pending ops since they are included. Deltas taken afterwards continue at seq + 1. A stale
+    /// stream is listed with `stale: true` and no entries.
+    pub fn snapshot(&self) -> Vec<StreamSnapshot> {
+        let streams = self.streams();
+        let mut out = Vec::new();
+        for entry in streams.values() {
+            let mut g = entry.shared.lock();
+            let (seq, entries, stale) = g.state.snapshot();
+            out.push(StreamSnapshot {
+                stream: Some(entry.shared.spec.descriptor.clone()),
+                seq,
+                entries,
+                last_event_unix_ms: g.state.last_event_unix_ms(),
+                stale,
+            });
+        }
+        out
+    }
+
+    /// Resolves when new ops are pending (a `tokio::sync::Notify` permit: a change that happened
+    /// while nobody waited resolves the next call at once).
+    pub async fn changed(&self) {
+        self.inner.sink.notify.notified().await;
+    }
+
+    /// Per-stream status for `/v1/report`, in stream-id order.
+    pub fn status(&self) -> Vec<StreamStatus> {
+        let streams = self.streams();
+        streams
+            .values()
+            .map(|entry| {
+                let s = &entry.shared;
+                let g = s.lock();
+                let d = &s.spec.descriptor;
+                let ts = g.state.last_event_unix_ms();
+                StreamStatus {
+                    stream_id: d.stream_id.clone(),
+                    replica: d.replica.clone(),
+                    dp_rank: d.dp_rank,
+                    reported_dp_rank: g.stats.reported_dp_rank,
+                    endpoint: s.spec.endpoint.clone(),
+                    replay_endpoint: s.spec.replay_endpoint.clone(),
+                    topic: s.spec.topic.clone(),
+                    connected: s.connected.load(Ordering::Relaxed),
+                    last_seq: g.state.last_seq(),
+                    last_event_unix_ms: (ts > 0).then_some(ts),
+                    last_message_unix_ms: g.stats.last_message_unix_ms,
+                    events_received: g.stats.batches_received,
+                    batches_replayed: g.stats.batches_replayed,
+                    batches_decoded: g.stats.batches_decoded,
+                    events_decoded: g.stats.events_decoded,
+                    events_dropped: g.stats.dropped,
+                    dropped_by_reason: g
+                        .stats
+                        .dropped_by_reason
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), *v))
+                        .collect(),
+                    gaps: g.stats.gaps,
+                    replays: g.stats.replays,
+                    replays_failed: g.stats.replays_failed,
+                    resyncs: g.stats.resyncs,
+                    blocks_held: g.state.blocks_held(),
+                    orphans: g.state.orphans(),
+                    stale: g.state.is_stale(),
+                    delta_seq: g.state.delta_seq(),
+                    plan_block_size: s.spec.config.block_size,
+                    observed_block_size: g.state.observed_block_size(),
+                    last_error: g.stats.last_error.clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource};
+
+    fn plan(endpoint: &str) -> NodePlan {
+        NodePlan {
+            engines: vec![EnginePlan {
+                namespace: "ns".into(),
+                pod: "p".into(),
+                model: "m".into(),
+                hash_scheme: HashScheme::Sglang,
+                block_size: 16,
+                backend: "ns/b".into(),
+                kv_events: vec![
+                    KvEventSource {
+                        endpoint: endpoint.into(),
+                        dp_rank: 0,
+                        ..KvEventSource::default()
+                    },
+                    KvEventSource {
+                        endpoint: endpoint.into(),
+                        dp_rank: 1,
+                        ..KvEventSource::default()
+                    },
+                ],
+                ..EnginePlan::default()
+            }],
+            ..NodePlan::default()
+        }
+    }
+
+    #[test]
+    fn plan_streams_are_listed_with_their_descriptors_and_removed_with_the_plan() {
+        let reg = prometheus::Registry::new();
+        let hub = KvHub::new(&reg).unwrap();
+        // No runtime here: streams are listed but not started.
+        hub.apply_plan(&plan("tcp://127.0.0.1:1"));
+        let snap = hub.snapshot();
+        assert_eq!(snap.len(), 2);
+        let d = snap[1].stream.as_ref().unwrap();
+        assert_eq!(d.stream_id, "ns/p#1");
+        assert_eq!(d.replica, "p#1");
+        assert_eq!(d.tenant, "ns");
+        assert_eq!(d.model, "m");
+        assert_eq!(d.hash_scheme, "sglang");
+        assert_eq!(d.backend, "ns/b");
+        assert_eq!(
+            (snap[0].seq, snap[0].entries.len(), snap[0].stale),
+            (0, 0, false)
+        );
+        let status = hub.status();
+        assert!(status[0].last_error.as_deref().unwrap().contains("runtime"));
+        let json = serde_json::to_value(&status[0]).unwrap();
+        assert!(json.get("streamId").is_some() && json.get("blocksHeld").is_some());
+        hub.apply_plan(&NodePlan::default());
+        assert!(hub.snapshot().is_empty());
+        assert!(hub.take_deltas().is_empty());
+        // A second hub on the same registry is refused.
+        assert!(KvHub::new(&reg).is_err());
+    }
+}

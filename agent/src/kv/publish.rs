@@ -1,0 +1,383 @@
+//! A stand-in engine publisher for docs, demos and tests: replays golden frames from a fixture
+//! (`shared/fixtures/kv-events/<engine>-<version>.json`) over real ZeroMQ sockets, byte for byte
+//! as the engine sent them.
+//!
+//! ```text
+//! ic-agent kv publish --fixture vllm-0.26.0.json --endpoint tcp://127.0.0.1:5557 \
+//!     [--replay-endpoint tcp://127.0.0.1:5558] [--source dp0] [--repeat N] [--interval-ms M]
+//! ```
+//!
+//! [`publish_fixture`] binds a PUB socket at the endpoint, waits
+//! [`PublishOptions::connect_wait`] so subscribers can connect (a PUB drops messages nobody has
+//! subscribed to yet), then sends the `live[]` frames of one `source` (`[topic, seq, payload]`,
+//! unchanged) every [`PublishOptions::interval`], `repeat` times (each pass restarts at the
+//! recorded seqs, which a subscriber sees as an engine restart). With a replay endpoint it also
+//! binds a ROUTER that answers `["", start_seq]` requests like the engine: every recorded batch
+//! of the source with seq ≥ start, as `["", seq, payload]` or — when the fixture's engine sends
+//! the topic in replies (vLLM ≥ 0.26) — `["", topic, seq, payload]`, then the end marker (seq of
+//! all `0xFF` bytes, empty payload).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use thiserror::Error;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// One recorded live message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveFrame {
+    /// Publisher the frame came from (`dp0`, `dp1`, `dp2`).
+    pub source: String,
+    /// Topic frame bytes.
+    pub topic: Vec<u8>,
+    /// Engine sequence number (from the 8-byte frame).
+    pub seq: u64,
+    /// msgpack payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// The parts of a golden fixture file the publisher needs.
+#[derive(Debug, Clone)]
+pub struct Fixture {
+    /// Every `live[]` message, in recorded order.
+    pub live: Vec<LiveFrame>,
+    /// True when the engine's replay replies carry the topic (4 frames).
+    pub replay_with_topic: bool,
+}
+
+#[derive(Deserialize)]
+struct RawFixture {
+    live: Vec<RawLive>,
+    #[serde(default)]
+    replay: Vec<RawReplay>,
+}
+
+#[derive(Deserialize)]
+struct RawLive {
+    #[serde(default = "default_source")]
+    source: String,
+    frames_hex: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct RawReplay {
+    frames_hex: Vec<String>,
+}
+
+fn default_source() -> String {
+    "dp0".to_string()
+}
+
+/// Errors of the publisher tool.
+#[derive(Debug, Error)]
+pub enum PublishError {
+    /// The fixture file could not be read.
+    #[error("cannot read fixture {path}: {source}")]
+    Read {
+        /// File path.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
+    /// The fixture is not valid JSON of the expected shape.
+    #[error("invalid fixture {path}: {message}")]
+    Parse {
+        /// File path.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The fixture has no live frames for the requested source.
+    #[error("fixture has no live frames for source {0:?}")]
+    NoFrames(String),
+    /// A socket could not be bound.
+    #[error("cannot bind {endpoint}: {message}")]
+    Bind {
+        /// Endpoint as given.
+        endpoint: String,
+        /// ZeroMQ error.
+        message: String,
+    },
+    /// Sending a frame failed.
+    #[error("send failed: {0}")]
+    Send(String),
+}
+
+impl Fixture {
+    /// Reads a fixture file.
+    ///
+    /// # Errors
+    /// [`PublishError::Read`] or [`PublishError::Parse`] (bad JSON, bad hex, a live message that
+    /// is not 3 frames or whose seq frame is not 8 bytes).
+    pub fn load(path: &Path) -> Result<Self, PublishError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PublishError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses fixture JSON; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, PublishError> {
+        let bad = |message: String| PublishError::Parse {
+            path: origin.to_string(),
+            message,
+        };
+        let raw: RawFixture = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let mut live = Vec::with_capacity(raw.live.len());
+        for (i, l) in raw.live.into_iter().enumerate() {
+            if l.frames_hex.len() != 3 {
+                return Err(bad(format!(
+                    "live[{i}] has {} frames, expected 3",
+                    l.frames_hex.len()
+                )));
+            }
+            let mut frames = Vec::with_capacity(3);
+            for h in &l.frames_hex {
+                frames.push(hex::decode(h).map_err(|e| bad(format!("live[{i}]: {e}")))?);
+            }
+            let seq: [u8; 8] = frames[1]
+                .as_slice()
+                .try_into()
+                .map_err(|_| bad(format!("live[{i}]: seq frame is not 8 bytes")))?;
+            let payload = frames.pop().unwrap_or_default();
+            let topic = frames.swap_remove(0);
+            live.push(LiveFrame {
+                source: l.source,
+                topic,
+                seq: u64::from_be_bytes(seq),
+                payload,
+            });
+        }
+        let replay_with_topic = raw.replay.first().is_some_and(|r| r.frames_hex.len() >= 4);
+        Ok(Self {
+            live,
+            replay_with_topic,
+        })
+    }
+
+    /// The live frames of one source, in recorded order.
+    pub fn frames(&self, source: &str) -> Vec<LiveFrame> {
+        self.live
+            .iter()
+            .filter(|f| f.source == source)
+            .cloned()
+            .collect()
+    }
+}
+
+/// How [`publish_fixture`] plays a fixture.
+#[derive(Debug, Clone)]
+pub struct PublishOptions {
+    /// Which publisher's frames to send (`dp0`, `dp1`, `dp2`; default `dp0`).
+    pub source: String,
+    /// Passes over the frames; 0 = until the task is cancelled (default 1).
+    pub repeat: u32,
+    /// Pause between frames (default 50 ms).
+    pub interval: Duration,
+    /// Pause after binding, before the first frame, so subscribers connect (default 500 ms).
+    pub connect_wait: Duration,
+    /// How long to keep the sockets (and the replay service) up after the last frame
+    /// (default 1 s).
+    pub linger: Duration,
+    /// Recorded seqs not sent live (the replay socket still serves them): simulates message loss.
+    pub skip_seqs: BTreeSet<u64>,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        Self {
+            source: "dp0".to_string(),
+            repeat: 1,
+            interval: Duration::from_millis(50),
+            connect_wait: Duration::from_millis(500),
+            linger: Duration::from_secs(1),
+            skip_seqs: BTreeSet::new(),
+        }
+    }
+}
+
+/// What [`publish_fixture`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishReport {
+    /// Live messages sent.
+    pub published: u64,
+    /// Live messages withheld (`skip_seqs`).
+    pub skipped: u64,
+    /// Replay requests answered.
+    pub replay_requests: u64,
+    /// Batches sent in replay replies.
+    pub replayed_batches: u64,
+}
+
+/// Turns an engine-style bind endpoint (`tcp://*:5557`) into one ZeroMQ-rs binds
+/// (`tcp://0.0.0.0:5557`).
+pub fn bind_endpoint(endpoint: &str) -> String {
+    endpoint.replacen("://*:", "://0.0.0.0:", 1)
+}
+
+/// Publishes a fixture's live frames on a PUB bound at `endpoint` and serves replay requests on a
+/// ROUTER bound at `replay_endpoint` (see the module docs for the exact behaviour).
+///
+/// Returns after the last pass plus [`PublishOptions::linger`].
+///
+/// # Errors
+/// The fixture cannot be read or has no frames for the source ([`PublishError::NoFrames`]), a
+/// socket cannot be bound ([`PublishError::Bind`]), or a send fails.
+pub async fn publish_fixture(
+    path: &Path,
+    endpoint: &str,
+    replay_endpoint: Option<&str>,
+    opts: &PublishOptions,
+) -> Result<PublishReport, PublishError> {
+    let fixture = Fixture::load(path)?;
+    let frames = fixture.frames(&opts.source);
+    if frames.is_empty() {
+        return Err(PublishError::NoFrames(opts.source.clone()));
+    }
+    let mut publisher = PubSocket::new();
+    publisher
+        .bind(&bind_endpoint(endpoint))
+        .await
+        .map_err(|e| PublishError::Bind {
+            endpoint: endpoint.to_string(),
+            message: e.to_string(),
+        })?;
+    let requests = Arc::new(AtomicU64::new(0));
+    let replayed = Arc::new(AtomicU64::new(0));
+    let server = match replay_endpoint {
+        Some(ep) => {
+            let mut router = RouterSocket::new();
+            router
+                .bind(&bind_endpoint(ep))
+                .await
+                .map_err(|e| PublishError::Bind {
+                    endpoint: ep.to_string(),
+                    message: e.to_string(),
+                })?;
+            Some(tokio::spawn(serve_replay(
+                router,
+                frames.clone(),
+                fixture.replay_with_topic,
+                requests.clone(),
+                replayed.clone(),
+            )))
+        }
+        None => None,
+    };
+    tokio::time::sleep(opts.connect_wait).await;
+    let mut report = PublishReport::default();
+    let mut pass = 0u32;
+    let result = loop {
+        if opts.repeat != 0 && pass >= opts.repeat {
+            break Ok(());
+        }
+        pass = pass.saturating_add(1);
+        let mut failed = None;
+        for f in &frames {
+            if opts.skip_seqs.contains(&f.seq) {
+                report.skipped += 1;
+                continue;
+            }
+            let mut msg = ZmqMessage::from(f.topic.clone());
+            msg.push_back(f.seq.to_be_bytes().to_vec().into());
+            msg.push_back(f.payload.clone().into());
+            if let Err(e) = publisher.send(msg).await {
+                failed = Some(PublishError::Send(e.to_string()));
+                break;
+            }
+            report.published += 1;
+            tokio::time::sleep(opts.interval).await;
+        }
+        if let Some(e) = failed {
+            break Err(e);
+        }
+    };
+    tokio::time::sleep(opts.linger).await;
+    if let Some(s) = server {
+        s.abort();
+    }
+    report.replay_requests = requests.load(Ordering::Relaxed);
+    report.replayed_batches = replayed.load(Ordering::Relaxed);
+    result.map(|()| report)
+}
+
+/// Answers replay requests `[identity, "", start_seq]` with the recorded frames.
+async fn serve_replay(
+    mut router: RouterSocket,
+    frames: Vec<LiveFrame>,
+    with_topic: bool,
+    requests: Arc<AtomicU64>,
+    replayed: Arc<AtomicU64>,
+) {
+    loop {
+        let Ok(req) = router.recv().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let parts = req.into_vec();
+        // [identity, "", seq] from a DEALER (or [identity, seq] without the delimiter).
+        let Some(identity) = parts.first().cloned() else {
+            continue;
+        };
+        let Some(start) = parts
+            .last()
+            .and_then(|s| <[u8; 8]>::try_from(s.as_ref()).ok())
+            .map(u64::from_be_bytes)
+        else {
+            continue;
+        };
+        requests.fetch_add(1, Ordering::Relaxed);
+        let reply = |seq: u64, payload: Vec<u8>, topic: &[u8]| {
+            let mut m = ZmqMessage::from(identity.clone());
+            m.push_back(Vec::<u8>::new().into());
+            if with_topic {
+                m.push_back(topic.to_vec().into());
+            }
+            m.push_back(seq.to_be_bytes().to_vec().into());
+            m.push_back(payload.into());
+            m
+        };
+        for f in frames.iter().filter(|f| f.seq >= start) {
+            if router
+                .send(reply(f.seq, f.payload.clone(), &f.topic))
+                .await
+                .is_err()
+            {
+                break;
+            }
+            replayed.fetch_add(1, Ordering::Relaxed);
+        }
+        // End marker: the engine sends an empty topic with it.
+        let _ = router.send(reply(u64::MAX, Vec::new(), &[])).await;
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_frames_and_replay_shape() {
+        let text = r#"{
+            "live": [
+                {"source": "dp0", "seq": 0, "frames_hex": ["6b76", "0000000000000000", "93"]},
+                {"source": "dp1", "seq": 0, "frames_hex": ["", "0000000000000000", "94"]}
+            ],
+            "replay": [{"frames_hex": ["", "6b76", "0000000000000001", "93"]}]
+        }"#;
+        let f = Fixture::parse(text, "t").unwrap();
+        assert!(f.replay_with_topic);
+        let dp0 = f.frames("dp0");
+        assert_eq!(dp0.len(), 1);
+        assert_eq!(dp0[0].topic, b"kv".to_vec());
+        assert_eq!(dp0[0].payload, vec![0x93]);
+        assert!(Fixture::parse(r#"{"live":[{"frames_hex":["00"]}]}"#, "t").is_err());
+        assert_eq!(bind_endpoint("tcp://*:5557"), "tcp://0.0.0.0:5557");
+    }
+}

@@ -1,0 +1,352 @@
+//! `ports` check on the real kernel, as root, in a private network namespace.
+//!
+//! The outer test re-runs this test binary under `unshare -n` with `IC_NODE_TESTS_INNER`; the
+//! inner run brings `lo` up, so its socket tables start empty and the counts are exact. Another
+//! process (a copy of this binary under another name, `fake-engine`) holds a port, and is moved
+//! into kubepods cgroups (cgroupfs and systemd forms) where the host's cgroup file systems allow
+//! it, to read its pod UID from the real `/proc/<pid>/cgroup`. Skipped, with the reason
+//! printed, when not root or when `unshare` is missing; CI runs as root.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ic_agent::checks::ports::PortsCheck;
+use ic_agent::checks::{Check, ChecksConfig};
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::{NodePlan, PortExpect, PortExpectation, PortOwner};
+
+const INNER: &str = "IC_NODE_TESTS_INNER";
+const LISTENER: &str = "IC_NODE_TESTS_LISTENER";
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
+}
+
+fn rerun_in_unshare(test: &str, flags: &[&str]) -> bool {
+    if !is_root() {
+        eprintln!("skipped {test}: needs root for network namespaces (CI runs as root)");
+        return false;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = match Command::new("unshare")
+        .args(flags)
+        .arg("--")
+        .arg(&exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(INNER, test)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("skipped {test}: cannot run unshare ({e})");
+            return false;
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("--- inner stdout\n{stdout}\n--- inner stderr\n{stderr}");
+    assert!(out.status.success(), "inner run failed: {}", out.status);
+    assert!(
+        stdout.contains("1 passed"),
+        "the inner run did not run {test}"
+    );
+    true
+}
+
+/// Not a test of its own: the body of the `fake-engine` child. Binds 127.0.0.1:0, prints the
+/// port, and holds it until its stdin closes.
+#[test]
+fn listener_child() {
+    if std::env::var(LISTENER).is_err() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("LISTENING {}", l.local_addr().unwrap().port());
+    std::io::stdout().flush().unwrap();
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+}
+
+struct FakeEngine {
+    child: Child,
+    port: u16,
+    exe: PathBuf,
+}
+
+impl FakeEngine {
+    fn start(dir: &Path) -> Self {
+        let exe = dir.join("fake-engine");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        let mut child = Command::new(&exe)
+            .args([
+                "--exact",
+                "listener_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(LISTENER, "1")
+            .env_remove(INNER)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let port = loop {
+            let line = lines.next().expect("fake-engine exited").unwrap();
+            if let Some(p) = line.strip_prefix("LISTENING ") {
+                break p.trim().parse().unwrap();
+            }
+        };
+        FakeEngine { child, port, exe }
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+fn run(ports: Vec<PortExpectation>) -> Vec<CheckResult> {
+    let r = PortsCheck::new(&ChecksConfig::default()).run(&NodePlan {
+        ports,
+        ..NodePlan::default()
+    });
+    for x in &r {
+        println!("{:?} {} {}: {}", x.status, x.reason, x.subject, x.message);
+    }
+    r
+}
+
+fn held_by(port: u16, exe: Option<&Path>, pod_uid: Option<&str>) -> PortExpectation {
+    PortExpectation {
+        port,
+        expect: PortExpect::Held,
+        owner: Some(PortOwner {
+            exe: exe.map(|e| e.display().to_string()),
+            pod_uid: pod_uid.map(str::to_string),
+        }),
+        purpose: "engine".into(),
+    }
+}
+
+fn free(port: u16) -> PortExpectation {
+    PortExpectation {
+        port,
+        expect: PortExpect::Free,
+        owner: None,
+        purpose: "mooncake master".into(),
+    }
+}
+
+/// A kubepods cgroup made for the test in one hierarchy; removed (leaf first) on drop.
+struct PodCgroup {
+    dirs: Vec<PathBuf>,
+}
+
+impl PodCgroup {
+    /// Creates `root/<rel>` (each component) and moves `pid` into it; `None` when this host's
+    /// cgroup file system does not allow it.
+    fn create(root: &Path, rel: &[String], pid: u32) -> Option<Self> {
+        let mut dirs = Vec::new();
+        let mut path = root.to_path_buf();
+        for comp in rel {
+            path.push(comp);
+            if !path.exists() {
+                if let Err(e) = std::fs::create_dir(&path) {
+                    eprintln!("cannot create {}: {e}", path.display());
+                    return Some(PodCgroup { dirs }).and(None);
+                }
+                dirs.push(path.clone());
+            }
+        }
+        let cg = PodCgroup { dirs };
+        match std::fs::write(path.join("cgroup.procs"), pid.to_string()) {
+            Ok(()) => Some(cg),
+            Err(e) => {
+                eprintln!("cannot move {pid} into {}: {e}", path.display());
+                None
+            }
+        }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for d in self.dirs.iter().rev() {
+            for _ in 0..50 {
+                if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Mount points of this process's cgroup hierarchies: (v1 controller list or "cgroup2", dir).
+fn cgroup_mounts() -> Vec<(String, PathBuf)> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let mp = left.split(' ').nth(4)?;
+            let mut r = right.split(' ');
+            let fs = r.next()?;
+            let opts = r.nth(1).unwrap_or("");
+            match fs {
+                "cgroup2" => Some(("cgroup2".to_string(), PathBuf::from(mp))),
+                "cgroup" => Some((opts.to_string(), PathBuf::from(mp))),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn ports_in_a_private_network_namespace() {
+    if std::env::var(INNER).as_deref() != Ok("ports_in_a_private_network_namespace") {
+        rerun_in_unshare("ports_in_a_private_network_namespace", &["-n"]);
+        return;
+    }
+    let st = Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .unwrap();
+    assert!(st.success(), "ip link set lo up");
+
+    // a fresh namespace: nothing listens
+    let r = run(vec![]);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].observed["listeningPorts"], "0", "{:?}", r[0]);
+
+    // our own listeners, by scope
+    let all4 = TcpListener::bind("0.0.0.0:0").unwrap();
+    let lo4 = TcpListener::bind("127.0.0.1:0").unwrap();
+    let all6 = TcpListener::bind("[::]:0").unwrap();
+    let lo6 = TcpListener::bind("[::1]:0").unwrap();
+    let p = |l: &TcpListener| l.local_addr().unwrap().port();
+    let mut all = [p(&all4), p(&all6)];
+    all.sort_unstable();
+    let mut lo = [p(&lo4), p(&lo6)];
+    lo.sort_unstable();
+    let r = run(vec![]);
+    let h = &r[0];
+    assert_eq!(h.observed["listeningPorts"], "4");
+    assert_eq!(h.observed["listeningSockets"], "4");
+    assert_eq!(
+        h.observed["allAddressesPorts"],
+        format!("{},{}", all[0], all[1])
+    );
+    assert_eq!(h.observed["loopbackPorts"], format!("{},{}", lo[0], lo[1]));
+    assert_eq!(h.observed["specificAddressCount"], "0");
+    let r = run(vec![free(p(&all6)), free(p(&lo6))]);
+    assert_eq!(r[1].observed["addresses"], "::");
+    assert_eq!(r[1].observed["bindScope"], "all");
+    assert_eq!(r[2].observed["addresses"], "::1");
+    assert_eq!(r[2].observed["bindScope"], "loopback");
+
+    // another process holds a port: identified by its own exe, not ours
+    let dir = tempfile::tempdir().unwrap();
+    let engine = FakeEngine::start(dir.path());
+    let pid = engine.child.id();
+    let own = std::fs::read_link("/proc/self/exe").unwrap();
+    let r = run(vec![
+        held_by(engine.port, Some(&engine.exe), None),
+        held_by(engine.port, Some(&own), None),
+        free(engine.port),
+    ]);
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Ok, "PortOk")
+    );
+    assert_eq!(r[1].observed["pids"], pid.to_string());
+    assert_eq!(r[1].observed["exes"], engine.exe.display().to_string());
+    assert_eq!(
+        (r[2].status, r[2].reason.as_str()),
+        (CheckStatus::Critical, "PortOwnerMismatch")
+    );
+    assert_eq!(
+        (r[3].status, r[3].reason.as_str()),
+        (CheckStatus::Critical, "PortConflict")
+    );
+    for needle in [
+        format!("port {} (mooncake master)", engine.port),
+        format!("pid {pid}"),
+        engine.exe.display().to_string(),
+    ] {
+        assert!(
+            r[3].message.contains(&needle),
+            "{needle} not in {}",
+            r[3].message
+        );
+    }
+
+    // the pod UID from real cgroup files, both drivers, where this host lets us make cgroups
+    let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+    let mut tried = 0;
+    for (kind, root) in cgroup_mounts() {
+        let rel: Vec<String> = if kind == "cgroup2" || kind.split(',').any(|o| o == "name=systemd")
+        {
+            vec![
+                "kubepods.slice".into(),
+                "kubepods-besteffort.slice".into(),
+                format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
+            ]
+        } else if kind.split(',').any(|o| o == "pids") {
+            vec!["kubepods".into(), "besteffort".into(), format!("pod{uid}")]
+        } else {
+            continue;
+        };
+        let Some(cg) = PodCgroup::create(&root, &rel, pid) else {
+            eprintln!("skipped the {kind} cgroup at {}", root.display());
+            continue;
+        };
+        tried += 1;
+        let r = run(vec![
+            held_by(engine.port, Some(&engine.exe), Some(uid)),
+            held_by(
+                engine.port,
+                None,
+                Some("00000000-0000-0000-0000-000000000000"),
+            ),
+            free(engine.port),
+        ]);
+        assert_eq!(
+            (r[1].status, r[1].reason.as_str()),
+            (CheckStatus::Ok, "PortOk"),
+            "{kind}: {:?}",
+            r[1]
+        );
+        assert_eq!(r[1].observed["podUids"], uid);
+        assert_eq!(r[2].reason, "PortOwnerMismatch");
+        assert!(r[3].message.contains(uid), "{}", r[3].message);
+        // move the engine back to the hierarchy's root before removing the cgroup
+        let _ = std::fs::write(root.join("cgroup.procs"), pid.to_string());
+        drop(cg);
+        println!(
+            "pod UID read through the {kind} hierarchy at {}",
+            root.display()
+        );
+        break;
+    }
+    if tried == 0 {
+        eprintln!("skipped the pod-UID part: no writable cgroup hierarchy on this host");
+    }
+
+    drop(engine);
+    drop((all4, lo4, all6, lo6));
+}

@@ -1,0 +1,322 @@
+//! The standalone stack end to end, in one process but over real sockets: `ic-controller
+//! standalone` on loopback gRPC/HTTP, an `ic-agent` runtime connected to it running the real
+//! host checks, and a real ZMQ publisher replaying genuine vLLM frames. Covers the foundation
+//! issue's acceptance: the node shows up with its checks, the agent's report agrees with
+//! `ic-agent check`, LookupRoute answers PREFIX_MATCH / NO_HINT, and a controller restart is healed
+//! by the agent's resync without restarting the agent.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ic_agent::checks::{Checks, ChecksConfig};
+use ic_agent::kv::publish::{publish_fixture, PublishOptions};
+use ic_agent::link::LinkConfig;
+use ic_agent::runtime::{self, RunConfig};
+use ic_agent::state::AgentState;
+use ic_controller::standalone::{self, StandaloneConfig};
+use ic_controller::state::LookupPolicy;
+use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan, ShmRequirement};
+use ic_shared::proto::{
+    router_service_client::RouterServiceClient, Decision, LookupRouteRequest, LookupRouteResponse,
+};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/kv-events")
+        .join(name)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET over plain HTTP/1.1 and parse the JSON body.
+async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8(buf).unwrap();
+    let status: u16 = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+async fn wait_for<F, Fut>(what: &str, limit: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out after {limit:?} waiting for {what}");
+}
+
+struct Controller {
+    grpc: SocketAddr,
+    http: SocketAddr,
+    stop: oneshot::Sender<()>,
+    done: tokio::task::JoinHandle<()>,
+    shared: Arc<ic_controller::state::Shared>,
+}
+
+async fn start_controller(grpc: SocketAddr) -> Controller {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let running = standalone::start(
+        StandaloneConfig {
+            grpc_addr: grpc,
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            agent_expiry: Duration::from_secs(60),
+            policy: LookupPolicy::default(),
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    )
+    .await
+    .unwrap();
+    let (grpc, http, shared) = (running.grpc_addr, running.http_addr, running.shared.clone());
+    let done = tokio::spawn(async move { running.wait().await.unwrap() });
+    Controller {
+        grpc,
+        http,
+        stop,
+        done,
+        shared,
+    }
+}
+
+async fn lookup(grpc: SocketAddr, tokens: std::ops::Range<u32>) -> Option<LookupRouteResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+    let mut client = RouterServiceClient::new(channel);
+    client
+        .lookup_route(LookupRouteRequest {
+            token_ids: tokens.collect(),
+            ..Default::default()
+        })
+        .await
+        .ok()
+        .map(|r| r.into_inner())
+}
+
+fn check_keys(checks: &Value) -> Vec<(String, String, String, String)> {
+    let mut v: Vec<_> = checks
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["subject"].as_str().unwrap().to_string(),
+                c["status"].as_str().unwrap().to_string(),
+                c["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controller_restart() {
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let controller = start_controller(grpc).await;
+
+    let pub_port = free_port();
+    let replay_port = free_port();
+    let plan = NodePlan {
+        shm: Some(ShmRequirement {
+            required_bytes: 1 << 20,
+        }),
+        engines: vec![EnginePlan {
+            namespace: "default".into(),
+            pod: "vllm-0".into(),
+            model: "demo-model".into(),
+            hash_scheme: HashScheme::Vllm,
+            block_size: 16,
+            keeps_l2: true,
+            kv_events: vec![KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
+                topic: String::new(),
+                dp_rank: 0,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let state = AgentState::new("node-under-test".into(), plan.clone()).unwrap();
+    let mut link = LinkConfig::new(format!("http://{grpc}"));
+    link.backoff_max = Duration::from_millis(500);
+    let agent = runtime::start(
+        RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            check_interval: Duration::from_secs(1),
+        },
+        state,
+        Checks::new(&ChecksConfig::default()),
+    )
+    .await
+    .unwrap();
+
+    // The node shows up with its shm, ports and GPU results within 10 s.
+    wait_for("the node in /v1/nodes", Duration::from_secs(10), || async {
+        let (_, doc) = get_json(controller.http, "/v1/nodes").await;
+        doc["nodes"].as_array().is_some_and(|n| {
+            n.iter().any(|n| {
+                n["node"] == "node-under-test"
+                    && n["connected"] == true
+                    && ["shm", "ports", "gpu"].iter().all(|c| {
+                        n["checks"]
+                            .as_array()
+                            .is_some_and(|cs| cs.iter().any(|x| x["name"] == *c))
+                    })
+            })
+        })
+    })
+    .await;
+
+    // The agent's report agrees with a one-shot `ic-agent check` on the same plan.
+    let (status, report) = get_json(agent.http_addr, "/v1/report").await;
+    assert_eq!(status, 200);
+    let oneshot = Checks::new(&ChecksConfig::default()).run_all(&plan);
+    let oneshot = ic_agent::checks::report_json("node-under-test", &oneshot);
+    assert_eq!(
+        check_keys(&report["checks"]),
+        check_keys(&oneshot["checks"])
+    );
+    assert_eq!(report["node"], "node-under-test");
+
+    // Attach a replayed vLLM 0.24 engine (map-encoded events); withhold the final
+    // AllBlocksCleared so the state stays.
+    let publisher = tokio::spawn(async move {
+        let opts = PublishOptions {
+            connect_wait: Duration::from_millis(1500),
+            linger: Duration::from_secs(30),
+            skip_seqs: [9].into_iter().collect(),
+            ..Default::default()
+        };
+        publish_fixture(
+            &fixture("vllm-0.24.0.json"),
+            &format!("tcp://127.0.0.1:{pub_port}"),
+            Some(&format!("tcp://127.0.0.1:{replay_port}")),
+            &opts,
+        )
+        .await
+    });
+
+    wait_for(
+        "PREFIX_MATCH for tokens 0..32",
+        Duration::from_secs(15),
+        || async {
+            lookup(controller.grpc, 0..32)
+                .await
+                .is_some_and(|r| r.decision == Decision::PrefixMatch as i32)
+        },
+    )
+    .await;
+    // Every published batch (seq 0..=8) applied on the agent and acknowledged into the index.
+    let hub = agent.state.hub.clone();
+    wait_for("the last published batch", Duration::from_secs(15), || {
+        let hub = hub.clone();
+        async move { hub.status().first().and_then(|s| s.last_seq) == Some(8) }
+    })
+    .await;
+    let delta_seq = hub.status()[0].delta_seq;
+    wait_for(
+        "the index to apply every delta",
+        Duration::from_secs(10),
+        || async {
+            controller
+                .shared
+                .index
+                .read()
+                .snapshot()
+                .replicas
+                .first()
+                .map(|r| r.seq)
+                == Some(delta_seq)
+        },
+    )
+    .await;
+    let hit = lookup(controller.grpc, 0..32).await.unwrap();
+    assert_eq!(hit.replicas[0].replica, "vllm-0");
+    assert_eq!(hit.replicas[0].node, "node-under-test");
+    assert_eq!(hit.replicas[0].matched_blocks, 2);
+    assert_eq!(hit.replicas[0].matched_tokens, 32);
+    assert_eq!(hit.block_size, 16);
+    let miss = lookup(controller.grpc, 500..532).await.unwrap();
+    assert_eq!(miss.decision, Decision::NoHint as i32);
+    assert!(miss.replicas.is_empty());
+    let before = controller.shared.index.read().snapshot();
+
+    // Restart the controller on the same port; the agent reconnects and resyncs.
+    let _ = controller.stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), controller.done)
+        .await
+        .expect("controller drains its agent streams and stops")
+        .unwrap();
+    let controller = start_controller(grpc).await;
+    assert_eq!(controller.shared.index.read().entry_count(), 0);
+    wait_for(
+        "the index to come back",
+        Duration::from_secs(10),
+        || async {
+            lookup(controller.grpc, 0..32)
+                .await
+                .is_some_and(|r| r.decision == Decision::PrefixMatch as i32)
+        },
+    )
+    .await;
+    let after = controller.shared.index.read().snapshot();
+    assert_eq!(after.entries, before.entries);
+    assert_eq!(after.blocks, before.blocks);
+    assert_eq!(
+        after
+            .replicas
+            .iter()
+            .map(|r| (&r.stream_id, r.prefix_count, r.t2_blocks))
+            .collect::<Vec<_>>(),
+        before
+            .replicas
+            .iter()
+            .map(|r| (&r.stream_id, r.prefix_count, r.t2_blocks))
+            .collect::<Vec<_>>()
+    );
+    wait_for(
+        "the node back in /v1/nodes",
+        Duration::from_secs(10),
+        || async {
+            let (_, doc) = get_json(controller.http, "/v1/nodes").await;
+            doc["nodes"][0]["node"] == "node-under-test"
+                && doc["nodes"][0]["checks"]
+                    .as_array()
+                    .is_some_and(|c| !c.is_empty())
+        },
+    )
+    .await;
+
+    publisher.abort();
+    agent.abort();
+    let _ = controller.stop.send(());
+}
