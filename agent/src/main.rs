@@ -31,6 +31,49 @@ enum Command {
     /// Run every check once on this host and print a verdict table (or JSON).
     /// Exit status: 0 ok (or unknown), 1 warning, 2 critical, 3 the plan could not be read.
     Check(CheckArgs),
+    /// Engine KV-event tools.
+    #[command(subcommand)]
+    Kv(KvCommand),
+}
+
+#[derive(Subcommand)]
+enum KvCommand {
+    /// Replay golden engine frames (../shared/fixtures/kv-events/*.json) on a ZMQ PUB socket with
+    /// the engine's exact framing, and serve the engine's replay protocol on a ROUTER socket.
+    Publish(PublishArgs),
+}
+
+#[derive(Args)]
+struct PublishArgs {
+    /// Fixture file recorded from a genuine publisher.
+    #[arg(long)]
+    fixture: PathBuf,
+    /// PUB endpoint to bind, e.g. tcp://127.0.0.1:5557.
+    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+    endpoint: String,
+    /// ROUTER endpoint to bind for replay requests, e.g. tcp://127.0.0.1:5558.
+    #[arg(long)]
+    replay_endpoint: Option<String>,
+    /// Which recorded publisher to replay: dp0, dp1 or dp2.
+    #[arg(long, default_value = "dp0")]
+    source: String,
+    /// Passes over the frames; 0 = until interrupted (each pass restarts at the recorded seqs,
+    /// which subscribers see as an engine restart).
+    #[arg(long, default_value_t = 1)]
+    repeat: u32,
+    /// Milliseconds between frames.
+    #[arg(long, default_value_t = 50)]
+    interval_ms: u64,
+    /// Milliseconds to wait after binding before the first frame (subscribers connect).
+    #[arg(long, default_value_t = 1000)]
+    connect_wait_ms: u64,
+    /// Seconds to keep serving replay requests after the last frame.
+    #[arg(long, default_value_t = 3600)]
+    linger_seconds: u64,
+    /// Recorded seqs not to send live (still served by replay); repeatable. The recorded
+    /// scenarios end with AllBlocksCleared: skip its seq to keep the state in the index.
+    #[arg(long = "skip-seq")]
+    skip_seqs: Vec<u64>,
 }
 
 #[derive(Args)]
@@ -129,6 +172,37 @@ fn main() -> anyhow::Result<()> {
                 print!("{}", checks::render_table(&node, &results));
             }
             std::process::exit(CheckStatus::worst(results.iter().map(|r| r.status)).exit_code());
+        }
+        Command::Kv(KvCommand::Publish(a)) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let opts = ic_agent::kv::publish::PublishOptions {
+                source: a.source,
+                repeat: a.repeat,
+                interval: Duration::from_millis(a.interval_ms),
+                connect_wait: Duration::from_millis(a.connect_wait_ms),
+                linger: Duration::from_secs(a.linger_seconds),
+                skip_seqs: a.skip_seqs.into_iter().collect(),
+            };
+            let report = rt.block_on(async {
+                tokio::select! {
+                    r = ic_agent::kv::publish::publish_fixture(
+                        &a.fixture,
+                        &a.endpoint,
+                        a.replay_endpoint.as_deref(),
+                        &opts,
+                    ) => r.map(Some),
+                    _ = tokio::signal::ctrl_c() => Ok(None),
+                }
+            })?;
+            if let Some(r) = report {
+                eprintln!(
+                    "published {} batches ({} withheld), answered {} replay requests with {} batches",
+                    r.published, r.skipped, r.replay_requests, r.replayed_batches
+                );
+            }
+            Ok(())
         }
         Command::Run(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread()

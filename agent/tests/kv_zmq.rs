@@ -72,6 +72,8 @@ fn recorded_requests(name: &str) -> (Vec<u32>, Vec<u32>) {
 }
 
 struct Outcome {
+    /// The SUB was connected while the publisher ran.
+    connected: bool,
     deltas: Vec<StreamDelta>,
     snapshot: Vec<StreamSnapshot>,
     status: StreamStatus,
@@ -105,11 +107,13 @@ async fn run(
     });
 
     let mut deltas = Vec::new();
+    let mut connected = false;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let _ = tokio::time::timeout(Duration::from_millis(200), hub.changed()).await;
         deltas.extend(hub.take_deltas());
         let st = hub.status().remove(0);
+        connected |= st.connected;
         if st.batches_decoded >= decoded_target {
             break;
         }
@@ -128,6 +132,7 @@ async fn run(
         .iter()
         .any(|f| f.name() == "inferencecache_agent_kv_batches_decoded_total"));
     Outcome {
+        connected,
         deltas,
         snapshot,
         status,
@@ -224,7 +229,7 @@ async fn vllm_map_frames_become_content_keys() {
     assert!(!out.snapshot[0].stale);
     assert_eq!(out.status.last_seq, Some(8));
     assert_eq!(out.status.gaps, 0);
-    assert!(out.status.connected);
+    assert!(out.connected);
     assert_eq!(out.status.observed_block_size, 16);
     assert_eq!(out.status.blocks_held, 6);
 }
@@ -320,4 +325,48 @@ async fn a_sequence_restart_at_zero_clears_the_replica() {
     }
     assert_eq!(snapshot_index(&out.snapshot), from_deltas);
     assert_eq!(out.status.resyncs, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
+    // The publisher runs before the agent follows it (an agent restart): the first live message
+    // the subscriber sees has seq > 0, so it replays from 0 and ends with the full state.
+    let (a, b) = recorded_requests("vllm-0.26.0.json");
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let path = fixture("vllm-0.26.0.json");
+    let endpoint = format!("tcp://127.0.0.1:{pub_port}");
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let opts = PublishOptions {
+        interval: Duration::from_millis(100),
+        connect_wait: Duration::ZERO,
+        linger: Duration::from_secs(2),
+        skip_seqs: skip(&[9]),
+        ..PublishOptions::default()
+    };
+    let publisher =
+        tokio::spawn(async move { publish_fixture(&path, &endpoint, Some(&replay), &opts).await });
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    hub.apply_plan(&plan(HashScheme::Vllm, pub_port, Some(replay_port)));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while hub.status()[0].last_seq != Some(8) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:#?}",
+            hub.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = hub.status().remove(0);
+    assert!(status.replays >= 1, "{status:#?}");
+    assert!(status.batches_replayed >= 1, "{status:#?}");
+    let ka = chain(&a, 16);
+    let kb = chain(&b, 16);
+    let snap = snapshot_index(&hub.snapshot());
+    for k in [ka[0], ka[1], ka[2], kb[1]] {
+        assert_eq!(snap.get(&(String::new(), k)), Some(&T1));
+    }
+    assert_eq!(snap.len(), 6);
+    publisher.await.unwrap().unwrap();
 }

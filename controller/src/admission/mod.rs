@@ -1,0 +1,1 @@
+//! AdmissionReview server: CacheBackend defaulting and validation, Pod wiring (placeholder).
