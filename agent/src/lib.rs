@@ -1,10 +1,10 @@
 //! `ic-agent` library: everything the binary wires together (DESIGN.md "Layout").
 //!
-//! - [`checks`]: node checks behind one trait.
-//! - [`kv`]: engine KV-event subscribers and their aggregation into index deltas.
-//! - [`link`]: the gRPC stream to the controller.
-//! - [`http`]: troubleshooting endpoints and `/metrics`.
-//! - [`runtime`]: `ic-agent run` wiring; [`state`]: what the loops share.
+//! - [`checks`] — node checks behind one trait.
+//! - [`kv`] — engine KV-event subscribers and their aggregation into index deltas.
+//! - [`link`] — the gRPC stream to the controller.
+//! - [`http`] — troubleshooting endpoints and `/metrics`.
+//! - [`runtime`] — `ic-agent run` wiring; [`state`] — what the loops share.
 
 pub mod checks;
 pub mod http;

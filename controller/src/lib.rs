@@ -1,13 +1,13 @@
 //! `ic-controller` library: everything the binary wires together (DESIGN.md "Layout").
 //!
-//! - [`adapters`]: runtime and storage-provider adapters behind a registry.
-//! - [`admission`]: the AdmissionReview server and its logic.
-//! - [`crdgen`]: CRD manifests for `chart/crds`.
-//! - [`index`]: the KV-prefix index and lookups.
-//! - [`ingest`]: the agents' gRPC stream.
-//! - [`router`]: `RouterService.LookupRoute`.
-//! - [`http`]: health, metrics, snapshot and node endpoints.
-//! - [`standalone`]: the one-machine stack.
+//! - [`adapters`] — runtime and storage-provider adapters behind a registry.
+//! - [`admission`] — the AdmissionReview server and its logic.
+//! - [`crdgen`] — CRD manifests for `chart/crds`.
+//! - [`index`] — the KV-prefix index and lookups.
+//! - [`ingest`] — the agents' gRPC stream.
+//! - [`router`] — `RouterService.LookupRoute`.
+//! - [`http`] — health, metrics, snapshot and node endpoints.
+//! - [`standalone`] — the one-machine stack.
 
 pub mod adapters;
 pub mod admission;

@@ -12,7 +12,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use ic_agent::checks::ports::PortsCheck;
@@ -81,6 +81,8 @@ fn listener_child() {
 
 struct FakeEngine {
     child: Child,
+    // kept open so that the child's last lines do not hit a closed pipe
+    _stdout: std::io::Lines<BufReader<ChildStdout>>,
     port: u16,
     exe: PathBuf,
 }
@@ -105,11 +107,17 @@ impl FakeEngine {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let port = loop {
             let line = lines.next().expect("fake-engine exited").unwrap();
-            if let Some(p) = line.strip_prefix("LISTENING ") {
-                break p.trim().parse().unwrap();
+            // libtest prints "test listener_child ... " on the same line
+            if let Some(i) = line.find("LISTENING ") {
+                break line[i + "LISTENING ".len()..].trim().parse().unwrap();
             }
         };
-        FakeEngine { child, port, exe }
+        FakeEngine {
+            child,
+            _stdout: lines,
+            port,
+            exe,
+        }
     }
 }
 
@@ -168,7 +176,8 @@ impl PodCgroup {
             if !path.exists() {
                 if let Err(e) = std::fs::create_dir(&path) {
                     eprintln!("cannot create {}: {e}", path.display());
-                    return Some(PodCgroup { dirs }).and(None);
+                    drop(PodCgroup { dirs });
+                    return None;
                 }
                 dirs.push(path.clone());
             }
@@ -299,15 +308,23 @@ fn ports_in_a_private_network_namespace() {
     let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
     let mut tried = 0;
     for (kind, root) in cgroup_mounts() {
-        let rel: Vec<String> = if kind == "cgroup2" || kind.split(',').any(|o| o == "name=systemd")
-        {
-            vec![
-                "kubepods.slice".into(),
-                "kubepods-besteffort.slice".into(),
-                format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
-            ]
-        } else if kind.split(',').any(|o| o == "pids") {
-            vec!["kubepods".into(), "besteffort".into(), format!("pod{uid}")]
+        let opts: Vec<&str> = kind.split(',').collect();
+        let systemd_form = vec![
+            "kubepods.slice".to_string(),
+            "kubepods-besteffort.slice".to_string(),
+            format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
+        ];
+        let cgroupfs_form = vec![
+            "kubepods".to_string(),
+            "besteffort".to_string(),
+            format!("pod{uid}"),
+        ];
+        let (kind, rel) = if kind == "cgroup2" {
+            ("cgroup v2, systemd driver form", systemd_form)
+        } else if opts.contains(&"name=systemd") {
+            ("cgroup v1 name=systemd, systemd driver form", systemd_form)
+        } else if opts.contains(&"pids") {
+            ("cgroup v1 pids, cgroupfs driver form", cgroupfs_form)
         } else {
             continue;
         };
@@ -337,11 +354,7 @@ fn ports_in_a_private_network_namespace() {
         // move the engine back to the hierarchy's root before removing the cgroup
         let _ = std::fs::write(root.join("cgroup.procs"), pid.to_string());
         drop(cg);
-        println!(
-            "pod UID read through the {kind} hierarchy at {}",
-            root.display()
-        );
-        break;
+        println!("pod UID read through {kind} at {}", root.display());
     }
     if tried == 0 {
         eprintln!("skipped the pod-UID part: no writable cgroup hierarchy on this host");

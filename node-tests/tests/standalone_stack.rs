@@ -5,6 +5,8 @@
 //! `ic-agent check`, LookupRoute answers PREFIX_MATCH / NO_HINT, and a controller restart is healed
 //! by the agent's resync without restarting the agent.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,12 +1,12 @@
 //! `ic-shared`: what `ic-controller` and `ic-agent` agree on.
 //!
-//! - [`crd`]: the `inferencecache.io/v1alpha1` custom resources (spec 000 "Spec"/"Status").
-//! - [`proto`]: the gRPC contracts (`AgentService`, `RouterService`), generated from
+//! - [`crd`] — the `inferencecache.io/v1alpha1` custom resources (spec 000 "Spec"/"Status").
+//! - [`proto`] — the gRPC contracts (`AgentService`, `RouterService`), generated from
 //!   `shared/proto/inferencecache.proto`.
-//! - [`plan`]: the node plan the controller pushes to an agent (or an agent reads from a file).
-//! - [`check`]: the typed result of a node check.
-//! - [`kv`]: engine KV-event wire decoding and our content keys.
-//! - [`telemetry`]: logging set-up for both binaries.
+//! - [`plan`] — the node plan the controller pushes to an agent (or an agent reads from a file).
+//! - [`check`] — the typed result of a node check.
+//! - [`kv`] — engine KV-event wire decoding and our content keys.
+//! - [`telemetry`] — logging set-up for both binaries.
 
 pub mod check;
 pub mod crd;

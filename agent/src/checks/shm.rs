@@ -304,7 +304,7 @@ pub fn evaluate(
                 "ShmNotTmpfs",
                 format!(
                     "{shown} is on a {} file system (source {}, mounted at {}), not tmpfs; \
-                     shared memory there is not RAM-backed.",
+                     engines expect a RAM-backed tmpfs with a fixed size there.",
                     m.fs_type,
                     m.source,
                     m.mount_point.display()

@@ -181,7 +181,8 @@ impl KvHub {
 
     /// Starts subscribers for new streams in the plan, stops removed ones (their state is dropped:
     /// the next snapshot no longer lists them). A stream whose endpoint, topic, identity or plan
-    /// facts changed is restarted with empty state. Must be called within a tokio runtime for
+    /// facts changed is restarted with empty state; its next delta skips one seq so the
+    /// controller resyncs rather than mixing the two incarnations. Must be called within a tokio runtime for
     /// subscribers to start; outside one, streams are listed (with an error in their status) but
     /// not followed.
     pub fn apply_plan(&self, plan: &NodePlan) {
@@ -189,11 +190,16 @@ impl KvHub {
         let rt = tokio::runtime::Handle::try_current().ok();
         let mut streams = self.streams();
         let metrics = &self.inner.sink.metrics;
+        // Delta seqs of streams replaced in place (same id, changed spec).
+        let mut replaced: BTreeMap<String, u64> = BTreeMap::new();
         streams.retain(|id, entry| {
             let keep = desired.get(id) == Some(&entry.shared.spec);
             if !keep {
                 tracing::info!(stream = %id, "kv events: stream stopped");
                 metrics.remove_stream(id);
+                if desired.contains_key(id) {
+                    replaced.insert(id.clone(), entry.shared.lock().state.delta_seq());
+                }
             }
             keep
         });
@@ -203,6 +209,9 @@ impl KvHub {
             }
             tracing::info!(stream = %id, endpoint = %spec.endpoint, "kv events: stream started");
             let shared = Arc::new(StreamShared::new(spec));
+            if let Some(prev) = replaced.get(&id) {
+                shared.lock().state.continue_after(*prev);
+            }
             let running = match &rt {
                 Some(rt) => Some(subscriber::spawn(
                     rt,
@@ -376,6 +385,12 @@ mod tests {
         assert!(status[0].last_error.as_deref().unwrap().contains("runtime"));
         let json = serde_json::to_value(&status[0]).unwrap();
         assert!(json.get("streamId").is_some() && json.get("blocksHeld").is_some());
+        // A changed spec restarts the stream; its next delta skips a seq (forces a resync).
+        let mut changed = plan("tcp://127.0.0.1:1");
+        changed.engines[0].keeps_l2 = true;
+        hub.apply_plan(&changed);
+        let deltas = hub.take_deltas();
+        assert_eq!(deltas.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![2, 2]);
         hub.apply_plan(&NodePlan::default());
         assert!(hub.snapshot().is_empty());
         assert!(hub.take_deltas().is_empty());

@@ -383,6 +383,14 @@ impl StreamState {
         !self.pending.ops.is_empty() || self.pending.overflowed
     }
 
+    /// Continues the delta numbering of a replaced stream of the same id whose last delta seq was
+    /// `prev`: the first delta taken skips one number, so the controller sees a gap and asks for a
+    /// resync instead of applying new deltas on top of the old stream's entries.
+    pub fn continue_after(&mut self, prev: u64) {
+        self.delta_seq = prev;
+        self.pending.overflowed = true;
+    }
+
     /// Records that batch `seq` arrived but could not be decoded: the sequence advances, nothing
     /// else changes.
     pub fn note_undecodable(&mut self, seq: u64) {
@@ -1327,6 +1335,18 @@ mod tests {
         assert_eq!(seq, 2, "seq 1 skipped");
         let (seq, entries, _) = st.snapshot();
         assert_eq!((seq, entries.len()), (2, 4));
+    }
+
+    #[test]
+    fn a_replaced_stream_forces_a_resync() {
+        let mut st = StreamState::new(StreamConfig::default());
+        st.continue_after(7);
+        let (seq, ops, _) = st.take_delta().unwrap();
+        assert_eq!((seq, ops.len()), (9, 0));
+        let mut st = StreamState::new(StreamConfig::default());
+        st.continue_after(7);
+        assert_eq!(st.snapshot().0, 7);
+        assert!(st.take_delta().is_none());
     }
 
     #[test]
