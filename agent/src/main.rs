@@ -105,6 +105,9 @@ struct RunArgs {
     /// HTTP listen address for /healthz, /readyz, /metrics, /v1/report.
     #[arg(long, env = "IC_HTTP_ADDR", default_value = "127.0.0.1:9090")]
     http_addr: SocketAddr,
+    /// Optional separate listen address serving only /metrics (in cluster: the pod IP, port 9091).
+    #[arg(long, env = "IC_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
     /// Seconds between check passes.
     #[arg(long, env = "IC_CHECK_INTERVAL_SECONDS", default_value_t = 5)]
     check_interval_seconds: u64,
@@ -235,6 +238,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         ic_agent::runtime::RunConfig {
             link,
             http_addr: a.http_addr,
+            metrics_addr: a.metrics_addr,
             check_interval: Duration::from_secs(a.check_interval_seconds.max(1)),
         },
         state,

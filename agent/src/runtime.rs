@@ -20,6 +20,9 @@ pub struct RunConfig {
     pub link: Option<LinkConfig>,
     /// HTTP listen address for `/healthz`, `/readyz`, `/metrics`, `/v1/report`.
     pub http_addr: SocketAddr,
+    /// Optional second listener serving only `/metrics` (the pod IP in cluster, so Prometheus can
+    /// scrape while the troubleshooting endpoints stay on loopback).
+    pub metrics_addr: Option<SocketAddr>,
     /// Time between check passes.
     pub check_interval: Duration,
 }
@@ -96,6 +99,14 @@ pub async fn start(
         addr: cfg.http_addr,
         source,
     })?;
+    let metrics_listener = match cfg.metrics_addr {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| RunError::Bind { addr, source })?,
+        ),
+        None => None,
+    };
     let checks = Arc::new(checks);
     let (pass_tx, pass_rx) = watch::channel(0u64);
     let plan_applied = Arc::new(Notify::new());
@@ -134,6 +145,14 @@ pub async fn start(
         tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 warn!(error = %e, "HTTP server stopped");
+            }
+        }));
+    }
+    if let Some(listener) = metrics_listener {
+        let app = crate::http::metrics_router(state.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                warn!(error = %e, "metrics server stopped");
             }
         }));
     }

@@ -173,6 +173,7 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
         RunConfig {
             link: Some(link),
             http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
             check_interval: Duration::from_secs(1),
         },
         state,

@@ -2,7 +2,8 @@
 //!
 //! - `/healthz`: 200 while the process serves HTTP.
 //! - `/readyz`: 200 once the first check pass has finished, else 503.
-//! - `/metrics`: Prometheus text format (`inferencecache_agent_…`).
+//! - `/metrics`: Prometheus text format (`inferencecache_agent_…`); also served alone on
+//!   `--metrics-addr` (the pod IP in cluster) by [`metrics_router`].
 //! - `/v1/report`: the latest pass in the `ic-agent check --json` shape, plus `planGeneration`,
 //!   `kvStreams` and `link`; 503 before the first pass.
 
@@ -23,6 +24,13 @@ pub fn router(state: Arc<AgentState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/report", get(report))
+        .with_state(state)
+}
+
+/// A router serving only `/metrics` (for a separate, scrapeable listener).
+pub fn metrics_router(state: Arc<AgentState>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
