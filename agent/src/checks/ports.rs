@@ -400,33 +400,19 @@ pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) ->
                 "PortOk",
                 format!("{label} is listening, as the plan expects."),
             ),
-            Some(want) if st.owners.is_empty() => r(
-                CheckStatus::Unknown,
-                "PortOwnerUnknown",
-                format!(
-                    "{label} is listening but its owner could not be identified (socket inode \
-                     {}; in another PID namespace or unreadable), so {} cannot be confirmed.",
-                    join(&st.inodes),
-                    describe_owner(want)
-                ),
-            ),
             Some(want) => {
-                let wrong: Vec<&SocketOwner> =
-                    st.owners.iter().filter(|o| !o.matches(want)).collect();
-                if wrong.is_empty() {
-                    r(
-                        CheckStatus::Ok,
-                        "PortOk",
-                        format!(
-                            "{label} is held by {}, as the plan expects.",
-                            st.owners
-                                .iter()
-                                .map(SocketOwner::describe)
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    )
-                } else {
+                // An owner whose exe cannot be read cannot be compared with an expected exe.
+                let identified: Vec<&SocketOwner> = st
+                    .owners
+                    .iter()
+                    .filter(|o| want.exe.is_none() || o.exe.is_some())
+                    .collect();
+                let wrong: Vec<&SocketOwner> = identified
+                    .iter()
+                    .copied()
+                    .filter(|o| !o.matches(want))
+                    .collect();
+                if !wrong.is_empty() {
                     r(
                         CheckStatus::Critical,
                         "PortOwnerMismatch",
@@ -438,6 +424,31 @@ pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) ->
                                 .collect::<Vec<_>>()
                                 .join(", "),
                             describe_owner(want)
+                        ),
+                    )
+                } else if identified.is_empty() {
+                    r(
+                        CheckStatus::Unknown,
+                        "PortOwnerUnknown",
+                        format!(
+                            "{label} is listening but its owner could not be identified (socket \
+                             inode {}; in another PID namespace or unreadable), so {} cannot be \
+                             confirmed.",
+                            join(&st.inodes),
+                            describe_owner(want)
+                        ),
+                    )
+                } else {
+                    r(
+                        CheckStatus::Ok,
+                        "PortOk",
+                        format!(
+                            "{label} is held by {}, as the plan expects.",
+                            identified
+                                .iter()
+                                .map(|o| o.describe())
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         ),
                     )
                 }
@@ -708,10 +719,12 @@ mod tests {
         }
     }
 
+    const POD_UID: &str = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+
     #[test]
     fn expectation_table() {
         use CheckStatus::*;
-        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let uid = POD_UID;
         let py = owner(1234, "/usr/bin/python3.11", Some(uid));
         let cases: Vec<(PortExpectation, Option<PortState>, CheckStatus, &str)> = vec![
             (exp(50051, PortExpect::Free, None, None), None, Ok, "PortOk"),
@@ -784,6 +797,32 @@ mod tests {
                 Some(held("::", vec![])),
                 Unknown,
                 "PortOwnerUnknown",
+            ),
+            (
+                exp(50051, PortExpect::Held, Some("/usr/bin/python3.11"), None),
+                Some(held(
+                    "::",
+                    vec![SocketOwner {
+                        pid: 7,
+                        exe: None,
+                        pod_uid: None,
+                    }],
+                )),
+                Unknown,
+                "PortOwnerUnknown",
+            ),
+            (
+                exp(50051, PortExpect::Held, None, Some(POD_UID)),
+                Some(held(
+                    "::",
+                    vec![SocketOwner {
+                        pid: 7,
+                        exe: None,
+                        pod_uid: Some(POD_UID.into()),
+                    }],
+                )),
+                Ok,
+                "PortOk",
             ),
         ];
         for (i, (e, st, status, reason)) in cases.into_iter().enumerate() {

@@ -38,8 +38,8 @@ struct HubInner {
 
 struct StreamEntry {
     shared: Arc<StreamShared>,
-    /// `None` when no tokio runtime was available to start it.
-    _running: Option<Running>,
+    /// `None` while no tokio runtime was available to start it (retried on the next plan).
+    running: Option<Running>,
 }
 
 /// Per-stream status for `/v1/report` (JSON, camelCase).
@@ -182,9 +182,9 @@ impl KvHub {
     /// Starts subscribers for new streams in the plan, stops removed ones (their state is dropped:
     /// the next snapshot no longer lists them). A stream whose endpoint, topic, identity or plan
     /// facts changed is restarted with empty state; its next delta skips one seq so the
-    /// controller resyncs rather than mixing the two incarnations. Must be called within a tokio runtime for
-    /// subscribers to start; outside one, streams are listed (with an error in their status) but
-    /// not followed.
+    /// controller resyncs rather than mixing the two incarnations. Subscribers start only within
+    /// a tokio runtime; outside one, streams are listed (with an error in their status) and
+    /// started by the next call made within a runtime.
     pub fn apply_plan(&self, plan: &NodePlan) {
         let desired = self.planned(plan);
         let rt = tokio::runtime::Handle::try_current().ok();
@@ -204,7 +204,16 @@ impl KvHub {
             keep
         });
         for (id, spec) in desired {
-            if streams.contains_key(&id) {
+            if let Some(entry) = streams.get_mut(&id) {
+                if let (None, Some(rt)) = (&entry.running, &rt) {
+                    entry.shared.lock().stats.last_error = None;
+                    entry.running = Some(subscriber::spawn(
+                        rt,
+                        entry.shared.clone(),
+                        self.inner.sink.clone(),
+                        self.inner.opts.clone(),
+                    ));
+                }
                 continue;
             }
             tracing::info!(stream = %id, endpoint = %spec.endpoint, "kv events: stream started");
@@ -224,13 +233,7 @@ impl KvHub {
                     None
                 }
             };
-            streams.insert(
-                id,
-                StreamEntry {
-                    shared,
-                    _running: running,
-                },
-            );
+            streams.insert(id, StreamEntry { shared, running });
         }
     }
 
@@ -385,6 +388,15 @@ mod tests {
         assert!(status[0].last_error.as_deref().unwrap().contains("runtime"));
         let json = serde_json::to_value(&status[0]).unwrap();
         assert!(json.get("streamId").is_some() && json.get("blocksHeld").is_some());
+        // Within a runtime, the same plan starts the listed streams.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async { hub.apply_plan(&plan("tcp://127.0.0.1:1")) });
+        for st in hub.status() {
+            assert!(!st.last_error.unwrap_or_default().contains("runtime"));
+        }
         // A changed spec restarts the stream; its next delta skips a seq (forces a resync).
         let mut changed = plan("tcp://127.0.0.1:1");
         changed.engines[0].keeps_l2 = true;

@@ -532,14 +532,22 @@ impl StreamState {
         }
     }
 
+    /// Why a hash named by a removal or placeholder was not found: its group is not indexed, or
+    /// the block is unknown.
+    fn miss_reason(&self, group: Option<u32>) -> &'static str {
+        match group {
+            Some(g) if !self.indexed_groups.is_empty() && !self.indexed_groups.contains(&g) => {
+                "other_group"
+            }
+            _ => "unknown_hash",
+        }
+    }
+
     fn on_stored(&mut self, s: &BlockStored, report: &mut ApplyReport) {
         let gpu_medium = is_gpu(s.medium.as_deref());
         if s.token_ids.is_empty() {
-            // Placeholder: medium update of known blocks.
-            if s.group_idx.is_some() && !indexed(s) {
-                report.ignored.add("other_group", 1);
-                return;
-            }
+            // Placeholder: medium update of known blocks (of any indexed group; placeholders
+            // may lack the kind).
             for h in &s.block_hashes {
                 let mut found = false;
                 for g in self.groups_for(s.group_idx) {
@@ -556,7 +564,7 @@ impl StreamState {
                     }
                 }
                 if !found {
-                    report.ignored.add("unknown_hash", 1);
+                    report.ignored.add(self.miss_reason(s.group_idx), 1);
                 }
             }
             return;
@@ -665,12 +673,7 @@ impl StreamState {
                 }
             }
             if !found {
-                let other = r.group_idx.is_some_and(|g| {
-                    !self.indexed_groups.contains(&g) && !self.indexed_groups.is_empty()
-                });
-                report
-                    .ignored
-                    .add(if other { "other_group" } else { "unknown_hash" }, 1);
+                report.ignored.add(self.miss_reason(r.group_idx), 1);
             }
         }
     }

@@ -61,7 +61,7 @@ pub struct SubscriberOptions {
     pub connect_timeout: Duration,
     /// First reconnect delay after a failed connect (default 200 ms), doubled per failure.
     pub reconnect_initial: Duration,
-    /// Largest reconnect delay (default 30 s).
+    /// Largest reconnect delay (default 5 s).
     pub reconnect_max: Duration,
     /// Longest wait for each replay reply, and for the replay connect (default 3 s).
     pub replay_timeout: Duration,
@@ -78,7 +78,7 @@ impl Default for SubscriberOptions {
             queue_capacity: 8192,
             connect_timeout: Duration::from_secs(5),
             reconnect_initial: Duration::from_millis(200),
-            reconnect_max: Duration::from_secs(30),
+            reconnect_max: Duration::from_secs(5),
             replay_timeout: Duration::from_secs(3),
             replay_max_batches: 20_000,
             bootstrap_replay: true,

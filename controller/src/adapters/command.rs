@@ -133,8 +133,8 @@ enum Loc {
 /// One argument the engine receives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineArg {
-    /// The argument as the engine receives it (quotes removed). For a shell expansion, the raw
-    /// word.
+    /// The argument as the engine receives it (quotes removed; expansions such as `$X` kept
+    /// literally).
     pub text: String,
     /// True when the argument is (or contains) a shell expansion whose value is unknown.
     pub opaque: bool,
@@ -184,6 +184,9 @@ pub struct EngineCommand {
     pub runtime: Runtime,
     /// How the engine is launched.
     pub form: CommandForm,
+    /// Whether the engine invocation itself was seen (false for an image entrypoint that
+    /// receives `args` without naming the engine).
+    pub found_engine: bool,
     /// The engine's arguments after the engine invocation (`vllm serve` / `-m module`).
     pub args: Vec<EngineArg>,
     /// The Python interpreter that runs the engine, when it can be derived from the command
@@ -324,8 +327,7 @@ impl EngineCommand {
             return Self::parse_shell(&name, runtime, &argv, shell_at);
         }
 
-        let (marker, count) = find_marker(&words, runtime);
-        let _ = count;
+        let (marker, _) = find_marker(&words, runtime);
         match marker {
             Some((end, python)) => Ok(EngineCommand {
                 container: name,
@@ -335,6 +337,7 @@ impl EngineCommand {
                 } else {
                     CommandForm::Direct
                 },
+                found_engine: true,
                 args: argv[end + 1..]
                     .iter()
                     .map(|(s, slot)| EngineArg {
@@ -353,6 +356,7 @@ impl EngineCommand {
                 container: name,
                 runtime,
                 form: CommandForm::ImageEntrypoint,
+                found_engine: false,
                 args: argv
                     .iter()
                     .map(|(s, slot)| EngineArg {
@@ -508,11 +512,7 @@ impl EngineCommand {
                 ));
             }
             args.push(EngineArg {
-                text: if w.expansion {
-                    script[w.start..w.end].to_string()
-                } else {
-                    w.text.clone()
-                },
+                text: w.text.clone(),
                 opaque: w.expansion,
                 loc: Loc::Script {
                     start: w.start,
@@ -531,6 +531,7 @@ impl EngineCommand {
             container: name.to_string(),
             runtime,
             form: CommandForm::Shell,
+            found_engine: true,
             args,
             python,
             warnings,
@@ -551,7 +552,12 @@ impl EngineCommand {
         self.args
             .iter()
             .enumerate()
-            .filter(|(_, a)| !a.opaque && a.text.starts_with("--") && a.text.len() > 2)
+            .filter(|(_, a)| {
+                let name = a.text.split_once('=').map_or(a.text.as_str(), |(n, _)| n);
+                a.text.starts_with("--")
+                    && a.text.len() > 2
+                    && !(a.opaque && name.contains(['$', '`']))
+            })
             .map(|(index, a)| {
                 let (name, inline) = match a.text.split_once('=') {
                     Some((n, v)) => (n, Some(v.to_string())),
@@ -886,7 +892,7 @@ impl Lexer<'_> {
         while self.i < self.b.len() {
             let c = self.b[self.i];
             match c {
-                b' ' | b'\t' | b'\r' => self.i += 1,
+                b' ' | b'\t' => self.i += 1,
                 b'\\' if self.peek(1) == Some(b'\n') => self.i += 2,
                 b'\n' => {
                     self.end_segment();
@@ -999,7 +1005,7 @@ impl Lexer<'_> {
         while self.i < self.b.len() {
             let c = self.b[self.i];
             match c {
-                b' ' | b'\t' | b'\r' | b'\n' | b';' | b'&' | b'|' | b'(' | b')' | b'<' | b'>' => {
+                b' ' | b'\t' | b'\n' | b';' | b'&' | b'|' | b'(' | b')' | b'<' | b'>' => {
                     break
                 }
                 b'\'' => {

@@ -1,0 +1,181 @@
+"""Shared fixtures of the chart tests: the chart rendered by Helm's own Go SDK (helm-python-sdk),
+for the default values and each variant, as parsed Kubernetes objects."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate.utils as kv_utils
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART_DIR = ROOT / "chart"
+RELEASE = "inference-cache"
+NAMESPACE = "inference-cache"
+
+# Kubernetes versions every rendered object must be valid for (the chart's floor and a current one).
+KUBE_VERSIONS = ("1.29", "1.33")
+
+# kubernetes-validate reads and parses its JSON schema files on every call; they never change.
+kv_utils.schema_contents = functools.lru_cache(maxsize=None)(kv_utils.schema_contents)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # A cluster without NVIDIA GPUs.
+    "gpu-off": {"agent": {"gpu": {"enabled": False}}},
+    # NVML through the NVIDIA RuntimeClass, agents on GPU nodes only.
+    "gpu-runtimeclass": {
+        "agent": {"gpu": {"runtimeClassName": "nvidia", "nodeAffinity": {"enabled": True}}}
+    },
+    # More replicas spread over nodes, priority classes.
+    "ha": {
+        "controller": {
+            "replicas": 3,
+            "podAntiAffinity": "hard",
+            "priorityClassName": "system-cluster-critical",
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {
+                        "matchLabels": {"app.kubernetes.io/component": "controller"}
+                    },
+                }
+            ],
+        },
+        "agent": {"priorityClassName": "system-node-critical"},
+    },
+    # No cert-manager: the controller generates the CA and patches the webhook configurations.
+    "self-signed-certs": {"webhook": {"certMode": "selfSigned"}},
+    # prometheus-operator and the Grafana dashboard sidecar.
+    "monitoring-on": {
+        "monitoring": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+            "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+            "dashboards": {"enabled": True, "annotations": {"grafana_folder": "inference-cache"}},
+        }
+    },
+    # The chart renders the (privileged) namespace itself.
+    "namespace-create": {"namespace": {"create": True}},
+    # The agent outside the host network namespace.
+    "agent-pod-network": {"agent": {"hostNetwork": False}},
+    # Only the controller.
+    "agent-off": {"agent": {"enabled": False}},
+    # An existing cert-manager ClusterIssuer.
+    "cluster-issuer": {
+        "webhook": {
+            "certManager": {
+                "issuerRef": {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "ca"}
+            }
+        }
+    },
+}
+
+# Every port set away from its default (for the "every port is configurable" test).
+CUSTOM_PORTS: dict[str, Any] = {
+    "controller": {
+        "ports": {"grpc": 15051, "http": 18080, "webhook": 19443},
+        "service": {"grpc": {"port": 25051}, "metrics": {"port": 28080}, "webhook": {"port": 28443}},
+    },
+    "agent": {"ports": {"http": 19090, "metrics": 19091}},
+}
+DEFAULT_PORTS = (50051, 8080, 9443, 443, 9090, 9091)
+
+
+@dataclass
+class Rendered:
+    """One rendering of the chart."""
+
+    values: dict[str, Any]
+    manifests: dict[str, str]  # template path -> rendered text (NOTES.txt included)
+    objects: list[dict[str, Any]]  # every object, CRDs first
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None) -> dict[str, Any]:
+        found = [o for o in self.of_kind(kind) if name is None or o["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+        return found[0]
+
+    @property
+    def notes(self) -> str:
+        return next(v for k, v in self.manifests.items() if k.endswith("NOTES.txt"))
+
+
+def is_hook(o: dict[str, Any]) -> bool:
+    """A Helm hook (here: the `helm test` pods)."""
+    return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
+
+
+@functools.lru_cache(maxsize=None)
+def load_chart() -> helm.Chart:
+    return helm.Chart.load(str(CHART_DIR))
+
+
+def crd_objects() -> list[dict[str, Any]]:
+    """The chart's crds/ files exactly as Helm ships them."""
+    return [
+        d
+        for c in load_chart().crds
+        for d in yaml.safe_load_all(c["data"])
+        if d
+    ]
+
+
+def render(values: dict[str, Any], namespace: str = NAMESPACE) -> Rendered:
+    chart = load_chart()
+    manifests = chart.render(
+        copy.deepcopy(values), name=RELEASE, namespace=namespace, is_install=True
+    )
+    objects = crd_objects()
+    for path in sorted(manifests):
+        if path.endswith(".txt"):
+            continue
+        objects.extend(d for d in yaml.safe_load_all(manifests[path]) if d)
+    return Rendered(values=values, manifests=manifests, objects=objects)
+
+
+@functools.lru_cache(maxsize=None)
+def _render_variant(name: str) -> Rendered:
+    return render(VARIANTS[name])
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest) -> Rendered:
+    return _render_variant(request.param)
+
+
+@pytest.fixture
+def default() -> Rendered:
+    return _render_variant("default")
+
+
+def variant_named(name: str) -> Rendered:
+    return _render_variant(name)
+
+
+def pod_specs(r: Rendered, include_hooks: bool = True) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(object, pod spec) of every workload and bare pod."""
+    out = []
+    for o in r.objects:
+        if not include_hooks and is_hook(o):
+            continue
+        if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"):
+            out.append((o, o["spec"]["template"]["spec"]))
+        elif o["kind"] == "CronJob":
+            out.append((o, o["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
+        elif o["kind"] == "Pod":
+            out.append((o, o["spec"]))
+    return out
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])

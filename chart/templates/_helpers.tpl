@@ -1,0 +1,126 @@
+{{/* Chart name, truncated to the 63-character label limit. */}}
+{{- define "ic.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Resource-name prefix: fullnameOverride, else the release name (with the chart name appended unless
+the release name contains it). Truncated so that "<prefix>-controller-metrics" stays within 63.
+*/}}
+{{- define "ic.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 44 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 44 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 44 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ic.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "ic.labels" -}}
+helm.sh/chart: {{ include "ic.chart" . }}
+app.kubernetes.io/name: {{ include "ic.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: inference-cache
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: include with (dict "ctx" $ "component" "controller"). */}}
+{{- define "ic.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ic.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Full labels of one component. */}}
+{{- define "ic.componentLabels" -}}
+{{ include "ic.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "ic.controller.fullname" -}}
+{{- printf "%s-controller" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{- define "ic.agent.fullname" -}}
+{{- printf "%s-agent" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{/* Service names. */}}
+{{- define "ic.grpcService" -}}
+{{- include "ic.controller.fullname" . -}}
+{{- end -}}
+{{- define "ic.metricsService" -}}
+{{- printf "%s-metrics" (include "ic.controller.fullname" .) -}}
+{{- end -}}
+{{- define "ic.webhookService" -}}
+{{- printf "%s-webhook" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{/* Name of both webhook configurations (mutating and validating): --webhook-config-name. */}}
+{{- define "ic.webhookConfigName" -}}
+{{- include "ic.fullname" . -}}
+{{- end -}}
+
+{{/* cert-manager objects and the serving-certificate Secret. */}}
+{{- define "ic.webhookCertificate" -}}
+{{- printf "%s-webhook" (include "ic.fullname" .) -}}
+{{- end -}}
+{{- define "ic.webhookIssuer" -}}
+{{- printf "%s-selfsigned" (include "ic.fullname" .) -}}
+{{- end -}}
+{{- define "ic.webhookSecret" -}}
+{{- printf "%s-webhook-tls" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{- define "ic.controller.serviceAccountName" -}}
+{{- default (include "ic.controller.fullname" .) .Values.controller.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "ic.agent.serviceAccountName" -}}
+{{- default (include "ic.agent.fullname" .) .Values.agent.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "ic.leaseName" -}}
+{{- default (include "ic.controller.fullname" .) .Values.controller.leaderElection.leaseName -}}
+{{- end -}}
+
+{{/* The agents' controller URL. */}}
+{{- define "ic.agent.controllerURL" -}}
+{{- if .Values.agent.controllerURL -}}
+{{- .Values.agent.controllerURL -}}
+{{- else -}}
+{{- printf "http://%s.%s.svc:%v" (include "ic.grpcService" .) .Release.Namespace .Values.controller.service.grpc.port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image reference: include with the image values block and the chart context. */}}
+{{- define "ic.image" -}}
+{{- $img := .image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .ctx.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* host:port with IPv6 literals bracketed. */}}
+{{- define "ic.hostPort" -}}
+{{- if and (contains ":" .host) (not (hasPrefix "[" .host)) -}}
+{{- printf "[%s]:%v" .host .port -}}
+{{- else -}}
+{{- printf "%s:%v" .host .port -}}
+{{- end -}}
+{{- end -}}

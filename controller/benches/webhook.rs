@@ -1,0 +1,3 @@
+//! Pod-webhook latency and throughput over real HTTPS (work in progress).
+
+fn main() {}

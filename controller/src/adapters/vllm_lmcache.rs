@@ -1,0 +1,734 @@
+//! (VLLM, LMCache): the LMCacheConnectorV1 wire (spec 000 "Reserved declarations", "Mooncake
+//! provider configuration", "LMCache client kernels ↔ engine-image CUDA / vLLM alignment").
+//!
+//! On the engine container it converges on:
+//!
+//! | what | value | ownership |
+//! |---|---|---|
+//! | `--kv-transfer-config` | `{"kv_connector":"LMCacheConnectorV1","kv_role":"<role>"}` (ReadOnly→`kv_consumer`, WriteOnly→`kv_producer`, ReadWrite→`kv_both`) | reserved |
+//! | `VLLM_USE_V1` | `1` | reserved |
+//! | `PYTHONHASHSEED` | `0` | reserved |
+//! | `LMCACHE_REMOTE_URL` | `lm://host:port` or `mooncakestore://host:port` (only with a binding) | reserved |
+//! | `INFERENCECACHE_FAIL_OPEN` | `true`/`false` from `spec.integration.failOpen` | reserved |
+//! | `LMCACHE_CHUNK_SIZE` | `spec.lmCache.chunkSizeTokens` (256) | tunable |
+//! | `LMCACHE_LOCAL_CPU` | `True` | tunable |
+//! | `LMCACHE_MAX_LOCAL_CPU_SIZE` | `spec.lmCache.hostMemory.capacity` in GiB (4) | tunable |
+//! | `LMCACHE_REMOTE_SERDE` | `spec.lmCache.remoteSerde` or `naive` (only with a binding) | tunable |
+//!
+//! Reserved entries converge on the rendered value (a user value is replaced); tunables keep a
+//! value the pod template already sets (with a warning when it differs). An existing
+//! `--kv-transfer-config` (any spelling: `--kv_transfer_config`, `--kv-transfer-config=…`) is
+//! adopted when it names LMCacheConnectorV1 — only `kv_role` is converged, other keys are kept —
+//! and never duplicated; another connector, invalid JSON, a duplicate flag or a shell-expanded
+//! value is an error (fail open).
+//!
+//! The `lmcache-kernel-check` init container follows the CacheBackend annotation
+//! [`KERNEL_CHECK_ANNOTATION`]: `auto` (default) injects report-only when the engine requests a
+//! GPU, `report-only` and `strict` always inject, `off` never; an unrecognised value (admission
+//! rejects it; the object may predate the rule) injects report-only with a warning.
+
+use std::collections::BTreeMap;
+
+use ic_shared::crd::{CacheType, IntegrationRole, Runtime};
+use k8s_openapi::api::core::v1::{Container, Pod, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::command::{EngineCommand, Edit};
+use super::{
+    default_env, engine_image_security_context, engine_mut, engine_ref, env_var, gib_text,
+    host_memory_gib, is_rendered, requests_gpu, upsert_env, BindingKind, InjectContext,
+    InjectError, InjectReport, RuntimeAdapter, ENV_COMPONENT, ENV_FAIL_OPEN,
+    KERNEL_CHECK_ANNOTATION,
+};
+
+/// The connector this adapter wires.
+pub const CONNECTOR: &str = "LMCacheConnectorV1";
+/// Name of the kernel-check init container.
+pub const KERNEL_CHECK_CONTAINER: &str = "lmcache-kernel-check";
+/// Env var on the kernel-check container carrying its mode (`report-only` | `strict`); the
+/// controller reads each pod's admitted mode from it.
+pub const ENV_KERNEL_CHECK_MODE: &str = "INFERENCECACHE_KERNEL_CHECK_MODE";
+
+/// The Python program of the kernel check: force-loads `lmcache.c_ops` from disk without importing
+/// the `lmcache` package (whose import swaps in a fallback shim on failure), writes a JSON verdict
+/// to the termination log and stdout, and exits 0 unless the mode is `strict` and the load failed.
+pub const KERNEL_CHECK_PROGRAM: &str = r#"import importlib.machinery, importlib.util, json, os, sys
+mode = os.environ.get("INFERENCECACHE_KERNEL_CHECK_MODE", "report-only")
+def report(ok, detail):
+    msg = json.dumps({"kernelsHealthy": ok, "mode": mode, "detail": detail})
+    try:
+        with open("/dev/termination-log", "w") as f:
+            f.write(msg)
+    except OSError:
+        pass
+    print(msg, flush=True)
+    sys.exit(0 if ok or mode != "strict" else 1)
+try:
+    spec = importlib.util.find_spec("lmcache")
+    if spec is None or not spec.submodule_search_locations:
+        report(False, "lmcache is not importable in the engine image")
+    base = list(spec.submodule_search_locations)[0]
+    found = sorted(f for f in os.listdir(base) if f.startswith("c_ops") and f.endswith(".so"))
+    if not found:
+        report(False, "lmcache has no compiled c_ops extension (CPU or pure-python build)")
+    import torch
+    path = os.path.join(base, found[0])
+    loader = importlib.machinery.ExtensionFileLoader("lmcache.c_ops", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("lmcache.c_ops", path, loader=loader))
+    loader.exec_module(module)
+    report(True, "lmcache.c_ops loaded from " + path)
+except SystemExit:
+    raise
+except BaseException as e:
+    report(False, "%s: %s" % (type(e).__name__, e))
+"#;
+
+/// The (VLLM, LMCache) adapter.
+pub struct VllmLmCache;
+
+const RESERVED_ARGS: &[&str] = &["--kv-transfer-config"];
+const RESERVED_ENV: &[&str] = &[
+    "VLLM_USE_V1",
+    "LMCACHE_REMOTE_URL",
+    ENV_FAIL_OPEN,
+    "PYTHONHASHSEED",
+];
+
+/// `kv_role` for `spec.integration.role`.
+pub fn kv_role(role: IntegrationRole) -> &'static str {
+    match role {
+        IntegrationRole::ReadOnly => "kv_consumer",
+        IntegrationRole::WriteOnly => "kv_producer",
+        IntegrationRole::ReadWrite => "kv_both",
+    }
+}
+
+/// The canonical `--kv-transfer-config` value.
+pub fn kv_transfer_config(role: IntegrationRole) -> String {
+    format!(r#"{{"kv_connector":"{CONNECTOR}","kv_role":"{}"}}"#, kv_role(role))
+}
+
+/// Kernel-check mode resolved from the annotation: `None` = do not inject.
+fn kernel_check_mode(
+    annotation: Option<&str>,
+    engine: &Container,
+    warnings: &mut Vec<String>,
+) -> Option<&'static str> {
+    match annotation {
+        None | Some("auto") => requests_gpu(engine).then_some("report-only"),
+        Some("report-only") => Some("report-only"),
+        Some("strict") => Some("strict"),
+        Some("off") => None,
+        Some(other) => {
+            warnings.push(format!(
+                "CacheBackend annotation {KERNEL_CHECK_ANNOTATION}={other:?} is not one of auto, report-only, strict, off; the kernel check runs report-only"
+            ));
+            Some("report-only")
+        }
+    }
+}
+
+/// Renders the kernel-check init container for `engine`.
+fn kernel_check_container(
+    engine: &Container,
+    python: &str,
+    mode: &str,
+    image: Option<&str>,
+) -> Container {
+    let mut env = vec![
+        env_var(ENV_COMPONENT, KERNEL_CHECK_CONTAINER),
+        env_var(ENV_KERNEL_CHECK_MODE, mode),
+    ];
+    // The interpreter must find the same packages the engine does.
+    for name in ["PATH", "PYTHONPATH", "LD_LIBRARY_PATH"] {
+        if let Some(e) = engine
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name && e.value.is_some() && e.value_from.is_none())
+        {
+            env.push(e.clone());
+        }
+    }
+    let image = image.map(str::to_string).or_else(|| engine.image.clone());
+    let same_image = image == engine.image;
+    Container {
+        name: KERNEL_CHECK_CONTAINER.to_string(),
+        image,
+        image_pull_policy: if same_image {
+            engine.image_pull_policy.clone()
+        } else {
+            None
+        },
+        command: Some(vec![
+            python.to_string(),
+            "-c".to_string(),
+            KERNEL_CHECK_PROGRAM.to_string(),
+        ]),
+        env: Some(env),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".to_string(), Quantity("100m".to_string())),
+                ("memory".to_string(), Quantity("256Mi".to_string())),
+            ])),
+            ..Default::default()
+        }),
+        termination_message_policy: Some("FallbackToLogsOnError".to_string()),
+        security_context: engine_image_security_context(engine),
+        ..Default::default()
+    }
+}
+
+impl VllmLmCache {
+    /// Edits that converge `--kv-transfer-config`.
+    fn connector_edits(cmd: &EngineCommand, role: IntegrationRole) -> Result<Vec<Edit>, InjectError> {
+        let container = cmd.container.clone();
+        if let Some(dotted) = cmd
+            .flags()
+            .into_iter()
+            .find(|f| f.name.starts_with("--kv-transfer-config."))
+        {
+            return Err(InjectError::MalformedFlag {
+                container,
+                flag: "--kv-transfer-config".to_string(),
+                value: cmd.args[dotted.index].text.clone(),
+            });
+        }
+        let occs = cmd.find("--kv-transfer-config");
+        let desired = kv_transfer_config(role);
+        match occs.as_slice() {
+            [] => Ok(vec![Edit::Append(vec![
+                "--kv-transfer-config".to_string(),
+                desired,
+            ])]),
+            [occ] => {
+                let (value, value_index) =
+                    cmd.value_of(occ).ok_or_else(|| InjectError::MissingFlagValue {
+                        container: container.clone(),
+                        flag: "--kv-transfer-config".to_string(),
+                    })?;
+                let opaque = match value_index {
+                    Some(i) => cmd.is_opaque(i),
+                    None => cmd.is_opaque(occ.index),
+                };
+                if opaque {
+                    return Err(InjectError::OpaqueFlag {
+                        container,
+                        flag: "--kv-transfer-config".to_string(),
+                        value,
+                    });
+                }
+                let mut obj: serde_json::Map<String, serde_json::Value> =
+                    serde_json::from_str(&value).map_err(|e| InjectError::InvalidConnectorJson {
+                        container: container.clone(),
+                        detail: e.to_string(),
+                    })?;
+                let connector = obj
+                    .get("kv_connector")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("")
+                    .to_string();
+                if connector != CONNECTOR {
+                    return Err(InjectError::ExistingConnector {
+                        container,
+                        connector,
+                    });
+                }
+                let want = kv_role(role);
+                if obj.get("kv_role").and_then(|v| v.as_str()) == Some(want) {
+                    return Ok(Vec::new()); // adopted as written, byte for byte
+                }
+                obj.insert(
+                    "kv_role".to_string(),
+                    serde_json::Value::String(want.to_string()),
+                );
+                let new_value = serde_json::Value::Object(obj).to_string();
+                Ok(vec![match value_index {
+                    Some(i) => Edit::Replace {
+                        index: i,
+                        tokens: vec![new_value],
+                    },
+                    None => {
+                        let written = &cmd.args[occ.index].text;
+                        let flag = written.split_once('=').map(|(f, _)| f).unwrap_or(written);
+                        Edit::Replace {
+                            index: occ.index,
+                            tokens: vec![format!("{flag}={new_value}")],
+                        }
+                    }
+                }])
+            }
+            _ => Err(InjectError::DuplicateFlag {
+                container,
+                flag: "--kv-transfer-config".to_string(),
+            }),
+        }
+    }
+}
+
+impl RuntimeAdapter for VllmLmCache {
+    fn name(&self) -> &'static str {
+        "vllm+lmcache"
+    }
+
+    fn runtime(&self) -> Runtime {
+        Runtime::Vllm
+    }
+
+    fn cache_type(&self) -> CacheType {
+        CacheType::LMCache
+    }
+
+    fn reserved_args(&self) -> &'static [&'static str] {
+        RESERVED_ARGS
+    }
+
+    fn reserved_env(&self) -> &'static [&'static str] {
+        RESERVED_ENV
+    }
+
+    fn supports_binding(&self, binding: Option<BindingKind>) -> bool {
+        matches!(
+            binding,
+            None | Some(BindingKind::Lm) | Some(BindingKind::MooncakeStore)
+        )
+    }
+
+    fn inject_engine_config(
+        &self,
+        ctx: &InjectContext<'_>,
+        pod: &mut Pod,
+        engine: usize,
+    ) -> Result<InjectReport, InjectError> {
+        let binding_kind = ctx.binding.map(|b| b.kind);
+        if !self.supports_binding(binding_kind) {
+            return Err(InjectError::UnsupportedBinding {
+                adapter: self.name(),
+                binding: super::binding_label(binding_kind),
+            });
+        }
+        let spec = &ctx.backend.spec;
+        let lm = spec.lm_cache.clone().unwrap_or_default();
+        let mut report = InjectReport::default();
+
+        // Validate everything before the first mutation.
+        let original = engine_ref(pod, engine)?.clone();
+        let cmd = EngineCommand::parse(&original, Runtime::Vllm)?;
+        report.warnings.extend(cmd.warnings.iter().cloned());
+        let edits = Self::connector_edits(&cmd, spec.integration_role())?;
+        let gib = host_memory_gib(ctx.backend)?;
+        let chunk = lm.effective_chunk_size_tokens();
+        if chunk < 1 {
+            return Err(InjectError::InvalidSpec {
+                field: "spec.lmCache.chunkSizeTokens",
+                detail: format!("{chunk} is below 1"),
+            });
+        }
+        let annotation = ctx
+            .backend
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(KERNEL_CHECK_ANNOTATION))
+            .map(String::as_str);
+        let mode = kernel_check_mode(annotation, &original, &mut report.warnings);
+        let init_containers = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_ref());
+        let existing_check = init_containers
+            .into_iter()
+            .flatten()
+            .position(|c| c.name == KERNEL_CHECK_CONTAINER);
+        if let Some(i) = existing_check {
+            let ours = init_containers
+                .and_then(|v| v.get(i))
+                .is_some_and(|c| is_rendered(c, KERNEL_CHECK_CONTAINER));
+            if !ours {
+                return Err(InjectError::ReservedName {
+                    what: "init container",
+                    name: KERNEL_CHECK_CONTAINER.to_string(),
+                });
+            }
+        }
+        if pod
+            .spec
+            .as_ref()
+            .is_some_and(|s| s.containers.iter().any(|c| c.name == KERNEL_CHECK_CONTAINER))
+        {
+            return Err(InjectError::ReservedName {
+                what: "container",
+                name: KERNEL_CHECK_CONTAINER.to_string(),
+            });
+        }
+
+        // Args.
+        let mut c = cmd.apply(&original, &edits)?;
+        // Env: reserved converge, tunables default.
+        upsert_env(&mut c, "VLLM_USE_V1", "1");
+        upsert_env(&mut c, "PYTHONHASHSEED", "0");
+        default_env(&mut c, "LMCACHE_CHUNK_SIZE", &chunk.to_string(), &mut report.warnings);
+        default_env(&mut c, "LMCACHE_LOCAL_CPU", "True", &mut report.warnings);
+        default_env(
+            &mut c,
+            "LMCACHE_MAX_LOCAL_CPU_SIZE",
+            &gib_text(gib),
+            &mut report.warnings,
+        );
+        if let Some(b) = ctx.binding {
+            upsert_env(&mut c, "LMCACHE_REMOTE_URL", &b.url());
+            default_env(
+                &mut c,
+                "LMCACHE_REMOTE_SERDE",
+                lm.remote_serde.as_deref().unwrap_or("naive"),
+                &mut report.warnings,
+            );
+        } else if c.env.iter().flatten().any(|e| e.name == "LMCACHE_REMOTE_URL") {
+            report.warnings.push(format!(
+                "container {:?} sets LMCACHE_REMOTE_URL although the CacheBackend is host-only; it is left as is",
+                c.name
+            ));
+        }
+        upsert_env(
+            &mut c,
+            ENV_FAIL_OPEN,
+            if spec.fail_open() { "true" } else { "false" },
+        );
+
+        // Kernel check (computed from the original engine container).
+        let python = cmd.python.clone().unwrap_or_else(|| "python3".to_string());
+        let check = mode.map(|m| kernel_check_container(&original, &python, m, ctx.kernel_check_image));
+
+        *engine_mut(pod, engine)? = c;
+        let Some(pod_spec) = pod.spec.as_mut() else {
+            return Err(InjectError::BadContainerIndex(engine));
+        };
+        match (check, existing_check) {
+            (Some(check), Some(i)) => {
+                if let Some(slot) = pod_spec.init_containers.as_mut().and_then(|v| v.get_mut(i)) {
+                    *slot = check;
+                }
+            }
+            (Some(check), None) => pod_spec.init_containers.get_or_insert_with(Vec::new).push(check),
+            (None, Some(i)) => {
+                if let Some(v) = pod_spec.init_containers.as_mut() {
+                    v.remove(i);
+                    if v.is_empty() {
+                        pod_spec.init_containers = None;
+                    }
+                }
+            }
+            (None, None) => {}
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapters::providers::Binding;
+    use ic_shared::crd::{CacheBackend, CacheBackendSpec, IntegrationSpec, LmCacheSpec};
+    use k8s_openapi::api::core::v1::PodSpec;
+
+    fn pod(command: &[&str], args: &[&str]) -> Pod {
+        Pod {
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "vllm".into(),
+                    image: Some("vllm/vllm-openai:v0.9.0".into()),
+                    command: Some(command.iter().map(|s| s.to_string()).collect()),
+                    args: (!args.is_empty()).then(|| args.iter().map(|s| s.to_string()).collect()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn cb(role: IntegrationRole) -> CacheBackend {
+        CacheBackend::new(
+            "cb",
+            CacheBackendSpec {
+                integration: Some(IntegrationSpec {
+                    role: Some(role),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    }
+
+    fn inject(p: &mut Pod, cb: &CacheBackend, binding: Option<&Binding>) -> Result<InjectReport, InjectError> {
+        let ctx = InjectContext {
+            backend: cb,
+            binding,
+            lmcache_worker_image: None,
+            kernel_check_image: None,
+        };
+        VllmLmCache.inject_engine_config(&ctx, p, 0)
+    }
+
+    fn env(p: &Pod) -> Vec<(String, String)> {
+        p.spec.as_ref().unwrap().containers[0]
+            .env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect()
+    }
+
+    #[test]
+    fn roles_map_to_kv_roles() {
+        for (role, want) in [
+            (IntegrationRole::ReadOnly, "kv_consumer"),
+            (IntegrationRole::WriteOnly, "kv_producer"),
+            (IntegrationRole::ReadWrite, "kv_both"),
+        ] {
+            let mut p = pod(&["vllm", "serve", "m"], &[]);
+            inject(&mut p, &cb(role), None).unwrap();
+            let c = &p.spec.as_ref().unwrap().containers[0];
+            assert_eq!(
+                c.args.as_ref().unwrap(),
+                &vec![
+                    "--kv-transfer-config".to_string(),
+                    format!(r#"{{"kv_connector":"LMCacheConnectorV1","kv_role":"{want}"}}"#)
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn host_only_env_and_idempotency() {
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        let b = cb(IntegrationRole::ReadWrite);
+        inject(&mut p, &b, None).unwrap();
+        assert_eq!(
+            env(&p),
+            vec![
+                ("VLLM_USE_V1".into(), "1".into()),
+                ("PYTHONHASHSEED".into(), "0".into()),
+                ("LMCACHE_CHUNK_SIZE".into(), "256".into()),
+                ("LMCACHE_LOCAL_CPU".into(), "True".into()),
+                ("LMCACHE_MAX_LOCAL_CPU_SIZE".into(), "4".into()),
+                ("INFERENCECACHE_FAIL_OPEN".into(), "true".into()),
+            ]
+        );
+        // No GPU request: auto mode injects no kernel check.
+        assert!(p.spec.as_ref().unwrap().init_containers.is_none());
+        let once = p.clone();
+        inject(&mut p, &b, None).unwrap();
+        assert_eq!(p, once);
+    }
+
+    #[test]
+    fn bindings_set_remote_url() {
+        for (kind, url) in [
+            (BindingKind::Lm, "lm://srv:8100"),
+            (BindingKind::MooncakeStore, "mooncakestore://srv:8100"),
+        ] {
+            let mut p = pod(&["vllm", "serve", "m"], &[]);
+            let binding = Binding {
+                kind,
+                host: "srv".into(),
+                port: 8100,
+            };
+            inject(&mut p, &cb(IntegrationRole::ReadWrite), Some(&binding)).unwrap();
+            let e = env(&p);
+            assert!(e.contains(&("LMCACHE_REMOTE_URL".into(), url.into())));
+            assert!(e.contains(&("LMCACHE_REMOTE_SERDE".into(), "naive".into())));
+        }
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        let resp = Binding {
+            kind: BindingKind::Resp,
+            host: "r".into(),
+            port: 6379,
+        };
+        assert!(matches!(
+            inject(&mut p, &cb(IntegrationRole::ReadWrite), Some(&resp)),
+            Err(InjectError::UnsupportedBinding { .. })
+        ));
+    }
+
+    #[test]
+    fn lmcache_spec_drives_tunables() {
+        let mut b = cb(IntegrationRole::ReadWrite);
+        b.spec.lm_cache = Some(LmCacheSpec {
+            chunk_size_tokens: Some(512),
+            host_memory: Some(ic_shared::crd::LmCacheHostMemorySpec {
+                capacity: Some(Quantity("1536Mi".into())),
+            }),
+            remote_serde: Some("cachegen".into()),
+            ..Default::default()
+        });
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        let binding = Binding {
+            kind: BindingKind::Lm,
+            host: "s".into(),
+            port: 1,
+        };
+        inject(&mut p, &b, Some(&binding)).unwrap();
+        let e = env(&p);
+        assert!(e.contains(&("LMCACHE_CHUNK_SIZE".into(), "512".into())));
+        assert!(e.contains(&("LMCACHE_MAX_LOCAL_CPU_SIZE".into(), "1.5".into())));
+        assert!(e.contains(&("LMCACHE_REMOTE_SERDE".into(), "cachegen".into())));
+    }
+
+    #[test]
+    fn existing_connector_is_adopted_or_refused() {
+        // Same connector, same role: untouched, never duplicated (underscore spelling).
+        let json = r#"{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "kv_connector_extra_config": {}}"#;
+        let mut p = pod(&["vllm", "serve", "m", "--kv_transfer_config", json], &[]);
+        inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+        let c = &p.spec.as_ref().unwrap().containers[0];
+        assert_eq!(c.command.as_ref().unwrap()[4], json);
+        assert!(c.args.is_none());
+
+        // Same connector, other role: kv_role converged, other keys kept, `=` form kept.
+        let mut p = pod(
+            &["vllm", "serve", "m", &format!("--kv-transfer-config={json}")],
+            &[],
+        );
+        inject(&mut p, &cb(IntegrationRole::ReadOnly), None).unwrap();
+        let c = &p.spec.as_ref().unwrap().containers[0];
+        assert_eq!(
+            c.command.as_ref().unwrap()[3],
+            r#"--kv-transfer-config={"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{},"kv_role":"kv_consumer"}"#
+        );
+
+        // A different connector fails.
+        let mut p = pod(
+            &["vllm", "serve", "m", "--kv-transfer-config", r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#],
+            &[],
+        );
+        let err = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "container \"vllm\" already sets --kv-transfer-config with kv_connector \"NixlConnector\"; refusing to replace the operator's connector with LMCacheConnectorV1"
+        );
+        // Invalid JSON, duplicates, missing values, expansions.
+        for (args, want) in [
+            (vec!["--kv-transfer-config", "nope"], "not a JSON object"),
+            (
+                vec!["--kv-transfer-config", "{}", "--kv_transfer_config={}"],
+                "more than once",
+            ),
+            (vec!["--kv-transfer-config"], "has no value"),
+            (vec!["--kv-transfer-config.kv_role=kv_both"], "malformed"),
+        ] {
+            let mut cmd = vec!["vllm", "serve", "m"];
+            cmd.extend(args);
+            let mut p = pod(&cmd, &[]);
+            let err = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap_err();
+            assert!(err.to_string().contains(want), "{err}");
+        }
+        let mut p = pod(&["sh", "-c", "vllm serve m --kv-transfer-config \"$KV\""], &[]);
+        assert!(matches!(
+            inject(&mut p, &cb(IntegrationRole::ReadWrite), None),
+            Err(InjectError::OpaqueFlag { .. })
+        ));
+    }
+
+    #[test]
+    fn reserved_env_converges_and_tunables_are_kept() {
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        p.spec.as_mut().unwrap().containers[0].env = Some(vec![
+            env_var("PYTHONHASHSEED", "123"),
+            env_var("LMCACHE_MAX_LOCAL_CPU_SIZE", "20"),
+        ]);
+        let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+        let e = env(&p);
+        assert_eq!(e[0], ("PYTHONHASHSEED".into(), "0".into()));
+        assert_eq!(e[1], ("LMCACHE_MAX_LOCAL_CPU_SIZE".into(), "20".into()));
+        assert_eq!(r.warnings.len(), 1);
+    }
+
+    #[test]
+    fn fail_open_false_is_mirrored() {
+        let mut b = cb(IntegrationRole::ReadWrite);
+        b.spec.integration.as_mut().unwrap().fail_open = Some(false);
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        inject(&mut p, &b, None).unwrap();
+        assert!(env(&p).contains(&(ENV_FAIL_OPEN.into(), "false".into())));
+    }
+
+    fn gpu_pod() -> Pod {
+        let mut p = pod(&["/opt/venv/bin/vllm", "serve", "m"], &[]);
+        p.spec.as_mut().unwrap().containers[0].resources = Some(ResourceRequirements {
+            limits: Some(BTreeMap::from([(
+                "nvidia.com/gpu".to_string(),
+                Quantity("1".into()),
+            )])),
+            ..Default::default()
+        });
+        p
+    }
+
+    fn check_mode(p: &Pod) -> Option<String> {
+        p.spec
+            .as_ref()
+            .unwrap()
+            .init_containers
+            .iter()
+            .flatten()
+            .find(|c| c.name == KERNEL_CHECK_CONTAINER)
+            .map(|c| {
+                c.env
+                    .iter()
+                    .flatten()
+                    .find(|e| e.name == ENV_KERNEL_CHECK_MODE)
+                    .and_then(|e| e.value.clone())
+                    .unwrap()
+            })
+    }
+
+    #[test]
+    fn kernel_check_modes() {
+        for (annotation, gpu, want) in [
+            (None, true, Some("report-only")),
+            (None, false, None),
+            (Some("auto"), true, Some("report-only")),
+            (Some("auto"), false, None),
+            (Some("report-only"), false, Some("report-only")),
+            (Some("strict"), false, Some("strict")),
+            (Some("strict"), true, Some("strict")),
+            (Some("off"), true, None),
+            (Some("strcit"), true, Some("report-only")),
+        ] {
+            let mut b = cb(IntegrationRole::ReadWrite);
+            if let Some(a) = annotation {
+                b.metadata.annotations = Some(BTreeMap::from([(
+                    KERNEL_CHECK_ANNOTATION.to_string(),
+                    a.to_string(),
+                )]));
+            }
+            let mut p = if gpu { gpu_pod() } else { pod(&["vllm", "serve", "m"], &[]) };
+            inject(&mut p, &b, None).unwrap();
+            assert_eq!(check_mode(&p).as_deref(), want, "{annotation:?} gpu={gpu}");
+            if want.is_some() {
+                let check = &p.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0];
+                let py = &check.command.as_ref().unwrap()[0];
+                assert_eq!(py, if gpu { "/opt/venv/bin/python3" } else { "python3" });
+                assert!(check.resources.as_ref().unwrap().limits.is_none());
+            }
+            // Converges.
+            let once = p.clone();
+            inject(&mut p, &b, None).unwrap();
+            assert_eq!(p, once);
+        }
+    }
+
+    #[test]
+    fn foreign_kernel_check_name_is_refused() {
+        let mut p = gpu_pod();
+        p.spec.as_mut().unwrap().init_containers = Some(vec![Container {
+            name: KERNEL_CHECK_CONTAINER.into(),
+            ..Default::default()
+        }]);
+        assert!(matches!(
+            inject(&mut p, &cb(IntegrationRole::ReadWrite), None),
+            Err(InjectError::ReservedName { .. })
+        ));
+    }
+}

@@ -1,0 +1,259 @@
+//! `status.indexParticipation` from the in-process prefix index (spec 000 "Index
+//! Participation"; DESIGN.md "Index": the reconciler reads the snapshot in process).
+//!
+//! The index is reached through the small [`IndexView`] trait so tests can fake it (and fake
+//! its failure). Attribution follows the spec: each replica's engine pod is looked up by
+//! (tenant = namespace, replica id = pod name); a pod carrying
+//! `inferencecache.io/injected-by: <ns>/<name>` belongs to that backend; otherwise the first
+//! CacheBackend of the namespace, sorted by name, whose non-empty `matchLabels` is a subset of
+//! the pod's labels. A replica whose pod is gone is skipped.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ic_shared::crd::{CacheBackend, IndexParticipation};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use parking_lot::{Mutex, RwLock};
+use thiserror::Error;
+
+use crate::index::PrefixIndex;
+use crate::reconcile::annotations::INJECTED_BY;
+use crate::reconcile::clock::to_time;
+
+/// One engine stream (pod × data-parallel rank) as the status reconciler needs it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaObservation {
+    /// Tenant: the engine pod's namespace.
+    pub tenant: String,
+    /// Replica id: the pod name, plus `#<rank>` when the data-parallel rank is above 0.
+    pub replica: String,
+    /// Distinct prefix entries (blocks) the replica holds, any tier.
+    pub prefix_count: u64,
+    /// Unix milliseconds of the newest engine event; 0 when none yet.
+    pub last_event_unix_ms: i64,
+    /// Cumulative tier-2 lookups (`vllm:external_prefix_cache_queries_total`), when reported.
+    pub t2_queries: Option<u64>,
+    /// Cumulative tier-2 hits (`vllm:external_prefix_cache_hits_total`), when reported.
+    pub t2_hits: Option<u64>,
+}
+
+impl ReplicaObservation {
+    /// The engine pod's name (the replica id without its `#rank` suffix).
+    pub fn pod_name(&self) -> &str {
+        self.replica.split('#').next().unwrap_or_default()
+    }
+}
+
+/// The index could not be read; the reconciler keeps the previous `indexParticipation`
+/// (soft state).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("prefix index unavailable: {0}")]
+pub struct IndexUnavailable(pub String);
+
+/// Read access to the per-replica projection of the prefix index.
+pub trait IndexView: Send + Sync {
+    /// Every replica the index knows, or why it could not be read.
+    fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable>;
+}
+
+fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
+    index
+        .snapshot()
+        .replicas
+        .into_iter()
+        .map(|r| ReplicaObservation {
+            tenant: r.tenant,
+            replica: r.replica,
+            prefix_count: r.prefix_count as u64,
+            last_event_unix_ms: r.last_event_unix_ms,
+            // The index carries no engine hit counters yet; t2HitRate stays as it was.
+            t2_queries: None,
+            t2_hits: None,
+        })
+        .collect()
+}
+
+impl IndexView for RwLock<PrefixIndex> {
+    fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
+        Ok(from_index(&self.read()))
+    }
+}
+
+impl IndexView for crate::state::Shared {
+    fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
+        Ok(from_index(&self.index.read()))
+    }
+}
+
+/// A settable index for tests: a list of replicas, or a failure.
+#[derive(Debug)]
+pub struct FakeIndex {
+    state: Mutex<Result<Vec<ReplicaObservation>, IndexUnavailable>>,
+}
+
+impl Default for FakeIndex {
+    fn default() -> Self {
+        FakeIndex {
+            state: Mutex::new(Ok(Vec::new())),
+        }
+    }
+}
+
+impl FakeIndex {
+    /// An index with no replicas.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Replaces the replicas.
+    pub fn set(&self, replicas: Vec<ReplicaObservation>) {
+        *self.state.lock() = Ok(replicas);
+    }
+
+    /// Makes every read fail with `reason`.
+    pub fn fail(&self, reason: &str) {
+        *self.state.lock() = Err(IndexUnavailable(reason.to_string()));
+    }
+}
+
+impl IndexView for FakeIndex {
+    fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
+        self.state.lock().clone()
+    }
+}
+
+/// The labels of `pod` satisfy the non-empty equality selector `sel`.
+pub fn selector_matches(sel: &BTreeMap<String, String>, pod: &Pod) -> bool {
+    let labels = pod.metadata.labels.as_ref();
+    !sel.is_empty()
+        && sel
+            .iter()
+            .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+}
+
+/// The name of the CacheBackend (in the pod's namespace) that owns `pod`: the injected-by
+/// annotation first, else the first of `backends` (any order; sorted here by name) whose
+/// non-empty selector matches.
+pub fn owning_backend(pod: &Pod, backends: &[CacheBackend]) -> Option<String> {
+    let pod_ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    if let Some((ns, name)) = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(INJECTED_BY))
+        .and_then(|v| v.split_once('/'))
+    {
+        if ns == pod_ns && !name.is_empty() {
+            return Some(name.to_string());
+        }
+    }
+    let mut sorted: Vec<&CacheBackend> = backends
+        .iter()
+        .filter(|b| b.metadata.namespace.as_deref().unwrap_or_default() == pod_ns)
+        .collect();
+    sorted.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    sorted
+        .into_iter()
+        .find(|b| b.spec.match_labels().is_some_and(|m| selector_matches(m, pod)))
+        .and_then(|b| b.metadata.name.clone())
+}
+
+/// Formats a rate in [0,1] as a short decimal (`0`, `0.25`, `1`).
+pub fn format_rate(rate: f64) -> String {
+    let r = rate.clamp(0.0, 1.0);
+    let s = format!("{r:.4}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s.is_empty() {
+        "0".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
+/// Computes the backend's `indexParticipation`.
+///
+/// - `replicas` failed, or `pods` / `backends` unavailable → `prior` unchanged (soft state).
+/// - No replica attributed → `prior` absent stays absent; a present `prior` resets to
+///   `prefixCount: 0` without `lastEventAt` (drain), keeping `t2HitRate`.
+/// - Otherwise the sum of prefix counts, the newest event time, and the query-weighted tier-2
+///   hit rate when any replica reported tier-2 lookups (else the prior `t2HitRate`).
+pub fn participation(
+    prior: Option<&IndexParticipation>,
+    namespace: &str,
+    name: &str,
+    replicas: &Result<Vec<ReplicaObservation>, IndexUnavailable>,
+    pods: Option<&[Pod]>,
+    backends: Option<&[CacheBackend]>,
+) -> Option<IndexParticipation> {
+    let (Ok(replicas), Some(pods), Some(backends)) = (replicas, pods, backends) else {
+        return prior.cloned();
+    };
+    let by_name: HashMap<&str, &Pod> = pods
+        .iter()
+        .filter(|p| p.metadata.namespace.as_deref().unwrap_or_default() == namespace)
+        .filter_map(|p| p.metadata.name.as_deref().map(|n| (n, p)))
+        .collect();
+    let mut found = false;
+    let mut prefix_count: u64 = 0;
+    let mut last_ms: i64 = 0;
+    let (mut queries, mut hits) = (0u64, 0u64);
+    for r in replicas.iter().filter(|r| r.tenant == namespace) {
+        let Some(pod) = by_name.get(r.pod_name()) else {
+            continue;
+        };
+        if owning_backend(pod, backends).as_deref() != Some(name) {
+            continue;
+        }
+        found = true;
+        prefix_count = prefix_count.saturating_add(r.prefix_count);
+        last_ms = last_ms.max(r.last_event_unix_ms);
+        if let Some(q) = r.t2_queries {
+            queries = queries.saturating_add(q);
+            hits = hits.saturating_add(r.t2_hits.unwrap_or(0).min(q));
+        }
+    }
+    if !found {
+        return prior.map(|p| IndexParticipation {
+            prefix_count: 0,
+            last_event_at: None,
+            hit_rate: None,
+            t2_hit_rate: p.t2_hit_rate.clone(),
+        });
+    }
+    let t2_hit_rate = if queries > 0 {
+        Some(format_rate(hits as f64 / queries as f64))
+    } else {
+        prior.and_then(|p| p.t2_hit_rate.clone())
+    };
+    Some(IndexParticipation {
+        prefix_count: i64::try_from(prefix_count).unwrap_or(i64::MAX),
+        last_event_at: (last_ms > 0)
+            .then(|| Timestamp::from_millisecond(last_ms).ok())
+            .flatten()
+            .map(to_time),
+        hit_rate: None,
+        t2_hit_rate,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_format_short() {
+        assert_eq!(format_rate(0.0), "0");
+        assert_eq!(format_rate(0.25), "0.25");
+        assert_eq!(format_rate(1.0), "1");
+        assert_eq!(format_rate(1.0 / 3.0), "0.3333");
+    }
+
+    #[test]
+    fn pod_name_strips_rank() {
+        let r = ReplicaObservation {
+            replica: "engine-0#2".to_string(),
+            ..Default::default()
+        };
+        assert_eq!(r.pod_name(), "engine-0");
+    }
+}
