@@ -130,10 +130,10 @@ def crd_objects() -> list[dict[str, Any]]:
     ]
 
 
-def render(values: dict[str, Any], namespace: str = NAMESPACE) -> Rendered:
+def render(values: dict[str, Any], namespace: str = NAMESPACE, name: str = RELEASE) -> Rendered:
     chart = load_chart()
     manifests = chart.render(
-        copy.deepcopy(values), name=RELEASE, namespace=namespace, is_install=True
+        copy.deepcopy(values), name=name, namespace=namespace, is_install=True
     )
     objects = crd_objects()
     for path in sorted(manifests):

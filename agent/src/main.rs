@@ -196,7 +196,7 @@ fn main() -> anyhow::Result<()> {
                         a.replay_endpoint.as_deref(),
                         &opts,
                     ) => r.map(Some),
-                    _ = tokio::signal::ctrl_c() => Ok(None),
+                    _ = telemetry::shutdown_signal() => Ok(None),
                 }
             })?;
             if let Some(r) = report {
@@ -225,10 +225,11 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         Some(url) => {
             let mut cfg = ic_agent::link::LinkConfig::new(url.clone());
             if let Some(f) = &a.token_file {
-                cfg.token = std::fs::read_to_string(f)
-                    .with_context(|| format!("reading token file {}", f.display()))?
-                    .trim()
-                    .to_string();
+                // Fail fast on a missing file; the link re-reads it on every connect, since the
+                // kubelet rotates projected tokens.
+                std::fs::metadata(f)
+                    .with_context(|| format!("reading token file {}", f.display()))?;
+                cfg.token_file = Some(f.clone());
             }
             Some(cfg)
         }
@@ -245,7 +246,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         Checks::new(&a.common.checks_config()),
     )
     .await?;
-    tokio::signal::ctrl_c().await?;
+    telemetry::shutdown_signal().await;
     running.abort();
     Ok(())
 }

@@ -8,14 +8,20 @@
 //! - [`router`] — `RouterService.LookupRoute`.
 //! - [`http`] — health, metrics, snapshot and node endpoints.
 //! - [`standalone`] — the one-machine stack.
+//! - [`incluster`] — `ic-controller run`, the in-cluster controller.
+//! - [`leader`] — Lease-based leader election.
 
 pub mod adapters;
 pub mod admission;
 pub mod crdgen;
 pub mod http;
+pub mod incluster;
 pub mod index;
 pub mod ingest;
+pub mod leader;
 pub mod metrics;
+pub mod probe;
+pub mod reconcile;
 pub mod router;
 pub mod standalone;
 pub mod state;

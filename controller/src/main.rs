@@ -25,6 +25,10 @@ struct Cli {
 enum Command {
     /// Run the index, agent ingest, router and HTTP endpoints on this machine, without a cluster.
     Standalone(StandaloneArgs),
+    /// Run in a cluster (kubeconfig or in-cluster service account): everything standalone
+    /// serves plus agent authentication, leader election, node plans, CacheNode status, the
+    /// admission webhooks and the reconcilers.
+    Run(Box<RunArgs>),
     /// Write the CustomResourceDefinitions (one YAML file per CRD).
     Crds {
         /// Output directory.
@@ -50,6 +54,185 @@ struct StandaloneArgs {
     /// (CachePolicy.spec.minimumPrefixTokens in cluster).
     #[arg(long, env = "IC_MINIMUM_PREFIX_TOKENS", default_value_t = 0)]
     minimum_prefix_tokens: u32,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Kubeconfig file; unset: $KUBECONFIG, ~/.kube/config, then the in-cluster service account.
+    #[arg(long, env = "IC_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// gRPC listen address: AgentService (agents, authenticated), RouterService (gateways),
+    /// grpc.health.v1.
+    #[arg(long, env = "IC_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    grpc_addr: SocketAddr,
+    /// HTTP listen address: /healthz, /readyz, /metrics, /snapshot, /v1/nodes.
+    #[arg(long, env = "IC_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// HTTPS listen address of the admission webhooks.
+    #[arg(long, env = "IC_WEBHOOK_ADDR", default_value = "0.0.0.0:9443")]
+    webhook_addr: SocketAddr,
+    /// Directory holding the webhook serving certificate (tls.crt, tls.key), reloaded when it
+    /// changes (cert-manager, a mounted Secret).
+    #[arg(long, env = "IC_WEBHOOK_CERT_DIR", conflicts_with = "webhook_self_signed")]
+    webhook_cert_dir: Option<PathBuf>,
+    /// Generate a self-signed CA and serving certificate at start and patch the webhook
+    /// configurations' caBundle.
+    #[arg(long, env = "IC_WEBHOOK_SELF_SIGNED")]
+    webhook_self_signed: bool,
+    /// Name of the Mutating/ValidatingWebhookConfiguration whose caBundle is patched in
+    /// self-signed mode.
+    #[arg(long, env = "IC_WEBHOOK_CONFIG_NAME")]
+    webhook_config_name: Option<String>,
+    /// Namespace of the leader-election Lease; default: this pod's namespace (the service
+    /// account's), else the kubeconfig context's.
+    #[arg(long, env = "POD_NAMESPACE")]
+    leader_election_namespace: Option<String>,
+    /// Name of the leader-election Lease (coordination.k8s.io/v1).
+    #[arg(long, env = "IC_LEADER_ELECTION_LEASE_NAME", default_value = "inference-cache-controller")]
+    leader_election_lease_name: String,
+    /// This replica's identity in the Lease; default: $POD_NAME or the hostname, plus a
+    /// per-process suffix.
+    #[arg(long, env = "IC_LEADER_ELECTION_IDENTITY")]
+    leader_election_identity: Option<String>,
+    /// Seconds a Lease stays valid after its last renewal (others may take over after that).
+    #[arg(long, env = "IC_LEADER_ELECTION_LEASE_SECONDS", default_value_t = 15)]
+    leader_election_lease_seconds: u64,
+    /// Seconds the leader keeps writing without a successful renewal (must be below the lease
+    /// duration).
+    #[arg(long, env = "IC_LEADER_ELECTION_RENEW_DEADLINE_SECONDS", default_value_t = 10)]
+    leader_election_renew_deadline_seconds: u64,
+    /// Seconds between election attempts.
+    #[arg(long, env = "IC_LEADER_ELECTION_RETRY_SECONDS", default_value_t = 2)]
+    leader_election_retry_seconds: u64,
+    /// Service account the node agents authenticate as, NAMESPACE:NAME; default:
+    /// <leader-election namespace>:inference-cache-agent.
+    #[arg(long, env = "IC_AGENT_SERVICE_ACCOUNT")]
+    agent_service_account: Option<ic_controller::ingest::auth::ServiceAccountRef>,
+    /// Audience the agents' projected service-account tokens must carry.
+    #[arg(long, env = "IC_TOKEN_AUDIENCE", default_value = "inference-cache")]
+    token_audience: String,
+    /// Seconds a successful TokenReview of an agent token is cached.
+    #[arg(long, env = "IC_TOKEN_CACHE_TTL_SECONDS", default_value_t = 60)]
+    token_cache_ttl_seconds: u64,
+    /// Seconds a disconnected agent's index entries are kept before they are dropped.
+    #[arg(long, env = "IC_AGENT_EXPIRY_SECONDS", default_value_t = 120)]
+    agent_expiry_seconds: u64,
+    /// LookupRoute answers NO_HINT for matches shorter than this many tokens.
+    #[arg(long, env = "IC_MINIMUM_PREFIX_TOKENS", default_value_t = 0)]
+    minimum_prefix_tokens: u32,
+    /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
+    #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
+    node_plan_interval_seconds: u64,
+    /// Minimum seconds between two CacheNode status writes of one node, unless a condition
+    /// status changed (those are written at once).
+    #[arg(long, env = "IC_CACHENODE_MIN_WRITE_INTERVAL_SECONDS", default_value_t = 30)]
+    cachenode_min_write_interval_seconds: u64,
+}
+
+/// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
+async fn termination() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// The namespace this pod runs in, from its service-account mount.
+fn pod_namespace() -> Option<String> {
+    std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+async fn kube_client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
+    let client = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?;
+            kube::Client::try_from(cfg).context("building the Kubernetes client")?
+        }
+        None => kube::Client::try_default()
+            .await
+            .context("no Kubernetes configuration: set --kubeconfig or KUBECONFIG, or run in a pod")?,
+    };
+    Ok(client)
+}
+
+async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
+    use ic_controller::incluster::{self, InClusterConfig, LeaderElectionSettings, WebhookSettings};
+    let client = kube_client(a.kubeconfig.as_ref()).await?;
+    let namespace = a
+        .leader_election_namespace
+        .filter(|n| !n.is_empty())
+        .or_else(pod_namespace)
+        .unwrap_or_else(|| client.default_namespace().to_string());
+    let base = a
+        .leader_election_identity
+        .clone()
+        .or_else(|| std::env::var("POD_NAME").ok())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "ic-controller".to_string());
+    let identity = match a.leader_election_identity {
+        Some(id) => id,
+        None => ic_controller::leader::unique_identity(&base),
+    };
+    if a.leader_election_renew_deadline_seconds >= a.leader_election_lease_seconds {
+        bail!("--leader-election-renew-deadline-seconds must be below --leader-election-lease-seconds");
+    }
+    let agent_sa = match a.agent_service_account {
+        Some(sa) => sa,
+        None => format!("{namespace}:inference-cache-agent")
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!(e))?,
+    };
+    let cfg = InClusterConfig {
+        grpc_addr: a.grpc_addr,
+        http_addr: a.http_addr,
+        agent_expiry: Duration::from_secs(a.agent_expiry_seconds),
+        policy: ic_controller::state::LookupPolicy {
+            minimum_prefix_tokens: a.minimum_prefix_tokens,
+        },
+        webhook: WebhookSettings {
+            addr: a.webhook_addr,
+            cert_dir: a.webhook_cert_dir,
+            self_signed: a.webhook_self_signed,
+            config_name: a.webhook_config_name,
+        },
+        leader_election: LeaderElectionSettings {
+            namespace,
+            lease_name: a.leader_election_lease_name,
+            election: ic_controller::leader::ElectionConfig {
+                identity,
+                lease_duration: Duration::from_secs(a.leader_election_lease_seconds),
+                renew_deadline: Duration::from_secs(a.leader_election_renew_deadline_seconds),
+                retry_period: Duration::from_secs(a.leader_election_retry_seconds.max(1)),
+            },
+        },
+        agent_service_account: agent_sa,
+        token_audience: a.token_audience,
+        token_cache_ttl: Duration::from_secs(a.token_cache_ttl_seconds),
+        nodes: ic_controller::reconcile::nodes::NodeLoopConfig {
+            plan_interval: Duration::from_secs(a.node_plan_interval_seconds.max(1)),
+            cachenode_min_write_interval: Duration::from_secs(a.cachenode_min_write_interval_seconds),
+            ..Default::default()
+        },
+    };
+    let running = incluster::start(client, cfg, Default::default(), termination()).await?;
+    running.wait().await?;
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -123,6 +306,7 @@ async fn main() -> anyhow::Result<()> {
             .await?;
             running.wait().await?;
         }
+        Command::Run(a) => run_in_cluster(*a).await?,
         Command::Crds { out } => {
             for path in ic_controller::crdgen::write(&out)
                 .with_context(|| format!("writing CRDs into {}", out.display()))?

@@ -1,6 +1,12 @@
 //! `RouterService.LookupRoute`: the gateways' question "which replica holds the longest cached
 //! prefix of this request?" — a thin gRPC layer over [`PrefixIndex::lookup`].
 //!
+//! Per request the router resolves the tenant's lookup policy ([`PolicyTable`]: the namespace's
+//! CachePolicy `lookupTimeoutMs` and `minimumPrefixTokens`, else the controller's defaults) and
+//! runs the lookup under that budget: waiting for the index lock counts against it, and a lookup
+//! over budget answers NO_HINT with reason `LookupTimeout` (fail open: the gateway routes by
+//! load).
+//!
 //! [`PrefixIndex::lookup`]: crate::index::PrefixIndex::lookup
 
 use std::sync::Arc;
@@ -9,24 +15,39 @@ use std::time::Instant;
 use ic_shared::proto::{self, router_service_server::RouterService};
 use tonic::{Request, Response, Status};
 
-use crate::index::{LookupQuery, LookupResult};
+use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKUP_TIMEOUT};
 use crate::state::Shared;
 
 /// The gRPC service.
 #[derive(Clone)]
 pub struct Router {
     shared: Arc<Shared>,
+    policies: Arc<PolicyTable>,
 }
 
 impl Router {
-    /// A router over the shared index.
+    /// A router over the shared index (and its policy table).
     pub fn new(shared: Arc<Shared>) -> Self {
-        Router { shared }
+        let policies = shared.index.read().policies();
+        Router { shared, policies }
+    }
+
+    /// The lookup policy table the router reads (fill it from CachePolicy objects).
+    pub fn policies(&self) -> &Arc<PolicyTable> {
+        &self.policies
     }
 
     /// Answers one request (the same path the gRPC method and the functional probe use).
     pub fn lookup(&self, req: &proto::LookupRouteRequest) -> proto::LookupRouteResponse {
         let started = Instant::now();
+        let policy = self.policies.resolve_or(
+            &req.tenant,
+            ResolvedPolicy {
+                lookup_timeout: None,
+                minimum_prefix_tokens: self.shared.policy.minimum_prefix_tokens,
+            },
+        );
+        let deadline = policy.lookup_timeout.map(|b| started + b);
         let q = LookupQuery {
             tenant: req.tenant.clone(),
             model: req.model.clone(),
@@ -35,9 +56,24 @@ impl Router {
             token_ids: req.token_ids.clone(),
             content_keys: req.content_keys.clone(),
             block_size: (req.block_size > 0).then_some(req.block_size),
-            minimum_prefix_tokens: self.shared.policy.minimum_prefix_tokens,
+            minimum_prefix_tokens: policy.minimum_prefix_tokens,
+            deadline,
+            max_replicas: 0,
         };
-        let result = self.shared.index.read().lookup(&q);
+        let guard = match deadline {
+            Some(d) => self.shared.index.try_read_until(d),
+            None => Some(self.shared.index.read()),
+        };
+        let result = match guard {
+            Some(ix) => ix.lookup(&q),
+            None => LookupResult {
+                prefix_match: false,
+                replicas: Vec::new(),
+                block_size: q.block_size.unwrap_or(0),
+                request_blocks: 0,
+                reason: LOOKUP_TIMEOUT.to_string(),
+            },
+        };
         let m = &self.shared.metrics;
         m.lookup_duration_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -92,5 +128,115 @@ impl RouterService for Router {
             ));
         }
         Ok(Response::new(self.lookup(&req)))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::time::Duration;
+
+    use ic_shared::kv::content_key::chain;
+    use ic_shared::proto::{kv_op::Op, KvOp, StoreOp, StreamDelta, StreamDescriptor};
+
+    use super::*;
+    use crate::state::LookupPolicy;
+
+    fn router_with_prefix() -> Router {
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        let desc = StreamDescriptor {
+            stream_id: "team-a/p#0".into(),
+            replica: "p".into(),
+            tenant: "team-a".into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            ..Default::default()
+        };
+        {
+            let mut ix = shared.index.write();
+            ix.resync_node(
+                "n",
+                &[proto::StreamSnapshot {
+                    stream: Some(desc.clone()),
+                    ..Default::default()
+                }],
+            );
+            ix.apply_delta(
+                "n",
+                &StreamDelta {
+                    stream: Some(desc),
+                    seq: 1,
+                    ops: vec![KvOp {
+                        op: Some(Op::Store(StoreOp {
+                            adapter: String::new(),
+                            block_size: 4,
+                            tier: proto::Tier::T1 as i32,
+                            content_keys: chain(&(0..16).collect::<Vec<_>>(), 4),
+                        })),
+                    }],
+                    last_event_unix_ms: 1,
+                },
+            )
+            .unwrap();
+        }
+        Router::new(shared)
+    }
+
+    fn req(tenant: &str, n: u32) -> proto::LookupRouteRequest {
+        proto::LookupRouteRequest {
+            tenant: tenant.into(),
+            token_ids: (0..n).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn namespace_policy_gates_short_requests_and_matches() {
+        let r = router_with_prefix();
+        assert_eq!(
+            r.lookup(&req("team-a", 16)).decision,
+            proto::Decision::PrefixMatch as i32
+        );
+        r.policies().set_policy("team-a", None, Some(32));
+        let a = r.lookup(&req("team-a", 16));
+        assert_eq!(a.decision, proto::Decision::NoHint as i32);
+        assert_eq!(a.reason, "BelowMinimumPrefixTokens");
+        // A long request whose match is only 16 tokens is gated too.
+        let a = r.lookup(&req("team-a", 40));
+        assert_eq!(a.reason, "BelowMinimumPrefixTokens");
+        // Other namespaces keep the defaults.
+        r.policies().set_policy("team-b", None, Some(1000));
+        r.policies().remove_policy("team-a");
+        assert_eq!(
+            r.lookup(&req("team-a", 16)).decision,
+            proto::Decision::PrefixMatch as i32
+        );
+    }
+
+    #[test]
+    fn lookup_over_budget_answers_no_hint_lookup_timeout() {
+        let r = router_with_prefix();
+        r.policies().set_policy("team-a", Some(20), None);
+        // A writer holding the index past the budget: the lookup gives up instead of waiting.
+        let shared = r.shared.clone();
+        let held = shared.index.write();
+        let started = Instant::now();
+        let a = r.lookup(&req("team-a", 16));
+        let waited = started.elapsed();
+        drop(held);
+        assert_eq!(a.decision, proto::Decision::NoHint as i32);
+        assert_eq!(a.reason, LOOKUP_TIMEOUT);
+        assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(2));
+        // Within budget it answers normally; 0 means no budget.
+        assert_eq!(
+            r.lookup(&req("team-a", 16)).decision,
+            proto::Decision::PrefixMatch as i32
+        );
+        r.policies().set_policy("team-a", Some(0), None);
+        let _held = shared.index.read();
+        assert_eq!(
+            r.lookup(&req("team-a", 16)).decision,
+            proto::Decision::PrefixMatch as i32
+        );
     }
 }

@@ -26,6 +26,9 @@ pub struct Shared {
     /// Set to true when the controller shuts down: open agent streams end with `Unavailable`
     /// so servers can drain.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Bumped whenever an agent connects, disconnects or reports checks; the CacheNode and
+    /// advisory writers wake on it ([`Shared::node_changes`]).
+    pub node_events: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -37,7 +40,18 @@ impl Shared {
             metrics: ControllerMetrics::new()?,
             policy,
             stopping: tokio::sync::watch::Sender::new(false),
+            node_events: tokio::sync::watch::Sender::new(0),
         })
+    }
+
+    /// Signals that node state changed (connect, disconnect, check report).
+    pub fn notify_node_change(&self) {
+        self.node_events.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that changes on every [`Shared::notify_node_change`].
+    pub fn node_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.node_events.subscribe()
     }
 
     /// Refreshes the index gauges (call after a write).

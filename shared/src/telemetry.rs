@@ -35,3 +35,23 @@ pub fn encode_metrics(registry: &prometheus::Registry) -> String {
     }
     String::from_utf8_lossy(&buf).into_owned()
 }
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what Kubernetes sends a container on stop).
+/// If a handler cannot be installed, that signal is simply not awaited.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

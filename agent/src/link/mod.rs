@@ -27,8 +27,9 @@ use crate::state::AgentState;
 pub struct LinkConfig {
     /// Controller gRPC URL, e.g. `http://127.0.0.1:50051`.
     pub controller: String,
-    /// Projected service-account token to present (empty in standalone mode).
-    pub token: String,
+    /// File holding the projected service-account token (audience `inference-cache`); re-read
+    /// on every connect because the kubelet rotates it. `None` in standalone mode.
+    pub token_file: Option<std::path::PathBuf>,
     /// First reconnect delay; doubles per failure.
     pub backoff_initial: Duration,
     /// Reconnect delay cap.
@@ -42,7 +43,7 @@ impl LinkConfig {
     pub fn new(controller: impl Into<String>) -> Self {
         LinkConfig {
             controller: controller.into(),
-            token: String::new(),
+            token_file: None,
             backoff_initial: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
             batch_window: Duration::from_millis(20),
@@ -72,6 +73,14 @@ pub enum LinkError {
     /// The controller refused or ended the stream with a status.
     #[error("controller: {0}")]
     Status(#[from] tonic::Status),
+    /// The token file could not be read.
+    #[error("cannot read token file {path}: {source}")]
+    Token {
+        /// File path.
+        path: String,
+        /// I/O error.
+        source: std::io::Error,
+    },
     /// The outbound queue closed (the request stream ended).
     #[error("outbound stream closed")]
     Closed,
@@ -167,6 +176,16 @@ async fn session(
             url: cfg.controller.clone(),
             source,
         })?;
+    let token = match &cfg.token_file {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|source| LinkError::Token {
+                path: path.display().to_string(),
+                source,
+            })?
+            .trim()
+            .to_string(),
+        None => String::new(),
+    };
     let mut client = AgentServiceClient::new(channel);
     let (tx, rx) = mpsc::channel::<AgentMessage>(64);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
@@ -174,7 +193,7 @@ async fn session(
         let tx = tx.clone();
         async move { tx.send(m).await.map_err(|_| LinkError::Closed) }
     };
-    send(hello(state, &cfg.token)).await?;
+    send(hello(state, &token)).await?;
     send(resync(state)).await?;
     passes.mark_unchanged();
     if let Some(m) = checks(state) {

@@ -181,14 +181,14 @@ pub enum InjectError {
         volume: String,
     },
     /// The engine mounts `/dev/shm` from a read-only volume type.
-    #[error("container {container:?} mounts /dev/shm from a {source} volume ({volume:?}); the LMCache MP data path needs a writable tmpfs")]
+    #[error("container {container:?} mounts /dev/shm from a {kind} volume ({volume:?}); the LMCache MP data path needs a writable tmpfs")]
     ShmVolumeSource {
         /// Container name.
         container: String,
         /// Volume name.
         volume: String,
         /// `configMap`, `secret`, `downwardAPI`, `projected`.
-        source: &'static str,
+        kind: &'static str,
     },
     /// SGLang HiCache: an existing argument differs from the CacheBackend.
     #[error("SGLang HiCache: container {container:?} sets {flag} {have}, the CacheBackend asks for {want}")]

@@ -185,7 +185,7 @@ impl SglangLmCacheMp {
                     return Err(InjectError::ShmVolumeSource {
                         container: engine.name.clone(),
                         volume: m.name.clone(),
-                        source: kind,
+                        kind,
                     });
                 }
                 if m.name == DSHM_VOLUME && ours {
@@ -660,7 +660,7 @@ mod tests {
         let s = p.spec.as_mut().unwrap();
         s.volumes = Some(vec![Volume { name: "s".into(), config_map: Some(ConfigMapVolumeSource::default()), ..Default::default() }]);
         s.containers[0].volume_mounts = Some(vec![VolumeMount { name: "s".into(), mount_path: "/dev/shm".into(), ..Default::default() }]);
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ShmVolumeSource { source: "configMap", .. })));
+        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ShmVolumeSource { kind: "configMap", .. })));
         // Squatted names.
         let mut p = pod();
         p.spec.as_mut().unwrap().init_containers = Some(vec![Container { name: WORKER_CONTAINER.into(), ..Default::default() }]);

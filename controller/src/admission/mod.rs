@@ -1,1 +1,352 @@
-//! AdmissionReview server: CacheBackend defaulting and validation, Pod wiring (placeholder).
+//! Admission: the AdmissionReview handlers behind `ic-controller`'s HTTPS webhooks and
+//! `ic-controller admit` (spec 000 "Admission", "Mutating Pod webhook"; DESIGN.md "Data flows" 1).
+//!
+//! | route | handler | failure policy |
+//! |---|---|---|
+//! | `/mutate-cachebackend` | [`defaulting`]: materialise `spec.integration` / `spec.observation`, first-apply `autoscaling.minReplicas` | Fail |
+//! | `/validate-cachebackend` | [`validation`]: schema, decode, the ordered rule list; UPDATE drops pre-existing violations | Fail |
+//! | `/mutate-pod` | a [`PodMutator`] (engine wiring); **always allowed** — every error path admits the pod unwired with a reason | Ignore |
+//! | `/healthz` | liveness | — |
+//!
+//! [`Admission`] is the one code path: the HTTPS server ([`server`]) and the offline CLI
+//! ([`offline`]) both hand it the raw AdmissionReview bytes ([`Admission::handle_bytes`]) and send
+//! back what it returns. Wire types are our own ([`review`]) so that the patch is a base64 string
+//! as kube-apiserver requires. Certificates: [`tls`].
+//!
+//! The CacheBackends a Pod is matched against come from a [`BackendSource`] (a static list for
+//! tests and `admit`; the in-cluster controller supplies a watch-backed one).
+
+pub mod defaulting;
+pub mod offline;
+pub mod review;
+pub mod server;
+pub mod tls;
+pub mod validation;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use ic_shared::crd::CacheBackend;
+use serde_json::Value;
+
+use crate::adapters::Registry;
+use review::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use validation::{RuleContext, Validator};
+
+/// The webhook routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// `/mutate-cachebackend` (defaulting).
+    MutateCacheBackend,
+    /// `/validate-cachebackend` (validation).
+    ValidateCacheBackend,
+    /// `/mutate-pod` (engine wiring; fail-open).
+    MutatePod,
+}
+
+impl Route {
+    /// Every route.
+    pub const ALL: [Route; 3] = [
+        Route::MutateCacheBackend,
+        Route::ValidateCacheBackend,
+        Route::MutatePod,
+    ];
+
+    /// The HTTP path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Route::MutateCacheBackend => "/mutate-cachebackend",
+            Route::ValidateCacheBackend => "/validate-cachebackend",
+            Route::MutatePod => "/mutate-pod",
+        }
+    }
+
+    /// The route for an HTTP path.
+    pub fn from_path(path: &str) -> Option<Route> {
+        Route::ALL.into_iter().find(|r| r.path() == path)
+    }
+}
+
+/// Where the Pod webhook gets the CacheBackends to match a pod against.
+///
+/// In cluster this is a watch-backed store (spec: a live list, so a freshly Ready backend is
+/// never missed); in tests and `ic-controller admit`, [`StaticBackends`].
+pub trait BackendSource: Send + Sync {
+    /// The CacheBackends in `namespace`, in any order (the Pod webhook orders them).
+    fn list(&self, namespace: &str) -> Vec<CacheBackend>;
+}
+
+/// A fixed list of CacheBackends. A backend without `metadata.namespace` is listed in every
+/// namespace (convenient for `ic-controller admit`).
+#[derive(Debug, Clone, Default)]
+pub struct StaticBackends(pub Vec<CacheBackend>);
+
+impl BackendSource for StaticBackends {
+    fn list(&self, namespace: &str) -> Vec<CacheBackend> {
+        self.0
+            .iter()
+            .filter(|cb| {
+                cb.metadata
+                    .namespace
+                    .as_deref()
+                    .is_none_or(|ns| ns.is_empty() || ns == namespace)
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+/// What the Pod webhook decided for one pod. The pod is always admitted; `patch` (RFC 6902, may
+/// be empty) wires it, and `reason` says why it was or was not wired.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodDecision {
+    /// Operator-facing reason (`wired to ns/name`, or why the pod was left unwired).
+    pub reason: String,
+    /// JSON Patch against the request's pod (empty: no change).
+    pub patch: Vec<json_patch::PatchOperation>,
+    /// Warnings for the client.
+    pub warnings: Vec<String>,
+}
+
+/// Engine-pod wiring, as the `/mutate-pod` route calls it.
+///
+/// INTEGRATION POINT: the Pod webhook logic (`crate::admission::pod::mutate_pod`, owned by the
+/// Pod-wiring work) plugs in here; until it is installed, [`UnwiredPods`] admits every pod
+/// unchanged.
+pub trait PodMutator: Send + Sync {
+    /// Decides for `pod` (the request object) given the CacheBackends of its namespace.
+    fn mutate(&self, request: &AdmissionRequest, pod: &Value, backends: &[CacheBackend]) -> PodDecision;
+}
+
+/// Placeholder Pod wiring: admits every pod with no patch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UnwiredPods;
+
+impl PodMutator for UnwiredPods {
+    fn mutate(&self, _request: &AdmissionRequest, _pod: &Value, _backends: &[CacheBackend]) -> PodDecision {
+        PodDecision {
+            reason: "engine-pod wiring is not installed in this build; pod admitted unchanged"
+                .to_string(),
+            ..Default::default()
+        }
+    }
+}
+
+/// An HTTP answer: status code and JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandledBody {
+    /// HTTP status (always 200: errors are expressed inside the AdmissionReview).
+    pub status: u16,
+    /// The serialized response AdmissionReview.
+    pub body: Vec<u8>,
+}
+
+/// The admission handlers: one instance serves every route.
+pub struct Admission {
+    validator: Validator,
+    registry: Arc<Registry>,
+    backends: Arc<dyn BackendSource>,
+    pods: Arc<dyn PodMutator>,
+}
+
+impl Admission {
+    /// Handlers over a registry (reserved args/env, supported pairs), a CacheBackend source for
+    /// the Pod webhook, and the Pod wiring. Uses [`Validator::builtin`].
+    pub fn new(
+        registry: Arc<Registry>,
+        backends: Arc<dyn BackendSource>,
+        pods: Arc<dyn PodMutator>,
+    ) -> Self {
+        Admission {
+            validator: Validator::builtin(),
+            registry,
+            backends,
+            pods,
+        }
+    }
+
+    /// Replaces the validator (tests, extensions).
+    pub fn with_validator(mut self, validator: Validator) -> Self {
+        self.validator = validator;
+        self
+    }
+
+    /// The registry.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// The validator.
+    pub fn validator(&self) -> &Validator {
+        &self.validator
+    }
+
+    /// Handles raw AdmissionReview bytes for `route` — what the HTTPS server and `admit` call.
+    /// Always HTTP 200: a body that does not decode is denied (CacheBackend routes, `code: 400`)
+    /// or allowed (`/mutate-pod`), with `uid` recovered from the raw JSON when possible.
+    pub fn handle_bytes(&self, route: Route, body: &[u8]) -> HandledBody {
+        let response = match serde_json::from_slice::<AdmissionReview>(body) {
+            Ok(AdmissionReview {
+                request: Some(req), ..
+            }) => self.respond(route, &req),
+            Ok(_) => undecodable(route, body, "the AdmissionReview has no request"),
+            Err(e) => undecodable(route, body, &format!("the AdmissionReview does not decode: {e}")),
+        };
+        let review = AdmissionReview::from_response(response);
+        let body = serde_json::to_vec(&review).unwrap_or_else(|_| {
+            // Unreachable in practice; still answer something the apiserver can read.
+            let uid = review.response.map(|r| r.uid).unwrap_or_default();
+            format!(
+                r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{{"uid":{},"allowed":{}}}}}"#,
+                validation::quote(&uid),
+                route == Route::MutatePod
+            )
+            .into_bytes()
+        });
+        HandledBody { status: 200, body }
+    }
+
+    /// Handles a decoded review for `route`.
+    pub fn review(&self, route: Route, review: &AdmissionReview) -> AdmissionReview {
+        let response = match &review.request {
+            Some(req) => self.respond(route, req),
+            None => match route {
+                Route::MutatePod => AdmissionResponse::allow_with_message(
+                    "",
+                    "the AdmissionReview has no request; pod admitted unchanged",
+                ),
+                _ => AdmissionResponse::bad_request("", "the AdmissionReview has no request"),
+            },
+        };
+        AdmissionReview::from_response(response)
+    }
+
+    /// The response for one request on `route`.
+    pub fn respond(&self, route: Route, req: &AdmissionRequest) -> AdmissionResponse {
+        match route {
+            Route::MutateCacheBackend => self.mutate_cache_backend(req),
+            Route::ValidateCacheBackend => self.validate_cache_backend(req),
+            Route::MutatePod => self.mutate_pod(req),
+        }
+    }
+
+    /// `/mutate-cachebackend`: the defaulting patch (spec "Defaulting").
+    pub fn mutate_cache_backend(&self, req: &AdmissionRequest) -> AdmissionResponse {
+        if !matches!(req.operation, Operation::Create | Operation::Update) || is_subresource(req) {
+            return AdmissionResponse::allow(&req.uid);
+        }
+        let Some(obj) = &req.object else {
+            return AdmissionResponse::bad_request(&req.uid, "request.object is missing");
+        };
+        match defaulting::default_cache_backend(obj, req.operation) {
+            Ok(d) => AdmissionResponse::allow(&req.uid)
+                .with_patch(&d.patch)
+                .unwrap_or_else(|e| {
+                    AdmissionResponse::bad_request(&req.uid, format!("patch encoding failed: {e}"))
+                }),
+            Err(e) => AdmissionResponse::bad_request(&req.uid, e.to_string()),
+        }
+    }
+
+    /// `/validate-cachebackend`: every rule; UPDATE only rejects violations the update
+    /// introduces (spec "Validating").
+    pub fn validate_cache_backend(&self, req: &AdmissionRequest) -> AdmissionResponse {
+        if !matches!(req.operation, Operation::Create | Operation::Update) || is_subresource(req) {
+            return AdmissionResponse::allow(&req.uid);
+        }
+        let Some(obj) = &req.object else {
+            return AdmissionResponse::bad_request(&req.uid, "request.object is missing");
+        };
+        let ctx = RuleContext {
+            namespace: validation::namespace_of(req.namespace.as_deref(), obj),
+            registry: &self.registry,
+            operation: req.operation,
+        };
+        let outcome = match (&req.old_object, req.operation) {
+            (Some(old), Operation::Update) => self.validator.validate_update(obj, old, &ctx),
+            _ => self.validator.validate_value(obj, &ctx),
+        };
+        if outcome.is_valid() {
+            return AdmissionResponse::allow(&req.uid).with_warnings(outcome.warnings);
+        }
+        let name = req
+            .name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .or_else(|| {
+                obj.pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .unwrap_or_default();
+        AdmissionResponse::deny(&req.uid, outcome.to_status(&name)).with_warnings(outcome.warnings)
+    }
+
+    /// `/mutate-pod`: engine wiring. Never blocks a pod: every error (including a panic in the
+    /// wiring, or a patch that does not apply) admits the pod unchanged with a reason.
+    pub fn mutate_pod(&self, req: &AdmissionRequest) -> AdmissionResponse {
+        let uid = req.uid.clone();
+        catch_unwind(AssertUnwindSafe(|| self.mutate_pod_inner(req))).unwrap_or_else(|_| {
+            AdmissionResponse::allow_with_message(
+                uid,
+                "internal error in the pod webhook; pod admitted unwired",
+            )
+        })
+    }
+
+    fn mutate_pod_inner(&self, req: &AdmissionRequest) -> AdmissionResponse {
+        if req.operation != Operation::Create {
+            return AdmissionResponse::allow_with_message(
+                &req.uid,
+                "only pod CREATE is wired; pod admitted unchanged",
+            );
+        }
+        if !req.kind.kind.is_empty() && req.kind.kind != "Pod" {
+            return AdmissionResponse::allow_with_message(
+                &req.uid,
+                format!("not a Pod ({}); admitted unchanged", req.kind.kind),
+            );
+        }
+        let Some(pod) = req.object.as_ref().filter(|o| o.is_object()) else {
+            return AdmissionResponse::allow_with_message(
+                &req.uid,
+                "request.object is not a pod; admitted unwired",
+            );
+        };
+        let namespace = validation::namespace_of(req.namespace.as_deref(), pod);
+        let backends = self.backends.list(namespace);
+        let decision = self.pods.mutate(req, pod, &backends);
+        if !decision.patch.is_empty() {
+            let mut probe = pod.clone();
+            if let Err(e) = json_patch::patch(&mut probe, &decision.patch) {
+                return AdmissionResponse::allow_with_message(
+                    &req.uid,
+                    format!("internal error: the wiring patch does not apply ({e}); pod admitted unwired"),
+                );
+            }
+        }
+        match AdmissionResponse::allow_with_message(&req.uid, decision.reason.clone())
+            .with_patch(&decision.patch)
+        {
+            Ok(r) => r.with_warnings(decision.warnings),
+            Err(e) => AdmissionResponse::allow_with_message(
+                &req.uid,
+                format!("internal error: the wiring patch does not encode ({e}); pod admitted unwired"),
+            ),
+        }
+    }
+}
+
+fn is_subresource(req: &AdmissionRequest) -> bool {
+    req.sub_resource.as_deref().is_some_and(|s| !s.is_empty())
+}
+
+fn undecodable(route: Route, body: &[u8], why: &str) -> AdmissionResponse {
+    let uid = review::uid_of_raw(body);
+    match route {
+        Route::MutatePod => {
+            AdmissionResponse::allow_with_message(uid, format!("{why}; pod admitted unwired"))
+        }
+        _ => AdmissionResponse::bad_request(uid, why),
+    }
+}

@@ -5,18 +5,25 @@
 //! - `/readyz`: 200 once the gRPC listener is bound, else 503.
 //! - `/metrics`: Prometheus text format.
 //! - `/snapshot`: the index per replica ([`IndexSnapshot`](crate::index::IndexSnapshot)).
+//! - `/probe` (GET or POST): the functional probe ([`ProbeReport`](crate::probe::ProbeReport)):
+//!   stages ingest, routing, t2, each `ok` / `failed` / `skipped` with a diagnostic. Optional
+//!   coordinates as query parameters or a JSON body: `tenant`, `model`, `hashScheme`,
+//!   `blockSize`, `backend`. Always 200 with the report; a failed stage is an outcome, not a
+//!   server error.
 //! - `/v1/nodes`: `{"nodes":[NodeRecord…]}` — each agent that connected, with its latest checks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::probe::{self, ProbeRequest};
 use crate::state::Shared;
 
 /// State behind the HTTP handlers.
@@ -35,6 +42,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/snapshot", get(snapshot))
+        .route("/probe", get(probe_get).post(probe_post))
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}", get(node))
         .with_state(state)
@@ -58,6 +66,50 @@ async fn metrics(State(s): State<HttpState>) -> Response {
 
 async fn snapshot(State(s): State<HttpState>) -> Response {
     Json(s.shared.index.read().snapshot()).into_response()
+}
+
+async fn probe_get(State(s): State<HttpState>, Query(req): Query<ProbeRequest>) -> Response {
+    run_probe(s, req).await
+}
+
+async fn probe_post(
+    State(s): State<HttpState>,
+    Query(query): Query<ProbeRequest>,
+    body: Bytes,
+) -> Response {
+    let req = if body.iter().all(u8::is_ascii_whitespace) {
+        query
+    } else {
+        match serde_json::from_slice::<ProbeRequest>(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({ "error": format!("probe request body: {e}") })),
+                )
+                    .into_response()
+            }
+        }
+    };
+    run_probe(s, req).await
+}
+
+async fn run_probe(s: HttpState, req: ProbeRequest) -> Response {
+    let shared = s.shared.clone();
+    // The probe takes the index write lock briefly: keep it off the async workers.
+    let report = tokio::task::spawn_blocking(move || {
+        let router = crate::router::Router::new(shared.clone());
+        probe::run(&shared, &router, &req)
+    })
+    .await;
+    match report {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({ "error": format!("probe task: {e}") })),
+        )
+            .into_response(),
+    }
 }
 
 async fn nodes(State(s): State<HttpState>) -> Response {

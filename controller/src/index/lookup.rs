@@ -1,10 +1,28 @@
 //! Longest-prefix lookup over the index (`RouterService.LookupRoute`).
+//!
+//! A query names its coordinates (tenant, model, hash scheme — each may be empty for "any" —
+//! and the exact adapter) and carries either raw token ids, chunked into content keys at the
+//! block size of every candidate partition (the size registered per hash scheme by the streams,
+//! never one global value), or pre-computed content keys. Each candidate partition is walked
+//! block by block; the deepest partition (in tokens) wins and partitions of equal depth merge.
+//!
+//! Policy: a request carrying fewer than `minimum_prefix_tokens` tokens, or whose deepest match
+//! is shorter, answers NO_HINT (`BelowMinimumPrefixTokens`); a lookup past its `deadline`
+//! answers NO_HINT (`LookupTimeout`) — fail open, the gateway routes by load.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use ic_shared::kv::content_key;
 
+use super::holders::{is_t2, slot_of, Word};
 use super::{PartitionId, PrefixIndex, ReplicaSlot, Tier};
+
+/// NO_HINT reason when the lookup ran past its budget.
+pub const LOOKUP_TIMEOUT: &str = "LookupTimeout";
+
+/// How many chain levels are walked between deadline checks.
+const DEADLINE_EVERY: usize = 32;
 
 /// What the router asks.
 ///
@@ -26,8 +44,14 @@ pub struct LookupQuery {
     pub content_keys: Vec<u64>,
     /// Only partitions of this block size (tokens); `None` = every registered size.
     pub block_size: Option<u32>,
-    /// A match shorter than this many tokens answers NO_HINT (CachePolicy.minimumPrefixTokens).
+    /// A request, or a best match, shorter than this many tokens answers NO_HINT
+    /// (CachePolicy.minimumPrefixTokens).
     pub minimum_prefix_tokens: u32,
+    /// Past this instant the lookup gives up with NO_HINT / `LookupTimeout`
+    /// (CachePolicy.lookupTimeoutMs); `None` = no budget.
+    pub deadline: Option<Instant>,
+    /// Most replicas in the answer (the best ones); 0 = all.
+    pub max_replicas: usize,
 }
 
 /// One replica's match.
@@ -56,7 +80,7 @@ pub struct ReplicaMatch {
 pub struct LookupResult {
     /// True for PREFIX_MATCH.
     pub prefix_match: bool,
-    /// Matches, deepest first, T1 before T2, then by replica id.
+    /// Matches, deepest first, T1 before T2, then by stream id.
     pub replicas: Vec<ReplicaMatch>,
     /// Block size of the best partition (0 when none matched the query's coordinates).
     pub block_size: u32,
@@ -66,141 +90,276 @@ pub struct LookupResult {
     pub reason: String,
 }
 
-impl PrefixIndex {
-    /// Finds, for every replica, the longest cached prefix of the query.
-    pub fn lookup(&self, q: &LookupQuery) -> LookupResult {
-        let candidates: Vec<PartitionId> = self
-            .partitions
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| {
-                (q.tenant.is_empty() || p.tenant == q.tenant)
-                    && (q.model.is_empty() || p.model == q.model)
-                    && (q.hash_scheme.is_empty() || p.hash_scheme == q.hash_scheme)
-                    && p.adapter == q.adapter
-                    && q.block_size.is_none_or(|b| b == p.block_size)
-            })
-            .map(|(i, _)| i as PartitionId)
-            .collect();
-        if candidates.is_empty() {
-            return LookupResult {
-                prefix_match: false,
-                replicas: Vec::new(),
-                block_size: q.block_size.unwrap_or(0),
-                request_blocks: 0,
-                reason: "NoBlockSizeRegistered".to_string(),
-            };
-        }
+/// A replica's match before names are attached: what [`PrefixIndex::score`] returns, the
+/// equivalent of other indexers' per-worker overlap scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaScore {
+    /// Internal replica slot (stable while the stream is known).
+    pub slot: u32,
+    /// Consecutive blocks matched from block 0.
+    pub matched_blocks: u32,
+    /// Block size of the partition matched.
+    pub block_size: u32,
+    /// True when every matched block is in GPU memory.
+    pub t1: bool,
+}
 
+impl ReplicaScore {
+    fn tokens(&self) -> u32 {
+        self.matched_blocks.saturating_mul(self.block_size)
+    }
+}
+
+/// The scoring pass of a lookup.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scores {
+    /// Per replica with ≥ 1 matched block, in the deepest partition(s); unordered.
+    pub replicas: Vec<ReplicaScore>,
+    /// Block size of the best partition (0 when no partition matched the coordinates).
+    pub block_size: u32,
+    /// Full blocks in the request at that block size.
+    pub request_blocks: u32,
+    /// True when no partition matched the query's coordinates.
+    pub no_partition: bool,
+}
+
+/// The lookup ran past its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimedOut;
+
+fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+fn no_hint(reason: &str, block_size: u32, request_blocks: u32) -> LookupResult {
+    LookupResult {
+        prefix_match: false,
+        replicas: Vec::new(),
+        block_size,
+        request_blocks,
+        reason: reason.to_string(),
+    }
+}
+
+impl PrefixIndex {
+    /// Finds, for every replica, the longest cached prefix of the query, and decides
+    /// PREFIX_MATCH / NO_HINT (see the module docs for the policy gates).
+    pub fn lookup(&self, q: &LookupQuery) -> LookupResult {
+        let q_bs = q.block_size.unwrap_or(0);
+        if q.minimum_prefix_tokens > 0 {
+            let carried = if q.token_ids.is_empty() {
+                q.block_size
+                    .map(|b| (q.content_keys.len() as u64).saturating_mul(u64::from(b)))
+            } else {
+                Some(q.token_ids.len() as u64)
+            };
+            if carried.is_some_and(|t| t < u64::from(q.minimum_prefix_tokens)) {
+                return no_hint("BelowMinimumPrefixTokens", q_bs, 0);
+            }
+        }
+        let scores = match self.score(q) {
+            Ok(s) => s,
+            Err(TimedOut) => return no_hint(LOOKUP_TIMEOUT, q_bs, 0),
+        };
+        if scores.no_partition {
+            return no_hint("NoBlockSizeRegistered", q_bs, 0);
+        }
+        let deepest = scores
+            .replicas
+            .iter()
+            .map(ReplicaScore::tokens)
+            .max()
+            .unwrap_or(0);
+        let prefix_match = deepest > 0 && deepest >= q.minimum_prefix_tokens;
+        if !prefix_match {
+            let reason = if scores.request_blocks == 0 {
+                "RequestShorterThanOneBlock"
+            } else if deepest == 0 {
+                "NoReplicaHoldsPrefix"
+            } else {
+                "BelowMinimumPrefixTokens"
+            };
+            return no_hint(reason, scores.block_size, scores.request_blocks);
+        }
+        if past(q.deadline) {
+            return no_hint(LOOKUP_TIMEOUT, scores.block_size, scores.request_blocks);
+        }
+        LookupResult {
+            prefix_match,
+            replicas: self.materialize(scores.replicas, q.max_replicas),
+            block_size: scores.block_size,
+            request_blocks: scores.request_blocks,
+            reason: String::new(),
+        }
+    }
+
+    /// The scoring pass alone: per replica, matched blocks in the deepest candidate partition
+    /// (partitions of equal depth in tokens merge). No names, no ordering, no policy gates.
+    ///
+    /// # Errors
+    /// [`TimedOut`] when `q.deadline` passes during the walk.
+    pub fn score(&self, q: &LookupQuery) -> Result<Scores, TimedOut> {
         let mut chains: HashMap<u32, Vec<u64>> = HashMap::new();
-        let mut best: Option<(u32, u32, Vec<ReplicaMatch>)> = None; // (block_size, blocks, matches)
-        for pid in candidates {
-            let bs = self.partitions[pid as usize].block_size;
-            let keys = if q.token_ids.is_empty() {
+        let mut best = Scores {
+            no_partition: true,
+            block_size: q.block_size.unwrap_or(0),
+            ..Scores::default()
+        };
+        let mut best_depth = 0u32;
+        for (pid, p) in self.partitions.iter().enumerate() {
+            let k = &p.key;
+            let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
+                && (q.model.is_empty() || k.model == q.model)
+                && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
+                && k.adapter == q.adapter
+                && q.block_size.is_none_or(|b| b == k.block_size);
+            if !matches {
+                continue;
+            }
+            if past(q.deadline) {
+                return Err(TimedOut);
+            }
+            let bs = k.block_size;
+            let keys: &[u64] = if q.token_ids.is_empty() {
                 &q.content_keys
             } else {
                 chains
                     .entry(bs)
                     .or_insert_with(|| content_key::chain(&q.token_ids, bs as usize))
             };
-            let matches = self.walk(pid, keys, bs);
-            let depth = matches.first().map(|m| m.matched_tokens).unwrap_or(0);
-            let better = match &best {
-                None => true,
-                Some((_, _, b)) => depth > b.first().map(|m| m.matched_tokens).unwrap_or(0),
-            };
-            if better {
-                best = Some((bs, keys.len() as u32, matches));
-            } else if let Some((_, _, b)) = best.as_mut() {
+            let found = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
+            let depth = found.iter().map(ReplicaScore::tokens).max().unwrap_or(0);
+            if best.no_partition || depth > best_depth {
+                best = Scores {
+                    replicas: found,
+                    block_size: bs,
+                    request_blocks: keys.len() as u32,
+                    no_partition: false,
+                };
+                best_depth = depth;
+            } else if depth > 0 && depth == best_depth {
                 // Same depth in another partition (e.g. another tenant under a wildcard): merge.
-                if depth > 0 && b.first().map(|m| m.matched_tokens) == Some(depth) {
-                    b.extend(matches);
-                    sort_matches(b);
+                for s in found {
+                    if !best.replicas.iter().any(|b| b.slot == s.slot) {
+                        best.replicas.push(s);
+                    }
                 }
             }
         }
-        let (block_size, request_blocks, replicas) = best.unwrap_or_default();
-        let deepest = replicas.first().map(|m| m.matched_tokens).unwrap_or(0);
-        let prefix_match = deepest > 0 && deepest >= q.minimum_prefix_tokens;
-        let reason = if prefix_match {
-            String::new()
-        } else if request_blocks == 0 {
-            "RequestShorterThanOneBlock".to_string()
-        } else if deepest == 0 {
-            "NoReplicaHoldsPrefix".to_string()
-        } else {
-            "BelowMinimumPrefixTokens".to_string()
-        };
-        LookupResult {
-            prefix_match,
-            replicas: if prefix_match { replicas } else { Vec::new() },
-            block_size,
-            request_blocks,
-            reason,
-        }
+        Ok(best)
     }
 
-    /// Walks the chain in one partition; returns every replica with ≥ 1 matched block.
-    fn walk(&self, pid: PartitionId, keys: &[u64], block_size: u32) -> Vec<ReplicaMatch> {
-        // slot -> (depth, all T1 so far)
-        let mut alive: HashMap<ReplicaSlot, (u32, bool)> = HashMap::new();
-        let mut done: Vec<(ReplicaSlot, u32, bool)> = Vec::new();
-        for (depth, key) in keys.iter().enumerate() {
-            let holders = self
-                .entries
-                .get(&(pid, *key))
-                .map(Vec::as_slice)
-                .unwrap_or(&[]);
-            if depth == 0 {
-                for h in holders {
-                    alive.insert(h.replica, (1, h.tier == Tier::T1));
+    /// Walks the chain in one partition; returns every replica with ≥ 1 matched block, sorted by
+    /// slot. Each level intersects the replicas still matching with the level's holders, iterating
+    /// whichever side is smaller (both are sorted by slot).
+    fn walk(
+        &self,
+        pid: PartitionId,
+        keys: &[u64],
+        block_size: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<ReplicaScore>, TimedOut> {
+        let Some(part) = self.partitions.get(pid as usize) else {
+            return Ok(Vec::new());
+        };
+        let Some(first) = keys.first().and_then(|k| part.blocks.get(k)) else {
+            return Ok(Vec::new());
+        };
+        let mut buf: [Word; 2] = [0; 2];
+        let mut all: Vec<ReplicaScore> = first
+            .words(&self.arena, &mut buf)
+            .iter()
+            .map(|w| ReplicaScore {
+                slot: slot_of(*w),
+                matched_blocks: 1,
+                block_size,
+                t1: !is_t2(*w),
+            })
+            .collect();
+        let mut alive: Vec<u32> = (0..all.len() as u32).collect();
+        let mut next: Vec<u32> = Vec::with_capacity(alive.len().min(16));
+        for (depth, key) in keys.iter().enumerate().skip(1) {
+            if depth % DEADLINE_EVERY == 0 && past(deadline) {
+                return Err(TimedOut);
+            }
+            let Some(h) = part.blocks.get(key) else {
+                break;
+            };
+            let mut buf: [Word; 2] = [0; 2];
+            let words = h.words(&self.arena, &mut buf);
+            next.clear();
+            if alive.len() <= words.len() {
+                for &i in &alive {
+                    let Some(s) = all.get_mut(i as usize) else {
+                        continue;
+                    };
+                    if let Ok(j) = words.binary_search_by_key(&s.slot, |w| slot_of(*w)) {
+                        s.matched_blocks += 1;
+                        s.t1 &= words.get(j).is_some_and(|w| !is_t2(*w));
+                        next.push(i);
+                    }
                 }
             } else {
-                alive.retain(
-                    |slot, (d, t1)| match holders.iter().find(|h| h.replica == *slot) {
-                        Some(h) => {
-                            *d += 1;
-                            *t1 &= h.tier == Tier::T1;
-                            true
+                for &w in words {
+                    let Ok(i) = all.binary_search_by_key(&slot_of(w), |s| s.slot) else {
+                        continue;
+                    };
+                    if let Some(s) = all.get_mut(i) {
+                        if s.matched_blocks as usize == depth {
+                            s.matched_blocks += 1;
+                            s.t1 &= !is_t2(w);
+                            next.push(i as u32);
                         }
-                        None => {
-                            done.push((*slot, *d, *t1));
-                            false
-                        }
-                    },
-                );
+                    }
+                }
             }
-            if alive.is_empty() {
+            if next.is_empty() {
                 break;
             }
+            std::mem::swap(&mut alive, &mut next);
         }
-        done.extend(alive.into_iter().map(|(s, (d, t1))| (s, d, t1)));
-        let mut out: Vec<ReplicaMatch> = done
+        Ok(all)
+    }
+
+    /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
+    /// (0 = all) and attaches names.
+    fn materialize(&self, scores: Vec<ReplicaScore>, max: usize) -> Vec<ReplicaMatch> {
+        let mut keyed: Vec<(u64, ReplicaScore)> = scores
             .into_iter()
-            .filter_map(|(slot, depth, t1)| {
-                let r = self.replicas.get(&slot)?;
+            .filter_map(|s| {
+                let r = self.replica(s.slot as ReplicaSlot)?;
+                let key = (u64::from(u32::MAX - s.tokens()) << 32)
+                    | (u64::from(!s.t1) << 31)
+                    | u64::from(r.rank & 0x7FFF_FFFF);
+                Some((key, s))
+            })
+            .collect();
+        if max > 0 && keyed.len() > max {
+            keyed.select_nth_unstable_by_key(max - 1, |(k, _)| *k);
+            keyed.truncate(max);
+        }
+        keyed.sort_unstable_by_key(|(k, _)| *k);
+        keyed
+            .into_iter()
+            .filter_map(|(_, s)| {
+                let r = self.replica(s.slot as ReplicaSlot)?;
                 Some(ReplicaMatch {
                     replica: r.desc.replica.clone(),
                     stream_id: r.desc.stream_id.clone(),
                     node: r.node.clone(),
                     dp_rank: r.desc.dp_rank,
-                    matched_blocks: depth,
-                    matched_tokens: depth.saturating_mul(block_size),
-                    tier: if t1 { Tier::T1 } else { Tier::T2 },
+                    matched_blocks: s.matched_blocks,
+                    matched_tokens: s.tokens(),
+                    tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                     backend: r.desc.backend.clone(),
                 })
             })
-            .collect();
-        sort_matches(&mut out);
-        out
+            .collect()
     }
-}
 
-fn sort_matches(v: &mut [ReplicaMatch]) {
-    v.sort_by(|a, b| {
-        b.matched_tokens
-            .cmp(&a.matched_tokens)
-            .then(a.tier.cmp(&b.tier))
-            .then_with(|| a.stream_id.cmp(&b.stream_id))
-    });
+    /// Stream id of a scored slot (for callers of [`PrefixIndex::score`]).
+    pub fn stream_of(&self, slot: u32) -> Option<&str> {
+        self.replica(slot as ReplicaSlot)
+            .map(|r| r.desc.stream_id.as_str())
+    }
 }

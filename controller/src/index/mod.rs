@@ -5,20 +5,44 @@
 //!
 //! Entries are keyed by a *partition* — (tenant, model, hash_scheme, adapter, block_size) — and
 //! our content key (see `ic_shared::kv::content_key`); each entry lists the replicas (engine
-//! streams) holding the block and the tier they hold it at. Content keys are chained over the
-//! whole prefix, so a replica holding block *i* of a request's chain holds a cache of the entire
-//! prefix up to *i*; a lookup walks the chain and reports, per replica, the depth of its longest
-//! consecutive run from block 0.
+//! streams) holding the block and the tier they hold it at, and each replica remembers when it
+//! last reported an event. Content keys are chained over the whole prefix, so a replica holding
+//! block *i* of a request's chain holds a cache of the entire prefix up to *i*; a lookup walks the
+//! chain and reports, per replica, the depth of its longest consecutive run from block 0.
+//!
+//! # Layout (memory and speed)
+//!
+//! - Partitions are interned once (their strings are never copied per block); each has its own
+//!   hash table content key → [`holders::Holders`], 16 bytes per block: up to two holders
+//!   inline (`slot << 1 | t2` words), more in a sorted spilled list (4 bytes per holder).
+//! - Replicas live in a slab addressed by a `u32` slot (recycled), so holders are 4-byte words.
+//!   Each replica keeps the content keys it holds per partition in a compact hash set (8 bytes
+//!   per key), which makes a replica clear (engine restart, `AllBlocksCleared`, resync, expiry)
+//!   proportional to what that replica holds.
+//! - Content keys are already uniform (XXH3), so tables hash them with one seeded multiply.
+//! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
+//!   block held by every replica (a shared system prompt) costs one pass, not one per level.
+//!
+//! `ic-controller`'s benchmark (`controller/benches/index.rs`, `bench/`) measures this layout on
+//! the Mooncake FAST'25 trace; `docs/benchmarks.md` has the numbers.
 
+mod holders;
 mod lookup;
+mod policy;
 mod snapshot;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use ic_shared::proto::{self, kv_op::Op};
 use thiserror::Error;
 
-pub use lookup::{LookupQuery, LookupResult, ReplicaMatch};
+use holders::{is_t2, word, HolderArena, Holders, KeyBuild, SetOutcome, MAX_SLOT};
+
+pub use lookup::{
+    LookupQuery, LookupResult, ReplicaMatch, ReplicaScore, Scores, TimedOut, LOOKUP_TIMEOUT,
+};
+pub use policy::{NamespacePolicy, PolicyTable, ResolvedPolicy};
 pub use snapshot::{IndexSnapshot, ReplicaSnapshot};
 
 /// Where a replica holds a block.
@@ -65,25 +89,40 @@ pub struct Partition {
 type PartitionId = u32;
 type ReplicaSlot = u32;
 
-/// One holder of a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holder {
-    replica: ReplicaSlot,
-    tier: Tier,
+/// One partition's blocks.
+#[derive(Debug)]
+struct PartitionState {
+    key: Partition,
+    blocks: HashMap<u64, Holders, KeyBuild>,
+}
+
+/// The blocks one replica holds in one partition.
+#[derive(Debug)]
+struct ReplicaPart {
+    pid: PartitionId,
+    adapter: String,
+    block_size: u32,
+    keys: HashSet<u64, KeyBuild>,
 }
 
 /// State of one engine stream (a replica in routing answers).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Replica {
     desc: proto::StreamDescriptor,
     node: String,
     /// Last applied delta seq.
     seq: u64,
-    /// Blocks held: (partition, content key).
-    blocks: HashSet<(PartitionId, u64)>,
+    /// Blocks held, per partition (usually one).
+    parts: Vec<ReplicaPart>,
+    blocks: usize,
     t2_blocks: usize,
     last_event_unix_ms: i64,
     stale: bool,
+    /// Position of the stream id in sorted order (ties in lookup answers).
+    rank: u32,
+    /// Engine tier-2 counters, when reported.
+    t2_hits: Option<u64>,
+    t2_queries: Option<u64>,
 }
 
 /// Why a delta could not be applied; the agent is asked for a resync.
@@ -123,119 +162,272 @@ impl ApplyError {
     }
 }
 
-/// The in-memory prefix index. Not internally synchronised: wrap it in a lock.
-#[derive(Debug, Default)]
+/// One (block, replica) entry as [`PrefixIndex::stream_entries`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamEntry {
+    /// LoRA adapter, empty for the base model.
+    pub adapter: String,
+    /// Block size the key was chained at.
+    pub block_size: u32,
+    /// Content key.
+    pub content_key: u64,
+    /// Tier the replica holds it at.
+    pub tier: Tier,
+}
+
+/// The in-memory prefix index. Not internally synchronised (except its [`PolicyTable`]): wrap it
+/// in a lock.
+#[derive(Debug)]
 pub struct PrefixIndex {
     partition_ids: HashMap<Partition, PartitionId>,
-    partitions: Vec<Partition>,
-    entries: HashMap<(PartitionId, u64), Vec<Holder>>,
-    replicas: HashMap<ReplicaSlot, Replica>,
+    partitions: Vec<PartitionState>,
+    replicas: Vec<Option<Replica>>,
+    free_slots: Vec<ReplicaSlot>,
     slot_by_stream: HashMap<String, ReplicaSlot>,
-    next_slot: ReplicaSlot,
+    arena: HolderArena,
+    hasher: KeyBuild,
+    entries: usize,
+    policies: Arc<PolicyTable>,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PrefixIndex {
     /// An empty index.
     pub fn new() -> Self {
-        Self::default()
+        PrefixIndex {
+            partition_ids: HashMap::new(),
+            partitions: Vec::new(),
+            replicas: Vec::new(),
+            free_slots: Vec::new(),
+            slot_by_stream: HashMap::new(),
+            arena: HolderArena::default(),
+            hasher: KeyBuild::random(),
+            entries: 0,
+            policies: Arc::new(PolicyTable::new()),
+        }
     }
 
     /// Number of (block, replica) entries.
     pub fn entry_count(&self) -> usize {
-        self.replicas.values().map(|r| r.blocks.len()).sum()
+        self.entries
     }
 
     /// Number of distinct (partition, content key) blocks.
     pub fn block_count(&self) -> usize {
-        self.entries.len()
+        self.partitions.iter().map(|p| p.blocks.len()).sum()
     }
 
     /// Number of known streams.
     pub fn replica_count(&self) -> usize {
-        self.replicas.len()
+        self.slot_by_stream.len()
     }
 
-    fn partition_id(&mut self, p: Partition) -> PartitionId {
+    /// The per-namespace lookup policies (shared with the router; see [`PolicyTable`]).
+    pub fn policies(&self) -> Arc<PolicyTable> {
+        self.policies.clone()
+    }
+
+    /// Records `namespace`'s CachePolicy lookup values (`lookupTimeoutMs`,
+    /// `minimumPrefixTokens`); `None` leaves a field to the controller's default. Shorthand for
+    /// `policies().set_policy(…)`.
+    pub fn set_policy(
+        &self,
+        namespace: &str,
+        lookup_timeout_ms: Option<u32>,
+        minimum_prefix_tokens: Option<u32>,
+    ) {
+        self.policies
+            .set_policy(namespace, lookup_timeout_ms, minimum_prefix_tokens);
+    }
+
+    /// Records a replica's engine tier-2 counters (cumulative `external_prefix_cache_hits` and
+    /// `_queries`), shown in `/snapshot`. Unknown streams are ignored.
+    pub fn set_t2_counters(&mut self, stream_id: &str, hits: u64, queries: u64) {
+        if let Some(r) = self
+            .slot_by_stream
+            .get(stream_id)
+            .and_then(|s| self.replicas.get_mut(*s as usize))
+            .and_then(Option::as_mut)
+        {
+            r.t2_hits = Some(hits);
+            r.t2_queries = Some(queries);
+        }
+    }
+
+    fn replica(&self, slot: ReplicaSlot) -> Option<&Replica> {
+        self.replicas.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    fn replica_mut(&mut self, slot: ReplicaSlot) -> Option<&mut Replica> {
+        self.replicas.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    fn live_replicas(&self) -> impl Iterator<Item = (ReplicaSlot, &Replica)> {
+        self.replicas
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i as ReplicaSlot, r)))
+    }
+
+    fn intern(&mut self, p: Partition) -> PartitionId {
         if let Some(id) = self.partition_ids.get(&p) {
             return *id;
         }
         let id = self.partitions.len() as PartitionId;
-        self.partitions.push(p.clone());
+        self.partitions.push(PartitionState {
+            key: p.clone(),
+            blocks: HashMap::with_hasher(self.hasher),
+        });
         self.partition_ids.insert(p, id);
         id
     }
 
-    fn partition_for(
-        &mut self,
-        desc: &proto::StreamDescriptor,
-        adapter: &str,
-        bs: u32,
-    ) -> PartitionId {
-        self.partition_id(Partition {
-            tenant: desc.tenant.clone(),
-            model: desc.model.clone(),
-            hash_scheme: desc.hash_scheme.clone(),
+    /// The replica's part for (adapter, block size), created (and the partition interned) on
+    /// first use. Returns its index in `replica.parts`.
+    fn part_for(&mut self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
+        let r = self.replica(slot)?;
+        if let Some(i) = r
+            .parts
+            .iter()
+            .position(|p| p.block_size == block_size && p.adapter == adapter)
+        {
+            return Some(i);
+        }
+        let p = Partition {
+            tenant: r.desc.tenant.clone(),
+            model: r.desc.model.clone(),
+            hash_scheme: r.desc.hash_scheme.clone(),
             adapter: adapter.to_string(),
-            block_size: bs,
-        })
+            block_size,
+        };
+        let pid = self.intern(p);
+        let hasher = self.hasher;
+        let r = self.replica_mut(slot)?;
+        r.parts.push(ReplicaPart {
+            pid,
+            adapter: adapter.to_string(),
+            block_size,
+            keys: HashSet::with_hasher(hasher),
+        });
+        Some(r.parts.len() - 1)
+    }
+
+    fn alloc_slot(&mut self) -> Option<ReplicaSlot> {
+        if let Some(s) = self.free_slots.pop() {
+            return Some(s);
+        }
+        let s = self.replicas.len();
+        if s > MAX_SLOT as usize {
+            return None;
+        }
+        self.replicas.push(None);
+        Some(s as ReplicaSlot)
+    }
+
+    /// Recomputes every replica's rank (stream-id order) after streams come or go.
+    fn rerank(&mut self) {
+        let mut ids: Vec<(&String, ReplicaSlot)> =
+            self.slot_by_stream.iter().map(|(k, v)| (k, *v)).collect();
+        ids.sort_unstable();
+        let order: Vec<ReplicaSlot> = ids.into_iter().map(|(_, s)| s).collect();
+        for (rank, slot) in order.into_iter().enumerate() {
+            if let Some(r) = self.replica_mut(slot) {
+                r.rank = rank as u32;
+            }
+        }
     }
 
     /// Replaces every stream of `node` with the given snapshots (agent (re)connect or resync).
     /// Streams of the node not in `streams` are dropped. Stale snapshots register the stream with
     /// no entries.
     pub fn resync_node(&mut self, node: &str, streams: &[proto::StreamSnapshot]) {
-        self.remove_node(node);
+        self.remove_streams_where(|r| r.node == node);
         for snap in streams {
             let Some(desc) = snap.stream.clone() else {
                 continue;
             };
             // A stream id moving between nodes: the newest report wins.
-            self.remove_stream(&desc.stream_id);
-            let slot = self.next_slot;
-            self.next_slot = self.next_slot.wrapping_add(1);
+            self.remove_stream_no_rerank(&desc.stream_id);
+            let Some(slot) = self.alloc_slot() else {
+                tracing::warn!(stream = %desc.stream_id, "prefix index: replica slots exhausted");
+                continue;
+            };
             self.slot_by_stream.insert(desc.stream_id.clone(), slot);
-            self.replicas.insert(
-                slot,
-                Replica {
-                    desc: desc.clone(),
+            if let Some(cell) = self.replicas.get_mut(slot as usize) {
+                *cell = Some(Replica {
+                    desc,
                     node: node.to_string(),
                     seq: snap.seq,
-                    blocks: HashSet::new(),
+                    parts: Vec::new(),
+                    blocks: 0,
                     t2_blocks: 0,
                     last_event_unix_ms: snap.last_event_unix_ms,
                     stale: snap.stale,
-                },
-            );
+                    rank: 0,
+                    t2_hits: None,
+                    t2_queries: None,
+                });
+            }
             if snap.stale {
                 continue;
             }
+            let mut last: Option<(&str, u32, usize)> = None;
             for e in &snap.entries {
-                let pid = self.partition_for(&desc, &e.adapter, e.block_size);
-                self.store(slot, pid, e.content_key, Tier::from_proto(e.tier));
+                let part = match last {
+                    Some((a, b, i)) if a == e.adapter && b == e.block_size => i,
+                    _ => match self.part_for(slot, &e.adapter, e.block_size) {
+                        Some(i) => {
+                            last = Some((&e.adapter, e.block_size, i));
+                            i
+                        }
+                        None => continue,
+                    },
+                };
+                self.store(slot, part, e.content_key, Tier::from_proto(e.tier));
             }
         }
+        self.rerank();
     }
 
     /// Drops every stream reported by `node`.
     pub fn remove_node(&mut self, node: &str) {
+        self.remove_streams_where(|r| r.node == node);
+        self.rerank();
+    }
+
+    fn remove_streams_where(&mut self, f: impl Fn(&Replica) -> bool) {
         let streams: Vec<String> = self
-            .replicas
-            .values()
-            .filter(|r| r.node == node)
-            .map(|r| r.desc.stream_id.clone())
+            .live_replicas()
+            .filter(|(_, r)| f(r))
+            .map(|(_, r)| r.desc.stream_id.clone())
             .collect();
         for s in streams {
-            self.remove_stream(&s);
+            self.remove_stream_no_rerank(&s);
         }
     }
 
     /// Drops one stream and all its entries.
     pub fn remove_stream(&mut self, stream_id: &str) {
+        if self.remove_stream_no_rerank(stream_id) {
+            self.rerank();
+        }
+    }
+
+    fn remove_stream_no_rerank(&mut self, stream_id: &str) -> bool {
         let Some(slot) = self.slot_by_stream.remove(stream_id) else {
-            return;
+            return false;
         };
         self.clear_replica(slot);
-        self.replicas.remove(&slot);
+        if let Some(cell) = self.replicas.get_mut(slot as usize) {
+            *cell = None;
+        }
+        self.free_slots.push(slot);
+        true
     }
 
     /// Applies one delta from `node`. On error nothing is changed and the caller asks the agent
@@ -246,16 +438,19 @@ impl PrefixIndex {
         delta: &proto::StreamDelta,
     ) -> Result<(), ApplyError> {
         let desc = delta.stream.as_ref().ok_or(ApplyError::MissingStream)?;
-        let slot = match self.slot_by_stream.get(&desc.stream_id) {
-            Some(s) if self.replicas.get(s).is_some_and(|r| r.node == node) => *s,
-            _ => {
-                return Err(ApplyError::UnknownStream {
-                    stream_id: desc.stream_id.clone(),
-                    node: node.to_string(),
-                })
-            }
+        let found = self
+            .slot_by_stream
+            .get(&desc.stream_id)
+            .copied()
+            .and_then(|s| self.replica(s).map(|r| (s, r)))
+            .filter(|(_, r)| r.node == node);
+        let Some((slot, replica)) = found else {
+            return Err(ApplyError::UnknownStream {
+                stream_id: desc.stream_id.clone(),
+                node: node.to_string(),
+            });
         };
-        let expected = self.replicas.get(&slot).map(|r| r.seq + 1).unwrap_or(1);
+        let expected = replica.seq + 1;
         if delta.seq != expected {
             return Err(ApplyError::SequenceGap {
                 stream_id: desc.stream_id.clone(),
@@ -266,23 +461,27 @@ impl PrefixIndex {
         for op in &delta.ops {
             match &op.op {
                 Some(Op::Store(s)) => {
-                    let pid = self.partition_for(desc, &s.adapter, s.block_size);
+                    let Some(part) = self.part_for(slot, &s.adapter, s.block_size) else {
+                        continue;
+                    };
                     let tier = Tier::from_proto(s.tier);
                     for k in &s.content_keys {
-                        self.store(slot, pid, *k, tier);
+                        self.store(slot, part, *k, tier);
                     }
                 }
                 Some(Op::Remove(r)) => {
-                    let pid = self.partition_for(desc, &r.adapter, r.block_size);
+                    let Some(part) = self.find_part(slot, &r.adapter, r.block_size) else {
+                        continue;
+                    };
                     for k in &r.content_keys {
-                        self.remove(slot, pid, *k);
+                        self.remove(slot, part, *k);
                     }
                 }
                 Some(Op::Clear(_)) => self.clear_replica(slot),
                 None => {}
             }
         }
-        if let Some(r) = self.replicas.get_mut(&slot) {
+        if let Some(r) = self.replica_mut(slot) {
             r.seq = delta.seq;
             r.stale = false;
             if delta.last_event_unix_ms > r.last_event_unix_ms {
@@ -292,77 +491,183 @@ impl PrefixIndex {
         Ok(())
     }
 
-    fn store(&mut self, slot: ReplicaSlot, pid: PartitionId, key: u64, tier: Tier) {
-        let holders = self.entries.entry((pid, key)).or_default();
-        let prev = match holders.iter_mut().find(|h| h.replica == slot) {
-            Some(h) => Some(std::mem::replace(&mut h.tier, tier)),
-            None => {
-                holders.push(Holder {
-                    replica: slot,
-                    tier,
-                });
-                None
+    fn find_part(&self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
+        self.replica(slot)?
+            .parts
+            .iter()
+            .position(|p| p.block_size == block_size && p.adapter == adapter)
+    }
+
+    /// Records that `slot` holds `key` (in its part `part`) at `tier`. Idempotent.
+    fn store(&mut self, slot: ReplicaSlot, part: usize, key: u64, tier: Tier) {
+        let Some(pid) = self
+            .replica(slot)
+            .and_then(|r| r.parts.get(part))
+            .map(|p| p.pid)
+        else {
+            return;
+        };
+        let Some(blocks) = self.partitions.get_mut(pid as usize).map(|p| &mut p.blocks) else {
+            return;
+        };
+        let w = word(slot, tier == Tier::T2);
+        let outcome = match blocks.entry(key) {
+            std::collections::hash_map::Entry::Occupied(mut o) => o.get_mut().set(&mut self.arena, w),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Holders::one(w));
+                SetOutcome::Added
             }
         };
-        if let Some(r) = self.replicas.get_mut(&slot) {
-            r.blocks.insert((pid, key));
-            match (prev, tier) {
-                (Some(Tier::T2), Tier::T1) => r.t2_blocks = r.t2_blocks.saturating_sub(1),
-                (Some(Tier::T1) | None, Tier::T2) => r.t2_blocks += 1,
-                _ => {}
+        let Some(r) = self.replica_mut(slot) else {
+            return;
+        };
+        match outcome {
+            SetOutcome::Added => {
+                if let Some(p) = r.parts.get_mut(part) {
+                    p.keys.insert(key);
+                }
+                r.blocks += 1;
+                if tier == Tier::T2 {
+                    r.t2_blocks += 1;
+                }
+                self.entries += 1;
             }
+            SetOutcome::TierChanged => {
+                if tier == Tier::T2 {
+                    r.t2_blocks += 1;
+                } else {
+                    r.t2_blocks = r.t2_blocks.saturating_sub(1);
+                }
+            }
+            SetOutcome::Unchanged => {}
         }
     }
 
-    fn remove(&mut self, slot: ReplicaSlot, pid: PartitionId, key: u64) {
-        let mut removed_tier = None;
-        if let Some(holders) = self.entries.get_mut(&(pid, key)) {
-            if let Some(pos) = holders.iter().position(|h| h.replica == slot) {
-                removed_tier = Some(holders.swap_remove(pos).tier);
+    /// Drops `slot`'s copy of `key`; unknown keys are ignored.
+    fn remove(&mut self, slot: ReplicaSlot, part: usize, key: u64) {
+        let Some(pid) = self
+            .replica(slot)
+            .and_then(|r| r.parts.get(part))
+            .map(|p| p.pid)
+        else {
+            return;
+        };
+        let Some(removed) = self.unhold(pid, key, slot) else {
+            return;
+        };
+        if let Some(r) = self.replica_mut(slot) {
+            if let Some(p) = r.parts.get_mut(part) {
+                p.keys.remove(&key);
             }
-            if holders.is_empty() {
-                self.entries.remove(&(pid, key));
-            }
-        }
-        if let Some(r) = self.replicas.get_mut(&slot) {
-            r.blocks.remove(&(pid, key));
-            if removed_tier == Some(Tier::T2) {
+            r.blocks = r.blocks.saturating_sub(1);
+            if is_t2(removed) {
                 r.t2_blocks = r.t2_blocks.saturating_sub(1);
             }
         }
+        self.entries = self.entries.saturating_sub(1);
+    }
+
+    /// Removes `slot` from `key`'s holders (dropping the block when none is left); returns the
+    /// removed holder word.
+    fn unhold(&mut self, pid: PartitionId, key: u64, slot: ReplicaSlot) -> Option<u32> {
+        let blocks = &mut self.partitions.get_mut(pid as usize)?.blocks;
+        let h = blocks.get_mut(&key)?;
+        let (removed, rest) = h.remove(&mut self.arena, slot);
+        match rest {
+            Some(rest) => *h = rest,
+            None => {
+                blocks.remove(&key);
+            }
+        }
+        removed
     }
 
     fn clear_replica(&mut self, slot: ReplicaSlot) {
-        let blocks = match self.replicas.get_mut(&slot) {
+        let parts = match self.replica_mut(slot) {
             Some(r) => {
                 r.t2_blocks = 0;
-                std::mem::take(&mut r.blocks)
+                r.blocks = 0;
+                std::mem::take(&mut r.parts)
             }
             None => return,
         };
-        for (pid, key) in blocks {
-            if let Some(holders) = self.entries.get_mut(&(pid, key)) {
-                holders.retain(|h| h.replica != slot);
-                if holders.is_empty() {
-                    self.entries.remove(&(pid, key));
+        let mut kept = Vec::with_capacity(parts.len());
+        for mut p in parts {
+            for key in p.keys.drain() {
+                if self.unhold(p.pid, key, slot).is_some() {
+                    self.entries = self.entries.saturating_sub(1);
+                }
+            }
+            p.keys.shrink_to_fit();
+            kept.push(p);
+        }
+        for pid in kept.iter().map(|p| p.pid) {
+            if let Some(ps) = self.partitions.get_mut(pid as usize) {
+                if ps.blocks.len() * 8 < ps.blocks.capacity() {
+                    ps.blocks.shrink_to_fit();
                 }
             }
         }
+        if let Some(r) = self.replica_mut(slot) {
+            r.parts = kept;
+        }
+    }
+
+    /// The entries one stream holds, sorted; `None` when the stream is unknown.
+    pub fn stream_entries(&self, stream_id: &str) -> Option<Vec<StreamEntry>> {
+        let slot = *self.slot_by_stream.get(stream_id)?;
+        let r = self.replica(slot)?;
+        let mut out = Vec::with_capacity(r.blocks);
+        for p in &r.parts {
+            let Some(ps) = self.partitions.get(p.pid as usize) else {
+                continue;
+            };
+            for k in &p.keys {
+                if let Some(w) = ps.blocks.get(k).and_then(|h| h.find(&self.arena, slot)) {
+                    out.push(StreamEntry {
+                        adapter: p.adapter.clone(),
+                        block_size: p.block_size,
+                        content_key: *k,
+                        tier: if is_t2(w) { Tier::T2 } else { Tier::T1 },
+                    });
+                }
+            }
+        }
+        out.sort_unstable();
+        Some(out)
     }
 
     /// Block sizes registered per hash scheme (from the partitions streams have reported).
     pub fn block_sizes(&self) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for p in &self.partitions {
-            let v = out.entry(p.hash_scheme.clone()).or_default();
-            if !v.contains(&p.block_size) {
-                v.push(p.block_size);
+            let v = out.entry(p.key.hash_scheme.clone()).or_default();
+            if !v.contains(&p.key.block_size) {
+                v.push(p.key.block_size);
             }
         }
         for v in out.values_mut() {
             v.sort_unstable();
         }
         out
+    }
+
+    /// Heap bytes held by the index's tables (bucket arrays at their capacity, spilled holder
+    /// lists, per-replica key sets), estimated from capacities. The benchmark measures the real
+    /// figure with a counting allocator; this is for `/snapshot` and quick checks.
+    pub fn approx_heap_bytes(&self) -> usize {
+        let table = |cap: usize, entry: usize| cap * (entry + 1);
+        let blocks: usize = self
+            .partitions
+            .iter()
+            .map(|p| table(p.blocks.capacity(), 16))
+            .sum();
+        let sets: usize = self
+            .live_replicas()
+            .flat_map(|(_, r)| r.parts.iter())
+            .map(|p| table(p.keys.capacity(), 8))
+            .sum();
+        blocks + sets + self.arena.heap_bytes()
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
 use super::PrefixIndex;
@@ -26,14 +27,25 @@ pub struct ReplicaSnapshot {
     pub backend: String,
     /// Data-parallel rank.
     pub dp_rank: u32,
-    /// Blocks held (any tier).
+    /// Blocks held (any tier): the replica's distinct prefix entries.
     pub prefix_count: usize,
     /// Blocks held in GPU memory.
     pub t1_blocks: usize,
     /// Blocks held only in the offload tier.
     pub t2_blocks: usize,
+    /// Block sizes the replica's entries were chained at.
+    pub block_sizes: Vec<u32>,
     /// Unix ms of the newest engine event, 0 if none yet.
     pub last_event_unix_ms: i64,
+    /// The same instant as RFC 3339 (`lastEventAt`), absent before the first event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_event_at: Option<String>,
+    /// Engine tier-2 hits (cumulative `external_prefix_cache_hits`), when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub t2_hits: Option<u64>,
+    /// Engine tier-2 queries (cumulative `external_prefix_cache_queries`), when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub t2_queries: Option<u64>,
     /// Last applied delta seq.
     pub seq: u64,
     /// True while the replica's state is uncertain (gap without replay).
@@ -54,27 +66,48 @@ pub struct IndexSnapshot {
     pub block_sizes: BTreeMap<String, Vec<u32>>,
 }
 
+/// RFC 3339 form of unix milliseconds; `None` for 0 or out of range.
+pub fn rfc3339_ms(ms: i64) -> Option<String> {
+    if ms <= 0 {
+        return None;
+    }
+    Timestamp::from_millisecond(ms).ok().map(|t| t.to_string())
+}
+
 impl PrefixIndex {
     /// Projects the index per replica.
     pub fn snapshot(&self) -> IndexSnapshot {
         let mut replicas: Vec<ReplicaSnapshot> = self
-            .replicas
-            .values()
-            .map(|r| ReplicaSnapshot {
-                stream_id: r.desc.stream_id.clone(),
-                replica: r.desc.replica.clone(),
-                node: r.node.clone(),
-                tenant: r.desc.tenant.clone(),
-                model: r.desc.model.clone(),
-                hash_scheme: r.desc.hash_scheme.clone(),
-                backend: r.desc.backend.clone(),
-                dp_rank: r.desc.dp_rank,
-                prefix_count: r.blocks.len(),
-                t1_blocks: r.blocks.len().saturating_sub(r.t2_blocks),
-                t2_blocks: r.t2_blocks,
-                last_event_unix_ms: r.last_event_unix_ms,
-                seq: r.seq,
-                stale: r.stale,
+            .live_replicas()
+            .map(|(_, r)| {
+                let mut block_sizes: Vec<u32> = r
+                    .parts
+                    .iter()
+                    .filter(|p| !p.keys.is_empty())
+                    .map(|p| p.block_size)
+                    .collect();
+                block_sizes.sort_unstable();
+                block_sizes.dedup();
+                ReplicaSnapshot {
+                    stream_id: r.desc.stream_id.clone(),
+                    replica: r.desc.replica.clone(),
+                    node: r.node.clone(),
+                    tenant: r.desc.tenant.clone(),
+                    model: r.desc.model.clone(),
+                    hash_scheme: r.desc.hash_scheme.clone(),
+                    backend: r.desc.backend.clone(),
+                    dp_rank: r.desc.dp_rank,
+                    prefix_count: r.blocks,
+                    t1_blocks: r.blocks.saturating_sub(r.t2_blocks),
+                    t2_blocks: r.t2_blocks,
+                    block_sizes,
+                    last_event_unix_ms: r.last_event_unix_ms,
+                    last_event_at: rfc3339_ms(r.last_event_unix_ms),
+                    t2_hits: r.t2_hits,
+                    t2_queries: r.t2_queries,
+                    seq: r.seq,
+                    stale: r.stale,
+                }
             })
             .collect();
         replicas.sort_by(|a, b| a.stream_id.cmp(&b.stream_id));

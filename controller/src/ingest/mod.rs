@@ -10,9 +10,17 @@
 //!
 //! When the stream ends the node is marked disconnected; its index entries stay until
 //! `agent_expiry` passes without a reconnect (a restarted agent replaces them with its resync).
-//! Authentication (TokenReview) belongs to the in-cluster mode; standalone runs without it and
-//! says so at start.
+//!
+//! In-cluster mode authenticates the Hello ([`auth`]: TokenReview, the agent's service account,
+//! the token's node equal to `Hello.node`) before anything else happens; a refused stream ends
+//! with `Unauthenticated`, `PermissionDenied` or `Unavailable` and leaves no trace in the
+//! registry. Standalone runs without it ([`AgentIngest::new`]) and says so at start.
+//!
+//! Each accepted stream's sending half is registered ([`registry::NodeRegistry::attach`]), which
+//! queues the node's current plan first; the plan publisher pushes later plans through the
+//! same handle.
 
+pub mod auth;
 pub mod registry;
 
 use std::pin::Pin;
@@ -39,12 +47,21 @@ const OUTBOUND_DEPTH: usize = 64;
 #[derive(Clone)]
 pub struct AgentIngest {
     shared: Arc<Shared>,
+    auth: Option<Arc<auth::AgentAuthenticator>>,
 }
 
 impl AgentIngest {
-    /// A service over the shared state.
+    /// A service over the shared state that accepts every Hello (standalone mode).
     pub fn new(shared: Arc<Shared>) -> Self {
-        AgentIngest { shared }
+        AgentIngest { shared, auth: None }
+    }
+
+    /// A service that authenticates every Hello with `auth` (in-cluster mode).
+    pub fn with_auth(shared: Arc<Shared>, auth: Arc<auth::AgentAuthenticator>) -> Self {
+        AgentIngest {
+            shared,
+            auth: Some(auth),
+        }
     }
 }
 
@@ -81,14 +98,36 @@ impl AgentService for AgentIngest {
                 ));
             }
         };
-        let ticket = self.shared.nodes.lock().connect(&hello, now_unix_ms());
-        let m = &self.shared.metrics;
-        m.agent_streams_total.with_label_values(&["accepted"]).inc();
-        m.agents_connected
-            .set(self.shared.nodes.lock().connected_count() as i64);
-        info!(node = %hello.node, version = %hello.version, instance = %hello.agent_instance, "agent connected");
-
+        if let Some(auth) = &self.auth {
+            if let Err(e) = auth.authenticate(&hello).await {
+                self.shared
+                    .metrics
+                    .agent_streams_total
+                    .with_label_values(&["rejected"])
+                    .inc();
+                warn!(node = %hello.node, error = %e, "agent stream refused");
+                return Err(e.to_status());
+            }
+        }
         let (tx, rx) = mpsc::channel(OUTBOUND_DEPTH);
+        let (ticket, plan_generation) = {
+            let mut nodes = self.shared.nodes.lock();
+            let ticket = nodes.connect(&hello, now_unix_ms());
+            let plan_generation = nodes.attach(&ticket, tx.clone());
+            self.shared
+                .metrics
+                .agents_connected
+                .set(nodes.connected_count() as i64);
+            (ticket, plan_generation)
+        };
+        self.shared
+            .metrics
+            .agent_streams_total
+            .with_label_values(&["accepted"])
+            .inc();
+        self.shared.notify_node_change();
+        info!(node = %hello.node, version = %hello.version, instance = %hello.agent_instance, plan_generation = ?plan_generation, "agent connected");
+
         let shared = self.shared.clone();
         tokio::spawn(async move {
             let mut session = Session {
@@ -118,14 +157,17 @@ impl AgentService for AgentIngest {
                     }
                 }
             };
-            let mut nodes = shared.nodes.lock();
-            if nodes.disconnect(&ticket, now_unix_ms()) {
-                info!(node = %ticket.node, why = end, "agent disconnected");
+            {
+                let mut nodes = shared.nodes.lock();
+                if nodes.disconnect(&ticket, now_unix_ms()) {
+                    info!(node = %ticket.node, why = end, "agent disconnected");
+                }
+                shared
+                    .metrics
+                    .agents_connected
+                    .set(nodes.connected_count() as i64);
             }
-            shared
-                .metrics
-                .agents_connected
-                .set(nodes.connected_count() as i64);
+            shared.notify_node_change();
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -212,6 +254,7 @@ impl Session {
             Some(Msg::Checks(report)) => {
                 m.check_reports_total.inc();
                 self.shared.nodes.lock().report(&self.ticket, &report);
+                self.shared.notify_node_change();
             }
         }
         Ok(())

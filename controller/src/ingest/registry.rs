@@ -1,9 +1,28 @@
-//! Connected agents and their latest check results (`/v1/nodes`; later the CacheNode writer).
+//! Connected agents, their latest check results (`/v1/nodes`, the CacheNode writer), each open
+//! stream's outbound handle, and the node plans pushed down those streams.
+//!
+//! Plans: the plan publisher (in-cluster mode) hands the registry the desired plan of every
+//! node ([`NodeRegistry::publish_plans`]); the registry stamps a new generation on each plan
+//! whose content changed and sends it down the node's stream when one is open. A stream that
+//! opens later gets the node's current plan first ([`NodeRegistry::attach`]). Once plans were
+//! published the registry is *authoritative*: a node without engine pods gets an empty plan, so
+//! its agent stops watching what an earlier plan named. Until then (standalone mode) nothing is
+//! sent and agents keep the plan they were started with.
+//!
+//! Sends use `try_send` under the registry lock, so plan updates reach a stream in generation
+//! order; a full queue leaves the plan pending and the next publish retries it.
 
 use std::collections::BTreeMap;
 
 use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::NodePlan;
+use ic_shared::proto::{controller_message, ControllerMessage, NodePlanUpdate};
 use serde::Serialize;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+/// The sending half of an agent stream.
+pub type Outbound = mpsc::Sender<Result<ControllerMessage, Status>>;
 
 /// What the controller knows about one node's agent.
 #[derive(Debug, Clone, Serialize)]
@@ -38,11 +57,70 @@ pub struct NodeRecord {
     pub epoch: u64,
 }
 
-/// All nodes that ever connected since start.
+/// The open stream of a node, for sending.
+#[derive(Debug)]
+struct Attached {
+    epoch: u64,
+    tx: Outbound,
+    /// Generation of the last plan queued on this stream.
+    sent_generation: Option<u64>,
+}
+
+/// All nodes that ever connected since start, plus the plan book.
 #[derive(Debug, Default)]
 pub struct NodeRegistry {
     nodes: BTreeMap<String, NodeRecord>,
     next_epoch: u64,
+    outbound: BTreeMap<String, Attached>,
+    plans: BTreeMap<String, NodePlan>,
+    plans_authoritative: bool,
+}
+
+/// What one [`NodeRegistry::publish_plans`] call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishReport {
+    /// Nodes whose plan content changed, with the new generation.
+    pub changed: Vec<(String, u64)>,
+    /// Plans queued on open streams (node, generation), including retries.
+    pub sent: Vec<(String, u64)>,
+    /// Nodes whose stream queue was full: their plan stays pending.
+    pub pending: Vec<String>,
+    /// Nodes with engine pods in their plan but no open agent stream.
+    pub unserved: Vec<String>,
+}
+
+fn plan_message(plan: &NodePlan) -> Option<ControllerMessage> {
+    let plan_json = serde_json::to_string(plan).ok()?;
+    Some(ControllerMessage {
+        msg: Some(controller_message::Msg::Plan(NodePlanUpdate {
+            generation: plan.generation,
+            plan_json,
+        })),
+    })
+}
+
+/// Queues `plan` on `a` unless it already carries that generation. Returns `Some(true)` when
+/// queued, `Some(false)` when the queue is full, `None` when nothing was needed (or the stream
+/// is gone).
+fn send_plan(a: &mut Attached, plan: &NodePlan) -> Option<bool> {
+    if a.sent_generation == Some(plan.generation) {
+        return None;
+    }
+    let msg = plan_message(plan)?;
+    match a.tx.try_send(Ok(msg)) {
+        Ok(()) => {
+            a.sent_generation = Some(plan.generation);
+            Some(true)
+        }
+        Err(mpsc::error::TrySendError::Full(_)) => Some(false),
+        Err(mpsc::error::TrySendError::Closed(_)) => None,
+    }
+}
+
+fn same_content(a: &NodePlan, b: &NodePlan) -> bool {
+    let mut a = a.clone();
+    a.generation = b.generation;
+    a == *b
 }
 
 /// Identity of a stream, returned by [`NodeRegistry::connect`].
@@ -122,6 +200,13 @@ impl NodeRegistry {
 
     /// Marks the node disconnected, unless a newer stream already took over. Returns whether it did.
     pub fn disconnect(&mut self, ticket: &StreamTicket, now_ms: i64) -> bool {
+        if self
+            .outbound
+            .get(&ticket.node)
+            .is_some_and(|a| a.epoch == ticket.epoch)
+        {
+            self.outbound.remove(&ticket.node);
+        }
         match self.nodes.get_mut(&ticket.node) {
             Some(r) if r.epoch == ticket.epoch => {
                 r.connected = false;
@@ -130,6 +215,107 @@ impl NodeRegistry {
             }
             _ => false,
         }
+    }
+
+    /// Registers the sending half of the stream `ticket` and queues the node's current plan on
+    /// it (once plans are authoritative, an empty plan when the node has none). Returns the
+    /// generation queued, if any. Ignored for a superseded stream.
+    pub fn attach(&mut self, ticket: &StreamTicket, tx: Outbound) -> Option<u64> {
+        if !self.is_current(ticket) {
+            return None;
+        }
+        let mut a = Attached {
+            epoch: ticket.epoch,
+            tx,
+            sent_generation: None,
+        };
+        if self.plans_authoritative && !self.plans.contains_key(&ticket.node) {
+            self.plans.insert(
+                ticket.node.clone(),
+                NodePlan {
+                    generation: 1,
+                    ..Default::default()
+                },
+            );
+        }
+        let queued = match self.plans.get(&ticket.node) {
+            Some(plan) => match send_plan(&mut a, plan) {
+                Some(true) => Some(plan.generation),
+                _ => None,
+            },
+            None => None,
+        };
+        self.outbound.insert(ticket.node.clone(), a);
+        queued
+    }
+
+    /// The sending half of the node's open stream.
+    pub fn outbound(&self, node: &str) -> Option<Outbound> {
+        self.outbound.get(node).map(|a| a.tx.clone())
+    }
+
+    /// Replaces the plan book with `desired` (node → plan; the generation field is ignored)
+    /// and makes it authoritative. A node whose plan content changed gets the next generation;
+    /// a node that had a plan and is absent from `desired` gets an empty plan. Every open
+    /// stream whose last queued generation differs from its node's plan gets the plan.
+    pub fn publish_plans(&mut self, desired: BTreeMap<String, NodePlan>) -> PublishReport {
+        self.plans_authoritative = true;
+        let mut report = PublishReport::default();
+        let mut next: BTreeMap<String, NodePlan> = BTreeMap::new();
+        let known: Vec<String> = self.plans.keys().cloned().collect();
+        for node in known {
+            if !desired.contains_key(&node) {
+                next.insert(node, NodePlan::default());
+            }
+        }
+        next.extend(desired);
+        for (node, mut plan) in next {
+            match self.plans.get(&node) {
+                Some(old) if same_content(&plan, old) => {}
+                Some(old) => {
+                    plan.generation = old.generation + 1;
+                    report.changed.push((node.clone(), plan.generation));
+                    self.plans.insert(node, plan);
+                }
+                None => {
+                    plan.generation = 1;
+                    report.changed.push((node.clone(), plan.generation));
+                    self.plans.insert(node, plan);
+                }
+            }
+        }
+        for (node, plan) in &self.plans {
+            match self.outbound.get_mut(node) {
+                Some(a) => match send_plan(a, plan) {
+                    Some(true) => report.sent.push((node.clone(), plan.generation)),
+                    Some(false) => report.pending.push(node.clone()),
+                    None => {}
+                },
+                None if !plan.engines.is_empty() => report.unserved.push(node.clone()),
+                None => {}
+            }
+        }
+        // An empty plan of a node without a stream carries nothing a later stream would not
+        // get anyway (attach queues an empty plan): forget it, so the book stays bounded.
+        let outbound = &self.outbound;
+        self.plans
+            .retain(|node, plan| outbound.contains_key(node) || !same_content(plan, &NodePlan::default()));
+        report
+    }
+
+    /// The node's current plan (generation stamped), if any.
+    pub fn plan(&self, node: &str) -> Option<NodePlan> {
+        self.plans.get(node).cloned()
+    }
+
+    /// Every node's current plan.
+    pub fn plans(&self) -> BTreeMap<String, NodePlan> {
+        self.plans.clone()
+    }
+
+    /// Whether plans were published (in-cluster mode).
+    pub fn plans_authoritative(&self) -> bool {
+        self.plans_authoritative
     }
 
     /// Nodes disconnected for longer than `expiry_ms`; they are forgotten and returned.
@@ -219,5 +405,89 @@ mod tests {
         assert_eq!(reg.expire(201, 100), vec!["n1".to_string()]);
         assert!(reg.get("n2").is_some());
         assert!(reg.is_current(&t2));
+    }
+
+    fn engine_plan(pod: &str) -> NodePlan {
+        NodePlan {
+            engines: vec![ic_shared::plan::EnginePlan {
+                namespace: "ns".into(),
+                pod: pod.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn received_plan(rx: &mut mpsc::Receiver<Result<ControllerMessage, Status>>) -> Option<(u64, NodePlan)> {
+        match rx.try_recv().ok()?.ok()?.msg? {
+            controller_message::Msg::Plan(p) => {
+                Some((p.generation, NodePlan::parse(&p.plan_json, "test").unwrap()))
+            }
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn standalone_registries_send_no_plan_on_connect() {
+        let mut reg = NodeRegistry::default();
+        let t = reg.connect(&hello("n1"), 0);
+        let (tx, mut rx) = mpsc::channel(4);
+        assert_eq!(reg.attach(&t, tx), None);
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn plans_get_generations_on_change_and_reach_open_streams_once() {
+        let mut reg = NodeRegistry::default();
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        assert_eq!(r.changed, vec![("n1".to_string(), 1)]);
+        assert_eq!(r.unserved, vec!["n1".to_string()]);
+
+        // A stream that opens later gets the current plan first.
+        let t = reg.connect(&hello("n1"), 0);
+        let (tx, mut rx) = mpsc::channel(4);
+        assert_eq!(reg.attach(&t, tx), Some(1));
+        let (g, p) = received_plan(&mut rx).unwrap();
+        assert_eq!(g, 1);
+        assert_eq!(p.engines[0].pod, "a");
+
+        // Same content: no new generation, nothing sent.
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        assert!(r.changed.is_empty() && r.sent.is_empty() && r.unserved.is_empty());
+        assert!(rx.try_recv().is_err());
+
+        // Changed content: generation 2 is pushed.
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("b"))]));
+        assert_eq!(r.sent, vec![("n1".to_string(), 2)]);
+        assert_eq!(received_plan(&mut rx).unwrap().1.engines[0].pod, "b");
+
+        // The node's engines are gone: it gets an empty plan (generation 3).
+        let r = reg.publish_plans(BTreeMap::new());
+        assert_eq!(r.sent, vec![("n1".to_string(), 3)]);
+        let (g, p) = received_plan(&mut rx).unwrap();
+        assert_eq!((g, p.engines.len()), (3, 0));
+
+        // Authoritative now: a new node's agent gets an empty plan on connect.
+        let t2 = reg.connect(&hello("n2"), 0);
+        let (tx2, mut rx2) = mpsc::channel(4);
+        assert_eq!(reg.attach(&t2, tx2), Some(1));
+        assert!(received_plan(&mut rx2).unwrap().1.engines.is_empty());
+    }
+
+    #[test]
+    fn a_full_queue_keeps_the_plan_pending_until_the_next_publish() {
+        let mut reg = NodeRegistry::default();
+        let t = reg.connect(&hello("n1"), 0);
+        let (tx, mut rx) = mpsc::channel(1);
+        reg.attach(&t, tx.clone());
+        tx.try_send(Err(Status::internal("filler"))).unwrap();
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        assert_eq!(r.pending, vec!["n1".to_string()]);
+        let _ = rx.try_recv();
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        assert_eq!(r.sent, vec![("n1".to_string(), 1)]);
+        // A disconnected stream's handle is dropped.
+        assert!(reg.disconnect(&t, 1));
+        assert!(reg.outbound("n1").is_none());
     }
 }

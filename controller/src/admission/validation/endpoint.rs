@@ -234,6 +234,9 @@ pub fn parse_host_port(rest: &str) -> Result<(String, u16), EndpointError> {
     if !port.chars().all(|c| c.is_ascii_digit()) {
         return Err(EndpointError::NonNumericPort(port.to_string()));
     }
+    if port.len() > 5 {
+        return Err(EndpointError::PortOutOfRange(port.to_string()));
+    }
     let n: u32 = port
         .parse()
         .map_err(|_| EndpointError::PortOutOfRange(port.to_string()))?;
@@ -334,15 +337,22 @@ impl Rule for EndpointShapeValid {
     }
 
     fn check(&self, cb: &CacheBackend, _ctx: &RuleContext) -> Vec<Violation> {
-        let Some((_, raw)) = external_endpoint(cb) else {
+        let Some((provider, raw)) = external_endpoint(cb) else {
             return Vec::new();
         };
         let trimmed = raw.trim();
         let rest = trimmed.split_once("://").map_or(trimmed, |(_, r)| r);
-        match parse_host_port(rest) {
-            Err(e) => vec![Violation::invalid(FIELD, raw, e.to_string())],
-            Ok(_) => Vec::new(),
+        if let Err(e) = parse_host_port(rest) {
+            return vec![Violation::invalid(FIELD, raw, e.to_string())];
         }
+        // Whatever admission accepts, the Pod webhook's binding resolution must accept too
+        // (spec: "The pod webhook applies the same validation").
+        if split_scheme(provider, trimmed).is_ok() {
+            if let Err(e) = crate::adapters::providers::parse_endpoint(provider, raw) {
+                return vec![Violation::invalid(FIELD, raw, e.to_string())];
+            }
+        }
+        Vec::new()
     }
 }
 

@@ -29,6 +29,7 @@ pub mod events_only;
 pub mod hicache;
 pub mod hierarchy;
 pub mod integration;
+pub mod lmcache;
 pub mod quantity;
 pub mod replicas;
 pub mod resources;
@@ -321,6 +322,7 @@ impl Validator {
         rules.extend(replicas::rules());
         rules.extend(integration::rules());
         rules.extend(hicache::rules());
+        rules.extend(lmcache::rules());
         rules.extend(annotations::rules());
         rules.extend(events_only::rules());
         rules.extend(resources::rules());
@@ -336,6 +338,14 @@ impl Validator {
     /// Appends a rule at the end of the list.
     pub fn push(&mut self, rule: Box<dyn Rule>) {
         self.rules.push(rule);
+    }
+
+    /// The rule named `name`, if registered.
+    pub fn rule(&self, name: &str) -> Option<&dyn Rule> {
+        self.rules
+            .iter()
+            .find(|r| r.name() == name)
+            .map(|r| r.as_ref())
     }
 
     /// Rule names in order.

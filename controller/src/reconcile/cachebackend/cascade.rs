@@ -104,7 +104,7 @@ pub fn ready_server_pods(
                 .and_then(|s| s.container_statuses.as_ref())
                 .map(|cs| {
                     cs.iter()
-                        .filter(|c| container_names.iter().any(|n| *n == c.name))
+                        .filter(|c| container_names.contains(&c.name))
                         .map(|c| i64::from(c.restart_count))
                         .sum()
                 })

@@ -1,0 +1,780 @@
+"""The rules the chart must keep (issue "Helm chart, images and operator docs")."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import (
+    CHART_DIR,
+    CUSTOM_PORTS,
+    DEFAULT_PORTS,
+    NAMESPACE,
+    Rendered,
+    containers,
+    is_hook,
+    pod_specs,
+    render,
+    variant_named,
+)
+
+CONTROLLER = "inference-cache-controller"
+AGENT = "inference-cache-agent"
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "*", "escalate", "bind", "impersonate"}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def tolerates(tolerations: list[dict[str, Any]], key: str, value: str, effect: str) -> bool:
+    """Kubernetes' toleration matching (v1.Toleration.ToleratesTaint)."""
+    for t in tolerations or []:
+        if t.get("effect") and t["effect"] != effect:
+            continue
+        op = t.get("operator", "Equal")
+        if not t.get("key"):
+            if op == "Exists":
+                return True
+            continue
+        if t["key"] != key:
+            continue
+        if op == "Exists" or (op == "Equal" and t.get("value", "") == value):
+            return True
+    return False
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in container.get("env") or []}
+
+
+def args_of(container: dict[str, Any]) -> dict[str, str]:
+    """`--flag=value` arguments as a dict (`--flag` alone maps to "")."""
+    out = {}
+    for a in container.get("args") or []:
+        if a.startswith("--"):
+            k, _, v = a.partition("=")
+            out[k] = v
+    return out
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def rules_of(r: Rendered, kind: str, name: str) -> list[dict[str, Any]]:
+    return r.one(kind, name).get("rules") or []
+
+
+def grants(rules: list[dict[str, Any]]) -> dict[tuple[str, str, tuple[str, ...]], set[str]]:
+    out: dict[tuple[str, str, tuple[str, ...]], set[str]] = {}
+    for rule in rules:
+        for g in rule.get("apiGroups", []):
+            for res in rule.get("resources", []):
+                key = (g, res, tuple(rule.get("resourceNames") or ()))
+                out.setdefault(key, set()).update(rule["verbs"])
+    return out
+
+
+def controller_deployment(r: Rendered) -> dict[str, Any]:
+    return r.one("Deployment", CONTROLLER)
+
+
+def agent_daemonset(r: Rendered) -> dict[str, Any]:
+    return r.one("DaemonSet", AGENT)
+
+
+def the_container(workload: dict[str, Any]) -> dict[str, Any]:
+    cs = workload["spec"]["template"]["spec"]["containers"]
+    assert len(cs) == 1
+    return cs[0]
+
+
+# ----------------------------------------------------------------------------- chart metadata
+
+
+def test_chart_metadata() -> None:
+    meta = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert meta["apiVersion"] == "v2"
+    assert meta["appVersion"] == "0.1.0"
+    assert meta["kubeVersion"] == ">=1.29.0-0"
+
+
+def test_image_tags_default_to_app_version(default: Rendered) -> None:
+    assert the_container(controller_deployment(default))["image"].endswith("/ic-controller:0.1.0")
+    assert the_container(agent_daemonset(default))["image"].endswith("/ic-agent:0.1.0")
+
+
+def test_image_digest_wins_over_tag() -> None:
+    digest = "sha256:" + "a" * 64
+    r = render({"controller": {"image": {"tag": "9.9.9", "digest": digest}}})
+    assert the_container(controller_deployment(r))["image"].endswith(f"/ic-controller@{digest}")
+
+
+def test_no_latest_or_untagged_images(variant: Rendered) -> None:
+    for obj, spec in pod_specs(variant):
+        for c in containers(spec):
+            image = c["image"]
+            name = image.split("@")[0].rsplit("/", 1)[-1]
+            assert "@sha256:" in image or ":" in name, f"{obj['metadata']['name']}: untagged {image}"
+            assert not image.endswith(":latest"), f"{obj['metadata']['name']}: {image}"
+
+
+# ----------------------------------------------------------------------------- probes, resources
+
+
+def test_probes_on_every_long_running_container(variant: Rendered) -> None:
+    """Every container of every workload has liveness and readiness probes (the `helm test` pods
+    are one-shot checks and have none)."""
+    for obj, spec in pod_specs(variant, include_hooks=False):
+        for c in containers(spec):
+            for probe in ("livenessProbe", "readinessProbe"):
+                assert c.get(probe), f"{obj['kind']}/{obj['metadata']['name']}/{c['name']}: no {probe}"
+
+
+def test_resources_on_every_container(variant: Rendered) -> None:
+    for obj, spec in pod_specs(variant):
+        for c in containers(spec):
+            res = c.get("resources") or {}
+            assert res.get("requests", {}).get("memory"), f"{obj['metadata']['name']}/{c['name']}"
+            assert res.get("limits", {}).get("memory"), f"{obj['metadata']['name']}/{c['name']}"
+
+
+def test_probe_ports_are_served(variant: Rendered) -> None:
+    """Controller probes use a named port of the container; agent probes use the --http-addr port."""
+    c = the_container(controller_deployment(variant))
+    names = {p["name"] for p in c["ports"]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["port"] in names
+    if not variant.values.get("agent", {}).get("enabled", True):
+        return
+    a = the_container(agent_daemonset(variant))
+    http_addr = args_of(a)["--http-addr"]
+    host, _, port = http_addr.rpartition(":")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = a[probe]["httpGet"]
+        assert str(get["port"]) == port
+        if agent_daemonset(variant)["spec"]["template"]["spec"].get("hostNetwork"):
+            # The kubelet shares the host network namespace with a hostNetwork pod: it reaches
+            # the agent's loopback listener only when told to.
+            assert host == "127.0.0.1" and get["host"] == "127.0.0.1"
+        else:
+            assert "host" not in get and host == "$(POD_IP)"
+    assert a["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert a["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+def test_controller_replicas_and_leader_election(default: Rendered) -> None:
+    d = controller_deployment(default)
+    assert d["spec"]["replicas"] == 2
+    args = args_of(the_container(d))
+    assert args["--leader-election-namespace"] == "$(POD_NAMESPACE)"
+    assert args["--leader-election-lease-name"] == "inference-cache-controller"
+    env = env_of(the_container(d))
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    role = default.one("Role", CONTROLLER)
+    g = grants(role["rules"])
+    assert g[("coordination.k8s.io", "leases", ())] == {"create"}
+    assert g[("coordination.k8s.io", "leases", ("inference-cache-controller",))] == {"get", "update"}
+
+
+def test_controller_flags(default: Rendered) -> None:
+    args = args_of(the_container(controller_deployment(default)))
+    assert the_container(controller_deployment(default))["args"][0] == "run"
+    assert args["--grpc-addr"] == "0.0.0.0:50051"
+    assert args["--http-addr"] == "0.0.0.0:8080"
+    assert args["--webhook-addr"] == "0.0.0.0:9443"
+    assert args["--webhook-cert-dir"] == "/etc/inference-cache/webhook"
+    assert "--webhook-self-signed" not in args
+    assert args["--agent-service-account"] == f"{NAMESPACE}:{AGENT}"
+    assert args["--token-audience"] == "inference-cache"
+    assert args["--log-format"] == "json"
+
+
+def test_controller_pdb_and_anti_affinity(variant: Rendered) -> None:
+    d = controller_deployment(variant)
+    pdb = variant.one("PodDisruptionBudget", CONTROLLER)
+    pod_labels = d["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    anti = d["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    hard = variant.values.get("controller", {}).get("podAntiAffinity") == "hard"
+    if hard:
+        term = anti["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    else:
+        term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert labels_match(term["labelSelector"]["matchLabels"], pod_labels)
+
+
+def test_ha_variant() -> None:
+    r = variant_named("ha")
+    d = controller_deployment(r)
+    assert d["spec"]["replicas"] == 3
+    assert d["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert agent_daemonset(r)["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
+
+
+def _restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """Pod Security Standards, restricted profile (v1.29+), for one pod spec."""
+    v = []
+    psc = spec.get("securityContext") or {}
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field):
+            v.append(field)
+    allowed_volumes = {
+        "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+        "projected", "secret",
+    }
+    for vol in spec.get("volumes") or []:
+        kinds = set(vol) - {"name"}
+        if not kinds <= allowed_volumes:
+            v.append(f"volume {vol['name']}: {kinds}")
+    pod_seccomp = (psc.get("seccompProfile") or {}).get("type")
+    for c in containers(spec):
+        sc = c.get("securityContext") or {}
+        name = c["name"]
+        if sc.get("privileged"):
+            v.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            v.append(f"{name}: allowPrivilegeEscalation")
+        if not (sc.get("runAsNonRoot") or (psc.get("runAsNonRoot") and sc.get("runAsNonRoot") is not False)):
+            v.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            v.append(f"{name}: runAsUser 0")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            v.append(f"{name}: capabilities.drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            v.append(f"{name}: capabilities.add")
+        seccomp = (sc.get("seccompProfile") or {}).get("type") or pod_seccomp
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            v.append(f"{name}: seccompProfile")
+        for p in c.get("ports") or []:
+            if p.get("hostPort"):
+                v.append(f"{name}: hostPort")
+    return v
+
+
+def test_controller_is_restricted_psa_compliant(variant: Rendered) -> None:
+    spec = controller_deployment(variant)["spec"]["template"]["spec"]
+    assert _restricted_violations(spec) == []
+    sc = the_container(controller_deployment(variant))["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+
+
+def test_restricted_checker_catches_the_agent(default: Rendered) -> None:
+    """The restricted checker is not vacuous: the privileged agent fails it."""
+    v = _restricted_violations(agent_daemonset(default)["spec"]["template"]["spec"])
+    assert "hostPID" in v and "agent: privileged" in v
+
+
+def test_controller_grpc_test_pod_is_restricted(variant: Rendered) -> None:
+    pod = variant.one("Pod", "inference-cache-test-controller-grpc")
+    assert _restricted_violations(pod["spec"]) == []
+
+
+# ----------------------------------------------------------------------------- services
+
+
+def test_services_select_their_pods(variant: Rendered) -> None:
+    pods = {o["metadata"]["name"]: o["spec"]["template"] for o in variant.objects if o["kind"] in ("Deployment", "DaemonSet")}
+    for svc in variant.of_kind("Service"):
+        matched = [
+            t for t in pods.values() if labels_match(svc["spec"]["selector"], t["metadata"]["labels"])
+        ]
+        assert matched, f"Service {svc['metadata']['name']} selects no pods"
+        for t in matched:
+            port_names = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports") or []}
+            for p in svc["spec"]["ports"]:
+                assert p["targetPort"] in port_names, (svc["metadata"]["name"], p)
+
+
+def test_services_for_grpc_metrics_and_webhooks(default: Rendered) -> None:
+    grpc = default.one("Service", CONTROLLER)["spec"]["ports"]
+    assert [(p["name"], p["port"], p.get("appProtocol")) for p in grpc] == [("grpc", 50051, "grpc")]
+    metrics = default.one("Service", f"{CONTROLLER}-metrics")["spec"]["ports"]
+    assert [(p["name"], p["port"]) for p in metrics] == [("http-metrics", 8080)]
+    webhook = default.one("Service", "inference-cache-webhook")["spec"]["ports"]
+    assert [(p["port"], p["targetPort"]) for p in webhook] == [(443, "webhook")]
+
+
+def test_agent_reaches_the_grpc_service(default: Rendered) -> None:
+    url = args_of(the_container(agent_daemonset(default)))["--controller"]
+    assert url == f"http://{CONTROLLER}.{NAMESPACE}.svc:50051"
+
+
+# ----------------------------------------------------------------------------- agent
+
+
+def test_agent_daemonset(default: Rendered) -> None:
+    ds = agent_daemonset(default)
+    spec = ds["spec"]["template"]["spec"]
+    c = the_container(ds)
+    assert spec["hostPID"] is True
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["automountServiceAccountToken"] is False
+    assert c["securityContext"]["privileged"] is True
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+    assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}
+    assert c["args"][0] == "run"
+    args = args_of(c)
+    assert args["--http-addr"] == "127.0.0.1:9090"
+    assert args["--metrics-addr"] == "$(POD_IP):9091"
+    assert args["--token-file"] == "/var/run/secrets/inference-cache/token"
+    assert args["--log-format"] == "json"
+    env = env_of(c)
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # `kubectl exec … -- ic-agent check` reads these from the pod's environment.
+    assert env["IC_PROC_ROOT"]["value"] == "/host/proc"
+    assert env["IC_SHM_PATH"]["value"] == "/host/dev/shm"
+
+
+def test_agent_host_mounts_are_read_only(variant: Rendered) -> None:
+    if not variant.values.get("agent", {}).get("enabled", True):
+        return
+    ds = agent_daemonset(variant)
+    spec = ds["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert set(host_paths.values()) == {"/proc", "/sys", "/dev/shm", "/var/lib/kubelet/pods"}
+    mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
+    for name in host_paths:
+        assert mounts[name].get("readOnly") is True, name
+    assert mounts["host-proc"]["mountPath"] == "/host/proc"
+    assert mounts["kubelet-pods"]["mountPropagation"] == "HostToContainer"
+
+
+def test_agent_projected_token(variant: Rendered) -> None:
+    if not variant.values.get("agent", {}).get("enabled", True):
+        return
+    ds = agent_daemonset(variant)
+    vols = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    src = vols["controller-token"]["projected"]["sources"]
+    assert src == [{"serviceAccountToken": {"audience": "inference-cache", "expirationSeconds": 3600, "path": "token"}}]
+    mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
+    assert mounts["controller-token"]["mountPath"] == "/var/run/secrets/inference-cache"
+    token_file = args_of(the_container(ds))["--token-file"]
+    assert token_file == mounts["controller-token"]["mountPath"] + "/token"
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute", "PreferNoSchedule"])
+def test_gpu_taint_tolerated(default: Rendered, effect: str) -> None:
+    spec = agent_daemonset(default)["spec"]["template"]["spec"]
+    assert tolerates(spec["tolerations"], "nvidia.com/gpu", "present", effect)
+    assert tolerates(spec["tolerations"], "nvidia.com/gpu", "", effect)
+    # The agent /readyz test pod lands where agents run.
+    test_pod = default.one("Pod", "inference-cache-test-agent-readyz")
+    assert tolerates(test_pod["spec"]["tolerations"], "nvidia.com/gpu", "present", effect)
+    env = env_of(the_container(agent_daemonset(default)))
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert "runtimeClassName" not in spec
+    assert "affinity" not in spec
+
+
+def test_gpu_off() -> None:
+    r = variant_named("gpu-off")
+    spec = agent_daemonset(r)["spec"]["template"]["spec"]
+    assert not tolerates(spec.get("tolerations"), "nvidia.com/gpu", "present", "NoSchedule")
+    env = env_of(the_container(agent_daemonset(r)))
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+    assert "runtimeClassName" not in spec
+
+
+def test_gpu_runtime_class_with_node_affinity() -> None:
+    r = variant_named("gpu-runtimeclass")
+    spec = agent_daemonset(r)["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia"
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]
+    assert "NOTE: agent.gpu.runtimeClassName" not in r.notes
+
+
+def test_runtime_class_without_affinity_is_flagged_in_notes() -> None:
+    r = render({"agent": {"gpu": {"runtimeClassName": "nvidia"}}})
+    assert "agent.gpu.nodeAffinity.enabled=true" in r.notes
+
+
+def test_agent_pod_network_variant() -> None:
+    r = variant_named("agent-pod-network")
+    spec = agent_daemonset(r)["spec"]["template"]["spec"]
+    assert "hostNetwork" not in spec and "dnsPolicy" not in spec
+    assert args_of(the_container(agent_daemonset(r)))["--http-addr"] == "$(POD_IP):9090"
+    assert not [p for p in r.of_kind("Pod") if p["metadata"]["name"].endswith("agent-readyz")]
+
+
+def test_agent_off_renders_no_agent() -> None:
+    r = variant_named("agent-off")
+    assert r.of_kind("DaemonSet") == []
+    assert [o["metadata"]["name"] for o in r.of_kind("ServiceAccount")] == [CONTROLLER]
+
+
+# ----------------------------------------------------------------------------- RBAC
+
+
+def _subjects_include(binding: dict[str, Any], namespace: str, name: str) -> bool:
+    for s in binding.get("subjects") or []:
+        if s["kind"] == "ServiceAccount" and s["name"] == name and s.get("namespace") == namespace:
+            return True
+        if s["kind"] == "Group" and s["name"] in (
+            "system:serviceaccounts",
+            f"system:serviceaccounts:{namespace}",
+            "system:authenticated",
+        ):
+            return True
+    return False
+
+
+def agent_bindings(r: Rendered) -> list[tuple[str, dict[str, Any]]]:
+    """(binding name, rule) for every rule bound to the agent's service account, directly or
+    through a group that contains it."""
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+        for o in r.of_kind("Role") + r.of_kind("ClusterRole")
+    }
+    out = []
+    for b in r.of_kind("RoleBinding") + r.of_kind("ClusterRoleBinding"):
+        if not _subjects_include(b, NAMESPACE, AGENT):
+            continue
+        ref = b["roleRef"]
+        ns = b["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        role = roles.get((ref["kind"], ns, ref["name"]), {"rules": [{"verbs": ["*"]}]})
+        out.extend((b["metadata"]["name"], rule) for rule in role.get("rules") or [])
+    return out
+
+
+def test_agent_service_account_has_no_write_verbs(variant: Rendered) -> None:
+    """No Role/ClusterRole bound to the agent's service account (directly or through a group)
+    grants a write verb; in fact nothing is bound to it at all."""
+    writes = [(b, rule) for b, rule in agent_bindings(variant) if set(rule["verbs"]) & WRITE_VERBS]
+    assert writes == []
+    assert agent_bindings(variant) == []
+    for sa in variant.of_kind("ServiceAccount"):
+        if sa["metadata"]["name"] == AGENT:
+            assert sa["automountServiceAccountToken"] is False
+
+
+def test_agent_binding_check_is_not_vacuous(default: Rendered) -> None:
+    extra = [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "sneaky"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CONTROLLER},
+            "subjects": [{"kind": "Group", "name": f"system:serviceaccounts:{NAMESPACE}"}],
+        }
+    ]
+    r = Rendered(values={}, manifests=default.manifests, objects=default.objects + extra)
+    assert any(set(rule["verbs"]) & WRITE_VERBS for _, rule in agent_bindings(r))
+
+
+def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
+    self_signed = variant.values.get("webhook", {}).get("certMode") == "selfSigned"
+    read = {"get", "list", "watch"}
+    crud = read | {"create", "update", "patch", "delete"}
+    status = {"get", "update", "patch"}
+    expected = {
+        ("inferencecache.io", "cachebackends", ()): read,
+        ("inferencecache.io", "cachepolicies", ()): read,
+        ("inferencecache.io", "cachetenants", ()): read,
+        ("inferencecache.io", "cachebackends/status", ()): status,
+        ("inferencecache.io", "cachepolicies/status", ()): status,
+        ("inferencecache.io", "cachetenants/status", ()): status,
+        ("inferencecache.io", "cachebackends/finalizers", ()): {"update"},
+        ("inferencecache.io", "cacheindexes", ()): crud,
+        ("inferencecache.io", "cachenodes", ()): crud,
+        ("inferencecache.io", "cacheindexes/status", ()): status,
+        ("inferencecache.io", "cachenodes/status", ()): status,
+        ("", "pods", ()): read,
+        ("apps", "deployments", ()): crud,
+        ("apps", "statefulsets", ()): crud,
+        ("", "services", ()): crud,
+        ("autoscaling", "horizontalpodautoscalers", ()): crud,
+        ("", "events", ()): {"create", "patch"},
+        ("events.k8s.io", "events", ()): {"create", "patch"},
+        ("authentication.k8s.io", "tokenreviews", ()): {"create"},
+    }
+    if self_signed:
+        for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+            expected[("admissionregistration.k8s.io", res, ("inference-cache",))] = {"get", "patch"}
+    assert grants(rules_of(variant, "ClusterRole", CONTROLLER)) == expected
+    binding = variant.one("ClusterRoleBinding", CONTROLLER)
+    assert binding["roleRef"]["name"] == CONTROLLER
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NAMESPACE}]
+
+
+def test_controller_role_is_namespaced(default: Rendered) -> None:
+    g = grants(default.one("Role", CONTROLLER)["rules"])
+    assert g == {
+        ("coordination.k8s.io", "leases", ()): {"create"},
+        ("coordination.k8s.io", "leases", ("inference-cache-controller",)): {"get", "update"},
+        ("", "configmaps", ()): {"get", "list", "watch"},
+    }
+    rb = default.one("RoleBinding", CONTROLLER)
+    assert rb["metadata"]["namespace"] == NAMESPACE
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NAMESPACE}]
+
+
+def test_no_secrets_access(variant: Rendered) -> None:
+    for role in variant.of_kind("Role") + variant.of_kind("ClusterRole"):
+        for rule in role.get("rules") or []:
+            assert "secrets" not in rule.get("resources", []) and "*" not in rule.get("resources", [])
+
+
+# ----------------------------------------------------------------------------- webhooks
+
+
+def _webhooks(r: Rendered) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for cfg in r.of_kind(kind):
+            for w in cfg["webhooks"]:
+                out[w["name"]] = w
+    return out
+
+
+def test_webhook_failure_policies(variant: Rendered) -> None:
+    hooks = _webhooks(variant)
+    assert set(hooks) == {"mpod.inferencecache.io", "mcachebackend.inferencecache.io", "vcachebackend.inferencecache.io"}
+    assert hooks["mpod.inferencecache.io"]["failurePolicy"] == "Ignore"
+    assert hooks["mcachebackend.inferencecache.io"]["failurePolicy"] == "Fail"
+    assert hooks["vcachebackend.inferencecache.io"]["failurePolicy"] == "Fail"
+    for w in hooks.values():
+        assert w["sideEffects"] == "None"
+        assert w["admissionReviewVersions"] == ["v1"]
+    paths = {n: w["clientConfig"]["service"]["path"] for n, w in hooks.items()}
+    assert paths == {
+        "mpod.inferencecache.io": "/mutate-pod",
+        "mcachebackend.inferencecache.io": "/mutate-cachebackend",
+        "vcachebackend.inferencecache.io": "/validate-cachebackend",
+    }
+
+
+def test_pod_webhook_scope(default: Rendered) -> None:
+    w = _webhooks(default)["mpod.inferencecache.io"]
+    assert w["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]
+    ns_exprs = w["namespaceSelector"]["matchExpressions"]
+    assert ns_exprs[0]["key"] == "kubernetes.io/metadata.name" and ns_exprs[0]["operator"] == "NotIn"
+    assert {"kube-system", NAMESPACE} <= set(ns_exprs[0]["values"])
+    assert w["objectSelector"]["matchExpressions"] == [{"key": "inferencecache.io/webhook", "operator": "NotIn", "values": ["disabled"]}]
+    assert w["timeoutSeconds"] <= 10
+    # The chart's own test pods carry the opt-out label.
+    for pod in default.of_kind("Pod"):
+        assert pod["metadata"]["labels"]["inferencecache.io/webhook"] == "disabled"
+
+
+def test_pod_webhook_opt_in_namespaces() -> None:
+    r = render({"webhook": {"pod": {"namespaceSelector": {"matchLabels": {"inferencecache.io/inject": "enabled"}}}}})
+    sel = _webhooks(r)["mpod.inferencecache.io"]["namespaceSelector"]
+    assert sel["matchLabels"] == {"inferencecache.io/inject": "enabled"}
+    assert sel["matchExpressions"][0]["key"] == "kubernetes.io/metadata.name"
+
+
+def test_pod_webhook_can_be_disabled() -> None:
+    r = render({"webhook": {"pod": {"enabled": False}}})
+    assert set(_webhooks(r)) == {"mcachebackend.inferencecache.io", "vcachebackend.inferencecache.io"}
+
+
+def test_webhooks_call_the_webhook_service(variant: Rendered) -> None:
+    svc = variant.one("Service", "inference-cache-webhook")
+    for w in _webhooks(variant).values():
+        ref = w["clientConfig"]["service"]
+        assert (ref["name"], ref["namespace"], ref["port"]) == (
+            svc["metadata"]["name"],
+            svc["metadata"]["namespace"],
+            svc["spec"]["ports"][0]["port"],
+        )
+        assert "caBundle" not in w["clientConfig"]
+
+
+def test_cert_manager_mode(default: Rendered) -> None:
+    cert = default.one("Certificate")
+    issuer = default.one("Issuer")
+    assert cert["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "Issuer", "name": issuer["metadata"]["name"]}
+    assert "inference-cache-webhook.inference-cache.svc" in cert["spec"]["dnsNames"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        ann = default.one(kind)["metadata"]["annotations"]
+        assert ann["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/{cert['metadata']['name']}"
+    d = controller_deployment(default)
+    vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+    assert vols["webhook-cert"]["secret"]["secretName"] == cert["spec"]["secretName"]
+    mounts = {m["name"]: m for m in the_container(d)["volumeMounts"]}
+    assert mounts["webhook-cert"]["mountPath"] == args_of(the_container(d))["--webhook-cert-dir"]
+    assert "subPath" not in mounts["webhook-cert"]  # subPath mounts never see a renewed certificate
+
+
+def test_cluster_issuer() -> None:
+    r = variant_named("cluster-issuer")
+    assert r.of_kind("Issuer") == []
+    assert r.one("Certificate")["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "ca"}
+
+
+def test_self_signed_mode() -> None:
+    r = variant_named("self-signed-certs")
+    assert r.of_kind("Certificate") == [] and r.of_kind("Issuer") == []
+    c = the_container(controller_deployment(r))
+    args = args_of(c)
+    assert "--webhook-self-signed" in args and "--webhook-cert-dir" not in args
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        cfg = r.one(kind)
+        assert cfg["metadata"]["name"] == args["--webhook-config-name"]
+        assert "cert-manager.io/inject-ca-from" not in (cfg["metadata"].get("annotations") or {})
+    assert "webhook-cert" not in {m["name"] for m in c["volumeMounts"]}
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+def _rendered_text(r: Rendered) -> str:
+    return "\n".join(v for k, v in r.manifests.items() if not k.endswith(".txt"))
+
+
+def test_every_port_is_configurable() -> None:
+    """With every port value changed, no default port number is left anywhere in the manifests
+    (container ports, Services, probes, flags, webhook client configs, test pods)."""
+    r = render(CUSTOM_PORTS)
+    text = _rendered_text(r)
+    for port in DEFAULT_PORTS:
+        assert not re.search(rf"(?<![\d.]){port}(?![\d.])", text), f"port {port} is hard-coded"
+    c = the_container(controller_deployment(r))
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 15051, "http": 18080, "webhook": 19443}
+    a = the_container(agent_daemonset(r))
+    assert args_of(a)["--http-addr"] == "127.0.0.1:19090"
+    assert args_of(a)["--metrics-addr"] == "$(POD_IP):19091"
+    assert args_of(a)["--controller"].endswith(":25051")
+    # The defaults do appear in the default rendering (the search above is meaningful).
+    default_text = _rendered_text(variant_named("default"))
+    for port in DEFAULT_PORTS:
+        assert re.search(rf"(?<![\d.]){port}(?![\d.])", default_text), port
+
+
+def test_ipv6_bind_address() -> None:
+    r = render({"controller": {"bindAddress": "::"}})
+    assert args_of(the_container(controller_deployment(r)))["--grpc-addr"] == "[::]:50051"
+
+
+# ----------------------------------------------------------------------------- namespace
+
+
+def test_namespace_only_when_asked(default: Rendered) -> None:
+    assert default.of_kind("Namespace") == []
+    ns = variant_named("namespace-create").one("Namespace", NAMESPACE)
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+# ----------------------------------------------------------------------------- monitoring
+
+
+def test_monitoring_off_by_default(default: Rendered) -> None:
+    for kind in ("ServiceMonitor", "PodMonitor", "ConfigMap"):
+        assert default.of_kind(kind) == []
+
+
+def test_monitoring_on() -> None:
+    r = variant_named("monitoring-on")
+    sm = r.one("ServiceMonitor")
+    svc = r.one("Service", f"{CONTROLLER}-metrics")
+    assert labels_match(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # The selector picks only the metrics Service, not the gRPC or webhook ones.
+    for other in r.of_kind("Service"):
+        if other is not svc:
+            assert not labels_match(sm["spec"]["selector"]["matchLabels"], other["metadata"]["labels"])
+    pm = r.one("PodMonitor")
+    ds = agent_daemonset(r)
+    assert labels_match(pm["spec"]["selector"]["matchLabels"], ds["spec"]["template"]["metadata"]["labels"])
+    ep = pm["spec"]["podMetricsEndpoints"][0]
+    assert ep["port"] in {p["name"] for p in the_container(ds)["ports"]}
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node", "action": "replace"} in ep["relabelings"]
+    dashboards = r.of_kind("ConfigMap")
+    assert sorted(cm["metadata"]["name"] for cm in dashboards) == [
+        "inference-cache-dashboard-cache-index",
+        "inference-cache-dashboard-node-health",
+    ]
+    for cm in dashboards:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"]["grafana_folder"] == "inference-cache"
+        (key, body), = cm["data"].items()
+        assert json.loads(body) == json.loads((CHART_DIR / "dashboards" / key).read_text())
+
+
+# ----------------------------------------------------------------------------- helm test, NOTES
+
+
+def test_helm_test_hooks(default: Rendered) -> None:
+    tests = [o for o in default.objects if is_hook(o)]
+    assert {o["metadata"]["name"] for o in tests} == {
+        "inference-cache-test-controller-grpc",
+        "inference-cache-test-agent-readyz",
+    }
+    for t in tests:
+        assert t["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert t["spec"]["restartPolicy"] == "Never"
+    grpc = the_pod_container(default.one("Pod", "inference-cache-test-controller-grpc"))
+    assert grpc["image"].startswith("ghcr.io/grpc-ecosystem/grpc-health-probe:v")
+    assert f"-addr={CONTROLLER}.{NAMESPACE}.svc:50051" in grpc["args"]
+    readyz_pod = default.one("Pod", "inference-cache-test-agent-readyz")
+    assert readyz_pod["spec"]["hostNetwork"] is True
+    assert "http://127.0.0.1:9090/readyz" in " ".join(the_pod_container(readyz_pod)["command"])
+
+
+def the_pod_container(pod: dict[str, Any]) -> dict[str, Any]:
+    (c,) = pod["spec"]["containers"]
+    return c
+
+
+def test_notes_have_the_commands(variant: Rendered) -> None:
+    notes = variant.notes
+    assert "kubectl get cachebackends --all-namespaces" in notes
+    assert "kubectl get cachenodes" in notes
+    assert f"helm test inference-cache -n {NAMESPACE}" in notes
+    if variant.values.get("agent", {}).get("enabled", True):
+        assert "-- ic-agent check" in notes
+        assert "port-forward pod/$POD" in notes
+    assert "{{" not in notes and "<no value>" not in notes
+
+
+def test_no_unrendered_values(variant: Rendered) -> None:
+    text = _rendered_text(variant)
+    assert "<no value>" not in text
+    assert "%!" not in text  # printf verb errors
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_other_release_name_and_namespace() -> None:
+    """Nothing assumes the release is called inference-cache or lives in that namespace."""
+    r = render({}, namespace="gpu-ops", name="prod")
+    for o in r.objects:
+        if o["kind"] == "CustomResourceDefinition":
+            continue
+        assert o["metadata"]["name"].startswith("prod-inference-cache"), o["metadata"]["name"]
+        assert o["metadata"].get("namespace") in (None, "gpu-ops")
+    ctl = the_container(r.one("Deployment", "prod-inference-cache-controller"))
+    args = args_of(ctl)
+    assert args["--agent-service-account"] == "gpu-ops:prod-inference-cache-agent"
+    assert args["--leader-election-lease-name"] == "prod-inference-cache-controller"
+    agent = the_container(r.one("DaemonSet", "prod-inference-cache-agent"))
+    assert args_of(agent)["--controller"] == "http://prod-inference-cache-controller.gpu-ops.svc:50051"
+    assert "prod-inference-cache-webhook.gpu-ops.svc" in r.one("Certificate")["spec"]["dnsNames"]
+    hook = _webhooks(r)["mpod.inferencecache.io"]
+    assert hook["clientConfig"]["service"]["namespace"] == "gpu-ops"
+    assert "gpu-ops" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    assert "inference-cache" not in hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    text = _rendered_text(r)
+    assert ".inference-cache.svc" not in text and "inference-cache:" not in text

@@ -1,0 +1,92 @@
+"""Grafana dashboards: well-formed, and every metric they query exists in the binaries' sources."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import CHART_DIR, ROOT
+
+DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
+METRIC_SOURCES = [
+    ROOT / "controller" / "src" / "metrics.rs",
+    ROOT / "agent" / "src" / "state.rs",
+    ROOT / "agent" / "src" / "kv" / "metrics.rs",
+]
+PROMQL_NAME = re.compile(r"\binferencecache_[a-z0-9_]+")
+
+
+def metric_names() -> set[str]:
+    """Metric families registered in the Rust sources (`let p = "inferencecache_…_"` /
+    `const P: &str = "…"` prefixes joined with `{p}name`), with the series histograms add."""
+    names: set[str] = set()
+    for src in METRIC_SOURCES:
+        text = src.read_text()
+        prefixes = dict(re.findall(r'(?:let|const)\s+(\w+)\s*(?::\s*&str)?\s*=\s*"(inferencecache_\w+)"', text))
+        for var, prefix in prefixes.items():
+            for name in re.findall(r"\{" + var + r"\}(\w+)", text):
+                names.add(prefix + name)
+    for n in list(names):
+        if n.endswith("_seconds"):
+            names |= {n + "_bucket", n + "_sum", n + "_count"}
+    return names
+
+
+def panels(d: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for p in d["panels"]:
+        yield p
+        yield from p.get("panels", [])
+
+
+def test_there_are_two_dashboards() -> None:
+    assert [p.name for p in DASHBOARDS] == ["cache-index.json", "node-health.json"]
+
+
+def test_metric_sources_are_found() -> None:
+    names = metric_names()
+    for expected in (
+        "inferencecache_controller_agents_connected",
+        "inferencecache_controller_lookups_total",
+        "inferencecache_agent_check_results",
+        "inferencecache_agent_kv_blocks",
+    ):
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=[p.name for p in DASHBOARDS])
+def test_dashboard(path: Path) -> None:
+    d = json.loads(path.read_text())
+    known = metric_names()
+    assert d["uid"].startswith("ic-") and d["title"].startswith("inference-cache / ")
+    ids = [p["id"] for p in panels(d)]
+    assert len(ids) == len(set(ids))
+    assert {v["name"] for v in d["templating"]["list"]} >= {"datasource"}
+    used = set()
+    for p in panels(d):
+        if p["type"] == "row":
+            continue
+        assert p["targets"], p["title"]
+        assert p["datasource"]["uid"] == "${datasource}"
+        for t in p["targets"]:
+            used |= set(PROMQL_NAME.findall(t["expr"]))
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+    assert used and used <= known, sorted(used - known)
+
+
+def test_node_health_covers_checks_and_streams() -> None:
+    d = json.loads((CHART_DIR / "dashboards" / "node-health.json").read_text())
+    exprs = " ".join(t["expr"] for p in panels(d) for t in p.get("targets", []))
+    for needle in ('check="gpu"', 'check="shm"', 'check="ports"', "inferencecache_agent_kv_connected", "by (node"):
+        assert needle in exprs
+
+
+def test_cache_index_covers_lookups() -> None:
+    d = json.loads((CHART_DIR / "dashboards" / "cache-index.json").read_text())
+    exprs = " ".join(t["expr"] for p in panels(d) for t in p.get("targets", []))
+    for needle in ('decision="prefix_match"', "inferencecache_controller_index_entries", "lookup_duration_seconds_bucket", "by (stream)"):
+        assert needle in exprs

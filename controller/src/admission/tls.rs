@@ -1,0 +1,390 @@
+//! Webhook serving certificates (rustls, ring provider).
+//!
+//! Two modes:
+//!
+//! - **Files, hot-reloaded** (primary; the chart's cert-manager `Certificate` mounts a Secret
+//!   with `tls.crt` / `tls.key`). [`spawn_reloader`] polls the files' modification time and size
+//!   and, when either changes, builds a new rustls config and swaps it into the running server
+//!   (`RustlsConfig::reload_from_config`); new connections get the new certificate, established
+//!   ones keep theirs. A half-written pair (cert and key not matching yet) is refused and the old
+//!   certificate keeps serving until the next poll. cert-manager's CA injector fills the webhook
+//!   configurations' `caBundle`.
+//! - **Self-signed** ([`generate_self_signed`]): an in-memory CA (ECDSA P-256, rcgen) signs a
+//!   serving certificate for the Service DNS names ([`service_dns_names`]). The CA PEM is
+//!   returned (and optionally written next to the pair by [`write_bundle`]) so that the caller can
+//!   put it into the MutatingWebhookConfiguration / ValidatingWebhookConfiguration:
+//!   [`set_ca_bundle`] sets `webhooks[].clientConfig.caBundle` on a configuration object, ready
+//!   to be applied. Writing it into the cluster is the in-cluster controller's job.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum_server::tls_rustls::RustlsConfig;
+use base64::Engine as _;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use serde_json::Value;
+
+/// File names the self-signed mode writes (the same names a `kubernetes.io/tls` Secret uses,
+/// plus the CA).
+pub const CERT_FILE: &str = "tls.crt";
+/// Private key file name.
+pub const KEY_FILE: &str = "tls.key";
+/// CA bundle file name.
+pub const CA_FILE: &str = "ca.crt";
+
+/// Default poll interval of the certificate-file watcher.
+pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Certificate errors.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A certificate or key file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Writing the self-signed bundle failed.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The certificate PEM holds no certificate or does not parse.
+    #[error("certificate PEM: {0}")]
+    CertPem(String),
+    /// The key PEM holds no private key or does not parse.
+    #[error("private key PEM: {0}")]
+    KeyPem(String),
+    /// rustls refused the pair (e.g. the key does not match the certificate).
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// Certificate generation failed.
+    #[error("generating the self-signed certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+}
+
+/// Where the serving certificate comes from.
+#[derive(Debug, Clone)]
+pub enum TlsSource {
+    /// PEM files, watched and hot-reloaded.
+    Files {
+        /// Certificate chain (`tls.crt`).
+        cert: PathBuf,
+        /// Private key (`tls.key`).
+        key: PathBuf,
+        /// Poll interval of the watcher.
+        reload_interval: Duration,
+    },
+    /// A certificate generated at start, signed by a fresh CA.
+    SelfSigned(SelfSignedOptions),
+}
+
+/// Options of the self-signed mode.
+#[derive(Debug, Clone, Default)]
+pub struct SelfSignedOptions {
+    /// DNS names (and IP literals) of the serving certificate; see [`service_dns_names`].
+    pub subject_alt_names: Vec<String>,
+    /// When set, `tls.crt`, `tls.key` and `ca.crt` are written here.
+    pub write_dir: Option<PathBuf>,
+}
+
+/// A generated CA and serving pair, all PEM.
+#[derive(Debug, Clone)]
+pub struct SelfSignedBundle {
+    /// The CA certificate: the `caBundle` webhook configurations must carry.
+    pub ca_pem: String,
+    /// The serving certificate, signed by the CA.
+    pub cert_pem: String,
+    /// The serving certificate's private key (PKCS#8).
+    pub key_pem: String,
+}
+
+impl SelfSignedBundle {
+    /// The CA as a `caBundle` value (base64 of the PEM).
+    pub fn ca_bundle_base64(&self) -> String {
+        ca_bundle_base64(&self.ca_pem)
+    }
+}
+
+/// The names a webhook Service is reached by: `svc`, `svc.ns`, `svc.ns.svc`,
+/// `svc.ns.svc.cluster.local` (the apiserver dials `svc.ns.svc`).
+pub fn service_dns_names(service: &str, namespace: &str) -> Vec<String> {
+    vec![
+        service.to_string(),
+        format!("{service}.{namespace}"),
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ]
+}
+
+/// Generates a CA and a serving certificate for `subject_alt_names` (DNS names or IP literals),
+/// valid from yesterday for ten years. Errors: [`TlsError::Generate`].
+pub fn generate_self_signed(subject_alt_names: &[String]) -> Result<SelfSignedBundle, TlsError> {
+    let ca_key = rcgen::KeyPair::generate()?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "inference-cache webhook CA");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    set_validity(&mut ca_params);
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(subject_alt_names.to_vec())?;
+    let cn = subject_alt_names
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "inference-cache-webhook".to_string());
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, cn);
+    params.is_ca = rcgen::IsCa::ExplicitNoCa;
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::DigitalSignature,
+        rcgen::KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    params.use_authority_key_identifier_extension = true;
+    set_validity(&mut params);
+    let cert = params.signed_by(&key, &issuer)?;
+
+    Ok(SelfSignedBundle {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Validity from yesterday to ten years on, computed from the system clock.
+fn set_validity(params: &mut rcgen::CertificateParams) {
+    let days = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0);
+    let (y, m, d) = civil_from_days(i64::try_from(days).unwrap_or(0) - 1);
+    params.not_before = rcgen::date_time_ymd(y, m, d);
+    params.not_after = rcgen::date_time_ymd(y + 10, m, d.min(28));
+}
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i32, u8, u8) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (
+        i32::try_from(y).unwrap_or(1970),
+        u8::try_from(m).unwrap_or(1),
+        u8::try_from(d).unwrap_or(1),
+    )
+}
+
+/// Paths of a written bundle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenBundle {
+    /// `dir/tls.crt`.
+    pub cert: PathBuf,
+    /// `dir/tls.key` (mode 0600 on Unix).
+    pub key: PathBuf,
+    /// `dir/ca.crt`.
+    pub ca: PathBuf,
+}
+
+/// Writes `tls.crt`, `tls.key` and `ca.crt` into `dir` (created if missing). Each file is
+/// written to a temporary name and renamed, so a watcher never reads half a file.
+pub fn write_bundle(dir: &Path, bundle: &SelfSignedBundle) -> Result<WrittenBundle, TlsError> {
+    std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let out = WrittenBundle {
+        cert: dir.join(CERT_FILE),
+        key: dir.join(KEY_FILE),
+        ca: dir.join(CA_FILE),
+    };
+    write_atomic(&out.ca, bundle.ca_pem.as_bytes(), false)?;
+    write_atomic(&out.key, bundle.key_pem.as_bytes(), true)?;
+    write_atomic(&out.cert, bundle.cert_pem.as_bytes(), false)?;
+    Ok(out)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<(), TlsError> {
+    let tmp = path.with_extension("tmp");
+    let err = |source| TlsError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::write(&tmp, bytes).map_err(err)?;
+    #[cfg(unix)]
+    if private {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    }
+    #[cfg(not(unix))]
+    let _ = private;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// A `caBundle` value: base64 of the CA PEM.
+pub fn ca_bundle_base64(ca_pem: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes())
+}
+
+/// Sets `webhooks[*].clientConfig.caBundle` of a MutatingWebhookConfiguration or
+/// ValidatingWebhookConfiguration (as JSON) to `ca_pem`, creating `clientConfig` where missing.
+/// Returns how many webhooks were updated. The caller applies the object (in-cluster mode).
+pub fn set_ca_bundle(webhook_configuration: &mut Value, ca_pem: &str) -> usize {
+    let bundle = Value::String(ca_bundle_base64(ca_pem));
+    let Some(hooks) = webhook_configuration
+        .get_mut("webhooks")
+        .and_then(Value::as_array_mut)
+    else {
+        return 0;
+    };
+    let mut n = 0;
+    for hook in hooks.iter_mut().filter_map(Value::as_object_mut) {
+        let cc = hook
+            .entry("clientConfig")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if let Some(cc) = cc.as_object_mut() {
+            cc.insert("caBundle".to_string(), bundle.clone());
+            n += 1;
+        }
+    }
+    n
+}
+
+/// A rustls server config (ring provider; ALPN h2 and http/1.1) from PEM bytes.
+pub fn server_config_from_pem(cert_pem: &[u8], key_pem: &[u8]) -> Result<rustls::ServerConfig, TlsError> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsError::CertPem(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(TlsError::CertPem("no certificate found".to_string()));
+    }
+    let key =
+        PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::KeyPem(e.to_string()))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// Reads a cert/key pair from files into a rustls config.
+pub fn server_config_from_files(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, TlsError> {
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|source| TlsError::Read {
+            path: p.to_path_buf(),
+            source,
+        })
+    };
+    server_config_from_pem(&read(cert)?, &read(key)?)
+}
+
+/// The (mtime, size) pair of both files; `None` entries for files that cannot be read.
+type Stamp = [Option<(SystemTime, u64)>; 2];
+
+fn stamp(cert: &Path, key: &Path) -> Stamp {
+    let one = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())))
+    };
+    [one(cert), one(key)]
+}
+
+/// Watches `cert`/`key` every `interval` and reloads `config` when their modification time or
+/// size changes (cert-manager rotation, a Secret update). A pair that fails to load is logged
+/// and retried on the next change or poll; the running certificate stays until a good pair
+/// loads. The task ends when the returned handle is aborted.
+pub fn spawn_reloader(
+    config: RustlsConfig,
+    cert: PathBuf,
+    key: PathBuf,
+    interval: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut loaded = stamp(&cert, &key);
+        let mut failed: Option<Stamp> = None;
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let now = stamp(&cert, &key);
+            if now == loaded {
+                continue;
+            }
+            match server_config_from_files(&cert, &key) {
+                Ok(sc) => {
+                    config.reload_from_config(Arc::new(sc));
+                    loaded = now;
+                    failed = None;
+                    tracing::info!(cert = %cert.display(), "webhook serving certificate reloaded");
+                }
+                Err(e) => {
+                    if failed != Some(now) {
+                        tracing::warn!(error = %e, cert = %cert.display(),
+                            "webhook certificate files changed but do not load; keeping the current certificate");
+                        failed = Some(now);
+                    }
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn self_signed_pair_loads() {
+        let b = generate_self_signed(&service_dns_names("ic-webhook", "ic-system")).unwrap();
+        assert!(b.ca_pem.starts_with("-----BEGIN CERTIFICATE-----"));
+        server_config_from_pem(b.cert_pem.as_bytes(), b.key_pem.as_bytes()).unwrap();
+        let other = generate_self_signed(&["x".to_string()]).unwrap();
+        assert!(server_config_from_pem(b.cert_pem.as_bytes(), other.key_pem.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn ca_bundle_is_set_on_every_webhook() {
+        let mut cfg = json!({"apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "webhooks": [{"name": "a", "clientConfig": {"service": {"name": "s"}}}, {"name": "b"}]});
+        assert_eq!(set_ca_bundle(&mut cfg, "PEM"), 2);
+        assert_eq!(cfg["webhooks"][0]["clientConfig"]["caBundle"], "UEVN");
+        assert_eq!(cfg["webhooks"][0]["clientConfig"]["service"]["name"], "s");
+        assert_eq!(cfg["webhooks"][1]["clientConfig"]["caBundle"], "UEVN");
+    }
+}

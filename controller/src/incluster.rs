@@ -1,0 +1,416 @@
+//! `ic-controller run`: the in-cluster controller (DESIGN.md "Modes": in cluster; `docs/in-cluster.md`).
+//!
+//! Serves what standalone serves — gRPC `AgentService` (agents), `RouterService` (gateways),
+//! `grpc.health.v1`, and HTTP `/healthz` `/readyz` `/metrics` `/snapshot` `/v1/nodes` — plus:
+//!
+//! - agent authentication ([`crate::ingest::auth`]): TokenReview of `Hello.token` (cached), the
+//!   agent service account, the token's node bound to `Hello.node`;
+//! - Lease-based leader election ([`crate::leader`]): every replica serves reads, agent streams
+//!   and node plans; only the holder writes status;
+//! - the node loops ([`crate::reconcile::nodes`]): node plans pushed down agent streams (every
+//!   replica), CacheNode status and the CacheBackends' `NodeHealthy` advisory (leader only);
+//! - the integration points of the other parts of the controller: the admission server
+//!   ([`start_admission`]) and the CacheBackend reconcilers ([`start_reconcilers`]).
+//!
+//! [`start`] takes a ready `kube::Client` (the binary builds it from `--kubeconfig`, `KUBECONFIG`
+//! or the in-cluster service account via `kube::Client::try_default`), so tests run the whole
+//! stack against `kube-fake-client` with a fake token verifier ([`Overrides`]).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::proto::agent_service_server::AgentServiceServer;
+use ic_shared::proto::router_service_server::RouterServiceServer;
+use kube::Client;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use crate::http::{self, HttpState};
+use crate::ingest::auth::{
+    AgentAuthenticator, CachingVerifier, KubeTokenVerifier, ServiceAccountRef, TokenVerifier,
+    DEFAULT_CACHE_ENTRIES, DEFAULT_NEGATIVE_CACHE_TTL,
+};
+use crate::ingest::{self, AgentIngest};
+use crate::leader::{self, ElectionConfig, LeaderHandle, LeaderMetrics, LeaseLock};
+use crate::reconcile::clock::{Clock, SystemClock};
+use crate::reconcile::nodes::{self, NodeLoopConfig, NodesMetrics};
+use crate::router::Router;
+use crate::state::{LookupPolicy, Shared};
+
+/// Admission webhook settings (`--webhook-*`), handed to [`start_admission`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookSettings {
+    /// HTTPS listen address (default `0.0.0.0:9443`).
+    pub addr: SocketAddr,
+    /// Directory with `tls.crt` and `tls.key` (cert-manager or a mounted Secret), reloaded on
+    /// change.
+    pub cert_dir: Option<PathBuf>,
+    /// Generate a self-signed CA and serving certificate at start (and patch the webhook
+    /// configurations' `caBundle`).
+    pub self_signed: bool,
+    /// Name of the Mutating/ValidatingWebhookConfiguration whose `caBundle` is patched in
+    /// self-signed mode.
+    pub config_name: Option<String>,
+}
+
+/// Leader-election settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderElectionSettings {
+    /// Namespace of the Lease (the controller's own namespace).
+    pub namespace: String,
+    /// Lease name (default `inference-cache-controller`).
+    pub lease_name: String,
+    /// Identity and timing.
+    pub election: ElectionConfig,
+}
+
+/// Settings of the in-cluster controller.
+#[derive(Debug, Clone)]
+pub struct InClusterConfig {
+    /// gRPC listen address (AgentService, RouterService, grpc.health.v1).
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address (`/healthz`, `/readyz`, `/metrics`, `/snapshot`, `/v1/nodes`).
+    pub http_addr: SocketAddr,
+    /// How long a disconnected agent's index entries are kept.
+    pub agent_expiry: Duration,
+    /// Lookup defaults.
+    pub policy: LookupPolicy,
+    /// Admission webhook settings.
+    pub webhook: WebhookSettings,
+    /// Leader election.
+    pub leader_election: LeaderElectionSettings,
+    /// The service account agents must authenticate as.
+    pub agent_service_account: ServiceAccountRef,
+    /// The audience agents' tokens must carry (default `inference-cache`).
+    pub token_audience: String,
+    /// How long a successful TokenReview is cached.
+    pub token_cache_ttl: Duration,
+    /// Node-plan and node-status timing.
+    pub nodes: NodeLoopConfig,
+}
+
+/// Test seams: replace the token verifier (default: [`KubeTokenVerifier`] behind a
+/// [`CachingVerifier`]) or the clock.
+#[derive(Default, Clone)]
+pub struct Overrides {
+    /// Token verifier to use instead of TokenReview.
+    pub token_verifier: Option<Arc<dyn TokenVerifier>>,
+    /// Clock for leader election and status timestamps.
+    pub clock: Option<Arc<dyn Clock>>,
+}
+
+/// Why the controller could not start or stopped with an error.
+#[derive(Debug, Error)]
+pub enum RunError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Metrics registration failed.
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(std::io::Error),
+    /// A server task panicked or was cancelled.
+    #[error("server task: {0}")]
+    Join(#[from] tokio::task::JoinError),
+    /// A part contributed by another module failed to start.
+    #[error("{part}: {message}")]
+    Part {
+        /// Which part (`admission`, `reconciler`).
+        part: &'static str,
+        /// Its error.
+        message: String,
+    },
+}
+
+/// What [`start_admission`] and [`start_reconcilers`] get.
+#[derive(Clone)]
+pub struct RunContext {
+    /// Kubernetes client.
+    pub client: Client,
+    /// Shared controller state (index, registry, metrics).
+    pub shared: Arc<Shared>,
+    /// Leadership.
+    pub leader: LeaderHandle,
+    /// The same leadership as a flag (for components that poll an `AtomicBool`).
+    pub leader_flag: Arc<AtomicBool>,
+    /// The clock.
+    pub clock: Arc<dyn Clock>,
+    /// Turns true at shutdown.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// A started part that runs until shutdown.
+pub struct PartTask {
+    /// Name for logs.
+    pub name: &'static str,
+    /// The task; `Err` carries a message.
+    pub task: JoinHandle<Result<(), String>>,
+}
+
+/// INTEGRATION POINT (admission): starts the HTTPS AdmissionReview server on
+/// `settings.addr` with the certificate from `settings.cert_dir` or a self-signed one, and (in
+/// self-signed mode) patches `settings.config_name`'s `caBundle`.
+///
+/// The admission server lives in `crate::admission` (another work item). Until it exposes an
+/// in-cluster start function this returns `Ok(None)` and logs that webhooks are not served;
+/// wire the call here.
+pub async fn start_admission(
+    _ctx: &RunContext,
+    settings: &WebhookSettings,
+) -> Result<Option<PartTask>, RunError> {
+    warn!(addr = %settings.addr, "the admission webhook server is not wired into `ic-controller run` in this build; webhooks are not served");
+    Ok(None)
+}
+
+/// INTEGRATION POINT (reconcilers): starts the CacheBackend reconciler and the engine-pod
+/// Events controller (`crate::reconcile`, another work item), writing only while
+/// `ctx.leader_flag` is set.
+///
+/// Until they are wired here this returns an empty list and logs it.
+pub async fn start_reconcilers(ctx: &RunContext) -> Result<Vec<PartTask>, RunError> {
+    let _ = ctx;
+    warn!("the CacheBackend reconciler is not wired into `ic-controller run` in this build");
+    Ok(Vec::new())
+}
+
+/// A started in-cluster controller.
+pub struct Running {
+    /// Bound gRPC address.
+    pub grpc_addr: SocketAddr,
+    /// Bound HTTP address.
+    pub http_addr: SocketAddr,
+    /// Shared state (tests read the index and registry directly).
+    pub shared: Arc<Shared>,
+    /// Leadership of this replica.
+    pub leader: LeaderHandle,
+    grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    http: JoinHandle<Result<(), std::io::Error>>,
+    election: JoinHandle<()>,
+    loops: Vec<JoinHandle<()>>,
+    parts: Vec<PartTask>,
+}
+
+impl Running {
+    /// Waits until the servers stop (after the shutdown future resolves), the Lease is
+    /// released and the loops end.
+    pub async fn wait(self) -> Result<(), RunError> {
+        let grpc = self.grpc.await;
+        let http = self.http.await;
+        if let Err(e) = self.election.await {
+            warn!(error = %e, "leader election task failed");
+        }
+        for l in self.loops {
+            l.abort();
+        }
+        let mut first_err = None;
+        for p in self.parts {
+            match p.task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(message)) => {
+                    first_err.get_or_insert(RunError::Part {
+                        part: p.name,
+                        message,
+                    });
+                }
+                Err(e) => {
+                    first_err.get_or_insert(RunError::Join(e));
+                }
+            }
+        }
+        grpc??;
+        http?.map_err(RunError::Http)?;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), RunError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Bind { addr, source })?;
+    let local = l
+        .local_addr()
+        .map_err(|source| RunError::Bind { addr, source })?;
+    Ok((l, local))
+}
+
+/// Binds the listeners, starts leader election, the node loops, the servers and the
+/// integration points, and serves until `shutdown` resolves.
+pub async fn start<F>(
+    client: Client,
+    cfg: InClusterConfig,
+    overrides: Overrides,
+    shutdown: F,
+) -> Result<Running, RunError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let shared = Arc::new(Shared::new(cfg.policy)?);
+    let registry = shared.metrics.registry.clone();
+    let clock: Arc<dyn Clock> = overrides.clock.unwrap_or_else(|| Arc::new(SystemClock));
+    let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr).await?;
+    let (http_listener, http_addr) = bind(cfg.http_addr).await?;
+
+    // One shutdown signal fans out to everything.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    {
+        let stopping = shared.stopping.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            // End agent streams first, so the servers can drain.
+            stopping.send_replace(true);
+            let _ = stop_tx.send(true);
+        });
+    }
+
+    // Leader election.
+    let lock = LeaseLock::new(
+        client.clone(),
+        &cfg.leader_election.namespace,
+        &cfg.leader_election.lease_name,
+    );
+    let election = leader::spawn(
+        lock,
+        cfg.leader_election.election.clone(),
+        clock.clone(),
+        Some(LeaderMetrics::register(&registry)?),
+        stop_rx.clone(),
+    );
+    let leader_handle = election.handle.clone();
+    let leader_flag = Arc::new(AtomicBool::new(false));
+    let mirror = {
+        let flag = leader_flag.clone();
+        let mut rx = leader_handle.subscribe();
+        tokio::spawn(async move {
+            loop {
+                flag.store(*rx.borrow_and_update(), Ordering::SeqCst);
+                if rx.changed().await.is_err() {
+                    flag.store(false, Ordering::SeqCst);
+                    break;
+                }
+            }
+        })
+    };
+
+    // Agent authentication.
+    let verifier: Arc<dyn TokenVerifier> = match overrides.token_verifier {
+        Some(v) => v,
+        None => Arc::new(CachingVerifier::with_ttls(
+            KubeTokenVerifier::new(client.clone()),
+            cfg.token_cache_ttl,
+            DEFAULT_NEGATIVE_CACHE_TTL,
+            DEFAULT_CACHE_ENTRIES,
+        )),
+    };
+    let auth = Arc::new(
+        AgentAuthenticator::new(
+            verifier,
+            cfg.token_audience.clone(),
+            cfg.agent_service_account.clone(),
+        )
+        .with_metrics(&registry)?,
+    );
+    info!(service_account = %cfg.agent_service_account, audience = %cfg.token_audience, "agent streams require a TokenReview-verified service-account token bound to the agent's node");
+
+    // Node loops.
+    let node_metrics = NodesMetrics::register(&registry)?;
+    let plan_loop = nodes::spawn_plan_publisher(
+        client.clone(),
+        shared.clone(),
+        Some(node_metrics.clone()),
+        cfg.nodes.plan_interval,
+        stop_rx.clone(),
+    );
+    let status_loop = nodes::spawn_status_writer(
+        client.clone(),
+        shared.clone(),
+        leader_handle.clone(),
+        clock.clone(),
+        cfg.nodes,
+        Some(node_metrics),
+        stop_rx.clone(),
+    );
+    let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
+
+    // gRPC and HTTP.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<AgentServiceServer<AgentIngest>>()
+        .await;
+    health.set_serving::<RouterServiceServer<Router>>().await;
+    let mut grpc_stop = stop_rx.clone();
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(AgentServiceServer::new(AgentIngest::with_auth(
+                shared.clone(),
+                auth,
+            )))
+            .add_service(RouterServiceServer::new(Router::new(shared.clone())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
+                let _ = grpc_stop.wait_for(|s| *s).await;
+            }),
+    );
+    let ready = Arc::new(AtomicBool::new(false));
+    let app = http::router(HttpState {
+        shared: shared.clone(),
+        ready: ready.clone(),
+    });
+    let mut http_stop = stop_rx.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            })
+            .await
+    });
+
+    // Parts owned by other modules.
+    let ctx = RunContext {
+        client,
+        shared: shared.clone(),
+        leader: leader_handle.clone(),
+        leader_flag,
+        clock,
+        shutdown: stop_rx,
+    };
+    let mut parts = Vec::new();
+    if let Some(p) = start_admission(&ctx, &cfg.webhook).await? {
+        parts.push(p);
+    }
+    parts.extend(start_reconcilers(&ctx).await?);
+
+    ready.store(true, Ordering::Release);
+    info!(grpc = %grpc_addr, http = %http_addr, identity = %cfg.leader_election.election.identity, lease = %format!("{}/{}", cfg.leader_election.namespace, cfg.leader_election.lease_name), "in-cluster controller serving");
+    Ok(Running {
+        grpc_addr,
+        http_addr,
+        shared,
+        leader: leader_handle,
+        grpc,
+        http,
+        election: election.task,
+        loops: vec![plan_loop, status_loop, expiry, mirror],
+        parts,
+    })
+}

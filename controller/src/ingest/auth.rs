@@ -1,0 +1,574 @@
+//! Agent authentication for in-cluster mode (DESIGN.md "Contracts between the two binaries":
+//! Auth).
+//!
+//! The agent presents its projected service-account token (audience `inference-cache`) in
+//! `Hello.token`. The controller:
+//!
+//! 1. verifies the token with a `TokenReview` (`authentication.k8s.io/v1`) for that audience,
+//!    through the [`TokenVerifier`] trait ([`KubeTokenVerifier`] in cluster, [`FakeTokenVerifier`]
+//!    in tests), with results cached for a TTL ([`CachingVerifier`]);
+//! 2. requires the agent's service account: username `system:serviceaccount:NS:NAME`;
+//! 3. binds the token's node to `Hello.node`: a pod-bound token carries the node in the
+//!    `authentication.kubernetes.io/node-name` extra field (Kubernetes ≥ 1.30); when it does not,
+//!    the kube verifier looks the token's pod (`…/pod-name`, `…/pod-uid`) up and takes its
+//!    `spec.nodeName`. A token without any node binding is refused.
+//!
+//! Refusals map to gRPC statuses ([`AuthError::to_status`]): no token, an invalid token or a
+//! wrong audience → `Unauthenticated`; a valid token of another service account, without a node
+//! binding, or bound to another node → `PermissionDenied`; the TokenReview API failing →
+//! `Unavailable` (the agent retries). Standalone mode runs without an authenticator.
+
+use std::collections::{BTreeMap, HashMap};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::Client;
+use parking_lot::Mutex;
+use prometheus::{IntCounterVec, Opts, Registry};
+use thiserror::Error;
+use tokio::time::Instant;
+use tonic::Status;
+
+/// Default token audience.
+pub const DEFAULT_AUDIENCE: &str = "inference-cache";
+/// Extra field of a pod-bound service-account token naming the node the pod runs on.
+pub const EXTRA_NODE_NAME: &str = "authentication.kubernetes.io/node-name";
+/// Extra field naming the pod a bound token belongs to.
+pub const EXTRA_POD_NAME: &str = "authentication.kubernetes.io/pod-name";
+/// Extra field carrying that pod's UID.
+pub const EXTRA_POD_UID: &str = "authentication.kubernetes.io/pod-uid";
+/// Default lifetime of a cached successful verification.
+pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(60);
+/// Default lifetime of a cached rejection.
+pub const DEFAULT_NEGATIVE_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Default bound on cached tokens.
+pub const DEFAULT_CACHE_ENTRIES: usize = 4096;
+
+/// A service account, `NAMESPACE:NAME` on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAccountRef {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+impl ServiceAccountRef {
+    /// The username its tokens authenticate as: `system:serviceaccount:NS:NAME`.
+    pub fn username(&self) -> String {
+        format!("system:serviceaccount:{}:{}", self.namespace, self.name)
+    }
+}
+
+impl FromStr for ServiceAccountRef {
+    type Err = String;
+
+    /// Parses `NAMESPACE:NAME` (both non-empty).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once(':') {
+            Some((ns, name))
+                if !ns.trim().is_empty() && !name.trim().is_empty() && !name.contains(':') =>
+            {
+                Ok(ServiceAccountRef {
+                    namespace: ns.trim().to_string(),
+                    name: name.trim().to_string(),
+                })
+            }
+            _ => Err(format!(
+                "expected NAMESPACE:NAME (e.g. inference-cache:inference-cache-agent), got {s:?}"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ServiceAccountRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.namespace, self.name)
+    }
+}
+
+/// Who a verified token belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TokenIdentity {
+    /// `status.user.username`, e.g. `system:serviceaccount:ns:name`.
+    pub username: String,
+    /// `status.user.uid`.
+    pub uid: String,
+    /// `status.user.groups`.
+    pub groups: Vec<String>,
+    /// `status.user.extra`.
+    pub extra: BTreeMap<String, Vec<String>>,
+    /// The node the token is bound to: the `…/node-name` extra, or the bound pod's node.
+    pub node: Option<String>,
+}
+
+impl TokenIdentity {
+    /// The first value of an extra field.
+    pub fn extra_value(&self, key: &str) -> Option<&str> {
+        self.extra
+            .get(key)
+            .and_then(|v| v.first())
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+}
+
+/// Why a token could not be verified.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VerifyError {
+    /// The token is invalid, expired, revoked, or not valid for the audience.
+    #[error("token rejected: {0}")]
+    Rejected(String),
+    /// The verification itself failed (API unreachable, RBAC); says nothing about the token.
+    #[error("token verification unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Verifies a bearer token for an audience.
+#[tonic::async_trait]
+pub trait TokenVerifier: Send + Sync {
+    /// The identity the token authenticates as, or why not.
+    async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError>;
+}
+
+/// TokenReview against the cluster's API server. Needs RBAC `create` on
+/// `authentication.k8s.io/tokenreviews` (and `get` on pods for the node fallback).
+#[derive(Clone)]
+pub struct KubeTokenVerifier {
+    client: Client,
+}
+
+impl KubeTokenVerifier {
+    /// A verifier using `client`.
+    pub fn new(client: Client) -> Self {
+        KubeTokenVerifier { client }
+    }
+
+    /// The node of the pod a bound token names (`None` when it cannot be determined).
+    async fn node_of_bound_pod(&self, id: &TokenIdentity) -> Result<Option<String>, VerifyError> {
+        let Some(pod_name) = id.extra_value(EXTRA_POD_NAME) else {
+            return Ok(None);
+        };
+        // system:serviceaccount:NS:NAME — the pod lives in the service account's namespace.
+        let Some(ns) = id
+            .username
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|r| r.split(':').next())
+        else {
+            return Ok(None);
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let pod = pods
+            .get_opt(pod_name)
+            .await
+            .map_err(|e| VerifyError::Unavailable(format!("get pod {ns}/{pod_name}: {e}")))?;
+        let Some(pod) = pod else {
+            return Err(VerifyError::Rejected(format!(
+                "the token's pod {ns}/{pod_name} no longer exists"
+            )));
+        };
+        if let Some(want) = id.extra_value(EXTRA_POD_UID) {
+            if pod.metadata.uid.as_deref() != Some(want) {
+                return Err(VerifyError::Rejected(format!(
+                    "the token's pod {ns}/{pod_name} was replaced (uid differs)"
+                )));
+            }
+        }
+        Ok(pod.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty()))
+    }
+}
+
+#[tonic::async_trait]
+impl TokenVerifier for KubeTokenVerifier {
+    async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
+        let api: Api<TokenReview> = Api::all(self.client.clone());
+        let review = TokenReview {
+            metadata: Default::default(),
+            spec: TokenReviewSpec {
+                token: Some(token.to_string()),
+                audiences: Some(vec![audience.to_string()]),
+            },
+            status: None,
+        };
+        let answer = api
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| VerifyError::Unavailable(format!("TokenReview: {e}")))?;
+        let status = answer.status.unwrap_or_default();
+        if !status.authenticated.unwrap_or(false) {
+            return Err(VerifyError::Rejected(
+                status
+                    .error
+                    .filter(|e| !e.is_empty())
+                    .unwrap_or_else(|| "the API server did not authenticate the token".into()),
+            ));
+        }
+        // An audience-aware API server echoes the audience; an empty list means "valid for the
+        // API server's own audience", which is not ours.
+        let audiences = status.audiences.unwrap_or_default();
+        if !audiences.iter().any(|a| a == audience) {
+            return Err(VerifyError::Rejected(format!(
+                "the token is not valid for audience {audience:?} (reviewed audiences: {audiences:?})"
+            )));
+        }
+        let user = status.user.unwrap_or_default();
+        let mut id = TokenIdentity {
+            username: user.username.unwrap_or_default(),
+            uid: user.uid.unwrap_or_default(),
+            groups: user.groups.unwrap_or_default(),
+            extra: user.extra.unwrap_or_default(),
+            node: None,
+        };
+        id.node = match id.extra_value(EXTRA_NODE_NAME) {
+            Some(n) => Some(n.to_string()),
+            None => self.node_of_bound_pod(&id).await?,
+        };
+        Ok(id)
+    }
+}
+
+/// A verifier over a fixed token table (tests, demos). Counts calls.
+#[derive(Default)]
+pub struct FakeTokenVerifier {
+    tokens: Mutex<HashMap<String, TokenIdentity>>,
+    unavailable: Mutex<Option<String>>,
+    calls: AtomicUsize,
+}
+
+impl FakeTokenVerifier {
+    /// An empty table: every token is rejected.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Accepts `token` as service account `sa` bound to `node` (builder style).
+    pub fn with_token(self, token: &str, sa: &ServiceAccountRef, node: Option<&str>) -> Self {
+        let mut extra = BTreeMap::new();
+        if let Some(n) = node {
+            extra.insert(EXTRA_NODE_NAME.to_string(), vec![n.to_string()]);
+        }
+        self.tokens.lock().insert(
+            token.to_string(),
+            TokenIdentity {
+                username: sa.username(),
+                uid: format!("uid-{token}"),
+                groups: vec![
+                    "system:serviceaccounts".to_string(),
+                    format!("system:serviceaccounts:{}", sa.namespace),
+                ],
+                extra,
+                node: node.map(str::to_string),
+            },
+        );
+        self
+    }
+
+    /// Makes every call fail with [`VerifyError::Unavailable`] (`None` restores).
+    pub fn set_unavailable(&self, why: Option<&str>) {
+        *self.unavailable.lock() = why.map(str::to_string);
+    }
+
+    /// Number of `verify` calls so far.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::Relaxed)
+    }
+}
+
+#[tonic::async_trait]
+impl TokenVerifier for FakeTokenVerifier {
+    async fn verify(&self, token: &str, _audience: &str) -> Result<TokenIdentity, VerifyError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if let Some(why) = self.unavailable.lock().clone() {
+            return Err(VerifyError::Unavailable(why));
+        }
+        self.tokens
+            .lock()
+            .get(token)
+            .cloned()
+            .ok_or_else(|| VerifyError::Rejected("unknown token".into()))
+    }
+}
+
+#[tonic::async_trait]
+impl<T: TokenVerifier + ?Sized> TokenVerifier for Arc<T> {
+    async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
+        (**self).verify(token, audience).await
+    }
+}
+
+struct CacheEntry {
+    at: Instant,
+    ttl: Duration,
+    result: Result<TokenIdentity, VerifyError>,
+}
+
+/// Caches another verifier's answers per (token, audience): successes for `ttl`, rejections
+/// for `negative_ttl`; `Unavailable` is never cached. Holds at most `max_entries` tokens
+/// (expired entries are dropped first, then the oldest). Time is tokio's clock, so tests can
+/// pause and advance it.
+pub struct CachingVerifier<V> {
+    inner: V,
+    ttl: Duration,
+    negative_ttl: Duration,
+    max_entries: usize,
+    cache: Mutex<HashMap<(String, String), CacheEntry>>,
+}
+
+impl<V: TokenVerifier> CachingVerifier<V> {
+    /// A cache with the defaults (60 s, 10 s, 4096 entries).
+    pub fn new(inner: V) -> Self {
+        Self::with_ttls(
+            inner,
+            DEFAULT_CACHE_TTL,
+            DEFAULT_NEGATIVE_CACHE_TTL,
+            DEFAULT_CACHE_ENTRIES,
+        )
+    }
+
+    /// A cache with explicit lifetimes and bound.
+    pub fn with_ttls(inner: V, ttl: Duration, negative_ttl: Duration, max_entries: usize) -> Self {
+        CachingVerifier {
+            inner,
+            ttl,
+            negative_ttl,
+            max_entries: max_entries.max(1),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lookup(&self, key: &(String, String), now: Instant) -> Option<Result<TokenIdentity, VerifyError>> {
+        let cache = self.cache.lock();
+        let e = cache.get(key)?;
+        (now.duration_since(e.at) < e.ttl).then(|| e.result.clone())
+    }
+
+    fn store(&self, key: (String, String), result: Result<TokenIdentity, VerifyError>, now: Instant) {
+        let ttl = match &result {
+            Ok(_) => self.ttl,
+            Err(VerifyError::Rejected(_)) => self.negative_ttl,
+            Err(VerifyError::Unavailable(_)) => return,
+        };
+        let mut cache = self.cache.lock();
+        if cache.len() >= self.max_entries {
+            cache.retain(|_, e| now.duration_since(e.at) < e.ttl);
+        }
+        while cache.len() >= self.max_entries {
+            let oldest = cache.iter().min_by_key(|(_, e)| e.at).map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => {
+                    cache.remove(&k);
+                }
+                None => break,
+            }
+        }
+        cache.insert(key, CacheEntry { at: now, ttl, result });
+    }
+}
+
+#[tonic::async_trait]
+impl<V: TokenVerifier> TokenVerifier for CachingVerifier<V> {
+    async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
+        let key = (token.to_string(), audience.to_string());
+        if let Some(hit) = self.lookup(&key, Instant::now()) {
+            return hit;
+        }
+        let result = self.inner.verify(token, audience).await;
+        self.store(key, result.clone(), Instant::now());
+        result
+    }
+}
+
+/// Why an agent stream was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum AuthError {
+    /// `Hello.token` is empty.
+    #[error("Hello.token is empty: the agent must present its projected service-account token (audience {audience:?})")]
+    MissingToken {
+        /// The expected audience.
+        audience: String,
+    },
+    /// The token did not verify.
+    #[error("the agent's token was rejected: {0}")]
+    Rejected(String),
+    /// Verification could not run.
+    #[error("cannot verify the agent's token right now: {0}")]
+    Unavailable(String),
+    /// A valid token of another identity.
+    #[error("the token authenticates as {got:?}, but only the agent service account {want:?} may open agent streams")]
+    WrongServiceAccount {
+        /// The token's username.
+        got: String,
+        /// The required username.
+        want: String,
+    },
+    /// The token is not bound to a node.
+    #[error("the token of {username:?} is not bound to a node (use a projected, pod-bound service-account token; Kubernetes >= 1.30 adds the node name)")]
+    NoNodeBinding {
+        /// The token's username.
+        username: String,
+    },
+    /// The token belongs to another node than Hello names.
+    #[error("the token is bound to node {token_node:?} but Hello names node {hello_node:?}: an agent may only report for its own node")]
+    NodeMismatch {
+        /// Node the token is bound to.
+        token_node: String,
+        /// Node in Hello.
+        hello_node: String,
+    },
+}
+
+impl AuthError {
+    /// The gRPC status the stream is refused with.
+    pub fn to_status(&self) -> Status {
+        let msg = self.to_string();
+        match self {
+            AuthError::MissingToken { .. } | AuthError::Rejected(_) => Status::unauthenticated(msg),
+            AuthError::Unavailable(_) => Status::unavailable(msg),
+            AuthError::WrongServiceAccount { .. }
+            | AuthError::NoNodeBinding { .. }
+            | AuthError::NodeMismatch { .. } => Status::permission_denied(msg),
+        }
+    }
+
+    /// Stable metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            AuthError::MissingToken { .. } => "missing_token",
+            AuthError::Rejected(_) => "rejected",
+            AuthError::Unavailable(_) => "unavailable",
+            AuthError::WrongServiceAccount { .. } => "wrong_service_account",
+            AuthError::NoNodeBinding { .. } => "no_node_binding",
+            AuthError::NodeMismatch { .. } => "node_mismatch",
+        }
+    }
+}
+
+/// A stream's authenticated identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentIdentity {
+    /// The token's username.
+    pub username: String,
+    /// The node the token (and so the stream) is bound to.
+    pub node: String,
+}
+
+/// Checks agents' Hello messages: token, service account, node binding.
+pub struct AgentAuthenticator {
+    verifier: Arc<dyn TokenVerifier>,
+    audience: String,
+    service_account: ServiceAccountRef,
+    outcomes: Option<IntCounterVec>,
+}
+
+impl AgentAuthenticator {
+    /// Accepts tokens `verifier` validates for `audience` that authenticate as
+    /// `service_account`.
+    pub fn new(
+        verifier: Arc<dyn TokenVerifier>,
+        audience: impl Into<String>,
+        service_account: ServiceAccountRef,
+    ) -> Self {
+        AgentAuthenticator {
+            verifier,
+            audience: audience.into(),
+            service_account,
+            outcomes: None,
+        }
+    }
+
+    /// Counts outcomes in `inferencecache_controller_agent_auth_total{result}` registered in
+    /// `registry` (`ok` or an [`AuthError::label`]).
+    pub fn with_metrics(mut self, registry: &Registry) -> Result<Self, prometheus::Error> {
+        let c = IntCounterVec::new(
+            Opts::new(
+                "inferencecache_controller_agent_auth_total",
+                "Agent stream authentications, by result (ok or the refusal reason).",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(c.clone()))?;
+        self.outcomes = Some(c);
+        Ok(self)
+    }
+
+    /// The required service account.
+    pub fn service_account(&self) -> &ServiceAccountRef {
+        &self.service_account
+    }
+
+    /// Authenticates a stream's Hello.
+    pub async fn authenticate(
+        &self,
+        hello: &ic_shared::proto::Hello,
+    ) -> Result<AgentIdentity, AuthError> {
+        let result = self.check(hello).await;
+        if let Some(c) = &self.outcomes {
+            let label = match &result {
+                Ok(_) => "ok",
+                Err(e) => e.label(),
+            };
+            c.with_label_values(&[label]).inc();
+        }
+        result
+    }
+
+    async fn check(&self, hello: &ic_shared::proto::Hello) -> Result<AgentIdentity, AuthError> {
+        let token = hello.token.trim();
+        if token.is_empty() {
+            return Err(AuthError::MissingToken {
+                audience: self.audience.clone(),
+            });
+        }
+        let id = self
+            .verifier
+            .verify(token, &self.audience)
+            .await
+            .map_err(|e| match e {
+                VerifyError::Rejected(m) => AuthError::Rejected(m),
+                VerifyError::Unavailable(m) => AuthError::Unavailable(m),
+            })?;
+        let want = self.service_account.username();
+        if id.username != want {
+            return Err(AuthError::WrongServiceAccount {
+                got: id.username,
+                want,
+            });
+        }
+        let Some(node) = id.node.clone().filter(|n| !n.is_empty()) else {
+            return Err(AuthError::NoNodeBinding {
+                username: id.username,
+            });
+        };
+        if node != hello.node {
+            return Err(AuthError::NodeMismatch {
+                token_node: node,
+                hello_node: hello.node.clone(),
+            });
+        }
+        Ok(AgentIdentity {
+            username: id.username,
+            node,
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_account_refs_parse() {
+        let sa: ServiceAccountRef = "ic:agent".parse().unwrap();
+        assert_eq!(sa.username(), "system:serviceaccount:ic:agent");
+        assert!("ic".parse::<ServiceAccountRef>().is_err());
+        assert!(":agent".parse::<ServiceAccountRef>().is_err());
+        assert!("ic:".parse::<ServiceAccountRef>().is_err());
+        assert!("a:b:c".parse::<ServiceAccountRef>().is_err());
+    }
+}

@@ -1,0 +1,338 @@
+//! The functional probe behind `/probe` (spec 000 "Functional-probe gate"): a deterministic
+//! synthetic round trip through the cache plane, stage by stage.
+//!
+//! - **ingest** — registers a throw-away probe stream under its own pseudo-node and applies a
+//!   synthetic `StreamDelta` (one `Store` of a synthetic prompt's content keys) through the same
+//!   [`PrefixIndex::resync_node`] / [`PrefixIndex::apply_delta`] the agents' stream uses, then
+//!   reads the stream's entries back.
+//! - **routing** — asks the real [`Router`] (policy, budget, key derivation from raw token ids,
+//!   scoring) for the synthetic prompt and expects PREFIX_MATCH on the probe replica at full
+//!   depth.
+//! - **t2** — skipped: no tier-2 prober is registered in this binary (the spec's Stage C).
+//!
+//! The probe stream is removed afterwards whatever happened. Each stage is `ok`, `failed` or
+//! `skipped` with a diagnostic a person can act on; a stage after a failed one is skipped.
+//!
+//! [`PrefixIndex::resync_node`]: crate::index::PrefixIndex::resync_node
+//! [`PrefixIndex::apply_delta`]: crate::index::PrefixIndex::apply_delta
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use ic_shared::kv::content_key;
+use ic_shared::proto::{self, kv_op::Op};
+use serde::{Deserialize, Serialize};
+
+use crate::router::Router;
+use crate::state::Shared;
+
+/// Tenant, model and scheme used when the request names none.
+pub const PROBE_DEFAULT: &str = "inferencecache-probe";
+
+/// Prefix of the pseudo-node a probe stream is registered under.
+pub const PROBE_NODE_PREFIX: &str = "inferencecache-probe/";
+
+/// Where to probe: the coordinates a gateway would look up for the backend under test.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ProbeRequest {
+    /// Tenant (namespace); default `inferencecache-probe`.
+    pub tenant: Option<String>,
+    /// Model id; default `inferencecache-probe`.
+    pub model: Option<String>,
+    /// `vllm` or `sglang`; default `vllm`.
+    pub hash_scheme: Option<String>,
+    /// Block size in tokens; default 16.
+    pub block_size: Option<u32>,
+    /// CacheBackend (`namespace/name`) the probe is for; only echoed in the stream descriptor.
+    pub backend: Option<String>,
+}
+
+/// A stage's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageStatus {
+    /// Round-tripped.
+    Ok,
+    /// Broken; see the message.
+    Failed,
+    /// Not run; see the message.
+    Skipped,
+}
+
+/// One stage's outcome with its diagnostic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StageReport {
+    /// `ok`, `failed` or `skipped`.
+    pub status: StageStatus,
+    /// What happened, in a sentence.
+    pub message: String,
+}
+
+impl StageReport {
+    fn ok(message: impl Into<String>) -> Self {
+        StageReport {
+            status: StageStatus::Ok,
+            message: message.into(),
+        }
+    }
+
+    fn failed(message: impl Into<String>) -> Self {
+        StageReport {
+            status: StageStatus::Failed,
+            message: message.into(),
+        }
+    }
+
+    fn skipped(message: impl Into<String>) -> Self {
+        StageReport {
+            status: StageStatus::Skipped,
+            message: message.into(),
+        }
+    }
+}
+
+/// The three stages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProbeStages {
+    /// A synthetic event through the real ingest path into the index.
+    pub ingest: StageReport,
+    /// A lookup through the real router finds it.
+    pub routing: StageReport,
+    /// Tier-2 put/get (not wired: always skipped).
+    pub t2: StageReport,
+}
+
+/// The `/probe` answer (JSON, camelCase).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeReport {
+    /// True when no stage failed.
+    pub ok: bool,
+    /// Per-stage outcomes.
+    pub stages: ProbeStages,
+    /// The probe stream used (removed again).
+    pub stream_id: String,
+    /// Wall time of the whole probe, milliseconds.
+    pub duration_ms: f64,
+}
+
+static PROBE_SEQ: AtomicU64 = AtomicU64::new(1);
+
+/// Synthetic prompt of `blocks` blocks; token ids in a range tokenizers do not produce, varied
+/// per probe so concurrent probes never share keys.
+fn synthetic_tokens(nonce: u64, block_size: u32, blocks: u32) -> Vec<u32> {
+    let base = 0xF000_0000u32 | ((nonce as u32 & 0xFFFF) << 12);
+    (0..block_size.saturating_mul(blocks))
+        .map(|i| base.wrapping_add(i))
+        .collect()
+}
+
+/// Runs the probe against `shared`'s index through `router`.
+pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport {
+    let started = Instant::now();
+    let nonce = PROBE_SEQ.fetch_add(1, Ordering::Relaxed);
+    let tenant = req
+        .tenant
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| PROBE_DEFAULT.to_string());
+    let model = req
+        .model
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| PROBE_DEFAULT.to_string());
+    let hash_scheme = req
+        .hash_scheme
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "vllm".to_string());
+    let block_size = req.block_size.filter(|b| *b > 0).unwrap_or(16);
+    let node = format!("{PROBE_NODE_PREFIX}{}-{nonce}", std::process::id());
+    let stream_id = format!("{tenant}/inferencecache-probe-{nonce}#0");
+    let desc = proto::StreamDescriptor {
+        stream_id: stream_id.clone(),
+        replica: format!("inferencecache-probe-{nonce}"),
+        dp_rank: 0,
+        tenant: tenant.clone(),
+        model: model.clone(),
+        hash_scheme: hash_scheme.clone(),
+        backend: req.backend.clone().unwrap_or_default(),
+        node: node.clone(),
+    };
+    // Long enough to pass the tenant's minimum-prefix gate.
+    let minimum = router
+        .policies()
+        .resolve_or(
+            &tenant,
+            crate::index::ResolvedPolicy {
+                lookup_timeout: None,
+                minimum_prefix_tokens: shared.policy.minimum_prefix_tokens,
+            },
+        )
+        .minimum_prefix_tokens;
+    let blocks = minimum.div_ceil(block_size).clamp(4, 4096);
+    let tokens = synthetic_tokens(nonce, block_size, blocks);
+    let keys = content_key::chain(&tokens, block_size as usize);
+
+    let ingest = {
+        let mut ix = shared.index.write();
+        ix.resync_node(
+            &node,
+            &[proto::StreamSnapshot {
+                stream: Some(desc.clone()),
+                seq: 0,
+                entries: Vec::new(),
+                last_event_unix_ms: 0,
+                stale: false,
+            }],
+        );
+        let delta = proto::StreamDelta {
+            stream: Some(desc.clone()),
+            seq: 1,
+            ops: vec![proto::KvOp {
+                op: Some(Op::Store(proto::StoreOp {
+                    adapter: String::new(),
+                    block_size,
+                    tier: proto::Tier::T1 as i32,
+                    content_keys: keys.clone(),
+                })),
+            }],
+            last_event_unix_ms: ic_shared::now_unix_ms(),
+        };
+        let report = match ix.apply_delta(&node, &delta) {
+            Err(e) => StageReport::failed(format!(
+                "synthesized event refused by the index ingest path ({e}); agents' deltas would be refused the same way"
+            )),
+            Ok(()) => {
+                let held: Vec<u64> = ix
+                    .stream_entries(&stream_id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|e| e.content_key)
+                    .collect();
+                let mut want = keys.clone();
+                want.sort_unstable();
+                let mut got = held;
+                got.sort_unstable();
+                if got == want {
+                    StageReport::ok(format!(
+                        "a synthetic {}-block delta for {stream_id} was applied and read back",
+                        keys.len()
+                    ))
+                } else {
+                    StageReport::failed(format!(
+                        "synthesized event not in index — {} of {} blocks read back; the in-process index ingest path is broken",
+                        got.len(),
+                        want.len()
+                    ))
+                }
+            }
+        };
+        shared.update_index_gauges(&ix);
+        report
+    };
+
+    let routing = if ingest.status != StageStatus::Ok {
+        StageReport::skipped("not run: the ingest stage failed")
+    } else {
+        let answer = router.lookup(&proto::LookupRouteRequest {
+            tenant: tenant.clone(),
+            model: model.clone(),
+            hash_scheme: hash_scheme.clone(),
+            adapter: String::new(),
+            token_ids: tokens,
+            content_keys: Vec::new(),
+            block_size: 0,
+        });
+        let ours = answer.replicas.iter().find(|m| m.stream_id == stream_id);
+        if answer.decision != proto::Decision::PrefixMatch as i32 {
+            StageReport::failed(format!(
+                "the router answered NO_HINT ({}) for a prefix the index holds; lookups for tenant {tenant:?}, model {model:?}, scheme {hash_scheme:?} cannot hit",
+                if answer.reason.is_empty() { "no reason" } else { &answer.reason }
+            ))
+        } else {
+            match ours {
+                Some(m) if m.matched_blocks as usize == keys.len() => StageReport::ok(format!(
+                    "the router found the probe replica with all {} blocks ({} tokens)",
+                    m.matched_blocks, m.matched_tokens
+                )),
+                Some(m) => StageReport::failed(format!(
+                    "the router matched {} of {} blocks of the probe prefix; key derivation or chunking (block size {}) disagrees with ingest",
+                    m.matched_blocks,
+                    keys.len(),
+                    answer.block_size
+                )),
+                None => StageReport::failed(
+                    "the router answered PREFIX_MATCH without the probe replica; routing answers do not reflect the index",
+                ),
+            }
+        }
+    };
+
+    {
+        let mut ix = shared.index.write();
+        ix.remove_node(&node);
+        shared.update_index_gauges(&ix);
+    }
+    let t2 = StageReport::skipped("no tier-2 prober is registered in this controller");
+    let ok = ![&ingest, &routing, &t2]
+        .iter()
+        .any(|s| s.status == StageStatus::Failed);
+    ProbeReport {
+        ok,
+        stages: ProbeStages {
+            ingest,
+            routing,
+            t2,
+        },
+        stream_id,
+        duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::state::LookupPolicy;
+
+    #[test]
+    fn probe_round_trips_and_leaves_nothing_behind() {
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        let router = Router::new(shared.clone());
+        let r = run(&shared, &router, &ProbeRequest::default());
+        assert!(r.ok, "{r:?}");
+        assert_eq!(r.stages.ingest.status, StageStatus::Ok);
+        assert_eq!(r.stages.routing.status, StageStatus::Ok);
+        assert_eq!(r.stages.t2.status, StageStatus::Skipped);
+        assert_eq!(shared.index.read().replica_count(), 0);
+        assert_eq!(shared.index.read().entry_count(), 0);
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["stages"]["ingest"]["status"], "ok");
+        assert!(json["durationMs"].is_number());
+    }
+
+    #[test]
+    fn a_policy_that_cannot_hit_fails_the_routing_stage_with_its_reason() {
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        let router = Router::new(shared.clone());
+        // A minimum no prompt can reach: the router answers NO_HINT and the stage says why.
+        router.policies().set_policy("strict", None, Some(u32::MAX));
+        let req = ProbeRequest {
+            tenant: Some("strict".into()),
+            ..Default::default()
+        };
+        let r = run(&shared, &router, &req);
+        assert!(!r.ok);
+        assert_eq!(r.stages.ingest.status, StageStatus::Ok);
+        assert_eq!(r.stages.routing.status, StageStatus::Failed);
+        assert!(
+            r.stages.routing.message.contains("BelowMinimumPrefixTokens"),
+            "{r:?}"
+        );
+        assert_eq!(shared.index.read().replica_count(), 0);
+    }
+}

@@ -1,0 +1,621 @@
+//! The CacheBackend reconciler (DESIGN.md "Reconcile"; spec 000 "Status", "Conditions",
+//! "Contract Notes", "Events-only mode").
+//!
+//! [`reconcile`] is the kube-runtime-style entry point: it **reads** (the live CacheBackend,
+//! its owned Deployment / StatefulSet / Service / HPA, the namespace's Pods, Deployments and
+//! CacheBackends, the in-process index), calls the **pure** functions ([`crate::reconcile::render`]
+//! for the desired children, [`status::evaluate`] for status, conditions, Events and the cascade
+//! decision), and **writes** (server-side apply of children, deletion of children an earlier
+//! mode left, the cascade-restart patch, a status merge patch, Events). Only the Lease holder
+//! writes ([`Context::can_write`]); a follower computes and requeues.
+//!
+//! # Wiring it into `ic-controller run`
+//!
+//! ```ignore
+//! let ctx = Arc::new(Context::new(client.clone(), shared.clone(), sink, Arc::new(SystemClock), leader_flag)
+//!     .with_prober(prober));
+//! controller(client.clone())          // watches CacheBackends + owned Deployments, StatefulSets, Services, HPAs
+//!     .run(reconcile, error_policy, ctx)
+//!     .for_each(|_| async {}).await;
+//! ```
+//!
+//! Engine Pods are *not* watched by this controller: they are listed at reconcile cadence
+//! (requeue 30 s, 5 s while the matched pod count differs from the desired replicas). The
+//! engine-pod Events controller ([`crate::reconcile::engine_pods`]) is a separate Pod
+//! controller.
+
+pub mod cascade;
+pub mod endpoint;
+pub mod engine;
+pub mod events;
+pub mod index_view;
+pub mod path;
+pub mod probe;
+pub mod status;
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::crd::{CacheBackend, CacheBackendStatus};
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::NamespaceResourceScope;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::{watcher, Controller};
+use kube::{Client, Resource, ResourceExt};
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+use thiserror::Error;
+
+use self::events::EventSink;
+use self::index_view::IndexView;
+use self::probe::{ProbeInput, Prober};
+use self::status::{evaluate, Memory, Observed, Settings, WorkloadState};
+use super::annotations::CACHE_SERVER_RESTART_TRIGGER;
+use super::clock::Clock;
+use super::render::{self, label_value, RenderError, Rendered, Workload, LABEL_BACKEND};
+
+/// Field manager of every server-side apply and patch the reconciler sends.
+pub const FIELD_MANAGER: &str = "inference-cache-controller";
+
+/// A reconcile failure. Each variant names the failing call site; [`Error::metric_label`]
+/// gives a stable label.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// The CacheBackend lacks a metadata field (`namespace`, `uid`).
+    #[error("CacheBackend has no metadata.{0}")]
+    MissingMetadata(&'static str),
+    /// Reading objects failed.
+    #[error("reading {what} in namespace {namespace}: {source}")]
+    Read {
+        /// What was read.
+        what: &'static str,
+        /// Namespace.
+        namespace: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Server-side apply of an owned object failed.
+    #[error("applying {kind} {namespace}/{name}: {source}")]
+    Apply {
+        /// Object kind.
+        kind: &'static str,
+        /// Namespace.
+        namespace: String,
+        /// Object name.
+        name: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Deleting an owned object left from an earlier mode failed.
+    #[error("deleting {kind} {namespace}/{name}: {source}")]
+    Delete {
+        /// Object kind.
+        kind: &'static str,
+        /// Namespace.
+        namespace: String,
+        /// Object name.
+        name: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Patching the restart trigger onto an engine Deployment failed.
+    #[error("cascade-restarting engine Deployment {namespace}/{name}: {source}")]
+    Cascade {
+        /// Namespace.
+        namespace: String,
+        /// Deployment name.
+        name: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Writing the status failed (409 on a concurrent write included).
+    #[error("writing status of CacheBackend {namespace}/{name}: {source}")]
+    Status {
+        /// Namespace.
+        namespace: String,
+        /// CacheBackend name.
+        name: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Serializing a patch failed.
+    #[error("serializing a patch: {0}")]
+    Serialize(#[from] serde_json::Error),
+    /// The desired children could not be rendered.
+    #[error(transparent)]
+    Render(#[from] RenderError),
+}
+
+impl Error {
+    /// Stable metric label (`read`, `apply`, `delete`, `cascade`, `status`, `serialize`,
+    /// `render`, `metadata`).
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::MissingMetadata(_) => "metadata",
+            Error::Read { .. } => "read",
+            Error::Apply { .. } => "apply",
+            Error::Delete { .. } => "delete",
+            Error::Cascade { .. } => "cascade",
+            Error::Status { .. } => "status",
+            Error::Serialize(_) => "serialize",
+            Error::Render(_) => "render",
+        }
+    }
+}
+
+/// What the reconciler needs: the client, the index, the Event sink, the clock, the optional
+/// functional prober, and the leader flag. Shared by every reconcile (`Arc<Context>`); holds
+/// the in-process per-backend memory (probe and cascade rate limits, last path).
+pub struct Context {
+    /// Kubernetes client.
+    pub client: Client,
+    /// The in-process prefix index (`crate::state::Shared` implements [`IndexView`]).
+    pub index: Arc<dyn IndexView>,
+    /// Where Events go.
+    pub events: Arc<dyn EventSink>,
+    /// The clock.
+    pub clock: Arc<dyn Clock>,
+    /// The functional prober; `None` turns the probe gate off (spec `--server-probe-url=""`).
+    pub prober: Option<Arc<dyn Prober>>,
+    /// True while this replica holds the Lease: only then are children, status and Events
+    /// written.
+    pub leader: Arc<AtomicBool>,
+    /// Cadences and rate limits.
+    pub settings: Settings,
+    memory: Mutex<HashMap<String, (String, Memory)>>,
+}
+
+impl Context {
+    /// A context with the default [`Settings`] and no prober. `leader` is read on every
+    /// reconcile (set it from the Lease; `true` for a single replica).
+    pub fn new(
+        client: Client,
+        index: Arc<dyn IndexView>,
+        events: Arc<dyn EventSink>,
+        clock: Arc<dyn Clock>,
+        leader: Arc<AtomicBool>,
+    ) -> Self {
+        Context {
+            client,
+            index,
+            events,
+            clock,
+            prober: None,
+            leader,
+            settings: Settings::default(),
+            memory: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Turns the functional-probe gate on with `prober`.
+    pub fn with_prober(mut self, prober: Arc<dyn Prober>) -> Self {
+        self.prober = Some(prober);
+        self
+    }
+
+    /// Replaces the cadences and rate limits.
+    pub fn with_settings(mut self, settings: Settings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    /// Whether this replica may write (holds the Lease).
+    pub fn can_write(&self) -> bool {
+        self.leader.load(Ordering::SeqCst)
+    }
+
+    /// The remembered state of backend `key` (`ns/name`), reset when its UID changed (the CR
+    /// was recreated).
+    fn recall(&self, key: &str, uid: &str) -> Memory {
+        match self.memory.lock().get(key) {
+            Some((u, m)) if u == uid => *m,
+            _ => Memory::default(),
+        }
+    }
+
+    fn remember(&self, key: &str, uid: &str, m: Memory) {
+        self.memory
+            .lock()
+            .insert(key.to_string(), (uid.to_string(), m));
+    }
+
+    /// Forgets a backend (call when it is deleted).
+    pub fn forget(&self, key: &str) {
+        self.memory.lock().remove(key);
+    }
+}
+
+/// The Controller for CacheBackends: watches CacheBackends and the objects they own
+/// (Deployments, StatefulSets, Services, HPAs carrying the `inferencecache.io/cachebackend`
+/// label). Run it with [`reconcile`] and [`error_policy`]. Engine pods are listed inside
+/// [`reconcile`] at its requeue cadence rather than watched.
+pub fn controller(client: Client) -> Controller<CacheBackend> {
+    let owned = || watcher::Config::default().labels(LABEL_BACKEND);
+    Controller::new(
+        Api::<CacheBackend>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .owns(Api::<Deployment>::all(client.clone()), owned())
+    .owns(Api::<StatefulSet>::all(client.clone()), owned())
+    .owns(Api::<Service>::all(client.clone()), owned())
+    .owns(Api::<HorizontalPodAutoscaler>::all(client), owned())
+}
+
+/// Requeue policy after a failed reconcile: 15 s (a 409 on the status write retries sooner
+/// through the next watch event anyway).
+pub fn error_policy(_cb: Arc<CacheBackend>, err: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(error = %err, reason = err.metric_label(), "CacheBackend reconcile failed");
+    Action::requeue(Duration::from_secs(15))
+}
+
+/// Children owned by one backend, as listed at the start of a reconcile.
+#[derive(Debug, Default)]
+struct Owned {
+    deployments: Vec<Deployment>,
+    statefulsets: Vec<StatefulSet>,
+    services: Vec<Service>,
+    hpas: Vec<HorizontalPodAutoscaler>,
+}
+
+fn owned_by<K: Resource>(items: Vec<K>, uid: &str) -> Vec<K> {
+    items
+        .into_iter()
+        .filter(|o| o.owner_references().iter().any(|r| r.uid == uid))
+        .collect()
+}
+
+async fn list_owned<K>(client: &Client, ns: &str, lp: &ListParams, uid: &str) -> Result<Vec<K>, Error>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let list = api.list(lp).await.map_err(|source| Error::Read {
+        what: "owned objects",
+        namespace: ns.to_string(),
+        source,
+    })?;
+    Ok(owned_by(list.items, uid))
+}
+
+/// True when every field of `desired` is present with the same value in `live` (arrays
+/// element-wise with equal length; nulls in `desired` ignored): applying would change nothing
+/// the controller manages.
+pub fn is_subset(desired: &Value, live: &Value) -> bool {
+    match (desired, live) {
+        (Value::Object(d), Value::Object(l)) => d
+            .iter()
+            .all(|(k, dv)| dv.is_null() || l.get(k).is_some_and(|lv| is_subset(dv, lv))),
+        (Value::Array(d), Value::Array(l)) => {
+            d.len() == l.len() && d.iter().zip(l).all(|(a, b)| is_subset(a, b))
+        }
+        _ => desired == live,
+    }
+}
+
+/// Server-side applies `obj` unless the live object of the same name (among `live`) already
+/// carries every desired field; returns the live object either way.
+async fn ensure<K>(
+    client: &Client,
+    ns: &str,
+    kind: &'static str,
+    obj: &K,
+    live: &[K],
+) -> Result<K, Error>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    if let Some(current) = live.iter().find(|o| o.meta().name.as_deref() == Some(name.as_str())) {
+        if is_subset(&serde_json::to_value(obj)?, &serde_json::to_value(current)?) {
+            return Ok(current.clone());
+        }
+    }
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj))
+        .await
+        .map_err(|source| Error::Apply {
+            kind,
+            namespace: ns.to_string(),
+            name,
+            source,
+        })
+}
+
+async fn delete_stale<K>(
+    client: &Client,
+    ns: &str,
+    kind: &'static str,
+    items: &[K],
+    keep: Option<&str>,
+) -> Result<(), Error>
+where
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    for o in items {
+        let name = o.name_any();
+        if Some(name.as_str()) == keep {
+            continue;
+        }
+        match api.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => tracing::info!(kind, namespace = ns, name, "shed owned object"),
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    kind,
+                    namespace: ns.to_string(),
+                    name,
+                    source,
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Recursively sets keys present in `old` but absent from `new` to null, so a JSON merge patch
+/// removes them.
+fn null_removed(old: &Value, new: &mut Value) {
+    if let (Value::Object(o), Value::Object(n)) = (old, new) {
+        for (k, ov) in o {
+            match n.get_mut(k) {
+                None => {
+                    n.insert(k.clone(), Value::Null);
+                }
+                Some(nv) => null_removed(ov, nv),
+            }
+        }
+    }
+}
+
+/// The merge patch that turns `old` into `new`, guarded by `resource_version`.
+pub fn status_patch(
+    old: Option<&CacheBackendStatus>,
+    new: &CacheBackendStatus,
+    resource_version: Option<&str>,
+) -> Result<Value, serde_json::Error> {
+    let mut n = serde_json::to_value(new)?;
+    if let Some(old) = old {
+        null_removed(&serde_json::to_value(old)?, &mut n);
+    }
+    let mut patch = json!({ "status": n });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = json!({ "resourceVersion": rv });
+    }
+    Ok(patch)
+}
+
+/// Reconciles one CacheBackend (see the module docs). Returns when to look again: 30 s
+/// steady, 5 s during engine-pod churn, earlier when a gate window or rate limit expires.
+///
+/// Errors: any failed read of the CacheBackend or its owned objects, any failed write
+/// (apply, delete, cascade patch, status). Failed reads of engine Pods, Deployments, sibling
+/// CacheBackends or the index are soft: the status fields they feed keep their prior values.
+pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = cb
+        .metadata
+        .namespace
+        .clone()
+        .ok_or(Error::MissingMetadata("namespace"))?;
+    let name = cb.name_any();
+    let key = format!("{ns}/{name}");
+    let client = &ctx.client;
+    let api: Api<CacheBackend> = Api::namespaced(client.clone(), &ns);
+    let Some(live) = api.get_opt(&name).await.map_err(|source| Error::Read {
+        what: "CacheBackend",
+        namespace: ns.clone(),
+        source,
+    })?
+    else {
+        ctx.forget(&key);
+        return Ok(Action::await_change());
+    };
+    if live.metadata.deletion_timestamp.is_some() {
+        // Owned children go with the owner (garbage collection); nothing to write.
+        ctx.forget(&key);
+        return Ok(Action::await_change());
+    }
+    let uid = live
+        .metadata
+        .uid
+        .clone()
+        .ok_or(Error::MissingMetadata("uid"))?;
+    let leader = ctx.can_write();
+    let rendered: Option<Rendered> = render::render(&live)?;
+
+    // Owned children.
+    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(&name)));
+    let owned = Owned {
+        deployments: list_owned(client, &ns, &lp, &uid).await?,
+        statefulsets: list_owned(client, &ns, &lp, &uid).await?,
+        services: list_owned(client, &ns, &lp, &uid).await?,
+        hpas: list_owned(client, &ns, &lp, &uid).await?,
+    };
+    let owned_workload_present = !owned.deployments.is_empty() || !owned.statefulsets.is_empty();
+
+    let mut workload: Option<WorkloadState> = None;
+    let mut service_endpoint: Option<String> = None;
+    let desired_deploy = rendered.as_ref().and_then(|r| match &r.workload {
+        Workload::Deployment(d) => Some(d.as_ref()),
+        Workload::StatefulSet(_) => None,
+    });
+    let desired_sts = rendered.as_ref().and_then(|r| match &r.workload {
+        Workload::StatefulSet(s) => Some(s.as_ref()),
+        Workload::Deployment(_) => None,
+    });
+    if leader {
+        if let Some(r) = rendered.as_ref() {
+            match &r.workload {
+                Workload::Deployment(d) => {
+                    let live_d =
+                        ensure(client, &ns, "Deployment", d.as_ref(), &owned.deployments).await?;
+                    workload = Some(WorkloadState::from_deployment(&live_d));
+                }
+                Workload::StatefulSet(s) => {
+                    let live_s =
+                        ensure(client, &ns, "StatefulSet", s.as_ref(), &owned.statefulsets).await?;
+                    workload = Some(WorkloadState::from_statefulset(&live_s));
+                }
+            }
+            let live_svc = ensure(client, &ns, "Service", &r.service, &owned.services).await?;
+            service_endpoint = render::service_endpoint(&live_svc);
+            if let Some(h) = r.hpa.as_ref() {
+                ensure(client, &ns, "HorizontalPodAutoscaler", h, &owned.hpas).await?;
+            }
+        }
+        let keep_name = |o: Option<&str>| o.map(str::to_string);
+        let deploy_name = keep_name(desired_deploy.and_then(|d| d.metadata.name.as_deref()));
+        let sts_name = keep_name(desired_sts.and_then(|s| s.metadata.name.as_deref()));
+        let svc_name = rendered
+            .as_ref()
+            .and_then(|r| r.service.metadata.name.clone());
+        let hpa_name = rendered
+            .as_ref()
+            .and_then(|r| r.hpa.as_ref())
+            .and_then(|h| h.metadata.name.clone());
+        delete_stale(client, &ns, "HorizontalPodAutoscaler", &owned.hpas, hpa_name.as_deref())
+            .await?;
+        delete_stale(client, &ns, "Deployment", &owned.deployments, deploy_name.as_deref()).await?;
+        delete_stale(client, &ns, "StatefulSet", &owned.statefulsets, sts_name.as_deref()).await?;
+        delete_stale(client, &ns, "Service", &owned.services, svc_name.as_deref()).await?;
+    } else if let Some(r) = rendered.as_ref() {
+        let want = r.workload.name();
+        workload = match &r.workload {
+            Workload::Deployment(_) => owned
+                .deployments
+                .iter()
+                .find(|d| d.name_any() == want)
+                .map(WorkloadState::from_deployment),
+            Workload::StatefulSet(_) => owned
+                .statefulsets
+                .iter()
+                .find(|s| s.name_any() == want)
+                .map(WorkloadState::from_statefulset),
+        };
+        service_endpoint = owned
+            .services
+            .iter()
+            .find(|s| s.metadata.name == r.service.metadata.name)
+            .and_then(render::service_endpoint);
+    }
+
+    // Soft reads.
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .map_err(|e| tracing::warn!(namespace = %ns, error = %e, "listing pods failed"))
+        .ok();
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .map(|l| {
+            l.items
+                .into_iter()
+                .filter(|d| !d.owner_references().iter().any(|r| r.uid == uid))
+                .collect()
+        })
+        .map_err(|e| tracing::warn!(namespace = %ns, error = %e, "listing deployments failed"))
+        .ok();
+    let backends = api
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .map_err(|e| tracing::warn!(namespace = %ns, error = %e, "listing cachebackends failed"))
+        .ok();
+    let index = ctx.index.replicas();
+
+    let mut mem = ctx.recall(&key, &uid);
+    let obs = Observed {
+        backend: live.clone(),
+        now: ctx.clock.now(),
+        workload,
+        owned_workload_present,
+        service_endpoint,
+        server_selector: rendered.as_ref().map(|r| r.selector.clone()),
+        server_containers: rendered
+            .as_ref()
+            .map(|r| r.container_names.clone())
+            .unwrap_or_default(),
+        pods,
+        deployments,
+        backends,
+        index,
+        probe_enabled: ctx.prober.is_some(),
+    };
+    let mut eval = evaluate(&obs, &mem, &ProbeInput::NotRun, &ctx.settings);
+    if !leader {
+        return Ok(Action::requeue(eval.requeue_after));
+    }
+    if eval.probe_wanted {
+        if let Some(prober) = ctx.prober.as_ref() {
+            let outcome = prober.probe(&live).await;
+            mem.last_probe_at = Some(obs.now);
+            ctx.remember(&key, &uid, mem);
+            eval = evaluate(&obs, &mem, &ProbeInput::Ran(outcome), &ctx.settings);
+        }
+    }
+
+    if matches!(eval.cascade, cascade::CascadeDecision::Fire(_)) {
+        let stamp = obs.now.to_string();
+        let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+        for d in &eval.cascade_targets {
+            let patch = json!({"spec": {"template": {"metadata": {"annotations": {
+                CACHE_SERVER_RESTART_TRIGGER: stamp,
+            }}}}});
+            deploys
+                .patch(d, &PatchParams::apply(FIELD_MANAGER), &Patch::Merge(&patch))
+                .await
+                .map_err(|source| Error::Cascade {
+                    namespace: ns.clone(),
+                    name: d.clone(),
+                    source,
+                })?;
+            tracing::info!(namespace = %ns, backend = %name, deployment = %d, "cascade-restarted engine Deployment");
+        }
+        mem.last_cascade_at = Some(obs.now);
+        ctx.remember(&key, &uid, mem);
+    }
+
+    if live.status.as_ref() != Some(&eval.status) {
+        let patch = status_patch(
+            live.status.as_ref(),
+            &eval.status,
+            live.metadata.resource_version.as_deref(),
+        )?;
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|source| Error::Status {
+                namespace: ns.clone(),
+                name: name.clone(),
+                source,
+            })?;
+    }
+
+    let oref = live.object_ref(&());
+    for e in &eval.events {
+        if let Err(err) = ctx.events.publish(&oref, e).await {
+            tracing::warn!(namespace = %ns, backend = %name, error = %err, "publishing event failed");
+        }
+    }
+    mem.last_path = Some(eval.path.kind());
+    ctx.remember(&key, &uid, mem);
+    Ok(Action::requeue(eval.requeue_after))
+}

@@ -1,0 +1,1080 @@
+//! The pure status machine of a CacheBackend (spec 000 "Status", "Conditions", "KV-event
+//! readiness gate", "Functional-probe gate", "Events-only mode", "Contract Notes").
+//!
+//! [`evaluate`] takes everything a reconcile observed ([`Observed`]), the in-process memory of
+//! earlier reconciles ([`Memory`]), the probe input and the clock reading, and returns the new
+//! status, the Events to emit, the cascade decision and when to requeue. It performs no I/O.
+//!
+//! Composition order on the Ready condition: managed readiness (or the host-only /
+//! events-only base) → KV-event gate → functional-probe gate → strict kernel-check downgrade.
+//! Conditions are merged with `set_condition`, so `lastTransitionTime` moves only when a
+//! condition's status changes.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ic_shared::crd::{
+    backend_condition as cond, backend_reason as reason, find_condition, new_condition,
+    remove_condition, set_condition, CacheBackend, CacheBackendSpec, CacheBackendStatus,
+    ConditionStatus, DeploymentKind,
+};
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use super::cascade::{self, CascadeDecision, Convergence};
+use super::endpoint::{check_endpoint, EndpointCheck};
+use super::engine::{self, KernelResult};
+use super::events::{reason as ev, EventSpec};
+use super::index_view::{participation, IndexUnavailable, ReplicaObservation};
+use super::path::{classify, BackendPath, PathKind};
+use super::probe::{ProbeInput, ProbeOutcome, StageResult};
+use crate::reconcile::annotations::{REQUIRE_KV_EVENTS, SKIP_FUNCTIONAL_PROBE};
+use crate::reconcile::clock::{add, elapsed, to_time};
+
+/// Cadences and rate limits of the status machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// Steady requeue cadence (spec: 30 s).
+    pub steady_requeue: Duration,
+    /// Requeue cadence while matched engine pods differ from the desired replica sum (5 s).
+    pub churn_requeue: Duration,
+    /// Functional-probe rate-limit window per backend (~30 s).
+    pub probe_interval: Duration,
+    /// Minimum interval between two cascades of one backend (~30 s).
+    pub cascade_min_interval: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            steady_requeue: Duration::from_secs(30),
+            churn_requeue: Duration::from_secs(5),
+            probe_interval: Duration::from_secs(30),
+            cascade_min_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The observed state of the owned workload, kind-neutral.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WorkloadState {
+    /// Deployment or StatefulSet.
+    pub kind: DeploymentKind,
+    /// Object name.
+    pub name: String,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// `status.observedGeneration`.
+    pub observed_generation: i64,
+    /// `spec.replicas` (1 when unset, as the API server defaults it).
+    pub spec_replicas: i32,
+    /// `status.replicas` (pods of every revision).
+    pub replicas: i32,
+    /// `status.updatedReplicas`.
+    pub updated_replicas: i32,
+    /// `status.readyReplicas`.
+    pub ready_replicas: i32,
+    /// `status.availableReplicas`.
+    pub available_replicas: i32,
+    /// Deployment `Progressing` reason `NewReplicaSetAvailable`: the last rollout completed.
+    pub rollout_completed: bool,
+    /// Deployment `Progressing` reason `ProgressDeadlineExceeded`: the rollout is stuck.
+    pub progress_deadline_exceeded: bool,
+}
+
+impl WorkloadState {
+    /// From a live Deployment.
+    pub fn from_deployment(d: &Deployment) -> Self {
+        let st = d.status.clone().unwrap_or_default();
+        let progressing = st
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "Progressing")
+            .and_then(|c| c.reason.clone());
+        WorkloadState {
+            kind: DeploymentKind::Deployment,
+            name: d.metadata.name.clone().unwrap_or_default(),
+            generation: d.metadata.generation.unwrap_or(0),
+            observed_generation: st.observed_generation.unwrap_or(0),
+            spec_replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            replicas: st.replicas.unwrap_or(0),
+            updated_replicas: st.updated_replicas.unwrap_or(0),
+            ready_replicas: st.ready_replicas.unwrap_or(0),
+            available_replicas: st.available_replicas.unwrap_or(0),
+            rollout_completed: progressing.as_deref() == Some("NewReplicaSetAvailable"),
+            progress_deadline_exceeded: progressing.as_deref()
+                == Some("ProgressDeadlineExceeded"),
+        }
+    }
+
+    /// From a live StatefulSet (no Progressing condition: completion comes from the revisions).
+    pub fn from_statefulset(s: &StatefulSet) -> Self {
+        let st = s.status.clone().unwrap_or_default();
+        WorkloadState {
+            kind: DeploymentKind::StatefulSet,
+            name: s.metadata.name.clone().unwrap_or_default(),
+            generation: s.metadata.generation.unwrap_or(0),
+            observed_generation: st.observed_generation.unwrap_or(0),
+            spec_replicas: s.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            replicas: st.replicas,
+            updated_replicas: st.updated_replicas.unwrap_or(0),
+            ready_replicas: st.ready_replicas.unwrap_or(0),
+            available_replicas: st.available_replicas.unwrap_or(0),
+            rollout_completed: st.current_revision.is_some()
+                && st.current_revision == st.update_revision,
+            progress_deadline_exceeded: false,
+        }
+    }
+}
+
+/// Everything one reconcile observed. Owned data so tests can build it by hand.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The live CacheBackend (its `status` is the prior status).
+    pub backend: CacheBackend,
+    /// Clock reading for this reconcile.
+    pub now: Timestamp,
+    /// The owned workload of the desired kind, when it exists (Managed only).
+    pub workload: Option<WorkloadState>,
+    /// Whether any owned workload existed when the reconcile started (before shedding).
+    pub owned_workload_present: bool,
+    /// `status.endpoint` of a Managed backend: the rendered Service's address.
+    pub service_endpoint: Option<String>,
+    /// Labels selecting the managed cache-server pods (Managed only).
+    pub server_selector: Option<BTreeMap<String, String>>,
+    /// Cache-server container names on the owned pod template.
+    pub server_containers: Vec<String>,
+    /// Pods of the backend's namespace; `None` when the list failed.
+    pub pods: Option<Vec<Pod>>,
+    /// Deployments of the namespace; `None` when the list failed.
+    pub deployments: Option<Vec<Deployment>>,
+    /// CacheBackends of the namespace (for index attribution); `None` when the list failed.
+    pub backends: Option<Vec<CacheBackend>>,
+    /// The index's replicas, or why it could not be read.
+    pub index: Result<Vec<ReplicaObservation>, IndexUnavailable>,
+    /// Whether the controller runs the functional-probe gate (a prober is wired).
+    pub probe_enabled: bool,
+}
+
+impl Observed {
+    /// A minimal observation of `backend` at `now`: nothing owned, no pods, empty index.
+    pub fn new(backend: CacheBackend, now: Timestamp) -> Self {
+        Observed {
+            backend,
+            now,
+            workload: None,
+            owned_workload_present: false,
+            service_endpoint: None,
+            server_selector: None,
+            server_containers: Vec::new(),
+            pods: Some(Vec::new()),
+            deployments: Some(Vec::new()),
+            backends: Some(Vec::new()),
+            index: Ok(Vec::new()),
+            probe_enabled: false,
+        }
+    }
+}
+
+/// In-process memory of earlier reconciles of one backend (lost on restart; the durable
+/// parts of the state machine live in `status`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Memory {
+    /// The path of the last successful reconcile.
+    pub last_path: Option<PathKind>,
+    /// When the functional probe last ran.
+    pub last_probe_at: Option<Timestamp>,
+    /// When the last cascade restart ran.
+    pub last_cascade_at: Option<Timestamp>,
+}
+
+/// The result of [`evaluate`].
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    /// The path the backend is on.
+    pub path: BackendPath,
+    /// The new status (prior fields not owned here, e.g. other writers' conditions, kept).
+    pub status: CacheBackendStatus,
+    /// Events to emit on the CacheBackend, in order.
+    pub events: Vec<EventSpec>,
+    /// The `observedServerInstance` decision.
+    pub cascade: CascadeDecision,
+    /// Engine Deployments to restart when `cascade` is `Fire`.
+    pub cascade_targets: Vec<String>,
+    /// The upstream gates say Ready=True, the probe is due and was not run: run it and
+    /// evaluate again with its outcome.
+    pub probe_wanted: bool,
+    /// When to reconcile again.
+    pub requeue_after: Duration,
+}
+
+/// The managed-readiness / base verdict before the gates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Base {
+    /// Managed workload rolled out and available.
+    Available,
+    /// No workload to wait on: host-only or events-only, with its base reason.
+    Active(&'static str),
+    /// Managed rollout in flight (or the workload not yet observed).
+    Rollout(String),
+    /// Desired replicas 0.
+    ScaledToZero,
+    /// Rolled out but replicas unavailable.
+    Unavailable(String),
+}
+
+fn annotation<'a>(cb: &'a CacheBackend, key: &str) -> Option<&'a str> {
+    cb.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(|s| s.trim())
+}
+
+/// The desired replica count readiness compares against: the HPA-written workload
+/// `spec.replicas` when autoscaling is set, else `spec.replicas`.
+pub fn desired_replicas(spec: &CacheBackendSpec, workload: Option<&WorkloadState>) -> i32 {
+    if spec.autoscaling.is_some() {
+        workload.map(|w| w.spec_replicas).unwrap_or(1)
+    } else {
+        spec.effective_replicas()
+    }
+}
+
+fn managed_base(spec: &CacheBackendSpec, w: Option<&WorkloadState>, ever_available: bool) -> Base {
+    let Some(w) = w else {
+        return Base::Rollout("the cache-server workload has not been observed yet".to_string());
+    };
+    let desired = desired_replicas(spec, Some(w));
+    if desired == 0 {
+        return Base::ScaledToZero;
+    }
+    let kind = match w.kind {
+        DeploymentKind::Deployment => "Deployment",
+        DeploymentKind::StatefulSet => "StatefulSet",
+    };
+    let rolled_out = w.observed_generation >= w.generation
+        && w.updated_replicas >= desired
+        && w.replicas <= w.updated_replicas;
+    if w.progress_deadline_exceeded {
+        return Base::Unavailable(format!(
+            "{kind} {} exceeded its progress deadline: {}/{desired} replicas available",
+            w.name, w.available_replicas
+        ));
+    }
+    if rolled_out && w.available_replicas >= desired {
+        return Base::Available;
+    }
+    if rolled_out && (w.rollout_completed || ever_available) {
+        return Base::Unavailable(format!(
+            "{kind} {} has rolled out but only {}/{desired} replicas are available",
+            w.name, w.available_replicas
+        ));
+    }
+    Base::Rollout(format!(
+        "{kind} {} is rolling out: {}/{desired} updated, {}/{desired} available",
+        w.name, w.updated_replicas, w.available_replicas
+    ))
+}
+
+/// The Ready verdict after the KV-event gate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    BackendReady,
+    Active(&'static str),
+    KvObserved,
+    Awaiting,
+    NoKv,
+    Rollout(String),
+    ScaledToZero,
+    Unavailable(String),
+}
+
+struct Cond {
+    status: ConditionStatus,
+    reason: String,
+    message: String,
+}
+
+fn c(status: ConditionStatus, reason: &str, message: impl Into<String>) -> Cond {
+    Cond {
+        status,
+        reason: reason.to_string(),
+        message: message.into(),
+    }
+}
+
+fn fmt_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 60 && s.is_multiple_of(60) {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+fn is_probe_failure(reason: &str) -> bool {
+    matches!(
+        reason,
+        reason::PROBE_INGEST_FAILED | reason::PROBE_ROUTING_FAILED | reason::PROBE_T2_FAILED
+    )
+}
+
+fn is(conds: &[Condition], type_: &str, status: ConditionStatus, reason: &str) -> bool {
+    find_condition(conds, type_)
+        .is_some_and(|c| c.status == status.as_str() && c.reason == reason)
+}
+
+struct Writer<'a> {
+    conditions: &'a mut Vec<Condition>,
+    generation: Option<i64>,
+    now: Time,
+}
+
+impl Writer<'_> {
+    fn set(&mut self, type_: &str, v: Cond) {
+        set_condition(
+            self.conditions,
+            new_condition(
+                type_,
+                v.status,
+                v.reason,
+                v.message,
+                self.generation,
+                self.now.clone(),
+            ),
+        );
+    }
+
+    fn remove(&mut self, type_: &str) {
+        remove_condition(self.conditions, type_);
+    }
+}
+
+/// Computes the new status, events, cascade decision and requeue (see the module docs).
+pub fn evaluate(
+    obs: &Observed,
+    mem: &Memory,
+    probe: &ProbeInput,
+    settings: &Settings,
+) -> Evaluation {
+    let cb = &obs.backend;
+    let spec = &cb.spec;
+    let ns = cb.metadata.namespace.clone().unwrap_or_default();
+    let name = cb.metadata.name.clone().unwrap_or_default();
+    let generation = cb.metadata.generation;
+    let prior = cb.status.clone().unwrap_or_default();
+    let path = classify(spec);
+    let now = obs.now;
+    let now_t = to_time(now);
+    let mut requeue = settings.steady_requeue;
+    let mut events = Vec::new();
+    let mut st = prior.clone();
+
+    st.observed_generation = generation;
+    st.fail_open = Some(spec.fail_open());
+
+    // Endpoint.
+    let external = match path {
+        BackendPath::External(p) => Some(check_endpoint(
+            p,
+            spec.remote_storage
+                .as_ref()
+                .and_then(|r| r.endpoint.as_deref()),
+        )),
+        _ => None,
+    };
+    st.endpoint = match (&path, &external) {
+        (BackendPath::Managed(_), _) => obs.service_endpoint.clone(),
+        (_, Some(EndpointCheck::Accepted(e))) => Some(e.clone()),
+        (_, Some(EndpointCheck::Invalid { endpoint, .. })) => Some(endpoint.clone()),
+        _ => None,
+    };
+
+    // matchedEnginePods / engineSelectorMessage.
+    let sel = engine::selector_status(
+        spec,
+        &ns,
+        obs.pods.as_deref(),
+        obs.deployments.as_deref(),
+        &prior,
+    );
+    st.matched_engine_pods = sel.matched;
+    st.engine_selector_message = sel.message.clone();
+    if sel.churn {
+        requeue = requeue.min(settings.churn_requeue);
+    }
+
+    // indexParticipation (soft state).
+    st.index_participation = participation(
+        prior.index_participation.as_ref(),
+        &ns,
+        &name,
+        &obs.index,
+        obs.pods.as_deref(),
+        obs.backends.as_deref(),
+    );
+
+    // Mode transitions. After a restart the memory is empty; a server-bearing → EventsOnly flip
+    // is still recognised by the not-yet-shed owned workload.
+    let previous = mem.last_path.or_else(|| {
+        (path == BackendPath::EventsOnly && obs.owned_workload_present)
+            .then_some(PathKind::Managed)
+    });
+    let changed = previous.is_some_and(|p| p != path.kind());
+    let reanchored = changed && matches!(path, BackendPath::EventsOnly | BackendPath::HostOnly);
+
+    // KV-event latch.
+    let gate_enabled = path.gate_capable()
+        && !annotation(cb, REQUIRE_KV_EVENTS).is_some_and(|v| v.eq_ignore_ascii_case("false"));
+    let mut kv_latched_now = false;
+    if gate_enabled
+        && st.first_kv_event_observed_at.is_none()
+        && st
+            .index_participation
+            .as_ref()
+            .is_some_and(|p| p.last_event_at.is_some())
+    {
+        st.first_kv_event_observed_at = Some(now_t.clone());
+        kv_latched_now = true;
+    }
+
+    // Base verdict and the firstAvailableAt anchor.
+    let base = match path {
+        BackendPath::Managed(_) => {
+            let ever = !changed && prior.first_available_at.is_some();
+            Some(managed_base(spec, obs.workload.as_ref(), ever))
+        }
+        BackendPath::HostOnly => Some(Base::Active(reason::HOST_ONLY_ACTIVE)),
+        BackendPath::EventsOnly => Some(Base::Active(reason::EVENTS_ONLY_ACTIVE)),
+        BackendPath::External(_) | BackendPath::Inert => None,
+    };
+    match path {
+        BackendPath::External(_) | BackendPath::Inert => st.first_available_at = None,
+        BackendPath::EventsOnly | BackendPath::HostOnly => {
+            if reanchored || st.first_available_at.is_none() {
+                st.first_available_at = Some(now_t.clone());
+            }
+        }
+        BackendPath::Managed(_) => {
+            if changed {
+                st.first_available_at = None;
+            }
+            if base == Some(Base::Available) && st.first_available_at.is_none() {
+                st.first_available_at = Some(now_t.clone());
+            }
+        }
+    }
+
+    // KV-event gate.
+    let timeout = spec.first_event_timeout();
+    let verdict = base.map(|b| match b {
+        Base::Available | Base::Active(_) if gate_enabled => {
+            if st.first_kv_event_observed_at.is_some() {
+                Verdict::KvObserved
+            } else {
+                let waited = st
+                    .first_available_at
+                    .as_ref()
+                    .map(|t| elapsed(t, now))
+                    .unwrap_or(Duration::ZERO);
+                let sticky = !reanchored
+                    && is(
+                        &prior.conditions,
+                        cond::DEGRADED,
+                        ConditionStatus::True,
+                        reason::NO_KV_EVENTS_OBSERVED,
+                    );
+                if waited >= timeout || sticky {
+                    Verdict::NoKv
+                } else {
+                    let left = timeout.saturating_sub(waited).max(Duration::from_secs(1));
+                    requeue = requeue.min(left);
+                    Verdict::Awaiting
+                }
+            }
+        }
+        Base::Available => Verdict::BackendReady,
+        Base::Active(r) => Verdict::Active(r),
+        Base::Rollout(m) => Verdict::Rollout(m),
+        Base::ScaledToZero => Verdict::ScaledToZero,
+        Base::Unavailable(m) => Verdict::Unavailable(m),
+    });
+
+    let t2_rate: Option<f64> = st
+        .index_participation
+        .as_ref()
+        .and_then(|p| p.t2_hit_rate.as_deref())
+        .and_then(|r| r.trim().parse::<f64>().ok());
+    let mut w = Writer {
+        conditions: &mut st.conditions,
+        generation,
+        now: now_t.clone(),
+    };
+    let mut probe_wanted = false;
+    let mut cascade_decision = CascadeDecision::Keep;
+    let mut cascade_targets = Vec::new();
+
+    match (path, verdict) {
+        (BackendPath::External(p), _) => {
+            let (status, r, msg) = match external {
+                Some(EndpointCheck::Accepted(e)) => (
+                    ConditionStatus::True,
+                    reason::EXTERNAL_ENDPOINT_ACCEPTED,
+                    format!(
+                        "External {} endpoint {e} accepted; its reachability is not probed by \
+                         the controller.",
+                        p.as_str()
+                    ),
+                ),
+                Some(EndpointCheck::Invalid { endpoint, error }) => (
+                    ConditionStatus::False,
+                    reason::EXTERNAL_ENDPOINT_INVALID,
+                    format!(
+                        "spec.remoteStorage.endpoint {endpoint:?} is not a valid {} endpoint: \
+                         {error}.",
+                        p.as_str()
+                    ),
+                ),
+                _ => (
+                    ConditionStatus::False,
+                    reason::EXTERNAL_ENDPOINT_MISSING,
+                    "spec.remoteStorage.endpoint is empty; External ownership requires the \
+                     provider's host:port."
+                        .to_string(),
+                ),
+            };
+            w.set(cond::READY, c(status, r, msg.clone()));
+            w.set(cond::PROGRESSING, c(ConditionStatus::False, r, msg));
+            for t in [
+                cond::DEGRADED,
+                cond::FUNCTIONAL_PROBE_OK,
+                cond::ENGINE_KERNELS_HEALTHY,
+                cond::T2_DEGRADED,
+                cond::ENGINE_COMPATIBILITY,
+            ] {
+                w.remove(t);
+            }
+        }
+        (BackendPath::Inert, _) | (_, None) => {
+            for t in [
+                cond::READY,
+                cond::DEGRADED,
+                cond::PROGRESSING,
+                cond::FUNCTIONAL_PROBE_OK,
+                cond::ENGINE_KERNELS_HEALTHY,
+                cond::T2_DEGRADED,
+                cond::ENGINE_COMPATIBILITY,
+            ] {
+                w.remove(t);
+            }
+        }
+        (_, Some(verdict)) => {
+            let timeout_s = fmt_duration(timeout);
+            let (mut ready, degraded, progressing) = match &verdict {
+                Verdict::BackendReady => (
+                    c(
+                        ConditionStatus::True,
+                        reason::BACKEND_READY,
+                        "The cache-server workload has rolled out and its replicas are available.",
+                    ),
+                    None,
+                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                ),
+                Verdict::Active(r) => (
+                    c(
+                        ConditionStatus::True,
+                        r,
+                        if *r == reason::EVENTS_ONLY_ACTIVE {
+                            "Events-only integration: routing is wired through KV events; no KV \
+                             connector or cache server is provisioned."
+                        } else {
+                            "Host-only caching: engines use the node-local LMCache tier; no remote \
+                             provider is provisioned."
+                        },
+                    ),
+                    None,
+                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                ),
+                Verdict::KvObserved => (
+                    c(
+                        ConditionStatus::True,
+                        reason::KV_EVENTS_OBSERVED,
+                        "At least one KV event has been observed for this backend's engine pods.",
+                    ),
+                    None,
+                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                ),
+                Verdict::Awaiting => {
+                    let m = format!(
+                        "The backend is up but no KV event has been observed yet; waiting up to \
+                         {timeout_s} from status.firstAvailableAt for engine pods to publish."
+                    );
+                    (
+                        c(ConditionStatus::False, reason::AWAITING_FIRST_KV_EVENT, m.clone()),
+                        None,
+                        c(ConditionStatus::True, reason::AWAITING_FIRST_KV_EVENT, m),
+                    )
+                }
+                Verdict::NoKv => {
+                    let m = format!(
+                        "No KV event observed within firstEventTimeout ({timeout_s}). Check that \
+                         engine pods are wired to this backend (status.matchedEnginePods), then \
+                         the engines' --kv-events-config and that their ZMQ publisher bound."
+                    );
+                    (
+                        c(ConditionStatus::False, reason::NO_KV_EVENTS_OBSERVED, m.clone()),
+                        Some(c(ConditionStatus::True, reason::NO_KV_EVENTS_OBSERVED, m.clone())),
+                        c(ConditionStatus::False, reason::NO_KV_EVENTS_OBSERVED, m),
+                    )
+                }
+                Verdict::Rollout(m) => (
+                    c(ConditionStatus::False, reason::ROLLOUT_IN_PROGRESS, m.clone()),
+                    None,
+                    c(ConditionStatus::True, reason::ROLLOUT_IN_PROGRESS, m.clone()),
+                ),
+                Verdict::ScaledToZero => {
+                    let m = "spec.replicas is 0: the cache server is scaled to zero.";
+                    (
+                        c(ConditionStatus::False, reason::SCALED_TO_ZERO, m),
+                        None,
+                        c(ConditionStatus::False, reason::SCALED_TO_ZERO, m),
+                    )
+                }
+                Verdict::Unavailable(m) => (
+                    c(ConditionStatus::False, reason::REPLICAS_UNAVAILABLE, m.clone()),
+                    Some(c(ConditionStatus::True, reason::REPLICAS_UNAVAILABLE, m.clone())),
+                    c(ConditionStatus::False, reason::REPLICAS_UNAVAILABLE, m.clone()),
+                ),
+            };
+            let degraded = degraded.unwrap_or_else(|| {
+                c(
+                    ConditionStatus::False,
+                    reason::NOT_DEGRADED,
+                    "The backend is not in a terminal unhealthy state.",
+                )
+            });
+
+            // Functional-probe gate (Offload-managed only).
+            if matches!(path, BackendPath::Managed(_)) && obs.probe_enabled {
+                let bypass = annotation(cb, SKIP_FUNCTIONAL_PROBE)
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+                let prior_fail = find_condition(&prior.conditions, cond::FUNCTIONAL_PROBE_OK)
+                    .filter(|f| {
+                        f.status == ConditionStatus::False.as_str() && is_probe_failure(&f.reason)
+                    })
+                    .cloned();
+                if bypass {
+                    w.set(
+                        cond::FUNCTIONAL_PROBE_OK,
+                        c(
+                            ConditionStatus::True,
+                            reason::PROBE_BYPASSED,
+                            "The functional probe is skipped: inferencecache.io/skip-functional-probe \
+                             is \"true\".",
+                        ),
+                    );
+                } else if ready.status == ConditionStatus::True {
+                    match probe {
+                        ProbeInput::NotRun => {
+                            let next = mem.last_probe_at.map(|t| add(t, settings.probe_interval));
+                            match next.filter(|n| now < *n) {
+                                Some(n) => {
+                                    // Rate-limited: re-apply a known failure, look again at expiry.
+                                    if let Some(f) = &prior_fail {
+                                        ready = c(ConditionStatus::False, &f.reason, f.message.clone());
+                                    }
+                                    let left = Duration::try_from(n.duration_since(now))
+                                        .unwrap_or(settings.probe_interval);
+                                    requeue = requeue.min(left.max(Duration::from_secs(1)));
+                                }
+                                None => {
+                                    probe_wanted = true;
+                                    if let Some(f) = &prior_fail {
+                                        ready = c(ConditionStatus::False, &f.reason, f.message.clone());
+                                    }
+                                }
+                            }
+                        }
+                        ProbeInput::Ran(ProbeOutcome::Completed(stages)) => {
+                            requeue = requeue.min(settings.probe_interval);
+                            let failed = [
+                                (&stages.ingest, reason::PROBE_INGEST_FAILED, "ingest"),
+                                (&stages.routing, reason::PROBE_ROUTING_FAILED, "routing"),
+                                (&stages.t2, reason::PROBE_T2_FAILED, "t2"),
+                            ]
+                            .into_iter()
+                            .find_map(|(s, r, stage)| match s {
+                                StageResult::Failed(m) => Some((r, stage, m.clone())),
+                                _ => None,
+                            });
+                            match failed {
+                                Some((r, stage, m)) => {
+                                    let msg = format!("Functional probe stage {stage} failed: {m}");
+                                    w.set(
+                                        cond::FUNCTIONAL_PROBE_OK,
+                                        c(ConditionStatus::False, r, msg.clone()),
+                                    );
+                                    ready = c(ConditionStatus::False, r, msg);
+                                }
+                                None => {
+                                    let show = |s: &StageResult| match s {
+                                        StageResult::Ok => "ok",
+                                        StageResult::Skipped => "skipped",
+                                        StageResult::Failed(_) => "failed",
+                                    };
+                                    w.set(
+                                        cond::FUNCTIONAL_PROBE_OK,
+                                        c(
+                                            ConditionStatus::True,
+                                            reason::PROBE_OK,
+                                            format!(
+                                                "Every enabled functional-probe stage round-tripped \
+                                                 (ingest: {}, routing: {}, t2: {}).",
+                                                show(&stages.ingest),
+                                                show(&stages.routing),
+                                                show(&stages.t2)
+                                            ),
+                                        ),
+                                    );
+                                }
+                            }
+                        }
+                        ProbeInput::Ran(ProbeOutcome::TransportError(e)) => {
+                            requeue = requeue.min(settings.probe_interval);
+                            match &prior_fail {
+                                // Sticky-False: a transport error never fades a stage failure.
+                                Some(f) => {
+                                    ready = c(ConditionStatus::False, &f.reason, f.message.clone());
+                                }
+                                None => w.set(
+                                    cond::FUNCTIONAL_PROBE_OK,
+                                    c(
+                                        ConditionStatus::Unknown,
+                                        reason::PROBE_ERROR,
+                                        format!(
+                                            "The controller could not reach the functional probe: \
+                                             {e}. Check the probe wiring; backend readiness is \
+                                             unchanged."
+                                        ),
+                                    ),
+                                ),
+                            }
+                        }
+                    }
+                }
+            } else {
+                w.remove(cond::FUNCTIONAL_PROBE_OK);
+            }
+
+            // Engine-side advisory conditions (managed and host-only; never events-only).
+            if path.wires_connector() {
+                match obs.pods.as_deref() {
+                    Some(pods) => {
+                        let engines = engine::engine_pods(cb, pods);
+                        let checks = engine::kernel_checks(&engines);
+                        let names = |f: &dyn Fn(&KernelResult) -> bool| {
+                            checks
+                                .iter()
+                                .filter(|k| f(&k.result))
+                                .map(|k| match &k.result {
+                                    KernelResult::Failed(m) | KernelResult::Error(m) => {
+                                        format!("{} ({m})", k.pod)
+                                    }
+                                    _ => k.pod.clone(),
+                                })
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        };
+                        let failed = names(&|r| matches!(r, KernelResult::Failed(_)));
+                        let errored = names(&|r| matches!(r, KernelResult::Error(_)));
+                        let pending = names(&|r| matches!(r, KernelResult::Pending));
+                        if checks.is_empty() {
+                            w.remove(cond::ENGINE_KERNELS_HEALTHY);
+                        } else if !failed.is_empty() {
+                            w.set(
+                                cond::ENGINE_KERNELS_HEALTHY,
+                                c(
+                                    ConditionStatus::False,
+                                    reason::KERNEL_LOAD_FAILED,
+                                    format!(
+                                        "LMCache native kernels (c_ops) failed to load on: {failed}. \
+                                         Align the engine image's lmcache build with its CUDA runtime."
+                                    ),
+                                ),
+                            );
+                        } else if !errored.is_empty() {
+                            w.set(
+                                cond::ENGINE_KERNELS_HEALTHY,
+                                c(
+                                    ConditionStatus::Unknown,
+                                    reason::KERNEL_CHECK_ERROR,
+                                    format!("The kernel check ended without a recognised result on: {errored}."),
+                                ),
+                            );
+                        } else if !pending.is_empty() {
+                            w.set(
+                                cond::ENGINE_KERNELS_HEALTHY,
+                                c(
+                                    ConditionStatus::Unknown,
+                                    reason::KERNEL_CHECK_PENDING,
+                                    format!("The kernel check is still running on: {pending}."),
+                                ),
+                            );
+                        } else {
+                            w.set(
+                                cond::ENGINE_KERNELS_HEALTHY,
+                                c(
+                                    ConditionStatus::True,
+                                    reason::KERNELS_HEALTHY,
+                                    format!(
+                                        "LMCache native kernels loaded on every reporting pod ({}).",
+                                        checks.len()
+                                    ),
+                                ),
+                            );
+                        }
+                        let strict_failed: Vec<&str> = checks
+                            .iter()
+                            .filter(|k| k.strict && matches!(k.result, KernelResult::Failed(_)))
+                            .map(|k| k.pod.as_str())
+                            .collect();
+                        if !strict_failed.is_empty() && ready.status == ConditionStatus::True {
+                            ready = c(
+                                ConditionStatus::False,
+                                reason::ENGINE_KERNEL_DEGRADED,
+                                format!(
+                                    "Engine pods admitted in strict kernel-check mode failed to load \
+                                     the LMCache native kernels: {}. Fix the engine image's \
+                                     lmcache/CUDA alignment or set inferencecache.io/lmcache-kernel-check \
+                                     to report-only.",
+                                    strict_failed.join(", ")
+                                ),
+                            );
+                        }
+
+                        let looping = engine::crash_looping_injected(cb, pods);
+                        if looping.is_empty() {
+                            w.remove(cond::ENGINE_COMPATIBILITY);
+                        } else {
+                            w.set(
+                                cond::ENGINE_COMPATIBILITY,
+                                c(
+                                    ConditionStatus::False,
+                                    reason::INJECTED_ENGINE_CRASH_LOOPING,
+                                    format!(
+                                        "Injected engine pod(s) {} are in CrashLoopBackOff after \
+                                         KV-connector injection. Check the engine logs; if the model \
+                                         is hybrid-attention, set spec.integration.mode: EventsOnly.",
+                                        looping.join(", ")
+                                    ),
+                                ),
+                            );
+                        }
+                    }
+                    None => {
+                        // Pod list failed: keep the prior advisory conditions and any strict
+                        // downgrade they imply.
+                        if ready.status == ConditionStatus::True
+                            && is(
+                                &prior.conditions,
+                                cond::READY,
+                                ConditionStatus::False,
+                                reason::ENGINE_KERNEL_DEGRADED,
+                            )
+                        {
+                            if let Some(r) = find_condition(&prior.conditions, cond::READY) {
+                                ready = c(ConditionStatus::False, &r.reason, r.message.clone());
+                            }
+                        }
+                    }
+                }
+                match t2_rate {
+                    Some(v) if v <= 0.0 => w.set(
+                        cond::T2_DEGRADED,
+                        c(
+                            ConditionStatus::True,
+                            reason::T2_ZERO_HIT_RATE,
+                            "Tier-2 was queried but served zero reloads: check the remote store \
+                             (connection, size, version skew) and the scheduler/worker hash seed.",
+                        ),
+                    ),
+                    Some(v) => w.set(
+                        cond::T2_DEGRADED,
+                        c(
+                            ConditionStatus::False,
+                            reason::T2_SERVING,
+                            format!("Tier-2 is serving reloads (hit rate {v})."),
+                        ),
+                    ),
+                    None => w.remove(cond::T2_DEGRADED),
+                }
+            } else {
+                for t in [
+                    cond::ENGINE_KERNELS_HEALTHY,
+                    cond::T2_DEGRADED,
+                    cond::ENGINE_COMPATIBILITY,
+                ] {
+                    w.remove(t);
+                }
+            }
+
+            w.set(cond::READY, ready);
+            w.set(cond::DEGRADED, degraded);
+            w.set(cond::PROGRESSING, progressing);
+        }
+    }
+
+    // observedServerInstance and the cascade (managed only).
+    match (path, obs.server_selector.as_ref(), obs.pods.as_deref()) {
+        (BackendPath::Managed(_), Some(selector), Some(pods)) => {
+            let current =
+                cascade::ready_server_pods(pods, &ns, selector, &obs.server_containers);
+            let convergence = obs.workload.as_ref().map(|w| Convergence {
+                spec_replicas: w.spec_replicas,
+                ready_replicas: w.ready_replicas,
+                updated_replicas: w.updated_replicas,
+                observed_generation: w.observed_generation,
+                generation: w.generation,
+            });
+            cascade_decision = cascade::decide(
+                prior.observed_server_instance.as_deref(),
+                &current,
+                convergence,
+                mem.last_cascade_at,
+                now,
+                settings.cascade_min_interval,
+            );
+            match &cascade_decision {
+                CascadeDecision::Keep => {}
+                CascadeDecision::Baseline(id) => st.observed_server_instance = Some(id.clone()),
+                CascadeDecision::Fire(id) => {
+                    st.observed_server_instance = Some(id.clone());
+                    cascade_targets = engine::injected_engine_deployments(
+                        cb,
+                        pods,
+                        obs.deployments.as_deref(),
+                    );
+                }
+                CascadeDecision::Defer(d) => requeue = requeue.min(*d),
+            }
+        }
+        (BackendPath::Managed(_), _, _) => {}
+        _ => st.observed_server_instance = None,
+    }
+
+    // Events: transition-keyed, compared with the prior status.
+    let was = &prior.conditions;
+    let now_c = &st.conditions;
+    if st.fail_open == Some(false) && prior.fail_open != Some(false) {
+        events.push(EventSpec::warning(
+            ev::FAIL_CLOSED_ENABLED,
+            "spec.integration.failOpen is false: the cache is now a serving dependency of \
+             matched engine pods (fail-closed).",
+        ));
+    }
+    if st.fail_open == Some(true) && prior.fail_open == Some(false) {
+        events.push(EventSpec::normal(
+            ev::FAIL_OPEN_RESTORED,
+            "spec.integration.failOpen is true again: engines fall back to local prefill when \
+             the cache is unreachable.",
+        ));
+    }
+    if let (true, Some(msg)) = (sel.observed, sel.message.as_ref()) {
+        let steady = prior.matched_engine_pods == Some(0)
+            && prior.engine_selector_message.as_ref() == Some(msg);
+        if !steady {
+            events.push(EventSpec::normal(ev::ENGINE_SELECTOR_UNMATCHED, msg.clone()));
+        }
+    }
+    let degraded_with = |r: &str| is(now_c, cond::DEGRADED, ConditionStatus::True, r);
+    let was_degraded_with = |r: &str| is(was, cond::DEGRADED, ConditionStatus::True, r);
+    if degraded_with(reason::REPLICAS_UNAVAILABLE) && !was_degraded_with(reason::REPLICAS_UNAVAILABLE)
+    {
+        let m = find_condition(now_c, cond::DEGRADED)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        events.push(EventSpec::warning(ev::BACKEND_DEGRADED, m));
+    }
+    let ready_reason = |cs: &[Condition]| find_condition(cs, cond::READY).map(|c| c.reason.clone());
+    if ready_reason(now_c).as_deref() == Some(reason::AWAITING_FIRST_KV_EVENT)
+        && ready_reason(was).as_deref() != Some(reason::AWAITING_FIRST_KV_EVENT)
+    {
+        events.push(EventSpec::normal(
+            ev::AWAITING_FIRST_KV_EVENT,
+            format!(
+                "Waiting up to {} for the first KV event from this backend's engine pods.",
+                fmt_duration(timeout)
+            ),
+        ));
+    }
+    if kv_latched_now {
+        events.push(EventSpec::normal(
+            ev::KV_EVENTS_OBSERVED,
+            "The first KV event from this backend's engine pods reached the index.",
+        ));
+    }
+    if degraded_with(reason::NO_KV_EVENTS_OBSERVED)
+        && !was_degraded_with(reason::NO_KV_EVENTS_OBSERVED)
+    {
+        events.push(EventSpec::warning(
+            ev::NO_KV_EVENTS_OBSERVED,
+            format!(
+                "No KV event observed within firstEventTimeout ({}): check that engine pods are \
+                 wired to this backend and that their KV-event publisher is configured.",
+                fmt_duration(timeout)
+            ),
+        ));
+    }
+    let prior_ready = find_condition(was, cond::READY);
+    let now_ready_true = is_status(now_c, cond::READY, ConditionStatus::True);
+    if now_ready_true {
+        if let Some(p) = prior_ready {
+            let first_rollout =
+                matches!(path, BackendPath::Managed(_)) && prior.first_available_at.is_none();
+            if p.status == ConditionStatus::False.as_str()
+                && p.reason != reason::NO_KV_EVENTS_OBSERVED
+                && p.reason != reason::AWAITING_FIRST_KV_EVENT
+                && !first_rollout
+            {
+                events.push(EventSpec::normal(
+                    ev::BACKEND_RECOVERED,
+                    format!("The backend is Ready again (was {}).", p.reason),
+                ));
+            }
+        }
+    }
+    if is(
+        now_c,
+        cond::ENGINE_COMPATIBILITY,
+        ConditionStatus::False,
+        reason::INJECTED_ENGINE_CRASH_LOOPING,
+    ) && !is(
+        was,
+        cond::ENGINE_COMPATIBILITY,
+        ConditionStatus::False,
+        reason::INJECTED_ENGINE_CRASH_LOOPING,
+    ) {
+        let m = find_condition(now_c, cond::ENGINE_COMPATIBILITY)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        events.push(EventSpec::warning(ev::INJECTED_ENGINE_CRASH_LOOPING, m));
+    }
+
+    Evaluation {
+        path,
+        status: st,
+        events,
+        cascade: cascade_decision,
+        cascade_targets,
+        probe_wanted,
+        requeue_after: requeue.max(Duration::from_secs(1)),
+    }
+}
+
+fn is_status(conds: &[Condition], type_: &str, status: ConditionStatus) -> bool {
+    find_condition(conds, type_).is_some_and(|c| c.status == status.as_str())
+}

@@ -1,0 +1,213 @@
+//! The engine-pod Events controller (spec 000 "Mutating Pod webhook" → Events; "Contract
+//! Notes").
+//!
+//! The Pod webhook cannot record Events (the Pod has no UID at admission), so this Pod-watching
+//! controller reads the persisted decision annotations after CREATE and records:
+//!
+//! | pod annotations | live CacheBackend | Event |
+//! |---|---|---|
+//! | `injected-by: ns/name` + `injected-by-uid` = live UID | found, UID matches | Normal `InjectedByCacheBackend` |
+//! | `injected-by` + `injected-by-uid` ≠ live UID | found | none (forgery or recreated CR) |
+//! | `injected-by`, no `injected-by-uid` | — | none (forgery shape) |
+//! | `injected-by` | NotFound | none |
+//! | `injected-by` | lookup error (not 404) | reconcile error (retried with backoff) |
+//! | truthy `skip-inject` + `inject-skipped: skip-inject-annotation` | — | Normal `SkippedByOperator` |
+//! | only one of the two skip annotations | — | none |
+//!
+//! Each (pod UID, reason) is recorded once per controller process; the API server's event
+//! series aggregation absorbs repeats across restarts.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::crd::CacheBackend;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::{watcher, Controller};
+use kube::{Client, Resource};
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use super::annotations::{
+    INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, SKIP_INJECT,
+};
+use super::cachebackend::events::{reason, EventSink, EventSpec};
+
+/// Most (pod UID, reason) pairs remembered before the dedupe set is reset.
+const DEDUPE_CAP: usize = 50_000;
+
+/// What the controller decided for one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodDecision {
+    /// Record nothing.
+    Skip(&'static str),
+    /// Look up CacheBackend `namespace/name` and compare its UID with `uid`.
+    VerifyInjection {
+        /// Namespace of the named CacheBackend.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// The pod's `injected-by-uid`.
+        uid: String,
+    },
+    /// Record SkippedByOperator.
+    SkippedByOperator,
+}
+
+/// Go's `strconv.ParseBool` truthy spellings.
+pub fn truthy(v: &str) -> bool {
+    matches!(v.trim(), "1" | "t" | "T" | "true" | "TRUE" | "True")
+}
+
+/// Decides from the pod's annotations alone (pure).
+pub fn decide(pod: &Pod) -> PodDecision {
+    let Some(a) = pod.metadata.annotations.as_ref() else {
+        return PodDecision::Skip("no annotations");
+    };
+    if let Some(by) = a.get(INJECTED_BY) {
+        let Some((namespace, name)) = by.split_once('/').filter(|(n, m)| !n.is_empty() && !m.is_empty())
+        else {
+            return PodDecision::Skip("malformed injected-by");
+        };
+        let Some(uid) = a.get(INJECTED_BY_UID).filter(|u| !u.trim().is_empty()) else {
+            return PodDecision::Skip("injected-by without injected-by-uid");
+        };
+        return PodDecision::VerifyInjection {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            uid: uid.trim().to_string(),
+        };
+    }
+    let opted_out = a.get(SKIP_INJECT).is_some_and(|v| truthy(v));
+    let marked = a.get(INJECT_SKIPPED).map(String::as_str) == Some(INJECT_SKIPPED_BY_ANNOTATION);
+    if opted_out && marked {
+        PodDecision::SkippedByOperator
+    } else {
+        PodDecision::Skip("no injection decision")
+    }
+}
+
+/// A failure of the engine-pod Events controller.
+#[derive(Debug, Error)]
+pub enum PodEventsError {
+    /// Looking up the named CacheBackend failed with something other than NotFound.
+    #[error("looking up CacheBackend {namespace}/{name}: {source}")]
+    Lookup {
+        /// Namespace.
+        namespace: String,
+        /// Name.
+        name: String,
+        /// Client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Context of the engine-pod Events controller.
+pub struct PodEventsContext {
+    /// Kubernetes client (CacheBackend lookups).
+    pub client: Client,
+    /// Where Events go.
+    pub events: Arc<dyn EventSink>,
+    /// True while this replica holds the Lease (only the holder records Events).
+    pub leader: Arc<std::sync::atomic::AtomicBool>,
+    recorded: Mutex<HashSet<(String, &'static str)>>,
+}
+
+impl PodEventsContext {
+    /// A context publishing to `events` while `leader` is true.
+    pub fn new(
+        client: Client,
+        events: Arc<dyn EventSink>,
+        leader: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
+        PodEventsContext {
+            client,
+            events,
+            leader,
+            recorded: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// True (and remembered) the first time `(uid, reason)` is seen.
+    fn first_time(&self, uid: &str, reason: &'static str) -> bool {
+        let mut r = self.recorded.lock();
+        if r.len() >= DEDUPE_CAP {
+            r.clear();
+        }
+        r.insert((uid.to_string(), reason))
+    }
+}
+
+/// The Pod controller feeding [`reconcile_engine_pod`] (every Pod; the decision is made from
+/// annotations in process).
+pub fn controller(client: Client) -> Controller<Pod> {
+    Controller::new(Api::<Pod>::all(client), watcher::Config::default())
+}
+
+/// Requeue policy after a failed lookup: 30 s.
+pub fn error_policy(_pod: Arc<Pod>, err: &PodEventsError, _ctx: Arc<PodEventsContext>) -> Action {
+    tracing::warn!(error = %err, "engine-pod events reconcile failed");
+    Action::requeue(Duration::from_secs(30))
+}
+
+/// Records InjectedByCacheBackend or SkippedByOperator on `pod` per the module table.
+///
+/// Errors only when the CacheBackend lookup fails with something other than NotFound.
+pub async fn reconcile_engine_pod(
+    pod: Arc<Pod>,
+    ctx: Arc<PodEventsContext>,
+) -> Result<Action, PodEventsError> {
+    if !ctx.leader.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(Action::await_change());
+    }
+    let Some(pod_uid) = pod.metadata.uid.clone() else {
+        return Ok(Action::await_change());
+    };
+    let event = match decide(&pod) {
+        PodDecision::Skip(why) => {
+            tracing::trace!(why, "no engine-pod event");
+            return Ok(Action::await_change());
+        }
+        PodDecision::SkippedByOperator => EventSpec::normal(
+            reason::SKIPPED_BY_OPERATOR,
+            "Cache wiring skipped: the pod opts out with inferencecache.io/skip-inject.",
+        ),
+        PodDecision::VerifyInjection {
+            namespace,
+            name,
+            uid,
+        } => {
+            let api: Api<CacheBackend> = Api::namespaced(ctx.client.clone(), &namespace);
+            let live = api
+                .get_opt(&name)
+                .await
+                .map_err(|source| PodEventsError::Lookup {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    source,
+                })?;
+            match live {
+                Some(cb) if cb.metadata.uid.as_deref() == Some(uid.as_str()) => EventSpec::normal(
+                    reason::INJECTED_BY_CACHE_BACKEND,
+                    format!("Engine wired to the cache by CacheBackend {namespace}/{name}."),
+                ),
+                _ => return Ok(Action::await_change()),
+            }
+        }
+    };
+    let reason: &'static str = if event.reason == reason::SKIPPED_BY_OPERATOR {
+        reason::SKIPPED_BY_OPERATOR
+    } else {
+        reason::INJECTED_BY_CACHE_BACKEND
+    };
+    if ctx.first_time(&pod_uid, reason) {
+        let oref = pod.object_ref(&());
+        if let Err(err) = ctx.events.publish(&oref, &event).await {
+            tracing::warn!(error = %err, "publishing engine-pod event failed");
+        }
+    }
+    Ok(Action::await_change())
+}

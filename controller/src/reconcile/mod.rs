@@ -1,0 +1,47 @@
+//! Reconcilers (DESIGN.md "Reconcile"; spec 000 "Status", "Conditions", "Contract Notes").
+//!
+//! - [`cachebackend`] — the CacheBackend reconciler: provider workloads, status, conditions,
+//!   Events, cascade restarts. Entry points [`reconcile`], [`error_policy`], [`Context`],
+//!   [`cachebackend::controller`].
+//! - [`render`] — pure rendering of provider workloads (Redis, LMCacheServer, Mooncake).
+//! - [`engine_pods`] — the engine-pod Events controller (InjectedByCacheBackend,
+//!   SkippedByOperator).
+//! - [`clock`] — the injected clock.
+//! - [`nodes`] — node plans, CacheNode status and the CacheBackend `NodeHealthy` advisory.
+//!
+//! What `ic-controller run` must watch: CacheBackends plus the Deployments, StatefulSets,
+//! Services and HorizontalPodAutoscalers they own (all carry the
+//! `inferencecache.io/cachebackend` label) — [`cachebackend::controller`] builds exactly that —
+//! and, for [`engine_pods`], Pods ([`engine_pods::controller`]). Engine pods are listed by the
+//! CacheBackend reconciler at its requeue cadence, not watched.
+
+pub mod cachebackend;
+pub mod clock;
+pub mod engine_pods;
+pub mod nodes;
+pub mod render;
+
+pub use cachebackend::{error_policy, reconcile, Context, Error};
+
+/// Annotation keys the reconcilers read or write (spec 000).
+pub mod annotations {
+    /// On engine pods: `<namespace>/<name>` of the CacheBackend that injected the pod.
+    pub const INJECTED_BY: &str = "inferencecache.io/injected-by";
+    /// On engine pods: the injecting CacheBackend's `metadata.uid`.
+    pub const INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid";
+    /// On engine pods: truthy value opts the pod out of wiring.
+    pub const SKIP_INJECT: &str = "inferencecache.io/skip-inject";
+    /// On engine pods: the webhook's skip marker.
+    pub const INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
+    /// Value of [`INJECT_SKIPPED`] for an explicit opt-out.
+    pub const INJECT_SKIPPED_BY_ANNOTATION: &str = "skip-inject-annotation";
+    /// On CacheBackends: `"false"` turns the KV-event readiness gate off.
+    pub const REQUIRE_KV_EVENTS: &str = "inferencecache.io/require-kv-events";
+    /// On CacheBackends: `"true"` bypasses the functional probe (FunctionalProbeOK=ProbeBypassed).
+    pub const SKIP_FUNCTIONAL_PROBE: &str = "inferencecache.io/skip-functional-probe";
+    /// On CacheBackends (admission) and engine pods (the admitted mode): `auto`, `report-only`,
+    /// `strict`, `off`.
+    pub const LMCACHE_KERNEL_CHECK: &str = "inferencecache.io/lmcache-kernel-check";
+    /// On engine Deployments' pod templates: patched to the cascade time to roll the engines.
+    pub const CACHE_SERVER_RESTART_TRIGGER: &str = "inferencecache.io/cache-server-restart-trigger";
+}

@@ -1,0 +1,301 @@
+//! The advisory `NodeHealthy` condition on CacheBackends (DESIGN.md "Status": agent results
+//! "roll up into advisory conditions on the CacheBackends whose engine pods run on those
+//! nodes"). It never gates `Ready`.
+//!
+//! | status | reason | when |
+//! |---|---|---|
+//! | False | `NodeCheckFailing` | a node running one of the backend's engine pods has a check at Warning or Critical (the message names each node and check, with its status and reason) |
+//! | Unknown | `NodeAgentNotConnected` | no failing check, but a node running its engine pods has no connected agent |
+//! | Unknown | `NodeReportPending` | agents connected, at least one has not reported yet |
+//! | True | `NodesHealthy` | every node running its engine pods reports every check Ok (or Unknown) |
+//! | (absent) | | the backend has no scheduled engine pod |
+//!
+//! A check result about a pod (subject `namespace/pod`) counts only for the backend that owns
+//! that pod; host-wide results (`host`, `gpuN`, `tcp/N`) count for every backend on the node.
+//!
+//! Ownership: the CacheBackend reconciler owns the rest of `status` and keeps this condition
+//! when it writes its own (it carries over condition types it does not manage). This module
+//! writes only this condition: it reads the backend, merges the condition into the existing
+//! list ([`apply_advisory`], transition-only timestamps) and replaces the status with the read
+//! `resourceVersion`, so a concurrent write by the reconciler is never lost (409 → read and
+//! retry once; otherwise the next pass). The pure [`advisories`] / [`advisory_condition`] pair
+//! is public so the reconciler could compute the same condition in its own write instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ic_shared::check::CheckStatus;
+use ic_shared::crd::conditions::{find_condition, new_condition, remove_condition, set_condition, ConditionStatus};
+use ic_shared::crd::{backend_condition, CacheBackend};
+use ic_shared::plan::NodePlan;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+
+use crate::ingest::registry::NodeRecord;
+
+use super::plans::backend_key;
+
+/// The condition type (`NodeHealthy`).
+pub const CONDITION_TYPE: &str = backend_condition::NODE_HEALTHY;
+
+/// Reasons of the advisory condition.
+pub mod reason {
+    /// True.
+    pub const NODES_HEALTHY: &str = "NodesHealthy";
+    /// False.
+    pub const NODE_CHECK_FAILING: &str = "NodeCheckFailing";
+    /// Unknown: a node has no connected agent.
+    pub const NODE_AGENT_NOT_CONNECTED: &str = "NodeAgentNotConnected";
+    /// Unknown: an agent has not reported yet.
+    pub const NODE_REPORT_PENDING: &str = "NodeReportPending";
+}
+
+/// The advisory verdict for one backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAdvisory {
+    /// Condition status.
+    pub status: ConditionStatus,
+    /// CamelCase reason ([`reason`]).
+    pub reason: &'static str,
+    /// A sentence naming the nodes and checks.
+    pub message: String,
+}
+
+/// One failing check on one node.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FailingCheck {
+    /// Node.
+    pub node: String,
+    /// Check name.
+    pub check: String,
+    /// Worst status (Warning or Critical).
+    pub status: String,
+    /// Reason of the worst result.
+    pub reason: String,
+}
+
+const MAX_LISTED: usize = 10;
+
+fn list<T: std::fmt::Display>(items: &[T]) -> String {
+    let shown: Vec<String> = items.iter().take(MAX_LISTED).map(|i| i.to_string()).collect();
+    if items.len() > MAX_LISTED {
+        format!("{} and {} more", shown.join(", "), items.len() - MAX_LISTED)
+    } else {
+        shown.join(", ")
+    }
+}
+
+/// True when a check subject names a pod (`namespace/pod`) rather than a host surface.
+fn pod_subject(subject: &str) -> Option<&str> {
+    let (prefix, _) = subject.split_once('/')?;
+    (!matches!(prefix, "tcp" | "udp" | "host")).then_some(subject)
+}
+
+/// Computes every backend's advisory from the node plans (which backends' engine pods run
+/// where) and the agents' records. Backends without planned engine pods get no entry.
+pub fn advisories(
+    plans: &BTreeMap<String, NodePlan>,
+    records: &BTreeMap<String, NodeRecord>,
+) -> BTreeMap<String, NodeAdvisory> {
+    // backend → node → its pods there
+    let mut placement: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (node, plan) in plans {
+        for e in &plan.engines {
+            if e.backend.is_empty() {
+                continue;
+            }
+            placement
+                .entry(e.backend.clone())
+                .or_default()
+                .entry(node.clone())
+                .or_default()
+                .insert(format!("{}/{}", e.namespace, e.pod));
+        }
+    }
+    placement
+        .into_iter()
+        .map(|(backend, nodes)| {
+            let adv = advisory_for(&nodes, records);
+            (backend, adv)
+        })
+        .collect()
+}
+
+fn advisory_for(nodes: &BTreeMap<String, BTreeSet<String>>, records: &BTreeMap<String, NodeRecord>) -> NodeAdvisory {
+    let mut failing: Vec<FailingCheck> = Vec::new();
+    let mut missing: Vec<String> = Vec::new();
+    let mut pending: Vec<String> = Vec::new();
+    for (node, pods) in nodes {
+        let Some(rec) = records.get(node).filter(|r| r.connected) else {
+            missing.push(node.clone());
+            continue;
+        };
+        if rec.last_report_unix_ms <= 0 && rec.checks.is_empty() {
+            pending.push(node.clone());
+            continue;
+        }
+        let mut worst: BTreeMap<&str, (CheckStatus, &str)> = BTreeMap::new();
+        for c in &rec.checks {
+            if let Some(p) = pod_subject(&c.subject) {
+                if !pods.contains(p) {
+                    continue;
+                }
+            }
+            let e = worst.entry(c.name.as_str()).or_insert((CheckStatus::Ok, ""));
+            if c.status.severity() > e.0.severity() {
+                *e = (c.status, c.reason.as_str());
+            }
+        }
+        for (check, (status, reason)) in worst {
+            if matches!(status, CheckStatus::Warning | CheckStatus::Critical) {
+                failing.push(FailingCheck {
+                    node: node.clone(),
+                    check: check.to_string(),
+                    status: status.to_string(),
+                    reason: reason.to_string(),
+                });
+            }
+        }
+    }
+    let missing_sentence = (!missing.is_empty()).then(|| {
+        format!(
+            "No node agent is connected on {}, so their checks are unknown.",
+            list(&missing)
+        )
+    });
+    if !failing.is_empty() {
+        let items: Vec<String> = failing
+            .iter()
+            .map(|f| format!("{}: {} {} ({})", f.node, f.check, f.status, f.reason))
+            .collect();
+        let mut message = format!(
+            "Engine pods of this backend run on nodes with failing checks: {}. See `kubectl describe cachenode <node>`.",
+            list(&items)
+        );
+        if let Some(s) = missing_sentence {
+            message.push(' ');
+            message.push_str(&s);
+        }
+        return NodeAdvisory {
+            status: ConditionStatus::False,
+            reason: reason::NODE_CHECK_FAILING,
+            message,
+        };
+    }
+    if let Some(s) = missing_sentence {
+        return NodeAdvisory {
+            status: ConditionStatus::Unknown,
+            reason: reason::NODE_AGENT_NOT_CONNECTED,
+            message: format!("Engine pods of this backend run on nodes without a node agent. {s}"),
+        };
+    }
+    if !pending.is_empty() {
+        return NodeAdvisory {
+            status: ConditionStatus::Unknown,
+            reason: reason::NODE_REPORT_PENDING,
+            message: format!("Waiting for the first check report from {}.", list(&pending)),
+        };
+    }
+    let all: Vec<&String> = nodes.keys().collect();
+    NodeAdvisory {
+        status: ConditionStatus::True,
+        reason: reason::NODES_HEALTHY,
+        message: format!(
+            "Node checks pass on every node running this backend's engine pods: {}.",
+            list(&all)
+        ),
+    }
+}
+
+/// The condition for an advisory, stamped `at` (kept when the status does not change, see
+/// [`apply_advisory`]).
+pub fn advisory_condition(adv: &NodeAdvisory, observed_generation: Option<i64>, at: Time) -> Condition {
+    new_condition(
+        CONDITION_TYPE,
+        adv.status,
+        adv.reason,
+        adv.message.clone(),
+        observed_generation,
+        at,
+    )
+}
+
+/// Sets (`Some`) or removes (`None`) the advisory condition in `conditions`, leaving every
+/// other condition alone. Returns true when the list changed.
+pub fn apply_advisory(conditions: &mut Vec<Condition>, desired: Option<Condition>) -> bool {
+    match desired {
+        Some(c) => set_condition(conditions, c),
+        None => remove_condition(conditions, CONDITION_TYPE),
+    }
+}
+
+/// What one [`sync_advisories`] pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdvisoryReport {
+    /// Backends whose condition was written.
+    pub written: Vec<String>,
+    /// Backends whose write failed (retried next pass), with the error.
+    pub failed: Vec<(String, String)>,
+}
+
+/// Writes the advisory condition on every backend in `backends` whose condition differs from
+/// `desired` (absent from `desired` → the condition is removed). Only the status subresource is
+/// replaced, with the backend's `resourceVersion`; a conflict re-reads and retries once.
+pub async fn sync_advisories(
+    client: &Client,
+    backends: &[CacheBackend],
+    desired: &BTreeMap<String, NodeAdvisory>,
+    now: Time,
+) -> AdvisoryReport {
+    let mut report = AdvisoryReport::default();
+    for cb in backends {
+        let key = backend_key(cb);
+        let ns = cb.namespace().unwrap_or_default();
+        let api: Api<CacheBackend> = Api::namespaced(client.clone(), &ns);
+        let mut obj = cb.clone();
+        for attempt in 0..2 {
+            let want = desired
+                .get(&key)
+                .map(|a| advisory_condition(a, obj.metadata.generation, now.clone()));
+            let mut status = obj.status.clone().unwrap_or_default();
+            let unchanged = match (&want, find_condition(&status.conditions, CONDITION_TYPE)) {
+                (None, None) => true,
+                (Some(w), Some(c)) => w.status == c.status && w.reason == c.reason && w.message == c.message && w.observed_generation == c.observed_generation,
+                _ => false,
+            };
+            if unchanged || !apply_advisory(&mut status.conditions, want) {
+                break;
+            }
+            obj.status = Some(status);
+            let body = match serde_json::to_vec(&obj) {
+                Ok(b) => b,
+                Err(e) => {
+                    report.failed.push((key.clone(), e.to_string()));
+                    break;
+                }
+            };
+            match api.replace_status(&obj.name_any(), &PostParams::default(), body).await {
+                Ok(_) => {
+                    report.written.push(key.clone());
+                    break;
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 && attempt == 0 => {
+                    match api.get_opt(&obj.name_any()).await {
+                        Ok(Some(fresh)) => obj = fresh,
+                        Ok(None) => break,
+                        Err(e) => {
+                            report.failed.push((key.clone(), e.to_string()));
+                            break;
+                        }
+                    }
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => break,
+                Err(e) => {
+                    report.failed.push((key.clone(), e.to_string()));
+                    break;
+                }
+            }
+        }
+    }
+    report
+}

@@ -1,0 +1,375 @@
+//! Node plans, CacheNode status and the CacheBackend node advisory (DESIGN.md "Data flows" 3
+//! and 6; `docs/in-cluster.md`).
+//!
+//! - [`plans`] — pure: each node's [`NodePlan`](ic_shared::plan::NodePlan) from engine pods
+//!   and CacheBackends.
+//! - [`cachenode`] — pure status computation, a rate limiter, and the CacheNode writer.
+//! - [`advisory`] — pure `NodeHealthy` advisory per CacheBackend, and its writer.
+//!
+//! Two loops tie them to the cluster:
+//!
+//! - the **plan publisher** ([`spawn_plan_publisher`], every replica): every `plan_interval` it
+//!   lists Pods and CacheBackends ([`publish_plans_once`]), derives the plans and hands them to
+//!   the registry, which pushes changed plans down the agents' streams. A node with engine pods
+//!   and no connected agent is logged (once, when it becomes so) and counted in
+//!   `inferencecache_controller_nodes_without_agent`;
+//! - the **status writer** ([`spawn_status_writer`], acts only on the leader): on every agent
+//!   connect, disconnect and check report (coalesced over [`DEBOUNCE`]) and every
+//!   `status_interval`, it writes the CacheNodes ([`write_cachenodes`]) and, when the advisory
+//!   verdicts changed or every `advisory_resync`, the CacheBackends' advisory condition.
+
+pub mod advisory;
+pub mod cachenode;
+pub mod plans;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::crd::CacheBackend;
+use ic_shared::plan::NodePlan;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::Client;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::index::ReplicaSnapshot;
+use crate::ingest::registry::{NodeRecord, PublishReport};
+use crate::leader::LeaderHandle;
+use crate::reconcile::clock::{to_time, Clock};
+use crate::state::Shared;
+
+use cachenode::{CacheNodeWriter, NodeView, WriteDecision};
+
+/// How long the status writer waits after a wake-up to coalesce a burst of reports.
+pub const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// Timing of the node loops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeLoopConfig {
+    /// Pause between plan derivations (default 10 s).
+    pub plan_interval: Duration,
+    /// Pause between status passes without any agent activity (default 5 s).
+    pub status_interval: Duration,
+    /// At most one CacheNode write per node per this interval unless a condition status changed
+    /// (default 30 s).
+    pub cachenode_min_write_interval: Duration,
+    /// Advisory conditions are re-checked against the API at least this often even when the
+    /// verdicts did not change (repairs drift; default 60 s).
+    pub advisory_resync: Duration,
+}
+
+impl Default for NodeLoopConfig {
+    fn default() -> Self {
+        NodeLoopConfig {
+            plan_interval: Duration::from_secs(10),
+            status_interval: Duration::from_secs(5),
+            cachenode_min_write_interval: Duration::from_secs(30),
+            advisory_resync: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Metrics of the node loops (`inferencecache_controller_…`).
+#[derive(Clone)]
+pub struct NodesMetrics {
+    /// Plan updates queued on agent streams.
+    pub plans_sent_total: IntCounter,
+    /// Nodes with engine pods in their plan but no connected agent.
+    pub nodes_without_agent: IntGauge,
+    /// Plan issues of the last derivation, by reason.
+    pub plan_issues: prometheus::IntGaugeVec,
+    /// CacheNode sync outcomes (`written`, `unchanged`, `rate_limited`, `error`).
+    pub cachenode_syncs_total: IntCounterVec,
+    /// Advisory condition writes (`written`, `error`).
+    pub advisory_writes_total: IntCounterVec,
+}
+
+impl NodesMetrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let p = "inferencecache_controller_";
+        let plans_sent_total = IntCounter::new(
+            format!("{p}node_plans_sent_total"),
+            "Node plan updates queued on agent streams.",
+        )?;
+        let nodes_without_agent = IntGauge::new(
+            format!("{p}nodes_without_agent"),
+            "Nodes running engine pods whose node agent is not connected to this replica.",
+        )?;
+        let plan_issues = prometheus::IntGaugeVec::new(
+            Opts::new(
+                format!("{p}node_plan_issues"),
+                "Engine pods (or parts of them) the last plan derivation could not plan, by reason.",
+            ),
+            &["reason"],
+        )?;
+        let cachenode_syncs_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}cachenode_syncs_total"),
+                "CacheNode status syncs, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        let advisory_writes_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}node_advisory_writes_total"),
+                "Writes of the NodeHealthy advisory condition on CacheBackends, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(plans_sent_total.clone()))?;
+        registry.register(Box::new(nodes_without_agent.clone()))?;
+        registry.register(Box::new(plan_issues.clone()))?;
+        registry.register(Box::new(cachenode_syncs_total.clone()))?;
+        registry.register(Box::new(advisory_writes_total.clone()))?;
+        Ok(NodesMetrics {
+            plans_sent_total,
+            nodes_without_agent,
+            plan_issues,
+            cachenode_syncs_total,
+            advisory_writes_total,
+        })
+    }
+}
+
+/// Lists every Pod and CacheBackend, derives the plans and publishes them through the
+/// registry. Returns what the registry did.
+pub async fn publish_plans_once(
+    client: &Client,
+    shared: &Shared,
+    metrics: Option<&NodesMetrics>,
+) -> Result<PublishReport, kube::Error> {
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let backends = Api::<CacheBackend>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let derived = plans::derive_plans(&pods, &backends);
+    for i in &derived.issues {
+        debug!(pod = %i.pod, node = ?i.node, reason = i.reason, "{}", i.message);
+    }
+    if let Some(m) = metrics {
+        m.plan_issues.reset();
+        for i in &derived.issues {
+            m.plan_issues.with_label_values(&[i.reason]).inc();
+        }
+    }
+    let report = shared.nodes.lock().publish_plans(derived.plans);
+    if let Some(m) = metrics {
+        m.plans_sent_total.inc_by(report.sent.len() as u64);
+        m.nodes_without_agent.set(report.unserved.len() as i64);
+    }
+    for (node, generation) in &report.sent {
+        debug!(node = %node, generation, "node plan sent");
+    }
+    for node in &report.pending {
+        warn!(node = %node, "agent stream queue full; the node plan will be resent");
+    }
+    Ok(report)
+}
+
+/// Runs [`publish_plans_once`] every `interval` until `shutdown` turns true. Logs nodes that
+/// newly run engine pods without a connected agent.
+pub fn spawn_plan_publisher(
+    client: Client,
+    shared: Arc<Shared>,
+    metrics: Option<NodesMetrics>,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut unserved: BTreeSet<String> = BTreeSet::new();
+        let mut changes = shared.node_changes();
+        loop {
+            match publish_plans_once(&client, &shared, metrics.as_ref()).await {
+                Ok(report) => {
+                    let now: BTreeSet<String> = report.unserved.into_iter().collect();
+                    for n in now.difference(&unserved) {
+                        warn!(node = %n, "engine pods run on this node but its node agent is not connected: the node is not checked and its KV events are not indexed");
+                    }
+                    for n in unserved.difference(&now) {
+                        info!(node = %n, "node agent connected (or the node's engine pods are gone)");
+                    }
+                    unserved = now;
+                }
+                Err(e) => warn!(error = %e, "cannot list pods and CacheBackends to derive node plans"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                // A (re)connecting agent already got its plan from the registry; wake anyway
+                // so the unserved-node report follows connects promptly.
+                _ = changes.changed() => { tokio::time::sleep(DEBOUNCE).await; }
+                _ = shutdown.wait_for(|s| *s) => break,
+            }
+        }
+    })
+}
+
+/// A consistent copy of what the writers need from the shared state.
+#[derive(Debug, Clone, Default)]
+pub struct NodeSnapshot {
+    /// Agents' records by node.
+    pub records: BTreeMap<String, NodeRecord>,
+    /// Current plans by node.
+    pub plans: BTreeMap<String, NodePlan>,
+    /// Index streams by node.
+    pub replicas: BTreeMap<String, Vec<ReplicaSnapshot>>,
+}
+
+impl NodeSnapshot {
+    /// Copies the registry and the index.
+    pub fn take(shared: &Shared) -> Self {
+        let (records, plans) = {
+            let nodes = shared.nodes.lock();
+            (
+                nodes
+                    .list()
+                    .into_iter()
+                    .map(|r| (r.node.clone(), r))
+                    .collect::<BTreeMap<_, _>>(),
+                nodes.plans(),
+            )
+        };
+        let mut replicas: BTreeMap<String, Vec<ReplicaSnapshot>> = BTreeMap::new();
+        for r in shared.index.read().snapshot().replicas {
+            replicas.entry(r.node.clone()).or_default().push(r);
+        }
+        NodeSnapshot {
+            records,
+            plans,
+            replicas,
+        }
+    }
+
+    /// Nodes that get a CacheNode: every node whose agent connected since start, and every
+    /// node with engine pods in its plan.
+    pub fn nodes(&self) -> BTreeSet<String> {
+        let mut out: BTreeSet<String> = self.records.keys().cloned().collect();
+        out.extend(
+            self.plans
+                .iter()
+                .filter(|(_, p)| !p.engines.is_empty())
+                .map(|(n, _)| n.clone()),
+        );
+        out
+    }
+}
+
+/// One CacheNode pass over every node in `snap`. Returns the decision per node; API errors are
+/// logged and counted, and leave the node for the next pass.
+pub async fn write_cachenodes(
+    writer: &mut CacheNodeWriter,
+    snap: &NodeSnapshot,
+    clock: &dyn Clock,
+    metrics: Option<&NodesMetrics>,
+) -> BTreeMap<String, Result<WriteDecision, String>> {
+    let mut out = BTreeMap::new();
+    let empty: Vec<ReplicaSnapshot> = Vec::new();
+    for node in snap.nodes() {
+        let view = NodeView {
+            node: &node,
+            record: snap.records.get(&node),
+            plan: snap.plans.get(&node),
+            replicas: snap.replicas.get(&node).unwrap_or(&empty),
+        };
+        let res = writer.sync_node(&view, clock.now()).await;
+        let label = match &res {
+            Ok(WriteDecision::Write(_)) => "written",
+            Ok(WriteDecision::Unchanged) => "unchanged",
+            Ok(WriteDecision::RateLimited) => "rate_limited",
+            Err(_) => "error",
+        };
+        if let Some(m) = metrics {
+            m.cachenode_syncs_total.with_label_values(&[label]).inc();
+        }
+        if let Err(e) = &res {
+            warn!(node = %node, error = %e, "cannot write CacheNode status");
+        }
+        out.insert(node, res.map_err(|e| e.to_string()));
+    }
+    out
+}
+
+/// Lists the CacheBackends and writes the advisory condition where it differs.
+pub async fn write_advisories(
+    client: &Client,
+    snap: &NodeSnapshot,
+    clock: &dyn Clock,
+    metrics: Option<&NodesMetrics>,
+) -> Result<advisory::AdvisoryReport, kube::Error> {
+    let desired = advisory::advisories(&snap.plans, &snap.records);
+    let backends = Api::<CacheBackend>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let report = advisory::sync_advisories(client, &backends, &desired, to_time(clock.now())).await;
+    if let Some(m) = metrics {
+        m.advisory_writes_total
+            .with_label_values(&["written"])
+            .inc_by(report.written.len() as u64);
+        m.advisory_writes_total
+            .with_label_values(&["error"])
+            .inc_by(report.failed.len() as u64);
+    }
+    for (b, e) in &report.failed {
+        warn!(backend = %b, error = %e, "cannot write the NodeHealthy advisory condition");
+    }
+    Ok(report)
+}
+
+/// The leader-only status loop: CacheNodes and advisory conditions (module docs).
+pub fn spawn_status_writer(
+    client: Client,
+    shared: Arc<Shared>,
+    leader: LeaderHandle,
+    clock: Arc<dyn Clock>,
+    cfg: NodeLoopConfig,
+    metrics: Option<NodesMetrics>,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut writer = CacheNodeWriter::new(client.clone(), cfg.cachenode_min_write_interval);
+        let mut changes = shared.node_changes();
+        let mut leading = leader.subscribe();
+        let mut was_leader = false;
+        let mut last_advisories: Option<BTreeMap<String, advisory::NodeAdvisory>> = None;
+        let mut last_advisory_sync: Option<tokio::time::Instant> = None;
+        loop {
+            let is_leader = leader.is_leader();
+            if is_leader && !was_leader {
+                writer.reset();
+                last_advisories = None;
+            }
+            was_leader = is_leader;
+            if is_leader {
+                let snap = NodeSnapshot::take(&shared);
+                write_cachenodes(&mut writer, &snap, clock.as_ref(), metrics.as_ref()).await;
+                let desired = advisory::advisories(&snap.plans, &snap.records);
+                let due = last_advisory_sync.is_none_or(|t| t.elapsed() >= cfg.advisory_resync);
+                if last_advisories.as_ref() != Some(&desired) || due {
+                    match write_advisories(&client, &snap, clock.as_ref(), metrics.as_ref()).await {
+                        Ok(r) if r.failed.is_empty() => {
+                            last_advisories = Some(desired);
+                            last_advisory_sync = Some(tokio::time::Instant::now());
+                        }
+                        Ok(_) => {}
+                        Err(e) => warn!(error = %e, "cannot list CacheBackends for the node advisory"),
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(cfg.status_interval) => {}
+                _ = changes.changed() => { tokio::time::sleep(DEBOUNCE).await; }
+                _ = leading.changed() => {}
+                _ = shutdown.wait_for(|s| *s) => break,
+            }
+        }
+    })
+}
