@@ -41,6 +41,50 @@ enum KvCommand {
     /// Replay golden engine frames (../shared/fixtures/kv-events/*.json) on a ZMQ PUB socket with
     /// the engine's exact framing, and serve the engine's replay protocol on a ROUTER socket.
     Publish(PublishArgs),
+    /// Follow one engine publisher and print every batch decoded, with sequence numbers, gaps,
+    /// restarts and (with --replay) what the replay socket brings back.
+    Tail(TailArgs),
+    /// Decode captured frames from FILE (or stdin) and print each batch as JSON: hex (one message
+    /// per line, frames separated by spaces: [topic] [seq] payload), JSON arrays of hex frames, a
+    /// fixture file, raw ZMTP multipart dumps (e.g. `kv tail --save`), or one raw msgpack payload.
+    Decode(DecodeArgs),
+}
+
+#[derive(Args)]
+struct TailArgs {
+    /// Engine PUB endpoint to connect to, e.g. tcp://10.0.0.7:5557.
+    #[arg(long)]
+    endpoint: String,
+    /// Engine replay (ROUTER) endpoint, e.g. tcp://10.0.0.7:5558: gaps are replayed from it.
+    #[arg(long)]
+    replay: Option<String>,
+    /// Topic prefix to subscribe to (empty = every topic).
+    #[arg(long, default_value = "")]
+    topic: String,
+    /// Print one JSON object per line instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Stop after this many live messages (default: until interrupted).
+    #[arg(long)]
+    count: Option<u64>,
+    /// First replay everything from this engine seq (needs --replay), then follow live.
+    #[arg(long)]
+    from_seq: Option<u64>,
+    /// Also append every live message to FILE as a raw ZMTP multipart dump (`kv decode` reads it).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Seconds to wait for the connect and for each replay reply.
+    #[arg(long, default_value_t = 3)]
+    timeout_seconds: u64,
+}
+
+#[derive(Args)]
+struct DecodeArgs {
+    /// Input file; stdin when absent or "-".
+    file: Option<PathBuf>,
+    /// Print one compact JSON object per line instead of a pretty JSON array.
+    #[arg(long)]
+    lines: bool,
 }
 
 #[derive(Args)]
@@ -99,7 +143,9 @@ struct CommonArgs {
 struct RunArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Controller gRPC URL; without it the agent runs checks and endpoints only.
+    /// Controller gRPC URL; without it the agent runs checks and endpoints only. The host is
+    /// resolved every 10 s and one stream is kept per address (point it at a headless Service so
+    /// every controller replica gets every node's state); several URLs may be comma-separated.
     #[arg(long, env = "IC_CONTROLLER")]
     controller: Option<String>,
     /// HTTP listen address for /healthz, /readyz, /metrics, /v1/report.
@@ -204,6 +250,75 @@ fn main() -> anyhow::Result<()> {
                     "published {} batches ({} withheld), answered {} replay requests with {} batches",
                     r.published, r.skipped, r.replay_requests, r.replayed_batches
                 );
+            }
+            Ok(())
+        }
+        Command::Kv(KvCommand::Tail(a)) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let opts = ic_agent::kv::tail::TailOptions {
+                endpoint: a.endpoint,
+                replay: a.replay,
+                topic: a.topic,
+                json: a.json,
+                count: a.count,
+                from_seq: a.from_seq,
+                timeout: Duration::from_secs(a.timeout_seconds.max(1)),
+            };
+            let mut save = match &a.save {
+                Some(p) => Some(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(p)
+                        .with_context(|| format!("opening {}", p.display()))?,
+                ),
+                None => None,
+            };
+            let stdout = std::io::stdout();
+            let summary = rt.block_on(async {
+                let mut out = stdout.lock();
+                tokio::select! {
+                    r = ic_agent::kv::tail::tail(&opts, &mut out, save.as_mut()) => r.map(Some),
+                    _ = tokio::signal::ctrl_c() => Ok(None),
+                }
+            })?;
+            if let Some(s) = summary {
+                eprintln!(
+                    "{} live messages, {} replayed batches, {} gaps ({} healed), {} restarts",
+                    s.live, s.replayed, s.gaps, s.healed, s.restarts
+                );
+            }
+            Ok(())
+        }
+        Command::Kv(KvCommand::Decode(a)) => {
+            use std::io::Read;
+            let mut input = Vec::new();
+            match a.file.as_deref() {
+                Some(p) if p != std::path::Path::new("-") => {
+                    input = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+                }
+                _ => {
+                    std::io::stdin().read_to_end(&mut input)?;
+                }
+            }
+            let messages = ic_agent::kv::inspect::parse_input(&input)?;
+            let docs: Vec<serde_json::Value> = messages
+                .iter()
+                .map(ic_agent::kv::inspect::message_json)
+                .collect();
+            if a.lines {
+                for d in &docs {
+                    println!("{d}");
+                }
+            } else {
+                println!("{}", serde_json::to_string_pretty(&docs)?);
+            }
+            let undecodable = docs.iter().filter(|d| d.get("error").is_some()).count();
+            if undecodable > 0 {
+                eprintln!("{undecodable} of {} messages did not decode", docs.len());
+                std::process::exit(1);
             }
             Ok(())
         }

@@ -24,18 +24,40 @@ pub struct CheckPass {
     pub results: Vec<CheckResult>,
 }
 
-/// The agent's view of its controller link.
+/// The agent's view of one controller replica's stream.
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct LinkStatus {
-    /// Controller URL, empty when running without one.
-    pub controller: String,
+pub struct EndpointStatus {
     /// True while the stream is open.
     pub connected: bool,
     /// Streams opened since start.
     pub connects: u64,
     /// Last connection error, if any.
     pub last_error: Option<String>,
+}
+
+/// The agent's view of its controller link (one stream per controller replica).
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkStatus {
+    /// Controller URL as configured, empty when running without one.
+    pub controller: String,
+    /// True while at least one replica's stream is open.
+    pub connected: bool,
+    /// Per resolved replica URL.
+    pub endpoints: std::collections::BTreeMap<String, EndpointStatus>,
+}
+
+impl LinkStatus {
+    /// Number of open replica streams.
+    pub fn connected_count(&self) -> usize {
+        self.endpoints.values().filter(|e| e.connected).count()
+    }
+
+    /// Recomputes `connected` from the endpoints.
+    pub fn refresh(&mut self) {
+        self.connected = self.connected_count() > 0;
+    }
 }
 
 /// The agent's metrics (`inferencecache_agent_…`).
@@ -47,7 +69,7 @@ pub struct AgentMetrics {
     pub check_results: IntGaugeVec,
     /// Duration of a full check pass.
     pub check_pass_duration_seconds: Histogram,
-    /// 1 while the controller stream is open.
+    /// Open controller streams (one per controller replica).
     pub link_connected: IntGauge,
     /// Controller streams opened.
     pub link_connects_total: IntCounter,
@@ -78,7 +100,7 @@ impl AgentMetrics {
         )?;
         let link_connected = IntGauge::new(
             format!("{p}link_connected"),
-            "1 while the AgentService stream to the controller is open.",
+            "Open AgentService streams to controller replicas.",
         )?;
         let link_connects_total = IntCounter::new(
             format!("{p}link_connects_total"),

@@ -193,6 +193,8 @@ impl Elector {
 
     /// What to write now, given the last observation.
     pub fn next_step(&self, now: Timestamp) -> Step {
+        // The API stores MicroTime: keep what we write equal to what we read back.
+        let now = Timestamp::from_microsecond(now.as_microsecond()).unwrap_or(now);
         let Some(rec) = &self.observed else {
             return Step::Create(self.fresh(now, 0));
         };
@@ -528,9 +530,12 @@ pub fn spawn(
             if let Some(m) = &metrics {
                 m.is_leader.set(i64::from(leading));
             }
-            tokio::select! {
-                _ = tokio::time::sleep(retry) => {}
-                _ = shutdown.wait_for(|s| *s) => break,
+            let stop = tokio::select! {
+                _ = tokio::time::sleep(retry) => false,
+                _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => true,
+            };
+            if stop {
+                break;
             }
         }
         tx.send_replace(false);

@@ -104,7 +104,7 @@ pub struct ProbeStages {
 }
 
 /// The `/probe` answer (JSON, camelCase).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProbeReport {
     /// True when no stage failed.

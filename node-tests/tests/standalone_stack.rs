@@ -323,3 +323,80 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
     agent.abort();
     let _ = controller.stop.send(());
 }
+
+/// Every controller replica serves reads, so every replica must hold every node's state: the
+/// agent keeps one stream per controller and the delta fan-out keeps each gap-free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_feeds_every_controller_replica_the_same_index() {
+    let a = start_controller(format!("127.0.0.1:{}", free_port()).parse().unwrap()).await;
+    let b = start_controller(format!("127.0.0.1:{}", free_port()).parse().unwrap()).await;
+    let pub_port = free_port();
+    let plan = NodePlan {
+        engines: vec![EnginePlan {
+            pod: "vllm-0".into(),
+            model: "demo-model".into(),
+            kv_events: vec![KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let state = AgentState::new("fan-out-node".into(), plan).unwrap();
+    let mut link = LinkConfig::new(format!("http://{}, http://{}", a.grpc, b.grpc));
+    link.backoff_max = Duration::from_millis(500);
+    let agent = runtime::start(
+        RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(1),
+        },
+        state,
+        Checks::new(&ChecksConfig::default()),
+    )
+    .await
+    .unwrap();
+    let publisher = tokio::spawn(async move {
+        let opts = PublishOptions {
+            connect_wait: Duration::from_millis(1500),
+            linger: Duration::from_secs(30),
+            skip_seqs: [9].into_iter().collect(),
+            ..Default::default()
+        };
+        publish_fixture(
+            &fixture("vllm-0.24.0.json"),
+            &format!("tcp://127.0.0.1:{pub_port}"),
+            None,
+            &opts,
+        )
+        .await
+    });
+    let hub = agent.state.hub.clone();
+    wait_for("the last published batch", Duration::from_secs(15), || {
+        let hub = hub.clone();
+        async move { hub.status().first().and_then(|s| s.last_seq) == Some(8) }
+    })
+    .await;
+    let delta_seq = hub.status()[0].delta_seq;
+    for c in [&a, &b] {
+        wait_for("both replicas to apply every delta", Duration::from_secs(10), || async {
+            c.shared.index.read().snapshot().replicas.first().map(|r| r.seq) == Some(delta_seq)
+        })
+        .await;
+    }
+    let sa = a.shared.index.read().snapshot();
+    let sb = b.shared.index.read().snapshot();
+    assert!(sa.entries > 0);
+    assert_eq!(sa, sb);
+    let ra = lookup(a.grpc, 0..64).await.unwrap();
+    let rb = lookup(b.grpc, 0..64).await.unwrap();
+    assert_eq!(ra, rb);
+    assert_eq!(ra.decision, Decision::PrefixMatch as i32);
+    assert_eq!(agent.state.link.read().connected_count(), 2);
+    publisher.abort();
+    agent.abort();
+    let _ = a.stop.send(());
+    let _ = b.stop.send(());
+}

@@ -16,9 +16,10 @@
 //! | `inferencecache_agent_kv_resyncs_total` | stream, reason | replica clears: `AllBlocksCleared`, `EngineRestarted`, `SequenceGap` |
 //! | `inferencecache_agent_kv_blocks` | stream | index entries held |
 //! | `inferencecache_agent_kv_connected` | stream | 1 while the SUB socket is connected |
+//! | `inferencecache_agent_kv_stream_lag_seconds` | stream | agent time − engine `ts` of the newest live batch applied |
 
 use ic_shared::kv::decode::DecodeError;
-use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 use super::stream::{
     CLEAR_ALL_BLOCKS, CLEAR_ENGINE_RESTARTED, CLEAR_SEQUENCE_GAP, DROP_REASONS, IGNORE_REASONS,
@@ -46,6 +47,7 @@ pub struct KvMetrics {
     pub(crate) resyncs: IntCounterVec,
     pub(crate) blocks: IntGaugeVec,
     pub(crate) connected: IntGaugeVec,
+    pub(crate) lag: GaugeVec,
 }
 
 fn counter(
@@ -135,6 +137,17 @@ impl KvMetrics {
                 "1 while the stream's SUB socket is connected to the engine publisher.",
                 &["stream"],
             )?,
+            lag: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{P}stream_lag_seconds"),
+                        "Agent time minus the engine timestamp of the newest live batch applied, in seconds.",
+                    ),
+                    &["stream"],
+                )?;
+                reg.register(Box::new(g.clone()))?;
+                g
+            },
         })
     }
 
@@ -146,6 +159,7 @@ impl KvMetrics {
         for g in [&self.blocks, &self.connected] {
             let _ = g.remove_label_values(&[stream]);
         }
+        let _ = self.lag.remove_label_values(&[stream]);
         for s in SOURCES {
             let _ = self.received.remove_label_values(&[stream, s]);
         }

@@ -6,13 +6,18 @@
 //! - [`stream`]: the pure per-stream state machine (events → ops).
 //! - [`subscriber`]: the socket tasks (SUB reader, processor, replay client).
 //! - [`publish`]: a stand-in publisher replaying golden fixture frames (`ic-agent kv publish`).
+//! - [`tail`]: follow one publisher and print decoded batches, gaps and replays (`ic-agent kv tail`).
+//! - [`inspect`]: read captured frames (hex, JSON, ZMTP dumps) and decode them to JSON
+//!   (`ic-agent kv decode`).
 //! - [`metrics`]: the `inferencecache_agent_kv_*` metric families.
 
 pub mod hub;
+pub mod inspect;
 pub mod metrics;
 pub mod publish;
 pub mod stream;
 pub mod subscriber;
+pub mod tail;
 
 pub use hub::{KvHub, StreamStatus};
 pub use publish::{publish_fixture, Fixture, PublishError, PublishOptions, PublishReport};

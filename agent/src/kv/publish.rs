@@ -259,13 +259,13 @@ pub async fn publish_fixture(
                     endpoint: ep.to_string(),
                     message: e.to_string(),
                 })?;
-            Some(tokio::spawn(serve_replay(
+            Some(AbortOnDrop(tokio::spawn(serve_replay(
                 router,
                 frames.clone(),
                 fixture.replay_with_topic,
                 requests.clone(),
                 replayed.clone(),
-            )))
+            ))))
         }
         None => None,
     };
@@ -298,12 +298,21 @@ pub async fn publish_fixture(
         }
     };
     tokio::time::sleep(opts.linger).await;
-    if let Some(s) = server {
-        s.abort();
-    }
+    drop(server);
     report.replay_requests = requests.load(Ordering::Relaxed);
     report.replayed_batches = replayed.load(Ordering::Relaxed);
     result.map(|()| report)
+}
+
+/// Aborts the replay server when the publisher stops — also when the publishing future itself is
+/// dropped (a cancelled or aborted task), so the ROUTER's port is released with the PUB's (a
+/// "restarted engine" can bind both again).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Answers replay requests `[identity, "", start_seq]` with the recorded frames.

@@ -341,7 +341,7 @@ async fn process_loop(
                 }
             }
         }
-        apply_payload(&shared, &sink, seq, &payload);
+        apply_payload(&shared, &sink, seq, &payload, true);
         if shared.lock().state.has_pending() {
             sink.notify.notify_one();
         }
@@ -375,7 +375,7 @@ async fn bootstrap(
                     break;
                 }
                 count_replayed(shared, sink);
-                apply_payload(shared, sink, r, &payload);
+                apply_payload(shared, sink, r, &payload, false);
                 next = Some(r + 1);
             }
         }
@@ -449,7 +449,7 @@ async fn heal(
     shared.lock().stats.replays += 1;
     for (r, payload) in keep {
         count_replayed(shared, sink);
-        apply_payload(shared, sink, r, &payload);
+        apply_payload(shared, sink, r, &payload, false);
     }
     true
 }
@@ -462,12 +462,17 @@ fn count_replayed(shared: &StreamShared, sink: &Sink) {
     shared.lock().stats.batches_replayed += 1;
 }
 
-/// Decodes and applies one batch, recording metrics.
-fn apply_payload(shared: &StreamShared, sink: &Sink, seq: u64, payload: &[u8]) {
+/// Decodes and applies one batch, recording metrics. `live` batches (not replayed ones) set the
+/// stream-lag gauge.
+fn apply_payload(shared: &StreamShared, sink: &Sink, seq: u64, payload: &[u8], live: bool) {
     let id = shared.id();
     match decode_batch(payload) {
         Ok(batch) => {
             sink.metrics.decoded.with_label_values(&[id]).inc();
+            if live && batch.ts.is_finite() && batch.ts > 0.0 {
+                let lag = now_unix_ms() as f64 / 1000.0 - batch.ts;
+                sink.metrics.lag.with_label_values(&[id]).set(lag);
+            }
             let (report, held) = {
                 let mut g = shared.lock();
                 let report = g.state.apply(seq, &batch, now_unix_ms());

@@ -1,22 +1,34 @@
-//! The agent's single gRPC stream to the controller (DESIGN.md "Contracts between the two
-//! binaries").
+//! The agent's gRPC streams to the controller (DESIGN.md "Contracts between the two binaries").
 //!
-//! Per connection: Hello, then a full Resync of every KV stream (so the controller's index
-//! converges after either side restarts), then the latest check pass; afterwards KV delta batches
-//! as the hub produces them and every new check pass. The controller may answer with a node plan
-//! (applied at once), acks, and resync requests (answered with a fresh Resync). On any error the
-//! agent reconnects with capped exponential backoff.
+//! Every controller replica serves reads (router, snapshot), so every replica needs every node's
+//! KV state: the agent resolves `--controller`'s host and keeps one stream per address it
+//! resolves to (in cluster the chart points it at a headless Service), re-resolving every
+//! [`LinkConfig::rediscover_interval`]. An IP literal or a ClusterIP name gives one stream.
+//!
+//! Per stream: Hello, then a full Resync of every KV stream (so that replica's index converges
+//! after either side restarts), then the latest check pass; afterwards KV delta batches and every
+//! new check pass. The controller may answer with a node plan (applied at once), acks, and resync
+//! requests (answered with a fresh Resync). On any error the stream reconnects with capped
+//! exponential backoff.
+//!
+//! One *pump* task owns the hub's delta queue: it takes deltas and broadcasts each batch to every
+//! stream, and produces snapshots on request — flushing pending deltas first, so a snapshot never
+//! swallows ops another stream still needs. A stream subscribes to the broadcast before it asks
+//! for its snapshot and drops broadcast deltas the snapshot already covers (per-stream seq ≤ the
+//! snapshot's), so each controller replica sees a gap-free sequence.
 
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ic_shared::plan::NodePlan;
 use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient, controller_message,
-    AgentMessage,
+    AgentMessage, KvDeltaBatch, StreamSnapshot,
 };
 use thiserror::Error;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info, warn};
 
@@ -25,7 +37,8 @@ use crate::state::AgentState;
 /// Link settings.
 #[derive(Debug, Clone)]
 pub struct LinkConfig {
-    /// Controller gRPC URL, e.g. `http://127.0.0.1:50051`.
+    /// Controller gRPC URL(s), comma-separated, e.g. `http://127.0.0.1:50051` or a headless
+    /// Service name that resolves to every replica.
     pub controller: String,
     /// File holding the projected service-account token (audience `inference-cache`); re-read
     /// on every connect because the kubelet rotates it. `None` in standalone mode.
@@ -36,10 +49,12 @@ pub struct LinkConfig {
     pub backoff_max: Duration,
     /// How long deltas are gathered into one batch after the hub signals.
     pub batch_window: Duration,
+    /// How often the controller host is re-resolved to find replicas.
+    pub rediscover_interval: Duration,
 }
 
 impl LinkConfig {
-    /// Defaults: 250 ms → 5 s backoff, 20 ms batching window.
+    /// Defaults: 250 ms → 5 s backoff, 20 ms batching window, re-resolve every 10 s.
     pub fn new(controller: impl Into<String>) -> Self {
         LinkConfig {
             controller: controller.into(),
@@ -47,6 +62,7 @@ impl LinkConfig {
             backoff_initial: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
             batch_window: Duration::from_millis(20),
+            rediscover_interval: Duration::from_secs(10),
         }
     }
 }
@@ -81,7 +97,7 @@ pub enum LinkError {
         /// I/O error.
         source: std::io::Error,
     },
-    /// The outbound queue closed (the request stream ended).
+    /// The outbound queue or the pump closed.
     #[error("outbound stream closed")]
     Closed,
 }
@@ -89,30 +105,175 @@ pub enum LinkError {
 /// Signals that a new check pass is available (its value is a counter).
 pub type PassSignal = watch::Receiver<u64>;
 
-/// Runs the link forever: connect, stream, reconnect with backoff.
+/// Broadcast depth of delta batches; a stream that falls further behind resyncs.
+const BATCH_FANOUT_DEPTH: usize = 1024;
+
+/// Handle to the pump task (cheap to clone).
+#[derive(Clone)]
+struct Pump {
+    batches: broadcast::Sender<Arc<KvDeltaBatch>>,
+    snapshots: mpsc::Sender<oneshot::Sender<Vec<StreamSnapshot>>>,
+}
+
+impl Pump {
+    fn start(state: Arc<AgentState>, window: Duration) -> (Pump, tokio::task::JoinHandle<()>) {
+        let (batches, _) = broadcast::channel(BATCH_FANOUT_DEPTH);
+        let (snapshots, mut requests) = mpsc::channel::<oneshot::Sender<Vec<StreamSnapshot>>>(16);
+        let tx = batches.clone();
+        let task = tokio::spawn(async move {
+            let mut batch_id = 0u64;
+            let flush = |batch_id: &mut u64| {
+                let deltas = state.hub.take_deltas();
+                if deltas.is_empty() {
+                    return;
+                }
+                *batch_id += 1;
+                // No receiver = no stream connected: the next snapshot carries the state.
+                let _ = tx.send(Arc::new(KvDeltaBatch {
+                    batch_id: *batch_id,
+                    deltas,
+                }));
+                state.metrics.kv_batches_sent_total.inc();
+            };
+            loop {
+                tokio::select! {
+                    _ = state.hub.changed() => {
+                        tokio::time::sleep(window).await;
+                        flush(&mut batch_id);
+                    }
+                    req = requests.recv() => {
+                        let Some(reply) = req else { return };
+                        flush(&mut batch_id);
+                        let _ = reply.send(state.hub.snapshot());
+                    }
+                }
+            }
+        });
+        (Pump { batches, snapshots }, task)
+    }
+
+    async fn snapshot(&self) -> Result<Vec<StreamSnapshot>, LinkError> {
+        let (tx, rx) = oneshot::channel();
+        self.snapshots
+            .send(tx)
+            .await
+            .map_err(|_| LinkError::Closed)?;
+        rx.await.map_err(|_| LinkError::Closed)
+    }
+}
+
+/// Runs the link forever: resolve the controller's replicas, keep one stream per replica.
 /// `plan_applied` is notified whenever a controller plan was applied (the check loop reruns).
 pub async fn run(
     cfg: LinkConfig,
     state: Arc<AgentState>,
-    mut passes: PassSignal,
-    plan_applied: Arc<tokio::sync::Notify>,
+    passes: PassSignal,
+    plan_applied: Arc<Notify>,
 ) {
     state.link.write().controller = cfg.controller.clone();
+    let (pump, pump_task) = Pump::start(state.clone(), cfg.batch_window);
+    let mut streams: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
+    loop {
+        let mut urls = Vec::new();
+        for one in cfg.controller.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            urls.extend(resolve(one).await);
+        }
+        urls.sort();
+        urls.dedup();
+        streams.retain(|url, task| {
+            let keep = urls.contains(url) && !task.is_finished();
+            if !keep {
+                task.abort();
+                state.link.write().endpoints.remove(url);
+                info!(controller = %url, "controller replica gone; closing its stream");
+            }
+            keep
+        });
+        for url in urls {
+            if streams.contains_key(&url) {
+                continue;
+            }
+            let task = tokio::spawn(endpoint_loop(
+                url.clone(),
+                cfg.clone(),
+                state.clone(),
+                pump.clone(),
+                passes.clone(),
+                plan_applied.clone(),
+            ));
+            streams.insert(url, task);
+        }
+        tokio::time::sleep(cfg.rediscover_interval).await;
+        if pump_task.is_finished() {
+            warn!("KV delta pump stopped; link exits");
+            return;
+        }
+    }
+}
+
+/// The URLs of every address `controller`'s host resolves to; the URL itself when it names an IP,
+/// does not parse, or does not resolve (the connect error then says why).
+pub async fn resolve(controller: &str) -> Vec<String> {
+    let Some((scheme, rest)) = controller.split_once("://") else {
+        return vec![controller.to_string()];
+    };
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return vec![controller.to_string()];
+    };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if bare.parse::<IpAddr>().is_ok() || port.parse::<u16>().is_err() {
+        return vec![controller.to_string()];
+    }
+    match tokio::net::lookup_host(authority).await {
+        Ok(addrs) => {
+            let mut urls: Vec<String> = addrs
+                .map(|a| match a.ip() {
+                    IpAddr::V4(ip) => format!("{scheme}://{ip}:{}", a.port()),
+                    IpAddr::V6(ip) => format!("{scheme}://[{ip}]:{}", a.port()),
+                })
+                .collect();
+            urls.sort();
+            urls.dedup();
+            if urls.is_empty() {
+                vec![controller.to_string()]
+            } else {
+                urls
+            }
+        }
+        Err(_) => vec![controller.to_string()],
+    }
+}
+
+/// One controller replica: connect, stream, reconnect with backoff, forever.
+async fn endpoint_loop(
+    url: String,
+    cfg: LinkConfig,
+    state: Arc<AgentState>,
+    pump: Pump,
+    mut passes: PassSignal,
+    plan_applied: Arc<Notify>,
+) {
     let mut delay = cfg.backoff_initial;
     loop {
-        let result = session(&cfg, &state, &mut passes, &plan_applied).await;
+        let result = session(&url, &cfg, &state, &pump, &mut passes, &plan_applied).await;
         let was_up = {
-            let mut l = state.link.write();
-            let was = l.connected;
-            l.connected = false;
-            l.last_error = result.as_ref().err().map(|e| e.to_string());
+            let mut link = state.link.write();
+            let ep = link.endpoints.entry(url.clone()).or_default();
+            let was = ep.connected;
+            ep.connected = false;
+            ep.last_error = result.as_ref().err().map(|e| e.to_string());
+            link.refresh();
             was
         };
-        state.metrics.link_connected.set(0);
+        state
+            .metrics
+            .link_connected
+            .set(state.link.read().connected_count() as i64);
         match result {
-            Ok(()) => info!("controller closed the stream; reconnecting"),
+            Ok(()) => info!(controller = %url, "controller closed the stream; reconnecting"),
             Err(e) => {
-                warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "controller link down")
+                warn!(controller = %url, error = %e, retry_in_ms = delay.as_millis() as u64, "controller link down")
             }
         }
         if was_up {
@@ -136,14 +297,6 @@ fn hello(state: &AgentState, token: &str) -> AgentMessage {
     }
 }
 
-fn resync(state: &AgentState) -> AgentMessage {
-    AgentMessage {
-        msg: Some(Msg::Resync(proto::Resync {
-            streams: state.hub.snapshot(),
-        })),
-    }
-}
-
 fn checks(state: &AgentState) -> Option<AgentMessage> {
     let pass = state.latest.read().clone()?;
     Some(AgentMessage {
@@ -155,15 +308,52 @@ fn checks(state: &AgentState) -> Option<AgentMessage> {
     })
 }
 
+/// Per-stream delta seq each controller replica already has from its last Resync.
+#[derive(Debug, Default)]
+struct Covered(BTreeMap<String, u64>);
+
+impl Covered {
+    fn from_snapshot(snap: &[StreamSnapshot]) -> Self {
+        Covered(
+            snap.iter()
+                .filter_map(|s| s.stream.as_ref().map(|d| (d.stream_id.clone(), s.seq)))
+                .collect(),
+        )
+    }
+
+    /// The batch minus deltas the last snapshot already covers; `None` when nothing is left.
+    fn filter(&self, batch: &KvDeltaBatch) -> Option<KvDeltaBatch> {
+        let deltas: Vec<_> = batch
+            .deltas
+            .iter()
+            .filter(|d| {
+                let covered = d
+                    .stream
+                    .as_ref()
+                    .and_then(|s| self.0.get(&s.stream_id))
+                    .is_some_and(|seq| d.seq <= *seq);
+                !covered
+            })
+            .cloned()
+            .collect();
+        (!deltas.is_empty()).then(|| KvDeltaBatch {
+            batch_id: batch.batch_id,
+            deltas,
+        })
+    }
+}
+
 async fn session(
+    url: &str,
     cfg: &LinkConfig,
     state: &Arc<AgentState>,
+    pump: &Pump,
     passes: &mut PassSignal,
-    plan_applied: &tokio::sync::Notify,
+    plan_applied: &Notify,
 ) -> Result<(), LinkError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(cfg.controller.clone())
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_string())
         .map_err(|source| LinkError::Url {
-            url: cfg.controller.clone(),
+            url: url.to_string(),
             source,
         })?
         .connect_timeout(Duration::from_secs(3))
@@ -173,7 +363,7 @@ async fn session(
         .connect()
         .await
         .map_err(|source| LinkError::Connect {
-            url: cfg.controller.clone(),
+            url: url.to_string(),
             source,
         })?;
     let token = match &cfg.token_file {
@@ -188,29 +378,43 @@ async fn session(
     };
     let mut client = AgentServiceClient::new(channel);
     let (tx, rx) = mpsc::channel::<AgentMessage>(64);
-    // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
     let send = |m: AgentMessage| {
         let tx = tx.clone();
         async move { tx.send(m).await.map_err(|_| LinkError::Closed) }
     };
+    // Subscribe before the snapshot so no batch falls between the two.
+    let mut batches = pump.batches.subscribe();
+    let snap = pump.snapshot().await?;
+    let mut covered = Covered::from_snapshot(&snap);
+    // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
     send(hello(state, &token)).await?;
-    send(resync(state)).await?;
+    send(AgentMessage {
+        msg: Some(Msg::Resync(proto::Resync { streams: snap })),
+    })
+    .await?;
     passes.mark_unchanged();
     if let Some(m) = checks(state) {
         send(m).await?;
     }
-    let mut inbound = client.connect(ReceiverStream::new(rx)).await?.into_inner();
+    let mut inbound = client
+        .connect(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     {
-        let mut l = state.link.write();
-        l.connected = true;
-        l.connects += 1;
-        l.last_error = None;
+        let mut link = state.link.write();
+        let ep = link.endpoints.entry(url.to_string()).or_default();
+        ep.connected = true;
+        ep.connects += 1;
+        ep.last_error = None;
+        link.refresh();
     }
-    state.metrics.link_connected.set(1);
+    state
+        .metrics
+        .link_connected
+        .set(state.link.read().connected_count() as i64);
     state.metrics.link_connects_total.inc();
-    info!(controller = %cfg.controller, node = %state.node, "connected to controller");
+    info!(controller = %url, node = %state.node, "connected to controller");
 
-    let mut batch_id: u64 = 0;
     loop {
         tokio::select! {
             msg = inbound.message() => {
@@ -221,21 +425,28 @@ async fn session(
                         plan_applied.notify_one();
                     }
                     Some(controller_message::Msg::ResyncRequest(r)) => {
-                        info!(reason = %r.reason, "controller requested a resync");
-                        send(resync(state)).await?;
+                        info!(controller = %url, reason = %r.reason, "controller requested a resync");
+                        let snap = pump.snapshot().await?;
+                        covered = Covered::from_snapshot(&snap);
+                        send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
                     }
                     Some(controller_message::Msg::Ack(_)) | None => {}
                 }
             }
-            _ = state.hub.changed() => {
-                tokio::time::sleep(cfg.batch_window).await;
-                let deltas = state.hub.take_deltas();
-                if !deltas.is_empty() {
-                    batch_id += 1;
-                    send(AgentMessage { msg: Some(Msg::KvDeltas(proto::KvDeltaBatch { batch_id, deltas })) }).await?;
-                    state.metrics.kv_batches_sent_total.inc();
+            batch = batches.recv() => match batch {
+                Ok(batch) => {
+                    if let Some(b) = covered.filter(&batch) {
+                        send(AgentMessage { msg: Some(Msg::KvDeltas(b)) }).await?;
+                    }
                 }
-            }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    warn!(controller = %url, missed = n, "stream fell behind the delta fan-out; resyncing");
+                    let snap = pump.snapshot().await?;
+                    covered = Covered::from_snapshot(&snap);
+                    send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Err(LinkError::Closed),
+            },
             changed = passes.changed() => {
                 if changed.is_err() {
                     return Err(LinkError::Closed);
@@ -248,17 +459,18 @@ async fn session(
     }
 }
 
-/// Applies a plan pushed by the controller; a malformed plan is logged and ignored.
+/// Applies a plan pushed by the controller; a malformed plan is logged and ignored, and a plan
+/// equal to the current one (several replicas push the same plan) changes nothing.
 fn apply_controller_plan(state: &AgentState, update: &proto::NodePlanUpdate) {
     match NodePlan::parse(&update.plan_json, "controller plan") {
         Ok(mut plan) => {
             plan.generation = update.generation;
+            if *state.plan.read() == plan {
+                return;
+            }
             state.hub.apply_plan(&plan);
             *state.plan.write() = plan;
-            info!(
-                generation = update.generation,
-                "applied node plan from controller"
-            );
+            info!(generation = update.generation, "applied node plan from controller");
         }
         Err(e) => warn!(error = %e, generation = update.generation, "ignoring malformed node plan"),
     }
@@ -282,4 +494,70 @@ fn instance_id() -> &'static str {
             .unwrap_or(0);
         format!("{pid:x}-{t:x}")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ic_shared::proto::{StreamDelta, StreamDescriptor};
+
+    fn delta(stream: &str, seq: u64) -> StreamDelta {
+        StreamDelta {
+            stream: Some(StreamDescriptor {
+                stream_id: stream.into(),
+                ..Default::default()
+            }),
+            seq,
+            ops: vec![],
+            last_event_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn covered_drops_exactly_what_the_snapshot_holds() {
+        let snap = vec![StreamSnapshot {
+            stream: Some(StreamDescriptor {
+                stream_id: "a".into(),
+                ..Default::default()
+            }),
+            seq: 5,
+            ..Default::default()
+        }];
+        let c = Covered::from_snapshot(&snap);
+        let batch = KvDeltaBatch {
+            batch_id: 9,
+            deltas: vec![delta("a", 5), delta("a", 6), delta("b", 1)],
+        };
+        let out = c.filter(&batch).unwrap();
+        assert_eq!(out.batch_id, 9);
+        let kept: Vec<(String, u64)> = out
+            .deltas
+            .iter()
+            .map(|d| (d.stream.as_ref().unwrap().stream_id.clone(), d.seq))
+            .collect();
+        assert_eq!(kept, vec![("a".into(), 6), ("b".into(), 1)]);
+        let stale = KvDeltaBatch {
+            batch_id: 1,
+            deltas: vec![delta("a", 4)],
+        };
+        assert!(c.filter(&stale).is_none());
+    }
+
+    #[tokio::test]
+    async fn resolve_keeps_ip_literals_and_expands_names() {
+        assert_eq!(
+            resolve("http://127.0.0.1:50051").await,
+            vec!["http://127.0.0.1:50051".to_string()]
+        );
+        assert_eq!(
+            resolve("http://[::1]:50051").await,
+            vec!["http://[::1]:50051".to_string()]
+        );
+        let local = resolve("http://localhost:50051").await;
+        assert!(!local.is_empty());
+        assert!(local
+            .iter()
+            .all(|u| u == "http://127.0.0.1:50051" || u == "http://[::1]:50051"));
+        assert_eq!(resolve("not a url").await, vec!["not a url".to_string()]);
+    }
 }

@@ -247,7 +247,7 @@ pub fn parse_endpoint(p: RemoteProvider, raw: &str) -> Result<Binding, EndpointE
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BindingError {
     /// Managed ownership, but the controller has not published `status.endpoint` yet.
-    #[error("Managed {provider} backend has not published status.endpoint yet; the pod is admitted unwired (roll it once the backend is Ready)")]
+    #[error("Managed {provider} backend has not published status.endpoint yet (roll the engine workload once the backend is Ready)")]
     ManagedEndpointNotPublished {
         /// Provider wire spelling.
         provider: &'static str,

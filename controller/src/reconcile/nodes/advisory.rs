@@ -267,14 +267,7 @@ pub async fn sync_advisories(
                 break;
             }
             obj.status = Some(status);
-            let body = match serde_json::to_vec(&obj) {
-                Ok(b) => b,
-                Err(e) => {
-                    report.failed.push((key.clone(), e.to_string()));
-                    break;
-                }
-            };
-            match api.replace_status(&obj.name_any(), &PostParams::default(), body).await {
+            match api.replace_status(&obj.name_any(), &PostParams::default(), &obj).await {
                 Ok(_) => {
                     report.written.push(key.clone());
                     break;

@@ -201,12 +201,18 @@ pub fn spawn_plan_publisher(
                 }
                 Err(e) => warn!(error = %e, "cannot list pods and CacheBackends to derive node plans"),
             }
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                // A (re)connecting agent already got its plan from the registry; wake anyway
-                // so the unserved-node report follows connects promptly.
-                _ = changes.changed() => { tokio::time::sleep(DEBOUNCE).await; }
-                _ = shutdown.wait_for(|s| *s) => break,
+            // A (re)connecting agent already got its plan from the registry; wake anyway on
+            // node changes so the unserved-node report follows connects promptly.
+            let stop = tokio::select! {
+                _ = tokio::time::sleep(interval) => false,
+                r = changes.changed() => {
+                    tokio::time::sleep(if r.is_ok() { DEBOUNCE } else { interval }).await;
+                    false
+                }
+                _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => true,
+            };
+            if stop {
+                break;
             }
         }
     })
@@ -364,11 +370,22 @@ pub fn spawn_status_writer(
                     }
                 }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(cfg.status_interval) => {}
-                _ = changes.changed() => { tokio::time::sleep(DEBOUNCE).await; }
-                _ = leading.changed() => {}
-                _ = shutdown.wait_for(|s| *s) => break,
+            let stop = tokio::select! {
+                _ = tokio::time::sleep(cfg.status_interval) => false,
+                r = changes.changed() => {
+                    tokio::time::sleep(if r.is_ok() { DEBOUNCE } else { cfg.status_interval }).await;
+                    false
+                }
+                r = leading.changed() => {
+                    if r.is_err() {
+                        tokio::time::sleep(cfg.status_interval).await;
+                    }
+                    false
+                }
+                _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => true,
+            };
+            if stop {
+                break;
             }
         }
     })

@@ -1,0 +1,494 @@
+//! CacheNode status from agent reports (conditions per check, aggregate Ready, gpus, engines,
+//! transition-only timestamps, the write rate limit) and the CacheBackend `NodeHealthy`
+//! advisory — pure, and end to end against the in-memory API: a report fed through the real
+//! ingest path (loopback gRPC) shows up as a CacheNode condition and as the advisory condition
+//! on the affected CacheBackend.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ic_controller::index::ReplicaSnapshot;
+use ic_controller::ingest::registry::NodeRecord;
+use ic_controller::reconcile::clock::{to_time, Clock, FakeClock};
+use ic_controller::reconcile::nodes::advisory::{self, reason as adv_reason};
+use ic_controller::reconcile::nodes::cachenode::{
+    desired_status, reason, CacheNodeWriter, NodeView, WriteDecision, WriteLimiter,
+};
+use ic_controller::reconcile::nodes::{write_advisories, write_cachenodes, NodeSnapshot};
+use ic_controller::standalone::{self, StandaloneConfig};
+use ic_controller::state::LookupPolicy;
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::crd::conditions::{find_condition, new_condition, ConditionStatus};
+use ic_shared::crd::{CacheBackend, CacheNode, CacheNodeStatus};
+use ic_shared::plan::{EnginePlan, KvEventSource, NodePlan};
+use ic_shared::proto::{self, agent_message::Msg, agent_service_client::AgentServiceClient, AgentMessage};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube_fake_client::ClientBuilder;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+fn at(s: i64) -> Time {
+    to_time(Timestamp::from_second(s).unwrap())
+}
+
+fn record(node: &str, connected: bool, checks: Vec<CheckResult>, report_ms: i64) -> NodeRecord {
+    NodeRecord {
+        node: node.into(),
+        connected,
+        agent_version: "0.1.0".into(),
+        boot_id: "boot-1".into(),
+        agent_instance: "i-1".into(),
+        capabilities: vec![],
+        connected_at_unix_ms: 1,
+        last_seen_unix_ms: report_ms,
+        last_report_unix_ms: report_ms,
+        plan_generation: 3,
+        status: CheckStatus::worst(checks.iter().map(|c| c.status)),
+        checks,
+        epoch: 1,
+    }
+}
+
+fn shm(status: CheckStatus, reason: &str, msg: &str) -> CheckResult {
+    CheckResult::new("shm", "host", status, reason, msg)
+}
+
+fn gpu(i: u32, status: CheckStatus, reason: &str) -> CheckResult {
+    CheckResult::new("gpu", format!("gpu{i}"), status, reason, format!("gpu{i} is {reason}"))
+        .with("index", i)
+        .with("uuid", format!("GPU-{i}"))
+        .with("name", "NVIDIA H200")
+}
+
+fn engine(ns: &str, pod: &str, backend: &str) -> EnginePlan {
+    EnginePlan {
+        namespace: ns.into(),
+        pod: pod.into(),
+        model: "m".into(),
+        backend: backend.into(),
+        kv_events: vec![KvEventSource {
+            endpoint: "tcp://10.0.0.5:5557".into(),
+            dp_rank: 0,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn plan(engines: Vec<EnginePlan>) -> NodePlan {
+    NodePlan {
+        generation: 3,
+        engines,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn conditions_per_check_aggregate_ready_gpus_and_engines() {
+    let rec = record(
+        "gpu-1",
+        true,
+        vec![
+            shm(CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            gpu(1, CheckStatus::Ok, "GpuOk"),
+            gpu(0, CheckStatus::Warning, "GpuThrottled"),
+            CheckResult::new("ports", "tcp/5557", CheckStatus::Ok, "PortHeld", "held"),
+        ],
+        1_700_000_000_500,
+    );
+    let p = plan(vec![engine("ns", "vllm-0", "ns/cb")]);
+    let replicas = vec![ReplicaSnapshot {
+        stream_id: "ns/vllm-0#0".into(),
+        replica: "vllm-0".into(),
+        node: "gpu-1".into(),
+        tenant: "ns".into(),
+        model: "m".into(),
+        hash_scheme: "vllm".into(),
+        backend: "ns/cb".into(),
+        dp_rank: 0,
+        prefix_count: 42,
+        t1_blocks: 40,
+        t2_blocks: 2,
+        last_event_unix_ms: 1_700_000_000_000,
+        seq: 7,
+        stale: false,
+    }];
+    let view = NodeView {
+        node: "gpu-1",
+        record: Some(&rec),
+        plan: Some(&p),
+        replicas: &replicas,
+    };
+    let s = desired_status(&view, None, at(100));
+    let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert_eq!(types, vec!["Ready", "AgentConnected", "GPUHealthy", "PortsHealthy", "ShmHealthy"]);
+    let ready = find_condition(&s.conditions, "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::CHECK_CRITICAL));
+    assert!(ready.message.contains("shm (ShmUndersized)"), "{}", ready.message);
+    let shm_c = find_condition(&s.conditions, "ShmHealthy").unwrap();
+    assert_eq!((shm_c.status.as_str(), shm_c.reason.as_str()), ("False", "ShmUndersized"));
+    assert!(shm_c.message.starts_with("/dev/shm is 64.0 MiB"));
+    let gpu_c = find_condition(&s.conditions, "GPUHealthy").unwrap();
+    assert_eq!((gpu_c.status.as_str(), gpu_c.reason.as_str()), ("False", "GpuThrottled"));
+    assert_eq!(gpu_c.message, "gpu0: gpu0 is GpuThrottled");
+    assert_eq!(find_condition(&s.conditions, "PortsHealthy").unwrap().status, "True");
+    assert_eq!(s.gpu_count, 2);
+    assert_eq!(s.gpus[0].index, 0);
+    assert_eq!(s.gpus[0].uuid.as_deref(), Some("GPU-0"));
+    assert_eq!(s.gpus[1].name.as_deref(), Some("NVIDIA H200"));
+    assert_eq!(s.engine_count, 1);
+    let stream = &s.engines[0].streams[0];
+    assert!(stream.connected);
+    assert_eq!(stream.prefix_count, 42);
+    assert_eq!(stream.last_event_at, Some(at(1_700_000_000)));
+    assert_eq!(s.last_report_time, Some(at(1_700_000_000)));
+    assert_eq!(s.agent_version.as_deref(), Some("0.1.0"));
+    assert_eq!(s.boot_id.as_deref(), Some("boot-1"));
+    assert_eq!(s.observed_plan_generation, Some(3));
+}
+
+#[test]
+fn transition_times_move_only_when_a_status_changes() {
+    let bad = record("n", true, vec![shm(CheckStatus::Critical, "ShmUndersized", "a")], 1_000);
+    let view = NodeView { node: "n", record: Some(&bad), plan: None, replicas: &[] };
+    let first = desired_status(&view, None, at(100));
+
+    // Same verdict, new message, later: transition times stay.
+    let bad2 = record("n", true, vec![shm(CheckStatus::Critical, "ShmUndersized", "b")], 2_000);
+    let view = NodeView { node: "n", record: Some(&bad2), plan: None, replicas: &[] };
+    let second = desired_status(&view, Some(&first), at(200));
+    let c = find_condition(&second.conditions, "ShmHealthy").unwrap();
+    assert_eq!((c.message.as_str(), &c.last_transition_time), ("b", &at(100)));
+
+    // Fixed: ShmHealthy and Ready flip, with the new time; AgentConnected keeps its time.
+    let good = record("n", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 3_000);
+    let view = NodeView { node: "n", record: Some(&good), plan: None, replicas: &[] };
+    let third = desired_status(&view, Some(&second), at(300));
+    for (t, status, time) in [("ShmHealthy", "True", 300), ("Ready", "True", 300), ("AgentConnected", "True", 100)] {
+        let c = find_condition(&third.conditions, t).unwrap();
+        assert_eq!((c.status.as_str(), &c.last_transition_time), (status, &at(time)), "{t}");
+    }
+
+    // A check that stops reporting loses its condition.
+    let none = record("n", true, vec![], 4_000);
+    let view = NodeView { node: "n", record: Some(&none), plan: None, replicas: &[] };
+    let fourth = desired_status(&view, Some(&third), at(400));
+    assert!(find_condition(&fourth.conditions, "ShmHealthy").is_none());
+}
+
+#[test]
+fn disconnected_missing_and_silent_agents() {
+    let gone = record("n", false, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1_000);
+    let s = desired_status(&NodeView { node: "n", record: Some(&gone), plan: None, replicas: &[] }, None, at(1));
+    let ready = find_condition(&s.conditions, "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::AGENT_DISCONNECTED));
+    assert_eq!(find_condition(&s.conditions, "ShmHealthy").unwrap().status, "True", "last report kept");
+
+    let p = plan(vec![engine("ns", "p", "ns/cb")]);
+    let s = desired_status(&NodeView { node: "n", record: None, plan: Some(&p), replicas: &[] }, None, at(1));
+    let c = find_condition(&s.conditions, "AgentConnected").unwrap();
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reason::AGENT_NOT_CONNECTED));
+    assert_eq!(s.engine_count, 1);
+    assert!(!s.engines[0].streams[0].connected);
+
+    let quiet = record("n", true, vec![], 0);
+    let s = desired_status(&NodeView { node: "n", record: Some(&quiet), plan: None, replicas: &[] }, None, at(1));
+    let ready = find_condition(&s.conditions, "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("Unknown", reason::AWAITING_FIRST_REPORT));
+}
+
+#[test]
+fn writes_are_rate_limited_unless_a_condition_status_changes() {
+    let mut lim = WriteLimiter::new(Duration::from_secs(30));
+    let t = |s: i64| Timestamp::from_second(s).unwrap();
+    let status = |report: i64, st: &str| CacheNodeStatus {
+        conditions: vec![new_condition(
+            "Ready",
+            ConditionStatus::parse(st).unwrap(),
+            "R",
+            "",
+            None,
+            at(1),
+        )],
+        last_report_time: Some(at(report)),
+        ..Default::default()
+    };
+    assert_eq!(lim.decide("n", None, &status(1, "True"), t(0)), WriteDecision::Write("first"));
+    lim.wrote("n", t(0));
+    let stored = status(1, "True");
+    assert_eq!(lim.decide("n", Some(&stored), &status(1, "True"), t(5)), WriteDecision::Unchanged);
+    assert_eq!(lim.decide("n", Some(&stored), &status(6, "True"), t(6)), WriteDecision::RateLimited);
+    assert_eq!(lim.decide("n", Some(&stored), &status(6, "False"), t(6)), WriteDecision::Write("condition"));
+    assert_eq!(lim.decide("n", Some(&stored), &status(31, "True"), t(31)), WriteDecision::Write("interval"));
+    // Another node has its own budget.
+    assert_eq!(lim.decide("m", Some(&stored), &status(6, "True"), t(6)), WriteDecision::Write("interval"));
+}
+
+#[test]
+fn advisory_names_nodes_and_checks_and_ignores_other_backends_pods() {
+    let plans = BTreeMap::from([
+        ("n1".to_string(), plan(vec![engine("ns", "a-0", "ns/a"), engine("ns", "b-0", "ns/b")])),
+        ("n2".to_string(), plan(vec![engine("ns", "a-1", "ns/a")])),
+        ("n3".to_string(), plan(vec![engine("ns", "c-0", "ns/c")])),
+        ("n4".to_string(), plan(vec![engine("ns", "d-0", "ns/d")])),
+    ]);
+    let records = BTreeMap::from([
+        (
+            "n1".to_string(),
+            record(
+                "n1",
+                true,
+                vec![
+                    // About b's pod only.
+                    CheckResult::new("mp_worker", "ns/b-0", CheckStatus::Critical, "MpWorkerNotListening", "x"),
+                    shm(CheckStatus::Ok, "ShmOk", "ok"),
+                ],
+                1,
+            ),
+        ),
+        ("n2".to_string(), record("n2", true, vec![gpu(0, CheckStatus::Critical, "XidFatal")], 1)),
+        ("n4".to_string(), record("n4", true, vec![], 0)),
+    ]);
+    let adv = advisory::advisories(&plans, &records);
+    let a = &adv["ns/a"];
+    assert_eq!((a.status, a.reason), (ConditionStatus::False, adv_reason::NODE_CHECK_FAILING));
+    assert!(a.message.contains("n2: gpu Critical (XidFatal)"), "{}", a.message);
+    assert!(!a.message.contains("mp_worker"), "b's pod result does not count for a: {}", a.message);
+    let b = &adv["ns/b"];
+    assert!(b.message.contains("n1: mp_worker Critical (MpWorkerNotListening)"));
+    let c = &adv["ns/c"];
+    assert_eq!((c.status, c.reason), (ConditionStatus::Unknown, adv_reason::NODE_AGENT_NOT_CONNECTED));
+    assert!(c.message.contains("n3"));
+    assert_eq!(adv["ns/d"].reason, adv_reason::NODE_REPORT_PENDING);
+    let healthy = advisory::advisories(
+        &BTreeMap::from([("n1".to_string(), plan(vec![engine("ns", "a-0", "ns/a")]))]),
+        &BTreeMap::from([("n1".to_string(), record("n1", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1))]),
+    );
+    assert_eq!(healthy["ns/a"].status, ConditionStatus::True);
+    assert_eq!(healthy["ns/a"].reason, adv_reason::NODES_HEALTHY);
+}
+
+fn cache_backend(ns: &str, name: &str) -> CacheBackend {
+    serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "generation": 2, "resourceVersion": "1"},
+        "spec": {"runtime": "VLLM", "observation": {"modelID": "m"}},
+        "status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KVEventsObserved", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}
+        ]},
+    }))
+    .unwrap()
+}
+
+async fn fake_client(objects: Vec<CacheBackend>) -> kube::Client {
+    let mut b = ClientBuilder::new()
+        .with_resource::<CacheNode>()
+        .with_status_subresource::<CacheNode>()
+        .with_resource::<CacheBackend>()
+        .with_status_subresource::<CacheBackend>();
+    for o in objects {
+        b = b.with_object(o);
+    }
+    b.build().await.unwrap()
+}
+
+fn check(name: &str, status: proto::CheckStatus, reason: &str, message: &str) -> proto::CheckResult {
+    proto::CheckResult {
+        name: name.into(),
+        subject: "host".into(),
+        status: status as i32,
+        reason: reason.into(),
+        message: message.into(),
+        ..Default::default()
+    }
+}
+
+/// Acceptance: a failing check reported through the ingest path becomes a CacheNode condition
+/// and the advisory condition of the backend whose engine pod runs on that node, in one writer
+/// pass (no rate-limit wait: a condition status change is written at once).
+#[tokio::test]
+async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
+    let stack = standalone::start(
+        StandaloneConfig {
+            grpc_addr: "127.0.0.1:0".parse().unwrap(),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            agent_expiry: Duration::from_secs(60),
+            policy: LookupPolicy::default(),
+        },
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    let shared = stack.shared.clone();
+    // The plan book says backend ns/cb runs pod vllm-0 on gpu-1 (as the publisher derives it).
+    shared.nodes.lock().publish_plans(BTreeMap::from([(
+        "gpu-1".to_string(),
+        plan(vec![engine("ns", "vllm-0", "ns/cb")]),
+    )]));
+
+    let client = fake_client(vec![cache_backend("ns", "cb"), cache_backend("ns", "other")]).await;
+    let clock = FakeClock::at_unix_seconds(1_800_000_000);
+    let mut writer = CacheNodeWriter::new(client.clone(), Duration::from_secs(30));
+
+    // The agent connects and reports: /dev/shm is too small.
+    let mut agent = AgentServiceClient::connect(format!("http://{}", stack.grpc_addr)).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let send = |m: Msg| AgentMessage { msg: Some(m) };
+    tx.send(send(Msg::Hello(proto::Hello {
+        node: "gpu-1".into(),
+        version: "0.1.0".into(),
+        boot_id: "b".into(),
+        ..Default::default()
+    })))
+    .await
+    .unwrap();
+    let mut downstream = agent.connect(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    // The plan published before the agent connected arrives first.
+    match downstream.message().await.unwrap().unwrap().msg {
+        Some(proto::controller_message::Msg::Plan(p)) => assert_eq!(p.generation, 1),
+        other => panic!("expected the node plan first, got {other:?}"),
+    }
+    let mut changes = shared.node_changes();
+    tx.send(send(Msg::Checks(proto::CheckReport {
+        observed_at_unix_ms: 1_800_000_000_000,
+        plan_generation: 1,
+        results: vec![
+            check("shm", proto::CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
+        ],
+    })))
+    .await
+    .unwrap();
+    // Wait until the ingest path stored the report.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            changes.changed().await.unwrap();
+            if shared.nodes.lock().get("gpu-1").is_some_and(|r| !r.checks.is_empty()) {
+                break;
+            }
+        }
+    })
+    .await
+    .unwrap();
+
+    // One writer pass (what the leader's status loop runs on every report).
+    let snap = NodeSnapshot::take(&shared);
+    let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
+    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("first")));
+    let report = write_advisories(&client, &snap, &clock, None).await.unwrap();
+    assert_eq!(report.written, vec!["ns/cb".to_string()]);
+
+    let cn = Api::<CacheNode>::all(client.clone()).get("gpu-1").await.unwrap();
+    assert_eq!(cn.spec.node_name.as_deref(), Some("gpu-1"));
+    let st = cn.status.unwrap();
+    let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
+    assert_eq!((shm_c.status.as_str(), shm_c.reason.as_str()), ("False", "ShmUndersized"));
+    assert_eq!(shm_c.last_transition_time, to_time(clock.now()));
+    assert_eq!(find_condition(&st.conditions, "Ready").unwrap().status, "False");
+    assert_eq!(st.agent_version.as_deref(), Some("0.1.0"));
+    assert_eq!(st.observed_plan_generation, Some(1));
+
+    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("cb").await.unwrap();
+    let conds = cb.status.unwrap().conditions;
+    let adv = find_condition(&conds, "NodeHealthy").unwrap();
+    assert_eq!((adv.status.as_str(), adv.reason.as_str()), ("False", "NodeCheckFailing"));
+    assert!(adv.message.contains("gpu-1: shm Critical (ShmUndersized)"), "{}", adv.message);
+    assert_eq!(adv.observed_generation, Some(2));
+    assert_eq!(
+        find_condition(&conds, "Ready").map(|c| c.reason.as_str()),
+        Some("KVEventsObserved"),
+        "the reconciler's conditions are left alone"
+    );
+    // A backend without engine pods on the node gets no advisory.
+    let other = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("other").await.unwrap();
+    assert!(find_condition(&other.status.unwrap().conditions, "NodeHealthy").is_none());
+
+    // The next identical pass writes nothing; only lastReportTime moving is rate-limited.
+    clock.advance(Duration::from_secs(5));
+    let decisions = write_cachenodes(&mut writer, &NodeSnapshot::take(&shared), &clock, None).await;
+    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Unchanged));
+    tx.send(send(Msg::Checks(proto::CheckReport {
+        observed_at_unix_ms: 1_800_000_005_000,
+        plan_generation: 1,
+        results: vec![
+            check("shm", proto::CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
+        ],
+    })))
+    .await
+    .unwrap();
+    wait_for_report(&shared, 1_800_000_005_000).await;
+    let decisions = write_cachenodes(&mut writer, &NodeSnapshot::take(&shared), &clock, None).await;
+    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::RateLimited));
+
+    // The check recovers: written at once, the advisory turns True.
+    tx.send(send(Msg::Checks(proto::CheckReport {
+        observed_at_unix_ms: 1_800_000_010_000,
+        plan_generation: 1,
+        results: vec![
+            check("shm", proto::CheckStatus::Ok, "ShmOk", "ok"),
+            check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
+        ],
+    })))
+    .await
+    .unwrap();
+    wait_for_report(&shared, 1_800_000_010_000).await;
+    clock.advance(Duration::from_secs(5));
+    let snap = NodeSnapshot::take(&shared);
+    let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
+    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("condition")));
+    write_advisories(&client, &snap, &clock, None).await.unwrap();
+    let st = Api::<CacheNode>::all(client.clone()).get("gpu-1").await.unwrap().status.unwrap();
+    let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
+    assert_eq!(shm_c.status, "True");
+    assert_eq!(shm_c.last_transition_time, to_time(clock.now()));
+    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("cb").await.unwrap();
+    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy").unwrap().clone();
+    assert_eq!((adv.status.as_str(), adv.reason.as_str()), ("True", "NodesHealthy"));
+
+    // A concurrent write by the reconciler (another resourceVersion) is not lost: the advisory
+    // write re-reads on 409 and keeps the reconciler's condition.
+    let api = Api::<CacheBackend>::namespaced(client.clone(), "ns");
+    let mut stale = cb.clone();
+    let mut fresh = cb.clone();
+    fresh.status.as_mut().unwrap().conditions.push(new_condition(
+        "Degraded",
+        ConditionStatus::False,
+        "NotDegraded",
+        "",
+        None,
+        at(5),
+    ));
+    api.replace_status("cb", &PostParams::default(), &fresh).await.unwrap();
+    stale.status.as_mut().unwrap().conditions.retain(|c| c.type_ != "NodeHealthy");
+    let desired = BTreeMap::from([(
+        "ns/cb".to_string(),
+        advisory::NodeAdvisory {
+            status: ConditionStatus::False,
+            reason: adv_reason::NODE_CHECK_FAILING,
+            message: "m".into(),
+        },
+    )]);
+    let r = advisory::sync_advisories(&client, &[stale], &desired, at(10)).await;
+    assert_eq!(r.written, vec!["ns/cb".to_string()]);
+    let conds = api.get("cb").await.unwrap().status.unwrap().conditions;
+    assert!(find_condition(&conds, "Degraded").is_some());
+    assert_eq!(find_condition(&conds, "NodeHealthy").unwrap().status, "False");
+}
+
+async fn wait_for_report(shared: &ic_controller::state::Shared, ms: i64) {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if shared.nodes.lock().get("gpu-1").is_some_and(|r| r.last_report_unix_ms == ms) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+}

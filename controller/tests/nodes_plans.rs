@@ -1,0 +1,376 @@
+//! Node plans from real-world engine pods (`../shared/fixtures/pods/`), wired by CacheBackends:
+//! KV endpoints and DP ranks, block sizes, MP-worker ports, required shm, hostNetwork ports,
+//! Mooncake master placement, and what cannot be planned.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ic_controller::reconcile::nodes::plans::{self, derive_plans, issue, TENSOR_PARALLEL_SHM_BYTES};
+use ic_shared::crd::CacheBackend;
+use ic_shared::plan::{HashScheme, KvEventSource, NodePlan, PortExpect};
+use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
+use serde_json::json;
+
+fn fixture_path(name: &str) -> PathBuf {
+    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
+        return Path::new(&dir).join("pods").join(name);
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for anc in manifest.ancestors() {
+        let cand = anc.join("shared/fixtures/pods").join(name);
+        if cand.is_file() {
+            return cand;
+        }
+    }
+    panic!("fixture {name} not found above {}", manifest.display());
+}
+
+fn fixture(name: &str) -> Pod {
+    let text = std::fs::read_to_string(fixture_path(name)).unwrap();
+    serde_yaml::from_str(&text).unwrap()
+}
+
+fn backend(ns: &str, name: &str, spec: serde_json::Value) -> CacheBackend {
+    serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "generation": 1},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// Schedules `pod` on `node` with `ip`, marks it wired by `ns/backend` (with the backend's
+/// UID) and sets its phase (and Ready when Running).
+fn wire(mut pod: Pod, node: &str, ip: &str, backend: &str, phase: &str) -> Pod {
+    let ns = pod.metadata.namespace.clone().unwrap();
+    pod.metadata.uid = Some(format!("pod-uid-{}", pod.metadata.name.clone().unwrap()));
+    let ann = pod.metadata.annotations.get_or_insert_with(Default::default);
+    ann.insert("inferencecache.io/injected-by".into(), format!("{ns}/{backend}"));
+    ann.insert("inferencecache.io/injected-by-uid".into(), format!("uid-{backend}"));
+    pod.spec.as_mut().unwrap().node_name = Some(node.into());
+    pod.status = Some(PodStatus {
+        phase: Some(phase.into()),
+        pod_ip: Some(ip.into()),
+        conditions: (phase == "Running").then(|| {
+            vec![PodCondition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                ..Default::default()
+            }]
+        }),
+        ..Default::default()
+    });
+    pod
+}
+
+fn src(endpoint: &str, replay: Option<&str>, topic: &str, rank: u32) -> KvEventSource {
+    KvEventSource {
+        endpoint: endpoint.into(),
+        replay_endpoint: replay.map(str::to_string),
+        topic: topic.into(),
+        dp_rank: rank,
+    }
+}
+
+/// vLLM + LMCache from the production-stack chart (`command` form), with KV events on and two
+/// data-parallel ranks.
+fn vllm_pod() -> Pod {
+    let mut pod = fixture("03-prodstack-helm-lmcache-cpu-offload.yaml");
+    let c = &mut pod.spec.as_mut().unwrap().containers[0];
+    let cmd = c.command.as_mut().unwrap();
+    cmd.extend([
+        "--kv-events-config".to_string(),
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5600","topic":"kv"}"#.to_string(),
+        "--data-parallel-size".to_string(),
+        "2".to_string(),
+    ]);
+    wire(pod, "gpu-1", "10.1.2.3", "cb-vllm", "Running")
+}
+
+fn vllm_backend() -> CacheBackend {
+    backend(
+        "default",
+        "cb-vllm",
+        json!({"runtime": "VLLM", "observation": {"modelID": "mistralai/Mistral-7B-Instruct-v0.2"}}),
+    )
+}
+
+/// SGLang from llm-d (`sh -c '… exec python3 -m sglang.launch_server "$@"' --` + args), tensor
+/// parallel 2, page size 64, on the host network, with the SGLang+LMCache MP worker.
+fn sglang_hostnet_pod() -> Pod {
+    let mut pod = fixture("13-llmd-sglang-mooncake-sh-c-dashdash-args.yaml");
+    let spec = pod.spec.as_mut().unwrap();
+    spec.host_network = Some(true);
+    spec.containers[0]
+        .args
+        .as_mut()
+        .unwrap()
+        .push(r#"--kv-events-config={"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}"#.into());
+    wire(pod, "gpu-2", "192.168.1.10", "cb-sglang", "Running")
+}
+
+fn sglang_backend() -> CacheBackend {
+    backend(
+        "llm-d-tiered-prefix-cache",
+        "cb-sglang",
+        json!({
+            "runtime": "SGLang",
+            "lmCache": {"hostMemory": {"capacity": "8Gi"}, "workerPort": 6000},
+            "observation": {"modelID": "Qwen/Qwen3-32B"},
+            "integration": {"engineHostNetwork": true},
+        }),
+    )
+}
+
+#[test]
+fn vllm_engine_gets_one_publisher_per_dp_rank_at_the_pod_ip() {
+    let derived = derive_plans(&[vllm_pod()], &[vllm_backend()]);
+    let plan = &derived.plans["gpu-1"];
+    assert!(plan.gpu_node, "the pod requests nvidia.com/gpu");
+    assert!(plan.ports.is_empty(), "not on the host network");
+    assert!(plan.shm.is_none());
+    let e = &plan.engines[0];
+    assert_eq!(e.namespace, "default");
+    assert_eq!(e.pod, "vllm-mistral-deployment-vllm-5c9d7f8b6-h7kzp");
+    assert_eq!(e.pod_uid.as_deref(), Some("pod-uid-vllm-mistral-deployment-vllm-5c9d7f8b6-h7kzp"));
+    assert_eq!(e.model, "mistralai/Mistral-7B-Instruct-v0.2");
+    assert_eq!(e.backend, "default/cb-vllm");
+    assert_eq!(e.hash_scheme, HashScheme::Vllm);
+    assert_eq!(e.block_size, 16);
+    assert!(e.keeps_l2, "Offload (the default mode) keeps an L2");
+    assert_eq!(e.mp_worker_port, None);
+    assert_eq!(e.shm_required_bytes, None);
+    assert_eq!(
+        e.kv_events,
+        vec![
+            src("tcp://10.1.2.3:5557", Some("tcp://10.1.2.3:5600"), "kv", 0),
+            src("tcp://10.1.2.3:5558", Some("tcp://10.1.2.3:5601"), "kv", 1),
+        ]
+    );
+    assert!(derived.issues.is_empty(), "{:?}", derived.issues);
+}
+
+#[test]
+fn sglang_mp_worker_host_network_pod_plans_shm_worker_port_and_host_ports() {
+    let derived = derive_plans(&[sglang_hostnet_pod()], &[sglang_backend()]);
+    let plan = &derived.plans["gpu-2"];
+    let e = &plan.engines[0];
+    assert_eq!(e.hash_scheme, HashScheme::Sglang);
+    assert_eq!(e.block_size, 64, "--page-size=64");
+    assert_eq!(e.mp_worker_port, Some(6000));
+    assert_eq!(e.shm_required_bytes, Some(8 << 30), "the MP worker's L1 (8Gi) exceeds the TP minimum");
+    assert_eq!(e.kv_events, vec![src("tcp://192.168.1.10:5557", None, "kv-events", 0)]);
+    // Ready hostNetwork pod: its KV-event and MP-worker ports must be held by the pod.
+    let ports: Vec<(u16, PortExpect, Option<String>)> = plan
+        .ports
+        .iter()
+        .map(|p| (p.port, p.expect, p.owner.as_ref().and_then(|o| o.pod_uid.clone())))
+        .collect();
+    let uid = Some("pod-uid-tiered-prefix-cache-gpu-sglang-decode-6c7d8f9b5-zx4hw".to_string());
+    assert_eq!(
+        ports,
+        vec![(5557, PortExpect::Held, uid.clone()), (6000, PortExpect::Held, uid)]
+    );
+    assert!(plan.ports[1].purpose.contains("MP worker"));
+    // The pod does not use the host IPC namespace: no node-level shm requirement.
+    assert!(plan.shm.is_none());
+}
+
+#[test]
+fn tensor_parallel_needs_shm_and_a_missing_model_id_gates_kv_events() {
+    // The vLLM docs pod runs `vllm serve` inside `sh -c`.
+    let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
+    let c = &mut pod.spec.as_mut().unwrap().containers[0];
+    let script = &mut c.args.as_mut().unwrap()[0];
+    script.push_str(r#" --tensor-parallel-size 2 --block-size 32 --kv-events-config '{"enable_kv_cache_events":true}'"#);
+    let pod = wire(pod, "gpu-3", "10.9.9.9", "cb-plain", "Running");
+    let cb = backend("default", "cb-plain", json!({"runtime": "VLLM"}));
+    let derived = derive_plans(&[pod], &[cb]);
+    let e = &derived.plans["gpu-3"].engines[0];
+    assert_eq!(e.shm_required_bytes, Some(TENSOR_PARALLEL_SHM_BYTES));
+    assert_eq!(e.block_size, 32);
+    assert!(e.kv_events.is_empty());
+    assert_eq!(e.model, "");
+    assert_eq!(derived.issues.len(), 1);
+    assert_eq!(derived.issues[0].reason, issue::NO_MODEL_ID);
+}
+
+#[test]
+fn engine_container_is_found_beside_a_main_container_and_events_only_keeps_no_l2() {
+    let pod = wire(
+        fixture("22-dynamo-sglang-smg-two-containers-engine-not-main.yaml"),
+        "gpu-4",
+        "10.4.4.4",
+        "cb-events",
+        "Running",
+    );
+    let cb = backend(
+        "dynamo",
+        "cb-events",
+        json!({"runtime": "SGLang", "integration": {"mode": "EventsOnly"}, "observation": {"modelID": "Qwen/Qwen3-0.6B"}}),
+    );
+    let (container, _) = plans::engine_command(&pod, ic_shared::crd::Runtime::SgLang).unwrap();
+    assert_eq!(container.name, "sglang-engine");
+    let derived = derive_plans(&[pod], &[cb]);
+    let e = &derived.plans["gpu-4"].engines[0];
+    assert!(!e.keeps_l2, "events-only has no L2: BlockRemoved evicts");
+    assert_eq!(e.mp_worker_port, None, "events-only wires no MP worker");
+    assert_eq!(e.block_size, 1, "SGLang's default page size");
+    assert!(e.kv_events.is_empty());
+    assert_eq!(derived.issues.len(), 1);
+    assert_eq!(derived.issues[0].reason, issue::KV_EVENTS_DISABLED);
+    assert!(derived.issues[0].message.contains("--kv-events-config"));
+}
+
+fn mooncake_master(phase: &str) -> Pod {
+    let mut pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "cb-mc-mooncake-master-7d9f-abcde",
+            "namespace": "default",
+            "uid": "master-uid",
+            "labels": {
+                "app.kubernetes.io/name": "mooncake-master",
+                "app.kubernetes.io/managed-by": "inference-cache",
+                "inferencecache.io/cachebackend": "cb-mc",
+            },
+        },
+        "spec": {
+            "hostNetwork": true,
+            "nodeName": "cpu-1",
+            "containers": [{"name": "mooncake-master", "image": "docker.io/kvcacheai/mooncake:0.3.11.post1"}],
+        },
+    }))
+    .unwrap();
+    pod.status = Some(PodStatus {
+        phase: Some(phase.into()),
+        conditions: (phase == "Running").then(|| {
+            vec![PodCondition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                ..Default::default()
+            }]
+        }),
+        ..Default::default()
+    });
+    pod
+}
+
+#[test]
+fn mooncake_master_placement_reserves_its_host_ports() {
+    let derived = derive_plans(&[mooncake_master("Pending")], &[]);
+    let plan = &derived.plans["cpu-1"];
+    assert!(plan.engines.is_empty());
+    let ports: Vec<(u16, PortExpect)> = plan.ports.iter().map(|p| (p.port, p.expect)).collect();
+    assert_eq!(
+        ports,
+        vec![(8080, PortExpect::Free), (9003, PortExpect::Free), (50051, PortExpect::Free)],
+        "a scheduled master that has not started needs its ports free"
+    );
+    let derived = derive_plans(&[mooncake_master("Running")], &[]);
+    let plan = &derived.plans["cpu-1"];
+    assert!(plan
+        .ports
+        .iter()
+        .all(|p| p.expect == PortExpect::Held
+            && p.owner.as_ref().and_then(|o| o.pod_uid.as_deref()) == Some("master-uid")));
+    assert!(plan.ports.iter().any(|p| p.port == 50051 && p.purpose.contains("RPC")));
+    // A started but not yet Ready master is not judged.
+    let mut starting = mooncake_master("Running");
+    starting.status.as_mut().unwrap().conditions = None;
+    assert!(derive_plans(&[starting], &[]).plans["cpu-1"].ports.is_empty());
+}
+
+#[test]
+fn unwired_stale_orphaned_and_finished_pods_are_not_planned() {
+    let unwired = {
+        let mut p = fixture("06-gaie-vllm-lora-syncer-native-sidecar.yaml");
+        p.spec.as_mut().unwrap().node_name = Some("gpu-5".into());
+        p
+    };
+    let stale = {
+        let mut p = vllm_pod();
+        p.metadata.name = Some("stale".into());
+        p.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert("inferencecache.io/injected-by-uid".into(), "uid-of-an-older-cb".into());
+        p
+    };
+    let orphan = {
+        let mut p = vllm_pod();
+        p.metadata.name = Some("orphan".into());
+        p.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert("inferencecache.io/injected-by".into(), "default/gone".into());
+        p
+    };
+    let finished = {
+        let mut p = vllm_pod();
+        p.metadata.name = Some("done".into());
+        p.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        p
+    };
+    let unscheduled = {
+        let mut p = vllm_pod();
+        p.metadata.name = Some("pending".into());
+        p.spec.as_mut().unwrap().node_name = None;
+        p
+    };
+    let derived = derive_plans(&[unwired, stale, orphan, finished, unscheduled], &[vllm_backend()]);
+    assert!(derived.plans.is_empty(), "{:?}", derived.plans);
+    let mut reasons: Vec<&str> = derived.issues.iter().map(|i| i.reason).collect();
+    reasons.sort();
+    assert_eq!(reasons, vec![issue::BACKEND_NOT_FOUND, issue::STALE_INJECTION]);
+}
+
+#[test]
+fn host_ipc_pods_set_the_node_shm_and_host_port_conflicts_are_reported() {
+    let mut a = sglang_hostnet_pod();
+    a.spec.as_mut().unwrap().host_ipc = Some(true);
+    let mut b = sglang_hostnet_pod();
+    b.metadata.name = Some("second-replica".into());
+    b.metadata.uid = Some("uid-b".into());
+    let derived = derive_plans(&[a, b], &[sglang_backend()]);
+    let plan = &derived.plans["gpu-2"];
+    assert_eq!(plan.shm.as_ref().unwrap().required_bytes, 8 << 30);
+    assert_eq!(plan.engines.len(), 2);
+    // Both replicas want 5557 and 6000 on one host: the second is reported, not planned twice.
+    assert_eq!(plan.ports.len(), 2);
+    let conflicts: Vec<_> = derived
+        .issues
+        .iter()
+        .filter(|i| i.reason == issue::HOST_PORT_CONFLICT)
+        .collect();
+    assert_eq!(conflicts.len(), 2);
+    assert!(conflicts[0].message.contains("also claimed by"));
+}
+
+#[test]
+fn plans_are_deterministic_and_readable_by_the_agent() {
+    let pods = vec![sglang_hostnet_pod(), vllm_pod(), mooncake_master("Pending")];
+    let backends = vec![vllm_backend(), sglang_backend()];
+    let a = derive_plans(&pods, &backends);
+    let mut reversed = pods.clone();
+    reversed.reverse();
+    let b = derive_plans(&reversed, &backends);
+    assert_eq!(a, b);
+    assert_eq!(a.plans.keys().collect::<Vec<_>>(), vec!["cpu-1", "gpu-1", "gpu-2"]);
+    // What the controller sends is what `ic-agent` parses (unknown fields are rejected there).
+    for plan in a.plans.values() {
+        let json = serde_json::to_string(plan).unwrap();
+        assert_eq!(&NodePlan::parse(&json, "test").unwrap(), plan);
+    }
+    let by_node: BTreeMap<_, _> = a.backends_by_node();
+    assert_eq!(
+        by_node["gpu-2"].iter().cloned().collect::<Vec<_>>(),
+        vec!["llm-d-tiered-prefix-cache/cb-sglang".to_string()]
+    );
+    assert!(!by_node.contains_key("cpu-1"));
+}

@@ -1,0 +1,463 @@
+//! Shared fixtures of the `reconcile_*` integration tests: CacheBackends, engine and server
+//! pods, index replicas, and a harness around the in-memory API (kube-fake-client 0.3.0, which
+//! has no watch: tests call `reconcile` directly and play the Deployment controller by
+//! patching Deployment status).
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use ic_controller::reconcile::cachebackend::events::RecordingEventSink;
+use ic_controller::reconcile::cachebackend::index_view::{FakeIndex, ReplicaObservation};
+use ic_controller::reconcile::cachebackend::probe::FakeProber;
+use ic_controller::reconcile::cachebackend::status::Settings;
+use ic_controller::reconcile::clock::FakeClock;
+use ic_controller::reconcile::{reconcile, Context};
+use ic_shared::crd::{find_condition, CacheBackend, CacheBackendStatus};
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::Client;
+use kube_fake_client::ClientBuilder;
+use serde_json::{json, Value};
+
+/// Namespace of every fixture.
+pub const NS: &str = "ml";
+/// Start of the fake clock (2026-01-01T00:00:00Z).
+pub const T0: i64 = 1_767_225_600;
+
+/// A CacheBackend `name` in [`NS`] with `spec` (JSON), uid `uid-<name>`, generation 1.
+pub fn backend(name: &str, spec: Value) -> CacheBackend {
+    let mut cb: CacheBackend = serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"), "generation": 1},
+        "spec": spec,
+    }))
+    .unwrap();
+    cb.status = None;
+    cb
+}
+
+/// Sets an annotation on a CacheBackend.
+pub fn annotate(mut cb: CacheBackend, key: &str, value: &str) -> CacheBackend {
+    cb.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(key.to_string(), value.to_string());
+    cb
+}
+
+/// A vLLM backend with a Managed Redis tier selecting `app=vllm` pods.
+pub fn managed_redis(name: &str) -> CacheBackend {
+    backend(
+        name,
+        json!({
+            "runtime": "VLLM",
+            "remoteStorage": {"provider": "Redis", "ownership": "Managed"},
+            "engineSelector": {"matchLabels": {"app": "vllm"}},
+            "observation": {"modelID": "Qwen/Qwen3", "firstEventTimeout": "5m"}
+        }),
+    )
+}
+
+/// A host-only vLLM backend selecting `app=vllm` pods.
+pub fn host_only(name: &str) -> CacheBackend {
+    backend(
+        name,
+        json!({
+            "runtime": "VLLM",
+            "engineSelector": {"matchLabels": {"app": "vllm"}},
+            "observation": {"firstEventTimeout": "5m"}
+        }),
+    )
+}
+
+/// An events-only backend selecting `app=vllm` pods.
+pub fn events_only(name: &str) -> CacheBackend {
+    backend(
+        name,
+        json!({
+            "runtime": "VLLM",
+            "integration": {"mode": "EventsOnly"},
+            "engineSelector": {"matchLabels": {"app": "vllm"}},
+            "observation": {"modelID": "Qwen/Qwen3", "firstEventTimeout": "5m"}
+        }),
+    )
+}
+
+/// An External backend of `provider` with `endpoint`.
+pub fn external(name: &str, provider: &str, endpoint: &str) -> CacheBackend {
+    backend(
+        name,
+        json!({
+            "runtime": "VLLM",
+            "remoteStorage": {"provider": provider, "ownership": "External", "endpoint": endpoint},
+        }),
+    )
+}
+
+/// A pod named `name` in [`NS`] with labels, annotations and uid `uid-<name>`.
+pub fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+    let labels: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let annotations: BTreeMap<String, String> = annotations
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"),
+                     "labels": labels, "annotations": annotations},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.9.1"}]},
+    }))
+    .unwrap()
+}
+
+/// An engine pod `name` (label `app=vllm`) injected by `cb`, owned by the ReplicaSet of engine
+/// Deployment `deploy` (`<deploy>-abc123`, pod-template-hash `abc123`).
+pub fn injected_engine(name: &str, cb: &CacheBackend, deploy: &str) -> Pod {
+    let by = format!("{NS}/{}", cb.metadata.name.as_deref().unwrap());
+    let uid = cb.metadata.uid.clone().unwrap();
+    let mut p = pod(
+        name,
+        &[("app", "vllm"), ("pod-template-hash", "abc123")],
+        &[
+            ("inferencecache.io/injected-by", by.as_str()),
+            ("inferencecache.io/injected-by-uid", uid.as_str()),
+        ],
+    );
+    p.metadata.owner_references = Some(vec![serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": format!("{deploy}-abc123"),
+        "uid": format!("uid-rs-{deploy}"), "controller": true
+    }))
+    .unwrap()]);
+    p
+}
+
+/// Puts the pod's `vllm` container in CrashLoopBackOff.
+pub fn crash_looping(mut p: Pod) -> Pod {
+    p.status = Some(
+        serde_json::from_value(json!({
+            "phase": "Running",
+            "containerStatuses": [{
+                "name": "vllm", "ready": false, "restartCount": 4, "image": "i", "imageID": "",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}}
+            }]
+        }))
+        .unwrap(),
+    );
+    p
+}
+
+/// Adds a `lmcache-kernel-check` init container to `p` and sets its state (`state` is the
+/// ContainerState JSON); `strict` stamps the admitted mode annotation.
+pub fn with_kernel_check(mut p: Pod, state: Value, strict: bool) -> Pod {
+    let spec = p.spec.as_mut().unwrap();
+    spec.init_containers = Some(vec![serde_json::from_value(
+        json!({"name": "lmcache-kernel-check", "image": "vllm/vllm-openai:v0.9.1"}),
+    )
+    .unwrap()]);
+    if strict {
+        p.metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(
+                "inferencecache.io/lmcache-kernel-check".to_string(),
+                "strict".to_string(),
+            );
+    }
+    let mut status = p.status.take().map(|s| serde_json::to_value(s).unwrap()).unwrap_or(json!({}));
+    status["initContainerStatuses"] = json!([{
+        "name": "lmcache-kernel-check", "ready": false, "restartCount": 0, "image": "i",
+        "imageID": "", "state": state
+    }]);
+    p.status = Some(serde_json::from_value(status).unwrap());
+    p
+}
+
+/// A Ready cache-server pod of backend `cb_name` for provider `slug` (`redis`, …).
+pub fn server_pod(name: &str, uid: &str, cb_name: &str, slug: &str, restarts: i32) -> Pod {
+    let mut p = pod(
+        name,
+        &[
+            ("inferencecache.io/cachebackend", cb_name),
+            ("app.kubernetes.io/component", "cache-server"),
+            ("app.kubernetes.io/name", slug),
+        ],
+        &[],
+    );
+    p.metadata.uid = Some(uid.to_string());
+    p.spec = Some(
+        serde_json::from_value(json!({"containers": [{"name": slug, "image": "x"}, {"name": "istio-proxy", "image": "y"}]}))
+            .unwrap(),
+    );
+    p.status = Some(
+        serde_json::from_value(json!({
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [
+                {"name": slug, "ready": true, "restartCount": restarts, "image": "x", "imageID": ""},
+                {"name": "istio-proxy", "ready": true, "restartCount": 7, "image": "y", "imageID": ""}
+            ]
+        }))
+        .unwrap(),
+    );
+    p
+}
+
+/// An engine Deployment `name` whose pod template carries `labels`, with `replicas`.
+pub fn engine_deployment(name: &str, labels: &[(&str, &str)], replicas: i32) -> Deployment {
+    let labels: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}")},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels},
+                         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}}
+        }
+    }))
+    .unwrap()
+}
+
+/// An index replica of pod `pod` in [`NS`] holding `prefixes` blocks, last event at `ms`.
+pub fn replica(pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservation {
+    ReplicaObservation {
+        tenant: NS.to_string(),
+        replica: pod.to_string(),
+        prefix_count: prefixes,
+        last_event_unix_ms: last_event_ms,
+        t2_queries: None,
+        t2_hits: None,
+    }
+}
+
+/// The condition `type_` of `status`.
+pub fn cond<'a>(status: &'a CacheBackendStatus, type_: &str) -> Option<&'a Condition> {
+    find_condition(&status.conditions, type_)
+}
+
+/// `(status, reason)` of condition `type_`, or `None`.
+pub fn sr(status: &CacheBackendStatus, type_: &str) -> Option<(String, String)> {
+    cond(status, type_).map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// `Some((status, reason))` as owned strings.
+pub fn is(status: &str, reason: &str) -> Option<(String, String)> {
+    Some((status.to_string(), reason.to_string()))
+}
+
+/// A reconcile harness over the in-memory API.
+pub struct Harness {
+    /// The fake client.
+    pub client: Client,
+    /// The reconciler context.
+    pub ctx: Arc<Context>,
+    /// The clock.
+    pub clock: Arc<FakeClock>,
+    /// Recorded Events.
+    pub events: Arc<RecordingEventSink>,
+    /// The faked index.
+    pub index: Arc<FakeIndex>,
+    /// The scripted prober (wired only when the harness was built with a prober).
+    pub prober: Arc<FakeProber>,
+    /// The leader flag.
+    pub leader: Arc<AtomicBool>,
+}
+
+/// A fake client holding `cbs`, with the status subresources the reconciler uses.
+pub async fn fake_client(cbs: Vec<CacheBackend>) -> Client {
+    let mut b = ClientBuilder::new()
+        .with_resource::<CacheBackend>()
+        .with_status_subresource::<CacheBackend>()
+        .with_status_subresource::<Deployment>()
+        .with_status_subresource::<StatefulSet>();
+    for cb in cbs {
+        b = b.with_object(cb);
+    }
+    b.build().await.unwrap()
+}
+
+impl Harness {
+    /// A harness over `cbs`; `probe` wires the scripted prober (the probe gate on).
+    pub async fn new(cbs: Vec<CacheBackend>, probe: bool) -> Self {
+        let client = fake_client(cbs).await;
+        let clock = Arc::new(FakeClock::new(Timestamp::from_second(T0).unwrap()));
+        let events = Arc::new(RecordingEventSink::new());
+        let index = Arc::new(FakeIndex::new());
+        let prober = Arc::new(FakeProber::new());
+        let leader = Arc::new(AtomicBool::new(true));
+        let mut ctx = Context::new(
+            client.clone(),
+            index.clone(),
+            events.clone(),
+            clock.clone(),
+            leader.clone(),
+        )
+        .with_settings(Settings::default());
+        if probe {
+            ctx = ctx.with_prober(prober.clone());
+        }
+        Harness {
+            client,
+            ctx: Arc::new(ctx),
+            clock,
+            events,
+            index,
+            prober,
+            leader,
+        }
+    }
+
+    /// Runs one reconcile of backend `name`.
+    pub async fn reconcile(&self, name: &str) -> Action {
+        let stub = backend(name, json!({"runtime": "VLLM"}));
+        reconcile(Arc::new(stub), self.ctx.clone()).await.unwrap()
+    }
+
+    /// The live CacheBackend.
+    pub async fn cb(&self, name: &str) -> CacheBackend {
+        Api::<CacheBackend>::namespaced(self.client.clone(), NS)
+            .get(name)
+            .await
+            .unwrap()
+    }
+
+    /// The live status (default when unset).
+    pub async fn status(&self, name: &str) -> CacheBackendStatus {
+        self.cb(name).await.status.unwrap_or_default()
+    }
+
+    /// Merge-patches the CacheBackend (spec or metadata).
+    pub async fn patch_cb(&self, name: &str, patch: Value) {
+        Api::<CacheBackend>::namespaced(self.client.clone(), NS)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// Creates a pod.
+    pub async fn add_pod(&self, p: Pod) {
+        Api::<Pod>::namespaced(self.client.clone(), NS)
+            .create(&PostParams::default(), &p)
+            .await
+            .unwrap();
+    }
+
+    /// Replaces a pod (delete then create).
+    pub async fn replace_pod(&self, p: Pod) {
+        let api = Api::<Pod>::namespaced(self.client.clone(), NS);
+        let name = p.metadata.name.clone().unwrap();
+        let _ = api.delete(&name, &Default::default()).await;
+        api.create(&PostParams::default(), &p).await.unwrap();
+    }
+
+    /// Deletes a pod.
+    pub async fn delete_pod(&self, name: &str) {
+        Api::<Pod>::namespaced(self.client.clone(), NS)
+            .delete(name, &Default::default())
+            .await
+            .unwrap();
+    }
+
+    /// Creates a Deployment.
+    pub async fn add_deployment(&self, d: Deployment) {
+        Api::<Deployment>::namespaced(self.client.clone(), NS)
+            .create(&PostParams::default(), &d)
+            .await
+            .unwrap();
+    }
+
+    /// Plays the Deployment controller for `name`: `available` of the desired replicas
+    /// available, rollout complete, observedGeneration current.
+    pub async fn settle_deployment(&self, name: &str, available: i32) {
+        self.deployment_status(name, None, available, true).await;
+    }
+
+    /// Sets a Deployment's status: `updated` (default: desired) updated replicas, `available`
+    /// available and ready, rollout-complete marker `complete`.
+    pub async fn deployment_status(
+        &self,
+        name: &str,
+        updated: Option<i32>,
+        available: i32,
+        complete: bool,
+    ) {
+        let api = Api::<Deployment>::namespaced(self.client.clone(), NS);
+        let d = api.get(name).await.unwrap();
+        let desired = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+        let updated = updated.unwrap_or(desired);
+        let reason = if complete {
+            "NewReplicaSetAvailable"
+        } else {
+            "ReplicaSetUpdated"
+        };
+        let patch = json!({"status": {
+            "observedGeneration": d.metadata.generation,
+            "replicas": desired.max(updated),
+            "updatedReplicas": updated,
+            "readyReplicas": available,
+            "availableReplicas": available,
+            "conditions": [{"type": "Progressing", "status": "True", "reason": reason}]
+        }});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// The owned Deployment, if any.
+    pub async fn deployment(&self, name: &str) -> Option<Deployment> {
+        Api::<Deployment>::namespaced(self.client.clone(), NS)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    /// The owned StatefulSet, if any.
+    pub async fn statefulset(&self, name: &str) -> Option<StatefulSet> {
+        Api::<StatefulSet>::namespaced(self.client.clone(), NS)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    /// The owned Service, if any.
+    pub async fn service(&self, name: &str) -> Option<Service> {
+        Api::<Service>::namespaced(self.client.clone(), NS)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    /// The owned HPA, if any.
+    pub async fn hpa(&self, name: &str) -> Option<HorizontalPodAutoscaler> {
+        Api::<HorizontalPodAutoscaler>::namespaced(self.client.clone(), NS)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    /// Advances the clock by `secs` seconds.
+    pub fn advance(&self, secs: u64) {
+        self.clock.advance(std::time::Duration::from_secs(secs));
+    }
+
+    /// Unix ms of the clock now.
+    pub fn now_ms(&self) -> i64 {
+        use ic_controller::reconcile::clock::Clock;
+        self.clock.now().as_millisecond()
+    }
+}
