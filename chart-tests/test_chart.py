@@ -310,9 +310,17 @@ def test_services_for_grpc_metrics_and_webhooks(default: Rendered) -> None:
     assert [(p["port"], p["targetPort"]) for p in webhook] == [(443, "webhook")]
 
 
-def test_agent_reaches_the_grpc_service(default: Rendered) -> None:
+def test_agent_reaches_every_controller_replica_through_the_headless_service(default: Rendered) -> None:
+    """Each controller replica serves LookupRoute from its own index, so the agent streams to
+    every replica: its URL names a headless Service selecting the controller pods, on the
+    container's gRPC port (the DNS answer is pod IPs)."""
     url = args_of(the_container(agent_daemonset(default)))["--controller"]
-    assert url == f"http://{CONTROLLER}.{NAMESPACE}.svc:50051"
+    assert url == f"http://{CONTROLLER}-agents.{NAMESPACE}.svc:50051"
+    svc = default.one("Service", f"{CONTROLLER}-agents")
+    assert svc["spec"]["clusterIP"] == "None"
+    pod_labels = controller_deployment(default)["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(svc["spec"]["selector"], pod_labels)
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["grpc"]
 
 
 # ----------------------------------------------------------------------------- agent
@@ -653,7 +661,7 @@ def test_every_port_is_configurable() -> None:
     a = the_container(agent_daemonset(r))
     assert args_of(a)["--http-addr"] == "127.0.0.1:19090"
     assert args_of(a)["--metrics-addr"] == "$(POD_IP):19091"
-    assert args_of(a)["--controller"].endswith(":25051")
+    assert args_of(a)["--controller"].endswith(":15051")
     # The defaults do appear in the default rendering (the search above is meaningful).
     default_text = _rendered_text(variant_named("default"))
     for port in DEFAULT_PORTS:
@@ -770,7 +778,7 @@ def test_other_release_name_and_namespace() -> None:
     assert args["--agent-service-account"] == "gpu-ops:prod-inference-cache-agent"
     assert args["--leader-election-lease-name"] == "prod-inference-cache-controller"
     agent = the_container(r.one("DaemonSet", "prod-inference-cache-agent"))
-    assert args_of(agent)["--controller"] == "http://prod-inference-cache-controller.gpu-ops.svc:50051"
+    assert args_of(agent)["--controller"] == "http://prod-inference-cache-controller-agents.gpu-ops.svc:50051"
     assert "prod-inference-cache-webhook.gpu-ops.svc" in r.one("Certificate")["spec"]["dnsNames"]
     hook = _webhooks(r)["mpod.inferencecache.io"]
     assert hook["clientConfig"]["service"]["namespace"] == "gpu-ops"

@@ -65,6 +65,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "ic.metricsService" -}}
 {{- printf "%s-metrics" (include "ic.controller.fullname" .) -}}
 {{- end -}}
+{{- define "ic.agentsService" -}}
+{{- printf "%s-agents" (include "ic.controller.fullname" .) -}}
+{{- end -}}
 {{- define "ic.webhookService" -}}
 {{- printf "%s-webhook" (include "ic.fullname" .) -}}
 {{- end -}}
@@ -97,12 +100,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (include "ic.controller.fullname" .) .Values.controller.leaderElection.leaseName -}}
 {{- end -}}
 
-{{/* The agents' controller URL. */}}
+{{/* The agents' controller URL: the headless Service, so the agent resolves every controller
+replica and streams to each (every replica serves LookupRoute from its own index). */}}
 {{- define "ic.agent.controllerURL" -}}
 {{- if .Values.agent.controllerURL -}}
 {{- .Values.agent.controllerURL -}}
 {{- else -}}
-{{- printf "http://%s.%s.svc:%v" (include "ic.grpcService" .) .Release.Namespace .Values.controller.service.grpc.port -}}
+{{- printf "http://%s.%s.svc:%v" (include "ic.agentsService" .) .Release.Namespace .Values.controller.ports.grpc -}}
 {{- end -}}
 {{- end -}}
 

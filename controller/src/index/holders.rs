@@ -145,6 +145,7 @@ impl Holders {
     }
 
     /// Number of holders.
+    #[cfg(test)]
     pub(super) fn len(&self, arena: &HolderArena) -> usize {
         let mut buf = [0; 2];
         self.words(arena, &mut buf).len()

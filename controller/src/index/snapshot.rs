@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::PrefixIndex;
 
 /// One replica (engine stream) as `/snapshot` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ReplicaSnapshot {
     /// `ns/pod#rank`.

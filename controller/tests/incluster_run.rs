@@ -1,0 +1,244 @@
+//! `ic-controller run` end to end against the in-memory API: leader election, an authenticated
+//! agent over loopback gRPC receiving its node plan, a failing check appearing as a CacheNode
+//! condition and as the CacheBackend's advisory condition within one report interval, a node
+//! with engine pods but no agent, a refused cross-node stream, and the Lease released at
+//! shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ic_controller::incluster::{self, InClusterConfig, LeaderElectionSettings, Overrides, WebhookSettings};
+use ic_controller::ingest::auth::{FakeTokenVerifier, ServiceAccountRef};
+use ic_controller::leader::{ElectionConfig, LeaseLock};
+use ic_controller::reconcile::nodes::NodeLoopConfig;
+use ic_controller::state::LookupPolicy;
+use ic_shared::crd::conditions::find_condition;
+use ic_shared::crd::{CacheBackend, CacheNode};
+use ic_shared::plan::NodePlan;
+use ic_shared::proto::{
+    self, agent_message::Msg, agent_service_client::AgentServiceClient, controller_message,
+    AgentMessage,
+};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube_fake_client::ClientBuilder;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+fn engine_pod(name: &str, node: &str, ip: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+            "annotations": {
+                "inferencecache.io/injected-by": "ns/cb",
+                "inferencecache.io/injected-by-uid": "uid-cb",
+            },
+        },
+        "spec": {
+            "nodeName": node,
+            "containers": [{
+                "name": "vllm", "image": "vllm/vllm-openai",
+                "command": ["vllm", "serve", "m", "--kv-events-config",
+                    r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}"#],
+            }],
+        },
+        "status": {"phase": "Running", "podIP": ip},
+    }))
+    .unwrap()
+}
+
+fn backend() -> CacheBackend {
+    serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+        "metadata": {"name": "cb", "namespace": "ns", "uid": "uid-cb", "generation": 1},
+        "spec": {"runtime": "VLLM", "observation": {"modelID": "m"}},
+    }))
+    .unwrap()
+}
+
+fn agent_sa() -> ServiceAccountRef {
+    "ic:ic-agent".parse().unwrap()
+}
+
+async fn wait_until<F, Fut>(what: &str, limit: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+#[tokio::test]
+async fn run_mode_end_to_end() {
+    let client = ClientBuilder::new()
+        .with_resource::<CacheBackend>()
+        .with_status_subresource::<CacheBackend>()
+        .with_resource::<CacheNode>()
+        .with_status_subresource::<CacheNode>()
+        .with_object(backend())
+        .with_object(engine_pod("vllm-0", "gpu-1", "10.0.0.5"))
+        .with_object(engine_pod("vllm-1", "gpu-2", "10.0.0.6"))
+        .build()
+        .await
+        .unwrap();
+    let verifier = Arc::new(FakeTokenVerifier::new().with_token("tok-gpu-1", &agent_sa(), Some("gpu-1")));
+    let mut election = ElectionConfig::new("replica-1");
+    election.retry_period = Duration::from_millis(100);
+    let cfg = InClusterConfig {
+        grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        agent_expiry: Duration::from_secs(60),
+        policy: LookupPolicy::default(),
+        webhook: WebhookSettings {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            cert_dir: None,
+            self_signed: true,
+            config_name: None,
+        },
+        leader_election: LeaderElectionSettings {
+            namespace: "ic".into(),
+            lease_name: "inference-cache-controller".into(),
+            election,
+        },
+        agent_service_account: agent_sa(),
+        token_audience: "inference-cache".into(),
+        token_cache_ttl: Duration::from_secs(60),
+        nodes: NodeLoopConfig {
+            plan_interval: Duration::from_millis(200),
+            status_interval: Duration::from_millis(500),
+            cachenode_min_write_interval: Duration::from_secs(30),
+            advisory_resync: Duration::from_secs(60),
+        },
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = incluster::start(
+        client.clone(),
+        cfg,
+        Overrides {
+            token_verifier: Some(verifier),
+            clock: None,
+        },
+        async {
+            let _ = stop_rx.await;
+        },
+    )
+    .await
+    .unwrap();
+    let shared = running.shared.clone();
+    let leader = running.leader.clone();
+    wait_until("leadership", Duration::from_secs(5), || {
+        let l = leader.is_leader();
+        async move { l }
+    })
+    .await;
+
+    // The authenticated agent of gpu-1 gets its plan: the engine pod with its publisher.
+    let url = format!("http://{}", running.grpc_addr);
+    let mut agent = AgentServiceClient::connect(url.clone()).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let hello = |node: &str, token: &str| AgentMessage {
+        msg: Some(Msg::Hello(proto::Hello {
+            node: node.into(),
+            version: "0.1.0".into(),
+            token: token.into(),
+            ..Default::default()
+        })),
+    };
+    tx.send(hello("gpu-1", "tok-gpu-1")).await.unwrap();
+    let mut down = agent.connect(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let plan = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(controller_message::Msg::Plan(p)) = down.message().await.unwrap().unwrap().msg {
+                let plan = NodePlan::parse(&p.plan_json, "stream").unwrap();
+                if !plan.engines.is_empty() {
+                    return (p.generation, plan);
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(plan.0 >= 1);
+    let e = &plan.1.engines[0];
+    assert_eq!((e.pod.as_str(), e.backend.as_str(), e.model.as_str()), ("vllm-0", "ns/cb", "m"));
+    assert_eq!(e.kv_events[0].endpoint, "tcp://10.0.0.5:5557");
+    assert_eq!(e.kv_events[0].replay_endpoint.as_deref(), Some("tcp://10.0.0.5:5558"));
+
+    // gpu-1's token cannot report for gpu-2.
+    let mut intruder = AgentServiceClient::connect(url).await.unwrap();
+    let (itx, irx) = tokio::sync::mpsc::channel(1);
+    itx.send(hello("gpu-2", "tok-gpu-1")).await.unwrap();
+    let refused = intruder.connect(ReceiverStream::new(irx)).await.err().unwrap();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+
+    // A failing check shows up on the CacheNode and the backend within one report interval.
+    let sent = Instant::now();
+    tx.send(AgentMessage {
+        msg: Some(Msg::Checks(proto::CheckReport {
+            observed_at_unix_ms: ic_shared::now_unix_ms(),
+            plan_generation: plan.0,
+            results: vec![proto::CheckResult {
+                name: "shm".into(),
+                subject: "host".into(),
+                status: proto::CheckStatus::Critical as i32,
+                reason: "ShmUndersized".into(),
+                message: "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB".into(),
+                ..Default::default()
+            }],
+        })),
+    })
+    .await
+    .unwrap();
+    let nodes: Api<CacheNode> = Api::all(client.clone());
+    let backends: Api<CacheBackend> = Api::namespaced(client.clone(), "ns");
+    let report_interval = Duration::from_secs(5);
+    wait_until("ShmHealthy=False on CacheNode gpu-1", report_interval, || {
+        let nodes = nodes.clone();
+        async move {
+            nodes.get_opt("gpu-1").await.unwrap().and_then(|n| n.status).is_some_and(|s| {
+                find_condition(&s.conditions, "ShmHealthy").is_some_and(|c| c.status == "False")
+            })
+        }
+    })
+    .await;
+    wait_until("NodeHealthy=False on CacheBackend ns/cb", report_interval, || {
+        let backends = backends.clone();
+        async move {
+            backends.get("cb").await.unwrap().status.is_some_and(|s| {
+                find_condition(&s.conditions, "NodeHealthy").is_some_and(|c| c.status == "False")
+            })
+        }
+    })
+    .await;
+    assert!(sent.elapsed() < report_interval);
+    let cb = backends.get("cb").await.unwrap();
+    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy").unwrap().clone();
+    assert_eq!(adv.reason, "NodeCheckFailing");
+    assert!(adv.message.contains("gpu-1: shm Critical (ShmUndersized)"), "{}", adv.message);
+    assert!(adv.message.contains("No node agent is connected on gpu-2"), "{}", adv.message);
+
+    // gpu-2 runs an engine pod but has no agent: it is reported, on its CacheNode and in metrics.
+    let gpu2 = nodes.get("gpu-2").await.unwrap().status.unwrap();
+    let c = find_condition(&gpu2.conditions, "AgentConnected").unwrap();
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "AgentNotConnected"));
+    assert_eq!(gpu2.engine_count, 1);
+    let metrics = shared.metrics.render();
+    assert!(metrics.contains("inferencecache_controller_nodes_without_agent 1"), "{metrics}");
+    assert!(metrics.contains("inferencecache_controller_leader 1"));
+
+    // Shutdown releases the Lease.
+    drop(tx);
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), running.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    let lock = LeaseLock::new(client, "ic", "inference-cache-controller");
+    assert_eq!(lock.read().await.unwrap().unwrap().0.holder(), None);
+}
