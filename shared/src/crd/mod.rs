@@ -8,6 +8,8 @@
 //! | `CacheTenant` | namespaced | `ct` | [`cache_tenant`] |
 //! | `CacheIndex` | cluster | `ci` | [`cache_index`] |
 //! | `CacheNode` | cluster | `cn` | [`cache_node`] |
+//! | `ModelCache` | namespaced | `mc` | [`model_cache`] |
+//! | `ModelCacheBinding` | namespaced | `mcb` | [`model_cache_binding`] |
 //!
 //! Every type derives kube's `CustomResource` (so `T::crd()` renders its
 //! `CustomResourceDefinition`) plus `Default`, which the in-memory API used in tests needs.
@@ -20,6 +22,8 @@ pub mod cache_node;
 pub mod cache_policy;
 pub mod cache_tenant;
 pub mod conditions;
+pub mod model_cache;
+pub mod model_cache_binding;
 
 pub use cache_backend::*;
 pub use cache_index::*;
@@ -27,6 +31,8 @@ pub use cache_node::*;
 pub use cache_policy::*;
 pub use cache_tenant::*;
 pub use conditions::*;
+pub use model_cache::*;
+pub use model_cache_binding::*;
 
 /// The CRD object type, re-exported so crates without a direct `k8s-openapi` dependency can name
 /// it.
