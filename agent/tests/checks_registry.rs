@@ -75,23 +75,3 @@ fn default_registry_on_this_host_renders() {
     let worst = CheckStatus::worst(results.iter().map(|r| r.status));
     assert_eq!(json["status"], worst.to_string());
 }
-
-#[test]
-#[ignore = "prints this host's report; run with --ignored --nocapture"]
-fn print_this_host() {
-    let results = Checks::new(&ChecksConfig::default()).run_all(&NodePlan {
-        shm: Some(ic_shared::plan::ShmRequirement {
-            required_bytes: 64 << 30,
-        }),
-        ports: vec![ic_shared::plan::PortExpectation {
-            port: 22,
-            ..Default::default()
-        }],
-        ..NodePlan::default()
-    });
-    println!("{}", render_table("this-node", &results));
-    println!(
-        "{}",
-        serde_json::to_string_pretty(&report_json("this-node", &results)).unwrap()
-    );
-}
