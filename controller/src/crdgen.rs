@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use ic_shared::crd::{
     CacheBackend, CacheIndex, CacheNode, CachePolicy, CacheTenant, CustomResourceDefinition,
+    ModelCache, ModelCacheBinding,
 };
 use kube::CustomResourceExt;
 
@@ -24,6 +25,8 @@ pub fn all_crds() -> Vec<CustomResourceDefinition> {
         CacheNode::crd(),
         CachePolicy::crd(),
         CacheTenant::crd(),
+        ModelCache::crd(),
+        ModelCacheBinding::crd(),
     ]
 }
 

@@ -2,6 +2,7 @@
 //!
 //! - [`adapters`] — runtime and storage-provider adapters behind a registry.
 //! - [`admission`] — the AdmissionReview server and its logic.
+//! - [`catalog`] — the storage capability catalog of the model cache.
 //! - [`crdgen`] — CRD manifests for `chart/crds`.
 //! - [`index`] — the KV-prefix index and lookups.
 //! - [`ingest`] — the agents' gRPC stream.
@@ -13,6 +14,7 @@
 
 pub mod adapters;
 pub mod admission;
+pub mod catalog;
 pub mod crdgen;
 pub mod http;
 pub mod incluster;

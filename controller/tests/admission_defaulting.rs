@@ -1,5 +1,6 @@
 //! CacheBackend defaulting, one table per default (spec 000 "Admission" → "Defaulting"): the
 //! defaulted value, the operator-set values it never clobbers, and the JSON Patch.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use ic_controller::admission::defaulting::default_cache_backend;
 use ic_controller::admission::review::Operation;
@@ -18,26 +19,42 @@ fn defaulted(spec: Value, op: Operation) -> Value {
     json_patch::patch(&mut patched, &d.patch).unwrap();
     assert_eq!(patched, d.object);
     // Defaulting converges: a second pass changes nothing.
-    assert!(default_cache_backend(&d.object, op).unwrap().patch.is_empty());
+    assert!(default_cache_backend(&d.object, op)
+        .unwrap()
+        .patch
+        .is_empty());
     d.object["spec"].clone()
 }
 
 #[test]
 fn default_integration() {
     let cases = [
-        (json!({"runtime": "VLLM"}), json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true})),
-        (json!({"runtime": "VLLM", "integration": null}),
-         json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true})),
-        (json!({"runtime": "VLLM", "integration": {}}),
-         json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true})),
-        (json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"}}),
-         json!({"mode": "EventsOnly", "role": "ReadWrite", "failOpen": true})),
-        (json!({"runtime": "VLLM", "integration": {"role": "ReadOnly", "failOpen": false}}),
-         json!({"mode": "Offload", "role": "ReadOnly", "failOpen": false})),
-        (json!({"runtime": "VLLM", "integration": {"engineHostNetwork": true,
+        (
+            json!({"runtime": "VLLM"}),
+            json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true}),
+        ),
+        (
+            json!({"runtime": "VLLM", "integration": null}),
+            json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true}),
+        ),
+        (
+            json!({"runtime": "VLLM", "integration": {}}),
+            json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true}),
+        ),
+        (
+            json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"}}),
+            json!({"mode": "EventsOnly", "role": "ReadWrite", "failOpen": true}),
+        ),
+        (
+            json!({"runtime": "VLLM", "integration": {"role": "ReadOnly", "failOpen": false}}),
+            json!({"mode": "Offload", "role": "ReadOnly", "failOpen": false}),
+        ),
+        (
+            json!({"runtime": "VLLM", "integration": {"engineHostNetwork": true,
                  "engineOverrides": {"args": ["--x"]}}}),
-         json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true, "engineHostNetwork": true,
-                "engineOverrides": {"args": ["--x"]}})),
+            json!({"mode": "Offload", "role": "ReadWrite", "failOpen": true, "engineHostNetwork": true,
+                "engineOverrides": {"args": ["--x"]}}),
+        ),
     ];
     for (spec, want) in cases {
         for op in [Operation::Create, Operation::Update] {
@@ -49,16 +66,29 @@ fn default_integration() {
 #[test]
 fn default_observation() {
     let cases = [
-        (json!({"runtime": "VLLM"}), json!({"firstEventTimeout": "5m"})),
-        (json!({"runtime": "VLLM", "observation": {"modelID": "m"}}),
-         json!({"modelID": "m", "firstEventTimeout": "5m"})),
-        (json!({"runtime": "VLLM", "observation": {"firstEventTimeout": "10m"}}),
-         json!({"firstEventTimeout": "10m"})),
-        (json!({"runtime": "VLLM", "observation": {"firstEventTimeout": "0"}}),
-         json!({"firstEventTimeout": "0"})),
+        (
+            json!({"runtime": "VLLM"}),
+            json!({"firstEventTimeout": "5m"}),
+        ),
+        (
+            json!({"runtime": "VLLM", "observation": {"modelID": "m"}}),
+            json!({"modelID": "m", "firstEventTimeout": "5m"}),
+        ),
+        (
+            json!({"runtime": "VLLM", "observation": {"firstEventTimeout": "10m"}}),
+            json!({"firstEventTimeout": "10m"}),
+        ),
+        (
+            json!({"runtime": "VLLM", "observation": {"firstEventTimeout": "0"}}),
+            json!({"firstEventTimeout": "0"}),
+        ),
     ];
     for (spec, want) in cases {
-        assert_eq!(defaulted(spec.clone(), Operation::Create)["observation"], want, "{spec}");
+        assert_eq!(
+            defaulted(spec.clone(), Operation::Create)["observation"],
+            want,
+            "{spec}"
+        );
     }
 }
 
@@ -68,32 +98,56 @@ fn default_autoscaling_min_replicas_first_apply_only() {
     // (spec, operation, expected autoscaling)
     let cases = [
         // CREATE: copied from replicas; the schema default 1 when replicas is unset.
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 3, "autoscaling": {"maxReplicas": 5}}),
-         Operation::Create, json!({"maxReplicas": 5, "minReplicas": 3})),
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "autoscaling": {"maxReplicas": 5}}),
-         Operation::Create, json!({"maxReplicas": 5, "minReplicas": 1})),
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 2,
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 3, "autoscaling": {"maxReplicas": 5}}),
+            Operation::Create,
+            json!({"maxReplicas": 5, "minReplicas": 3}),
+        ),
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "autoscaling": {"maxReplicas": 5}}),
+            Operation::Create,
+            json!({"maxReplicas": 5, "minReplicas": 1}),
+        ),
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 2,
                 "autoscaling": {"maxReplicas": 5, "minReplicas": null}}),
-         Operation::Create, json!({"maxReplicas": 5, "minReplicas": 2})),
+            Operation::Create,
+            json!({"maxReplicas": 5, "minReplicas": 2}),
+        ),
         // Never clobbered.
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 3,
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 3,
                 "autoscaling": {"maxReplicas": 5, "minReplicas": 2}}),
-         Operation::Create, json!({"maxReplicas": 5, "minReplicas": 2})),
+            Operation::Create,
+            json!({"maxReplicas": 5, "minReplicas": 2}),
+        ),
         // Never from replicas 0 (validation rejects that case instead).
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 0, "autoscaling": {"maxReplicas": 5}}),
-         Operation::Create, json!({"maxReplicas": 5})),
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 0, "autoscaling": {"maxReplicas": 5}}),
+            Operation::Create,
+            json!({"maxReplicas": 5}),
+        ),
         // Not on UPDATE: a later replicas edit does not move the floor, and an unset floor stays
         // unset.
-        (json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 4, "autoscaling": {"maxReplicas": 5}}),
-         Operation::Update, json!({"maxReplicas": 5})),
+        (
+            json!({"runtime": "VLLM", "remoteStorage": rs, "replicas": 4, "autoscaling": {"maxReplicas": 5}}),
+            Operation::Update,
+            json!({"maxReplicas": 5}),
+        ),
     ];
     for (spec, op, want) in cases {
-        assert_eq!(defaulted(spec.clone(), op)["autoscaling"], want, "{spec} {op:?}");
+        assert_eq!(
+            defaulted(spec.clone(), op)["autoscaling"],
+            want,
+            "{spec} {op:?}"
+        );
     }
     // Without spec.autoscaling nothing is materialised.
-    assert!(defaulted(json!({"runtime": "VLLM", "replicas": 2}), Operation::Create)
-        .get("autoscaling")
-        .is_none());
+    assert!(
+        defaulted(json!({"runtime": "VLLM", "replicas": 2}), Operation::Create)
+            .get("autoscaling")
+            .is_none()
+    );
 }
 
 #[test]
@@ -136,7 +190,13 @@ fn patch_is_add_operations_at_exact_paths() {
 fn missing_or_odd_spec_is_left_for_validation() {
     let obj = json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
                      "metadata": {"name": "x"}});
-    assert!(default_cache_backend(&obj, Operation::Create).unwrap().patch.is_empty());
+    assert!(default_cache_backend(&obj, Operation::Create)
+        .unwrap()
+        .patch
+        .is_empty());
     let obj = cb(json!({"runtime": "VLLM", "integration": "nope", "observation": 3}));
-    assert!(default_cache_backend(&obj, Operation::Create).unwrap().patch.is_empty());
+    assert!(default_cache_backend(&obj, Operation::Create)
+        .unwrap()
+        .patch
+        .is_empty());
 }

@@ -1,6 +1,7 @@
 //! Property tests: random mutations of the valid sample CacheBackends (config/samples) never
 //! panic anywhere in admission (schema, decode, every rule, UPDATE filtering, defaulting, the
 //! three routes, `admit`); random pods through `/mutate-pod` are always allowed.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use ic_controller::admission::defaulting::default_cache_backend;
 use ic_controller::admission::offline::admit_cache_backend;
 use ic_controller::admission::review::Operation;
 use ic_controller::admission::validation::{RuleContext, Validator};
-use ic_controller::admission::{Admission, Route, StaticBackends, UnwiredPods};
+use ic_controller::admission::{Admission, PodWebhook, Route, StaticBackends};
 use ic_shared::crd::CacheBackend;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -18,10 +19,17 @@ use serde_json::{json, Map, Value};
 fn samples() -> Vec<Value> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/samples");
     let mut out = Vec::new();
-    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     entries.sort();
     for p in entries {
-        if p.file_name().unwrap().to_string_lossy().starts_with("cachebackend-") {
+        if p.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("cachebackend-")
+        {
             let mut v: Value = serde_yaml::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
             v["metadata"]["namespace"] = json!("team-a");
             out.push(v);
@@ -32,25 +40,110 @@ fn samples() -> Vec<Value> {
 }
 
 const KEYS: &[&str] = &[
-    "runtime", "type", "lmCache", "remoteStorage", "provider", "ownership", "endpoint", "redis",
-    "lmCacheServer", "mooncake", "resources", "limits", "requests", "claims", "observation",
-    "replicas", "autoscaling", "minReplicas", "maxReplicas", "integration", "mode", "role",
-    "failOpen", "engineOverrides", "args", "suppressArgs", "env", "suppressEnv", "name",
-    "engineHostNetwork", "engineSelector", "matchLabels", "hiCache", "ratio", "sizeGB",
-    "writePolicy", "ioBackend", "memoryLayout", "template", "allowCrossNamespace", "annotations",
-    "inferencecache.io/lmcache-kernel-check", "nvidia.com/gpu", "hugepages-2Mi", "memory", "cpu",
-    "chunkSizeTokens", "hostMemory", "capacity", "workerPort", "firstEventTimeout", "status",
-    "command", "image", "deploymentKind",
+    "runtime",
+    "type",
+    "lmCache",
+    "remoteStorage",
+    "provider",
+    "ownership",
+    "endpoint",
+    "redis",
+    "lmCacheServer",
+    "mooncake",
+    "resources",
+    "limits",
+    "requests",
+    "claims",
+    "observation",
+    "replicas",
+    "autoscaling",
+    "minReplicas",
+    "maxReplicas",
+    "integration",
+    "mode",
+    "role",
+    "failOpen",
+    "engineOverrides",
+    "args",
+    "suppressArgs",
+    "env",
+    "suppressEnv",
+    "name",
+    "engineHostNetwork",
+    "engineSelector",
+    "matchLabels",
+    "hiCache",
+    "ratio",
+    "sizeGB",
+    "writePolicy",
+    "ioBackend",
+    "memoryLayout",
+    "template",
+    "allowCrossNamespace",
+    "annotations",
+    "inferencecache.io/lmcache-kernel-check",
+    "nvidia.com/gpu",
+    "hugepages-2Mi",
+    "memory",
+    "cpu",
+    "chunkSizeTokens",
+    "hostMemory",
+    "capacity",
+    "workerPort",
+    "firstEventTimeout",
+    "status",
+    "command",
+    "image",
+    "deploymentKind",
 ];
 
 const STRINGS: &[&str] = &[
-    "", " ", "VLLM", "SGLang", "LMCache", "SGLangHiCache", "Redis", "LMCacheServer", "Mooncake",
-    "Managed", "External", "EventsOnly", "Offload", "ReadOnly", "WriteOnly", "ReadWrite",
-    "lm://x:1", "mooncakestore://m:50051", "redis:6379", "[fd00::1]:0", "x.other.svc:1",
-    "fd00::1:1", "redis:6379/0", "-1", "0", "1.5", "3Mi", "500m", "1e400", "99999999999999999999Ei",
-    "nan", "inf", "2.0", "--kv-transfer-config", "--kv_transfer_config=x", "PYTHONHASHSEED",
-    "strict", "strcit", "5m", "1h30m", "x", "hugepages-", "kubernetes.io/x", "write_thru",
-    "\u{1F600}", "a\u{0}b",
+    "",
+    " ",
+    "VLLM",
+    "SGLang",
+    "LMCache",
+    "SGLangHiCache",
+    "Redis",
+    "LMCacheServer",
+    "Mooncake",
+    "Managed",
+    "External",
+    "EventsOnly",
+    "Offload",
+    "ReadOnly",
+    "WriteOnly",
+    "ReadWrite",
+    "lm://x:1",
+    "mooncakestore://m:50051",
+    "redis:6379",
+    "[fd00::1]:0",
+    "x.other.svc:1",
+    "fd00::1:1",
+    "redis:6379/0",
+    "-1",
+    "0",
+    "1.5",
+    "3Mi",
+    "500m",
+    "1e400",
+    "99999999999999999999Ei",
+    "nan",
+    "inf",
+    "2.0",
+    "--kv-transfer-config",
+    "--kv_transfer_config=x",
+    "PYTHONHASHSEED",
+    "strict",
+    "strcit",
+    "5m",
+    "1h30m",
+    "x",
+    "hugepages-",
+    "kubernetes.io/x",
+    "write_thru",
+    "\u{1F600}",
+    "a\u{0}b",
 ];
 
 fn leaf() -> impl Strategy<Value = Value> {
@@ -59,7 +152,8 @@ fn leaf() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::from),
         (-3i64..70_000).prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+        any::<f64>()
+            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
         proptest::sample::select(STRINGS).prop_map(Value::from),
         "[a-zA-Z0-9:/.\\[\\]_ -]{0,24}".prop_map(Value::from),
     ]
@@ -70,7 +164,11 @@ fn value() -> impl Strategy<Value = Value> {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
             proptest::collection::vec((proptest::sample::select(KEYS), inner), 0..4).prop_map(
-                |kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect::<Map<_, _>>())
+                |kv| Value::Object(
+                    kv.into_iter()
+                        .map(|(k, v)| (k.to_string(), v))
+                        .collect::<Map<_, _>>()
+                )
             ),
         ]
     })
@@ -97,7 +195,11 @@ fn pointers(v: &Value, base: String, out: &mut Vec<String>) {
     match v {
         Value::Object(m) => {
             for (k, c) in m {
-                pointers(c, format!("{base}/{}", k.replace('~', "~0").replace('/', "~1")), out);
+                pointers(
+                    c,
+                    format!("{base}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    out,
+                );
             }
         }
         Value::Array(a) => {
@@ -150,19 +252,39 @@ fn apply(doc: &mut Value, m: &Mutation) {
     }
 }
 
+/// Real wiring, with backends that match the random pods' labels.
 fn admission() -> Admission {
+    let backends: Vec<CacheBackend> = [
+        json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+               "ownership": "External", "endpoint": "lm://lmcache:65432"},
+               "observation": {"modelID": "m"}, "engineSelector": {"matchLabels": {"app": "vllm"}}}),
+        json!({"runtime": "SGLang", "engineSelector": {"matchLabels": {"app": "sglang"}}}),
+        json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
+               "engineSelector": {"matchLabels": {"app": "hicache"}}}),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, spec)| {
+        serde_json::from_value(json!({"apiVersion": "inferencecache.io/v1alpha1",
+            "kind": "CacheBackend", "metadata": {"name": format!("cb{i}"), "namespace": "team-a",
+            "uid": format!("uid-{i}")}, "spec": spec}))
+        .unwrap()
+    })
+    .collect();
     Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends::default()),
-        Arc::new(UnwiredPods),
+        Arc::new(StaticBackends(backends)),
+        Arc::new(PodWebhook::default()),
     )
 }
 
 fn review(op: &str, kind: &str, obj: &Value, old: Option<&Value>) -> Vec<u8> {
-    serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+    serde_json::to_vec(
+        &json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {"uid": "p", "kind": {"group": "", "version": "v1", "kind": kind},
                     "resource": {"group": "", "version": "v1", "resource": "x"},
-                    "namespace": "team-a", "operation": op, "object": obj, "oldObject": old}}))
+                    "namespace": "team-a", "operation": op, "object": obj, "oldObject": old}}),
+    )
     .unwrap()
 }
 
@@ -213,12 +335,16 @@ proptest! {
     #[test]
     fn random_pods_through_mutate_pod_are_always_allowed(
         mutations in proptest::collection::vec(mutation(), 0..6),
-        op in proptest::sample::select(&["CREATE", "UPDATE", "DELETE"][..]),
+        op in proptest::sample::select(&["CREATE", "CREATE", "UPDATE", "DELETE"][..]),
+        app in proptest::sample::select(&["vllm", "sglang", "hicache", "other"][..]),
     ) {
+        let (name, command) = match app {
+            "vllm" => ("vllm", json!(["vllm", "serve", "m"])),
+            _ => ("sglang", json!(["python3", "-m", "sglang.launch_server", "--model-path", "m"])),
+        };
         let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "p", "namespace": "team-a", "labels": {"app": "vllm"}},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai",
-                                     "command": ["vllm", "serve", "m"]}]}});
+            "metadata": {"name": "p", "namespace": "team-a", "labels": {"app": app}},
+            "spec": {"containers": [{"name": name, "image": "img", "command": command}]}});
         for m in &mutations {
             apply(&mut pod, m);
         }
@@ -226,5 +352,6 @@ proptest! {
         let out = a.handle_bytes(Route::MutatePod, &review(op, "Pod", &pod, None));
         let r: Value = serde_json::from_slice(&out.body).unwrap();
         prop_assert_eq!(&r["response"]["allowed"], &Value::Bool(true));
+        prop_assert_eq!(r["response"].get("patchType").is_some(), r["response"].get("patch").is_some());
     }
 }

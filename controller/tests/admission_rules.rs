@@ -2,6 +2,7 @@
 //! and every admission rule stated elsewhere), named `rule_<rule name>`. Each table has
 //! accepted cases (the whole pipeline admits them) and rejected cases (the named rule reports
 //! exactly the listed field paths and kinds, and the whole pipeline reports them too).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use ic_controller::adapters::{
     BindingKind, InjectContext, InjectError, InjectReport, Registry, RuntimeAdapter,
@@ -49,7 +50,9 @@ fn full(obj: &Value) -> Outcome {
 fn only_rule(name: &str, obj: &Value) -> Vec<Violation> {
     let reg = registry();
     let v = Validator::builtin();
-    let rule = v.rule(name).unwrap_or_else(|| panic!("no rule named {name}"));
+    let rule = v
+        .rule(name)
+        .unwrap_or_else(|| panic!("no rule named {name}"));
     let decoded = schema::decode(obj).expect("case decodes");
     rule.check(&decoded, &ctx(&reg))
 }
@@ -103,9 +106,21 @@ fn rule_schema_matches_crd() {
     let cases: &[(Value, &str, ViolationKind)] = &[
         (json!({"type": "LMCache"}), "spec.runtime", Required),
         (json!({"runtime": "vllm"}), "spec.runtime", NotSupported),
-        (json!({"runtime": "VLLM", "type": "Mooncake"}), "spec.type", NotSupported),
-        (json!({"runtime": "VLLM", "replicas": -1}), "spec.replicas", Invalid),
-        (json!({"runtime": "VLLM", "replicas": "2"}), "spec.replicas", Invalid),
+        (
+            json!({"runtime": "VLLM", "type": "Mooncake"}),
+            "spec.type",
+            NotSupported,
+        ),
+        (
+            json!({"runtime": "VLLM", "replicas": -1}),
+            "spec.replicas",
+            Invalid,
+        ),
+        (
+            json!({"runtime": "VLLM", "replicas": "2"}),
+            "spec.replicas",
+            Invalid,
+        ),
         (
             json!({"runtime": "VLLM", "lmCache": {"workerPort": 70000}}),
             "spec.lmCache.workerPort",
@@ -144,7 +159,10 @@ fn rule_schema_matches_crd() {
     );
     let out = full(&cb(json!({"runtime": "VLLM", "replicass": 2})));
     assert!(out.is_valid());
-    assert_eq!(out.warnings, vec![r#"unknown field "spec.replicass""#.to_string()]);
+    assert_eq!(
+        out.warnings,
+        vec![r#"unknown field "spec.replicass""#.to_string()]
+    );
 }
 
 #[test]
@@ -152,29 +170,41 @@ fn rule_cache_hierarchy_consistent() {
     table(
         "cache_hierarchy_consistent",
         &[
-            cb(json!({"runtime": "SGLang", "type": "LMCache", "lmCache": {"chunkSizeTokens": 256},
+            cb(
+                json!({"runtime": "SGLang", "type": "LMCache", "lmCache": {"chunkSizeTokens": 256},
                       "remoteStorage": {"provider": "Redis", "ownership": "Managed",
-                                        "redis": {"image": "redis:7"}}})),
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "Mooncake", "ownership": "Managed",
-                      "mooncake": {"image": "m"}}, "integration": {"engineHostNetwork": true}})),
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 1}})),
+                                        "redis": {"image": "redis:7"}}}),
+            ),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "Mooncake", "ownership": "Managed",
+                      "mooncake": {"image": "m"}}, "integration": {"engineHostNetwork": true}}),
+            ),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 1}}),
+            ),
         ],
         &[
             (
-                cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed",
-                          "mooncake": {"image": "m"}}})),
+                cb(
+                    json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed",
+                          "mooncake": {"image": "m"}}}),
+                ),
                 &[("spec.remoteStorage.mooncake", Forbidden)],
             ),
             (
-                cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                cb(
+                    json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
                           "ownership": "External", "endpoint": "lm://x:1",
-                          "lmCacheServer": {"image": "i"}}})),
+                          "lmCacheServer": {"image": "i"}}}),
+                ),
                 &[("spec.remoteStorage.lmCacheServer", Forbidden)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
-                          "lmCache": {"chunkSizeTokens": 256}})),
+                cb(
+                    json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
+                          "lmCache": {"chunkSizeTokens": 256}}),
+                ),
                 &[("spec.lmCache", Forbidden)],
             ),
             (
@@ -190,14 +220,21 @@ fn rule_cache_hierarchy_consistent() {
     // Events-only autoscaling is reported once, by the events-only rule.
     assert!(only_rule(
         "cache_hierarchy_consistent",
-        &cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
-                   "autoscaling": {"maxReplicas": 2, "minReplicas": 1}}))
+        &cb(
+            json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
+                   "autoscaling": {"maxReplicas": 2, "minReplicas": 1}})
+        )
     )
     .is_empty());
     // Inert settings warn.
-    let out = full(&cb(json!({"runtime": "VLLM", "template": {"priorityClassName": "x"}})));
+    let out = full(&cb(
+        json!({"runtime": "VLLM", "template": {"priorityClassName": "x"}}),
+    ));
     assert!(out.is_valid());
-    assert!(out.warnings.iter().any(|w| w.contains("spec.template has no effect")));
+    assert!(out
+        .warnings
+        .iter()
+        .any(|w| w.contains("spec.template has no effect")));
 }
 
 #[test]
@@ -205,27 +242,39 @@ fn rule_endpoint_ownership_explicit() {
     table(
         "endpoint_ownership_explicit",
         &[
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "External", "endpoint": "lm://lmcache:65432"}})),
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}})),
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed", "endpoint": "   "}})),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "External", "endpoint": "lm://lmcache:65432"}}),
+            ),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}}),
+            ),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed", "endpoint": "   "}}),
+            ),
         ],
         &[
             (
-                cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                          "ownership": "External"}})),
+                cb(
+                    json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                          "ownership": "External"}}),
+                ),
                 &[("spec.remoteStorage.endpoint", Required)],
             ),
             (
-                cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                          "ownership": "External", "endpoint": " \t "}})),
+                cb(
+                    json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                          "ownership": "External", "endpoint": " \t "}}),
+                ),
                 &[("spec.remoteStorage.endpoint", Required)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis",
-                          "ownership": "Managed", "endpoint": "redis:6379"}})),
+                cb(
+                    json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis",
+                          "ownership": "Managed", "endpoint": "redis:6379"}}),
+                ),
                 &[("spec.remoteStorage.endpoint", Forbidden)],
             ),
         ],
@@ -233,8 +282,10 @@ fn rule_endpoint_ownership_explicit() {
 }
 
 fn external(runtime: &str, provider: &str, endpoint: &str) -> Value {
-    cb(json!({"runtime": runtime, "remoteStorage": {"provider": provider, "ownership": "External",
-              "endpoint": endpoint}, "integration": {"engineHostNetwork": provider == "Mooncake"}}))
+    cb(
+        json!({"runtime": runtime, "remoteStorage": {"provider": provider, "ownership": "External",
+              "endpoint": endpoint}, "integration": {"engineHostNetwork": provider == "Mooncake"}}),
+    )
 }
 
 #[test]
@@ -290,19 +341,58 @@ fn rule_endpoint_shape_valid() {
             external("SGLang", "Redis", "redis:1"),
         ],
         &[
-            (external("SGLang", "Redis", "redis"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:0"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:65536"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:http"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "red is:6379"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:6379/0"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:6379?db=1"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "redis:6379#x"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "fd00::1:6379"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "[nope]:6379"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", ":6379"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("SGLang", "Redis", "user@redis:6379"), &[("spec.remoteStorage.endpoint", Invalid)]),
-            (external("VLLM", "LMCacheServer", "lm://x:000080"), &[("spec.remoteStorage.endpoint", Invalid)]),
+            (
+                external("SGLang", "Redis", "redis"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:0"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:65536"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:http"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "red is:6379"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:6379/0"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:6379?db=1"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "redis:6379#x"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "fd00::1:6379"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "[nope]:6379"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", ":6379"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("SGLang", "Redis", "user@redis:6379"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
+            (
+                external("VLLM", "LMCacheServer", "lm://x:000080"),
+                &[("spec.remoteStorage.endpoint", Invalid)],
+            ),
         ],
     );
 }
@@ -328,7 +418,11 @@ fn rule_cross_namespace_endpoint_requires_opt_in() {
                 &[("spec.remoteStorage.endpoint", Forbidden)],
             ),
             (
-                external("VLLM", "LMCacheServer", "lm://lmc.other.svc.cluster.local:65432"),
+                external(
+                    "VLLM",
+                    "LMCacheServer",
+                    "lm://lmc.other.svc.cluster.local:65432",
+                ),
                 &[("spec.remoteStorage.endpoint", Forbidden)],
             ),
         ],
@@ -340,14 +434,20 @@ fn rule_replicas_zero_autoscaling_requires_min_replicas() {
     table(
         "replicas_zero_autoscaling_requires_min_replicas",
         &[
-            cb(json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 1}})),
-            cb(json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}})),
+            cb(
+                json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 1}}),
+            ),
+            cb(
+                json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}}),
+            ),
         ],
         &[(
-            cb(json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3}})),
+            cb(
+                json!({"runtime": "VLLM", "replicas": 0, "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3}}),
+            ),
             &[("spec.autoscaling.minReplicas", Required)],
         )],
     );
@@ -357,11 +457,15 @@ fn rule_replicas_zero_autoscaling_requires_min_replicas() {
 fn rule_autoscaling_min_not_above_max() {
     table(
         "autoscaling_min_not_above_max",
-        &[cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                     "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 3}}))],
+        &[cb(
+            json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                     "ownership": "Managed"}, "autoscaling": {"maxReplicas": 3, "minReplicas": 3}}),
+        )],
         &[(
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
-                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 2, "minReplicas": 3}})),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                      "ownership": "Managed"}, "autoscaling": {"maxReplicas": 2, "minReplicas": 3}}),
+            ),
             &[("spec.autoscaling.minReplicas", Invalid)],
         )],
     );
@@ -386,13 +490,18 @@ fn rule_mooncake_singleton() {
             mooncake(json!({})),
         ],
         &[
-            (mooncake(json!({"replicas": 2})), &[("spec.replicas", Invalid)]),
+            (
+                mooncake(json!({"replicas": 2})),
+                &[("spec.replicas", Invalid)],
+            ),
             (
                 mooncake(json!({"autoscaling": {"maxReplicas": 2, "minReplicas": 1}})),
                 &[("spec.autoscaling", Forbidden)],
             ),
             (
-                mooncake(json!({"replicas": 3, "autoscaling": {"maxReplicas": 4, "minReplicas": 3}})),
+                mooncake(
+                    json!({"replicas": 3, "autoscaling": {"maxReplicas": 4, "minReplicas": 3}}),
+                ),
                 &[("spec.replicas", Invalid), ("spec.autoscaling", Forbidden)],
             ),
         ],
@@ -414,8 +523,10 @@ fn rule_engine_host_network_only_where_needed() {
                 &[("spec.integration.engineHostNetwork", Forbidden)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed"},
-                          "integration": {"engineHostNetwork": true}})),
+                cb(
+                    json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed"},
+                          "integration": {"engineHostNetwork": true}}),
+                ),
                 &[("spec.integration.engineHostNetwork", Forbidden)],
             ),
         ],
@@ -425,7 +536,9 @@ fn rule_engine_host_network_only_where_needed() {
         "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}})));
     assert!(out.is_valid(), "{:#?}", out.violations);
     assert!(
-        out.warnings.iter().any(|w| w.starts_with("spec.integration.engineHostNetwork is not set")),
+        out.warnings
+            .iter()
+            .any(|w| w.starts_with("spec.integration.engineHostNetwork is not set")),
         "{:?}",
         out.warnings
     );
@@ -455,8 +568,10 @@ fn rule_sglang_role_read_write_only() {
                 &[("spec.integration.role", NotSupported)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"sizeGB": 8},
-                          "integration": {"role": "ReadOnly"}})),
+                cb(
+                    json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"sizeGB": 8},
+                          "integration": {"role": "ReadOnly"}}),
+                ),
                 &[("spec.integration.role", NotSupported)],
             ),
         ],
@@ -473,25 +588,53 @@ fn rule_hicache_config_valid() {
         "hicache_config_valid",
         &[
             hicache(json!({"ratio": "2.0"})),
-            hicache(json!({"ratio": "0.5", "writePolicy": "write_through_selective",
-                           "ioBackend": "kernel_ascend", "memoryLayout": "page_first_kv_split"})),
-            hicache(json!({"sizeGB": 64, "writePolicy": "write_back", "ioBackend": "direct",
-                           "memoryLayout": "page_head"})),
+            hicache(
+                json!({"ratio": "0.5", "writePolicy": "write_through_selective",
+                           "ioBackend": "kernel_ascend", "memoryLayout": "page_first_kv_split"}),
+            ),
+            hicache(
+                json!({"sizeGB": 64, "writePolicy": "write_back", "ioBackend": "direct",
+                           "memoryLayout": "page_head"}),
+            ),
         ],
         &[
-            (cb(json!({"runtime": "SGLang", "type": "SGLangHiCache"})), &[("spec.hiCache", Required)]),
+            (
+                cb(json!({"runtime": "SGLang", "type": "SGLangHiCache"})),
+                &[("spec.hiCache", Required)],
+            ),
             (hicache(json!({})), &[("spec.hiCache", Required)]),
             (
                 hicache(json!({"ratio": "2", "sizeGB": 4})),
                 &[("spec.hiCache.sizeGB", Forbidden)],
             ),
-            (hicache(json!({"ratio": "0"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"ratio": "-1"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"ratio": "inf"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"ratio": "NaN"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"ratio": "two"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"ratio": " 2"})), &[("spec.hiCache.ratio", Invalid)]),
-            (hicache(json!({"sizeGB": 0})), &[("spec.hiCache.sizeGB", Invalid)]),
+            (
+                hicache(json!({"ratio": "0"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"ratio": "-1"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"ratio": "inf"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"ratio": "NaN"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"ratio": "two"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"ratio": " 2"})),
+                &[("spec.hiCache.ratio", Invalid)],
+            ),
+            (
+                hicache(json!({"sizeGB": 0})),
+                &[("spec.hiCache.sizeGB", Invalid)],
+            ),
         ],
     );
     // Enum values: rejected before decoding, naming the supported values.
@@ -538,9 +681,15 @@ fn rule_lmcache_kernel_check_annotation_valid() {
     let key = "inferencecache.io/lmcache-kernel-check";
     let mut accepted = vec![cb(json!({"runtime": "VLLM"}))];
     for v in ["auto", "report-only", "strict", "off"] {
-        accepted.push(cb_with_annotations(json!({key: v}), json!({"runtime": "VLLM"})));
+        accepted.push(cb_with_annotations(
+            json!({key: v}),
+            json!({"runtime": "VLLM"}),
+        ));
     }
-    accepted.push(cb_with_annotations(json!({key: "strict"}), json!({"runtime": "SGLang"})));
+    accepted.push(cb_with_annotations(
+        json!({key: "strict"}),
+        json!({"runtime": "SGLang"}),
+    ));
     const FIELD: &str = "metadata.annotations[inferencecache.io/lmcache-kernel-check]";
     table(
         "lmcache_kernel_check_annotation_valid",
@@ -560,10 +709,15 @@ fn rule_lmcache_kernel_check_annotation_valid() {
             ),
         ],
     );
-    let out = full(&cb_with_annotations(json!({key: "strcit"}), json!({"runtime": "VLLM"})));
+    let out = full(&cb_with_annotations(
+        json!({key: "strcit"}),
+        json!({"runtime": "VLLM"}),
+    ));
     assert_eq!(
         out.violations[0].to_string(),
-        format!(r#"{FIELD}: Unsupported value: "strcit": supported values: "auto", "report-only", "strict", "off""#)
+        format!(
+            r#"{FIELD}: Unsupported value: "strcit": supported values: "auto", "report-only", "strict", "off""#
+        )
     );
 }
 
@@ -573,35 +727,50 @@ fn rule_events_only_requires_lmcache() {
         "events_only_requires_lmcache",
         &[
             cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"}})),
-            cb(json!({"runtime": "SGLang", "type": "LMCache", "integration": {"mode": "EventsOnly"}})),
+            cb(
+                json!({"runtime": "SGLang", "type": "LMCache", "integration": {"mode": "EventsOnly"}}),
+            ),
         ],
         &[(
-            cb(json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
-                      "integration": {"mode": "EventsOnly"}})),
+            cb(
+                json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
+                      "integration": {"mode": "EventsOnly"}}),
+            ),
             &[("spec.type", Invalid)],
         )],
     );
-    let out = full(&cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
-                              "lmCache": {"chunkSizeTokens": 256}})));
+    let out = full(&cb(
+        json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
+                              "lmCache": {"chunkSizeTokens": 256}}),
+    ));
     assert!(out.is_valid());
-    assert!(out.warnings.iter().any(|w| w.starts_with("spec.lmCache is ignored")));
+    assert!(out
+        .warnings
+        .iter()
+        .any(|w| w.starts_with("spec.lmCache is ignored")));
 }
 
 #[test]
 fn rule_events_only_forbids_remote_storage() {
     table(
         "events_only_forbids_remote_storage",
-        &[cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"}}))],
+        &[cb(
+            json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"}}),
+        )],
         &[
             (
-                cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
-                          "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}})),
+                cb(
+                    json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
+                          "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}),
+                ),
                 &[("spec.remoteStorage", Forbidden)],
             ),
             (
-                cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
+                cb(
+                    json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
                           "remoteStorage": {"provider": "LMCacheServer", "ownership": "External",
-                                            "endpoint": "lm://x:1"}})),
+                                            "endpoint": "lm://x:1"}}),
+                ),
                 &[("spec.remoteStorage", Forbidden)],
             ),
         ],
@@ -612,18 +781,24 @@ fn rule_events_only_forbids_remote_storage() {
 fn rule_events_only_forbids_autoscaling() {
     table(
         "events_only_forbids_autoscaling",
-        &[cb(json!({"runtime": "SGLang", "integration": {"mode": "EventsOnly"}}))],
+        &[cb(
+            json!({"runtime": "SGLang", "integration": {"mode": "EventsOnly"}}),
+        )],
         &[(
-            cb(json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
-                      "autoscaling": {"maxReplicas": 2, "minReplicas": 1}})),
+            cb(
+                json!({"runtime": "VLLM", "integration": {"mode": "EventsOnly"},
+                      "autoscaling": {"maxReplicas": 2, "minReplicas": 1}}),
+            ),
             &[("spec.autoscaling", Forbidden)],
         )],
     );
 }
 
 fn redis_resources(res: Value) -> Value {
-    cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed",
-              "redis": {"resources": res}}}))
+    cb(
+        json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed",
+              "redis": {"resources": res}}}),
+    )
 }
 
 const R: &str = "spec.remoteStorage.redis.resources";
@@ -649,24 +824,38 @@ fn rule_provider_resource_names_valid() {
             (
                 redis_resources(json!({"limits": {"hugepages-": "2Mi", "hugepages-nope": "2Mi"}})),
                 &[
-                    ("spec.remoteStorage.redis.resources.limits[hugepages-]", Invalid),
-                    ("spec.remoteStorage.redis.resources.limits[hugepages-nope]", Invalid),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[hugepages-]",
+                        Invalid,
+                    ),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[hugepages-nope]",
+                        Invalid,
+                    ),
                 ],
             ),
             (
                 redis_resources(json!({"limits": {"kubernetes.io/foo": "1",
                                                   "requests.kubernetes.io/bar": "1"}})),
                 &[
-                    ("spec.remoteStorage.redis.resources.limits[kubernetes.io/foo]", Invalid),
-                    ("spec.remoteStorage.redis.resources.limits[requests.kubernetes.io/bar]", Invalid),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[kubernetes.io/foo]",
+                        Invalid,
+                    ),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[requests.kubernetes.io/bar]",
+                        Invalid,
+                    ),
                 ],
             ),
         ],
     );
     // Only the selected provider's block is checked, at its own path.
-    let out = full(&cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "Mooncake",
+    let out = full(&cb(
+        json!({"runtime": "VLLM", "remoteStorage": {"provider": "Mooncake",
         "ownership": "Managed", "mooncake": {"resources": {"limits": {"foo": "1"}}}},
-        "integration": {"engineHostNetwork": true}})));
+        "integration": {"engineHostNetwork": true}}),
+    ));
     assert_eq!(
         out.violations[0].field,
         "spec.remoteStorage.mooncake.resources.limits[foo]"
@@ -677,11 +866,16 @@ fn rule_provider_resource_names_valid() {
 fn rule_provider_resource_quantities_non_negative() {
     table(
         "provider_resource_quantities_non_negative",
-        &[redis_resources(json!({"requests": {"cpu": "0", "memory": "0"}}))],
+        &[redis_resources(
+            json!({"requests": {"cpu": "0", "memory": "0"}}),
+        )],
         &[
             (
                 redis_resources(json!({"requests": {"memory": "-1Gi"}})),
-                &[("spec.remoteStorage.redis.resources.requests[memory]", Invalid)],
+                &[(
+                    "spec.remoteStorage.redis.resources.requests[memory]",
+                    Invalid,
+                )],
             ),
             (
                 redis_resources(json!({"limits": {"cpu": "-250m"}, "requests": {"cpu": "bogus"}})),
@@ -702,26 +896,43 @@ fn rule_provider_resource_limits_cover_requests() {
         &[
             redis_resources(json!({"requests": {"memory": "4Gi", "cpu": "500m"},
                                    "limits": {"memory": "4096Mi", "cpu": "1"}})),
-            redis_resources(json!({"requests": {"hugepages-2Mi": "4Mi", "nvidia.com/gpu": "1"},
-                                   "limits": {"hugepages-2Mi": "4Mi", "nvidia.com/gpu": "1"}})),
+            redis_resources(
+                json!({"requests": {"hugepages-2Mi": "4Mi", "nvidia.com/gpu": "1"},
+                                   "limits": {"hugepages-2Mi": "4Mi", "nvidia.com/gpu": "1"}}),
+            ),
             redis_resources(json!({"limits": {"memory": "1Gi", "nvidia.com/gpu": "2"}})),
         ],
         &[
             (
-                redis_resources(json!({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}})),
-                &[("spec.remoteStorage.redis.resources.requests[memory]", Invalid)],
+                redis_resources(
+                    json!({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}),
+                ),
+                &[(
+                    "spec.remoteStorage.redis.resources.requests[memory]",
+                    Invalid,
+                )],
             ),
             (
                 redis_resources(json!({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}})),
                 &[("spec.remoteStorage.redis.resources.requests[cpu]", Invalid)],
             ),
             (
-                redis_resources(json!({"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "2"}})),
-                &[("spec.remoteStorage.redis.resources.requests[nvidia.com/gpu]", Invalid)],
+                redis_resources(
+                    json!({"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "2"}}),
+                ),
+                &[(
+                    "spec.remoteStorage.redis.resources.requests[nvidia.com/gpu]",
+                    Invalid,
+                )],
             ),
             (
-                redis_resources(json!({"requests": {"hugepages-1Gi": "2Gi"}, "limits": {"hugepages-1Gi": "1Gi"}})),
-                &[("spec.remoteStorage.redis.resources.requests[hugepages-1Gi]", Invalid)],
+                redis_resources(
+                    json!({"requests": {"hugepages-1Gi": "2Gi"}, "limits": {"hugepages-1Gi": "1Gi"}}),
+                ),
+                &[(
+                    "spec.remoteStorage.redis.resources.requests[hugepages-1Gi]",
+                    Invalid,
+                )],
             ),
         ],
     );
@@ -731,15 +942,25 @@ fn rule_provider_resource_limits_cover_requests() {
 fn rule_provider_resource_requests_only_overcommittable() {
     table(
         "provider_resource_requests_only_overcommittable",
-        &[redis_resources(json!({"requests": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}}))],
+        &[redis_resources(
+            json!({"requests": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}}),
+        )],
         &[
             (
                 redis_resources(json!({"requests": {"nvidia.com/gpu": "1"}})),
-                &[("spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]", Required)],
+                &[(
+                    "spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]",
+                    Required,
+                )],
             ),
             (
-                redis_resources(json!({"requests": {"hugepages-2Mi": "2Mi"}, "limits": {"memory": "1Gi"}})),
-                &[("spec.remoteStorage.redis.resources.limits[hugepages-2Mi]", Required)],
+                redis_resources(
+                    json!({"requests": {"hugepages-2Mi": "2Mi"}, "limits": {"memory": "1Gi"}}),
+                ),
+                &[(
+                    "spec.remoteStorage.redis.resources.limits[hugepages-2Mi]",
+                    Required,
+                )],
             ),
         ],
     );
@@ -771,13 +992,24 @@ fn rule_provider_extended_resources_integral() {
         &[
             (
                 redis_resources(json!({"limits": {"nvidia.com/gpu": "500m"}})),
-                &[("spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]", Invalid)],
+                &[(
+                    "spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]",
+                    Invalid,
+                )],
             ),
             (
-                redis_resources(json!({"requests": {"nvidia.com/gpu": "1.5"}, "limits": {"nvidia.com/gpu": "1.5"}})),
+                redis_resources(
+                    json!({"requests": {"nvidia.com/gpu": "1.5"}, "limits": {"nvidia.com/gpu": "1.5"}}),
+                ),
                 &[
-                    ("spec.remoteStorage.redis.resources.requests[nvidia.com/gpu]", Invalid),
-                    ("spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]", Invalid),
+                    (
+                        "spec.remoteStorage.redis.resources.requests[nvidia.com/gpu]",
+                        Invalid,
+                    ),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[nvidia.com/gpu]",
+                        Invalid,
+                    ),
                 ],
             ),
         ],
@@ -795,14 +1027,23 @@ fn rule_provider_hugepages_aligned() {
         &[
             (
                 redis_resources(json!({"limits": {"hugepages-2Mi": "3Mi"}})),
-                &[("spec.remoteStorage.redis.resources.limits[hugepages-2Mi]", Invalid)],
+                &[(
+                    "spec.remoteStorage.redis.resources.limits[hugepages-2Mi]",
+                    Invalid,
+                )],
             ),
             (
                 redis_resources(json!({"requests": {"hugepages-1Gi": "1536Mi"},
                                        "limits": {"hugepages-1Gi": "1536Mi"}})),
                 &[
-                    ("spec.remoteStorage.redis.resources.requests[hugepages-1Gi]", Invalid),
-                    ("spec.remoteStorage.redis.resources.limits[hugepages-1Gi]", Invalid),
+                    (
+                        "spec.remoteStorage.redis.resources.requests[hugepages-1Gi]",
+                        Invalid,
+                    ),
+                    (
+                        "spec.remoteStorage.redis.resources.limits[hugepages-1Gi]",
+                        Invalid,
+                    ),
                 ],
             ),
         ],
@@ -823,7 +1064,9 @@ fn rule_runtime_pair_supported() {
             &[("spec.type", NotSupported)],
         )],
     );
-    let out = full(&cb(json!({"runtime": "VLLM", "type": "SGLangHiCache", "hiCache": {"ratio": "2"}})));
+    let out = full(&cb(
+        json!({"runtime": "VLLM", "type": "SGLangHiCache", "hiCache": {"ratio": "2"}}),
+    ));
     let msg = out.at("spec.type")[0].to_string();
     assert!(
         msg.contains("supported pairs: VLLM/LMCache, SGLang/LMCache, SGLang/SGLangHiCache"),
@@ -837,32 +1080,47 @@ fn rule_engine_wire_accepts_binding() {
         "engine_wire_accepts_binding",
         &[
             cb(json!({"runtime": "VLLM"})),
-            cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}})),
+            cb(
+                json!({"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}),
+            ),
             mooncake(json!({})),
-            cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed"}})),
+            cb(
+                json!({"runtime": "SGLang", "remoteStorage": {"provider": "Redis", "ownership": "Managed"}}),
+            ),
             cb(json!({"runtime": "SGLang"})),
             hicache(json!({"sizeGB": 8})),
         ],
         &[
             (
-                cb(json!({"runtime": "VLLM", "remoteStorage": {"provider": "Redis", "ownership": "Managed"}})),
+                cb(
+                    json!({"runtime": "VLLM", "remoteStorage": {"provider": "Redis", "ownership": "Managed"}}),
+                ),
                 &[("spec.remoteStorage.provider", NotSupported)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}})),
+                cb(
+                    json!({"runtime": "SGLang", "remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}),
+                ),
                 &[("spec.remoteStorage.provider", NotSupported)],
             ),
             (
-                cb(json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
-                          "remoteStorage": {"provider": "Redis", "ownership": "Managed"}})),
+                cb(
+                    json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
+                          "remoteStorage": {"provider": "Redis", "ownership": "Managed"}}),
+                ),
                 &[("spec.remoteStorage.provider", NotSupported)],
             ),
         ],
     );
-    let out = full(&cb(json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
-                              "remoteStorage": {"provider": "Redis", "ownership": "Managed"}})));
+    let out = full(&cb(
+        json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2"},
+                              "remoteStorage": {"provider": "Redis", "ownership": "Managed"}}),
+    ));
     let msg = out.at("spec.remoteStorage.provider")[0].to_string();
-    assert!(msg.contains("does not accept a resp binding; it accepts: host-only"), "{msg}");
+    assert!(
+        msg.contains("does not accept a resp binding; it accepts: host-only"),
+        "{msg}"
+    );
 }
 
 fn overrides(runtime: &str, ov: Value) -> Value {
@@ -875,33 +1133,51 @@ fn rule_engine_overrides_not_reserved() {
     table(
         "engine_overrides_not_reserved",
         &[
-            overrides("VLLM", json!({"args": ["--max-model-len=8192"], "suppressArgs": ["--foo"],
+            overrides(
+                "VLLM",
+                json!({"args": ["--max-model-len=8192"], "suppressArgs": ["--foo"],
                 "env": [{"name": "LMCACHE_CHUNK_SIZE", "value": "512"},
                         {"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "20"}],
-                "suppressEnv": ["LMCACHE_LOCAL_CPU"]})),
+                "suppressEnv": ["LMCACHE_LOCAL_CPU"]}),
+            ),
             // VLLM_USE_V1 / PYTHONHASHSEED / LMCACHE_REMOTE_URL are not reserved for SGLang.
-            overrides("SGLang", json!({"env": [{"name": "VLLM_USE_V1", "value": "0"},
+            overrides(
+                "SGLang",
+                json!({"env": [{"name": "VLLM_USE_V1", "value": "0"},
                 {"name": "PYTHONHASHSEED", "value": "1"}, {"name": "LMCACHE_REMOTE_URL", "value": "x"}],
-                "args": ["--kv-transfer-config={}"]})),
+                "args": ["--kv-transfer-config={}"]}),
+            ),
         ],
         &[
             (
-                overrides("VLLM", json!({"args": ["--kv-transfer-config={\"kv_connector\":\"X\"}"]})),
+                overrides(
+                    "VLLM",
+                    json!({"args": ["--kv-transfer-config={\"kv_connector\":\"X\"}"]}),
+                ),
                 &[("spec.integration.engineOverrides.args[0]", Forbidden)],
             ),
             (
-                overrides("VLLM", json!({"args": ["--max-model-len=1", "--kv_transfer_config", "{}"],
-                                         "suppressArgs": ["--kv-transfer-config"]})),
+                overrides(
+                    "VLLM",
+                    json!({"args": ["--max-model-len=1", "--kv_transfer_config", "{}"],
+                                         "suppressArgs": ["--kv-transfer-config"]}),
+                ),
                 &[
                     ("spec.integration.engineOverrides.args[1]", Forbidden),
-                    ("spec.integration.engineOverrides.suppressArgs[0]", Forbidden),
+                    (
+                        "spec.integration.engineOverrides.suppressArgs[0]",
+                        Forbidden,
+                    ),
                 ],
             ),
             (
-                overrides("VLLM", json!({"env": [{"name": "PYTHONHASHSEED", "value": "1"},
+                overrides(
+                    "VLLM",
+                    json!({"env": [{"name": "PYTHONHASHSEED", "value": "1"},
                     {"name": "LMCACHE_REMOTE_URL", "value": "lm://x:1"}, {"name": "VLLM_USE_V1", "value": "0"},
                     {"name": "INFERENCECACHE_FAIL_OPEN", "value": "false"}],
-                    "suppressEnv": ["PYTHONHASHSEED"]})),
+                    "suppressEnv": ["PYTHONHASHSEED"]}),
+                ),
                 &[
                     ("spec.integration.engineOverrides.env[0].name", Forbidden),
                     ("spec.integration.engineOverrides.env[1].name", Forbidden),
@@ -911,22 +1187,34 @@ fn rule_engine_overrides_not_reserved() {
                 ],
             ),
             (
-                overrides("SGLang", json!({"args": ["--enable-lmcache"],
+                overrides(
+                    "SGLang",
+                    json!({"args": ["--enable-lmcache"],
                     "suppressArgs": ["--lmcache-config-file"],
                     "env": [{"name": "LMCACHE_USE_EXPERIMENTAL", "value": "False"}],
-                    "suppressEnv": ["INFERENCECACHE_FAIL_OPEN"]})),
+                    "suppressEnv": ["INFERENCECACHE_FAIL_OPEN"]}),
+                ),
                 &[
                     ("spec.integration.engineOverrides.args[0]", Forbidden),
-                    ("spec.integration.engineOverrides.suppressArgs[0]", Forbidden),
+                    (
+                        "spec.integration.engineOverrides.suppressArgs[0]",
+                        Forbidden,
+                    ),
                     ("spec.integration.engineOverrides.env[0].name", Forbidden),
                     ("spec.integration.engineOverrides.suppressEnv[0]", Forbidden),
                 ],
             ),
         ],
     );
-    let out = full(&overrides("VLLM", json!({"suppressArgs": ["--kv-transfer-config"]})));
+    let out = full(&overrides(
+        "VLLM",
+        json!({"suppressArgs": ["--kv-transfer-config"]}),
+    ));
     let msg = out.at(&format!("{B}.suppressArgs[0]"))[0].to_string();
-    assert!(msg.contains("\"--kv-transfer-config\"") && msg.contains("vllm"), "{msg}");
+    assert!(
+        msg.contains("\"--kv-transfer-config\"") && msg.contains("vllm"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -936,7 +1224,11 @@ fn rule_mooncake_command_keeps_fixed_ports() {
     let mut moved = obj.clone();
     moved["spec"]["remoteStorage"]["mooncake"] = json!({"command":
         ["mooncake_master", "--rpc_port=50052", "--http_metadata_server_port", "8081"]});
-    table("mooncake_command_keeps_fixed_ports", &[obj, moved.clone()], &[]);
+    table(
+        "mooncake_command_keeps_fixed_ports",
+        &[obj, moved.clone()],
+        &[],
+    );
     let out = full(&moved);
     assert_eq!(
         out.warnings
@@ -1006,10 +1298,14 @@ fn registry_rules_follow_the_registry_they_are_given() {
         &cb(json!({"runtime": "SGLang", "integration": {"engineOverrides": {"args": ["--my-flag"]}}})),
         &ctx,
     );
-    assert!(out.at("spec.type")[0].detail.ends_with("supported pairs: VLLM/LMCache"));
+    assert!(out.at("spec.type")[0]
+        .detail
+        .ends_with("supported pairs: VLLM/LMCache"));
     let out = v.validate_value(
-        &cb(json!({"runtime": "VLLM", "integration": {"engineOverrides": {"args": ["--my_flag=1"],
-            "env": [{"name": "MY_ENV", "value": "x"}]}}})),
+        &cb(
+            json!({"runtime": "VLLM", "integration": {"engineOverrides": {"args": ["--my_flag=1"],
+            "env": [{"name": "MY_ENV", "value": "x"}]}}}),
+        ),
         &ctx,
     );
     let fields: Vec<&str> = out.violations.iter().map(|v| v.field.as_str()).collect();
@@ -1040,7 +1336,9 @@ fn violations_are_aggregated_and_field_scoped() {
     }
     let status = out.to_status("cb");
     assert_eq!(status.code, 422);
-    assert!(status.message.starts_with(r#"CacheBackend.inferencecache.io "cb" is invalid: ["#));
+    assert!(status
+        .message
+        .starts_with(r#"CacheBackend.inferencecache.io "cb" is invalid: ["#));
     assert_eq!(status.details.unwrap().causes.len(), out.violations.len());
 }
 
@@ -1086,7 +1384,8 @@ fn samples_are_admitted() {
         if !name.starts_with("cachebackend-") {
             continue;
         }
-        let mut obj: Value = serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut obj: Value =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         obj["metadata"]["namespace"] = json!(NS);
         let out = full(&obj);
         assert!(out.is_valid(), "{name}: {:#?}", out.violations);

@@ -1,6 +1,7 @@
 //! The real HTTPS admission server on 127.0.0.1: real AdmissionReview JSON in, the exact
 //! `admission.k8s.io/v1` wire format out (TESTING.md "Admission wire format"), self-signed and
 //! hot-reloaded file certificates, and the Pod webhook's fail-open paths.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -86,7 +87,10 @@ async fn https_server_speaks_the_apiserver_wire_format() {
     )
     .await
     .unwrap();
-    let ca = running.ca_pem.clone().expect("self-signed mode returns the CA");
+    let ca = running
+        .ca_pem
+        .clone()
+        .expect("self-signed mode returns the CA");
     let client = WebhookClient::new(running.local_addr, &ca, "127.0.0.1").unwrap();
     let mut conn = client.connect().await.unwrap();
 
@@ -97,7 +101,13 @@ async fn https_server_speaks_the_apiserver_wire_format() {
     let (status, body) = conn
         .post(
             "/mutate-cachebackend",
-            &review("uid-mutate", "CREATE", "CacheBackend", cb(json!({"runtime": "VLLM"})), None),
+            &review(
+                "uid-mutate",
+                "CREATE",
+                "CacheBackend",
+                cb(json!({"runtime": "VLLM"})),
+                None,
+            ),
         )
         .await
         .unwrap();
@@ -110,14 +120,21 @@ async fn https_server_speaks_the_apiserver_wire_format() {
         .decode(v["response"]["patch"].as_str().unwrap())
         .unwrap();
     let patch: Value = serde_json::from_slice(&patch).unwrap();
-    assert!(patch.as_array().unwrap().iter().any(|op| op["path"] == "/spec/integration"));
+    assert!(patch
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|op| op["path"] == "/spec/integration"));
 
     // A fully defaulted object: no patch, hence no patchType.
     let full = cb(json!({"runtime": "VLLM",
         "integration": {"mode": "Offload", "role": "ReadWrite", "failOpen": true},
         "observation": {"firstEventTimeout": "5m"}}));
     let (_, body) = conn
-        .post("/mutate-cachebackend", &review("uid-2", "CREATE", "CacheBackend", full.clone(), None))
+        .post(
+            "/mutate-cachebackend",
+            &review("uid-2", "CREATE", "CacheBackend", full.clone(), None),
+        )
         .await
         .unwrap();
     let text = String::from_utf8(body).unwrap();
@@ -130,7 +147,10 @@ async fn https_server_speaks_the_apiserver_wire_format() {
     let mooncake = cb(json!({"runtime": "VLLM",
         "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}));
     let (_, body) = conn
-        .post("/validate-cachebackend", &review("uid-3", "CREATE", "CacheBackend", mooncake, None))
+        .post(
+            "/validate-cachebackend",
+            &review("uid-3", "CREATE", "CacheBackend", mooncake, None),
+        )
         .await
         .unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
@@ -142,10 +162,15 @@ async fn https_server_speaks_the_apiserver_wire_format() {
     assert!(v["response"].get("patchType").is_none());
 
     // Validation: denied, 422 Invalid with field-scoped causes.
-    let bad = cb(json!({"runtime": "SGLang", "integration": {"role": "ReadOnly"},
-        "remoteStorage": {"provider": "Redis", "ownership": "External", "endpoint": "lm://redis:6379"}}));
+    let bad = cb(
+        json!({"runtime": "SGLang", "integration": {"role": "ReadOnly"},
+        "remoteStorage": {"provider": "Redis", "ownership": "External", "endpoint": "lm://redis:6379"}}),
+    );
     let (_, body) = conn
-        .post("/validate-cachebackend", &review("uid-4", "CREATE", "CacheBackend", bad, None))
+        .post(
+            "/validate-cachebackend",
+            &review("uid-4", "CREATE", "CacheBackend", bad, None),
+        )
         .await
         .unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
@@ -160,8 +185,14 @@ async fn https_server_speaks_the_apiserver_wire_format() {
         .unwrap()
         .starts_with(r#"CacheBackend.inferencecache.io "cache" is invalid: ["#));
     let causes = r["status"]["details"]["causes"].as_array().unwrap();
-    let fields: Vec<&str> = causes.iter().map(|c| c["field"].as_str().unwrap()).collect();
-    assert_eq!(fields, ["spec.remoteStorage.endpoint", "spec.integration.role"]);
+    let fields: Vec<&str> = causes
+        .iter()
+        .map(|c| c["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        ["spec.remoteStorage.endpoint", "spec.integration.role"]
+    );
     assert_eq!(causes[0]["reason"], "FieldValueInvalid");
     assert_eq!(causes[1]["reason"], "FieldValueNotSupported");
     assert_eq!(r["status"]["details"]["kind"], "CacheBackend");
@@ -174,7 +205,10 @@ async fn https_server_speaks_the_apiserver_wire_format() {
     let mut new = old.clone();
     new["metadata"]["labels"] = json!({"x": "y"});
     let (_, body) = conn
-        .post("/validate-cachebackend", &review("uid-5", "UPDATE", "CacheBackend", new, Some(old)))
+        .post(
+            "/validate-cachebackend",
+            &review("uid-5", "UPDATE", "CacheBackend", new, Some(old)),
+        )
         .await
         .unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
@@ -182,7 +216,10 @@ async fn https_server_speaks_the_apiserver_wire_format() {
 
     // Pod webhook: always allowed; no patch → no patchType; the reason in status.message.
     let (_, body) = conn
-        .post("/mutate-pod", &review("uid-pod", "CREATE", "Pod", pod(), None))
+        .post(
+            "/mutate-pod",
+            &review("uid-pod", "CREATE", "Pod", pod(), None),
+        )
         .await
         .unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
@@ -258,7 +295,10 @@ async fn file_certificates_are_hot_reloaded() {
         if let Ok(mut c) = c2.connect().await {
             assert_eq!(c.peer_certificate().unwrap(), der(&second.cert_pem));
             let (status, body) = c
-                .post("/mutate-pod", &review("uid-rot", "CREATE", "Pod", pod(), None))
+                .post(
+                    "/mutate-pod",
+                    &review("uid-rot", "CREATE", "Pod", pod(), None),
+                )
                 .await
                 .unwrap();
             assert_eq!(status, 200);
@@ -266,7 +306,10 @@ async fn file_certificates_are_hot_reloaded() {
             assert_eq!(v["response"]["allowed"], true);
             break;
         }
-        assert!(Instant::now() < deadline, "the rotated certificate was never served");
+        assert!(
+            Instant::now() < deadline,
+            "the rotated certificate was never served"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The old CA no longer verifies new connections.
@@ -280,8 +323,11 @@ async fn file_certificates_are_hot_reloaded() {
 
 #[test]
 fn self_signed_ca_goes_into_webhook_configurations() {
-    let b = tls::generate_self_signed(&tls::service_dns_names("inference-cache-webhook", "ic-system"))
-        .unwrap();
+    let b = tls::generate_self_signed(&tls::service_dns_names(
+        "inference-cache-webhook",
+        "ic-system",
+    ))
+    .unwrap();
     let mut cfg = json!({"apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingWebhookConfiguration",
         "webhooks": [{"name": "vcachebackend.inferencecache.io",
@@ -289,9 +335,13 @@ fn self_signed_ca_goes_into_webhook_configurations() {
                                                    "namespace": "ic-system",
                                                    "path": "/validate-cachebackend"}}}]});
     assert_eq!(tls::set_ca_bundle(&mut cfg, &b.ca_pem), 1);
-    let bundle = cfg["webhooks"][0]["clientConfig"]["caBundle"].as_str().unwrap();
+    let bundle = cfg["webhooks"][0]["clientConfig"]["caBundle"]
+        .as_str()
+        .unwrap();
     assert_eq!(bundle, b.ca_bundle_base64());
-    let pem = base64::engine::general_purpose::STANDARD.decode(bundle).unwrap();
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(bundle)
+        .unwrap();
     assert_eq!(String::from_utf8(pem).unwrap(), b.ca_pem);
 }
 
@@ -310,8 +360,10 @@ impl PodMutator for BadPatch {
     fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[CacheBackend]) -> PodDecision {
         PodDecision {
             reason: "wired".into(),
-            patch: serde_json::from_value(json!([{"op": "replace", "path": "/spec/nope/x", "value": 1}]))
-                .unwrap(),
+            patch: serde_json::from_value(
+                json!([{"op": "replace", "path": "/spec/nope/x", "value": 1}]),
+            )
+            .unwrap(),
             warnings: vec![],
         }
     }
@@ -372,4 +424,73 @@ fn pod_webhook_lists_backends_of_the_pod_namespace() {
     assert_eq!(r["patchType"], "JSONPatch");
     assert_eq!(r["warnings"], json!(["w"]));
     assert!(r["patch"].as_str().unwrap().starts_with("W3si"));
+}
+
+#[tokio::test]
+async fn fixture_pod_is_wired_over_https_and_readmission_has_no_patch() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/pods/01-vllm-docs-nvidia-sh-c.yaml");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        eprintln!("../shared/fixtures/pods not present; skipped");
+        return;
+    };
+    let pod: Value = serde_yaml::from_str(&text).unwrap();
+    let backend: CacheBackend = serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+        "metadata": {"name": "mistral", "namespace": "team-a", "uid": "u-1"},
+        "spec": {"runtime": "VLLM", "remoteStorage": {"provider": "LMCacheServer",
+                 "ownership": "External", "endpoint": "lm://lmcache:65432"},
+                 "engineSelector": {"matchLabels": {"app": "mistral-7b"}}}}))
+    .unwrap();
+    let a = Arc::new(Admission::new(
+        Arc::new(Registry::builtin()),
+        Arc::new(StaticBackends(vec![backend])),
+        Arc::new(ic_controller::admission::PodWebhook::default()),
+    ));
+    let running = server::start(a, ServerConfig::new(loopback(), self_signed()))
+        .await
+        .unwrap();
+    let client = WebhookClient::new(
+        running.local_addr,
+        running.ca_pem.as_deref().unwrap(),
+        "localhost",
+    )
+    .unwrap();
+    let mut conn = client.connect().await.unwrap();
+    let (_, body) = conn
+        .post(
+            "/mutate-pod",
+            &review("uid-w", "CREATE", "Pod", pod.clone(), None),
+        )
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let r = &v["response"];
+    assert_eq!(r["allowed"], true);
+    assert_eq!(r["patchType"], "JSONPatch", "{v}");
+    let ops: Vec<json_patch::PatchOperation> = serde_json::from_slice(
+        &base64::engine::general_purpose::STANDARD
+            .decode(r["patch"].as_str().unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    let mut wired = pod;
+    json_patch::patch(&mut wired, &ops).unwrap();
+    assert_eq!(
+        wired["metadata"]["annotations"]["inferencecache.io/injected-by"],
+        "team-a/mistral"
+    );
+    let (_, body) = conn
+        .post(
+            "/mutate-pod",
+            &review("uid-w2", "CREATE", "Pod", wired, None),
+        )
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["response"]["allowed"], true);
+    assert!(v["response"].get("patch").is_none(), "{v}");
+    assert!(v["response"].get("patchType").is_none(), "{v}");
+    running.shutdown();
+    running.wait().await.unwrap();
 }

@@ -57,7 +57,12 @@ async fn open(
     Result<tonic::Streaming<proto::ControllerMessage>, tonic::Status>,
     tokio::sync::mpsc::Sender<AgentMessage>,
 ) {
-    let mut client = AgentServiceClient::connect(url.to_string()).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = AgentServiceClient::new(channel);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(AgentMessage {
         msg: Some(Msg::Hello(proto::Hello {
@@ -131,10 +136,15 @@ async fn missing_unknown_foreign_and_unbound_tokens_are_refused_clearly() {
     assert_eq!(shared.nodes.lock().connected_count(), 0);
 }
 
-#[tokio::test(start_paused = true)]
+#[tokio::test]
 async fn token_reviews_are_cached_for_their_ttl() {
     let inner = fake();
-    let cache = CachingVerifier::with_ttls(inner.clone(), Duration::from_secs(60), Duration::from_secs(10), 16);
+    let base = std::time::Instant::now();
+    let offset = Arc::new(parking_lot::Mutex::new(Duration::ZERO));
+    let advance = |d: Duration| *offset.lock() += d;
+    let clock_offset = offset.clone();
+    let cache = CachingVerifier::with_ttls(inner.clone(), Duration::from_secs(60), Duration::from_secs(10), 16)
+        .with_clock(Arc::new(move || base + *clock_offset.lock()));
     for _ in 0..3 {
         assert_eq!(cache.verify("token-a", "inference-cache").await.unwrap().node.as_deref(), Some("node-a"));
     }
@@ -142,7 +152,7 @@ async fn token_reviews_are_cached_for_their_ttl() {
     // Another audience is another review.
     let _ = cache.verify("token-a", "other").await;
     assert_eq!(inner.calls(), 2);
-    tokio::time::advance(Duration::from_secs(61)).await;
+    advance(Duration::from_secs(61));
     cache.verify("token-a", "inference-cache").await.unwrap();
     assert_eq!(inner.calls(), 3, "expired entries are reviewed again");
 
@@ -150,7 +160,7 @@ async fn token_reviews_are_cached_for_their_ttl() {
     assert!(matches!(cache.verify("nope", "inference-cache").await, Err(VerifyError::Rejected(_))));
     assert!(cache.verify("nope", "inference-cache").await.is_err());
     assert_eq!(inner.calls(), 4);
-    tokio::time::advance(Duration::from_secs(11)).await;
+    advance(Duration::from_secs(11));
     let _ = cache.verify("nope", "inference-cache").await;
     assert_eq!(inner.calls(), 5);
     inner.set_unavailable(Some("down"));

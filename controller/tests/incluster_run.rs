@@ -62,6 +62,16 @@ fn agent_sa() -> ServiceAccountRef {
     "ic:ic-agent".parse().unwrap()
 }
 
+async fn client_for(url: &str) -> AgentServiceClient<tonic::transport::Channel> {
+    AgentServiceClient::new(
+        tonic::transport::Endpoint::from_shared(url.to_string())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    )
+}
+
 async fn wait_until<F, Fut>(what: &str, limit: Duration, mut f: F)
 where
     F: FnMut() -> Fut,
@@ -140,7 +150,7 @@ async fn run_mode_end_to_end() {
 
     // The authenticated agent of gpu-1 gets its plan: the engine pod with its publisher.
     let url = format!("http://{}", running.grpc_addr);
-    let mut agent = AgentServiceClient::connect(url.clone()).await.unwrap();
+    let mut agent = client_for(&url).await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let hello = |node: &str, token: &str| AgentMessage {
         msg: Some(Msg::Hello(proto::Hello {
@@ -171,7 +181,7 @@ async fn run_mode_end_to_end() {
     assert_eq!(e.kv_events[0].replay_endpoint.as_deref(), Some("tcp://10.0.0.5:5558"));
 
     // gpu-1's token cannot report for gpu-2.
-    let mut intruder = AgentServiceClient::connect(url).await.unwrap();
+    let mut intruder = client_for(&url).await;
     let (itx, irx) = tokio::sync::mpsc::channel(1);
     itx.send(hello("gpu-2", "tok-gpu-1")).await.unwrap();
     let refused = intruder.connect(ReceiverStream::new(irx)).await.err().unwrap();

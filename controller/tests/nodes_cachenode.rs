@@ -115,6 +115,7 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
         last_event_unix_ms: 1_700_000_000_000,
         seq: 7,
         stale: false,
+        ..Default::default()
     }];
     let view = NodeView {
         node: "gpu-1",
@@ -335,7 +336,13 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     let mut writer = CacheNodeWriter::new(client.clone(), Duration::from_secs(30));
 
     // The agent connects and reports: /dev/shm is too small.
-    let mut agent = AgentServiceClient::connect(format!("http://{}", stack.grpc_addr)).await.unwrap();
+    let mut agent = AgentServiceClient::new(
+        tonic::transport::Endpoint::from_shared(format!("http://{}", stack.grpc_addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    );
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let send = |m: Msg| AgentMessage { msg: Some(m) };
     tx.send(send(Msg::Hello(proto::Hello {

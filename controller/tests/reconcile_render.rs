@@ -34,7 +34,10 @@ fn golden(name: &str, r: &Rendered) {
     }
     let want = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (run with UPDATE_GOLDEN=1)", path.display()));
-    assert_eq!(text, want, "golden {name} differs; rerun with UPDATE_GOLDEN=1 and review");
+    assert_eq!(
+        text, want,
+        "golden {name} differs; rerun with UPDATE_GOLDEN=1 and review"
+    );
 }
 
 fn rendered(spec: Value) -> Rendered {
@@ -123,15 +126,31 @@ fn explicit_resources_are_deep_copied_and_empty_block_suppresses_default() {
     let Workload::Deployment(d) = &with.workload else {
         panic!()
     };
-    let c = &d.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0];
+    let c = &d
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
     assert_eq!(c.image.as_deref(), Some("redis:7.2"));
     let res = c.resources.as_ref().unwrap();
-    assert!(res.requests.is_none(), "no default request next to an explicit block");
+    assert!(
+        res.requests.is_none(),
+        "no default request next to an explicit block"
+    );
     assert_eq!(res.limits.as_ref().unwrap()["memory"].0, "10Gi");
     let args = c.args.as_ref().unwrap();
     let i = args.iter().position(|a| a == "--maxmemory").unwrap();
-    assert_eq!(args[i + 1], (10u64 * 1024 * 1024 * 1024 * 8 / 10).to_string());
-    assert!(args.windows(2).any(|w| w == ["--maxmemory-policy", "allkeys-lru"]));
+    assert_eq!(
+        args[i + 1],
+        (10u64 * 1024 * 1024 * 1024 * 8 / 10).to_string()
+    );
+    assert!(args
+        .windows(2)
+        .any(|w| w == ["--maxmemory-policy", "allkeys-lru"]));
 
     let empty = rendered(json!({
         "runtime": "VLLM",
@@ -140,7 +159,15 @@ fn explicit_resources_are_deep_copied_and_empty_block_suppresses_default() {
     let Workload::Deployment(d) = &empty.workload else {
         panic!()
     };
-    let c = &d.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0];
+    let c = &d
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
     assert_eq!(c.resources.as_ref().unwrap(), &Default::default());
     assert!(!c.args.as_ref().unwrap().iter().any(|a| a == "--maxmemory"));
 }
@@ -156,8 +183,19 @@ fn autoscaling_keeps_a_positive_cpu_request() {
     let Workload::Deployment(d) = &r.workload else {
         panic!()
     };
-    let c = &d.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0];
-    assert_eq!(c.resources.as_ref().unwrap().requests.as_ref().unwrap()["cpu"].0, "1");
+    let c = &d
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
+    assert_eq!(
+        c.resources.as_ref().unwrap().requests.as_ref().unwrap()["cpu"].0,
+        "1"
+    );
     let hpa = r.hpa.unwrap();
     let m = &hpa.spec.unwrap().metrics.unwrap()[0];
     assert_eq!(
@@ -189,7 +227,12 @@ fn modes_without_a_managed_provider_render_nothing() {
         json!({"runtime": "VLLM", "remoteStorage": {"provider": "Redis", "ownership": "External", "endpoint": "r:6379"}}),
         json!({"runtime": "SGLang", "type": "SGLangHiCache", "hiCache": {"ratio": "2.0"}}),
     ] {
-        assert!(render::render(&backend("kv", spec.clone())).unwrap().is_none(), "{spec}");
+        assert!(
+            render::render(&backend("kv", spec.clone()))
+                .unwrap()
+                .is_none(),
+            "{spec}"
+        );
     }
 }
 

@@ -148,11 +148,18 @@ fn spec_patch(cb: &mut CacheBackend, patch: serde_json::Value) {
 
 #[test]
 fn managed_rollout_then_backend_ready_with_gate_off() {
-    let cb = annotate(managed_redis("kv"), "inferencecache.io/require-kv-events", "false");
+    let cb = annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    );
     let mut s = Sim::new(cb);
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "RolloutInProgress"));
-    assert_eq!(sr(&e.status, "Progressing"), is("True", "RolloutInProgress"));
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("True", "RolloutInProgress")
+    );
     assert_eq!(sr(&e.status, "Degraded"), is("False", "NotDegraded"));
     assert_eq!(e.status.endpoint.as_deref(), Some("kv-redis.ml.svc:6379"));
 
@@ -183,7 +190,12 @@ fn scaled_to_zero() {
 
 #[test]
 fn replicas_unavailable_degrades_then_recovers_with_events() {
-    let cb = annotate(managed_redis("kv"), "inferencecache.io/require-kv-events", "false");
+    let mut cb = annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    );
+    spec_patch(&mut cb, json!({"replicas": 2}));
     let mut s = Sim::new(cb);
     s.workload = Some(available(2));
     s.step();
@@ -196,7 +208,10 @@ fn replicas_unavailable_degrades_then_recovers_with_events() {
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "ReplicasUnavailable"));
     assert_eq!(sr(&e.status, "Degraded"), is("True", "ReplicasUnavailable"));
-    assert_eq!(sr(&e.status, "Progressing"), is("False", "ReplicasUnavailable"));
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("False", "ReplicasUnavailable")
+    );
     assert_eq!(reasons(&e), vec!["BackendDegraded"]);
     assert_eq!(e.events[0].kind, EventKind::Warning);
     // Steady state: no repeat.
@@ -256,9 +271,15 @@ fn kv_gate_awaits_then_observes_first_event() {
     s.workload = Some(available(1));
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "AwaitingFirstKVEvent"));
-    assert_eq!(sr(&e.status, "Progressing"), is("True", "AwaitingFirstKVEvent"));
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("True", "AwaitingFirstKVEvent")
+    );
     assert_eq!(sr(&e.status, "Degraded"), is("False", "NotDegraded"));
-    assert_eq!(reasons(&e), vec!["AwaitingFirstKVEvent"]);
+    assert_eq!(
+        reasons(&e),
+        vec!["EngineSelectorUnmatched", "AwaitingFirstKVEvent"]
+    );
     assert!(e.requeue_after <= Duration::from_secs(30));
 
     s.advance(60);
@@ -293,7 +314,10 @@ fn no_event_within_timeout_degrades_and_sticks_through_a_flap() {
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "NoKVEventsObserved"));
     assert_eq!(sr(&e.status, "Degraded"), is("True", "NoKVEventsObserved"));
-    assert_eq!(sr(&e.status, "Progressing"), is("False", "NoKVEventsObserved"));
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("False", "NoKVEventsObserved")
+    );
     // The NoKV flavour carries its own event, not BackendDegraded.
     assert_eq!(reasons(&e), vec!["NoKVEventsObserved"]);
 
@@ -314,7 +338,10 @@ fn no_event_within_timeout_degrades_and_sticks_through_a_flap() {
     assert_eq!(sr(&e.status, "Ready"), is("False", "NoKVEventsObserved"));
 
     // Raising the timeout does not un-stick it either; an event does.
-    spec_patch(&mut s.cb, json!({"observation": {"firstEventTimeout": "1h"}}));
+    spec_patch(
+        &mut s.cb,
+        json!({"observation": {"firstEventTimeout": "1h"}}),
+    );
     s.advance(10);
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "NoKVEventsObserved"));
@@ -363,7 +390,10 @@ fn drained_backend_stays_ready_through_the_latch() {
     s.advance(600);
     let e = s.step();
     let ip = e.status.index_participation.as_ref().unwrap();
-    assert_eq!(ip.prefix_count, 0, "reset to 0 on a successful scrape with no replicas");
+    assert_eq!(
+        ip.prefix_count, 0,
+        "reset to 0 on a successful scrape with no replicas"
+    );
     assert!(ip.last_event_at.is_none());
     assert_eq!(sr(&e.status, "Ready"), is("True", "KVEventsObserved"));
     assert!(e.events.is_empty());
@@ -409,8 +439,14 @@ fn attribution_prefers_injected_by_then_sorted_selector() {
         &[("inferencecache.io/injected-by", "ml/b-second")],
     );
     let backends = vec![b.clone(), empty.clone(), a.clone()];
-    assert_eq!(owning_backend(&plain, &backends).as_deref(), Some("a-first"));
-    assert_eq!(owning_backend(&injected, &backends).as_deref(), Some("b-second"));
+    assert_eq!(
+        owning_backend(&plain, &backends).as_deref(),
+        Some("a-first")
+    );
+    assert_eq!(
+        owning_backend(&injected, &backends).as_deref(),
+        Some("b-second")
+    );
     let pods = vec![plain, injected];
     let replicas = Ok(vec![
         replica("p1", 3, 1_000),
@@ -419,7 +455,15 @@ fn attribution_prefers_injected_by_then_sorted_selector() {
     ]);
     let pa = participation(None, NS, "a-first", &replicas, Some(&pods), Some(&backends)).unwrap();
     assert_eq!(pa.prefix_count, 3);
-    let pb = participation(None, NS, "b-second", &replicas, Some(&pods), Some(&backends)).unwrap();
+    let pb = participation(
+        None,
+        NS,
+        "b-second",
+        &replicas,
+        Some(&pods),
+        Some(&backends),
+    )
+    .unwrap();
     assert_eq!(pb.prefix_count, 4);
     // A selector-less backend claims nothing by vacuous truth.
     assert!(participation(None, NS, "0-empty", &replicas, Some(&pods), Some(&backends)).is_none());
@@ -427,7 +471,11 @@ fn attribution_prefers_injected_by_then_sorted_selector() {
 
 #[test]
 fn gate_opt_out_annotation() {
-    let cb = annotate(managed_redis("kv"), "inferencecache.io/require-kv-events", "false");
+    let cb = annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    );
     let mut s = Sim::new(cb);
     s.workload = Some(available(1));
     s.advance(1000);
@@ -451,7 +499,10 @@ fn host_only_base_reason_and_gate() {
     let mut s = Sim::new(host_only("h"));
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "AwaitingFirstKVEvent"));
-    assert!(e.status.first_available_at.is_some(), "anchored on the first reconcile");
+    assert!(
+        e.status.first_available_at.is_some(),
+        "anchored on the first reconcile"
+    );
     assert!(sr(&e.status, "FunctionalProbeOK").is_none());
 }
 
@@ -463,7 +514,12 @@ fn events_only_latches_at_first_reconcile_and_publishes_three_conditions() {
     assert_eq!(sr(&e.status, "Ready"), is("False", "AwaitingFirstKVEvent"));
     assert!(e.status.first_available_at.is_some());
     assert!(e.status.endpoint.is_none());
-    let types: Vec<&str> = e.status.conditions.iter().map(|c| c.type_.as_str()).collect();
+    let types: Vec<&str> = e
+        .status
+        .conditions
+        .iter()
+        .map(|c| c.type_.as_str())
+        .collect();
     assert_eq!(types.len(), 3, "{types:?}");
 
     let mut s = Sim::new(annotate(
@@ -471,7 +527,10 @@ fn events_only_latches_at_first_reconcile_and_publishes_three_conditions() {
         "inferencecache.io/require-kv-events",
         "false",
     ));
-    assert_eq!(sr(&s.step().status, "Ready"), is("True", "EventsOnlyActive"));
+    assert_eq!(
+        sr(&s.step().status, "Ready"),
+        is("True", "EventsOnlyActive")
+    );
 }
 
 #[test]
@@ -494,7 +553,10 @@ fn offload_to_events_only_reanchors_bypasses_sticky_and_clears_advisories() {
     s.owned_workload_present = true;
     s.advance(5);
     let e = s.step();
-    assert_ne!(e.status.first_available_at, old_anchor, "re-anchored to the flip");
+    assert_ne!(
+        e.status.first_available_at, old_anchor,
+        "re-anchored to the flip"
+    );
     assert_eq!(
         e.status.first_available_at.as_ref().unwrap().0.as_second(),
         s.now
@@ -503,7 +565,12 @@ fn offload_to_events_only_reanchors_bypasses_sticky_and_clears_advisories() {
     assert_eq!(sr(&e.status, "Degraded"), is("False", "NotDegraded"));
     assert!(e.status.endpoint.is_none());
     assert!(e.status.observed_server_instance.is_none());
-    for t in ["FunctionalProbeOK", "EngineKernelsHealthy", "T2Degraded", "EngineCompatibility"] {
+    for t in [
+        "FunctionalProbeOK",
+        "EngineKernelsHealthy",
+        "T2Degraded",
+        "EngineCompatibility",
+    ] {
         assert!(sr(&e.status, t).is_none(), "{t} cleared");
     }
     assert_eq!(s.mem.last_path, Some(PathKind::EventsOnly));
@@ -544,7 +611,10 @@ fn unmanaged_transition_clears_the_anchor_and_keeps_the_kv_latch() {
     assert!(e.status.first_available_at.is_none());
     assert_eq!(e.status.first_kv_event_observed_at, latch);
     assert!(e.status.observed_server_instance.is_none());
-    assert_eq!(sr(&e.status, "Ready"), is("True", "ExternalEndpointAccepted"));
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("True", "ExternalEndpointAccepted")
+    );
 }
 
 // ---------------------------------------------------------------- External
@@ -553,20 +623,38 @@ fn unmanaged_transition_clears_the_anchor_and_keeps_the_kv_latch() {
 fn external_conditions_mirror_the_endpoint_check() {
     let mut s = Sim::new(external("x", "LMCacheServer", " lm://cache.ext:65432 "));
     let e = s.step();
-    assert_eq!(sr(&e.status, "Ready"), is("True", "ExternalEndpointAccepted"));
-    assert_eq!(sr(&e.status, "Progressing"), is("False", "ExternalEndpointAccepted"));
-    assert!(sr(&e.status, "Degraded").is_none(), "External publishes Ready + Progressing only");
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("True", "ExternalEndpointAccepted")
+    );
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("False", "ExternalEndpointAccepted")
+    );
+    assert!(
+        sr(&e.status, "Degraded").is_none(),
+        "External publishes Ready + Progressing only"
+    );
     assert_eq!(e.status.endpoint.as_deref(), Some("lm://cache.ext:65432"));
 
     let mut s = Sim::new(external("x", "Redis", "   "));
     let e = s.step();
-    assert_eq!(sr(&e.status, "Ready"), is("False", "ExternalEndpointMissing"));
-    assert_eq!(sr(&e.status, "Progressing"), is("False", "ExternalEndpointMissing"));
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("False", "ExternalEndpointMissing")
+    );
+    assert_eq!(
+        sr(&e.status, "Progressing"),
+        is("False", "ExternalEndpointMissing")
+    );
     assert!(e.status.endpoint.is_none());
 
     let mut s = Sim::new(external("x", "Redis", "redis://r:6379"));
     let e = s.step();
-    assert_eq!(sr(&e.status, "Ready"), is("False", "ExternalEndpointInvalid"));
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("False", "ExternalEndpointInvalid")
+    );
     let msg = &cond(&e.status, "Ready").unwrap().message;
     assert!(msg.contains("spec.remoteStorage.endpoint"), "{msg}");
 }
@@ -576,7 +664,10 @@ fn external_is_exempt_from_the_kv_gate() {
     let mut s = Sim::new(external("x", "Redis", "r:6379"));
     s.advance(10_000);
     let e = s.step();
-    assert_eq!(sr(&e.status, "Ready"), is("True", "ExternalEndpointAccepted"));
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("True", "ExternalEndpointAccepted")
+    );
     assert!(e.status.first_available_at.is_none());
 }
 
@@ -641,9 +732,14 @@ fn probe_stage_failures_downgrade_ready() {
 #[test]
 fn probe_transport_error_without_prior_failure_is_unknown() {
     let mut s = probing_sim();
-    s.probe_next = Some(ProbeOutcome::TransportError("connection refused".to_string()));
+    s.probe_next = Some(ProbeOutcome::TransportError(
+        "connection refused".to_string(),
+    ));
     let e = s.step();
-    assert_eq!(sr(&e.status, "FunctionalProbeOK"), is("Unknown", "ProbeError"));
+    assert_eq!(
+        sr(&e.status, "FunctionalProbeOK"),
+        is("Unknown", "ProbeError")
+    );
     assert_eq!(sr(&e.status, "Ready"), is("True", "KVEventsObserved"));
 }
 
@@ -656,7 +752,10 @@ fn probe_transport_error_keeps_a_prior_stage_failure() {
     s.advance(31);
     let e = s.step();
     assert_eq!(s.probes_run, 2);
-    assert_eq!(sr(&e.status, "FunctionalProbeOK"), is("False", "ProbeRoutingFailed"));
+    assert_eq!(
+        sr(&e.status, "FunctionalProbeOK"),
+        is("False", "ProbeRoutingFailed")
+    );
     assert_eq!(sr(&e.status, "Ready"), is("False", "ProbeRoutingFailed"));
     // Only a successful probe resolves it.
     s.probe_next = Some(all_ok());
@@ -675,7 +774,11 @@ fn probe_is_rate_limited_and_reapplies_a_known_failure() {
     let e = s.step();
     assert_eq!(s.probes_run, 1, "no second call inside the window");
     assert_eq!(sr(&e.status, "Ready"), is("False", "ProbeIngestFailed"));
-    assert_eq!(e.requeue_after, Duration::from_secs(20), "requeue at window expiry");
+    assert_eq!(
+        e.requeue_after,
+        Duration::from_secs(20),
+        "requeue at window expiry"
+    );
 }
 
 #[test]
@@ -692,11 +795,18 @@ fn probe_waits_for_the_upstream_gates() {
 #[test]
 fn probe_bypassed_by_annotation() {
     let mut s = probing_sim();
-    s.cb = annotate(s.cb.clone(), "inferencecache.io/skip-functional-probe", "true");
+    s.cb = annotate(
+        s.cb.clone(),
+        "inferencecache.io/skip-functional-probe",
+        "true",
+    );
     s.probe_next = Some(failed("ingest"));
     let e = s.step();
     assert_eq!(s.probes_run, 0);
-    assert_eq!(sr(&e.status, "FunctionalProbeOK"), is("True", "ProbeBypassed"));
+    assert_eq!(
+        sr(&e.status, "FunctionalProbeOK"),
+        is("True", "ProbeBypassed")
+    );
     assert_eq!(sr(&e.status, "Ready"), is("True", "KVEventsObserved"));
 }
 
@@ -720,9 +830,16 @@ fn terminated(exit: i32, message: &str) -> serde_json::Value {
 #[test]
 fn kernel_check_reasons() {
     let cases = [
-        (terminated(0, "{\"loaded\": true}"), "True", "KernelsHealthy"),
         (
-            terminated(0, "{\"loaded\": false, \"cause\": \"libcudart.so.13: cannot open\"}"),
+            terminated(0, "{\"loaded\": true}"),
+            "True",
+            "KernelsHealthy",
+        ),
+        (
+            terminated(
+                0,
+                "{\"loaded\": false, \"cause\": \"libcudart.so.13: cannot open\"}",
+            ),
             "False",
             "KernelLoadFailed",
         ),
@@ -744,7 +861,11 @@ fn kernel_check_reasons() {
         let e = s.step();
         assert_eq!(sr(&e.status, "EngineKernelsHealthy"), is(status, reason));
         // Report-only never downgrades Ready.
-        assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"), "{reason}");
+        assert_eq!(
+            sr(&e.status, "Ready"),
+            is("True", "BackendReady"),
+            "{reason}"
+        );
     }
 }
 
@@ -768,7 +889,10 @@ fn strict_kernel_failure_downgrades_ready() {
     p.status = Some(serde_json::from_value(st).unwrap());
     s.pods = Some(vec![p]);
     let e = s.step();
-    assert_eq!(sr(&e.status, "EngineKernelsHealthy"), is("False", "KernelLoadFailed"));
+    assert_eq!(
+        sr(&e.status, "EngineKernelsHealthy"),
+        is("False", "KernelLoadFailed")
+    );
     assert_eq!(sr(&e.status, "Ready"), is("False", "EngineKernelDegraded"));
 }
 
@@ -794,17 +918,31 @@ fn t2_degraded_follows_the_hit_rate_and_is_absent_until_exercised() {
     s.replicas = Ok(vec![r.clone()]);
     let e = s.step();
     assert_eq!(
-        e.status.index_participation.as_ref().unwrap().t2_hit_rate.as_deref(),
+        e.status
+            .index_participation
+            .as_ref()
+            .unwrap()
+            .t2_hit_rate
+            .as_deref(),
         Some("0")
     );
     assert_eq!(sr(&e.status, "T2Degraded"), is("True", "T2ZeroHitRate"));
-    assert_eq!(sr(&e.status, "Ready"), is("True", "KVEventsObserved"), "never gates Ready");
+    assert_eq!(
+        sr(&e.status, "Ready"),
+        is("True", "KVEventsObserved"),
+        "never gates Ready"
+    );
 
     r.t2_hits = Some(25);
     s.replicas = Ok(vec![r]);
     let e = s.step();
     assert_eq!(
-        e.status.index_participation.as_ref().unwrap().t2_hit_rate.as_deref(),
+        e.status
+            .index_participation
+            .as_ref()
+            .unwrap()
+            .t2_hit_rate
+            .as_deref(),
         Some("0.25")
     );
     assert_eq!(sr(&e.status, "T2Degraded"), is("False", "T2Serving"));
@@ -815,7 +953,9 @@ fn injected_engine_crash_loop_sets_engine_compatibility_once() {
     let cb = managed_redis("kv");
     let mut s = Sim::new(cb.clone());
     s.workload = Some(available(1));
-    s.pods = Some(vec![crash_looping(injected_engine("engine-0", &cb, "vllm"))]);
+    s.pods = Some(vec![crash_looping(injected_engine(
+        "engine-0", &cb, "vllm",
+    ))]);
     let e = s.step();
     assert_eq!(
         sr(&e.status, "EngineCompatibility"),
@@ -842,12 +982,10 @@ fn injected_engine_crash_loop_sets_engine_compatibility_once() {
 fn crash_loop_of_a_forged_injection_is_ignored() {
     let cb = managed_redis("kv");
     let mut forged = crash_looping(injected_engine("engine-0", &cb, "vllm"));
-    forged
-        .metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert("inferencecache.io/injected-by-uid".to_string(), "other".to_string());
+    forged.metadata.annotations.as_mut().unwrap().insert(
+        "inferencecache.io/injected-by-uid".to_string(),
+        "other".to_string(),
+    );
     let mut s = Sim::new(cb);
     s.workload = Some(available(1));
     s.pods = Some(vec![forged]);
@@ -863,8 +1001,17 @@ fn matched_engine_pods_and_selector_message() {
     let e = s.step();
     assert_eq!(e.status.matched_engine_pods, Some(0));
     let msg = e.status.engine_selector_message.clone().unwrap();
-    assert!(msg.contains("spec.engineSelector.matchLabels={app=vllm}"), "{msg}");
-    assert_eq!(reasons(&e).iter().filter(|r| *r == "EngineSelectorUnmatched").count(), 1);
+    assert!(
+        msg.contains("spec.engineSelector.matchLabels={app=vllm}"),
+        "{msg}"
+    );
+    assert_eq!(
+        reasons(&e)
+            .iter()
+            .filter(|r| *r == "EngineSelectorUnmatched")
+            .count(),
+        1
+    );
     // Steady zero: no repeat.
     let e = s.step();
     assert!(!reasons(&e).contains(&"EngineSelectorUnmatched".to_string()));
@@ -904,14 +1051,20 @@ fn scaled_to_zero_engines_expect_no_pods_and_churn_requeues_fast() {
         o
     };
     let e = evaluate(
-        &obs_with(vec![engine_deployment("vllm", &[("app", "vllm")], 0)], vec![]),
+        &obs_with(
+            vec![engine_deployment("vllm", &[("app", "vllm")], 0)],
+            vec![],
+        ),
         &Memory::default(),
         &ProbeInput::NotRun,
         &Settings::default(),
     );
     assert_eq!(e.status.matched_engine_pods, Some(0));
     assert!(e.status.engine_selector_message.is_none());
-    assert!(!e.events.iter().any(|x| x.reason == "EngineSelectorUnmatched"));
+    assert!(!e
+        .events
+        .iter()
+        .any(|x| x.reason == "EngineSelectorUnmatched"));
 
     let e = evaluate(
         &obs_with(
@@ -922,7 +1075,11 @@ fn scaled_to_zero_engines_expect_no_pods_and_churn_requeues_fast() {
         &ProbeInput::NotRun,
         &Settings::default(),
     );
-    assert_eq!(e.requeue_after, Duration::from_secs(5), "pods ≠ desired replicas");
+    assert_eq!(
+        e.requeue_after,
+        Duration::from_secs(5),
+        "pods ≠ desired replicas"
+    );
 
     let e = evaluate(
         &obs_with(
@@ -943,7 +1100,11 @@ fn fail_open_events_on_transitions_only() {
     let mut s = Sim::new(cb);
     let e = s.step();
     assert_eq!(e.status.fail_open, Some(false));
-    let ev = e.events.iter().find(|x| x.reason == "FailClosedEnabled").unwrap();
+    let ev = e
+        .events
+        .iter()
+        .find(|x| x.reason == "FailClosedEnabled")
+        .unwrap();
     assert_eq!(ev.kind, EventKind::Warning);
     assert!(!reasons(&s.step()).contains(&"FailClosedEnabled".to_string()));
     spec_patch(&mut s.cb, json!({"integration": {"failOpen": true}}));
@@ -959,7 +1120,10 @@ fn fail_open_events_on_transitions_only() {
 fn last_transition_time_moves_only_on_status_changes() {
     let mut s = Sim::new(managed_redis("kv"));
     let e = s.step();
-    let t_rollout = cond(&e.status, "Ready").unwrap().last_transition_time.clone();
+    let t_rollout = cond(&e.status, "Ready")
+        .unwrap()
+        .last_transition_time
+        .clone();
     s.advance(20);
     s.workload = Some(available(1));
     let e = s.step();

@@ -19,6 +19,13 @@
 //!     keepsL2: true
 //!     kvEvents:
 //!       - { endpoint: "tcp://127.0.0.1:5557", replayEndpoint: "tcp://127.0.0.1:5558", dpRank: 0 }
+//! readerMounts:
+//!   - namespace: team-a
+//!     pod: vllm-0
+//!     podUid: 3f1c2a9e-1b2c-4d5e-8f90-0123456789ab
+//!     path: /models
+//!     samples: [{ file: config.json, sha256: "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" }]
+//! cuda: { runtimeVersion: "12.8" }
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -43,6 +50,77 @@ pub struct NodePlan {
     /// Engine pods on this node and their KV-event publishers.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub engines: Vec<EnginePlan>,
+    /// Model-cache volumes mounted by reader pods on this node (spec 004 "Qualification"): each
+    /// must be mounted read-only in the pod and its sample files must match the writer's digests.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reader_mounts: Vec<ReaderMount>,
+    /// What the engines on this node need from the CUDA driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaRequirement>,
+}
+
+/// A model-cache volume as one reader pod sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReaderMount {
+    /// Reader pod namespace.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Reader pod name (shown in results: subject `<namespace>/<pod>:<path>`).
+    pub pod: String,
+    /// Reader pod UID: the agent finds the pod's processes by it (their cgroups) and looks at
+    /// the volume through their mount namespace. Without it (standalone mode) the path is
+    /// looked up in the agent's own mount namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// Absolute mount path inside the pod's containers, e.g. `/models`.
+    pub path: String,
+    /// True (the default) when the volume must be read-only: the mount must carry `ro` and
+    /// every write probe must fail with EROFS.
+    #[serde(default = "default_true")]
+    pub expect_read_only: bool,
+    /// Files whose content must equal what the writer produced.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub samples: Vec<SampleDigest>,
+    /// Model-cache binding (`namespace/name`) that planned the mount, for messages.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub binding: String,
+}
+
+impl Default for ReaderMount {
+    fn default() -> Self {
+        ReaderMount {
+            namespace: default_namespace(),
+            pod: String::new(),
+            pod_uid: None,
+            path: String::new(),
+            expect_read_only: true,
+            samples: Vec::new(),
+            binding: String::new(),
+        }
+    }
+}
+
+/// A sample file of a model-cache volume and the writer's digest of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SampleDigest {
+    /// Path relative to the mount path, e.g. `config.json` (no `..` components).
+    pub file: String,
+    /// SHA-256 of the file's content as 64 hex digits (either case).
+    pub sha256: String,
+}
+
+/// The CUDA driver the node's engines need.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CudaRequirement {
+    /// Highest CUDA runtime version among the engine images on this node, `major.minor`
+    /// (e.g. `12.8`). The `cuda` check loads its probe kernel at the matching PTX ISA version, so
+    /// a driver too old for that runtime fails the check exactly where the engine would fail:
+    /// at module load / kernel launch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_version: Option<String>,
 }
 
 /// Required `/dev/shm` capacity.
@@ -184,6 +262,10 @@ fn default_namespace() -> String {
     "default".to_string()
 }
 
+fn default_true() -> bool {
+    true
+}
+
 fn default_block_size() -> u32 {
     16
 }
@@ -278,6 +360,34 @@ engines:
         assert_eq!(e.replica_id(0), "vllm-0");
         let back: NodePlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
+    }
+
+    #[test]
+    fn reader_mounts_and_cuda_parse_with_defaults() {
+        let text = r#"
+readerMounts:
+  - pod: reader-0
+    path: /models
+    samples: [{ file: config.json, sha256: "AB" }]
+  - { namespace: t, pod: r, podUid: u, path: /m, expectReadOnly: false, binding: t/b }
+cuda: { runtimeVersion: "12.8" }
+"#;
+        let p = NodePlan::parse(text, "test").unwrap();
+        let m = &p.reader_mounts[0];
+        assert_eq!(m.namespace, "default");
+        assert!(m.expect_read_only);
+        assert_eq!(m.samples[0].file, "config.json");
+        assert!(!p.reader_mounts[1].expect_read_only);
+        assert_eq!(p.reader_mounts[1].pod_uid.as_deref(), Some("u"));
+        assert!(ReaderMount::default().expect_read_only);
+        assert_eq!(
+            p.cuda.as_ref().unwrap().runtime_version.as_deref(),
+            Some("12.8")
+        );
+        let back: NodePlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+        // an empty plan serializes without the new keys
+        assert_eq!(serde_json::to_string(&NodePlan::default()).unwrap(), r#"{"generation":0,"gpuNode":false}"#);
     }
 
     #[test]

@@ -243,3 +243,60 @@ fn i64_hashes_and_map16_headers_decode() {
     );
     assert_eq!(b.data_parallel_rank, None);
 }
+
+/// The identity fields the agent keys the index by.
+fn identity(e: &KvEvent) -> (u8, Vec<u64>, Option<u64>, Vec<u32>, u32, Option<u32>) {
+    match e {
+        KvEvent::BlockStored(s) => (
+            0,
+            s.block_hashes.clone(),
+            s.parent_block_hash,
+            s.token_ids.clone(),
+            s.block_size,
+            s.group_idx,
+        ),
+        KvEvent::BlockRemoved(r) => (1, r.block_hashes.clone(), None, Vec::new(), 0, r.group_idx),
+        KvEvent::AllBlocksCleared => (2, Vec::new(), None, Vec::new(), 0, None),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// The invariants of the `decode_batch` fuzz target (`fuzz/fuzz_targets/decode_batch.rs`),
+    /// on mutated golden payloads: whatever decodes lists skipped events in wire order and
+    /// re-encodes (both shapes) to the same identity fields.
+    #[test]
+    fn whatever_decodes_re_encodes_to_the_same_identity(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+        bytes in prop::collection::vec(any::<u8>(), 0..64),
+        use_random in any::<bool>(),
+    ) {
+        let p = if use_random {
+            bytes
+        } else {
+            let mut p = golden_payload();
+            for (at, byte) in edits {
+                let i = at.index(p.len());
+                p[i] = byte;
+            }
+            p
+        };
+        if let Ok(batch) = decode_batch(&p) {
+            let mut last = None;
+            for s in &batch.skipped {
+                prop_assert!(last.is_none_or(|l| s.index > l));
+                last = Some(s.index);
+            }
+            let want: Vec<_> = batch.events.iter().map(identity).collect();
+            for shape in [EventShape::Array, EventShape::Map] {
+                let again = decode_batch(&encode_batch(&batch, shape))
+                    .map_err(|e| TestCaseError::fail(format!("{shape:?}: {e}")))?;
+                let got: Vec<_> = again.events.iter().map(identity).collect();
+                prop_assert_eq!(&got, &want, "shape {:?}", shape);
+                prop_assert!(again.skipped.is_empty());
+                prop_assert_eq!(again.data_parallel_rank, batch.data_parallel_rank);
+            }
+        }
+    }
+}

@@ -1,23 +1,30 @@
 //! `gpu`: NVIDIA GPUs through NVML (`nvml-wrapper`).
 //!
-//! NVML is loaded on every run, on the calling thread (the async caller uses `spawn_blocking`),
-//! from [`ChecksConfig::nvml_library`] or `libnvidia-ml.so.1` on the loader path. When it cannot
-//! be loaded or initialised the check returns one `host` result, `NvmlUnavailable`, `Unknown` —
-//! or `Warning` when the plan says the node should have GPUs — and never panics. Otherwise one
-//! result per device (`gpu<N>`) judged by [`evaluate_device`] from a [`GpuSnapshot`]: ECC
-//! double-bit (uncorrectable) volatile errors, row-remap failures, pending row remaps or page
-//! retirements, and clock throttling for heat or hardware slowdown.
+//! NVML is loaded once, on a dedicated long-lived thread ([`super::gpu_monitor`]), from
+//! [`ChecksConfig::nvml_library`] or `libnvidia-ml.so.1` on the loader path; that thread keeps it
+//! open and waits on an event set for XID events. When NVML cannot be loaded or initialised the
+//! check returns one `host` result, `NvmlUnavailable`, `Unknown` — or `Warning` when the plan
+//! says the node should have GPUs — and never panics (the thread retries every minute).
+//! Otherwise one result per device (`gpu<N>`) judged by [`evaluate_device`] from a
+//! [`GpuSnapshot`]: XID events under the [`XidPolicy`] (fatal XIDs, other XIDs, a quiet period
+//! after which the GPU recovers; MIG instance of each event), ECC double-bit (uncorrectable)
+//! volatile errors, row-remap failures, pending row remaps or page retirements, and clock
+//! throttling for heat or hardware slowdown.
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
 
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::{Device, Nvml};
+use parking_lot::Mutex;
 
+use super::gpu_monitor::{EventSupport, InitFailure, InitState, NvmlMonitor};
 use super::units::bytes_both;
+use super::xid::{evaluate_xids, xid_description, XidAction, XidLog, XidPolicy, XidVerdict};
 use super::{Check, ChecksConfig};
 
 /// Check name.
@@ -44,17 +51,33 @@ pub const THERMAL_THROTTLE_MASK: u64 = 0x20 | 0x40;
 /// Throttle bits that mean an external hardware slowdown (`HwSlowdown | HwPowerBrakeSlowdown`).
 pub const HW_SLOWDOWN_MASK: u64 = 0x8 | 0x80;
 
-/// The `gpu` check.
-#[derive(Debug, Clone)]
+/// How long a run waits for the NVML thread's first initialisation attempt.
+pub const INIT_WAIT: Duration = Duration::from_secs(10);
+
+/// The `gpu` check. Owns the NVML thread (started on the first run, stopped on drop).
 pub struct GpuCheck {
     nvml_library: Option<PathBuf>,
+    policy: XidPolicy,
+    monitor: Mutex<Option<NvmlMonitor>>,
+}
+
+impl std::fmt::Debug for GpuCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuCheck")
+            .field("nvml_library", &self.nvml_library)
+            .field("policy", &self.policy)
+            .field("started", &self.monitor.lock().is_some())
+            .finish()
+    }
 }
 
 impl GpuCheck {
-    /// Reads `cfg.nvml_library`.
+    /// Reads `cfg.nvml_library` and `cfg.xid_policy`.
     pub fn new(cfg: &ChecksConfig) -> Self {
         GpuCheck {
             nvml_library: cfg.nvml_library.clone(),
+            policy: cfg.xid_policy.clone(),
+            monitor: Mutex::new(None),
         }
     }
 
@@ -65,7 +88,38 @@ impl GpuCheck {
             .unwrap_or_else(|| DEFAULT_NVML_LIBRARY.to_string())
     }
 
-    fn init(&self) -> Result<Nvml, NvmlError> {
+    /// The NVML state, starting the thread on first use; with the XID logs and event support.
+    fn observe(&self) -> Result<(InitState, HashMapXids), String> {
+        let mut guard = self.monitor.lock();
+        if guard.is_none() {
+            let m = NvmlMonitor::start(
+                self.nvml_library.clone(),
+                DEFAULT_NVML_LIBRARY,
+                classify_init_error,
+            )
+            .map_err(|e| format!("cannot start the NVML thread: {e}"))?;
+            *guard = Some(m);
+        }
+        let Some(m) = guard.as_ref() else {
+            return Err("the NVML thread is not running".into());
+        };
+        let init = m.init_state(INIT_WAIT);
+        let xids = m.with_state(|st| {
+            let mut out: HashMapXids = std::collections::HashMap::new();
+            for (i, support) in &st.events {
+                out.insert(
+                    *i,
+                    (st.xids.get(i).cloned().unwrap_or_default(), support.clone()),
+                );
+            }
+            out
+        });
+        Ok((init, xids))
+    }
+
+    /// A one-off NVML handle on the calling thread (no events): what `run` did before the NVML
+    /// thread existed; kept for callers that need a snapshot without the thread.
+    pub fn init_once(&self) -> Result<Nvml, NvmlError> {
         match &self.nvml_library {
             Some(path) => Nvml::builder().lib_path(OsStr::new(path)).init(),
             None => Nvml::builder()
@@ -75,8 +129,19 @@ impl GpuCheck {
     }
 }
 
-/// Why NVML could not be used: `(cause label, explanation)`.
-fn classify_init_error(e: &NvmlError, library: &str) -> (&'static str, String) {
+type HashMapXids = std::collections::HashMap<u32, (XidLog, EventSupport)>;
+
+/// Why NVML could not be used, from its initialisation error.
+pub fn classify_init_error(e: &NvmlError, library: &str) -> InitFailure {
+    let (cause, why) = classify_parts(e, library);
+    InitFailure {
+        cause,
+        why,
+        error: e.to_string(),
+    }
+}
+
+fn classify_parts(e: &NvmlError, library: &str) -> (&'static str, String) {
     match e {
         NvmlError::LibloadingError(le) => (
             "LibraryNotFound",
@@ -116,7 +181,12 @@ fn classify_init_error(e: &NvmlError, library: &str) -> (&'static str, String) {
 
 /// The result when NVML cannot be used: `Warning` on a planned GPU node, else `Unknown`.
 pub fn nvml_unavailable(gpu_node: bool, library: &str, error: &NvmlError) -> CheckResult {
-    let (cause, why) = classify_init_error(error, library);
+    unavailable(gpu_node, library, &classify_init_error(error, library))
+}
+
+/// [`nvml_unavailable`] from an already classified failure.
+pub fn unavailable(gpu_node: bool, library: &str, failure: &InitFailure) -> CheckResult {
+    let InitFailure { cause, why, error } = failure;
     let (status, tail) = if gpu_node {
         (
             CheckStatus::Warning,
@@ -135,9 +205,9 @@ pub fn nvml_unavailable(gpu_node: bool, library: &str, error: &NvmlError) -> Che
         "NvmlUnavailable",
         format!("{why}; {tail}."),
     )
-    .with("cause", cause)
+    .with("cause", *cause)
     .with("library", library)
-    .with("error", error.to_string())
+    .with("error", error)
 }
 
 /// Row-remapping state (Ampere and newer), from `nvmlDeviceGetRemappedRows`.
@@ -183,8 +253,51 @@ pub struct GpuSnapshot {
     pub throttle_reasons: Option<u64>,
     /// The device fell off the bus (`GpuLost` from any query).
     pub lost: bool,
+    /// MIG mode is enabled (`None`: not a MIG-capable GPU).
+    pub mig_enabled: Option<bool>,
+    /// MIG devices (GPU instances) configured, when MIG is enabled.
+    pub mig_devices: Option<u32>,
+    /// XID events of this GPU, when the NVML thread watches them.
+    pub xid: Option<XidStatus>,
     /// Queries that failed for another reason than "not supported": `"query: error"`.
     pub query_errors: Vec<String>,
+}
+
+/// The XID side of a GPU: what the NVML thread saw, judged under the policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XidStatus {
+    /// `Ok` when the GPU is registered for XID events, else why not.
+    pub monitored: Result<(), String>,
+    /// The verdict over the GPU's XID log ([`evaluate_xids`]).
+    pub verdict: XidVerdict,
+    /// Events received since the agent started.
+    pub total: u64,
+    /// The policy's quiet period.
+    pub quiet_period: Duration,
+    /// When the verdict was taken.
+    pub now: SystemTime,
+}
+
+impl XidStatus {
+    /// Judges a GPU's log under `policy` at `now`.
+    pub fn judge(log: &XidLog, support: &EventSupport, policy: &XidPolicy, now: SystemTime) -> Self {
+        XidStatus {
+            monitored: match support {
+                EventSupport::Monitored => Ok(()),
+                EventSupport::Unavailable(e) => Err(e.clone()),
+            },
+            verdict: evaluate_xids(log, policy, now),
+            total: log.total,
+            quiet_period: policy.quiet_period,
+            now,
+        }
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u128 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
 }
 
 /// Names of the set throttle bits, `+`-joined (`SwThermalSlowdown+HwSlowdown`), or `None`.
@@ -239,6 +352,45 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
                 format!("{label} failed to remap a memory row; the GPU needs replacement."),
             ));
         }
+    }
+    let xid_finding = s.xid.as_ref().and_then(|x| {
+        let culprit = x.verdict.culprit.as_ref()?;
+        let xid = culprit
+            .xid
+            .map(|n| format!("XID {n} ({})", xid_description(n)))
+            .unwrap_or_else(|| "an XID of unknown value".to_string());
+        let age = x
+            .now
+            .duration_since(culprit.at)
+            .unwrap_or(Duration::ZERO)
+            .as_secs();
+        let others = if x.verdict.active.len() > 1 {
+            format!(
+                " (XIDs in the last {} s: {})",
+                x.quiet_period.as_secs(),
+                x.verdict
+                    .active
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        } else {
+            String::new()
+        };
+        let rule = x.verdict.rule.map(|r| r.as_str()).unwrap_or("policy");
+        Some((x.verdict.action, format!(
+            "{label} reported {xid}{} {age} s ago{others}, which the XID policy ({rule}) \
+             treats as {}; it reads healthy again after {} s without such XIDs.",
+            culprit.mig_label(),
+            x.verdict.action.as_str(),
+            x.quiet_period.as_secs()
+        )))
+    });
+    if let Some((XidAction::Critical, m)) = &xid_finding {
+        findings.push((CheckStatus::Critical, "GpuXidFatal", m.clone()));
+    }
+    if let Some(rr) = s.remapped_rows {
         if rr.pending {
             findings.push((
                 CheckStatus::Warning,
@@ -253,6 +405,9 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
             "GpuRetiredPagesPending",
             format!("{label} has memory pages pending retirement; reset the GPU or reboot."),
         ));
+    }
+    if let Some((XidAction::Warning, m)) = &xid_finding {
+        findings.push((CheckStatus::Warning, "GpuXidError", m.clone()));
     }
     if let Some(bits) = s.throttle_reasons {
         if bits & THERMAL_THROTTLE_MASK != 0 {
@@ -352,6 +507,56 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
             .with("throttleReasons", throttle_names(bits))
             .with("throttleReasonsMask", format!("0x{bits:x}"));
     }
+    if let Some(m) = s.mig_enabled {
+        r = r.with("migMode", if m { "enabled" } else { "disabled" });
+    }
+    r = opt(r, "migDevices", s.mig_devices.map(|v| v.to_string()));
+    if let Some(x) = &s.xid {
+        r = r
+            .with(
+                "xidEvents",
+                match &x.monitored {
+                    Ok(()) => "monitored".to_string(),
+                    Err(e) => format!("unavailable: {e}"),
+                },
+            )
+            .with("xidEventsTotal", x.total)
+            .with("xidIgnored", x.verdict.ignored)
+            .with("xidQuietPeriodSeconds", x.quiet_period.as_secs());
+        if !x.verdict.active.is_empty() {
+            r = r.with(
+                "activeXids",
+                x.verdict
+                    .active
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            );
+        }
+        if x.verdict.recovered {
+            r = r.with("xidRecovered", true);
+        }
+        if let Some(last) = &x.verdict.last {
+            r = r
+                .with(
+                    "lastXid",
+                    last.xid.map(|v| v.to_string()).unwrap_or_else(|| "unknown".into()),
+                )
+                .with("lastXidUnixMs", unix_ms(last.at))
+                .with(
+                    "lastXidAgeSeconds",
+                    x.now.duration_since(last.at).unwrap_or(Duration::ZERO).as_secs(),
+                );
+            r = opt(r, "lastXidGpuInstance", last.gpu_instance.map(|v| v.to_string()));
+            r = opt(
+                r,
+                "lastXidComputeInstance",
+                last.compute_instance.map(|v| v.to_string()),
+            );
+            r = opt(r, "lastXidMigUuid", last.mig_uuid.clone());
+        }
+    }
     if !s.query_errors.is_empty() {
         r = r.with("queryErrors", s.query_errors.join("; "));
     }
@@ -378,7 +583,8 @@ fn snapshot(
         ..GpuSnapshot::default()
     };
     let mut keep = |what: &str, r: Result<(), NvmlError>| match r {
-        Ok(()) | Err(NvmlError::NotSupported) => {}
+        // an older library without the function is the same as an unsupported query
+        Ok(()) | Err(NvmlError::NotSupported) | Err(NvmlError::FailedToLoadSymbol(_)) => {}
         Err(NvmlError::GpuLost) => s.lost = true,
         Err(e) => s.query_errors.push(format!("{what}: {e}")),
     };
@@ -421,6 +627,22 @@ fn snapshot(
             .current_throttle_reasons()
             .map(|v| throttle = Some(v.bits())),
     );
+    let mut mig = None;
+    keep(
+        "migMode",
+        device.mig_mode().map(|m| mig = Some(m.current == 1)),
+    );
+    let mut mig_count = None;
+    if mig == Some(true) {
+        let mut n = 0u32;
+        let max = device.mig_device_count().unwrap_or(0);
+        for i in 0..max {
+            if device.mig_device_by_index(i).is_ok() {
+                n += 1;
+            }
+        }
+        mig_count = Some(n);
+    }
     s.name = name;
     s.uuid = uuid;
     s.memory_total_bytes = mem.as_ref().map(|m| m.total);
@@ -430,6 +652,8 @@ fn snapshot(
     s.retired_pages_pending = pending;
     s.remapped_rows = rows;
     s.throttle_reasons = throttle;
+    s.mig_enabled = mig;
+    s.mig_devices = mig_count;
     Ok(s)
 }
 
@@ -466,24 +690,53 @@ impl Check for GpuCheck {
 
     fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
         let library = self.library_label();
-        let nvml = match self.init() {
-            Ok(n) => n,
-            Err(e) => return vec![nvml_unavailable(plan.gpu_node, &library, &e)],
+        let degraded = if plan.gpu_node {
+            CheckStatus::Warning
+        } else {
+            CheckStatus::Unknown
+        };
+        let (init, xids) = match self.observe() {
+            Ok(v) => v,
+            Err(e) => {
+                return vec![CheckResult::new(
+                    NAME,
+                    "host",
+                    degraded,
+                    "NvmlUnavailable",
+                    format!("{e}; GPU health is unknown."),
+                )
+                .with("cause", "InitFailed")
+                .with("library", library)]
+            }
+        };
+        let nvml = match init {
+            InitState::Ready(n) => n,
+            InitState::Failed(f) => return vec![unavailable(plan.gpu_node, &library, &f)],
+            InitState::Pending => {
+                return vec![unavailable(
+                    plan.gpu_node,
+                    &library,
+                    &InitFailure {
+                        cause: "InitFailed",
+                        why: format!(
+                            "NVML ({library}) did not finish initialising within {} s; the \
+                             driver may be wedged",
+                            INIT_WAIT.as_secs()
+                        ),
+                        error: "initialisation timed out".into(),
+                    },
+                )]
+            }
         };
         let driver = nvml.sys_driver_version().ok();
         let cuda = nvml.sys_cuda_driver_version().ok().map(format_cuda_version);
         let count = match nvml.device_count() {
             Ok(c) => c,
             Err(e) => {
-                let status = if plan.gpu_node {
-                    CheckStatus::Warning
-                } else {
-                    CheckStatus::Unknown
-                };
                 return vec![CheckResult::new(
                     NAME,
                     "host",
-                    status,
+                    degraded,
                     "NvmlQueryFailed",
                     format!("NVML ({library}) loaded but cannot count GPUs: {e}."),
                 )
@@ -514,14 +767,23 @@ impl Check for GpuCheck {
             }
             return vec![r];
         }
+        let now = SystemTime::now();
+        let xid_status = |i: u32| {
+            xids.get(&i)
+                .map(|(log, support)| XidStatus::judge(log, support, &self.policy, now))
+        };
         (0..count)
             .map(|i| match snapshot(&nvml, i, driver.clone(), cuda.clone()) {
-                Ok(s) => evaluate_device(&s),
+                Ok(mut s) => {
+                    s.xid = xid_status(i);
+                    evaluate_device(&s)
+                }
                 Err(NvmlError::GpuLost) => evaluate_device(&GpuSnapshot {
                     index: i,
                     lost: true,
                     driver_version: driver.clone(),
                     cuda_driver_version: cuda.clone(),
+                    xid: xid_status(i),
                     ..GpuSnapshot::default()
                 }),
                 Err(e) => CheckResult::new(
@@ -558,6 +820,9 @@ mod tests {
             remapped_rows: Some(RemappedRows::default()),
             throttle_reasons: Some(0x1),
             lost: false,
+            mig_enabled: None,
+            mig_devices: None,
+            xid: None,
             query_errors: vec![],
         }
     }

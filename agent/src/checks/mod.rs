@@ -11,24 +11,41 @@
 //!
 //! | check | module | subjects |
 //! |---|---|---|
-//! | `shm` | [`shm`] | `host` |
+//! | `shm` | [`shm`] | `host`, `<namespace>/<pod>` per engine pod |
+//! | `mp_worker` | [`mp_worker`] | `<namespace>/<pod>` per engine with an MP-worker port |
+//! | `gpu` | [`gpu`] (thread: [`gpu_monitor`], policy: [`xid`]) | `host` (NVML unavailable, no devices), `gpu<N>` |
+//! | `cuda` | [`cuda`] | `host` (driver unusable), `cuda<N>` |
 //! | `ports` | [`ports`] | `host`, `tcp/<port>` |
-//! | `gpu` | [`gpu`] | `host` (NVML unavailable, no devices), `gpu<N>` |
+//! | `mounts` | [`mounts`] | `<namespace>/<pod>:<path>` per reader mount |
+//!
+//! Pods are found by UID through [`pods::PodFinder`], shared by the checks of one registry.
+//! [`metrics::CheckMetrics`] turns a pass into bounded-label gauges.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
+use thiserror::Error;
 
+pub mod cuda;
 pub mod fake;
 pub mod gpu;
+pub mod gpu_monitor;
+pub mod metrics;
+pub mod mounts;
+pub mod mp_worker;
+pub mod pods;
 pub mod ports;
 pub mod shm;
 mod table;
 pub mod units;
+pub mod xid;
 
 pub use table::{render_table, report_json};
+use xid::{XidPolicy, XidPolicyError};
 
 /// One node check. Implementations are cheap to construct and hold only configuration.
 ///
@@ -56,6 +73,19 @@ pub struct ChecksConfig {
     /// `/dev/shm` use, in percent of its size, above which `shm` reports `ShmNearlyFull`
     /// (default 90).
     pub shm_nearly_full_percent: u8,
+    /// Longest wait of the `mp_worker` probe for each of TCP connect, ZMTP greeting and the
+    /// no-op's reply (default 2 s).
+    pub mp_worker_timeout: Duration,
+    /// Which XIDs make a GPU unhealthy, and for how long (default: NVIDIA's published sets,
+    /// 10 minutes' quiet period).
+    pub xid_policy: XidPolicy,
+    /// CUDA driver library to load by path; `None` lets cudarc search `libcuda.so`,
+    /// `libcuda.so.1`, … on the loader path.
+    pub cuda_library: Option<PathBuf>,
+    /// Time between two CUDA probes (each creates a context on every GPU; default 10 minutes).
+    pub cuda_interval: Duration,
+    /// Longest wait for a CUDA probe that has no earlier result to fall back on (default 60 s).
+    pub cuda_timeout: Duration,
 }
 
 impl Default for ChecksConfig {
@@ -65,7 +95,126 @@ impl Default for ChecksConfig {
             shm_path: PathBuf::from("/dev/shm"),
             nvml_library: None,
             shm_nearly_full_percent: 90,
+            mp_worker_timeout: Duration::from_secs(2),
+            xid_policy: XidPolicy::default(),
+            cuda_library: None,
+            cuda_interval: Duration::from_secs(600),
+            cuda_timeout: Duration::from_secs(60),
         }
+    }
+}
+
+/// A malformed check setting in the environment.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ChecksConfigError {
+    /// A numeric variable that is not a number in range.
+    #[error("{var}={value:?} is not a valid number")]
+    BadNumber {
+        /// Variable name.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// An XID setting that does not parse.
+    #[error("{var}: {source}")]
+    Xid {
+        /// Variable name.
+        var: &'static str,
+        /// Why.
+        source: XidPolicyError,
+    },
+}
+
+/// Environment variables [`ChecksConfig::from_env`] reads (name, meaning).
+pub const ENV_VARS: [(&str, &str); 12] = [
+    ("IC_PROC_ROOT", "procfs root (default /proc)"),
+    ("IC_SHM_PATH", "host /dev/shm path (default /dev/shm)"),
+    ("IC_NVML_LIBRARY", "libnvidia-ml path (default libnvidia-ml.so.1 on the loader path)"),
+    ("IC_SHM_NEARLY_FULL_PERCENT", "ShmNearlyFull threshold in percent (default 90)"),
+    ("IC_MP_WORKER_TIMEOUT_MS", "MP-worker probe timeout per step, milliseconds (default 2000)"),
+    ("IC_XID_ENABLE", "XIDs always Critical, comma-separated (beats IC_XID_DISABLE)"),
+    ("IC_XID_DISABLE", "XIDs ignored, comma-separated, or \"all\""),
+    ("IC_XID_UNLISTED", "action for XIDs in no list: ignore, warning (default) or critical"),
+    ("IC_XID_QUIET_SECONDS", "seconds without XIDs after which a GPU recovers (default 600)"),
+    ("IC_CUDA_LIBRARY", "libcuda path (default: cudarc's search of the loader path)"),
+    ("IC_CUDA_INTERVAL_SECONDS", "seconds between CUDA probes (default 600)"),
+    ("IC_CUDA_TIMEOUT_SECONDS", "longest wait for a first CUDA probe, seconds (default 60)"),
+];
+
+impl ChecksConfig {
+    /// The default configuration with every variable of [`ENV_VARS`] that is set (and not
+    /// empty) applied. Errors name the variable.
+    pub fn from_env() -> Result<Self, ChecksConfigError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`ChecksConfig::from_env`] with any variable source (tests pass a map).
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ChecksConfigError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let num = |var: &'static str| -> Result<Option<u64>, ChecksConfigError> {
+            get(var)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u64>()
+                        .map_err(|_| ChecksConfigError::BadNumber { var, value: v })
+                })
+                .transpose()
+        };
+        let mut c = ChecksConfig::default();
+        if let Some(v) = get("IC_PROC_ROOT") {
+            c.proc_root = PathBuf::from(v);
+        }
+        if let Some(v) = get("IC_SHM_PATH") {
+            c.shm_path = PathBuf::from(v);
+        }
+        if let Some(v) = get("IC_NVML_LIBRARY") {
+            c.nvml_library = Some(PathBuf::from(v));
+        }
+        if let Some(v) = num("IC_SHM_NEARLY_FULL_PERCENT")? {
+            c.shm_nearly_full_percent = u8::try_from(v).ok().filter(|p| *p <= 100).ok_or(
+                ChecksConfigError::BadNumber {
+                    var: "IC_SHM_NEARLY_FULL_PERCENT",
+                    value: v.to_string(),
+                },
+            )?;
+        }
+        if let Some(v) = num("IC_MP_WORKER_TIMEOUT_MS")? {
+            c.mp_worker_timeout = Duration::from_millis(v.max(1));
+        }
+        let quiet = num("IC_XID_QUIET_SECONDS")?.map(Duration::from_secs);
+        let enable = get("IC_XID_ENABLE");
+        let disable = get("IC_XID_DISABLE");
+        let unlisted = get("IC_XID_UNLISTED");
+        c.xid_policy = XidPolicy::configured(
+            enable.as_deref(),
+            disable.as_deref(),
+            unlisted.as_deref(),
+            quiet,
+        )
+        .map_err(|source| ChecksConfigError::Xid {
+            var: match &source {
+                XidPolicyError::BadAction(_) => "IC_XID_UNLISTED",
+                XidPolicyError::BadXid(x)
+                    if enable.as_deref().is_some_and(|e| e.contains(x.as_str())) =>
+                {
+                    "IC_XID_ENABLE"
+                }
+                XidPolicyError::BadXid(_) => "IC_XID_DISABLE",
+            },
+            source,
+        })?;
+        if let Some(v) = get("IC_CUDA_LIBRARY") {
+            c.cuda_library = Some(PathBuf::from(v));
+        }
+        if let Some(v) = num("IC_CUDA_INTERVAL_SECONDS")? {
+            c.cuda_interval = Duration::from_secs(v);
+        }
+        if let Some(v) = num("IC_CUDA_TIMEOUT_SECONDS")? {
+            c.cuda_timeout = Duration::from_secs(v.max(1));
+        }
+        Ok(c)
     }
 }
 
@@ -83,12 +232,17 @@ impl std::fmt::Debug for Checks {
 }
 
 impl Checks {
-    /// Every check of the agent, configured from `cfg`, in report order: `shm`, `ports`, `gpu`.
+    /// Every check of the agent, configured from `cfg`, in report order: `shm`, `mp_worker`,
+    /// `gpu`, `cuda`, `ports`, `mounts`. The pod-aware checks share one [`pods::PodFinder`].
     pub fn new(cfg: &ChecksConfig) -> Self {
+        let pods = Arc::new(pods::PodFinder::new(&cfg.proc_root));
         Checks::with(vec![
-            Box::new(shm::ShmCheck::new(cfg)),
-            Box::new(ports::PortsCheck::new(cfg)),
+            Box::new(shm::ShmCheck::with_finder(cfg, pods.clone())),
+            Box::new(mp_worker::MpWorkerCheck::with_finder(cfg, pods.clone())),
             Box::new(gpu::GpuCheck::new(cfg)),
+            Box::new(cuda::CudaCheck::new(cfg)),
+            Box::new(ports::PortsCheck::new(cfg)),
+            Box::new(mounts::MountsCheck::with_finder(cfg, pods)),
         ])
     }
 

@@ -8,8 +8,12 @@
 //! driver). Owners in another PID namespace or unreadable without privileges stay unknown.
 //!
 //! Results: one `host` summary (`ListeningPorts`) and one `tcp/<port>` result per plan
-//! expectation (`PortOk`, `PortConflict`, `PortNotListening`, `PortOwnerMismatch`,
-//! `PortOwnerUnknown`; `ProcNetUnavailable` when the socket tables cannot be read).
+//! expectation (`PortOk`, `PortConflict`, `PortNotListening`, `PortOwnerNotListening`,
+//! `PortOwnerMismatch`, `PortOwnerUnknown`; `ProcNetUnavailable` when the socket tables cannot
+//! be read). Each carries the issue's verdict in `observed.verdict`: `Free`, `HeldByExpected`,
+//! `Conflict`, `Ghost` (the expected owner runs but does not listen), `NotListening`,
+//! `OwnerMismatch`, `OwnerUnknown`. Command lines are never read (they carry API keys): only
+//! executables and pod UIDs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -339,8 +343,50 @@ fn describe_owner(want: &PortOwner) -> String {
     }
 }
 
+/// Processes matching every field of `want` (exe, pod UID), by a scan of
+/// `<proc_root>/<pid>/exe` and `cgroup`; at most `limit`, ascending by pid. An owner with no
+/// field matches nothing (every process would).
+pub fn find_owners(proc_root: &Path, want: &PortOwner, limit: usize) -> Vec<SocketOwner> {
+    if want.exe.is_none() && want.pod_uid.is_none() {
+        return Vec::new();
+    }
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .collect();
+    pids.sort_unstable();
+    let mut out = Vec::new();
+    for pid in pids {
+        let owner = read_owner(proc_root, pid);
+        if want.exe.is_some() && owner.exe.is_none() {
+            continue;
+        }
+        if owner.matches(want) {
+            out.push(owner);
+            if out.len() >= limit {
+                break;
+            }
+        }
+    }
+    out
+}
+
 /// The pure decision for one expectation, given the port's state (`None` = nothing listens).
 pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) -> CheckResult {
+    evaluate_expectation_with(exp, state, &[])
+}
+
+/// [`evaluate_expectation`] knowing which processes of the expected owner run (`running`,
+/// looked up only when an owned port is not listening): a held port nobody listens on while
+/// its owner runs is `PortOwnerNotListening` (verdict `Ghost`) rather than `PortNotListening`.
+pub fn evaluate_expectation_with(
+    exp: &PortExpectation,
+    state: Option<&PortState>,
+    running: &[SocketOwner],
+) -> CheckResult {
     let port = exp.port;
     let label = if exp.purpose.is_empty() {
         format!("port {port}")
@@ -358,6 +404,27 @@ pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) ->
             "PortOk",
             format!("{label} is free, as the plan expects."),
         ),
+        (PortExpect::Held, None) if !running.is_empty() => r(
+            CheckStatus::Critical,
+            "PortOwnerNotListening",
+            format!(
+                "{label} should be held by {} and {} running, but nothing listens on the port: \
+                 the owner has not bound it (still starting, failed to bind, or configured with \
+                 another port); check its logs.",
+                exp.owner
+                    .as_ref()
+                    .map(describe_owner)
+                    .unwrap_or_else(|| "a listener".to_string()),
+                match running {
+                    [one] => format!("{} is", one.describe()),
+                    many => format!(
+                        "{} are",
+                        many.iter().map(SocketOwner::describe).collect::<Vec<_>>().join(", ")
+                    ),
+                }
+            ),
+        )
+        .with("runningPids", join(running.iter().map(|o| o.pid))),
         (PortExpect::Held, None) => r(
             CheckStatus::Critical,
             "PortNotListening",
@@ -455,7 +522,18 @@ pub fn evaluate_expectation(exp: &PortExpectation, state: Option<&PortState>) ->
             }
         },
     };
-    let mut result = result.with("listening", state.is_some());
+    let verdict = match (result.reason.as_str(), exp.expect) {
+        ("PortOk", PortExpect::Free) => "Free",
+        ("PortOk", PortExpect::Held) => "HeldByExpected",
+        ("PortConflict", _) => "Conflict",
+        ("PortOwnerNotListening", _) => "Ghost",
+        ("PortNotListening", _) => "NotListening",
+        ("PortOwnerMismatch", _) => "OwnerMismatch",
+        _ => "OwnerUnknown",
+    };
+    let mut result = result
+        .with("listening", state.is_some())
+        .with("verdict", verdict);
     if !exp.purpose.is_empty() {
         result = result.with("purpose", &exp.purpose);
     }
@@ -607,11 +685,15 @@ impl Check for PortsCheck {
         }
 
         let mut out = vec![summarize(&ports, listeners.len())];
-        out.extend(
-            plan.ports
-                .iter()
-                .map(|exp| evaluate_expectation(exp, ports.get(&exp.port))),
-        );
+        out.extend(plan.ports.iter().map(|exp| {
+            let state = ports.get(&exp.port);
+            // A held port nobody listens on: is its owner running at all (a ghost)?
+            let running = match (exp.expect, state, &exp.owner) {
+                (PortExpect::Held, None, Some(want)) => find_owners(&self.proc_root, want, 8),
+                _ => Vec::new(),
+            };
+            evaluate_expectation_with(exp, state, &running)
+        }));
         out
     }
 }
@@ -835,6 +917,49 @@ mod tests {
             assert_eq!(r.subject, "tcp/50051");
             assert_eq!(r.name, "ports");
         }
+    }
+
+    #[test]
+    fn ghost_owner_runs_but_does_not_listen() {
+        let e = exp(9003, PortExpect::Held, Some("/opt/mooncake_master"), None);
+        let running = [owner(77, "/opt/mooncake_master", Some(POD_UID))];
+        let r = evaluate_expectation_with(&e, None, &running);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Critical, "PortOwnerNotListening")
+        );
+        assert_eq!(r.observed["verdict"], "Ghost");
+        assert_eq!(r.observed["runningPids"], "77");
+        assert!(r.message.contains("pid 77 (/opt/mooncake_master"), "{}", r.message);
+        let r = evaluate_expectation(&e, None);
+        assert_eq!(r.reason, "PortNotListening");
+        assert_eq!(r.observed["verdict"], "NotListening");
+        let r = evaluate_expectation(&exp(1, PortExpect::Free, None, None), None);
+        assert_eq!(r.observed["verdict"], "Free");
+        let r = evaluate_expectation(
+            &e,
+            Some(&held("::", vec![owner(77, "/opt/mooncake_master", None)])),
+        );
+        assert_eq!(r.observed["verdict"], "HeldByExpected");
+    }
+
+    #[test]
+    fn find_owners_in_a_fixture_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        for (pid, exe) in [(5, "/usr/bin/python3"), (9, "/opt/mooncake_master"), (12, "/opt/mooncake_master")] {
+            let d = dir.path().join(pid.to_string());
+            std::fs::create_dir_all(&d).unwrap();
+            std::os::unix::fs::symlink(exe, d.join("exe")).unwrap();
+            std::fs::write(d.join("cgroup"), "0::/\n").unwrap();
+        }
+        let want = PortOwner {
+            exe: Some("/opt/mooncake_master".into()),
+            pod_uid: None,
+        };
+        let found = find_owners(dir.path(), &want, 8);
+        assert_eq!(found.iter().map(|o| o.pid).collect::<Vec<_>>(), vec![9, 12]);
+        assert_eq!(find_owners(dir.path(), &want, 1).len(), 1);
+        assert!(find_owners(dir.path(), &PortOwner::default(), 8).is_empty());
     }
 
     #[test]

@@ -1,28 +1,41 @@
-//! `shm`: the host's `/dev/shm` (size, use, file-system type) against the plan's requirement.
+//! `shm`: `/dev/shm` of the host and of every planned engine pod (size, use, file-system
+//! type) against the plan's requirements.
 //!
-//! Size and use come from `statvfs(2)` on [`ChecksConfig::shm_path`]; the file-system type,
-//! mount source and configured `size=` come from the mount that contains that path in
+//! Host: size and use come from `statvfs(2)` on [`ChecksConfig::shm_path`]; the file-system
+//! type, mount source and configured `size=` come from the mount that contains that path in
 //! `<proc_root>/self/mountinfo` (the longest mount point that is a prefix of the path; among
-//! equal mount points the *last* line wins, because mounts stack). Engines that map more shared
-//! memory than the tmpfs holds die with SIGBUS on first touch, so an undersized `/dev/shm` is
-//! `Critical`.
+//! equal mount points the *last* line wins, because mounts stack).
 //!
-//! One result, subject `host`. Reasons (see `docs/checks.md`): `ShmOk`, `ShmUndersized`,
-//! `ShmNearlyFull`, `ShmNotTmpfs`, `ShmMissing`, `ShmUnreadable`.
+//! Engine pods (plan `engines[]` with a `podUid`): the pod's processes are found by their
+//! cgroup ([`super::pods`]); each container (mount namespace) is inspected through
+//! `<proc_root>/<pid>/root/dev/shm` (statvfs) and `<proc_root>/<pid>/mountinfo`, and the
+//! container with the largest `/dev/shm` is the one compared with `shmRequiredBytes` (the
+//! engine container is the one given the memory volume; sidecars keep the 64 MiB default).
+//! Engines that map more shared memory than the tmpfs holds die with SIGBUS on first touch
+//! (NCCL with tensor parallelism, LMCache's L1 in the MP worker), so undersized is `Critical`.
+//!
+//! Results: subject `host`, then `<namespace>/<pod>` per engine with a pod UID. Reasons (see
+//! `docs/checks.md`): `ShmOk`, `ShmUndersized`, `ShmNearlyFull`, `ShmNotTmpfs`, `ShmMissing`,
+//! `ShmUnreadable`, `PodNotFound`.
 
 use std::ffi::OsString;
 use std::io;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ic_shared::check::{CheckResult, CheckStatus};
-use ic_shared::plan::NodePlan;
+use ic_shared::plan::{EnginePlan, NodePlan};
 
+use super::pods::{PodContainer, PodFinder};
 use super::units::{bytes_both, human_bytes, parse_size_option};
 use super::{Check, ChecksConfig};
 
 /// Check name.
 pub const NAME: &str = "shm";
+
+/// The path engines use inside their containers.
+pub const POD_SHM_PATH: &str = "/dev/shm";
 
 /// The `shm` check.
 #[derive(Debug, Clone)]
@@ -30,17 +43,110 @@ pub struct ShmCheck {
     proc_root: PathBuf,
     shm_path: PathBuf,
     nearly_full_percent: u8,
+    pods: Arc<PodFinder>,
 }
 
 impl ShmCheck {
     /// Reads `cfg.shm_path`, `cfg.proc_root` and `cfg.shm_nearly_full_percent`.
     pub fn new(cfg: &ChecksConfig) -> Self {
+        Self::with_finder(cfg, Arc::new(PodFinder::new(&cfg.proc_root)))
+    }
+
+    /// Like [`ShmCheck::new`], sharing a pod finder with other checks.
+    pub fn with_finder(cfg: &ChecksConfig, pods: Arc<PodFinder>) -> Self {
         ShmCheck {
             proc_root: cfg.proc_root.clone(),
             shm_path: cfg.shm_path.clone(),
             nearly_full_percent: cfg.shm_nearly_full_percent,
+            pods,
         }
     }
+
+    /// The result for one engine pod (subject `<namespace>/<pod>`).
+    fn pod(&self, engine: &EnginePlan, uid: &str) -> CheckResult {
+        let subject = format!("{}/{}", engine.namespace, engine.pod);
+        let containers = self.pods.containers(uid);
+        if containers.is_empty() {
+            return pod_not_found(NAME, &subject, uid, "its /dev/shm");
+        }
+        let shm = Path::new(POD_SHM_PATH);
+        let views: Vec<ContainerView<'_>> =
+            containers
+                .iter()
+                .map(|c| {
+                    let usage = statvfs_usage(&c.path_inside(&self.proc_root, shm));
+                    let mi = c.mountinfo(&self.proc_root);
+                    let mount = std::fs::read_to_string(&mi)
+                        .map(|t| find_mount(&parse_mountinfo(&t), shm).cloned())
+                        .map_err(|e| format!("{}: {e}", mi.display()));
+                    (c, usage, mount)
+                })
+                .collect();
+        // The container with the largest /dev/shm (an unlimited tmpfs counts as largest); when
+        // none could be measured, the first container.
+        let rank = |v: &ContainerView<'_>| {
+            match (&v.1, &v.2) {
+                (Ok(u), Ok(Some(m))) if u.size_bytes == 0 && m.fs_type == "tmpfs" => {
+                    Some(u64::MAX)
+                }
+                (Ok(u), _) => Some(u.size_bytes),
+                (Err(_), _) => None,
+            }
+        };
+        let best = views
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, v)| (rank(v), std::cmp::Reverse(*i)))
+            .map(|(i, _)| i)
+            .unwrap_or(0);
+        let count = views.len();
+        let Some((c, usage, mount)) = views.into_iter().nth(best) else {
+            return pod_not_found(NAME, &subject, uid, "its /dev/shm");
+        };
+        let (mount, mountinfo_error) = match mount {
+            Ok(m) => (m, None),
+            Err(e) => (None, Some(e)),
+        };
+        let shown = format!("/dev/shm in pod {subject}");
+        let mut r = evaluate_subject(
+            &subject,
+            &shown,
+            POD_SHM_PATH,
+            usage,
+            mount.as_ref(),
+            engine.shm_required_bytes,
+            self.nearly_full_percent,
+        )
+        .with("podUid", uid)
+        .with("pid", c.pid)
+        .with("containersInspected", count);
+        if let Some(e) = mountinfo_error {
+            r = r.with("mountinfoError", e);
+        }
+        r
+    }
+}
+
+/// One container's `/dev/shm`: statvfs outcome and the mount (or why mountinfo was unreadable).
+type ContainerView<'a> = (
+    &'a PodContainer,
+    io::Result<FsUsage>,
+    Result<Option<MountEntry>, String>,
+);
+
+/// The `Unknown` result for a planned pod none of whose processes runs on this node.
+pub fn pod_not_found(check: &str, subject: &str, uid: &str, what: &str) -> CheckResult {
+    CheckResult::new(
+        check,
+        subject,
+        CheckStatus::Unknown,
+        "PodNotFound",
+        format!(
+            "no process of pod {subject} (UID {uid}) runs on this node, so {what} cannot be \
+             inspected; the pod may not have started yet, or the agent lacks hostPID."
+        ),
+    )
+    .with("podUid", uid)
 }
 
 impl Check for ShmCheck {
@@ -49,6 +155,19 @@ impl Check for ShmCheck {
     }
 
     fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        let mut out = vec![self.host(plan)];
+        for engine in &plan.engines {
+            if let Some(uid) = engine.pod_uid.as_deref() {
+                out.push(self.pod(engine, uid));
+            }
+        }
+        out
+    }
+}
+
+impl ShmCheck {
+    /// The `host` result.
+    fn host(&self, plan: &NodePlan) -> CheckResult {
         let usage = statvfs_usage(&self.shm_path);
         let mountinfo_path = self.proc_root.join("self").join("mountinfo");
         let (mount, mountinfo_error) = match std::fs::read_to_string(&mountinfo_path) {
@@ -71,7 +190,7 @@ impl Check for ShmCheck {
         if let Some(e) = mountinfo_error {
             result = result.with("mountinfoError", e);
         }
-        vec![result]
+        result
     }
 }
 
@@ -112,6 +231,9 @@ pub struct MountEntry {
     pub fs_type: String,
     /// Mount source, e.g. `tmpfs` or `shm`.
     pub source: String,
+    /// Per-mount options (field 6), e.g. `ro,nosuid,nodev,relatime`: a bind mount remounted
+    /// read-only carries `ro` here while its super-block stays `rw`.
+    pub mount_options: String,
     /// Super-block options, e.g. `rw,size=65536k,inode64`.
     pub super_options: String,
 }
@@ -128,6 +250,12 @@ impl MountEntry {
     pub fn configured_size_bytes(&self) -> Option<u64> {
         self.super_option("size").and_then(parse_size_option)
     }
+
+    /// True when the mount or its super-block is read-only (`ro` in either option list).
+    pub fn read_only(&self) -> bool {
+        let has_ro = |opts: &str| opts.split(',').any(|o| o == "ro");
+        has_ro(&self.mount_options) || has_ro(&self.super_options)
+    }
 }
 
 /// Parses mountinfo text; malformed lines are skipped.
@@ -137,7 +265,9 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
 
 fn parse_mountinfo_line(line: &str) -> Option<MountEntry> {
     let (left, right) = line.split_once(" - ")?;
-    let mount_point = left.split(' ').nth(4)?;
+    let mut left = left.split(' ');
+    let mount_point = left.nth(4)?;
+    let mount_options = left.next().unwrap_or("");
     let mut right = right.split(' ');
     let fs_type = right.next()?;
     let source = right.next()?;
@@ -146,6 +276,7 @@ fn parse_mountinfo_line(line: &str) -> Option<MountEntry> {
         mount_point: PathBuf::from(OsString::from_vec(unescape_octal_bytes(mount_point))),
         fs_type: fs_type.to_string(),
         source: unescape_octal(source),
+        mount_options: mount_options.to_string(),
         super_options: super_options.to_string(),
     })
 }
@@ -213,7 +344,30 @@ pub fn evaluate(
     nearly_full_percent: u8,
 ) -> CheckResult {
     let shown = path.display().to_string();
-    let mut observed: Vec<(&str, String)> = vec![("path", shown.clone())];
+    evaluate_subject(
+        "host",
+        &shown,
+        &shown,
+        usage,
+        mount,
+        required,
+        nearly_full_percent,
+    )
+}
+
+/// [`evaluate`] for any subject: `shown` names the file system in messages (`/dev/shm in pod
+/// team-a/vllm-0`), `path` is the `path` observed value.
+pub fn evaluate_subject(
+    subject: &str,
+    shown: &str,
+    path: &str,
+    usage: io::Result<FsUsage>,
+    mount: Option<&MountEntry>,
+    required: Option<u64>,
+    nearly_full_percent: u8,
+) -> CheckResult {
+    let shown = shown.to_string();
+    let mut observed: Vec<(&str, String)> = vec![("path", path.to_string())];
     if let Some(r) = required {
         observed.push(("requiredBytes", r.to_string()));
     }
@@ -229,7 +383,7 @@ pub fn evaluate(
     }
     let finish = |status, reason: &str, message: String, observed: Vec<(&str, String)>| {
         observed.into_iter().fold(
-            CheckResult::new(NAME, "host", status, reason, message),
+            CheckResult::new(NAME, subject, status, reason, message),
             |r, (k, v)| r.with(k, v),
         )
     };
@@ -383,6 +537,8 @@ mod tests {
         assert_eq!(m.fs_type, "tmpfs");
         assert_eq!(m.configured_size_bytes(), Some(64 << 20));
         assert_eq!(m.super_option("inode64"), None);
+        assert_eq!(m.mount_options, "rw,nosuid,nodev");
+        assert!(!m.read_only());
         let m = find_mount(&mounts, Path::new("/dev/shm/sub/dir")).unwrap();
         assert_eq!(m.source, "shm");
         let m = find_mount(&mounts, Path::new("/dev/pts")).unwrap();
@@ -412,6 +568,7 @@ mod tests {
             mount_point: PathBuf::from("/dev/shm"),
             fs_type: "tmpfs".into(),
             source: "shm".into(),
+            mount_options: "rw".into(),
             super_options: format!("rw,size={size}"),
         }
     }
@@ -482,6 +639,7 @@ mod tests {
             mount_point: PathBuf::from("/"),
             fs_type: "ext4".into(),
             source: "/dev/vda".into(),
+            mount_options: "ro,relatime".into(),
             super_options: "rw".into(),
         };
         let r = evaluate(p, usage(10 << 30, 0), Some(&ext4), Some(1 << 20), 90);

@@ -481,7 +481,7 @@ mod tests {
             position: 1,
             topic: None,
             seq: Some(1),
-            payload: vec![0xc1],
+            payload: vec![0xcd, 0x01],
         });
         assert_eq!(j["reason"], "not_msgpack");
     }

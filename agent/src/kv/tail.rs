@@ -263,35 +263,30 @@ pub async fn tail<W: Write, S: Write>(
     out: &mut W,
     mut save: Option<&mut S>,
 ) -> Result<TailSummary, TailError> {
-    let mut zopts = SocketOptions::default();
-    zopts.connect_timeout(opts.timeout);
-    let mut sock = SubSocket::with_options(zopts);
-    sock.subscribe(&opts.topic)
-        .await
-        .map_err(|e| TailError::Connect {
-            endpoint: opts.endpoint.clone(),
-            message: e.to_string(),
-        })?;
-    match tokio::time::timeout(
-        opts.timeout + Duration::from_secs(1),
-        sock.connect(&opts.endpoint),
-    )
-    .await
-    {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
+    // A fresh socket per attempt, retried until the timeout: the publisher may not be
+    // listening yet.
+    let started = std::time::Instant::now();
+    let mut sock = loop {
+        let mut zopts = SocketOptions::default();
+        zopts.connect_timeout(opts.timeout);
+        let mut sock = SubSocket::with_options(zopts);
+        let message = match sock.subscribe(&opts.topic).await {
+            Err(e) => e.to_string(),
+            Ok(()) => match tokio::time::timeout(opts.timeout, sock.connect(&opts.endpoint)).await
+            {
+                Ok(Ok(())) => break sock,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "timed out".to_string(),
+            },
+        };
+        if started.elapsed() >= opts.timeout {
             return Err(TailError::Connect {
                 endpoint: opts.endpoint.clone(),
-                message: e.to_string(),
-            })
+                message,
+            });
         }
-        Err(_) => {
-            return Err(TailError::Connect {
-                endpoint: opts.endpoint.clone(),
-                message: "timed out".into(),
-            })
-        }
-    }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let ropts = SubscriberOptions {
         replay_timeout: opts.timeout,
         ..SubscriberOptions::default()

@@ -363,12 +363,13 @@ pub fn select_engine_by_command(pod: &Pod, runtime: Runtime) -> Result<usize, In
     let mut strong = Vec::new();
     let mut weak = Vec::new();
     let mut findings = Vec::new();
-    for (i, c) in containers.iter().enumerate() {
+    let users: Vec<(usize, &Container)> = user_containers(containers).collect();
+    for &(i, c) in &users {
         match EngineCommand::parse(c, runtime) {
             Ok(cmd) if cmd.found_engine => strong.push(i),
             Ok(_) => {
                 let image = c.image.as_deref().unwrap_or("").to_ascii_lowercase();
-                if containers.len() == 1 || c.name == preferred || image.contains(preferred) {
+                if users.len() == 1 || c.name == preferred || image.contains(preferred) {
                     weak.push(i);
                 } else {
                     findings.push(format!(
@@ -407,6 +408,18 @@ pub fn select_engine_by_command(pod: &Pod, runtime: Runtime) -> Result<usize, In
     Err(InjectError::NoEngineContainer {
         runtime: runtime.as_str(),
         detail: findings.join("; "),
+    })
+}
+
+/// The pod's own containers with their indices: those the webhook rendered (carrying
+/// [`ENV_COMPONENT`], such as the kvevent-subscriber) are left out, so wiring a pod never changes
+/// which container is its engine.
+pub fn user_containers(containers: &[Container]) -> impl Iterator<Item = (usize, &Container)> {
+    containers.iter().enumerate().filter(|(_, c)| {
+        !c.env
+            .iter()
+            .flatten()
+            .any(|e| e.name == ENV_COMPONENT && e.value.is_some())
     })
 }
 

@@ -92,8 +92,10 @@ pub fn adapter_owned(before: &EngineSnapshot, after: &EngineSnapshot) -> Owned {
     }
 }
 
-/// Groups `args` entries into (flag, tokens) by leading flag token.
-fn groups(entries: &[String], warnings: &mut Vec<String>) -> Vec<Vec<String>> {
+/// Groups `engineOverrides.args` entries by leading flag token: each group starts with a
+/// `-`-prefixed entry (split into tokens when it is `--flag value`), followed by the value
+/// entries after it. Entries before the first flag are reported in `warnings` and dropped.
+pub fn groups(entries: &[String], warnings: &mut Vec<String>) -> Vec<Vec<String>> {
     let mut out: Vec<Vec<String>> = Vec::new();
     for e in entries {
         if e.starts_with('-') && e != "-" && e != "--" {
@@ -114,6 +116,16 @@ fn groups(entries: &[String], warnings: &mut Vec<String>) -> Vec<Vec<String>> {
         }
     }
     out
+}
+
+/// The value an override group gives its flag: the inline `--flag=value` part, else the first
+/// value token.
+pub fn group_value(group: &[String]) -> Option<String> {
+    let head = group.first()?;
+    match head.split_once('=') {
+        Some((_, v)) => Some(v.to_string()),
+        None => group.get(1).cloned(),
+    }
 }
 
 /// Edits replacing every occurrence in `occs` by `tokens` (at the first occurrence's place).

@@ -21,12 +21,12 @@
 //! `--lmcache-config-file`) fail the whole injection, so the pod is admitted without partial
 //! HiCache wiring.
 
-use ic_shared::crd::{CacheType, HiCacheSpec, Runtime};
-use k8s_openapi::api::core::v1::Pod;
+use ic_shared::crd::{CacheType, EngineOverrides, HiCacheSpec, Runtime};
+use k8s_openapi::api::core::v1::{Container, Pod};
 
-use super::command::{Edit, EngineCommand};
+use super::command::{normalize_flag, Edit, EngineCommand};
 use super::{
-    engine_mut, engine_ref, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,
+    engine_mut, engine_ref, user_containers, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,
 };
 
 /// The container name a multi-container pod must give its engine.
@@ -121,8 +121,54 @@ fn same(have: &str, want: &str, cmp: Compare) -> Option<bool> {
     }
 }
 
+/// Applies `engineOverrides` to the rendered flags: an `args` entry replaces the value the
+/// adapter renders for that flag and a `suppressArgs` entry drops it, so the adapter validates
+/// and converges on what the pod ends up with (re-admission then changes nothing). Reserved
+/// flags are not affected.
+fn with_overrides(
+    mut want: Vec<Want>,
+    opposite: &'static str,
+    ov: Option<&EngineOverrides>,
+) -> (Vec<Want>, Option<&'static str>) {
+    let Some(ov) = ov else {
+        return (want, Some(opposite));
+    };
+    let mut ignored = Vec::new();
+    for group in super::overrides::groups(&ov.args, &mut ignored) {
+        let Some(head) = group.first() else { continue };
+        let name = normalize_flag(head);
+        if RESERVED_ARGS.contains(&name.as_str()) {
+            continue;
+        }
+        let value = super::overrides::group_value(&group);
+        for w in want.iter_mut().filter(|w| w.0 == name && w.1.is_some()) {
+            if let Some(v) = &value {
+                w.1 = Some(v.clone());
+                if w.2 != Compare::Text && same(v, v, w.2).is_none() {
+                    w.2 = Compare::Text;
+                }
+            }
+        }
+    }
+    let suppressed: Vec<String> = ov
+        .suppress_args
+        .iter()
+        .map(|s| normalize_flag(s))
+        .filter(|s| !RESERVED_ARGS.contains(&s.as_str()))
+        .collect();
+    let capacity_kept = want
+        .get(1)
+        .is_some_and(|w| !suppressed.iter().any(|s| s == w.0));
+    want.retain(|w| !suppressed.iter().any(|s| s == w.0));
+    (want, capacity_kept.then_some(opposite))
+}
+
 /// Edits that add the missing HiCache flags, or the reason the pod cannot be wired.
-fn edits(cmd: &EngineCommand, hi: &HiCacheSpec) -> Result<Vec<Edit>, InjectError> {
+fn edits(
+    cmd: &EngineCommand,
+    hi: &HiCacheSpec,
+    ov: Option<&EngineOverrides>,
+) -> Result<Vec<Edit>, InjectError> {
     let container = cmd.container.clone();
     for flag in ["--enable-lmcache", "--lmcache-config-file"] {
         if !cmd.find(flag).is_empty() {
@@ -134,15 +180,24 @@ fn edits(cmd: &EngineCommand, hi: &HiCacheSpec) -> Result<Vec<Edit>, InjectError
         }
     }
     let (want, opposite) = wanted(hi)?;
-    if let Some(occ) = cmd.find(opposite).first() {
-        let have = cmd.value_of(occ).map(|(v, _)| v).unwrap_or_default();
-        let (flag, value, _) = &want[1];
-        return Err(InjectError::HiCacheConflict {
-            container,
-            flag: opposite.to_string(),
-            have,
-            want: format!("{flag} {}", value.as_deref().unwrap_or("")),
-        });
+    let capacity = want.get(1).cloned();
+    let (want, opposite) = with_overrides(want, opposite, ov);
+    if let (Some(opposite), Some((flag, value, _))) = (opposite, capacity) {
+        if let Some(occ) = cmd.find(opposite).first() {
+            let have = cmd.value_of(occ).map(|(v, _)| v).unwrap_or_default();
+            let value = want
+                .iter()
+                .find(|w| w.0 == flag)
+                .and_then(|w| w.1.clone())
+                .or(value)
+                .unwrap_or_default();
+            return Err(InjectError::HiCacheConflict {
+                container,
+                flag: opposite.to_string(),
+                have,
+                want: format!("{flag} {value}"),
+            });
+        }
     }
     let mut append = Vec::new();
     for (flag, value, cmp) in &want {
@@ -246,19 +301,21 @@ impl RuntimeAdapter for SglangHiCache {
             .as_ref()
             .map(|s| s.containers.as_slice())
             .unwrap_or(&[]);
-        match containers {
+        let users: Vec<(usize, &Container)> = user_containers(containers).collect();
+        match users.as_slice() {
             [] => Err(InjectError::NoEngineContainer {
                 runtime: Runtime::SgLang.as_str(),
                 detail: "the pod has no containers".to_string(),
             }),
-            [_] => Ok(0),
+            [(i, _)] => Ok(*i),
             many => many
                 .iter()
-                .position(|c| c.name == ENGINE_CONTAINER)
+                .find(|(_, c)| c.name == ENGINE_CONTAINER)
+                .map(|(i, _)| *i)
                 .ok_or_else(|| InjectError::HiCacheEngineName {
                     containers: many
                         .iter()
-                        .map(|c| c.name.clone())
+                        .map(|(_, c)| c.name.clone())
                         .collect::<Vec<_>>()
                         .join(", "),
                 }),
@@ -286,7 +343,13 @@ impl RuntimeAdapter for SglangHiCache {
         };
         let original = engine_ref(pod, engine)?.clone();
         let cmd = EngineCommand::parse(&original, Runtime::SgLang)?;
-        let edits = edits(&cmd, hi)?;
+        let ov = ctx
+            .backend
+            .spec
+            .integration
+            .as_ref()
+            .and_then(|i| i.engine_overrides.as_ref());
+        let edits = edits(&cmd, hi, ov)?;
         let c = cmd.apply(&original, &edits)?;
         *engine_mut(pod, engine)? = c;
         Ok(InjectReport {

@@ -156,6 +156,17 @@ impl SglangLmCacheMp {
             }
         }
         let mounts: &[VolumeMount] = engine.volume_mounts.as_deref().unwrap_or(&[]);
+        if !ours {
+            if let Some(m) = mounts
+                .iter()
+                .find(|m| m.name == CONFIG_VOLUME || m.name == DSHM_VOLUME)
+            {
+                return Err(InjectError::ReservedName {
+                    what: "volume",
+                    name: m.name.clone(),
+                });
+            }
+        }
         for m in mounts {
             if m.mount_path.trim_end_matches('/') == CONFIG_DIR && !(ours && m.name == CONFIG_VOLUME)
             {

@@ -44,7 +44,10 @@ pub enum DefaultingError {
 ///
 /// Errors: [`DefaultingError::NotAnObject`] when `obj` is not a JSON object. A missing or
 /// non-object `spec` is left for validation to report (nothing is defaulted).
-pub fn default_cache_backend(obj: &Value, operation: Operation) -> Result<Defaulted, DefaultingError> {
+pub fn default_cache_backend(
+    obj: &Value,
+    operation: Operation,
+) -> Result<Defaulted, DefaultingError> {
     if !obj.is_object() {
         return Err(DefaultingError::NotAnObject);
     }

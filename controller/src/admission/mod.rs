@@ -17,7 +17,9 @@
 //! tests and `admit`; the in-cluster controller supplies a watch-backed one).
 
 pub mod defaulting;
+pub mod model_cache_pod;
 pub mod offline;
+pub mod pod;
 pub mod review;
 pub mod server;
 pub mod tls;
@@ -108,22 +110,69 @@ pub struct PodDecision {
     pub warnings: Vec<String>,
 }
 
-/// Engine-pod wiring, as the `/mutate-pod` route calls it.
-///
-/// INTEGRATION POINT: the Pod webhook logic (`crate::admission::pod::mutate_pod`, owned by the
-/// Pod-wiring work) plugs in here; until it is installed, [`UnwiredPods`] admits every pod
-/// unchanged.
+/// Engine-pod wiring, as the `/mutate-pod` route calls it: [`PodWebhook`] in production
+/// ([`pod::mutate_pod`]), fakes in tests, [`UnwiredPods`] to serve without wiring.
 pub trait PodMutator: Send + Sync {
     /// Decides for `pod` (the request object) given the CacheBackends of its namespace.
-    fn mutate(&self, request: &AdmissionRequest, pod: &Value, backends: &[CacheBackend]) -> PodDecision;
+    fn mutate(
+        &self,
+        request: &AdmissionRequest,
+        pod: &Value,
+        backends: &[CacheBackend],
+    ) -> PodDecision;
 }
 
-/// Placeholder Pod wiring: admits every pod with no patch.
+/// The built-in Pod wiring: [`pod::mutate_pod`] under a [`pod::PodWebhookConfig`].
+#[derive(Debug, Clone, Default)]
+pub struct PodWebhook {
+    /// Registry and controller flags the wiring uses.
+    pub config: pod::PodWebhookConfig,
+}
+
+impl PodWebhook {
+    /// Wiring under `config`.
+    pub fn new(config: pod::PodWebhookConfig) -> Self {
+        PodWebhook { config }
+    }
+}
+
+impl PodMutator for PodWebhook {
+    fn mutate(
+        &self,
+        request: &AdmissionRequest,
+        pod: &Value,
+        backends: &[CacheBackend],
+    ) -> PodDecision {
+        let namespace = validation::namespace_of(request.namespace.as_deref(), pod);
+        let outcome = pod::mutate_pod(pod, namespace, backends, &self.config);
+        match outcome.patch_operations() {
+            Ok(patch) => PodDecision {
+                reason: outcome.reason,
+                patch,
+                warnings: outcome.warnings,
+            },
+            Err(e) => PodDecision {
+                reason: format!(
+                    "internal error: the wiring patch is not a JSON Patch ({e}); pod admitted unwired"
+                ),
+                patch: Vec::new(),
+                warnings: outcome.warnings,
+            },
+        }
+    }
+}
+
+/// Pod wiring that admits every pod with no patch (serving the CacheBackend webhooks alone).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UnwiredPods;
 
 impl PodMutator for UnwiredPods {
-    fn mutate(&self, _request: &AdmissionRequest, _pod: &Value, _backends: &[CacheBackend]) -> PodDecision {
+    fn mutate(
+        &self,
+        _request: &AdmissionRequest,
+        _pod: &Value,
+        _backends: &[CacheBackend],
+    ) -> PodDecision {
         PodDecision {
             reason: "engine-pod wiring is not installed in this build; pod admitted unchanged"
                 .to_string(),
@@ -190,7 +239,11 @@ impl Admission {
                 request: Some(req), ..
             }) => self.respond(route, &req),
             Ok(_) => undecodable(route, body, "the AdmissionReview has no request"),
-            Err(e) => undecodable(route, body, &format!("the AdmissionReview does not decode: {e}")),
+            Err(e) => undecodable(
+                route,
+                body,
+                &format!("the AdmissionReview does not decode: {e}"),
+            ),
         };
         let review = AdmissionReview::from_response(response);
         let body = serde_json::to_vec(&review).unwrap_or_else(|_| {
@@ -331,7 +384,9 @@ impl Admission {
             Ok(r) => r.with_warnings(decision.warnings),
             Err(e) => AdmissionResponse::allow_with_message(
                 &req.uid,
-                format!("internal error: the wiring patch does not encode ({e}); pod admitted unwired"),
+                format!(
+                    "internal error: the wiring patch does not encode ({e}); pod admitted unwired"
+                ),
             ),
         }
     }

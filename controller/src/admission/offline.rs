@@ -26,12 +26,13 @@ use std::sync::Arc;
 use ic_shared::crd::CacheBackend;
 use serde_json::{json, Value};
 
+use super::pod::PodWebhookConfig;
 use super::review::{
     AdmissionRequest, AdmissionResponse, AdmissionReview, GroupVersionKind, GroupVersionResource,
     Operation,
 };
 use super::validation::schema;
-use super::{Admission, PodMutator, Route, StaticBackends};
+use super::{Admission, PodMutator, PodWebhook, Route, StaticBackends};
 use crate::adapters::Registry;
 
 /// `ic-controller admit` arguments.
@@ -51,6 +52,13 @@ pub struct AdmitArgs {
     /// Namespace of the request when the object does not name one.
     #[arg(long, env = "IC_ADMIT_NAMESPACE", default_value = "default")]
     pub namespace: String,
+    /// As the controller's --kvevent-subscriber-image: append the kvevent-subscriber sidecar to
+    /// wired pods whose backend sets spec.observation.modelID.
+    #[arg(long, value_name = "IMAGE")]
+    pub kvevent_subscriber_image: Option<String>,
+    /// As the controller's --lmcache-worker-image: default image of the SGLang LMCache MP worker.
+    #[arg(long, value_name = "IMAGE")]
+    pub lmcache_worker_image: Option<String>,
 }
 
 /// What `admit` prints and its exit status.
@@ -133,9 +141,18 @@ impl PodVerdict {
     }
 }
 
-/// Runs `admit` with the built-in runtime adapters and the given Pod wiring.
-pub fn admit_cli(args: &AdmitArgs, pods: Arc<dyn PodMutator>) -> Result<AdmitOutput, AdmitError> {
-    run_admit(args, Arc::new(Registry::builtin()), pods)
+/// Runs `admit` with the built-in runtime adapters and the built-in Pod wiring
+/// ([`PodWebhook`]) configured from `args`. The caller prints `stdout`/`stderr` and exits with
+/// `exit_code`; an `Err` is a usage or input error (exit 2).
+pub fn admit_cli(args: &AdmitArgs) -> Result<AdmitOutput, AdmitError> {
+    let registry = Arc::new(Registry::builtin());
+    let config = PodWebhookConfig {
+        registry: registry.clone(),
+        kvevent_subscriber_image: args.kvevent_subscriber_image.clone(),
+        lmcache_worker_image: args.lmcache_worker_image.clone(),
+        ..PodWebhookConfig::default()
+    };
+    run_admit(args, registry, Arc::new(PodWebhook::new(config)))
 }
 
 /// Runs `admit` over an explicit registry and Pod wiring (tests use fakes).
@@ -170,11 +187,7 @@ pub fn run_admit(
             }
             None => None,
         };
-        let admission = Admission::new(
-            registry,
-            Arc::new(StaticBackends::default()),
-            pods,
-        );
+        let admission = Admission::new(registry, Arc::new(StaticBackends::default()), pods);
         let v = admit_cache_backend(&admission, obj, old, &args.namespace);
         return Ok(render_cache_backend(&v));
     }
@@ -360,7 +373,10 @@ fn request(
         .and_then(Value::as_str)
         .map(str::to_string);
     AdmissionRequest {
-        uid: format!("ic-controller-admit-{}", route.path().trim_start_matches('/')),
+        uid: format!(
+            "ic-controller-admit-{}",
+            route.path().trim_start_matches('/')
+        ),
         request_kind: Some(kind.clone()),
         request_resource: Some(resource.clone()),
         kind,
@@ -388,7 +404,10 @@ fn round_trip(admission: &Admission, route: Route, req: AdmissionRequest) -> Adm
 }
 
 fn status_message(r: &AdmissionResponse) -> String {
-    r.status.as_ref().map(|s| s.message.clone()).unwrap_or_default()
+    r.status
+        .as_ref()
+        .map(|s| s.message.clone())
+        .unwrap_or_default()
 }
 
 /// Admits a CacheBackend as CREATE (or UPDATE with `old`): prune, schema defaults, the
@@ -417,7 +436,13 @@ pub fn admit_cache_backend(
     let mutated = round_trip(
         admission,
         Route::MutateCacheBackend,
-        request(Route::MutateCacheBackend, op, namespace, obj.clone(), old.clone()),
+        request(
+            Route::MutateCacheBackend,
+            op,
+            namespace,
+            obj.clone(),
+            old.clone(),
+        ),
     );
     if !mutated.allowed {
         let message = status_message(&mutated);
@@ -478,7 +503,13 @@ pub fn admit_pod(admission: &Admission, pod: Value, namespace: &str) -> PodVerdi
     let r = round_trip(
         admission,
         Route::MutatePod,
-        request(Route::MutatePod, Operation::Create, namespace, pod.clone(), None),
+        request(
+            Route::MutatePod,
+            Operation::Create,
+            namespace,
+            pod.clone(),
+            None,
+        ),
     );
     let patch = r.patch_operations().unwrap_or_default();
     let mut patched = pod;

@@ -40,7 +40,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use ic_shared::crd::{CacheBackend, Runtime};
-use k8s_openapi::api::core::v1::{Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ResourceRequirements,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::Value;
 
@@ -174,7 +176,12 @@ const ALL_MARKERS: [&str; 3] = [
     ANNOTATION_INJECT_SKIPPED,
 ];
 
-fn decide(raw: &Value, namespace: &str, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> PodOutcome {
+fn decide(
+    raw: &Value,
+    namespace: &str,
+    backends: &[CacheBackend],
+    cfg: &PodWebhookConfig,
+) -> PodOutcome {
     if !raw.is_object() {
         return PodOutcome::allow(
             "decode failure: request.object is not a JSON object; pod admitted unwired",
@@ -211,7 +218,10 @@ fn decide(raw: &Value, namespace: &str, backends: &[CacheBackend], cfg: &PodWebh
         .is_some_and(|v| truthy(v));
     if skip {
         let mut out = pod.clone();
-        strip(&mut out, &[ANNOTATION_INJECTED_BY, ANNOTATION_INJECTED_BY_UID]);
+        strip(
+            &mut out,
+            &[ANNOTATION_INJECTED_BY, ANNOTATION_INJECTED_BY_UID],
+        );
         annotations(&mut out).insert(
             ANNOTATION_INJECT_SKIPPED.to_string(),
             SKIPPED_BY_OPERATOR.to_string(),
@@ -249,7 +259,9 @@ fn decide(raw: &Value, namespace: &str, backends: &[CacheBackend], cfg: &PodWebh
             raw,
             &base,
             &out,
-            format!("no CacheBackend in namespace {namespace:?} selects this pod; pod admitted unwired"),
+            format!(
+                "no CacheBackend in namespace {namespace:?} selects this pod; pod admitted unwired"
+            ),
             Vec::new(),
         );
     };
@@ -326,7 +338,16 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
             ));
         };
         let engine = select_engine_by_command(pod, runtime).ok();
-        add_subscriber(pod, engine, runtime, image, model, false, cfg, &mut warnings)?;
+        add_subscriber(
+            pod,
+            engine,
+            runtime,
+            image,
+            model,
+            false,
+            cfg,
+            &mut warnings,
+        )?;
         return Ok(warnings);
     }
 
@@ -364,9 +385,15 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
     let report = adapter.inject_engine_config(&ctx, pod, engine)?;
     warnings.extend(report.warnings);
 
-    if let Some(ov) = spec.integration.as_ref().and_then(|i| i.engine_overrides.as_ref()) {
+    if let Some(ov) = spec
+        .integration
+        .as_ref()
+        .and_then(|i| i.engine_overrides.as_ref())
+    {
         let Some(c) = pod.spec.as_mut().and_then(|s| s.containers.get_mut(engine)) else {
-            return Err(Unwired::from("internal error: the engine container disappeared"));
+            return Err(Unwired::from(
+                "internal error: the engine container disappeared",
+            ));
         };
         let w = apply_overrides(
             c,
@@ -399,14 +426,28 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
     }
 
     if let (Some(image), Some(model)) = (cfg.kvevent_subscriber_image.as_deref(), spec.model_id()) {
-        add_subscriber(pod, Some(engine), runtime, image, model, true, cfg, &mut warnings)?;
+        add_subscriber(
+            pod,
+            Some(engine),
+            runtime,
+            image,
+            model,
+            true,
+            cfg,
+            &mut warnings,
+        )?;
     }
     Ok(warnings)
 }
 
 /// The engine's KV-event endpoint as seen from a sidecar: `--kv-events-config`'s `endpoint`
 /// with a wildcard host replaced by loopback.
-fn kv_events_endpoint(pod: &Pod, engine: Option<usize>, runtime: Runtime, warnings: &mut Vec<String>) -> String {
+fn kv_events_endpoint(
+    pod: &Pod,
+    engine: Option<usize>,
+    runtime: Runtime,
+    warnings: &mut Vec<String>,
+) -> String {
     let Some(c) = engine.and_then(|i| pod.spec.as_ref().and_then(|s| s.containers.get(i))) else {
         warnings.push(format!(
             "no engine container found; the kvevent-subscriber listens on {DEFAULT_KV_EVENTS_ENDPOINT}"
@@ -421,7 +462,11 @@ fn kv_events_endpoint(pod: &Pod, engine: Option<usize>, runtime: Runtime, warnin
         let rest = ep.strip_prefix("tcp://")?;
         let (host, port) = rest.rsplit_once(':')?;
         let port: u16 = port.parse().ok()?;
-        let host = if matches!(host, "*" | "0.0.0.0" | "" | "[::]" | "::") { "127.0.0.1" } else { host };
+        let host = if matches!(host, "*" | "0.0.0.0" | "" | "[::]" | "::") {
+            "127.0.0.1"
+        } else {
+            host
+        };
         Some(format!("tcp://{host}:{port}"))
     });
     match found {
@@ -559,7 +604,9 @@ pub fn diff(left: &Value, right: &Value) -> Vec<Value> {
                     ops.push(serde_json::json!({"op": "remove", "path": format!("{path}/{i}")}));
                 }
                 for rv in ra.iter().skip(la.len()) {
-                    ops.push(serde_json::json!({"op": "add", "path": format!("{path}/-"), "value": rv}));
+                    ops.push(
+                        serde_json::json!({"op": "add", "path": format!("{path}/-"), "value": rv}),
+                    );
                 }
             }
             _ if l == r => {}
@@ -572,7 +619,13 @@ pub fn diff(left: &Value, right: &Value) -> Vec<Value> {
 }
 
 /// Builds the outcome: the patch from `base` to `out`, checked against the request object.
-fn finish(raw: &Value, base: &Value, out: &Pod, reason: String, warnings: Vec<String>) -> PodOutcome {
+fn finish(
+    raw: &Value,
+    base: &Value,
+    out: &Pod,
+    reason: String,
+    warnings: Vec<String>,
+) -> PodOutcome {
     let after = match serde_json::to_value(out) {
         Ok(v) => v,
         Err(e) => {

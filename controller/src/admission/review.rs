@@ -436,7 +436,9 @@ mod tests {
 
     #[test]
     fn patch_is_a_base64_string_with_patch_type() {
-        let r = AdmissionResponse::allow("u-1").with_patch(&[add_op()]).unwrap();
+        let r = AdmissionResponse::allow("u-1")
+            .with_patch(&[add_op()])
+            .unwrap();
         let text = serde_json::to_string(&AdmissionReview::from_response(r)).unwrap();
         assert!(text.contains(r#""patch":"W3si"#), "{text}");
         assert!(text.contains(r#""patchType":"JSONPatch""#), "{text}");
@@ -489,7 +491,9 @@ mod tests {
         assert!(text.contains(r#""status":"Failure""#));
         let back: AdmissionResponse = serde_json::from_str(&text).unwrap();
         assert_eq!(back, r);
-        let p = AdmissionResponse::allow("u").with_patch(&[add_op()]).unwrap();
+        let p = AdmissionResponse::allow("u")
+            .with_patch(&[add_op()])
+            .unwrap();
         let back: AdmissionResponse =
             serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back.patch_operations().unwrap(), vec![add_op()]);

@@ -80,9 +80,11 @@ pub fn router(admission: Arc<Admission>, max_body_bytes: usize) -> Router {
     for route in Route::ALL {
         r = r.route(
             route.path(),
-            post(move |State(a): State<Arc<Admission>>, body: Bytes| async move {
-                review_response(&a, route, &body)
-            }),
+            post(
+                move |State(a): State<Arc<Admission>>, body: Bytes| async move {
+                    review_response(&a, route, &body)
+                },
+            ),
         );
     }
     r.layer(DefaultBodyLimit::max(max_body_bytes))
@@ -135,7 +137,10 @@ impl RunningServer {
 ///
 /// Errors: certificate loading/generation ([`ServerError::Tls`]), binding
 /// ([`ServerError::Bind`]).
-pub async fn start(admission: Arc<Admission>, cfg: ServerConfig) -> Result<RunningServer, ServerError> {
+pub async fn start(
+    admission: Arc<Admission>,
+    cfg: ServerConfig,
+) -> Result<RunningServer, ServerError> {
     let (rustls, ca_pem, watch) = match &cfg.tls {
         TlsSource::Files {
             cert,
@@ -154,8 +159,13 @@ pub async fn start(admission: Arc<Admission>, cfg: ServerConfig) -> Result<Runni
             if let Some(dir) = &opts.write_dir {
                 tls::write_bundle(dir, &bundle)?;
             }
-            let sc = tls::server_config_from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())?;
-            (RustlsConfig::from_config(Arc::new(sc)), Some(bundle.ca_pem), None)
+            let sc =
+                tls::server_config_from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())?;
+            (
+                RustlsConfig::from_config(Arc::new(sc)),
+                Some(bundle.ca_pem),
+                None,
+            )
         }
     };
     let listener = std::net::TcpListener::bind(cfg.addr).map_err(|source| ServerError::Bind {
@@ -174,7 +184,8 @@ pub async fn start(admission: Arc<Admission>, cfg: ServerConfig) -> Result<Runni
         .map_err(bind_err)?
         .handle(handle.clone());
     let server = tokio::spawn(async move { server.serve(app.into_make_service()).await });
-    let reloader = watch.map(|(cert, key, interval)| tls::spawn_reloader(rustls.clone(), cert, key, interval));
+    let reloader =
+        watch.map(|(cert, key, interval)| tls::spawn_reloader(rustls.clone(), cert, key, interval));
     tracing::info!(addr = %local_addr, "admission webhooks listening (HTTPS)");
     Ok(RunningServer {
         local_addr,
@@ -249,7 +260,10 @@ impl WebhookClient {
     pub async fn connect(&self) -> Result<WebhookConnection, ClientError> {
         let tcp = tokio::net::TcpStream::connect(self.addr).await?;
         tcp.set_nodelay(true)?;
-        let stream = self.connector.connect(self.server_name.clone(), tcp).await?;
+        let stream = self
+            .connector
+            .connect(self.server_name.clone(), tcp)
+            .await?;
         Ok(WebhookConnection {
             stream,
             buf: Vec::with_capacity(16 * 1024),
@@ -317,11 +331,14 @@ impl WebhookConnection {
                 if k.trim().eq_ignore_ascii_case("content-length") {
                     content_length = v.trim().parse::<usize>().ok();
                 } else if k.trim().eq_ignore_ascii_case("transfer-encoding") {
-                    return Err(ClientError::Http(format!("unsupported transfer-encoding {v:?}")));
+                    return Err(ClientError::Http(format!(
+                        "unsupported transfer-encoding {v:?}"
+                    )));
                 }
             }
         }
-        let len = content_length.ok_or_else(|| ClientError::Http("no content-length".to_string()))?;
+        let len =
+            content_length.ok_or_else(|| ClientError::Http("no content-length".to_string()))?;
         let start = header_end + 4;
         while self.buf.len() < start + len {
             self.fill().await?;

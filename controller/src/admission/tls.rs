@@ -273,7 +273,10 @@ pub fn set_ca_bundle(webhook_configuration: &mut Value, ca_pem: &str) -> usize {
 }
 
 /// A rustls server config (ring provider; ALPN h2 and http/1.1) from PEM bytes.
-pub fn server_config_from_pem(cert_pem: &[u8], key_pem: &[u8]) -> Result<rustls::ServerConfig, TlsError> {
+pub fn server_config_from_pem(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<rustls::ServerConfig, TlsError> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<_, _>>()
         .map_err(|e| TlsError::CertPem(e.to_string()))?;

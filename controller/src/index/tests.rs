@@ -293,3 +293,337 @@ fn removing_a_node_drops_its_entries() {
     assert_eq!(ix.block_count(), 0);
     assert_eq!(ix.replica_count(), 0);
 }
+
+// ---- Layout, policy and projection (issue 3, item 5/6) ----
+
+fn snapshot_with(pod: &str, entries: Vec<proto::BlockEntry>) -> proto::StreamSnapshot {
+    proto::StreamSnapshot {
+        stream: Some(desc(pod, 0)),
+        seq: 0,
+        entries,
+        last_event_unix_ms: 0,
+        stale: false,
+    }
+}
+
+#[test]
+fn many_holders_spill_and_shrink_and_lookups_intersect_them() {
+    let mut ix = PrefixIndex::new();
+    let pods: Vec<String> = (0..40).map(|i| format!("p{i:02}")).collect();
+    let snaps: Vec<_> = pods.iter().map(|p| empty_snapshot(p)).collect();
+    ix.resync_node("n1", &snaps);
+    let keys = chain(&tokens(0..16), 4);
+    // Every replica holds block 0 (a shared system prompt); replica i holds i % 4 + 1 blocks.
+    for (i, p) in pods.iter().enumerate() {
+        let depth = i % 4 + 1;
+        ix.apply_delta(
+            "n1",
+            &delta(p, 1, vec![store(&keys[..depth], proto::Tier::T1, "")]),
+        )
+        .unwrap();
+    }
+    assert_eq!(ix.block_count(), 4);
+    assert_eq!(ix.entry_count(), 10 * (1 + 2 + 3 + 4));
+    let r = ix.lookup(&query(&tokens(0..16)));
+    assert_eq!(r.replicas.len(), 40);
+    // Deepest first, then by stream id.
+    assert_eq!(r.replicas[0].replica, "p03");
+    assert_eq!(r.replicas[0].matched_blocks, 4);
+    assert_eq!(r.replicas[9].replica, "p39");
+    assert_eq!(r.replicas[10].matched_blocks, 3);
+    assert_eq!(r.replicas[39].matched_blocks, 1);
+    // A capped answer keeps the best ones in the same order.
+    let mut q = query(&tokens(0..16));
+    q.max_replicas = 3;
+    let capped = ix.lookup(&q);
+    assert_eq!(
+        capped
+            .replicas
+            .iter()
+            .map(|m| m.replica.as_str())
+            .collect::<Vec<_>>(),
+        vec!["p03", "p07", "p11"]
+    );
+    // Clearing most replicas shrinks the spilled holder lists back.
+    for p in &pods[2..] {
+        ix.remove_stream(&format!("default/{p}#0"));
+    }
+    assert_eq!(ix.entry_count(), 1 + 2);
+    let r = ix.lookup(&query(&tokens(0..16)));
+    let got: Vec<_> = r
+        .replicas
+        .iter()
+        .map(|m| (m.replica.as_str(), m.matched_blocks))
+        .collect();
+    assert_eq!(got, vec![("p01", 2), ("p00", 1)]);
+}
+
+#[test]
+fn duplicate_stores_are_idempotent_and_unknown_removes_ignored() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    let keys = chain(&tokens(0..8), 4);
+    ix.apply_delta(
+        "n1",
+        &delta(
+            "a",
+            1,
+            vec![
+                store(&keys, proto::Tier::T1, ""),
+                store(&keys, proto::Tier::T1, ""),
+            ],
+        ),
+    )
+    .unwrap();
+    let remove_unknown = proto::KvOp {
+        op: Some(Op::Remove(proto::RemoveOp {
+            adapter: "other".into(),
+            block_size: 4,
+            content_keys: vec![1, 2, 3],
+        })),
+    };
+    let remove_missing = proto::KvOp {
+        op: Some(Op::Remove(proto::RemoveOp {
+            adapter: String::new(),
+            block_size: 4,
+            content_keys: vec![12345],
+        })),
+    };
+    ix.apply_delta("n1", &delta("a", 2, vec![remove_unknown, remove_missing]))
+        .unwrap();
+    assert_eq!(ix.entry_count(), 2);
+    let entries = ix.stream_entries("default/a#0").unwrap();
+    assert_eq!(entries.len(), 2);
+    assert!(entries.iter().all(|e| e.tier == Tier::T1 && e.block_size == 4));
+    assert_eq!(ix.stream_entries("default/zz#0"), None);
+}
+
+#[test]
+fn replicas_with_several_block_sizes_match_at_each_and_the_deepest_wins() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("v"), empty_snapshot("s")]);
+    let t = tokens(0..64);
+    let k4 = chain(&t, 4);
+    let k16 = chain(&t, 16);
+    ix.apply_delta("n1", &delta("v", 1, vec![store(&k4[..3], proto::Tier::T1, "")]))
+        .unwrap();
+    let s16 = proto::KvOp {
+        op: Some(Op::Store(proto::StoreOp {
+            adapter: String::new(),
+            block_size: 16,
+            tier: proto::Tier::T2 as i32,
+            content_keys: k16[..2].to_vec(),
+        })),
+    };
+    ix.apply_delta("n1", &delta("s", 1, vec![s16])).unwrap();
+    // Raw tokens are chunked at every registered size: 32 tokens at 16 beat 12 at 4.
+    let r = ix.lookup(&query(&t));
+    assert_eq!(r.block_size, 16);
+    assert_eq!(r.replicas[0].replica, "s");
+    assert_eq!(r.replicas[0].matched_tokens, 32);
+    assert_eq!(r.replicas[0].tier, Tier::T2);
+    // Restricted to one size, the other partition answers.
+    let mut q = query(&t);
+    q.block_size = Some(4);
+    let r = ix.lookup(&q);
+    assert_eq!(
+        (r.replicas[0].replica.as_str(), r.replicas[0].matched_tokens),
+        ("v", 12)
+    );
+    assert_eq!(ix.block_sizes()["vllm"], vec![4, 16]);
+    let snap = ix.snapshot();
+    assert_eq!(snap.replicas[0].block_sizes, vec![16]);
+    assert_eq!(snap.replicas[0].t2_blocks, 2);
+    assert_eq!(snap.replicas[1].block_sizes, vec![4]);
+}
+
+#[test]
+fn short_requests_and_expired_deadlines_answer_no_hint_with_their_reason() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    let keys = chain(&tokens(0..64), 4);
+    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
+        .unwrap();
+    // The request itself is shorter than the minimum: the index is not consulted.
+    let mut q = query(&tokens(0..16));
+    q.minimum_prefix_tokens = 32;
+    let r = ix.lookup(&q);
+    assert_eq!((r.prefix_match, r.reason.as_str()), (false, "BelowMinimumPrefixTokens"));
+    // Content keys count at the given block size.
+    let q = LookupQuery {
+        content_keys: keys[..4].to_vec(),
+        block_size: Some(4),
+        minimum_prefix_tokens: 17,
+        ..Default::default()
+    };
+    assert_eq!(ix.lookup(&q).reason, "BelowMinimumPrefixTokens");
+    // A deadline already past.
+    let mut q = query(&tokens(0..64));
+    q.deadline = Some(std::time::Instant::now());
+    let r = ix.lookup(&q);
+    assert_eq!((r.prefix_match, r.reason.as_str()), (false, LOOKUP_TIMEOUT));
+    assert!(r.replicas.is_empty());
+    // Shorter than one block.
+    assert_eq!(ix.lookup(&query(&tokens(0..3))).reason, "RequestShorterThanOneBlock");
+}
+
+#[test]
+fn snapshot_shows_tier_counts_last_event_and_t2_counters() {
+    let mut ix = PrefixIndex::new();
+    let keys = chain(&tokens(0..12), 4);
+    let entries = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| proto::BlockEntry {
+            adapter: String::new(),
+            block_size: 4,
+            content_key: *k,
+            tier: if i == 2 { proto::Tier::T2 } else { proto::Tier::T1 } as i32,
+        })
+        .collect();
+    let mut snap = snapshot_with("a", entries);
+    snap.last_event_unix_ms = 1_780_000_000_123;
+    ix.resync_node("n1", &[snap]);
+    let s = ix.snapshot();
+    let r = &s.replicas[0];
+    assert_eq!((r.prefix_count, r.t1_blocks, r.t2_blocks), (3, 2, 1));
+    assert_eq!(r.last_event_at.as_deref(), Some("2026-05-28T20:26:40.123Z"));
+    assert_eq!((r.t2_hits, r.t2_queries), (None, None));
+    let json = serde_json::to_value(r).unwrap();
+    assert!(json.get("t2Hits").is_none());
+    assert_eq!(json["lastEventAt"], "2026-05-28T20:26:40.123Z");
+    ix.set_t2_counters("default/a#0", 5, 9);
+    let json = serde_json::to_value(&ix.snapshot().replicas[0]).unwrap();
+    assert_eq!((json["t2Hits"].as_u64(), json["t2Queries"].as_u64()), (Some(5), Some(9)));
+    assert!(ix.approx_heap_bytes() > 0);
+}
+
+#[test]
+fn policy_table_resolves_namespace_then_defaults_then_fallback() {
+    let ix = PrefixIndex::new();
+    let t = ix.policies();
+    let fallback = ResolvedPolicy {
+        lookup_timeout: Some(std::time::Duration::from_millis(50)),
+        minimum_prefix_tokens: 7,
+    };
+    assert_eq!(t.resolve_or("ns", fallback), fallback);
+    ix.set_policy("ns", Some(0), Some(0));
+    let p = t.resolve_or("ns", fallback);
+    assert_eq!((p.lookup_timeout, p.minimum_prefix_tokens), (None, 0));
+    t.set_defaults(Some(10), 3);
+    let p = t.resolve_or("other", fallback);
+    assert_eq!(
+        (p.lookup_timeout, p.minimum_prefix_tokens),
+        (Some(std::time::Duration::from_millis(10)), 3)
+    );
+    assert_eq!(t.resolve_or("", fallback).minimum_prefix_tokens, 3);
+    assert_eq!(t.list().len(), 1);
+    t.remove_policy("ns");
+    assert!(t.list().is_empty());
+}
+
+#[test]
+fn random_ops_keep_the_index_equal_to_a_naive_model() {
+    use std::collections::{BTreeMap, BTreeSet};
+    // A small deterministic generator (no extra dependency).
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut ix = PrefixIndex::new();
+    let pods: Vec<String> = (0..6).map(|i| format!("r{i}")).collect();
+    ix.resync_node(
+        "n1",
+        &pods.iter().map(|p| empty_snapshot(p)).collect::<Vec<_>>(),
+    );
+    let mut seqs: BTreeMap<String, u64> = pods.iter().map(|p| (p.clone(), 0)).collect();
+    let mut model: BTreeMap<String, BTreeMap<u64, Tier>> = BTreeMap::new();
+    for _ in 0..4000 {
+        let p = &pods[(next() % pods.len() as u64) as usize];
+        let key = next() % 24;
+        let seq = seqs.get_mut(p).unwrap();
+        *seq += 1;
+        let m = model.entry(p.clone()).or_default();
+        let op = match next() % 10 {
+            0..=4 => {
+                let tier = if next() % 3 == 0 { Tier::T2 } else { Tier::T1 };
+                m.insert(key, tier);
+                store(&[key], tier.to_proto(), "")
+            }
+            5..=8 => {
+                m.remove(&key);
+                proto::KvOp {
+                    op: Some(Op::Remove(proto::RemoveOp {
+                        adapter: String::new(),
+                        block_size: 4,
+                        content_keys: vec![key],
+                    })),
+                }
+            }
+            _ => {
+                m.clear();
+                proto::KvOp {
+                    op: Some(Op::Clear(proto::ClearOp {
+                        reason: "AllBlocksCleared".into(),
+                    })),
+                }
+            }
+        };
+        ix.apply_delta("n1", &delta(p, *seq, vec![op])).unwrap();
+    }
+    let mut total = 0;
+    let mut blocks = BTreeSet::new();
+    for p in &pods {
+        let want: Vec<(u64, Tier)> = model
+            .get(p)
+            .map(|m| m.iter().map(|(k, t)| (*k, *t)).collect())
+            .unwrap_or_default();
+        let mut got: Vec<(u64, Tier)> = ix
+            .stream_entries(&format!("default/{p}#0"))
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.content_key, e.tier))
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, want, "replica {p}");
+        total += want.len();
+        blocks.extend(want.iter().map(|(k, _)| *k));
+        let snap = ix.snapshot();
+        let r = snap
+            .replicas
+            .iter()
+            .find(|r| r.replica == *p)
+            .unwrap();
+        assert_eq!(r.prefix_count, want.len());
+        assert_eq!(
+            r.t2_blocks,
+            want.iter().filter(|(_, t)| *t == Tier::T2).count()
+        );
+    }
+    assert_eq!(ix.entry_count(), total);
+    assert_eq!(ix.block_count(), blocks.len());
+    // Single-key lookups agree with the model.
+    for key in 0..24u64 {
+        let q = LookupQuery {
+            content_keys: vec![key],
+            block_size: Some(4),
+            ..Default::default()
+        };
+        let mut got: Vec<String> = ix
+            .lookup(&q)
+            .replicas
+            .into_iter()
+            .map(|m| m.replica)
+            .collect();
+        got.sort();
+        let want: Vec<String> = model
+            .iter()
+            .filter(|(_, m)| m.contains_key(&key))
+            .map(|(p, _)| p.clone())
+            .collect();
+        assert_eq!(got, want, "key {key}");
+    }
+}

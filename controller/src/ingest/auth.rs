@@ -31,7 +31,7 @@ use kube::Client;
 use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Opts, Registry};
 use thiserror::Error;
-use tokio::time::Instant;
+use std::time::Instant;
 use tonic::Status;
 
 /// Default token audience.
@@ -307,15 +307,19 @@ struct CacheEntry {
     result: Result<TokenIdentity, VerifyError>,
 }
 
+/// A monotonic time source (injected so tests control cache expiry).
+pub type MonotonicClock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
 /// Caches another verifier's answers per (token, audience): successes for `ttl`, rejections
 /// for `negative_ttl`; `Unavailable` is never cached. Holds at most `max_entries` tokens
-/// (expired entries are dropped first, then the oldest). Time is tokio's clock, so tests can
-/// pause and advance it.
+/// (expired entries are dropped first, then the oldest). Time comes from an injectable
+/// monotonic clock ([`CachingVerifier::with_clock`]; default `Instant::now`).
 pub struct CachingVerifier<V> {
     inner: V,
     ttl: Duration,
     negative_ttl: Duration,
     max_entries: usize,
+    clock: MonotonicClock,
     cache: Mutex<HashMap<(String, String), CacheEntry>>,
 }
 
@@ -337,8 +341,15 @@ impl<V: TokenVerifier> CachingVerifier<V> {
             ttl,
             negative_ttl,
             max_entries: max_entries.max(1),
+            clock: Arc::new(Instant::now),
             cache: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Replaces the time source (tests).
+    pub fn with_clock(mut self, clock: MonotonicClock) -> Self {
+        self.clock = clock;
+        self
     }
 
     fn lookup(&self, key: &(String, String), now: Instant) -> Option<Result<TokenIdentity, VerifyError>> {
@@ -374,11 +385,11 @@ impl<V: TokenVerifier> CachingVerifier<V> {
 impl<V: TokenVerifier> TokenVerifier for CachingVerifier<V> {
     async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
         let key = (token.to_string(), audience.to_string());
-        if let Some(hit) = self.lookup(&key, Instant::now()) {
+        if let Some(hit) = self.lookup(&key, (self.clock)()) {
             return hit;
         }
         let result = self.inner.verify(token, audience).await;
-        self.store(key, result.clone(), Instant::now());
+        self.store(key, result.clone(), (self.clock)());
         result
     }
 }

@@ -67,7 +67,9 @@ pub fn decide(pod: &Pod) -> PodDecision {
         return PodDecision::Skip("no annotations");
     };
     if let Some(by) = a.get(INJECTED_BY) {
-        let Some((namespace, name)) = by.split_once('/').filter(|(n, m)| !n.is_empty() && !m.is_empty())
+        let Some((namespace, name)) = by
+            .split_once('/')
+            .filter(|(n, m)| !n.is_empty() && !m.is_empty())
         else {
             return PodDecision::Skip("malformed injected-by");
         };

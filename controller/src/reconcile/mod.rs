@@ -18,6 +18,7 @@
 pub mod cachebackend;
 pub mod clock;
 pub mod engine_pods;
+pub mod model_cache;
 pub mod nodes;
 pub mod render;
 

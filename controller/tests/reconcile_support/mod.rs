@@ -175,7 +175,11 @@ pub fn with_kernel_check(mut p: Pod, state: Value, strict: bool) -> Pod {
                 "strict".to_string(),
             );
     }
-    let mut status = p.status.take().map(|s| serde_json::to_value(s).unwrap()).unwrap_or(json!({}));
+    let mut status = p
+        .status
+        .take()
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(json!({}));
     status["initContainerStatuses"] = json!([{
         "name": "lmcache-kernel-check", "ready": false, "restartCount": 0, "image": "i",
         "imageID": "", "state": state

@@ -156,9 +156,10 @@ impl Workflow {
 
 /// How a cache moves from writer to readers, derived from qualified access modes (spec 004
 /// "Capability catalog").
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
 pub enum Flow {
     /// `ReadWriteMany`: one shared volume, readers mount it read-only.
+    #[default]
     #[serde(rename = "rwxReadOnly")]
     RwxReadOnly,
     /// `ReadWriteOnce` + `ReadOnlyMany`: the writer takes the claim, each reader namespace gets
@@ -513,8 +514,14 @@ mod tests {
         assert_eq!(m.sharing_domain(), "team-a");
         assert_eq!(m.spec.effective_durability(), Durability::Durable);
         assert_eq!(m.spec.writer.effective_mount_path(), "/model-data");
-        assert_eq!(serde_json::to_value(CacheMode::None).unwrap(), json!("none"));
-        assert_eq!(serde_json::to_value(Flow::RoxReadOnly).unwrap(), json!("roxReadOnly"));
+        assert_eq!(
+            serde_json::to_value(CacheMode::None).unwrap(),
+            json!("none")
+        );
+        assert_eq!(
+            serde_json::to_value(Flow::RoxReadOnly).unwrap(),
+            json!("roxReadOnly")
+        );
         assert_eq!(Workflow::HelmModelCache.as_str(), "helmModelCache");
     }
 
@@ -525,7 +532,10 @@ mod tests {
             "workflow": "helmModelCache", "readerNamespaces": ["b", "a", "b"],
             "sharingDomain": "org", "writer": {"template": {}}
         }));
-        assert_eq!(m.reader_namespaces(), vec!["a".to_string(), "b".to_string()]);
+        assert_eq!(
+            m.reader_namespaces(),
+            vec!["a".to_string(), "b".to_string()]
+        );
         assert_eq!(m.sharing_domain(), "org");
     }
 }

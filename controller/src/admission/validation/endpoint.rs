@@ -407,10 +407,25 @@ mod tests {
     fn parses_each_provider_form() {
         let ok = [
             (RemoteProvider::Redis, "redis:6379", "redis", 6379),
-            (RemoteProvider::Redis, " redis.ns.svc:6379 ", "redis.ns.svc", 6379),
-            (RemoteProvider::LMCacheServer, "lm://lmc:65432", "lmc", 65432),
+            (
+                RemoteProvider::Redis,
+                " redis.ns.svc:6379 ",
+                "redis.ns.svc",
+                6379,
+            ),
+            (
+                RemoteProvider::LMCacheServer,
+                "lm://lmc:65432",
+                "lmc",
+                65432,
+            ),
             (RemoteProvider::LMCacheServer, "lmc:1", "lmc", 1),
-            (RemoteProvider::Mooncake, "mooncakestore://mc:50051", "mc", 50051),
+            (
+                RemoteProvider::Mooncake,
+                "mooncakestore://mc:50051",
+                "mc",
+                50051,
+            ),
             (RemoteProvider::Redis, "[fd00::1]:6379", "fd00::1", 6379),
             (RemoteProvider::Redis, "10.0.0.1:65535", "10.0.0.1", 65535),
         ];
@@ -431,21 +446,41 @@ mod tests {
         use EndpointError as E;
         let cases: [(RemoteProvider, &str, fn(&E) -> bool); 14] = [
             (RemoteProvider::Redis, "  ", |e| *e == E::Empty),
-            (RemoteProvider::Redis, "lm://x:1", |e| matches!(e, E::ForeignScheme { .. })),
-            (RemoteProvider::Redis, "redis://x:1", |e| matches!(e, E::UnknownScheme { .. })),
-            (RemoteProvider::Mooncake, "lm://x:1", |e| matches!(e, E::ForeignScheme { .. })),
+            (RemoteProvider::Redis, "lm://x:1", |e| {
+                matches!(e, E::ForeignScheme { .. })
+            }),
+            (RemoteProvider::Redis, "redis://x:1", |e| {
+                matches!(e, E::UnknownScheme { .. })
+            }),
+            (RemoteProvider::Mooncake, "lm://x:1", |e| {
+                matches!(e, E::ForeignScheme { .. })
+            }),
             (RemoteProvider::LMCacheServer, "mooncakestore://x:1", |e| {
                 matches!(e, E::ForeignScheme { .. })
             }),
             (RemoteProvider::Redis, "x :1", |e| *e == E::Whitespace),
-            (RemoteProvider::Redis, "x:1/db", |e| *e == E::PathQueryFragment),
-            (RemoteProvider::Redis, "x:1?a", |e| *e == E::PathQueryFragment),
-            (RemoteProvider::Redis, "x:1#f", |e| *e == E::PathQueryFragment),
-            (RemoteProvider::Redis, "fd00::1:6379", |e| *e == E::UnbracketedIpv6),
+            (RemoteProvider::Redis, "x:1/db", |e| {
+                *e == E::PathQueryFragment
+            }),
+            (RemoteProvider::Redis, "x:1?a", |e| {
+                *e == E::PathQueryFragment
+            }),
+            (RemoteProvider::Redis, "x:1#f", |e| {
+                *e == E::PathQueryFragment
+            }),
+            (RemoteProvider::Redis, "fd00::1:6379", |e| {
+                *e == E::UnbracketedIpv6
+            }),
             (RemoteProvider::Redis, "x", |e| *e == E::MissingPort),
-            (RemoteProvider::Redis, "x:0", |e| matches!(e, E::PortOutOfRange(_))),
-            (RemoteProvider::Redis, "x:65536", |e| matches!(e, E::PortOutOfRange(_))),
-            (RemoteProvider::Redis, "x:http", |e| matches!(e, E::NonNumericPort(_))),
+            (RemoteProvider::Redis, "x:0", |e| {
+                matches!(e, E::PortOutOfRange(_))
+            }),
+            (RemoteProvider::Redis, "x:65536", |e| {
+                matches!(e, E::PortOutOfRange(_))
+            }),
+            (RemoteProvider::Redis, "x:http", |e| {
+                matches!(e, E::NonNumericPort(_))
+            }),
         ];
         for (p, raw, pred) in cases {
             let e = parse_endpoint(p, raw).unwrap_err();

@@ -48,9 +48,7 @@ impl Rule for HiCacheConfigValid {
         }
         if let Some(ratio) = &hc.ratio {
             let ok = !ratio.chars().any(char::is_whitespace)
-                && ratio
-                    .parse::<f64>()
-                    .is_ok_and(|r| r.is_finite() && r > 0.0);
+                && ratio.parse::<f64>().is_ok_and(|r| r.is_finite() && r > 0.0);
             if !ok {
                 out.push(Violation::invalid(
                     "spec.hiCache.ratio",

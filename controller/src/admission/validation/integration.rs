@@ -124,7 +124,10 @@ impl Rule for MooncakeCommandKeepsFixedPorts {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (flag, fixed) in [("--rpc_port", "50051"), ("--http_metadata_server_port", "8080")] {
+        for (flag, fixed) in [
+            ("--rpc_port", "50051"),
+            ("--http_metadata_server_port", "8080"),
+        ] {
             let mut i = 0;
             while i < cmd.len() {
                 let token = cmd[i].as_str();

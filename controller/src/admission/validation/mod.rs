@@ -259,7 +259,10 @@ impl Outcome {
 
     /// The violations at `field` (tests use it to assert exact field paths).
     pub fn at(&self, field: &str) -> Vec<&Violation> {
-        self.violations.iter().filter(|v| v.field == field).collect()
+        self.violations
+            .iter()
+            .filter(|v| v.field == field)
+            .collect()
     }
 
     /// The denial `metav1.Status` for these violations: code 422, reason `Invalid`, message
@@ -407,7 +410,11 @@ impl Validator {
     /// (compared by kind, field, bad value and detail). Warnings are kept.
     pub fn validate_update(&self, new: &Value, old: &Value, ctx: &RuleContext) -> Outcome {
         let mut out = self.validate_value(new, ctx);
-        let before: HashSet<Violation> = self.validate_value(old, ctx).violations.into_iter().collect();
+        let before: HashSet<Violation> = self
+            .validate_value(old, ctx)
+            .violations
+            .into_iter()
+            .collect();
         out.violations.retain(|v| !before.contains(v));
         out
     }
@@ -453,7 +460,11 @@ mod tests {
 
     #[test]
     fn formats_like_kubernetes_field_errors() {
-        let v = Violation::invalid("spec.remoteStorage.endpoint", "x y", "must not contain whitespace");
+        let v = Violation::invalid(
+            "spec.remoteStorage.endpoint",
+            "x y",
+            "must not contain whitespace",
+        );
         assert_eq!(
             v.to_string(),
             r#"spec.remoteStorage.endpoint: Invalid value: "x y": must not contain whitespace"#

@@ -120,8 +120,10 @@ fn is_dns1123_subdomain(s: &str) -> bool {
         && s.split('.').all(|label| {
             let b = label.as_bytes();
             !label.is_empty()
-                && b.first().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-                && b.last().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && b.first()
+                    .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && b.last()
+                    .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
                 && label
                     .chars()
                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
@@ -267,7 +269,10 @@ impl Rule for ProviderResourceLimitsCoverRequests {
                     out.push(Violation::invalid(
                         field,
                         req.raw,
-                        format!("must be less than or equal to {} limit of {}", req.name, lim.raw),
+                        format!(
+                            "must be less than or equal to {} limit of {}",
+                            req.name, lim.raw
+                        ),
                     ));
                 }
             } else if req.q != lim.q {
@@ -417,18 +422,33 @@ mod tests {
     #[test]
     fn classifies_names() {
         assert_eq!(classify("memory"), ResourceClass::Standard);
-        assert!(matches!(classify("hugepages-2Mi"), ResourceClass::Hugepages(_)));
+        assert!(matches!(
+            classify("hugepages-2Mi"),
+            ResourceClass::Hugepages(_)
+        ));
         assert!(matches!(classify("hugepages-"), ResourceClass::Invalid(_)));
-        assert!(matches!(classify("hugepages-nope"), ResourceClass::Invalid(_)));
+        assert!(matches!(
+            classify("hugepages-nope"),
+            ResourceClass::Invalid(_)
+        ));
         assert_eq!(classify("nvidia.com/gpu"), ResourceClass::Extended);
         assert!(matches!(classify("foo"), ResourceClass::Invalid(_)));
         assert!(matches!(classify(""), ResourceClass::Invalid(_)));
-        assert!(matches!(classify("kubernetes.io/foo"), ResourceClass::Invalid(_)));
+        assert!(matches!(
+            classify("kubernetes.io/foo"),
+            ResourceClass::Invalid(_)
+        ));
         assert!(matches!(
             classify("requests.kubernetes.io/foo"),
             ResourceClass::Invalid(_)
         ));
-        assert!(matches!(classify("Nvidia.com/gpu"), ResourceClass::Invalid(_)));
-        assert!(matches!(classify("nvidia.com/-gpu"), ResourceClass::Invalid(_)));
+        assert!(matches!(
+            classify("Nvidia.com/gpu"),
+            ResourceClass::Invalid(_)
+        ));
+        assert!(matches!(
+            classify("nvidia.com/-gpu"),
+            ResourceClass::Invalid(_)
+        ));
     }
 }

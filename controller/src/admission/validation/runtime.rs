@@ -162,7 +162,11 @@ impl Rule for EngineOverridesNotReserved {
         let Some(a) = adapter(cb, ctx) else {
             return Vec::new();
         };
-        let reserved_args: Vec<String> = a.reserved_args().iter().map(|f| normalise_flag(f)).collect();
+        let reserved_args: Vec<String> = a
+            .reserved_args()
+            .iter()
+            .map(|f| normalise_flag(f))
+            .collect();
         let reserved_env = a.reserved_env();
         let base = "spec.integration.engineOverrides";
         let mut out = Vec::new();
@@ -226,9 +230,18 @@ mod tests {
 
     #[test]
     fn normalises_flag_spellings() {
-        assert_eq!(normalise_flag("--kv-transfer-config"), "--kv-transfer-config");
-        assert_eq!(normalise_flag("--kv_transfer_config={}"), "--kv-transfer-config");
-        assert_eq!(normalise_flag(" --kv-transfer-config {\"a\":1}"), "--kv-transfer-config");
+        assert_eq!(
+            normalise_flag("--kv-transfer-config"),
+            "--kv-transfer-config"
+        );
+        assert_eq!(
+            normalise_flag("--kv_transfer_config={}"),
+            "--kv-transfer-config"
+        );
+        assert_eq!(
+            normalise_flag(" --kv-transfer-config {\"a\":1}"),
+            "--kv-transfer-config"
+        );
         assert_eq!(normalise_flag("-x"), "-x");
     }
 }

@@ -95,10 +95,8 @@ fn render_path(path: &serde_path_to_error::Path) -> String {
         match seg {
             serde_path_to_error::Segment::Seq { index } => s.push_str(&format!("[{index}]")),
             serde_path_to_error::Segment::Map { key } => {
-                let ident = !key.is_empty()
-                    && key
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '_');
+                let ident =
+                    !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
                 if ident {
                     s = child(&s, key);
                 } else {
@@ -227,8 +225,10 @@ fn walk(schema: &Value, value: &Value, path: &str, out: &mut Outcome) {
             }
         }
     }
-    if let (Some(pattern), Some(s)) = (schema.get("pattern").and_then(Value::as_str), value.as_str())
-    {
+    if let (Some(pattern), Some(s)) = (
+        schema.get("pattern").and_then(Value::as_str),
+        value.as_str(),
+    ) {
         if pattern == DURATION_PATTERN && ic_shared::crd::parse_duration(s).is_none() {
             out.violations.push(Violation::invalid(
                 field,
@@ -250,6 +250,9 @@ fn walk(schema: &Value, value: &Value, path: &str, out: &mut Outcome) {
     }
 }
 
+/// Root fields the apiserver handles itself (the CRD schema need not declare them).
+const ROOT_FIELDS: [&str; 3] = ["apiVersion", "kind", "metadata"];
+
 fn walk_object(schema: &Value, map: &Map<String, Value>, path: &str, out: &mut Outcome) {
     let props = schema.get("properties").and_then(Value::as_object);
     let additional = schema.get("additionalProperties");
@@ -261,6 +264,12 @@ fn walk_object(schema: &Value, map: &Map<String, Value>, path: &str, out: &mut O
         }
     }
     for (k, v) in map {
+        if path.is_empty()
+            && ROOT_FIELDS.contains(&k.as_str())
+            && props.is_none_or(|p| !p.contains_key(k))
+        {
+            continue;
+        }
         match (props.and_then(|p| p.get(k)), additional) {
             (Some(prop_schema), _) => walk(prop_schema, v, &child(path, k), out),
             (None, Some(add)) if add.is_object() => walk(add, v, &format!("{path}[{k}]"), out),
@@ -324,6 +333,7 @@ fn prune_walk(schema: &Value, value: &mut Value, path: &str, removed: &mut Vec<S
                     let unknown: Vec<String> = map
                         .keys()
                         .filter(|k| !props.contains_key(k.as_str()))
+                        .filter(|k| !(path.is_empty() && ROOT_FIELDS.contains(&k.as_str())))
                         .cloned()
                         .collect();
                     for k in unknown {

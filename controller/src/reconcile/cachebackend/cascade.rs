@@ -159,7 +159,10 @@ pub fn decide(
         return CascadeDecision::Keep;
     }
     let before = parse_instance(prior);
-    let after: HashMap<&str, i64> = current.iter().map(|p| (p.uid.as_str(), p.restarts)).collect();
+    let after: HashMap<&str, i64> = current
+        .iter()
+        .map(|p| (p.uid.as_str(), p.restarts))
+        .collect();
     let gone = before.keys().any(|uid| !after.contains_key(uid.as_str()));
     let restarted = before
         .iter()
@@ -214,7 +217,10 @@ mod tests {
             generation: 3,
         };
         // Stale-while-unavailable.
-        assert_eq!(decide(Some("a:0"), &[], None, None, t(0), MIN), CascadeDecision::Keep);
+        assert_eq!(
+            decide(Some("a:0"), &[], None, None, t(0), MIN),
+            CascadeDecision::Keep
+        );
         // First observation never cascades.
         assert_eq!(
             decide(None, &[sp("p", "a", 0)], None, None, t(0), MIN),
@@ -237,7 +243,14 @@ mod tests {
         );
         // Rate-limited.
         assert_eq!(
-            decide(Some("a:0"), &[sp("p", "b", 0)], None, Some(t(100)), t(110), MIN),
+            decide(
+                Some("a:0"),
+                &[sp("p", "b", 0)],
+                None,
+                Some(t(100)),
+                t(110),
+                MIN
+            ),
             CascadeDecision::Defer(Duration::from_secs(20))
         );
         // Rolling-update midpoint (strict superset, not converged).

@@ -384,7 +384,10 @@ mod tests {
 
     #[test]
     fn kernel_messages() {
-        assert_eq!(parse_message("{\"loaded\": true}"), Some(KernelResult::Healthy));
+        assert_eq!(
+            parse_message("{\"loaded\": true}"),
+            Some(KernelResult::Healthy)
+        );
         assert_eq!(
             parse_message("{\"loaded\": false, \"cause\": \"libcudart.so.13\"}"),
             Some(KernelResult::Failed("libcudart.so.13".to_string()))

@@ -154,7 +154,11 @@ pub fn owning_backend(pod: &Pod, backends: &[CacheBackend]) -> Option<String> {
     sorted.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     sorted
         .into_iter()
-        .find(|b| b.spec.match_labels().is_some_and(|m| selector_matches(m, pod)))
+        .find(|b| {
+            b.spec
+                .match_labels()
+                .is_some_and(|m| selector_matches(m, pod))
+        })
         .and_then(|b| b.metadata.name.clone())
 }
 

@@ -277,9 +277,17 @@ fn owned_by<K: Resource>(items: Vec<K>, uid: &str) -> Vec<K> {
         .collect()
 }
 
-async fn list_owned<K>(client: &Client, ns: &str, lp: &ListParams, uid: &str) -> Result<Vec<K>, Error>
+async fn list_owned<K>(
+    client: &Client,
+    ns: &str,
+    lp: &ListParams,
+    uid: &str,
+) -> Result<Vec<K>, Error>
 where
-    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()> + Clone + DeserializeOwned + Debug,
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
 {
     let api: Api<K> = Api::namespaced(client.clone(), ns);
     let list = api.list(lp).await.map_err(|source| Error::Read {
@@ -322,20 +330,27 @@ where
         + Debug,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
-    if let Some(current) = live.iter().find(|o| o.meta().name.as_deref() == Some(name.as_str())) {
+    if let Some(current) = live
+        .iter()
+        .find(|o| o.meta().name.as_deref() == Some(name.as_str()))
+    {
         if is_subset(&serde_json::to_value(obj)?, &serde_json::to_value(current)?) {
             return Ok(current.clone());
         }
     }
     let api: Api<K> = Api::namespaced(client.clone(), ns);
-    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj))
-        .await
-        .map_err(|source| Error::Apply {
-            kind,
-            namespace: ns.to_string(),
-            name,
-            source,
-        })
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind,
+        namespace: ns.to_string(),
+        name,
+        source,
+    })
 }
 
 async fn delete_stale<K>(
@@ -346,7 +361,10 @@ async fn delete_stale<K>(
     keep: Option<&str>,
 ) -> Result<(), Error>
 where
-    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()> + Clone + DeserializeOwned + Debug,
+    K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
 {
     let api: Api<K> = Api::namespaced(client.clone(), ns);
     for o in items {
@@ -490,10 +508,30 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
             .as_ref()
             .and_then(|r| r.hpa.as_ref())
             .and_then(|h| h.metadata.name.clone());
-        delete_stale(client, &ns, "HorizontalPodAutoscaler", &owned.hpas, hpa_name.as_deref())
-            .await?;
-        delete_stale(client, &ns, "Deployment", &owned.deployments, deploy_name.as_deref()).await?;
-        delete_stale(client, &ns, "StatefulSet", &owned.statefulsets, sts_name.as_deref()).await?;
+        delete_stale(
+            client,
+            &ns,
+            "HorizontalPodAutoscaler",
+            &owned.hpas,
+            hpa_name.as_deref(),
+        )
+        .await?;
+        delete_stale(
+            client,
+            &ns,
+            "Deployment",
+            &owned.deployments,
+            deploy_name.as_deref(),
+        )
+        .await?;
+        delete_stale(
+            client,
+            &ns,
+            "StatefulSet",
+            &owned.statefulsets,
+            sts_name.as_deref(),
+        )
+        .await?;
         delete_stale(client, &ns, "Service", &owned.services, svc_name.as_deref()).await?;
     } else if let Some(r) = rendered.as_ref() {
         let want = r.workload.name();

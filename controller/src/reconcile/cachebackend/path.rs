@@ -110,11 +110,17 @@ mod tests {
             ownership: Ownership::Managed,
             ..Default::default()
         });
-        assert_eq!(classify(&spec), BackendPath::Managed(RemoteProvider::Mooncake));
+        assert_eq!(
+            classify(&spec),
+            BackendPath::Managed(RemoteProvider::Mooncake)
+        );
         if let Some(rs) = spec.remote_storage.as_mut() {
             rs.ownership = Ownership::External;
         }
-        assert_eq!(classify(&spec), BackendPath::External(RemoteProvider::Mooncake));
+        assert_eq!(
+            classify(&spec),
+            BackendPath::External(RemoteProvider::Mooncake)
+        );
         spec.integration = Some(IntegrationSpec {
             mode: Some(IntegrationMode::EventsOnly),
             ..Default::default()

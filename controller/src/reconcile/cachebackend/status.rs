@@ -105,8 +105,7 @@ impl WorkloadState {
             ready_replicas: st.ready_replicas.unwrap_or(0),
             available_replicas: st.available_replicas.unwrap_or(0),
             rollout_completed: progressing.as_deref() == Some("NewReplicaSetAvailable"),
-            progress_deadline_exceeded: progressing.as_deref()
-                == Some("ProgressDeadlineExceeded"),
+            progress_deadline_exceeded: progressing.as_deref() == Some("ProgressDeadlineExceeded"),
         }
     }
 
@@ -324,8 +323,7 @@ fn is_probe_failure(reason: &str) -> bool {
 }
 
 fn is(conds: &[Condition], type_: &str, status: ConditionStatus, reason: &str) -> bool {
-    find_condition(conds, type_)
-        .is_some_and(|c| c.status == status.as_str() && c.reason == reason)
+    find_condition(conds, type_).is_some_and(|c| c.status == status.as_str() && c.reason == reason)
 }
 
 struct Writer<'a> {
@@ -421,8 +419,7 @@ pub fn evaluate(
     // Mode transitions. After a restart the memory is empty; a server-bearing → EventsOnly flip
     // is still recognised by the not-yet-shed owned workload.
     let previous = mem.last_path.or_else(|| {
-        (path == BackendPath::EventsOnly && obs.owned_workload_present)
-            .then_some(PathKind::Managed)
+        (path == BackendPath::EventsOnly && obs.owned_workload_present).then_some(PathKind::Managed)
     });
     let changed = previous.is_some_and(|p| p != path.kind());
     let reanchored = changed && matches!(path, BackendPath::EventsOnly | BackendPath::HostOnly);
@@ -582,7 +579,11 @@ pub fn evaluate(
                         "The cache-server workload has rolled out and its replicas are available.",
                     ),
                     None,
-                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                    c(
+                        ConditionStatus::False,
+                        reason::SYNCED,
+                        "Live state matches the spec.",
+                    ),
                 ),
                 Verdict::Active(r) => (
                     c(
@@ -597,7 +598,11 @@ pub fn evaluate(
                         },
                     ),
                     None,
-                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                    c(
+                        ConditionStatus::False,
+                        reason::SYNCED,
+                        "Live state matches the spec.",
+                    ),
                 ),
                 Verdict::KvObserved => (
                     c(
@@ -606,7 +611,11 @@ pub fn evaluate(
                         "At least one KV event has been observed for this backend's engine pods.",
                     ),
                     None,
-                    c(ConditionStatus::False, reason::SYNCED, "Live state matches the spec."),
+                    c(
+                        ConditionStatus::False,
+                        reason::SYNCED,
+                        "Live state matches the spec.",
+                    ),
                 ),
                 Verdict::Awaiting => {
                     let m = format!(
@@ -614,7 +623,11 @@ pub fn evaluate(
                          {timeout_s} from status.firstAvailableAt for engine pods to publish."
                     );
                     (
-                        c(ConditionStatus::False, reason::AWAITING_FIRST_KV_EVENT, m.clone()),
+                        c(
+                            ConditionStatus::False,
+                            reason::AWAITING_FIRST_KV_EVENT,
+                            m.clone(),
+                        ),
                         None,
                         c(ConditionStatus::True, reason::AWAITING_FIRST_KV_EVENT, m),
                     )
@@ -626,15 +639,31 @@ pub fn evaluate(
                          the engines' --kv-events-config and that their ZMQ publisher bound."
                     );
                     (
-                        c(ConditionStatus::False, reason::NO_KV_EVENTS_OBSERVED, m.clone()),
-                        Some(c(ConditionStatus::True, reason::NO_KV_EVENTS_OBSERVED, m.clone())),
+                        c(
+                            ConditionStatus::False,
+                            reason::NO_KV_EVENTS_OBSERVED,
+                            m.clone(),
+                        ),
+                        Some(c(
+                            ConditionStatus::True,
+                            reason::NO_KV_EVENTS_OBSERVED,
+                            m.clone(),
+                        )),
                         c(ConditionStatus::False, reason::NO_KV_EVENTS_OBSERVED, m),
                     )
                 }
                 Verdict::Rollout(m) => (
-                    c(ConditionStatus::False, reason::ROLLOUT_IN_PROGRESS, m.clone()),
+                    c(
+                        ConditionStatus::False,
+                        reason::ROLLOUT_IN_PROGRESS,
+                        m.clone(),
+                    ),
                     None,
-                    c(ConditionStatus::True, reason::ROLLOUT_IN_PROGRESS, m.clone()),
+                    c(
+                        ConditionStatus::True,
+                        reason::ROLLOUT_IN_PROGRESS,
+                        m.clone(),
+                    ),
                 ),
                 Verdict::ScaledToZero => {
                     let m = "spec.replicas is 0: the cache server is scaled to zero.";
@@ -645,9 +674,21 @@ pub fn evaluate(
                     )
                 }
                 Verdict::Unavailable(m) => (
-                    c(ConditionStatus::False, reason::REPLICAS_UNAVAILABLE, m.clone()),
-                    Some(c(ConditionStatus::True, reason::REPLICAS_UNAVAILABLE, m.clone())),
-                    c(ConditionStatus::False, reason::REPLICAS_UNAVAILABLE, m.clone()),
+                    c(
+                        ConditionStatus::False,
+                        reason::REPLICAS_UNAVAILABLE,
+                        m.clone(),
+                    ),
+                    Some(c(
+                        ConditionStatus::True,
+                        reason::REPLICAS_UNAVAILABLE,
+                        m.clone(),
+                    )),
+                    c(
+                        ConditionStatus::False,
+                        reason::REPLICAS_UNAVAILABLE,
+                        m.clone(),
+                    ),
                 ),
             };
             let degraded = degraded.unwrap_or_else(|| {
@@ -685,7 +726,8 @@ pub fn evaluate(
                                 Some(n) => {
                                     // Rate-limited: re-apply a known failure, look again at expiry.
                                     if let Some(f) = &prior_fail {
-                                        ready = c(ConditionStatus::False, &f.reason, f.message.clone());
+                                        ready =
+                                            c(ConditionStatus::False, &f.reason, f.message.clone());
                                     }
                                     let left = Duration::try_from(n.duration_since(now))
                                         .unwrap_or(settings.probe_interval);
@@ -694,7 +736,8 @@ pub fn evaluate(
                                 None => {
                                     probe_wanted = true;
                                     if let Some(f) = &prior_fail {
-                                        ready = c(ConditionStatus::False, &f.reason, f.message.clone());
+                                        ready =
+                                            c(ConditionStatus::False, &f.reason, f.message.clone());
                                     }
                                 }
                             }
@@ -931,8 +974,7 @@ pub fn evaluate(
     // observedServerInstance and the cascade (managed only).
     match (path, obs.server_selector.as_ref(), obs.pods.as_deref()) {
         (BackendPath::Managed(_), Some(selector), Some(pods)) => {
-            let current =
-                cascade::ready_server_pods(pods, &ns, selector, &obs.server_containers);
+            let current = cascade::ready_server_pods(pods, &ns, selector, &obs.server_containers);
             let convergence = obs.workload.as_ref().map(|w| Convergence {
                 spec_replicas: w.spec_replicas,
                 ready_replicas: w.ready_replicas,
@@ -953,11 +995,8 @@ pub fn evaluate(
                 CascadeDecision::Baseline(id) => st.observed_server_instance = Some(id.clone()),
                 CascadeDecision::Fire(id) => {
                     st.observed_server_instance = Some(id.clone());
-                    cascade_targets = engine::injected_engine_deployments(
-                        cb,
-                        pods,
-                        obs.deployments.as_deref(),
-                    );
+                    cascade_targets =
+                        engine::injected_engine_deployments(cb, pods, obs.deployments.as_deref());
                 }
                 CascadeDecision::Defer(d) => requeue = requeue.min(*d),
             }
@@ -987,12 +1026,16 @@ pub fn evaluate(
         let steady = prior.matched_engine_pods == Some(0)
             && prior.engine_selector_message.as_ref() == Some(msg);
         if !steady {
-            events.push(EventSpec::normal(ev::ENGINE_SELECTOR_UNMATCHED, msg.clone()));
+            events.push(EventSpec::normal(
+                ev::ENGINE_SELECTOR_UNMATCHED,
+                msg.clone(),
+            ));
         }
     }
     let degraded_with = |r: &str| is(now_c, cond::DEGRADED, ConditionStatus::True, r);
     let was_degraded_with = |r: &str| is(was, cond::DEGRADED, ConditionStatus::True, r);
-    if degraded_with(reason::REPLICAS_UNAVAILABLE) && !was_degraded_with(reason::REPLICAS_UNAVAILABLE)
+    if degraded_with(reason::REPLICAS_UNAVAILABLE)
+        && !was_degraded_with(reason::REPLICAS_UNAVAILABLE)
     {
         let m = find_condition(now_c, cond::DEGRADED)
             .map(|c| c.message.clone())

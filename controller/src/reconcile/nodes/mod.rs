@@ -186,7 +186,6 @@ pub fn spawn_plan_publisher(
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut unserved: BTreeSet<String> = BTreeSet::new();
-        let mut changes = shared.node_changes();
         loop {
             match publish_plans_once(&client, &shared, metrics.as_ref()).await {
                 Ok(report) => {
@@ -201,14 +200,10 @@ pub fn spawn_plan_publisher(
                 }
                 Err(e) => warn!(error = %e, "cannot list pods and CacheBackends to derive node plans"),
             }
-            // A (re)connecting agent already got its plan from the registry; wake anyway on
-            // node changes so the unserved-node report follows connects promptly.
+            // A (re)connecting agent gets its node's current plan from the registry at once;
+            // this loop only follows changes of pods and CacheBackends.
             let stop = tokio::select! {
                 _ = tokio::time::sleep(interval) => false,
-                r = changes.changed() => {
-                    tokio::time::sleep(if r.is_ok() { DEBOUNCE } else { interval }).await;
-                    false
-                }
                 _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => true,
             };
             if stop {

@@ -33,7 +33,9 @@ impl ProviderRenderer for LmCacheServer {
     }
 
     fn resources_block<'a>(&self, rs: &'a RemoteStorageSpec) -> Option<&'a ResourceRequirements> {
-        rs.lm_cache_server.as_ref().and_then(|r| r.resources.as_ref())
+        rs.lm_cache_server
+            .as_ref()
+            .and_then(|r| r.resources.as_ref())
     }
 
     fn container(&self, rs: &RemoteStorageSpec, resources: ResourceRequirements) -> Container {

@@ -26,8 +26,8 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, StatefulSet, StatefulSetSpec,
 };
 use k8s_openapi::api::autoscaling::v2::{
-    CrossVersionObjectReference, HorizontalPodAutoscaler, HorizontalPodAutoscalerSpec,
-    MetricSpec, MetricTarget, ResourceMetricSource,
+    CrossVersionObjectReference, HorizontalPodAutoscaler, HorizontalPodAutoscalerSpec, MetricSpec,
+    MetricTarget, ResourceMetricSource,
 };
 use k8s_openapi::api::core::v1::{
     Container, PodSpec, PodTemplateSpec, ResourceRequirements, Service, ServicePort, ServiceSpec,
@@ -181,7 +181,8 @@ pub fn render(cb: &CacheBackend) -> Result<Option<Rendered>, RenderError> {
         ..Default::default()
     };
 
-    let resources = resources::provider_resources(r.resources_block(rs), spec.autoscaling.is_some());
+    let resources =
+        resources::provider_resources(r.resources_block(rs), spec.autoscaling.is_some());
     let container = r.container(rs, resources);
     let container_names = vec![container.name.clone()];
     let mut pod_spec = PodSpec {
@@ -203,7 +204,10 @@ pub fn render(cb: &CacheBackend) -> Result<Option<Rendered>, RenderError> {
         spec: Some(pod_spec),
     };
     // With autoscaling the HPA owns spec.replicas: leave it out of the applied object.
-    let replicas = spec.autoscaling.is_none().then(|| spec.effective_replicas());
+    let replicas = spec
+        .autoscaling
+        .is_none()
+        .then(|| spec.effective_replicas());
     let label_selector = LabelSelector {
         match_labels: Some(selector.clone()),
         ..Default::default()
@@ -317,7 +321,10 @@ pub fn owner_reference(cb: &CacheBackend) -> Result<OwnerReference, RenderError>
 pub fn selector_labels(cb_name: &str, slug: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_BACKEND.to_string(), label_value(cb_name)),
-        (LABEL_COMPONENT.to_string(), COMPONENT_CACHE_SERVER.to_string()),
+        (
+            LABEL_COMPONENT.to_string(),
+            COMPONENT_CACHE_SERVER.to_string(),
+        ),
         (LABEL_NAME.to_string(), slug.to_string()),
     ])
 }

@@ -86,7 +86,9 @@ pub fn parse_quantity(s: &str) -> Option<f64> {
         "Pi" => 1024f64.powi(5),
         "Ei" => 1024f64.powi(6),
         other => {
-            let exp = other.strip_prefix('e').or_else(|| other.strip_prefix('E'))?;
+            let exp = other
+                .strip_prefix('e')
+                .or_else(|| other.strip_prefix('E'))?;
             let exp: i32 = exp.parse().ok()?;
             10f64.powi(exp)
         }

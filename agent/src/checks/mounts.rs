@@ -1,0 +1,832 @@
+//! `mounts`: model-cache volumes as reader pods see them (spec 004 "Qualification").
+//!
+//! For every `readerMounts[]` entry of the plan the agent looks at the volume through the
+//! reader pod's mount namespace: the pod's processes are found by UID ([`super::pods`]) and the
+//! path is resolved through `<proc_root>/<pid>/root/<path>` (one view per container; a container
+//! where the path is not a mount point does not mount the volume). Without a pod UID the path
+//! is looked up in the agent's own mount namespace. For each view:
+//!
+//! 1. `<proc_root>/<pid>/mountinfo`: the mount at the path must carry `ro` (per mount or
+//!    super-block);
+//! 2. write probes, each of which must fail with `EROFS`, and each of which changes nothing if
+//!    it succeeds or is undone at once: `create` (a new name, `O_CREAT|O_EXCL`), `append`
+//!    (`O_WRONLY|O_APPEND` on an existing file, nothing written), `rename` (an existing file to a
+//!    new name and back), `chmod` (to its current mode), `truncate` (to its current length),
+//!    `unlink` (a name that does not exist: a writable mount answers `ENOENT`), `mkdir` (a new
+//!    name, removed again). `ftruncate` on a read-only descriptor is also recorded: it fails
+//!    with `EINVAL` on any mount and proves nothing. `EEXIST` (the new name exists) and
+//!    `EACCES`/`EPERM` (an agent without root) are inconclusive;
+//! 3. the SHA-256 of every planned sample file must equal the writer's digest (digests are
+//!    cached by inode, size and mtime, so a large file is hashed once).
+//!
+//! One result per planned mount, subject `<namespace>/<pod>:<path>`. Reasons (see
+//! `docs/checks.md`): `ReaderVolumeReadOnly`, `ReaderVolumeMounted`, `ReaderVolumeWritable`,
+//! `ReaderVolumeDigestMismatch`, `ReaderVolumeMissing`, `PodNotFound`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::OpenOptions;
+use std::io::{self, Read};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::{NodePlan, ReaderMount};
+use parking_lot::Mutex;
+
+use super::pods::PodFinder;
+use super::shm::{find_mount, parse_mountinfo, pod_not_found, MountEntry};
+use super::{Check, ChecksConfig};
+
+/// Check name.
+pub const NAME: &str = "mounts";
+
+/// The write probes, in the order they run.
+pub const PROBES: [&str; 8] = [
+    "create",
+    "append",
+    "rename",
+    "chmod",
+    "truncate",
+    "ftruncate",
+    "unlink",
+    "mkdir",
+];
+
+/// What one write probe got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// Refused with this errno (`EROFS` is the expected one).
+    Refused(i32),
+    /// The write went through; `undo` says whether it was undone (`Err` with the reason when
+    /// undoing failed).
+    Succeeded {
+        /// Result of undoing the change.
+        undo: Result<(), String>,
+    },
+    /// Not run (no existing file to probe, …).
+    Skipped(&'static str),
+}
+
+impl ProbeOutcome {
+    /// True when the outcome shows the mount accepts writes: a probe that succeeded, or
+    /// `unlink` of a missing name answered with `ENOENT` (the kernel checks write access to
+    /// the mount before looking the name up).
+    pub fn shows_writable(&self, probe: &str) -> bool {
+        match self {
+            ProbeOutcome::Succeeded { .. } => true,
+            ProbeOutcome::Refused(e) => probe == "unlink" && *e == libc::ENOENT,
+            ProbeOutcome::Skipped(_) => false,
+        }
+    }
+}
+
+impl fmt::Display for ProbeOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProbeOutcome::Refused(e) => f.write_str(errno_name(*e)),
+            ProbeOutcome::Succeeded { undo: Ok(()) } => f.write_str("succeeded(undone)"),
+            ProbeOutcome::Succeeded { undo: Err(_) } => f.write_str("succeeded(NOT undone)"),
+            ProbeOutcome::Skipped(why) => write!(f, "skipped({why})"),
+        }
+    }
+}
+
+/// Symbolic name of the errnos the probes meet (`EROFS`, `EACCES`, …), or `errno<N>`.
+pub fn errno_name(e: i32) -> &'static str {
+    match e {
+        libc::EROFS => "EROFS",
+        libc::EACCES => "EACCES",
+        libc::EPERM => "EPERM",
+        libc::EEXIST => "EEXIST",
+        libc::EINVAL => "EINVAL",
+        libc::ENOENT => "ENOENT",
+        libc::EBUSY => "EBUSY",
+        libc::EISDIR => "EISDIR",
+        libc::ENOSPC => "ENOSPC",
+        libc::EDQUOT => "EDQUOT",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EXDEV => "EXDEV",
+        libc::ETXTBSY => "ETXTBSY",
+        libc::EIO => "EIO",
+        _ => "errnoOther",
+    }
+}
+
+fn outcome<T>(r: io::Result<T>, undo: impl FnOnce(T) -> io::Result<()>) -> ProbeOutcome {
+    match r {
+        Ok(v) => ProbeOutcome::Succeeded {
+            undo: undo(v).map_err(|e| e.to_string()),
+        },
+        Err(e) => ProbeOutcome::Refused(e.raw_os_error().unwrap_or(libc::EIO)),
+    }
+}
+
+static PROBE_SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn probe_name(kind: &str) -> String {
+    format!(
+        ".ic-agent-probe-{}-{}-{kind}",
+        std::process::id(),
+        PROBE_SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Runs every write probe against the directory `dir` (as the agent sees it, e.g. through
+/// `/proc/<pid>/root`), using `file` (an existing regular file on the same mount) for the
+/// probes that need one. Anything a probe changes is undone at once.
+pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, ProbeOutcome)> {
+    let mut out = Vec::with_capacity(PROBES.len());
+    // create: a new name, exclusive
+    let created = dir.join(probe_name("create"));
+    out.push((
+        "create",
+        outcome(
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&created),
+            |f| {
+                drop(f);
+                std::fs::remove_file(&created)
+            },
+        ),
+    ));
+    match file {
+        Some(file) => {
+            // append: open for writing, write nothing
+            out.push((
+                "append",
+                outcome(OpenOptions::new().append(true).open(file), |f| {
+                    drop(f);
+                    Ok(())
+                }),
+            ));
+            // rename: to a new name and back
+            let renamed = file.with_file_name(probe_name("rename"));
+            out.push((
+                "rename",
+                outcome(std::fs::rename(file, &renamed), |()| {
+                    std::fs::rename(&renamed, file)
+                }),
+            ));
+            // chmod and truncate: to what the file already has
+            match std::fs::metadata(file) {
+                Ok(meta) => {
+                    let mode = meta.permissions().mode() & 0o7777;
+                    out.push((
+                        "chmod",
+                        outcome(
+                            std::fs::set_permissions(file, std::fs::Permissions::from_mode(mode)),
+                            |()| Ok(()),
+                        ),
+                    ));
+                    let len = i64::try_from(meta.len()).unwrap_or(i64::MAX);
+                    out.push((
+                        "truncate",
+                        outcome(
+                            nix::unistd::truncate(file, len).map_err(io::Error::from),
+                            |()| Ok(()),
+                        ),
+                    ));
+                    out.push((
+                        "ftruncate",
+                        outcome(
+                            std::fs::File::open(file).and_then(|f| {
+                                nix::unistd::ftruncate(&f, len).map_err(io::Error::from)
+                            }),
+                            |()| Ok(()),
+                        ),
+                    ));
+                }
+                Err(_) => {
+                    for p in ["chmod", "truncate", "ftruncate"] {
+                        out.push((p, ProbeOutcome::Skipped("file unreadable")));
+                    }
+                }
+            }
+        }
+        None => {
+            for p in ["append", "rename", "chmod", "truncate", "ftruncate"] {
+                out.push((p, ProbeOutcome::Skipped("no file")));
+            }
+        }
+    }
+    // unlink: a name that does not exist
+    out.push((
+        "unlink",
+        outcome(std::fs::remove_file(dir.join(probe_name("unlink"))), |()| {
+            Ok(())
+        }),
+    ));
+    // mkdir: a new name, removed again
+    let made = dir.join(probe_name("mkdir"));
+    out.push((
+        "mkdir",
+        outcome(std::fs::create_dir(&made), |()| std::fs::remove_dir(&made)),
+    ));
+    out
+}
+
+/// Joins a sample's relative path to the mount's path; `None` for an absolute path or one
+/// with `..` (a plan must not make the agent read outside the volume).
+pub fn sample_path(mount: &Path, file: &str) -> Option<PathBuf> {
+    let rel = Path::new(file);
+    if rel
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        && !file.is_empty()
+    {
+        Some(mount.join(rel))
+    } else {
+        None
+    }
+}
+
+/// SHA-256 of a file as 64 lower-case hex digits.
+pub fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        ctx.update(&buf[..n]);
+    }
+    Ok(hex::encode(ctx.finish().as_ref()))
+}
+
+/// Digest cache key: device, inode, size, mtime (ns).
+type FileKey = (u64, u64, u64, i64, i64);
+
+/// What a sample file looked like.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SampleState {
+    /// The content's SHA-256.
+    Digest(String),
+    /// The file could not be read (`ENOENT` …) or the plan's path is not inside the volume.
+    Unreadable(String),
+}
+
+/// What one container shows of a planned mount.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountView {
+    /// Process the view was taken through (`None`: the agent itself).
+    pub pid: Option<u32>,
+    /// The mountinfo entry whose mount point is the planned path (`None`: not mounted there).
+    pub mount: Option<MountEntry>,
+    /// Why mountinfo could not be read, if it could not.
+    pub mountinfo_error: Option<String>,
+    /// Write probes (empty when the volume is missing or not expected read-only).
+    pub probes: Vec<(&'static str, ProbeOutcome)>,
+    /// Planned samples: (relative path, expected digest, state).
+    pub samples: Vec<(String, String, SampleState)>,
+}
+
+/// The pure decision for one planned mount from one container's view.
+pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> CheckResult {
+    let path = &plan.path;
+    let who = format!("pod {}/{}", plan.namespace, plan.pod);
+    let binding = if plan.binding.is_empty() {
+        String::new()
+    } else {
+        format!(" (model cache {})", plan.binding)
+    };
+    let r = |status, reason: &str, message: String| {
+        let mut r = CheckResult::new(NAME, subject, status, reason, message)
+            .with("path", path)
+            .with("expectReadOnly", plan.expect_read_only);
+        if let Some(uid) = &plan.pod_uid {
+            r = r.with("podUid", uid);
+        }
+        if let Some(pid) = view.pid {
+            r = r.with("pid", pid);
+        }
+        if let Some(e) = &view.mountinfo_error {
+            r = r.with("mountinfoError", e);
+        }
+        r
+    };
+    let Some(m) = &view.mount else {
+        return r(
+            CheckStatus::Critical,
+            "ReaderVolumeMissing",
+            format!(
+                "nothing is mounted at {path} in {who}{binding}; the engine would load the model \
+                 from the container image or fail. Check the pod's volumeMounts."
+            ),
+        );
+    };
+    let mut findings: Vec<(CheckStatus, &str, String)> = Vec::new();
+    let writable: Vec<String> = view
+        .probes
+        .iter()
+        .filter(|(p, o)| o.shows_writable(p))
+        .map(|(p, o)| format!("{p} {o}"))
+        .collect();
+    let not_undone = view
+        .probes
+        .iter()
+        .any(|(_, o)| matches!(o, ProbeOutcome::Succeeded { undo: Err(_) }));
+    if plan.expect_read_only && (!m.read_only() || !writable.is_empty()) {
+        let flag = if m.read_only() {
+            "is mounted read-only".to_string()
+        } else {
+            format!("is mounted read-write ({})", m.mount_options)
+        };
+        let probes = if writable.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " and accepts writes ({}{})",
+                writable.join(", "),
+                if not_undone {
+                    "; some changes could NOT be undone"
+                } else {
+                    "; every change was undone"
+                }
+            )
+        };
+        findings.push((
+            CheckStatus::Critical,
+            "ReaderVolumeWritable",
+            format!(
+                "{path} in {who}{binding} {flag}{probes}; a reader can corrupt the shared model \
+                 cache for every pod. Mount it with readOnly: true."
+            ),
+        ));
+    }
+    let bad: Vec<String> = view
+        .samples
+        .iter()
+        .filter_map(|(file, want, got)| match got {
+            SampleState::Digest(d) if d.eq_ignore_ascii_case(want) => None,
+            SampleState::Digest(d) => Some(format!("{file} has SHA-256 {d}, the writer's is {want}")),
+            SampleState::Unreadable(e) => Some(format!("{file} cannot be read ({e})")),
+        })
+        .collect();
+    if !bad.is_empty() {
+        findings.push((
+            CheckStatus::Critical,
+            "ReaderVolumeDigestMismatch",
+            format!(
+                "{path} in {who}{binding} does not hold what the writer wrote: {}; the volume is \
+                 stale, partial or another one. Re-run the writer or fix the binding.",
+                bad.join("; ")
+            ),
+        ));
+    }
+    let (status, reason, message) = if findings.is_empty() {
+        let checked = if view.samples.is_empty() {
+            String::new()
+        } else {
+            format!(", and its {} sample file(s) match the writer's digests", view.samples.len())
+        };
+        if plan.expect_read_only {
+            (
+                CheckStatus::Ok,
+                "ReaderVolumeReadOnly",
+                format!(
+                    "{path} in {who}{binding} is mounted read-only ({} {}) and every write probe \
+                     was refused{checked}.",
+                    m.fs_type, m.source
+                ),
+            )
+        } else {
+            (
+                CheckStatus::Ok,
+                "ReaderVolumeMounted",
+                format!(
+                    "{path} in {who}{binding} is mounted ({} {}){checked}.",
+                    m.fs_type, m.source
+                ),
+            )
+        }
+    } else {
+        let status = CheckStatus::worst(findings.iter().map(|f| f.0));
+        let reason = findings
+            .iter()
+            .find(|f| f.0 == status)
+            .map(|f| f.1)
+            .unwrap_or("ReaderVolumeWritable");
+        let message = findings
+            .iter()
+            .map(|f| f.2.as_str())
+            .collect::<Vec<_>>()
+            .join(" ");
+        (status, reason, message)
+    };
+    let mut result = r(status, reason, message)
+        .with("fsType", &m.fs_type)
+        .with("mountSource", &m.source)
+        .with("mountOptions", &m.mount_options)
+        .with("readOnlyFlag", m.read_only());
+    if !view.probes.is_empty() {
+        result = result.with(
+            "probes",
+            view.probes
+                .iter()
+                .map(|(p, o)| format!("{p}={o}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+    }
+    if !view.samples.is_empty() {
+        let ok = view
+            .samples
+            .iter()
+            .filter(|(_, want, got)| matches!(got, SampleState::Digest(d) if d.eq_ignore_ascii_case(want)))
+            .count();
+        result = result
+            .with("samples", view.samples.len())
+            .with("samplesMatching", ok);
+    }
+    result
+}
+
+/// The `mounts` check.
+#[derive(Debug)]
+pub struct MountsCheck {
+    proc_root: PathBuf,
+    pods: Arc<PodFinder>,
+    digests: Mutex<HashMap<PathBuf, (FileKey, String)>>,
+}
+
+impl MountsCheck {
+    /// Reads `cfg.proc_root`.
+    pub fn new(cfg: &ChecksConfig) -> Self {
+        Self::with_finder(cfg, Arc::new(PodFinder::new(&cfg.proc_root)))
+    }
+
+    /// Like [`MountsCheck::new`], sharing a pod finder with other checks.
+    pub fn with_finder(cfg: &ChecksConfig, pods: Arc<PodFinder>) -> Self {
+        MountsCheck {
+            proc_root: cfg.proc_root.clone(),
+            pods,
+            digests: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn digest(&self, path: &Path) -> SampleState {
+        let meta = match std::fs::metadata(path) {
+            Ok(m) if m.is_file() => m,
+            Ok(_) => return SampleState::Unreadable("not a regular file".into()),
+            Err(e) => return SampleState::Unreadable(e.to_string()),
+        };
+        let key: FileKey = (
+            meta.dev(),
+            meta.ino(),
+            meta.size(),
+            meta.mtime(),
+            meta.mtime_nsec(),
+        );
+        if let Some((k, d)) = self.digests.lock().get(path) {
+            if *k == key {
+                return SampleState::Digest(d.clone());
+            }
+        }
+        match sha256_file(path) {
+            Ok(d) => {
+                let mut cache = self.digests.lock();
+                if cache.len() > 4096 {
+                    cache.clear();
+                }
+                cache.insert(path.to_path_buf(), (key, d.clone()));
+                SampleState::Digest(d)
+            }
+            Err(e) => SampleState::Unreadable(e.to_string()),
+        }
+    }
+
+    /// Looks at `plan` through the mount namespace of `pid` (`None`: the agent's).
+    fn view(&self, plan: &ReaderMount, pid: Option<u32>) -> MountView {
+        let inside = Path::new(&plan.path);
+        let (mountinfo, target) = match pid {
+            Some(pid) => {
+                let base = self.proc_root.join(pid.to_string());
+                let rel = inside.strip_prefix("/").unwrap_or(inside);
+                (base.join("mountinfo"), base.join("root").join(rel))
+            }
+            None => (
+                self.proc_root.join("self").join("mountinfo"),
+                inside.to_path_buf(),
+            ),
+        };
+        let mut view = MountView {
+            pid,
+            mount: None,
+            mountinfo_error: None,
+            probes: Vec::new(),
+            samples: Vec::new(),
+        };
+        // the planned path without trailing slashes or `.` components
+        let normal: PathBuf = inside.components().collect();
+        match std::fs::read_to_string(&mountinfo) {
+            Ok(text) => {
+                let mounts = parse_mountinfo(&text);
+                view.mount = find_mount(&mounts, &normal)
+                    .filter(|m| m.mount_point == normal)
+                    .cloned();
+            }
+            Err(e) => view.mountinfo_error = Some(format!("{}: {e}", mountinfo.display())),
+        }
+        if view.mount.is_none() || !target.is_dir() {
+            view.mount = None;
+            return view;
+        }
+        let samples: Vec<(String, String, Option<PathBuf>)> = plan
+            .samples
+            .iter()
+            .map(|s| (s.file.clone(), s.sha256.clone(), sample_path(&target, &s.file)))
+            .collect();
+        if plan.expect_read_only {
+            let file = samples
+                .iter()
+                .filter_map(|(_, _, p)| p.clone())
+                .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+                .or_else(|| first_regular_file(&target));
+            view.probes = write_probes(&target, file.as_deref());
+        }
+        view.samples = samples
+            .into_iter()
+            .map(|(file, want, p)| {
+                let state = match p {
+                    Some(p) => self.digest(&p),
+                    None => SampleState::Unreadable("path outside the volume".into()),
+                };
+                (file, want, state)
+            })
+            .collect();
+        view
+    }
+}
+
+fn first_regular_file(dir: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    entries
+        .flatten()
+        .take(256)
+        .map(|e| e.path())
+        .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+}
+
+impl Check for MountsCheck {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        plan.reader_mounts
+            .iter()
+            .map(|m| {
+                let subject = format!("{}/{}:{}", m.namespace, m.pod, m.path);
+                if !Path::new(&m.path).is_absolute() {
+                    return CheckResult::new(
+                        NAME,
+                        &subject,
+                        CheckStatus::Unknown,
+                        "ReaderVolumeMissing",
+                        format!(
+                            "the plan's reader path {:?} is not absolute; nothing was inspected.",
+                            m.path
+                        ),
+                    );
+                }
+                let views: Vec<MountView> = match m.pod_uid.as_deref() {
+                    None => vec![self.view(m, None)],
+                    Some(uid) => {
+                        let containers = self.pods.containers(uid);
+                        if containers.is_empty() {
+                            return pod_not_found(NAME, &subject, uid, "its model volume")
+                                .with("path", &m.path);
+                        }
+                        containers.iter().map(|c| self.view(m, Some(c.pid))).collect()
+                    }
+                };
+                let mounted: Vec<&MountView> =
+                    views.iter().filter(|v| v.mount.is_some()).collect();
+                let results: Vec<CheckResult> = if mounted.is_empty() {
+                    views
+                        .first()
+                        .map(|v| evaluate_view(&subject, m, v))
+                        .into_iter()
+                        .collect()
+                } else {
+                    mounted.iter().map(|v| evaluate_view(&subject, m, v)).collect()
+                };
+                let n = views.len();
+                let worst = CheckStatus::worst(results.iter().map(|r| r.status));
+                results
+                    .into_iter()
+                    .find(|r| r.status == worst)
+                    .map(|r| r.with("containersInspected", n))
+                    .unwrap_or_else(|| {
+                        CheckResult::new(
+                            NAME,
+                            &subject,
+                            CheckStatus::Unknown,
+                            "ReaderVolumeMissing",
+                            "no view of the volume could be taken.".to_string(),
+                        )
+                    })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use ic_shared::plan::SampleDigest;
+
+    fn ro_mount() -> MountEntry {
+        MountEntry {
+            mount_point: PathBuf::from("/models"),
+            fs_type: "ext4".into(),
+            source: "/dev/loop3".into(),
+            mount_options: "ro,relatime".into(),
+            super_options: "rw".into(),
+        }
+    }
+
+    fn refused_all() -> Vec<(&'static str, ProbeOutcome)> {
+        PROBES
+            .iter()
+            .map(|p| {
+                let e = if *p == "ftruncate" {
+                    libc::EINVAL
+                } else {
+                    libc::EROFS
+                };
+                (*p, ProbeOutcome::Refused(e))
+            })
+            .collect()
+    }
+
+    fn plan() -> ReaderMount {
+        ReaderMount {
+            namespace: "team-a".into(),
+            pod: "reader-0".into(),
+            path: "/models".into(),
+            samples: vec![SampleDigest {
+                file: "config.json".into(),
+                sha256: "AA".into(),
+            }],
+            ..ReaderMount::default()
+        }
+    }
+
+    #[test]
+    fn verdict_table() {
+        use CheckStatus::*;
+        let good = MountView {
+            pid: Some(42),
+            mount: Some(ro_mount()),
+            mountinfo_error: None,
+            probes: refused_all(),
+            samples: vec![("config.json".into(), "AA".into(), SampleState::Digest("aa".into()))],
+        };
+        type Case = (Box<dyn Fn(&mut MountView, &mut ReaderMount)>, CheckStatus, &'static str);
+        let cases: Vec<Case> = vec![
+            (Box::new(|_, _| {}), Ok, "ReaderVolumeReadOnly"),
+            (
+                Box::new(|v, _| v.mount = None),
+                Critical,
+                "ReaderVolumeMissing",
+            ),
+            (
+                Box::new(|v, _| {
+                    if let Some(m) = v.mount.as_mut() {
+                        m.mount_options = "rw,relatime".into();
+                    }
+                }),
+                Critical,
+                "ReaderVolumeWritable",
+            ),
+            (
+                Box::new(|v, _| v.probes[2].1 = ProbeOutcome::Succeeded { undo: Result::Ok(()) }),
+                Critical,
+                "ReaderVolumeWritable",
+            ),
+            (
+                Box::new(|v, _| v.probes[6].1 = ProbeOutcome::Refused(libc::ENOENT)),
+                Critical,
+                "ReaderVolumeWritable",
+            ),
+            (
+                // a non-root agent: inconclusive, the ro flag decides
+                Box::new(|v, _| v.probes[0].1 = ProbeOutcome::Refused(libc::EACCES)),
+                Ok,
+                "ReaderVolumeReadOnly",
+            ),
+            (
+                Box::new(|v, _| v.samples[0].2 = SampleState::Digest("bb".into())),
+                Critical,
+                "ReaderVolumeDigestMismatch",
+            ),
+            (
+                Box::new(|v, _| v.samples[0].2 = SampleState::Unreadable("ENOENT".into())),
+                Critical,
+                "ReaderVolumeDigestMismatch",
+            ),
+            (
+                Box::new(|v, p| {
+                    p.expect_read_only = false;
+                    v.probes.clear();
+                    if let Some(m) = v.mount.as_mut() {
+                        m.mount_options = "rw".into();
+                    }
+                }),
+                Ok,
+                "ReaderVolumeMounted",
+            ),
+            (
+                // writable and wrong content: both sentences, reason of the first
+                Box::new(|v, _| {
+                    v.probes[0].1 = ProbeOutcome::Succeeded { undo: Result::Ok(()) };
+                    v.samples[0].2 = SampleState::Digest("bb".into());
+                }),
+                Critical,
+                "ReaderVolumeWritable",
+            ),
+        ];
+        for (i, (mutate, status, reason)) in cases.into_iter().enumerate() {
+            let mut v = good.clone();
+            let mut p = plan();
+            mutate(&mut v, &mut p);
+            let r = evaluate_view("team-a/reader-0:/models", &p, &v);
+            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+        }
+        let r = evaluate_view("s", &plan(), &good);
+        assert_eq!(
+            r.observed["probes"],
+            "create=EROFS,append=EROFS,rename=EROFS,chmod=EROFS,truncate=EROFS,ftruncate=EINVAL,unlink=EROFS,mkdir=EROFS"
+        );
+        assert_eq!(r.observed["samplesMatching"], "1");
+        assert_eq!(r.observed["readOnlyFlag"], "true");
+    }
+
+    #[test]
+    fn sample_paths_stay_inside() {
+        let m = Path::new("/proc/1/root/models");
+        assert_eq!(
+            sample_path(m, "a/config.json"),
+            Some(m.join("a/config.json"))
+        );
+        assert_eq!(sample_path(m, "../etc/shadow"), None);
+        assert_eq!(sample_path(m, "/etc/shadow"), None);
+        assert_eq!(sample_path(m, ""), None);
+    }
+
+    #[test]
+    fn probes_on_a_writable_directory_are_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("weights.bin");
+        std::fs::write(&file, b"abc").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let before = std::fs::metadata(&file).unwrap();
+        let probes = write_probes(dir.path(), Some(&file));
+        let names: Vec<&str> = probes.iter().map(|p| p.0).collect();
+        assert_eq!(names, PROBES);
+        for (p, o) in &probes {
+            match *p {
+                // not writable through a read-only descriptor, on any file system
+                "ftruncate" => assert_eq!(*o, ProbeOutcome::Refused(libc::EINVAL)),
+                "unlink" => assert_eq!(*o, ProbeOutcome::Refused(libc::ENOENT)),
+                _ => assert_eq!(*o, ProbeOutcome::Succeeded { undo: Ok(()) }, "{p}"),
+            }
+            if *p != "ftruncate" {
+                assert!(o.shows_writable(p), "{p} {o}");
+            }
+        }
+        // nothing left behind, nothing changed
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("weights.bin")]);
+        let after = std::fs::metadata(&file).unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"abc");
+        assert_eq!(after.permissions().mode(), before.permissions().mode());
+        assert_eq!(after.ino(), before.ino());
+        let no_file = write_probes(dir.path(), None);
+        assert_eq!(no_file[1].1, ProbeOutcome::Skipped("no file"));
+    }
+
+    #[test]
+    fn sha256_of_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("x");
+        std::fs::write(&f, b"test").unwrap();
+        assert_eq!(
+            sha256_file(&f).unwrap(),
+            "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+        );
+    }
+}

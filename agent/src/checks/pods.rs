@@ -1,0 +1,289 @@
+//! Finding a Kubernetes pod's processes on the node, and its containers' namespaces.
+//!
+//! A pod is known to the agent by its UID (the node plan's `podUid`). Its processes are the
+//! ones whose `<proc_root>/<pid>/cgroup` names that UID ([`pod_uid_from_cgroup`]: cgroupfs and
+//! systemd drivers, cgroup v1 and v2). The containers of a pod share its network namespace but
+//! each has its own mount namespace, so checks that look at files (`/dev/shm`, reader volumes)
+//! inspect every container's view: `<proc_root>/<pid>/root/…` resolves paths through that
+//! process's mounts, and `<proc_root>/<pid>/mountinfo` lists them. The sandbox (`pause`)
+//! process is skipped: it holds the namespaces but none of the pod's volumes.
+//!
+//! A full scan of `<proc_root>/*/cgroup` costs a read per process, so [`PodFinder`] keeps the
+//! last answer per UID, re-validates it by re-reading only those processes' cgroup files, and
+//! rescans at most once per [`PodFinder::MIN_RESCAN`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+pub use super::ports::{normalise_pod_uid, pod_uid_from_cgroup};
+
+/// One container of a pod, as seen through one of its processes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodContainer {
+    /// Lowest pid of the pod in this mount namespace (in the PID namespace of the proc root).
+    pub pid: u32,
+    /// Mount namespace inode (`<proc_root>/<pid>/ns/mnt`); `None` when unreadable.
+    pub mnt_ns: Option<u64>,
+    /// Executable of `pid` (`<proc_root>/<pid>/exe`); `None` when unreadable.
+    pub exe: Option<String>,
+}
+
+impl PodContainer {
+    /// `<proc_root>/<pid>/root`: the container's file-system root.
+    pub fn root(&self, proc_root: &Path) -> PathBuf {
+        proc_root.join(self.pid.to_string()).join("root")
+    }
+
+    /// `<proc_root>/<pid>/root/<path>` for an absolute path inside the container.
+    pub fn path_inside(&self, proc_root: &Path, path: &Path) -> PathBuf {
+        let rel = path.strip_prefix("/").unwrap_or(path);
+        self.root(proc_root).join(rel)
+    }
+
+    /// `<proc_root>/<pid>/mountinfo`.
+    pub fn mountinfo(&self, proc_root: &Path) -> PathBuf {
+        proc_root.join(self.pid.to_string()).join("mountinfo")
+    }
+
+    /// `<proc_root>/<pid>/ns/net`: the pod's network namespace.
+    pub fn netns(&self, proc_root: &Path) -> PathBuf {
+        proc_root.join(self.pid.to_string()).join("ns").join("net")
+    }
+}
+
+/// Namespace inode from a `/proc/<pid>/ns/<kind>` link target such as `mnt:[4026531840]`.
+pub fn ns_inode(link_target: &str) -> Option<u64> {
+    link_target
+        .split_once(":[")
+        .and_then(|(_, rest)| rest.strip_suffix(']'))
+        .and_then(|n| n.parse().ok())
+}
+
+fn read_ns(proc_root: &Path, pid: u32, kind: &str) -> Option<u64> {
+    std::fs::read_link(proc_root.join(pid.to_string()).join("ns").join(kind))
+        .ok()
+        .and_then(|t| t.to_str().and_then(ns_inode))
+}
+
+/// Namespace inode of the process reading `proc_root` (`<proc_root>/self/ns/<kind>`).
+pub fn own_ns(proc_root: &Path, kind: &str) -> Option<u64> {
+    std::fs::read_link(proc_root.join("self").join("ns").join(kind))
+        .ok()
+        .and_then(|t| t.to_str().and_then(ns_inode))
+}
+
+fn read_exe(proc_root: &Path, pid: u32) -> Option<String> {
+    std::fs::read_link(proc_root.join(pid.to_string()).join("exe"))
+        .ok()
+        .map(|p| {
+            let s = p.to_string_lossy().into_owned();
+            s.strip_suffix(" (deleted)").map(str::to_string).unwrap_or(s)
+        })
+}
+
+fn pid_uid(proc_root: &Path, pid: u32) -> Option<String> {
+    std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
+        .ok()
+        .and_then(|t| pod_uid_from_cgroup(&t))
+}
+
+/// True for a pod sandbox process (`…/pause`), which holds namespaces but no volumes.
+pub fn is_sandbox_exe(exe: &str) -> bool {
+    Path::new(exe)
+        .file_name()
+        .is_some_and(|n| n == "pause" || n == "pause.exe")
+}
+
+/// Every pod UID on the node and its pids, from one scan of `<proc_root>/*/cgroup`.
+/// Processes that vanish or cannot be read are skipped; pids are ascending.
+pub fn scan_pods(proc_root: &Path) -> HashMap<String, Vec<u32>> {
+    let mut out: HashMap<String, Vec<u32>> = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if let Some(uid) = pid_uid(proc_root, pid) {
+            out.entry(uid).or_default().push(pid);
+        }
+    }
+    for pids in out.values_mut() {
+        pids.sort_unstable();
+    }
+    out
+}
+
+/// Groups a pod's pids into containers (one per mount namespace), skipping sandbox processes
+/// unless nothing else is left. Ordered by pid.
+pub fn containers(proc_root: &Path, pids: &[u32]) -> Vec<PodContainer> {
+    let mut by_ns: BTreeMap<(Option<u64>, u32), PodContainer> = BTreeMap::new();
+    let mut sandboxes = Vec::new();
+    let mut seen_ns: Vec<u64> = Vec::new();
+    for &pid in pids {
+        let exe = read_exe(proc_root, pid);
+        let mnt_ns = read_ns(proc_root, pid, "mnt");
+        if exe.is_none() && mnt_ns.is_none() {
+            // vanished since the scan (or not readable at all): nothing to look through
+            continue;
+        }
+        let c = PodContainer { pid, mnt_ns, exe };
+        if c.exe.as_deref().is_some_and(is_sandbox_exe) {
+            sandboxes.push(c);
+            continue;
+        }
+        match mnt_ns {
+            Some(ns) if seen_ns.contains(&ns) => {}
+            Some(ns) => {
+                seen_ns.push(ns);
+                by_ns.insert((Some(ns), pid), c);
+            }
+            // namespace unreadable but the process is there: keep it as its own container
+            None => {
+                by_ns.insert((None, pid), c);
+            }
+        }
+    }
+    let mut out: Vec<PodContainer> = by_ns.into_values().collect();
+    if out.is_empty() {
+        out = sandboxes;
+    }
+    out.sort_by_key(|c| c.pid);
+    out
+}
+
+/// Finds pods' processes with a small cache (see the module docs). Shared by the checks of
+/// one registry; thread-safe.
+#[derive(Debug)]
+pub struct PodFinder {
+    proc_root: PathBuf,
+    cache: Mutex<FinderCache>,
+}
+
+#[derive(Debug, Default)]
+struct FinderCache {
+    pods: HashMap<String, Vec<u32>>,
+    scanned_at: Option<Instant>,
+}
+
+impl PodFinder {
+    /// Shortest time between two full scans of the proc root.
+    pub const MIN_RESCAN: Duration = Duration::from_secs(1);
+
+    /// A finder over `proc_root` (`/proc` on a node).
+    pub fn new(proc_root: &Path) -> Self {
+        PodFinder {
+            proc_root: proc_root.to_path_buf(),
+            cache: Mutex::new(FinderCache::default()),
+        }
+    }
+
+    /// The proc root this finder reads.
+    pub fn proc_root(&self) -> &Path {
+        &self.proc_root
+    }
+
+    /// Pids of the pod with this UID (any case, dashes or underscores), ascending; empty when
+    /// none runs on this node (or the UID is malformed).
+    pub fn pids(&self, pod_uid: &str) -> Vec<u32> {
+        let Some(uid) = normalise_pod_uid(pod_uid) else {
+            return Vec::new();
+        };
+        let mut cache = self.cache.lock();
+        if let Some(pids) = cache.pods.get(&uid) {
+            let alive: Vec<u32> = pids
+                .iter()
+                .copied()
+                .filter(|p| pid_uid(&self.proc_root, *p).as_deref() == Some(uid.as_str()))
+                .collect();
+            if !alive.is_empty() && alive.len() == pids.len() {
+                return alive;
+            }
+        }
+        let fresh = cache
+            .scanned_at
+            .is_some_and(|t| t.elapsed() < Self::MIN_RESCAN);
+        if !fresh {
+            cache.pods = scan_pods(&self.proc_root);
+            cache.scanned_at = Some(Instant::now());
+        }
+        cache.pods.get(&uid).cloned().unwrap_or_default()
+    }
+
+    /// The pod's containers ([`containers`]); empty when the pod has no process here.
+    pub fn containers(&self, pod_uid: &str) -> Vec<PodContainer> {
+        let pids = self.pids(pod_uid);
+        containers(&self.proc_root, &pids)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_inodes() {
+        assert_eq!(ns_inode("mnt:[4026531840]"), Some(4026531840));
+        assert_eq!(ns_inode("net:[1]"), Some(1));
+        assert_eq!(ns_inode("net:[]"), None);
+        assert_eq!(ns_inode("/proc/1/ns/net"), None);
+        assert!(is_sandbox_exe("/pause"));
+        assert!(is_sandbox_exe("/usr/bin/pause"));
+        assert!(!is_sandbox_exe("/usr/bin/python3"));
+    }
+
+    #[test]
+    fn fixture_proc_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let cg = format!("0::/kubepods/burstable/pod{uid}/abc\n");
+        for (pid, cgroup, exe, mnt) in [
+            (10, cg.as_str(), "/pause", "mnt:[100]"),
+            (11, cg.as_str(), "/usr/bin/python3", "mnt:[101]"),
+            (12, cg.as_str(), "/usr/bin/python3", "mnt:[101]"),
+            (13, cg.as_str(), "/bin/sidecar", "mnt:[102]"),
+            (20, "0::/system.slice/sshd.service\n", "/usr/sbin/sshd", "mnt:[1]"),
+        ] {
+            let d = root.join(pid.to_string());
+            std::fs::create_dir_all(d.join("ns")).unwrap();
+            std::fs::write(d.join("cgroup"), cgroup).unwrap();
+            std::os::unix::fs::symlink(exe, d.join("exe")).unwrap();
+            std::os::unix::fs::symlink(mnt, d.join("ns").join("mnt")).unwrap();
+        }
+        std::fs::create_dir_all(root.join("self")).unwrap();
+        let pods = scan_pods(root);
+        assert_eq!(pods.len(), 1);
+        assert_eq!(pods[uid], vec![10, 11, 12, 13]);
+        let f = PodFinder::new(root);
+        assert_eq!(f.pids(&uid.to_uppercase().replace('-', "_")), vec![10, 11, 12, 13]);
+        let c = f.containers(uid);
+        assert_eq!(
+            c.iter().map(|c| c.pid).collect::<Vec<_>>(),
+            vec![11, 13],
+            "one per mount namespace, pause skipped"
+        );
+        assert_eq!(c[0].mnt_ns, Some(101));
+        assert_eq!(
+            c[0].path_inside(root, Path::new("/dev/shm")),
+            root.join("11/root/dev/shm")
+        );
+        assert!(f.pids("00000000-0000-0000-0000-000000000000").is_empty());
+        assert!(f.pids("not a uid").is_empty());
+        // a process that left the pod is noticed through the cached pids
+        std::fs::write(root.join("13/cgroup"), "0::/\n").unwrap();
+        std::thread::sleep(PodFinder::MIN_RESCAN);
+        assert_eq!(f.pids(uid), vec![10, 11, 12]);
+        // only the sandbox left: it is the container
+        assert_eq!(containers(root, &[10])[0].pid, 10);
+    }
+}

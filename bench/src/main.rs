@@ -1,0 +1,679 @@
+//! `ic-bench`: our KV-prefix index against `dynamo-kv-router` 1.6.1 on the same workload in the
+//! same run, plus the decoder on genuine engine frames. Prints one Markdown table.
+//!
+//! Workload (`workload.rs`): the Mooncake FAST'25 conversation trace (12 031 requests, 512-token
+//! blocks) replayed as store/remove events of simulated workers with LRU caches. Measured:
+//!
+//! - **ingest**: block operations (stored + removed blocks) per second, single thread, through
+//!   each indexer's own ingest API — ours `PrefixIndex::apply_delta` with one `StreamDelta` per
+//!   event; dynamo's `RadixTree::apply_event` (the backend of its `KvIndexer`) and
+//!   `ConcurrentRadixTreeCompressed` behind a one-thread `ThreadPoolIndexer` (`enqueue_event`,
+//!   then `flush`).
+//! - **lookup**: per-request latency (p50 / p99) on the final state for every request's block
+//!   chain — ours `PrefixIndex::score` (per-replica depths, the equivalent of dynamo's
+//!   `find_matches` overlap scores) and `PrefixIndex::lookup` (ordered answer with names);
+//!   dynamo `find_matches(…, early_exit = false)`.
+//! - **memory**: heap bytes held by the index after ingest (a counting global allocator) per
+//!   (block, replica) entry.
+//! - **decode**: `decode_batch` over every live frame of the golden fixtures, block events per
+//!   second on one core.
+//!
+//! Both indexers' answers are cross-checked: the deepest match per request must agree.
+
+#[path = "workload.rs"]
+mod workload;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::indexer::KvIndexerInterface;
+use dynamo_kv_router::protocols::{
+    compute_seq_hash_for_block, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData,
+    KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, ThreadPoolIndexer};
+use ic_controller::index::{LookupQuery, PrefixIndex};
+use ic_shared::kv::decode::{decode_batch, KvEvent};
+use ic_shared::proto::{self, kv_op::Op, KvOp, StreamDelta, StreamDescriptor, StreamSnapshot};
+use workload::{percentile, Event, Workload};
+
+/// Counts live heap bytes.
+struct Counting;
+
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live() -> i64 {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// One indexer's numbers.
+#[derive(Debug, Clone, Default)]
+struct Row {
+    name: &'static str,
+    ingest_s: f64,
+    block_ops: u64,
+    lookup_ns: Vec<u64>,
+    bytes: i64,
+    entries: u64,
+    depths: Vec<u32>,
+}
+
+impl Row {
+    fn ingest_rate(&self) -> f64 {
+        self.block_ops as f64 / self.ingest_s.max(1e-12)
+    }
+    fn p(&self, q: f64) -> f64 {
+        percentile(&self.lookup_ns, q) as f64 / 1000.0
+    }
+    fn bytes_per_entry(&self) -> f64 {
+        self.bytes as f64 / self.entries.max(1) as f64
+    }
+}
+
+struct Args {
+    workers: usize,
+    capacity: usize,
+    copies: usize,
+    lookups: usize,
+    decode_seconds: f64,
+    trace: Option<PathBuf>,
+    fixtures: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        workers: 1000,
+        capacity: 1024,
+        copies: 4,
+        lookups: 20_000,
+        decode_seconds: 2.0,
+        trace: None,
+        fixtures: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--workers" => a.workers = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--capacity" => a.capacity = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--copies" => a.copies = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--lookups" => a.lookups = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--decode-seconds" => a.decode_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--trace" => a.trace = Some(val()?.into()),
+            "--fixtures" => a.fixtures = Some(val()?.into()),
+            "-h" | "--help" => {
+                println!(
+                    "ic-bench [--workers 1000] [--capacity 1024 blocks/worker] [--copies 4] \
+                     [--lookups 20000] [--decode-seconds 2] [--trace FILE] [--fixtures DIR]"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Every `n`-th request so that about `want` lookups run.
+fn sample(w: &Workload, want: usize) -> Vec<usize> {
+    let step = (w.requests.len() / want.max(1)).max(1);
+    (0..w.requests.len()).step_by(step).collect()
+}
+
+// ---------------------------------------------------------------- ours
+
+fn descriptor(i: usize) -> StreamDescriptor {
+    StreamDescriptor {
+        stream_id: format!("bench/worker-{i:04}#0"),
+        replica: format!("worker-{i:04}"),
+        dp_rank: 0,
+        tenant: "bench".into(),
+        model: "mooncake".into(),
+        hash_scheme: "vllm".into(),
+        backend: String::new(),
+        node: String::new(),
+    }
+}
+
+fn bench_ours(w: &Workload, picks: &[usize]) -> (Row, Row) {
+    let bs = w.config.block_size;
+    let descs: Vec<StreamDescriptor> = (0..w.config.workers).map(descriptor).collect();
+    let mut seqs = vec![0u64; w.config.workers];
+    let deltas: Vec<StreamDelta> = w
+        .events
+        .iter()
+        .map(|e| {
+            let (worker, op) = match e {
+                Event::Store { worker, blocks, .. } => (
+                    *worker,
+                    Op::Store(proto::StoreOp {
+                        adapter: String::new(),
+                        block_size: bs,
+                        tier: proto::Tier::T1 as i32,
+                        content_keys: blocks.iter().map(|b| b.key).collect(),
+                    }),
+                ),
+                Event::Remove { worker, blocks } => (
+                    *worker,
+                    Op::Remove(proto::RemoveOp {
+                        adapter: String::new(),
+                        block_size: bs,
+                        content_keys: blocks.iter().map(|b| b.key).collect(),
+                    }),
+                ),
+            };
+            seqs[worker] += 1;
+            StreamDelta {
+                stream: Some(descs[worker].clone()),
+                seq: seqs[worker],
+                ops: vec![KvOp { op: Some(op) }],
+                last_event_unix_ms: 0,
+            }
+        })
+        .collect();
+    let snaps: Vec<StreamSnapshot> = descs
+        .iter()
+        .map(|d| StreamSnapshot {
+            stream: Some(d.clone()),
+            seq: 0,
+            entries: Vec::new(),
+            last_event_unix_ms: 0,
+            stale: false,
+        })
+        .collect();
+
+    let before = live();
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("bench", &snaps);
+    let t0 = Instant::now();
+    for d in &deltas {
+        if let Err(e) = ix.apply_delta("bench", d) {
+            eprintln!("ours: delta refused: {e}");
+        }
+    }
+    let ingest_s = t0.elapsed().as_secs_f64();
+    let bytes = live() - before;
+    assert_eq!(ix.entry_count() as u64, w.final_entries, "ours: entries");
+
+    let queries: Vec<LookupQuery> = picks
+        .iter()
+        .map(|i| LookupQuery {
+            tenant: "bench".into(),
+            model: "mooncake".into(),
+            hash_scheme: "vllm".into(),
+            content_keys: w.requests[*i].iter().map(|b| b.key).collect(),
+            block_size: Some(bs),
+            ..Default::default()
+        })
+        .collect();
+    let mut score_ns = Vec::with_capacity(queries.len());
+    let mut depths = Vec::with_capacity(queries.len());
+    for q in &queries {
+        let t = Instant::now();
+        let s = ix.score(q);
+        score_ns.push(t.elapsed().as_nanos() as u64);
+        let d = s
+            .map(|s| s.replicas.iter().map(|r| r.matched_blocks).max().unwrap_or(0))
+            .unwrap_or(0);
+        depths.push(d);
+    }
+    let mut lookup_ns = Vec::with_capacity(queries.len());
+    for q in &queries {
+        let t = Instant::now();
+        let r = ix.lookup(q);
+        lookup_ns.push(t.elapsed().as_nanos() as u64);
+        std::hint::black_box(r);
+    }
+    score_ns.sort_unstable();
+    lookup_ns.sort_unstable();
+    let block_ops = w.stored_blocks + w.removed_blocks;
+    let score = Row {
+        name: "ours (score)",
+        ingest_s,
+        block_ops,
+        lookup_ns: score_ns,
+        bytes,
+        entries: w.final_entries,
+        depths,
+    };
+    let full = Row {
+        name: "ours (lookup, named+sorted)",
+        lookup_ns,
+        depths: Vec::new(),
+        ..score.clone()
+    };
+    drop(ix);
+    (score, full)
+}
+
+// ---------------------------------------------------------------- dynamo
+
+/// Dynamo's rolling sequence hash per block id (same chain as the engine would report).
+fn seq_hashes(w: &Workload) -> HashMap<u64, u64> {
+    let mut out = HashMap::new();
+    for chain in &w.requests {
+        let locals: Vec<LocalBlockHash> = chain.iter().map(|b| LocalBlockHash(b.id)).collect();
+        for (b, s) in chain.iter().zip(compute_seq_hash_for_block(&locals)) {
+            out.entry(b.id).or_insert(s);
+        }
+    }
+    out
+}
+
+fn dynamo_events(w: &Workload, seq: &HashMap<u64, u64>) -> Vec<RouterEvent> {
+    let mut ids = vec![0u64; w.config.workers];
+    w.events
+        .iter()
+        .map(|e| {
+            let (worker, data) = match e {
+                Event::Store {
+                    worker,
+                    parent,
+                    blocks,
+                    position,
+                } => (
+                    *worker,
+                    KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash: parent
+                            .map(|p| ExternalSequenceBlockHash(seq.get(&p.id).copied().unwrap_or(0))),
+                        start_position: Some(*position as u32),
+                        blocks: blocks
+                            .iter()
+                            .map(|b| KvCacheStoredBlockData {
+                                block_hash: ExternalSequenceBlockHash(
+                                    seq.get(&b.id).copied().unwrap_or(0),
+                                ),
+                                tokens_hash: LocalBlockHash(b.id),
+                                mm_extra_info: None,
+                            })
+                            .collect(),
+                    }),
+                ),
+                Event::Remove { worker, blocks } => (
+                    *worker,
+                    KvCacheEventData::Removed(KvCacheRemoveData {
+                        block_hashes: blocks
+                            .iter()
+                            .map(|b| {
+                                ExternalSequenceBlockHash(seq.get(&b.id).copied().unwrap_or(0))
+                            })
+                            .collect(),
+                    }),
+                ),
+            };
+            ids[worker] += 1;
+            RouterEvent::new(
+                worker as u64,
+                KvCacheEvent {
+                    event_id: ids[worker],
+                    data,
+                    dp_rank: 0,
+                },
+            )
+        })
+        .collect()
+}
+
+fn lookups_dynamo(
+    w: &Workload,
+    picks: &[usize],
+    mut find: impl FnMut(Vec<LocalBlockHash>) -> u32,
+) -> (Vec<u64>, Vec<u32>) {
+    let seqs: Vec<Vec<LocalBlockHash>> = picks
+        .iter()
+        .map(|i| w.requests[*i].iter().map(|b| LocalBlockHash(b.id)).collect())
+        .collect();
+    let mut ns = Vec::with_capacity(seqs.len());
+    let mut depths = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let t = Instant::now();
+        let d = find(s);
+        ns.push(t.elapsed().as_nanos() as u64);
+        depths.push(d);
+    }
+    ns.sort_unstable();
+    (ns, depths)
+}
+
+fn bench_radix(w: &Workload, picks: &[usize], events: &[RouterEvent]) -> Row {
+    // Timed run (events moved in, as the indexer consumes them).
+    let owned: Vec<RouterEvent> = events.to_vec();
+    let mut tree = RadixTree::new();
+    let t0 = Instant::now();
+    for e in owned {
+        let _ = tree.apply_event(e);
+    }
+    let ingest_s = t0.elapsed().as_secs_f64();
+    let (lookup_ns, depths) = lookups_dynamo(w, picks, |s| {
+        tree.find_matches(s, false)
+            .scores
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    });
+    drop(tree);
+    // Memory run: what the tree retains (each event is cloned into it and consumed).
+    let before = live();
+    let mut tree = RadixTree::new();
+    for e in events {
+        let _ = tree.apply_event(e.clone());
+    }
+    let bytes = live() - before;
+    drop(tree);
+    Row {
+        name: "dynamo RadixTree",
+        ingest_s,
+        block_ops: w.stored_blocks + w.removed_blocks,
+        lookup_ns,
+        bytes,
+        entries: w.final_entries,
+        depths,
+    }
+}
+
+fn bench_crtc(w: &Workload, picks: &[usize], events: &[RouterEvent]) -> Row {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tokio runtime: {e}");
+            return Row::default();
+        }
+    };
+    let owned: Vec<RouterEvent> = events.to_vec();
+    let before = live();
+    let idx = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, w.config.block_size);
+    let t0 = Instant::now();
+    for e in owned {
+        if let Err(e) = idx.enqueue_event(e) {
+            eprintln!("crtc: {e}");
+        }
+    }
+    rt.block_on(idx.flush());
+    let ingest_s = t0.elapsed().as_secs_f64();
+    let bytes = live() - before;
+    let (lookup_ns, depths) = lookups_dynamo(w, picks, |s| {
+        idx.backend()
+            .find_matches(&s, false)
+            .scores
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    });
+    idx.shutdown();
+    Row {
+        name: "dynamo CRTC (ThreadPoolIndexer, 1 thread)",
+        ingest_s,
+        block_ops: w.stored_blocks + w.removed_blocks,
+        lookup_ns,
+        bytes,
+        entries: w.final_entries,
+        depths,
+    }
+}
+
+// ---------------------------------------------------------------- decode
+
+fn find_fixtures(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    if let Ok(d) = std::env::var("IC_FIXTURES_DIR") {
+        return Some(Path::new(&d).join("kv-events"));
+    }
+    let here = std::env::current_dir().ok()?;
+    here.ancestors()
+        .map(|a| a.join("shared/fixtures/kv-events"))
+        .find(|p| p.is_dir())
+}
+
+/// Returns (block events per second on one core, payloads, bytes per pass).
+fn bench_decode(dir: &Path, seconds: f64) -> Result<(f64, usize, usize), String> {
+    let mut payloads = Vec::new();
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| !p.ends_with("hash-vectors.json"))
+        .collect();
+    names.sort();
+    for p in names {
+        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let doc: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+        for l in doc["live"].as_array().into_iter().flatten() {
+            if let Some(h) = l["frames_hex"].get(2).and_then(|h| h.as_str()) {
+                let bytes: Result<Vec<u8>, _> = (0..h.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&h[i..i + 2], 16))
+                    .collect();
+                payloads.push(bytes.map_err(|e| format!("{}: {e}", p.display()))?);
+            }
+        }
+    }
+    if payloads.is_empty() {
+        return Err(format!("no live frames under {}", dir.display()));
+    }
+    let per_pass: usize = payloads
+        .iter()
+        .map(|p| match decode_batch(p) {
+            Ok(b) => b
+                .events
+                .iter()
+                .map(|e| match e {
+                    KvEvent::BlockStored(s) => s.block_hashes.len(),
+                    KvEvent::BlockRemoved(r) => r.block_hashes.len(),
+                    KvEvent::AllBlocksCleared => 1,
+                })
+                .sum(),
+            Err(_) => 0,
+        })
+        .sum();
+    let bytes: usize = payloads.iter().map(Vec::len).sum();
+    let limit = Duration::from_secs_f64(seconds);
+    let t0 = Instant::now();
+    let mut passes = 0u64;
+    while t0.elapsed() < limit {
+        for _ in 0..64 {
+            for p in &payloads {
+                std::hint::black_box(decode_batch(std::hint::black_box(p)).ok());
+            }
+        }
+        passes += 64;
+    }
+    let rate = (passes as f64 * per_pass as f64) / t0.elapsed().as_secs_f64();
+    Ok((rate, payloads.len(), bytes))
+}
+
+// ---------------------------------------------------------------- output
+
+fn fmt_rate(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2} M/s", x / 1e6)
+    } else {
+        format!("{:.0} k/s", x / 1e3)
+    }
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("ic-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let cwd = std::env::current_dir().unwrap_or_default();
+    let Some(trace_path) = args.trace.clone().or_else(|| workload::find_trace(&cwd)) else {
+        eprintln!("ic-bench: trace not found (set IC_TRACE or pass --trace)");
+        std::process::exit(2);
+    };
+    let trace = match workload::load_trace(&trace_path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("ic-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let w = workload::generate(
+        &trace,
+        workload::Config {
+            workers: args.workers,
+            capacity: args.capacity,
+            copies: args.copies,
+            ..workload::Config::default()
+        },
+    );
+    let picks = sample(&w, args.lookups);
+    eprintln!(
+        "workload: {} requests ({} trace copies), {} workers × {} blocks LRU, {} events, {} block stores + {} removes, final {} entries over {} blocks; {} lookups",
+        w.requests.len(),
+        w.config.copies,
+        w.config.workers,
+        w.config.capacity,
+        w.events.len(),
+        w.stored_blocks,
+        w.removed_blocks,
+        w.final_entries,
+        w.final_blocks,
+        picks.len()
+    );
+
+    let (ours, ours_full) = bench_ours(&w, &picks);
+    eprintln!("ours done");
+    let seq = seq_hashes(&w);
+    let events = dynamo_events(&w, &seq);
+    let radix = bench_radix(&w, &picks, &events);
+    eprintln!("dynamo RadixTree done");
+    let crtc = bench_crtc(&w, &picks, &events);
+    eprintln!("dynamo CRTC done");
+    let decode = find_fixtures(args.fixtures.as_deref())
+        .ok_or_else(|| "fixtures not found (IC_FIXTURES_DIR)".to_string())
+        .and_then(|d| bench_decode(&d, args.decode_seconds));
+
+    let mismatches = |r: &Row| {
+        r.depths
+            .iter()
+            .zip(&ours.depths)
+            .filter(|(a, b)| a != b)
+            .count()
+    };
+    let best_ingest = radix.ingest_rate().max(crtc.ingest_rate());
+    let best_p50 = radix.p(50.0).min(crtc.p(50.0));
+    let best_p99 = radix.p(99.0).min(crtc.p(99.0));
+    let best_bytes = radix.bytes_per_entry().min(crtc.bytes_per_entry());
+
+    println!(
+        "KV index benchmark — Mooncake FAST'25 conversation trace × {}, {} workers, {} blocks/worker LRU, 512-token blocks",
+        w.config.copies, w.config.workers, w.config.capacity
+    );
+    println!(
+        "{} block ops ({} stores + {} removes in {} events); final state {} (block, replica) entries over {} blocks; {} lookups",
+        w.stored_blocks + w.removed_blocks,
+        w.stored_blocks,
+        w.removed_blocks,
+        w.events.len(),
+        w.final_entries,
+        w.final_blocks,
+        picks.len()
+    );
+    println!();
+    println!(
+        "| metric | ours | ours (named, sorted answer) | dynamo RadixTree | dynamo CRTC (1 thread) | ratio ours / best dynamo | target | met |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let ingest_ratio = ours.ingest_rate() / best_ingest;
+    println!(
+        "| ingest block-ops/s (1 thread) | {} | (same) | {} | {} | {:.2}× | ≥ 2× | {} |",
+        fmt_rate(ours.ingest_rate()),
+        fmt_rate(radix.ingest_rate()),
+        fmt_rate(crtc.ingest_rate()),
+        ingest_ratio,
+        if ingest_ratio >= 2.0 { "yes" } else { "no" }
+    );
+    println!(
+        "| lookup p50 (µs) | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}× | — | — |",
+        ours.p(50.0),
+        ours_full.p(50.0),
+        radix.p(50.0),
+        crtc.p(50.0),
+        ours.p(50.0) / best_p50
+    );
+    let p99_ratio = ours.p(99.0) / best_p99;
+    println!(
+        "| lookup p99 (µs) | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}× (named: {:.2}×) | ≤ 0.5× | {} |",
+        ours.p(99.0),
+        ours_full.p(99.0),
+        radix.p(99.0),
+        crtc.p(99.0),
+        p99_ratio,
+        ours_full.p(99.0) / best_p99,
+        if p99_ratio <= 0.5 { "yes" } else { "no" }
+    );
+    println!(
+        "| bytes per (block, replica) entry | {:.1} | (same) | {:.1} | {:.1} | {:.2}× | ≤ 48 B | {} |",
+        ours.bytes_per_entry(),
+        radix.bytes_per_entry(),
+        crtc.bytes_per_entry(),
+        ours.bytes_per_entry() / best_bytes,
+        if ours.bytes_per_entry() <= 48.0 { "yes" } else { "no" }
+    );
+    match &decode {
+        Ok((rate, n, bytes)) => println!(
+            "| decode block events/s per core ({n} genuine frames, {bytes} B) | {} | — | — | — | — | ≥ 1 M/s | {} |",
+            fmt_rate(*rate),
+            if *rate >= 1e6 { "yes" } else { "no" }
+        ),
+        Err(e) => println!("| decode block events/s per core | error: {e} | — | — | — | — | ≥ 1 M/s | — |"),
+    }
+    println!();
+    println!(
+        "heap after ingest: ours {:.1} MiB, dynamo RadixTree {:.1} MiB, CRTC {:.1} MiB; answers differing from ours (deepest match per request): RadixTree {}, CRTC {}",
+        ours.bytes as f64 / (1 << 20) as f64,
+        radix.bytes as f64 / (1 << 20) as f64,
+        crtc.bytes as f64 / (1 << 20) as f64,
+        mismatches(&radix),
+        mismatches(&crtc)
+    );
+}

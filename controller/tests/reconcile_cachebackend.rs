@@ -1,0 +1,621 @@
+//! The CacheBackend reconciler against the in-memory API (kube-fake-client 0.3.0): provisioning,
+//! shedding, status persistence, Events, cascade restarts, the leader flag. The harness plays
+//! the Deployment controller by patching Deployment status (the fake has no controllers and no
+//! watch, so `reconcile` is called directly).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod reconcile_support;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ic_controller::reconcile::cachebackend::events::{EventSpec, KubeEventSink};
+use ic_controller::reconcile::cachebackend::probe::{
+    FakeProber, ProbeOutcome, ProbeStages, StageResult,
+};
+use ic_controller::reconcile::{error_policy, reconcile, Context, Error};
+use ic_shared::crd::CacheBackend;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, ListParams};
+use kube::Resource;
+use kube_fake_client::{interceptor, ClientBuilder};
+use reconcile_support::*;
+use serde_json::json;
+
+const TRIGGER: &str = "inferencecache.io/cache-server-restart-trigger";
+
+async fn restart_trigger(h: &Harness, deploy: &str) -> Option<String> {
+    Api::<Deployment>::namespaced(h.client.clone(), NS)
+        .get(deploy)
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .template
+        .metadata
+        .and_then(|m| m.annotations)
+        .and_then(|a| a.get(TRIGGER).cloned())
+}
+
+#[tokio::test]
+async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
+    h.reconcile("kv").await;
+
+    let d = h.deployment("kv-redis").await.expect("Deployment rendered");
+    let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str()),
+        ("CacheBackend", "uid-kv")
+    );
+    assert!(h.service("kv-redis").await.is_some());
+    assert!(h.hpa("kv-redis").await.is_none());
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "RolloutInProgress"));
+    assert_eq!(st.endpoint.as_deref(), Some("kv-redis.ml.svc:6379"));
+    assert_eq!(st.matched_engine_pods, Some(1));
+    assert_eq!(st.fail_open, Some(true));
+    assert_eq!(st.observed_generation, h.cb("kv").await.metadata.generation);
+
+    h.settle_deployment("kv-redis", 1).await;
+    h.advance(10);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "AwaitingFirstKVEvent"));
+    assert!(st.first_available_at.is_some());
+    assert_eq!(h.events.reasons(), vec!["AwaitingFirstKVEvent"]);
+
+    h.index.set(vec![replica("engine-0", 42, h.now_ms())]);
+    h.advance(10);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("True", "KVEventsObserved"));
+    assert_eq!(st.index_participation.as_ref().unwrap().prefix_count, 42);
+    assert_eq!(
+        h.events.reasons(),
+        vec!["AwaitingFirstKVEvent", "KVEventsObserved"]
+    );
+    let ev = h.events.events();
+    assert_eq!(ev[1].object, "ml/kv");
+    assert_eq!(ev[1].object_kind, "CacheBackend");
+
+    // Steady state: no write-through churn, no events.
+    h.advance(30);
+    h.reconcile("kv").await;
+    assert_eq!(h.events.events().len(), 2);
+}
+
+#[tokio::test]
+async fn drained_backend_stays_ready_through_the_latch() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.index.set(vec![replica("engine-0", 5, h.now_ms())]);
+    h.reconcile("kv").await;
+    assert_eq!(
+        sr(&h.status("kv").await, "Ready"),
+        is("True", "KVEventsObserved")
+    );
+
+    // Replicas drain out of the index; long after the timeout the backend is still Ready.
+    h.index.set(vec![]);
+    h.advance(3600);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("True", "KVEventsObserved"));
+    let ip = st.index_participation.unwrap();
+    assert_eq!(ip.prefix_count, 0);
+    assert!(
+        ip.last_event_at.is_none(),
+        "lastEventAt removed by the status patch"
+    );
+    assert!(st.first_kv_event_observed_at.is_some());
+}
+
+#[tokio::test]
+async fn availability_flap_does_not_restart_the_first_event_window() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.reconcile("kv").await;
+    let anchor = h.status("kv").await.first_available_at.unwrap();
+
+    h.advance(200);
+    h.settle_deployment("kv-redis", 0).await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "ReplicasUnavailable"));
+    assert_eq!(sr(&st, "Degraded"), is("True", "ReplicasUnavailable"));
+    assert!(h.events.reasons().contains(&"BackendDegraded".to_string()));
+
+    h.advance(50);
+    h.settle_deployment("kv-redis", 1).await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(st.first_available_at.as_ref(), Some(&anchor));
+    assert_eq!(sr(&st, "Ready"), is("False", "AwaitingFirstKVEvent"));
+    // Back from ReplicasUnavailable but not Ready: no BackendRecovered.
+    assert!(!h.events.reasons().contains(&"BackendRecovered".to_string()));
+
+    h.advance(51);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "NoKVEventsObserved"));
+    assert_eq!(sr(&st, "Degraded"), is("True", "NoKVEventsObserved"));
+    assert_eq!(h.events.count("NoKVEventsObserved"), 1);
+}
+
+#[tokio::test]
+async fn offload_to_events_only_reanchors_and_sheds_the_workload() {
+    let h = Harness::new(vec![managed_redis("kv")], true).await;
+    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+        .await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.reconcile("kv").await;
+    h.advance(400);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "Degraded"), is("True", "NoKVEventsObserved"));
+    assert_eq!(st.observed_server_instance.as_deref(), Some("u1:0"));
+    let old_anchor = st.first_available_at.clone();
+
+    h.patch_cb(
+        "kv",
+        json!({"spec": {"integration": {"mode": "EventsOnly"}, "remoteStorage": null}}),
+    )
+    .await;
+    h.advance(5);
+    h.reconcile("kv").await;
+
+    assert!(h.deployment("kv-redis").await.is_none(), "Deployment shed");
+    assert!(h.service("kv-redis").await.is_none(), "Service shed");
+    let st = h.status("kv").await;
+    assert!(st.endpoint.is_none());
+    assert!(st.observed_server_instance.is_none());
+    assert_ne!(st.first_available_at, old_anchor);
+    assert_eq!(sr(&st, "Ready"), is("False", "AwaitingFirstKVEvent"));
+    assert_eq!(sr(&st, "Degraded"), is("False", "NotDegraded"));
+    let types: Vec<String> = st.conditions.iter().map(|c| c.type_.clone()).collect();
+    assert_eq!(types.len(), 3, "{types:?}");
+}
+
+fn stage_failure(msg: &str) -> ProbeOutcome {
+    ProbeOutcome::Completed(ProbeStages {
+        ingest: StageResult::Failed(msg.to_string()),
+        routing: StageResult::Skipped,
+        t2: StageResult::Skipped,
+    })
+}
+
+#[tokio::test]
+async fn probe_transport_error_keeps_a_prior_stage_failure() {
+    let h = Harness::new(vec![managed_redis("kv")], true).await;
+    h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.index.set(vec![replica("engine-0", 5, h.now_ms())]);
+    h.prober
+        .push(stage_failure("synthesized event not in index"));
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(
+        sr(&st, "FunctionalProbeOK"),
+        is("False", "ProbeIngestFailed")
+    );
+    assert_eq!(sr(&st, "Ready"), is("False", "ProbeIngestFailed"));
+
+    h.prober.push(ProbeOutcome::TransportError(
+        "connection refused".to_string(),
+    ));
+    h.advance(31);
+    h.reconcile("kv").await;
+    assert_eq!(h.prober.calls(), 2);
+    let st = h.status("kv").await;
+    assert_eq!(
+        sr(&st, "FunctionalProbeOK"),
+        is("False", "ProbeIngestFailed")
+    );
+    assert_eq!(sr(&st, "Ready"), is("False", "ProbeIngestFailed"));
+
+    h.prober.push(FakeProber::all_ok());
+    h.advance(31);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(sr(&st, "FunctionalProbeOK"), is("True", "ProbeOK"));
+    assert_eq!(sr(&st, "Ready"), is("True", "KVEventsObserved"));
+    assert!(h.events.reasons().contains(&"BackendRecovered".to_string()));
+}
+
+async fn cascade_fixture() -> Harness {
+    let cb = managed_redis("kv");
+    let h = Harness::new(vec![cb.clone()], false).await;
+    h.add_deployment(engine_deployment("vllm", &[("app", "vllm")], 1))
+        .await;
+    h.add_pod(injected_engine("vllm-abc123-x", &cb, "vllm"))
+        .await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+        .await;
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u1:0"),
+        "first observation is a baseline"
+    );
+    assert!(
+        restart_trigger(&h, "vllm").await.is_none(),
+        "empty→set never cascades"
+    );
+    h
+}
+
+#[tokio::test]
+async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
+    let h = cascade_fixture().await;
+    // Rolling update midpoint: the new pod is Ready next to the old one; Deployment not
+    // converged (1 desired, 2 ready pods).
+    h.deployment_status("kv-redis", Some(1), 1, false).await;
+    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+        .await;
+    h.advance(5);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u1:0")
+    );
+    assert!(restart_trigger(&h, "vllm").await.is_none());
+    // Rollback: the new pod dies, the original is alone again → same as the baseline.
+    h.delete_pod("kv-redis-b").await;
+    h.advance(5);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u1:0")
+    );
+    assert!(
+        restart_trigger(&h, "vllm").await.is_none(),
+        "no false cascade on rollback"
+    );
+}
+
+#[tokio::test]
+async fn cascade_fires_on_replacement_and_is_rate_limited() {
+    let h = cascade_fixture().await;
+    // Replacement: the old pod is gone, a new one is Ready.
+    h.delete_pod("kv-redis-a").await;
+    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+        .await;
+    h.advance(5);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u2:0")
+    );
+    let first = restart_trigger(&h, "vllm")
+        .await
+        .expect("engine Deployment restarted");
+
+    // Another replacement within 30 s: deferred, baseline kept.
+    h.delete_pod("kv-redis-b").await;
+    h.add_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 0))
+        .await;
+    h.advance(10);
+    let action = h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u2:0")
+    );
+    assert_eq!(
+        restart_trigger(&h, "vllm").await.as_deref(),
+        Some(first.as_str())
+    );
+    assert!(format!("{action:?}").contains("20s"), "{action:?}");
+
+    h.advance(21);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u3:0")
+    );
+    assert_ne!(restart_trigger(&h, "vllm").await, Some(first));
+
+    // An in-place restart of the cache-server container advances it too.
+    h.replace_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 1))
+        .await;
+    h.advance(31);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u3:1")
+    );
+}
+
+#[tokio::test]
+async fn converged_scale_up_widens_the_baseline() {
+    let h = cascade_fixture().await;
+    h.patch_cb("kv", json!({"spec": {"replicas": 2}})).await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 2).await;
+    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+        .await;
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u1:0,u2:0")
+    );
+    assert!(restart_trigger(&h, "vllm").await.is_none());
+}
+
+#[tokio::test]
+async fn external_endpoint_that_became_invalid_reads_invalid() {
+    let h = Harness::new(vec![external("x", "Redis", "redis.ext:6379")], false).await;
+    h.reconcile("x").await;
+    let st = h.status("x").await;
+    assert_eq!(sr(&st, "Ready"), is("True", "ExternalEndpointAccepted"));
+    assert_eq!(st.endpoint.as_deref(), Some("redis.ext:6379"));
+    assert!(
+        h.deployment("x-redis").await.is_none(),
+        "External provisions nothing"
+    );
+
+    h.patch_cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"endpoint": "redis://redis.ext:6379"}}}),
+    )
+    .await;
+    h.reconcile("x").await;
+    let st = h.status("x").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "ExternalEndpointInvalid"));
+    assert_eq!(
+        sr(&st, "Progressing"),
+        is("False", "ExternalEndpointInvalid")
+    );
+
+    h.patch_cb("x", json!({"spec": {"remoteStorage": {"endpoint": " "}}}))
+        .await;
+    h.reconcile("x").await;
+    let st = h.status("x").await;
+    assert_eq!(sr(&st, "Ready"), is("False", "ExternalEndpointMissing"));
+    assert!(
+        st.endpoint.is_none(),
+        "endpoint removed by the status patch"
+    );
+}
+
+#[tokio::test]
+async fn managed_to_external_sheds_and_clears_the_server_instance() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+        .await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.reconcile("kv").await;
+    assert!(h.status("kv").await.observed_server_instance.is_some());
+    h.patch_cb(
+        "kv",
+        json!({"spec": {"remoteStorage": {"ownership": "External", "endpoint": "r.ext:6379"}}}),
+    )
+    .await;
+    h.reconcile("kv").await;
+    assert!(h.deployment("kv-redis").await.is_none());
+    let st = h.status("kv").await;
+    assert!(st.observed_server_instance.is_none());
+    assert!(st.first_available_at.is_none());
+    assert!(sr(&st, "Degraded").is_none());
+}
+
+#[tokio::test]
+async fn kind_switch_and_autoscaling_changes_shed_stale_children() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.patch_cb(
+        "kv",
+        json!({"spec": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}),
+    )
+    .await;
+    h.reconcile("kv").await;
+    let hpa = h.hpa("kv-redis").await.expect("HPA rendered");
+    assert_eq!(hpa.spec.unwrap().scale_target_ref.kind, "Deployment");
+    let d = h.deployment("kv-redis").await.unwrap();
+    let c = &d.spec.unwrap().template.spec.unwrap().containers[0];
+    assert_eq!(
+        c.resources.as_ref().unwrap().requests.as_ref().unwrap()["cpu"].0,
+        "250m"
+    );
+
+    h.patch_cb(
+        "kv",
+        json!({"spec": {"deploymentKind": "StatefulSet", "autoscaling": null}}),
+    )
+    .await;
+    h.reconcile("kv").await;
+    assert!(h.deployment("kv-redis").await.is_none(), "old kind shed");
+    assert!(h.statefulset("kv-redis").await.is_some());
+    assert!(
+        h.hpa("kv-redis").await.is_none(),
+        "HPA shed with autoscaling"
+    );
+    assert!(h.service("kv-redis").await.is_some());
+}
+
+#[tokio::test]
+async fn follower_writes_nothing() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.leader.store(false, Ordering::SeqCst);
+    h.reconcile("kv").await;
+    assert!(h.deployment("kv-redis").await.is_none());
+    assert!(h.cb("kv").await.status.is_none());
+    assert!(h.events.events().is_empty());
+    // Taking the Lease: the next reconcile writes.
+    h.leader.store(true, Ordering::SeqCst);
+    h.reconcile("kv").await;
+    assert!(h.deployment("kv-redis").await.is_some());
+    assert!(h.cb("kv").await.status.is_some());
+}
+
+#[tokio::test]
+async fn injected_engine_crash_loop_is_reported_once() {
+    let cb = managed_redis("kv");
+    let h = Harness::new(vec![cb.clone()], false).await;
+    h.add_pod(crash_looping(injected_engine("vllm-abc123-x", &cb, "vllm")))
+        .await;
+    h.reconcile("kv").await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(
+        sr(&st, "EngineCompatibility"),
+        is("False", "InjectedEngineCrashLooping")
+    );
+    assert_eq!(h.events.count("InjectedEngineCrashLooping"), 1);
+    let ev = h
+        .events
+        .events()
+        .into_iter()
+        .find(|e| e.event.reason == "InjectedEngineCrashLooping")
+        .unwrap();
+    assert_eq!(ev.object, "ml/kv", "recorded on the CacheBackend");
+}
+
+#[tokio::test]
+async fn cleared_fields_are_removed_from_the_stored_status() {
+    let h = Harness::new(vec![host_only("h")], false).await;
+    h.reconcile("h").await;
+    let st = h.status("h").await;
+    assert_eq!(st.matched_engine_pods, Some(0));
+    assert!(st.engine_selector_message.is_some());
+    assert_eq!(h.events.count("EngineSelectorUnmatched"), 1);
+    h.patch_cb("h", json!({"spec": {"engineSelector": null}}))
+        .await;
+    h.reconcile("h").await;
+    let st = h.status("h").await;
+    assert_eq!(st.matched_engine_pods, None);
+    assert_eq!(st.engine_selector_message, None);
+}
+
+#[tokio::test]
+async fn failed_pod_list_is_soft() {
+    // Plain (unselected) lists fail: pods, engine Deployments, sibling CacheBackends. Owned
+    // objects are listed by label and still work.
+    let cb = managed_redis("kv");
+    let client = ClientBuilder::new()
+        .with_resource::<CacheBackend>()
+        .with_status_subresource::<CacheBackend>()
+        .with_status_subresource::<Deployment>()
+        .with_object(cb.clone())
+        .with_object(crash_looping(injected_engine("vllm-abc123-x", &cb, "vllm")))
+        .with_interceptor_funcs(interceptor::Funcs::new().list(|ctx| {
+            if ctx.params.label_selector.is_none() && FAIL.load(Ordering::SeqCst) {
+                return Err(kube_fake_client::Error::Internal("etcd timeout".into()));
+            }
+            Ok(None)
+        }))
+        .build()
+        .await
+        .unwrap();
+    static FAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let h = Harness::new(vec![], false).await;
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        h.index.clone(),
+        h.events.clone(),
+        h.clock.clone(),
+        h.leader.clone(),
+    ));
+    let api = Api::<CacheBackend>::namespaced(client.clone(), NS);
+    reconcile(Arc::new(cb.clone()), ctx.clone()).await.unwrap();
+    let before = api.get("kv").await.unwrap().status.unwrap();
+    assert_eq!(before.matched_engine_pods, Some(1));
+    assert_eq!(
+        sr(&before, "EngineCompatibility"),
+        is("False", "InjectedEngineCrashLooping")
+    );
+    FAIL.store(true, Ordering::SeqCst);
+    reconcile(Arc::new(cb.clone()), ctx.clone()).await.unwrap();
+    let after = api.get("kv").await.unwrap().status.unwrap();
+    assert_eq!(after.matched_engine_pods, Some(1));
+    assert_eq!(
+        sr(&after, "EngineCompatibility"),
+        is("False", "InjectedEngineCrashLooping")
+    );
+    assert_eq!(
+        h.events.count("InjectedEngineCrashLooping"),
+        1,
+        "not re-fired"
+    );
+}
+
+#[tokio::test]
+async fn missing_backend_awaits_change_and_errors_map_to_a_requeue() {
+    let h = Harness::new(vec![], false).await;
+    let action = h.reconcile("gone").await;
+    assert_eq!(
+        format!("{action:?}"),
+        format!("{:?}", kube::runtime::controller::Action::await_change())
+    );
+    let err = Error::MissingMetadata("namespace");
+    assert_eq!(err.metric_label(), "metadata");
+    let a = error_policy(Arc::new(managed_redis("kv")), &err, h.ctx.clone());
+    assert!(format!("{a:?}").contains("15s"));
+}
+
+#[tokio::test]
+async fn kube_event_sink_publishes_events_k8s_io() {
+    use k8s_openapi::api::events::v1::Event;
+    let client = ClientBuilder::new()
+        .with_resource::<Event>()
+        .build()
+        .await
+        .unwrap();
+    let sink = KubeEventSink::new(client.clone(), "inference-cache-controller", None);
+    let cb = managed_redis("kv");
+    let oref = cb.object_ref(&());
+    use ic_controller::reconcile::cachebackend::events::EventSink;
+    sink.publish(
+        &oref,
+        &EventSpec::warning("FailClosedEnabled", "fail-closed"),
+    )
+    .await
+    .unwrap();
+    let evs = Api::<Event>::namespaced(client, NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(evs.items.len(), 1);
+    assert_eq!(evs.items[0].reason.as_deref(), Some("FailClosedEnabled"));
+    assert_eq!(evs.items[0].type_.as_deref(), Some("Warning"));
+}
+
+#[tokio::test]
+async fn status_write_conflict_is_an_error() {
+    // A concurrent writer bumps the resourceVersion between read and write: 409.
+    let cb = host_only("h");
+    let client = ClientBuilder::new()
+        .with_resource::<CacheBackend>()
+        .with_status_subresource::<CacheBackend>()
+        .with_object(cb.clone())
+        .with_interceptor_funcs(interceptor::Funcs::new().patch_status(|_ctx| {
+            Err(kube_fake_client::Error::Conflict(
+                "the object has been modified".into(),
+            ))
+        }))
+        .build()
+        .await
+        .unwrap();
+    let h = Harness::new(vec![], false).await;
+    let ctx = Arc::new(Context::new(
+        client,
+        h.index.clone(),
+        h.events.clone(),
+        h.clock.clone(),
+        h.leader.clone(),
+    ));
+    let err = reconcile(Arc::new(cb), ctx).await.unwrap_err();
+    assert_eq!(err.metric_label(), "status");
+    assert!(
+        h.events.events().is_empty(),
+        "no events without a status write"
+    );
+}
