@@ -4,11 +4,13 @@
 //! - [`kv`] — engine KV-event subscribers and their aggregation into index deltas.
 //! - [`link`] — the gRPC stream to the controller.
 //! - [`http`] — troubleshooting endpoints and `/metrics`.
+//! - [`qualify`] — `ic-agent qualify`, the model-cache storage qualification run.
 //! - [`runtime`] — `ic-agent run` wiring; [`state`] — what the loops share.
 
 pub mod checks;
 pub mod http;
 pub mod kv;
 pub mod link;
+pub mod qualify;
 pub mod runtime;
 pub mod state;

@@ -34,6 +34,11 @@ enum Command {
     /// Engine KV-event tools.
     #[command(subcommand)]
     Kv(KvCommand),
+    /// Qualify a storage provider for the model cache (spec 004 "Qualification"): a writer
+    /// process fills the writer volume and exits, the reader must see identical bytes (SHA-256)
+    /// and refuse every write with EROFS, the reclaim policy must be Retain. Prints a report to
+    /// cite. Exit status: 0 qualified, 1 not qualified, 2 the run could not be made.
+    Qualify(ic_agent::qualify::QualifyArgs),
 }
 
 #[derive(Subcommand)]
@@ -202,6 +207,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
+        Command::Qualify(a) => std::process::exit(ic_agent::qualify::run_cli(a)),
         Command::Check(a) => {
             let plan = match a.common.plan() {
                 Ok(p) => p,

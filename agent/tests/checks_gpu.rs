@@ -1,12 +1,17 @@
 //! `gpu` check: NVML absent on this host (the real loader path), bogus libraries, and a small
-//! fake NVML compiled here with `cc` to drive the per-device path without a GPU.
+//! fake NVML compiled here with `cc` to drive the per-device path without a GPU: device state,
+//! XID events through an event set (injected by appending `"<gpu> <xid> [<gi> <ci>]"` lines to a
+//! file the fake reads), and MIG devices.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use ic_agent::checks::gpu::GpuCheck;
+use ic_agent::checks::xid::XidPolicy;
 use ic_agent::checks::{Check, Checks, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
@@ -141,11 +146,28 @@ const FAKE_NVML_C: &str = r#"
 #ifndef FAKE_ROW_FAILURE
 #define FAKE_ROW_FAILURE 0
 #endif
+#ifndef FAKE_XID_FILE
+#define FAKE_XID_FILE ""
+#endif
+#ifndef FAKE_EVENTS_RC
+#define FAKE_EVENTS_RC 0 /* returned by nvmlDeviceRegisterEvents for gpu1 */
+#endif
+#ifndef FAKE_MIG
+#define FAKE_MIG 0 /* gpu0 in MIG mode with two GPU instances (GI 1 and 2) */
+#endif
+#include <unistd.h>
 typedef int nvmlReturn_t;
-struct fake_dev { unsigned idx; };
+struct fake_dev { unsigned idx; int is_mig; unsigned gi; };
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+typedef struct {
+    nvmlDevice_t device; unsigned long long eventType; unsigned long long eventData;
+    unsigned gpuInstanceId; unsigned computeInstanceId;
+} nvmlEventData_t;
 static struct fake_dev devs[16];
+static struct fake_dev migs[2];
+static int fake_set;
+static unsigned consumed;
 
 nvmlReturn_t nvmlInit_v2(void) { return FAKE_INIT_RC; }
 nvmlReturn_t nvmlInitWithFlags(unsigned flags) { (void)flags; return FAKE_INIT_RC; }
@@ -160,7 +182,60 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned i, nvmlDevice_t *d) {
 }
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *n, unsigned len) { (void)d; snprintf(n, len, "NVIDIA H200"); return 0; }
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *u, unsigned len) {
-    snprintf(u, len, "GPU-00000000-0000-0000-0000-00000000000%u", d->idx); return 0;
+    if (d->is_mig) snprintf(u, len, "MIG-00000000-0000-0000-0000-0000000000%02u", d->gi);
+    else snprintf(u, len, "GPU-00000000-0000-0000-0000-00000000000%u", d->idx);
+    return 0;
+}
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned *i) { *i = d->idx; return 0; }
+/* events: one event set; XIDs come from the lines of FAKE_XID_FILE, each delivered once */
+nvmlReturn_t nvmlEventSetCreate(void **set) { *set = &fake_set; return 0; }
+nvmlReturn_t nvmlEventSetFree(void *set) { (void)set; return 0; }
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, void *set) {
+    (void)types; (void)set;
+    if (FAKE_EVENTS_RC && d->idx == 1) return FAKE_EVENTS_RC;
+    return 0;
+}
+static int next_event(nvmlEventData_t *data) {
+    FILE *f = fopen(FAKE_XID_FILE, "r");
+    char line[128]; unsigned n = 0; int found = 0;
+    if (!f) return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        unsigned dev, gi = 0xFFFFFFFFu, ci = 0xFFFFFFFFu; unsigned long long xid;
+        if (n++ < consumed) continue;
+        consumed++;
+        if (sscanf(line, "%u %llu %u %u", &dev, &xid, &gi, &ci) < 2 || dev >= FAKE_COUNT) continue;
+        data->device = &devs[dev]; data->eventType = 8; /* nvmlEventTypeXidCriticalError */
+        data->eventData = xid; data->gpuInstanceId = gi; data->computeInstanceId = ci;
+        found = 1;
+    }
+    fclose(f);
+    return found;
+}
+nvmlReturn_t nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned timeout_ms) {
+    unsigned waited = 0;
+    (void)set;
+    for (;;) {
+        if (next_event(data)) return 0;
+        if (waited >= timeout_ms) return 10; /* NVML_ERROR_TIMEOUT */
+        usleep(10000); waited += 10;
+    }
+}
+/* MIG */
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned *cur, unsigned *pend) {
+    if (!FAKE_MIG || d->is_mig) return 3;
+    *cur = d->idx == 0; *pend = *cur; return 0;
+}
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t d, unsigned *c) {
+    if (!FAKE_MIG) return 3;
+    *c = d->idx == 0 ? 2 : 0; return 0;
+}
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t d, unsigned i, nvmlDevice_t *m) {
+    if (!FAKE_MIG || d->idx != 0 || i >= 2) return 6; /* NVML_ERROR_NOT_FOUND */
+    migs[i].idx = 100 + i; migs[i].is_mig = 1; migs[i].gi = i + 1; *m = &migs[i]; return 0;
+}
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t d, unsigned *id) {
+    if (!d->is_mig) return 3;
+    *id = d->gi; return 0;
 }
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
     (void)d; m->total = 143771ULL << 20; m->reserved = 0; m->used = 1ULL << 20; m->free = m->total - m->used; return 0;
@@ -387,4 +462,203 @@ fn a_real_library_that_is_not_nvml() {
         (CheckStatus::Unknown, "NvmlUnavailable")
     );
     assert_eq!(r[0].observed["cause"], "NotNvml", "{:?}", r[0]);
+}
+
+// ---- XID events ----------------------------------------------------------------------------
+
+/// A fake NVML whose XID events come from `<dir>/<name>/xids`.
+struct XidFake {
+    lib: PathBuf,
+    xids: PathBuf,
+}
+
+impl XidFake {
+    fn build(dir: &Path, name: &str, defines: &[&str]) -> Option<Self> {
+        let xids = dir.join(format!("{name}.xids"));
+        std::fs::write(&xids, "").unwrap();
+        let file_define = format!("FAKE_XID_FILE=\"{}\"", xids.display());
+        let mut all = vec![file_define.as_str()];
+        all.extend_from_slice(defines);
+        let lib = fake_nvml(dir, name, &all)?;
+        Some(XidFake { lib, xids })
+    }
+
+    fn inject(&self, line: &str) {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.xids)
+            .unwrap();
+        writeln!(f, "{line}").unwrap();
+    }
+
+    fn check(&self, policy: XidPolicy) -> GpuCheck {
+        GpuCheck::new(&ChecksConfig {
+            nvml_library: Some(self.lib.clone()),
+            xid_policy: policy,
+            ..ChecksConfig::default()
+        })
+    }
+}
+
+fn gpu_plan() -> NodePlan {
+    NodePlan {
+        gpu_node: true,
+        ..NodePlan::default()
+    }
+}
+
+/// Runs the check until `pred` holds for the result of `subject` (up to 10 s).
+fn wait_for(check: &GpuCheck, subject: &str, what: &str, pred: impl Fn(&CheckResult) -> bool) -> CheckResult {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = check.run(&gpu_plan());
+        let g = r.iter().find(|g| g.subject == subject).cloned().unwrap();
+        if pred(&g) {
+            return g;
+        }
+        assert!(Instant::now() < deadline, "{what}: still {g:#?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn quiet(secs: u64) -> XidPolicy {
+    XidPolicy {
+        quiet_period: Duration::from_secs(secs),
+        ..XidPolicy::default()
+    }
+}
+
+#[test]
+fn the_fake_delivers_xids_as_nvml_wrapper_expects() {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    use nvml_wrapper::error::NvmlError;
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "wrapper", &[]) else {
+        return;
+    };
+    let nvml = nvml_wrapper::Nvml::builder()
+        .lib_path(fake.lib.as_os_str())
+        .init()
+        .unwrap();
+    let device = nvml.device_by_index(0).unwrap();
+    let set = device
+        .register_events(EventTypes::CRITICAL_XID_ERROR, nvml.create_event_set().unwrap())
+        .unwrap();
+    assert!(matches!(set.wait(50), Err(NvmlError::Timeout)));
+    fake.inject("0 79");
+    let ev = set.wait(1000).unwrap();
+    assert_eq!(ev.event_data, Some(XidError::Value(79)));
+    assert!(ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR));
+    assert_eq!(ev.device.index().unwrap(), 0);
+    assert!(matches!(set.wait(50), Err(NvmlError::Timeout)), "each XID once");
+}
+
+#[test]
+fn xid_events_under_the_default_policy_and_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "xids", &[]) else {
+        return;
+    };
+    let check = fake.check(quiet(2));
+    let r = check.run(&gpu_plan());
+    assert_eq!(r.len(), 2, "{r:#?}");
+    for g in &r {
+        assert_eq!(g.reason, "GpuOk", "{g:?}");
+        assert_eq!(g.observed["xidEvents"], "monitored");
+        assert_eq!(g.observed["xidEventsTotal"], "0");
+        assert_eq!(g.observed["xidQuietPeriodSeconds"], "2");
+    }
+
+    // a fatal XID (DCGM's set): Critical, on that GPU only
+    fake.inject("0 79");
+    let g = wait_for(&check, "gpu0", "XID 79", |g| g.reason == "GpuXidFatal");
+    assert_eq!(g.status, CheckStatus::Critical);
+    assert_eq!(g.observed["lastXid"], "79");
+    assert_eq!(g.observed["activeXids"], "79");
+    assert!(g.message.contains("XID 79 (GPU has fallen off the bus)"), "{}", g.message);
+    assert!(g.message.contains("(fatal)"), "{}", g.message);
+    let other = check.run(&gpu_plan());
+    assert_eq!(other[1].reason, "GpuOk");
+
+    // an application error is counted, not judged
+    fake.inject("1 13");
+    let g = wait_for(&check, "gpu1", "XID 13 counted", |g| g.observed["xidEventsTotal"] == "1");
+    assert_eq!(g.reason, "GpuOk");
+    assert_eq!(g.observed["xidIgnored"], "1");
+    assert_eq!(g.observed["lastXid"], "13");
+
+    // an unlisted XID: Warning
+    fake.inject("1 92");
+    let g = wait_for(&check, "gpu1", "XID 92", |g| g.reason == "GpuXidError");
+    assert_eq!(g.status, CheckStatus::Warning);
+
+    // quiet for the quiet period: both GPUs read healthy again, with their history
+    let g = wait_for(&check, "gpu0", "recovery", |g| g.reason == "GpuOk");
+    assert_eq!(g.observed["xidRecovered"], "true");
+    assert_eq!(g.observed["lastXid"], "79");
+    let g = wait_for(&check, "gpu1", "recovery", |g| g.reason == "GpuOk");
+    assert_eq!(g.observed["xidEventsTotal"], "2");
+}
+
+#[test]
+fn explicit_enable_beats_disable_and_disable_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "policy", &[]) else {
+        return;
+    };
+    let policy = XidPolicy::configured(Some("13"), Some("13,92"), None, None).unwrap();
+    let check = fake.check(policy);
+    check.run(&gpu_plan());
+    fake.inject("0 92");
+    let g = wait_for(&check, "gpu0", "92 seen", |g| g.observed["xidEventsTotal"] == "1");
+    assert_eq!(g.reason, "GpuOk", "92 is disabled");
+    fake.inject("0 13");
+    let g = wait_for(&check, "gpu0", "13 enabled", |g| g.reason == "GpuXidFatal");
+    assert!(g.message.contains("(enabled)"), "{}", g.message);
+    drop(check);
+
+    let Some(fake) = XidFake::build(dir.path(), "all-off", &[]) else {
+        return;
+    };
+    let check = fake.check(XidPolicy::configured(None, Some("all"), None, None).unwrap());
+    check.run(&gpu_plan());
+    fake.inject("0 79");
+    let g = wait_for(&check, "gpu0", "79 seen", |g| g.observed["xidEventsTotal"] == "1");
+    assert_eq!(g.reason, "GpuOk", "every XID disabled: {g:?}");
+}
+
+#[test]
+fn mig_attribution_and_a_gpu_without_events() {
+    let dir = tempfile::tempdir().unwrap();
+    // gpu0 in MIG mode; gpu1 refuses event registration (NVML_ERROR_NOT_SUPPORTED)
+    let Some(fake) = XidFake::build(dir.path(), "mig", &["FAKE_MIG=1", "FAKE_EVENTS_RC=3"]) else {
+        return;
+    };
+    let check = fake.check(XidPolicy::configured(Some("43"), None, None, None).unwrap());
+    let r = check.run(&gpu_plan());
+    assert_eq!(r[0].observed["migMode"], "enabled");
+    assert_eq!(r[0].observed["migDevices"], "2");
+    assert_eq!(r[1].observed["migMode"], "disabled");
+    assert_eq!(r[0].observed["xidEvents"], "monitored");
+    assert!(
+        r[1].observed["xidEvents"].starts_with("unavailable: "),
+        "{:?}",
+        r[1]
+    );
+    // an application XID in GPU instance 2, enabled by the operator
+    fake.inject("0 43 2 0");
+    let g = wait_for(&check, "gpu0", "MIG XID", |g| g.reason == "GpuXidFatal");
+    assert!(
+        g.message
+            .contains("on MIG instance GI 2/CI 0 (MIG-00000000-0000-0000-0000-000000000002)"),
+        "{}",
+        g.message
+    );
+    assert_eq!(g.observed["lastXidGpuInstance"], "2");
+    assert_eq!(g.observed["lastXidComputeInstance"], "0");
+    assert_eq!(
+        g.observed["lastXidMigUuid"],
+        "MIG-00000000-0000-0000-0000-000000000002"
+    );
 }

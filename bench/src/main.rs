@@ -34,7 +34,7 @@ use dynamo_kv_router::protocols::{
     compute_seq_hash_for_block, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData,
     KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
-use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, ThreadPoolIndexer};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, SyncIndexer, ThreadPoolIndexer};
 use ic_controller::index::{LookupQuery, PrefixIndex};
 use ic_shared::kv::decode::{decode_batch, KvEvent};
 use ic_shared::proto::{self, kv_op::Op, KvOp, StreamDelta, StreamDescriptor, StreamSnapshot};

@@ -5,10 +5,11 @@
 //!
 //! - agent authentication ([`crate::ingest::auth`]): TokenReview of `Hello.token` (cached), the
 //!   agent service account, the token's node bound to `Hello.node`;
-//! - Lease-based leader election ([`crate::leader`]): every replica serves reads, agent streams
-//!   and node plans; only the holder writes status;
-//! - the node loops ([`crate::reconcile::nodes`]): node plans pushed down agent streams (every
-//!   replica), CacheNode status and the CacheBackends' `NodeHealthy` advisory (leader only);
+//! - Lease-based leader election ([`crate::leader`]): every replica serves reads and accepts
+//!   agent streams (agents keep one stream per replica); only the holder pushes node plans and
+//!   writes status;
+//! - the node loops ([`crate::reconcile::nodes`], leader only): node plans pushed down agent
+//!   streams, CacheNode status and the CacheBackends' `NodeHealthy` advisory;
 //! - the integration points of the other parts of the controller: the admission server
 //!   ([`start_admission`]) and the CacheBackend reconcilers ([`start_reconcilers`]).
 //!
@@ -337,6 +338,7 @@ where
     let plan_loop = nodes::spawn_plan_publisher(
         client.clone(),
         shared.clone(),
+        leader_handle.clone(),
         Some(node_metrics.clone()),
         cfg.nodes.plan_interval,
         stop_rx.clone(),

@@ -321,7 +321,11 @@ impl LeaseLock {
 
     /// The Lease's record and `resourceVersion`, or `None` when it does not exist.
     pub async fn read(&self) -> Result<Option<(LeaseRecord, Option<String>)>, LeaderError> {
-        let lease = self.api.get_opt(&self.name).await.map_err(|e| self.err(e))?;
+        let lease = self
+            .api
+            .get_opt(&self.name)
+            .await
+            .map_err(|e| self.err(e))?;
         Ok(lease.map(|l| {
             (
                 LeaseRecord::from_spec(l.spec.as_ref()),

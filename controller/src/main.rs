@@ -73,7 +73,11 @@ struct RunArgs {
     webhook_addr: SocketAddr,
     /// Directory holding the webhook serving certificate (tls.crt, tls.key), reloaded when it
     /// changes (cert-manager, a mounted Secret).
-    #[arg(long, env = "IC_WEBHOOK_CERT_DIR", conflicts_with = "webhook_self_signed")]
+    #[arg(
+        long,
+        env = "IC_WEBHOOK_CERT_DIR",
+        conflicts_with = "webhook_self_signed"
+    )]
     webhook_cert_dir: Option<PathBuf>,
     /// Generate a self-signed CA and serving certificate at start and patch the webhook
     /// configurations' caBundle.
@@ -88,7 +92,11 @@ struct RunArgs {
     #[arg(long, env = "POD_NAMESPACE")]
     leader_election_namespace: Option<String>,
     /// Name of the leader-election Lease (coordination.k8s.io/v1).
-    #[arg(long, env = "IC_LEADER_ELECTION_LEASE_NAME", default_value = "inference-cache-controller")]
+    #[arg(
+        long,
+        env = "IC_LEADER_ELECTION_LEASE_NAME",
+        default_value = "inference-cache-controller"
+    )]
     leader_election_lease_name: String,
     /// This replica's identity in the Lease; default: $POD_NAME or the hostname, plus a
     /// per-process suffix.
@@ -99,7 +107,11 @@ struct RunArgs {
     leader_election_lease_seconds: u64,
     /// Seconds the leader keeps writing without a successful renewal (must be below the lease
     /// duration).
-    #[arg(long, env = "IC_LEADER_ELECTION_RENEW_DEADLINE_SECONDS", default_value_t = 10)]
+    #[arg(
+        long,
+        env = "IC_LEADER_ELECTION_RENEW_DEADLINE_SECONDS",
+        default_value_t = 10
+    )]
     leader_election_renew_deadline_seconds: u64,
     /// Seconds between election attempts.
     #[arg(long, env = "IC_LEADER_ELECTION_RETRY_SECONDS", default_value_t = 2)]
@@ -125,7 +137,11 @@ struct RunArgs {
     node_plan_interval_seconds: u64,
     /// Minimum seconds between two CacheNode status writes of one node, unless a condition
     /// status changed (those are written at once).
-    #[arg(long, env = "IC_CACHENODE_MIN_WRITE_INTERVAL_SECONDS", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "IC_CACHENODE_MIN_WRITE_INTERVAL_SECONDS",
+        default_value_t = 30
+    )]
     cachenode_min_write_interval_seconds: u64,
 }
 
@@ -163,15 +179,17 @@ async fn kube_client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Clien
                 .with_context(|| format!("loading kubeconfig {}", path.display()))?;
             kube::Client::try_from(cfg).context("building the Kubernetes client")?
         }
-        None => kube::Client::try_default()
-            .await
-            .context("no Kubernetes configuration: set --kubeconfig or KUBECONFIG, or run in a pod")?,
+        None => kube::Client::try_default().await.context(
+            "no Kubernetes configuration: set --kubeconfig or KUBECONFIG, or run in a pod",
+        )?,
     };
     Ok(client)
 }
 
 async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
-    use ic_controller::incluster::{self, InClusterConfig, LeaderElectionSettings, WebhookSettings};
+    use ic_controller::incluster::{
+        self, InClusterConfig, LeaderElectionSettings, WebhookSettings,
+    };
     let client = kube_client(a.kubeconfig.as_ref()).await?;
     let namespace = a
         .leader_election_namespace
@@ -226,7 +244,9 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
         token_cache_ttl: Duration::from_secs(a.token_cache_ttl_seconds),
         nodes: ic_controller::reconcile::nodes::NodeLoopConfig {
             plan_interval: Duration::from_secs(a.node_plan_interval_seconds.max(1)),
-            cachenode_min_write_interval: Duration::from_secs(a.cachenode_min_write_interval_seconds),
+            cachenode_min_write_interval: Duration::from_secs(
+                a.cachenode_min_write_interval_seconds,
+            ),
             ..Default::default()
         },
     };

@@ -494,3 +494,29 @@ async fn fixture_pod_is_wired_over_https_and_readmission_has_no_patch() {
     running.shutdown();
     running.wait().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_shared_pem_pair_is_served() {
+    // Several replicas serving one self-signed bundle (kept in a Secret) present the same CA.
+    let b = tls::generate_self_signed(&["localhost".to_string()]).unwrap();
+    let running = server::start(
+        admission(Arc::new(UnwiredPods)),
+        ServerConfig::new(
+            loopback(),
+            TlsSource::Pem {
+                cert_pem: b.cert_pem.clone(),
+                key_pem: b.key_pem.clone(),
+                ca_pem: Some(b.ca_pem.clone()),
+            },
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(running.ca_pem.as_deref(), Some(b.ca_pem.as_str()));
+    let c = WebhookClient::new(running.local_addr, &b.ca_pem, "localhost").unwrap();
+    let mut conn = c.connect().await.unwrap();
+    assert_eq!(conn.peer_certificate().unwrap(), der(&b.cert_pem));
+    assert_eq!(conn.get("/healthz").await.unwrap().0, 200);
+    running.shutdown();
+    running.wait().await.unwrap();
+}

@@ -97,10 +97,19 @@ async fn a_token_for_node_a_cannot_open_a_stream_as_node_b() {
     let (url, shared) = serve(fake()).await;
 
     let (refused, _tx) = open(&url, "node-b", "token-a").await;
-    let status = refused.err().expect("node B with node A's token must be refused");
+    let status = refused
+        .err()
+        .expect("node B with node A's token must be refused");
     assert_eq!(status.code(), Code::PermissionDenied);
-    assert!(status.message().contains("\"node-a\"") && status.message().contains("\"node-b\""), "{}", status.message());
-    assert!(shared.nodes.lock().get("node-b").is_none(), "a refused stream leaves no trace");
+    assert!(
+        status.message().contains("\"node-a\"") && status.message().contains("\"node-b\""),
+        "{}",
+        status.message()
+    );
+    assert!(
+        shared.nodes.lock().get("node-b").is_none(),
+        "a refused stream leaves no trace"
+    );
 
     let (accepted, _tx) = open(&url, "node-a", "token-a").await;
     accepted.expect("node A with its own token is accepted");
@@ -110,7 +119,10 @@ async fn a_token_for_node_a_cannot_open_a_stream_as_node_b() {
     let (accepted, _tx2) = open(&url, "node-b", "token-b").await;
     accepted.unwrap();
     let metrics = shared.metrics.render();
-    assert!(metrics.contains(r#"inferencecache_controller_agent_auth_total{result="node_mismatch"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"inferencecache_controller_agent_auth_total{result="node_mismatch"} 1"#),
+        "{metrics}"
+    );
     assert!(metrics.contains(r#"inferencecache_controller_agent_auth_total{result="ok"} 2"#));
 }
 
@@ -121,18 +133,36 @@ async fn missing_unknown_foreign_and_unbound_tokens_are_refused_clearly() {
     let cases = [
         ("", Code::Unauthenticated, "Hello.token is empty"),
         ("forged", Code::Unauthenticated, "rejected"),
-        ("token-app", Code::PermissionDenied, "system:serviceaccount:default:some-app"),
-        ("token-unbound", Code::PermissionDenied, "not bound to a node"),
+        (
+            "token-app",
+            Code::PermissionDenied,
+            "system:serviceaccount:default:some-app",
+        ),
+        (
+            "token-unbound",
+            Code::PermissionDenied,
+            "not bound to a node",
+        ),
     ];
     for (token, code, text) in cases {
         let (res, _tx) = open(&url, "node-a", token).await;
-        let st = res.err().unwrap_or_else(|| panic!("token {token:?} must be refused"));
+        let st = res
+            .err()
+            .unwrap_or_else(|| panic!("token {token:?} must be refused"));
         assert_eq!(st.code(), code, "token {token:?}: {}", st.message());
-        assert!(st.message().contains(text), "token {token:?}: {}", st.message());
+        assert!(
+            st.message().contains(text),
+            "token {token:?}: {}",
+            st.message()
+        );
     }
     verifier.set_unavailable(Some("apiserver down"));
     let (res, _tx) = open(&url, "node-a", "token-a").await;
-    assert_eq!(res.err().unwrap().code(), Code::Unavailable, "the agent retries later");
+    assert_eq!(
+        res.err().unwrap().code(),
+        Code::Unavailable,
+        "the agent retries later"
+    );
     assert_eq!(shared.nodes.lock().connected_count(), 0);
 }
 
@@ -143,10 +173,23 @@ async fn token_reviews_are_cached_for_their_ttl() {
     let offset = Arc::new(parking_lot::Mutex::new(Duration::ZERO));
     let advance = |d: Duration| *offset.lock() += d;
     let clock_offset = offset.clone();
-    let cache = CachingVerifier::with_ttls(inner.clone(), Duration::from_secs(60), Duration::from_secs(10), 16)
-        .with_clock(Arc::new(move || base + *clock_offset.lock()));
+    let cache = CachingVerifier::with_ttls(
+        inner.clone(),
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+        16,
+    )
+    .with_clock(Arc::new(move || base + *clock_offset.lock()));
     for _ in 0..3 {
-        assert_eq!(cache.verify("token-a", "inference-cache").await.unwrap().node.as_deref(), Some("node-a"));
+        assert_eq!(
+            cache
+                .verify("token-a", "inference-cache")
+                .await
+                .unwrap()
+                .node
+                .as_deref(),
+            Some("node-a")
+        );
     }
     assert_eq!(inner.calls(), 1);
     // Another audience is another review.
@@ -157,7 +200,10 @@ async fn token_reviews_are_cached_for_their_ttl() {
     assert_eq!(inner.calls(), 3, "expired entries are reviewed again");
 
     // Rejections are cached briefly; unavailability is not cached at all.
-    assert!(matches!(cache.verify("nope", "inference-cache").await, Err(VerifyError::Rejected(_))));
+    assert!(matches!(
+        cache.verify("nope", "inference-cache").await,
+        Err(VerifyError::Rejected(_))
+    ));
     assert!(cache.verify("nope", "inference-cache").await.is_err());
     assert_eq!(inner.calls(), 4);
     advance(Duration::from_secs(11));
@@ -199,7 +245,9 @@ fn review_answer(token: &str) -> serde_json::Value {
             })),
         }),
         "api-audience" => json!({"authenticated": true, "user": sa_user(json!({}))}),
-        _ => json!({"authenticated": false, "error": "[invalid bearer token, square/go-jose: error in cryptographic primitive]"}),
+        _ => {
+            json!({"authenticated": false, "error": "[invalid bearer token, square/go-jose: error in cryptographic primitive]"})
+        }
     }
 }
 
@@ -233,7 +281,10 @@ async fn token_review_verifier_against_the_in_memory_api() {
     let v = KubeTokenVerifier::new(client);
 
     let id = v.verify("bound-a", "inference-cache").await.unwrap();
-    assert_eq!(id.username, "system:serviceaccount:inference-cache:inference-cache-agent");
+    assert_eq!(
+        id.username,
+        "system:serviceaccount:inference-cache:inference-cache-agent"
+    );
     assert_eq!(id.node.as_deref(), Some("node-a"));
 
     // Without the node-name extra (Kubernetes < 1.30) the bound pod's node is used.
@@ -258,7 +309,16 @@ async fn token_review_verifier_against_the_in_memory_api() {
         token: token.into(),
         ..Default::default()
     };
-    assert_eq!(auth.authenticate(&hello("node-a", "bound-a")).await.unwrap().node, "node-a");
-    let err = auth.authenticate(&hello("node-b", "bound-a")).await.unwrap_err();
+    assert_eq!(
+        auth.authenticate(&hello("node-a", "bound-a"))
+            .await
+            .unwrap()
+            .node,
+        "node-a"
+    );
+    let err = auth
+        .authenticate(&hello("node-b", "bound-a"))
+        .await
+        .unwrap_err();
     assert_eq!(err.to_status().code(), Code::PermissionDenied);
 }

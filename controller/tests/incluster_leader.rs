@@ -44,7 +44,11 @@ fn a_candidate_follows_a_live_lease_and_takes_over_an_expired_one() {
     match b.next_step(t(1010)) {
         Step::Follow { holder, until } => {
             assert_eq!(holder, "a");
-            assert_eq!(until, t(1015), "expiry runs on our clock from when we saw the record");
+            assert_eq!(
+                until,
+                t(1015),
+                "expiry runs on our clock from when we saw the record"
+            );
         }
         s => panic!("{s:?}"),
     }
@@ -74,11 +78,15 @@ fn a_released_lease_is_taken_at_once_and_renewals_keep_the_acquire_time() {
         ..Default::default()
     };
     a.observe(Some(&released), t(50));
-    let Step::Update(rec) = a.next_step(t(50)) else { panic!() };
+    let Step::Update(rec) = a.next_step(t(50)) else {
+        panic!()
+    };
     assert_eq!((rec.holder(), rec.transitions), (Some("a"), 5));
     a.succeeded(rec, t(50));
     assert!(a.is_leader(t(55)));
-    let Step::Update(renewal) = a.next_step(t(52)) else { panic!() };
+    let Step::Update(renewal) = a.next_step(t(52)) else {
+        panic!()
+    };
     assert_eq!(renewal.acquire_time, Some(t(50)));
     assert_eq!(renewal.renew_time, Some(t(52)));
     assert_eq!(renewal.transitions, 5, "a renewal is not a transition");
@@ -105,7 +113,10 @@ async fn two_replicas_elect_one_leader_through_the_api() {
     let mut a = Elector::new(cfg("a"));
     let mut b = Elector::new(cfg("b"));
 
-    assert!(attempt(&mut a, &lock, &clock).await.unwrap(), "a creates the Lease");
+    assert!(
+        attempt(&mut a, &lock, &clock).await.unwrap(),
+        "a creates the Lease"
+    );
     assert!(!attempt(&mut b, &lock, &clock).await.unwrap(), "b follows");
     let lease = Api::<Lease>::namespaced(client.clone(), "ic")
         .get("inference-cache-controller")
@@ -124,11 +135,23 @@ async fn two_replicas_elect_one_leader_through_the_api() {
 
     // a stops renewing (hung, partitioned): after the lease duration b takes over.
     clock.advance(Duration::from_secs(14));
-    assert!(!attempt(&mut b, &lock, &clock).await.unwrap(), "not yet expired on b's clock");
+    assert!(
+        !attempt(&mut b, &lock, &clock).await.unwrap(),
+        "not yet expired on b's clock"
+    );
     clock.advance(Duration::from_secs(2));
-    assert!(attempt(&mut b, &lock, &clock).await.unwrap(), "b takes over");
-    assert!(!a.is_leader(clock.now()), "a stopped leading at its renew deadline");
-    assert!(!attempt(&mut a, &lock, &clock).await.unwrap(), "a follows b now");
+    assert!(
+        attempt(&mut b, &lock, &clock).await.unwrap(),
+        "b takes over"
+    );
+    assert!(
+        !a.is_leader(clock.now()),
+        "a stopped leading at its renew deadline"
+    );
+    assert!(
+        !attempt(&mut a, &lock, &clock).await.unwrap(),
+        "a follows b now"
+    );
     let spec = Api::<Lease>::namespaced(client.clone(), "ic")
         .get("inference-cache-controller")
         .await
@@ -157,10 +180,16 @@ async fn a_write_with_a_stale_resource_version_loses_the_round() {
     let client = ClientBuilder::new().build().await.unwrap();
     let lock = LeaseLock::new(client, "ic", "l");
     assert!(lock.create(&held_by("a", 1, 0)).await.unwrap());
-    assert!(!lock.create(&held_by("b", 1, 0)).await.unwrap(), "409 on create");
+    assert!(
+        !lock.create(&held_by("b", 1, 0)).await.unwrap(),
+        "409 on create"
+    );
     let (_, rv) = lock.read().await.unwrap().unwrap();
     assert!(lock.replace(&held_by("a", 2, 0), rv.clone()).await.unwrap());
-    assert!(!lock.replace(&held_by("b", 2, 1), rv).await.unwrap(), "409 on a stale resourceVersion");
+    assert!(
+        !lock.replace(&held_by("b", 2, 1), rv).await.unwrap(),
+        "409 on a stale resourceVersion"
+    );
     assert_eq!(lock.read().await.unwrap().unwrap().0.holder(), Some("a"));
 }
 
@@ -182,5 +211,9 @@ async fn the_election_loop_publishes_leadership_and_releases_on_shutdown() {
     stop_tx.send(true).unwrap();
     election.task.await.unwrap();
     assert!(!election.handle.is_leader());
-    assert_eq!(lock.read().await.unwrap().unwrap().0.holder(), None, "released");
+    assert_eq!(
+        lock.read().await.unwrap().unwrap().0.holder(),
+        None,
+        "released"
+    );
 }

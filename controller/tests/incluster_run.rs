@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ic_controller::incluster::{self, InClusterConfig, LeaderElectionSettings, Overrides, WebhookSettings};
+use ic_controller::incluster::{
+    self, InClusterConfig, LeaderElectionSettings, Overrides, WebhookSettings,
+};
 use ic_controller::ingest::auth::{FakeTokenVerifier, ServiceAccountRef};
 use ic_controller::leader::{ElectionConfig, LeaseLock};
 use ic_controller::reconcile::nodes::NodeLoopConfig;
@@ -84,6 +86,54 @@ where
     }
 }
 
+/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
+/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
+/// create, status patch) onto one namespace of the in-memory store, so the controller's
+/// cluster-scoped calls run unchanged. Lists across the store need no mapping.
+#[derive(Clone)]
+struct ClusterScopeShim(kube::Client);
+
+impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
+    for ClusterScopeShim
+{
+    type Response = tonic::codegen::http::Response<kube::client::Body>;
+    type Error = kube::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
+        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default();
+        if let Some(rest) = pq.strip_prefix(PREFIX) {
+            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
+                *req.uri_mut() = format!(
+                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
+                )
+                .parse()
+                .unwrap();
+            }
+        }
+        let client = self.0.clone();
+        Box::pin(async move { client.send(req).await })
+    }
+}
+
+fn cluster_scoped(client: kube::Client) -> kube::Client {
+    kube::Client::new(ClusterScopeShim(client), "default")
+}
+
 #[tokio::test]
 async fn run_mode_end_to_end() {
     let client = ClientBuilder::new()
@@ -97,7 +147,9 @@ async fn run_mode_end_to_end() {
         .build()
         .await
         .unwrap();
-    let verifier = Arc::new(FakeTokenVerifier::new().with_token("tok-gpu-1", &agent_sa(), Some("gpu-1")));
+    let client = cluster_scoped(client);
+    let verifier =
+        Arc::new(FakeTokenVerifier::new().with_token("tok-gpu-1", &agent_sa(), Some("gpu-1")));
     let mut election = ElectionConfig::new("replica-1");
     election.retry_period = Duration::from_millis(100);
     let cfg = InClusterConfig {
@@ -161,10 +213,16 @@ async fn run_mode_end_to_end() {
         })),
     };
     tx.send(hello("gpu-1", "tok-gpu-1")).await.unwrap();
-    let mut down = agent.connect(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut down = agent
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     let plan = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            if let Some(controller_message::Msg::Plan(p)) = down.message().await.unwrap().unwrap().msg {
+            if let Some(controller_message::Msg::Plan(p)) =
+                down.message().await.unwrap().unwrap().msg
+            {
                 let plan = NodePlan::parse(&p.plan_json, "stream").unwrap();
                 if !plan.engines.is_empty() {
                     return (p.generation, plan);
@@ -176,15 +234,25 @@ async fn run_mode_end_to_end() {
     .unwrap();
     assert!(plan.0 >= 1);
     let e = &plan.1.engines[0];
-    assert_eq!((e.pod.as_str(), e.backend.as_str(), e.model.as_str()), ("vllm-0", "ns/cb", "m"));
+    assert_eq!(
+        (e.pod.as_str(), e.backend.as_str(), e.model.as_str()),
+        ("vllm-0", "ns/cb", "m")
+    );
     assert_eq!(e.kv_events[0].endpoint, "tcp://10.0.0.5:5557");
-    assert_eq!(e.kv_events[0].replay_endpoint.as_deref(), Some("tcp://10.0.0.5:5558"));
+    assert_eq!(
+        e.kv_events[0].replay_endpoint.as_deref(),
+        Some("tcp://10.0.0.5:5558")
+    );
 
     // gpu-1's token cannot report for gpu-2.
     let mut intruder = client_for(&url).await;
     let (itx, irx) = tokio::sync::mpsc::channel(1);
     itx.send(hello("gpu-2", "tok-gpu-1")).await.unwrap();
-    let refused = intruder.connect(ReceiverStream::new(irx)).await.err().unwrap();
+    let refused = intruder
+        .connect(ReceiverStream::new(irx))
+        .await
+        .err()
+        .unwrap();
     assert_eq!(refused.code(), tonic::Code::PermissionDenied);
 
     // A failing check shows up on the CacheNode and the backend within one report interval.
@@ -208,38 +276,69 @@ async fn run_mode_end_to_end() {
     let nodes: Api<CacheNode> = Api::all(client.clone());
     let backends: Api<CacheBackend> = Api::namespaced(client.clone(), "ns");
     let report_interval = Duration::from_secs(5);
-    wait_until("ShmHealthy=False on CacheNode gpu-1", report_interval, || {
-        let nodes = nodes.clone();
-        async move {
-            nodes.get_opt("gpu-1").await.unwrap().and_then(|n| n.status).is_some_and(|s| {
-                find_condition(&s.conditions, "ShmHealthy").is_some_and(|c| c.status == "False")
-            })
-        }
-    })
+    wait_until(
+        "ShmHealthy=False on CacheNode gpu-1",
+        report_interval,
+        || {
+            let nodes = nodes.clone();
+            async move {
+                nodes
+                    .get_opt("gpu-1")
+                    .await
+                    .unwrap()
+                    .and_then(|n| n.status)
+                    .is_some_and(|s| {
+                        find_condition(&s.conditions, "ShmHealthy")
+                            .is_some_and(|c| c.status == "False")
+                    })
+            }
+        },
+    )
     .await;
-    wait_until("NodeHealthy=False on CacheBackend ns/cb", report_interval, || {
-        let backends = backends.clone();
-        async move {
-            backends.get("cb").await.unwrap().status.is_some_and(|s| {
-                find_condition(&s.conditions, "NodeHealthy").is_some_and(|c| c.status == "False")
-            })
-        }
-    })
+    wait_until(
+        "NodeHealthy=False on CacheBackend ns/cb",
+        report_interval,
+        || {
+            let backends = backends.clone();
+            async move {
+                backends.get("cb").await.unwrap().status.is_some_and(|s| {
+                    find_condition(&s.conditions, "NodeHealthy")
+                        .is_some_and(|c| c.status == "False")
+                })
+            }
+        },
+    )
     .await;
     assert!(sent.elapsed() < report_interval);
     let cb = backends.get("cb").await.unwrap();
-    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy").unwrap().clone();
+    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy")
+        .unwrap()
+        .clone();
     assert_eq!(adv.reason, "NodeCheckFailing");
-    assert!(adv.message.contains("gpu-1: shm Critical (ShmUndersized)"), "{}", adv.message);
-    assert!(adv.message.contains("No node agent is connected on gpu-2"), "{}", adv.message);
+    assert!(
+        adv.message.contains("gpu-1: shm Critical (ShmUndersized)"),
+        "{}",
+        adv.message
+    );
+    assert!(
+        adv.message.contains("No node agent is connected on gpu-2"),
+        "{}",
+        adv.message
+    );
 
     // gpu-2 runs an engine pod but has no agent: it is reported, on its CacheNode and in metrics.
     let gpu2 = nodes.get("gpu-2").await.unwrap().status.unwrap();
     let c = find_condition(&gpu2.conditions, "AgentConnected").unwrap();
-    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "AgentNotConnected"));
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "AgentNotConnected")
+    );
     assert_eq!(gpu2.engine_count, 1);
     let metrics = shared.metrics.render();
-    assert!(metrics.contains("inferencecache_controller_nodes_without_agent 1"), "{metrics}");
+    assert!(
+        metrics.contains("inferencecache_controller_nodes_without_agent 1"),
+        "{metrics}"
+    );
     assert!(metrics.contains("inferencecache_controller_leader 1"));
 
     // Shutdown releases the Lease.

@@ -22,7 +22,9 @@ use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::crd::conditions::{find_condition, new_condition, ConditionStatus};
 use ic_shared::crd::{CacheBackend, CacheNode, CacheNodeStatus};
 use ic_shared::plan::{EnginePlan, KvEventSource, NodePlan};
-use ic_shared::proto::{self, agent_message::Msg, agent_service_client::AgentServiceClient, AgentMessage};
+use ic_shared::proto::{
+    self, agent_message::Msg, agent_service_client::AgentServiceClient, AgentMessage,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
@@ -57,10 +59,16 @@ fn shm(status: CheckStatus, reason: &str, msg: &str) -> CheckResult {
 }
 
 fn gpu(i: u32, status: CheckStatus, reason: &str) -> CheckResult {
-    CheckResult::new("gpu", format!("gpu{i}"), status, reason, format!("gpu{i} is {reason}"))
-        .with("index", i)
-        .with("uuid", format!("GPU-{i}"))
-        .with("name", "NVIDIA H200")
+    CheckResult::new(
+        "gpu",
+        format!("gpu{i}"),
+        status,
+        reason,
+        format!("gpu{i} is {reason}"),
+    )
+    .with("index", i)
+    .with("uuid", format!("GPU-{i}"))
+    .with("name", "NVIDIA H200")
 }
 
 fn engine(ns: &str, pod: &str, backend: &str) -> EnginePlan {
@@ -92,7 +100,11 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
         "gpu-1",
         true,
         vec![
-            shm(CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            shm(
+                CheckStatus::Critical,
+                "ShmUndersized",
+                "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB",
+            ),
             gpu(1, CheckStatus::Ok, "GpuOk"),
             gpu(0, CheckStatus::Warning, "GpuThrottled"),
             CheckResult::new("ports", "tcp/5557", CheckStatus::Ok, "PortHeld", "held"),
@@ -125,17 +137,44 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
     };
     let s = desired_status(&view, None, at(100));
     let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
-    assert_eq!(types, vec!["Ready", "AgentConnected", "GPUHealthy", "PortsHealthy", "ShmHealthy"]);
+    assert_eq!(
+        types,
+        vec![
+            "Ready",
+            "AgentConnected",
+            "GPUHealthy",
+            "PortsHealthy",
+            "ShmHealthy"
+        ]
+    );
     let ready = find_condition(&s.conditions, "Ready").unwrap();
-    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::CHECK_CRITICAL));
-    assert!(ready.message.contains("shm (ShmUndersized)"), "{}", ready.message);
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", reason::CHECK_CRITICAL)
+    );
+    assert!(
+        ready.message.contains("shm (ShmUndersized)"),
+        "{}",
+        ready.message
+    );
     let shm_c = find_condition(&s.conditions, "ShmHealthy").unwrap();
-    assert_eq!((shm_c.status.as_str(), shm_c.reason.as_str()), ("False", "ShmUndersized"));
+    assert_eq!(
+        (shm_c.status.as_str(), shm_c.reason.as_str()),
+        ("False", "ShmUndersized")
+    );
     assert!(shm_c.message.starts_with("/dev/shm is 64.0 MiB"));
     let gpu_c = find_condition(&s.conditions, "GPUHealthy").unwrap();
-    assert_eq!((gpu_c.status.as_str(), gpu_c.reason.as_str()), ("False", "GpuThrottled"));
+    assert_eq!(
+        (gpu_c.status.as_str(), gpu_c.reason.as_str()),
+        ("False", "GpuThrottled")
+    );
     assert_eq!(gpu_c.message, "gpu0: gpu0 is GpuThrottled");
-    assert_eq!(find_condition(&s.conditions, "PortsHealthy").unwrap().status, "True");
+    assert_eq!(
+        find_condition(&s.conditions, "PortsHealthy")
+            .unwrap()
+            .status,
+        "True"
+    );
     assert_eq!(s.gpu_count, 2);
     assert_eq!(s.gpus[0].index, 0);
     assert_eq!(s.gpus[0].uuid.as_deref(), Some("GPU-0"));
@@ -153,29 +192,70 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
 
 #[test]
 fn transition_times_move_only_when_a_status_changes() {
-    let bad = record("n", true, vec![shm(CheckStatus::Critical, "ShmUndersized", "a")], 1_000);
-    let view = NodeView { node: "n", record: Some(&bad), plan: None, replicas: &[] };
+    let bad = record(
+        "n",
+        true,
+        vec![shm(CheckStatus::Critical, "ShmUndersized", "a")],
+        1_000,
+    );
+    let view = NodeView {
+        node: "n",
+        record: Some(&bad),
+        plan: None,
+        replicas: &[],
+    };
     let first = desired_status(&view, None, at(100));
 
     // Same verdict, new message, later: transition times stay.
-    let bad2 = record("n", true, vec![shm(CheckStatus::Critical, "ShmUndersized", "b")], 2_000);
-    let view = NodeView { node: "n", record: Some(&bad2), plan: None, replicas: &[] };
+    let bad2 = record(
+        "n",
+        true,
+        vec![shm(CheckStatus::Critical, "ShmUndersized", "b")],
+        2_000,
+    );
+    let view = NodeView {
+        node: "n",
+        record: Some(&bad2),
+        plan: None,
+        replicas: &[],
+    };
     let second = desired_status(&view, Some(&first), at(200));
     let c = find_condition(&second.conditions, "ShmHealthy").unwrap();
-    assert_eq!((c.message.as_str(), &c.last_transition_time), ("b", &at(100)));
+    assert_eq!(
+        (c.message.as_str(), &c.last_transition_time),
+        ("b", &at(100))
+    );
 
     // Fixed: ShmHealthy and Ready flip, with the new time; AgentConnected keeps its time.
     let good = record("n", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 3_000);
-    let view = NodeView { node: "n", record: Some(&good), plan: None, replicas: &[] };
+    let view = NodeView {
+        node: "n",
+        record: Some(&good),
+        plan: None,
+        replicas: &[],
+    };
     let third = desired_status(&view, Some(&second), at(300));
-    for (t, status, time) in [("ShmHealthy", "True", 300), ("Ready", "True", 300), ("AgentConnected", "True", 100)] {
+    for (t, status, time) in [
+        ("ShmHealthy", "True", 300),
+        ("Ready", "True", 300),
+        ("AgentConnected", "True", 100),
+    ] {
         let c = find_condition(&third.conditions, t).unwrap();
-        assert_eq!((c.status.as_str(), &c.last_transition_time), (status, &at(time)), "{t}");
+        assert_eq!(
+            (c.status.as_str(), &c.last_transition_time),
+            (status, &at(time)),
+            "{t}"
+        );
     }
 
     // A check that stops reporting loses its condition.
     let none = record("n", true, vec![], 4_000);
-    let view = NodeView { node: "n", record: Some(&none), plan: None, replicas: &[] };
+    let view = NodeView {
+        node: "n",
+        record: Some(&none),
+        plan: None,
+        replicas: &[],
+    };
     let fourth = desired_status(&view, Some(&third), at(400));
     assert!(find_condition(&fourth.conditions, "ShmHealthy").is_none());
 }
@@ -183,22 +263,62 @@ fn transition_times_move_only_when_a_status_changes() {
 #[test]
 fn disconnected_missing_and_silent_agents() {
     let gone = record("n", false, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1_000);
-    let s = desired_status(&NodeView { node: "n", record: Some(&gone), plan: None, replicas: &[] }, None, at(1));
+    let s = desired_status(
+        &NodeView {
+            node: "n",
+            record: Some(&gone),
+            plan: None,
+            replicas: &[],
+        },
+        None,
+        at(1),
+    );
     let ready = find_condition(&s.conditions, "Ready").unwrap();
-    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::AGENT_DISCONNECTED));
-    assert_eq!(find_condition(&s.conditions, "ShmHealthy").unwrap().status, "True", "last report kept");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", reason::AGENT_DISCONNECTED)
+    );
+    assert_eq!(
+        find_condition(&s.conditions, "ShmHealthy").unwrap().status,
+        "True",
+        "last report kept"
+    );
 
     let p = plan(vec![engine("ns", "p", "ns/cb")]);
-    let s = desired_status(&NodeView { node: "n", record: None, plan: Some(&p), replicas: &[] }, None, at(1));
+    let s = desired_status(
+        &NodeView {
+            node: "n",
+            record: None,
+            plan: Some(&p),
+            replicas: &[],
+        },
+        None,
+        at(1),
+    );
     let c = find_condition(&s.conditions, "AgentConnected").unwrap();
-    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reason::AGENT_NOT_CONNECTED));
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", reason::AGENT_NOT_CONNECTED)
+    );
     assert_eq!(s.engine_count, 1);
     assert!(!s.engines[0].streams[0].connected);
 
     let quiet = record("n", true, vec![], 0);
-    let s = desired_status(&NodeView { node: "n", record: Some(&quiet), plan: None, replicas: &[] }, None, at(1));
+    let s = desired_status(
+        &NodeView {
+            node: "n",
+            record: Some(&quiet),
+            plan: None,
+            replicas: &[],
+        },
+        None,
+        at(1),
+    );
     let ready = find_condition(&s.conditions, "Ready").unwrap();
-    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("Unknown", reason::AWAITING_FIRST_REPORT));
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("Unknown", reason::AWAITING_FIRST_REPORT)
+    );
 }
 
 #[test]
@@ -217,21 +337,45 @@ fn writes_are_rate_limited_unless_a_condition_status_changes() {
         last_report_time: Some(at(report)),
         ..Default::default()
     };
-    assert_eq!(lim.decide("n", None, &status(1, "True"), t(0)), WriteDecision::Write("first"));
+    assert_eq!(
+        lim.decide("n", None, &status(1, "True"), t(0)),
+        WriteDecision::Write("first")
+    );
     lim.wrote("n", t(0));
     let stored = status(1, "True");
-    assert_eq!(lim.decide("n", Some(&stored), &status(1, "True"), t(5)), WriteDecision::Unchanged);
-    assert_eq!(lim.decide("n", Some(&stored), &status(6, "True"), t(6)), WriteDecision::RateLimited);
-    assert_eq!(lim.decide("n", Some(&stored), &status(6, "False"), t(6)), WriteDecision::Write("condition"));
-    assert_eq!(lim.decide("n", Some(&stored), &status(31, "True"), t(31)), WriteDecision::Write("interval"));
+    assert_eq!(
+        lim.decide("n", Some(&stored), &status(1, "True"), t(5)),
+        WriteDecision::Unchanged
+    );
+    assert_eq!(
+        lim.decide("n", Some(&stored), &status(6, "True"), t(6)),
+        WriteDecision::RateLimited
+    );
+    assert_eq!(
+        lim.decide("n", Some(&stored), &status(6, "False"), t(6)),
+        WriteDecision::Write("condition")
+    );
+    assert_eq!(
+        lim.decide("n", Some(&stored), &status(31, "True"), t(31)),
+        WriteDecision::Write("interval")
+    );
     // Another node has its own budget.
-    assert_eq!(lim.decide("m", Some(&stored), &status(6, "True"), t(6)), WriteDecision::Write("interval"));
+    assert_eq!(
+        lim.decide("m", Some(&stored), &status(6, "True"), t(6)),
+        WriteDecision::Write("interval")
+    );
 }
 
 #[test]
 fn advisory_names_nodes_and_checks_and_ignores_other_backends_pods() {
     let plans = BTreeMap::from([
-        ("n1".to_string(), plan(vec![engine("ns", "a-0", "ns/a"), engine("ns", "b-0", "ns/b")])),
+        (
+            "n1".to_string(),
+            plan(vec![
+                engine("ns", "a-0", "ns/a"),
+                engine("ns", "b-0", "ns/b"),
+            ]),
+        ),
         ("n2".to_string(), plan(vec![engine("ns", "a-1", "ns/a")])),
         ("n3".to_string(), plan(vec![engine("ns", "c-0", "ns/c")])),
         ("n4".to_string(), plan(vec![engine("ns", "d-0", "ns/d")])),
@@ -244,29 +388,65 @@ fn advisory_names_nodes_and_checks_and_ignores_other_backends_pods() {
                 true,
                 vec![
                     // About b's pod only.
-                    CheckResult::new("mp_worker", "ns/b-0", CheckStatus::Critical, "MpWorkerNotListening", "x"),
+                    CheckResult::new(
+                        "mp_worker",
+                        "ns/b-0",
+                        CheckStatus::Critical,
+                        "MpWorkerNotListening",
+                        "x",
+                    ),
                     shm(CheckStatus::Ok, "ShmOk", "ok"),
                 ],
                 1,
             ),
         ),
-        ("n2".to_string(), record("n2", true, vec![gpu(0, CheckStatus::Critical, "XidFatal")], 1)),
+        (
+            "n2".to_string(),
+            record(
+                "n2",
+                true,
+                vec![gpu(0, CheckStatus::Critical, "XidFatal")],
+                1,
+            ),
+        ),
         ("n4".to_string(), record("n4", true, vec![], 0)),
     ]);
     let adv = advisory::advisories(&plans, &records);
     let a = &adv["ns/a"];
-    assert_eq!((a.status, a.reason), (ConditionStatus::False, adv_reason::NODE_CHECK_FAILING));
-    assert!(a.message.contains("n2: gpu Critical (XidFatal)"), "{}", a.message);
-    assert!(!a.message.contains("mp_worker"), "b's pod result does not count for a: {}", a.message);
+    assert_eq!(
+        (a.status, a.reason),
+        (ConditionStatus::False, adv_reason::NODE_CHECK_FAILING)
+    );
+    assert!(
+        a.message.contains("n2: gpu Critical (XidFatal)"),
+        "{}",
+        a.message
+    );
+    assert!(
+        !a.message.contains("mp_worker"),
+        "b's pod result does not count for a: {}",
+        a.message
+    );
     let b = &adv["ns/b"];
-    assert!(b.message.contains("n1: mp_worker Critical (MpWorkerNotListening)"));
+    assert!(b
+        .message
+        .contains("n1: mp_worker Critical (MpWorkerNotListening)"));
     let c = &adv["ns/c"];
-    assert_eq!((c.status, c.reason), (ConditionStatus::Unknown, adv_reason::NODE_AGENT_NOT_CONNECTED));
+    assert_eq!(
+        (c.status, c.reason),
+        (
+            ConditionStatus::Unknown,
+            adv_reason::NODE_AGENT_NOT_CONNECTED
+        )
+    );
     assert!(c.message.contains("n3"));
     assert_eq!(adv["ns/d"].reason, adv_reason::NODE_REPORT_PENDING);
     let healthy = advisory::advisories(
         &BTreeMap::from([("n1".to_string(), plan(vec![engine("ns", "a-0", "ns/a")]))]),
-        &BTreeMap::from([("n1".to_string(), record("n1", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1))]),
+        &BTreeMap::from([(
+            "n1".to_string(),
+            record("n1", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1),
+        )]),
     );
     assert_eq!(healthy["ns/a"].status, ConditionStatus::True);
     assert_eq!(healthy["ns/a"].reason, adv_reason::NODES_HEALTHY);
@@ -285,6 +465,54 @@ fn cache_backend(ns: &str, name: &str) -> CacheBackend {
     .unwrap()
 }
 
+/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
+/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
+/// create, status patch) onto one namespace of the in-memory store, so the controller's
+/// cluster-scoped calls run unchanged. Lists across the store need no mapping.
+#[derive(Clone)]
+struct ClusterScopeShim(kube::Client);
+
+impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
+    for ClusterScopeShim
+{
+    type Response = tonic::codegen::http::Response<kube::client::Body>;
+    type Error = kube::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
+        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default();
+        if let Some(rest) = pq.strip_prefix(PREFIX) {
+            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
+                *req.uri_mut() = format!(
+                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
+                )
+                .parse()
+                .unwrap();
+            }
+        }
+        let client = self.0.clone();
+        Box::pin(async move { client.send(req).await })
+    }
+}
+
+fn cluster_scoped(client: kube::Client) -> kube::Client {
+    kube::Client::new(ClusterScopeShim(client), "default")
+}
+
 async fn fake_client(objects: Vec<CacheBackend>) -> kube::Client {
     let mut b = ClientBuilder::new()
         .with_resource::<CacheNode>()
@@ -294,10 +522,15 @@ async fn fake_client(objects: Vec<CacheBackend>) -> kube::Client {
     for o in objects {
         b = b.with_object(o);
     }
-    b.build().await.unwrap()
+    cluster_scoped(b.build().await.unwrap())
 }
 
-fn check(name: &str, status: proto::CheckStatus, reason: &str, message: &str) -> proto::CheckResult {
+fn check(
+    name: &str,
+    status: proto::CheckStatus,
+    reason: &str,
+    message: &str,
+) -> proto::CheckResult {
     proto::CheckResult {
         name: name.into(),
         subject: "host".into(),
@@ -326,12 +559,19 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     .unwrap();
     let shared = stack.shared.clone();
     // The plan book says backend ns/cb runs pod vllm-0 on gpu-1 (as the publisher derives it).
-    shared.nodes.lock().publish_plans(BTreeMap::from([(
-        "gpu-1".to_string(),
-        plan(vec![engine("ns", "vllm-0", "ns/cb")]),
-    )]));
+    shared.nodes.lock().publish_plans(
+        BTreeMap::from([(
+            "gpu-1".to_string(),
+            plan(vec![engine("ns", "vllm-0", "ns/cb")]),
+        )]),
+        1,
+    );
 
-    let client = fake_client(vec![cache_backend("ns", "cb"), cache_backend("ns", "other")]).await;
+    let client = fake_client(vec![
+        cache_backend("ns", "cb"),
+        cache_backend("ns", "other"),
+    ])
+    .await;
     let clock = FakeClock::at_unix_seconds(1_800_000_000);
     let mut writer = CacheNodeWriter::new(client.clone(), Duration::from_secs(30));
 
@@ -353,7 +593,11 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     })))
     .await
     .unwrap();
-    let mut downstream = agent.connect(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut downstream = agent
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     // The plan published before the agent connected arrives first.
     match downstream.message().await.unwrap().unwrap().msg {
         Some(proto::controller_message::Msg::Plan(p)) => assert_eq!(p.generation, 1),
@@ -364,7 +608,12 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         observed_at_unix_ms: 1_800_000_000_000,
         plan_generation: 1,
         results: vec![
-            check("shm", proto::CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            check(
+                "shm",
+                proto::CheckStatus::Critical,
+                "ShmUndersized",
+                "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB",
+            ),
             check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
         ],
     })))
@@ -374,7 +623,12 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             changes.changed().await.unwrap();
-            if shared.nodes.lock().get("gpu-1").is_some_and(|r| !r.checks.is_empty()) {
+            if shared
+                .nodes
+                .lock()
+                .get("gpu-1")
+                .is_some_and(|r| !r.checks.is_empty())
+            {
                 break;
             }
         }
@@ -386,24 +640,45 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     let snap = NodeSnapshot::take(&shared);
     let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
     assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("first")));
-    let report = write_advisories(&client, &snap, &clock, None).await.unwrap();
+    let report = write_advisories(&client, &snap, &clock, None)
+        .await
+        .unwrap();
     assert_eq!(report.written, vec!["ns/cb".to_string()]);
 
-    let cn = Api::<CacheNode>::all(client.clone()).get("gpu-1").await.unwrap();
+    let cn = Api::<CacheNode>::all(client.clone())
+        .get("gpu-1")
+        .await
+        .unwrap();
     assert_eq!(cn.spec.node_name.as_deref(), Some("gpu-1"));
     let st = cn.status.unwrap();
     let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
-    assert_eq!((shm_c.status.as_str(), shm_c.reason.as_str()), ("False", "ShmUndersized"));
+    assert_eq!(
+        (shm_c.status.as_str(), shm_c.reason.as_str()),
+        ("False", "ShmUndersized")
+    );
     assert_eq!(shm_c.last_transition_time, to_time(clock.now()));
-    assert_eq!(find_condition(&st.conditions, "Ready").unwrap().status, "False");
+    assert_eq!(
+        find_condition(&st.conditions, "Ready").unwrap().status,
+        "False"
+    );
     assert_eq!(st.agent_version.as_deref(), Some("0.1.0"));
     assert_eq!(st.observed_plan_generation, Some(1));
 
-    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("cb").await.unwrap();
+    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns")
+        .get("cb")
+        .await
+        .unwrap();
     let conds = cb.status.unwrap().conditions;
     let adv = find_condition(&conds, "NodeHealthy").unwrap();
-    assert_eq!((adv.status.as_str(), adv.reason.as_str()), ("False", "NodeCheckFailing"));
-    assert!(adv.message.contains("gpu-1: shm Critical (ShmUndersized)"), "{}", adv.message);
+    assert_eq!(
+        (adv.status.as_str(), adv.reason.as_str()),
+        ("False", "NodeCheckFailing")
+    );
+    assert!(
+        adv.message.contains("gpu-1: shm Critical (ShmUndersized)"),
+        "{}",
+        adv.message
+    );
     assert_eq!(adv.observed_generation, Some(2));
     assert_eq!(
         find_condition(&conds, "Ready").map(|c| c.reason.as_str()),
@@ -411,7 +686,10 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         "the reconciler's conditions are left alone"
     );
     // A backend without engine pods on the node gets no advisory.
-    let other = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("other").await.unwrap();
+    let other = Api::<CacheBackend>::namespaced(client.clone(), "ns")
+        .get("other")
+        .await
+        .unwrap();
     assert!(find_condition(&other.status.unwrap().conditions, "NodeHealthy").is_none());
 
     // The next identical pass writes nothing; only lastReportTime moving is rate-limited.
@@ -422,7 +700,12 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         observed_at_unix_ms: 1_800_000_005_000,
         plan_generation: 1,
         results: vec![
-            check("shm", proto::CheckStatus::Critical, "ShmUndersized", "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB"),
+            check(
+                "shm",
+                proto::CheckStatus::Critical,
+                "ShmUndersized",
+                "/dev/shm is 64.0 MiB but the plan requires 1.0 GiB",
+            ),
             check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
         ],
     })))
@@ -448,30 +731,57 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     let snap = NodeSnapshot::take(&shared);
     let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
     assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("condition")));
-    write_advisories(&client, &snap, &clock, None).await.unwrap();
-    let st = Api::<CacheNode>::all(client.clone()).get("gpu-1").await.unwrap().status.unwrap();
+    write_advisories(&client, &snap, &clock, None)
+        .await
+        .unwrap();
+    let st = Api::<CacheNode>::all(client.clone())
+        .get("gpu-1")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
     let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
     assert_eq!(shm_c.status, "True");
     assert_eq!(shm_c.last_transition_time, to_time(clock.now()));
-    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns").get("cb").await.unwrap();
-    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy").unwrap().clone();
-    assert_eq!((adv.status.as_str(), adv.reason.as_str()), ("True", "NodesHealthy"));
+    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns")
+        .get("cb")
+        .await
+        .unwrap();
+    let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (adv.status.as_str(), adv.reason.as_str()),
+        ("True", "NodesHealthy")
+    );
 
     // A concurrent write by the reconciler (another resourceVersion) is not lost: the advisory
     // write re-reads on 409 and keeps the reconciler's condition.
     let api = Api::<CacheBackend>::namespaced(client.clone(), "ns");
     let mut stale = cb.clone();
     let mut fresh = cb.clone();
-    fresh.status.as_mut().unwrap().conditions.push(new_condition(
-        "Degraded",
-        ConditionStatus::False,
-        "NotDegraded",
-        "",
-        None,
-        at(5),
-    ));
-    api.replace_status("cb", &PostParams::default(), &fresh).await.unwrap();
-    stale.status.as_mut().unwrap().conditions.retain(|c| c.type_ != "NodeHealthy");
+    fresh
+        .status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .push(new_condition(
+            "Degraded",
+            ConditionStatus::False,
+            "NotDegraded",
+            "",
+            None,
+            at(5),
+        ));
+    api.replace_status("cb", &PostParams::default(), &fresh)
+        .await
+        .unwrap();
+    stale
+        .status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .retain(|c| c.type_ != "NodeHealthy");
     let desired = BTreeMap::from([(
         "ns/cb".to_string(),
         advisory::NodeAdvisory {
@@ -484,13 +794,21 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     assert_eq!(r.written, vec!["ns/cb".to_string()]);
     let conds = api.get("cb").await.unwrap().status.unwrap().conditions;
     assert!(find_condition(&conds, "Degraded").is_some());
-    assert_eq!(find_condition(&conds, "NodeHealthy").unwrap().status, "False");
+    assert_eq!(
+        find_condition(&conds, "NodeHealthy").unwrap().status,
+        "False"
+    );
 }
 
 async fn wait_for_report(shared: &ic_controller::state::Shared, ms: i64) {
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            if shared.nodes.lock().get("gpu-1").is_some_and(|r| r.last_report_unix_ms == ms) {
+            if shared
+                .nodes
+                .lock()
+                .get("gpu-1")
+                .is_some_and(|r| r.last_report_unix_ms == ms)
+            {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use ic_controller::reconcile::nodes::plans::{self, derive_plans, issue, TENSOR_PARALLEL_SHM_BYTES};
+use ic_controller::reconcile::nodes::plans::{
+    self, derive_plans, issue, TENSOR_PARALLEL_SHM_BYTES,
+};
 use ic_shared::crd::CacheBackend;
 use ic_shared::plan::{HashScheme, KvEventSource, NodePlan, PortExpect};
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
@@ -46,9 +48,18 @@ fn backend(ns: &str, name: &str, spec: serde_json::Value) -> CacheBackend {
 fn wire(mut pod: Pod, node: &str, ip: &str, backend: &str, phase: &str) -> Pod {
     let ns = pod.metadata.namespace.clone().unwrap();
     pod.metadata.uid = Some(format!("pod-uid-{}", pod.metadata.name.clone().unwrap()));
-    let ann = pod.metadata.annotations.get_or_insert_with(Default::default);
-    ann.insert("inferencecache.io/injected-by".into(), format!("{ns}/{backend}"));
-    ann.insert("inferencecache.io/injected-by-uid".into(), format!("uid-{backend}"));
+    let ann = pod
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    ann.insert(
+        "inferencecache.io/injected-by".into(),
+        format!("{ns}/{backend}"),
+    );
+    ann.insert(
+        "inferencecache.io/injected-by-uid".into(),
+        format!("uid-{backend}"),
+    );
     pod.spec.as_mut().unwrap().node_name = Some(node.into());
     pod.status = Some(PodStatus {
         phase: Some(phase.into()),
@@ -103,11 +114,10 @@ fn sglang_hostnet_pod() -> Pod {
     let mut pod = fixture("13-llmd-sglang-mooncake-sh-c-dashdash-args.yaml");
     let spec = pod.spec.as_mut().unwrap();
     spec.host_network = Some(true);
-    spec.containers[0]
-        .args
-        .as_mut()
-        .unwrap()
-        .push(r#"--kv-events-config={"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}"#.into());
+    spec.containers[0].args.as_mut().unwrap().push(
+        r#"--kv-events-config={"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}"#
+            .into(),
+    );
     wire(pod, "gpu-2", "192.168.1.10", "cb-sglang", "Running")
 }
 
@@ -134,7 +144,10 @@ fn vllm_engine_gets_one_publisher_per_dp_rank_at_the_pod_ip() {
     let e = &plan.engines[0];
     assert_eq!(e.namespace, "default");
     assert_eq!(e.pod, "vllm-mistral-deployment-vllm-5c9d7f8b6-h7kzp");
-    assert_eq!(e.pod_uid.as_deref(), Some("pod-uid-vllm-mistral-deployment-vllm-5c9d7f8b6-h7kzp"));
+    assert_eq!(
+        e.pod_uid.as_deref(),
+        Some("pod-uid-vllm-mistral-deployment-vllm-5c9d7f8b6-h7kzp")
+    );
     assert_eq!(e.model, "mistralai/Mistral-7B-Instruct-v0.2");
     assert_eq!(e.backend, "default/cb-vllm");
     assert_eq!(e.hash_scheme, HashScheme::Vllm);
@@ -160,18 +173,34 @@ fn sglang_mp_worker_host_network_pod_plans_shm_worker_port_and_host_ports() {
     assert_eq!(e.hash_scheme, HashScheme::Sglang);
     assert_eq!(e.block_size, 64, "--page-size=64");
     assert_eq!(e.mp_worker_port, Some(6000));
-    assert_eq!(e.shm_required_bytes, Some(8 << 30), "the MP worker's L1 (8Gi) exceeds the TP minimum");
-    assert_eq!(e.kv_events, vec![src("tcp://192.168.1.10:5557", None, "kv-events", 0)]);
+    assert_eq!(
+        e.shm_required_bytes,
+        Some(8 << 30),
+        "the MP worker's L1 (8Gi) exceeds the TP minimum"
+    );
+    assert_eq!(
+        e.kv_events,
+        vec![src("tcp://192.168.1.10:5557", None, "kv-events", 0)]
+    );
     // Ready hostNetwork pod: its KV-event and MP-worker ports must be held by the pod.
     let ports: Vec<(u16, PortExpect, Option<String>)> = plan
         .ports
         .iter()
-        .map(|p| (p.port, p.expect, p.owner.as_ref().and_then(|o| o.pod_uid.clone())))
+        .map(|p| {
+            (
+                p.port,
+                p.expect,
+                p.owner.as_ref().and_then(|o| o.pod_uid.clone()),
+            )
+        })
         .collect();
     let uid = Some("pod-uid-tiered-prefix-cache-gpu-sglang-decode-6c7d8f9b5-zx4hw".to_string());
     assert_eq!(
         ports,
-        vec![(5557, PortExpect::Held, uid.clone()), (6000, PortExpect::Held, uid)]
+        vec![
+            (5557, PortExpect::Held, uid.clone()),
+            (6000, PortExpect::Held, uid)
+        ]
     );
     assert!(plan.ports[1].purpose.contains("MP worker"));
     // The pod does not use the host IPC namespace: no node-level shm requirement.
@@ -267,21 +296,27 @@ fn mooncake_master_placement_reserves_its_host_ports() {
     let ports: Vec<(u16, PortExpect)> = plan.ports.iter().map(|p| (p.port, p.expect)).collect();
     assert_eq!(
         ports,
-        vec![(8080, PortExpect::Free), (9003, PortExpect::Free), (50051, PortExpect::Free)],
+        vec![
+            (8080, PortExpect::Free),
+            (9003, PortExpect::Free),
+            (50051, PortExpect::Free)
+        ],
         "a scheduled master that has not started needs its ports free"
     );
     let derived = derive_plans(&[mooncake_master("Running")], &[]);
     let plan = &derived.plans["cpu-1"];
+    assert!(plan.ports.iter().all(|p| p.expect == PortExpect::Held
+        && p.owner.as_ref().and_then(|o| o.pod_uid.as_deref()) == Some("master-uid")));
     assert!(plan
         .ports
         .iter()
-        .all(|p| p.expect == PortExpect::Held
-            && p.owner.as_ref().and_then(|o| o.pod_uid.as_deref()) == Some("master-uid")));
-    assert!(plan.ports.iter().any(|p| p.port == 50051 && p.purpose.contains("RPC")));
+        .any(|p| p.port == 50051 && p.purpose.contains("RPC")));
     // A started but not yet Ready master is not judged.
     let mut starting = mooncake_master("Running");
     starting.status.as_mut().unwrap().conditions = None;
-    assert!(derive_plans(&[starting], &[]).plans["cpu-1"].ports.is_empty());
+    assert!(derive_plans(&[starting], &[]).plans["cpu-1"]
+        .ports
+        .is_empty());
 }
 
 #[test]
@@ -294,21 +329,19 @@ fn unwired_stale_orphaned_and_finished_pods_are_not_planned() {
     let stale = {
         let mut p = vllm_pod();
         p.metadata.name = Some("stale".into());
-        p.metadata
-            .annotations
-            .as_mut()
-            .unwrap()
-            .insert("inferencecache.io/injected-by-uid".into(), "uid-of-an-older-cb".into());
+        p.metadata.annotations.as_mut().unwrap().insert(
+            "inferencecache.io/injected-by-uid".into(),
+            "uid-of-an-older-cb".into(),
+        );
         p
     };
     let orphan = {
         let mut p = vllm_pod();
         p.metadata.name = Some("orphan".into());
-        p.metadata
-            .annotations
-            .as_mut()
-            .unwrap()
-            .insert("inferencecache.io/injected-by".into(), "default/gone".into());
+        p.metadata.annotations.as_mut().unwrap().insert(
+            "inferencecache.io/injected-by".into(),
+            "default/gone".into(),
+        );
         p
     };
     let finished = {
@@ -323,11 +356,17 @@ fn unwired_stale_orphaned_and_finished_pods_are_not_planned() {
         p.spec.as_mut().unwrap().node_name = None;
         p
     };
-    let derived = derive_plans(&[unwired, stale, orphan, finished, unscheduled], &[vllm_backend()]);
+    let derived = derive_plans(
+        &[unwired, stale, orphan, finished, unscheduled],
+        &[vllm_backend()],
+    );
     assert!(derived.plans.is_empty(), "{:?}", derived.plans);
     let mut reasons: Vec<&str> = derived.issues.iter().map(|i| i.reason).collect();
     reasons.sort();
-    assert_eq!(reasons, vec![issue::BACKEND_NOT_FOUND, issue::STALE_INJECTION]);
+    assert_eq!(
+        reasons,
+        vec![issue::BACKEND_NOT_FOUND, issue::STALE_INJECTION]
+    );
 }
 
 #[test]
@@ -361,7 +400,10 @@ fn plans_are_deterministic_and_readable_by_the_agent() {
     reversed.reverse();
     let b = derive_plans(&reversed, &backends);
     assert_eq!(a, b);
-    assert_eq!(a.plans.keys().collect::<Vec<_>>(), vec!["cpu-1", "gpu-1", "gpu-2"]);
+    assert_eq!(
+        a.plans.keys().collect::<Vec<_>>(),
+        vec!["cpu-1", "gpu-1", "gpu-2"]
+    );
     // What the controller sends is what `ic-agent` parses (unknown fields are rejected there).
     for plan in a.plans.values() {
         let json = serde_json::to_string(plan).unwrap();

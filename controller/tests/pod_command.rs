@@ -5,6 +5,8 @@
 //! restricted security contexts — and a fail-open with the reason whenever the command cannot
 //! be changed safely.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod pod_support;
 
 use ic_controller::admission::pod::{PodWebhookConfig, REASON_INJECTED};
@@ -58,7 +60,10 @@ fn sglang_mp() -> Vec<CacheBackend> {
     vec![backend("SGLang", json!({}))]
 }
 
-fn wire(p: &Value, backends: &[CacheBackend]) -> (ic_controller::admission::pod::PodOutcome, Value) {
+fn wire(
+    p: &Value,
+    backends: &[CacheBackend],
+) -> (ic_controller::admission::pod::PodOutcome, Value) {
     let (o, w) = admit_converged(p, backends, &PodWebhookConfig::default());
     assert_eq!(o.reason, REASON_INJECTED, "{}", o.reason);
     (o, w)
@@ -66,17 +71,26 @@ fn wire(p: &Value, backends: &[CacheBackend]) -> (ic_controller::admission::pod:
 
 fn fail_open(p: &Value, backends: &[CacheBackend]) -> String {
     let o = admit(p, backends, &PodWebhookConfig::default());
-    assert_eq!(o.patch, None, "fail-open must not change a clean pod: {}", o.reason);
+    assert_eq!(
+        o.patch, None,
+        "fail-open must not change a clean pod: {}",
+        o.reason
+    );
     o.reason
 }
 
 #[test]
 fn sh_c_script_gets_the_flag_shell_quoted() {
-    let p = pod(json!([engine(json!(["/bin/sh", "-c"]), json!(["vllm serve m --max_num_batched_tokens 1024"]))]));
+    let p = pod(json!([engine(
+        json!(["/bin/sh", "-c"]),
+        json!(["vllm serve m --max_num_batched_tokens 1024"])
+    )]));
     let (_, w) = wire(&p, &vllm());
     assert_eq!(
         strings(&container(&w, "engine")["args"]),
-        vec![format!("vllm serve m --max_num_batched_tokens 1024 --kv-transfer-config '{KV}'")]
+        vec![format!(
+            "vllm serve m --max_num_batched_tokens 1024 --kv-transfer-config '{KV}'"
+        )]
     );
 }
 
@@ -89,27 +103,48 @@ fn bash_c_multiline_script_with_trailing_backslashes() {
         strings(&container(&w, "engine")["command"])[2],
         format!("set -euo pipefail\npip install --quiet lmcache==0.3.9\nexec vllm serve \"$MODEL\" \\\n  --port 8000 \\\n  --gpu-memory-utilization 0.9 --kv-transfer-config '{KV}' \\\n")
     );
-    assert!(o.warnings.iter().any(|w| w.contains("$MODEL")), "{:?}", o.warnings);
+    assert!(
+        o.warnings.iter().any(|w| w.contains("$MODEL")),
+        "{:?}",
+        o.warnings
+    );
 }
 
 #[test]
 fn dollar_at_forwarding_appends_to_args() {
     let p = pod(json!([engine(
-        json!(["/bin/sh", "-c", "python3 /scripts/render.py || exit 1\nexec vllm serve \"$@\"\n", "--"]),
+        json!([
+            "/bin/sh",
+            "-c",
+            "python3 /scripts/render.py || exit 1\nexec vllm serve \"$@\"\n",
+            "--"
+        ]),
         json!(["m", "--port=8000"])
     )]));
     let (_, w) = wire(&p, &vllm());
     let c = container(&w, "engine");
-    assert_eq!(strings(&c["command"]), strings(&p["spec"]["containers"][0]["command"]));
-    assert_eq!(strings(&c["args"]), vec!["m", "--port=8000", "--kv-transfer-config", KV]);
+    assert_eq!(
+        strings(&c["command"]),
+        strings(&p["spec"]["containers"][0]["command"])
+    );
+    assert_eq!(
+        strings(&c["args"]),
+        vec!["m", "--port=8000", "--kv-transfer-config", KV]
+    );
 }
 
 #[test]
 fn command_only_pod_gets_an_args_list() {
-    let p = pod(json!([engine(json!(["/opt/venv/bin/vllm", "serve", "m", "--port", "8000"]), Value::Null)]));
+    let p = pod(json!([engine(
+        json!(["/opt/venv/bin/vllm", "serve", "m", "--port", "8000"]),
+        Value::Null
+    )]));
     let (_, w) = wire(&p, &vllm());
     let c = container(&w, "engine");
-    assert_eq!(strings(&c["command"]), vec!["/opt/venv/bin/vllm", "serve", "m", "--port", "8000"]);
+    assert_eq!(
+        strings(&c["command"]),
+        vec!["/opt/venv/bin/vllm", "serve", "m", "--port", "8000"]
+    );
     assert_eq!(strings(&c["args"]), vec!["--kv-transfer-config", KV]);
 }
 
@@ -117,7 +152,10 @@ fn command_only_pod_gets_an_args_list() {
 fn image_entrypoint_args_only() {
     let p = pod(json!([engine(Value::Null, json!(["--model", "m"]))]));
     let (_, w) = wire(&p, &vllm());
-    assert_eq!(strings(&container(&w, "engine")["args"]), vec!["--model", "m", "--kv-transfer-config", KV]);
+    assert_eq!(
+        strings(&container(&w, "engine")["args"]),
+        vec!["--model", "m", "--kv-transfer-config", KV]
+    );
 }
 
 #[test]
@@ -139,18 +177,39 @@ fn existing_connector_in_every_spelling_is_never_duplicated() {
     ] {
         let p = pod(json!([engine(json!(["vllm", "serve", "m"]), args.clone())]));
         let (_, w) = wire(&p, &vllm());
-        assert_eq!(container(&w, "engine")["args"], args, "adopted byte for byte");
+        assert_eq!(
+            container(&w, "engine")["args"],
+            args,
+            "adopted byte for byte"
+        );
     }
     // Inside a script too.
-    let p = pod(json!([engine(json!(["sh", "-c", format!("vllm serve m --kv_transfer_config '{KV}'")]), Value::Null)]));
+    let p = pod(json!([engine(
+        json!([
+            "sh",
+            "-c",
+            format!("vllm serve m --kv_transfer_config '{KV}'")
+        ]),
+        Value::Null
+    )]));
     let (_, w) = wire(&p, &vllm());
-    assert_eq!(container(&w, "engine")["command"], p["spec"]["containers"][0]["command"]);
+    assert_eq!(
+        container(&w, "engine")["command"],
+        p["spec"]["containers"][0]["command"]
+    );
 }
 
 #[test]
 fn a_different_connector_fails_open() {
     let other = r#"{"kv_connector":"LMCacheMPConnector","kv_role":"kv_both"}"#;
-    let p = pod(json!([engine(json!(["sh", "-c", format!("exec vllm serve m --kv-transfer-config '{other}'")]), Value::Null)]));
+    let p = pod(json!([engine(
+        json!([
+            "sh",
+            "-c",
+            format!("exec vllm serve m --kv-transfer-config '{other}'")
+        ]),
+        Value::Null
+    )]));
     assert_eq!(
         fail_open(&p, &vllm()),
         "CacheBackend ns/cb: container \"engine\" already sets --kv-transfer-config with kv_connector \"LMCacheMPConnector\"; refusing to replace the operator's connector with LMCacheConnectorV1; pod admitted unwired"
@@ -159,7 +218,14 @@ fn a_different_connector_fails_open() {
 
 #[test]
 fn connector_from_a_shell_variable_fails_open() {
-    let p = pod(json!([engine(json!(["sh", "-c", "vllm serve m --kv-transfer-config \"$KV_CONFIG\""]), Value::Null)]));
+    let p = pod(json!([engine(
+        json!([
+            "sh",
+            "-c",
+            "vllm serve m --kv-transfer-config \"$KV_CONFIG\""
+        ]),
+        Value::Null
+    )]));
     assert_eq!(
         fail_open(&p, &vllm()),
         "CacheBackend ns/cb: container \"engine\": the value of --kv-transfer-config is a shell expansion ($KV_CONFIG) that cannot be checked; pod admitted unwired"
@@ -190,7 +256,10 @@ fn engine_not_the_first_container() {
     ]));
     let (_, w) = wire(&p, &vllm());
     assert_eq!(container(&w, "proxy"), container(&p, "proxy"));
-    assert_eq!(strings(&container(&w, "engine")["args"]), vec!["--model", "m", "--kv-transfer-config", KV]);
+    assert_eq!(
+        strings(&container(&w, "engine")["args"]),
+        vec!["--model", "m", "--kv-transfer-config", KV]
+    );
 }
 
 #[test]
@@ -219,27 +288,48 @@ fn sglang_engine(mounts: Value) -> Value {
 
 #[test]
 fn dev_shm_under_any_volume_name_is_reused() {
-    let mut p = pod(json!([sglang_engine(json!([{"name": "my-shm", "mountPath": "/dev/shm"}]))]));
-    p["spec"]["volumes"] = json!([{"name": "my-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}]);
+    let mut p = pod(json!([sglang_engine(
+        json!([{"name": "my-shm", "mountPath": "/dev/shm"}])
+    )]));
+    p["spec"]["volumes"] =
+        json!([{"name": "my-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}]);
     let (o, w) = wire(&p, &sglang_mp());
     assert!(o.warnings.is_empty(), "{:?}", o.warnings);
-    let vols: Vec<&str> = w["spec"]["volumes"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    let vols: Vec<&str> = w["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
     assert_eq!(vols, vec!["my-shm", "lmcache-config"]);
     let worker = init_container(&w, "lmcache-mp-worker").unwrap();
-    assert!(worker["volumeMounts"].as_array().unwrap().iter().any(|m| m["name"] == "my-shm" && m["mountPath"] == "/dev/shm"));
+    assert!(worker["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["name"] == "my-shm" && m["mountPath"] == "/dev/shm"));
     // The engine keeps its one /dev/shm mount (a duplicate mountPath is an invalid pod).
-    let shm_mounts = container(&w, "sglang")["volumeMounts"].as_array().unwrap().iter().filter(|m| m["mountPath"] == "/dev/shm").count();
+    let shm_mounts = container(&w, "sglang")["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["mountPath"] == "/dev/shm")
+        .count();
     assert_eq!(shm_mounts, 1);
 }
 
 #[test]
 fn read_only_or_projected_dev_shm_fails_open() {
-    let p = pod(json!([sglang_engine(json!([{"name": "s", "mountPath": "/dev/shm", "readOnly": true}]))]));
+    let p = pod(json!([sglang_engine(
+        json!([{"name": "s", "mountPath": "/dev/shm", "readOnly": true}])
+    )]));
     assert_eq!(
         fail_open(&p, &sglang_mp()),
         "CacheBackend ns/cb: container \"sglang\" mounts /dev/shm (volume \"s\") read-only; the LMCache MP data path writes there; pod admitted unwired"
     );
-    let mut p = pod(json!([sglang_engine(json!([{"name": "s", "mountPath": "/dev/shm/"}]))]));
+    let mut p = pod(json!([sglang_engine(
+        json!([{"name": "s", "mountPath": "/dev/shm/"}])
+    )]));
     p["spec"]["volumes"] = json!([{"name": "s", "secret": {"secretName": "x"}}]);
     assert_eq!(
         fail_open(&p, &sglang_mp()),
@@ -257,12 +347,18 @@ fn reserved_mp_names_fail_open_but_own_worker_converges() {
     );
     // A pod copied from a wired pod (same worker, older render) converges on the current one.
     let (_, wired) = wire(&pod(json!([sglang_engine(json!([]))])), &sglang_mp());
-    let changed = vec![backend("SGLang", json!({"lmCache": {"chunkSizeTokens": 128}}))];
+    let changed = vec![backend(
+        "SGLang",
+        json!({"lmCache": {"chunkSizeTokens": 128}}),
+    )];
     let (o, rewired) = admit_converged(&wired, &changed, &PodWebhookConfig::default());
     assert_eq!(o.reason, REASON_INJECTED);
     let args = strings(&init_container(&rewired, "lmcache-mp-worker").unwrap()["args"]);
     assert!(args.windows(2).any(|p| p == ["--chunk-size", "128"]));
-    assert_eq!(rewired["spec"]["initContainers"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        rewired["spec"]["initContainers"].as_array().unwrap().len(),
+        1
+    );
 }
 
 #[test]
@@ -273,7 +369,12 @@ fn native_sidecars_already_present_stay_in_place() {
         {"name": "download", "image": "busybox", "command": ["true"]}
     ]);
     let (_, w) = wire(&p, &sglang_mp());
-    let names: Vec<&str> = w["spec"]["initContainers"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = w["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, vec!["istio-proxy", "download", "lmcache-mp-worker"]);
 }
 
@@ -281,13 +382,21 @@ fn native_sidecars_already_present_stay_in_place() {
 fn restricted_ok(pod: &Value) -> Result<(), String> {
     let spec = &pod["spec"];
     let pod_sc = &spec["securityContext"];
-    for c in spec["containers"].as_array().into_iter().flatten().chain(spec["initContainers"].as_array().into_iter().flatten()) {
+    for c in spec["containers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .chain(spec["initContainers"].as_array().into_iter().flatten())
+    {
         let sc = &c["securityContext"];
         let name = c["name"].as_str().unwrap_or("");
         if sc["allowPrivilegeEscalation"] != json!(false) {
             return Err(format!("{name}: allowPrivilegeEscalation"));
         }
-        if !sc["capabilities"]["drop"].as_array().is_some_and(|d| d.contains(&json!("ALL"))) {
+        if !sc["capabilities"]["drop"]
+            .as_array()
+            .is_some_and(|d| d.contains(&json!("ALL")))
+        {
             return Err(format!("{name}: capabilities.drop ALL"));
         }
         if sc["runAsNonRoot"] != json!(true) && pod_sc["runAsNonRoot"] != json!(true) {
@@ -307,23 +416,38 @@ fn restricted_security_contexts_stay_restricted() {
     v["securityContext"] = sc.clone();
     v["resources"] = json!({"limits": {"nvidia.com/gpu": 1}});
     let mut p = pod(json!([v]));
-    p["spec"]["securityContext"] = json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
+    p["spec"]["securityContext"] =
+        json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
     restricted_ok(&p).unwrap();
-    let cfg = PodWebhookConfig { kvevent_subscriber_image: Some("ic-agent:1".into()), ..Default::default() };
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
     let b = vec![backend("VLLM", json!({"observation": {"modelID": "m"}}))];
     let (_, w) = admit_converged(&p, &b, &cfg);
     assert!(init_container(&w, "lmcache-kernel-check").is_some());
-    assert!(w["spec"]["containers"].as_array().unwrap().iter().any(|c| c["name"] == "kvevent-subscriber"));
+    assert!(w["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["name"] == "kvevent-subscriber"));
     restricted_ok(&w).unwrap();
-    assert_eq!(init_container(&w, "lmcache-kernel-check").unwrap()["securityContext"], sc);
+    assert_eq!(
+        init_container(&w, "lmcache-kernel-check").unwrap()["securityContext"],
+        sc
+    );
 
     let mut s = sglang_engine(json!([]));
     s["securityContext"] = sc.clone();
     let mut p = pod(json!([s]));
-    p["spec"]["securityContext"] = json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
+    p["spec"]["securityContext"] =
+        json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
     let (_, w) = wire(&p, &sglang_mp());
     restricted_ok(&w).unwrap();
-    assert_eq!(init_container(&w, "lmcache-mp-worker").unwrap()["securityContext"], sc);
+    assert_eq!(
+        init_container(&w, "lmcache-mp-worker").unwrap()["securityContext"],
+        sc
+    );
 }
 
 #[test]
@@ -334,7 +458,10 @@ fn hicache_flags_go_into_the_script() {
         "command": ["/bin/bash", "-c"],
         "args": ["python3 -m sglang.launch_server --model-path Q --page-size 64 2>&1 | tee /tmp/log"]
     }]));
-    let b = vec![backend("SGLang", json!({"type": "SGLangHiCache", "hiCache": {"ratio": "2.0", "writePolicy": "write_through_selective"}}))];
+    let b = vec![backend(
+        "SGLang",
+        json!({"type": "SGLangHiCache", "hiCache": {"ratio": "2.0", "writePolicy": "write_through_selective"}}),
+    )];
     let (_, w) = wire(&p, &b);
     assert_eq!(
         strings(&container(&w, "server")["args"]),
@@ -353,6 +480,53 @@ fn sglang_mp_in_a_forwarding_script() {
     let (_, w) = wire(&p, &sglang_mp());
     assert_eq!(
         strings(&container(&w, "sglang")["args"]),
-        vec!["--model-path=Q", "--enable-lmcache", "--lmcache-config-file", "/etc/lmcache/lmcache.yaml"]
+        vec![
+            "--model-path=Q",
+            "--enable-lmcache",
+            "--lmcache-config-file",
+            "/etc/lmcache/lmcache.yaml"
+        ]
     );
+}
+
+#[test]
+fn engine_launched_by_an_exec_dollar_at_wrapper() {
+    let p = pod(json!([engine(
+        json!(["/bin/sh", "-c", "ulimit -n 65536\nexec \"$@\"", "--"]),
+        json!(["vllm", "serve", "m", "--port", "8000"])
+    )]));
+    let (_, w) = wire(&p, &vllm());
+    assert_eq!(
+        strings(&container(&w, "engine")["args"]),
+        vec![
+            "vllm",
+            "serve",
+            "m",
+            "--port",
+            "8000",
+            "--kv-transfer-config",
+            KV
+        ]
+    );
+}
+
+#[test]
+fn a_connector_hidden_in_an_env_expansion_fails_open() {
+    let mut c = engine(
+        json!(["sh", "-c", "vllm serve m $VLLM_EXTRA_ARGS"]),
+        Value::Null,
+    );
+    c["env"] = json!([{"name": "VLLM_EXTRA_ARGS", "value": format!("--kv-transfer-config={KV}")}]);
+    assert_eq!(
+        fail_open(&pod(json!([c])), &vllm()),
+        "CacheBackend ns/cb: container \"engine\": the engine command expands $VLLM_EXTRA_ARGS, which sets --kv-transfer-config; refusing to add a second one; pod admitted unwired"
+    );
+    // An expansion that carries other flags is wired, with a warning.
+    let mut c = engine(
+        json!(["sh", "-c", "vllm serve m $VLLM_EXTRA_ARGS"]),
+        Value::Null,
+    );
+    c["env"] = json!([{"name": "VLLM_EXTRA_ARGS", "value": "--max-model-len 4096"}]);
+    let (o, _) = wire(&pod(json!([c])), &vllm());
+    assert!(o.warnings.iter().any(|w| w.contains("$VLLM_EXTRA_ARGS")));
 }

@@ -4,6 +4,8 @@
 //! precise reason. Every wired pod re-admits with no patch. Spec 000 "Mutating Pod webhook";
 //! issue 4 "Real pods".
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod pod_support;
 
 use ic_controller::admission::pod::{PodWebhookConfig, REASON_INJECTED};
@@ -352,7 +354,11 @@ fn run(case: &Case) {
     match case.expect {
         Expect::Golden => {
             let (outcome, wired) = admit_converged(&pod, std::slice::from_ref(&backend), &cfg);
-            assert_eq!(outcome.reason, REASON_INJECTED, "{}: {}", case.name, outcome.reason);
+            assert_eq!(
+                outcome.reason, REASON_INJECTED,
+                "{}: {}",
+                case.name, outcome.reason
+            );
             golden(
                 case.name,
                 &json!({
@@ -367,7 +373,11 @@ fn run(case: &Case) {
         Expect::FailOpen(reason) => {
             let outcome = admit(&pod, std::slice::from_ref(&backend), &cfg);
             assert_eq!(outcome.reason, reason, "{}", case.name);
-            assert_eq!(outcome.patch, None, "{}: a fail-open on a clean pod changes nothing", case.name);
+            assert_eq!(
+                outcome.patch, None,
+                "{}: a fail-open on a clean pod changes nothing",
+                case.name
+            );
         }
     }
 }
@@ -393,8 +403,15 @@ fn fixture_cases() {
 
 #[test]
 fn no_stray_golden_files() {
-    let names: Vec<String> = cases().iter().filter(|c| matches!(c.expect, Expect::Golden)).map(|c| format!("{}.json", c.name)).collect();
-    for entry in std::fs::read_dir(golden_dir()).expect("golden dir").flatten() {
+    let names: Vec<String> = cases()
+        .iter()
+        .filter(|c| matches!(c.expect, Expect::Golden))
+        .map(|c| format!("{}.json", c.name))
+        .collect();
+    for entry in std::fs::read_dir(golden_dir())
+        .expect("golden dir")
+        .flatten()
+    {
         let n = entry.file_name().to_string_lossy().into_owned();
         assert!(names.contains(&n), "golden file {n} belongs to no case");
     }
@@ -411,24 +428,53 @@ fn fixture_wiring_details() {
     assert_eq!(strings(&c["command"]), vec!["/bin/sh", "-c"]);
     assert_eq!(
         strings(&c["args"]),
-        vec![r#"vllm serve mistralai/Mistral-7B-Instruct-v0.3 --trust-remote-code --enable-chunked-prefill --max_num_batched_tokens 1024 --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'"#]
+        vec![
+            r#"vllm serve mistralai/Mistral-7B-Instruct-v0.3 --trust-remote-code --enable-chunked-prefill --max_num_batched_tokens 1024 --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'"#
+        ]
     );
-    assert_eq!(env_value(c, "LMCACHE_MAX_LOCAL_CPU_SIZE").as_deref(), Some("8"));
+    assert_eq!(
+        env_value(c, "LMCACHE_MAX_LOCAL_CPU_SIZE").as_deref(),
+        Some("8")
+    );
     assert_eq!(env_value(c, "LMCACHE_REMOTE_URL"), None);
     let check = init_container(&wired, "lmcache-kernel-check").expect("kernel check");
-    assert_eq!(env_value(check, "INFERENCECACHE_KERNEL_CHECK_MODE").as_deref(), Some("report-only"));
-    assert_eq!(wired["metadata"]["annotations"]["inferencecache.io/injected-by"], "default/mistral-cache");
+    assert_eq!(
+        env_value(check, "INFERENCECACHE_KERNEL_CHECK_MODE").as_deref(),
+        Some("report-only")
+    );
+    assert_eq!(
+        wired["metadata"]["annotations"]["inferencecache.io/injected-by"],
+        "default/mistral-cache"
+    );
 
     // 03: existing connector adopted, not duplicated; reserved env converged; tunables kept.
     let pod = load_pod("03-prodstack-helm-lmcache-cpu-offload.yaml");
-    let (outcome, wired) = admit_converged(&pod, &[backend(VLLM_LMCACHE_SERVER_MANAGED)], &cfg(false));
+    let (outcome, wired) =
+        admit_converged(&pod, &[backend(VLLM_LMCACHE_SERVER_MANAGED)], &cfg(false));
     let c = container(&wired, "vllm");
-    let argv: Vec<String> = strings(&c["command"]).into_iter().chain(strings(&c["args"])).collect();
-    assert_eq!(argv.iter().filter(|a| a.starts_with("--kv-transfer-config")).count(), 1);
+    let argv: Vec<String> = strings(&c["command"])
+        .into_iter()
+        .chain(strings(&c["args"]))
+        .collect();
+    assert_eq!(
+        argv.iter()
+            .filter(|a| a.starts_with("--kv-transfer-config"))
+            .count(),
+        1
+    );
     assert_eq!(env_value(c, "PYTHONHASHSEED").as_deref(), Some("0"));
-    assert_eq!(env_value(c, "LMCACHE_MAX_LOCAL_CPU_SIZE").as_deref(), Some("20"));
-    assert_eq!(env_value(c, "LMCACHE_REMOTE_URL").as_deref(), Some("lm://mistral-lmcache.default.svc:8100"));
-    assert!(outcome.warnings.iter().any(|w| w.contains("LMCACHE_MAX_LOCAL_CPU_SIZE=20")));
+    assert_eq!(
+        env_value(c, "LMCACHE_MAX_LOCAL_CPU_SIZE").as_deref(),
+        Some("20")
+    );
+    assert_eq!(
+        env_value(c, "LMCACHE_REMOTE_URL").as_deref(),
+        Some("lm://mistral-lmcache.default.svc:8100")
+    );
+    assert!(outcome
+        .warnings
+        .iter()
+        .any(|w| w.contains("LMCACHE_MAX_LOCAL_CPU_SIZE=20")));
     assert_eq!(
         strings(&init_container(&wired, "lmcache-kernel-check").unwrap()["command"])[0],
         "/opt/venv/bin/python3"
@@ -439,22 +485,43 @@ fn fixture_wiring_details() {
     let (_, wired) = admit_converged(&pod, &[backend(VLLM_MOONCAKE_EXTERNAL)], &cfg(false));
     assert_eq!(wired["spec"]["hostNetwork"], true);
     assert_eq!(wired["spec"]["dnsPolicy"], "ClusterFirstWithHostNet");
-    let inits: Vec<&str> = wired["spec"]["initContainers"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    let inits: Vec<&str> = wired["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
     assert_eq!(inits, vec!["lora-adapter-syncer", "lmcache-kernel-check"]);
     let c = container(&wired, "vllm");
-    assert_eq!(env_value(c, "LMCACHE_REMOTE_URL").as_deref(), Some("mooncakestore://mooncake-master.kv-infra.svc.cluster.local:50051"));
+    assert_eq!(
+        env_value(c, "LMCACHE_REMOTE_URL").as_deref(),
+        Some("mooncakestore://mooncake-master.kv-infra.svc.cluster.local:50051")
+    );
     assert_eq!(env_value(c, "LMCACHE_CHUNK_SIZE").as_deref(), Some("512"));
     assert_eq!(env_value(c, "LMCACHE_LOCAL_CPU"), None);
     let args = strings(&c["args"]);
     assert!(args.contains(&"--max-model-len=8192".to_string()));
-    assert!(!args.contains(&"--port=9000".to_string()), "user-template flag: silent no-op");
-    assert_eq!(env_value(init_container(&wired, "lmcache-kernel-check").unwrap(), "INFERENCECACHE_KERNEL_CHECK_MODE").as_deref(), Some("strict"));
+    assert!(
+        !args.contains(&"--port=9000".to_string()),
+        "user-template flag: silent no-op"
+    );
+    assert_eq!(
+        env_value(
+            init_container(&wired, "lmcache-kernel-check").unwrap(),
+            "INFERENCECACHE_KERNEL_CHECK_MODE"
+        )
+        .as_deref(),
+        Some("strict")
+    );
 
     // 13: everything already matches: only the annotations change.
     let pod = load_pod("13-llmd-sglang-mooncake-sh-c-dashdash-args.yaml");
     let (outcome, wired) = admit_converged(&pod, &[backend(SGLANG_HICACHE_MATCHING)], &cfg(false));
     assert_eq!(wired["spec"], pod["spec"]);
-    assert!(outcome.patch.unwrap().iter().all(|op| op["path"].as_str().unwrap().starts_with("/metadata/annotations")));
+    assert!(outcome.patch.unwrap().iter().all(|op| op["path"]
+        .as_str()
+        .unwrap()
+        .starts_with("/metadata/annotations")));
 
     // 22: the engine is the second container; the MP worker reuses nothing (the engine has no
     // /dev/shm of its own) and gets the RESP L2 adapter.
@@ -463,11 +530,16 @@ fn fixture_wiring_details() {
     assert_eq!(container(&wired, "main"), container(&pod, "main"));
     let e = container(&wired, "sglang-engine");
     let args = strings(&e["args"]);
-    assert!(args.ends_with(&["--enable-lmcache".into(), "--lmcache-config-file".into(), "/etc/lmcache/lmcache.yaml".into()]));
+    assert!(args.ends_with(&[
+        "--enable-lmcache".into(),
+        "--lmcache-config-file".into(),
+        "/etc/lmcache/lmcache.yaml".into()
+    ]));
     let w = init_container(&wired, "lmcache-mp-worker").unwrap();
     assert_eq!(w["restartPolicy"], "Always");
     let wargs = strings(&w["args"]);
-    assert!(wargs.windows(2).any(|p| p[0] == "--l2-adapter" && p[1] == r#"{"host":"qwen-lmcache-redis.dynamo.svc","port":6379,"type":"resp"}"#));
+    assert!(wargs.windows(2).any(|p| p[0] == "--l2-adapter"
+        && p[1] == r#"{"host":"qwen-lmcache-redis.dynamo.svc","port":6379,"type":"resp"}"#));
     assert!(wargs.windows(2).any(|p| p == ["--l1-size-gb", "16"]));
     let sub = container(&wired, "kvevent-subscriber");
     assert!(strings(&sub["args"]).contains(&"--hash-scheme=sglang".to_string()));
@@ -475,9 +547,14 @@ fn fixture_wiring_details() {
 
 #[test]
 fn golden_files_are_valid_pods() {
-    for case in cases().iter().filter(|c| matches!(c.expect, Expect::Golden)) {
+    for case in cases()
+        .iter()
+        .filter(|c| matches!(c.expect, Expect::Golden))
+    {
         let path = golden_dir().join(format!("{}.json", case.name));
-        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
         let v: Value = serde_json::from_str(&text).unwrap();
         let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(v["pod"].clone())
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));

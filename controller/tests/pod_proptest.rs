@@ -5,6 +5,8 @@
 //! a patch that applies and yields a valid Pod, and re-admitting the patched pod yields no patch.
 //! Arbitrary JSON is always allowed too.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod pod_support;
 
 use ic_controller::admission::pod::{mutate_pod, PodWebhookConfig};
@@ -20,6 +22,7 @@ fn script_fragment() -> impl Strategy<Value = String> {
     prop_oneof![
         Just("vllm serve m".to_string()),
         Just("exec vllm serve".to_string()),
+        Just("exec \"$@\"".to_string()),
         Just("python3 -m vllm.entrypoints.openai.api_server".to_string()),
         Just("python3 -m sglang.launch_server".to_string()),
         Just("--port 8000".to_string()),
@@ -78,6 +81,10 @@ fn token() -> impl Strategy<Value = String> {
         Just("--kv-events-config".to_string()),
         Just(r#"{"publisher":"zmq","endpoint":"tcp://*:5557"}"#.to_string()),
         Just("--max-model-len".to_string()),
+        Just("vllm".to_string()),
+        Just("serve".to_string()),
+        Just("-m".to_string()),
+        Just("sglang.launch_server".to_string()),
         "[ -~]{0,10}".prop_map(|s| s),
     ]
 }
@@ -87,7 +94,11 @@ fn command() -> impl Strategy<Value = Value> {
         Just(Value::Null),
         Just(json!(["vllm", "serve", "m"])),
         Just(json!(["/opt/venv/bin/vllm", "serve"])),
-        Just(json!(["python3", "-m", "vllm.entrypoints.openai.api_server"])),
+        Just(json!([
+            "python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server"
+        ])),
         Just(json!(["python3", "-m", "sglang.launch_server"])),
         Just(json!(["/app/server"])),
         Just(json!(["bash", "/start.sh"])),
@@ -116,11 +127,18 @@ fn env() -> impl Strategy<Value = Value> {
         Just(json!({"name": "VLLM_USE_V1", "value": "0"})),
         Just(json!({"name": "LMCACHE_CHUNK_SIZE", "value": "64"})),
         Just(json!({"name": "LMCACHE_REMOTE_URL", "value": "lm://x:1"})),
-        Just(json!({"name": "INFERENCECACHE_FAIL_OPEN", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})),
+        Just(
+            json!({"name": "INFERENCECACHE_FAIL_OPEN", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        ),
         Just(json!({"name": "INFERENCECACHE_COMPONENT", "value": "lmcache-mp-worker"})),
         Just(json!({"name": "PATH", "value": "/opt/venv/bin:/usr/bin"})),
+        Just(json!({"name": "EXTRA", "value": format!("--kv-transfer-config {KV}")})),
+        Just(json!({"name": "EXTRA", "value": "--enable-hierarchical-cache --max-model-len 8"})),
     ];
-    prop_oneof![Just(Value::Null), prop::collection::vec(entry, 0..4).prop_map(|v| json!(v))]
+    prop_oneof![
+        Just(Value::Null),
+        prop::collection::vec(entry, 0..4).prop_map(|v| json!(v))
+    ]
 }
 
 fn mounts() -> impl Strategy<Value = Value> {
@@ -132,7 +150,10 @@ fn mounts() -> impl Strategy<Value = Value> {
         Just(json!({"name": "lmcache-dshm", "mountPath": "/dev/shm"})),
         Just(json!({"name": "data", "mountPath": "/data"})),
     ];
-    prop_oneof![Just(Value::Null), prop::collection::vec(m, 0..3).prop_map(|v| json!(v))]
+    prop_oneof![
+        Just(Value::Null),
+        prop::collection::vec(m, 0..3).prop_map(|v| json!(v))
+    ]
 }
 
 fn container() -> impl Strategy<Value = Value> {
@@ -182,13 +203,17 @@ fn pod() -> impl Strategy<Value = Value> {
     let init = prop_oneof![
         Just(json!({"name": "sidecar", "image": "x", "restartPolicy": "Always"})),
         Just(json!({"name": "lmcache-mp-worker", "image": "x"})),
-        Just(json!({"name": "lmcache-mp-worker", "image": "x", "env": [{"name": "INFERENCECACHE_COMPONENT", "value": "lmcache-mp-worker"}]})),
+        Just(
+            json!({"name": "lmcache-mp-worker", "image": "x", "env": [{"name": "INFERENCECACHE_COMPONENT", "value": "lmcache-mp-worker"}]})
+        ),
         Just(json!({"name": "lmcache-kernel-check", "image": "x"})),
         Just(json!({"name": "kvevent-subscriber", "image": "x"})),
     ];
     let annotations = prop_oneof![
         Just(Value::Null),
-        Just(json!({"inferencecache.io/injected-by": "ns/forged", "inferencecache.io/injected-by-uid": "u"})),
+        Just(
+            json!({"inferencecache.io/injected-by": "ns/forged", "inferencecache.io/injected-by-uid": "u"})
+        ),
         Just(json!({"inferencecache.io/inject-skipped": "skip-inject-annotation"})),
         Just(json!({"inferencecache.io/skip-inject": "true"})),
         Just(json!({"inferencecache.io/skip-inject": "no"})),
@@ -198,33 +223,39 @@ fn pod() -> impl Strategy<Value = Value> {
         prop::option::of(prop::collection::vec(init, 0..3)),
         prop::option::of(prop::collection::vec(volume, 0..3)),
         annotations,
-        prop_oneof![Just(json!({"app": "llm"})), Just(json!({"app": "llm", "tier": "a"})), Just(Value::Null)],
+        prop_oneof![
+            Just(json!({"app": "llm"})),
+            Just(json!({"app": "llm", "tier": "a"})),
+            Just(Value::Null)
+        ],
         any::<bool>(),
     )
-        .prop_map(|(containers, inits, volumes, annotations, labels, host_net)| {
-            let mut p = json!({
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "p", "namespace": "ns"},
-                "spec": {"containers": containers}
-            });
-            if !labels.is_null() {
-                p["metadata"]["labels"] = labels;
-            }
-            if !annotations.is_null() {
-                p["metadata"]["annotations"] = annotations;
-            }
-            if let Some(i) = inits {
-                p["spec"]["initContainers"] = json!(i);
-            }
-            if let Some(v) = volumes {
-                p["spec"]["volumes"] = json!(v);
-            }
-            if host_net {
-                p["spec"]["dnsPolicy"] = json!("Default");
-            }
-            p
-        })
+        .prop_map(
+            |(containers, inits, volumes, annotations, labels, host_net)| {
+                let mut p = json!({
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "p", "namespace": "ns"},
+                    "spec": {"containers": containers}
+                });
+                if !labels.is_null() {
+                    p["metadata"]["labels"] = labels;
+                }
+                if !annotations.is_null() {
+                    p["metadata"]["annotations"] = annotations;
+                }
+                if let Some(i) = inits {
+                    p["spec"]["initContainers"] = json!(i);
+                }
+                if let Some(v) = volumes {
+                    p["spec"]["volumes"] = json!(v);
+                }
+                if host_net {
+                    p["spec"]["dnsPolicy"] = json!("Default");
+                }
+                p
+            },
+        )
 }
 
 fn backend(i: usize) -> CacheBackend {
@@ -240,7 +271,11 @@ fn backend(i: usize) -> CacheBackend {
         json!({"runtime": "VLLM", "lmCache": {"hostMemory": {"capacity": "bogus"}}}),
     ];
     let mut spec = specs[i % specs.len()].clone();
-    spec["engineSelector"] = if i % 2 == 0 { json!({"matchLabels": {"app": "llm"}}) } else { json!({"matchLabels": {"tier": "a"}}) };
+    spec["engineSelector"] = if i.is_multiple_of(2) {
+        json!({"matchLabels": {"app": "llm"}})
+    } else {
+        json!({"matchLabels": {"tier": "a"}})
+    };
     let status = match i % specs.len() {
         2 => json!({"endpoint": "mc.ns.svc:50051"}),
         5 => json!({"endpoint": "redis.ns.svc:6379"}),
@@ -264,16 +299,32 @@ fn cases(default: u32) -> u32 {
         .unwrap_or(default)
 }
 
-fn check(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> Result<(), TestCaseError> {
+fn check(
+    pod: &Value,
+    backends: &[CacheBackend],
+    cfg: &PodWebhookConfig,
+) -> Result<(), TestCaseError> {
     let o = mutate_pod(pod, "ns", backends, cfg);
     prop_assert!(o.allowed);
-    prop_assert!(!o.reason.contains("internal error"), "internal error: {}", o.reason);
+    prop_assert!(
+        !o.reason.contains("internal error"),
+        "internal error: {}",
+        o.reason
+    );
     if o.patch.is_some() {
         let wired = apply(pod, &o);
-        prop_assert!(serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(wired.clone()).is_ok());
+        prop_assert!(
+            serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(wired.clone()).is_ok()
+        );
         let again = mutate_pod(&wired, "ns", backends, cfg);
         prop_assert!(again.allowed);
-        prop_assert_eq!(again.patch, None, "re-admission must converge: {} / {}", o.reason, again.reason);
+        prop_assert_eq!(
+            again.patch,
+            None,
+            "re-admission must converge: {} / {}",
+            o.reason,
+            again.reason
+        );
         prop_assert_eq!(again.reason, o.reason);
     }
     Ok(())
@@ -334,4 +385,55 @@ proptest! {
         let backends: Vec<CacheBackend> = picks.into_iter().map(backend).collect();
         check(&v, &backends, &PodWebhookConfig::default())?;
     }
+}
+
+/// The generator reaches the interesting decisions (so the properties above are not vacuous):
+/// wired pods of every adapter, and several kinds of fail-open.
+#[test]
+fn generator_reaches_wiring_and_fail_open_paths() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    use std::collections::BTreeMap;
+
+    let mut runner = TestRunner::deterministic();
+    let strategy = (pod(), prop::collection::vec(0usize..18, 1..3));
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    let mut injected_by_backend: BTreeMap<String, usize> = BTreeMap::new();
+    for _ in 0..3000 {
+        let (p, picks) = strategy.new_tree(&mut runner).unwrap().current();
+        let backends: Vec<CacheBackend> = picks.into_iter().map(backend).collect();
+        let cfg = PodWebhookConfig {
+            kvevent_subscriber_image: Some("ic-agent:1".into()),
+            ..Default::default()
+        };
+        let o = mutate_pod(&p, "ns", &backends, &cfg);
+        if o.reason == "Injected" {
+            let wired = apply(&p, &o);
+            let by = wired["metadata"]["annotations"]["inferencecache.io/injected-by"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            let i: usize = by.trim_start_matches("ns/cb-").parse().unwrap_or(99);
+            *injected_by_backend
+                .entry(format!("spec {}", i % 9))
+                .or_default() += 1;
+        }
+        let key: String = o.reason.split(':').take(2).collect::<Vec<_>>().join(":");
+        *reasons.entry(key).or_default() += 1;
+    }
+    // Every backend spec that can wire did wire some pods (spec 8 has an invalid capacity).
+    for spec in 0..8 {
+        assert!(
+            injected_by_backend
+                .get(&format!("spec {spec}"))
+                .copied()
+                .unwrap_or(0)
+                > 0,
+            "backend spec {spec} never wired a pod: {injected_by_backend:?}"
+        );
+    }
+    assert!(
+        reasons.len() >= 10,
+        "too few distinct decisions: {reasons:#?}"
+    );
 }

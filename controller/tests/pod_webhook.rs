@@ -2,6 +2,8 @@
 //! Annotations, Idempotency, Fail-open; "Events-only mode"; "Mooncake provider configuration":
 //! engineHostNetwork). One test per rule, named after it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod pod_support;
 
 use ic_controller::admission::pod::{
@@ -71,7 +73,11 @@ fn cfg() -> PodWebhookConfig {
     PodWebhookConfig::default()
 }
 
-fn annotations_after(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> (String, Value) {
+fn annotations_after(
+    pod: &Value,
+    backends: &[CacheBackend],
+    cfg: &PodWebhookConfig,
+) -> (String, Value) {
     let o = admit(pod, backends, cfg);
     let out = apply(pod, &o);
     (o.reason, out["metadata"]["annotations"].clone())
@@ -80,33 +86,58 @@ fn annotations_after(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookCon
 #[test]
 fn selection_first_match_by_name_wins() {
     let b = cb("b-second", json!({}));
-    let a = cb("a-first", json!({"spec": {"engineSelector": {"matchLabels": {"app": "llm", "tier": "a"}}}}));
+    let a = cb(
+        "a-first",
+        json!({"spec": {"engineSelector": {"matchLabels": {"app": "llm", "tier": "a"}}}}),
+    );
     let (_, wired) = admit_converged(&vllm_pod(), &[b, a], &cfg());
-    assert_eq!(wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY], "ns/a-first");
-    assert_eq!(wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY_UID], "uid-a-first");
+    assert_eq!(
+        wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY],
+        "ns/a-first"
+    );
+    assert_eq!(
+        wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY_UID],
+        "uid-a-first"
+    );
 }
 
 #[test]
 fn selection_skips_empty_selectors() {
-    let empty = cb("a-empty", json!({"spec": {"engineSelector": {"matchLabels": null}}}));
+    let empty = cb(
+        "a-empty",
+        json!({"spec": {"engineSelector": {"matchLabels": null}}}),
+    );
     let none = cb("a-none", json!({"spec": {"engineSelector": null}}));
     let o = admit(&vllm_pod(), &[empty.clone(), none.clone()], &cfg());
-    assert_eq!(o.reason, "no CacheBackend in namespace \"ns\" selects this pod; pod admitted unwired");
+    assert_eq!(
+        o.reason,
+        "no CacheBackend in namespace \"ns\" selects this pod; pod admitted unwired"
+    );
     assert_eq!(o.patch, None);
     let (_, wired) = admit_converged(&vllm_pod(), &[empty, none, cb("z", json!({}))], &cfg());
-    assert_eq!(wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY], "ns/z");
+    assert_eq!(
+        wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY],
+        "ns/z"
+    );
 }
 
 #[test]
 fn selection_requires_every_label() {
-    let b = cb("x", json!({"spec": {"engineSelector": {"matchLabels": {"app": "llm", "tier": "b"}}}}));
-    assert!(admit(&vllm_pod(), &[b], &cfg()).reason.starts_with("no CacheBackend"));
+    let b = cb(
+        "x",
+        json!({"spec": {"engineSelector": {"matchLabels": {"app": "llm", "tier": "b"}}}}),
+    );
+    assert!(admit(&vllm_pod(), &[b], &cfg())
+        .reason
+        .starts_with("no CacheBackend"));
 }
 
 #[test]
 fn selection_only_in_the_pods_namespace() {
     let other = cb("x", json!({"metadata": {"namespace": "other"}}));
-    assert!(admit(&vllm_pod(), &[other], &cfg()).reason.starts_with("no CacheBackend"));
+    assert!(admit(&vllm_pod(), &[other], &cfg())
+        .reason
+        .starts_with("no CacheBackend"));
     // The request namespace wins over a pod without metadata.namespace.
     let mut pod = vllm_pod();
     pod["metadata"].as_object_mut().unwrap().remove("namespace");
@@ -136,9 +167,15 @@ fn injection_stamps_both_annotations_and_clears_skipped_marker() {
 #[test]
 fn skip_inject_annotation_opts_out() {
     for v in ["true", "True", "1", "yes", "on", " t "] {
-        let pod = with_annotations(vllm_pod(), json!({ANNOTATION_SKIP_INJECT: v, ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "u"}));
+        let pod = with_annotations(
+            vllm_pod(),
+            json!({ANNOTATION_SKIP_INJECT: v, ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "u"}),
+        );
         let o = admit(&pod, &[cb("x", json!({}))], &cfg());
-        assert_eq!(o.reason, "inferencecache.io/skip-inject is set: wiring skipped by the operator");
+        assert_eq!(
+            o.reason,
+            "inferencecache.io/skip-inject is set: wiring skipped by the operator"
+        );
         let out = apply(&pod, &o);
         assert_eq!(out["spec"], pod["spec"], "no wiring");
         assert_eq!(
@@ -150,19 +187,31 @@ fn skip_inject_annotation_opts_out() {
     }
     // Falsy values do not opt out.
     let pod = with_annotations(vllm_pod(), json!({ANNOTATION_SKIP_INJECT: "false"}));
-    assert_eq!(admit(&pod, &[cb("x", json!({}))], &cfg()).reason, REASON_INJECTED);
+    assert_eq!(
+        admit(&pod, &[cb("x", json!({}))], &cfg()).reason,
+        REASON_INJECTED
+    );
 }
 
 #[test]
 fn managed_binding_uses_status_endpoint() {
-    let b = cb("x", json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}, "status": {"endpoint": " srv.ns.svc:8100 "}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}, "status": {"endpoint": " srv.ns.svc:8100 "}}),
+    );
     let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
-    assert_eq!(env_value(container(&wired, "vllm"), "LMCACHE_REMOTE_URL").as_deref(), Some("lm://srv.ns.svc:8100"));
+    assert_eq!(
+        env_value(container(&wired, "vllm"), "LMCACHE_REMOTE_URL").as_deref(),
+        Some("lm://srv.ns.svc:8100")
+    );
 }
 
 #[test]
 fn managed_binding_without_endpoint_fails_open_and_strips() {
-    let b = cb("x", json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "Managed"}}}),
+    );
     let pod = with_annotations(vllm_pod(), stale());
     let (reason, ann) = annotations_after(&pod, &[b], &cfg());
     assert_eq!(reason, "CacheBackend ns/x: Managed LMCacheServer backend has not published status.endpoint yet (roll the engine workload once the backend is Ready); pod admitted unwired");
@@ -171,16 +220,28 @@ fn managed_binding_without_endpoint_fails_open_and_strips() {
 
 #[test]
 fn external_binding_uses_trimmed_spec_endpoint_without_status_fallback() {
-    let b = cb("x", json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External", "endpoint": "  mc.infra:50051\n"}}, "status": {"endpoint": "stale:1"}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External", "endpoint": "  mc.infra:50051\n"}}, "status": {"endpoint": "stale:1"}}),
+    );
     let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
-    assert_eq!(env_value(container(&wired, "vllm"), "LMCACHE_REMOTE_URL").as_deref(), Some("mooncakestore://mc.infra:50051"));
+    assert_eq!(
+        env_value(container(&wired, "vllm"), "LMCACHE_REMOTE_URL").as_deref(),
+        Some("mooncakestore://mc.infra:50051")
+    );
 
-    let missing = cb("x", json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External"}}, "status": {"endpoint": "stale:1"}}));
+    let missing = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External"}}, "status": {"endpoint": "stale:1"}}),
+    );
     assert_eq!(
         admit(&vllm_pod(), &[missing], &cfg()).reason,
         "CacheBackend ns/x: External Mooncake backend has no spec.remoteStorage.endpoint; pod admitted unwired"
     );
-    let invalid = cb("x", json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External", "endpoint": "lm://mc:1"}}}));
+    let invalid = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "Mooncake", "ownership": "External", "endpoint": "lm://mc:1"}}}),
+    );
     assert_eq!(
         admit(&vllm_pod(), &[invalid], &cfg()).reason,
         "CacheBackend ns/x: External Mooncake backend: spec.remoteStorage.endpoint is invalid: endpoint \"lm://mc:1\": scheme \"lm\" is not accepted by provider Mooncake (accepted: host:port or mooncakestore://host:port); pod admitted unwired"
@@ -189,7 +250,10 @@ fn external_binding_uses_trimmed_spec_endpoint_without_status_fallback() {
 
 #[test]
 fn unsupported_pair_fails_open_with_supported_pairs() {
-    let b = cb("x", json!({"spec": {"type": "SGLangHiCache", "hiCache": {"ratio": "2"}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"type": "SGLangHiCache", "hiCache": {"ratio": "2"}}}),
+    );
     assert_eq!(
         admit(&vllm_pod(), &[b], &cfg()).reason,
         "CacheBackend ns/x: no runtime adapter is registered for (VLLM, SGLangHiCache); supported pairs: VLLM/LMCache, SGLang/LMCache, SGLang/SGLangHiCache; pod admitted unwired"
@@ -198,7 +262,10 @@ fn unsupported_pair_fails_open_with_supported_pairs() {
 
 #[test]
 fn unsupported_binding_fails_open() {
-    let b = cb("x", json!({"spec": {"remoteStorage": {"provider": "Redis", "ownership": "External", "endpoint": "redis:6379"}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"remoteStorage": {"provider": "Redis", "ownership": "External", "endpoint": "redis:6379"}}}),
+    );
     assert_eq!(
         admit(&vllm_pod(), &[b], &cfg()).reason,
         "CacheBackend ns/x: adapter vllm+lmcache does not accept a resp binding; pod admitted unwired"
@@ -208,7 +275,10 @@ fn unsupported_binding_fails_open() {
 #[test]
 fn adapter_rejection_fails_open_without_partial_changes() {
     let mut pod = vllm_pod();
-    pod["spec"]["containers"][0]["args"] = json!(["--kv-transfer-config", "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}"]);
+    pod["spec"]["containers"][0]["args"] = json!([
+        "--kv-transfer-config",
+        "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}"
+    ]);
     let pod = with_annotations(pod, stale());
     let o = admit(&pod, &[cb("x", json!({}))], &cfg());
     assert_eq!(
@@ -225,13 +295,21 @@ fn decode_failures_fail_open_without_patch() {
     let mut pod = vllm_pod();
     pod["spec"]["containers"] = json!("not a list");
     let o = admit(&pod, &[cb("x", json!({}))], &cfg());
-    assert!(o.reason.starts_with("decode failure: the pod does not decode"), "{}", o.reason);
+    assert!(
+        o.reason
+            .starts_with("decode failure: the pod does not decode"),
+        "{}",
+        o.reason
+    );
     assert_eq!(o.patch, None);
     for v in [json!(null), json!([1, 2]), json!("pod")] {
         let o = mutate_pod(&v, "ns", &[], &cfg());
         assert!(o.allowed);
         assert_eq!(o.patch, None);
-        assert_eq!(o.reason, "decode failure: request.object is not a JSON object; pod admitted unwired");
+        assert_eq!(
+            o.reason,
+            "decode failure: request.object is not a JSON object; pod admitted unwired"
+        );
     }
 }
 
@@ -248,14 +326,28 @@ fn no_engine_container_fails_open() {
 
 #[test]
 fn events_only_appends_only_the_subscriber() {
-    let b = cb("x", json!({"spec": {"integration": {"mode": "EventsOnly"}, "observation": {"modelID": "m"}, "lmCache": {"chunkSizeTokens": 64}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"mode": "EventsOnly"}, "observation": {"modelID": "m"}, "lmCache": {"chunkSizeTokens": 64}}}),
+    );
     let mut pod = vllm_pod();
-    pod["spec"]["containers"][0]["args"] = json!(["--kv-events-config", "{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5600\",\"topic\":\"kv-events\"}"]);
-    let cfg = PodWebhookConfig { kvevent_subscriber_image: Some("ic-agent:1".into()), kvevent_subscriber_controller: Some("ic-controller.ic-system.svc:50051".into()), ..Default::default() };
+    pod["spec"]["containers"][0]["args"] = json!([
+        "--kv-events-config",
+        "{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5600\",\"topic\":\"kv-events\"}"
+    ]);
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        kvevent_subscriber_controller: Some("ic-controller.ic-system.svc:50051".into()),
+        ..Default::default()
+    };
     let (o, wired) = admit_converged(&pod, &[b], &cfg);
     assert_eq!(o.reason, REASON_INJECTED);
     assert!(o.warnings.is_empty(), "{:?}", o.warnings);
-    assert_eq!(container(&wired, "vllm"), container(&pod, "vllm"), "no connector, no env");
+    assert_eq!(
+        container(&wired, "vllm"),
+        container(&pod, "vllm"),
+        "no connector, no env"
+    );
     let sub = container(&wired, "kvevent-subscriber");
     assert_eq!(
         strings(&sub["args"]),
@@ -274,8 +366,14 @@ fn events_only_appends_only_the_subscriber() {
 
 #[test]
 fn events_only_without_model_id_fails_open() {
-    let b = cb("x", json!({"spec": {"integration": {"mode": "EventsOnly"}}}));
-    let cfg = PodWebhookConfig { kvevent_subscriber_image: Some("ic-agent:1".into()), ..Default::default() };
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"mode": "EventsOnly"}}}),
+    );
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
     let pod = with_annotations(vllm_pod(), stale());
     let (reason, ann) = annotations_after(&pod, &[b], &cfg);
     assert_eq!(reason, "CacheBackend ns/x: events-only backend without spec.observation.modelID, so the kvevent-subscriber sidecar cannot be configured; pod admitted unwired");
@@ -287,7 +385,10 @@ fn offload_subscriber_only_with_image_and_model_id() {
     let b = cb("x", json!({"spec": {"observation": {"modelID": "m"}}}));
     let (_, wired) = admit_converged(&vllm_pod(), std::slice::from_ref(&b), &cfg());
     assert!(wired["spec"]["containers"].as_array().unwrap().len() == 1);
-    let cfg = PodWebhookConfig { kvevent_subscriber_image: Some("ic-agent:1".into()), ..Default::default() };
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
     let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg);
     let sub = container(&wired, "kvevent-subscriber");
     assert!(strings(&sub["args"]).contains(&"--ignore-block-removed=true".to_string()));
@@ -296,9 +397,15 @@ fn offload_subscriber_only_with_image_and_model_id() {
 #[test]
 fn foreign_subscriber_name_fails_open() {
     let b = cb("x", json!({"spec": {"observation": {"modelID": "m"}}}));
-    let cfg = PodWebhookConfig { kvevent_subscriber_image: Some("ic-agent:1".into()), ..Default::default() };
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
     let mut pod = vllm_pod();
-    pod["spec"]["containers"].as_array_mut().unwrap().push(json!({"name": "kvevent-subscriber", "image": "mine"}));
+    pod["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "kvevent-subscriber", "image": "mine"}));
     assert_eq!(
         admit(&pod, &[b], &cfg).reason,
         "CacheBackend ns/x: the pod already has a container named \"kvevent-subscriber\" that inference-cache did not render; rename it to get the pod wired; pod admitted unwired"
@@ -307,47 +414,76 @@ fn foreign_subscriber_name_fails_open() {
 
 #[test]
 fn engine_host_network_only_with_a_published_endpoint() {
-    let b = cb("x", json!({"spec": {"integration": {"engineHostNetwork": true}, "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}, "status": {"endpoint": "mc.ns.svc:50051"}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"engineHostNetwork": true}, "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}, "status": {"endpoint": "mc.ns.svc:50051"}}),
+    );
     let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
     assert_eq!(wired["spec"]["hostNetwork"], true);
     assert_eq!(wired["spec"]["dnsPolicy"], "ClusterFirstWithHostNet");
 
     // Not yet published: no connector and no host network.
-    let b = cb("x", json!({"spec": {"integration": {"engineHostNetwork": true}, "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"engineHostNetwork": true}, "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}}),
+    );
     let o = admit(&vllm_pod(), &[b], &cfg());
     assert!(o.reason.contains("has not published status.endpoint"));
     assert_eq!(o.patch, None);
 
     // Host-only: never granted.
-    let b = cb("x", json!({"spec": {"integration": {"engineHostNetwork": true}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"engineHostNetwork": true}}}),
+    );
     let (o, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
     assert!(wired["spec"].get("hostNetwork").is_none());
-    assert!(o.warnings.iter().any(|w| w.contains("engineHostNetwork is ignored")));
+    assert!(o
+        .warnings
+        .iter()
+        .any(|w| w.contains("engineHostNetwork is ignored")));
 }
 
 #[test]
 fn fail_closed_is_mirrored_but_webhook_still_fails_open() {
     let b = cb("x", json!({"spec": {"integration": {"failOpen": false}}}));
     let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
-    assert_eq!(env_value(container(&wired, "vllm"), "INFERENCECACHE_FAIL_OPEN").as_deref(), Some("false"));
+    assert_eq!(
+        env_value(container(&wired, "vllm"), "INFERENCECACHE_FAIL_OPEN").as_deref(),
+        Some("false")
+    );
 }
 
 #[test]
 fn re_admission_of_a_wired_pod_yields_no_patch() {
-    let backends = [
-        cb("vllm", json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "External", "endpoint": "lm://s:1"}, "integration": {"engineOverrides": {"args": ["--max-model-len", "4096"], "env": [{"name": "LMCACHE_CHUNK_SIZE", "value": "128"}], "suppressEnv": ["LMCACHE_LOCAL_CPU"]}}}})),
-    ];
+    let backends = [cb(
+        "vllm",
+        json!({"spec": {"remoteStorage": {"provider": "LMCacheServer", "ownership": "External", "endpoint": "lm://s:1"}, "integration": {"engineOverrides": {"args": ["--max-model-len", "4096"], "env": [{"name": "LMCACHE_CHUNK_SIZE", "value": "128"}], "suppressEnv": ["LMCACHE_LOCAL_CPU"]}}}}),
+    )];
     let (o, wired) = admit_converged(&vllm_pod(), &backends, &cfg());
     assert!(o.patch.is_some());
     let c = container(&wired, "vllm");
-    assert_eq!(strings(&c["args"]), vec!["--port", "8000", "--kv-transfer-config", "{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}", "--max-model-len", "4096"]);
+    assert_eq!(
+        strings(&c["args"]),
+        vec![
+            "--port",
+            "8000",
+            "--kv-transfer-config",
+            "{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}",
+            "--max-model-len",
+            "4096"
+        ]
+    );
     assert_eq!(env_value(c, "LMCACHE_CHUNK_SIZE").as_deref(), Some("128"));
     assert_eq!(env_value(c, "LMCACHE_LOCAL_CPU"), None);
 }
 
 #[test]
 fn overrides_cannot_touch_reserved_entries() {
-    let b = cb("x", json!({"spec": {"integration": {"engineOverrides": {"suppressArgs": ["--kv-transfer-config"], "suppressEnv": ["PYTHONHASHSEED"], "env": [{"name": "VLLM_USE_V1", "value": "0"}]}}}}));
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"engineOverrides": {"suppressArgs": ["--kv-transfer-config"], "suppressEnv": ["PYTHONHASHSEED"], "env": [{"name": "VLLM_USE_V1", "value": "0"}]}}}}),
+    );
     let (o, wired) = admit_converged(&vllm_pod(), &[b], &cfg());
     let c = container(&wired, "vllm");
     assert!(strings(&c["args"]).contains(&"--kv-transfer-config".to_string()));
@@ -359,7 +495,14 @@ fn overrides_cannot_touch_reserved_entries() {
 #[test]
 fn no_overrides_block_renders_the_canonical_patch() {
     let plain = admit(&vllm_pod(), &[cb("x", json!({}))], &cfg());
-    let empty = admit(&vllm_pod(), &[cb("x", json!({"spec": {"integration": {"engineOverrides": {}}}}))], &cfg());
+    let empty = admit(
+        &vllm_pod(),
+        &[cb(
+            "x",
+            json!({"spec": {"integration": {"engineOverrides": {}}}}),
+        )],
+        &cfg(),
+    );
     assert_eq!(plain.patch, empty.patch);
 }
 
@@ -369,7 +512,49 @@ fn patch_operations_are_typed_rfc6902() {
     let ops = o.patch_operations().unwrap();
     assert_eq!(ops.len(), o.patch.as_ref().unwrap().len());
     for op in o.patch.unwrap() {
-        assert!(matches!(op["op"].as_str(), Some("add" | "remove" | "replace")));
+        assert!(matches!(
+            op["op"].as_str(),
+            Some("add" | "remove" | "replace")
+        ));
         assert!(op["path"].as_str().unwrap().starts_with('/'));
     }
+}
+
+#[test]
+fn hicache_overrides_replace_and_suppress_and_converge() {
+    let mut pod = vllm_pod();
+    pod["spec"]["containers"][0] = json!({
+        "name": "sglang",
+        "image": "lmsysorg/sglang:v0.5.16",
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["--model-path", "Q"]
+    });
+    let b = cb(
+        "x",
+        json!({"spec": {"runtime": "SGLang", "type": "SGLangHiCache",
+            "hiCache": {"sizeGB": 10, "writePolicy": "write_back", "ioBackend": "direct"},
+            "integration": {"engineOverrides": {
+                "args": ["--hicache-size=20", "--hicache-storage-backend", "file"],
+                "suppressArgs": ["--hicache-io-backend", "--enable-hierarchical-cache"]}}}}),
+    );
+    let (o, wired) = admit_converged(&pod, &[b], &cfg());
+    assert_eq!(
+        strings(&container(&wired, "sglang")["args"]),
+        vec![
+            "--model-path",
+            "Q",
+            "--enable-hierarchical-cache",
+            "--hicache-size=20",
+            "--hicache-write-policy",
+            "write_back",
+            "--hicache-storage-backend",
+            "file"
+        ]
+    );
+    assert_eq!(
+        o.warnings.len(),
+        1,
+        "the reserved suppress entry is ignored: {:?}",
+        o.warnings
+    );
 }

@@ -292,6 +292,23 @@ fn ports_in_a_private_network_namespace() {
         (r[3].status, r[3].reason.as_str()),
         (CheckStatus::Critical, "PortConflict")
     );
+    assert_eq!(r[1].observed["verdict"], "HeldByExpected");
+    assert_eq!(r[3].observed["verdict"], "Conflict");
+    // the engine runs but does not listen on another planned port: a ghost
+    let ghost_port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let g = run(vec![held_by(ghost_port, Some(&engine.exe), None)]);
+    assert_eq!(
+        (g[1].status, g[1].reason.as_str()),
+        (CheckStatus::Critical, "PortOwnerNotListening")
+    );
+    assert_eq!(g[1].observed["verdict"], "Ghost");
+    assert_eq!(g[1].observed["runningPids"], pid.to_string());
+    // nobody of that exe runs: plainly not listening
+    let g = run(vec![held_by(ghost_port, Some(Path::new("/nonexistent/engine")), None)]);
+    assert_eq!(g[1].reason, "PortNotListening");
     for needle in [
         format!("port {} (mooncake master)", engine.port),
         format!("pid {pid}"),

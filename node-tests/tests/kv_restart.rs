@@ -160,22 +160,66 @@ fn plan(pub_port: u16, replay_port: u16) -> NodePlan {
     }
 }
 
-async fn start_agent(grpc: SocketAddr, plan: &NodePlan) -> runtime::Running {
-    let state = AgentState::new(NODE.into(), plan.clone()).unwrap();
-    let mut link = LinkConfig::new(format!("http://{grpc}"));
-    link.backoff_initial = Duration::from_millis(100);
-    link.backoff_max = Duration::from_millis(300);
-    runtime::start(
-        RunConfig {
-            link: Some(link),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: None,
-            check_interval: Duration::from_secs(5),
-        },
-        state,
-        Checks::new(&ChecksConfig::default()),
-    )
-    .await
+/// An agent "process": its own tokio runtime, so that killing it stops every task it spawned
+/// (subscribers, link streams, the delta pump) and closes its sockets, like a process exit.
+struct AgentProc {
+    rt: Option<tokio::runtime::Runtime>,
+    running: runtime::Running,
+}
+
+impl AgentProc {
+    fn state(&self) -> &Arc<AgentState> {
+        &self.running.state
+    }
+
+    fn kill(mut self) {
+        self.running.abort();
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn start_agent(grpc: SocketAddr, plan: &NodePlan) -> AgentProc {
+    let plan = plan.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let running = rt.block_on(async {
+            let state = AgentState::new(NODE.into(), plan).unwrap();
+            let mut link = LinkConfig::new(format!("http://{grpc}"));
+            link.backoff_initial = Duration::from_millis(100);
+            link.backoff_max = Duration::from_millis(300);
+            runtime::start(
+                RunConfig {
+                    link: Some(link),
+                    http_addr: "127.0.0.1:0".parse().unwrap(),
+                    metrics_addr: None,
+                    check_interval: Duration::from_secs(5),
+                },
+                state,
+                Checks::new(&ChecksConfig::default()),
+            )
+            .await
+            .unwrap()
+        });
+        AgentProc {
+            rt: Some(rt),
+            running,
+        }
+    })
+    .join()
     .unwrap()
 }
 
@@ -227,14 +271,20 @@ async fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     panic!("timed out after {limit:?} waiting for {what}");
 }
 
-/// Waits for the last frame, then for the index to equal `truth`; returns how long it took
-/// after the last frame.
+/// Waits for the last frame (its scheduled time, and the agent having applied `final_seq`), then
+/// for the index to equal `truth`; returns how long that took after the last frame.
 async fn assert_converges(
     shared: &ic_controller::state::Shared,
+    agent: &AgentProc,
     truth: &BTreeSet<Entry>,
     last_frame: Instant,
+    final_seq: u64,
 ) -> Duration {
     tokio::time::sleep_until(tokio::time::Instant::from_std(last_frame)).await;
+    wait_until("the agent to apply the last frame", Duration::from_secs(20), || {
+        last_seq(agent) == Some(final_seq)
+    })
+    .await;
     let start = Instant::now();
     loop {
         let got = index_entries(shared);
@@ -253,8 +303,8 @@ async fn assert_converges(
 /// Every withheld frame: the recording's final AllBlocksCleared (seq 9) keeps the state.
 const KEEP_STATE: &[u64] = &[9];
 
-fn last_seq(agent: &runtime::Running) -> Option<u64> {
-    agent.state.hub.status().first().and_then(|s| s.last_seq)
+fn last_seq(agent: &AgentProc) -> Option<u64> {
+    agent.state().hub.status().first().and_then(|s| s.last_seq)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -265,7 +315,7 @@ async fn killing_the_agent_mid_stream_converges_to_the_ground_truth() {
     let controller = start_controller(grpc).await;
     let (pub_port, replay_port) = (free_port(), free_port());
     let plan = plan(pub_port, replay_port);
-    let agent = start_agent(grpc, &plan).await;
+    let agent = start_agent(grpc, &plan);
     let (publisher, last_frame) = start_publisher(pub_port, replay_port, KEEP_STATE);
 
     wait_until("the agent to apply seq 3", Duration::from_secs(15), || {
@@ -273,15 +323,15 @@ async fn killing_the_agent_mid_stream_converges_to_the_ground_truth() {
     })
     .await;
     let killed_at = last_seq(&agent);
-    agent.abort();
+    agent.kill();
     // A new agent process on the same node: it bootstraps by replay and resyncs the node.
-    let agent = start_agent(grpc, &plan).await;
-    let took = assert_converges(&controller.shared, &truth, last_frame).await;
+    let agent = start_agent(grpc, &plan);
+    let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 8).await;
     eprintln!("agent killed after seq {killed_at:?}; converged {took:?} after the last frame");
-    assert!(agent.state.hub.status()[0].replays >= 1, "bootstrap replay ran");
+    assert!(agent.state().hub.status()[0].replays >= 1, "bootstrap replay ran");
 
     publisher.abort();
-    agent.abort();
+    agent.kill();
     controller.stop().await;
 }
 
@@ -292,7 +342,7 @@ async fn killing_the_controller_mid_stream_converges_to_the_ground_truth() {
     let controller = start_controller(grpc).await;
     let (pub_port, replay_port) = (free_port(), free_port());
     let plan = plan(pub_port, replay_port);
-    let agent = start_agent(grpc, &plan).await;
+    let agent = start_agent(grpc, &plan);
     let (publisher, last_frame) = start_publisher(pub_port, replay_port, KEEP_STATE);
 
     wait_until("the index to hold seq 3's state", Duration::from_secs(15), || {
@@ -304,11 +354,11 @@ async fn killing_the_controller_mid_stream_converges_to_the_ground_truth() {
     // A fresh controller on the same address starts empty; the agent reconnects and resyncs.
     let controller = start_controller(grpc).await;
     assert!(index_entries(&controller.shared).is_none());
-    let took = assert_converges(&controller.shared, &truth, last_frame).await;
+    let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 8).await;
     eprintln!("controller restarted mid-stream; converged {took:?} after the last frame");
 
     publisher.abort();
-    agent.abort();
+    agent.kill();
     controller.stop().await;
 }
 
@@ -324,7 +374,7 @@ async fn killing_the_engine_publisher_mid_stream_converges_to_the_new_incarnatio
     let controller = start_controller(grpc).await;
     let (pub_port, replay_port) = (free_port(), free_port());
     let plan = plan(pub_port, replay_port);
-    let agent = start_agent(grpc, &plan).await;
+    let agent = start_agent(grpc, &plan);
     let (publisher, _) = start_publisher(pub_port, replay_port, KEEP_STATE);
 
     wait_until("the agent to apply seq 4", Duration::from_secs(15), || {
@@ -335,12 +385,12 @@ async fn killing_the_engine_publisher_mid_stream_converges_to_the_new_incarnatio
     let _ = publisher.await;
     // The engine comes back on the same ports with an empty cache; its seqs restart at 0.
     let (publisher, last_frame) = start_publisher(pub_port, replay_port, &new_skip);
-    let took = assert_converges(&controller.shared, &truth, last_frame).await;
+    let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 2).await;
     eprintln!("publisher restarted mid-stream; converged {took:?} after the last frame");
-    let status = &agent.state.hub.status()[0];
+    let status = &agent.state().hub.status()[0];
     assert!(status.resyncs >= 1, "the restart cleared the replica: {status:?}");
 
     publisher.abort();
-    agent.abort();
+    agent.kill();
     controller.stop().await;
 }

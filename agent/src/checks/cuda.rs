@@ -625,7 +625,7 @@ fn evaluate_device(
             format!("{label} was not probed."),
         ),
         (Some(f), _) => match (f.stage, f.error.as_str()) {
-            ("context" | "alloc", "CUDA_ERROR_DEVICES_UNAVAILABLE" | "CUDA_ERROR_OUT_OF_MEMORY") => (
+            ("context" | "alloc", "CUDA_ERROR_DEVICE_UNAVAILABLE" | "CUDA_ERROR_OUT_OF_MEMORY") => (
                 CheckStatus::Unknown,
                 "CudaDeviceBusy",
                 format!(
@@ -918,7 +918,7 @@ mod tests {
                 "CudaLaunchFailed",
             ),
             (
-                devices(dev(Some(("context", "CUDA_ERROR_DEVICES_UNAVAILABLE")), None)),
+                devices(dev(Some(("context", "CUDA_ERROR_DEVICE_UNAVAILABLE")), None)),
                 true,
                 Unknown,
                 "CudaDeviceBusy",

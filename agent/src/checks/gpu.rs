@@ -908,6 +908,69 @@ mod tests {
         }
     }
 
+    fn xid_status(xid: u64, age_s: u64, gi: Option<u32>) -> XidStatus {
+        use super::super::xid::XidEvent;
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let mut log = XidLog::default();
+        log.push(XidEvent {
+            xid: Some(xid),
+            at: now - Duration::from_secs(age_s),
+            gpu_instance: gi,
+            compute_instance: gi.map(|_| 0),
+            mig_uuid: gi.map(|g| format!("MIG-{g}")),
+        });
+        let policy = XidPolicy {
+            quiet_period: Duration::from_secs(300),
+            ..XidPolicy::default()
+        };
+        XidStatus::judge(&log, &EventSupport::Monitored, &policy, now)
+    }
+
+    #[test]
+    fn xid_findings() {
+        use CheckStatus::*;
+        let cases: Vec<(XidStatus, CheckStatus, &str)> = vec![
+            (xid_status(79, 10, None), Critical, "GpuXidFatal"),
+            (xid_status(48, 299, None), Critical, "GpuXidFatal"),
+            (xid_status(48, 300, None), Ok, "GpuOk"),
+            (xid_status(92, 1, None), Warning, "GpuXidError"),
+            (xid_status(13, 1, None), Ok, "GpuOk"),
+            (xid_status(43, 1, Some(2)), Ok, "GpuOk"),
+        ];
+        for (i, (x, status, reason)) in cases.into_iter().enumerate() {
+            let mut s = healthy();
+            s.xid = Some(x);
+            let r = evaluate_device(&s);
+            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(r.observed["xidEvents"], "monitored");
+        }
+        let mut s = healthy();
+        s.xid = Some(xid_status(79, 10, None));
+        let r = evaluate_device(&s);
+        assert!(r.message.contains("XID 79 (GPU has fallen off the bus) 10 s ago"), "{}", r.message);
+        assert!(r.message.contains("after 300 s"), "{}", r.message);
+        assert_eq!(r.observed["lastXid"], "79");
+        assert_eq!(r.observed["activeXids"], "79");
+        assert_eq!(r.observed["lastXidAgeSeconds"], "10");
+        // recovered: healthy, with the history shown
+        s.xid = Some(xid_status(79, 400, None));
+        let r = evaluate_device(&s);
+        assert_eq!(r.reason, "GpuOk");
+        assert_eq!(r.observed["xidRecovered"], "true");
+        assert_eq!(r.observed["lastXid"], "79");
+        // MIG attribution in the message and observed values
+        s.xid = Some(xid_status(94, 5, Some(3)));
+        let r = evaluate_device(&s);
+        assert_eq!(r.reason, "GpuXidFatal");
+        assert!(r.message.contains("on MIG instance GI 3/CI 0 (MIG-3)"), "{}", r.message);
+        assert_eq!(r.observed["lastXidGpuInstance"], "3");
+        assert_eq!(r.observed["lastXidMigUuid"], "MIG-3");
+        // an ECC error outranks the XID that reported it
+        s.ecc_dbe_volatile = Some(1);
+        s.xid = Some(xid_status(48, 5, None));
+        assert_eq!(evaluate_device(&s).reason, "GpuEccErrors");
+    }
+
     #[test]
     fn observed_keys_and_messages() {
         let mut s = healthy();

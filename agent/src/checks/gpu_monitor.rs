@@ -198,12 +198,15 @@ fn run(
             }
             Ok(nvml) => {
                 let nvml = Arc::new(nvml);
+                // Register before announcing Ready, so the first run already sees which GPUs
+                // are watched.
+                let registered = register(&shared, &nvml);
                 {
                     let mut st = shared.state.lock();
                     st.init = InitState::Ready(nvml.clone());
                     shared.changed.notify_all();
                 }
-                watch_events(&shared, &nvml);
+                watch_events(&shared, &nvml, registered);
                 return;
             }
         }
@@ -238,8 +241,8 @@ fn mig_devices(nvml: &Nvml, device: &Device<'_>) -> HashMap<u32, String> {
     out
 }
 
-fn watch_events(shared: &Shared, nvml: &Nvml) {
-    let Some(set) = register(shared, nvml) else {
+fn watch_events<'n>(shared: &Shared, nvml: &'n Nvml, registered: Option<Registered<'n>>) {
+    let Some(set) = registered else {
         // Nothing to wait on: idle until told to stop.
         while !sleep_or_stop(shared, Duration::from_secs(3600)) {}
         return;

@@ -187,24 +187,19 @@ impl ChecksConfig {
         let enable = get("IC_XID_ENABLE");
         let disable = get("IC_XID_DISABLE");
         let unlisted = get("IC_XID_UNLISTED");
+        let xid_err = |var| move |source| ChecksConfigError::Xid { var, source };
+        // each setting alone first, so that an error names its variable
+        XidPolicy::configured(enable.as_deref(), None, None, None)
+            .map_err(xid_err("IC_XID_ENABLE"))?;
+        XidPolicy::configured(None, disable.as_deref(), None, None)
+            .map_err(xid_err("IC_XID_DISABLE"))?;
         c.xid_policy = XidPolicy::configured(
             enable.as_deref(),
             disable.as_deref(),
             unlisted.as_deref(),
             quiet,
         )
-        .map_err(|source| ChecksConfigError::Xid {
-            var: match &source {
-                XidPolicyError::BadAction(_) => "IC_XID_UNLISTED",
-                XidPolicyError::BadXid(x)
-                    if enable.as_deref().is_some_and(|e| e.contains(x.as_str())) =>
-                {
-                    "IC_XID_ENABLE"
-                }
-                XidPolicyError::BadXid(_) => "IC_XID_DISABLE",
-            },
-            source,
-        })?;
+        .map_err(xid_err("IC_XID_UNLISTED"))?;
         if let Some(v) = get("IC_CUDA_LIBRARY") {
             c.cuda_library = Some(PathBuf::from(v));
         }

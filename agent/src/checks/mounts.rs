@@ -8,19 +8,21 @@
 //!
 //! 1. `<proc_root>/<pid>/mountinfo`: the mount at the path must carry `ro` (per mount or
 //!    super-block);
-//! 2. write probes, each of which must fail with `EROFS`, and each of which changes nothing if
-//!    it succeeds or is undone at once: `create` (a new name, `O_CREAT|O_EXCL`), `append`
-//!    (`O_WRONLY|O_APPEND` on an existing file, nothing written), `rename` (an existing file to a
-//!    new name and back), `chmod` (to its current mode), `truncate` (to its current length),
-//!    `unlink` (a name that does not exist: a writable mount answers `ENOENT`), `mkdir` (a new
+//! 2. write probes, each of which must fail with `EROFS`, and none of which may disturb a
+//!    reader if the volume turns out writable (the check runs every few seconds on production
+//!    volumes): `create` (a new name, `O_CREAT|O_EXCL`, removed again), `append`
+//!    (`O_WRONLY|O_APPEND` on an existing file, nothing written), `rename` and `unlink` (of a
+//!    name that does not exist: the kernel checks write access to the mount before it looks the
+//!    name up, so a read-only mount answers `EROFS` and a writable one `ENOENT`), `chmod` (an
+//!    existing file to its current mode), `truncate` (to its current length), `mkdir` (a new
 //!    name, removed again). `ftruncate` on a read-only descriptor is also recorded: it fails
 //!    with `EINVAL` on any mount and proves nothing. `EEXIST` (the new name exists) and
 //!    `EACCES`/`EPERM` (an agent without root) are inconclusive;
 //! 3. the SHA-256 of every planned sample file must equal the writer's digest (digests are
 //!    cached by inode, size and mtime, so a large file is hashed once).
 //!
-//! One result per planned mount, subject `<namespace>/<pod>:<path>`. Reasons (see
-//! `docs/checks.md`): `ReaderVolumeReadOnly`, `ReaderVolumeMounted`, `ReaderVolumeWritable`,
+//! One result per planned mount, subject `<namespace>/<pod>:<path>` (one `host` result
+//! `NoReaderMounts`, Ok, when the plan has none). Reasons (see `docs/checks.md`): `ReaderVolumeReadOnly`, `ReaderVolumeMounted`, `ReaderVolumeWritable`,
 //! `ReaderVolumeDigestMismatch`, `ReaderVolumeMissing`, `PodNotFound`.
 
 use std::collections::HashMap;
@@ -47,10 +49,10 @@ pub const NAME: &str = "mounts";
 pub const PROBES: [&str; 8] = [
     "create",
     "append",
-    "rename",
     "chmod",
     "truncate",
     "ftruncate",
+    "rename",
     "unlink",
     "mkdir",
 ];
@@ -72,12 +74,14 @@ pub enum ProbeOutcome {
 
 impl ProbeOutcome {
     /// True when the outcome shows the mount accepts writes: a probe that succeeded, or
-    /// `unlink` of a missing name answered with `ENOENT` (the kernel checks write access to
-    /// the mount before looking the name up).
+    /// `rename`/`unlink` of a missing name answered with `ENOENT` (the kernel checks write
+    /// access to the mount before looking the name up).
     pub fn shows_writable(&self, probe: &str) -> bool {
         match self {
             ProbeOutcome::Succeeded { .. } => true,
-            ProbeOutcome::Refused(e) => probe == "unlink" && *e == libc::ENOENT,
+            ProbeOutcome::Refused(e) => {
+                (probe == "unlink" || probe == "rename") && *e == libc::ENOENT
+            }
             ProbeOutcome::Skipped(_) => false,
         }
     }
@@ -165,14 +169,7 @@ pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, Probe
                     Ok(())
                 }),
             ));
-            // rename: to a new name and back
-            let renamed = file.with_file_name(probe_name("rename"));
-            out.push((
-                "rename",
-                outcome(std::fs::rename(file, &renamed), |()| {
-                    std::fs::rename(&renamed, file)
-                }),
-            ));
+
             // chmod and truncate: to what the file already has
             match std::fs::metadata(file) {
                 Ok(meta) => {
@@ -210,11 +207,18 @@ pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, Probe
             }
         }
         None => {
-            for p in ["append", "rename", "chmod", "truncate", "ftruncate"] {
+            for p in ["append", "chmod", "truncate", "ftruncate"] {
                 out.push((p, ProbeOutcome::Skipped("no file")));
             }
         }
     }
+    // rename: a name that does not exist (nothing of the volume moves, even if writable)
+    let from = dir.join(probe_name("rename"));
+    let to = dir.join(probe_name("renamed"));
+    out.push((
+        "rename",
+        outcome(std::fs::rename(&from, &to), |()| std::fs::rename(&to, &from)),
+    ));
     // unlink: a name that does not exist
     out.push((
         "unlink",
@@ -581,6 +585,15 @@ impl Check for MountsCheck {
     }
 
     fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        if plan.reader_mounts.is_empty() {
+            return vec![CheckResult::new(
+                NAME,
+                "host",
+                CheckStatus::Ok,
+                "NoReaderMounts",
+                "the plan has no model-cache reader volume on this node.".to_string(),
+            )];
+        }
         plan.reader_mounts
             .iter()
             .map(|m| {
@@ -766,7 +779,7 @@ mod tests {
         let r = evaluate_view("s", &plan(), &good);
         assert_eq!(
             r.observed["probes"],
-            "create=EROFS,append=EROFS,rename=EROFS,chmod=EROFS,truncate=EROFS,ftruncate=EINVAL,unlink=EROFS,mkdir=EROFS"
+            "create=EROFS,append=EROFS,chmod=EROFS,truncate=EROFS,ftruncate=EINVAL,rename=EROFS,unlink=EROFS,mkdir=EROFS"
         );
         assert_eq!(r.observed["samplesMatching"], "1");
         assert_eq!(r.observed["readOnlyFlag"], "true");
@@ -798,7 +811,7 @@ mod tests {
             match *p {
                 // not writable through a read-only descriptor, on any file system
                 "ftruncate" => assert_eq!(*o, ProbeOutcome::Refused(libc::EINVAL)),
-                "unlink" => assert_eq!(*o, ProbeOutcome::Refused(libc::ENOENT)),
+                "unlink" | "rename" => assert_eq!(*o, ProbeOutcome::Refused(libc::ENOENT)),
                 _ => assert_eq!(*o, ProbeOutcome::Succeeded { undo: Ok(()) }, "{p}"),
             }
             if *p != "ftruncate" {

@@ -17,7 +17,8 @@
 //! Exact bytes (request id 7): request `07` `18`, reply `07` `18` `a2 4f 4b`.
 //!
 //! Without a pod UID (standalone mode) the worker is probed in the agent's own network
-//! namespace. Results: subject `<namespace>/<pod>` per engine with an MP-worker port.
+//! namespace. Results: subject `<namespace>/<pod>` per engine with an MP-worker port; one
+//! `host` result `NoMpWorkers` (Ok) when the plan has none.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -449,7 +450,17 @@ impl Check for MpWorkerCheck {
             }
             out[slot] = Some(r);
         }
-        out.into_iter().flatten().collect()
+        let out: Vec<CheckResult> = out.into_iter().flatten().collect();
+        if out.is_empty() {
+            return vec![CheckResult::new(
+                NAME,
+                "host",
+                CheckStatus::Ok,
+                "NoMpWorkers",
+                "the plan has no LMCache MP worker on this node.".to_string(),
+            )];
+        }
+        out
     }
 }
 

@@ -214,7 +214,10 @@ fn basename(s: &str) -> &str {
 }
 
 fn is_shell(s: &str) -> bool {
-    matches!(basename(s), "sh" | "bash" | "dash" | "ash" | "zsh" | "ksh" | "busybox")
+    matches!(
+        basename(s),
+        "sh" | "bash" | "dash" | "ash" | "zsh" | "ksh" | "busybox"
+    )
 }
 
 fn is_python(s: &str) -> bool {
@@ -238,7 +241,8 @@ fn find_marker(words: &[&str], runtime: Runtime) -> (Option<(usize, Option<Strin
                 } else if w == "-m"
                     && matches!(
                         next,
-                        Some("vllm.entrypoints.openai.api_server") | Some("vllm.entrypoints.api_server")
+                        Some("vllm.entrypoints.openai.api_server")
+                            | Some("vllm.entrypoints.api_server")
                     )
                 {
                     Some((i + 1, preceding_python(words, i)))
@@ -437,9 +441,52 @@ impl EngineCommand {
             container: name.to_string(),
             detail,
         })?;
+        // Each simple command with "$@" expanded into the positional parameters, so an engine
+        // launched from the forwarded arguments (`exec "$@"`) is found too.
+        struct Item {
+            text: String,
+            loc: Loc,
+            opaque: bool,
+            raw: String,
+        }
+        let expand = |seg: &Segment| -> Result<(Vec<Item>, bool), CommandError> {
+            let mut items = Vec::new();
+            let mut forwards = false;
+            for w in &seg.words {
+                if w.dollar_at {
+                    if forwards {
+                        return Err(CommandError::Unparseable {
+                            container: name.to_string(),
+                            detail: "\"$@\" appears more than once in one command".to_string(),
+                        });
+                    }
+                    forwards = true;
+                    items.extend(positional.iter().map(|(s, slot)| Item {
+                        text: (*s).to_string(),
+                        loc: Loc::Argv(*slot),
+                        opaque: false,
+                        raw: (*s).to_string(),
+                    }));
+                } else {
+                    items.push(Item {
+                        text: w.text.clone(),
+                        loc: Loc::Script {
+                            start: w.start,
+                            end: w.end,
+                        },
+                        opaque: w.expansion,
+                        raw: script[w.start..w.end].to_string(),
+                    });
+                }
+            }
+            Ok((items, forwards))
+        };
         let mut found: Vec<(usize, usize, Option<String>)> = Vec::new();
         for (si, seg) in segments.iter().enumerate() {
-            let texts: Vec<&str> = seg.words.iter().map(|w| w.text.as_str()).collect();
+            let Ok((items, _)) = expand(seg) else {
+                continue;
+            };
+            let texts: Vec<&str> = items.iter().map(|w| w.text.as_str()).collect();
             let (marker, count) = find_marker(&texts, runtime);
             if let Some((end, py)) = marker {
                 for _ in 0..count {
@@ -492,32 +539,23 @@ impl EngineCommand {
             }
         }
 
+        let (items, _) = expand(seg)?;
+        // New arguments go to the end of argv when the command ends with "$@" (and argv has a
+        // $0, so they are forwarded); otherwise into the script after the command's last word.
+        let forwards = seg.words.last().is_some_and(|w| w.dollar_at);
         let mut args = Vec::new();
         let mut warnings = Vec::new();
-        let mut forwards = false;
-        for w in &seg.words[marker_end + 1..] {
-            if w.dollar_at {
-                forwards = true;
-                args.extend(positional.iter().map(|(s, slot)| EngineArg {
-                    text: (*s).to_string(),
-                    opaque: false,
-                    loc: Loc::Argv(*slot),
-                }));
-                continue;
-            }
-            if w.expansion {
+        for it in items.into_iter().skip(marker_end + 1) {
+            if it.opaque {
                 warnings.push(format!(
                     "container {name:?}: engine argument {:?} is a shell expansion; flags it may carry cannot be seen",
-                    &script[w.start..w.end]
+                    it.raw
                 ));
             }
             args.push(EngineArg {
-                text: w.text.clone(),
-                opaque: w.expansion,
-                loc: Loc::Script {
-                    start: w.start,
-                    end: w.end,
-                },
+                text: it.text,
+                opaque: it.opaque,
+                loc: it.loc,
             });
         }
         let append = if forwards && has_dollar0 {
@@ -539,6 +577,43 @@ impl EngineCommand {
             script_slot: Some(script_slot),
             script: script.to_string(),
         })
+    }
+
+    /// The first shell variable among the engine's arguments whose value, as the container's
+    /// own `env` sets it literally, mentions one of `flags` (`_` and `-` equivalent; a flag
+    /// ending in `-` is a prefix). Such a flag would be hidden from the adapter, so it must not
+    /// add a second one. Returns `(variable, flag)`.
+    pub fn hidden_flag(&self, container: &Container, flags: &[&str]) -> Option<(String, String)> {
+        let env: Vec<(&str, &str)> = container
+            .env
+            .iter()
+            .flatten()
+            .filter_map(|e| e.value.as_deref().map(|v| (e.name.as_str(), v)))
+            .collect();
+        for a in self.args.iter().filter(|a| a.opaque) {
+            for var in referenced_variables(&a.text) {
+                let Some((_, value)) = env.iter().rev().find(|(n, _)| *n == var) else {
+                    continue;
+                };
+                let value = value.replace('_', "-");
+                for f in flags {
+                    let f = f.replace('_', "-");
+                    if value
+                        .split(|c: char| c.is_whitespace() || c == '=' || c == '\'' || c == '"')
+                        .any(|tok| {
+                            if f.ends_with('-') {
+                                tok.starts_with(&f)
+                            } else {
+                                tok == f
+                            }
+                        })
+                    {
+                        return Some((var, f));
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// The argument texts, in order.
@@ -575,7 +650,10 @@ impl EngineCommand {
     /// Occurrences of one flag (`flag` in long form, e.g. `--kv-transfer-config`).
     pub fn find(&self, flag: &str) -> Vec<FlagOcc> {
         let want = normalize_flag(flag);
-        self.flags().into_iter().filter(|f| f.name == want).collect()
+        self.flags()
+            .into_iter()
+            .filter(|f| f.name == want)
+            .collect()
     }
 
     /// The value of a one-value flag occurrence: the inline value, or the next argument when
@@ -773,6 +851,30 @@ impl EngineCommand {
     }
 }
 
+/// Names of the variables `$NAME` / `${NAME}` referenced in a word.
+fn referenced_variables(word: &str) -> Vec<String> {
+    let b = word.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'$' {
+            i += 1;
+            continue;
+        }
+        let braced = b.get(i + 1) == Some(&b'{');
+        let start = if braced { i + 2 } else { i + 1 };
+        let mut j = start;
+        while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
+            j += 1;
+        }
+        if j > start && !b[start].is_ascii_digit() {
+            out.push(word[start..j].to_string());
+        }
+        i = j.max(i + 1);
+    }
+    out
+}
+
 /// Normalises a long flag name for matching: the part before `=`, underscores as dashes
 /// (`--kv_transfer_config` and `--kv-transfer-config` are the same vLLM flag).
 pub fn normalize_flag(flag: &str) -> String {
@@ -951,7 +1053,10 @@ impl Lexer<'_> {
                 return Ok(());
             }
         } else {
-            while matches!(self.peek(0), Some(b'<') | Some(b'>') | Some(b'&') | Some(b'|')) {
+            while matches!(
+                self.peek(0),
+                Some(b'<') | Some(b'>') | Some(b'&') | Some(b'|')
+            ) {
                 self.i += 1;
             }
         }
@@ -1005,9 +1110,7 @@ impl Lexer<'_> {
         while self.i < self.b.len() {
             let c = self.b[self.i];
             match c {
-                b' ' | b'\t' | b'\n' | b';' | b'&' | b'|' | b'(' | b')' | b'<' | b'>' => {
-                    break
-                }
+                b' ' | b'\t' | b'\n' | b';' | b'&' | b'|' | b'(' | b')' | b'<' | b'>' => break,
                 b'\'' => {
                     let close = self.s[self.i + 1..]
                         .find('\'')
@@ -1163,7 +1266,9 @@ impl Lexer<'_> {
                 _ => self.i += 1,
             }
         }
-        Err(format!("unterminated substitution starting at byte {start}"))
+        Err(format!(
+            "unterminated substitution starting at byte {start}"
+        ))
     }
 }
 
@@ -1190,8 +1295,8 @@ mod tests {
 
     #[test]
     fn lexes_words_quotes_and_operators() {
-        let segs = lex("pip install x && exec vllm serve 'm o' --a \"b c\" # hi\necho $X; true")
-            .unwrap();
+        let segs =
+            lex("pip install x && exec vllm serve 'm o' --a \"b c\" # hi\necho $X; true").unwrap();
         let texts: Vec<Vec<&str>> = segs
             .iter()
             .map(|s| s.words.iter().map(|w| w.text.as_str()).collect())
@@ -1210,7 +1315,8 @@ mod tests {
 
     #[test]
     fn lexes_continuations_and_heredocs() {
-        let segs = lex("cat > f <<'EOF'\nvllm serve nope\nEOF\nvllm serve m \\\n  --port 1 \\\n").unwrap();
+        let segs =
+            lex("cat > f <<'EOF'\nvllm serve nope\nEOF\nvllm serve m \\\n  --port 1 \\\n").unwrap();
         let texts: Vec<Vec<&str>> = segs
             .iter()
             .map(|s| s.words.iter().map(|w| w.text.as_str()).collect())
@@ -1275,7 +1381,10 @@ mod tests {
 
     #[test]
     fn sh_c_script_insertion_is_quoted() {
-        let c = container(&["/bin/sh", "-c"], &["vllm serve m --max_num_batched_tokens 1024"]);
+        let c = container(
+            &["/bin/sh", "-c"],
+            &["vllm serve m --max_num_batched_tokens 1024"],
+        );
         let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
         assert_eq!(cmd.form, CommandForm::Shell);
         assert_eq!(cmd.find("--max-num-batched-tokens").len(), 1);
@@ -1283,7 +1392,10 @@ mod tests {
         let out = cmd
             .apply(
                 &c,
-                &[Edit::Append(vec!["--kv-transfer-config".into(), json.into()])],
+                &[Edit::Append(vec![
+                    "--kv-transfer-config".into(),
+                    json.into(),
+                ])],
             )
             .unwrap();
         assert_eq!(
@@ -1320,7 +1432,12 @@ mod tests {
     #[test]
     fn dollar_at_forwarding_appends_to_args() {
         let c = container(
-            &["/bin/sh", "-c", "python3 /x.py || exit 1\nexec python3 -m sglang.launch_server \"$@\"\n", "--"],
+            &[
+                "/bin/sh",
+                "-c",
+                "python3 /x.py || exit 1\nexec python3 -m sglang.launch_server \"$@\"\n",
+                "--",
+            ],
             &["--model-path=Q", "--page-size=64"],
         );
         let cmd = EngineCommand::parse(&c, Runtime::SgLang).unwrap();
@@ -1348,7 +1465,10 @@ mod tests {
 
     #[test]
     fn dollar0_is_not_forwarded() {
-        let c = container(&["sh", "-c", "exec vllm serve \"$@\""], &["zero", "m", "--port", "1"]);
+        let c = container(
+            &["sh", "-c", "exec vllm serve \"$@\""],
+            &["zero", "m", "--port", "1"],
+        );
         let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
         assert_eq!(cmd.texts(), vec!["m", "--port", "1"]);
     }
@@ -1356,13 +1476,22 @@ mod tests {
     #[test]
     fn replace_a_script_word_and_an_inline_value() {
         let c = container(
-            &["sh", "-c", "vllm serve m --kv-transfer-config '{\"kv_connector\":\"A\"}' --x=1 >/tmp/log 2>&1"],
+            &[
+                "sh",
+                "-c",
+                "vllm serve m --kv-transfer-config '{\"kv_connector\":\"A\"}' --x=1 >/tmp/log 2>&1",
+            ],
             &[],
         );
         let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
         assert_eq!(
             cmd.texts(),
-            vec!["m", "--kv-transfer-config", "{\"kv_connector\":\"A\"}", "--x=1"]
+            vec![
+                "m",
+                "--kv-transfer-config",
+                "{\"kv_connector\":\"A\"}",
+                "--x=1"
+            ]
         );
         let out = cmd
             .apply(
@@ -1402,7 +1531,10 @@ mod tests {
 
     #[test]
     fn expansions_are_opaque_and_not_editable() {
-        let c = container(&["sh", "-c", "vllm serve $MODEL $EXTRA_ARGS --port 8000"], &[]);
+        let c = container(
+            &["sh", "-c", "vllm serve $MODEL $EXTRA_ARGS --port 8000"],
+            &[],
+        );
         let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
         assert!(cmd.is_opaque(0));
         assert_eq!(cmd.warnings.len(), 2);
@@ -1426,7 +1558,10 @@ mod tests {
 
     #[test]
     fn env_and_tini_wrappers() {
-        let c = container(&["/usr/bin/env", "FOO=1", "bash", "-c", "vllm serve m"], &[]);
+        let c = container(
+            &["/usr/bin/env", "FOO=1", "bash", "-c", "vllm serve m"],
+            &[],
+        );
         assert_eq!(
             EngineCommand::parse(&c, Runtime::Vllm).unwrap().form,
             CommandForm::Shell
@@ -1439,8 +1574,65 @@ mod tests {
     }
 
     #[test]
+    fn engine_launched_through_exec_dollar_at() {
+        let c = container(
+            &["/bin/sh", "-c", "set -e\nexec \"$@\"", "--"],
+            &["vllm", "serve", "m", "--port", "1"],
+        );
+        let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
+        assert_eq!(cmd.texts(), vec!["m", "--port", "1"]);
+        let out = cmd.apply(&c, &[Edit::Append(vec!["--z".into()])]).unwrap();
+        assert_eq!(
+            out.args.unwrap(),
+            vec!["vllm", "serve", "m", "--port", "1", "--z"]
+        );
+        // Words after "$@": new arguments go into the script, after them.
+        let c = container(
+            &["sh", "-c", "exec \"$@\" --port 1", "x"],
+            &["vllm", "serve", "m"],
+        );
+        let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
+        let out = cmd.apply(&c, &[Edit::Append(vec!["--z".into()])]).unwrap();
+        assert_eq!(out.command.unwrap()[2], "exec \"$@\" --port 1 --z");
+    }
+
+    #[test]
+    fn hidden_flags_in_env_expansions() {
+        let mut c = container(&["sh", "-c", "vllm serve m $EXTRA ${MORE}"], &[]);
+        c.env = Some(vec![
+            k8s_openapi::api::core::v1::EnvVar {
+                name: "EXTRA".into(),
+                value: Some("--max-model-len 1".into()),
+                value_from: None,
+            },
+            k8s_openapi::api::core::v1::EnvVar {
+                name: "MORE".into(),
+                value: Some("--kv_transfer_config={}".into()),
+                value_from: None,
+            },
+        ]);
+        let cmd = EngineCommand::parse(&c, Runtime::Vllm).unwrap();
+        assert_eq!(
+            cmd.hidden_flag(&c, &["--kv-transfer-config"]),
+            Some(("MORE".to_string(), "--kv-transfer-config".to_string()))
+        );
+        assert_eq!(cmd.hidden_flag(&c, &["--hicache-"]), None);
+        assert_eq!(
+            cmd.hidden_flag(&c, &["--max-"]).map(|v| v.0),
+            Some("EXTRA".to_string())
+        );
+        assert_eq!(referenced_variables("a$B${C}$1$"), vec!["B", "C"]);
+    }
+
+    #[test]
     fn normalizes_underscores() {
-        assert_eq!(normalize_flag("--kv_transfer_config"), "--kv-transfer-config");
-        assert_eq!(normalize_flag("--kv_transfer_config={}"), "--kv-transfer-config");
+        assert_eq!(
+            normalize_flag("--kv_transfer_config"),
+            "--kv-transfer-config"
+        );
+        assert_eq!(
+            normalize_flag("--kv_transfer_config={}"),
+            "--kv-transfer-config"
+        );
     }
 }

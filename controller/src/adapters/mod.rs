@@ -153,6 +153,16 @@ pub enum InjectError {
         /// The argument as written.
         value: String,
     },
+    /// A shell variable among the engine's arguments sets an adapter-managed flag.
+    #[error("container {container:?}: the engine command expands ${variable}, which sets {flag}; refusing to add a second one")]
+    HiddenFlag {
+        /// Container name.
+        container: String,
+        /// The variable.
+        variable: String,
+        /// The flag it carries.
+        flag: String,
+    },
     /// An adapter-managed flag's value is a shell expansion the webhook cannot read.
     #[error("container {container:?}: the value of {flag} is a shell expansion ({value}) that cannot be checked")]
     OpaqueFlag {
@@ -504,11 +514,12 @@ pub(crate) fn requests_gpu(c: &Container) -> bool {
     let Some(r) = c.resources.as_ref() else {
         return false;
     };
-    let gpu = |m: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
-        m.iter().flatten().any(|(k, v)| {
-            k.ends_with("/gpu") && parse_quantity(&v.0).is_some_and(|q| q > 0.0)
-        })
-    };
+    let gpu =
+        |m: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+            m.iter()
+                .flatten()
+                .any(|(k, v)| k.ends_with("/gpu") && parse_quantity(&v.0).is_some_and(|q| q > 0.0))
+        };
     gpu(&r.requests) || gpu(&r.limits)
 }
 
@@ -639,7 +650,10 @@ mod tests {
         assert!(v.supports_binding(Some(BindingKind::MooncakeStore)));
         assert!(!v.supports_binding(Some(BindingKind::Resp)));
         let s = r.lookup(Runtime::SgLang, CacheType::LMCache).unwrap();
-        assert_eq!(s.reserved_args(), &["--enable-lmcache", "--lmcache-config-file"]);
+        assert_eq!(
+            s.reserved_args(),
+            &["--enable-lmcache", "--lmcache-config-file"]
+        );
         assert_eq!(
             s.reserved_env(),
             &["LMCACHE_USE_EXPERIMENTAL", "INFERENCECACHE_FAIL_OPEN"]
@@ -657,7 +671,10 @@ mod tests {
     #[test]
     fn quantities() {
         assert_eq!(parse_quantity("4Gi"), Some(4.0 * 1024f64.powi(3)));
-        assert_eq!(parse_quantity("1536Mi").map(|b| b / 1024f64.powi(3)), Some(1.5));
+        assert_eq!(
+            parse_quantity("1536Mi").map(|b| b / 1024f64.powi(3)),
+            Some(1.5)
+        );
         assert_eq!(parse_quantity("1e3"), Some(1000.0));
         assert_eq!(parse_quantity("250m"), Some(0.25));
         assert_eq!(parse_quantity("2"), Some(2.0));

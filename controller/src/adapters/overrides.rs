@@ -134,8 +134,15 @@ fn replace_occurrences(cmd: &EngineCommand, occs: &[FlagOcc], tokens: Vec<String
     let mut tokens = Some(tokens);
     for occ in occs {
         for (k, i) in span(cmd, occ).into_iter().enumerate() {
-            let t = if k == 0 { tokens.take().unwrap_or_default() } else { Vec::new() };
-            edits.push(Edit::Replace { index: i, tokens: t });
+            let t = if k == 0 {
+                tokens.take().unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            edits.push(Edit::Replace {
+                index: i,
+                tokens: t,
+            });
         }
     }
     if let Some(t) = tokens.filter(|t| !t.is_empty()) {
@@ -266,7 +273,11 @@ mod tests {
     fn c(args: &[&str], env: &[(&str, &str)]) -> Container {
         Container {
             name: "sglang".into(),
-            command: Some(vec!["python3".into(), "-m".into(), "sglang.launch_server".into()]),
+            command: Some(vec![
+                "python3".into(),
+                "-m".into(),
+                "sglang.launch_server".into(),
+            ]),
             args: Some(args.iter().map(|s| s.to_string()).collect()),
             env: (!env.is_empty()).then(|| env.iter().map(|(n, v)| env_var(n, v)).collect()),
             ..Default::default()
@@ -281,75 +292,142 @@ mod tests {
     /// `M=1` → `M=2`.
     fn fixture() -> (EngineSnapshot, Container) {
         let before = c(&["--user", "1", "--m", "1"], &[("U", "1"), ("M", "1")]);
-        let after = c(&["--user", "1", "--m", "2", "--a", "1"], &[("U", "1"), ("M", "2"), ("A", "1")]);
+        let after = c(
+            &["--user", "1", "--m", "2", "--a", "1"],
+            &[("U", "1"), ("M", "2"), ("A", "1")],
+        );
         (snapshot(&before, Runtime::SgLang), after)
     }
 
     fn run(ov: EngineOverrides) -> (Container, Vec<String>) {
         let (before, mut after) = fixture();
-        let w = apply_overrides(&mut after, Runtime::SgLang, &before, &ov, &["--reserved"], &["R"]).unwrap();
+        let w = apply_overrides(
+            &mut after,
+            Runtime::SgLang,
+            &before,
+            &ov,
+            &["--reserved"],
+            &["R"],
+        )
+        .unwrap();
         (after, w)
     }
 
     fn env(c: &Container) -> Vec<(String, String)> {
-        c.env.iter().flatten().map(|e| (e.name.clone(), e.value.clone().unwrap_or_default())).collect()
+        c.env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect()
     }
 
     #[test]
     fn owned_set_is_the_diff() {
         let (before, after) = fixture();
         let owned = adapter_owned(&before, &snapshot(&after, Runtime::SgLang));
-        assert_eq!(owned.args, BTreeSet::from(["--a".to_string(), "--m".to_string()]));
-        assert_eq!(owned.env, BTreeSet::from(["A".to_string(), "M".to_string()]));
+        assert_eq!(
+            owned.args,
+            BTreeSet::from(["--a".to_string(), "--m".to_string()])
+        );
+        assert_eq!(
+            owned.env,
+            BTreeSet::from(["A".to_string(), "M".to_string()])
+        );
     }
 
     #[test]
     fn args_replace_an_adapter_owned_flag_in_place() {
-        let (c, _) = run(EngineOverrides { args: strings(&["--a=9"]), ..Default::default() });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "2", "--a=9"]));
-        let (c, _) = run(EngineOverrides { args: strings(&["--m", "7"]), ..Default::default() });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "7", "--a", "1"]));
-        let (c, _) = run(EngineOverrides { args: strings(&["--m 8"]), ..Default::default() });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "8", "--a", "1"]));
+        let (c, _) = run(EngineOverrides {
+            args: strings(&["--a=9"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "2", "--a=9"])
+        );
+        let (c, _) = run(EngineOverrides {
+            args: strings(&["--m", "7"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "7", "--a", "1"])
+        );
+        let (c, _) = run(EngineOverrides {
+            args: strings(&["--m 8"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "8", "--a", "1"])
+        );
     }
 
     #[test]
     fn args_append_a_new_flag_in_order() {
-        let (c, _) = run(EngineOverrides { args: strings(&["--new", "x", "--b"]), ..Default::default() });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "2", "--a", "1", "--new", "x", "--b"]));
+        let (c, _) = run(EngineOverrides {
+            args: strings(&["--new", "x", "--b"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "2", "--a", "1", "--new", "x", "--b"])
+        );
     }
 
     #[test]
     fn args_on_a_user_flag_are_a_silent_no_op() {
-        let (c, w) = run(EngineOverrides { args: strings(&["--user=5"]), ..Default::default() });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "2", "--a", "1"]));
+        let (c, w) = run(EngineOverrides {
+            args: strings(&["--user=5"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "2", "--a", "1"])
+        );
         assert!(w.is_empty());
     }
 
     #[test]
     fn suppress_args_removes_added_and_restores_changed() {
-        let (c, _) = run(EngineOverrides { suppress_args: strings(&["--a", "--m", "--user"]), ..Default::default() });
+        let (c, _) = run(EngineOverrides {
+            suppress_args: strings(&["--a", "--m", "--user"]),
+            ..Default::default()
+        });
         assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "1"]));
     }
 
     #[test]
     fn env_override_wins_appends_or_is_a_no_op() {
         let (c, _) = run(EngineOverrides {
-            env: vec![env_var("A", "9"), env_var("NEW", "n"), env_var("U", "changed")],
+            env: vec![
+                env_var("A", "9"),
+                env_var("NEW", "n"),
+                env_var("U", "changed"),
+            ],
             ..Default::default()
         });
-        assert_eq!(env(&c), vec![
-            ("U".into(), "1".into()),
-            ("M".into(), "2".into()),
-            ("A".into(), "9".into()),
-            ("NEW".into(), "n".into()),
-        ]);
+        assert_eq!(
+            env(&c),
+            vec![
+                ("U".into(), "1".into()),
+                ("M".into(), "2".into()),
+                ("A".into(), "9".into()),
+                ("NEW".into(), "n".into()),
+            ]
+        );
     }
 
     #[test]
     fn suppress_env_removes_added_and_restores_changed() {
-        let (c, _) = run(EngineOverrides { suppress_env: strings(&["A", "M", "U", "NOPE"]), ..Default::default() });
-        assert_eq!(env(&c), vec![("U".into(), "1".into()), ("M".into(), "1".into())]);
+        let (c, _) = run(EngineOverrides {
+            suppress_env: strings(&["A", "M", "U", "NOPE"]),
+            ..Default::default()
+        });
+        assert_eq!(
+            env(&c),
+            vec![("U".into(), "1".into()), ("M".into(), "1".into())]
+        );
     }
 
     #[test]
@@ -360,7 +438,10 @@ mod tests {
             env: vec![env_var("R", "1")],
             suppress_env: strings(&["R"]),
         });
-        assert_eq!(c.args.unwrap(), strings(&["--user", "1", "--m", "2", "--a", "1"]));
+        assert_eq!(
+            c.args.unwrap(),
+            strings(&["--user", "1", "--m", "2", "--a", "1"])
+        );
         assert_eq!(w.len(), 4);
     }
 
@@ -368,13 +449,24 @@ mod tests {
     fn empty_overrides_change_nothing() {
         let (before, after) = fixture();
         let mut c = after.clone();
-        apply_overrides(&mut c, Runtime::SgLang, &before, &EngineOverrides::default(), &[], &[]).unwrap();
+        apply_overrides(
+            &mut c,
+            Runtime::SgLang,
+            &before,
+            &EngineOverrides::default(),
+            &[],
+            &[],
+        )
+        .unwrap();
         assert_eq!(c, after);
     }
 
     #[test]
     fn value_without_flag_is_ignored() {
-        let (_, w) = run(EngineOverrides { args: strings(&["orphan"]), ..Default::default() });
+        let (_, w) = run(EngineOverrides {
+            args: strings(&["orphan"]),
+            ..Default::default()
+        });
         assert_eq!(w.len(), 1);
     }
 }

@@ -295,24 +295,24 @@ pub fn resolve_binding(cb: &CacheBackend) -> Result<Option<Binding>, BindingErro
             if ep.is_empty() {
                 return Err(BindingError::ManagedEndpointNotPublished { provider: name });
             }
-            parse_endpoint(rs.provider, ep)
-                .map(Some)
-                .map_err(|source| BindingError::ManagedEndpointInvalid {
+            parse_endpoint(rs.provider, ep).map(Some).map_err(|source| {
+                BindingError::ManagedEndpointInvalid {
                     provider: name,
                     source,
-                })
+                }
+            })
         }
         Ownership::External => {
             let ep = rs.endpoint.as_deref().map(str::trim).unwrap_or("");
             if ep.is_empty() {
                 return Err(BindingError::ExternalEndpointMissing { provider: name });
             }
-            parse_endpoint(rs.provider, ep)
-                .map(Some)
-                .map_err(|source| BindingError::ExternalEndpointInvalid {
+            parse_endpoint(rs.provider, ep).map(Some).map_err(|source| {
+                BindingError::ExternalEndpointInvalid {
                     provider: name,
                     source,
-                })
+                }
+            })
         }
     }
 }
@@ -325,7 +325,10 @@ mod tests {
     #[test]
     fn endpoint_shapes() {
         let ok = |p, s: &str| parse_endpoint(p, s).unwrap();
-        assert_eq!(ok(RemoteProvider::Redis, " redis:6379 ").url(), "redis:6379");
+        assert_eq!(
+            ok(RemoteProvider::Redis, " redis:6379 ").url(),
+            "redis:6379"
+        );
         assert_eq!(
             ok(RemoteProvider::LMCacheServer, "lm://srv.ns.svc:8100").url(),
             "lm://srv.ns.svc:8100"
@@ -345,17 +348,38 @@ mod tests {
         use EndpointError as E;
         let err = |p, s: &str| parse_endpoint(p, s).unwrap_err();
         assert_eq!(err(RemoteProvider::Redis, "  "), E::Empty);
-        assert!(matches!(err(RemoteProvider::Redis, "a b:1"), E::Whitespace(_)));
-        assert!(matches!(err(RemoteProvider::Redis, "lm://a:1"), E::Scheme { .. }));
-        assert!(matches!(err(RemoteProvider::Redis, "redis://a:1"), E::Scheme { .. }));
+        assert!(matches!(
+            err(RemoteProvider::Redis, "a b:1"),
+            E::Whitespace(_)
+        ));
+        assert!(matches!(
+            err(RemoteProvider::Redis, "lm://a:1"),
+            E::Scheme { .. }
+        ));
+        assert!(matches!(
+            err(RemoteProvider::Redis, "redis://a:1"),
+            E::Scheme { .. }
+        ));
         assert!(matches!(
             err(RemoteProvider::LMCacheServer, "mooncakestore://a:1"),
             E::Scheme { .. }
         ));
-        assert!(matches!(err(RemoteProvider::Mooncake, "a:1/x"), E::PathQueryFragment(_)));
-        assert!(matches!(err(RemoteProvider::Mooncake, "a:1?x"), E::PathQueryFragment(_)));
-        assert!(matches!(err(RemoteProvider::Redis, "fd00::1:6379"), E::Ipv6(_)));
-        assert!(matches!(err(RemoteProvider::Redis, "[fd00::1:6379"), E::Ipv6(_)));
+        assert!(matches!(
+            err(RemoteProvider::Mooncake, "a:1/x"),
+            E::PathQueryFragment(_)
+        ));
+        assert!(matches!(
+            err(RemoteProvider::Mooncake, "a:1?x"),
+            E::PathQueryFragment(_)
+        ));
+        assert!(matches!(
+            err(RemoteProvider::Redis, "fd00::1:6379"),
+            E::Ipv6(_)
+        ));
+        assert!(matches!(
+            err(RemoteProvider::Redis, "[fd00::1:6379"),
+            E::Ipv6(_)
+        ));
         assert!(matches!(err(RemoteProvider::Redis, "a"), E::Port(_)));
         assert!(matches!(err(RemoteProvider::Redis, "a:0"), E::Port(_)));
         assert!(matches!(err(RemoteProvider::Redis, "a:65536"), E::Port(_)));
@@ -397,7 +421,10 @@ mod tests {
         let b = resolve_binding(&cb(Some(managed), Some("redis.ns.svc:6379")))
             .unwrap()
             .unwrap();
-        assert_eq!((b.kind, b.authority().as_str()), (BindingKind::Resp, "redis.ns.svc:6379"));
+        assert_eq!(
+            (b.kind, b.authority().as_str()),
+            (BindingKind::Resp, "redis.ns.svc:6379")
+        );
 
         let external = RemoteStorageSpec {
             provider: RemoteProvider::LMCacheServer,
@@ -425,5 +452,4 @@ mod tests {
             Err(BindingError::ExternalEndpointInvalid { .. })
         ));
     }
-
 }

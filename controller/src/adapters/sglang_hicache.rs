@@ -26,7 +26,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::command::{normalize_flag, Edit, EngineCommand};
 use super::{
-    engine_mut, engine_ref, user_containers, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,
+    engine_mut, engine_ref, user_containers, BindingKind, InjectContext, InjectError, InjectReport,
+    RuntimeAdapter,
 };
 
 /// The container name a multi-container pod must give its engine.
@@ -73,7 +74,11 @@ fn wanted(hi: &HiCacheSpec) -> Result<(Vec<Want>, &'static str), InjectError> {
                     })
                 }
             }
-            out.push(("--hicache-ratio", Some(ratio.trim().to_string()), Compare::Decimal));
+            out.push((
+                "--hicache-ratio",
+                Some(ratio.trim().to_string()),
+                Compare::Decimal,
+            ));
             "--hicache-size"
         }
         (None, Some(size)) => {
@@ -343,6 +348,21 @@ impl RuntimeAdapter for SglangHiCache {
         };
         let original = engine_ref(pod, engine)?.clone();
         let cmd = EngineCommand::parse(&original, Runtime::SgLang)?;
+        if let Some((variable, flag)) = cmd.hidden_flag(
+            &original,
+            &[
+                "--enable-hierarchical-cache",
+                "--hicache-",
+                "--enable-lmcache",
+                "--lmcache-config-file",
+            ],
+        ) {
+            return Err(InjectError::HiddenFlag {
+                container: original.name.clone(),
+                variable,
+                flag,
+            });
+        }
         let ov = ctx
             .backend
             .spec
@@ -374,7 +394,11 @@ mod tests {
                     .iter()
                     .map(|n| Container {
                         name: n.to_string(),
-                        command: Some(vec!["python3".into(), "-m".into(), "sglang.launch_server".into()]),
+                        command: Some(vec![
+                            "python3".into(),
+                            "-m".into(),
+                            "sglang.launch_server".into(),
+                        ]),
                         args: Some(args.iter().map(|s| s.to_string()).collect()),
                         ..Default::default()
                     })
@@ -440,21 +464,45 @@ mod tests {
         assert_eq!(
             args(&p, 0),
             vec![
-                "--model-path", "Q", "--enable-hierarchical-cache", "--hicache-size", "64",
-                "--hicache-write-policy", "write_through", "--hicache-io-backend", "kernel",
-                "--hicache-mem-layout", "page_first"
+                "--model-path",
+                "Q",
+                "--enable-hierarchical-cache",
+                "--hicache-size",
+                "64",
+                "--hicache-write-policy",
+                "write_through",
+                "--hicache-io-backend",
+                "kernel",
+                "--hicache-mem-layout",
+                "page_first"
             ]
         );
         let once = p.clone();
-        run(&mut p, HiCacheSpec { size_gb: Some(64), write_policy: Some(HiCacheWritePolicy::WriteThrough), io_backend: Some(HiCacheIoBackend::Kernel), memory_layout: Some(HiCacheMemoryLayout::PageFirst), ..Default::default() }).unwrap();
+        run(
+            &mut p,
+            HiCacheSpec {
+                size_gb: Some(64),
+                write_policy: Some(HiCacheWritePolicy::WriteThrough),
+                io_backend: Some(HiCacheIoBackend::Kernel),
+                memory_layout: Some(HiCacheMemoryLayout::PageFirst),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(p, once);
     }
 
     #[test]
     fn matching_args_are_left_byte_for_byte() {
-        let mut p = pod(&["e"], &["--hicache-ratio=2", "--enable-hierarchical-cache"]);
+        let mut p = pod(
+            &["e"],
+            &["--hicache-ratio=2", "--enable-hierarchical-cache"],
+        );
         run(&mut p, ratio("2.0")).unwrap();
-        assert_eq!(args(&p, 0), vec!["--hicache-ratio=2", "--enable-hierarchical-cache"]);
+        assert_eq!(
+            args(&p, 0),
+            vec!["--hicache-ratio=2", "--enable-hierarchical-cache"]
+        );
     }
 
     #[test]
@@ -473,12 +521,24 @@ mod tests {
     #[test]
     fn conflicts_fail_without_partial_wiring() {
         for (a, want) in [
-            (vec!["--hicache-ratio", "3"], "sets --hicache-ratio 3, the CacheBackend asks for 2"),
-            (vec!["--hicache-size", "10"], "sets --hicache-size 10, the CacheBackend asks for --hicache-ratio 2"),
+            (
+                vec!["--hicache-ratio", "3"],
+                "sets --hicache-ratio 3, the CacheBackend asks for 2",
+            ),
+            (
+                vec!["--hicache-size", "10"],
+                "sets --hicache-size 10, the CacheBackend asks for --hicache-ratio 2",
+            ),
             (vec!["--hicache-ratio", "x"], "malformed --hicache-ratio"),
             (vec!["--hicache-ratio"], "--hicache-ratio has no value"),
-            (vec!["--enable-hierarchical-cache=1"], "malformed --enable-hierarchical-cache"),
-            (vec!["--enable-hierarchical-cache", "--enable-hierarchical-cache"], "more than once"),
+            (
+                vec!["--enable-hierarchical-cache=1"],
+                "malformed --enable-hierarchical-cache",
+            ),
+            (
+                vec!["--enable-hierarchical-cache", "--enable-hierarchical-cache"],
+                "more than once",
+            ),
             (vec!["--enable-lmcache"], "already sets --enable-lmcache"),
         ] {
             let mut p = pod(&["e"], &a);
@@ -491,11 +551,24 @@ mod tests {
 
     #[test]
     fn only_host_only_bindings() {
-        let b = Binding { kind: BindingKind::Resp, host: "r".into(), port: 1 };
+        let b = Binding {
+            kind: BindingKind::Resp,
+            host: "r".into(),
+            port: 1,
+        };
         let backend = cb(ratio("2"));
         let mut p = pod(&["e"], &[]);
         assert!(matches!(
-            SglangHiCache.inject_engine_config(&InjectContext { backend: &backend, binding: Some(&b), lmcache_worker_image: None, kernel_check_image: None }, &mut p, 0),
+            SglangHiCache.inject_engine_config(
+                &InjectContext {
+                    backend: &backend,
+                    binding: Some(&b),
+                    lmcache_worker_image: None,
+                    kernel_check_image: None
+                },
+                &mut p,
+                0
+            ),
             Err(InjectError::UnsupportedBinding { .. })
         ));
     }

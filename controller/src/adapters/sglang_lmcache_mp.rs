@@ -168,7 +168,8 @@ impl SglangLmCacheMp {
             }
         }
         for m in mounts {
-            if m.mount_path.trim_end_matches('/') == CONFIG_DIR && !(ours && m.name == CONFIG_VOLUME)
+            if m.mount_path.trim_end_matches('/') == CONFIG_DIR
+                && !(ours && m.name == CONFIG_VOLUME)
             {
                 return Err(InjectError::ReservedName {
                     what: "mount path",
@@ -248,10 +249,11 @@ impl SglangLmCacheMp {
             }
             [occ] => {
                 let (value, value_index) =
-                    cmd.value_of(occ).ok_or_else(|| InjectError::MissingFlagValue {
-                        container: container.clone(),
-                        flag: "--lmcache-config-file".to_string(),
-                    })?;
+                    cmd.value_of(occ)
+                        .ok_or_else(|| InjectError::MissingFlagValue {
+                            container: container.clone(),
+                            flag: "--lmcache-config-file".to_string(),
+                        })?;
                 let at = value_index.unwrap_or(occ.index);
                 if cmd.is_opaque(at) {
                     return Err(InjectError::OpaqueFlag {
@@ -305,7 +307,11 @@ impl SglangLmCacheMp {
             .or_else(|| ctx.lmcache_worker_image.map(str::to_string))
             .or_else(|| engine.image.clone());
         let same_image = image == engine.image;
-        let python = if same_image { python.unwrap_or("python3") } else { "python3" };
+        let python = if same_image {
+            python.unwrap_or("python3")
+        } else {
+            "python3"
+        };
         let mut args = vec![
             python.to_string(),
             "-m".to_string(),
@@ -445,6 +451,21 @@ impl RuntimeAdapter for SglangLmCacheMp {
         let original = engine_ref(pod, engine)?.clone();
         let (shm, worker_at) = Self::preflight(pod, &original)?;
         let cmd = EngineCommand::parse(&original, Runtime::SgLang)?;
+        if let Some((variable, flag)) = cmd.hidden_flag(
+            &original,
+            &[
+                "--enable-lmcache",
+                "--lmcache-config-file",
+                "--enable-hierarchical-cache",
+                "--hicache-",
+            ],
+        ) {
+            return Err(InjectError::HiddenFlag {
+                container: original.name.clone(),
+                variable,
+                flag,
+            });
+        }
         report.warnings.extend(cmd.warnings.iter().cloned());
         let edits = Self::flag_edits(&cmd)?;
         let r = render_settings(ctx)?;
@@ -475,7 +496,11 @@ impl RuntimeAdapter for SglangLmCacheMp {
         upsert_env(
             &mut c,
             ENV_FAIL_OPEN,
-            if ctx.backend.spec.fail_open() { "true" } else { "false" },
+            if ctx.backend.spec.fail_open() {
+                "true"
+            } else {
+                "false"
+            },
         );
         upsert_mount(
             &mut c,
@@ -548,7 +573,11 @@ mod tests {
                 containers: vec![Container {
                     name: "sglang".into(),
                     image: Some("lmsysorg/sglang:v0.5.16".into()),
-                    command: Some(vec!["python3".into(), "-m".into(), "sglang.launch_server".into()]),
+                    command: Some(vec![
+                        "python3".into(),
+                        "-m".into(),
+                        "sglang.launch_server".into(),
+                    ]),
                     args: Some(vec!["--model-path".into(), "Q".into()]),
                     ..Default::default()
                 }],
@@ -568,7 +597,11 @@ mod tests {
         )
     }
 
-    fn inject(p: &mut Pod, cb: &CacheBackend, binding: Option<&Binding>) -> Result<InjectReport, InjectError> {
+    fn inject(
+        p: &mut Pod,
+        cb: &CacheBackend,
+        binding: Option<&Binding>,
+    ) -> Result<InjectReport, InjectError> {
         SglangLmCacheMp.inject_engine_config(
             &InjectContext {
                 backend: cb,
@@ -582,7 +615,15 @@ mod tests {
     }
 
     fn worker(p: &Pod) -> &Container {
-        p.spec.as_ref().unwrap().init_containers.as_ref().unwrap().iter().find(|c| c.name == WORKER_CONTAINER).unwrap()
+        p.spec
+            .as_ref()
+            .unwrap()
+            .init_containers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|c| c.name == WORKER_CONTAINER)
+            .unwrap()
     }
 
     #[test]
@@ -593,21 +634,60 @@ mod tests {
         let e = &spec.containers[0];
         assert_eq!(
             e.args.as_ref().unwrap(),
-            &vec!["--model-path", "Q", "--enable-lmcache", "--lmcache-config-file", CONFIG_FILE]
+            &vec![
+                "--model-path",
+                "Q",
+                "--enable-lmcache",
+                "--lmcache-config-file",
+                CONFIG_FILE
+            ]
         );
-        let env: Vec<_> = e.env.iter().flatten().map(|e| (e.name.as_str(), e.value.as_deref().unwrap())).collect();
-        assert_eq!(env, vec![("LMCACHE_USE_EXPERIMENTAL", "True"), (ENV_FAIL_OPEN, "true")]);
+        let env: Vec<_> = e
+            .env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.as_str(), e.value.as_deref().unwrap()))
+            .collect();
+        assert_eq!(
+            env,
+            vec![
+                ("LMCACHE_USE_EXPERIMENTAL", "True"),
+                (ENV_FAIL_OPEN, "true")
+            ]
+        );
         // No VLLM_USE_V1 / PYTHONHASHSEED / LMCACHE_REMOTE_URL for SGLang.
         let w = worker(&p);
         assert_eq!(w.restart_policy.as_deref(), Some("Always"));
-        assert!(!w.args.as_ref().unwrap().contains(&"--l2-adapter".to_string()));
-        assert!(w.args.as_ref().unwrap().windows(2).any(|x| x == ["--l1-size-gb", "4"]));
+        assert!(!w
+            .args
+            .as_ref()
+            .unwrap()
+            .contains(&"--l2-adapter".to_string()));
+        assert!(w
+            .args
+            .as_ref()
+            .unwrap()
+            .windows(2)
+            .any(|x| x == ["--l1-size-gb", "4"]));
         assert!(w.startup_probe.as_ref().unwrap().exec.is_some());
-        assert!(w.env.iter().flatten().any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("all")));
-        let vols: Vec<_> = spec.volumes.iter().flatten().map(|v| v.name.as_str()).collect();
+        assert!(w
+            .env
+            .iter()
+            .flatten()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("all")));
+        let vols: Vec<_> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect();
         assert_eq!(vols, vec![CONFIG_VOLUME, DSHM_VOLUME]);
         assert_eq!(
-            spec.volumes.as_ref().unwrap()[1].empty_dir.as_ref().unwrap().size_limit,
+            spec.volumes.as_ref().unwrap()[1]
+                .empty_dir
+                .as_ref()
+                .unwrap()
+                .size_limit,
             Some(Quantity("5Gi".into()))
         );
         let once = p.clone();
@@ -618,13 +698,27 @@ mod tests {
     #[test]
     fn resp_binding_adds_l2_adapter() {
         let mut p = pod();
-        let b = Binding { kind: BindingKind::Resp, host: "redis.ns.svc".into(), port: 6379 };
+        let b = Binding {
+            kind: BindingKind::Resp,
+            host: "redis.ns.svc".into(),
+            port: 6379,
+        };
         inject(&mut p, &cb(), Some(&b)).unwrap();
         let args = worker(&p).args.clone().unwrap();
         let i = args.iter().position(|a| a == "--l2-adapter").unwrap();
-        assert_eq!(args[i + 1], r#"{"host":"redis.ns.svc","port":6379,"type":"resp"}"#);
-        let lm = Binding { kind: BindingKind::Lm, host: "x".into(), port: 1 };
-        assert!(matches!(inject(&mut pod(), &cb(), Some(&lm)), Err(InjectError::UnsupportedBinding { .. })));
+        assert_eq!(
+            args[i + 1],
+            r#"{"host":"redis.ns.svc","port":6379,"type":"resp"}"#
+        );
+        let lm = Binding {
+            kind: BindingKind::Lm,
+            host: "x".into(),
+            port: 1,
+        };
+        assert!(matches!(
+            inject(&mut pod(), &cb(), Some(&lm)),
+            Err(InjectError::UnsupportedBinding { .. })
+        ));
     }
 
     #[test]
@@ -640,21 +734,44 @@ mod tests {
         inject(&mut p, &b, None).unwrap();
         let w = worker(&p);
         assert_eq!(w.image.as_deref(), Some("lmcache/worker:1"));
-        let cfg = w.env.iter().flatten().find(|e| e.name == ENV_MP_CONFIG).unwrap();
-        assert_eq!(cfg.value.as_deref(), Some("chunk_size: 64\nmp_host: \"127.0.0.1\"\nmp_port: 6000\n"));
+        let cfg = w
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == ENV_MP_CONFIG)
+            .unwrap();
+        assert_eq!(
+            cfg.value.as_deref(),
+            Some("chunk_size: 64\nmp_host: \"127.0.0.1\"\nmp_port: 6000\n")
+        );
     }
 
     #[test]
     fn reuses_the_engine_shm_under_any_name() {
         let mut p = pod();
         let s = p.spec.as_mut().unwrap();
-        s.volumes = Some(vec![Volume { name: "dshm".into(), empty_dir: Some(EmptyDirVolumeSource { medium: Some("Memory".into()), size_limit: Some(Quantity("2Gi".into())) }), ..Default::default() }]);
-        s.containers[0].volume_mounts = Some(vec![VolumeMount { name: "dshm".into(), mount_path: "/dev/shm".into(), ..Default::default() }]);
+        s.volumes = Some(vec![Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(Quantity("2Gi".into())),
+            }),
+            ..Default::default()
+        }]);
+        s.containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev/shm".into(),
+            ..Default::default()
+        }]);
         let r = inject(&mut p, &cb(), None).unwrap();
         assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
         let spec = p.spec.as_ref().unwrap();
         assert!(spec.volumes.iter().flatten().all(|v| v.name != DSHM_VOLUME));
-        assert!(worker(&p).volume_mounts.iter().flatten().any(|m| m.name == "dshm" && m.mount_path == "/dev/shm"));
+        assert!(worker(&p)
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "dshm" && m.mount_path == "/dev/shm"));
         let once = p.clone();
         inject(&mut p, &cb(), None).unwrap();
         assert_eq!(p, once);
@@ -664,45 +781,109 @@ mod tests {
     fn rejections() {
         // Read-only /dev/shm.
         let mut p = pod();
-        p.spec.as_mut().unwrap().containers[0].volume_mounts = Some(vec![VolumeMount { name: "s".into(), mount_path: "/dev/shm".into(), read_only: Some(true), ..Default::default() }]);
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ReadOnlyShm { .. })));
+        p.spec.as_mut().unwrap().containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "s".into(),
+            mount_path: "/dev/shm".into(),
+            read_only: Some(true),
+            ..Default::default()
+        }]);
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::ReadOnlyShm { .. })
+        ));
         // configMap /dev/shm.
         let mut p = pod();
         let s = p.spec.as_mut().unwrap();
-        s.volumes = Some(vec![Volume { name: "s".into(), config_map: Some(ConfigMapVolumeSource::default()), ..Default::default() }]);
-        s.containers[0].volume_mounts = Some(vec![VolumeMount { name: "s".into(), mount_path: "/dev/shm".into(), ..Default::default() }]);
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ShmVolumeSource { kind: "configMap", .. })));
+        s.volumes = Some(vec![Volume {
+            name: "s".into(),
+            config_map: Some(ConfigMapVolumeSource::default()),
+            ..Default::default()
+        }]);
+        s.containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "s".into(),
+            mount_path: "/dev/shm".into(),
+            ..Default::default()
+        }]);
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::ShmVolumeSource {
+                kind: "configMap",
+                ..
+            })
+        ));
         // Squatted names.
         let mut p = pod();
-        p.spec.as_mut().unwrap().init_containers = Some(vec![Container { name: WORKER_CONTAINER.into(), ..Default::default() }]);
+        p.spec.as_mut().unwrap().init_containers = Some(vec![Container {
+            name: WORKER_CONTAINER.into(),
+            ..Default::default()
+        }]);
         assert_eq!(
             inject(&mut p, &cb(), None).unwrap_err().to_string(),
             "the pod already has a init container named \"lmcache-mp-worker\" that inference-cache did not render; rename it to get the pod wired"
         );
         let mut p = pod();
-        p.spec.as_mut().unwrap().volumes = Some(vec![Volume { name: CONFIG_VOLUME.into(), ..Default::default() }]);
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ReservedName { what: "volume", .. })));
+        p.spec.as_mut().unwrap().volumes = Some(vec![Volume {
+            name: CONFIG_VOLUME.into(),
+            ..Default::default()
+        }]);
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::ReservedName { what: "volume", .. })
+        ));
         let mut p = pod();
-        p.spec.as_mut().unwrap().containers[0].volume_mounts = Some(vec![VolumeMount { name: "mine".into(), mount_path: "/etc/lmcache".into(), ..Default::default() }]);
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ReservedName { what: "mount path", .. })));
+        p.spec.as_mut().unwrap().containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "mine".into(),
+            mount_path: "/etc/lmcache".into(),
+            ..Default::default()
+        }]);
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::ReservedName {
+                what: "mount path",
+                ..
+            })
+        ));
         // HiCache flags already present.
         let mut p = pod();
-        p.spec.as_mut().unwrap().containers[0].args.as_mut().unwrap().push("--enable-hierarchical-cache".into());
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::ConflictingIntegration { .. })));
+        p.spec.as_mut().unwrap().containers[0]
+            .args
+            .as_mut()
+            .unwrap()
+            .push("--enable-hierarchical-cache".into());
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::ConflictingIntegration { .. })
+        ));
         // Malformed boolean.
         let mut p = pod();
-        p.spec.as_mut().unwrap().containers[0].args.as_mut().unwrap().push("--enable-lmcache=true".into());
-        assert!(matches!(inject(&mut p, &cb(), None), Err(InjectError::MalformedFlag { .. })));
+        p.spec.as_mut().unwrap().containers[0]
+            .args
+            .as_mut()
+            .unwrap()
+            .push("--enable-lmcache=true".into());
+        assert!(matches!(
+            inject(&mut p, &cb(), None),
+            Err(InjectError::MalformedFlag { .. })
+        ));
     }
 
     #[test]
     fn existing_flags_are_adopted() {
         let mut p = pod();
-        p.spec.as_mut().unwrap().containers[0].args = Some(vec!["--enable-lmcache".into(), "--lmcache-config-file=/tmp/x.yaml".into()]);
+        p.spec.as_mut().unwrap().containers[0].args = Some(vec![
+            "--enable-lmcache".into(),
+            "--lmcache-config-file=/tmp/x.yaml".into(),
+        ]);
         inject(&mut p, &cb(), None).unwrap();
         assert_eq!(
-            p.spec.as_ref().unwrap().containers[0].args.as_ref().unwrap(),
-            &vec!["--enable-lmcache".to_string(), format!("--lmcache-config-file={CONFIG_FILE}")]
+            p.spec.as_ref().unwrap().containers[0]
+                .args
+                .as_ref()
+                .unwrap(),
+            &vec![
+                "--enable-lmcache".to_string(),
+                format!("--lmcache-config-file={CONFIG_FILE}")
+            ]
         );
     }
 }

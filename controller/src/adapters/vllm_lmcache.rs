@@ -33,7 +33,7 @@ use ic_shared::crd::{CacheType, IntegrationRole, Runtime};
 use k8s_openapi::api::core::v1::{Container, Pod, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::command::{EngineCommand, Edit};
+use super::command::{Edit, EngineCommand};
 use super::{
     default_env, engine_image_security_context, engine_mut, engine_ref, env_var, gib_text,
     host_memory_gib, is_rendered, requests_gpu, upsert_env, BindingKind, InjectContext,
@@ -105,7 +105,10 @@ pub fn kv_role(role: IntegrationRole) -> &'static str {
 
 /// The canonical `--kv-transfer-config` value.
 pub fn kv_transfer_config(role: IntegrationRole) -> String {
-    format!(r#"{{"kv_connector":"{CONNECTOR}","kv_role":"{}"}}"#, kv_role(role))
+    format!(
+        r#"{{"kv_connector":"{CONNECTOR}","kv_role":"{}"}}"#,
+        kv_role(role)
+    )
 }
 
 /// Kernel-check mode resolved from the annotation: `None` = do not inject.
@@ -181,7 +184,10 @@ fn kernel_check_container(
 
 impl VllmLmCache {
     /// Edits that converge `--kv-transfer-config`.
-    fn connector_edits(cmd: &EngineCommand, role: IntegrationRole) -> Result<Vec<Edit>, InjectError> {
+    fn connector_edits(
+        cmd: &EngineCommand,
+        role: IntegrationRole,
+    ) -> Result<Vec<Edit>, InjectError> {
         let container = cmd.container.clone();
         if let Some(dotted) = cmd
             .flags()
@@ -203,10 +209,11 @@ impl VllmLmCache {
             ])]),
             [occ] => {
                 let (value, value_index) =
-                    cmd.value_of(occ).ok_or_else(|| InjectError::MissingFlagValue {
-                        container: container.clone(),
-                        flag: "--kv-transfer-config".to_string(),
-                    })?;
+                    cmd.value_of(occ)
+                        .ok_or_else(|| InjectError::MissingFlagValue {
+                            container: container.clone(),
+                            flag: "--kv-transfer-config".to_string(),
+                        })?;
                 let opaque = match value_index {
                     Some(i) => cmd.is_opaque(i),
                     None => cmd.is_opaque(occ.index),
@@ -219,9 +226,11 @@ impl VllmLmCache {
                     });
                 }
                 let mut obj: serde_json::Map<String, serde_json::Value> =
-                    serde_json::from_str(&value).map_err(|e| InjectError::InvalidConnectorJson {
-                        container: container.clone(),
-                        detail: e.to_string(),
+                    serde_json::from_str(&value).map_err(|e| {
+                        InjectError::InvalidConnectorJson {
+                            container: container.clone(),
+                            detail: e.to_string(),
+                        }
                     })?;
                 let connector = obj
                     .get("kv_connector")
@@ -314,6 +323,13 @@ impl RuntimeAdapter for VllmLmCache {
         // Validate everything before the first mutation.
         let original = engine_ref(pod, engine)?.clone();
         let cmd = EngineCommand::parse(&original, Runtime::Vllm)?;
+        if let Some((variable, flag)) = cmd.hidden_flag(&original, &["--kv-transfer-config"]) {
+            return Err(InjectError::HiddenFlag {
+                container: original.name.clone(),
+                variable,
+                flag,
+            });
+        }
         report.warnings.extend(cmd.warnings.iter().cloned());
         let edits = Self::connector_edits(&cmd, spec.integration_role())?;
         let gib = host_memory_gib(ctx.backend)?;
@@ -332,10 +348,7 @@ impl RuntimeAdapter for VllmLmCache {
             .and_then(|a| a.get(KERNEL_CHECK_ANNOTATION))
             .map(String::as_str);
         let mode = kernel_check_mode(annotation, &original, &mut report.warnings);
-        let init_containers = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.init_containers.as_ref());
+        let init_containers = pod.spec.as_ref().and_then(|s| s.init_containers.as_ref());
         let existing_check = init_containers
             .into_iter()
             .flatten()
@@ -351,11 +364,11 @@ impl RuntimeAdapter for VllmLmCache {
                 });
             }
         }
-        if pod
-            .spec
-            .as_ref()
-            .is_some_and(|s| s.containers.iter().any(|c| c.name == KERNEL_CHECK_CONTAINER))
-        {
+        if pod.spec.as_ref().is_some_and(|s| {
+            s.containers
+                .iter()
+                .any(|c| c.name == KERNEL_CHECK_CONTAINER)
+        }) {
             return Err(InjectError::ReservedName {
                 what: "container",
                 name: KERNEL_CHECK_CONTAINER.to_string(),
@@ -367,7 +380,12 @@ impl RuntimeAdapter for VllmLmCache {
         // Env: reserved converge, tunables default.
         upsert_env(&mut c, "VLLM_USE_V1", "1");
         upsert_env(&mut c, "PYTHONHASHSEED", "0");
-        default_env(&mut c, "LMCACHE_CHUNK_SIZE", &chunk.to_string(), &mut report.warnings);
+        default_env(
+            &mut c,
+            "LMCACHE_CHUNK_SIZE",
+            &chunk.to_string(),
+            &mut report.warnings,
+        );
         default_env(&mut c, "LMCACHE_LOCAL_CPU", "True", &mut report.warnings);
         default_env(
             &mut c,
@@ -383,7 +401,12 @@ impl RuntimeAdapter for VllmLmCache {
                 lm.remote_serde.as_deref().unwrap_or("naive"),
                 &mut report.warnings,
             );
-        } else if c.env.iter().flatten().any(|e| e.name == "LMCACHE_REMOTE_URL") {
+        } else if c
+            .env
+            .iter()
+            .flatten()
+            .any(|e| e.name == "LMCACHE_REMOTE_URL")
+        {
             report.warnings.push(format!(
                 "container {:?} sets LMCACHE_REMOTE_URL although the CacheBackend is host-only; it is left as is",
                 c.name
@@ -397,7 +420,8 @@ impl RuntimeAdapter for VllmLmCache {
 
         // Kernel check (computed from the original engine container).
         let python = cmd.python.clone().unwrap_or_else(|| "python3".to_string());
-        let check = mode.map(|m| kernel_check_container(&original, &python, m, ctx.kernel_check_image));
+        let check =
+            mode.map(|m| kernel_check_container(&original, &python, m, ctx.kernel_check_image));
 
         *engine_mut(pod, engine)? = c;
         let Some(pod_spec) = pod.spec.as_mut() else {
@@ -409,7 +433,10 @@ impl RuntimeAdapter for VllmLmCache {
                     *slot = check;
                 }
             }
-            (Some(check), None) => pod_spec.init_containers.get_or_insert_with(Vec::new).push(check),
+            (Some(check), None) => pod_spec
+                .init_containers
+                .get_or_insert_with(Vec::new)
+                .push(check),
             (None, Some(i)) => {
                 if let Some(v) = pod_spec.init_containers.as_mut() {
                     v.remove(i);
@@ -460,7 +487,11 @@ mod tests {
         )
     }
 
-    fn inject(p: &mut Pod, cb: &CacheBackend, binding: Option<&Binding>) -> Result<InjectReport, InjectError> {
+    fn inject(
+        p: &mut Pod,
+        cb: &CacheBackend,
+        binding: Option<&Binding>,
+    ) -> Result<InjectReport, InjectError> {
         let ctx = InjectContext {
             backend: cb,
             binding,
@@ -587,7 +618,12 @@ mod tests {
 
         // Same connector, other role: kv_role converged, other keys kept, `=` form kept.
         let mut p = pod(
-            &["vllm", "serve", "m", &format!("--kv-transfer-config={json}")],
+            &[
+                "vllm",
+                "serve",
+                "m",
+                &format!("--kv-transfer-config={json}"),
+            ],
             &[],
         );
         inject(&mut p, &cb(IntegrationRole::ReadOnly), None).unwrap();
@@ -599,7 +635,13 @@ mod tests {
 
         // A different connector fails.
         let mut p = pod(
-            &["vllm", "serve", "m", "--kv-transfer-config", r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#],
+            &[
+                "vllm",
+                "serve",
+                "m",
+                "--kv-transfer-config",
+                r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#,
+            ],
             &[],
         );
         let err = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap_err();
@@ -623,7 +665,10 @@ mod tests {
             let err = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap_err();
             assert!(err.to_string().contains(want), "{err}");
         }
-        let mut p = pod(&["sh", "-c", "vllm serve m --kv-transfer-config \"$KV\""], &[]);
+        let mut p = pod(
+            &["sh", "-c", "vllm serve m --kv-transfer-config \"$KV\""],
+            &[],
+        );
         assert!(matches!(
             inject(&mut p, &cb(IntegrationRole::ReadWrite), None),
             Err(InjectError::OpaqueFlag { .. })
@@ -703,13 +748,24 @@ mod tests {
                     a.to_string(),
                 )]));
             }
-            let mut p = if gpu { gpu_pod() } else { pod(&["vllm", "serve", "m"], &[]) };
+            let mut p = if gpu {
+                gpu_pod()
+            } else {
+                pod(&["vllm", "serve", "m"], &[])
+            };
             inject(&mut p, &b, None).unwrap();
             assert_eq!(check_mode(&p).as_deref(), want, "{annotation:?} gpu={gpu}");
             if want.is_some() {
                 let check = &p.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0];
                 let py = &check.command.as_ref().unwrap()[0];
-                assert_eq!(py, if gpu { "/opt/venv/bin/python3" } else { "python3" });
+                assert_eq!(
+                    py,
+                    if gpu {
+                        "/opt/venv/bin/python3"
+                    } else {
+                        "python3"
+                    }
+                );
                 assert!(check.resources.as_ref().unwrap().limits.is_none());
             }
             // Converges.

@@ -107,7 +107,7 @@ pub struct RunningServer {
     /// The bound address (the real port when `addr` had port 0).
     pub local_addr: SocketAddr,
     /// Self-signed mode: the CA PEM to put into the webhook configurations' `caBundle`
-    /// (see [`tls::set_ca_bundle`]). `None` in file mode.
+    /// (see [`tls::set_ca_bundle`]); in PEM mode the CA given; `None` in file mode.
     pub ca_pem: Option<String>,
     /// The live TLS configuration (reloads swap into it).
     pub rustls: RustlsConfig,
@@ -166,6 +166,14 @@ pub async fn start(
                 Some(bundle.ca_pem),
                 None,
             )
+        }
+        TlsSource::Pem {
+            cert_pem,
+            key_pem,
+            ca_pem,
+        } => {
+            let sc = tls::server_config_from_pem(cert_pem.as_bytes(), key_pem.as_bytes())?;
+            (RustlsConfig::from_config(Arc::new(sc)), ca_pem.clone(), None)
         }
     };
     let listener = std::net::TcpListener::bind(cfg.addr).map_err(|source| ServerError::Bind {

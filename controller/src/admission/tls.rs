@@ -84,6 +84,16 @@ pub enum TlsSource {
     },
     /// A certificate generated at start, signed by a fresh CA.
     SelfSigned(SelfSignedOptions),
+    /// A PEM pair held in memory (e.g. a self-signed bundle shared by several replicas through
+    /// a Secret, so that every replica serves a certificate of the one CA in `caBundle`).
+    Pem {
+        /// Certificate chain PEM.
+        cert_pem: String,
+        /// Private key PEM.
+        key_pem: String,
+        /// The CA to report in `RunningServer::ca_pem`, if the caller has one.
+        ca_pem: Option<String>,
+    },
 }
 
 /// Options of the self-signed mode.

@@ -30,8 +30,8 @@ use kube::api::{Api, PostParams};
 use kube::Client;
 use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Opts, Registry};
-use thiserror::Error;
 use std::time::Instant;
+use thiserror::Error;
 use tonic::Status;
 
 /// Default token audience.
@@ -352,13 +352,22 @@ impl<V: TokenVerifier> CachingVerifier<V> {
         self
     }
 
-    fn lookup(&self, key: &(String, String), now: Instant) -> Option<Result<TokenIdentity, VerifyError>> {
+    fn lookup(
+        &self,
+        key: &(String, String),
+        now: Instant,
+    ) -> Option<Result<TokenIdentity, VerifyError>> {
         let cache = self.cache.lock();
         let e = cache.get(key)?;
         (now.duration_since(e.at) < e.ttl).then(|| e.result.clone())
     }
 
-    fn store(&self, key: (String, String), result: Result<TokenIdentity, VerifyError>, now: Instant) {
+    fn store(
+        &self,
+        key: (String, String),
+        result: Result<TokenIdentity, VerifyError>,
+        now: Instant,
+    ) {
         let ttl = match &result {
             Ok(_) => self.ttl,
             Err(VerifyError::Rejected(_)) => self.negative_ttl,
@@ -369,7 +378,10 @@ impl<V: TokenVerifier> CachingVerifier<V> {
             cache.retain(|_, e| now.duration_since(e.at) < e.ttl);
         }
         while cache.len() >= self.max_entries {
-            let oldest = cache.iter().min_by_key(|(_, e)| e.at).map(|(k, _)| k.clone());
+            let oldest = cache
+                .iter()
+                .min_by_key(|(_, e)| e.at)
+                .map(|(k, _)| k.clone());
             match oldest {
                 Some(k) => {
                     cache.remove(&k);
@@ -377,7 +389,14 @@ impl<V: TokenVerifier> CachingVerifier<V> {
                 None => break,
             }
         }
-        cache.insert(key, CacheEntry { at: now, ttl, result });
+        cache.insert(
+            key,
+            CacheEntry {
+                at: now,
+                ttl,
+                result,
+            },
+        );
     }
 }
 

@@ -1,13 +1,16 @@
 //! Connected agents, their latest check results (`/v1/nodes`, the CacheNode writer), each open
 //! stream's outbound handle, and the node plans pushed down those streams.
 //!
-//! Plans: the plan publisher (in-cluster mode) hands the registry the desired plan of every
-//! node ([`NodeRegistry::publish_plans`]); the registry stamps a new generation on each plan
-//! whose content changed and sends it down the node's stream when one is open. A stream that
-//! opens later gets the node's current plan first ([`NodeRegistry::attach`]). Once plans were
-//! published the registry is *authoritative*: a node without engine pods gets an empty plan, so
-//! its agent stops watching what an earlier plan named. Until then (standalone mode) nothing is
-//! sent and agents keep the plan they were started with.
+//! Plans: the plan publisher (in-cluster mode, on the leader) hands the registry the desired
+//! plan of every node ([`NodeRegistry::publish_plans`]); the registry stamps a new generation on
+//! each plan whose content changed and sends it down the node's stream when one is open. A
+//! stream that opens later gets the node's current plan first ([`NodeRegistry::attach`]). Once
+//! plans were published the registry is *authoritative*: a node without engine pods gets an
+//! empty plan, so its agent stops watching what an earlier plan named. Until then (standalone
+//! mode, a replica that does not lead) nothing is sent and agents keep the plan they have.
+//! Generations start at the `generation_base` given when the book becomes authoritative (the
+//! publisher passes the current Unix time in ms), so they keep growing across leader changes
+//! and restarts.
 //!
 //! Sends use `try_send` under the registry lock, so plan updates reach a stream in generation
 //! order; a full queue leaves the plan pending and the next publish retries it.
@@ -74,6 +77,7 @@ pub struct NodeRegistry {
     outbound: BTreeMap<String, Attached>,
     plans: BTreeMap<String, NodePlan>,
     plans_authoritative: bool,
+    generation_base: u64,
 }
 
 /// What one [`NodeRegistry::publish_plans`] call did.
@@ -233,7 +237,7 @@ impl NodeRegistry {
             self.plans.insert(
                 ticket.node.clone(),
                 NodePlan {
-                    generation: 1,
+                    generation: self.generation_base,
                     ..Default::default()
                 },
             );
@@ -256,10 +260,20 @@ impl NodeRegistry {
 
     /// Replaces the plan book with `desired` (node → plan; the generation field is ignored)
     /// and makes it authoritative. A node whose plan content changed gets the next generation;
-    /// a node that had a plan and is absent from `desired` gets an empty plan. Every open
-    /// stream whose last queued generation differs from its node's plan gets the plan.
-    pub fn publish_plans(&mut self, desired: BTreeMap<String, NodePlan>) -> PublishReport {
-        self.plans_authoritative = true;
+    /// a node planned for the first time since the book became authoritative gets the base
+    /// generation (`generation_base`, taken from the first call after the book was withdrawn
+    /// or created; at least 1); a node that had a plan and is absent from `desired` gets an
+    /// empty plan. Every open stream whose last queued generation differs from its node's plan
+    /// gets the plan.
+    pub fn publish_plans(
+        &mut self,
+        desired: BTreeMap<String, NodePlan>,
+        generation_base: u64,
+    ) -> PublishReport {
+        if !self.plans_authoritative {
+            self.plans_authoritative = true;
+            self.generation_base = generation_base.max(1);
+        }
         let mut report = PublishReport::default();
         let mut next: BTreeMap<String, NodePlan> = BTreeMap::new();
         let known: Vec<String> = self.plans.keys().cloned().collect();
@@ -278,7 +292,7 @@ impl NodeRegistry {
                     self.plans.insert(node, plan);
                 }
                 None => {
-                    plan.generation = 1;
+                    plan.generation = self.generation_base;
                     report.changed.push((node.clone(), plan.generation));
                     self.plans.insert(node, plan);
                 }
@@ -298,9 +312,20 @@ impl NodeRegistry {
         // An empty plan of a node without a stream carries nothing a later stream would not
         // get anyway (attach queues an empty plan): forget it, so the book stays bounded.
         let outbound = &self.outbound;
-        self.plans
-            .retain(|node, plan| outbound.contains_key(node) || !same_content(plan, &NodePlan::default()));
+        self.plans.retain(|node, plan| {
+            outbound.contains_key(node) || !same_content(plan, &NodePlan::default())
+        });
         report
+    }
+
+    /// Stops distributing plans (this replica no longer leads): forgets the book, so streams
+    /// opened from now on get no plan, until the next [`NodeRegistry::publish_plans`].
+    pub fn withdraw_plans(&mut self) {
+        self.plans.clear();
+        self.plans_authoritative = false;
+        for a in self.outbound.values_mut() {
+            a.sent_generation = None;
+        }
     }
 
     /// The node's current plan (generation stamped), if any.
@@ -418,7 +443,9 @@ mod tests {
         }
     }
 
-    fn received_plan(rx: &mut mpsc::Receiver<Result<ControllerMessage, Status>>) -> Option<(u64, NodePlan)> {
+    fn received_plan(
+        rx: &mut mpsc::Receiver<Result<ControllerMessage, Status>>,
+    ) -> Option<(u64, NodePlan)> {
         match rx.try_recv().ok()?.ok()?.msg? {
             controller_message::Msg::Plan(p) => {
                 Some((p.generation, NodePlan::parse(&p.plan_json, "test").unwrap()))
@@ -439,7 +466,7 @@ mod tests {
     #[test]
     fn plans_get_generations_on_change_and_reach_open_streams_once() {
         let mut reg = NodeRegistry::default();
-        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]), 1);
         assert_eq!(r.changed, vec![("n1".to_string(), 1)]);
         assert_eq!(r.unserved, vec!["n1".to_string()]);
 
@@ -452,17 +479,17 @@ mod tests {
         assert_eq!(p.engines[0].pod, "a");
 
         // Same content: no new generation, nothing sent.
-        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]), 1);
         assert!(r.changed.is_empty() && r.sent.is_empty() && r.unserved.is_empty());
         assert!(rx.try_recv().is_err());
 
         // Changed content: generation 2 is pushed.
-        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("b"))]));
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("b"))]), 1);
         assert_eq!(r.sent, vec![("n1".to_string(), 2)]);
         assert_eq!(received_plan(&mut rx).unwrap().1.engines[0].pod, "b");
 
         // The node's engines are gone: it gets an empty plan (generation 3).
-        let r = reg.publish_plans(BTreeMap::new());
+        let r = reg.publish_plans(BTreeMap::new(), 1);
         assert_eq!(r.sent, vec![("n1".to_string(), 3)]);
         let (g, p) = received_plan(&mut rx).unwrap();
         assert_eq!((g, p.engines.len()), (3, 0));
@@ -472,6 +499,16 @@ mod tests {
         let (tx2, mut rx2) = mpsc::channel(4);
         assert_eq!(reg.attach(&t2, tx2), Some(1));
         assert!(received_plan(&mut rx2).unwrap().1.engines.is_empty());
+
+        // Withdrawn (leadership lost): nothing for new streams; a later publish restarts the
+        // generations at the new base, above the old ones.
+        reg.withdraw_plans();
+        let t3 = reg.connect(&hello("n3"), 0);
+        let (tx3, _rx3) = mpsc::channel(4);
+        assert_eq!(reg.attach(&t3, tx3), None);
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("b"))]), 1000);
+        assert!(r.sent.contains(&("n1".to_string(), 1000)));
+        assert_eq!(received_plan(&mut rx).unwrap().0, 1000);
     }
 
     #[test]
@@ -481,10 +518,10 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(1);
         reg.attach(&t, tx.clone());
         tx.try_send(Err(Status::internal("filler"))).unwrap();
-        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]), 1);
         assert_eq!(r.pending, vec!["n1".to_string()]);
         let _ = rx.try_recv();
-        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]));
+        let r = reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]), 1);
         assert_eq!(r.sent, vec![("n1".to_string(), 1)]);
         // A disconnected stream's handle is dropped.
         assert!(reg.disconnect(&t, 1));

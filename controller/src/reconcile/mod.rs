@@ -7,6 +7,7 @@
 //! - [`engine_pods`] — the engine-pod Events controller (InjectedByCacheBackend,
 //!   SkippedByOperator).
 //! - [`clock`] — the injected clock.
+//! - [`run`] — [`run_controllers`]: both controllers on a real client, for `ic-controller run`.
 //! - [`nodes`] — node plans, CacheNode status and the CacheBackend `NodeHealthy` advisory.
 //!
 //! What `ic-controller run` must watch: CacheBackends plus the Deployments, StatefulSets,
@@ -21,8 +22,10 @@ pub mod engine_pods;
 pub mod model_cache;
 pub mod nodes;
 pub mod render;
+pub mod run;
 
 pub use cachebackend::{error_policy, reconcile, Context, Error};
+pub use run::{run_controllers, Controllers};
 
 /// Annotation keys the reconcilers read or write (spec 000).
 pub mod annotations {

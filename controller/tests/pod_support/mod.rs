@@ -1,7 +1,7 @@
 //! Helpers shared by the Pod webhook tests: fixture loading (multi-document YAML, workload pod
 //! templates), CacheBackends from YAML, patch application, golden files.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +14,10 @@ pub fn repo_root() -> PathBuf {
     let f = Path::new(file!());
     if f.is_absolute() {
         // …/controller/tests/pod_support/mod.rs
-        f.ancestors().nth(4).map(Path::to_path_buf).unwrap_or_default()
+        f.ancestors()
+            .nth(4)
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
     } else {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
@@ -60,7 +63,10 @@ pub fn pod_of(doc: &Value) -> Option<Value> {
         "LeaderWorkerSet" => doc.pointer("/spec/leaderWorkerTemplate/workerTemplate")?,
         _ => return None,
     };
-    let mut metadata = template.get("metadata").cloned().unwrap_or(Value::Object(Default::default()));
+    let mut metadata = template
+        .get("metadata")
+        .cloned()
+        .unwrap_or(Value::Object(Default::default()));
     if let (Some(ns), Some(m)) = (doc.pointer("/metadata/namespace"), metadata.as_object_mut()) {
         m.entry("namespace").or_insert(ns.clone());
     }
@@ -128,12 +134,23 @@ pub fn admit(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> 
 }
 
 /// Runs the webhook, applies the patch, and checks re-admission yields no patch.
-pub fn admit_converged(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> (PodOutcome, Value) {
+pub fn admit_converged(
+    pod: &Value,
+    backends: &[CacheBackend],
+    cfg: &PodWebhookConfig,
+) -> (PodOutcome, Value) {
     let outcome = admit(pod, backends, cfg);
     let wired = apply(pod, &outcome);
     let again = admit(&wired, backends, cfg);
-    assert_eq!(again.patch, None, "re-admission must yield no patch; reason {:?}", again.reason);
-    assert_eq!(again.reason, outcome.reason, "re-admission must reach the same decision");
+    assert_eq!(
+        again.patch, None,
+        "re-admission must yield no patch; reason {:?}",
+        again.reason
+    );
+    assert_eq!(
+        again.reason, outcome.reason,
+        "re-admission must reach the same decision"
+    );
     (outcome, wired)
 }
 
@@ -171,13 +188,20 @@ pub fn env_of(c: &Value) -> Vec<(String, String)> {
 
 /// The value of env var `name` on container `c`.
 pub fn env_value(c: &Value, name: &str) -> Option<String> {
-    env_of(c).into_iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    env_of(c)
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
 }
 
 /// The strings of a JSON string array.
 pub fn strings(v: &Value) -> Vec<String> {
     v.as_array()
-        .map(|a| a.iter().map(|s| s.as_str().unwrap_or("").to_string()).collect())
+        .map(|a| {
+            a.iter()
+                .map(|s| s.as_str().unwrap_or("").to_string())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -191,7 +215,10 @@ pub fn golden(name: &str, actual: &Value) {
         return;
     }
     let want = std::fs::read_to_string(&path).unwrap_or_else(|_| {
-        panic!("missing golden file {}; run with UPDATE_GOLDEN=1 to create it", path.display())
+        panic!(
+            "missing golden file {}; run with UPDATE_GOLDEN=1 to create it",
+            path.display()
+        )
     });
     if want != text {
         let want_v: Value = serde_json::from_str(&want).unwrap_or(Value::Null);

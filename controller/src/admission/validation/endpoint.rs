@@ -444,7 +444,8 @@ mod tests {
     #[test]
     fn rejects_bad_forms() {
         use EndpointError as E;
-        let cases: [(RemoteProvider, &str, fn(&E) -> bool); 14] = [
+        type Case = (RemoteProvider, &'static str, fn(&E) -> bool);
+        let cases: [Case; 14] = [
             (RemoteProvider::Redis, "  ", |e| *e == E::Empty),
             (RemoteProvider::Redis, "lm://x:1", |e| {
                 matches!(e, E::ForeignScheme { .. })

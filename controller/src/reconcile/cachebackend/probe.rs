@@ -59,6 +59,20 @@ pub trait Prober: Send + Sync {
     fn probe<'a>(&'a self, cb: &'a CacheBackend) -> BoxFuture<'a, ProbeOutcome>;
 }
 
+/// A prober from a synchronous function — e.g. a closure over the in-process `/probe`
+/// implementation (`crate::probe::run`) that maps its per-stage report to a [`ProbeOutcome`].
+pub struct FnProber<F>(pub F);
+
+impl<F> Prober for FnProber<F>
+where
+    F: Fn(&CacheBackend) -> ProbeOutcome + Send + Sync,
+{
+    fn probe<'a>(&'a self, cb: &'a CacheBackend) -> BoxFuture<'a, ProbeOutcome> {
+        let outcome = (self.0)(cb);
+        Box::pin(async move { outcome })
+    }
+}
+
 /// A scripted prober for tests: answers queued outcomes in order, then repeats the last one
 /// (all stages ok when nothing was ever queued), and counts calls.
 #[derive(Debug, Default)]
@@ -106,5 +120,32 @@ impl Prober for FakeProber {
             None => self.last.lock().clone().unwrap_or_else(Self::all_ok),
         };
         Box::pin(async move { outcome })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn fn_prober_and_fake_prober_answer() {
+        let cb = CacheBackend::default();
+        let p = FnProber(|_: &CacheBackend| ProbeOutcome::TransportError("down".to_string()));
+        assert_eq!(
+            p.probe(&cb).await,
+            ProbeOutcome::TransportError("down".to_string())
+        );
+        let f = FakeProber::new();
+        assert_eq!(f.probe(&cb).await, FakeProber::all_ok());
+        f.push(ProbeOutcome::TransportError("x".to_string()));
+        assert_eq!(
+            f.probe(&cb).await,
+            ProbeOutcome::TransportError("x".to_string())
+        );
+        assert_eq!(
+            f.probe(&cb).await,
+            ProbeOutcome::TransportError("x".to_string())
+        );
+        assert_eq!(f.calls(), 3);
     }
 }

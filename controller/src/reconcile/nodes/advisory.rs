@@ -24,7 +24,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ic_shared::check::CheckStatus;
-use ic_shared::crd::conditions::{find_condition, new_condition, remove_condition, set_condition, ConditionStatus};
+use ic_shared::crd::conditions::{
+    find_condition, new_condition, remove_condition, set_condition, ConditionStatus,
+};
 use ic_shared::crd::{backend_condition, CacheBackend};
 use ic_shared::plan::NodePlan;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -77,7 +79,11 @@ pub struct FailingCheck {
 const MAX_LISTED: usize = 10;
 
 fn list<T: std::fmt::Display>(items: &[T]) -> String {
-    let shown: Vec<String> = items.iter().take(MAX_LISTED).map(|i| i.to_string()).collect();
+    let shown: Vec<String> = items
+        .iter()
+        .take(MAX_LISTED)
+        .map(|i| i.to_string())
+        .collect();
     if items.len() > MAX_LISTED {
         format!("{} and {} more", shown.join(", "), items.len() - MAX_LISTED)
     } else {
@@ -121,7 +127,10 @@ pub fn advisories(
         .collect()
 }
 
-fn advisory_for(nodes: &BTreeMap<String, BTreeSet<String>>, records: &BTreeMap<String, NodeRecord>) -> NodeAdvisory {
+fn advisory_for(
+    nodes: &BTreeMap<String, BTreeSet<String>>,
+    records: &BTreeMap<String, NodeRecord>,
+) -> NodeAdvisory {
     let mut failing: Vec<FailingCheck> = Vec::new();
     let mut missing: Vec<String> = Vec::new();
     let mut pending: Vec<String> = Vec::new();
@@ -141,7 +150,9 @@ fn advisory_for(nodes: &BTreeMap<String, BTreeSet<String>>, records: &BTreeMap<S
                     continue;
                 }
             }
-            let e = worst.entry(c.name.as_str()).or_insert((CheckStatus::Ok, ""));
+            let e = worst
+                .entry(c.name.as_str())
+                .or_insert((CheckStatus::Ok, ""));
             if c.status.severity() > e.0.severity() {
                 *e = (c.status, c.reason.as_str());
             }
@@ -193,7 +204,10 @@ fn advisory_for(nodes: &BTreeMap<String, BTreeSet<String>>, records: &BTreeMap<S
         return NodeAdvisory {
             status: ConditionStatus::Unknown,
             reason: reason::NODE_REPORT_PENDING,
-            message: format!("Waiting for the first check report from {}.", list(&pending)),
+            message: format!(
+                "Waiting for the first check report from {}.",
+                list(&pending)
+            ),
         };
     }
     let all: Vec<&String> = nodes.keys().collect();
@@ -209,7 +223,11 @@ fn advisory_for(nodes: &BTreeMap<String, BTreeSet<String>>, records: &BTreeMap<S
 
 /// The condition for an advisory, stamped `at` (kept when the status does not change, see
 /// [`apply_advisory`]).
-pub fn advisory_condition(adv: &NodeAdvisory, observed_generation: Option<i64>, at: Time) -> Condition {
+pub fn advisory_condition(
+    adv: &NodeAdvisory,
+    observed_generation: Option<i64>,
+    at: Time,
+) -> Condition {
     new_condition(
         CONDITION_TYPE,
         adv.status,
@@ -260,14 +278,22 @@ pub async fn sync_advisories(
             let mut status = obj.status.clone().unwrap_or_default();
             let unchanged = match (&want, find_condition(&status.conditions, CONDITION_TYPE)) {
                 (None, None) => true,
-                (Some(w), Some(c)) => w.status == c.status && w.reason == c.reason && w.message == c.message && w.observed_generation == c.observed_generation,
+                (Some(w), Some(c)) => {
+                    w.status == c.status
+                        && w.reason == c.reason
+                        && w.message == c.message
+                        && w.observed_generation == c.observed_generation
+                }
                 _ => false,
             };
             if unchanged || !apply_advisory(&mut status.conditions, want) {
                 break;
             }
             obj.status = Some(status);
-            match api.replace_status(&obj.name_any(), &PostParams::default(), &obj).await {
+            match api
+                .replace_status(&obj.name_any(), &PostParams::default(), &obj)
+                .await
+            {
                 Ok(_) => {
                     report.written.push(key.clone());
                     break;

@@ -138,7 +138,10 @@ fn gpu_status(r: &CheckResult) -> Option<GpuStatus> {
     })
 }
 
-fn engines_status(plan: Option<&NodePlan>, replicas: &[ReplicaSnapshot]) -> Vec<EngineStreamsStatus> {
+fn engines_status(
+    plan: Option<&NodePlan>,
+    replicas: &[ReplicaSnapshot],
+) -> Vec<EngineStreamsStatus> {
     let Some(plan) = plan else {
         return Vec::new();
     };
@@ -177,7 +180,11 @@ fn engines_status(plan: Option<&NodePlan>, replicas: &[ReplicaSnapshot]) -> Vec<
 
 /// The node's whole desired status. `previous` supplies transition times: a condition whose
 /// status is unchanged keeps its `lastTransitionTime`; `now` stamps the others.
-pub fn desired_status(view: &NodeView<'_>, previous: Option<&CacheNodeStatus>, now: Time) -> CacheNodeStatus {
+pub fn desired_status(
+    view: &NodeView<'_>,
+    previous: Option<&CacheNodeStatus>,
+    now: Time,
+) -> CacheNodeStatus {
     let mut wanted: Vec<Condition> = Vec::new();
     let rec = view.record;
     let connected = rec.is_some_and(|r| r.connected);
@@ -248,7 +255,11 @@ pub fn desired_status(view: &NodeView<'_>, previous: Option<&CacheNodeStatus>, n
             "The agent is connected but has not reported checks yet.".to_string(),
         )
     } else if warnings.is_empty() {
-        (ConditionStatus::True, reason::NODE_READY, "Every node check passes.".to_string())
+        (
+            ConditionStatus::True,
+            reason::NODE_READY,
+            "Every node check passes.".to_string(),
+        )
     } else {
         (
             ConditionStatus::True,
@@ -300,7 +311,9 @@ pub fn desired_status(view: &NodeView<'_>, previous: Option<&CacheNodeStatus>, n
     CacheNodeStatus {
         conditions,
         last_report_time: rec.and_then(|r| time_of_ms(r.last_report_unix_ms)),
-        agent_version: rec.map(|r| r.agent_version.clone()).filter(|v| !v.is_empty()),
+        agent_version: rec
+            .map(|r| r.agent_version.clone())
+            .filter(|v| !v.is_empty()),
         boot_id: rec.map(|r| r.boot_id.clone()).filter(|v| !v.is_empty()),
         observed_plan_generation: rec
             .filter(|r| r.plan_generation > 0)
@@ -436,7 +449,11 @@ impl CacheNodeWriter {
 
     /// Brings one node's CacheNode up to date (subject to the rate limit). Creates the object
     /// when missing. Errors are the API's.
-    pub async fn sync_node(&mut self, view: &NodeView<'_>, now: Timestamp) -> Result<WriteDecision, kube::Error> {
+    pub async fn sync_node(
+        &mut self,
+        view: &NodeView<'_>,
+        now: Timestamp,
+    ) -> Result<WriteDecision, kube::Error> {
         let node = view.node.to_string();
         let current = match self.stored.get(&node) {
             Some(s) => s.clone(),

@@ -8,9 +8,10 @@
 //!
 //! Two loops tie them to the cluster:
 //!
-//! - the **plan publisher** ([`spawn_plan_publisher`], every replica): every `plan_interval` it
-//!   lists Pods and CacheBackends ([`publish_plans_once`]), derives the plans and hands them to
-//!   the registry, which pushes changed plans down the agents' streams. A node with engine pods
+//! - the **plan publisher** ([`spawn_plan_publisher`], leader only — agents keep a stream to
+//!   every replica, so the leader reaches them all with one consistent generation sequence):
+//!   every `plan_interval` it lists Pods and CacheBackends ([`publish_plans_once`]), derives the
+//!   plans and hands them to the registry, which pushes changed plans down the agents' streams. A node with engine pods
 //!   and no connected agent is logged (once, when it becomes so) and counted in
 //!   `inferencecache_controller_nodes_without_agent`;
 //! - the **status writer** ([`spawn_status_writer`], acts only on the leader): on every agent
@@ -161,7 +162,8 @@ pub async fn publish_plans_once(
             m.plan_issues.with_label_values(&[i.reason]).inc();
         }
     }
-    let report = shared.nodes.lock().publish_plans(derived.plans);
+    let base = u64::try_from(crate::state::now_unix_ms()).unwrap_or(1);
+    let report = shared.nodes.lock().publish_plans(derived.plans, base);
     if let Some(m) = metrics {
         m.plans_sent_total.inc_by(report.sent.len() as u64);
         m.nodes_without_agent.set(report.unserved.len() as i64);
@@ -175,35 +177,59 @@ pub async fn publish_plans_once(
     Ok(report)
 }
 
-/// Runs [`publish_plans_once`] every `interval` until `shutdown` turns true. Logs nodes that
-/// newly run engine pods without a connected agent.
+/// On the leader, runs [`publish_plans_once`] every `interval` (and at once when leadership is
+/// gained) until `shutdown` turns true; logs nodes that newly run engine pods without a
+/// connected agent. A replica that does not lead withdraws its plans: agents keep a stream to
+/// every replica, and plans come from the leader only, so every agent sees one consistent
+/// sequence of generations.
 pub fn spawn_plan_publisher(
     client: Client,
     shared: Arc<Shared>,
+    leader: LeaderHandle,
     metrics: Option<NodesMetrics>,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut unserved: BTreeSet<String> = BTreeSet::new();
+        let mut leading = leader.subscribe();
+        let mut was_leader = false;
         loop {
-            match publish_plans_once(&client, &shared, metrics.as_ref()).await {
-                Ok(report) => {
-                    let now: BTreeSet<String> = report.unserved.into_iter().collect();
-                    for n in now.difference(&unserved) {
-                        warn!(node = %n, "engine pods run on this node but its node agent is not connected: the node is not checked and its KV events are not indexed");
+            let is_leader = leader.is_leader();
+            if is_leader {
+                match publish_plans_once(&client, &shared, metrics.as_ref()).await {
+                    Ok(report) => {
+                        let now: BTreeSet<String> = report.unserved.into_iter().collect();
+                        for n in now.difference(&unserved) {
+                            warn!(node = %n, "engine pods run on this node but its node agent is not connected: the node is not checked and its KV events are not indexed");
+                        }
+                        for n in unserved.difference(&now) {
+                            info!(node = %n, "node agent connected (or the node's engine pods are gone)");
+                        }
+                        unserved = now;
                     }
-                    for n in unserved.difference(&now) {
-                        info!(node = %n, "node agent connected (or the node's engine pods are gone)");
+                    Err(e) => {
+                        warn!(error = %e, "cannot list pods and CacheBackends to derive node plans")
                     }
-                    unserved = now;
                 }
-                Err(e) => warn!(error = %e, "cannot list pods and CacheBackends to derive node plans"),
+            } else if was_leader {
+                shared.nodes.lock().withdraw_plans();
+                unserved.clear();
+                if let Some(m) = &metrics {
+                    m.nodes_without_agent.set(0);
+                }
             }
+            was_leader = is_leader;
             // A (re)connecting agent gets its node's current plan from the registry at once;
-            // this loop only follows changes of pods and CacheBackends.
+            // this loop only follows pods, CacheBackends and leadership.
             let stop = tokio::select! {
                 _ = tokio::time::sleep(interval) => false,
+                r = leading.changed() => {
+                    if r.is_err() {
+                        tokio::time::sleep(interval).await;
+                    }
+                    false
+                }
                 _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => true,
             };
             if stop {
@@ -361,7 +387,9 @@ pub fn spawn_status_writer(
                             last_advisory_sync = Some(tokio::time::Instant::now());
                         }
                         Ok(_) => {}
-                        Err(e) => warn!(error = %e, "cannot list CacheBackends for the node advisory"),
+                        Err(e) => {
+                            warn!(error = %e, "cannot list CacheBackends for the node advisory")
+                        }
                     }
                 }
             }

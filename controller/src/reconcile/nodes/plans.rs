@@ -280,7 +280,8 @@ pub fn flag_set(args: &[&str], names: &[&str]) -> bool {
             None => (*a, None),
         };
         wanted.contains(&normalize_flag(name))
-            && inline.is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
+            && inline
+                .is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
     })
 }
 
@@ -352,7 +353,11 @@ fn offset(port: u16, rank: u32) -> Option<u16> {
 }
 
 /// Resolves the PUB endpoint of data-parallel rank `rank`: a wildcard host becomes `pod_ip`.
-pub fn resolve_pub_endpoint(endpoint: &str, pod_ip: Option<&str>, rank: u32) -> Result<String, (&'static str, String)> {
+pub fn resolve_pub_endpoint(
+    endpoint: &str,
+    pod_ip: Option<&str>,
+    rank: u32,
+) -> Result<String, (&'static str, String)> {
     let (host, port) = split_tcp(endpoint).ok_or_else(|| {
         (
             issue::ENDPOINT_UNREACHABLE,
@@ -400,12 +405,7 @@ pub fn resolve_replay_endpoint(
         )
     })?;
     let host = if is_wildcard(host) || host == "0.0.0.0" {
-        host_for(pod_ip.ok_or_else(|| {
-            (
-                issue::NO_POD_IP,
-                "the pod has no IP yet".to_string(),
-            )
-        })?)
+        host_for(pod_ip.ok_or_else(|| (issue::NO_POD_IP, "the pod has no IP yet".to_string()))?)
     } else if is_loopback(host) {
         if !host_network {
             return Err((
@@ -427,7 +427,9 @@ pub fn dp_ranks(runtime: Runtime, args: &[&str]) -> Vec<u32> {
             if let Some(r) = flag_u32(args, &["--data-parallel-rank", "-dpn"]) {
                 return vec![r];
             }
-            let size = flag_u32(args, &["--data-parallel-size", "-dp"]).unwrap_or(1).max(1);
+            let size = flag_u32(args, &["--data-parallel-size", "-dp"])
+                .unwrap_or(1)
+                .max(1);
             let local = flag_u32(args, &["--data-parallel-size-local", "-dpl"])
                 .unwrap_or(size)
                 .max(1);
@@ -512,10 +514,13 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
     .max(1);
 
     let offload = spec.integration_mode() == IntegrationMode::Offload;
-    let mp_worker = runtime == Runtime::SgLang && spec.effective_type() == CacheType::LMCache && offload;
+    let mp_worker =
+        runtime == Runtime::SgLang && spec.effective_type() == CacheType::LMCache && offload;
     let lm = spec.lm_cache.clone().unwrap_or_default();
     let mp_worker_port = if mp_worker {
-        u16::try_from(lm.effective_worker_port()).ok().filter(|p| *p > 0)
+        u16::try_from(lm.effective_worker_port())
+            .ok()
+            .filter(|p| *p > 0)
     } else {
         None
     };
@@ -620,7 +625,11 @@ fn kv_sources(
                 return Vec::new();
             }
         };
-        let replay = match cfg.replay_endpoint.as_deref().filter(|e| !e.trim().is_empty()) {
+        let replay = match cfg
+            .replay_endpoint
+            .as_deref()
+            .filter(|e| !e.trim().is_empty())
+        {
             None => None,
             Some(r) => match resolve_replay_endpoint(r, ip.as_deref(), hostnet, rank) {
                 Ok(e) => Some(e),
@@ -667,9 +676,9 @@ fn engine_host_ports(pod: &Pod, plan: &EnginePlan) -> Vec<(u16, String)> {
                 }
                 if let Ok(port) = u16::try_from(p.container_port) {
                     let what = p.name.clone().unwrap_or_else(|| port.to_string());
-                    ports
-                        .entry(port)
-                        .or_insert_with(|| format!("engine {key} container {} port {what}", c.name));
+                    ports.entry(port).or_insert_with(|| {
+                        format!("engine {key} container {} port {what}", c.name)
+                    });
                 }
             }
         }
@@ -738,7 +747,9 @@ impl NodeAcc {
                     pod: key,
                     node: node_of(pod),
                     reason: issue::HOST_PORT_CONFLICT,
-                    message: format!("host port {port} ({purpose}) is also claimed by {other} on this node"),
+                    message: format!(
+                        "host port {port} ({purpose}) is also claimed by {other} on this node"
+                    ),
                 });
             }
             return;
@@ -772,7 +783,12 @@ pub fn derive_plans(pods: &[Pod], backends: &[CacheBackend]) -> DerivedPlans {
                 (METRICS_PORT, "metrics"),
             ] {
                 if let Ok(port) = u16::try_from(port) {
-                    acc.claim(pod, port, format!("mooncake master {key} {what}"), &mut issues);
+                    acc.claim(
+                        pod,
+                        port,
+                        format!("mooncake master {key} {what}"),
+                        &mut issues,
+                    );
                 }
             }
             continue;
@@ -785,12 +801,23 @@ pub fn derive_plans(pods: &[Pod], backends: &[CacheBackend]) -> DerivedPlans {
                 pod: pod_key(pod),
                 node: Some(node.clone()),
                 reason: issue::BACKEND_NOT_FOUND,
-                message: format!("the pod was wired by CacheBackend {injected_by}, which no longer exists"),
+                message: format!(
+                    "the pod was wired by CacheBackend {injected_by}, which no longer exists"
+                ),
             });
             continue;
         };
-        if let Some(uid) = pod.annotations().get(INJECTED_BY_UID).filter(|v| !v.is_empty()) {
-            if backend.metadata.uid.as_deref().is_some_and(|live| live != uid) {
+        if let Some(uid) = pod
+            .annotations()
+            .get(INJECTED_BY_UID)
+            .filter(|v| !v.is_empty())
+        {
+            if backend
+                .metadata
+                .uid
+                .as_deref()
+                .is_some_and(|live| live != uid)
+            {
                 issues.push(PlanIssue {
                     pod: pod_key(pod),
                     node: Some(node.clone()),
@@ -841,13 +868,32 @@ mod tests {
 
     #[test]
     fn flags_in_every_spelling() {
-        let args = ["--tp", "2", "--kv_events_config={}", "-dp", "4", "--block-size=32"];
-        assert_eq!(flag_value(&args, &["--tp-size", "--tp"]).as_deref(), Some("2"));
-        assert_eq!(flag_value(&args, &["--kv-events-config"]).as_deref(), Some("{}"));
+        let args = [
+            "--tp",
+            "2",
+            "--kv_events_config={}",
+            "-dp",
+            "4",
+            "--block-size=32",
+        ];
+        assert_eq!(
+            flag_value(&args, &["--tp-size", "--tp"]).as_deref(),
+            Some("2")
+        );
+        assert_eq!(
+            flag_value(&args, &["--kv-events-config"]).as_deref(),
+            Some("{}")
+        );
         assert_eq!(flag_u32(&args, &["--data-parallel-size", "-dp"]), Some(4));
         assert_eq!(flag_u32(&args, &["--block-size"]), Some(32));
-        assert!(flag_set(&["--enable-dp-attention"], &["--enable-dp-attention"]));
-        assert!(!flag_set(&["--enable-dp-attention=false"], &["--enable-dp-attention"]));
+        assert!(flag_set(
+            &["--enable-dp-attention"],
+            &["--enable-dp-attention"]
+        ));
+        assert!(!flag_set(
+            &["--enable-dp-attention=false"],
+            &["--enable-dp-attention"]
+        ));
     }
 
     #[test]
@@ -861,7 +907,9 @@ mod tests {
             "tcp://[fd00::5]:5557"
         );
         assert_eq!(
-            resolve_pub_endpoint("tcp://collector:5557", Some("10.0.0.5"), 0).unwrap_err().0,
+            resolve_pub_endpoint("tcp://collector:5557", Some("10.0.0.5"), 0)
+                .unwrap_err()
+                .0,
             issue::ENDPOINT_UNREACHABLE
         );
         assert_eq!(
@@ -872,7 +920,9 @@ mod tests {
             resolve_replay_endpoint("tcp://127.0.0.1:5558", Some("10.0.0.5"), true, 1).unwrap(),
             "tcp://127.0.0.1:5559"
         );
-        assert!(resolve_replay_endpoint("tcp://127.0.0.1:5558", Some("10.0.0.5"), false, 0).is_err());
+        assert!(
+            resolve_replay_endpoint("tcp://127.0.0.1:5558", Some("10.0.0.5"), false, 0).is_err()
+        );
     }
 
     #[test]
@@ -880,14 +930,47 @@ mod tests {
         assert_eq!(dp_ranks(Runtime::Vllm, &[]), vec![0]);
         assert_eq!(dp_ranks(Runtime::Vllm, &["-dp", "4"]), vec![0, 1, 2, 3]);
         assert_eq!(
-            dp_ranks(Runtime::Vllm, &["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2"]),
+            dp_ranks(
+                Runtime::Vllm,
+                &[
+                    "--data-parallel-size",
+                    "4",
+                    "--data-parallel-size-local",
+                    "2",
+                    "--data-parallel-start-rank",
+                    "2"
+                ]
+            ),
             vec![2, 3]
         );
-        assert_eq!(dp_ranks(Runtime::Vllm, &["--data-parallel-size", "4", "--data-parallel-rank", "3"]), vec![3]);
-        assert_eq!(dp_ranks(Runtime::SgLang, &["--dp-size", "4"]), vec![0]);
-        assert_eq!(dp_ranks(Runtime::SgLang, &["--dp-size", "4", "--enable-dp-attention"]), vec![0, 1, 2, 3]);
         assert_eq!(
-            dp_ranks(Runtime::SgLang, &["--dp-size", "4", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1"]),
+            dp_ranks(
+                Runtime::Vllm,
+                &["--data-parallel-size", "4", "--data-parallel-rank", "3"]
+            ),
+            vec![3]
+        );
+        assert_eq!(dp_ranks(Runtime::SgLang, &["--dp-size", "4"]), vec![0]);
+        assert_eq!(
+            dp_ranks(
+                Runtime::SgLang,
+                &["--dp-size", "4", "--enable-dp-attention"]
+            ),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(
+            dp_ranks(
+                Runtime::SgLang,
+                &[
+                    "--dp-size",
+                    "4",
+                    "--enable-dp-attention",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    "1"
+                ]
+            ),
             vec![2, 3]
         );
     }

@@ -1,0 +1,236 @@
+//! `mp_worker` check against a ZMQ ROUTER that answers with the LMCache MP worker's exact
+//! frames, in this process's network namespace (no root needed; the pod-namespace path is in
+//! `node-tests/tests/checks_pods.rs`). The worker runs in a child process (this test binary,
+//! running `mp_worker_child`) so that it can be stopped with SIGSTOP for the Hung case.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ic_agent::checks::fake::{serve_mp_worker, MpWorkerMode};
+use ic_agent::checks::mp_worker::{probe, MpVerdict, MpWorkerCheck};
+use ic_agent::checks::{Check, ChecksConfig};
+use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::plan::{EnginePlan, NodePlan};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const CHILD_MODE: &str = "IC_TEST_MP_MODE";
+
+/// Not a test of its own: the worker. Serves until stdin closes.
+#[test]
+fn mp_worker_child() {
+    let Ok(mode) = std::env::var(CHILD_MODE) else {
+        return;
+    };
+    let mode = match mode.as_str() {
+        "answer" => MpWorkerMode::Answer,
+        "wrong-id" => MpWorkerMode::WrongId,
+        _ => MpWorkerMode::Silent,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (bound, serve) = serve_mp_worker("tcp://127.0.0.1:0", mode).await.unwrap();
+        let port = bound.rsplit(':').next().unwrap().to_string();
+        println!("MPWORKER {port}");
+        let stdin_closed = tokio::task::spawn_blocking(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        });
+        tokio::select! {
+            _ = serve => {}
+            _ = stdin_closed => {}
+        }
+    });
+}
+
+struct Worker {
+    child: Child,
+    port: u16,
+}
+
+impl Worker {
+    fn start(mode: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "mp_worker_child", "--nocapture", "--test-threads=1"])
+            .env(CHILD_MODE, mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let port = loop {
+            let line = lines.next().expect("worker exited").unwrap();
+            if let Some(i) = line.find("MPWORKER ") {
+                break line[i + 9..].trim().parse().unwrap();
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Worker { child, port }
+    }
+
+    fn signal(&self, s: Signal) {
+        kill(Pid::from_raw(self.child.id() as i32), s).unwrap();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGCONT);
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn engine(pod: &str, port: u16) -> EnginePlan {
+    EnginePlan {
+        namespace: "team-a".into(),
+        pod: pod.into(),
+        mp_worker_port: Some(port),
+        ..EnginePlan::default()
+    }
+}
+
+fn run(engines: Vec<EnginePlan>, timeout: Duration) -> Vec<CheckResult> {
+    let cfg = ChecksConfig {
+        mp_worker_timeout: timeout,
+        ..ChecksConfig::default()
+    };
+    let r = MpWorkerCheck::new(&cfg).run(&NodePlan {
+        engines,
+        ..NodePlan::default()
+    });
+    for x in &r {
+        println!("{:?} {} {}: {}", x.status, x.reason, x.subject, x.message);
+    }
+    r
+}
+
+#[test]
+fn the_fake_worker_speaks_the_exact_bytes() {
+    let w = Worker::start("answer");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut d = DealerSocket::new();
+        d.connect(&format!("tcp://127.0.0.1:{}", w.port))
+            .await
+            .unwrap();
+        for (req, want) in [
+            (vec![vec![0x07], vec![0x18]], vec![vec![0x07], vec![0x18], vec![0xa2, b'O', b'K']]),
+            (
+                vec![vec![0x08], vec![0x16], vec![0xc0]],
+                vec![vec![0x08], vec![0x16], vec![0xc3]],
+            ),
+            (
+                vec![vec![0x0a], vec![0x15]],
+                vec![vec![0x0a], vec![0x15], vec![0xcd, 0x01, 0x00]],
+            ),
+        ] {
+            let mut it = req.into_iter();
+            let mut m = ZmqMessage::from(it.next().unwrap());
+            for f in it {
+                m.push_back(f.into());
+            }
+            d.send(m).await.unwrap();
+            let got: Vec<Vec<u8>> = tokio::time::timeout(Duration::from_secs(5), d.recv())
+                .await
+                .unwrap()
+                .unwrap()
+                .into_vec()
+                .into_iter()
+                .map(|b| b.to_vec())
+                .collect();
+            assert_eq!(got, want);
+        }
+    });
+}
+
+#[test]
+fn live_not_listening_and_hung() {
+    let w = Worker::start("answer");
+    let free = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let t = Duration::from_millis(700);
+    let r = run(vec![engine("live", w.port), engine("gone", free)], t);
+    assert_eq!(r.len(), 2);
+    assert_eq!(
+        (r[0].subject.as_str(), r[0].status, r[0].reason.as_str()),
+        ("team-a/live", CheckStatus::Ok, "MpWorkerLive")
+    );
+    assert_eq!(r[0].observed["result"], "OK");
+    assert_eq!(r[0].observed["verdict"], "Live");
+    assert_eq!(r[0].observed["netns"], "agent");
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Critical, "MpWorkerNotListening")
+    );
+    assert_eq!(r[1].observed["verdict"], "NotListening");
+
+    // stopped: the kernel still accepts TCP, the ZMTP greeting never comes
+    w.signal(Signal::SIGSTOP);
+    let started = std::time::Instant::now();
+    let r = run(vec![engine("live", w.port)], t);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Critical, "MpWorkerHung")
+    );
+    assert_eq!(r[0].observed["stage"], "greeting");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    // and alive again once continued
+    w.signal(Signal::SIGCONT);
+    let r = run(vec![engine("live", w.port)], Duration::from_secs(3));
+    assert_eq!(r[0].reason, "MpWorkerLive", "{:?}", r[0]);
+}
+
+#[test]
+fn a_stuck_request_loop_and_a_wrong_reply() {
+    let silent = Worker::start("silent");
+    let wrong = Worker::start("wrong-id");
+    let t = Duration::from_millis(700);
+    let r = run(vec![engine("silent", silent.port), engine("wrong", wrong.port)], t);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Critical, "MpWorkerHung")
+    );
+    assert_eq!(r[0].observed["stage"], "reply");
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Warning, "MpWorkerBadReply")
+    );
+    assert!(r[1].observed["error"].contains("request id"), "{:?}", r[1]);
+}
+
+#[test]
+fn the_probe_alone_and_no_workers_planned() {
+    let w = Worker::start("answer");
+    match probe(None, w.port, 9, Duration::from_secs(3)).unwrap() {
+        MpVerdict::Live { result, .. } => assert_eq!(result, "OK"),
+        other => panic!("{other:?}"),
+    }
+    let r = run(vec![], Duration::from_secs(1));
+    assert_eq!(
+        (r[0].subject.as_str(), r[0].status, r[0].reason.as_str()),
+        ("host", CheckStatus::Ok, "NoMpWorkers")
+    );
+    // a pod UID that runs nothing here
+    let mut e = engine("ghost", w.port);
+    e.pod_uid = Some("00000000-0000-0000-0000-000000000000".into());
+    let r = run(vec![e], Duration::from_secs(1));
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Unknown, "PodNotFound")
+    );
+}
