@@ -75,6 +75,8 @@ pub struct AgentMetrics {
     pub link_connects_total: IntCounter,
     /// KV delta batches sent.
     pub kv_batches_sent_total: IntCounter,
+    /// Per-check detail gauges (bounded labels), see `checks::metrics`.
+    pub check_details: crate::checks::metrics::CheckMetrics,
 }
 
 impl AgentMetrics {
@@ -115,6 +117,7 @@ impl AgentMetrics {
         registry.register(Box::new(link_connected.clone()))?;
         registry.register(Box::new(link_connects_total.clone()))?;
         registry.register(Box::new(kv_batches_sent_total.clone()))?;
+        let check_details = crate::checks::metrics::CheckMetrics::register(&registry)?;
         Ok(AgentMetrics {
             registry,
             check_results,
@@ -122,6 +125,7 @@ impl AgentMetrics {
             link_connected,
             link_connects_total,
             kv_batches_sent_total,
+            check_details,
         })
     }
 
@@ -133,6 +137,7 @@ impl AgentMetrics {
                 .with_label_values(&[r.name.as_str(), r.status.as_label()])
                 .inc();
         }
+        self.check_details.record(&pass.results);
         self.check_pass_duration_seconds
             .observe(pass.duration_seconds);
     }

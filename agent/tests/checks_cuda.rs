@@ -236,12 +236,19 @@ fn healthy_devices_run_the_kernel_and_release_everything() {
     for (i, c) in r.iter().enumerate() {
         assert_eq!(c.name, "cuda");
         assert_eq!(c.subject, format!("cuda{i}"));
-        assert_eq!((c.status, c.reason.as_str()), (CheckStatus::Ok, "CudaOk"), "{c:?}");
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (CheckStatus::Ok, "CudaOk"),
+            "{c:?}"
+        );
         assert_eq!(c.observed["driverCudaVersion"], "12.4");
         assert_eq!(c.observed["driverVersionRaw"], "12040");
         assert_eq!(c.observed["computeCapability"], "9.0");
         assert_eq!(c.observed["ptxTarget"], "sm_90");
-        assert_eq!(c.observed["ptxVersion"], "7.8", "sm_90's minimum without a plan");
+        assert_eq!(
+            c.observed["ptxVersion"], "7.8",
+            "sm_90's minimum without a plan"
+        );
         assert_eq!(c.observed["mismatches"], "0");
         assert_eq!(c.observed["name"], format!("NVIDIA H200 (fake {i})"));
         assert_eq!(
@@ -254,7 +261,11 @@ fn healthy_devices_run_the_kernel_and_release_everything() {
     assert_eq!(passes[1][0].reason, "CudaOk");
     assert!(passes[1][0].observed.contains_key("probeAgeSeconds"));
     let calls = log_counts(&log);
-    assert_eq!(calls.get("cuInit"), Some(&1), "one probe for two passes: {calls:?}");
+    assert_eq!(
+        calls.get("cuInit"),
+        Some(&1),
+        "one probe for two passes: {calls:?}"
+    );
     assert_eq!(calls.get("retain"), calls.get("release"), "{calls:?}");
     assert_eq!(calls.get("alloc"), calls.get("free"), "{calls:?}");
     assert_eq!(calls.get("load"), calls.get("unload"), "{calls:?}");
@@ -275,13 +286,17 @@ fn driver_too_old_for_the_planned_runtime_fails_at_module_load() {
             (CheckStatus::Critical, "CudaLaunchFailed"),
             "{c:?}"
         );
-        assert_eq!(c.observed["cudaError"], "CUDA_ERROR_UNSUPPORTED_PTX_VERSION");
+        assert_eq!(
+            c.observed["cudaError"],
+            "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"
+        );
         assert_eq!(c.observed["cudaErrorCode"], "222");
         assert_eq!(c.observed["stage"], "module");
         assert_eq!(c.observed["ptxVersion"], "8.7");
         assert_eq!(c.observed["requiredRuntimeVersion"], "12.8");
         assert!(
-            c.message.contains("supports CUDA 12.4 but the plan's engines use the CUDA 12.8 runtime"),
+            c.message
+                .contains("supports CUDA 12.4 but the plan's engines use the CUDA 12.8 runtime"),
             "{}",
             c.message
         );
@@ -304,14 +319,20 @@ fn init_failures_and_no_devices() {
         (r[0].subject.as_str(), r[0].status, r[0].reason.as_str()),
         ("host", CheckStatus::Critical, "CudaInitFailed")
     );
-    assert_eq!(r[0].observed["cudaError"], "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH");
+    assert_eq!(
+        r[0].observed["cudaError"],
+        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH"
+    );
     // no device: Unknown, or Warning where the plan expects GPUs
     let Some(lib) = fake_cuda(dir.path(), "nodevice", &["FAKE_INIT_RC=100"]) else {
         return;
     };
     for (gpu_node, status) in [(false, CheckStatus::Unknown), (true, CheckStatus::Warning)] {
         let r = &run_child(&lib, &plan(gpu_node, None), 1)[0];
-        assert_eq!((r[0].status, r[0].reason.as_str()), (status, "CudaUnavailable"));
+        assert_eq!(
+            (r[0].status, r[0].reason.as_str()),
+            (status, "CudaUnavailable")
+        );
         assert_eq!(r[0].observed["cause"], "NoDevice");
     }
 }
@@ -348,12 +369,20 @@ fn launch_failure_wrong_results_and_a_busy_device() {
         };
         let r = &run_child(&lib, &plan(true, None), 1)[0];
         let c = r.iter().find(|c| c.subject == *subject).unwrap();
-        assert_eq!((c.status, c.reason.as_str()), (*status, *reason), "{name}: {c:?}");
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (*status, *reason),
+            "{name}: {c:?}"
+        );
         match *name {
             "launch" => assert_eq!(c.observed["cudaError"], "CUDA_ERROR_LAUNCH_FAILED"),
             "corrupt" => {
                 assert_eq!(c.observed["mismatches"], "1");
-                assert!(c.message.contains("element 3 is 0, expected 16"), "{}", c.message);
+                assert!(
+                    c.message.contains("element 3 is 0, expected 16"),
+                    "{}",
+                    c.message
+                );
             }
             "busy" => {
                 assert_eq!(c.observed["cudaError"], "CUDA_ERROR_DEVICE_UNAVAILABLE");
@@ -389,9 +418,16 @@ fn absent_library_is_unavailable_in_process() {
         });
         let r = check.run(&plan(gpu_node, None));
         assert_eq!(r.len(), 1);
-        assert_eq!((r[0].status, r[0].reason.as_str()), (status, "CudaUnavailable"));
+        assert_eq!(
+            (r[0].status, r[0].reason.as_str()),
+            (status, "CudaUnavailable")
+        );
         assert_eq!(r[0].observed["cause"], "LibraryNotFound");
-        assert!(r[0].message.contains("/nonexistent/libcuda.so.1"), "{}", r[0].message);
+        assert!(
+            r[0].message.contains("/nonexistent/libcuda.so.1"),
+            "{}",
+            r[0].message
+        );
     }
     // the default search on this host (no driver here): never a panic
     let r = CudaCheck::new(&ChecksConfig::default()).run(&plan(false, None));

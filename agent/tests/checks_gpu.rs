@@ -508,7 +508,12 @@ fn gpu_plan() -> NodePlan {
 }
 
 /// Runs the check until `pred` holds for the result of `subject` (up to 10 s).
-fn wait_for(check: &GpuCheck, subject: &str, what: &str, pred: impl Fn(&CheckResult) -> bool) -> CheckResult {
+fn wait_for(
+    check: &GpuCheck,
+    subject: &str,
+    what: &str,
+    pred: impl Fn(&CheckResult) -> bool,
+) -> CheckResult {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let r = check.run(&gpu_plan());
@@ -543,7 +548,10 @@ fn the_fake_delivers_xids_as_nvml_wrapper_expects() {
         .unwrap();
     let device = nvml.device_by_index(0).unwrap();
     let set = device
-        .register_events(EventTypes::CRITICAL_XID_ERROR, nvml.create_event_set().unwrap())
+        .register_events(
+            EventTypes::CRITICAL_XID_ERROR,
+            nvml.create_event_set().unwrap(),
+        )
         .unwrap();
     assert!(matches!(set.wait(50), Err(NvmlError::Timeout)));
     fake.inject("0 79");
@@ -551,7 +559,10 @@ fn the_fake_delivers_xids_as_nvml_wrapper_expects() {
     assert_eq!(ev.event_data, Some(XidError::Value(79)));
     assert!(ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR));
     assert_eq!(ev.device.index().unwrap(), 0);
-    assert!(matches!(set.wait(50), Err(NvmlError::Timeout)), "each XID once");
+    assert!(
+        matches!(set.wait(50), Err(NvmlError::Timeout)),
+        "each XID once"
+    );
 }
 
 #[test]
@@ -576,14 +587,20 @@ fn xid_events_under_the_default_policy_and_recovery() {
     assert_eq!(g.status, CheckStatus::Critical);
     assert_eq!(g.observed["lastXid"], "79");
     assert_eq!(g.observed["activeXids"], "79");
-    assert!(g.message.contains("XID 79 (GPU has fallen off the bus)"), "{}", g.message);
+    assert!(
+        g.message.contains("XID 79 (GPU has fallen off the bus)"),
+        "{}",
+        g.message
+    );
     assert!(g.message.contains("(fatal)"), "{}", g.message);
     let other = check.run(&gpu_plan());
     assert_eq!(other[1].reason, "GpuOk");
 
     // an application error is counted, not judged
     fake.inject("1 13");
-    let g = wait_for(&check, "gpu1", "XID 13 counted", |g| g.observed["xidEventsTotal"] == "1");
+    let g = wait_for(&check, "gpu1", "XID 13 counted", |g| {
+        g.observed["xidEventsTotal"] == "1"
+    });
     assert_eq!(g.reason, "GpuOk");
     assert_eq!(g.observed["xidIgnored"], "1");
     assert_eq!(g.observed["lastXid"], "13");
@@ -611,7 +628,9 @@ fn explicit_enable_beats_disable_and_disable_all() {
     let check = fake.check(policy);
     check.run(&gpu_plan());
     fake.inject("0 92");
-    let g = wait_for(&check, "gpu0", "92 seen", |g| g.observed["xidEventsTotal"] == "1");
+    let g = wait_for(&check, "gpu0", "92 seen", |g| {
+        g.observed["xidEventsTotal"] == "1"
+    });
     assert_eq!(g.reason, "GpuOk", "92 is disabled");
     fake.inject("0 13");
     let g = wait_for(&check, "gpu0", "13 enabled", |g| g.reason == "GpuXidFatal");
@@ -624,7 +643,9 @@ fn explicit_enable_beats_disable_and_disable_all() {
     let check = fake.check(XidPolicy::configured(None, Some("all"), None, None).unwrap());
     check.run(&gpu_plan());
     fake.inject("0 79");
-    let g = wait_for(&check, "gpu0", "79 seen", |g| g.observed["xidEventsTotal"] == "1");
+    let g = wait_for(&check, "gpu0", "79 seen", |g| {
+        g.observed["xidEventsTotal"] == "1"
+    });
     assert_eq!(g.reason, "GpuOk", "every XID disabled: {g:?}");
 }
 

@@ -59,7 +59,12 @@ struct Worker {
 impl Worker {
     fn start(mode: &str) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "mp_worker_child", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "mp_worker_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_MODE, mode)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -127,7 +132,10 @@ fn the_fake_worker_speaks_the_exact_bytes() {
             .await
             .unwrap();
         for (req, want) in [
-            (vec![vec![0x07], vec![0x18]], vec![vec![0x07], vec![0x18], vec![0xa2, b'O', b'K']]),
+            (
+                vec![vec![0x07], vec![0x18]],
+                vec![vec![0x07], vec![0x18], vec![0xa2, b'O', b'K']],
+            ),
             (
                 vec![vec![0x08], vec![0x16], vec![0xc0]],
                 vec![vec![0x08], vec![0x16], vec![0xc3]],
@@ -188,7 +196,11 @@ fn live_not_listening_and_hung() {
         (CheckStatus::Critical, "MpWorkerHung")
     );
     assert_eq!(r[0].observed["stage"], "greeting");
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     // and alive again once continued
     w.signal(Signal::SIGCONT);
     let r = run(vec![engine("live", w.port)], Duration::from_secs(3));
@@ -200,7 +212,10 @@ fn a_stuck_request_loop_and_a_wrong_reply() {
     let silent = Worker::start("silent");
     let wrong = Worker::start("wrong-id");
     let t = Duration::from_millis(700);
-    let r = run(vec![engine("silent", silent.port), engine("wrong", wrong.port)], t);
+    let r = run(
+        vec![engine("silent", silent.port), engine("wrong", wrong.port)],
+        t,
+    );
     assert_eq!(
         (r[0].status, r[0].reason.as_str()),
         (CheckStatus::Critical, "MpWorkerHung")

@@ -10,8 +10,8 @@
 //!   writes status;
 //! - the node loops ([`crate::reconcile::nodes`], leader only): node plans pushed down agent
 //!   streams, CacheNode status and the CacheBackends' `NodeHealthy` advisory;
-//! - the integration points of the other parts of the controller: the admission server
-//!   ([`start_admission`]) and the CacheBackend reconcilers ([`start_reconcilers`]).
+//! - the CacheBackend reconciler and the engine-pod Events controller ([`start_reconcilers`]),
+//!   and the integration point of the admission server ([`start_admission`]).
 //!
 //! [`start`] takes a ready `kube::Client` (the binary builds it from `--kubeconfig`, `KUBECONFIG`
 //! or the in-cluster service account via `kube::Client::try_default`), so tests run the whole
@@ -181,15 +181,27 @@ pub async fn start_admission(
     Ok(None)
 }
 
-/// INTEGRATION POINT (reconcilers): starts the CacheBackend reconciler and the engine-pod
-/// Events controller (`crate::reconcile`, another work item), writing only while
-/// `ctx.leader_flag` is set.
-///
-/// Until they are wired here this returns an empty list and logs it.
+/// Starts the CacheBackend reconciler and the engine-pod Events controller
+/// ([`crate::reconcile::run_controllers`]), writing only while `ctx.leader_flag` is set. The
+/// functional-probe gate is off (no prober is configured in this build).
 pub async fn start_reconcilers(ctx: &RunContext) -> Result<Vec<PartTask>, RunError> {
-    let _ = ctx;
-    warn!("the CacheBackend reconciler is not wired into `ic-controller run` in this build");
-    Ok(Vec::new())
+    let controllers = crate::reconcile::Controllers {
+        client: ctx.client.clone(),
+        index: ctx.shared.clone(),
+        clock: ctx.clock.clone(),
+        leader: ctx.leader_flag.clone(),
+        prober: None,
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    let shutdown = ctx.shutdown.clone();
+    let task = tokio::spawn(async move {
+        crate::reconcile::run_controllers(controllers, shutdown).await;
+        Ok(())
+    });
+    Ok(vec![PartTask {
+        name: "reconcilers",
+        task,
+    }])
 }
 
 /// A started in-cluster controller.
@@ -340,7 +352,7 @@ where
         shared.clone(),
         leader_handle.clone(),
         Some(node_metrics.clone()),
-        cfg.nodes.plan_interval,
+        cfg.nodes.clone(),
         stop_rx.clone(),
     );
     let status_loop = nodes::spawn_status_writer(
@@ -348,7 +360,7 @@ where
         shared.clone(),
         leader_handle.clone(),
         clock.clone(),
-        cfg.nodes,
+        cfg.nodes.clone(),
         Some(node_metrics),
         stop_rx.clone(),
     );

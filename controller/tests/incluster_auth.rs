@@ -97,9 +97,9 @@ async fn a_token_for_node_a_cannot_open_a_stream_as_node_b() {
     let (url, shared) = serve(fake()).await;
 
     let (refused, _tx) = open(&url, "node-b", "token-a").await;
-    let status = refused
-        .err()
-        .expect("node B with node A's token must be refused");
+    let Err(status) = refused else {
+        panic!("node B with node A's token must be refused");
+    };
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(
         status.message().contains("\"node-a\"") && status.message().contains("\"node-b\""),

@@ -176,6 +176,7 @@ async fn run_mode_end_to_end() {
             status_interval: Duration::from_millis(500),
             cachenode_min_write_interval: Duration::from_secs(30),
             advisory_resync: Duration::from_secs(60),
+            ..Default::default()
         },
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

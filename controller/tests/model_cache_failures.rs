@@ -366,8 +366,9 @@ async fn row6_transient_errors_requeue_without_changing_state() {
         (
             "list bindings",
             Box::new(|c| {
-                recording(c).list(|ctx| {
-                    if ctx.namespace == Some(CTL) {
+                let fail = Arc::new(AtomicBool::new(true));
+                recording(c).list(move |ctx| {
+                    if ctx.namespace == Some(CTL) && fail.swap(false, Ordering::SeqCst) {
                         Err(server_error())
                     } else {
                         Ok(None)

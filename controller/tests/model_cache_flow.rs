@@ -386,7 +386,8 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     assert_eq!(h.cond(NS, "a", READY).await, is("False", "WriterRunning"));
     assert_eq!(
         h.cond(NS, "b", READY).await,
-        is("False", "WriterElectedElsewhere")
+        is("False", "WriterRunning"),
+        "b waits for the Job a's election created"
     );
     let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
         .get(&wname)

@@ -561,3 +561,40 @@ fn golden_files_are_valid_pods() {
         assert!(pod.spec.is_some());
     }
 }
+
+#[test]
+fn loader_finds_pods_in_workloads_and_multi_document_files() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: s}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: d, namespace: team}
+spec:
+  template:
+    metadata: {labels: {app: a}}
+    spec: {containers: [{name: c, image: i}]}
+---
+apiVersion: batch/v1
+kind: CronJob
+metadata: {name: j}
+spec:
+  jobTemplate:
+    spec:
+      template:
+        spec: {containers: [{name: c, image: i}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec: {containers: [{name: c, image: i}]}
+"#;
+    let pods = pods_in_yaml(text);
+    assert_eq!(pods.len(), 3);
+    assert_eq!(pods[0]["kind"], "Pod");
+    assert_eq!(pods[0]["metadata"]["namespace"], "team");
+    assert_eq!(pods[0]["metadata"]["labels"]["app"], "a");
+    assert_eq!(pods[2]["metadata"]["name"], "p");
+}

@@ -113,7 +113,10 @@ fn wait_listening(ports: &[u16]) {
         {
             return;
         }
-        assert!(Instant::now() < deadline, "ports {ports:?} not listening: {listening}");
+        assert!(
+            Instant::now() < deadline,
+            "ports {ports:?} not listening: {listening}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -146,19 +149,32 @@ fn mooncake_master_ports() {
         let out = Command::new("unshare")
             .args(["-n", "--"])
             .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "mooncake_master_ports", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "mooncake_master_ports",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(INNER, "mooncake_master_ports")
             .env(MASTER, &exe)
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        println!("--- inner stdout\n{stdout}\n--- inner stderr\n{}", String::from_utf8_lossy(&out.stderr));
+        println!(
+            "--- inner stdout\n{stdout}\n--- inner stderr\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(out.status.success(), "inner run failed: {}", out.status);
         assert!(stdout.contains("1 passed"), "the inner run did not run");
         // nothing of ours survives the namespace
         for p in std::fs::read_dir("/proc").unwrap().flatten() {
             if let Ok(e) = std::fs::read_link(p.path().join("exe")) {
-                assert_ne!(e, exe, "a mooncake_master was left running (pid {:?})", p.file_name());
+                assert_ne!(
+                    e,
+                    exe,
+                    "a mooncake_master was left running (pid {:?})",
+                    p.file_name()
+                );
             }
         }
         return;
@@ -181,7 +197,11 @@ fn mooncake_master_ports() {
         });
         let r = check(plan);
         for x in &r[1..4] {
-            assert_eq!((x.status, x.reason.as_str()), (CheckStatus::Ok, "PortOk"), "{x:?}");
+            assert_eq!(
+                (x.status, x.reason.as_str()),
+                (CheckStatus::Ok, "PortOk"),
+                "{x:?}"
+            );
             assert_eq!(x.observed["verdict"], "HeldByExpected");
             assert_eq!(x.observed["exes"], exe.display().to_string());
             assert_eq!(x.observed["pids"], m.child.id().to_string());
@@ -198,7 +218,10 @@ fn mooncake_master_ports() {
     let mut m = Master::start(&exe, &dir.path().join("master2.log"));
     wait_listening(&[50051, 9003]);
     std::thread::sleep(Duration::from_millis(500));
-    assert!(m.running(), "the master exited although only 8080 was taken");
+    assert!(
+        m.running(),
+        "the master exited although only 8080 was taken"
+    );
     let health = http_get(9003, "/health");
     println!("health: {health}");
     assert!(health.contains("\"status\":\"ok\""), "{health}");

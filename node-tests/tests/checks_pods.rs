@@ -53,8 +53,18 @@ fn sha256_hex(data: &[u8]) -> String {
 fn publish_read_only(src: &Path, ro: &Path) {
     std::fs::write(src.join("config.json"), CONFIG_JSON).unwrap();
     std::fs::write(src.join("model.safetensors"), vec![7u8; 4096]).unwrap();
-    sh("mount", &["--bind", &src.display().to_string(), &ro.display().to_string()]);
-    sh("mount", &["-o", "remount,bind,ro", &ro.display().to_string()]);
+    sh(
+        "mount",
+        &[
+            "--bind",
+            &src.display().to_string(),
+            &ro.display().to_string(),
+        ],
+    );
+    sh(
+        "mount",
+        &["-o", "remount,bind,ro", &ro.display().to_string()],
+    );
 }
 
 /// Not a test of its own: the fake pod (see the module docs). Runs until stdin closes.
@@ -66,15 +76,27 @@ fn fake_pod_child() {
     let base = PathBuf::from(base);
     let p = |n: &str| base.join(n).display().to_string();
     sh("ip", &["link", "set", "lo", "up"]);
-    sh("mount", &["-t", "tmpfs", "-o", "size=8m", "podshm", "/dev/shm"]);
-    sh("mount", &["-t", "tmpfs", "-o", "size=4m", "models", &p("src-tmpfs")]);
+    sh(
+        "mount",
+        &["-t", "tmpfs", "-o", "size=8m", "podshm", "/dev/shm"],
+    );
+    sh(
+        "mount",
+        &["-t", "tmpfs", "-o", "size=4m", "models", &p("src-tmpfs")],
+    );
     publish_read_only(&base.join("src-tmpfs"), &base.join("ro-tmpfs"));
-    sh("mount", &["-t", "tmpfs", "-o", "size=4m", "scratch", &p("rw-tmpfs")]);
+    sh(
+        "mount",
+        &["-t", "tmpfs", "-o", "size=4m", "scratch", &p("rw-tmpfs")],
+    );
     std::fs::write(base.join("rw-tmpfs").join("weights.bin"), b"abc").unwrap();
     for (var, fs) in [(EXT4, "ext4"), (XFS, "xfs")] {
         if let Some(img) = std::env::var(var).ok().filter(|v| !v.is_empty()) {
             sh("mount", &["-o", "loop", &img, &p(&format!("src-{fs}"))]);
-            publish_read_only(&base.join(format!("src-{fs}")), &base.join(format!("ro-{fs}")));
+            publish_read_only(
+                &base.join(format!("src-{fs}")),
+                &base.join(format!("ro-{fs}")),
+            );
         }
     }
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -137,11 +159,7 @@ fn host_mounts_under(base: &Path) -> Vec<String> {
 }
 
 fn loop_devices_of(img: &Path) -> String {
-    let out = Command::new("losetup")
-        .arg("-j")
-        .arg(img)
-        .output()
-        .unwrap();
+    let out = Command::new("losetup").arg("-j").arg(img).output().unwrap();
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
@@ -253,7 +271,10 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         engines: vec![engine(Some(4 * MIB), None)],
         ..NodePlan::default()
     });
-    assert_eq!((r[1].status, r[1].reason.as_str()), (CheckStatus::Ok, "ShmOk"));
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Ok, "ShmOk")
+    );
     let mut gone = engine(Some(MIB), None);
     gone.pod_uid = Some("00000000-0000-0000-0000-000000000000".into());
     let r = shm.run(&NodePlan {
@@ -282,7 +303,10 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         (CheckStatus::Ok, "MpWorkerLive")
     );
     assert_eq!(r.observed["result"], "OK");
-    assert!(r.observed["netns"].ends_with(&format!("{}/ns/net", pod.pid)), "{r:?}");
+    assert!(
+        r.observed["netns"].ends_with(&format!("{}/ns/net", pod.pid)),
+        "{r:?}"
+    );
     let other_port = if port == 65535 { port - 1 } else { port + 1 };
     let r = probe(other_port);
     assert_eq!(r.reason, "MpWorkerNotListening", "{r:?}");
@@ -330,12 +354,19 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
     assert_eq!(r[0].observed["samplesMatching"], "1");
     assert_eq!(r[0].observed["fsType"], "tmpfs");
     assert_eq!(r[0].observed["readOnlyFlag"], "true");
-    assert_eq!(r[0].subject, format!("team-a/engine-0:{}", base.join("ro-tmpfs").display()));
+    assert_eq!(
+        r[0].subject,
+        format!("team-a/engine-0:{}", base.join("ro-tmpfs").display())
+    );
     assert_eq!(
         (r[1].status, r[1].reason.as_str()),
         (CheckStatus::Critical, "ReaderVolumeWritable")
     );
-    assert!(r[1].message.contains("every change was undone"), "{}", r[1].message);
+    assert!(
+        r[1].message.contains("every change was undone"),
+        "{}",
+        r[1].message
+    );
     assert_eq!(
         r[1].observed["probes"],
         "create=succeeded(undone),append=succeeded(undone),chmod=succeeded(undone),\
@@ -343,11 +374,8 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
          mkdir=succeeded(undone)"
     );
     // nothing left behind in the writable volume, content unchanged
-    let rw = PathBuf::from(format!("/proc/{}/root", pod.pid)).join(
-        base.join("rw-tmpfs")
-            .strip_prefix("/")
-            .unwrap(),
-    );
+    let rw = PathBuf::from(format!("/proc/{}/root", pod.pid))
+        .join(base.join("rw-tmpfs").strip_prefix("/").unwrap());
     let left: Vec<String> = std::fs::read_dir(&rw)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -379,7 +407,11 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         assert_eq!(x.observed["samplesMatching"], "1");
     }
     // the host's view of the same directories is untouched: no mounts there
-    assert!(host_mounts_under(&base).is_empty(), "{:?}", host_mounts_under(&base));
+    assert!(
+        host_mounts_under(&base).is_empty(),
+        "{:?}",
+        host_mounts_under(&base)
+    );
 
     // ---- mp_worker hung: the pod stopped; TCP is accepted, the greeting never comes
     pod.signal("STOP");
@@ -398,7 +430,10 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
     // ---- leave nothing behind
     let pid = pod.pid;
     pod.stop();
-    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "pod process left");
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "pod process left"
+    );
     for (fs, img) in &images {
         eventually(10, &format!("the {fs} loop device to be released"), || {
             loop_devices_of(img).is_empty()
@@ -409,9 +444,13 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         for leftover in ["kubepods", "kubepods.slice"] {
             let d = root.join(leftover);
             if d.exists() {
-                let has_pod = walk_contains(&d, &POD_UID.replace('-', "_"))
-                    || walk_contains(&d, POD_UID);
-                assert!(!has_pod, "cgroup of the fake pod left in {kind} at {}", d.display());
+                let has_pod =
+                    walk_contains(&d, &POD_UID.replace('-', "_")) || walk_contains(&d, POD_UID);
+                assert!(
+                    !has_pod,
+                    "cgroup of the fake pod left in {kind} at {}",
+                    d.display()
+                );
             }
         }
     }
@@ -423,6 +462,7 @@ fn walk_contains(dir: &Path, needle: &str) -> bool {
     };
     entries.flatten().any(|e| {
         let p = e.path();
-        p.is_dir() && (e.file_name().to_string_lossy().contains(needle) || walk_contains(&p, needle))
+        p.is_dir()
+            && (e.file_name().to_string_lossy().contains(needle) || walk_contains(&p, needle))
     })
 }

@@ -307,7 +307,11 @@ fn ports_in_a_private_network_namespace() {
     assert_eq!(g[1].observed["verdict"], "Ghost");
     assert_eq!(g[1].observed["runningPids"], pid.to_string());
     // nobody of that exe runs: plainly not listening
-    let g = run(vec![held_by(ghost_port, Some(Path::new("/nonexistent/engine")), None)]);
+    let g = run(vec![held_by(
+        ghost_port,
+        Some(Path::new("/nonexistent/engine")),
+        None,
+    )]);
     assert_eq!(g[1].reason, "PortNotListening");
     for needle in [
         format!("port {} (mooncake master)", engine.port),

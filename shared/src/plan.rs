@@ -387,7 +387,10 @@ cuda: { runtimeVersion: "12.8" }
         let back: NodePlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
         // an empty plan serializes without the new keys
-        assert_eq!(serde_json::to_string(&NodePlan::default()).unwrap(), r#"{"generation":0,"gpuNode":false}"#);
+        assert_eq!(
+            serde_json::to_string(&NodePlan::default()).unwrap(),
+            r#"{"generation":0,"gpuNode":false}"#
+        );
     }
 
     #[test]

@@ -277,7 +277,10 @@ fn ensure_library(library: Option<&Path>) -> Result<(), (&'static str, String)> 
                 let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
                     (
                         "LibraryNotFound",
-                        format!("the CUDA driver library {} could not be loaded ({e})", path.display()),
+                        format!(
+                            "the CUDA driver library {} could not be loaded ({e})",
+                            path.display()
+                        ),
                     )
                 })?;
                 libs.insert(path.to_path_buf(), lib);
@@ -414,8 +417,8 @@ fn run_kernel(p: &mut DeviceProbe, version: (u32, u32), target: u32) -> Result<(
         code: 0,
     })?;
     // SAFETY: `ptx` is a NUL-terminated PTX image that outlives the call.
-    let module = unsafe { cu::module::load_data(ptx.as_ptr().cast()) }
-        .map_err(|e| failure("module", e))?;
+    let module =
+        unsafe { cu::module::load_data(ptx.as_ptr().cast()) }.map_err(|e| failure("module", e))?;
     let result = (|| {
         let name = CString::new(KERNEL_NAME).map_err(|_| CudaFailure {
             stage: "module",
@@ -423,8 +426,8 @@ fn run_kernel(p: &mut DeviceProbe, version: (u32, u32), target: u32) -> Result<(
             code: 0,
         })?;
         // SAFETY: `module` was loaded above and is unloaded only after this closure.
-        let func = unsafe { cu::module::get_function(module, name) }
-            .map_err(|e| failure("module", e))?;
+        let func =
+            unsafe { cu::module::get_function(module, name) }.map_err(|e| failure("module", e))?;
         let bytes = PROBE_ELEMENTS as usize * std::mem::size_of::<u32>();
         // SAFETY: a plain device allocation in the current context, freed below.
         let dptr = unsafe { cu::malloc_sync(bytes) }.map_err(|e| failure("alloc", e))?;
@@ -536,7 +539,8 @@ pub fn evaluate(
         CheckStatus::Unknown
     };
     let host = |status, reason: &str, message: String| {
-        let mut r = CheckResult::new(NAME, "host", status, reason, message).with("library", library);
+        let mut r =
+            CheckResult::new(NAME, "host", status, reason, message).with("library", library);
         if let Some(req) = required {
             r = r.with("requiredRuntimeVersion", req);
         }
@@ -549,8 +553,7 @@ pub fn evaluate(
             } else {
                 "CUDA is not checked (the plan does not expect GPUs here)"
             };
-            vec![host(degraded, "CudaUnavailable", format!("{why}; {tail}."))
-                .with("cause", *cause)]
+            vec![host(degraded, "CudaUnavailable", format!("{why}; {tail}.")).with("cause", *cause)]
         }
         CudaProbe::InitFailed(f) => vec![host(
             CheckStatus::Critical,
@@ -612,10 +615,7 @@ fn evaluate_device(
                 "{label} ran a test kernel but {n} of {PROBE_ELEMENTS} results are wrong{}; the \
                  GPU computes incorrectly: drain the node and run NVIDIA's field diagnostics.",
                 d.first_mismatch
-                    .map(|(i, v)| format!(
-                        " (element {i} is {v}, expected {})",
-                        expected_value(i)
-                    ))
+                    .map(|(i, v)| format!(" (element {i} is {v}, expected {})", expected_value(i)))
                     .unwrap_or_default()
             ),
         ),
@@ -625,15 +625,17 @@ fn evaluate_device(
             format!("{label} was not probed."),
         ),
         (Some(f), _) => match (f.stage, f.error.as_str()) {
-            ("context" | "alloc", "CUDA_ERROR_DEVICE_UNAVAILABLE" | "CUDA_ERROR_OUT_OF_MEMORY") => (
-                CheckStatus::Unknown,
-                "CudaDeviceBusy",
-                format!(
+            ("context" | "alloc", "CUDA_ERROR_DEVICE_UNAVAILABLE" | "CUDA_ERROR_OUT_OF_MEMORY") => {
+                (
+                    CheckStatus::Unknown,
+                    "CudaDeviceBusy",
+                    format!(
                     "{label} is in use and cannot take the probe's context ({}); an engine may \
                      hold it in exclusive-process mode or fill its memory. Not a fault.",
                     f.error
                 ),
-            ),
+                )
+            }
             ("device" | "context", _) => (
                 CheckStatus::Critical,
                 "CudaInitFailed",
@@ -684,7 +686,11 @@ fn evaluate_device(
         d.compute_capability
             .map(|c| format!("{}.{}", c / 10, c % 10)),
     );
-    r = opt(r, "ptxVersion", d.ptx_version.map(|(a, b)| format!("{a}.{b}")));
+    r = opt(
+        r,
+        "ptxVersion",
+        d.ptx_version.map(|(a, b)| format!("{a}.{b}")),
+    );
     r = opt(r, "ptxTarget", d.ptx_target.map(|t| format!("sm_{t}")));
     r = opt(r, "requiredRuntimeVersion", required.map(str::to_string));
     r = opt(r, "mismatches", d.mismatches.map(|m| m.to_string()));
@@ -773,7 +779,8 @@ impl Check for CudaCheck {
             .filter(|s| !s.trim().is_empty());
         let key = format!("{}|{}", plan.gpu_node, required.as_deref().unwrap_or(""));
         let mut c = self.shared.cache.lock();
-        let fresh = matches!(&c.last, Some((at, k, _)) if *k == key && at.elapsed() < self.interval);
+        let fresh =
+            matches!(&c.last, Some((at, k, _)) if *k == key && at.elapsed() < self.interval);
         if fresh {
             if let Some((at, _, r)) = &c.last {
                 return with_age(r, at.elapsed());
@@ -850,7 +857,11 @@ mod tests {
         assert_eq!(ptx_isa_for_cuda(12, 6), (8, 5));
         assert_eq!(ptx_isa_for_cuda(11, 8), (7, 8));
         assert_eq!(ptx_isa_for_cuda(13, 0), (9, 0));
-        assert_eq!(ptx_isa_for_cuda(14, 2), (9, 0), "newer than the table: its newest");
+        assert_eq!(
+            ptx_isa_for_cuda(14, 2),
+            (9, 0),
+            "newer than the table: its newest"
+        );
         assert_eq!(ptx_isa_for_cuda(8, 0), (6, 0));
         assert_eq!(ptx_target(90), (90, (7, 8)));
         assert_eq!(ptx_target(100), (90, (7, 8)));
@@ -869,7 +880,10 @@ mod tests {
     #[test]
     fn ptx_text() {
         let p = probe_ptx((8, 7), 90);
-        assert!(p.contains(".version 8.7\n.target sm_90\n.address_size 64\n"), "{p}");
+        assert!(
+            p.contains(".version 8.7\n.target sm_90\n.address_size 64\n"),
+            "{p}"
+        );
         assert!(p.contains(".visible .entry ic_probe("));
         assert!(p.contains("mad.lo.s32 \t%r6, %r1, 3, 7;"));
         assert_eq!(expected_value(0), 7);
@@ -904,9 +918,17 @@ mod tests {
         };
         let cases: Vec<(CudaProbe, bool, CheckStatus, &str)> = vec![
             (devices(dev(None, Some(0))), true, Ok, "CudaOk"),
-            (devices(dev(None, Some(5))), true, Critical, "CudaResultMismatch"),
             (
-                devices(dev(Some(("module", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")), None)),
+                devices(dev(None, Some(5))),
+                true,
+                Critical,
+                "CudaResultMismatch",
+            ),
+            (
+                devices(dev(
+                    Some(("module", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")),
+                    None,
+                )),
                 true,
                 Critical,
                 "CudaLaunchFailed",
@@ -918,7 +940,10 @@ mod tests {
                 "CudaLaunchFailed",
             ),
             (
-                devices(dev(Some(("context", "CUDA_ERROR_DEVICE_UNAVAILABLE")), None)),
+                devices(dev(
+                    Some(("context", "CUDA_ERROR_DEVICE_UNAVAILABLE")),
+                    None,
+                )),
                 true,
                 Unknown,
                 "CudaDeviceBusy",
@@ -955,20 +980,39 @@ mod tests {
         for (i, (p, gpu_node, status, reason)) in cases.into_iter().enumerate() {
             let r = evaluate(&p, gpu_node, "libcuda.so.1", Some("12.8"));
             assert_eq!(r.len(), 1);
-            assert_eq!((r[0].status, r[0].reason.as_str()), (status, reason), "case {i}: {:?}", r[0]);
+            assert_eq!(
+                (r[0].status, r[0].reason.as_str()),
+                (status, reason),
+                "case {i}: {:?}",
+                r[0]
+            );
         }
         let r = evaluate(
-            &devices(dev(Some(("module", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")), None)),
+            &devices(dev(
+                Some(("module", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")),
+                None,
+            )),
             true,
             "l",
             Some("12.8"),
         );
-        assert!(r[0].message.contains("supports CUDA 12.4"), "{}", r[0].message);
-        assert!(r[0].message.contains("CUDA 12.8 runtime"), "{}", r[0].message);
+        assert!(
+            r[0].message.contains("supports CUDA 12.4"),
+            "{}",
+            r[0].message
+        );
+        assert!(
+            r[0].message.contains("CUDA 12.8 runtime"),
+            "{}",
+            r[0].message
+        );
         assert_eq!(r[0].subject, "cuda1");
         assert_eq!(r[0].observed["driverCudaVersion"], "12.4");
         assert_eq!(r[0].observed["ptxVersion"], "8.7");
-        assert_eq!(r[0].observed["cudaError"], "CUDA_ERROR_UNSUPPORTED_PTX_VERSION");
+        assert_eq!(
+            r[0].observed["cudaError"],
+            "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"
+        );
         let ok = evaluate(&devices(dev(None, Some(0))), true, "l", None);
         assert_eq!(ok[0].observed["computeCapability"], "9.0");
         assert_eq!(ok[0].observed["uuid"], "GPU-1");

@@ -57,7 +57,8 @@ pub async fn serve_mp_worker(
         while let Ok(req) = router.recv().await {
             let frames = req.into_vec();
             // [identity, request id, op, args…]
-            let (Some(identity), Some(id), Some(op)) = (frames.first(), frames.get(1), frames.get(2))
+            let (Some(identity), Some(id), Some(op)) =
+                (frames.first(), frames.get(1), frames.get(2))
             else {
                 continue;
             };

@@ -280,7 +280,12 @@ pub struct XidStatus {
 
 impl XidStatus {
     /// Judges a GPU's log under `policy` at `now`.
-    pub fn judge(log: &XidLog, support: &EventSupport, policy: &XidPolicy, now: SystemTime) -> Self {
+    pub fn judge(
+        log: &XidLog,
+        support: &EventSupport,
+        policy: &XidPolicy,
+        now: SystemTime,
+    ) -> Self {
         XidStatus {
             monitored: match support {
                 EventSupport::Monitored => Ok(()),
@@ -379,13 +384,16 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
             String::new()
         };
         let rule = x.verdict.rule.map(|r| r.as_str()).unwrap_or("policy");
-        Some((x.verdict.action, format!(
-            "{label} reported {xid}{} {age} s ago{others}, which the XID policy ({rule}) \
+        Some((
+            x.verdict.action,
+            format!(
+                "{label} reported {xid}{} {age} s ago{others}, which the XID policy ({rule}) \
              treats as {}; it reads healthy again after {} s without such XIDs.",
-            culprit.mig_label(),
-            x.verdict.action.as_str(),
-            x.quiet_period.as_secs()
-        )))
+                culprit.mig_label(),
+                x.verdict.action.as_str(),
+                x.quiet_period.as_secs()
+            ),
+        ))
     });
     if let Some((XidAction::Critical, m)) = &xid_finding {
         findings.push((CheckStatus::Critical, "GpuXidFatal", m.clone()));
@@ -541,14 +549,23 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
             r = r
                 .with(
                     "lastXid",
-                    last.xid.map(|v| v.to_string()).unwrap_or_else(|| "unknown".into()),
+                    last.xid
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "unknown".into()),
                 )
                 .with("lastXidUnixMs", unix_ms(last.at))
                 .with(
                     "lastXidAgeSeconds",
-                    x.now.duration_since(last.at).unwrap_or(Duration::ZERO).as_secs(),
+                    x.now
+                        .duration_since(last.at)
+                        .unwrap_or(Duration::ZERO)
+                        .as_secs(),
                 );
-            r = opt(r, "lastXidGpuInstance", last.gpu_instance.map(|v| v.to_string()));
+            r = opt(
+                r,
+                "lastXidGpuInstance",
+                last.gpu_instance.map(|v| v.to_string()),
+            );
             r = opt(
                 r,
                 "lastXidComputeInstance",
@@ -941,13 +958,22 @@ mod tests {
             let mut s = healthy();
             s.xid = Some(x);
             let r = evaluate_device(&s);
-            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(
+                (r.status, r.reason.as_str()),
+                (status, reason),
+                "case {i}: {r:?}"
+            );
             assert_eq!(r.observed["xidEvents"], "monitored");
         }
         let mut s = healthy();
         s.xid = Some(xid_status(79, 10, None));
         let r = evaluate_device(&s);
-        assert!(r.message.contains("XID 79 (GPU has fallen off the bus) 10 s ago"), "{}", r.message);
+        assert!(
+            r.message
+                .contains("XID 79 (GPU has fallen off the bus) 10 s ago"),
+            "{}",
+            r.message
+        );
         assert!(r.message.contains("after 300 s"), "{}", r.message);
         assert_eq!(r.observed["lastXid"], "79");
         assert_eq!(r.observed["activeXids"], "79");
@@ -962,7 +988,11 @@ mod tests {
         s.xid = Some(xid_status(94, 5, Some(3)));
         let r = evaluate_device(&s);
         assert_eq!(r.reason, "GpuXidFatal");
-        assert!(r.message.contains("on MIG instance GI 3/CI 0 (MIG-3)"), "{}", r.message);
+        assert!(
+            r.message.contains("on MIG instance GI 3/CI 0 (MIG-3)"),
+            "{}",
+            r.message
+        );
         assert_eq!(r.observed["lastXidGpuInstance"], "3");
         assert_eq!(r.observed["lastXidMigUuid"], "MIG-3");
         // an ECC error outranks the XID that reported it

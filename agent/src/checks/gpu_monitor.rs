@@ -306,7 +306,13 @@ fn watch_events<'n>(shared: &Shared, nvml: &'n Nvml, registered: Option<Register
                     gpu_instance = ?gi,
                     "NVML reported an XID event"
                 );
-                shared.state.lock().xids.entry(index).or_default().push(event);
+                shared
+                    .state
+                    .lock()
+                    .xids
+                    .entry(index)
+                    .or_default()
+                    .push(event);
             }
             Err(NvmlError::Timeout) => {
                 // A library that returns at once would spin this loop: pace it.

@@ -200,8 +200,14 @@ mod tests {
             CheckResult::new("shm", "host", CheckStatus::Ok, "ShmOk", "m")
                 .with("sizeBytes", 1024)
                 .with("usedBytes", 10),
-            CheckResult::new("mp_worker", "ns/p", CheckStatus::Critical, "MpWorkerHung", "m")
-                .with("verdict", "Hung"),
+            CheckResult::new(
+                "mp_worker",
+                "ns/p",
+                CheckStatus::Critical,
+                "MpWorkerHung",
+                "m",
+            )
+            .with("verdict", "Hung"),
         ];
         m.record(&results);
         m.record(&[gpu(3)]);

@@ -129,16 +129,46 @@ pub enum ChecksConfigError {
 pub const ENV_VARS: [(&str, &str); 12] = [
     ("IC_PROC_ROOT", "procfs root (default /proc)"),
     ("IC_SHM_PATH", "host /dev/shm path (default /dev/shm)"),
-    ("IC_NVML_LIBRARY", "libnvidia-ml path (default libnvidia-ml.so.1 on the loader path)"),
-    ("IC_SHM_NEARLY_FULL_PERCENT", "ShmNearlyFull threshold in percent (default 90)"),
-    ("IC_MP_WORKER_TIMEOUT_MS", "MP-worker probe timeout per step, milliseconds (default 2000)"),
-    ("IC_XID_ENABLE", "XIDs always Critical, comma-separated (beats IC_XID_DISABLE)"),
-    ("IC_XID_DISABLE", "XIDs ignored, comma-separated, or \"all\""),
-    ("IC_XID_UNLISTED", "action for XIDs in no list: ignore, warning (default) or critical"),
-    ("IC_XID_QUIET_SECONDS", "seconds without XIDs after which a GPU recovers (default 600)"),
-    ("IC_CUDA_LIBRARY", "libcuda path (default: cudarc's search of the loader path)"),
-    ("IC_CUDA_INTERVAL_SECONDS", "seconds between CUDA probes (default 600)"),
-    ("IC_CUDA_TIMEOUT_SECONDS", "longest wait for a first CUDA probe, seconds (default 60)"),
+    (
+        "IC_NVML_LIBRARY",
+        "libnvidia-ml path (default libnvidia-ml.so.1 on the loader path)",
+    ),
+    (
+        "IC_SHM_NEARLY_FULL_PERCENT",
+        "ShmNearlyFull threshold in percent (default 90)",
+    ),
+    (
+        "IC_MP_WORKER_TIMEOUT_MS",
+        "MP-worker probe timeout per step, milliseconds (default 2000)",
+    ),
+    (
+        "IC_XID_ENABLE",
+        "XIDs always Critical, comma-separated (beats IC_XID_DISABLE)",
+    ),
+    (
+        "IC_XID_DISABLE",
+        "XIDs ignored, comma-separated, or \"all\"",
+    ),
+    (
+        "IC_XID_UNLISTED",
+        "action for XIDs in no list: ignore, warning (default) or critical",
+    ),
+    (
+        "IC_XID_QUIET_SECONDS",
+        "seconds without XIDs after which a GPU recovers (default 600)",
+    ),
+    (
+        "IC_CUDA_LIBRARY",
+        "libcuda path (default: cudarc's search of the loader path)",
+    ),
+    (
+        "IC_CUDA_INTERVAL_SECONDS",
+        "seconds between CUDA probes (default 600)",
+    ),
+    (
+        "IC_CUDA_TIMEOUT_SECONDS",
+        "longest wait for a first CUDA probe, seconds (default 60)",
+    ),
 ];
 
 impl ChecksConfig {
@@ -149,9 +179,7 @@ impl ChecksConfig {
     }
 
     /// [`ChecksConfig::from_env`] with any variable source (tests pass a map).
-    pub fn from_lookup(
-        get: impl Fn(&str) -> Option<String>,
-    ) -> Result<Self, ChecksConfigError> {
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ChecksConfigError> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let num = |var: &'static str| -> Result<Option<u64>, ChecksConfigError> {
             get(var)
@@ -173,12 +201,14 @@ impl ChecksConfig {
             c.nvml_library = Some(PathBuf::from(v));
         }
         if let Some(v) = num("IC_SHM_NEARLY_FULL_PERCENT")? {
-            c.shm_nearly_full_percent = u8::try_from(v).ok().filter(|p| *p <= 100).ok_or(
-                ChecksConfigError::BadNumber {
-                    var: "IC_SHM_NEARLY_FULL_PERCENT",
-                    value: v.to_string(),
-                },
-            )?;
+            c.shm_nearly_full_percent =
+                u8::try_from(v)
+                    .ok()
+                    .filter(|p| *p <= 100)
+                    .ok_or(ChecksConfigError::BadNumber {
+                        var: "IC_SHM_NEARLY_FULL_PERCENT",
+                        value: v.to_string(),
+                    })?;
         }
         if let Some(v) = num("IC_MP_WORKER_TIMEOUT_MS")? {
             c.mp_worker_timeout = Duration::from_millis(v.max(1));

@@ -217,7 +217,9 @@ pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, Probe
     let to = dir.join(probe_name("renamed"));
     out.push((
         "rename",
-        outcome(std::fs::rename(&from, &to), |()| std::fs::rename(&to, &from)),
+        outcome(std::fs::rename(&from, &to), |()| {
+            std::fs::rename(&to, &from)
+        }),
     ));
     // unlink: a name that does not exist
     out.push((
@@ -370,7 +372,9 @@ pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> Che
         .iter()
         .filter_map(|(file, want, got)| match got {
             SampleState::Digest(d) if d.eq_ignore_ascii_case(want) => None,
-            SampleState::Digest(d) => Some(format!("{file} has SHA-256 {d}, the writer's is {want}")),
+            SampleState::Digest(d) => {
+                Some(format!("{file} has SHA-256 {d}, the writer's is {want}"))
+            }
             SampleState::Unreadable(e) => Some(format!("{file} cannot be read ({e})")),
         })
         .collect();
@@ -389,7 +393,10 @@ pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> Che
         let checked = if view.samples.is_empty() {
             String::new()
         } else {
-            format!(", and its {} sample file(s) match the writer's digests", view.samples.len())
+            format!(
+                ", and its {} sample file(s) match the writer's digests",
+                view.samples.len()
+            )
         };
         if plan.expect_read_only {
             (
@@ -546,7 +553,13 @@ impl MountsCheck {
         let samples: Vec<(String, String, Option<PathBuf>)> = plan
             .samples
             .iter()
-            .map(|s| (s.file.clone(), s.sha256.clone(), sample_path(&target, &s.file)))
+            .map(|s| {
+                (
+                    s.file.clone(),
+                    s.sha256.clone(),
+                    sample_path(&target, &s.file),
+                )
+            })
             .collect();
         if plan.expect_read_only {
             let file = samples
@@ -618,11 +631,13 @@ impl Check for MountsCheck {
                             return pod_not_found(NAME, &subject, uid, "its model volume")
                                 .with("path", &m.path);
                         }
-                        containers.iter().map(|c| self.view(m, Some(c.pid))).collect()
+                        containers
+                            .iter()
+                            .map(|c| self.view(m, Some(c.pid)))
+                            .collect()
                     }
                 };
-                let mounted: Vec<&MountView> =
-                    views.iter().filter(|v| v.mount.is_some()).collect();
+                let mounted: Vec<&MountView> = views.iter().filter(|v| v.mount.is_some()).collect();
                 let results: Vec<CheckResult> = if mounted.is_empty() {
                     views
                         .first()
@@ -630,7 +645,10 @@ impl Check for MountsCheck {
                         .into_iter()
                         .collect()
                 } else {
-                    mounted.iter().map(|v| evaluate_view(&subject, m, v)).collect()
+                    mounted
+                        .iter()
+                        .map(|v| evaluate_view(&subject, m, v))
+                        .collect()
                 };
                 let n = views.len();
                 let worst = CheckStatus::worst(results.iter().map(|r| r.status));
@@ -703,9 +721,17 @@ mod tests {
             mount: Some(ro_mount()),
             mountinfo_error: None,
             probes: refused_all(),
-            samples: vec![("config.json".into(), "AA".into(), SampleState::Digest("aa".into()))],
+            samples: vec![(
+                "config.json".into(),
+                "AA".into(),
+                SampleState::Digest("aa".into()),
+            )],
         };
-        type Case = (Box<dyn Fn(&mut MountView, &mut ReaderMount)>, CheckStatus, &'static str);
+        type Case = (
+            Box<dyn Fn(&mut MountView, &mut ReaderMount)>,
+            CheckStatus,
+            &'static str,
+        );
         let cases: Vec<Case> = vec![
             (Box::new(|_, _| {}), Ok, "ReaderVolumeReadOnly"),
             (
@@ -723,7 +749,11 @@ mod tests {
                 "ReaderVolumeWritable",
             ),
             (
-                Box::new(|v, _| v.probes[2].1 = ProbeOutcome::Succeeded { undo: Result::Ok(()) }),
+                Box::new(|v, _| {
+                    v.probes[2].1 = ProbeOutcome::Succeeded {
+                        undo: Result::Ok(()),
+                    }
+                }),
                 Critical,
                 "ReaderVolumeWritable",
             ),
@@ -762,7 +792,9 @@ mod tests {
             (
                 // writable and wrong content: both sentences, reason of the first
                 Box::new(|v, _| {
-                    v.probes[0].1 = ProbeOutcome::Succeeded { undo: Result::Ok(()) };
+                    v.probes[0].1 = ProbeOutcome::Succeeded {
+                        undo: Result::Ok(()),
+                    };
                     v.samples[0].2 = SampleState::Digest("bb".into());
                 }),
                 Critical,
@@ -774,7 +806,11 @@ mod tests {
             let mut p = plan();
             mutate(&mut v, &mut p);
             let r = evaluate_view("team-a/reader-0:/models", &p, &v);
-            assert_eq!((r.status, r.reason.as_str()), (status, reason), "case {i}: {r:?}");
+            assert_eq!(
+                (r.status, r.reason.as_str()),
+                (status, reason),
+                "case {i}: {r:?}"
+            );
         }
         let r = evaluate_view("s", &plan(), &good);
         assert_eq!(

@@ -140,7 +140,9 @@ pub fn judge_reply(request_id: u8, frames: &[Vec<u8>]) -> Result<String, String>
     }
     let id = decode(frames[0]).ok_or("request id frame is not msgpack")?;
     if id.as_u64() != Some(u64::from(request_id)) {
-        return Err(format!("reply echoes request id {id}, expected {request_id}"));
+        return Err(format!(
+            "reply echoes request id {id}, expected {request_id}"
+        ));
     }
     let op = decode(frames[1]).ok_or("op frame is not msgpack")?;
     let op_ok = op.as_u64() == Some(u64::from(OP_NOOP))

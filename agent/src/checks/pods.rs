@@ -80,7 +80,9 @@ fn read_exe(proc_root: &Path, pid: u32) -> Option<String> {
         .ok()
         .map(|p| {
             let s = p.to_string_lossy().into_owned();
-            s.strip_suffix(" (deleted)").map(str::to_string).unwrap_or(s)
+            s.strip_suffix(" (deleted)")
+                .map(str::to_string)
+                .unwrap_or(s)
         })
 }
 
@@ -252,7 +254,12 @@ mod tests {
             (11, cg.as_str(), "/usr/bin/python3", "mnt:[101]"),
             (12, cg.as_str(), "/usr/bin/python3", "mnt:[101]"),
             (13, cg.as_str(), "/bin/sidecar", "mnt:[102]"),
-            (20, "0::/system.slice/sshd.service\n", "/usr/sbin/sshd", "mnt:[1]"),
+            (
+                20,
+                "0::/system.slice/sshd.service\n",
+                "/usr/sbin/sshd",
+                "mnt:[1]",
+            ),
         ] {
             let d = root.join(pid.to_string());
             std::fs::create_dir_all(d.join("ns")).unwrap();
@@ -265,7 +272,10 @@ mod tests {
         assert_eq!(pods.len(), 1);
         assert_eq!(pods[uid], vec![10, 11, 12, 13]);
         let f = PodFinder::new(root);
-        assert_eq!(f.pids(&uid.to_uppercase().replace('-', "_")), vec![10, 11, 12, 13]);
+        assert_eq!(
+            f.pids(&uid.to_uppercase().replace('-', "_")),
+            vec![10, 11, 12, 13]
+        );
         let c = f.containers(uid);
         assert_eq!(
             c.iter().map(|c| c.pid).collect::<Vec<_>>(),

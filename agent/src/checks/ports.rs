@@ -398,16 +398,17 @@ pub fn evaluate_expectation_with(
             .with("port", port)
             .with("expect", expect_label(exp.expect))
     };
-    let result = match (exp.expect, state) {
-        (PortExpect::Free, None) => r(
-            CheckStatus::Ok,
-            "PortOk",
-            format!("{label} is free, as the plan expects."),
-        ),
-        (PortExpect::Held, None) if !running.is_empty() => r(
-            CheckStatus::Critical,
-            "PortOwnerNotListening",
-            format!(
+    let result =
+        match (exp.expect, state) {
+            (PortExpect::Free, None) => r(
+                CheckStatus::Ok,
+                "PortOk",
+                format!("{label} is free, as the plan expects."),
+            ),
+            (PortExpect::Held, None) if !running.is_empty() => r(
+                CheckStatus::Critical,
+                "PortOwnerNotListening",
+                format!(
                 "{label} should be held by {} and {} running, but nothing listens on the port: \
                  the owner has not bound it (still starting, failed to bind, or configured with \
                  another port); check its logs.",
@@ -423,105 +424,105 @@ pub fn evaluate_expectation_with(
                     ),
                 }
             ),
-        )
-        .with("runningPids", join(running.iter().map(|o| o.pid))),
-        (PortExpect::Held, None) => r(
-            CheckStatus::Critical,
-            "PortNotListening",
-            format!(
-                "{label} should be held by {} but nothing listens on it; start the owner or \
-                 fix its port.",
-                exp.owner
-                    .as_ref()
-                    .map(describe_owner)
-                    .unwrap_or_else(|| "a listener".to_string())
-            ),
-        ),
-        (PortExpect::Free, Some(st)) => {
-            let holders = if st.owners.is_empty() {
-                format!(
-                    "an unidentified process (socket inode {}; in another PID namespace or \
-                     unreadable)",
-                    join(&st.inodes)
-                )
-            } else {
-                st.owners
-                    .iter()
-                    .map(SocketOwner::describe)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
-            r(
+            )
+            .with("runningPids", join(running.iter().map(|o| o.pid))),
+            (PortExpect::Held, None) => r(
                 CheckStatus::Critical,
-                "PortConflict",
+                "PortNotListening",
                 format!(
+                    "{label} should be held by {} but nothing listens on it; start the owner or \
+                 fix its port.",
+                    exp.owner
+                        .as_ref()
+                        .map(describe_owner)
+                        .unwrap_or_else(|| "a listener".to_string())
+                ),
+            ),
+            (PortExpect::Free, Some(st)) => {
+                let holders = if st.owners.is_empty() {
+                    format!(
+                        "an unidentified process (socket inode {}; in another PID namespace or \
+                     unreadable)",
+                        join(&st.inodes)
+                    )
+                } else {
+                    st.owners
+                        .iter()
+                        .map(SocketOwner::describe)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                r(
+                    CheckStatus::Critical,
+                    "PortConflict",
+                    format!(
                     "{label} must be free but is held by {holders}, listening on {}; stop it or \
                      move the port.",
                     join(&st.addrs)
                 ),
-            )
-        }
-        (PortExpect::Held, Some(st)) => match &exp.owner {
-            None => r(
-                CheckStatus::Ok,
-                "PortOk",
-                format!("{label} is listening, as the plan expects."),
-            ),
-            Some(want) => {
-                // An owner whose exe cannot be read cannot be compared with an expected exe.
-                let identified: Vec<&SocketOwner> = st
-                    .owners
-                    .iter()
-                    .filter(|o| want.exe.is_none() || o.exe.is_some())
-                    .collect();
-                let wrong: Vec<&SocketOwner> = identified
-                    .iter()
-                    .copied()
-                    .filter(|o| !o.matches(want))
-                    .collect();
-                if !wrong.is_empty() {
-                    r(
-                        CheckStatus::Critical,
-                        "PortOwnerMismatch",
-                        format!(
-                            "{label} is held by {} but the plan expects {}.",
-                            wrong
-                                .iter()
-                                .map(|o| o.describe())
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                            describe_owner(want)
-                        ),
-                    )
-                } else if identified.is_empty() {
-                    r(
-                        CheckStatus::Unknown,
-                        "PortOwnerUnknown",
-                        format!(
+                )
+            }
+            (PortExpect::Held, Some(st)) => match &exp.owner {
+                None => r(
+                    CheckStatus::Ok,
+                    "PortOk",
+                    format!("{label} is listening, as the plan expects."),
+                ),
+                Some(want) => {
+                    // An owner whose exe cannot be read cannot be compared with an expected exe.
+                    let identified: Vec<&SocketOwner> = st
+                        .owners
+                        .iter()
+                        .filter(|o| want.exe.is_none() || o.exe.is_some())
+                        .collect();
+                    let wrong: Vec<&SocketOwner> = identified
+                        .iter()
+                        .copied()
+                        .filter(|o| !o.matches(want))
+                        .collect();
+                    if !wrong.is_empty() {
+                        r(
+                            CheckStatus::Critical,
+                            "PortOwnerMismatch",
+                            format!(
+                                "{label} is held by {} but the plan expects {}.",
+                                wrong
+                                    .iter()
+                                    .map(|o| o.describe())
+                                    .collect::<Vec<_>>()
+                                    .join(", "),
+                                describe_owner(want)
+                            ),
+                        )
+                    } else if identified.is_empty() {
+                        r(
+                            CheckStatus::Unknown,
+                            "PortOwnerUnknown",
+                            format!(
                             "{label} is listening but its owner could not be identified (socket \
                              inode {}; in another PID namespace or unreadable), so {} cannot be \
                              confirmed.",
                             join(&st.inodes),
                             describe_owner(want)
                         ),
-                    )
-                } else {
-                    r(
-                        CheckStatus::Ok,
-                        "PortOk",
-                        format!(
-                            "{label} is held by {}, as the plan expects.",
-                            identified
-                                .iter()
-                                .map(|o| o.describe())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    )
+                        )
+                    } else {
+                        r(
+                            CheckStatus::Ok,
+                            "PortOk",
+                            format!(
+                                "{label} is held by {}, as the plan expects.",
+                                identified
+                                    .iter()
+                                    .map(|o| o.describe())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        )
+                    }
                 }
-            }
-        },
-    };
+            },
+        };
     let verdict = match (result.reason.as_str(), exp.expect) {
         ("PortOk", PortExpect::Free) => "Free",
         ("PortOk", PortExpect::Held) => "HeldByExpected",
@@ -930,7 +931,11 @@ mod tests {
         );
         assert_eq!(r.observed["verdict"], "Ghost");
         assert_eq!(r.observed["runningPids"], "77");
-        assert!(r.message.contains("pid 77 (/opt/mooncake_master"), "{}", r.message);
+        assert!(
+            r.message.contains("pid 77 (/opt/mooncake_master"),
+            "{}",
+            r.message
+        );
         let r = evaluate_expectation(&e, None);
         assert_eq!(r.reason, "PortNotListening");
         assert_eq!(r.observed["verdict"], "NotListening");
@@ -946,7 +951,11 @@ mod tests {
     #[test]
     fn find_owners_in_a_fixture_tree() {
         let dir = tempfile::tempdir().unwrap();
-        for (pid, exe) in [(5, "/usr/bin/python3"), (9, "/opt/mooncake_master"), (12, "/opt/mooncake_master")] {
+        for (pid, exe) in [
+            (5, "/usr/bin/python3"),
+            (9, "/opt/mooncake_master"),
+            (12, "/opt/mooncake_master"),
+        ] {
             let d = dir.path().join(pid.to_string());
             std::fs::create_dir_all(&d).unwrap();
             std::os::unix::fs::symlink(exe, d.join("exe")).unwrap();

@@ -70,28 +70,23 @@ impl ShmCheck {
             return pod_not_found(NAME, &subject, uid, "its /dev/shm");
         }
         let shm = Path::new(POD_SHM_PATH);
-        let views: Vec<ContainerView<'_>> =
-            containers
-                .iter()
-                .map(|c| {
-                    let usage = statvfs_usage(&c.path_inside(&self.proc_root, shm));
-                    let mi = c.mountinfo(&self.proc_root);
-                    let mount = std::fs::read_to_string(&mi)
-                        .map(|t| find_mount(&parse_mountinfo(&t), shm).cloned())
-                        .map_err(|e| format!("{}: {e}", mi.display()));
-                    (c, usage, mount)
-                })
-                .collect();
+        let views: Vec<ContainerView<'_>> = containers
+            .iter()
+            .map(|c| {
+                let usage = statvfs_usage(&c.path_inside(&self.proc_root, shm));
+                let mi = c.mountinfo(&self.proc_root);
+                let mount = std::fs::read_to_string(&mi)
+                    .map(|t| find_mount(&parse_mountinfo(&t), shm).cloned())
+                    .map_err(|e| format!("{}: {e}", mi.display()));
+                (c, usage, mount)
+            })
+            .collect();
         // The container with the largest /dev/shm (an unlimited tmpfs counts as largest); when
         // none could be measured, the first container.
-        let rank = |v: &ContainerView<'_>| {
-            match (&v.1, &v.2) {
-                (Ok(u), Ok(Some(m))) if u.size_bytes == 0 && m.fs_type == "tmpfs" => {
-                    Some(u64::MAX)
-                }
-                (Ok(u), _) => Some(u.size_bytes),
-                (Err(_), _) => None,
-            }
+        let rank = |v: &ContainerView<'_>| match (&v.1, &v.2) {
+            (Ok(u), Ok(Some(m))) if u.size_bytes == 0 && m.fs_type == "tmpfs" => Some(u64::MAX),
+            (Ok(u), _) => Some(u.size_bytes),
+            (Err(_), _) => None,
         };
         let best = views
             .iter()

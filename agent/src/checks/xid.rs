@@ -439,7 +439,10 @@ mod tests {
         };
         let mut log = XidLog::default();
         let v = evaluate_xids(&log, &p, t0);
-        assert_eq!((v.action, v.recovered, v.last.is_none()), (XidAction::Ignore, false, true));
+        assert_eq!(
+            (v.action, v.recovered, v.last.is_none()),
+            (XidAction::Ignore, false, true)
+        );
 
         log.push(ev(13, t0));
         let v = evaluate_xids(&log, &p, t0);

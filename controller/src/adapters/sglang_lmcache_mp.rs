@@ -26,7 +26,7 @@
 //! read-only or comes from a configMap/secret/downwardAPI/projected volume; SGLang HiCache flags
 //! already on the engine; a duplicate or malformed `--enable-lmcache`/`--lmcache-config-file`.
 
-use ic_shared::crd::{CacheType, Runtime};
+use ic_shared::crd::{CacheType, IntegrationRole, Runtime};
 use k8s_openapi::api::core::v1::{
     Container, EmptyDirVolumeSource, ExecAction, Pod, Probe, Volume, VolumeMount,
 };
@@ -75,6 +75,12 @@ struct Render {
 }
 
 fn render_settings(ctx: &InjectContext<'_>) -> Result<Render, InjectError> {
+    if ctx.backend.spec.integration_role() != IntegrationRole::ReadWrite {
+        return Err(InjectError::InvalidSpec {
+            field: "spec.integration.role",
+            detail: "SGLang's LMCache integration always stores and retrieves; only ReadWrite is supported".to_string(),
+        });
+    }
     let lm = ctx.backend.spec.lm_cache.clone().unwrap_or_default();
     let port = lm.effective_worker_port();
     if !(1..=65535).contains(&port) {
@@ -853,6 +859,19 @@ mod tests {
         assert!(matches!(
             inject(&mut p, &cb(), None),
             Err(InjectError::ConflictingIntegration { .. })
+        ));
+        // A role SGLang cannot honour (admission rejects it; the object may predate the rule).
+        let mut b = cb();
+        b.spec.integration = Some(ic_shared::crd::IntegrationSpec {
+            role: Some(IntegrationRole::ReadOnly),
+            ..Default::default()
+        });
+        assert!(matches!(
+            inject(&mut pod(), &b, None),
+            Err(InjectError::InvalidSpec {
+                field: "spec.integration.role",
+                ..
+            })
         ));
         // Malformed boolean.
         let mut p = pod();

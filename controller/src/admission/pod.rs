@@ -670,3 +670,60 @@ fn finish(
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn diff_produces_applicable_minimal_ops() {
+        let a =
+            json!({"metadata": {"annotations": {"a/b": "1", "x~y": "2"}}, "l": [1, 2, 3], "k": 1});
+        let b = json!({"metadata": {"annotations": {"x~y": "3"}}, "l": [1, 5], "n": true, "k": 1});
+        let ops = diff(&a, &b);
+        assert_eq!(
+            ops,
+            vec![
+                json!({"op": "replace", "path": "/l/1", "value": 5}),
+                json!({"op": "remove", "path": "/l/2"}),
+                json!({"op": "replace", "path": "/metadata/annotations/x~0y", "value": "3"}),
+                json!({"op": "remove", "path": "/metadata/annotations/a~1b"}),
+                json!({"op": "add", "path": "/n", "value": true}),
+            ]
+        );
+        let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).unwrap();
+        let mut doc = a.clone();
+        json_patch::patch(&mut doc, &patch).unwrap();
+        assert_eq!(doc, b);
+        assert!(diff(&b, &b).is_empty());
+        let grow = diff(&json!([1]), &json!([1, 2, 3]));
+        assert_eq!(grow.len(), 2);
+        assert_eq!(grow[0]["path"], "/-");
+    }
+
+    #[test]
+    fn truthy_values() {
+        for v in ["true", "TRUE", "t", "1", "yes", "Y", "on", " true "] {
+            assert!(truthy(v), "{v}");
+        }
+        for v in ["false", "0", "", "no", "off", "nope"] {
+            assert!(!truthy(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn never_panics_on_garbage_and_always_allows() {
+        let cfg = PodWebhookConfig::default();
+        for v in [
+            json!(null),
+            json!({}),
+            json!({"spec": null}),
+            json!({"metadata": 5}),
+        ] {
+            let o = mutate_pod(&v, "", &[], &cfg);
+            assert!(o.allowed);
+            assert_eq!(o.patch, None);
+        }
+    }
+}

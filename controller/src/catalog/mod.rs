@@ -72,8 +72,30 @@ pub struct DriverEntry {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub encryption_supported: bool,
     /// The driver's volume handle encodes the consuming namespace at this segment.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "strict_handle"
+    )]
     pub volume_handle_namespace: Option<VolumeHandleNamespace>,
+}
+
+/// `volumeHandleNamespace` as the catalog accepts it: exactly `separator` and `segment`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictHandle {
+    separator: String,
+    segment: u32,
+}
+
+fn strict_handle<'de, D>(d: D) -> Result<Option<VolumeHandleNamespace>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Ok(Option::<StrictHandle>::deserialize(d)?.map(|h| VolumeHandleNamespace {
+        separator: h.separator,
+        segment: h.segment,
+    }))
 }
 
 #[derive(Debug, Deserialize)]

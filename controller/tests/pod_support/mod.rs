@@ -78,11 +78,16 @@ pub fn pod_of(doc: &Value) -> Option<Value> {
     }))
 }
 
-/// Loads every pod in a (possibly multi-document) YAML file.
+/// Loads every pod in a (possibly multi-document) YAML fixture file.
 pub fn load_pods(name: &str) -> Vec<Value> {
     let text = std::fs::read_to_string(fixtures_dir().join(name)).expect("fixture");
+    pods_in_yaml(&text)
+}
+
+/// Every pod (or workload pod template, as a Pod) in a multi-document YAML text.
+pub fn pods_in_yaml(text: &str) -> Vec<Value> {
     let mut pods = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
+    for doc in serde_yaml::Deserializer::from_str(text) {
         let v: serde_yaml::Value = serde::Deserialize::deserialize(doc).expect("yaml document");
         if v.is_null() {
             continue;

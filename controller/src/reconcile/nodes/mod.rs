@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ic_shared::crd::CacheBackend;
+use ic_shared::crd::{CacheBackend, ModelCache};
 use ic_shared::plan::NodePlan;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
@@ -49,7 +49,7 @@ use cachenode::{CacheNodeWriter, NodeView, WriteDecision};
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
 
 /// Timing of the node loops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeLoopConfig {
     /// Pause between plan derivations (default 10 s).
     pub plan_interval: Duration,
@@ -61,6 +61,8 @@ pub struct NodeLoopConfig {
     /// Advisory conditions are re-checked against the API at least this often even when the
     /// verdicts did not change (repairs drift; default 60 s).
     pub advisory_resync: Duration,
+    /// Namespace of the ModelCacheBindings (names the binding of a reader mount in plans).
+    pub model_cache_control_namespace: String,
 }
 
 impl Default for NodeLoopConfig {
@@ -70,6 +72,8 @@ impl Default for NodeLoopConfig {
             status_interval: Duration::from_secs(5),
             cachenode_min_write_interval: Duration::from_secs(30),
             advisory_resync: Duration::from_secs(60),
+            model_cache_control_namespace: crate::reconcile::model_cache::ModelCacheConfig::default()
+                .control_namespace,
         }
     }
 }
@@ -137,11 +141,13 @@ impl NodesMetrics {
     }
 }
 
-/// Lists every Pod and CacheBackend, derives the plans and publishes them through the
-/// registry. Returns what the registry did.
+/// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans and
+/// publishes them through the registry. Returns what the registry did. A failing ModelCache
+/// list (e.g. the CRD is not installed) only leaves reader mounts out.
 pub async fn publish_plans_once(
     client: &Client,
     shared: &Shared,
+    model_cache_control_namespace: &str,
     metrics: Option<&NodesMetrics>,
 ) -> Result<PublishReport, kube::Error> {
     let pods = Api::<Pod>::all(client.clone())
@@ -152,7 +158,21 @@ pub async fn publish_plans_once(
         .list(&ListParams::default())
         .await?
         .items;
-    let derived = plans::derive_plans(&pods, &backends);
+    let mut derived = plans::derive_plans(&pods, &backends);
+    match Api::<ModelCache>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(caches) => plans::add_reader_mounts(
+            &mut derived.plans,
+            crate::reconcile::model_cache::plan::reader_mounts(
+                &caches.items,
+                &pods,
+                model_cache_control_namespace,
+            ),
+        ),
+        Err(e) => debug!(error = %e, "cannot list ModelCaches; node plans carry no reader mounts"),
+    }
     for i in &derived.issues {
         debug!(pod = %i.pod, node = ?i.node, reason = i.reason, "{}", i.message);
     }
@@ -187,9 +207,10 @@ pub fn spawn_plan_publisher(
     shared: Arc<Shared>,
     leader: LeaderHandle,
     metrics: Option<NodesMetrics>,
-    interval: Duration,
+    cfg: NodeLoopConfig,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
+    let interval = cfg.plan_interval;
     tokio::spawn(async move {
         let mut unserved: BTreeSet<String> = BTreeSet::new();
         let mut leading = leader.subscribe();
@@ -197,7 +218,14 @@ pub fn spawn_plan_publisher(
         loop {
             let is_leader = leader.is_leader();
             if is_leader {
-                match publish_plans_once(&client, &shared, metrics.as_ref()).await {
+                match publish_plans_once(
+                    &client,
+                    &shared,
+                    &cfg.model_cache_control_namespace,
+                    metrics.as_ref(),
+                )
+                .await
+                {
                     Ok(report) => {
                         let now: BTreeSet<String> = report.unserved.into_iter().collect();
                         for n in now.difference(&unserved) {

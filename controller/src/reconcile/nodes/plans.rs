@@ -45,7 +45,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime};
 use ic_shared::plan::{
     EnginePlan, HashScheme, KvEventSource, NodePlan, PortExpect, PortExpectation, PortOwner,
-    ShmRequirement,
+    ReaderMount, ShmRequirement,
 };
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::ResourceExt;
@@ -859,6 +859,22 @@ pub fn derive_plans(pods: &[Pod], backends: &[CacheBackend]) -> DerivedPlans {
         })
         .collect();
     DerivedPlans { plans, issues }
+}
+
+/// Adds model-cache reader mounts (node → mounts, as
+/// [`crate::reconcile::model_cache::plan::reader_mounts`] computes them) to the plans; a node
+/// with readers only gets a plan of its own. Mounts are sorted by (namespace, pod, path).
+pub fn add_reader_mounts(
+    plans: &mut BTreeMap<String, NodePlan>,
+    mounts: BTreeMap<String, Vec<ReaderMount>>,
+) {
+    for (node, mut list) in mounts {
+        if list.is_empty() {
+            continue;
+        }
+        list.sort_by(|a, b| (&a.namespace, &a.pod, &a.path).cmp(&(&b.namespace, &b.pod, &b.path)));
+        plans.entry(node).or_default().reader_mounts = list;
+    }
 }
 
 #[cfg(test)]
