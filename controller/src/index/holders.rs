@@ -1,96 +1,153 @@
-//! Compact storage of a block's holders and the index's hash function.
+//! Compact storage of a block's holders.
 //!
 //! A block is held by one or more replicas (engine streams), each at a tier. A holder is one
-//! `u32` word, `slot << 1 | t2`, so a list of holders sorted by word is sorted by replica slot.
-//! Most blocks have one or two holders, so [`Holders`] keeps up to two words inline in one `u64`;
-//! longer lists spill into a [`HolderArena`] (sorted `Vec<u32>`s addressed by index). The block
-//! table therefore costs 16 bytes per block (8-byte content key + 8-byte holders) plus the hash
-//! table's control byte, and 4 bytes per extra holder once spilled.
+//! `u64`: `slot << 33 | t2 << 32 | pos`, where `pos` is the block's position in that replica's
+//! key vector (so removing it there is a swap-remove, no per-replica hash set). A list sorted by
+//! value is therefore sorted by replica slot. Most blocks have one holder, which [`Holders`]
+//! keeps inline in its own `u64`; longer lists spill into a [`HolderArena`] (sorted vectors
+//! addressed by index). With the 8-byte content key the block table pays 16 bytes per block
+//! plus 8 per extra holder once spilled.
 
-use std::hash::{BuildHasher, Hasher};
-
-/// Largest replica slot a holder word can carry.
-pub(super) const MAX_SLOT: u32 = (1 << 29) - 2;
+/// Largest replica slot a holder can carry.
+pub(super) const MAX_SLOT: u32 = (1 << 30) - 2;
 
 /// Marks a spilled holder list.
 const SPILL: u64 = 1 << 63;
 
-/// One holder: `slot << 1 | t2`.
-pub(super) type Word = u32;
+/// One holder: `slot << 33 | t2 << 32 | pos`.
+pub(super) type Holder = u64;
 
-/// Makes a holder word.
-pub(super) fn word(slot: u32, t2: bool) -> Word {
-    (slot << 1) | u32::from(t2)
+/// Makes a holder.
+pub(super) fn holder(slot: u32, t2: bool, pos: u32) -> Holder {
+    (u64::from(slot) << 33) | (u64::from(t2) << 32) | u64::from(pos)
 }
 
-/// The slot of a holder word.
-pub(super) fn slot_of(w: Word) -> u32 {
-    w >> 1
+/// The replica slot of a holder.
+#[inline]
+pub(super) fn slot_of(h: Holder) -> u32 {
+    (h >> 33) as u32
 }
 
-/// True when the holder word is at T2.
-pub(super) fn is_t2(w: Word) -> bool {
-    w & 1 == 1
+/// True when the holder keeps the block at T2.
+#[inline]
+pub(super) fn is_t2(h: Holder) -> bool {
+    (h >> 32) & 1 == 1
 }
 
-/// Spilled holder lists (more than two holders), each sorted by word.
+/// The block's position in the holder's key vector.
+#[inline]
+pub(super) fn pos_of(h: Holder) -> u32 {
+    h as u32
+}
+
+/// Chunks of one capacity in one flat vector, with a free list.
 #[derive(Debug, Default)]
-pub(super) struct HolderArena {
-    lists: Vec<Vec<Word>>,
+struct Pool {
+    cap: usize,
+    data: Vec<Holder>,
     free: Vec<u32>,
 }
 
-impl HolderArena {
-    fn alloc(&mut self, list: Vec<Word>) -> u32 {
-        match self.free.pop() {
-            Some(i) => {
-                if let Some(slot) = self.lists.get_mut(i as usize) {
-                    *slot = list;
-                }
-                i
-            }
-            None => {
-                self.lists.push(list);
-                (self.lists.len() - 1) as u32
-            }
+impl Pool {
+    fn alloc(&mut self) -> u32 {
+        if let Some(i) = self.free.pop() {
+            return i;
         }
+        let i = self.data.len() / self.cap.max(1);
+        self.data.resize(self.data.len() + self.cap, 0);
+        i as u32
     }
 
-    fn release(&mut self, i: u32) -> Vec<Word> {
-        let list = self
-            .lists
-            .get_mut(i as usize)
-            .map(std::mem::take)
-            .unwrap_or_default();
-        self.free.push(i);
-        list
+    fn chunk(&self, i: u32) -> &[Holder] {
+        let start = i as usize * self.cap;
+        self.data.get(start..start + self.cap).unwrap_or(&[])
     }
 
-    fn get(&self, i: u32) -> &[Word] {
-        self.lists.get(i as usize).map(Vec::as_slice).unwrap_or(&[])
-    }
-
-    fn get_mut(&mut self, i: u32) -> Option<&mut Vec<Word>> {
-        self.lists.get_mut(i as usize)
-    }
-
-    /// Heap bytes held by spilled lists (capacity, not length).
-    pub(super) fn heap_bytes(&self) -> usize {
-        self.lists.capacity() * std::mem::size_of::<Vec<Word>>()
-            + self.free.capacity() * 4
-            + self.lists.iter().map(|l| l.capacity() * 4).sum::<usize>()
+    fn chunk_mut(&mut self, i: u32) -> &mut [Holder] {
+        let start = i as usize * self.cap;
+        self.data
+            .get_mut(start..start + self.cap)
+            .unwrap_or(&mut [])
     }
 }
 
-/// A block's holders: up to two inline words, or a spilled list in the arena. Never empty (an
-/// entry without holders is removed from its table).
+/// Largest size class: lists of up to `2 << MAX_CLASS` holders.
+const MAX_CLASS: usize = 24;
+
+/// Spilled holder lists (two or more holders), each sorted by slot, in size-classed pools
+/// (class *c* holds up to `2 << c` holders): no per-list allocation or header.
+#[derive(Debug)]
+pub(super) struct HolderArena {
+    pools: Vec<Pool>,
+}
+
+impl Default for HolderArena {
+    fn default() -> Self {
+        HolderArena {
+            pools: (0..=MAX_CLASS)
+                .map(|c| Pool {
+                    cap: 2 << c,
+                    ..Pool::default()
+                })
+                .collect(),
+        }
+    }
+}
+
+impl HolderArena {
+    fn pool(&self, class: usize) -> Option<&Pool> {
+        self.pools.get(class)
+    }
+
+    fn pool_mut(&mut self, class: usize) -> Option<&mut Pool> {
+        self.pools.get_mut(class)
+    }
+
+    /// Heap bytes of the pools (capacity, not length).
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|p| p.data.capacity() * 8 + p.free.capacity() * 4)
+            .sum()
+    }
+
+    /// Stores `list` (sorted, ≥ 2 holders) in the smallest class that fits it.
+    fn store(&mut self, list: &[Holder]) -> Holders {
+        let class = class_for(list.len());
+        let Some(pool) = self.pool_mut(class) else {
+            return Holders::VACANT;
+        };
+        let i = pool.alloc();
+        if let Some(dst) = pool.chunk_mut(i).get_mut(..list.len()) {
+            dst.copy_from_slice(list);
+        }
+        Holders::spill(class, list.len(), i)
+    }
+
+    fn release(&mut self, class: usize, i: u32) {
+        if let Some(p) = self.pool_mut(class) {
+            p.free.push(i);
+        }
+    }
+}
+
+fn class_for(len: usize) -> usize {
+    let mut c = 0;
+    while c < MAX_CLASS && (2usize << c) < len {
+        c += 1;
+    }
+    c
+}
+
+/// A block's holders: one inline holder, or a spilled list in the arena (`SPILL | class << 58 |
+/// len << 32 | chunk`). Never empty in a table (an entry without holders is removed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Holders(u64);
 
 /// What [`Holders::set`] changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SetOutcome {
-    /// The replica was not a holder; it is now.
+    /// The replica was not a holder; it is now (at the given position).
     Added,
     /// The replica held the block at the other tier; the tier changed.
     TierChanged,
@@ -99,225 +156,170 @@ pub(super) enum SetOutcome {
 }
 
 impl Holders {
-    /// A list holding only `w`.
-    pub(super) fn one(w: Word) -> Self {
-        Holders(u64::from(w) + 1)
+    /// Filler for vacant table slots (never read as holders).
+    pub(super) const VACANT: Holders = Holders(0);
+
+    /// A list holding only `h`.
+    pub(super) fn one(h: Holder) -> Self {
+        Holders(h)
     }
 
-    fn inline(self) -> Option<(Option<Word>, Option<Word>)> {
-        if self.0 & SPILL != 0 {
-            return None;
-        }
-        let lo = (self.0 & 0xFFFF_FFFF) as u32;
-        let hi = (self.0 >> 32) as u32;
-        Some((lo.checked_sub(1), hi.checked_sub(1)))
+    fn spill(class: usize, len: usize, chunk: u32) -> Self {
+        Holders(SPILL | ((class as u64) << 58) | (((len as u64) & 0x3FF_FFFF) << 32) | u64::from(chunk))
     }
 
-    fn from_inline(a: Option<Word>, b: Option<Word>) -> Option<Self> {
-        match (a, b) {
-            (None, None) => None,
-            (Some(x), None) | (None, Some(x)) => Some(Holders::one(x)),
-            (Some(x), Some(y)) => {
-                let (x, y) = if x <= y { (x, y) } else { (y, x) };
-                Some(Holders((u64::from(x) + 1) | ((u64::from(y) + 1) << 32)))
-            }
-        }
+    /// `(class, len, chunk)` of a spilled list.
+    fn spilled(self) -> Option<(usize, usize, u32)> {
+        (self.0 & SPILL != 0).then_some((
+            ((self.0 >> 58) & 0x1F) as usize,
+            ((self.0 >> 32) & 0x3FF_FFFF) as usize,
+            self.0 as u32,
+        ))
     }
 
-    fn spilled(i: u32) -> Self {
-        Holders(SPILL | u64::from(i))
-    }
-
-    /// The holder words, sorted by slot. `buf` backs the inline case.
-    pub(super) fn words<'a>(&self, arena: &'a HolderArena, buf: &'a mut [Word; 2]) -> &'a [Word] {
-        match self.inline() {
-            Some((Some(a), Some(b))) => {
-                *buf = [a, b];
+    /// The holders, sorted by slot. `buf` backs the inline case.
+    #[inline]
+    pub(super) fn holders<'a>(&self, arena: &'a HolderArena, buf: &'a mut [Holder; 1]) -> &'a [Holder] {
+        match self.spilled() {
+            None => {
+                buf[0] = self.0;
                 &buf[..]
             }
-            Some((Some(a), None)) | Some((None, Some(a))) => {
-                buf[0] = a;
-                &buf[..1]
-            }
-            Some((None, None)) => &[],
-            None => arena.get((self.0 & 0xFFFF_FFFF) as u32),
+            Some((class, len, i)) => arena
+                .pool(class)
+                .map(|p| p.chunk(i))
+                .and_then(|c| c.get(..len))
+                .unwrap_or(&[]),
         }
     }
 
     /// Number of holders.
     #[cfg(test)]
     pub(super) fn len(&self, arena: &HolderArena) -> usize {
-        let mut buf = [0; 2];
-        self.words(arena, &mut buf).len()
+        let mut buf = [0; 1];
+        self.holders(arena, &mut buf).len()
     }
 
-    /// The holder word of `slot`, if it holds the block.
-    pub(super) fn find(&self, arena: &HolderArena, slot: u32) -> Option<Word> {
-        let mut buf = [0; 2];
-        let words = self.words(arena, &mut buf);
-        words
-            .binary_search_by_key(&slot, |w| slot_of(*w))
+    /// The holder of `slot`, if it holds the block.
+    pub(super) fn find(&self, arena: &HolderArena, slot: u32) -> Option<Holder> {
+        if self.spilled().is_none() {
+            return (slot_of(self.0) == slot).then_some(self.0);
+        }
+        let mut buf = [0; 1];
+        let list = self.holders(arena, &mut buf);
+        list.binary_search_by_key(&slot, |h| slot_of(*h))
             .ok()
-            .and_then(|i| words.get(i).copied())
+            .and_then(|j| list.get(j).copied())
     }
 
-    /// Adds `w`'s replica as a holder or updates its tier.
-    pub(super) fn set(&mut self, arena: &mut HolderArena, w: Word) -> SetOutcome {
-        let slot = slot_of(w);
-        match self.inline() {
-            Some((a, b)) => {
-                for (x, other) in [(a, b), (b, a)] {
-                    if let Some(x) = x {
-                        if slot_of(x) == slot {
-                            if x == w {
-                                return SetOutcome::Unchanged;
-                            }
-                            if let Some(h) = Holders::from_inline(Some(w), other) {
-                                *self = h;
-                            }
-                            return SetOutcome::TierChanged;
-                        }
-                    }
+    /// Makes `slot` a holder at tier `t2` (position `pos` when newly added), or updates its tier.
+    pub(super) fn set(&mut self, arena: &mut HolderArena, slot: u32, t2: bool, pos: u32) -> SetOutcome {
+        let Some((class, len, i)) = self.spilled() else {
+            let cur = self.0;
+            if slot_of(cur) == slot {
+                if is_t2(cur) == t2 {
+                    return SetOutcome::Unchanged;
                 }
-                match (a, b) {
-                    (Some(x), Some(y)) => {
-                        let mut list = vec![x, y, w];
-                        list.sort_unstable();
-                        *self = Holders::spilled(arena.alloc(list));
+                self.0 = holder(slot, t2, pos_of(cur));
+                return SetOutcome::TierChanged;
+            }
+            let new = holder(slot, t2, pos);
+            let list = if cur < new { [cur, new] } else { [new, cur] };
+            *self = arena.store(&list);
+            return SetOutcome::Added;
+        };
+        let Some(pool) = arena.pool_mut(class) else {
+            return SetOutcome::Unchanged;
+        };
+        let cap = pool.cap;
+        let chunk = pool.chunk_mut(i);
+        let Some(list) = chunk.get_mut(..len) else {
+            return SetOutcome::Unchanged;
+        };
+        match list.binary_search_by_key(&slot, |h| slot_of(*h)) {
+            Ok(j) => {
+                let cur = list[j];
+                if is_t2(cur) == t2 {
+                    SetOutcome::Unchanged
+                } else {
+                    list[j] = holder(slot, t2, pos_of(cur));
+                    SetOutcome::TierChanged
+                }
+            }
+            Err(j) => {
+                let new = holder(slot, t2, pos);
+                if len < cap {
+                    if let Some(tail) = chunk.get_mut(j..=len) {
+                        tail.rotate_right(1);
+                        tail[0] = new;
                     }
-                    _ => {
-                        if let Some(h) = Holders::from_inline(a.or(b), Some(w)) {
-                            *self = h;
-                        }
-                    }
+                    *self = Holders::spill(class, len + 1, i);
+                } else {
+                    let mut grown = Vec::with_capacity(len + 1);
+                    grown.extend_from_slice(&list[..j]);
+                    grown.push(new);
+                    grown.extend_from_slice(&list[j..]);
+                    arena.release(class, i);
+                    *self = arena.store(&grown);
                 }
                 SetOutcome::Added
             }
-            None => {
-                let Some(list) = arena.get_mut((self.0 & 0xFFFF_FFFF) as u32) else {
-                    *self = Holders::one(w);
-                    return SetOutcome::Added;
-                };
-                match list.binary_search_by_key(&slot, |x| slot_of(*x)) {
-                    Ok(i) => {
-                        if list[i] == w {
-                            SetOutcome::Unchanged
-                        } else {
-                            list[i] = w;
-                            SetOutcome::TierChanged
-                        }
-                    }
-                    Err(i) => {
-                        list.insert(i, w);
-                        SetOutcome::Added
-                    }
-                }
+        }
+    }
+
+    /// Records that `slot`'s copy moved to position `pos` in its key vector.
+    pub(super) fn set_pos(&mut self, arena: &mut HolderArena, slot: u32, pos: u32) {
+        let Some((class, len, i)) = self.spilled() else {
+            if slot_of(self.0) == slot {
+                self.0 = holder(slot, is_t2(self.0), pos);
+            }
+            return;
+        };
+        if let Some(list) = arena
+            .pool_mut(class)
+            .and_then(|p| p.chunk_mut(i).get_mut(..len))
+        {
+            if let Ok(j) = list.binary_search_by_key(&slot, |h| slot_of(*h)) {
+                list[j] = holder(slot, is_t2(list[j]), pos);
             }
         }
     }
 
-    /// Removes `slot` as a holder. Returns its word (if it held the block) and the remaining
-    /// list (`None` when no holder is left; a spilled list is released then).
-    pub(super) fn remove(
-        self,
-        arena: &mut HolderArena,
-        slot: u32,
-    ) -> (Option<Word>, Option<Holders>) {
-        match self.inline() {
-            Some((a, b)) => {
-                if let Some(x) = a.filter(|x| slot_of(*x) == slot) {
-                    return (Some(x), Holders::from_inline(b, None));
-                }
-                if let Some(y) = b.filter(|y| slot_of(*y) == slot) {
-                    return (Some(y), Holders::from_inline(a, None));
-                }
+    /// Removes `slot` as a holder. Returns its holder (if it held the block) and the remaining
+    /// list (`None` when no holder is left; a spilled list goes back inline at one holder and
+    /// moves to a smaller class when a quarter full).
+    pub(super) fn remove(self, arena: &mut HolderArena, slot: u32) -> (Option<Holder>, Option<Holders>) {
+        let Some((class, len, i)) = self.spilled() else {
+            return if slot_of(self.0) == slot {
+                (Some(self.0), None)
+            } else {
                 (None, Some(self))
-            }
-            None => {
-                let i = (self.0 & 0xFFFF_FFFF) as u32;
-                let Some(list) = arena.get_mut(i) else {
-                    return (None, None);
-                };
-                let Ok(pos) = list.binary_search_by_key(&slot, |x| slot_of(*x)) else {
-                    return (None, Some(self));
-                };
-                let removed = list.remove(pos);
-                if list.len() > 2 {
-                    if list.capacity() > 4 * list.len() {
-                        list.shrink_to(2 * list.len());
-                    }
-                    return (Some(removed), Some(self));
-                }
-                let rest = arena.release(i);
-                let h = Holders::from_inline(rest.first().copied(), rest.get(1).copied());
-                (Some(removed), h)
-            }
+            };
+        };
+        let Some(pool) = arena.pool_mut(class) else {
+            return (None, Some(self));
+        };
+        let cap = pool.cap;
+        let Some(list) = pool.chunk_mut(i).get_mut(..len) else {
+            return (None, Some(self));
+        };
+        let Ok(j) = list.binary_search_by_key(&slot, |h| slot_of(*h)) else {
+            return (None, Some(self));
+        };
+        let removed = list[j];
+        list[j..].rotate_left(1);
+        let len = len - 1;
+        if len == 1 {
+            let last = list[0];
+            arena.release(class, i);
+            return (Some(removed), Some(Holders::one(last)));
         }
-    }
-}
-
-/// Hashes content keys (already uniformly distributed XXH3 outputs) with one seeded folded
-/// multiply: cheap, and the random per-index seed keeps crafted keys from piling into one
-/// bucket.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct KeyBuild {
-    seed: u64,
-}
-
-impl KeyBuild {
-    /// A hasher builder with a random seed.
-    pub(super) fn random() -> Self {
-        let seed = std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64);
-        KeyBuild { seed }
-    }
-}
-
-impl Default for KeyBuild {
-    fn default() -> Self {
-        KeyBuild::random()
-    }
-}
-
-/// The hasher [`KeyBuild`] makes.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct KeyHasher {
-    state: u64,
-}
-
-const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
-
-fn fold(a: u64, b: u64) -> u64 {
-    let full = u128::from(a) * u128::from(b);
-    (full as u64) ^ ((full >> 64) as u64)
-}
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.state
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(b));
+        if class > 0 && len * 4 <= cap {
+            let kept: Vec<Holder> = list[..len].to_vec();
+            arena.release(class, i);
+            return (Some(removed), Some(arena.store(&kept)));
         }
-    }
-
-    fn write_u64(&mut self, k: u64) {
-        self.state = fold(self.state ^ k, MUL);
-    }
-
-    fn write_u32(&mut self, k: u32) {
-        self.write_u64(u64::from(k));
-    }
-}
-
-impl BuildHasher for KeyBuild {
-    type Hasher = KeyHasher;
-
-    fn build_hasher(&self) -> KeyHasher {
-        KeyHasher { state: self.seed }
+        (Some(removed), Some(Holders::spill(class, len, i)))
     }
 }
 
@@ -326,56 +328,75 @@ impl BuildHasher for KeyBuild {
 mod tests {
     use super::*;
 
-    fn slots(h: Holders, arena: &HolderArena) -> Vec<(u32, bool)> {
-        let mut buf = [0; 2];
-        h.words(arena, &mut buf)
+    fn slots(h: Holders, arena: &HolderArena) -> Vec<(u32, bool, u32)> {
+        let mut buf = [0; 1];
+        h.holders(arena, &mut buf)
             .iter()
-            .map(|w| (slot_of(*w), is_t2(*w)))
+            .map(|w| (slot_of(*w), is_t2(*w), pos_of(*w)))
             .collect()
+    }
+
+    #[test]
+    fn long_lists_grow_through_classes_and_shrink_back() {
+        let mut arena = HolderArena::default();
+        let mut h = Holders::one(holder(500, false, 0));
+        for s in (0..1000u32).rev().filter(|s| *s != 500) {
+            assert_eq!(h.set(&mut arena, s, s % 2 == 0, s), SetOutcome::Added);
+        }
+        let mut buf = [0; 1];
+        let got: Vec<u32> = h.holders(&arena, &mut buf).iter().map(|x| slot_of(*x)).collect();
+        assert_eq!(got, (0..1000).collect::<Vec<_>>());
+        assert_eq!(h.find(&arena, 999).map(pos_of), Some(999));
+        for s in 0..999u32 {
+            let (gone, rest) = h.remove(&mut arena, s);
+            assert_eq!(gone.map(slot_of), Some(s));
+            h = rest.unwrap();
+        }
+        assert_eq!(h, Holders::one(holder(999, false, 999)));
+        // Every chunk went back to its pool's free list.
+        for p in &arena.pools {
+            assert_eq!(p.free.len() * p.cap, p.data.len(), "class of {}", p.cap);
+        }
     }
 
     #[test]
     fn holders_stay_sorted_inline_then_spilled_and_shrink_back() {
         assert_eq!(std::mem::size_of::<Holders>(), 8);
         let mut arena = HolderArena::default();
-        let mut h = Holders::one(word(7, false));
-        assert_eq!(h.set(&mut arena, word(3, true)), SetOutcome::Added);
-        assert_eq!(slots(h, &arena), vec![(3, true), (7, false)]);
-        assert_eq!(h.set(&mut arena, word(3, true)), SetOutcome::Unchanged);
-        assert_eq!(h.set(&mut arena, word(3, false)), SetOutcome::TierChanged);
-        assert_eq!(h.set(&mut arena, word(5, false)), SetOutcome::Added);
-        assert_eq!(h.set(&mut arena, word(MAX_SLOT, true)), SetOutcome::Added);
+        let mut h = Holders::one(holder(7, false, 70));
+        assert_eq!(h.set(&mut arena, 7, false, 99), SetOutcome::Unchanged);
+        assert_eq!(h.set(&mut arena, 7, true, 99), SetOutcome::TierChanged);
+        assert_eq!(slots(h, &arena), vec![(7, true, 70)]);
+        assert_eq!(h.set(&mut arena, 3, true, 30), SetOutcome::Added);
+        assert_eq!(h.spilled().map(|(c, l, _)| (c, l)), Some((0, 2)));
+        assert_eq!(slots(h, &arena), vec![(3, true, 30), (7, true, 70)]);
+        assert_eq!(h.set(&mut arena, 3, false, 0), SetOutcome::TierChanged);
+        assert_eq!(h.set(&mut arena, 5, false, 50), SetOutcome::Added);
+        assert_eq!(h.set(&mut arena, MAX_SLOT, true, u32::MAX), SetOutcome::Added);
         assert_eq!(
             slots(h, &arena),
-            vec![(3, false), (5, false), (7, false), (MAX_SLOT, true)]
+            vec![(3, false, 30), (5, false, 50), (7, true, 70), (MAX_SLOT, true, u32::MAX)]
         );
-        assert_eq!(h.find(&arena, 5), Some(word(5, false)));
+        assert_eq!(h.find(&arena, 5), Some(holder(5, false, 50)));
         assert_eq!(h.find(&arena, 6), None);
-        assert_eq!(h.set(&mut arena, word(7, true)), SetOutcome::TierChanged);
+        h.set_pos(&mut arena, 5, 51);
+        assert_eq!(pos_of(h.find(&arena, 5).unwrap()), 51);
         let (w, rest) = h.remove(&mut arena, 5);
-        assert_eq!(w, Some(word(5, false)));
+        assert_eq!(w, Some(holder(5, false, 51)));
         let h = rest.unwrap();
         assert_eq!(h.len(&arena), 3);
+        assert_eq!(h.spilled().map(|(c, l, _)| (c, l)), Some((1, 3)));
         let (_, rest) = h.remove(&mut arena, 3);
-        let h = rest.unwrap();
+        let (_, rest) = rest.unwrap().remove(&mut arena, 7);
+        let mut h = rest.unwrap();
         // Back inline: the spilled list was released.
-        assert!(h.inline().is_some());
-        assert_eq!(arena.free.len(), 1);
-        assert_eq!(slots(h, &arena), vec![(7, true), (MAX_SLOT, true)]);
+        assert!(h.spilled().is_none());
+        assert_eq!(arena.pools[1].free.len(), 1);
+        assert_eq!(slots(h, &arena), vec![(MAX_SLOT, true, u32::MAX)]);
         let (none, same) = h.remove(&mut arena, 99);
         assert_eq!((none, same), (None, Some(h)));
-        let (_, rest) = h.remove(&mut arena, MAX_SLOT);
-        let (_, rest) = rest.unwrap().remove(&mut arena, 7);
-        assert_eq!(rest, None);
-    }
-
-    #[test]
-    fn key_hasher_spreads_sequential_keys() {
-        let b = KeyBuild { seed: 1 };
-        let mut top = std::collections::HashSet::new();
-        for k in 0..1024u64 {
-            top.insert(b.hash_one(k) >> 57);
-        }
-        assert!(top.len() > 100);
+        h.set_pos(&mut arena, MAX_SLOT, 4);
+        let (w, rest) = h.remove(&mut arena, MAX_SLOT);
+        assert_eq!((w.map(pos_of), rest), (Some(4), None));
     }
 }

@@ -15,14 +15,15 @@ use std::time::Instant;
 
 use ic_shared::kv::content_key;
 
-use super::holders::{is_t2, slot_of, Word};
+use super::holders::{is_t2, slot_of, Holder, Holders};
 use super::{PartitionId, PrefixIndex, ReplicaSlot, Tier};
 
 /// NO_HINT reason when the lookup ran past its budget.
 pub const LOOKUP_TIMEOUT: &str = "LookupTimeout";
 
-/// How many chain levels are walked between deadline checks.
-const DEADLINE_EVERY: usize = 32;
+/// Chain levels whose slots are loaded together (their cache misses overlap) before they are
+/// intersected; also the deadline check interval.
+const CHUNK: usize = 16;
 
 /// What the router asks.
 ///
@@ -250,8 +251,9 @@ impl PrefixIndex {
     }
 
     /// Walks the chain in one partition; returns every replica with ≥ 1 matched block, sorted by
-    /// slot. Each level intersects the replicas still matching with the level's holders, iterating
-    /// whichever side is smaller (both are sorted by slot).
+    /// slot. Levels are fetched in chunks (independent loads, so their misses overlap); each level
+    /// intersects the replicas still matching with the level's holders, iterating whichever side
+    /// is smaller (both are sorted by slot).
     fn walk(
         &self,
         pid: PartitionId,
@@ -262,61 +264,89 @@ impl PrefixIndex {
         let Some(part) = self.partitions.get(pid as usize) else {
             return Ok(Vec::new());
         };
-        let Some(first) = keys.first().and_then(|k| part.blocks.get(k)) else {
+        let Some(first) = keys.first().and_then(|k| part.blocks.get(*k)) else {
             return Ok(Vec::new());
         };
-        let mut buf: [Word; 2] = [0; 2];
+        let mut buf: [Holder; 1] = [0; 1];
         let mut all: Vec<ReplicaScore> = first
-            .words(&self.arena, &mut buf)
+            .holders(&self.arena, &mut buf)
             .iter()
-            .map(|w| ReplicaScore {
-                slot: slot_of(*w),
+            .map(|h| ReplicaScore {
+                slot: slot_of(*h),
                 matched_blocks: 1,
                 block_size,
-                t1: !is_t2(*w),
+                t1: !is_t2(*h),
             })
             .collect();
         let mut alive: Vec<u32> = (0..all.len() as u32).collect();
         let mut next: Vec<u32> = Vec::with_capacity(alive.len().min(16));
-        for (depth, key) in keys.iter().enumerate().skip(1) {
-            if depth % DEADLINE_EVERY == 0 && past(deadline) {
+        let mut level: [Option<Holders>; CHUNK] = [None; CHUNK];
+        let mut depth = 1usize;
+        'walk: while depth < keys.len() {
+            if past(deadline) {
                 return Err(TimedOut);
             }
-            let Some(h) = part.blocks.get(key) else {
-                break;
-            };
-            let mut buf: [Word; 2] = [0; 2];
-            let words = h.words(&self.arena, &mut buf);
-            next.clear();
-            if alive.len() <= words.len() {
-                for &i in &alive {
-                    let Some(s) = all.get_mut(i as usize) else {
-                        continue;
+            let end = (depth + CHUNK).min(keys.len());
+            let chunk = keys.get(depth..end).unwrap_or(&[]);
+            for (cell, key) in level.iter_mut().zip(chunk) {
+                *cell = part.blocks.get(*key);
+            }
+            for cell in level.iter().take(chunk.len()) {
+                let Some(h) = cell else {
+                    break 'walk;
+                };
+                let mut buf: [Holder; 1] = [0; 1];
+                let holders = h.holders(&self.arena, &mut buf);
+                next.clear();
+                if alive.len() == 1 {
+                    // The common tail: one replica left, one probe per level.
+                    let Some(&i) = alive.first() else {
+                        break 'walk;
                     };
-                    if let Ok(j) = words.binary_search_by_key(&s.slot, |w| slot_of(*w)) {
-                        s.matched_blocks += 1;
-                        s.t1 &= words.get(j).is_some_and(|w| !is_t2(*w));
-                        next.push(i);
+                    let Some(s) = all.get_mut(i as usize) else {
+                        break 'walk;
+                    };
+                    match h.find(&self.arena, s.slot) {
+                        Some(x) => {
+                            s.matched_blocks += 1;
+                            s.t1 &= !is_t2(x);
+                            depth += 1;
+                            continue;
+                        }
+                        None => break 'walk,
                     }
                 }
-            } else {
-                for &w in words {
-                    let Ok(i) = all.binary_search_by_key(&slot_of(w), |s| s.slot) else {
-                        continue;
-                    };
-                    if let Some(s) = all.get_mut(i) {
-                        if s.matched_blocks as usize == depth {
+                if alive.len() <= holders.len() {
+                    for &i in &alive {
+                        let Some(s) = all.get_mut(i as usize) else {
+                            continue;
+                        };
+                        if let Ok(j) = holders.binary_search_by_key(&s.slot, |w| slot_of(*w)) {
                             s.matched_blocks += 1;
-                            s.t1 &= !is_t2(w);
-                            next.push(i as u32);
+                            s.t1 &= holders.get(j).is_some_and(|w| !is_t2(*w));
+                            next.push(i);
+                        }
+                    }
+                } else {
+                    for &w in holders {
+                        let Ok(i) = all.binary_search_by_key(&slot_of(w), |s| s.slot) else {
+                            continue;
+                        };
+                        if let Some(s) = all.get_mut(i) {
+                            if s.matched_blocks as usize == depth {
+                                s.matched_blocks += 1;
+                                s.t1 &= !is_t2(w);
+                                next.push(i as u32);
+                            }
                         }
                     }
                 }
+                if next.is_empty() {
+                    break 'walk;
+                }
+                std::mem::swap(&mut alive, &mut next);
+                depth += 1;
             }
-            if next.is_empty() {
-                break;
-            }
-            std::mem::swap(&mut alive, &mut next);
         }
         Ok(all)
     }

@@ -13,13 +13,16 @@
 //! # Layout (memory and speed)
 //!
 //! - Partitions are interned once (their strings are never copied per block); each has its own
-//!   hash table content key → [`holders::Holders`], 16 bytes per block: up to two holders
-//!   inline (`slot << 1 | t2` words), more in a sorted spilled list (4 bytes per holder).
-//! - Replicas live in a slab addressed by a `u32` slot (recycled), so holders are 4-byte words.
-//!   Each replica keeps the content keys it holds per partition in a compact hash set (8 bytes
-//!   per key), which makes a replica clear (engine restart, `AllBlocksCleared`, resync, expiry)
-//!   proportional to what that replica holds.
+//!   open-addressing table content key → holders (`table::BlockTable`): key and holders share
+//!   one 16-byte slot, so a probe is one cache line. One holder is kept inline; more spill into a
+//!   sorted list (8 bytes per holder).
+//! - Replicas live in a slab addressed by a `u32` slot (recycled). A holder records the slot,
+//!   the tier and the block's position in the replica's key vector, so each replica lists what it
+//!   holds in a plain `Vec<u64>` (8 bytes per entry; removal is a swap-remove) and a replica
+//!   clear (engine restart, `AllBlocksCleared`, resync, expiry) costs what that replica holds.
 //! - Content keys are already uniform (XXH3), so tables hash them with one seeded multiply.
+//! - Runs of keys (a store or remove op, a lookup chain) first load all their slots in a tight
+//!   loop, so the cache misses overlap instead of queueing one per block.
 //! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
 //!   block held by every replica (a shared system prompt) costs one pass, not one per level.
 //!
@@ -30,14 +33,17 @@ mod holders;
 mod lookup;
 mod policy;
 mod snapshot;
+mod table;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use ic_shared::proto::{self, kv_op::Op};
 use thiserror::Error;
 
-use holders::{is_t2, word, HolderArena, Holders, KeyBuild, SetOutcome, MAX_SLOT};
+use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT};
+use table::BlockTable;
 
 pub use lookup::{
     LookupQuery, LookupResult, ReplicaMatch, ReplicaScore, Scores, TimedOut, LOOKUP_TIMEOUT,
@@ -93,16 +99,16 @@ type ReplicaSlot = u32;
 #[derive(Debug)]
 struct PartitionState {
     key: Partition,
-    blocks: HashMap<u64, Holders, KeyBuild>,
+    blocks: BlockTable,
 }
 
-/// The blocks one replica holds in one partition.
+/// The blocks one replica holds in one partition (each key once; a holder's `pos` indexes it).
 #[derive(Debug)]
 struct ReplicaPart {
     pid: PartitionId,
     adapter: String,
     block_size: u32,
-    keys: HashSet<u64, KeyBuild>,
+    keys: Vec<u64>,
 }
 
 /// State of one engine stream (a replica in routing answers).
@@ -185,9 +191,11 @@ pub struct PrefixIndex {
     free_slots: Vec<ReplicaSlot>,
     slot_by_stream: HashMap<String, ReplicaSlot>,
     arena: HolderArena,
-    hasher: KeyBuild,
+    seed: u64,
     entries: usize,
     policies: Arc<PolicyTable>,
+    /// Sink for prefetching loads (keeps them from being optimised away).
+    warmth: u64,
 }
 
 impl Default for PrefixIndex {
@@ -206,9 +214,11 @@ impl PrefixIndex {
             free_slots: Vec::new(),
             slot_by_stream: HashMap::new(),
             arena: HolderArena::default(),
-            hasher: KeyBuild::random(),
+            seed: std::collections::hash_map::RandomState::new()
+                .hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
+            warmth: 0,
         }
     }
 
@@ -281,7 +291,7 @@ impl PrefixIndex {
         let id = self.partitions.len() as PartitionId;
         self.partitions.push(PartitionState {
             key: p.clone(),
-            blocks: HashMap::with_hasher(self.hasher),
+            blocks: BlockTable::new(self.seed),
         });
         self.partition_ids.insert(p, id);
         id
@@ -306,13 +316,12 @@ impl PrefixIndex {
             block_size,
         };
         let pid = self.intern(p);
-        let hasher = self.hasher;
         let r = self.replica_mut(slot)?;
         r.parts.push(ReplicaPart {
             pid,
             adapter: adapter.to_string(),
             block_size,
-            keys: HashSet::with_hasher(hasher),
+            keys: Vec::new(),
         });
         Some(r.parts.len() - 1)
     }
@@ -388,7 +397,7 @@ impl PrefixIndex {
                         None => continue,
                     },
                 };
-                self.store(slot, part, e.content_key, Tier::from_proto(e.tier));
+                self.store(slot, part, &[e.content_key], Tier::from_proto(e.tier));
             }
         }
         self.rerank();
@@ -464,18 +473,13 @@ impl PrefixIndex {
                     let Some(part) = self.part_for(slot, &s.adapter, s.block_size) else {
                         continue;
                     };
-                    let tier = Tier::from_proto(s.tier);
-                    for k in &s.content_keys {
-                        self.store(slot, part, *k, tier);
-                    }
+                    self.store(slot, part, &s.content_keys, Tier::from_proto(s.tier));
                 }
                 Some(Op::Remove(r)) => {
                     let Some(part) = self.find_part(slot, &r.adapter, r.block_size) else {
                         continue;
                     };
-                    for k in &r.content_keys {
-                        self.remove(slot, part, *k);
-                    }
+                    self.remove(slot, part, &r.content_keys);
                 }
                 Some(Op::Clear(_)) => self.clear_replica(slot),
                 None => {}
@@ -498,118 +502,126 @@ impl PrefixIndex {
             .position(|p| p.block_size == block_size && p.adapter == adapter)
     }
 
-    /// Records that `slot` holds `key` (in its part `part`) at `tier`. Idempotent.
-    fn store(&mut self, slot: ReplicaSlot, part: usize, key: u64, tier: Tier) {
-        let Some(pid) = self
-            .replica(slot)
-            .and_then(|r| r.parts.get(part))
-            .map(|p| p.pid)
-        else {
+    /// Records that `slot` holds `keys` (in its part `part`) at `tier`. Idempotent.
+    fn store(&mut self, slot: ReplicaSlot, part: usize, keys: &[u64], tier: Tier) {
+        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
             return;
         };
-        let Some(blocks) = self.partitions.get_mut(pid as usize).map(|p| &mut p.blocks) else {
+        let Some(rp) = replica.parts.get_mut(part) else {
             return;
         };
-        let w = word(slot, tier == Tier::T2);
-        let outcome = match blocks.entry(key) {
-            std::collections::hash_map::Entry::Occupied(mut o) => o.get_mut().set(&mut self.arena, w),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(Holders::one(w));
-                SetOutcome::Added
-            }
-        };
-        let Some(r) = self.replica_mut(slot) else {
+        let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
             return;
         };
-        match outcome {
-            SetOutcome::Added => {
-                if let Some(p) = r.parts.get_mut(part) {
-                    p.keys.insert(key);
-                }
-                r.blocks += 1;
-                if tier == Tier::T2 {
-                    r.t2_blocks += 1;
-                }
-                self.entries += 1;
-            }
-            SetOutcome::TierChanged => {
-                if tier == Tier::T2 {
-                    r.t2_blocks += 1;
-                } else {
-                    r.t2_blocks = r.t2_blocks.saturating_sub(1);
-                }
-            }
-            SetOutcome::Unchanged => {}
+        let arena = &mut self.arena;
+        let t2 = tier == Tier::T2;
+        if keys.len() > 2 {
+            self.warmth ^= ps.blocks.warm(keys);
         }
+        let (mut added, mut t2_up, mut t2_down) = (0usize, 0usize, 0usize);
+        for &key in keys {
+            let pos = rp.keys.len() as u32;
+            let outcome = match ps.blocks.get_mut(key) {
+                Some(h) => h.set(arena, slot, t2, pos),
+                None => {
+                    ps.blocks.insert_new(key, Holders::one(holder(slot, t2, pos)));
+                    SetOutcome::Added
+                }
+            };
+            match outcome {
+                SetOutcome::Added => {
+                    rp.keys.push(key);
+                    added += 1;
+                    t2_up += usize::from(t2);
+                }
+                SetOutcome::TierChanged if t2 => t2_up += 1,
+                SetOutcome::TierChanged => t2_down += 1,
+                SetOutcome::Unchanged => {}
+            }
+        }
+        replica.blocks += added;
+        replica.t2_blocks = (replica.t2_blocks + t2_up).saturating_sub(t2_down);
+        self.entries += added;
     }
 
-    /// Drops `slot`'s copy of `key`; unknown keys are ignored.
-    fn remove(&mut self, slot: ReplicaSlot, part: usize, key: u64) {
-        let Some(pid) = self
-            .replica(slot)
-            .and_then(|r| r.parts.get(part))
-            .map(|p| p.pid)
-        else {
+    /// Drops `slot`'s copies of `keys` (in its part `part`); unknown keys are ignored.
+    fn remove(&mut self, slot: ReplicaSlot, part: usize, keys: &[u64]) {
+        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
             return;
         };
-        let Some(removed) = self.unhold(pid, key, slot) else {
+        let Some(rp) = replica.parts.get_mut(part) else {
             return;
         };
-        if let Some(r) = self.replica_mut(slot) {
-            if let Some(p) = r.parts.get_mut(part) {
-                p.keys.remove(&key);
+        let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
+            return;
+        };
+        let arena = &mut self.arena;
+        if keys.len() > 2 {
+            self.warmth ^= ps.blocks.warm(keys);
+        }
+        let (mut removed, mut t2_removed) = (0usize, 0usize);
+        for &key in keys {
+            let Some(h) = ps.blocks.get_mut(key) else {
+                continue;
+            };
+            let (gone, rest) = h.remove(arena, slot);
+            let Some(gone) = gone else {
+                continue;
+            };
+            match rest {
+                Some(rest) => *h = rest,
+                None => {
+                    ps.blocks.remove(key);
+                }
             }
-            r.blocks = r.blocks.saturating_sub(1);
-            if is_t2(removed) {
-                r.t2_blocks = r.t2_blocks.saturating_sub(1);
+            removed += 1;
+            t2_removed += usize::from(is_t2(gone));
+            // Swap-remove from the replica's key vector; the key moved into the hole learns its
+            // new position.
+            let pos = pos_of(gone) as usize;
+            if pos < rp.keys.len() {
+                rp.keys.swap_remove(pos);
+                if let Some(&moved) = rp.keys.get(pos) {
+                    if let Some(mh) = ps.blocks.get_mut(moved) {
+                        mh.set_pos(arena, slot, pos as u32);
+                    }
+                }
             }
         }
-        self.entries = self.entries.saturating_sub(1);
-    }
-
-    /// Removes `slot` from `key`'s holders (dropping the block when none is left); returns the
-    /// removed holder word.
-    fn unhold(&mut self, pid: PartitionId, key: u64, slot: ReplicaSlot) -> Option<u32> {
-        let blocks = &mut self.partitions.get_mut(pid as usize)?.blocks;
-        let h = blocks.get_mut(&key)?;
-        let (removed, rest) = h.remove(&mut self.arena, slot);
-        match rest {
-            Some(rest) => *h = rest,
-            None => {
-                blocks.remove(&key);
-            }
+        if rp.keys.capacity() > 4 * rp.keys.len() + 16 {
+            rp.keys.shrink_to(2 * rp.keys.len());
         }
-        removed
+        replica.blocks = replica.blocks.saturating_sub(removed);
+        replica.t2_blocks = replica.t2_blocks.saturating_sub(t2_removed);
+        self.entries = self.entries.saturating_sub(removed);
     }
 
     fn clear_replica(&mut self, slot: ReplicaSlot) {
-        let parts = match self.replica_mut(slot) {
-            Some(r) => {
-                r.t2_blocks = 0;
-                r.blocks = 0;
-                std::mem::take(&mut r.parts)
-            }
-            None => return,
+        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return;
         };
-        let mut kept = Vec::with_capacity(parts.len());
-        for mut p in parts {
-            for key in p.keys.drain() {
-                if self.unhold(p.pid, key, slot).is_some() {
+        replica.t2_blocks = 0;
+        replica.blocks = 0;
+        for rp in &mut replica.parts {
+            let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
+                continue;
+            };
+            self.warmth ^= ps.blocks.warm(&rp.keys);
+            for key in std::mem::take(&mut rp.keys) {
+                let Some(h) = ps.blocks.get_mut(key) else {
+                    continue;
+                };
+                let (gone, rest) = h.remove(&mut self.arena, slot);
+                match rest {
+                    Some(rest) => *h = rest,
+                    None => {
+                        ps.blocks.remove(key);
+                    }
+                }
+                if gone.is_some() {
                     self.entries = self.entries.saturating_sub(1);
                 }
             }
-            p.keys.shrink_to_fit();
-            kept.push(p);
-        }
-        for pid in kept.iter().map(|p| p.pid) {
-            if let Some(ps) = self.partitions.get_mut(pid as usize) {
-                if ps.blocks.len() * 8 < ps.blocks.capacity() {
-                    ps.blocks.shrink_to_fit();
-                }
-            }
-        }
-        if let Some(r) = self.replica_mut(slot) {
-            r.parts = kept;
         }
     }
 
@@ -623,7 +635,7 @@ impl PrefixIndex {
                 continue;
             };
             for k in &p.keys {
-                if let Some(w) = ps.blocks.get(k).and_then(|h| h.find(&self.arena, slot)) {
+                if let Some(w) = ps.blocks.get(*k).and_then(|h| h.find(&self.arena, slot)) {
                     out.push(StreamEntry {
                         adapter: p.adapter.clone(),
                         block_size: p.block_size,
@@ -652,22 +664,17 @@ impl PrefixIndex {
         out
     }
 
-    /// Heap bytes held by the index's tables (bucket arrays at their capacity, spilled holder
-    /// lists, per-replica key sets), estimated from capacities. The benchmark measures the real
+    /// Heap bytes held by the index's tables (slot arrays at their capacity, spilled holder
+    /// lists, per-replica key vectors), estimated from capacities. The benchmark measures the real
     /// figure with a counting allocator; this is for `/snapshot` and quick checks.
     pub fn approx_heap_bytes(&self) -> usize {
-        let table = |cap: usize, entry: usize| cap * (entry + 1);
-        let blocks: usize = self
-            .partitions
-            .iter()
-            .map(|p| table(p.blocks.capacity(), 16))
-            .sum();
-        let sets: usize = self
+        let blocks: usize = self.partitions.iter().map(|p| p.blocks.heap_bytes()).sum();
+        let keys: usize = self
             .live_replicas()
             .flat_map(|(_, r)| r.parts.iter())
-            .map(|p| table(p.keys.capacity(), 8))
+            .map(|p| p.keys.capacity() * 8)
             .sum();
-        blocks + sets + self.arena.heap_bytes()
+        blocks + keys + self.arena.heap_bytes()
     }
 }
 

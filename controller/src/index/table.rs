@@ -1,0 +1,262 @@
+//! The block table: content key → [`Holders`], open addressing with linear probing.
+//!
+//! Each slot is 16 bytes — the key and its holders side by side — so a lookup costs one cache
+//! line (a Swiss table keeps control bytes and buckets apart: two dependent misses). Key 0 marks
+//! an empty slot; the rare content key 0 lives in a side cell. Deletion shifts the following
+//! run back (no tombstones), so probe lengths stay short under churn. The table grows at 70 %
+//! load and shrinks when a quarter full after removals.
+
+use super::holders::Holders;
+
+const EMPTY: u64 = 0;
+
+/// One slot: a key and its holders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    key: u64,
+    holders: Holders,
+}
+
+const VACANT: Slot = Slot {
+    key: EMPTY,
+    holders: Holders::VACANT,
+};
+
+const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn fold(a: u64, b: u64) -> u64 {
+    let full = u128::from(a) * u128::from(b);
+    (full as u64) ^ ((full >> 64) as u64)
+}
+
+/// Open-addressing map from content key to holders.
+#[derive(Debug, Clone)]
+pub(super) struct BlockTable {
+    slots: Vec<Slot>,
+    len: usize,
+    zero: Option<Holders>,
+    seed: u64,
+}
+
+impl BlockTable {
+    /// An empty table hashing with `seed` (random per index: crafted keys cannot collide on
+    /// purpose).
+    pub(super) fn new(seed: u64) -> Self {
+        BlockTable {
+            slots: Vec::new(),
+            len: 0,
+            zero: None,
+            seed,
+        }
+    }
+
+    /// Number of keys.
+    pub(super) fn len(&self) -> usize {
+        self.len + usize::from(self.zero.is_some())
+    }
+
+    /// Slots allocated.
+    pub(super) fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Heap bytes of the slot array.
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot>()
+    }
+
+    fn ideal(&self, key: u64, mask: usize) -> usize {
+        (fold(key ^ self.seed, MUL) as usize) & mask
+    }
+
+    /// Position of `key`, if present (key ≠ 0).
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.ideal(key, mask);
+        loop {
+            let s = self.slots.get(i)?;
+            if s.key == key {
+                return Some(i);
+            }
+            if s.key == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The holders of `key`.
+    #[inline]
+    pub(super) fn get(&self, key: u64) -> Option<Holders> {
+        if key == EMPTY {
+            return self.zero;
+        }
+        self.find(key)
+            .and_then(|i| self.slots.get(i))
+            .map(|s| s.holders)
+    }
+
+    /// Mutable holders of `key`.
+    #[inline]
+    pub(super) fn get_mut(&mut self, key: u64) -> Option<&mut Holders> {
+        if key == EMPTY {
+            return self.zero.as_mut();
+        }
+        let i = self.find(key)?;
+        self.slots.get_mut(i).map(|s| &mut s.holders)
+    }
+
+    /// Loads the slots of `keys` without using them: independent loads the CPU overlaps, so
+    /// the probes that follow hit cache (memory-level parallelism for a run of blocks).
+    pub(super) fn warm(&self, keys: &[u64]) -> u64 {
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let mask = self.slots.len() - 1;
+        keys.iter()
+            .map(|k| self.slots.get(self.ideal(*k, mask)).map_or(0, |s| s.key))
+            .fold(0, |a, k| a ^ k)
+    }
+
+    /// Inserts `key` (which must be absent) with `holders`.
+    pub(super) fn insert_new(&mut self, key: u64, holders: Holders) {
+        if key == EMPTY {
+            self.zero = Some(holders);
+            return;
+        }
+        if (self.len + 1) * 10 > self.slots.len() * 7 {
+            self.resize((self.slots.len() * 2).max(16));
+        }
+        self.place(Slot { key, holders });
+        self.len += 1;
+    }
+
+    fn place(&mut self, slot: Slot) {
+        let mask = self.slots.len() - 1;
+        let mut i = self.ideal(slot.key, mask);
+        while let Some(s) = self.slots.get_mut(i) {
+            if s.key == EMPTY {
+                *s = slot;
+                return;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn resize(&mut self, cap: usize) {
+        let old = std::mem::replace(&mut self.slots, vec![VACANT; cap]);
+        for s in old {
+            if s.key != EMPTY {
+                self.place(s);
+            }
+        }
+    }
+
+    /// Removes `key`; returns its holders.
+    pub(super) fn remove(&mut self, key: u64) -> Option<Holders> {
+        if key == EMPTY {
+            return self.zero.take();
+        }
+        let mut hole = self.find(key)?;
+        let removed = self.slots.get(hole).map(|s| s.holders);
+        let mask = self.slots.len() - 1;
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let Some(next) = self.slots.get(j).copied() else {
+                break;
+            };
+            if next.key == EMPTY {
+                break;
+            }
+            let k = self.ideal(next.key, mask);
+            // `next` may move back into the hole unless its ideal slot lies cyclically in
+            // (hole, j].
+            let stays = if hole <= j {
+                hole < k && k <= j
+            } else {
+                hole < k || k <= j
+            };
+            if stays {
+                continue;
+            }
+            if let Some(h) = self.slots.get_mut(hole) {
+                *h = next;
+            }
+            hole = j;
+        }
+        if let Some(h) = self.slots.get_mut(hole) {
+            *h = VACANT;
+        }
+        self.len -= 1;
+        if self.slots.len() > 64 && self.len * 4 < self.slots.len() {
+            let cap = (self.len * 2).next_power_of_two().max(64);
+            self.resize(cap);
+        }
+        removed
+    }
+
+    /// Every (key, holders).
+    #[cfg(test)]
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, Holders)> + '_ {
+        self.slots
+            .iter()
+            .filter(|s| s.key != EMPTY)
+            .map(|s| (s.key, s.holders))
+            .chain(self.zero.map(|h| (EMPTY, h)))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::super::holders::{holder, Holders};
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn behaves_like_a_hash_map_under_random_churn() {
+        let mut t = BlockTable::new(7);
+        let mut model: HashMap<u64, Holders> = HashMap::new();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for step in 0..200_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Small key space (collisions, key 0) with clustered values.
+            let key = x % 5000;
+            let h = Holders::one(holder((step % 1000) as u32, false, 0));
+            if x % 3 == 0 {
+                assert_eq!(t.remove(key), model.remove(&key), "remove {key}");
+            } else if let Some(cur) = t.get_mut(key) {
+                *cur = h;
+                model.insert(key, h);
+            } else {
+                assert!(!model.contains_key(&key));
+                t.insert_new(key, h);
+                model.insert(key, h);
+            }
+            if step % 20_000 == 0 {
+                for (k, v) in &model {
+                    assert_eq!(t.get(*k), Some(*v));
+                }
+            }
+        }
+        assert_eq!(t.len(), model.len());
+        let mut got: Vec<_> = t.iter().collect();
+        got.sort_by_key(|(k, _)| *k);
+        let mut want: Vec<_> = model.into_iter().collect();
+        want.sort_by_key(|(k, _)| *k);
+        assert_eq!(got, want);
+        // Emptied, it shrinks.
+        for (k, _) in want {
+            t.remove(k);
+        }
+        assert_eq!(t.len(), 0);
+        assert!(t.capacity() <= 64);
+        assert_eq!(t.warm(&[1, 2, 3]), 0);
+    }
+}
