@@ -21,6 +21,8 @@ use ic_shared::plan::{CudaRequirement, NodePlan};
 const CHILD_LIB: &str = "IC_TEST_CUDA_LIB";
 const CHILD_PLAN: &str = "IC_TEST_CUDA_PLAN";
 const CHILD_RUNS: &str = "IC_TEST_CUDA_RUNS";
+const CHILD_TIMEOUT: &str = "IC_TEST_CUDA_TIMEOUT_S";
+const CHILD_PAUSE: &str = "IC_TEST_CUDA_PAUSE_MS";
 
 const FAKE_CUDA_C: &str = r#"
 #include <stdio.h>
@@ -50,6 +52,10 @@ const FAKE_CUDA_C: &str = r#"
 #ifndef FAKE_LOG
 #define FAKE_LOG ""
 #endif
+#ifndef FAKE_INIT_SLEEP_US
+#define FAKE_INIT_SLEEP_US 0 /* a wedged driver: cuInit takes this long */
+#endif
+#include <unistd.h>
 typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
@@ -66,7 +72,11 @@ static void logf(const char *what) {
     if (f) { fprintf(f, "%s\n", what); fclose(f); }
 }
 
-CUresult cuInit(unsigned flags) { (void)flags; logf("cuInit"); return FAKE_INIT_RC; }
+CUresult cuInit(unsigned flags) {
+    (void)flags; logf("cuInit");
+    if (FAKE_INIT_SLEEP_US) usleep(FAKE_INIT_SLEEP_US);
+    return FAKE_INIT_RC;
+}
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_DRIVER; return 0; }
 CUresult cuDeviceGetCount(int *c) { *c = FAKE_COUNT; return 0; }
 CUresult cuDeviceGet(CUdevice *d, int ordinal) {
@@ -163,26 +173,60 @@ fn cuda_child() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(1);
+    let timeout = std::env::var(CHILD_TIMEOUT)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_secs)
+        .unwrap_or(ChecksConfig::default().cuda_timeout);
+    let pause = std::env::var(CHILD_PAUSE)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(Duration::ZERO);
     let check = CudaCheck::new(&ChecksConfig {
         cuda_library: Some(PathBuf::from(lib)),
         cuda_interval: Duration::from_secs(3600),
+        cuda_timeout: timeout,
         ..ChecksConfig::default()
     });
-    for _ in 0..runs {
+    for i in 0..runs {
+        if i > 0 {
+            std::thread::sleep(pause);
+        }
+        let started = std::time::Instant::now();
         let r = check.run(&plan);
-        println!("RESULTS {}", serde_json::to_string(&r).unwrap());
+        println!(
+            "ELAPSED {} RESULTS {}",
+            started.elapsed().as_millis(),
+            serde_json::to_string(&r).unwrap()
+        );
     }
 }
 
 /// Runs `cuda_child` in a fresh process; returns the passes' results.
 fn run_child(lib: &Path, plan: &NodePlan, runs: usize) -> Vec<Vec<CheckResult>> {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "cuda_child", "--nocapture", "--test-threads=1"])
+    run_child_timed(lib, plan, runs, &[])
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect()
+}
+
+/// [`run_child`] with extra environment; returns `(milliseconds the pass took, results)`.
+fn run_child_timed(
+    lib: &Path,
+    plan: &NodePlan,
+    runs: usize,
+    env: &[(&str, &str)],
+) -> Vec<(u64, Vec<CheckResult>)> {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "cuda_child", "--nocapture", "--test-threads=1"])
         .env(CHILD_LIB, lib)
         .env(CHILD_PLAN, serde_json::to_string(plan).unwrap())
-        .env(CHILD_RUNS, runs.to_string())
-        .output()
-        .unwrap();
+        .env(CHILD_RUNS, runs.to_string());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -190,13 +234,19 @@ fn run_child(lib: &Path, plan: &NodePlan, runs: usize) -> Vec<Vec<CheckResult>> 
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let passes: Vec<Vec<CheckResult>> = stdout
+    let passes: Vec<(u64, Vec<CheckResult>)> = stdout
         .lines()
-        .filter_map(|l| l.find("RESULTS ").map(|i| &l[i + 8..]))
-        .map(|j| serde_json::from_str(j).unwrap())
+        .filter_map(|l| {
+            let e = l.find("ELAPSED ")?;
+            let r = l.find(" RESULTS ")?;
+            Some((
+                l[e + 8..r].parse().unwrap(),
+                serde_json::from_str(&l[r + 9..]).unwrap(),
+            ))
+        })
         .collect();
     assert_eq!(passes.len(), runs, "{stdout}");
-    for pass in &passes {
+    for (_, pass) in &passes {
         for r in pass {
             println!("{:?} {} {}: {}", r.status, r.reason, r.subject, r.message);
         }
@@ -437,4 +487,33 @@ fn absent_library_is_unavailable_in_process() {
     } else {
         eprintln!("this host has a CUDA driver: {:?}", r[0]);
     }
+}
+
+#[test]
+fn a_wedged_driver_times_out_without_holding_every_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    // cuInit takes 2.5 s; the check waits at most 1 s for a first result
+    let Some(lib) = fake_cuda(dir.path(), "wedged", &["FAKE_INIT_SLEEP_US=2500000"]) else {
+        return;
+    };
+    let passes = run_child_timed(
+        &lib,
+        &plan(true, None),
+        3,
+        &[(CHILD_TIMEOUT, "1"), (CHILD_PAUSE, "1000")],
+    );
+    let (t1, r1) = &passes[0];
+    assert_eq!(
+        (r1[0].status, r1[0].reason.as_str()),
+        (CheckStatus::Critical, "CudaInitFailed")
+    );
+    assert_eq!(r1[0].observed["stage"], "timeout");
+    assert!((900..2400).contains(t1), "first pass waited {t1} ms");
+    // the same probe is still running: the next pass does not wait again
+    let (t2, r2) = &passes[1];
+    assert_eq!(r2[0].reason, "CudaInitFailed");
+    assert!(*t2 < 500, "second pass waited {t2} ms");
+    // once the driver answers, the results arrive
+    let (_, r3) = &passes[2];
+    assert!(r3.iter().all(|c| c.reason == "CudaOk"), "{r3:#?}");
 }

@@ -8,7 +8,8 @@
 //! - `index/ingest`: every event of the workload through `PrefixIndex::apply_delta` (one
 //!   `StreamDelta` per event) into a fresh index; throughput in block operations;
 //! - `index/score` and `index/lookup`: one request's chain against the final state (per-replica
-//!   depths; and the named, ordered answer `LookupRoute` returns), cycling through the trace;
+//!   depths; and the named, ordered answer `LookupRoute` returns, capped like the router),
+//!   cycling through the trace;
 //! - `decode/golden_frames`: `decode_batch` over every live frame of the golden fixtures;
 //!   throughput in block events.
 //!
@@ -203,11 +204,18 @@ fn main() {
                 ix.score(&queries[i]).unwrap()
             })
         });
+        let capped: Vec<LookupQuery> = queries
+            .iter()
+            .map(|q| LookupQuery {
+                max_replicas: ic_controller::router::DEFAULT_MAX_REPLICAS,
+                ..q.clone()
+            })
+            .collect();
         let mut i = 0usize;
         g.bench_function("lookup", |b| {
             b.iter(|| {
-                i = (i + 1) % queries.len();
-                ix.lookup(&queries[i])
+                i = (i + 1) % capped.len();
+                ix.lookup(&capped[i])
             })
         });
         g.finish();

@@ -7,6 +7,10 @@
 //! over budget answers NO_HINT with reason `LookupTimeout` (fail open: the gateway routes by
 //! load).
 //!
+//! An answer lists at most [`DEFAULT_MAX_REPLICAS`] replicas (configurable with
+//! [`Router::with_max_replicas`]): the deepest, T1 before T2, then by stream id. A prompt whose
+//! first block is a system prompt every replica caches would otherwise list the whole fleet.
+//!
 //! [`PrefixIndex::lookup`]: crate::index::PrefixIndex::lookup
 
 use std::sync::Arc;
@@ -18,18 +22,32 @@ use tonic::{Request, Response, Status};
 use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKUP_TIMEOUT};
 use crate::state::Shared;
 
+/// Replicas listed in one answer by default (the best ones).
+pub const DEFAULT_MAX_REPLICAS: usize = 32;
+
 /// The gRPC service.
 #[derive(Clone)]
 pub struct Router {
     shared: Arc<Shared>,
     policies: Arc<PolicyTable>,
+    max_replicas: usize,
 }
 
 impl Router {
     /// A router over the shared index (and its policy table).
     pub fn new(shared: Arc<Shared>) -> Self {
         let policies = shared.index.read().policies();
-        Router { shared, policies }
+        Router {
+            shared,
+            policies,
+            max_replicas: DEFAULT_MAX_REPLICAS,
+        }
+    }
+
+    /// Lists at most `n` replicas per answer (0 = every replica with a match).
+    pub fn with_max_replicas(mut self, n: usize) -> Self {
+        self.max_replicas = n;
+        self
     }
 
     /// The lookup policy table the router reads (fill it from CachePolicy objects).
@@ -58,7 +76,7 @@ impl Router {
             block_size: (req.block_size > 0).then_some(req.block_size),
             minimum_prefix_tokens: policy.minimum_prefix_tokens,
             deadline,
-            max_replicas: 0,
+            max_replicas: self.max_replicas,
         };
         let guard = match deadline {
             Some(d) => self.shared.index.try_read_until(d),

@@ -407,7 +407,7 @@ async fn row6_transient_errors_requeue_without_changing_state() {
     for (case, inject) in cases {
         let h = Setup::nvmesh()
             .with(&regular("a", NS, "r1"))
-            .intercept(move |c| inject(c))
+            .intercept(inject)
             .build()
             .await;
         let err = h.reconcile(NS, "a").await;

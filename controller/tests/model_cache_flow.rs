@@ -470,12 +470,11 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
         (cref.namespace.as_deref(), cref.name.as_deref()),
         (Some(NS), Some(names::reader_claim(&bname).as_str()))
     );
-    assert!(pv
+    assert!(!pv
         .metadata
         .annotations
         .unwrap()
-        .get("pv.kubernetes.io/provisioned-by")
-        .is_none());
+        .contains_key("pv.kubernetes.io/provisioned-by"));
     // Reader claim pre-bound by name.
     let rc = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
         .get(&names::reader_claim(&bname))

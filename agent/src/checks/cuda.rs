@@ -707,8 +707,8 @@ fn evaluate_device(
 struct Cache {
     /// `(finished at, plan key, results)`.
     last: Option<(Instant, String, Vec<CheckResult>)>,
-    /// A probe thread is running.
-    running: bool,
+    /// A probe thread is running: `(started at, plan key)`.
+    running: Option<(Instant, String)>,
 }
 
 #[derive(Debug, Default)]
@@ -759,7 +759,7 @@ impl CudaCheck {
                 let results = evaluate(&p, gpu_node, &label, required.as_deref());
                 let mut c = shared.cache.lock();
                 c.last = Some((Instant::now(), key, results));
-                c.running = false;
+                c.running = None;
                 shared.done.notify_all();
             })
             .is_ok()
@@ -786,18 +786,21 @@ impl Check for CudaCheck {
                 return with_age(r, at.elapsed());
             }
         }
-        if !c.running {
-            c.running = self.spawn(key.clone(), plan.gpu_node, required.clone());
-            if !c.running {
-                return vec![CheckResult::new(
-                    NAME,
-                    "host",
-                    CheckStatus::Unknown,
-                    "CudaUnavailable",
-                    "cannot start the CUDA probe thread; CUDA was not checked.".to_string(),
-                )
-                .with("cause", "ThreadFailed")];
+        let unavailable = || {
+            vec![CheckResult::new(
+                NAME,
+                "host",
+                CheckStatus::Unknown,
+                "CudaUnavailable",
+                "cannot start the CUDA probe thread; CUDA was not checked.".to_string(),
+            )
+            .with("cause", "ThreadFailed")]
+        };
+        if c.running.is_none() {
+            if !self.spawn(key.clone(), plan.gpu_node, required.clone()) {
+                return unavailable();
             }
+            c.running = Some((Instant::now(), key.clone()));
         }
         // Stale results for the same plan: return them while the refresh runs.
         if let Some((at, k, r)) = &c.last {
@@ -805,14 +808,30 @@ impl Check for CudaCheck {
                 return with_age(r, at.elapsed());
             }
         }
-        let deadline = Instant::now() + self.timeout;
+        // No result for this plan yet: wait for one, but never longer than the running probe's
+        // timeout (a wedged driver must not hold every pass for the full timeout).
         loop {
             if let Some((at, k, r)) = &c.last {
                 if *k == key {
                     return with_age(r, at.elapsed());
                 }
             }
-            if self.shared.done.wait_until(&mut c, deadline).timed_out() {
+            let started = match &c.running {
+                Some((started, _)) => *started,
+                None => {
+                    // a probe for another plan finished: probe this one
+                    if !self.spawn(key.clone(), plan.gpu_node, required.clone()) {
+                        return unavailable();
+                    }
+                    let now = Instant::now();
+                    c.running = Some((now, key.clone()));
+                    now
+                }
+            };
+            let deadline = started + self.timeout;
+            if Instant::now() >= deadline
+                || self.shared.done.wait_until(&mut c, deadline).timed_out()
+            {
                 break;
             }
         }

@@ -336,7 +336,7 @@ impl Covered {
             })
             .cloned()
             .collect();
-        (!deltas.is_empty()).then(|| KvDeltaBatch {
+        (!deltas.is_empty()).then_some(KvDeltaBatch {
             batch_id: batch.batch_id,
             deltas,
         })

@@ -148,20 +148,11 @@ pub struct Harness {
 }
 
 /// Builder of a [`Harness`].
+#[derive(Default)]
 pub struct Setup {
     objects: Vec<Value>,
     flags: FeatureFlags,
     interceptors: Option<Box<dyn FnOnce(Arc<Calls>) -> interceptor::Funcs>>,
-}
-
-impl Default for Setup {
-    fn default() -> Self {
-        Setup {
-            objects: Vec::new(),
-            flags: FeatureFlags::default(),
-            interceptors: None,
-        }
-    }
 }
 
 fn to_value<K: serde::Serialize>(o: &K) -> Value {

@@ -72,8 +72,8 @@ impl Default for NodeLoopConfig {
             status_interval: Duration::from_secs(5),
             cachenode_min_write_interval: Duration::from_secs(30),
             advisory_resync: Duration::from_secs(60),
-            model_cache_control_namespace: crate::reconcile::model_cache::ModelCacheConfig::default()
-                .control_namespace,
+            model_cache_control_namespace:
+                crate::reconcile::model_cache::ModelCacheConfig::default().control_namespace,
         }
     }
 }

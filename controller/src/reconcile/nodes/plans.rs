@@ -942,6 +942,34 @@ mod tests {
     }
 
     #[test]
+    fn reader_mounts_join_or_create_node_plans() {
+        let mut plans = BTreeMap::from([(
+            "n1".to_string(),
+            NodePlan {
+                gpu_node: true,
+                ..Default::default()
+            },
+        )]);
+        let m = |pod: &str, path: &str| ReaderMount {
+            pod: pod.into(),
+            path: path.into(),
+            ..Default::default()
+        };
+        add_reader_mounts(
+            &mut plans,
+            BTreeMap::from([
+                ("n1".to_string(), vec![m("b", "/models"), m("a", "/models")]),
+                ("n2".to_string(), vec![m("c", "/m")]),
+                ("n3".to_string(), vec![]),
+            ]),
+        );
+        assert!(plans["n1"].gpu_node);
+        assert_eq!(plans["n1"].reader_mounts[0].pod, "a");
+        assert_eq!(plans["n2"].reader_mounts.len(), 1);
+        assert!(!plans.contains_key("n3"));
+    }
+
+    #[test]
     fn dp_ranks_per_engine() {
         assert_eq!(dp_ranks(Runtime::Vllm, &[]), vec![0]);
         assert_eq!(dp_ranks(Runtime::Vllm, &["-dp", "4"]), vec![0, 1, 2, 3]);
