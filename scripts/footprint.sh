@@ -90,25 +90,34 @@ pod_cgroup() {
 
 # ---- 4 engine streams
 fixtures=(vllm-0.24.0 vllm-0.26.0 vllm-0.14.0 sglang-0.5.18)
+PUBS=()
+start_publisher() { # index repeat
+  local i=$1 repeat=$2 pub rep uid
+  pub=$((BASE_PORT + 2 * i))
+  rep=$((pub + 1))
+  "$BIN" kv publish --fixture "$FIXTURES/${fixtures[$i]}.json" --endpoint "tcp://127.0.0.1:$pub" \
+    --replay-endpoint "tcp://127.0.0.1:$rep" --repeat "$repeat" --interval-ms 50 \
+    --connect-wait-ms 3000 --linger-seconds 3600 >> "$WORK/pub$i.log" 2>&1 &
+  PUBS[$i]=$!
+  PIDS+=($!)
+  uid=$(printf 'f00df00d-0000-4000-8000-%012d' "$i")
+  IN_POD[$i]=0
+  if [ $is_root = 1 ] && pod_cgroup "$uid" "${PUBS[$i]}"; then IN_POD[$i]=1; fi
+}
+IN_POD=()
+for i in 0 1 2 3; do start_publisher "$i" 1; done
+
 engines=""
 ports_plan=""
 for i in 0 1 2 3; do
   f=${fixtures[$i]}
   pub=$((BASE_PORT + 2 * i))
   rep=$((pub + 1))
-  repeat=1
-  [ "$ACTIVE_SECONDS" -gt 0 ] && repeat=0
-  "$BIN" kv publish --fixture "$FIXTURES/$f.json" --endpoint "tcp://127.0.0.1:$pub" \
-    --replay-endpoint "tcp://127.0.0.1:$rep" --repeat "$repeat" --interval-ms 50 \
-    --connect-wait-ms 3000 --linger-seconds 3600 > "$WORK/pub$i.log" 2>&1 &
-  PIDS+=($!)
   uid=$(printf 'f00df00d-0000-4000-8000-%012d' "$i")
-  in_pod=0
-  if [ $is_root = 1 ] && pod_cgroup "$uid" "${PIDS[-1]}"; then in_pod=1; fi
   scheme=vllm
   [[ $f == sglang* ]] && scheme=sglang
   uid_line=""
-  [ $in_pod = 1 ] && uid_line="    podUid: $uid"
+  [ "${IN_POD[$i]}" = 1 ] && uid_line="    podUid: $uid"
   engines+="  - namespace: bench
     pod: engine-$i
 $uid_line
@@ -185,6 +194,10 @@ sleep "$WARMUP"
 echo "--- results"
 measure idle "$WINDOW"
 if [ "$ACTIVE_SECONDS" -gt 0 ]; then
+  # the same streams, now replaying their fixtures in a loop (subscribers see engine restarts)
+  for i in 0 1 2 3; do kill "${PUBS[$i]}" 2>/dev/null; wait "${PUBS[$i]}" 2>/dev/null; done
+  for i in 0 1 2 3; do start_publisher "$i" 0; done
+  sleep 5
   measure active "$ACTIVE_SECONDS"
 fi
 awk '/^VmHWM:/ {printf "peak    VmHWM %.1f MiB\n", $2 / 1024}' "/proc/$AGENT/status"

@@ -133,8 +133,9 @@ fn kv_decode_prints_every_golden_frame_as_the_engine_json() {
         for (i, l) in live.iter().enumerate() {
             let ctx = format!("{name} live[{i}] ({})", l["label"]);
             assert_eq!(docs[i]["seq"], l["seq"], "{ctx}");
-            let topic = String::from_utf8(hex::decode(l["frames_hex"][0].as_str().unwrap()).unwrap())
-                .unwrap();
+            let topic =
+                String::from_utf8(hex::decode(l["frames_hex"][0].as_str().unwrap()).unwrap())
+                    .unwrap();
             assert_eq!(docs[i]["topic"], topic, "{ctx}");
             check(&ctx, &docs[i], &l["expected"]);
         }
@@ -201,7 +202,10 @@ fn kv_decode_prints_every_golden_frame_as_the_engine_json() {
 
 #[test]
 fn kv_decode_reports_undecodable_payloads_and_exits_1() {
-    let (code, out) = ic_agent(&["kv", "decode", "--lines"], Some(b"6b76 0000000000000001 cd01\n"));
+    let (code, out) = ic_agent(
+        &["kv", "decode", "--lines"],
+        Some(b"6b76 0000000000000001 cd01\n"),
+    );
     assert_eq!(code, 1);
     let v: Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["seq"], 1);
@@ -271,7 +275,10 @@ async fn kv_tail_prints_batches_the_gap_and_the_replayed_batch() {
         .collect();
     assert_eq!(seqs, want);
     let gap = lines.iter().find(|l| l["notice"] == "gap").unwrap();
-    assert_eq!((gap["missingFrom"].as_u64(), gap["got"].as_u64()), (Some(3), Some(4)));
+    assert_eq!(
+        (gap["missingFrom"].as_u64(), gap["got"].as_u64()),
+        (Some(3), Some(4))
+    );
     let rep = lines.iter().find(|l| l["notice"] == "replay").unwrap();
     assert_eq!(rep["complete"], true);
     // The saved dump reads back as the 9 live messages.

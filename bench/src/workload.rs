@@ -196,7 +196,11 @@ pub fn generate(trace: &[Vec<u64>], config: Config) -> Workload {
                 .iter()
                 .enumerate()
                 .map(|(pos, id)| {
-                    let gid = if pos == 0 { *id } else { id + copy * (max_id + 1) };
+                    let gid = if pos == 0 {
+                        *id
+                    } else {
+                        id + copy * (max_id + 1)
+                    };
                     let k = *keys.entry(gid).or_insert_with(|| key(parent, gid));
                     parent = k;
                     Block { id: gid, key: k }

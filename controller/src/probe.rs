@@ -330,7 +330,10 @@ mod tests {
         assert_eq!(r.stages.ingest.status, StageStatus::Ok);
         assert_eq!(r.stages.routing.status, StageStatus::Failed);
         assert!(
-            r.stages.routing.message.contains("BelowMinimumPrefixTokens"),
+            r.stages
+                .routing
+                .message
+                .contains("BelowMinimumPrefixTokens"),
             "{r:?}"
         );
         assert_eq!(shared.index.read().replica_count(), 0);

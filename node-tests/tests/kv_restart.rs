@@ -62,7 +62,11 @@ fn ground_truth(seqs: &[u64]) -> BTreeSet<Entry> {
         block_size: 16,
         ..StreamConfig::default()
     });
-    for f in fx.frames("dp0").into_iter().filter(|f| seqs.contains(&f.seq)) {
+    for f in fx
+        .frames("dp0")
+        .into_iter()
+        .filter(|f| seqs.contains(&f.seq))
+    {
         st.apply(f.seq, &decode_batch(&f.payload).unwrap(), 0);
     }
     let (_, entries, stale) = st.snapshot();
@@ -281,9 +285,11 @@ async fn assert_converges(
     final_seq: u64,
 ) -> Duration {
     tokio::time::sleep_until(tokio::time::Instant::from_std(last_frame)).await;
-    wait_until("the agent to apply the last frame", Duration::from_secs(20), || {
-        last_seq(agent) == Some(final_seq)
-    })
+    wait_until(
+        "the agent to apply the last frame",
+        Duration::from_secs(20),
+        || last_seq(agent) == Some(final_seq),
+    )
     .await;
     let start = Instant::now();
     loop {
@@ -328,7 +334,10 @@ async fn killing_the_agent_mid_stream_converges_to_the_ground_truth() {
     let agent = start_agent(grpc, &plan);
     let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 8).await;
     eprintln!("agent killed after seq {killed_at:?}; converged {took:?} after the last frame");
-    assert!(agent.state().hub.status()[0].replays >= 1, "bootstrap replay ran");
+    assert!(
+        agent.state().hub.status()[0].replays >= 1,
+        "bootstrap replay ran"
+    );
 
     publisher.abort();
     agent.kill();
@@ -345,10 +354,14 @@ async fn killing_the_controller_mid_stream_converges_to_the_ground_truth() {
     let agent = start_agent(grpc, &plan);
     let (publisher, last_frame) = start_publisher(pub_port, replay_port, KEEP_STATE);
 
-    wait_until("the index to hold seq 3's state", Duration::from_secs(15), || {
-        last_seq(&agent).is_some_and(|s| s >= 3)
-            && index_entries(&controller.shared).is_some_and(|e| !e.is_empty())
-    })
+    wait_until(
+        "the index to hold seq 3's state",
+        Duration::from_secs(15),
+        || {
+            last_seq(&agent).is_some_and(|s| s >= 3)
+                && index_entries(&controller.shared).is_some_and(|e| !e.is_empty())
+        },
+    )
     .await;
     controller.stop().await;
     // A fresh controller on the same address starts empty; the agent reconnects and resyncs.
@@ -388,7 +401,10 @@ async fn killing_the_engine_publisher_mid_stream_converges_to_the_new_incarnatio
     let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 2).await;
     eprintln!("publisher restarted mid-stream; converged {took:?} after the last frame");
     let status = &agent.state().hub.status()[0];
-    assert!(status.resyncs >= 1, "the restart cleared the replica: {status:?}");
+    assert!(
+        status.resyncs >= 1,
+        "the restart cleared the replica: {status:?}"
+    );
 
     publisher.abort();
     agent.kill();

@@ -381,9 +381,20 @@ async fn an_agent_feeds_every_controller_replica_the_same_index() {
     .await;
     let delta_seq = hub.status()[0].delta_seq;
     for c in [&a, &b] {
-        wait_for("both replicas to apply every delta", Duration::from_secs(10), || async {
-            c.shared.index.read().snapshot().replicas.first().map(|r| r.seq) == Some(delta_seq)
-        })
+        wait_for(
+            "both replicas to apply every delta",
+            Duration::from_secs(10),
+            || async {
+                c.shared
+                    .index
+                    .read()
+                    .snapshot()
+                    .replicas
+                    .first()
+                    .map(|r| r.seq)
+                    == Some(delta_seq)
+            },
+        )
         .await;
     }
     let sa = a.shared.index.read().snapshot();

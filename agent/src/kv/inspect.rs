@@ -449,7 +449,14 @@ mod tests {
         assert_eq!(j["skipped"][0]["reason"], "bad_event");
         assert_eq!(message_json(&msgs[3])["endMarker"], true);
         let err = parse_input(b"6b76 zz 00").unwrap_err();
-        assert!(matches!(err, InputError::BadHex { line: 1, frame: 2, .. }));
+        assert!(matches!(
+            err,
+            InputError::BadHex {
+                line: 1,
+                frame: 2,
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -101,9 +101,22 @@ pub enum TailError {
 
 /// Something worth printing besides a batch.
 enum Notice {
-    Gap { from: u64, to: u64, got: u64 },
-    Restart { last: u64, got: u64 },
-    Replay { from: u64, upto: u64, got: usize, complete: bool, error: Option<String> },
+    Gap {
+        from: u64,
+        to: u64,
+        got: u64,
+    },
+    Restart {
+        last: u64,
+        got: u64,
+    },
+    Replay {
+        from: u64,
+        upto: u64,
+        got: usize,
+        complete: bool,
+        error: Option<String>,
+    },
 }
 
 struct Printer<'w, W: Write> {
@@ -272,12 +285,13 @@ pub async fn tail<W: Write, S: Write>(
         let mut sock = SubSocket::with_options(zopts);
         let message = match sock.subscribe(&opts.topic).await {
             Err(e) => e.to_string(),
-            Ok(()) => match tokio::time::timeout(opts.timeout, sock.connect(&opts.endpoint)).await
-            {
-                Ok(Ok(())) => break sock,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "timed out".to_string(),
-            },
+            Ok(()) => {
+                match tokio::time::timeout(opts.timeout, sock.connect(&opts.endpoint)).await {
+                    Ok(Ok(())) => break sock,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "timed out".to_string(),
+                }
+            }
         };
         if started.elapsed() >= opts.timeout {
             return Err(TailError::Connect {
@@ -298,7 +312,9 @@ pub async fn tail<W: Write, S: Write>(
     let mut summary = TailSummary::default();
     let mut last: Option<u64> = None;
     if let (Some(from), Some(ep)) = (opts.from_seq, opts.replay.as_deref()) {
-        last = replay(&mut p, ep, from, u64::MAX, &ropts, &mut summary).await?.or(last);
+        last = replay(&mut p, ep, from, u64::MAX, &ropts, &mut summary)
+            .await?
+            .or(last);
     }
     while opts.count.is_none_or(|c| summary.live < c) {
         let msg = sock

@@ -175,7 +175,12 @@ pub async fn run(
     let mut streams: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
         let mut urls = Vec::new();
-        for one in cfg.controller.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        for one in cfg
+            .controller
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+        {
             urls.extend(resolve(one).await);
         }
         urls.sort();
@@ -396,10 +401,7 @@ async fn session(
     if let Some(m) = checks(state) {
         send(m).await?;
     }
-    let mut inbound = client
-        .connect(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+    let mut inbound = client.connect(ReceiverStream::new(rx)).await?.into_inner();
     {
         let mut link = state.link.write();
         let ep = link.endpoints.entry(url.to_string()).or_default();
@@ -470,7 +472,10 @@ fn apply_controller_plan(state: &AgentState, update: &proto::NodePlanUpdate) {
             }
             state.hub.apply_plan(&plan);
             *state.plan.write() = plan;
-            info!(generation = update.generation, "applied node plan from controller");
+            info!(
+                generation = update.generation,
+                "applied node plan from controller"
+            );
         }
         Err(e) => warn!(error = %e, generation = update.generation, "ignoring malformed node plan"),
     }

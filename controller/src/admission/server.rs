@@ -173,7 +173,11 @@ pub async fn start(
             ca_pem,
         } => {
             let sc = tls::server_config_from_pem(cert_pem.as_bytes(), key_pem.as_bytes())?;
-            (RustlsConfig::from_config(Arc::new(sc)), ca_pem.clone(), None)
+            (
+                RustlsConfig::from_config(Arc::new(sc)),
+                ca_pem.clone(),
+                None,
+            )
         }
     };
     let listener = std::net::TcpListener::bind(cfg.addr).map_err(|source| ServerError::Bind {

@@ -92,10 +92,12 @@ fn strict_handle<'de, D>(d: D) -> Result<Option<VolumeHandleNamespace>, D::Error
 where
     D: serde::Deserializer<'de>,
 {
-    Ok(Option::<StrictHandle>::deserialize(d)?.map(|h| VolumeHandleNamespace {
-        separator: h.separator,
-        segment: h.segment,
-    }))
+    Ok(
+        Option::<StrictHandle>::deserialize(d)?.map(|h| VolumeHandleNamespace {
+            separator: h.separator,
+            segment: h.segment,
+        }),
+    )
 }
 
 #[derive(Debug, Deserialize)]

@@ -165,7 +165,9 @@ impl Holders {
     }
 
     fn spill(class: usize, len: usize, chunk: u32) -> Self {
-        Holders(SPILL | ((class as u64) << 58) | (((len as u64) & 0x3FF_FFFF) << 32) | u64::from(chunk))
+        Holders(
+            SPILL | ((class as u64) << 58) | (((len as u64) & 0x3FF_FFFF) << 32) | u64::from(chunk),
+        )
     }
 
     /// `(class, len, chunk)` of a spilled list.
@@ -179,7 +181,11 @@ impl Holders {
 
     /// The holders, sorted by slot. `buf` backs the inline case.
     #[inline]
-    pub(super) fn holders<'a>(&self, arena: &'a HolderArena, buf: &'a mut [Holder; 1]) -> &'a [Holder] {
+    pub(super) fn holders<'a>(
+        &self,
+        arena: &'a HolderArena,
+        buf: &'a mut [Holder; 1],
+    ) -> &'a [Holder] {
         match self.spilled() {
             None => {
                 buf[0] = self.0;
@@ -213,7 +219,13 @@ impl Holders {
     }
 
     /// Makes `slot` a holder at tier `t2` (position `pos` when newly added), or updates its tier.
-    pub(super) fn set(&mut self, arena: &mut HolderArena, slot: u32, t2: bool, pos: u32) -> SetOutcome {
+    pub(super) fn set(
+        &mut self,
+        arena: &mut HolderArena,
+        slot: u32,
+        t2: bool,
+        pos: u32,
+    ) -> SetOutcome {
         let Some((class, len, i)) = self.spilled() else {
             let cur = self.0;
             if slot_of(cur) == slot {
@@ -288,7 +300,11 @@ impl Holders {
     /// Removes `slot` as a holder. Returns its holder (if it held the block) and the remaining
     /// list (`None` when no holder is left; a spilled list goes back inline at one holder and
     /// moves to a smaller class when a quarter full).
-    pub(super) fn remove(self, arena: &mut HolderArena, slot: u32) -> (Option<Holder>, Option<Holders>) {
+    pub(super) fn remove(
+        self,
+        arena: &mut HolderArena,
+        slot: u32,
+    ) -> (Option<Holder>, Option<Holders>) {
         let Some((class, len, i)) = self.spilled() else {
             return if slot_of(self.0) == slot {
                 (Some(self.0), None)
@@ -344,7 +360,11 @@ mod tests {
             assert_eq!(h.set(&mut arena, s, s % 2 == 0, s), SetOutcome::Added);
         }
         let mut buf = [0; 1];
-        let got: Vec<u32> = h.holders(&arena, &mut buf).iter().map(|x| slot_of(*x)).collect();
+        let got: Vec<u32> = h
+            .holders(&arena, &mut buf)
+            .iter()
+            .map(|x| slot_of(*x))
+            .collect();
         assert_eq!(got, (0..1000).collect::<Vec<_>>());
         assert_eq!(h.find(&arena, 999).map(pos_of), Some(999));
         for s in 0..999u32 {
@@ -372,10 +392,18 @@ mod tests {
         assert_eq!(slots(h, &arena), vec![(3, true, 30), (7, true, 70)]);
         assert_eq!(h.set(&mut arena, 3, false, 0), SetOutcome::TierChanged);
         assert_eq!(h.set(&mut arena, 5, false, 50), SetOutcome::Added);
-        assert_eq!(h.set(&mut arena, MAX_SLOT, true, u32::MAX), SetOutcome::Added);
+        assert_eq!(
+            h.set(&mut arena, MAX_SLOT, true, u32::MAX),
+            SetOutcome::Added
+        );
         assert_eq!(
             slots(h, &arena),
-            vec![(3, false, 30), (5, false, 50), (7, true, 70), (MAX_SLOT, true, u32::MAX)]
+            vec![
+                (3, false, 30),
+                (5, false, 50),
+                (7, true, 70),
+                (MAX_SLOT, true, u32::MAX)
+            ]
         );
         assert_eq!(h.find(&arena, 5), Some(holder(5, false, 50)));
         assert_eq!(h.find(&arena, 6), None);

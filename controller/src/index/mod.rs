@@ -189,7 +189,7 @@ pub struct PrefixIndex {
     partitions: Vec<PartitionState>,
     replicas: Vec<Option<Replica>>,
     free_slots: Vec<ReplicaSlot>,
-    slot_by_stream: HashMap<String, ReplicaSlot>,
+    slot_by_stream: HashMap<String, ReplicaSlot, table::StrBuild>,
     arena: HolderArena,
     seed: u64,
     entries: usize,
@@ -212,10 +212,9 @@ impl PrefixIndex {
             partitions: Vec::new(),
             replicas: Vec::new(),
             free_slots: Vec::new(),
-            slot_by_stream: HashMap::new(),
+            slot_by_stream: HashMap::default(),
             arena: HolderArena::default(),
-            seed: std::collections::hash_map::RandomState::new()
-                .hash_one(0x6963_2d6b_762d_7631u64),
+            seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
             warmth: 0,
@@ -274,7 +273,9 @@ impl PrefixIndex {
     }
 
     fn replica_mut(&mut self, slot: ReplicaSlot) -> Option<&mut Replica> {
-        self.replicas.get_mut(slot as usize).and_then(Option::as_mut)
+        self.replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
     }
 
     fn live_replicas(&self) -> impl Iterator<Item = (ReplicaSlot, &Replica)> {
@@ -504,7 +505,11 @@ impl PrefixIndex {
 
     /// Records that `slot` holds `keys` (in its part `part`) at `tier`. Idempotent.
     fn store(&mut self, slot: ReplicaSlot, part: usize, keys: &[u64], tier: Tier) {
-        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
+        let Some(replica) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        else {
             return;
         };
         let Some(rp) = replica.parts.get_mut(part) else {
@@ -521,12 +526,12 @@ impl PrefixIndex {
         let (mut added, mut t2_up, mut t2_down) = (0usize, 0usize, 0usize);
         for &key in keys {
             let pos = rp.keys.len() as u32;
-            let outcome = match ps.blocks.get_mut(key) {
+            let outcome = match ps
+                .blocks
+                .get_mut_or_insert(key, || Holders::one(holder(slot, t2, pos)))
+            {
                 Some(h) => h.set(arena, slot, t2, pos),
-                None => {
-                    ps.blocks.insert_new(key, Holders::one(holder(slot, t2, pos)));
-                    SetOutcome::Added
-                }
+                None => SetOutcome::Added,
             };
             match outcome {
                 SetOutcome::Added => {
@@ -546,7 +551,11 @@ impl PrefixIndex {
 
     /// Drops `slot`'s copies of `keys` (in its part `part`); unknown keys are ignored.
     fn remove(&mut self, slot: ReplicaSlot, part: usize, keys: &[u64]) {
-        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
+        let Some(replica) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        else {
             return;
         };
         let Some(rp) = replica.parts.get_mut(part) else {
@@ -597,7 +606,11 @@ impl PrefixIndex {
     }
 
     fn clear_replica(&mut self, slot: ReplicaSlot) {
-        let Some(replica) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) else {
+        let Some(replica) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        else {
             return;
         };
         replica.t2_blocks = 0;

@@ -56,6 +56,7 @@ impl BlockTable {
     }
 
     /// Slots allocated.
+    #[cfg(test)]
     pub(super) fn capacity(&self) -> usize {
         self.slots.len()
     }
@@ -121,7 +122,52 @@ impl BlockTable {
             .fold(0, |a, k| a ^ k)
     }
 
+    /// The holders of `key` for update, or — when absent — inserts `make()` and returns `None`.
+    /// One probe either way (the hot path of a store).
+    #[inline]
+    pub(super) fn get_mut_or_insert(
+        &mut self,
+        key: u64,
+        make: impl FnOnce() -> Holders,
+    ) -> Option<&mut Holders> {
+        if key == EMPTY {
+            if self.zero.is_none() {
+                self.zero = Some(make());
+                return None;
+            }
+            return self.zero.as_mut();
+        }
+        if (self.len + 1) * 10 > self.slots.len() * 7 {
+            self.resize((self.slots.len() * 2).max(16));
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.ideal(key, mask);
+        loop {
+            let found = match self.slots.get(i) {
+                Some(s) if s.key == key => true,
+                Some(s) if s.key == EMPTY => false,
+                Some(_) => {
+                    i = (i + 1) & mask;
+                    continue;
+                }
+                None => return None,
+            };
+            if found {
+                return self.slots.get_mut(i).map(|s| &mut s.holders);
+            }
+            if let Some(s) = self.slots.get_mut(i) {
+                *s = Slot {
+                    key,
+                    holders: make(),
+                };
+                self.len += 1;
+            }
+            return None;
+        }
+    }
+
     /// Inserts `key` (which must be absent) with `holders`.
+    #[cfg(test)]
     pub(super) fn insert_new(&mut self, key: u64, holders: Holders) {
         if key == EMPTY {
             self.zero = Some(holders);
@@ -210,6 +256,49 @@ impl BlockTable {
     }
 }
 
+/// A fast hasher for short strings (stream ids looked up once per delta): 8 bytes per fold.
+/// Stream ids come from authenticated agents and the map holds one entry per stream, so the
+/// seed-free hash is no collision risk worth SipHash's cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StrBuild;
+
+/// The hasher [`StrBuild`] makes.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StrHasher(u64);
+
+impl std::hash::Hasher for StrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            self.0 = fold(self.0 ^ u64::from_le_bytes(b), MUL);
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            self.0 = fold(self.0 ^ u64::from_le_bytes(b), MUL);
+        }
+    }
+
+    fn write_u8(&mut self, i: u8) {
+        self.0 = fold(self.0 ^ u64::from(i), MUL);
+    }
+}
+
+impl std::hash::BuildHasher for StrBuild {
+    type Hasher = StrHasher;
+
+    fn build_hasher(&self) -> StrHasher {
+        StrHasher(0x6963_2d6b_762d_7631)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -229,7 +318,18 @@ mod tests {
             // Small key space (collisions, key 0) with clustered values.
             let key = x % 5000;
             let h = Holders::one(holder((step % 1000) as u32, false, 0));
-            if x % 3 == 0 {
+            if x % 7 == 1 {
+                // The one-probe upsert.
+                let existed = model.contains_key(&key);
+                match t.get_mut_or_insert(key, || h) {
+                    Some(cur) => {
+                        assert!(existed);
+                        *cur = h;
+                    }
+                    None => assert!(!existed),
+                }
+                model.insert(key, h);
+            } else if x.is_multiple_of(3) {
                 assert_eq!(t.remove(key), model.remove(&key), "remove {key}");
             } else if let Some(cur) = t.get_mut(key) {
                 *cur = h;

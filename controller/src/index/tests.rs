@@ -394,7 +394,9 @@ fn duplicate_stores_are_idempotent_and_unknown_removes_ignored() {
     assert_eq!(ix.entry_count(), 2);
     let entries = ix.stream_entries("default/a#0").unwrap();
     assert_eq!(entries.len(), 2);
-    assert!(entries.iter().all(|e| e.tier == Tier::T1 && e.block_size == 4));
+    assert!(entries
+        .iter()
+        .all(|e| e.tier == Tier::T1 && e.block_size == 4));
     assert_eq!(ix.stream_entries("default/zz#0"), None);
 }
 
@@ -405,8 +407,11 @@ fn replicas_with_several_block_sizes_match_at_each_and_the_deepest_wins() {
     let t = tokens(0..64);
     let k4 = chain(&t, 4);
     let k16 = chain(&t, 16);
-    ix.apply_delta("n1", &delta("v", 1, vec![store(&k4[..3], proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("v", 1, vec![store(&k4[..3], proto::Tier::T1, "")]),
+    )
+    .unwrap();
     let s16 = proto::KvOp {
         op: Some(Op::Store(proto::StoreOp {
             adapter: String::new(),
@@ -442,13 +447,19 @@ fn short_requests_and_expired_deadlines_answer_no_hint_with_their_reason() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a")]);
     let keys = chain(&tokens(0..64), 4);
-    ix.apply_delta("n1", &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]))
-        .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
     // The request itself is shorter than the minimum: the index is not consulted.
     let mut q = query(&tokens(0..16));
     q.minimum_prefix_tokens = 32;
     let r = ix.lookup(&q);
-    assert_eq!((r.prefix_match, r.reason.as_str()), (false, "BelowMinimumPrefixTokens"));
+    assert_eq!(
+        (r.prefix_match, r.reason.as_str()),
+        (false, "BelowMinimumPrefixTokens")
+    );
     // Content keys count at the given block size.
     let q = LookupQuery {
         content_keys: keys[..4].to_vec(),
@@ -464,7 +475,10 @@ fn short_requests_and_expired_deadlines_answer_no_hint_with_their_reason() {
     assert_eq!((r.prefix_match, r.reason.as_str()), (false, LOOKUP_TIMEOUT));
     assert!(r.replicas.is_empty());
     // Shorter than one block.
-    assert_eq!(ix.lookup(&query(&tokens(0..3))).reason, "RequestShorterThanOneBlock");
+    assert_eq!(
+        ix.lookup(&query(&tokens(0..3))).reason,
+        "RequestShorterThanOneBlock"
+    );
 }
 
 #[test]
@@ -478,7 +492,11 @@ fn snapshot_shows_tier_counts_last_event_and_t2_counters() {
             adapter: String::new(),
             block_size: 4,
             content_key: *k,
-            tier: if i == 2 { proto::Tier::T2 } else { proto::Tier::T1 } as i32,
+            tier: if i == 2 {
+                proto::Tier::T2
+            } else {
+                proto::Tier::T1
+            } as i32,
         })
         .collect();
     let mut snap = snapshot_with("a", entries);
@@ -494,7 +512,10 @@ fn snapshot_shows_tier_counts_last_event_and_t2_counters() {
     assert_eq!(json["lastEventAt"], "2026-05-28T20:26:40.123Z");
     ix.set_t2_counters("default/a#0", 5, 9);
     let json = serde_json::to_value(&ix.snapshot().replicas[0]).unwrap();
-    assert_eq!((json["t2Hits"].as_u64(), json["t2Queries"].as_u64()), (Some(5), Some(9)));
+    assert_eq!(
+        (json["t2Hits"].as_u64(), json["t2Queries"].as_u64()),
+        (Some(5), Some(9))
+    );
     assert!(ix.approx_heap_bytes() > 0);
 }
 
@@ -592,11 +613,7 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
         total += want.len();
         blocks.extend(want.iter().map(|(k, _)| *k));
         let snap = ix.snapshot();
-        let r = snap
-            .replicas
-            .iter()
-            .find(|r| r.replica == *p)
-            .unwrap();
+        let r = snap.replicas.iter().find(|r| r.replica == *p).unwrap();
         assert_eq!(r.prefix_count, want.len());
         assert_eq!(
             r.t2_blocks,
