@@ -686,9 +686,15 @@ def test_namespace_only_when_asked(default: Rendered) -> None:
 # ----------------------------------------------------------------------------- monitoring
 
 
+def dashboard_configmaps(r: Rendered) -> list[dict[str, Any]]:
+    """ConfigMaps carrying the Grafana sidecar label (the catalog ConfigMap is not one)."""
+    return [c for c in r.of_kind("ConfigMap") if "grafana_dashboard" in c["metadata"].get("labels", {})]
+
+
 def test_monitoring_off_by_default(default: Rendered) -> None:
-    for kind in ("ServiceMonitor", "PodMonitor", "ConfigMap"):
+    for kind in ("ServiceMonitor", "PodMonitor"):
         assert default.of_kind(kind) == []
+    assert dashboard_configmaps(default) == []
 
 
 def test_monitoring_on() -> None:
@@ -708,7 +714,7 @@ def test_monitoring_on() -> None:
     ep = pm["spec"]["podMetricsEndpoints"][0]
     assert ep["port"] in {p["name"] for p in the_container(ds)["ports"]}
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node", "action": "replace"} in ep["relabelings"]
-    dashboards = r.of_kind("ConfigMap")
+    dashboards = dashboard_configmaps(r)
     assert sorted(cm["metadata"]["name"] for cm in dashboards) == [
         "inference-cache-dashboard-cache-index",
         "inference-cache-dashboard-node-health",

@@ -250,7 +250,7 @@ def test_namespaced_objects_are_in_the_release_namespace(variant: Rendered) -> N
 
 
 def test_crds_are_shipped_as_generated() -> None:
-    """crds/ holds exactly the five generated CRDs (ic-controller crds), untemplated."""
+    """crds/ holds exactly the generated CRDs (ic-controller crds), untemplated."""
     names = sorted(o["metadata"]["name"] for o in crd_objects())
     assert names == [
         "cachebackends.inferencecache.io",
@@ -258,6 +258,8 @@ def test_crds_are_shipped_as_generated() -> None:
         "cachenodes.inferencecache.io",
         "cachepolicies.inferencecache.io",
         "cachetenants.inferencecache.io",
+        "modelcachebindings.inferencecache.io",
+        "modelcaches.inferencecache.io",
     ]
     for path in (CHART_DIR / "crds").glob("*.yaml"):
         text = path.read_text()
