@@ -193,13 +193,15 @@ impl CommonArgs {
         }
     }
 
-    fn checks_config(&self) -> ChecksConfig {
-        ChecksConfig {
+    /// Check settings: the IC_* tuning variables (XID policy, CUDA, MP-worker timeouts; see
+    /// docs/checks.md) overlaid with these flags.
+    fn checks_config(&self) -> anyhow::Result<ChecksConfig> {
+        Ok(ChecksConfig {
             proc_root: self.proc_root.clone(),
             shm_path: self.shm_path.clone(),
             nvml_library: self.nvml_library.clone(),
-            ..ChecksConfig::default()
-        }
+            ..ChecksConfig::from_env()?
+        })
     }
 }
 
@@ -217,7 +219,14 @@ fn main() -> anyhow::Result<()> {
                 }
             };
             let node = a.common.node();
-            let results = Checks::new(&a.common.checks_config()).run_all(&plan);
+            let cfg = match a.common.checks_config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("ic-agent check: {e:#}");
+                    std::process::exit(3);
+                }
+            };
+            let results = Checks::new(&cfg).run_all(&plan);
             if a.json {
                 println!(
                     "{}",
@@ -364,7 +373,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             check_interval: Duration::from_secs(a.check_interval_seconds.max(1)),
         },
         state,
-        Checks::new(&a.common.checks_config()),
+        Checks::new(&a.common.checks_config()?),
     )
     .await?;
     telemetry::shutdown_signal().await;
