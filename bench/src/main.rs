@@ -265,8 +265,14 @@ fn ours_score_pass(ix: &PrefixIndex, queries: &[LookupQuery]) -> (Vec<u64>, Vec<
         let s = ix.score(q);
         ns.push(t.elapsed().as_nanos() as u64);
         depths.push(
-            s.map(|s| s.replicas.iter().map(|r| r.matched_blocks).max().unwrap_or(0))
-                .unwrap_or(0),
+            s.map(|s| {
+                s.replicas
+                    .iter()
+                    .map(|r| r.matched_blocks)
+                    .max()
+                    .unwrap_or(0)
+            })
+            .unwrap_or(0),
         );
     }
     ns.sort_unstable();
@@ -314,8 +320,9 @@ fn dynamo_events(w: &Workload, seq: &HashMap<u64, u64>) -> Vec<RouterEvent> {
                 } => (
                     *worker,
                     KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: parent
-                            .map(|p| ExternalSequenceBlockHash(seq.get(&p.id).copied().unwrap_or(0))),
+                        parent_hash: parent.map(|p| {
+                            ExternalSequenceBlockHash(seq.get(&p.id).copied().unwrap_or(0))
+                        }),
                         start_position: Some(*position as u32),
                         blocks: blocks
                             .iter()
@@ -357,7 +364,12 @@ fn dynamo_events(w: &Workload, seq: &HashMap<u64, u64>) -> Vec<RouterEvent> {
 fn dynamo_seqs(w: &Workload, picks: &[usize]) -> Vec<Vec<LocalBlockHash>> {
     picks
         .iter()
-        .map(|i| w.requests[*i].iter().map(|b| LocalBlockHash(b.id)).collect())
+        .map(|i| {
+            w.requests[*i]
+                .iter()
+                .map(|b| LocalBlockHash(b.id))
+                .collect()
+        })
         .collect()
 }
 

@@ -39,7 +39,10 @@ fuzz_target!(|data: &[u8]| {
     // 2. Skipped events carry their wire position; positions are distinct and in order.
     let mut last = None;
     for s in &batch.skipped {
-        assert!(last.is_none_or(|l| s.index > l), "skipped positions in order");
+        assert!(
+            last.is_none_or(|l| s.index > l),
+            "skipped positions in order"
+        );
         last = Some(s.index);
         assert!(!s.error.reason().is_empty());
     }
