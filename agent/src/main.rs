@@ -323,12 +323,23 @@ fn main() -> anyhow::Result<()> {
                 .iter()
                 .map(ic_agent::kv::inspect::message_json)
                 .collect();
+            let mut text = String::new();
             if a.lines {
                 for d in &docs {
-                    println!("{d}");
+                    text.push_str(&d.to_string());
+                    text.push('\n');
                 }
             } else {
-                println!("{}", serde_json::to_string_pretty(&docs)?);
+                text = serde_json::to_string_pretty(&docs)?;
+                text.push('\n');
+            }
+            // A closed pipe (`| head`) ends the output quietly.
+            if let Err(e) =
+                std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes())
+            {
+                if e.kind() != std::io::ErrorKind::BrokenPipe {
+                    return Err(e.into());
+                }
             }
             let undecodable = docs.iter().filter(|d| d.get("error").is_some()).count();
             if undecodable > 0 {

@@ -310,6 +310,8 @@ mod tests {
         assert_eq!(r.stages.t2.status, StageStatus::Skipped);
         assert_eq!(shared.index.read().replica_count(), 0);
         assert_eq!(shared.index.read().entry_count(), 0);
+        // The probe's block size is not left registered.
+        assert!(shared.index.read().block_sizes().is_empty());
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["stages"]["ingest"]["status"], "ok");
         assert!(json["durationMs"].is_number());

@@ -369,6 +369,17 @@ impl PodMutator for BadPatch {
     }
 }
 
+struct NotAPatch;
+impl PodMutator for NotAPatch {
+    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[CacheBackend]) -> PodDecision {
+        PodDecision {
+            reason: "wired".into(),
+            patch: vec![json!({"op": "frobnicate", "path": "/x"})],
+            warnings: vec![],
+        }
+    }
+}
+
 struct Labels;
 impl PodMutator for Labels {
     fn mutate(&self, _: &AdmissionRequest, _: &Value, backends: &[CacheBackend]) -> PodDecision {
@@ -386,7 +397,11 @@ impl PodMutator for Labels {
 #[test]
 fn pod_webhook_never_blocks_a_pod() {
     let body = review("uid-p", "CREATE", "Pod", pod(), None);
-    for pods in [Arc::new(Panics) as Arc<dyn PodMutator>, Arc::new(BadPatch)] {
+    for pods in [
+        Arc::new(Panics) as Arc<dyn PodMutator>,
+        Arc::new(BadPatch),
+        Arc::new(NotAPatch),
+    ] {
         let a = admission(pods);
         let out = a.handle_bytes(Route::MutatePod, &body);
         let v: Value = serde_json::from_slice(&out.body).unwrap();

@@ -193,7 +193,8 @@ impl<W: Write> Printer<'_, W> {
                     got,
                     complete,
                     error,
-                } => json!({"notice": "replay", "from": from, "upto": upto, "batches": got,
+                } => json!({"notice": "replay", "from": from,
+                            "upto": (*upto != u64::MAX).then_some(*upto), "batches": got,
                             "complete": complete, "error": error}),
             };
             return self.line(&v);
@@ -214,6 +215,10 @@ impl<W: Write> Printer<'_, W> {
                 error,
             } => match error {
                 Some(e) => writeln!(self.out, "REPLAY from {from} failed: {e}"),
+                None if *upto == u64::MAX => writeln!(
+                    self.out,
+                    "REPLAY from {from}: {got} batches (everything the engine still buffers)"
+                ),
                 None => writeln!(
                     self.out,
                     "REPLAY {from}..{upto}: {got} batches, {}",

@@ -104,8 +104,8 @@ impl BackendSource for StaticBackends {
 pub struct PodDecision {
     /// Operator-facing reason (`wired to ns/name`, or why the pod was left unwired).
     pub reason: String,
-    /// JSON Patch against the request's pod (empty: no change).
-    pub patch: Vec<json_patch::PatchOperation>,
+    /// RFC 6902 operations (as JSON) against the request's pod (empty: no change).
+    pub patch: Vec<Value>,
     /// Warnings for the client.
     pub warnings: Vec<String>,
 }
@@ -120,6 +120,13 @@ pub trait PodMutator: Send + Sync {
         pod: &Value,
         backends: &[CacheBackend],
     ) -> PodDecision;
+
+    /// True when the mutator guarantees that its patch applies to the request object; the
+    /// handler then skips its own check (decode the operations, apply them to a copy). Default
+    /// false.
+    fn patch_is_checked(&self) -> bool {
+        false
+    }
 }
 
 /// The built-in Pod wiring: [`pod::mutate_pod`] under a [`pod::PodWebhookConfig`].
@@ -145,20 +152,17 @@ impl PodMutator for PodWebhook {
     ) -> PodDecision {
         let namespace = validation::namespace_of(request.namespace.as_deref(), pod);
         let outcome = pod::mutate_pod(pod, namespace, backends, &self.config);
-        match outcome.patch_operations() {
-            Ok(patch) => PodDecision {
-                reason: outcome.reason,
-                patch,
-                warnings: outcome.warnings,
-            },
-            Err(e) => PodDecision {
-                reason: format!(
-                    "internal error: the wiring patch is not a JSON Patch ({e}); pod admitted unwired"
-                ),
-                patch: Vec::new(),
-                warnings: outcome.warnings,
-            },
+        PodDecision {
+            reason: outcome.reason,
+            patch: outcome.patch.unwrap_or_default(),
+            warnings: outcome.warnings,
         }
+    }
+
+    /// [`pod::mutate_pod`] checks that its patch applies to the request object and reproduces
+    /// the mutated pod before returning it.
+    fn patch_is_checked(&self) -> bool {
+        true
     }
 }
 
@@ -369,12 +373,11 @@ impl Admission {
         let namespace = validation::namespace_of(req.namespace.as_deref(), pod);
         let backends = self.backends.list(namespace);
         let decision = self.pods.mutate(req, pod, &backends);
-        if !decision.patch.is_empty() {
-            let mut probe = pod.clone();
-            if let Err(e) = json_patch::patch(&mut probe, &decision.patch) {
+        if !decision.patch.is_empty() && !self.pods.patch_is_checked() {
+            if let Err(e) = check_patch(pod, &decision.patch) {
                 return AdmissionResponse::allow_with_message(
                     &req.uid,
-                    format!("internal error: the wiring patch does not apply ({e}); pod admitted unwired"),
+                    format!("internal error: the wiring patch {e}; pod admitted unwired"),
                 );
             }
         }
@@ -390,6 +393,17 @@ impl Admission {
             ),
         }
     }
+}
+
+/// Whether `ops` is a JSON Patch that applies to `pod`.
+fn check_patch(pod: &Value, ops: &[Value]) -> Result<(), String> {
+    let ops: Vec<json_patch::PatchOperation> = ops
+        .iter()
+        .map(|op| serde_json::from_value(op.clone()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("is not a JSON Patch ({e})"))?;
+    let mut probe = pod.clone();
+    json_patch::patch(&mut probe, &ops).map_err(|e| format!("does not apply ({e})"))
 }
 
 fn is_subresource(req: &AdmissionRequest) -> bool {

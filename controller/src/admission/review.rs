@@ -318,12 +318,10 @@ impl AdmissionResponse {
         )
     }
 
-    /// Attaches a JSON Patch. An empty operation list means "no patch" (no `patch`, no
-    /// `patchType`). Fails only if the operations cannot be serialized.
-    pub fn with_patch(
-        mut self,
-        ops: &[json_patch::PatchOperation],
-    ) -> Result<Self, serde_json::Error> {
+    /// Attaches a JSON Patch given as its operations (`json_patch::PatchOperation` or JSON
+    /// values). An empty operation list means "no patch" (no `patch`, no `patchType`). Fails only
+    /// if the operations cannot be serialized.
+    pub fn with_patch<T: Serialize>(mut self, ops: &[T]) -> Result<Self, serde_json::Error> {
         self.patch = if ops.is_empty() {
             None
         } else {
@@ -352,22 +350,40 @@ impl AdmissionResponse {
     }
 }
 
-/// The exact wire shape of a response.
-#[derive(Serialize, Deserialize)]
+/// The exact wire shape of a response (decoding).
+#[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct WireResponse {
     uid: String,
     allowed: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     status: Option<Status>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     patch: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     patch_type: Option<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     warnings: Vec<String>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default)]
     audit_annotations: BTreeMap<String, String>,
+}
+
+/// The wire shape, borrowed, for serializing without copies.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct WireResponseRef<'a> {
+    uid: &'a str,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a Status>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    warnings: &'a [String],
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    audit_annotations: &'a BTreeMap<String, String>,
 }
 
 impl Serialize for AdmissionResponse {
@@ -376,15 +392,15 @@ impl Serialize for AdmissionResponse {
             .patch
             .as_ref()
             .map(|p| base64::engine::general_purpose::STANDARD.encode(p));
-        let patch_type = patch.as_ref().map(|_| PATCH_TYPE_JSON_PATCH.to_string());
-        WireResponse {
-            uid: self.uid.clone(),
+        let patch_type = patch.as_ref().map(|_| PATCH_TYPE_JSON_PATCH);
+        WireResponseRef {
+            uid: &self.uid,
             allowed: self.allowed,
-            status: self.status.clone(),
+            status: self.status.as_ref(),
             patch,
             patch_type,
-            warnings: self.warnings.clone(),
-            audit_annotations: self.audit_annotations.clone(),
+            warnings: &self.warnings,
+            audit_annotations: &self.audit_annotations,
         }
         .serialize(serializer)
     }
@@ -393,6 +409,17 @@ impl Serialize for AdmissionResponse {
 impl<'de> Deserialize<'de> for AdmissionResponse {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let wire = WireResponse::deserialize(deserializer)?;
+        match (&wire.patch, wire.patch_type.as_deref()) {
+            (Some(_), Some(PATCH_TYPE_JSON_PATCH)) | (None, None) => {}
+            (None, Some(_)) => {
+                return Err(serde::de::Error::custom("patchType without patch"));
+            }
+            (Some(_), other) => {
+                return Err(serde::de::Error::custom(format!(
+                    "patch with patchType {other:?}, not \"JSONPatch\""
+                )));
+            }
+        }
         let patch = match wire.patch {
             Some(b64) => Some(
                 base64::engine::general_purpose::STANDARD
@@ -459,7 +486,9 @@ mod tests {
     fn no_patch_type_without_patch_and_empty_patch_is_no_patch() {
         for r in [
             AdmissionResponse::allow("u"),
-            AdmissionResponse::allow("u").with_patch(&[]).unwrap(),
+            AdmissionResponse::allow("u")
+                .with_patch::<Value>(&[])
+                .unwrap(),
         ] {
             let text = serde_json::to_string(&r).unwrap();
             assert_eq!(text, r#"{"uid":"u","allowed":true}"#);
@@ -497,6 +526,18 @@ mod tests {
         let back: AdmissionResponse =
             serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back.patch_operations().unwrap(), vec![add_op()]);
+    }
+
+    #[test]
+    fn decoding_refuses_patch_type_without_patch() {
+        assert!(serde_json::from_str::<AdmissionResponse>(
+            r#"{"uid":"u","allowed":true,"patchType":"JSONPatch"}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<AdmissionResponse>(
+            r#"{"uid":"u","allowed":true,"patch":"W10="}"#
+        )
+        .is_err());
     }
 
     #[test]

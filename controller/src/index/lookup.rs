@@ -23,7 +23,7 @@ pub const LOOKUP_TIMEOUT: &str = "LookupTimeout";
 
 /// Chain levels whose slots are loaded together (their cache misses overlap) before they are
 /// intersected; also the deadline check interval.
-const CHUNK: usize = 16;
+const CHUNK: usize = 32;
 
 /// What the router asks.
 ///
@@ -208,6 +208,11 @@ impl PrefixIndex {
         };
         let mut best_depth = 0u32;
         for (pid, p) in self.partitions.iter().enumerate() {
+            // A partition nobody holds blocks in any more (streams gone, probe streams) is not a
+            // registered block size.
+            if p.blocks.is_empty() {
+                continue;
+            }
             let k = &p.key;
             let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
                 && (q.model.is_empty() || k.model == q.model)
@@ -291,6 +296,23 @@ impl PrefixIndex {
             for (cell, key) in level.iter_mut().zip(chunk) {
                 *cell = part.blocks.get(*key);
             }
+            if let [only] = alive[..] {
+                // The common tail: one replica left, one holder check per level.
+                let Some(s) = all.get_mut(only as usize) else {
+                    break 'walk;
+                };
+                for cell in level.iter().take(chunk.len()) {
+                    match cell.and_then(|h| h.find(&self.arena, s.slot)) {
+                        Some(x) => {
+                            s.matched_blocks += 1;
+                            s.t1 &= !is_t2(x);
+                            depth += 1;
+                        }
+                        None => break 'walk,
+                    }
+                }
+                continue 'walk;
+            }
             for cell in level.iter().take(chunk.len()) {
                 let Some(h) = cell else {
                     break 'walk;
@@ -298,24 +320,6 @@ impl PrefixIndex {
                 let mut buf: [Holder; 1] = [0; 1];
                 let holders = h.holders(&self.arena, &mut buf);
                 next.clear();
-                if alive.len() == 1 {
-                    // The common tail: one replica left, one probe per level.
-                    let Some(&i) = alive.first() else {
-                        break 'walk;
-                    };
-                    let Some(s) = all.get_mut(i as usize) else {
-                        break 'walk;
-                    };
-                    match h.find(&self.arena, s.slot) {
-                        Some(x) => {
-                            s.matched_blocks += 1;
-                            s.t1 &= !is_t2(x);
-                            depth += 1;
-                            continue;
-                        }
-                        None => break 'walk,
-                    }
-                }
                 if alive.len() <= holders.len() {
                     for &i in &alive {
                         let Some(s) = all.get_mut(i as usize) else {

@@ -662,10 +662,10 @@ impl PrefixIndex {
         Some(out)
     }
 
-    /// Block sizes registered per hash scheme (from the partitions streams have reported).
+    /// Block sizes registered per hash scheme: those of partitions that hold blocks.
     pub fn block_sizes(&self) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
-        for p in &self.partitions {
+        for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
             let v = out.entry(p.key.hash_scheme.clone()).or_default();
             if !v.contains(&p.key.block_size) {
                 v.push(p.key.block_size);

@@ -55,6 +55,11 @@ impl BlockTable {
         self.len + usize::from(self.zero.is_some())
     }
 
+    /// True when no key is present.
+    pub(super) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Slots allocated.
     #[cfg(test)]
     pub(super) fn capacity(&self) -> usize {

@@ -622,6 +622,34 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
     }
     assert_eq!(ix.entry_count(), total);
     assert_eq!(ix.block_count(), blocks.len());
+    // Chain walks (any key sequence, up to 40 levels: several gather chunks) agree with a naive
+    // walk over the model.
+    for _ in 0..300 {
+        let len = 1 + (next() % 40) as usize;
+        let chain: Vec<u64> = (0..len).map(|_| next() % 24).collect();
+        let q = LookupQuery {
+            content_keys: chain.clone(),
+            block_size: Some(4),
+            ..Default::default()
+        };
+        let mut got: Vec<(String, u32, Tier)> = ix
+            .lookup(&q)
+            .replicas
+            .into_iter()
+            .map(|m| (m.replica, m.matched_blocks, m.tier))
+            .collect();
+        got.sort();
+        let mut want: Vec<(String, u32, Tier)> = model
+            .iter()
+            .filter_map(|(p, m)| {
+                let depth = chain.iter().take_while(|k| m.contains_key(k)).count() as u32;
+                let t2 = chain[..depth as usize].iter().any(|k| m[k] == Tier::T2);
+                (depth > 0).then(|| (p.clone(), depth, if t2 { Tier::T2 } else { Tier::T1 }))
+            })
+            .collect();
+        want.sort();
+        assert_eq!(got, want, "chain {chain:?}");
+    }
     // Single-key lookups agree with the model.
     for key in 0..24u64 {
         let q = LookupQuery {
