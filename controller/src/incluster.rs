@@ -10,8 +10,10 @@
 //!   writes status;
 //! - the node loops ([`crate::reconcile::nodes`], leader only): node plans pushed down agent
 //!   streams, CacheNode status and the CacheBackends' `NodeHealthy` advisory;
-//! - the CacheBackend reconciler and the engine-pod Events controller ([`start_reconcilers`]),
-//!   and the integration point of the admission server ([`start_admission`]).
+//! - the CacheBackend reconciler (with the in-process functional probe), the engine-pod Events
+//!   controller and the model-cache controllers ([`start_reconcilers`]);
+//! - the HTTPS admission webhooks over watch-backed CacheBackend / ModelCache stores, with
+//!   file or shared self-signed certificates ([`start_admission`]).
 //!
 //! [`start`] takes a ready `kube::Client` (the binary builds it from `--kubeconfig`, `KUBECONFIG`
 //! or the in-cluster service account via `kube::Client::try_default`), so tests run the whole
@@ -42,13 +44,17 @@ use crate::ingest::auth::{
 use crate::ingest::{self, AgentIngest};
 use crate::leader::{self, ElectionConfig, LeaderHandle, LeaderMetrics, LeaseLock};
 use crate::reconcile::clock::{Clock, SystemClock};
+use crate::reconcile::model_cache::ModelCacheConfig;
 use crate::reconcile::nodes::{self, NodeLoopConfig, NodesMetrics};
 use crate::router::Router;
 use crate::state::{LookupPolicy, Shared};
 
-/// Admission webhook settings (`--webhook-*`), handed to [`start_admission`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Admission webhook settings (`--webhook-*`, and the Pod wiring's images), handed to
+/// [`start_admission`].
+#[derive(Debug, Clone)]
 pub struct WebhookSettings {
+    /// Serve the webhooks at all (`--webhooks`; default on).
+    pub enabled: bool,
     /// HTTPS listen address (default `0.0.0.0:9443`).
     pub addr: SocketAddr,
     /// Directory with `tls.crt` and `tls.key` (cert-manager or a mounted Secret), reloaded on
@@ -57,9 +63,35 @@ pub struct WebhookSettings {
     /// Generate a self-signed CA and serving certificate at start (and patch the webhook
     /// configurations' `caBundle`).
     pub self_signed: bool,
-    /// Name of the Mutating/ValidatingWebhookConfiguration whose `caBundle` is patched in
+    /// Name of the Mutating/ValidatingWebhookConfiguration whose `caBundle` is kept set in
     /// self-signed mode.
     pub config_name: Option<String>,
+    /// Name of the webhook Service (self-signed mode: the certificate's DNS names
+    /// `svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.cluster.local`; ns = the controller's).
+    pub service: Option<String>,
+    /// Secret (in the controller's namespace) through which replicas share the self-signed
+    /// bundle; `None`: each replica generates its own (only sound with one replica).
+    pub tls_secret: Option<String>,
+    /// How often the `caBundle` is re-asserted in self-signed mode (a `helm upgrade` resets it).
+    pub ca_bundle_resync: Duration,
+    /// Images and controller address the Pod wiring uses.
+    pub pod: crate::admission::pod::PodWebhookConfig,
+}
+
+impl Default for WebhookSettings {
+    fn default() -> Self {
+        WebhookSettings {
+            enabled: true,
+            addr: SocketAddr::from(([0, 0, 0, 0], 9443)),
+            cert_dir: None,
+            self_signed: false,
+            config_name: None,
+            service: None,
+            tls_secret: None,
+            ca_bundle_resync: Duration::from_secs(60),
+            pod: Default::default(),
+        }
+    }
 }
 
 /// Leader-election settings.
@@ -96,6 +128,12 @@ pub struct InClusterConfig {
     pub token_cache_ttl: Duration,
     /// Node-plan and node-status timing.
     pub nodes: NodeLoopConfig,
+    /// The model-cache controllers' settings; `None` leaves them (and `model-data` wiring) off.
+    pub model_cache: Option<ModelCacheConfig>,
+    /// The functional-probe gate (spec 000 "Functional-probe gate"): the CacheBackend
+    /// reconciler probes the in-process index ([`crate::probe::in_process_prober`]). Off is the
+    /// spec's `--server-probe-url=""`.
+    pub functional_probe: bool,
 }
 
 /// Test seams: replace the token verifier (default: [`KubeTokenVerifier`] behind a
@@ -156,6 +194,8 @@ pub struct RunContext {
     pub clock: Arc<dyn Clock>,
     /// Turns true at shutdown.
     pub shutdown: watch::Receiver<bool>,
+    /// The controller's namespace (Lease, webhook Service, self-signed Secret).
+    pub namespace: String,
 }
 
 /// A started part that runs until shutdown.
@@ -166,31 +206,154 @@ pub struct PartTask {
     pub task: JoinHandle<Result<(), String>>,
 }
 
-/// INTEGRATION POINT (admission): starts the HTTPS AdmissionReview server on
-/// `settings.addr` with the certificate from `settings.cert_dir` or a self-signed one, and (in
-/// self-signed mode) patches `settings.config_name`'s `caBundle`.
+/// Starts the HTTPS AdmissionReview server ([`crate::admission::server`]) on `settings.addr`:
 ///
-/// The admission server lives in `crate::admission` (another work item). Until it exposes an
-/// in-cluster start function this returns `Ok(None)` and logs that webhooks are not served;
-/// wire the call here.
+/// - the Pod webhook matches pods against a watch-backed store of every CacheBackend (and, with
+///   the model cache on, reads `ModelCache` statuses for `model-data` wiring); the server waits
+///   up to 30 s for the stores' first list so early pods are not admitted unwired for want of
+///   a cache;
+/// - certificates: `--webhook-cert-dir` (hot reload), or self-signed — shared through
+///   `settings.tls_secret` when set — with the CA kept in `settings.config_name`'s `caBundle`.
+///
+/// `Ok(None)` when webhooks are disabled. Errors: certificate or bind failures (the process
+/// exits: a controller that cannot serve its fail-closed webhooks must not look healthy).
 pub async fn start_admission(
-    _ctx: &RunContext,
+    ctx: &RunContext,
     settings: &WebhookSettings,
-) -> Result<Option<PartTask>, RunError> {
-    warn!(addr = %settings.addr, "the admission webhook server is not wired into `ic-controller run` in this build; webhooks are not served");
-    Ok(None)
+    model_cache: bool,
+) -> Result<Option<(PartTask, SocketAddr)>, RunError> {
+    use crate::admission::{ca_bundle, server, sources, tls, Admission, PodWebhook};
+    if !settings.enabled {
+        info!("admission webhooks disabled (--webhooks=false)");
+        return Ok(None);
+    }
+    let part = |message: String| RunError::Part {
+        part: "admission",
+        message,
+    };
+    let (backends, backends_task) = sources::spawn_store::<ic_shared::crd::CacheBackend>(
+        ctx.client.clone(),
+        "cachebackends",
+        ctx.shutdown.clone(),
+    );
+    let mut tasks = vec![backends_task];
+    let mut model_caches = None;
+    if model_cache {
+        let (store, task) = sources::spawn_store::<ic_shared::crd::ModelCache>(
+            ctx.client.clone(),
+            "modelcaches",
+            ctx.shutdown.clone(),
+        );
+        tasks.push(task);
+        model_caches = Some(store);
+    }
+    let ready_limit = Duration::from_secs(30);
+    let mut ready = sources::wait_ready(&backends, ready_limit).await;
+    if let Some(s) = &model_caches {
+        ready &= sources::wait_ready(s, ready_limit).await;
+    }
+    if !ready {
+        warn!("the CacheBackend/ModelCache watch has not listed yet; serving webhooks anyway (pods admitted before it lists stay unwired)");
+    }
+    let (backend_source, model_cache_source) = sources::pod_sources(backends, model_caches);
+    let mut pods = PodWebhook::new(settings.pod.clone());
+    if let Some(source) = model_cache_source {
+        pods = pods.with_model_caches(source);
+    }
+    let admission = Arc::new(Admission::new(
+        settings.pod.registry.clone(),
+        backend_source,
+        Arc::new(pods),
+    ));
+
+    let tls_source = if let Some(dir) = &settings.cert_dir {
+        tls::TlsSource::Files {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+            reload_interval: Duration::from_secs(10),
+        }
+    } else if settings.self_signed {
+        let service = settings
+            .service
+            .clone()
+            .unwrap_or_else(|| "inference-cache-webhook".to_string());
+        let sans = tls::service_dns_names(&service, &ctx.namespace);
+        match &settings.tls_secret {
+            Some(secret) => {
+                let bundle =
+                    ca_bundle::shared_self_signed(&ctx.client, &ctx.namespace, secret, &sans)
+                        .await
+                        .map_err(|e| part(e.to_string()))?;
+                tls::TlsSource::Pem {
+                    cert_pem: bundle.cert_pem,
+                    key_pem: bundle.key_pem,
+                    ca_pem: Some(bundle.ca_pem),
+                }
+            }
+            None => tls::TlsSource::SelfSigned(tls::SelfSignedOptions {
+                subject_alt_names: sans,
+                write_dir: None,
+            }),
+        }
+    } else {
+        return Err(part(
+            "no webhook certificate: set --webhook-cert-dir or --webhook-self-signed (or --webhooks=false)"
+                .to_string(),
+        ));
+    };
+    let running = server::start(
+        admission,
+        server::ServerConfig::new(settings.addr, tls_source),
+    )
+    .await
+    .map_err(|e| part(e.to_string()))?;
+    if settings.self_signed {
+        match (&settings.config_name, &running.ca_pem) {
+            (Some(name), Some(ca)) => tasks.push(ca_bundle::spawn_ca_bundle_keeper(
+                ctx.client.clone(),
+                name.clone(),
+                ca.clone(),
+                settings.ca_bundle_resync,
+                ctx.shutdown.clone(),
+            )),
+            _ => warn!("self-signed webhook certificate without --webhook-config-name: set the caBundle yourself"),
+        }
+    }
+    let local_addr = running.local_addr;
+    let mut stop = ctx.shutdown.clone();
+    let task = tokio::spawn(async move {
+        let _ = stop.wait_for(|s| *s).await;
+        running.shutdown();
+        let res = running.wait().await.map_err(|e| e.to_string());
+        for t in tasks {
+            t.abort();
+        }
+        res
+    });
+    Ok(Some((
+        PartTask {
+            name: "admission",
+            task,
+        },
+        local_addr,
+    )))
 }
 
 /// Starts the CacheBackend reconciler and the engine-pod Events controller
-/// ([`crate::reconcile::run_controllers`]), writing only while `ctx.leader_flag` is set. The
-/// functional-probe gate is off (no prober is configured in this build).
-pub async fn start_reconcilers(ctx: &RunContext) -> Result<Vec<PartTask>, RunError> {
+/// ([`crate::reconcile::run_controllers`]), writing only while `ctx.leader_flag` is set, with
+/// the in-process functional probe when `functional_probe`; and, when `model_cache` is set, the
+/// ModelCache / ModelCacheBinding controllers ([`crate::reconcile::model_cache::run`]).
+pub async fn start_reconcilers(
+    ctx: &RunContext,
+    functional_probe: bool,
+    model_cache: Option<ModelCacheConfig>,
+) -> Result<Vec<PartTask>, RunError> {
     let controllers = crate::reconcile::Controllers {
         client: ctx.client.clone(),
         index: ctx.shared.clone(),
         clock: ctx.clock.clone(),
         leader: ctx.leader_flag.clone(),
-        prober: None,
+        prober: functional_probe.then(|| crate::probe::in_process_prober(ctx.shared.clone())),
         instance: std::env::var("POD_NAME").ok(),
     };
     let shutdown = ctx.shutdown.clone();
@@ -198,10 +361,31 @@ pub async fn start_reconcilers(ctx: &RunContext) -> Result<Vec<PartTask>, RunErr
         crate::reconcile::run_controllers(controllers, shutdown).await;
         Ok(())
     });
-    Ok(vec![PartTask {
+    let mut parts = vec![PartTask {
         name: "reconcilers",
         task,
-    }])
+    }];
+    if let Some(config) = model_cache {
+        let mc = Arc::new(crate::reconcile::model_cache::Context::new(
+            ctx.client.clone(),
+            config,
+            ctx.clock.clone(),
+            ctx.leader_flag.clone(),
+        ));
+        let mut stop = ctx.shutdown.clone();
+        let task = tokio::spawn(async move {
+            tokio::select! {
+                _ = crate::reconcile::model_cache::run(mc) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
+            Ok(())
+        });
+        parts.push(PartTask {
+            name: "model-cache",
+            task,
+        });
+    }
+    Ok(parts)
 }
 
 /// A started in-cluster controller.
@@ -210,6 +394,8 @@ pub struct Running {
     pub grpc_addr: SocketAddr,
     /// Bound HTTP address.
     pub http_addr: SocketAddr,
+    /// Bound HTTPS address of the admission webhooks (`None` when disabled).
+    pub webhook_addr: Option<SocketAddr>,
     /// Shared state (tests read the index and registry directly).
     pub shared: Arc<Shared>,
     /// Leadership of this replica.
@@ -407,18 +593,22 @@ where
         leader_flag,
         clock,
         shutdown: stop_rx,
+        namespace: cfg.leader_election.namespace.clone(),
     };
     let mut parts = Vec::new();
-    if let Some(p) = start_admission(&ctx, &cfg.webhook).await? {
+    let mut webhook_addr = None;
+    if let Some((p, addr)) = start_admission(&ctx, &cfg.webhook, cfg.model_cache.is_some()).await? {
         parts.push(p);
+        webhook_addr = Some(addr);
     }
-    parts.extend(start_reconcilers(&ctx).await?);
+    parts.extend(start_reconcilers(&ctx, cfg.functional_probe, cfg.model_cache.clone()).await?);
 
     ready.store(true, Ordering::Release);
     info!(grpc = %grpc_addr, http = %http_addr, identity = %cfg.leader_election.election.identity, lease = %format!("{}/{}", cfg.leader_election.namespace, cfg.leader_election.lease_name), "in-cluster controller serving");
     Ok(Running {
         grpc_addr,
         http_addr,
+        webhook_addr,
         shared,
         leader: leader_handle,
         grpc,

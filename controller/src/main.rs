@@ -37,6 +37,28 @@ enum Command {
     },
     /// Ask a running controller's RouterService where a prompt's prefix is cached.
     Lookup(LookupArgs),
+    /// Run a CacheBackend (or a Pod, with --backend) through admission offline, like a server
+    /// dry-run: prints the defaulted object or the field-scoped errors (exit 1); for a pod, JSON
+    /// with allowed, reason, patch and the mutated pod. Exit 2 on unreadable input.
+    Admit(ic_controller::admission::offline::AdmitArgs),
+    /// Uninstall step (the chart's pre-delete hook): remove the finalizer of every
+    /// ModelCacheBinding in the control namespace so the namespace can be deleted. Exits 1,
+    /// naming the binding, when one cannot be stripped — the uninstall must then stop.
+    StripFinalizers(StripFinalizersArgs),
+}
+
+#[derive(clap::Args)]
+struct StripFinalizersArgs {
+    /// Kubeconfig file; unset: $KUBECONFIG, ~/.kube/config, then the in-cluster service account.
+    #[arg(long, env = "IC_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// The model-cache control namespace.
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_CONTROL_NAMESPACE",
+        default_value = ic_controller::reconcile::model_cache::DEFAULT_CONTROL_NAMESPACE
+    )]
+    namespace: String,
 }
 
 #[derive(clap::Args)]
@@ -143,6 +165,89 @@ struct RunArgs {
         default_value_t = 30
     )]
     cachenode_min_write_interval_seconds: u64,
+    /// Serve the admission webhooks (CacheBackend defaulting/validation, Pod wiring).
+    #[arg(long, env = "IC_WEBHOOKS", default_value_t = true, action = clap::ArgAction::Set)]
+    webhooks: bool,
+    /// Name of the webhook Service; self-signed mode puts its DNS names
+    /// (NAME.NAMESPACE.svc, …) into the serving certificate.
+    #[arg(
+        long,
+        env = "IC_WEBHOOK_SERVICE",
+        default_value = "inference-cache-webhook"
+    )]
+    webhook_service: String,
+    /// Self-signed mode: Secret in the controller's namespace through which the replicas share
+    /// one CA and serving pair (created by the first replica). Unset: each replica generates
+    /// its own, which is only sound with one replica.
+    #[arg(long, env = "IC_WEBHOOK_TLS_SECRET")]
+    webhook_tls_secret: Option<String>,
+    /// Image of the SGLang LMCache MP worker sidecar when spec.lmCache.workerImage is unset
+    /// (default: the engine's own image).
+    #[arg(long, env = "IC_LMCACHE_WORKER_IMAGE")]
+    lmcache_worker_image: Option<String>,
+    /// Image of the lmcache-kernel-check init container (default: the engine's own image,
+    /// which is what the check is meant to test).
+    #[arg(long, env = "IC_LMCACHE_KERNEL_CHECK_IMAGE")]
+    lmcache_kernel_check_image: Option<String>,
+    /// Image of the kvevent-subscriber sidecar (ic-agent subscribe); unset: no sidecar, the
+    /// node agent subscribes to engines instead.
+    #[arg(long, env = "IC_KVEVENT_SUBSCRIBER_IMAGE")]
+    kvevent_subscriber_image: Option<String>,
+    /// Controller address the kvevent-subscriber sidecar streams to (HOST:PORT or URL).
+    #[arg(long, env = "IC_KVEVENT_SUBSCRIBER_CONTROLLER")]
+    kvevent_subscriber_controller: Option<String>,
+    /// Functional-probe gate: probe each Ready CacheBackend's ingest and routing path through
+    /// the in-process index (spec "Functional-probe gate"); false turns the gate off.
+    #[arg(long, env = "IC_FUNCTIONAL_PROBE", default_value_t = true, action = clap::ArgAction::Set)]
+    functional_probe: bool,
+    /// Run the ModelCache / ModelCacheBinding controllers and model-data pod wiring.
+    #[arg(long, env = "IC_MODEL_CACHE_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
+    model_cache_enabled: bool,
+    /// Namespace of ModelCacheBindings, writer Leases, helmModelCache writers and key Secrets.
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_CONTROL_NAMESPACE",
+        default_value = ic_controller::reconcile::model_cache::DEFAULT_CONTROL_NAMESPACE
+    )]
+    model_cache_control_namespace: String,
+    /// The model-cache StorageClass (its reclaimPolicy must be Retain).
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_STORAGE_CLASS",
+        default_value = ic_controller::reconcile::model_cache::DEFAULT_STORAGE_CLASS
+    )]
+    model_cache_storage_class: String,
+    /// Namespace of the storage capability catalog ConfigMap; default: the controller's.
+    #[arg(long, env = "IC_MODEL_CACHE_CATALOG_NAMESPACE")]
+    model_cache_catalog_namespace: Option<String>,
+    /// Name of the catalog ConfigMap.
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_CATALOG_CONFIG_MAP",
+        default_value = ic_controller::catalog::DEFAULT_CONFIG_MAP
+    )]
+    model_cache_catalog_config_map: String,
+    /// Data key of the catalog in the ConfigMap.
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_CATALOG_KEY",
+        default_value = ic_controller::catalog::DEFAULT_KEY
+    )]
+    model_cache_catalog_key: String,
+    /// Model-cache feature gates: CachingSupport, HelmModelCaching, ModelCacheEncryption as
+    /// Name=true|false, comma-separated, over the defaults (true, true, false).
+    #[arg(long, env = "IC_MODEL_CACHE_FEATURE_GATES", default_value = "")]
+    model_cache_feature_gates: String,
+    /// Seconds a ModelCacheBinding may have no references before it retires.
+    #[arg(long, env = "IC_MODEL_CACHE_IDLE_SECONDS", default_value_t = 3600)]
+    model_cache_idle_seconds: u64,
+    /// Service account of model-cache writer Jobs in the control namespace.
+    #[arg(
+        long,
+        env = "IC_MODEL_CACHE_WRITER_SERVICE_ACCOUNT",
+        default_value = "default"
+    )]
+    model_cache_writer_service_account: String,
 }
 
 /// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
@@ -216,6 +321,25 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             .parse()
             .map_err(|e: String| anyhow::anyhow!(e))?,
     };
+    let model_cache = if a.model_cache_enabled {
+        use ic_controller::reconcile::model_cache::{FeatureFlags, ModelCacheConfig};
+        Some(ModelCacheConfig {
+            control_namespace: a.model_cache_control_namespace,
+            storage_class: a.model_cache_storage_class,
+            catalog_namespace: a
+                .model_cache_catalog_namespace
+                .unwrap_or_else(|| namespace.clone()),
+            catalog_config_map: a.model_cache_catalog_config_map,
+            catalog_key: a.model_cache_catalog_key,
+            flags: FeatureFlags::parse(&a.model_cache_feature_gates)
+                .map_err(|e| anyhow::anyhow!("--model-cache-feature-gates: {e}"))?,
+            idle_period: Duration::from_secs(a.model_cache_idle_seconds),
+            writer_service_account: a.model_cache_writer_service_account,
+            ..Default::default()
+        })
+    } else {
+        None
+    };
     let cfg = InClusterConfig {
         grpc_addr: a.grpc_addr,
         http_addr: a.http_addr,
@@ -224,10 +348,21 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             minimum_prefix_tokens: a.minimum_prefix_tokens,
         },
         webhook: WebhookSettings {
+            enabled: a.webhooks,
             addr: a.webhook_addr,
             cert_dir: a.webhook_cert_dir,
             self_signed: a.webhook_self_signed,
             config_name: a.webhook_config_name,
+            service: Some(a.webhook_service),
+            tls_secret: a.webhook_tls_secret,
+            ca_bundle_resync: Duration::from_secs(60),
+            pod: ic_controller::admission::pod::PodWebhookConfig {
+                kvevent_subscriber_image: a.kvevent_subscriber_image,
+                kvevent_subscriber_controller: a.kvevent_subscriber_controller,
+                lmcache_worker_image: a.lmcache_worker_image,
+                lmcache_kernel_check_image: a.lmcache_kernel_check_image,
+                ..Default::default()
+            },
         },
         leader_election: LeaderElectionSettings {
             namespace,
@@ -249,6 +384,8 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             ),
             ..Default::default()
         },
+        model_cache,
+        functional_probe: a.functional_probe,
     };
     let running = incluster::start(client, cfg, Default::default(), termination()).await?;
     running.wait().await?;
@@ -332,6 +469,36 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("writing CRDs into {}", out.display()))?
             {
                 println!("{}", path.display());
+            }
+        }
+        Command::Admit(a) => {
+            let out = match ic_controller::admission::offline::admit_cli(&a) {
+                Ok(out) => out,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            };
+            print!("{}", out.stdout);
+            eprint!("{}", out.stderr);
+            std::process::exit(out.exit_code);
+        }
+        Command::StripFinalizers(a) => {
+            let client = kube_client(a.kubeconfig.as_ref()).await?;
+            match ic_controller::reconcile::model_cache::strip_binding_finalizers(
+                &client,
+                &a.namespace,
+            )
+            .await
+            {
+                Ok(n) => println!(
+                    "removed the finalizer of {n} ModelCacheBinding(s) in namespace {}",
+                    a.namespace
+                ),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                }
             }
         }
         Command::Lookup(a) => {

@@ -17,6 +17,7 @@
 //! [`PrefixIndex::apply_delta`]: crate::index::PrefixIndex::apply_delta
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ic_shared::kv::content_key;
@@ -291,6 +292,52 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
     }
 }
 
+/// The functional-probe gate's in-process prober (spec 000 "Functional-probe gate"): the index
+/// lives in this process, so the CacheBackend reconciler runs [`run`] directly instead of
+/// calling a `/probe` URL. The probe uses its own tenant and model (a namespace's CachePolicy
+/// cannot make it miss) and the backend's hash scheme (`vllm` / `sglang` from
+/// `spec.runtime`). Its per-stage report maps onto the gate's stage results; an in-process
+/// probe has no transport, so it never answers `TransportError`.
+pub fn in_process_prober(
+    shared: Arc<Shared>,
+) -> Arc<dyn crate::reconcile::cachebackend::probe::Prober> {
+    use crate::reconcile::cachebackend::probe::FnProber;
+    let router = Router::new(shared.clone());
+    Arc::new(FnProber(move |cb: &ic_shared::crd::CacheBackend| {
+        let req = ProbeRequest {
+            hash_scheme: Some(
+                match cb.spec.runtime {
+                    ic_shared::crd::Runtime::Vllm => "vllm",
+                    ic_shared::crd::Runtime::SgLang => "sglang",
+                }
+                .to_string(),
+            ),
+            backend: Some(format!(
+                "{}/{}",
+                cb.metadata.namespace.as_deref().unwrap_or_default(),
+                cb.metadata.name.as_deref().unwrap_or_default()
+            )),
+            ..Default::default()
+        };
+        outcome_of(&run(&shared, &router, &req))
+    }))
+}
+
+/// A `/probe` report as the gate's [`ProbeOutcome`](crate::reconcile::cachebackend::probe::ProbeOutcome).
+pub fn outcome_of(report: &ProbeReport) -> crate::reconcile::cachebackend::probe::ProbeOutcome {
+    use crate::reconcile::cachebackend::probe::{self as gate, ProbeOutcome};
+    let stage = |s: &StageReport| match s.status {
+        StageStatus::Ok => gate::StageResult::Ok,
+        StageStatus::Skipped => gate::StageResult::Skipped,
+        StageStatus::Failed => gate::StageResult::Failed(s.message.clone()),
+    };
+    ProbeOutcome::Completed(gate::ProbeStages {
+        ingest: stage(&report.stages.ingest),
+        routing: stage(&report.stages.routing),
+        t2: stage(&report.stages.t2),
+    })
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -339,5 +386,49 @@ mod tests {
             "{r:?}"
         );
         assert_eq!(shared.index.read().replica_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_gate_prober_maps_stages_and_ignores_namespace_policies() {
+        use crate::reconcile::cachebackend::probe::{ProbeOutcome, StageResult};
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        // The backend's namespace has a policy no probe prompt can meet: the gate's probe uses
+        // its own tenant, so it is unaffected.
+        Router::new(shared.clone())
+            .policies()
+            .set_policy("team-a", None, Some(u32::MAX));
+        let prober = in_process_prober(shared.clone());
+        let cb: ic_shared::crd::CacheBackend = serde_json::from_value(serde_json::json!({
+            "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+            "metadata": {"name": "cb", "namespace": "team-a"},
+            "spec": {"runtime": "SGLang"}
+        }))
+        .unwrap();
+        match prober.probe(&cb).await {
+            ProbeOutcome::Completed(stages) => {
+                assert_eq!(stages.ingest, StageResult::Ok);
+                assert_eq!(stages.routing, StageResult::Ok);
+                assert_eq!(stages.t2, StageResult::Skipped);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(shared.index.read().replica_count(), 0);
+        // A failed stage keeps its diagnostic.
+        let router = Router::new(shared.clone());
+        let report = run(
+            &shared,
+            &router,
+            &ProbeRequest {
+                tenant: Some("team-a".into()),
+                ..Default::default()
+            },
+        );
+        match outcome_of(&report) {
+            ProbeOutcome::Completed(stages) => match stages.routing {
+                StageResult::Failed(m) => assert!(m.contains("BelowMinimumPrefixTokens"), "{m}"),
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -217,3 +217,45 @@ fn usage_errors() {
         Err(AdmitError::Read { .. })
     ));
 }
+
+#[test]
+fn the_binary_prints_the_verdict_and_exits_with_its_code() {
+    let bin = env!("CARGO_BIN_EXE_ic-controller");
+    let ok = std::process::Command::new(bin)
+        .arg("admit")
+        .arg(samples().join("cachebackend-events-only.yaml"))
+        .output()
+        .unwrap();
+    assert_eq!(ok.status.code(), Some(0), "{ok:?}");
+    let text = String::from_utf8(ok.stdout).unwrap();
+    assert!(text.contains("mode: EventsOnly"), "{text}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "bad"},
+                "spec": {"runtime": "SGLang", "integration": {"role": "WriteOnly"}}}),
+    );
+    let denied = std::process::Command::new(bin)
+        .arg("admit")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(denied.status.code(), Some(1));
+    let err = String::from_utf8(denied.stderr).unwrap();
+    assert!(
+        err.contains("spec.integration.role: Unsupported value: \"WriteOnly\""),
+        "{err}"
+    );
+
+    let missing = std::process::Command::new(bin)
+        .args(["admit", "/nonexistent/cb.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8(missing.stderr)
+        .unwrap()
+        .contains("/nonexistent/cb.yaml"));
+}

@@ -159,9 +159,8 @@ async fn run_mode_end_to_end() {
         policy: LookupPolicy::default(),
         webhook: WebhookSettings {
             addr: "127.0.0.1:0".parse().unwrap(),
-            cert_dir: None,
             self_signed: true,
-            config_name: None,
+            ..Default::default()
         },
         leader_election: LeaderElectionSettings {
             namespace: "ic".into(),
@@ -178,6 +177,8 @@ async fn run_mode_end_to_end() {
             advisory_resync: Duration::from_secs(60),
             ..Default::default()
         },
+        model_cache: None,
+        functional_probe: false,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = incluster::start(

@@ -16,19 +16,21 @@
 //! The CacheBackends a Pod is matched against come from a [`BackendSource`] (a static list for
 //! tests and `admit`; the in-cluster controller supplies a watch-backed one).
 
+pub mod ca_bundle;
 pub mod defaulting;
 pub mod model_cache_pod;
 pub mod offline;
 pub mod pod;
 pub mod review;
 pub mod server;
+pub mod sources;
 pub mod tls;
 pub mod validation;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use ic_shared::crd::CacheBackend;
+use ic_shared::crd::{CacheBackend, ModelCacheStatus};
 use serde_json::Value;
 
 use crate::adapters::Registry;
@@ -129,17 +131,49 @@ pub trait PodMutator: Send + Sync {
     }
 }
 
-/// The built-in Pod wiring: [`pod::mutate_pod`] under a [`pod::PodWebhookConfig`].
-#[derive(Debug, Clone, Default)]
+/// Where the Pod webhook reads a `ModelCache`'s status (spec 004 "What runs today": the reader
+/// claim a pod asks for with `inferencecache.io/model-cache`).
+///
+/// In cluster this is a watch-backed store ([`sources::StoreModelCaches`]); tests use a map.
+pub trait ModelCacheSource: Send + Sync {
+    /// The status of `ModelCache` `namespace/name`; `None` when it does not exist (or has no
+    /// status yet).
+    fn status(&self, namespace: &str, name: &str) -> Option<ModelCacheStatus>;
+}
+
+/// The built-in Pod wiring: [`pod::mutate_pod`] under a [`pod::PodWebhookConfig`], then — when
+/// a [`ModelCacheSource`] is set — the model-cache reader volume
+/// ([`model_cache_pod::wire_model_cache`]) applied on top of the engine wiring.
+#[derive(Clone, Default)]
 pub struct PodWebhook {
     /// Registry and controller flags the wiring uses.
     pub config: pod::PodWebhookConfig,
+    /// Model-cache statuses; `None` leaves `model-data` wiring off.
+    pub model_caches: Option<Arc<dyn ModelCacheSource>>,
+}
+
+impl std::fmt::Debug for PodWebhook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodWebhook")
+            .field("config", &self.config)
+            .field("model_caches", &self.model_caches.is_some())
+            .finish()
+    }
 }
 
 impl PodWebhook {
     /// Wiring under `config`.
     pub fn new(config: pod::PodWebhookConfig) -> Self {
-        PodWebhook { config }
+        PodWebhook {
+            config,
+            model_caches: None,
+        }
+    }
+
+    /// Also mounts model-cache reader claims, reading request statuses from `source`.
+    pub fn with_model_caches(mut self, source: Arc<dyn ModelCacheSource>) -> Self {
+        self.model_caches = Some(source);
+        self
     }
 }
 
@@ -152,17 +186,63 @@ impl PodMutator for PodWebhook {
     ) -> PodDecision {
         let namespace = validation::namespace_of(request.namespace.as_deref(), pod);
         let outcome = pod::mutate_pod(pod, namespace, backends, &self.config);
-        PodDecision {
+        let mut decision = PodDecision {
             reason: outcome.reason,
             patch: outcome.patch.unwrap_or_default(),
             warnings: outcome.warnings,
+        };
+        if let Some(source) = &self.model_caches {
+            add_model_cache_wiring(&mut decision, pod, namespace, source.as_ref());
         }
+        decision
     }
 
     /// [`pod::mutate_pod`] checks that its patch applies to the request object and reproduces
-    /// the mutated pod before returning it.
+    /// the mutated pod before returning it; the model-cache operations are checked against
+    /// that pod before they are appended.
     fn patch_is_checked(&self) -> bool {
         true
+    }
+}
+
+/// Appends the model-cache reader wiring to `decision`: its operations are computed against
+/// the pod as the engine wiring left it (JSON Patch operations apply in order), and dropped
+/// with a reason if they do not apply. Fail-open: the engine wiring is kept either way.
+fn add_model_cache_wiring(
+    decision: &mut PodDecision,
+    pod: &Value,
+    namespace: &str,
+    source: &dyn ModelCacheSource,
+) {
+    let status = match model_cache_pod::requested_model_cache(pod, namespace) {
+        None => return,
+        Some(Ok(r)) => source.status(&r.namespace, &r.name),
+        Some(Err(_)) => None,
+    };
+    let mut wired = pod.clone();
+    if !decision.patch.is_empty() && check_patch_into(&mut wired, &decision.patch).is_err() {
+        return;
+    }
+    match model_cache_pod::wire_model_cache(&wired, namespace, status.as_ref()) {
+        model_cache_pod::ModelCacheWiring::NotRequested => {}
+        model_cache_pod::ModelCacheWiring::Skipped { reason } => {
+            decision.reason = format!("{}; {reason}", decision.reason);
+        }
+        model_cache_pod::ModelCacheWiring::Wired { patch, reason } => {
+            let ops: Result<Vec<Value>, _> = patch.iter().map(serde_json::to_value).collect();
+            match ops {
+                Ok(ops) if check_patch_into(&mut wired, &ops).is_ok() => {
+                    decision.patch.extend(ops);
+                    decision.reason = format!("{}; {reason}", decision.reason);
+                }
+                Ok(_) | Err(_) => {
+                    decision.reason = format!(
+                        "{}; internal error: the model-cache patch does not apply; model-data not mounted",
+                        decision.reason
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -397,13 +477,18 @@ impl Admission {
 
 /// Whether `ops` is a JSON Patch that applies to `pod`.
 fn check_patch(pod: &Value, ops: &[Value]) -> Result<(), String> {
+    let mut probe = pod.clone();
+    check_patch_into(&mut probe, ops)
+}
+
+/// Applies the JSON Patch `ops` to `doc` (left unchanged on error).
+fn check_patch_into(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
     let ops: Vec<json_patch::PatchOperation> = ops
         .iter()
         .map(|op| serde_json::from_value(op.clone()))
         .collect::<Result<_, _>>()
         .map_err(|e| format!("is not a JSON Patch ({e})"))?;
-    let mut probe = pod.clone();
-    json_patch::patch(&mut probe, &ops).map_err(|e| format!("does not apply ({e})"))
+    json_patch::patch(doc, &ops).map_err(|e| format!("does not apply ({e})"))
 }
 
 fn is_subresource(req: &AdmissionRequest) -> bool {
