@@ -25,6 +25,24 @@ KUBE_VERSIONS = ("1.29", "1.33")
 # kubernetes-validate reads and parses its JSON schema files on every call; they never change.
 kv_utils.schema_contents = functools.lru_cache(maxsize=None)(kv_utils.schema_contents)
 
+# Every model-cache value (and the engine-wiring images) away from its default.
+MODEL_CACHE_CUSTOM: dict[str, Any] = {
+    "modelCache": {
+        "controlNamespace": "mc-control",
+        "createControlNamespace": False,
+        "storageClass": "weka-retain",
+        "featureGates": {"ModelCacheEncryption": True, "HelmModelCaching": False},
+        "idlePeriodSeconds": 2592000,
+        "writerServiceAccount": "model-writer",
+        "catalog": {"name": "my-catalog"},
+    },
+    "engine": {
+        "lmcacheWorkerImage": "registry.example/lmcache:0.3.9",
+        "lmcacheKernelCheckImage": "registry.example/kernel-check:1.0",
+    },
+    "kvEventSubscriber": {"image": "registry.example/ic-agent:0.1.0"},
+}
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     # A cluster without NVIDIA GPUs.
@@ -68,6 +86,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "agent-pod-network": {"agent": {"hostNetwork": False}},
     # Only the controller.
     "agent-off": {"agent": {"enabled": False}},
+    # No model cache: no model-cache flags besides --model-cache-enabled=false, RBAC, control
+    # namespace or uninstall hook.
+    "model-cache-off": {"modelCache": {"enabled": False}},
+    # Every model-cache and engine-wiring value away from its default.
+    "model-cache-custom": MODEL_CACHE_CUSTOM,
     # An existing cert-manager ClusterIssuer.
     "cluster-issuer": {
         "webhook": {
@@ -111,8 +134,13 @@ class Rendered:
 
 
 def is_hook(o: dict[str, Any]) -> bool:
-    """A Helm hook (here: the `helm test` pods)."""
+    """A Helm hook (the `helm test` pods, the model-cache pre-delete hook)."""
     return "helm.sh/hook" in (o["metadata"].get("annotations") or {})
+
+
+def hook_of(o: dict[str, Any]) -> str | None:
+    """The object's `helm.sh/hook` annotation (None for an ordinary object)."""
+    return (o["metadata"].get("annotations") or {}).get("helm.sh/hook")
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,7 @@ from conftest import (
     NAMESPACE,
     Rendered,
     containers,
+    hook_of,
     is_hook,
     pod_specs,
     render,
@@ -426,7 +427,7 @@ def test_agent_pod_network_variant() -> None:
 def test_agent_off_renders_no_agent() -> None:
     r = variant_named("agent-off")
     assert r.of_kind("DaemonSet") == []
-    assert [o["metadata"]["name"] for o in r.of_kind("ServiceAccount")] == [CONTROLLER]
+    assert [o["metadata"]["name"] for o in r.of_kind("ServiceAccount") if not is_hook(o)] == [CONTROLLER]
 
 
 # ----------------------------------------------------------------------------- RBAC
@@ -523,22 +524,62 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NAMESPACE}]
 
 
-def test_controller_role_is_namespaced(default: Rendered) -> None:
-    g = grants(default.one("Role", CONTROLLER)["rules"])
-    assert g == {
+def test_controller_role_is_namespaced(variant: Rendered) -> None:
+    """The release-namespace Role: the leader Lease; the self-signed webhook Secret (get by name,
+    create); the catalog ConfigMap (get by name) while the model cache is on."""
+    role = variant.one("Role", CONTROLLER)
+    assert role["metadata"]["namespace"] == NAMESPACE
+    expected = {
         ("coordination.k8s.io", "leases", ()): {"create"},
         ("coordination.k8s.io", "leases", ("inference-cache-controller",)): {"get", "update"},
-        ("", "configmaps", ()): {"get", "list", "watch"},
     }
-    rb = default.one("RoleBinding", CONTROLLER)
+    if variant.values.get("webhook", {}).get("certMode") == "selfSigned":
+        expected[("", "secrets", ("inference-cache-webhook-self-signed",))] = {"get"}
+        expected[("", "secrets", ())] = {"create"}
+    mc = variant.values.get("modelCache", {})
+    if mc.get("enabled", True):
+        catalog = mc.get("catalog", {}).get("name") or "inference-cache-storage-capabilities"
+        expected[("", "configmaps", (catalog,))] = {"get"}
+    assert grants(role["rules"]) == expected
+    rb = variant.one("RoleBinding", CONTROLLER)
     assert rb["metadata"]["namespace"] == NAMESPACE
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NAMESPACE}]
 
 
-def test_no_secrets_access(variant: Rendered) -> None:
+def test_secrets_access_is_scoped(variant: Rendered) -> None:
+    """No ClusterRole touches Secrets, nothing lists or watches them, and no rule uses `*`. Secrets
+    appear only in the release-namespace Role (self-signed webhook mode: get by name, create) and
+    in the model-cache control-namespace Role (key Secrets: get, create, delete)."""
+    mc = variant.values.get("modelCache", {})
+    control_ns = mc.get("controlNamespace") or "inference-cache-model-cache"
     for role in variant.of_kind("Role") + variant.of_kind("ClusterRole"):
         for rule in role.get("rules") or []:
-            assert "secrets" not in rule.get("resources", []) and "*" not in rule.get("resources", [])
+            assert "*" not in rule.get("resources", []) and "*" not in rule["verbs"], role["metadata"]["name"]
+            assert "*" not in rule.get("apiGroups", [])
+            if "secrets" not in rule.get("resources", []):
+                continue
+            where = (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"])
+            assert not set(rule["verbs"]) & {"list", "watch", "update", "patch", "deletecollection"}, where
+            if where == ("Role", NAMESPACE, CONTROLLER):
+                assert variant.values.get("webhook", {}).get("certMode") == "selfSigned"
+                assert (rule["verbs"], rule.get("resourceNames")) in (
+                    (["get"], ["inference-cache-webhook-self-signed"]),
+                    (["create"], None),
+                )
+            else:
+                assert where == ("Role", control_ns, f"{CONTROLLER}-model-cache"), where
+                assert rule["verbs"] == ["get", "create", "delete"]
+
+
+def test_secrets_check_is_not_vacuous() -> None:
+    """Self-signed mode and the model cache both grant Secrets, where the test above expects them."""
+    r = variant_named("self-signed-certs")
+    seen = {
+        (o["metadata"]["namespace"], o["metadata"]["name"])
+        for o in r.of_kind("Role")
+        if any("secrets" in rule["resources"] for rule in o["rules"])
+    }
+    assert seen == {(NAMESPACE, CONTROLLER), ("inference-cache-model-cache", f"{CONTROLLER}-model-cache")}
 
 
 # ----------------------------------------------------------------------------- webhooks
@@ -635,11 +676,34 @@ def test_self_signed_mode() -> None:
     c = the_container(controller_deployment(r))
     args = args_of(c)
     assert "--webhook-self-signed" in args and "--webhook-cert-dir" not in args
+    # Both configurations carry the one name the controller patches the CA into, and the
+    # ClusterRole may get and patch exactly those two objects.
+    names = set()
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         cfg = r.one(kind)
         assert cfg["metadata"]["name"] == args["--webhook-config-name"]
+        names.add(cfg["metadata"]["name"])
         assert "cert-manager.io/inject-ca-from" not in (cfg["metadata"].get("annotations") or {})
+    g = grants(rules_of(r, "ClusterRole", CONTROLLER))
+    for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+        assert g[("admissionregistration.k8s.io", res, tuple(names))] == {"get", "patch"}
+    # The certificate's DNS names come from the webhook Service the API server calls.
+    svc = r.one("Service", args["--webhook-service"])
+    for w in _webhooks(r).values():
+        assert w["clientConfig"]["service"]["name"] == svc["metadata"]["name"]
+    # The replicas share one CA + serving pair through this Secret: get by name, create.
+    secret = args["--webhook-tls-secret"]
+    assert secret == "inference-cache-webhook-self-signed"
+    role = grants(r.one("Role", CONTROLLER)["rules"])
+    assert role[("", "secrets", (secret,))] == {"get"}
+    assert role[("", "secrets", ())] == {"create"}
     assert "webhook-cert" not in {m["name"] for m in c["volumeMounts"]}
+
+
+def test_cert_manager_mode_has_no_self_signed_flags(default: Rendered) -> None:
+    args = args_of(the_container(controller_deployment(default)))
+    for flag in ("--webhook-self-signed", "--webhook-config-name", "--webhook-service", "--webhook-tls-secret"):
+        assert flag not in args
 
 
 # ----------------------------------------------------------------------------- ports
@@ -677,7 +741,8 @@ def test_ipv6_bind_address() -> None:
 
 
 def test_namespace_only_when_asked(default: Rendered) -> None:
-    assert default.of_kind("Namespace") == []
+    # By default the only Namespace rendered is the model-cache control namespace.
+    assert [n["metadata"]["name"] for n in default.of_kind("Namespace")] == ["inference-cache-model-cache"]
     ns = variant_named("namespace-create").one("Namespace", NAMESPACE)
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
@@ -730,7 +795,9 @@ def test_monitoring_on() -> None:
 
 
 def test_helm_test_hooks(default: Rendered) -> None:
-    tests = [o for o in default.objects if is_hook(o)]
+    # Besides `helm test`, the only hooks are the model-cache uninstall hook's (pre-delete).
+    assert {hook_of(o) for o in default.objects if is_hook(o)} == {"test", "pre-delete"}
+    tests = [o for o in default.objects if hook_of(o) == "test"]
     assert {o["metadata"]["name"] for o in tests} == {
         "inference-cache-test-controller-grpc",
         "inference-cache-test-agent-readyz",
@@ -774,15 +841,25 @@ def test_no_unrendered_values(variant: Rendered) -> None:
 def test_other_release_name_and_namespace() -> None:
     """Nothing assumes the release is called inference-cache or lives in that namespace."""
     r = render({}, namespace="gpu-ops", name="prod")
+    control_ns = "prod-inference-cache-model-cache"
     for o in r.objects:
         if o["kind"] == "CustomResourceDefinition":
             continue
         assert o["metadata"]["name"].startswith("prod-inference-cache"), o["metadata"]["name"]
-        assert o["metadata"].get("namespace") in (None, "gpu-ops")
+        if o["kind"] in ("Role", "RoleBinding"):
+            assert o["metadata"]["namespace"] in ("gpu-ops", control_ns)
+        else:
+            assert o["metadata"].get("namespace") in (None, "gpu-ops")
+    assert r.one("Namespace")["metadata"]["name"] == control_ns
     ctl = the_container(r.one("Deployment", "prod-inference-cache-controller"))
     args = args_of(ctl)
     assert args["--agent-service-account"] == "gpu-ops:prod-inference-cache-agent"
     assert args["--leader-election-lease-name"] == "prod-inference-cache-controller"
+    assert args["--model-cache-control-namespace"] == control_ns
+    assert args["--model-cache-catalog-namespace"] == "gpu-ops"
+    assert args["--model-cache-catalog-config-map"] == "prod-inference-cache-storage-capabilities"
+    job = r.one("Job", "prod-inference-cache-strip-finalizers")
+    assert f"--namespace={control_ns}" in job["spec"]["template"]["spec"]["containers"][0]["args"]
     agent = the_container(r.one("DaemonSet", "prod-inference-cache-agent"))
     assert args_of(agent)["--controller"] == "http://prod-inference-cache-controller-agents.gpu-ops.svc:50051"
     assert "prod-inference-cache-webhook.gpu-ops.svc" in r.one("Certificate")["spec"]["dnsNames"]

@@ -241,10 +241,22 @@ def test_namespaced_objects_are_in_the_release_namespace(variant: Rendered) -> N
         "ValidatingWebhookConfiguration",
         "Namespace",
     }
+    # The model cache's Roles and RoleBindings (the controller's and the uninstall hook's) live in
+    # its control namespace; nothing else does.
+    mc = variant.values.get("modelCache", {})
+    control_ns = mc.get("controlNamespace") or "inference-cache-model-cache"
+    in_control_ns = {
+        ("Role", "inference-cache-controller-model-cache"),
+        ("RoleBinding", "inference-cache-controller-model-cache"),
+        ("Role", "inference-cache-strip-finalizers"),
+        ("RoleBinding", "inference-cache-strip-finalizers"),
+    }
     for o in variant.objects:
         ns = o["metadata"].get("namespace")
         if o["kind"] in cluster_scoped:
             assert ns is None, f"{o['kind']}/{o['metadata']['name']} must not set a namespace"
+        elif (o["kind"], o["metadata"]["name"]) in in_control_ns:
+            assert ns == control_ns, f"{o['kind']}/{o['metadata']['name']}: {ns}"
         else:
             assert ns == "inference-cache", f"{o['kind']}/{o['metadata']['name']}: {ns}"
 

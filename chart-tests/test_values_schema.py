@@ -56,6 +56,13 @@ def test_defaults_pass_the_schema() -> None:
         {"auth": {"tokenExpirationSeconds": 60}},  # below the kubelet's 10-minute minimum
         {"webhook": {"pod": {"timeoutSeconds": 31}}},
         {"agent": {"hostNetwork": "yes"}},
+        {"modelCache": {"featureGates": "CachingSupport=yes"}},  # not a boolean
+        {"modelCache": {"featureGates": {"CachingSupport": "on"}}},
+        {"modelCache": {"featureGates": 3}},
+        {"modelCache": {"idlePeriodSeconds": 0}},
+        {"modelCache": {"controlNamespace": "Model_Cache"}},  # not a DNS label
+        {"modelCache": {"enabled": "true"}},
+        {"kvEventSubscriber": {"images": "x"}},
     ],
 )
 def test_schema_rejects(values: dict) -> None:
@@ -72,6 +79,9 @@ def test_schema_rejects(values: dict) -> None:
         {"controller": {"resources": {"requests": {"cpu": "1"}}}},
         {"imagePullSecrets": [{"name": "regcred"}]},
         {"global": {"imageRegistry": "x"}},
+        {"modelCache": {"featureGates": "CachingSupport=true,ModelCacheEncryption=true"}},
+        {"modelCache": {"featureGates": {"SomeFutureGate": True}}},
+        {"modelCache": {"controlNamespace": "caches", "createControlNamespace": False}},
     ],
 )
 def test_schema_accepts(values: dict) -> None:

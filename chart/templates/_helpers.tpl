@@ -128,3 +128,54 @@ replica and streams to each (every replica serves LookupRoute from its own index
 {{- printf "%s:%v" .host .port -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Self-signed webhook mode: the Secret through which the replicas share one generated CA and
+serving pair (--webhook-tls-secret; the controller gets it, or creates it when absent). Distinct
+from the cert-manager Secret so that switching modes never reads the other mode's data. */}}
+{{- define "ic.webhookSelfSignedSecret" -}}
+{{- printf "%s-webhook-self-signed" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{/* Model cache: the control namespace (bindings, writer Leases, helmModelCache writers, key
+Secrets). */}}
+{{- define "ic.modelCache.controlNamespace" -}}
+{{- default (printf "%s-model-cache" (include "ic.fullname" .)) .Values.modelCache.controlNamespace -}}
+{{- end -}}
+
+{{/* Model cache: the catalog ConfigMap (in the release namespace) and its data key. */}}
+{{- define "ic.modelCache.catalogName" -}}
+{{- default (printf "%s-storage-capabilities" (include "ic.fullname" .)) .Values.modelCache.catalog.name -}}
+{{- end -}}
+{{- define "ic.modelCache.catalogKey" -}}
+catalog.json
+{{- end -}}
+
+{{/* Model cache: --model-cache-feature-gates from a map (gate: bool, sorted) or the flag's own
+string form. */}}
+{{- define "ic.modelCache.featureGates" -}}
+{{- $g := .Values.modelCache.featureGates -}}
+{{- if kindIs "string" $g -}}
+{{- $g -}}
+{{- else -}}
+{{- $parts := list -}}
+{{- range $k := keys $g | sortAlpha -}}
+{{- $parts = append $parts (printf "%s=%t" $k (index $g $k)) -}}
+{{- end -}}
+{{- join "," $parts -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Model cache: the pre-delete hook that strips binding finalizers (Job, ServiceAccount, Role,
+RoleBinding). A Job name longer than 63 characters cannot label its pods: fullname (44) + 17. */}}
+{{- define "ic.modelCache.uninstallName" -}}
+{{- printf "%s-strip-finalizers" (include "ic.fullname" .) -}}
+{{- end -}}
+
+{{/* --kvevent-subscriber-controller: host:port of the headless agents Service unless set. */}}
+{{- define "ic.kvEventSubscriber.controller" -}}
+{{- if .Values.kvEventSubscriber.controller -}}
+{{- .Values.kvEventSubscriber.controller -}}
+{{- else -}}
+{{- printf "%s.%s.svc:%v" (include "ic.agentsService" .) .Release.Namespace .Values.controller.ports.grpc -}}
+{{- end -}}
+{{- end -}}
