@@ -6,6 +6,7 @@
 //! - [`http`] — troubleshooting endpoints and `/metrics`.
 //! - [`qualify`] — `ic-agent qualify`, the model-cache storage qualification run.
 //! - [`runtime`] — `ic-agent run` wiring; [`state`] — what the loops share.
+//! - [`subscribe`] — `ic-agent subscribe`, the per-pod kvevent-subscriber sidecar.
 
 pub mod checks;
 pub mod http;
@@ -14,3 +15,4 @@ pub mod link;
 pub mod qualify;
 pub mod runtime;
 pub mod state;
+pub mod subscribe;

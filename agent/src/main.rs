@@ -39,6 +39,11 @@ enum Command {
     /// and refuse every write with EROFS, the reclaim policy must be Retain. Prints a report to
     /// cite. Exit status: 0 qualified, 1 not qualified, 2 the run could not be made.
     Qualify(ic_agent::qualify::QualifyArgs),
+    /// Per-pod KV-event subscriber (the kvevent-subscriber sidecar the Pod webhook appends when
+    /// the controller runs with --kvevent-subscriber-image): follow ONE engine publisher and
+    /// stream its blocks to the controller, like the node agent does for a planned stream.
+    /// Runs until SIGTERM / Ctrl-C (exit 0); exit 2 on unusable flags.
+    Subscribe(ic_agent::subscribe::SubscribeArgs),
 }
 
 #[derive(Subcommand)]
@@ -346,6 +351,20 @@ fn main() -> anyhow::Result<()> {
                 eprintln!("{undecodable} of {} messages did not decode", docs.len());
                 std::process::exit(1);
             }
+            Ok(())
+        }
+        Command::Subscribe(a) => {
+            let cfg = match a.config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("ic-agent subscribe: {e}");
+                    std::process::exit(2);
+                }
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(ic_agent::subscribe::run(cfg, telemetry::shutdown_signal()))?;
             Ok(())
         }
         Command::Run(a) => {

@@ -543,6 +543,21 @@ fn fixture_wiring_details() {
     assert!(wargs.windows(2).any(|p| p == ["--l1-size-gb", "16"]));
     let sub = container(&wired, "kvevent-subscriber");
     assert!(strings(&sub["args"]).contains(&"--hash-scheme=sglang".to_string()));
+    // The sidecar presents the pod's own projected token (audience inference-cache).
+    assert_eq!(
+        sub["volumeMounts"][0]["mountPath"],
+        "/var/run/secrets/inference-cache"
+    );
+    let token = wired["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "inference-cache-token")
+        .expect("token volume");
+    assert_eq!(
+        token["projected"]["sources"][0]["serviceAccountToken"]["audience"],
+        "inference-cache"
+    );
 }
 
 #[test]

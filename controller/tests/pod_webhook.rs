@@ -362,6 +362,55 @@ fn events_only_appends_only_the_subscriber() {
         ]
     );
     assert_eq!(sub["securityContext"]["runAsNonRoot"], true);
+    // The pod's own projected token (audience inference-cache), read-only where
+    // `ic-agent subscribe --token-file` looks by default: the controller verifies the stream as
+    // this pod's.
+    assert_eq!(
+        sub["volumeMounts"],
+        json!([{"name": "inference-cache-token", "mountPath": "/var/run/secrets/inference-cache", "readOnly": true}])
+    );
+    let volumes = wired["spec"]["volumes"].as_array().unwrap();
+    assert_eq!(
+        volumes.last().unwrap(),
+        &json!({"name": "inference-cache-token", "projected": {"sources": [{"serviceAccountToken": {
+            "audience": "inference-cache", "expirationSeconds": 3600, "path": "token"}}]}})
+    );
+}
+
+#[test]
+fn the_subscribers_token_volume_is_added_only_when_absent() {
+    let b = cb(
+        "x",
+        json!({"spec": {"integration": {"mode": "EventsOnly"}, "observation": {"modelID": "m"}}}),
+    );
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
+    let mut pod = vllm_pod();
+    let mine = json!({"name": "inference-cache-token", "projected": {"sources": [{"serviceAccountToken": {"audience": "inference-cache", "expirationSeconds": 7200, "path": "token"}}]}});
+    pod["spec"]["volumes"] = json!([mine.clone()]);
+    let (_, wired) = admit_converged(&pod, std::slice::from_ref(&b), &cfg);
+    assert_eq!(wired["spec"]["volumes"], json!([mine]), "kept as it was");
+    assert_eq!(
+        container(&wired, "kvevent-subscriber")["volumeMounts"][0]["name"],
+        "inference-cache-token"
+    );
+    // A pod without volumes gets exactly one.
+    let (_, wired) = admit_converged(&vllm_pod(), &[b], &cfg);
+    let names: Vec<&str> = wired["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(
+        names
+            .iter()
+            .filter(|n| **n == "inference-cache-token")
+            .count(),
+        1
+    );
 }
 
 #[test]

@@ -51,6 +51,10 @@ pub struct LinkConfig {
     pub batch_window: Duration,
     /// How often the controller host is re-resolved to find replicas.
     pub rediscover_interval: Duration,
+    /// Set by `ic-agent subscribe` (the per-pod kvevent-subscriber): the pod the stream speaks
+    /// for, sent in `Hello.pod_subscriber`. Such a link ignores node plans (the controller sends
+    /// none to subscriber streams). `None` for the node agent.
+    pub pod_subscriber: Option<proto::PodSubscriber>,
 }
 
 impl LinkConfig {
@@ -63,6 +67,7 @@ impl LinkConfig {
             backoff_max: Duration::from_secs(5),
             batch_window: Duration::from_millis(20),
             rediscover_interval: Duration::from_secs(10),
+            pod_subscriber: None,
         }
     }
 }
@@ -289,15 +294,24 @@ async fn endpoint_loop(
     }
 }
 
-fn hello(state: &AgentState, token: &str) -> AgentMessage {
+fn hello(
+    state: &AgentState,
+    token: &str,
+    pod_subscriber: Option<&proto::PodSubscriber>,
+) -> AgentMessage {
+    let capabilities = match pod_subscriber {
+        Some(_) => vec!["kv-events".into(), "pod-subscriber".into()],
+        None => vec!["checks".into(), "kv-events".into()],
+    };
     AgentMessage {
         msg: Some(Msg::Hello(proto::Hello {
             node: state.node.clone(),
             boot_id: read_boot_id(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            capabilities: vec!["checks".into(), "kv-events".into()],
+            capabilities,
             token: token.to_string(),
             agent_instance: instance_id().to_string(),
+            pod_subscriber: pod_subscriber.cloned(),
         })),
     }
 }
@@ -392,7 +406,7 @@ async fn session(
     let snap = pump.snapshot().await?;
     let mut covered = Covered::from_snapshot(&snap);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
-    send(hello(state, &token)).await?;
+    send(hello(state, &token, cfg.pod_subscriber.as_ref())).await?;
     send(AgentMessage {
         msg: Some(Msg::Resync(proto::Resync { streams: snap })),
     })
@@ -422,6 +436,9 @@ async fn session(
             msg = inbound.message() => {
                 let Some(msg) = msg? else { return Ok(()) };
                 match msg.msg {
+                    Some(controller_message::Msg::Plan(p)) if cfg.pod_subscriber.is_some() => {
+                        warn!(controller = %url, generation = p.generation, "ignoring a node plan sent to a per-pod subscriber");
+                    }
                     Some(controller_message::Msg::Plan(p)) => {
                         apply_controller_plan(state, &p);
                         plan_applied.notify_one();

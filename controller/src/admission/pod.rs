@@ -41,7 +41,8 @@ use std::sync::Arc;
 
 use ic_shared::crd::{CacheBackend, Runtime};
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ResourceRequirements,
+    Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ProjectedVolumeSource,
+    ResourceRequirements, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::Value;
@@ -66,6 +67,14 @@ pub const SKIPPED_BY_OPERATOR: &str = "skip-inject-annotation";
 pub const REASON_INJECTED: &str = "Injected";
 /// Name of the kvevent-subscriber sidecar (a regular container: no Kubernetes version floor).
 pub const SUBSCRIBER_CONTAINER: &str = "kvevent-subscriber";
+/// Projected service-account token volume of the kvevent-subscriber sidecar (added only when the
+/// pod has no volume of that name).
+pub const SUBSCRIBER_TOKEN_VOLUME: &str = "inference-cache-token";
+/// Where the sidecar mounts [`SUBSCRIBER_TOKEN_VOLUME`]: the directory of
+/// `ic-agent subscribe --token-file`'s default (`/var/run/secrets/inference-cache/token`).
+pub const SUBSCRIBER_TOKEN_DIR: &str = "/var/run/secrets/inference-cache";
+/// Lifetime of the sidecar's projected token in seconds (the kubelet rotates it at 80 %).
+pub const SUBSCRIBER_TOKEN_EXPIRATION_SECONDS: i64 = 3600;
 /// Engine KV-event endpoint assumed when the engine has no `--kv-events-config`.
 pub const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://127.0.0.1:5557";
 
@@ -497,7 +506,11 @@ fn field_env(name: &str, path: &str) -> EnvVar {
 
 /// Appends (or converges) the kvevent-subscriber sidecar: the agent binary in per-pod mode,
 /// `--hash-scheme` from the runtime, `--ignore-block-removed=true` in Offload mode, tenant = pod
-/// namespace, replica id = pod name (downward API).
+/// namespace, replica id = pod name (downward API). The sidecar mounts a projected
+/// service-account token (audience `inference-cache`, 1 h) read-only at
+/// [`SUBSCRIBER_TOKEN_DIR`], which the controller verifies as the pod's own
+/// ([`crate::ingest::auth`], per-pod subscribers); the volume is added unless the pod already
+/// has one named [`SUBSCRIBER_TOKEN_VOLUME`].
 #[allow(clippy::too_many_arguments)]
 fn add_subscriber(
     pod: &mut Pod,
@@ -546,6 +559,12 @@ fn add_subscriber(
             ..Default::default()
         }),
         security_context: Some(hardened_security_context()),
+        volume_mounts: Some(vec![VolumeMount {
+            name: SUBSCRIBER_TOKEN_VOLUME.to_string(),
+            mount_path: SUBSCRIBER_TOKEN_DIR.to_string(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
         ..Default::default()
     };
     let Some(spec) = pod.spec.as_mut() else {
@@ -570,7 +589,30 @@ fn add_subscriber(
         }
         None => spec.containers.push(sidecar),
     }
+    let volumes = spec.volumes.get_or_insert_with(Vec::new);
+    if !volumes.iter().any(|v| v.name == SUBSCRIBER_TOKEN_VOLUME) {
+        volumes.push(subscriber_token_volume());
+    }
     Ok(())
+}
+
+/// The sidecar's projected token: audience `inference-cache`, file `token`.
+fn subscriber_token_volume() -> Volume {
+    Volume {
+        name: SUBSCRIBER_TOKEN_VOLUME.to_string(),
+        projected: Some(ProjectedVolumeSource {
+            default_mode: None,
+            sources: Some(vec![VolumeProjection {
+                service_account_token: Some(ServiceAccountTokenProjection {
+                    audience: Some(crate::ingest::auth::DEFAULT_AUDIENCE.to_string()),
+                    expiration_seconds: Some(SUBSCRIBER_TOKEN_EXPIRATION_SECONDS),
+                    path: "token".to_string(),
+                }),
+                ..Default::default()
+            }]),
+        }),
+        ..Default::default()
+    }
 }
 
 /// Builds the outcome: the patch from `base` to `out`, checked against the request object.

@@ -13,10 +13,27 @@
 //!    the kube verifier looks the token's pod (`…/pod-name`, `…/pod-uid`) up and takes its
 //!    `spec.nodeName`. A token without any node binding is refused.
 //!
+//! **Per-pod subscribers** (`ic-agent subscribe`, the kvevent-subscriber sidecar) run with the
+//! *engine pod's* service account, so they cannot pass rule 2. Their Hello carries
+//! `pod_subscriber {namespace, pod}` ([`PodScope`]) and is checked by another rule instead:
+//!
+//! 1. the same TokenReview (audience `inference-cache`);
+//! 2. the token must be pod-bound: extras `authentication.kubernetes.io/pod-name` and
+//!    `…/pod-uid`, username `system:serviceaccount:NS:NAME`;
+//! 3. the token's namespace (the service account's) = `pod_subscriber.namespace`, its pod name =
+//!    `pod_subscriber.pod`, and its node (as in rule 3 above) = `Hello.node`.
+//!
+//! Any service account may do this, but only for its own pod: such a stream may then report only
+//! streams of that pod ([`PodScope::authorize`]: tenant = the namespace, replica = the pod or
+//! `pod#rank`, stream id `namespace/pod#rank`). Node-agent Hellos (no `pod_subscriber`) are
+//! checked exactly as before.
+//!
 //! Refusals map to gRPC statuses ([`AuthError::to_status`]): no token, an invalid token or a
 //! wrong audience → `Unauthenticated`; a valid token of another service account, without a node
-//! binding, or bound to another node → `PermissionDenied`; the TokenReview API failing →
-//! `Unavailable` (the agent retries). Standalone mode runs without an authenticator.
+//! or pod binding, bound to another node, namespace or pod, or a subscriber reporting another
+//! pod's stream → `PermissionDenied`; a malformed `pod_subscriber` → `InvalidArgument`; the
+//! TokenReview API failing → `Unavailable` (the agent retries). Standalone mode runs without an
+//! authenticator (a subscriber's streams are still held to the pod its Hello names).
 
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
@@ -248,12 +265,28 @@ impl FakeTokenVerifier {
 
     /// Accepts `token` as service account `sa` bound to `node` (builder style).
     pub fn with_token(self, token: &str, sa: &ServiceAccountRef, node: Option<&str>) -> Self {
+        self.with_pod_token(token, sa, node, None)
+    }
+
+    /// Accepts `token` as service account `sa` bound to `node` and, with `pod = Some(name)`, to
+    /// that pod (the `pod-name` and `pod-uid` extras a kubelet-projected token carries).
+    pub fn with_pod_token(
+        self,
+        token: &str,
+        sa: &ServiceAccountRef,
+        node: Option<&str>,
+        pod: Option<&str>,
+    ) -> Self {
         let mut extra = BTreeMap::new();
         if let Some(n) = node {
             extra.insert(EXTRA_NODE_NAME.to_string(), vec![n.to_string()]);
         }
-        self.tokens.lock().insert(
-            token.to_string(),
+        if let Some(p) = pod {
+            extra.insert(EXTRA_POD_NAME.to_string(), vec![p.to_string()]);
+            extra.insert(EXTRA_POD_UID.to_string(), vec![format!("uid-of-{p}")]);
+        }
+        self.with_identity(
+            token,
             TokenIdentity {
                 username: sa.username(),
                 uid: format!("uid-{token}"),
@@ -264,7 +297,12 @@ impl FakeTokenVerifier {
                 extra,
                 node: node.map(str::to_string),
             },
-        );
+        )
+    }
+
+    /// Accepts `token` as exactly `identity`.
+    pub fn with_identity(self, token: &str, identity: TokenIdentity) -> Self {
+        self.tokens.lock().insert(token.to_string(), identity);
         self
     }
 
@@ -450,6 +488,45 @@ pub enum AuthError {
         /// Node in Hello.
         hello_node: String,
     },
+    /// `Hello.pod_subscriber` is present but incomplete.
+    #[error("invalid Hello.pod_subscriber: {0}")]
+    InvalidSubscriber(String),
+    /// A subscriber's token is not bound to a pod.
+    #[error("the token of {username:?} is not bound to a pod (a per-pod subscriber must present its pod's projected service-account token, which carries the {EXTRA_POD_NAME} and {EXTRA_POD_UID} extras)")]
+    NoPodBinding {
+        /// The token's username.
+        username: String,
+    },
+    /// A subscriber's token belongs to a service account of another namespace.
+    #[error("the token belongs to namespace {token_namespace:?} but Hello.pod_subscriber names namespace {hello_namespace:?}: a subscriber may only report for its own pod")]
+    NamespaceMismatch {
+        /// Namespace of the token's service account (= its pod's).
+        token_namespace: String,
+        /// Namespace in Hello.
+        hello_namespace: String,
+    },
+    /// A subscriber's token belongs to another pod.
+    #[error("the token is bound to pod {token_pod:?} but Hello.pod_subscriber names pod {hello_pod:?}: a subscriber may only report for its own pod")]
+    PodMismatch {
+        /// Pod the token is bound to.
+        token_pod: String,
+        /// Pod in Hello.
+        hello_pod: String,
+    },
+    /// A subscriber reported a stream of another pod or namespace.
+    #[error("the subscriber of pod {pod:?} may only report that pod's streams: stream {stream_id:?} has {field} {got:?}, expected {want:?}")]
+    StreamOutOfScope {
+        /// `namespace/pod` the stream is bound to.
+        pod: String,
+        /// The offending stream id.
+        stream_id: String,
+        /// Which descriptor field mismatched: `tenant`, `replica` or `stream id`.
+        field: &'static str,
+        /// Its value.
+        got: String,
+        /// The value the pod allows.
+        want: String,
+    },
 }
 
 impl AuthError {
@@ -459,9 +536,14 @@ impl AuthError {
         match self {
             AuthError::MissingToken { .. } | AuthError::Rejected(_) => Status::unauthenticated(msg),
             AuthError::Unavailable(_) => Status::unavailable(msg),
+            AuthError::InvalidSubscriber(_) => Status::invalid_argument(msg),
             AuthError::WrongServiceAccount { .. }
             | AuthError::NoNodeBinding { .. }
-            | AuthError::NodeMismatch { .. } => Status::permission_denied(msg),
+            | AuthError::NodeMismatch { .. }
+            | AuthError::NoPodBinding { .. }
+            | AuthError::NamespaceMismatch { .. }
+            | AuthError::PodMismatch { .. }
+            | AuthError::StreamOutOfScope { .. } => Status::permission_denied(msg),
         }
     }
 
@@ -474,7 +556,92 @@ impl AuthError {
             AuthError::WrongServiceAccount { .. } => "wrong_service_account",
             AuthError::NoNodeBinding { .. } => "no_node_binding",
             AuthError::NodeMismatch { .. } => "node_mismatch",
+            AuthError::InvalidSubscriber(_) => "invalid_subscriber",
+            AuthError::NoPodBinding { .. } => "no_pod_binding",
+            AuthError::NamespaceMismatch { .. } => "namespace_mismatch",
+            AuthError::PodMismatch { .. } => "pod_mismatch",
+            AuthError::StreamOutOfScope { .. } => "stream_out_of_scope",
         }
+    }
+}
+
+/// The pod a per-pod subscriber stream speaks for (`Hello.pod_subscriber` plus `Hello.node`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodScope {
+    /// Node the pod runs on.
+    pub node: String,
+    /// The pod's namespace: the only tenant the stream may report.
+    pub namespace: String,
+    /// The pod's name: the only replica (`pod`, `pod#rank`) the stream may report.
+    pub pod: String,
+}
+
+impl PodScope {
+    /// The scope a Hello claims: `None` for a node agent, an error when `pod_subscriber` is
+    /// present with an empty or malformed namespace or pod, or without a node.
+    pub fn from_hello(hello: &ic_shared::proto::Hello) -> Result<Option<PodScope>, AuthError> {
+        let Some(sub) = &hello.pod_subscriber else {
+            return Ok(None);
+        };
+        let valid = |v: &str| !v.is_empty() && v.trim() == v && !v.contains(['/', '#', ':']);
+        if !valid(&sub.namespace) || !valid(&sub.pod) {
+            return Err(AuthError::InvalidSubscriber(format!(
+                "namespace {:?} and pod {:?} must be non-empty Kubernetes names",
+                sub.namespace, sub.pod
+            )));
+        }
+        if hello.node.trim().is_empty() || hello.node.contains('/') {
+            return Err(AuthError::InvalidSubscriber(format!(
+                "Hello.node {:?} must name the pod's node",
+                hello.node
+            )));
+        }
+        Ok(Some(PodScope {
+            node: hello.node.clone(),
+            namespace: sub.namespace.clone(),
+            pod: sub.pod.clone(),
+        }))
+    }
+
+    /// `namespace/pod`.
+    pub fn pod_ref(&self) -> String {
+        format!("{}/{}", self.namespace, self.pod)
+    }
+
+    /// The key the registry and the index file the stream's state under, apart from the node
+    /// agent's (whose key is the bare node name, which never contains `/`):
+    /// `<node>/<namespace>/<pod>`.
+    pub fn reporter_key(&self) -> String {
+        format!("{}/{}/{}", self.node, self.namespace, self.pod)
+    }
+
+    /// Whether the stream may report `desc`: tenant = the namespace, replica = the pod (rank 0)
+    /// or `pod#rank`, stream id = `namespace/pod#rank`.
+    pub fn authorize(&self, desc: &ic_shared::proto::StreamDescriptor) -> Result<(), AuthError> {
+        let rank = desc.dp_rank;
+        let want_replica = if rank == 0 {
+            self.pod.clone()
+        } else {
+            format!("{}#{rank}", self.pod)
+        };
+        let want_stream = format!("{}/{}#{rank}", self.namespace, self.pod);
+        let checks = [
+            ("tenant", &desc.tenant, self.namespace.clone()),
+            ("replica", &desc.replica, want_replica),
+            ("stream id", &desc.stream_id, want_stream),
+        ];
+        for (field, got, want) in checks {
+            if *got != want {
+                return Err(AuthError::StreamOutOfScope {
+                    pod: self.pod_ref(),
+                    stream_id: desc.stream_id.clone(),
+                    field,
+                    got: got.clone(),
+                    want,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -485,6 +652,8 @@ pub struct AgentIdentity {
     pub username: String,
     /// The node the token (and so the stream) is bound to.
     pub node: String,
+    /// For a per-pod subscriber: the pod it may report for. `None` for a node agent.
+    pub scope: Option<PodScope>,
 }
 
 /// Checks agents' Hello messages: token, service account, node binding.
@@ -531,7 +700,8 @@ impl AgentAuthenticator {
         &self.service_account
     }
 
-    /// Authenticates a stream's Hello.
+    /// Authenticates a stream's Hello: the node-agent rule, or, when the Hello carries
+    /// `pod_subscriber`, the per-pod subscriber rule (module docs).
     pub async fn authenticate(
         &self,
         hello: &ic_shared::proto::Hello,
@@ -547,21 +717,27 @@ impl AgentAuthenticator {
         result
     }
 
-    async fn check(&self, hello: &ic_shared::proto::Hello) -> Result<AgentIdentity, AuthError> {
+    async fn verify(&self, hello: &ic_shared::proto::Hello) -> Result<TokenIdentity, AuthError> {
         let token = hello.token.trim();
         if token.is_empty() {
             return Err(AuthError::MissingToken {
                 audience: self.audience.clone(),
             });
         }
-        let id = self
-            .verifier
+        self.verifier
             .verify(token, &self.audience)
             .await
             .map_err(|e| match e {
                 VerifyError::Rejected(m) => AuthError::Rejected(m),
                 VerifyError::Unavailable(m) => AuthError::Unavailable(m),
-            })?;
+            })
+    }
+
+    async fn check(&self, hello: &ic_shared::proto::Hello) -> Result<AgentIdentity, AuthError> {
+        if let Some(scope) = PodScope::from_hello(hello)? {
+            return self.check_subscriber(hello, scope).await;
+        }
+        let id = self.verify(hello).await?;
         let want = self.service_account.username();
         if id.username != want {
             return Err(AuthError::WrongServiceAccount {
@@ -583,6 +759,58 @@ impl AgentAuthenticator {
         Ok(AgentIdentity {
             username: id.username,
             node,
+            scope: None,
+        })
+    }
+
+    /// The per-pod subscriber rule: a pod-bound token of the pod, namespace and node Hello names.
+    async fn check_subscriber(
+        &self,
+        hello: &ic_shared::proto::Hello,
+        scope: PodScope,
+    ) -> Result<AgentIdentity, AuthError> {
+        let id = self.verify(hello).await?;
+        let namespace = id
+            .username
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|r| r.split_once(':'))
+            .map(|(ns, _)| ns.to_string());
+        let (Some(namespace), Some(pod), Some(_uid)) = (
+            namespace,
+            id.extra_value(EXTRA_POD_NAME),
+            id.extra_value(EXTRA_POD_UID),
+        ) else {
+            return Err(AuthError::NoPodBinding {
+                username: id.username,
+            });
+        };
+        if namespace != scope.namespace {
+            return Err(AuthError::NamespaceMismatch {
+                token_namespace: namespace,
+                hello_namespace: scope.namespace,
+            });
+        }
+        if pod != scope.pod {
+            return Err(AuthError::PodMismatch {
+                token_pod: format!("{namespace}/{pod}"),
+                hello_pod: scope.pod_ref(),
+            });
+        }
+        let Some(node) = id.node.clone().filter(|n| !n.is_empty()) else {
+            return Err(AuthError::NoNodeBinding {
+                username: id.username,
+            });
+        };
+        if node != scope.node {
+            return Err(AuthError::NodeMismatch {
+                token_node: node,
+                hello_node: scope.node,
+            });
+        }
+        Ok(AgentIdentity {
+            username: id.username,
+            node,
+            scope: Some(scope),
         })
     }
 }
@@ -600,5 +828,214 @@ mod tests {
         assert!(":agent".parse::<ServiceAccountRef>().is_err());
         assert!("ic:".parse::<ServiceAccountRef>().is_err());
         assert!("a:b:c".parse::<ServiceAccountRef>().is_err());
+    }
+
+    fn agent_sa() -> ServiceAccountRef {
+        "inference-cache:inference-cache-agent".parse().unwrap()
+    }
+
+    /// Tokens: engine pod `team-a/vllm-a` on node-1 (its own service account), engine pod
+    /// `team-b/vllm-b` on node-1, a team-a token bound to the node only, the agent's token.
+    fn authenticator() -> AgentAuthenticator {
+        let engine_a: ServiceAccountRef = "team-a:vllm".parse().unwrap();
+        let engine_b: ServiceAccountRef = "team-b:vllm".parse().unwrap();
+        let verifier = FakeTokenVerifier::new()
+            .with_pod_token("tok-a", &engine_a, Some("node-1"), Some("vllm-a"))
+            .with_pod_token("tok-b", &engine_b, Some("node-1"), Some("vllm-b"))
+            .with_token("tok-node-only", &engine_a, Some("node-1"))
+            .with_pod_token("tok-agent", &agent_sa(), Some("node-1"), Some("agent-xyz"));
+        AgentAuthenticator::new(Arc::new(verifier), DEFAULT_AUDIENCE, agent_sa())
+    }
+
+    fn subscriber_hello(node: &str, ns: &str, pod: &str, token: &str) -> ic_shared::proto::Hello {
+        ic_shared::proto::Hello {
+            node: node.into(),
+            token: token.into(),
+            pod_subscriber: Some(ic_shared::proto::PodSubscriber {
+                namespace: ns.into(),
+                pod: pod.into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn agent_hello(node: &str, token: &str) -> ic_shared::proto::Hello {
+        ic_shared::proto::Hello {
+            node: node.into(),
+            token: token.into(),
+            ..Default::default()
+        }
+    }
+
+    fn desc(
+        tenant: &str,
+        replica: &str,
+        stream_id: &str,
+        rank: u32,
+    ) -> ic_shared::proto::StreamDescriptor {
+        ic_shared::proto::StreamDescriptor {
+            stream_id: stream_id.into(),
+            replica: replica.into(),
+            dp_rank: rank,
+            tenant: tenant.into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pod_bound_token_may_report_its_own_pod_in_its_namespace() {
+        let auth = authenticator();
+        let id = auth
+            .authenticate(&subscriber_hello("node-1", "team-a", "vllm-a", "tok-a"))
+            .await
+            .unwrap();
+        assert_eq!(id.username, "system:serviceaccount:team-a:vllm");
+        assert_eq!(id.node, "node-1");
+        let scope = id.scope.unwrap();
+        assert_eq!(scope.reporter_key(), "node-1/team-a/vllm-a");
+        scope
+            .authorize(&desc("team-a", "vllm-a", "team-a/vllm-a#0", 0))
+            .unwrap();
+        scope
+            .authorize(&desc("team-a", "vllm-a#1", "team-a/vllm-a#1", 1))
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_may_not_report_another_pod_or_namespace() {
+        let scope = authenticator()
+            .authenticate(&subscriber_hello("node-1", "team-a", "vllm-a", "tok-a"))
+            .await
+            .unwrap()
+            .scope
+            .unwrap();
+        let cases = [
+            // Pod B of the same namespace.
+            (
+                desc("team-a", "vllm-b", "team-a/vllm-b#0", 0),
+                "has replica \"vllm-b\", expected \"vllm-a\"",
+            ),
+            // Its own pod name, but another namespace (tenant).
+            (
+                desc("team-b", "vllm-a", "team-b/vllm-a#0", 0),
+                "has tenant \"team-b\", expected \"team-a\"",
+            ),
+            // Right tenant and replica, but another pod's stream id (would replace its entries).
+            (
+                desc("team-a", "vllm-a", "team-a/vllm-b#0", 0),
+                "has stream id \"team-a/vllm-b#0\", expected \"team-a/vllm-a#0\"",
+            ),
+            // A rank suffix that does not match the rank.
+            (
+                desc("team-a", "vllm-a#2", "team-a/vllm-a#1", 1),
+                "has replica \"vllm-a#2\", expected \"vllm-a#1\"",
+            ),
+        ];
+        for (d, text) in cases {
+            let err = scope.authorize(&d).unwrap_err();
+            assert_eq!(err.label(), "stream_out_of_scope");
+            let st = err.to_status();
+            assert_eq!(st.code(), tonic::Code::PermissionDenied);
+            assert!(st.message().contains(text), "{}", st.message());
+            assert!(
+                st.message().contains("\"team-a/vllm-a\""),
+                "names the pod: {}",
+                st.message()
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_hello_for_another_pod_namespace_or_node_is_refused() {
+        let auth = authenticator();
+        let cases = [
+            // Pod A's token claiming pod B.
+            (
+                subscriber_hello("node-1", "team-a", "vllm-b", "tok-a"),
+                "pod_mismatch",
+                "bound to pod \"team-a/vllm-a\" but Hello.pod_subscriber names pod \"team-a/vllm-b\"",
+            ),
+            // Pod A's token claiming its pod name in another namespace.
+            (
+                subscriber_hello("node-1", "team-b", "vllm-a", "tok-a"),
+                "namespace_mismatch",
+                "namespace \"team-a\" but Hello.pod_subscriber names namespace \"team-b\"",
+            ),
+            // Pod B's token (namespace team-b) claiming pod A.
+            (
+                subscriber_hello("node-1", "team-a", "vllm-a", "tok-b"),
+                "namespace_mismatch",
+                "namespace \"team-b\"",
+            ),
+            // Pod A's token from another node.
+            (
+                subscriber_hello("node-2", "team-a", "vllm-a", "tok-a"),
+                "node_mismatch",
+                "bound to node \"node-1\" but Hello names node \"node-2\"",
+            ),
+            // A token without pod binding.
+            (
+                subscriber_hello("node-1", "team-a", "vllm-a", "tok-node-only"),
+                "no_pod_binding",
+                "not bound to a pod",
+            ),
+        ];
+        for (hello, label, text) in cases {
+            let err = auth.authenticate(&hello).await.unwrap_err();
+            assert_eq!(err.label(), label, "{err}");
+            let st = err.to_status();
+            assert_eq!(st.code(), tonic::Code::PermissionDenied, "{err}");
+            assert!(st.message().contains(text), "{}", st.message());
+        }
+        // Unverifiable tokens stay Unauthenticated; a malformed claim is InvalidArgument.
+        let err = auth
+            .authenticate(&subscriber_hello("node-1", "team-a", "vllm-a", ""))
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_status().code(), tonic::Code::Unauthenticated);
+        let err = auth
+            .authenticate(&subscriber_hello("node-1", "team-a", "", "tok-a"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_status().code(), tonic::Code::InvalidArgument);
+        let err = auth
+            .authenticate(&subscriber_hello("node-1", "team/a", "vllm-a", "tok-a"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.label(), "invalid_subscriber");
+    }
+
+    #[tokio::test]
+    async fn node_agent_streams_keep_the_agent_rule() {
+        let auth = authenticator();
+        let id = auth
+            .authenticate(&agent_hello("node-1", "tok-agent"))
+            .await
+            .unwrap();
+        assert_eq!(id.scope, None, "an agent is not scoped to a pod");
+        // An engine pod's token without the subscriber claim is not the agent.
+        let err = auth
+            .authenticate(&agent_hello("node-1", "tok-a"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.label(), "wrong_service_account");
+        assert_eq!(err.to_status().code(), tonic::Code::PermissionDenied);
+        let err = auth
+            .authenticate(&agent_hello("node-2", "tok-agent"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.label(), "node_mismatch");
+    }
+
+    #[test]
+    fn a_scope_is_read_from_hello_only_when_claimed() {
+        assert_eq!(PodScope::from_hello(&agent_hello("n", "t")), Ok(None));
+        let scope = PodScope::from_hello(&subscriber_hello("n", "ns", "p", "t"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(scope.pod_ref(), "ns/p");
+        assert!(PodScope::from_hello(&subscriber_hello("", "ns", "p", "t")).is_err());
     }
 }

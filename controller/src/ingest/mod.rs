@@ -19,6 +19,16 @@
 //! Each accepted stream's sending half is registered ([`registry::NodeRegistry::attach`]), which
 //! queues the node's current plan first; the plan publisher pushes later plans through the
 //! same handle.
+//!
+//! **Per-pod subscribers** (`Hello.pod_subscriber`: `ic-agent subscribe`, the kvevent-subscriber
+//! sidecar) follow the same protocol with three differences: in cluster they authenticate with
+//! their pod's token ([`auth`], "Per-pod subscribers"); their state is filed under
+//! `<node>/<namespace>/<pod>` ([`auth::PodScope::reporter_key`]) in the registry and the index,
+//! so their resyncs replace only their own streams (never the node agent's or another pod's);
+//! and every stream in their `Resync`s and deltas must be their pod's
+//! ([`auth::PodScope::authorize`]) — one that is not ends the stream with `PermissionDenied`
+//! before anything of that message is applied. They get no node plan; check reports from them
+//! are ignored. Standalone mode holds them to the pod their Hello names.
 
 pub mod auth;
 pub mod registry;
@@ -98,22 +108,30 @@ impl AgentService for AgentIngest {
                 ));
             }
         };
+        let refuse = |e: auth::AuthError| {
+            self.shared
+                .metrics
+                .agent_streams_total
+                .with_label_values(&["rejected"])
+                .inc();
+            warn!(node = %hello.node, error = %e, "agent stream refused");
+            e.to_status()
+        };
+        let scope = auth::PodScope::from_hello(&hello).map_err(refuse)?;
         if let Some(auth) = &self.auth {
-            if let Err(e) = auth.authenticate(&hello).await {
-                self.shared
-                    .metrics
-                    .agent_streams_total
-                    .with_label_values(&["rejected"])
-                    .inc();
-                warn!(node = %hello.node, error = %e, "agent stream refused");
-                return Err(e.to_status());
-            }
+            auth.authenticate(&hello).await.map_err(refuse)?;
         }
         let (tx, rx) = mpsc::channel(OUTBOUND_DEPTH);
         let (ticket, plan_generation) = {
             let mut nodes = self.shared.nodes.lock();
-            let ticket = nodes.connect(&hello, now_unix_ms());
-            let plan_generation = nodes.attach(&ticket, tx.clone());
+            let (ticket, plan_generation) = match &scope {
+                Some(scope) => (nodes.connect_subscriber(&hello, scope, now_unix_ms()), None),
+                None => {
+                    let ticket = nodes.connect(&hello, now_unix_ms());
+                    let generation = nodes.attach(&ticket, tx.clone());
+                    (ticket, generation)
+                }
+            };
             self.shared
                 .metrics
                 .agents_connected
@@ -125,8 +143,15 @@ impl AgentService for AgentIngest {
             .agent_streams_total
             .with_label_values(&["accepted"])
             .inc();
-        self.shared.notify_node_change();
-        info!(node = %hello.node, version = %hello.version, instance = %hello.agent_instance, plan_generation = ?plan_generation, "agent connected");
+        match &scope {
+            Some(scope) => {
+                info!(node = %hello.node, pod = %scope.pod_ref(), version = %hello.version, instance = %hello.agent_instance, "pod subscriber connected")
+            }
+            None => {
+                self.shared.notify_node_change();
+                info!(node = %hello.node, version = %hello.version, instance = %hello.agent_instance, plan_generation = ?plan_generation, "agent connected")
+            }
+        }
 
         let shared = self.shared.clone();
         tokio::spawn(async move {
@@ -140,11 +165,15 @@ impl AgentService for AgentIngest {
             let end = loop {
                 tokio::select! {
                     msg = inbound.message() => match msg {
-                        Ok(Some(msg)) => {
-                            if session.handle(msg).await.is_err() {
-                                break "controller side closed";
+                        Ok(Some(msg)) => match session.handle(msg).await {
+                            Ok(()) => {}
+                            Err(SessionEnd::Closed) => break "controller side closed",
+                            Err(SessionEnd::Refused(e)) => {
+                                warn!(node = %session.ticket.node, error = %e, "stream reported outside its scope; closing it");
+                                let _ = session.tx.send(Err(e.to_status())).await;
+                                break "refused: stream outside the subscriber's pod";
                             }
-                        }
+                        },
                         Ok(None) => break "agent closed the stream",
                         Err(_) => break "stream error",
                     },
@@ -160,17 +189,32 @@ impl AgentService for AgentIngest {
             {
                 let mut nodes = shared.nodes.lock();
                 if nodes.disconnect(&ticket, now_unix_ms()) {
-                    info!(node = %ticket.node, why = end, "agent disconnected");
+                    match &ticket.scope {
+                        Some(s) => {
+                            info!(pod = %s.pod_ref(), node = %s.node, why = end, "pod subscriber disconnected")
+                        }
+                        None => info!(node = %ticket.node, why = end, "agent disconnected"),
+                    }
                 }
                 shared
                     .metrics
                     .agents_connected
                     .set(nodes.connected_count() as i64);
             }
-            shared.notify_node_change();
+            if ticket.scope.is_none() {
+                shared.notify_node_change();
+            }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// Why [`Session::handle`] ends a stream.
+enum SessionEnd {
+    /// The outbound half is gone.
+    Closed,
+    /// A subscriber reported a stream outside its pod.
+    Refused(auth::AuthError),
 }
 
 /// One open agent stream.
@@ -182,14 +226,28 @@ struct Session {
 }
 
 impl Session {
-    async fn send(&self, msg: controller_message::Msg) -> Result<(), ()> {
+    async fn send(&self, msg: controller_message::Msg) -> Result<(), SessionEnd> {
         self.tx
             .send(Ok(ControllerMessage { msg: Some(msg) }))
             .await
-            .map_err(|_| ())
+            .map_err(|_| SessionEnd::Closed)
     }
 
-    async fn handle(&mut self, msg: proto::AgentMessage) -> Result<(), ()> {
+    /// For a subscriber stream: every descriptor must be its pod's.
+    fn authorize<'a>(
+        &self,
+        descriptors: impl IntoIterator<Item = Option<&'a proto::StreamDescriptor>>,
+    ) -> Result<(), SessionEnd> {
+        let Some(scope) = &self.ticket.scope else {
+            return Ok(());
+        };
+        for d in descriptors.into_iter().flatten() {
+            scope.authorize(d).map_err(SessionEnd::Refused)?;
+        }
+        Ok(())
+    }
+
+    async fn handle(&mut self, msg: proto::AgentMessage) -> Result<(), SessionEnd> {
         let now = now_unix_ms();
         if !self.shared.nodes.lock().is_current(&self.ticket) {
             // A newer stream from the same node took over; this one only drains.
@@ -200,6 +258,7 @@ impl Session {
         match msg.msg {
             Some(Msg::Hello(_)) | None => {}
             Some(Msg::Resync(r)) => {
+                self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;
                 let trigger = if self.awaiting_resync {
                     "requested"
                 } else {
@@ -207,13 +266,15 @@ impl Session {
                 };
                 {
                     let mut ix = self.shared.index.write();
-                    ix.resync_node(&self.ticket.node, &with_node(r.streams, &self.ticket.node));
+                    let streams = with_node(r.streams, self.ticket.reporting_node());
+                    ix.resync_node(&self.ticket.node, &streams);
                     self.shared.update_index_gauges(&ix);
                 }
                 m.kv_resyncs_total.with_label_values(&[trigger]).inc();
                 self.awaiting_resync = false;
             }
             Some(Msg::KvDeltas(batch)) => {
+                self.authorize(batch.deltas.iter().map(|d| d.stream.as_ref()))?;
                 m.kv_batches_total.inc();
                 let mut refused = None;
                 if self.awaiting_resync {
@@ -251,6 +312,7 @@ impl Session {
                     .await?;
                 }
             }
+            Some(Msg::Checks(_)) if self.ticket.scope.is_some() => {}
             Some(Msg::Checks(report)) => {
                 m.check_reports_total.inc();
                 self.shared.nodes.lock().report(&self.ticket, &report);
@@ -291,5 +353,218 @@ pub async fn expire_nodes(shared: Arc<Shared>, expiry: Duration) {
             ix.remove_node(n);
         }
         shared.update_index_gauges(&ix);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    //! Subscriber streams over a real loopback gRPC connection.
+
+    use super::*;
+    use crate::state::LookupPolicy;
+    use ic_shared::proto::{
+        agent_service_client::AgentServiceClient, agent_service_server::AgentServiceServer,
+        AgentMessage, BlockEntry, PodSubscriber, Resync, StreamDescriptor, StreamSnapshot,
+    };
+    use tokio_stream::wrappers::TcpListenerStream;
+
+    async fn serve(auth: Option<Arc<auth::AgentAuthenticator>>) -> (String, Arc<Shared>) {
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let svc = match auth {
+            Some(a) => AgentIngest::with_auth(shared.clone(), a),
+            None => AgentIngest::new(shared.clone()),
+        };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(AgentServiceServer::new(svc))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        (format!("http://{addr}"), shared)
+    }
+
+    fn hello(node: &str, pod: Option<(&str, &str)>, token: &str) -> AgentMessage {
+        AgentMessage {
+            msg: Some(Msg::Hello(proto::Hello {
+                node: node.into(),
+                version: "0.1.0".into(),
+                token: token.into(),
+                pod_subscriber: pod.map(|(ns, p)| PodSubscriber {
+                    namespace: ns.into(),
+                    pod: p.into(),
+                }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    fn resync(streams: &[(&str, &str, &str)]) -> AgentMessage {
+        AgentMessage {
+            msg: Some(Msg::Resync(Resync {
+                streams: streams
+                    .iter()
+                    .map(|(tenant, pod, key)| StreamSnapshot {
+                        stream: Some(StreamDescriptor {
+                            stream_id: format!("{tenant}/{pod}#0"),
+                            replica: pod.to_string(),
+                            tenant: tenant.to_string(),
+                            model: "m".into(),
+                            hash_scheme: "vllm".into(),
+                            ..Default::default()
+                        }),
+                        seq: 0,
+                        entries: vec![BlockEntry {
+                            adapter: String::new(),
+                            block_size: 16,
+                            content_key: u64::from_str_radix(key, 16).unwrap(),
+                            tier: proto::Tier::T1 as i32,
+                        }],
+                        ..Default::default()
+                    })
+                    .collect(),
+            })),
+        }
+    }
+
+    /// Opens a stream with `first` queued; returns the inbound half (or the refusal) and the
+    /// sender.
+    async fn open(
+        url: &str,
+        first: AgentMessage,
+    ) -> (
+        Result<Streaming<ControllerMessage>, Status>,
+        mpsc::Sender<AgentMessage>,
+    ) {
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = AgentServiceClient::new(channel);
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(first).await.unwrap();
+        let resp = client
+            .connect(ReceiverStream::new(rx))
+            .await
+            .map(|r| r.into_inner());
+        (resp, tx)
+    }
+
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        for _ in 0..200 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    #[tokio::test]
+    async fn subscribers_and_the_node_agent_keep_their_own_streams() {
+        let (url, shared) = serve(None).await;
+        let (sub_a, tx_a) = open(&url, hello("n1", Some(("ns", "pod-a")), "")).await;
+        let _sub_a = sub_a.unwrap();
+        tx_a.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        let (sub_b, tx_b) = open(&url, hello("n1", Some(("ns", "pod-b")), "")).await;
+        let _sub_b = sub_b.unwrap();
+        tx_b.send(resync(&[("ns", "pod-b", "b1")])).await.unwrap();
+        // The node's agent resyncs its (other) stream: the subscribers' streams stay.
+        let (agent, tx_agent) = open(&url, hello("n1", None, "")).await;
+        let _agent = agent.unwrap();
+        tx_agent
+            .send(resync(&[("ns", "pod-c", "c1")]))
+            .await
+            .unwrap();
+        until("three streams", || {
+            ["ns/pod-a#0", "ns/pod-b#0", "ns/pod-c#0"]
+                .iter()
+                .all(|s| shared.index.read().stream_entries(s).is_some())
+        })
+        .await;
+        let snap = shared.index.read().snapshot();
+        let mut nodes: Vec<(String, String)> = snap
+            .replicas
+            .iter()
+            .map(|r| (r.stream_id.clone(), r.node.clone()))
+            .collect();
+        nodes.sort();
+        assert_eq!(
+            nodes,
+            vec![
+                ("ns/pod-a#0".to_string(), "n1/ns/pod-a".to_string()),
+                ("ns/pod-b#0".to_string(), "n1/ns/pod-b".to_string()),
+                ("ns/pod-c#0".to_string(), "n1".to_string()),
+            ]
+        );
+        let reg = shared.nodes.lock();
+        assert_eq!((reg.connected_count(), reg.connected_subscribers()), (1, 2));
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_reporting_another_pod_is_cut_off_with_permission_denied() {
+        let (url, shared) = serve(None).await;
+        let (sub, tx) = open(&url, hello("n1", Some(("ns", "pod-a")), "")).await;
+        let mut inbound = sub.unwrap();
+        tx.send(resync(&[("ns", "pod-a", "a1"), ("ns", "pod-b", "b1")]))
+            .await
+            .unwrap();
+        let status = loop {
+            match inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream must end with a status"),
+                Err(st) => break st,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(
+            status.message().contains("\"ns/pod-b#0\"") && status.message().contains("replica"),
+            "{}",
+            status.message()
+        );
+        assert!(
+            shared.index.read().stream_entries("ns/pod-a#0").is_none(),
+            "nothing of the refused resync was applied"
+        );
+    }
+
+    #[tokio::test]
+    async fn in_cluster_a_subscriber_needs_its_own_pods_token() {
+        let engine: auth::ServiceAccountRef = "ns:engine".parse().unwrap();
+        let agent: auth::ServiceAccountRef = "ic:agent".parse().unwrap();
+        let verifier = auth::FakeTokenVerifier::new().with_pod_token(
+            "tok-a",
+            &engine,
+            Some("n1"),
+            Some("pod-a"),
+        );
+        let authn = Arc::new(auth::AgentAuthenticator::new(
+            Arc::new(verifier),
+            auth::DEFAULT_AUDIENCE,
+            agent,
+        ));
+        let (url, shared) = serve(Some(authn)).await;
+        let (refused, _tx) = open(&url, hello("n1", Some(("ns", "pod-b")), "tok-a")).await;
+        let st = refused.err().unwrap();
+        assert_eq!(st.code(), tonic::Code::PermissionDenied);
+        assert!(
+            st.message().contains("pod \"ns/pod-b\""),
+            "{}",
+            st.message()
+        );
+        // Without the subscriber claim the engine's token is not the agent's.
+        let (refused, _tx) = open(&url, hello("n1", None, "tok-a")).await;
+        assert_eq!(refused.err().unwrap().code(), tonic::Code::PermissionDenied);
+
+        let (accepted, tx) = open(&url, hello("n1", Some(("ns", "pod-a")), "tok-a")).await;
+        let _inbound = accepted.unwrap();
+        tx.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        until("the subscriber's stream", || {
+            shared.index.read().stream_entries("ns/pod-a#0").is_some()
+        })
+        .await;
+        assert_eq!(shared.nodes.lock().subscribers()[0].pod, "pod-a");
     }
 }

@@ -14,6 +14,12 @@
 //!
 //! Sends use `try_send` under the registry lock, so plan updates reach a stream in generation
 //! order; a full queue leaves the plan pending and the next publish retries it.
+//!
+//! Per-pod subscribers (`Hello.pod_subscriber`) are kept apart from the node agents
+//! ([`NodeRegistry::connect_subscriber`], [`SubscriberRecord`]): keyed by
+//! [`PodScope::reporter_key`] (`<node>/<namespace>/<pod>`), so neither the node's agent nor
+//! another pod's subscriber on the same node supersedes them; they get no plan, no CacheNode
+//! and no check results, and are not counted in [`NodeRegistry::connected_count`].
 
 use std::collections::BTreeMap;
 
@@ -23,6 +29,8 @@ use ic_shared::proto::{controller_message, ControllerMessage, NodePlanUpdate};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tonic::Status;
+
+use super::auth::PodScope;
 
 /// The sending half of an agent stream.
 pub type Outbound = mpsc::Sender<Result<ControllerMessage, Status>>;
@@ -60,6 +68,33 @@ pub struct NodeRecord {
     pub epoch: u64,
 }
 
+/// What the controller knows about one per-pod subscriber (`ic-agent subscribe`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubscriberRecord {
+    /// Registry and index key, `<node>/<namespace>/<pod>`.
+    pub key: String,
+    /// Node from Hello.
+    pub node: String,
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// True while the subscriber's stream is open.
+    pub connected: bool,
+    /// Agent version from Hello.
+    pub agent_version: String,
+    /// Process incarnation from Hello.
+    pub agent_instance: String,
+    /// Unix ms when the current (or last) stream opened.
+    pub connected_at_unix_ms: i64,
+    /// Unix ms of the last message.
+    pub last_seen_unix_ms: i64,
+    /// Stream epoch; a newer stream for the same pod supersedes an older one.
+    #[serde(skip)]
+    pub epoch: u64,
+}
+
 /// The open stream of a node, for sending.
 #[derive(Debug)]
 struct Attached {
@@ -73,6 +108,7 @@ struct Attached {
 #[derive(Debug, Default)]
 pub struct NodeRegistry {
     nodes: BTreeMap<String, NodeRecord>,
+    subscribers: BTreeMap<String, SubscriberRecord>,
     next_epoch: u64,
     outbound: BTreeMap<String, Attached>,
     plans: BTreeMap<String, NodePlan>,
@@ -127,17 +163,65 @@ fn same_content(a: &NodePlan, b: &NodePlan) -> bool {
     a == *b
 }
 
-/// Identity of a stream, returned by [`NodeRegistry::connect`].
+/// Identity of a stream, returned by [`NodeRegistry::connect`] and
+/// [`NodeRegistry::connect_subscriber`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamTicket {
-    /// Node name.
+    /// Key of the stream's state in the registry and the index: the node name for a node
+    /// agent, [`PodScope::reporter_key`] for a per-pod subscriber.
     pub node: String,
     /// Epoch of this stream.
     pub epoch: u64,
+    /// The pod a subscriber stream may report for; `None` for a node agent.
+    pub scope: Option<PodScope>,
+}
+
+impl StreamTicket {
+    /// The node the stream's engines run on (stamped into stream descriptors).
+    pub fn reporting_node(&self) -> &str {
+        match &self.scope {
+            Some(s) => &s.node,
+            None => &self.node,
+        }
+    }
 }
 
 impl NodeRegistry {
-    /// Records a new stream from `hello.node`; it supersedes any previous stream of that node.
+    /// Records a new per-pod subscriber stream for `scope`; it supersedes any previous stream
+    /// of the same pod, and nothing else.
+    pub fn connect_subscriber(
+        &mut self,
+        hello: &ic_shared::proto::Hello,
+        scope: &PodScope,
+        now_ms: i64,
+    ) -> StreamTicket {
+        self.next_epoch += 1;
+        let epoch = self.next_epoch;
+        let key = scope.reporter_key();
+        self.subscribers.insert(
+            key.clone(),
+            SubscriberRecord {
+                key: key.clone(),
+                node: scope.node.clone(),
+                namespace: scope.namespace.clone(),
+                pod: scope.pod.clone(),
+                connected: true,
+                agent_version: hello.version.clone(),
+                agent_instance: hello.agent_instance.clone(),
+                connected_at_unix_ms: now_ms,
+                last_seen_unix_ms: now_ms,
+                epoch,
+            },
+        );
+        StreamTicket {
+            node: key,
+            epoch,
+            scope: Some(scope.clone()),
+        }
+    }
+
+    /// Records a new node-agent stream from `hello.node`; it supersedes any previous stream of
+    /// that node.
     pub fn connect(&mut self, hello: &ic_shared::proto::Hello, now_ms: i64) -> StreamTicket {
         self.next_epoch += 1;
         let epoch = self.next_epoch;
@@ -170,18 +254,34 @@ impl NodeRegistry {
         StreamTicket {
             node: hello.node.clone(),
             epoch,
+            scope: None,
         }
     }
 
-    /// True when `ticket` is still the node's current stream.
+    /// True when `ticket` is still the node's (or the subscriber's pod's) current stream.
     pub fn is_current(&self, ticket: &StreamTicket) -> bool {
-        self.nodes
-            .get(&ticket.node)
-            .is_some_and(|r| r.epoch == ticket.epoch)
+        match ticket.scope {
+            Some(_) => self
+                .subscribers
+                .get(&ticket.node)
+                .is_some_and(|r| r.epoch == ticket.epoch),
+            None => self
+                .nodes
+                .get(&ticket.node)
+                .is_some_and(|r| r.epoch == ticket.epoch),
+        }
     }
 
     /// Notes traffic on a stream.
     pub fn touch(&mut self, ticket: &StreamTicket, now_ms: i64) {
+        if ticket.scope.is_some() {
+            if let Some(r) = self.subscribers.get_mut(&ticket.node) {
+                if r.epoch == ticket.epoch {
+                    r.last_seen_unix_ms = now_ms;
+                }
+            }
+            return;
+        }
         if let Some(r) = self.nodes.get_mut(&ticket.node) {
             if r.epoch == ticket.epoch {
                 r.last_seen_unix_ms = now_ms;
@@ -189,8 +289,12 @@ impl NodeRegistry {
         }
     }
 
-    /// Stores a check report. Ignored for a superseded stream.
+    /// Stores a check report. Ignored for a superseded stream and for subscribers (which run
+    /// no checks).
     pub fn report(&mut self, ticket: &StreamTicket, report: &ic_shared::proto::CheckReport) {
+        if ticket.scope.is_some() {
+            return;
+        }
         if let Some(r) = self.nodes.get_mut(&ticket.node) {
             if r.epoch != ticket.epoch {
                 return;
@@ -202,8 +306,19 @@ impl NodeRegistry {
         }
     }
 
-    /// Marks the node disconnected, unless a newer stream already took over. Returns whether it did.
+    /// Marks the node (or subscriber) disconnected, unless a newer stream already took over.
+    /// Returns whether it did.
     pub fn disconnect(&mut self, ticket: &StreamTicket, now_ms: i64) -> bool {
+        if ticket.scope.is_some() {
+            return match self.subscribers.get_mut(&ticket.node) {
+                Some(r) if r.epoch == ticket.epoch => {
+                    r.connected = false;
+                    r.last_seen_unix_ms = now_ms;
+                    true
+                }
+                _ => false,
+            };
+        }
         if self
             .outbound
             .get(&ticket.node)
@@ -223,9 +338,10 @@ impl NodeRegistry {
 
     /// Registers the sending half of the stream `ticket` and queues the node's current plan on
     /// it (once plans are authoritative, an empty plan when the node has none). Returns the
-    /// generation queued, if any. Ignored for a superseded stream.
+    /// generation queued, if any. Ignored for a superseded stream and for subscribers (a node
+    /// plan is for the node's agent).
     pub fn attach(&mut self, ticket: &StreamTicket, tx: Outbound) -> Option<u64> {
-        if !self.is_current(ticket) {
+        if ticket.scope.is_some() || !self.is_current(ticket) {
             return None;
         }
         let mut a = Attached {
@@ -343,9 +459,10 @@ impl NodeRegistry {
         self.plans_authoritative
     }
 
-    /// Nodes disconnected for longer than `expiry_ms`; they are forgotten and returned.
+    /// Nodes and subscribers disconnected for longer than `expiry_ms`; they are forgotten and
+    /// their keys (what the index files their streams under) returned.
     pub fn expire(&mut self, now_ms: i64, expiry_ms: i64) -> Vec<String> {
-        let gone: Vec<String> = self
+        let mut gone: Vec<String> = self
             .nodes
             .values()
             .filter(|r| !r.connected && now_ms - r.last_seen_unix_ms > expiry_ms)
@@ -354,10 +471,30 @@ impl NodeRegistry {
         for n in &gone {
             self.nodes.remove(n);
         }
+        let subscribers: Vec<String> = self
+            .subscribers
+            .values()
+            .filter(|r| !r.connected && now_ms - r.last_seen_unix_ms > expiry_ms)
+            .map(|r| r.key.clone())
+            .collect();
+        for k in &subscribers {
+            self.subscribers.remove(k);
+        }
+        gone.extend(subscribers);
         gone
     }
 
-    /// Number of open streams.
+    /// Every per-pod subscriber, sorted by key.
+    pub fn subscribers(&self) -> Vec<SubscriberRecord> {
+        self.subscribers.values().cloned().collect()
+    }
+
+    /// Number of open subscriber streams.
+    pub fn connected_subscribers(&self) -> usize {
+        self.subscribers.values().filter(|r| r.connected).count()
+    }
+
+    /// Number of open node-agent streams.
     pub fn connected_count(&self) -> usize {
         self.nodes.values().filter(|r| r.connected).count()
     }
@@ -397,6 +534,38 @@ mod tests {
         assert!(reg.disconnect(&new, 4));
         assert!(!reg.get("n1").unwrap().connected);
         assert_eq!(reg.connected_count(), 0);
+    }
+
+    #[test]
+    fn subscribers_are_keyed_by_pod_apart_from_the_nodes_agent() {
+        let mut reg = NodeRegistry::default();
+        let scope = |pod: &str| PodScope {
+            node: "n1".into(),
+            namespace: "ns".into(),
+            pod: pod.into(),
+        };
+        let agent = reg.connect(&hello("n1"), 1);
+        let a = reg.connect_subscriber(&hello("n1"), &scope("a"), 1);
+        let b = reg.connect_subscriber(&hello("n1"), &scope("b"), 1);
+        assert_eq!(a.node, "n1/ns/a");
+        assert_eq!(a.reporting_node(), "n1");
+        // Neither the agent nor another pod's subscriber supersedes a subscriber, and back.
+        assert!(reg.is_current(&agent) && reg.is_current(&a) && reg.is_current(&b));
+        assert_eq!((reg.connected_count(), reg.connected_subscribers()), (1, 2));
+        assert_eq!(reg.list().len(), 1, "no CacheNode record for a subscriber");
+        // No plan goes down a subscriber's stream.
+        reg.publish_plans(BTreeMap::from([("n1".to_string(), engine_plan("a"))]), 1);
+        let (tx, mut rx) = mpsc::channel(4);
+        assert_eq!(reg.attach(&a, tx), None);
+        assert!(rx.try_recv().is_err());
+        // The same pod's restarted subscriber supersedes the old stream.
+        let a2 = reg.connect_subscriber(&hello("n1"), &scope("a"), 2);
+        assert!(!reg.is_current(&a) && reg.is_current(&a2));
+        assert!(!reg.disconnect(&a, 3));
+        assert!(reg.disconnect(&a2, 3));
+        assert!(reg.expire(50, 100).is_empty());
+        assert_eq!(reg.expire(200, 100), vec!["n1/ns/a".to_string()]);
+        assert_eq!(reg.subscribers().len(), 1);
     }
 
     #[test]
