@@ -15,6 +15,7 @@
 pub mod adapters;
 pub mod admission;
 pub mod catalog;
+pub mod crddoc;
 pub mod crdgen;
 pub mod http;
 pub mod incluster;

@@ -34,6 +34,10 @@ enum Command {
         /// Output directory.
         #[arg(long, env = "IC_CRDS_OUT", default_value = "chart/crds")]
         out: PathBuf,
+        /// Also write the Markdown field reference of every CRD to this file
+        /// (docs/crd-reference.md in this repository); not written when unset.
+        #[arg(long, env = "IC_CRDS_DOCS", value_name = "PATH")]
+        docs: Option<PathBuf>,
     },
     /// Ask a running controller's RouterService where a prompt's prefix is cached.
     Lookup(LookupArgs),
@@ -464,11 +468,16 @@ async fn main() -> anyhow::Result<()> {
             running.wait().await?;
         }
         Command::Run(a) => run_in_cluster(*a).await?,
-        Command::Crds { out } => {
+        Command::Crds { out, docs } => {
             for path in ic_controller::crdgen::write(&out)
                 .with_context(|| format!("writing CRDs into {}", out.display()))?
             {
                 println!("{}", path.display());
+            }
+            if let Some(docs) = docs {
+                ic_controller::crddoc::write(&docs)
+                    .with_context(|| format!("writing the CRD reference {}", docs.display()))?;
+                println!("{}", docs.display());
             }
         }
         Command::Admit(a) => {
