@@ -325,6 +325,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             .parse()
             .map_err(|e: String| anyhow::anyhow!(e))?,
     };
+    let control_namespace = a.model_cache_control_namespace.clone();
     let model_cache = if a.model_cache_enabled {
         use ic_controller::reconcile::model_cache::{FeatureFlags, ModelCacheConfig};
         Some(ModelCacheConfig {
@@ -386,6 +387,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             cachenode_min_write_interval: Duration::from_secs(
                 a.cachenode_min_write_interval_seconds,
             ),
+            model_cache_control_namespace: control_namespace,
             ..Default::default()
         },
         model_cache,

@@ -72,6 +72,11 @@ pub mod model_cache_condition {
     /// The reader claim is ready for pods (`durable`), or nothing is to be done (`none`,
     /// `ephemeral`).
     pub const READY: &str = "Ready";
+    /// Advisory (never gates `Ready`): every reader mount of the request's binding that the
+    /// node agents' `mounts` check reported on is read-only and holds the writer's data.
+    /// Written by the node status loop from the agents' reader-volume checks; absent while no
+    /// reader pod of the binding is planned on any node.
+    pub const READERS_HEALTHY: &str = "ReadersHealthy";
 }
 
 /// Reasons on `ModelCache` conditions (CamelCase, stable).
@@ -130,6 +135,30 @@ pub mod model_cache_reason {
     pub const READERS_READY: &str = "ReadersReady";
     /// Ready=True: mode `none` or `ephemeral`; nothing to provision.
     pub const NOTHING_TO_PROVISION: &str = "NothingToProvision";
+    /// ReadersHealthy=True: every planned reader mount of the binding was reported read-only
+    /// (every write probe refused with `EROFS`, samples matching) by its node's agent.
+    pub const READERS_READ_ONLY: &str = "ReadersReadOnly";
+    /// ReadersHealthy=False: a reader mount is mounted read-write or accepted a write probe
+    /// (the agent's `mounts` reason of the same name).
+    pub const READER_VOLUME_WRITABLE: &str = "ReaderVolumeWritable";
+    /// ReadersHealthy=False: a reader mount's sample file differs from the writer's digest or
+    /// cannot be read (the agent's `mounts` reason of the same name).
+    pub const READER_VOLUME_DIGEST_MISMATCH: &str = "ReaderVolumeDigestMismatch";
+    /// ReadersHealthy=False: nothing is mounted at a reader pod's planned path (the agent's
+    /// `mounts` reason of the same name).
+    pub const READER_VOLUME_MISSING: &str = "ReaderVolumeMissing";
+    /// ReadersHealthy=False: the `mounts` check failed a reader mount with a reason this
+    /// controller does not know (an agent newer than the controller).
+    pub const READER_CHECK_FAILING: &str = "ReaderCheckFailing";
+    /// ReadersHealthy=Unknown: a reader mount is planned on a node whose agent is not connected,
+    /// or whose agent has not reported on it yet.
+    pub const AWAITING_REPORTS: &str = "AwaitingReports";
+    /// ReadersHealthy=Unknown: the agent found no process of a reader pod on its node (not
+    /// started yet, or the agent cannot see the host's `/proc`); the agent's `mounts` reason.
+    pub const READER_POD_NOT_FOUND: &str = "PodNotFound";
+    /// ReadersHealthy=Unknown: the agent could not judge a reader mount (its `mounts` check
+    /// returned Unknown for another reason, e.g. it panicked).
+    pub const READER_CHECK_INCONCLUSIVE: &str = "ReaderCheckInconclusive";
 }
 
 /// `spec.workflow` (spec 004 "Terms").

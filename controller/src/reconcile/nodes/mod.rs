@@ -5,6 +5,8 @@
 //!   and CacheBackends.
 //! - [`cachenode`] — pure status computation, a rate limiter, and the CacheNode writer.
 //! - [`advisory`] — pure `NodeHealthy` advisory per CacheBackend, and its writer.
+//! - [`reader_advisory`] — pure `ReadersHealthy` advisory per ModelCache (the agents'
+//!   reader-volume checks of the binding's reader mounts), and its writer.
 //!
 //! Two loops tie them to the cluster:
 //!
@@ -17,11 +19,14 @@
 //! - the **status writer** ([`spawn_status_writer`], acts only on the leader): on every agent
 //!   connect, disconnect and check report (coalesced over [`DEBOUNCE`]) and every
 //!   `status_interval`, it writes the CacheNodes ([`write_cachenodes`]) and, when the advisory
-//!   verdicts changed or every `advisory_resync`, the CacheBackends' advisory condition.
+//!   verdicts changed or every `advisory_resync`, the CacheBackends' advisory condition and
+//!   (once the plan book is authoritative, so a fresh leader does not clear conditions before
+//!   its first plans) the ModelCaches' `ReadersHealthy` condition ([`write_reader_advisories`]).
 
 pub mod advisory;
 pub mod cachenode;
 pub mod plans;
+pub mod reader_advisory;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -91,6 +96,8 @@ pub struct NodesMetrics {
     pub cachenode_syncs_total: IntCounterVec,
     /// Advisory condition writes (`written`, `error`).
     pub advisory_writes_total: IntCounterVec,
+    /// `ReadersHealthy` condition writes on ModelCaches (`written`, `error`).
+    pub reader_advisory_writes_total: IntCounterVec,
 }
 
 impl NodesMetrics {
@@ -126,17 +133,26 @@ impl NodesMetrics {
             ),
             &["outcome"],
         )?;
+        let reader_advisory_writes_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}reader_advisory_writes_total"),
+                "Writes of the ReadersHealthy advisory condition on ModelCaches, by outcome.",
+            ),
+            &["outcome"],
+        )?;
         registry.register(Box::new(plans_sent_total.clone()))?;
         registry.register(Box::new(nodes_without_agent.clone()))?;
         registry.register(Box::new(plan_issues.clone()))?;
         registry.register(Box::new(cachenode_syncs_total.clone()))?;
         registry.register(Box::new(advisory_writes_total.clone()))?;
+        registry.register(Box::new(reader_advisory_writes_total.clone()))?;
         Ok(NodesMetrics {
             plans_sent_total,
             nodes_without_agent,
             plan_issues,
             cachenode_syncs_total,
             advisory_writes_total,
+            reader_advisory_writes_total,
         })
     }
 }
@@ -276,12 +292,15 @@ pub struct NodeSnapshot {
     pub plans: BTreeMap<String, NodePlan>,
     /// Index streams by node.
     pub replicas: BTreeMap<String, Vec<ReplicaSnapshot>>,
+    /// Whether `plans` is this replica's derived plan book (false before the first plan pass
+    /// of a leadership, or on a replica that does not lead).
+    pub plans_authoritative: bool,
 }
 
 impl NodeSnapshot {
     /// Copies the registry and the index.
     pub fn take(shared: &Shared) -> Self {
-        let (records, plans) = {
+        let (records, plans, plans_authoritative) = {
             let nodes = shared.nodes.lock();
             (
                 nodes
@@ -290,6 +309,7 @@ impl NodeSnapshot {
                     .map(|r| (r.node.clone(), r))
                     .collect::<BTreeMap<_, _>>(),
                 nodes.plans(),
+                nodes.plans_authoritative(),
             )
         };
         let mut replicas: BTreeMap<String, Vec<ReplicaSnapshot>> = BTreeMap::new();
@@ -300,6 +320,7 @@ impl NodeSnapshot {
             records,
             plans,
             replicas,
+            plans_authoritative,
         }
     }
 
@@ -379,6 +400,45 @@ pub async fn write_advisories(
     Ok(report)
 }
 
+/// Lists the ModelCaches and writes the `ReadersHealthy` condition where it differs from the
+/// verdict of the request's binding ([`reader_advisory`]). `control_namespace` qualifies
+/// binding names as the plans do ([`NodeLoopConfig::model_cache_control_namespace`]). The list
+/// error is returned (the caller logs it at debug: with the model cache off the CRD or the RBAC
+/// is absent).
+pub async fn write_reader_advisories(
+    client: &Client,
+    snap: &NodeSnapshot,
+    control_namespace: &str,
+    clock: &dyn Clock,
+    metrics: Option<&NodesMetrics>,
+) -> Result<reader_advisory::ReaderAdvisoryReport, kube::Error> {
+    let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records);
+    let caches = Api::<ModelCache>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let report = reader_advisory::sync_reader_conditions(
+        client,
+        &caches,
+        control_namespace,
+        &desired,
+        to_time(clock.now()),
+    )
+    .await;
+    if let Some(m) = metrics {
+        m.reader_advisory_writes_total
+            .with_label_values(&["written"])
+            .inc_by(report.written.len() as u64);
+        m.reader_advisory_writes_total
+            .with_label_values(&["error"])
+            .inc_by(report.failed.len() as u64);
+    }
+    for (mc, e) in &report.failed {
+        warn!(modelcache = %mc, error = %e, "cannot write the ReadersHealthy condition");
+    }
+    Ok(report)
+}
+
 /// The leader-only status loop: CacheNodes and advisory conditions (module docs).
 pub fn spawn_status_writer(
     client: Client,
@@ -396,11 +456,14 @@ pub fn spawn_status_writer(
         let mut was_leader = false;
         let mut last_advisories: Option<BTreeMap<String, advisory::NodeAdvisory>> = None;
         let mut last_advisory_sync: Option<tokio::time::Instant> = None;
+        let mut last_readers: Option<BTreeMap<String, reader_advisory::ReaderAdvisory>> = None;
+        let mut last_readers_sync: Option<tokio::time::Instant> = None;
         loop {
             let is_leader = leader.is_leader();
             if is_leader && !was_leader {
                 writer.reset();
                 last_advisories = None;
+                last_readers = None;
             }
             was_leader = is_leader;
             if is_leader {
@@ -417,6 +480,38 @@ pub fn spawn_status_writer(
                         Ok(_) => {}
                         Err(e) => {
                             warn!(error = %e, "cannot list CacheBackends for the node advisory")
+                        }
+                    }
+                }
+                if snap.plans_authoritative {
+                    let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records);
+                    let due = last_readers_sync.is_none_or(|t| t.elapsed() >= cfg.advisory_resync);
+                    if last_readers.as_ref() != Some(&desired) || due {
+                        match write_reader_advisories(
+                            &client,
+                            &snap,
+                            &cfg.model_cache_control_namespace,
+                            clock.as_ref(),
+                            metrics.as_ref(),
+                        )
+                        .await
+                        {
+                            Ok(r) if r.failed.is_empty() => {
+                                last_readers = Some(desired);
+                                last_readers_sync = Some(tokio::time::Instant::now());
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                debug!(error = %e, "cannot list ModelCaches; the ReadersHealthy condition is not written");
+                                // Forbidden / not found: the model cache is off (no RBAC, no
+                                // CRD). Try again at the resync or when a verdict changes,
+                                // not on every pass; other errors retry on the next pass.
+                                if matches!(&e, kube::Error::Api(a) if a.code == 403 || a.code == 404)
+                                {
+                                    last_readers = Some(desired);
+                                    last_readers_sync = Some(tokio::time::Instant::now());
+                                }
+                            }
                         }
                     }
                 }
