@@ -424,6 +424,15 @@ def test_agent_pod_network_variant() -> None:
     assert not [p for p in r.of_kind("Pod") if p["metadata"]["name"].endswith("agent-readyz")]
 
 
+def test_agent_pod_network_on_ipv6_brackets_the_pod_ip() -> None:
+    """`$(POD_IP):9090` with an IPv6 pod IP is no socket address: the IPv6 setting of
+    metricsBindAddress brackets --http-addr too."""
+    r = render({"agent": {"hostNetwork": False, "metricsBindAddress": "[$(POD_IP)]"}})
+    args = args_of(the_container(agent_daemonset(r)))
+    assert args["--http-addr"] == "[$(POD_IP)]:9090"
+    assert args["--metrics-addr"] == "[$(POD_IP)]:9091"
+
+
 def test_agent_off_renders_no_agent() -> None:
     r = variant_named("agent-off")
     assert r.of_kind("DaemonSet") == []
@@ -823,10 +832,61 @@ def test_notes_have_the_commands(variant: Rendered) -> None:
     assert "kubectl get cachebackends --all-namespaces" in notes
     assert "kubectl get cachenodes" in notes
     assert f"helm test inference-cache -n {NAMESPACE}" in notes
-    if variant.values.get("agent", {}).get("enabled", True):
+    agent = variant.values.get("agent", {})
+    if agent.get("enabled", True):
         assert "-- ic-agent check" in notes
-        assert "port-forward pod/$POD" in notes
+        if agent.get("hostNetwork", True):
+            # The agent's endpoints are on the node's loopback, which port-forward reaches.
+            assert "port-forward pod/$POD 9090:9090" in notes
+            assert "http://<node-ip>:9091/metrics" in notes
+        else:
+            # On the pod IP only: port-forward (which dials the pod's loopback) cannot reach them.
+            assert "port-forward pod/$POD" not in notes
+            assert f'kubectl get --raw "/api/v1/namespaces/{NAMESPACE}/pods/$POD:9090/proxy/v1/report"' in notes
+            assert "http://<pod-ip>:9091/metrics" in notes
     assert "{{" not in notes and "<no value>" not in notes
+
+
+KIND_REF = re.compile(
+    r"(?:-n|--namespace)[ =]([a-z0-9-]+)[^\n]*?\b"
+    r"(deployment|daemonset|certificate|service|job|configmap|secret)/([a-z0-9][a-z0-9.-]*)\b"
+)
+KINDS = {
+    "deployment": "Deployment",
+    "daemonset": "DaemonSet",
+    "certificate": "Certificate",
+    "service": "Service",
+    "job": "Job",
+    "configmap": "ConfigMap",
+    "secret": "Secret",
+}
+
+
+def referenced_objects(text: str) -> set[tuple[str, str, str]]:
+    """(kind, namespace, name) of every `kubectl -n NS … kind/name` in a text."""
+    return {(KINDS[k], ns, name) for ns, k, name in KIND_REF.findall(text)}
+
+
+def rendered_objects(r: Rendered) -> set[tuple[str, str, str]]:
+    return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in r.objects}
+
+
+def test_notes_name_rendered_objects(variant: Rendered) -> None:
+    """Every `kubectl -n NS … kind/name` NOTES.txt prints names an object of the release."""
+    refs = referenced_objects(variant.notes)
+    assert refs, "NOTES.txt names no object"
+    missing = refs - rendered_objects(variant)
+    assert not missing, f"NOTES.txt names objects the chart does not render: {sorted(missing)}"
+
+
+def test_install_doc_names_rendered_objects(default: Rendered) -> None:
+    """docs/install.md's commands against the default release (name and namespace
+    inference-cache) name objects the chart renders (cert-manager's own excepted)."""
+    text = (CHART_DIR.parent / "docs" / "install.md").read_text()
+    refs = {ref for ref in referenced_objects(text) if ref[1] == NAMESPACE}
+    assert len(refs) >= 4, refs
+    missing = refs - rendered_objects(default)
+    assert not missing, f"docs/install.md names objects the chart does not render: {sorted(missing)}"
 
 
 def test_no_unrendered_values(variant: Rendered) -> None:
