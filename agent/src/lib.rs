@@ -1,6 +1,7 @@
 //! `ic-agent` library: everything the binary wires together (DESIGN.md "Layout").
 //!
 //! - [`checks`] — node checks behind one trait.
+//! - [`engine_metrics`] — tier-2 counters scraped from the engines' Prometheus endpoints.
 //! - [`kv`] — engine KV-event subscribers and their aggregation into index deltas.
 //! - [`link`] — the gRPC stream to the controller.
 //! - [`http`] — troubleshooting endpoints and `/metrics`.
@@ -9,6 +10,7 @@
 //! - [`subscribe`] — `ic-agent subscribe`, the per-pod kvevent-subscriber sidecar.
 
 pub mod checks;
+pub mod engine_metrics;
 pub mod http;
 pub mod kv;
 pub mod link;

@@ -170,6 +170,13 @@ struct RunArgs {
     /// File holding the projected service-account token presented to the controller.
     #[arg(long, env = "IC_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// Seconds between scrapes of the planned engines' /metrics for tier-2 counters
+    /// (vllm:external_prefix_cache_{hits,queries}_total); 0 turns scraping off.
+    #[arg(long, env = "IC_T2_SCRAPE_INTERVAL_SECONDS", default_value_t = 15)]
+    t2_scrape_interval_seconds: u64,
+    /// Milliseconds one engine /metrics fetch may take (connect, request, response).
+    #[arg(long, env = "IC_T2_SCRAPE_TIMEOUT_MS", default_value_t = 2000)]
+    t2_scrape_timeout_ms: u64,
 }
 
 #[derive(Args)]
@@ -395,7 +402,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let running = ic_agent::runtime::start(
+    let running = ic_agent::runtime::start_with(
         ic_agent::runtime::RunConfig {
             link,
             http_addr: a.http_addr,
@@ -404,6 +411,11 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
         state,
         Checks::new(&a.common.checks_config()?),
+        ic_agent::engine_metrics::ScrapeConfig {
+            interval: Duration::from_secs(a.t2_scrape_interval_seconds),
+            timeout: Duration::from_millis(a.t2_scrape_timeout_ms.max(1)),
+            ..Default::default()
+        },
     )
     .await?;
     telemetry::shutdown_signal().await;

@@ -1,4 +1,5 @@
-//! `ic-agent run`: wires the check loop, the KV hub, the controller link and the HTTP endpoints.
+//! `ic-agent run`: wires the check loop, the KV hub, the engine-metrics scraper, the controller
+//! link and the HTTP endpoints.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use tokio::sync::{watch, Notify};
 use tracing::{info, warn};
 
 use crate::checks::Checks;
+use crate::engine_metrics::{self, ScrapeConfig};
 use crate::link::{self, LinkConfig};
 use crate::state::{now_unix_ms, AgentState, CheckPass};
 
@@ -83,11 +85,23 @@ impl Running {
     }
 }
 
-/// Starts the check loop, the link and the HTTP server.
+/// Starts the check loop, the engine-metrics scraper (default [`ScrapeConfig`]), the link and
+/// the HTTP server.
 pub async fn start(
     cfg: RunConfig,
     state: Arc<AgentState>,
     checks: Checks,
+) -> Result<Running, RunError> {
+    start_with(cfg, state, checks, ScrapeConfig::default()).await
+}
+
+/// Like [`start`], scraping the planned engines' `/metrics` with `scrape` (tier-2 counters;
+/// [`engine_metrics`]).
+pub async fn start_with(
+    cfg: RunConfig,
+    state: Arc<AgentState>,
+    checks: Checks,
+    scrape: ScrapeConfig,
 ) -> Result<Running, RunError> {
     let listener = TcpListener::bind(cfg.http_addr)
         .await
@@ -130,6 +144,9 @@ pub async fn start(
                 pass_tx.send_modify(|n| *n += 1);
             }
         }));
+    }
+    if !scrape.interval.is_zero() {
+        tasks.push(tokio::spawn(engine_metrics::run(state.clone(), scrape)));
     }
     if let Some(link_cfg) = cfg.link {
         let state = state.clone();

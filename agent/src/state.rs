@@ -8,6 +8,7 @@ use parking_lot::RwLock;
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
 use serde::Serialize;
 
+use crate::engine_metrics::EngineCounters;
 use crate::kv::KvHub;
 
 /// One finished pass of every check.
@@ -155,6 +156,8 @@ pub struct AgentState {
     pub link: RwLock<LinkStatus>,
     /// KV-event subscribers.
     pub hub: KvHub,
+    /// The engines' latest tier-2 counters per stream (scraped from their `/metrics`).
+    pub engine_counters: EngineCounters,
     /// Metrics.
     pub metrics: AgentMetrics,
 }
@@ -164,6 +167,7 @@ impl AgentState {
     pub fn new(node: String, plan: NodePlan) -> Result<Arc<Self>, prometheus::Error> {
         let metrics = AgentMetrics::new()?;
         let hub = KvHub::new(&metrics.registry)?;
+        let engine_counters = EngineCounters::new(&metrics.registry)?;
         hub.apply_plan(&plan);
         Ok(Arc::new(AgentState {
             node,
@@ -171,6 +175,7 @@ impl AgentState {
             latest: RwLock::new(None),
             link: RwLock::new(LinkStatus::default()),
             hub,
+            engine_counters,
             metrics,
         }))
     }
@@ -187,6 +192,20 @@ impl AgentState {
                 "kvStreams".into(),
                 serde_json::to_value(self.hub.status()).unwrap_or_default(),
             );
+            let counters: Vec<serde_json::Value> = self
+                .engine_counters
+                .latest()
+                .iter()
+                .map(|c| {
+                    serde_json::json!({
+                        "streamId": c.stream.as_ref().map(|d| d.stream_id.as_str()).unwrap_or_default(),
+                        "t2Hits": c.t2_hits,
+                        "t2Queries": c.t2_queries,
+                        "observedAtUnixMs": c.observed_at_unix_ms,
+                    })
+                })
+                .collect();
+            obj.insert("engineCounters".into(), counters.into());
             obj.insert(
                 "link".into(),
                 serde_json::to_value(self.link.read().clone()).unwrap_or_default(),

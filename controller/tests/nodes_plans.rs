@@ -416,3 +416,120 @@ fn plans_are_deterministic_and_readable_by_the_agent() {
     );
     assert!(!by_node.contains_key("cpu-1"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Engine metrics URL (tier-2 counters; spec 000 `indexParticipation.t2HitRate`)
+// ---------------------------------------------------------------------------------------------
+
+/// The vLLM docs pod (`sh -c "vllm serve …"`, no `--port`) with KV events on and `extra`
+/// appended to its script, wired by an Offload (or `mode`) backend with a model id.
+fn vllm_sh_c(extra: &str, mode: &str) -> Option<String> {
+    let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
+    let c = &mut pod.spec.as_mut().unwrap().containers[0];
+    let script = &mut c.args.as_mut().unwrap()[0];
+    script.push_str(r#" --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq"}'"#);
+    script.push_str(extra);
+    let pod = wire(pod, "gpu-3", "10.9.9.9", "cb-sh", "Running");
+    let cb = backend(
+        "default",
+        "cb-sh",
+        json!({"runtime": "VLLM", "integration": {"mode": mode}, "observation": {"modelID": "m"}}),
+    );
+    let derived = derive_plans(&[pod], &[cb]);
+    let e = &derived.plans["gpu-3"].engines[0];
+    assert_eq!(e.kv_events.len(), 1, "{:?}", derived.issues);
+    e.metrics_url.clone()
+}
+
+#[test]
+fn vllm_metrics_url_follows_port_in_every_spelling_with_default_8000() {
+    // production-stack `command: [vllm, serve, …, --host, 0.0.0.0, --port, "8000"]`
+    let derived = derive_plans(&[vllm_pod()], &[vllm_backend()]);
+    assert_eq!(
+        derived.plans["gpu-1"].engines[0].metrics_url.as_deref(),
+        Some("http://10.1.2.3:8000/metrics"),
+        "one URL for both DP ranks: one API server serves every engine of the pod"
+    );
+    assert_eq!(
+        vllm_sh_c("", "Offload").as_deref(),
+        Some("http://10.9.9.9:8000/metrics"),
+        "vLLM's default --port"
+    );
+    assert_eq!(
+        vllm_sh_c(" --port 8001", "Offload").as_deref(),
+        Some("http://10.9.9.9:8001/metrics")
+    );
+    assert_eq!(
+        vllm_sh_c(" --port=8002 --host 0.0.0.0", "Offload").as_deref(),
+        Some("http://10.9.9.9:8002/metrics")
+    );
+    assert_eq!(
+        vllm_sh_c(" --port \"$PORT\"", "Offload"),
+        None,
+        "an unknown port plans nothing rather than a wrong one"
+    );
+    assert_eq!(
+        vllm_sh_c(" --host 127.0.0.1", "Offload"),
+        None,
+        "the agent cannot reach a pod's loopback"
+    );
+    assert_eq!(
+        vllm_sh_c(" --port 8001", "EventsOnly"),
+        None,
+        "events-only has no tier 2"
+    );
+}
+
+#[test]
+fn sglang_metrics_url_needs_enable_metrics_and_defaults_to_port_30000() {
+    // llm-d SGLang (`--host=0.0.0.0 --port=8000 --enable-metrics`) on the host network.
+    let derived = derive_plans(&[sglang_hostnet_pod()], &[sglang_backend()]);
+    assert_eq!(
+        derived.plans["gpu-2"].engines[0].metrics_url.as_deref(),
+        Some("http://192.168.1.10:8000/metrics")
+    );
+    let variant = |drop: &[&str], host_network: bool| {
+        let mut pod = sglang_hostnet_pod();
+        let spec = pod.spec.as_mut().unwrap();
+        spec.host_network = Some(host_network);
+        spec.containers[0]
+            .args
+            .as_mut()
+            .unwrap()
+            .retain(|a| !drop.contains(&a.as_str()));
+        let derived = derive_plans(&[pod], &[sglang_backend()]);
+        derived.plans["gpu-2"].engines[0].metrics_url.clone()
+    };
+    assert_eq!(
+        variant(&["--port=8000"], false).as_deref(),
+        Some("http://192.168.1.10:30000/metrics"),
+        "SGLang's default --port"
+    );
+    assert_eq!(
+        variant(&["--enable-metrics"], false),
+        None,
+        "SGLang serves /metrics only with --enable-metrics"
+    );
+    assert_eq!(
+        variant(&["--host=0.0.0.0", "--port=8000"], false),
+        None,
+        "SGLang binds 127.0.0.1 by default: unreachable from the agent"
+    );
+    assert_eq!(
+        variant(&["--host=0.0.0.0", "--port=8000"], true).as_deref(),
+        Some("http://127.0.0.1:30000/metrics"),
+        "on the host network the node's loopback is the engine's"
+    );
+}
+
+#[test]
+fn the_metrics_url_reaches_the_agent() {
+    let derived = derive_plans(&[vllm_pod()], &[vllm_backend()]);
+    let json = serde_json::to_value(&derived.plans["gpu-1"]).unwrap();
+    assert_eq!(
+        json["engines"][0]["metricsUrl"],
+        "http://10.1.2.3:8000/metrics"
+    );
+    let back = NodePlan::parse(&json.to_string(), "test").unwrap();
+    assert_eq!(&back, &derived.plans["gpu-1"]);
+}

@@ -19,6 +19,7 @@
 //!     keepsL2: true
 //!     kvEvents:
 //!       - { endpoint: "tcp://127.0.0.1:5557", replayEndpoint: "tcp://127.0.0.1:5558", dpRank: 0 }
+//!     metricsUrl: http://127.0.0.1:8000/metrics
 //! readerMounts:
 //!   - namespace: team-a
 //!     pod: vllm-0
@@ -239,6 +240,13 @@ pub struct EnginePlan {
     /// KV-event publishers, one per data-parallel rank.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kv_events: Vec<KvEventSource>,
+    /// The engine's Prometheus endpoint, e.g. `http://10.0.0.5:8000/metrics` (planned for
+    /// Offload backends only: events-only has no tier 2). The agent scrapes it for the tier-2
+    /// counters (`vllm:external_prefix_cache_{hits,queries}_total`) of every KV stream above;
+    /// one HTTP server serves all of the pod's data-parallel ranks, so each stream reads the
+    /// series whose `engine` label is its rank (all series when no label matches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_url: Option<String>,
 }
 
 /// One engine publisher (one data-parallel rank).
@@ -347,6 +355,7 @@ engines:
     keepsL2: true
     kvEvents:
       - { endpoint: "tcp://127.0.0.1:5557", replayEndpoint: "tcp://127.0.0.1:5558", dpRank: 1 }
+    metricsUrl: http://127.0.0.1:8000/metrics
 "#;
         let p = NodePlan::parse(text, "test").unwrap();
         assert_eq!(p.shm.as_ref().unwrap().required_bytes, 1 << 30);
@@ -358,6 +367,10 @@ engines:
         assert_eq!(e.stream_id(1), "default/vllm-0#1");
         assert_eq!(e.replica_id(1), "vllm-0#1");
         assert_eq!(e.replica_id(0), "vllm-0");
+        assert_eq!(
+            e.metrics_url.as_deref(),
+            Some("http://127.0.0.1:8000/metrics")
+        );
         let back: NodePlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(back, p);
     }

@@ -5,7 +5,8 @@
 //! - `/metrics`: Prometheus text format (`inferencecache_agent_…`); also served alone on
 //!   `--metrics-addr` (the pod IP in cluster) by [`metrics_router`].
 //! - `/v1/report`: the latest pass in the `ic-agent check --json` shape, plus `planGeneration`,
-//!   `kvStreams` and `link`; 503 before the first pass.
+//!   `kvStreams`, `engineCounters` (the engines' latest tier-2 counters per stream) and `link`;
+//!   503 before the first pass.
 
 use std::sync::Arc;
 

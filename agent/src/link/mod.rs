@@ -6,8 +6,9 @@
 //! [`LinkConfig::rediscover_interval`]. An IP literal or a ClusterIP name gives one stream.
 //!
 //! Per stream: Hello, then a full Resync of every KV stream (so that replica's index converges
-//! after either side restarts), then the latest check pass; afterwards KV delta batches and every
-//! new check pass. The controller may answer with a node plan (applied at once), acks, and resync
+//! after either side restarts), the engines' latest tier-2 counters (a Resync resets them in the
+//! index) and the latest check pass; afterwards KV delta batches, every new check pass and the
+//! counters whenever a scrape changed them ([`crate::engine_metrics`]). The controller may answer with a node plan (applied at once), acks, and resync
 //! requests (answered with a fresh Resync). On any error the stream reconnects with capped
 //! exponential backoff.
 //!
@@ -316,6 +317,13 @@ fn hello(
     }
 }
 
+/// The engines' latest tier-2 counters; `None` when no engine exposes them.
+fn counters(state: &AgentState) -> Option<AgentMessage> {
+    state.engine_counters.report().map(|r| AgentMessage {
+        msg: Some(Msg::Counters(r)),
+    })
+}
+
 fn checks(state: &AgentState) -> Option<AgentMessage> {
     let pass = state.latest.read().clone()?;
     Some(AgentMessage {
@@ -403,6 +411,7 @@ async fn session(
     };
     // Subscribe before the snapshot so no batch falls between the two.
     let mut batches = pump.batches.subscribe();
+    let mut counter_changes = state.engine_counters.subscribe();
     let snap = pump.snapshot().await?;
     let mut covered = Covered::from_snapshot(&snap);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
@@ -411,6 +420,10 @@ async fn session(
         msg: Some(Msg::Resync(proto::Resync { streams: snap })),
     })
     .await?;
+    counter_changes.mark_unchanged();
+    if let Some(m) = counters(state) {
+        send(m).await?;
+    }
     passes.mark_unchanged();
     if let Some(m) = checks(state) {
         send(m).await?;
@@ -448,6 +461,9 @@ async fn session(
                         let snap = pump.snapshot().await?;
                         covered = Covered::from_snapshot(&snap);
                         send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
+                        if let Some(m) = counters(state) {
+                            send(m).await?;
+                        }
                     }
                     Some(controller_message::Msg::Ack(_)) | None => {}
                 }
@@ -463,9 +479,20 @@ async fn session(
                     let snap = pump.snapshot().await?;
                     covered = Covered::from_snapshot(&snap);
                     send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
+                    if let Some(m) = counters(state) {
+                        send(m).await?;
+                    }
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(LinkError::Closed),
             },
+            changed = counter_changes.changed() => {
+                if changed.is_err() {
+                    return Err(LinkError::Closed);
+                }
+                if let Some(m) = counters(state) {
+                    send(m).await?;
+                }
+            }
             changed = passes.changed() => {
                 if changed.is_err() {
                     return Err(LinkError::Closed);

@@ -7,6 +7,10 @@
 //!    not follow, or of a stream the index does not know, is refused: the controller sends one
 //!    `ResyncRequest` and ignores further deltas of that agent until the next `Resync`;
 //! 4. `CheckReport`s replace the node's latest results.
+//! 5. `CounterReport`s (the engines' tier-2 hit and lookup counters, scraped by the agent) are
+//!    recorded per stream with [`crate::index::PrefixIndex::set_t2_counters`] — only for
+//!    streams this connection owns (those of its last `Resync`); others are ignored. A `Resync`
+//!    resets a stream's counters; the agent sends them again right after it.
 //!
 //! When the stream ends the node is marked disconnected; its index entries stay until
 //! `agent_expiry` passes without a reconnect (a restarted agent replaces them with its resync).
@@ -26,13 +30,14 @@
 //! `<node>/<namespace>/<pod>` ([`auth::PodScope::reporter_key`]) in the registry and the index,
 //! so their resyncs replace only their own streams (never the node agent's or another pod's);
 //! and every stream in their `Resync`s and deltas must be their pod's
-//! ([`auth::PodScope::authorize`]) — one that is not ends the stream with `PermissionDenied`
+//! ([`auth::PodScope::authorize`]; counters included) — one that is not ends the stream with `PermissionDenied`
 //! before anything of that message is applied. They get no node plan; check reports from them
 //! are ignored. Standalone mode holds them to the pod their Hello names.
 
 pub mod auth;
 pub mod registry;
 
+use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -160,6 +165,7 @@ impl AgentService for AgentIngest {
                 ticket: ticket.clone(),
                 tx,
                 awaiting_resync: false,
+                owned: HashSet::new(),
             };
             let mut stopping = shared.stopping.subscribe();
             let end = loop {
@@ -223,6 +229,9 @@ struct Session {
     ticket: StreamTicket,
     tx: mpsc::Sender<Result<ControllerMessage, Status>>,
     awaiting_resync: bool,
+    /// Stream ids of this connection's last applied `Resync`: the streams it may report
+    /// counters for.
+    owned: HashSet<String>,
 }
 
 impl Session {
@@ -269,6 +278,10 @@ impl Session {
                     let streams = with_node(r.streams, self.ticket.reporting_node());
                     ix.resync_node(&self.ticket.node, &streams);
                     self.shared.update_index_gauges(&ix);
+                    self.owned = streams
+                        .iter()
+                        .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
+                        .collect();
                 }
                 m.kv_resyncs_total.with_label_values(&[trigger]).inc();
                 self.awaiting_resync = false;
@@ -310,6 +323,23 @@ impl Session {
                         },
                     ))
                     .await?;
+                }
+            }
+            Some(Msg::Counters(report)) => {
+                self.authorize(report.streams.iter().map(|c| c.stream.as_ref()))?;
+                let mut ignored = 0usize;
+                let mut ix = self.shared.index.write();
+                for c in &report.streams {
+                    match c.stream.as_ref().map(|d| d.stream_id.as_str()) {
+                        Some(id) if self.owned.contains(id) => {
+                            ix.set_t2_counters(id, c.t2_hits, c.t2_queries);
+                        }
+                        _ => ignored += 1,
+                    }
+                }
+                drop(ix);
+                if ignored > 0 {
+                    tracing::debug!(node = %self.ticket.node, ignored, "engine counters of streams this connection does not own were ignored");
                 }
             }
             Some(Msg::Checks(_)) if self.ticket.scope.is_some() => {}
@@ -527,6 +557,104 @@ mod tests {
         assert!(
             shared.index.read().stream_entries("ns/pod-a#0").is_none(),
             "nothing of the refused resync was applied"
+        );
+    }
+
+    fn counters(streams: &[(&str, &str, u64, u64)]) -> AgentMessage {
+        AgentMessage {
+            msg: Some(Msg::Counters(proto::CounterReport {
+                streams: streams
+                    .iter()
+                    .map(|(tenant, pod, hits, queries)| proto::StreamCounters {
+                        stream: Some(StreamDescriptor {
+                            stream_id: format!("{tenant}/{pod}#0"),
+                            replica: pod.to_string(),
+                            tenant: tenant.to_string(),
+                            ..Default::default()
+                        }),
+                        t2_hits: *hits,
+                        t2_queries: *queries,
+                        observed_at_unix_ms: 1,
+                    })
+                    .collect(),
+            })),
+        }
+    }
+
+    fn t2(shared: &Shared, stream: &str) -> Option<(Option<u64>, Option<u64>)> {
+        shared
+            .index
+            .read()
+            .snapshot()
+            .replicas
+            .into_iter()
+            .find(|r| r.stream_id == stream)
+            .map(|r| (r.t2_hits, r.t2_queries))
+    }
+
+    #[tokio::test]
+    async fn counters_apply_only_to_streams_the_connection_owns_until_its_next_resync() {
+        let (url, shared) = serve(None).await;
+        let (a, tx_a) = open(&url, hello("n1", None, "")).await;
+        let _a = a.unwrap();
+        tx_a.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        let (b, tx_b) = open(&url, hello("n2", None, "")).await;
+        let _b = b.unwrap();
+        tx_b.send(resync(&[("ns", "pod-b", "b1")])).await.unwrap();
+        until("both streams", || {
+            t2(&shared, "ns/pod-a#0").is_some() && t2(&shared, "ns/pod-b#0").is_some()
+        })
+        .await;
+        // n1 reports its own stream and n2's: only its own lands.
+        tx_a.send(counters(&[("ns", "pod-a", 25, 100), ("ns", "pod-b", 1, 1)]))
+            .await
+            .unwrap();
+        until("pod-a's counters", || {
+            t2(&shared, "ns/pod-a#0") == Some((Some(25), Some(100)))
+        })
+        .await;
+        assert_eq!(t2(&shared, "ns/pod-b#0"), Some((None, None)));
+        // A resync resets them (the agent sends them again right after).
+        tx_a.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        until("the reset", || {
+            t2(&shared, "ns/pod-a#0") == Some((None, None))
+        })
+        .await;
+        tx_a.send(counters(&[("ns", "pod-a", 30, 120)]))
+            .await
+            .unwrap();
+        until("the new counters", || {
+            t2(&shared, "ns/pod-a#0") == Some((Some(30), Some(120)))
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_reporting_counters_of_another_pod_is_cut_off() {
+        let (url, shared) = serve(None).await;
+        let (sub, tx) = open(&url, hello("n1", Some(("ns", "pod-a")), "")).await;
+        let mut inbound = sub.unwrap();
+        tx.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        tx.send(counters(&[("ns", "pod-a", 1, 2), ("ns", "pod-b", 3, 4)]))
+            .await
+            .unwrap();
+        let status = loop {
+            match inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream must end with a status"),
+                Err(st) => break st,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(
+            status.message().contains("\"ns/pod-b#0\""),
+            "{}",
+            status.message()
+        );
+        assert_eq!(
+            t2(&shared, "ns/pod-a#0"),
+            Some((None, None)),
+            "nothing of the refused report was applied"
         );
     }
 

@@ -54,6 +54,13 @@ pub struct IndexUnavailable(pub String);
 pub trait IndexView: Send + Sync {
     /// Every replica the index knows, or why it could not be read.
     fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable>;
+
+    /// The registry the controller's `/metrics` serves, when this view is the controller's
+    /// shared state: [`super::Context::new`] registers the reconciler's gauges
+    /// ([`super::metrics::BackendMetrics`]) there. `None` (the default) for fakes.
+    fn metrics_registry(&self) -> Option<prometheus::Registry> {
+        None
+    }
 }
 
 fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
@@ -66,9 +73,10 @@ fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
             replica: r.replica,
             prefix_count: r.prefix_count as u64,
             last_event_unix_ms: r.last_event_unix_ms,
-            // The index carries no engine hit counters yet; t2HitRate stays as it was.
-            t2_queries: None,
-            t2_hits: None,
+            // The engines' tier-2 counters, as the node agents scrape and report them
+            // (`CounterReport`); absent until a replica's engine exposed them.
+            t2_queries: r.t2_queries,
+            t2_hits: r.t2_hits,
         })
         .collect()
 }
@@ -82,6 +90,10 @@ impl IndexView for RwLock<PrefixIndex> {
 impl IndexView for crate::state::Shared {
     fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
         Ok(from_index(&self.index.read()))
+    }
+
+    fn metrics_registry(&self) -> Option<prometheus::Registry> {
+        Some(self.metrics.registry.clone())
     }
 }
 

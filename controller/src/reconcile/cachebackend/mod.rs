@@ -29,6 +29,7 @@ pub mod endpoint;
 pub mod engine;
 pub mod events;
 pub mod index_view;
+pub mod metrics;
 pub mod path;
 pub mod probe;
 pub mod status;
@@ -56,6 +57,7 @@ use thiserror::Error;
 
 use self::events::EventSink;
 use self::index_view::IndexView;
+use self::metrics::BackendMetrics;
 use self::probe::{ProbeInput, Prober};
 use self::status::{evaluate, Memory, Observed, Settings, WorkloadState};
 use super::annotations::CACHE_SERVER_RESTART_TRIGGER;
@@ -176,11 +178,14 @@ pub struct Context {
     /// Cadences and rate limits.
     pub settings: Settings,
     memory: Mutex<HashMap<String, (String, Memory)>>,
+    metrics: Option<BackendMetrics>,
 }
 
 impl Context {
     /// A context with the default [`Settings`] and no prober. `leader` is read on every
-    /// reconcile (set it from the Lease; `true` for a single replica).
+    /// reconcile (set it from the Lease; `true` for a single replica). The reconciler's gauges
+    /// ([`BackendMetrics`]) join the registry `index` serves, when it has one (the controller's
+    /// shared state: its `/metrics`); otherwise they are kept unregistered.
     pub fn new(
         client: Client,
         index: Arc<dyn IndexView>,
@@ -188,6 +193,15 @@ impl Context {
         clock: Arc<dyn Clock>,
         leader: Arc<AtomicBool>,
     ) -> Self {
+        let metrics = match index.metrics_registry() {
+            Some(registry) => BackendMetrics::register(&registry)
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "CacheBackend gauges not registered (already registered by another context?)")
+                })
+                .ok(),
+            None => None,
+        }
+        .or_else(|| BackendMetrics::unregistered().ok());
         Context {
             client,
             index,
@@ -197,7 +211,25 @@ impl Context {
             leader,
             settings: Settings::default(),
             memory: Mutex::new(HashMap::new()),
+            metrics,
         }
+    }
+
+    /// Registers the reconciler's gauges in `registry` instead.
+    ///
+    /// # Errors
+    /// When they are already registered there.
+    pub fn with_metrics(
+        mut self,
+        registry: &prometheus::Registry,
+    ) -> Result<Self, prometheus::Error> {
+        self.metrics = Some(BackendMetrics::register(registry)?);
+        Ok(self)
+    }
+
+    /// The reconciler's gauges.
+    pub fn metrics(&self) -> Option<&BackendMetrics> {
+        self.metrics.as_ref()
     }
 
     /// Turns the functional-probe gate on with `prober`.
@@ -232,9 +264,12 @@ impl Context {
             .insert(key.to_string(), (uid.to_string(), m));
     }
 
-    /// Forgets a backend (call when it is deleted).
+    /// Forgets a backend (call when it is deleted), its gauges included.
     pub fn forget(&self, key: &str) {
         self.memory.lock().remove(key);
+        if let Some(m) = &self.metrics {
+            m.forget(key);
+        }
     }
 }
 
@@ -599,6 +634,16 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
         probe_enabled: ctx.prober.is_some(),
     };
     let mut eval = evaluate(&obs, &mem, &ProbeInput::NotRun, &ctx.settings);
+    if let Some(m) = &ctx.metrics {
+        // The probe never changes indexParticipation: every replica exports the same gauge.
+        m.record(
+            &key,
+            eval.status
+                .index_participation
+                .as_ref()
+                .and_then(|p| p.t2_hit_rate.as_deref()),
+        );
+    }
     if !leader {
         return Ok(Action::requeue(eval.requeue_after));
     }

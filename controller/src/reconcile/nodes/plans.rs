@@ -26,6 +26,9 @@
 //!     `+ --data-parallel-size-local`, default all of `--data-parallel-size`; SGLang: the
 //!     attention-DP ranks of this node with `--enable-dp-attention`, else rank 0).
 //!   - **block size**: vLLM `--block-size` (default 16), SGLang `--page-size` (default 1).
+//!   - **metrics URL** (Offload backends with KV-event publishers only; events-only has no tier
+//!     2): `http://<host>:<port>/metrics` of the engine's HTTP server, whose tier-2 counters the
+//!     agent scrapes ([`engine_metrics_url`]).
 //!   - **MP-worker port**: SGLang + LMCache in Offload mode runs the LMCache MP worker on
 //!     `spec.lmCache.workerPort` (default 5555) in the pod's network namespace.
 //!   - **required `/dev/shm`** (bytes, inside the pod): the SGLang MP worker's L1 is
@@ -65,6 +68,10 @@ pub const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://*:5557";
 pub const VLLM_DEFAULT_BLOCK_SIZE: u32 = 16;
 /// SGLang's default `--page-size`.
 pub const SGLANG_DEFAULT_PAGE_SIZE: u32 = 1;
+/// vLLM's default `--port` (its OpenAI server also serves `/metrics`).
+pub const VLLM_DEFAULT_PORT: u16 = 8000;
+/// SGLang's default `--port`.
+pub const SGLANG_DEFAULT_PORT: u16 = 30000;
 
 /// Something about a pod that could not be planned (or was planned partially).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -540,6 +547,7 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
     }
 
     let model = spec.model_id().map(str::to_string);
+    let all_args: Vec<&str> = command.as_ref().map(|(_, c)| c.texts()).unwrap_or_default();
     let mut kv_events = Vec::new();
     if command.is_some() {
         match model.as_deref() {
@@ -565,9 +573,52 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         backend: backend_key(backend),
         shm_required_bytes: shm,
         mp_worker_port,
+        metrics_url: (offload && !kv_events.is_empty())
+            .then(|| engine_metrics_url(pod, runtime, &all_args))
+            .flatten(),
         kv_events,
     };
     (plan, issues)
+}
+
+/// The engine's Prometheus endpoint, `http://<host>:<port>/metrics`, as the node agent can
+/// reach it; `args` are every engine argument (shell expansions included, so an unknown
+/// `--port $PORT` plans nothing rather than a wrong port).
+///
+/// Port: `--port` (vLLM default [`VLLM_DEFAULT_PORT`], SGLang [`SGLANG_DEFAULT_PORT`]). Host:
+/// the pod IP when the server binds every interface (vLLM's default; `0.0.0.0`, `::`) or an
+/// address from an expansion (`$(POD_IP)`); the loopback address only for hostNetwork pods
+/// (none otherwise: the agent cannot reach a pod's loopback); another literal host as given.
+/// SGLang binds `127.0.0.1` by default and serves `/metrics` only with `--enable-metrics`.
+pub fn engine_metrics_url(pod: &Pod, runtime: Runtime, args: &[&str]) -> Option<String> {
+    if runtime == Runtime::SgLang && !flag_set(args, &["--enable-metrics"]) {
+        return None;
+    }
+    let port = match flag_value(args, &["--port"]) {
+        Some(v) => v.trim().parse::<u16>().ok().filter(|p| *p > 0)?,
+        None => match runtime {
+            Runtime::Vllm => VLLM_DEFAULT_PORT,
+            Runtime::SgLang => SGLANG_DEFAULT_PORT,
+        },
+    };
+    let host = flag_value(args, &["--host"]).map(|h| h.trim().to_string());
+    let host = match host.as_deref() {
+        None if runtime == Runtime::SgLang => Some("127.0.0.1"),
+        h => h,
+    };
+    let host = match host {
+        Some(h) if is_loopback(h) => {
+            if !host_network(pod) {
+                return None;
+            }
+            host_for(h.trim_start_matches('[').trim_end_matches(']'))
+        }
+        Some(h) if !h.is_empty() && !is_wildcard(h) && h != "0.0.0.0" && !h.contains('$') => {
+            host_for(h.trim_start_matches('[').trim_end_matches(']'))
+        }
+        _ => host_for(&pod_ip(pod)?),
+    };
+    Some(format!("http://{host}:{port}/metrics"))
 }
 
 fn kv_sources(

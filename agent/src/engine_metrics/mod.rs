@@ -1,0 +1,348 @@
+//! Tier-2 counters from the engines' Prometheus endpoints (spec 000
+//! `indexParticipation.t2HitRate`, condition `T2Degraded`).
+//!
+//! The controller plans an engine's `metricsUrl` (`http://<podIP>:<port>/metrics`) for
+//! Offload backends. Every [`ScrapeConfig::interval`] the agent fetches each planned URL once
+//! ([`http::get`]: one bounded HTTP/1.1 GET, [`ScrapeConfig::timeout`] for the whole
+//! exchange, at most [`ScrapeConfig::max_body_bytes`]) and reads
+//! `vllm:external_prefix_cache_{hits,queries}_total` for each of the engine's KV streams
+//! ([`prom::t2_counters`]: the series whose `engine` label is the stream's data-parallel rank,
+//! else the sum of all series). The latest values live in [`EngineCounters`]; the controller
+//! link sends them as a `CounterReport` after every Resync and whenever they change.
+//!
+//! Absent counters (no KV connector, or an engine that does not export them) are never sent
+//! as 0: tier 2 "not exercised" stays distinct from "queried, zero hits". A failed fetch keeps
+//! the stream's last values (counters are cumulative: nothing new was learnt); a stream that
+//! left the plan is forgotten.
+//!
+//! Metric: `inferencecache_agent_engine_metrics_scrapes_total{outcome}` — one per URL and
+//! scrape: `ok`, `absent` (fetched, counters not there), or the fetch failure
+//! ([`http::FetchError::outcome`]).
+
+pub mod http;
+pub mod prom;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ic_shared::plan::{EnginePlan, NodePlan};
+use ic_shared::proto::{CounterReport, StreamCounters, StreamDescriptor};
+use parking_lot::RwLock;
+use prometheus::{IntCounterVec, Opts, Registry};
+use tokio::sync::watch;
+use tracing::debug;
+
+use crate::state::{now_unix_ms, AgentState};
+
+/// Default time between scrapes.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(15);
+/// Default deadline of one fetch (connect, request, response).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default largest `/metrics` body accepted (vLLM with many engines and histograms stays well
+/// below 1 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// Scrape settings (`ic-agent run --t2-scrape-interval-seconds`, `--t2-scrape-timeout-ms`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeConfig {
+    /// Time between scrapes; zero turns scraping off.
+    pub interval: Duration,
+    /// Deadline of one fetch.
+    pub timeout: Duration,
+    /// Largest body accepted.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            interval: DEFAULT_INTERVAL,
+            timeout: DEFAULT_TIMEOUT,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// Outcomes besides the fetch failures.
+const OUTCOME_OK: &str = "ok";
+const OUTCOME_ABSENT: &str = "absent";
+
+/// The latest tier-2 counters per stream, and the scrape metrics.
+pub struct EngineCounters {
+    latest: RwLock<BTreeMap<String, StreamCounters>>,
+    changed: watch::Sender<u64>,
+    scrapes_total: IntCounterVec,
+}
+
+impl EngineCounters {
+    /// An empty store; registers `inferencecache_agent_engine_metrics_scrapes_total` in
+    /// `registry`.
+    ///
+    /// # Errors
+    /// When the metric is already registered there.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let scrapes_total = IntCounterVec::new(
+            Opts::new(
+                "inferencecache_agent_engine_metrics_scrapes_total",
+                "Scrapes of engine /metrics endpoints for tier-2 counters, by outcome (ok, absent, or the fetch failure).",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(scrapes_total.clone()))?;
+        Ok(EngineCounters {
+            latest: RwLock::new(BTreeMap::new()),
+            changed: watch::Sender::new(0),
+            scrapes_total,
+        })
+    }
+
+    /// Every stream's latest counters, in stream-id order.
+    pub fn latest(&self) -> Vec<StreamCounters> {
+        self.latest.read().values().cloned().collect()
+    }
+
+    /// The message the link sends: every stream's latest counters; `None` when there are none.
+    pub fn report(&self) -> Option<CounterReport> {
+        let streams = self.latest();
+        (!streams.is_empty()).then_some(CounterReport { streams })
+    }
+
+    /// Changes whenever the counters of some stream changed (the link sends a report).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Scrapes counted with `outcome`.
+    pub fn scrapes(&self, outcome: &str) -> u64 {
+        self.scrapes_total
+            .get_metric_with_label_values(&[outcome])
+            .map(|c| c.get())
+            .unwrap_or(0)
+    }
+
+    /// Replaces the store; signals subscribers when any stream's values (not just the scrape
+    /// time) changed or a stream came or went.
+    fn replace(&self, next: BTreeMap<String, StreamCounters>) {
+        let differs = {
+            let cur = self.latest.read();
+            cur.len() != next.len()
+                || cur.iter().zip(next.iter()).any(|((ka, a), (kb, b))| {
+                    ka != kb
+                        || a.stream != b.stream
+                        || a.t2_hits != b.t2_hits
+                        || a.t2_queries != b.t2_queries
+                })
+        };
+        *self.latest.write() = next;
+        if differs {
+            self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+}
+
+/// The descriptor of `engine`'s stream at `dp_rank`, as the KV hub reports it.
+fn descriptor(engine: &EnginePlan, dp_rank: u32) -> StreamDescriptor {
+    StreamDescriptor {
+        stream_id: engine.stream_id(dp_rank),
+        replica: engine.replica_id(dp_rank),
+        dp_rank,
+        tenant: engine.namespace.clone(),
+        model: engine.model.clone(),
+        hash_scheme: engine.hash_scheme.as_str().to_string(),
+        backend: engine.backend.clone(),
+        node: String::new(),
+    }
+}
+
+/// Engines with a metrics URL and at least one KV stream, grouped by URL.
+fn targets(plan: &NodePlan) -> BTreeMap<String, Vec<&EnginePlan>> {
+    let mut out: BTreeMap<String, Vec<&EnginePlan>> = BTreeMap::new();
+    for e in &plan.engines {
+        if e.kv_events.is_empty() {
+            continue;
+        }
+        if let Some(url) = e.metrics_url.as_deref().filter(|u| !u.trim().is_empty()) {
+            out.entry(url.to_string()).or_default().push(e);
+        }
+    }
+    out
+}
+
+/// One scrape of every planned URL (concurrently); updates `counters`.
+pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &ScrapeConfig) {
+    let targets = targets(plan);
+    let fetches = targets.keys().map(|url| async move {
+        (
+            url.clone(),
+            http::get(url, cfg.timeout, cfg.max_body_bytes).await,
+        )
+    });
+    let results = futures::future::join_all(fetches).await;
+    let now = now_unix_ms();
+    let previous = counters.latest.read().clone();
+    let mut next = BTreeMap::new();
+    for (url, result) in results {
+        let engines = targets.get(&url).map(Vec::as_slice).unwrap_or_default();
+        match result {
+            Ok(body) => {
+                let mut found = false;
+                for e in engines {
+                    for src in &e.kv_events {
+                        let d = descriptor(e, src.dp_rank);
+                        if let Some(c) = prom::t2_counters(&body, src.dp_rank) {
+                            found = true;
+                            next.insert(
+                                d.stream_id.clone(),
+                                StreamCounters {
+                                    stream: Some(d),
+                                    t2_hits: c.hits,
+                                    t2_queries: c.queries,
+                                    observed_at_unix_ms: now,
+                                },
+                            );
+                        }
+                    }
+                }
+                let outcome = if found { OUTCOME_OK } else { OUTCOME_ABSENT };
+                counters.scrapes_total.with_label_values(&[outcome]).inc();
+            }
+            Err(err) => {
+                counters
+                    .scrapes_total
+                    .with_label_values(&[err.outcome()])
+                    .inc();
+                debug!(url = %url, error = %err, "engine metrics scrape failed; keeping the last counters");
+                for e in engines {
+                    for src in &e.kv_events {
+                        let id = e.stream_id(src.dp_rank);
+                        if let Some(prev) = previous.get(&id) {
+                            next.insert(id, prev.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    counters.replace(next);
+}
+
+/// Scrapes the plan's engines every `cfg.interval` (the first at once) until the task is
+/// dropped. Does nothing when the interval is zero.
+pub async fn run(state: Arc<AgentState>, cfg: ScrapeConfig) {
+    if cfg.interval.is_zero() {
+        return;
+    }
+    loop {
+        let plan = state.plan.read().clone();
+        scrape_once(&plan, &state.engine_counters, &cfg).await;
+        tokio::time::sleep(cfg.interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ic_shared::plan::KvEventSource;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Serves `body` to every connection (Content-Length framing) until aborted.
+    async fn serve(body: &'static str) -> (String, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut b = [0u8; 2048];
+                let _ = s.read(&mut b).await;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            }
+        });
+        (format!("http://{addr}/metrics"), task)
+    }
+
+    fn engine(pod: &str, ranks: &[u32], url: Option<String>) -> EnginePlan {
+        EnginePlan {
+            namespace: "team-a".into(),
+            pod: pod.into(),
+            model: "m".into(),
+            backend: "team-a/cb".into(),
+            kv_events: ranks
+                .iter()
+                .map(|r| KvEventSource {
+                    endpoint: "tcp://127.0.0.1:1".into(),
+                    dp_rank: *r,
+                    ..Default::default()
+                })
+                .collect(),
+            metrics_url: url,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn each_rank_gets_its_engine_series_and_absent_counters_stay_absent() {
+        let (url, server) = serve(crate::engine_metrics::prom::tests::VLLM_DP2).await;
+        let (plain, plain_server) = serve("# HELP up x\nup 1\n").await;
+        let counters = EngineCounters::new(&Registry::new()).unwrap();
+        let mut changes = counters.subscribe();
+        let plan = NodePlan {
+            engines: vec![
+                engine("vllm-0", &[0, 1], Some(url.clone())),
+                engine("vllm-1", &[0], Some(plain)),
+                engine("vllm-2", &[0], None),
+                engine("vllm-3", &[], Some(url)),
+            ],
+            ..Default::default()
+        };
+        let cfg = ScrapeConfig::default();
+        scrape_once(&plan, &counters, &cfg).await;
+        let got: Vec<(String, u64, u64)> = counters
+            .latest()
+            .into_iter()
+            .map(|c| (c.stream.unwrap().stream_id, c.t2_hits, c.t2_queries))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("team-a/vllm-0#0".to_string(), 10240, 40960),
+                ("team-a/vllm-0#1".to_string(), 0, 12288),
+            ]
+        );
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        assert_eq!((counters.scrapes("ok"), counters.scrapes("absent")), (1, 1));
+        let d = counters.latest()[1].stream.clone().unwrap();
+        assert_eq!(
+            (
+                d.replica.as_str(),
+                d.dp_rank,
+                d.tenant.as_str(),
+                d.backend.as_str()
+            ),
+            ("vllm-0#1", 1, "team-a", "team-a/cb")
+        );
+
+        // Same values again: no change signalled.
+        scrape_once(&plan, &counters, &cfg).await;
+        assert!(!changes.has_changed().unwrap());
+
+        // The endpoint goes away: the last values stay, the failure is counted.
+        server.abort();
+        plain_server.abort();
+        let _ = server.await;
+        scrape_once(&plan, &counters, &cfg).await;
+        assert_eq!(counters.latest().len(), 2);
+        assert_eq!(counters.scrapes("connect_error"), 2);
+        assert!(!changes.has_changed().unwrap());
+
+        // The plan drops the engine: its streams are forgotten.
+        scrape_once(&NodePlan::default(), &counters, &cfg).await;
+        assert!(counters.report().is_none());
+        assert!(changes.has_changed().unwrap());
+    }
+}

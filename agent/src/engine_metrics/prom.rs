@@ -1,0 +1,379 @@
+//! A small reader of the Prometheus text exposition format (0.0.4, and the sample lines of
+//! OpenMetrics 1.0), enough to pick a few counters out of an engine's `/metrics`.
+//!
+//! It is tolerant the way other people's wire formats need: comment lines (`# HELP`, `# TYPE`,
+//! `# EOF`) and blank lines are skipped, a line that does not parse is skipped (and counted by
+//! the caller if it cares), CRLF line ends are accepted, and nothing it is given can make it
+//! panic (a property test feeds it arbitrary text).
+
+use std::borrow::Cow;
+
+/// vLLM's cumulative tier-2 (KV-connector, e.g. LMCache) reload hits, in tokens.
+pub const T2_HITS: &str = "vllm:external_prefix_cache_hits_total";
+/// vLLM's cumulative tier-2 lookups, in tokens.
+pub const T2_QUERIES: &str = "vllm:external_prefix_cache_queries_total";
+/// The label vLLM puts the engine (data-parallel rank) index in.
+pub const ENGINE_LABEL: &str = "engine";
+
+/// One sample line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample<'a> {
+    /// Metric name, e.g. `vllm:external_prefix_cache_hits_total`.
+    pub name: &'a str,
+    /// Label pairs in line order; values unescaped.
+    pub labels: Vec<(&'a str, Cow<'a, str>)>,
+    /// The value (`NaN`, `+Inf`, `-Inf` included).
+    pub value: f64,
+}
+
+impl Sample<'_> {
+    /// The value of label `name`, if present.
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_ref())
+    }
+}
+
+fn is_name_start(c: char) -> bool {
+    c.is_ascii_alphabetic() || c == '_' || c == ':'
+}
+
+fn is_name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == ':'
+}
+
+/// Splits a leading identifier (`first` for its first char, `rest` after) off `s`.
+fn take_ident(
+    s: &str,
+    first: impl Fn(char) -> bool,
+    rest: impl Fn(char) -> bool,
+) -> Option<(&str, &str)> {
+    let mut chars = s.char_indices();
+    match chars.next() {
+        Some((_, c)) if first(c) => {}
+        _ => return None,
+    }
+    let end = chars
+        .find(|(_, c)| !rest(*c))
+        .map(|(i, _)| i)
+        .unwrap_or(s.len());
+    Some((&s[..end], &s[end..]))
+}
+
+/// Parses a quoted label value at the start of `s` (after the opening quote has been
+/// removed): returns the unescaped value and the text after the closing quote.
+fn take_quoted(s: &str) -> Option<(Cow<'_, str>, &str)> {
+    let mut escaped = false;
+    let mut has_escape = false;
+    for (i, c) in s.char_indices() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' => {
+                escaped = true;
+                has_escape = true;
+            }
+            '"' => {
+                let raw = &s[..i];
+                let rest = &s[i + 1..];
+                if !has_escape {
+                    return Some((Cow::Borrowed(raw), rest));
+                }
+                let mut out = String::with_capacity(raw.len());
+                let mut it = raw.chars();
+                while let Some(c) = it.next() {
+                    if c == '\\' {
+                        match it.next() {
+                            Some('n') => out.push('\n'),
+                            Some(other) => out.push(other),
+                            None => out.push('\\'),
+                        }
+                    } else {
+                        out.push(c);
+                    }
+                }
+                return Some((Cow::Owned(out), rest));
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Parses a label set `{a="x",b="y"}` at the start of `s` (which begins with `{`).
+#[allow(clippy::type_complexity)]
+fn take_labels(s: &str) -> Option<(Vec<(&str, Cow<'_, str>)>, &str)> {
+    let mut rest = s.strip_prefix('{')?;
+    let mut labels = Vec::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((labels, after));
+        }
+        let (name, after) = take_ident(
+            rest,
+            |c| c.is_ascii_alphabetic() || c == '_',
+            |c| c.is_ascii_alphanumeric() || c == '_',
+        )?;
+        let after = after.trim_start().strip_prefix('=')?;
+        let after = after.trim_start().strip_prefix('"')?;
+        let (value, after) = take_quoted(after)?;
+        labels.push((name, value));
+        let after = after.trim_start();
+        rest = match after.strip_prefix(',') {
+            Some(a) => a,
+            None if after.starts_with('}') => after,
+            None => return None,
+        };
+    }
+}
+
+/// Parses a sample value as Prometheus writes it (`1234`, `1.5e+06`, `NaN`, `+Inf`, `-Inf`).
+pub fn parse_value(s: &str) -> Option<f64> {
+    match s {
+        "NaN" => Some(f64::NAN),
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        _ => s.parse::<f64>().ok(),
+    }
+}
+
+/// Parses one line; `None` for comments, blank lines and anything malformed.
+pub fn parse_line(line: &str) -> Option<Sample<'_>> {
+    let line = line.strip_suffix('\r').unwrap_or(line).trim_start();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (name, rest) = take_ident(line, is_name_start, is_name_char)?;
+    let (labels, rest) = if rest.starts_with('{') {
+        take_labels(rest)?
+    } else {
+        (Vec::new(), rest)
+    };
+    // The value must be separated from the name or label set by whitespace.
+    if !rest.starts_with([' ', '\t']) {
+        return None;
+    }
+    let mut fields = rest.split_ascii_whitespace();
+    let value = parse_value(fields.next()?)?;
+    // An optional timestamp (and, in OpenMetrics, an exemplar after `#`) may follow.
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// Every sample of `text` whose metric name is one of `names` (other lines are not fully
+/// parsed). Malformed lines are skipped.
+pub fn samples<'a>(text: &'a str, names: &'a [&'a str]) -> impl Iterator<Item = Sample<'a>> + 'a {
+    text.split('\n')
+        .filter(move |line| {
+            let l = line.trim_start();
+            names.iter().any(|n| {
+                l.strip_prefix(n)
+                    .is_some_and(|after| after.starts_with(['{', ' ', '\t']))
+            })
+        })
+        .filter_map(parse_line)
+}
+
+/// Tier-2 counters of one engine stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct T2Counters {
+    /// Cumulative reload hits (tokens).
+    pub hits: u64,
+    /// Cumulative lookups (tokens).
+    pub queries: u64,
+}
+
+/// A counter value as an integer: finite non-negative values, floored; anything else is not
+/// a counter value and is skipped.
+fn counter_value(v: f64) -> Option<f64> {
+    (v.is_finite() && v >= 0.0).then_some(v)
+}
+
+/// The tier-2 counters of data-parallel rank `dp_rank` in an engine's `/metrics` text.
+///
+/// Sums the series of [`T2_HITS`] and [`T2_QUERIES`]; when some series carries
+/// `engine="<dp_rank>"`, only those series count (one API server serves every rank of its
+/// pod, one series per engine). `None` when either counter is absent: the engine has no KV
+/// connector or does not export it, and "not exercised" must stay distinct from 0.
+pub fn t2_counters(text: &str, dp_rank: u32) -> Option<T2Counters> {
+    let rank = dp_rank.to_string();
+    let mut hits: Vec<(Option<String>, f64)> = Vec::new();
+    let mut queries: Vec<(Option<String>, f64)> = Vec::new();
+    for s in samples(text, &[T2_HITS, T2_QUERIES]) {
+        let Some(v) = counter_value(s.value) else {
+            continue;
+        };
+        let engine = s.label(ENGINE_LABEL).map(str::to_string);
+        if s.name == T2_HITS {
+            hits.push((engine, v));
+        } else {
+            queries.push((engine, v));
+        }
+    }
+    if hits.is_empty() || queries.is_empty() {
+        return None;
+    }
+    let by_rank = hits
+        .iter()
+        .chain(queries.iter())
+        .any(|(e, _)| e.as_deref() == Some(rank.as_str()));
+    let sum = |series: &[(Option<String>, f64)]| -> u64 {
+        let total: f64 = series
+            .iter()
+            .filter(|(e, _)| !by_rank || e.as_deref() == Some(rank.as_str()))
+            .map(|(_, v)| *v)
+            .sum();
+        // Float-to-integer casts saturate (and map NaN to 0).
+        total.floor() as u64
+    };
+    Some(T2Counters {
+        hits: sum(&hits),
+        queries: sum(&queries),
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What vLLM 0.11+ serves at `/metrics` with two data-parallel engines and LMCache wired
+    /// (prometheus_client text format 0.0.4, trimmed to a few families around the counters).
+    pub(crate) const VLLM_DP2: &str = include_str!("../../tests/data/vllm-dp2.metrics");
+
+    #[test]
+    fn lines_parse_with_labels_escapes_and_timestamps() {
+        let s = parse_line(r#"m{a="x",b="q\"uo\\te\nd",} 1.5e3 1700000000000"#).unwrap();
+        assert_eq!(s.name, "m");
+        assert_eq!(s.label("a"), Some("x"));
+        assert_eq!(s.label("b"), Some("q\"uo\\te\nd"));
+        assert_eq!(s.value, 1500.0);
+        assert_eq!(parse_line("up 1\r").unwrap().value, 1.0);
+        assert_eq!(parse_line("a:b_c{} +Inf").unwrap().value, f64::INFINITY);
+        assert!(parse_line("x NaN").unwrap().value.is_nan());
+        for bad in [
+            "",
+            "# HELP x y",
+            "1abc 2",
+            "x",
+            "x{",
+            "x{a=\"1\"",
+            "x{a=1} 2",
+            "x{a=\"1\"}2",
+            "x two",
+            "x{a=\"1\" b=\"2\"} 3",
+        ] {
+            assert!(parse_line(bad).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_rank_s_engine_series_is_taken() {
+        assert_eq!(
+            t2_counters(VLLM_DP2, 0),
+            Some(T2Counters {
+                hits: 10240,
+                queries: 40960
+            })
+        );
+        assert_eq!(
+            t2_counters(VLLM_DP2, 1),
+            Some(T2Counters {
+                hits: 0,
+                queries: 12288
+            })
+        );
+    }
+
+    #[test]
+    fn without_a_matching_engine_label_every_series_is_summed() {
+        assert_eq!(
+            t2_counters(VLLM_DP2, 5),
+            Some(T2Counters {
+                hits: 10240,
+                queries: 53248
+            })
+        );
+        let unlabelled = "vllm:external_prefix_cache_hits_total 3\n\
+                          vllm:external_prefix_cache_queries_total{model_name=\"m\"} 4\n\
+                          vllm:external_prefix_cache_queries_total{model_name=\"n\"} 8\n";
+        assert_eq!(
+            t2_counters(unlabelled, 0),
+            Some(T2Counters {
+                hits: 3,
+                queries: 12
+            })
+        );
+    }
+
+    #[test]
+    fn absent_counters_are_none_never_zero() {
+        assert_eq!(t2_counters("", 0), None);
+        let only_gpu = "vllm:prefix_cache_queries_total{engine=\"0\"} 10\n";
+        assert_eq!(t2_counters(only_gpu, 0), None);
+        // A name that merely starts like the counter is another metric.
+        let lookalike = "vllm:external_prefix_cache_hits_total_x 1\n\
+                         vllm:external_prefix_cache_queries_totals 2\n";
+        assert_eq!(t2_counters(lookalike, 0), None);
+        let one_half = "vllm:external_prefix_cache_queries_total 2\n";
+        assert_eq!(t2_counters(one_half, 0), None);
+        // Garbage values are not counter values.
+        let bad = "vllm:external_prefix_cache_hits_total -1\n\
+                   vllm:external_prefix_cache_queries_total NaN\n";
+        assert_eq!(t2_counters(bad, 0), None);
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC*") {
+            let _ = t2_counters(&text, 0);
+            for line in text.split('\n') {
+                let _ = parse_line(line);
+            }
+        }
+
+        #[test]
+        fn counter_like_garbage_never_panics(
+            lines in proptest::collection::vec(
+                (
+                    prop::sample::select(vec![T2_HITS, T2_QUERIES, "vllm:x", "#", ""]),
+                    "[{}\"=,\\\\a-z0-9 .eE+\\-]{0,24}",
+                ),
+                0..16,
+            ),
+            rank in 0u32..4,
+        ) {
+            let text: String = lines.iter().map(|(n, rest)| format!("{n}{rest}\n")).collect();
+            let _ = t2_counters(&text, rank);
+            let _: Vec<Sample<'_>> = samples(&text, &[T2_HITS, T2_QUERIES]).collect();
+        }
+
+        #[test]
+        fn well_formed_counters_round_trip(
+            hits in proptest::collection::vec(0u32..1_000_000, 1..4),
+            queries in proptest::collection::vec(0u32..1_000_000, 1..4),
+        ) {
+            let mut text = String::from("# TYPE vllm:external_prefix_cache_hits_total counter\n");
+            for (i, h) in hits.iter().enumerate() {
+                text.push_str(&format!("{T2_HITS}{{engine=\"{i}\",model_name=\"m\"}} {h}.0\n"));
+            }
+            for (i, q) in queries.iter().enumerate() {
+                text.push_str(&format!("{T2_QUERIES}{{engine=\"{i}\",model_name=\"m\"}} {q}.0\r\n"));
+            }
+            let c = t2_counters(&text, 0).unwrap();
+            prop_assert_eq!(c.hits, u64::from(hits[0]));
+            prop_assert_eq!(c.queries, u64::from(queries[0]));
+            let all = t2_counters(&text, 99).unwrap();
+            prop_assert_eq!(all.hits, hits.iter().map(|h| u64::from(*h)).sum::<u64>());
+            prop_assert_eq!(all.queries, queries.iter().map(|q| u64::from(*q)).sum::<u64>());
+        }
+    }
+}
