@@ -479,7 +479,8 @@ pub struct ModelCacheStatus {
     /// `.metadata.generation` last reconciled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Conditions keyed by type: `Selected`, `Ready`.
+    /// Conditions keyed by type: `Selected`, `Ready`, and the advisory `ReadersHealthy` (from
+    /// the node agents' reader-volume checks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
