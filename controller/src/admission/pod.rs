@@ -196,7 +196,8 @@ fn decide(
             "decode failure: request.object is not a JSON object; pod admitted unwired",
         );
     }
-    let pod: Pod = match serde_json::from_value(raw.clone()) {
+    // Deserialized from the borrowed tree: no copy of the request object.
+    let pod: Pod = match serde::Deserialize::deserialize(raw) {
         Ok(p) => p,
         Err(e) => {
             return PodOutcome::allow(format!(
