@@ -29,9 +29,23 @@
 //! `group_idx`) of the wrong type fail the event.
 //!
 //! Decoding never panics: nesting is limited to [`MAX_DEPTH`] and all arithmetic is checked.
+//!
+//! # Implementation
+//!
+//! [`decode_batch`] reads the msgpack in one streaming pass with `rmp`'s low-level reads,
+//! straight into the result (`stream`), without first building an `rmpv::Value` tree. Payloads
+//! that pass is not certain about — malformed or truncated msgpack, trailing bytes, nesting deeper
+//! than the pass reads itself, whole-batch errors — are decoded again through the `rmpv` tree
+//! (the reference implementation of the rules above), so every result and error is the one the
+//! tree decoder gives; a property test holds the two paths to that.
 
 use rmpv::Value;
 use thiserror::Error;
+
+mod stream;
+
+#[cfg(test)]
+mod agreement_tests;
 
 /// Maximum msgpack nesting accepted (rmpv counts two levels per container).
 pub const MAX_DEPTH: usize = 64;
@@ -231,6 +245,12 @@ impl DecodeError {
 
 /// Decodes one batch payload. See the module documentation for accepted shapes and errors.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    stream::decode_batch(payload).or_else(|stream::Bail| decode_batch_value(payload))
+}
+
+/// The reference decoder: the whole payload as one `rmpv::Value` tree, then the fields. Decides
+/// what the streaming path bails on; its results define [`decode_batch`]'s.
+fn decode_batch_value(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut rd = payload;
     let value = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
         .map_err(|e| DecodeError::NotMsgpack(e.to_string()))?;
