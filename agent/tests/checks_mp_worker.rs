@@ -81,8 +81,36 @@ impl Worker {
         Worker { child, port }
     }
 
+    /// Sends `s`; for SIGSTOP/SIGCONT, waits until every thread of the worker shows the new
+    /// state in /proc (delivery is asynchronous: on a busy machine a thread can still run — and
+    /// answer a ZMTP greeting — for a moment after kill() returns).
     fn signal(&self, s: Signal) {
-        kill(Pid::from_raw(self.child.id() as i32), s).unwrap();
+        let pid = self.child.id();
+        kill(Pid::from_raw(pid as i32), s).unwrap();
+        let want_stopped = match s {
+            Signal::SIGSTOP => true,
+            Signal::SIGCONT => false,
+            _ => return,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let states: Vec<char> = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|d| {
+                    d.flatten()
+                        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+                        .filter_map(|stat| {
+                            stat.rsplit_once(") ")
+                                .and_then(|(_, rest)| rest.chars().next())
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let done = !states.is_empty() && states.iter().all(|c| (*c == 'T') == want_stopped);
+            if done || std::time::Instant::now() > deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
