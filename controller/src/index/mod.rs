@@ -21,8 +21,12 @@
 //!   holds in a plain `Vec<u64>` (8 bytes per entry; removal is a swap-remove) and a replica
 //!   clear (engine restart, `AllBlocksCleared`, resync, expiry) costs what that replica holds.
 //! - Content keys are already uniform (XXH3), so tables hash them with one seeded multiply.
-//! - Runs of keys (a store or remove op, a lookup chain) first load all their slots in a tight
-//!   loop, so the cache misses overlap instead of queueing one per block.
+//! - Runs of keys (a store or remove op, a lookup chain) first fetch all their slots (software
+//!   prefetches in a store or remove, a tight loop of loads in a lookup), so the cache misses
+//!   overlap instead of queueing one per block. Slot arrays of 4 MiB and more ask the kernel for
+//!   transparent huge pages (fewer TLB misses on those random probes).
+//! - A replica's first part (nearly always its only one) is kept inline, so a delta reaches the
+//!   replica's key vector without another dependent cache miss.
 //! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
 //!   block held by every replica (a shared system prompt) costs one pass, not one per level.
 //!
@@ -31,6 +35,7 @@
 
 mod holders;
 mod lookup;
+mod mem;
 mod policy;
 mod snapshot;
 mod table;
@@ -111,6 +116,49 @@ struct ReplicaPart {
     keys: Vec<u64>,
 }
 
+/// A replica's parts: nearly always one, kept inline (applying a delta then reads the replica
+/// and its part's key vector without a dependent cache miss on a separate parts array); more
+/// parts spill into a vector. Indices are stable: 0 is the first part, then `rest` in order.
+#[derive(Debug, Default)]
+struct Parts {
+    first: Option<ReplicaPart>,
+    rest: Vec<ReplicaPart>,
+}
+
+impl Parts {
+    fn iter(&self) -> impl Iterator<Item = &ReplicaPart> {
+        self.first.iter().chain(self.rest.iter())
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut ReplicaPart> {
+        self.first.iter_mut().chain(self.rest.iter_mut())
+    }
+
+    #[inline]
+    fn get_mut(&mut self, i: usize) -> Option<&mut ReplicaPart> {
+        match i.checked_sub(1) {
+            None => self.first.as_mut(),
+            Some(j) => self.rest.get_mut(j),
+        }
+    }
+
+    #[inline]
+    fn position(&self, block_size: u32, adapter: &str) -> Option<usize> {
+        self.iter()
+            .position(|p| p.block_size == block_size && p.adapter == adapter)
+    }
+
+    /// Appends `p`; returns its index.
+    fn push(&mut self, p: ReplicaPart) -> usize {
+        if self.first.is_none() {
+            self.first = Some(p);
+            return 0;
+        }
+        self.rest.push(p);
+        self.rest.len()
+    }
+}
+
 /// State of one engine stream (a replica in routing answers).
 #[derive(Debug)]
 struct Replica {
@@ -119,7 +167,7 @@ struct Replica {
     /// Last applied delta seq.
     seq: u64,
     /// Blocks held, per partition (usually one).
-    parts: Vec<ReplicaPart>,
+    parts: Parts,
     blocks: usize,
     t2_blocks: usize,
     last_event_unix_ms: i64,
@@ -194,8 +242,6 @@ pub struct PrefixIndex {
     seed: u64,
     entries: usize,
     policies: Arc<PolicyTable>,
-    /// Sink for prefetching loads (keeps them from being optimised away).
-    warmth: u64,
 }
 
 impl Default for PrefixIndex {
@@ -217,7 +263,6 @@ impl PrefixIndex {
             seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
-            warmth: 0,
         }
     }
 
@@ -302,11 +347,7 @@ impl PrefixIndex {
     /// first use. Returns its index in `replica.parts`.
     fn part_for(&mut self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
         let r = self.replica(slot)?;
-        if let Some(i) = r
-            .parts
-            .iter()
-            .position(|p| p.block_size == block_size && p.adapter == adapter)
-        {
+        if let Some(i) = r.parts.position(block_size, adapter) {
             return Some(i);
         }
         let p = Partition {
@@ -318,13 +359,12 @@ impl PrefixIndex {
         };
         let pid = self.intern(p);
         let r = self.replica_mut(slot)?;
-        r.parts.push(ReplicaPart {
+        Some(r.parts.push(ReplicaPart {
             pid,
             adapter: adapter.to_string(),
             block_size,
             keys: Vec::new(),
-        });
-        Some(r.parts.len() - 1)
+        }))
     }
 
     fn alloc_slot(&mut self) -> Option<ReplicaSlot> {
@@ -373,7 +413,7 @@ impl PrefixIndex {
                     desc,
                     node: node.to_string(),
                     seq: snap.seq,
-                    parts: Vec::new(),
+                    parts: Parts::default(),
                     blocks: 0,
                     t2_blocks: 0,
                     last_event_unix_ms: snap.last_event_unix_ms,
@@ -497,10 +537,7 @@ impl PrefixIndex {
     }
 
     fn find_part(&self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
-        self.replica(slot)?
-            .parts
-            .iter()
-            .position(|p| p.block_size == block_size && p.adapter == adapter)
+        self.replica(slot)?.parts.position(block_size, adapter)
     }
 
     /// Records that `slot` holds `keys` (in its part `part`) at `tier`. Idempotent.
@@ -520,9 +557,7 @@ impl PrefixIndex {
         };
         let arena = &mut self.arena;
         let t2 = tier == Tier::T2;
-        if keys.len() > 2 {
-            self.warmth ^= ps.blocks.warm(keys);
-        }
+        ps.blocks.prefetch(keys);
         let (mut added, mut t2_up, mut t2_down) = (0usize, 0usize, 0usize);
         for &key in keys {
             let pos = rp.keys.len() as u32;
@@ -565,11 +600,14 @@ impl PrefixIndex {
             return;
         };
         let arena = &mut self.arena;
-        if keys.len() > 2 {
-            self.warmth ^= ps.blocks.warm(keys);
-        }
+        ps.blocks.prefetch(keys);
         let (mut removed, mut t2_removed) = (0usize, 0usize);
         for &key in keys {
+            // Unless it is the one removed, the last key of the replica's vector moves into the
+            // hole and its holder learns the new position: fetch its slot too.
+            if let Some(&last) = rp.keys.last() {
+                ps.blocks.prefetch_key(last);
+            }
             let Some(h) = ps.blocks.get_mut(key) else {
                 continue;
             };
@@ -615,11 +653,11 @@ impl PrefixIndex {
         };
         replica.t2_blocks = 0;
         replica.blocks = 0;
-        for rp in &mut replica.parts {
+        for rp in replica.parts.iter_mut() {
             let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
                 continue;
             };
-            self.warmth ^= ps.blocks.warm(&rp.keys);
+            ps.blocks.prefetch(&rp.keys);
             for key in std::mem::take(&mut rp.keys) {
                 let Some(h) = ps.blocks.get_mut(key) else {
                     continue;
@@ -643,7 +681,7 @@ impl PrefixIndex {
         let slot = *self.slot_by_stream.get(stream_id)?;
         let r = self.replica(slot)?;
         let mut out = Vec::with_capacity(r.blocks);
-        for p in &r.parts {
+        for p in r.parts.iter() {
             let Some(ps) = self.partitions.get(p.pid as usize) else {
                 continue;
             };

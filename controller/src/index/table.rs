@@ -4,9 +4,12 @@
 //! line (a Swiss table keeps control bytes and buckets apart: two dependent misses). Key 0 marks
 //! an empty slot; the rare content key 0 lives in a side cell. Deletion shifts the following
 //! run back (no tombstones), so probe lengths stay short under churn. The table grows at 70 %
-//! load and shrinks when a quarter full after removals.
+//! load and shrinks when a quarter full after removals. Slot arrays of 4 MiB and more ask for
+//! transparent huge pages (`mem::advise_huge_pages`): a probe is a random access into megabytes,
+//! and with 4 KiB pages it is a TLB miss as well as a cache miss.
 
 use super::holders::Holders;
+use super::mem::{advise_huge_pages, prefetch, HUGE_MIN_BYTES};
 
 const EMPTY: u64 = 0;
 
@@ -115,16 +118,30 @@ impl BlockTable {
         self.slots.get_mut(i).map(|s| &mut s.holders)
     }
 
-    /// Loads the slots of `keys` without using them: independent loads the CPU overlaps, so
-    /// the probes that follow hit cache (memory-level parallelism for a run of blocks).
-    pub(super) fn warm(&self, keys: &[u64]) -> u64 {
+    /// Prefetches the home slots of `keys`: the CPU fetches them in parallel without waiting for
+    /// them, so the probes that follow hit cache (memory-level parallelism for a run of blocks).
+    #[inline]
+    pub(super) fn prefetch(&self, keys: &[u64]) {
         if self.slots.is_empty() {
-            return 0;
+            return;
         }
         let mask = self.slots.len() - 1;
-        keys.iter()
-            .map(|k| self.slots.get(self.ideal(*k, mask)).map_or(0, |s| s.key))
-            .fold(0, |a, k| a ^ k)
+        for k in keys {
+            if let Some(s) = self.slots.get(self.ideal(*k, mask)) {
+                prefetch(s);
+            }
+        }
+    }
+
+    /// Prefetches the home slot of one key.
+    #[inline]
+    pub(super) fn prefetch_key(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        if let Some(s) = self.slots.get(self.ideal(key, self.slots.len() - 1)) {
+            prefetch(s);
+        }
     }
 
     /// The holders of `key` for update, or — when absent — inserts `make()` and returns `None`.
@@ -198,7 +215,7 @@ impl BlockTable {
     }
 
     fn resize(&mut self, cap: usize) {
-        let old = std::mem::replace(&mut self.slots, vec![VACANT; cap]);
+        let old = std::mem::replace(&mut self.slots, vacant_slots(cap));
         for s in old {
             if s.key != EMPTY {
                 self.place(s);
@@ -259,6 +276,17 @@ impl BlockTable {
             .map(|s| (s.key, s.holders))
             .chain(self.zero.map(|h| (EMPTY, h)))
     }
+}
+
+/// `cap` vacant slots. A large array is advised to use huge pages before its first write (the
+/// advice applies to pages faulted in after it).
+fn vacant_slots(cap: usize) -> Vec<Slot> {
+    let mut slots = Vec::with_capacity(cap);
+    if cap.saturating_mul(std::mem::size_of::<Slot>()) >= HUGE_MIN_BYTES {
+        advise_huge_pages(slots.spare_capacity_mut());
+    }
+    slots.resize(cap, VACANT);
+    slots
 }
 
 /// A fast hasher for short strings (stream ids looked up once per delta): 8 bytes per fold.
@@ -362,6 +390,45 @@ mod tests {
         }
         assert_eq!(t.len(), 0);
         assert!(t.capacity() <= 64);
-        assert_eq!(t.warm(&[1, 2, 3]), 0);
+        t.prefetch(&[1, 2, 3]);
+    }
+
+    #[test]
+    fn a_table_past_the_huge_page_threshold_still_behaves_like_a_map() {
+        let mut t = BlockTable::new(0x5eed);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut keys = Vec::new();
+        // Enough keys to grow through 4, 8 and 16 MiB slot arrays (advised) and back.
+        while t.heap_bytes() < 4 * HUGE_MIN_BYTES {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let h = Holders::one(holder(
+                (x % 1000) as u32,
+                x.is_multiple_of(2),
+                keys.len() as u32,
+            ));
+            assert!(t.get_mut_or_insert(x, || h).is_none(), "fresh key {x}");
+            keys.push((x, h));
+        }
+        assert_eq!(t.len(), keys.len());
+        assert!(t.capacity() * 16 >= 4 * HUGE_MIN_BYTES);
+        t.prefetch(&[keys[0].0, keys[1].0, 12345]);
+        t.prefetch_key(keys[2].0);
+        for (k, h) in &keys {
+            assert_eq!(t.get(*k), Some(*h));
+        }
+        // Remove every other key, then check both halves; then empty it.
+        for (k, h) in keys.iter().step_by(2) {
+            assert_eq!(t.remove(*k), Some(*h));
+        }
+        for (i, (k, h)) in keys.iter().enumerate() {
+            assert_eq!(t.get(*k), (i % 2 == 1).then_some(*h), "key {i}");
+        }
+        for (k, _) in keys.iter().skip(1).step_by(2) {
+            assert!(t.remove(*k).is_some());
+        }
+        assert!(t.is_empty());
+        assert!(t.capacity() <= 64);
     }
 }
