@@ -247,12 +247,13 @@ pub fn apply_advisory(conditions: &mut Vec<Condition>, desired: Option<Condition
     }
 }
 
-/// What one [`sync_advisories`] pass did.
+/// What one pass of an advisory-condition writer did ([`sync_advisories`] on CacheBackends,
+/// `reader_advisory::sync_reader_conditions` on ModelCaches).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdvisoryReport {
-    /// Backends whose condition was written.
+    /// Objects (`namespace/name`) whose condition was written.
     pub written: Vec<String>,
-    /// Backends whose write failed (retried next pass), with the error.
+    /// Objects whose write failed (retried next pass), with the error.
     pub failed: Vec<(String, String)>,
 }
 

@@ -411,7 +411,7 @@ pub async fn write_reader_advisories(
     control_namespace: &str,
     clock: &dyn Clock,
     metrics: Option<&NodesMetrics>,
-) -> Result<reader_advisory::ReaderAdvisoryReport, kube::Error> {
+) -> Result<advisory::AdvisoryReport, kube::Error> {
     let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records);
     let caches = Api::<ModelCache>::all(client.clone())
         .list(&ListParams::default())

@@ -47,6 +47,7 @@ use serde_json::{json, Value};
 
 use crate::ingest::registry::NodeRecord;
 
+use super::advisory::AdvisoryReport;
 use super::cachenode::FIELD_MANAGER;
 
 /// The condition type (`ReadersHealthy`).
@@ -459,15 +460,6 @@ pub fn conditions_patch(conditions: &[Condition], resource_version: &str) -> Val
     })
 }
 
-/// What one [`sync_reader_conditions`] pass did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ReaderAdvisoryReport {
-    /// Requests (`namespace/name`) whose condition was written.
-    pub written: Vec<String>,
-    /// Requests whose write failed (retried on the next pass), with the error.
-    pub failed: Vec<(String, String)>,
-}
-
 /// Writes the condition on every request in `caches` whose stored condition differs from its
 /// binding's verdict in `desired` (no verdict → the condition is removed).
 ///
@@ -492,8 +484,8 @@ pub async fn sync_reader_conditions(
     control_namespace: &str,
     desired: &BTreeMap<String, ReaderAdvisory>,
     now: Time,
-) -> ReaderAdvisoryReport {
-    let mut report = ReaderAdvisoryReport::default();
+) -> AdvisoryReport {
+    let mut report = AdvisoryReport::default();
     let params = PatchParams {
         field_manager: Some(FIELD_MANAGER.to_string()),
         ..Default::default()
