@@ -30,6 +30,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube_fake_client::ClientBuilder;
 use serde_json::json;
+
+mod cluster_scope_support;
+use cluster_scope_support::cluster_scoped;
 use tokio_stream::wrappers::ReceiverStream;
 
 fn at(s: i64) -> Time {
@@ -463,54 +466,6 @@ fn cache_backend(ns: &str, name: &str) -> CacheBackend {
         ]},
     }))
     .unwrap()
-}
-
-/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
-/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
-/// create, status patch) onto one namespace of the in-memory store, so the controller's
-/// cluster-scoped calls run unchanged. Lists across the store need no mapping.
-#[derive(Clone)]
-struct ClusterScopeShim(kube::Client);
-
-impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
-    for ClusterScopeShim
-{
-    type Response = tonic::codegen::http::Response<kube::client::Body>;
-    type Error = kube::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
-        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
-        let pq = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_default();
-        if let Some(rest) = pq.strip_prefix(PREFIX) {
-            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
-                *req.uri_mut() = format!(
-                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
-                )
-                .parse()
-                .unwrap();
-            }
-        }
-        let client = self.0.clone();
-        Box::pin(async move { client.send(req).await })
-    }
-}
-
-fn cluster_scoped(client: kube::Client) -> kube::Client {
-    kube::Client::new(ClusterScopeShim(client), "default")
 }
 
 async fn fake_client(objects: Vec<CacheBackend>) -> kube::Client {

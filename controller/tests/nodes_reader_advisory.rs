@@ -32,52 +32,11 @@ use kube_fake_client::ClientBuilder;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 
+mod cluster_scope_support;
+
 const CTL: &str = "inference-cache-model-cache";
 const NODE: &str = "gpu-1";
 const STATUS_INTERVAL: Duration = Duration::from_secs(2);
-
-/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
-/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
-/// create, status patch) onto one namespace of the in-memory store (as in `nodes_cachenode.rs`).
-#[derive(Clone)]
-struct ClusterScopeShim(kube::Client);
-
-impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
-    for ClusterScopeShim
-{
-    type Response = tonic::codegen::http::Response<kube::client::Body>;
-    type Error = kube::Error;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
-        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
-        let pq = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_default();
-        if let Some(rest) = pq.strip_prefix(PREFIX) {
-            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
-                *req.uri_mut() = format!(
-                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
-                )
-                .parse()
-                .unwrap();
-            }
-        }
-        let client = self.0.clone();
-        Box::pin(async move { client.send(req).await })
-    }
-}
 
 /// A bound, durable request (as the model-cache reconciler leaves it) with its conditions.
 fn durable_request(name: &str, binding: &str) -> ModelCache {
@@ -151,7 +110,10 @@ async fn fake_client(caches: Vec<ModelCache>, pods: Vec<Pod>) -> kube::Client {
     for p in pods {
         b = b.with_object(p);
     }
-    kube::Client::new(ClusterScopeShim(b.build().await.unwrap()), "default")
+    kube::Client::new(
+        cluster_scope_support::ClusterScopeShim(b.build().await.unwrap()),
+        "default",
+    )
 }
 
 fn mounts_result(subject: &str, status: proto::CheckStatus, reason: &str) -> proto::CheckResult {

@@ -1,0 +1,51 @@
+//! Shared by the node-loop and run-mode tests: kube-fake-client cluster-scope shim.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
+/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
+/// create, status patch) onto one namespace of the in-memory store, so the controller's
+/// cluster-scoped calls run unchanged. Lists across the store need no mapping.
+#[derive(Clone)]
+pub struct ClusterScopeShim(pub kube::Client);
+
+impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
+    for ClusterScopeShim
+{
+    type Response = tonic::codegen::http::Response<kube::client::Body>;
+    type Error = kube::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
+        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default();
+        if let Some(rest) = pq.strip_prefix(PREFIX) {
+            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
+                *req.uri_mut() = format!(
+                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
+                )
+                .parse()
+                .unwrap();
+            }
+        }
+        let client = self.0.clone();
+        Box::pin(async move { client.send(req).await })
+    }
+}
+
+/// A client over the in-memory API with the shim in front.
+pub fn cluster_scoped(client: kube::Client) -> kube::Client {
+    kube::Client::new(ClusterScopeShim(client), "default")
+}
