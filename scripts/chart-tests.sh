@@ -5,8 +5,9 @@
 # ic-controller and ic-agent through the real binaries (with --help appended; test_binary_args.py).
 # Creates or reuses .venv/chart-tests.
 #
-# Needs the built binaries: run `cargo build --workspace --bins --locked` first (scripts/test.sh
-# does). They are taken from $IC_BIN_DIR, else $CARGO_TARGET_DIR/debug, else target/debug; the
+# Needs the built binaries: `cargo test --workspace` (what scripts/test.sh runs first) or
+# `cargo build --workspace --bins` leaves them in target/debug. They are taken from $IC_BIN_DIR,
+# else $CARGO_TARGET_DIR/debug, else target/debug; the
 # binary test fails (it never skips) when they are missing.
 #
 #   scripts/chart-tests.sh              run the tests (extra arguments go to pytest)
@@ -48,7 +49,7 @@ bin_dir="${IC_BIN_DIR:-${CARGO_TARGET_DIR:-target}/debug}"
 export IC_BIN_DIR="$bin_dir"
 if [ ! -x "$bin_dir/ic-controller" ] || [ ! -x "$bin_dir/ic-agent" ]; then
   echo "chart-tests: $bin_dir/ic-controller or $bin_dir/ic-agent is missing; build them with" \
-    "\`cargo build --workspace --bins --locked\` (or set IC_BIN_DIR). test_binary_args.py will fail." >&2
+    "\`cargo build --workspace --bins --locked\` or \`cargo test --workspace\` (or set IC_BIN_DIR). test_binary_args.py will fail." >&2
 fi
 
 exec "$venv/bin/python" -m pytest chart-tests -q -p no:cacheprovider "$@"

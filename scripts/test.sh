@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 status=0
 cargo test --workspace --locked --no-fail-fast || status=$?
 # The chart tests run every argument the chart passes through the real ic-controller and ic-agent
-# (chart-tests/test_binary_args.py), so the binaries must exist and be current. After `cargo test`
-# (which already compiled the workspace) this only links them, or does nothing.
-cargo build --workspace --bins --locked || status=$?
+# (chart-tests/test_binary_args.py). `cargo test` has already built both binaries into
+# target/debug (their packages have integration tests that run them). A separate
+# `cargo build --bins` here would resolve dependency features without the dev-dependencies and
+# so rebuild the whole dependency graph a second time (twice the disk; CI once ran out of it).
 export IC_BIN_DIR="${IC_BIN_DIR:-${CARGO_TARGET_DIR:-$PWD/target}/debug}"
 # Helm chart: render with Helm's Go SDK, lint, validate against Kubernetes 1.29 and 1.33 schemas,
 # and check the binaries accept the rendered arguments.
