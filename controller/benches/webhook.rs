@@ -31,6 +31,10 @@ use ic_controller::admission::{Admission, PodWebhook, Route, StaticBackends};
 use ic_shared::crd::CacheBackend;
 use serde_json::{json, Value};
 
+/// The allocator the `ic-controller` binary runs with (`controller/src/main.rs`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -124,7 +128,7 @@ fn main() {
         .expect("tokio runtime");
     let admission = Arc::new(Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends(vec![backend()])),
+        Arc::new(StaticBackends::new([backend()])),
         Arc::new(PodWebhook::new(PodWebhookConfig::default())),
     ));
     let body = Arc::new(review_body(&fixture_pod()));
@@ -181,7 +185,7 @@ fn main() {
     report("  of which wiring (pod::mutate_pod)", wiring);
     let bare = Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends(vec![backend()])),
+        Arc::new(StaticBackends::new([backend()])),
         Arc::new(ic_controller::admission::UnwiredPods),
     );
     let mut protocol = Vec::with_capacity(n);

@@ -9,6 +9,11 @@ use clap::{Parser, Subcommand};
 use ic_shared::proto::{router_service_client::RouterServiceClient, LookupRouteRequest};
 use ic_shared::telemetry::{self, LogFormat};
 
+/// mimalloc instead of glibc malloc: the Pod webhook decodes, re-encodes and diffs a pod per
+/// review, and was allocation-bound (docs/benchmarks.md, "Pod webhook").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// inference-cache controller: KV-prefix index, agent ingest, router (and, in cluster, the
 /// CRDs' reconcilers and admission webhooks).
 #[derive(Parser)]

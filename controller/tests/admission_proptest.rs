@@ -273,7 +273,7 @@ fn admission() -> Admission {
     .collect();
     Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends(backends)),
+        Arc::new(StaticBackends::new(backends)),
         Arc::new(PodWebhook::default()),
     )
 }

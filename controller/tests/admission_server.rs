@@ -347,7 +347,7 @@ fn self_signed_ca_goes_into_webhook_configurations() {
 
 struct Panics;
 impl PodMutator for Panics {
-    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[CacheBackend]) -> PodDecision {
+    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[Arc<CacheBackend>]) -> PodDecision {
         #[allow(clippy::panic)]
         {
             panic!("adapter bug")
@@ -357,7 +357,7 @@ impl PodMutator for Panics {
 
 struct BadPatch;
 impl PodMutator for BadPatch {
-    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[CacheBackend]) -> PodDecision {
+    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[Arc<CacheBackend>]) -> PodDecision {
         PodDecision {
             reason: "wired".into(),
             patch: serde_json::from_value(
@@ -371,7 +371,7 @@ impl PodMutator for BadPatch {
 
 struct NotAPatch;
 impl PodMutator for NotAPatch {
-    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[CacheBackend]) -> PodDecision {
+    fn mutate(&self, _: &AdmissionRequest, _: &Value, _: &[Arc<CacheBackend>]) -> PodDecision {
         PodDecision {
             reason: "wired".into(),
             patch: vec![json!({"op": "frobnicate", "path": "/x"})],
@@ -382,7 +382,12 @@ impl PodMutator for NotAPatch {
 
 struct Labels;
 impl PodMutator for Labels {
-    fn mutate(&self, _: &AdmissionRequest, _: &Value, backends: &[CacheBackend]) -> PodDecision {
+    fn mutate(
+        &self,
+        _: &AdmissionRequest,
+        _: &Value,
+        backends: &[Arc<CacheBackend>],
+    ) -> PodDecision {
         PodDecision {
             reason: format!("saw {} backends", backends.len()),
             patch: serde_json::from_value(json!([
@@ -429,7 +434,7 @@ fn pod_webhook_lists_backends_of_the_pod_namespace() {
     other.metadata.namespace = Some("team-b".into());
     let a = Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends(vec![mine, other])),
+        Arc::new(StaticBackends::new([mine, other])),
         Arc::new(Labels),
     );
     let out = a.handle_bytes(Route::MutatePod, &review("u", "CREATE", "Pod", pod(), None));
@@ -459,7 +464,7 @@ async fn fixture_pod_is_wired_over_https_and_readmission_has_no_patch() {
     .unwrap();
     let a = Arc::new(Admission::new(
         Arc::new(Registry::builtin()),
-        Arc::new(StaticBackends(vec![backend])),
+        Arc::new(StaticBackends::new([backend])),
         Arc::new(ic_controller::admission::PodWebhook::default()),
     ));
     let running = server::start(a, ServerConfig::new(loopback(), self_signed()))

@@ -164,6 +164,28 @@ fn injection_stamps_both_annotations_and_clears_skipped_marker() {
     );
 }
 
+/// The apiserver sends pods with explicit nulls, an empty status and (from newer clusters)
+/// fields the typed model does not know. The typed pod does not re-encode to that object, so
+/// the patch check takes its decode-and-compare path; the patch must still apply and keep what
+/// the typed model drops.
+#[test]
+fn injection_patches_apiserver_shaped_requests_and_keeps_unknown_fields() {
+    let mut pod = vllm_pod();
+    pod["metadata"]["creationTimestamp"] = Value::Null;
+    pod["status"] = json!({});
+    pod["spec"]["futureField"] = json!({"enabled": true});
+    let backends = [cb("x", json!({}))];
+    let (outcome, wired) = admit_converged(&pod, &backends, &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED);
+    assert!(outcome.patch.is_some(), "the pod must be wired");
+    assert_eq!(wired["spec"]["futureField"], json!({"enabled": true}));
+    assert_eq!(wired["metadata"]["creationTimestamp"], Value::Null);
+    assert_eq!(
+        wired["metadata"]["annotations"][ANNOTATION_INJECTED_BY],
+        "ns/x"
+    );
+}
+
 #[test]
 fn skip_inject_annotation_opts_out() {
     for v in ["true", "True", "1", "yes", "on", " t "] {
@@ -303,7 +325,7 @@ fn decode_failures_fail_open_without_patch() {
     );
     assert_eq!(o.patch, None);
     for v in [json!(null), json!([1, 2]), json!("pod")] {
-        let o = mutate_pod(&v, "ns", &[], &cfg());
+        let o = mutate_pod::<CacheBackend>(&v, "ns", &[], &cfg());
         assert!(o.allowed);
         assert_eq!(o.patch, None);
         assert_eq!(

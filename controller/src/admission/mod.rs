@@ -76,17 +76,25 @@ impl Route {
 /// In cluster this is a watch-backed store (spec: a live list, so a freshly Ready backend is
 /// never missed); in tests and `ic-controller admit`, [`StaticBackends`].
 pub trait BackendSource: Send + Sync {
-    /// The CacheBackends in `namespace`, in any order (the Pod webhook orders them).
-    fn list(&self, namespace: &str) -> Vec<CacheBackend>;
+    /// The CacheBackends in `namespace`, in any order (the Pod webhook orders them). Shared,
+    /// not copied: this runs once per admitted pod.
+    fn list(&self, namespace: &str) -> Vec<Arc<CacheBackend>>;
 }
 
 /// A fixed list of CacheBackends. A backend without `metadata.namespace` is listed in every
 /// namespace (convenient for `ic-controller admit`).
 #[derive(Debug, Clone, Default)]
-pub struct StaticBackends(pub Vec<CacheBackend>);
+pub struct StaticBackends(pub Vec<Arc<CacheBackend>>);
+
+impl StaticBackends {
+    /// A source that always lists `backends` (filtered by namespace).
+    pub fn new(backends: impl IntoIterator<Item = CacheBackend>) -> Self {
+        StaticBackends(backends.into_iter().map(Arc::new).collect())
+    }
+}
 
 impl BackendSource for StaticBackends {
-    fn list(&self, namespace: &str) -> Vec<CacheBackend> {
+    fn list(&self, namespace: &str) -> Vec<Arc<CacheBackend>> {
         self.0
             .iter()
             .filter(|cb| {
@@ -120,7 +128,7 @@ pub trait PodMutator: Send + Sync {
         &self,
         request: &AdmissionRequest,
         pod: &Value,
-        backends: &[CacheBackend],
+        backends: &[Arc<CacheBackend>],
     ) -> PodDecision;
 
     /// True when the mutator guarantees that its patch applies to the request object; the
@@ -182,7 +190,7 @@ impl PodMutator for PodWebhook {
         &self,
         request: &AdmissionRequest,
         pod: &Value,
-        backends: &[CacheBackend],
+        backends: &[Arc<CacheBackend>],
     ) -> PodDecision {
         let namespace = validation::namespace_of(request.namespace.as_deref(), pod);
         let outcome = pod::mutate_pod(pod, namespace, backends, &self.config);
@@ -255,7 +263,7 @@ impl PodMutator for UnwiredPods {
         &self,
         _request: &AdmissionRequest,
         _pod: &Value,
-        _backends: &[CacheBackend],
+        _backends: &[Arc<CacheBackend>],
     ) -> PodDecision {
         PodDecision {
             reason: "engine-pod wiring is not installed in this build; pod admitted unchanged"

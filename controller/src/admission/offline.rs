@@ -247,7 +247,7 @@ pub fn run_admit(
             backends.push(cb);
         }
     }
-    let admission = Admission::new(registry, Arc::new(StaticBackends(backends)), pods);
+    let admission = Admission::new(registry, Arc::new(StaticBackends::new(backends)), pods);
     let verdict = admit_pod(&admission, obj, &namespace);
     for w in &verdict.warnings {
         stderr.push_str(&format!("Warning: {w}\n"));

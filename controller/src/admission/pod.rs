@@ -35,6 +35,7 @@
 //! the request object and to round-trip to the mutated pod. The adapters converge, so
 //! re-admitting a wired pod yields no patch.
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -148,10 +149,10 @@ impl PodOutcome {
 /// `pod` is the AdmissionReview `request.object`; `namespace` the request namespace (the pod's
 /// `metadata.namespace` when empty); `backends` the CacheBackends of that namespace, in any
 /// order. Never panics; the outcome is always `allowed`.
-pub fn mutate_pod(
+pub fn mutate_pod<B: Borrow<CacheBackend>>(
     pod: &Value,
     namespace: &str,
-    backends: &[CacheBackend],
+    backends: &[B],
     cfg: &PodWebhookConfig,
 ) -> PodOutcome {
     catch_unwind(AssertUnwindSafe(|| decide(pod, namespace, backends, cfg))).unwrap_or_else(|_| {
@@ -185,10 +186,10 @@ const ALL_MARKERS: [&str; 3] = [
     ANNOTATION_INJECT_SKIPPED,
 ];
 
-fn decide(
+fn decide<B: Borrow<CacheBackend>>(
     raw: &Value,
     namespace: &str,
-    backends: &[CacheBackend],
+    backends: &[B],
     cfg: &PodWebhookConfig,
 ) -> PodOutcome {
     if !raw.is_object() {
@@ -249,6 +250,7 @@ fn decide(
     let labels = pod.metadata.labels.clone().unwrap_or_default();
     let mut candidates: Vec<&CacheBackend> = backends
         .iter()
+        .map(Borrow::borrow)
         .filter(|cb| {
             cb.metadata
                 .namespace
@@ -656,16 +658,22 @@ fn finish(
             "internal error: the wiring patch does not apply ({e}); pod admitted unwired"
         ));
     }
-    match serde_json::from_value::<Pod>(probe) {
-        Ok(p) if &p == out => PodOutcome {
+    // The patched request must be the wired pod. When the request object is exactly what the
+    // typed pod encodes to, comparing the JSON trees proves it; otherwise (fields the typed
+    // model drops, explicit nulls, …) the patched request is decoded and compared as a pod.
+    let reproduces =
+        probe == after || serde_json::from_value::<Pod>(probe).is_ok_and(|p| &p == out);
+    if reproduces {
+        PodOutcome {
             allowed: true,
             patch: Some(ops),
             reason,
             warnings,
-        },
-        _ => PodOutcome::allow(
+        }
+    } else {
+        PodOutcome::allow(
             "internal error: the wiring patch does not reproduce the wired pod; pod admitted unwired",
-        ),
+        )
     }
 }
 
@@ -693,7 +701,7 @@ mod tests {
             json!({"spec": null}),
             json!({"metadata": 5}),
         ] {
-            let o = mutate_pod(&v, "", &[], &cfg);
+            let o = mutate_pod::<CacheBackend>(&v, "", &[], &cfg);
             assert!(o.allowed);
             assert_eq!(o.patch, None);
         }

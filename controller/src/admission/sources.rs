@@ -25,13 +25,10 @@ use super::{BackendSource, ModelCacheSource};
 pub struct StoreBackends(pub Store<CacheBackend>);
 
 impl BackendSource for StoreBackends {
-    fn list(&self, namespace: &str) -> Vec<CacheBackend> {
-        self.0
-            .state()
-            .iter()
-            .filter(|cb| cb.metadata.namespace.as_deref() == Some(namespace))
-            .map(|cb| CacheBackend::clone(cb))
-            .collect()
+    fn list(&self, namespace: &str) -> Vec<Arc<CacheBackend>> {
+        let mut all = self.0.state();
+        all.retain(|cb| cb.metadata.namespace.as_deref() == Some(namespace));
+        all
     }
 }
 
