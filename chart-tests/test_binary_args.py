@@ -95,6 +95,7 @@ EXTRA_RENDERS: dict[str, tuple[dict[str, Any], str]] = {
                 "image": {"tag": "0.2.0"},
                 "controllerURL": "http://ctl.example:50051",
                 "checkIntervalSeconds": 30,
+                "t2Scrape": {"intervalSeconds": 0, "timeoutMs": 500},
                 "serviceAccount": {"name": "agt"},
             },
             "kvEventSubscriber": {"image": "registry.example/ic-agent:0.1.0", "controller": "ctl:50051"},
