@@ -9,6 +9,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -19,51 +21,9 @@ use ic_agent::checks::ports::PortsCheck;
 use ic_agent::checks::{Check, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{NodePlan, PortExpect, PortExpectation, PortOwner};
+use support::{is_inner, rerun_in_unshare, INNER};
 
-const INNER: &str = "IC_NODE_TESTS_INNER";
 const LISTENER: &str = "IC_NODE_TESTS_LISTENER";
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
-}
-
-fn rerun_in_unshare(test: &str, flags: &[&str]) -> bool {
-    if !is_root() {
-        eprintln!("skipped {test}: needs root for network namespaces (CI runs as root)");
-        return false;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = match Command::new("unshare")
-        .args(flags)
-        .arg("--")
-        .arg(&exe)
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(INNER, test)
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("skipped {test}: cannot run unshare ({e})");
-            return false;
-        }
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("--- inner stdout\n{stdout}\n--- inner stderr\n{stderr}");
-    assert!(out.status.success(), "inner run failed: {}", out.status);
-    assert!(
-        stdout.contains("1 passed"),
-        "the inner run did not run {test}"
-    );
-    true
-}
 
 /// Not a test of its own: the body of the `fake-engine` child. Binds 127.0.0.1:0, prints the
 /// port, and holds it until its stdin closes.
@@ -227,8 +187,12 @@ fn cgroup_mounts() -> Vec<(String, PathBuf)> {
 
 #[test]
 fn ports_in_a_private_network_namespace() {
-    if std::env::var(INNER).as_deref() != Ok("ports_in_a_private_network_namespace") {
-        rerun_in_unshare("ports_in_a_private_network_namespace", &["-n"]);
+    if !is_inner("ports_in_a_private_network_namespace") {
+        rerun_in_unshare(
+            "ports_in_a_private_network_namespace",
+            &["-n"],
+            "network namespaces",
+        );
         return;
     }
     let st = Command::new("ip")

@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::io::Write;
 use std::path::Path;
 use std::process::Command;
@@ -16,52 +18,7 @@ use ic_agent::checks::shm::ShmCheck;
 use ic_agent::checks::{Check, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{NodePlan, ShmRequirement};
-
-const INNER: &str = "IC_NODE_TESTS_INNER";
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
-}
-
-/// Runs `test` (this binary's test of that name) again inside `unshare <flags>`; returns
-/// false (skipped) when that is impossible here.
-fn rerun_in_unshare(test: &str, flags: &[&str]) -> bool {
-    if !is_root() {
-        eprintln!("skipped {test}: needs root for mount namespaces and mounts (CI runs as root)");
-        return false;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = match Command::new("unshare")
-        .args(flags)
-        .arg("--")
-        .arg(&exe)
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(INNER, test)
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("skipped {test}: cannot run unshare ({e})");
-            return false;
-        }
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("--- inner stdout\n{stdout}\n--- inner stderr\n{stderr}");
-    assert!(out.status.success(), "inner run failed: {}", out.status);
-    assert!(
-        stdout.contains("1 passed"),
-        "the inner run did not run {test}"
-    );
-    true
-}
+use support::{is_inner, rerun_in_unshare};
 
 fn mount(args: &[&str], target: &Path) {
     let st = Command::new("mount")
@@ -105,10 +62,11 @@ fn status_reason(r: &CheckResult) -> (CheckStatus, &str) {
 
 #[test]
 fn shm_on_real_tmpfs_mounts() {
-    if std::env::var(INNER).as_deref() != Ok("shm_on_real_tmpfs_mounts") {
+    if !is_inner("shm_on_real_tmpfs_mounts") {
         rerun_in_unshare(
             "shm_on_real_tmpfs_mounts",
             &["-m", "--propagation", "private"],
+            "mount namespaces and mounts",
         );
         return;
     }

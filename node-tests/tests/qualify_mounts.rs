@@ -10,55 +10,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use ic_agent::qualify::{qualify, QualifyOptions, QualifyReport, WriterLauncher, ENV_WRITE_DIR};
+use support::{is_inner, rerun_in_unshare};
 
-const INNER: &str = "IC_NODE_TESTS_INNER";
+/// `unshare` flags of the qualifications: a private mount namespace.
+const PRIVATE_MOUNTS: &[&str] = &["-m", "--propagation", "private"];
+
 const MIB: u64 = 1 << 20;
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
-}
-
-fn rerun_in_unshare(test: &str) -> bool {
-    if !is_root() {
-        eprintln!("skipped {test}: needs root for mount namespaces and mounts (CI runs as root)");
-        return false;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = match Command::new("unshare")
-        .args(["-m", "--propagation", "private", "--"])
-        .arg(&exe)
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(INNER, test)
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("skipped {test}: cannot run unshare ({e})");
-            return false;
-        }
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("--- inner stdout\n{stdout}\n--- inner stderr\n{stderr}");
-    assert!(out.status.success(), "inner run failed: {}", out.status);
-    assert!(
-        stdout.contains("1 passed"),
-        "the inner run did not run {test}"
-    );
-    true
-}
 
 /// The writer process of every qualification below: a no-op unless re-executed with the
 /// qualification's environment.
@@ -151,8 +115,12 @@ fn assert_qualified(r: &QualifyReport) {
 
 #[test]
 fn qualify_on_tmpfs() {
-    if std::env::var(INNER).as_deref() != Ok("qualify_on_tmpfs") {
-        rerun_in_unshare("qualify_on_tmpfs");
+    if !is_inner("qualify_on_tmpfs") {
+        rerun_in_unshare(
+            "qualify_on_tmpfs",
+            PRIVATE_MOUNTS,
+            "mount namespaces and mounts",
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -221,8 +189,12 @@ fn qualify_on_tmpfs() {
 
 #[test]
 fn qualify_on_loop_ext4() {
-    if std::env::var(INNER).as_deref() != Ok("qualify_on_loop_ext4") {
-        rerun_in_unshare("qualify_on_loop_ext4");
+    if !is_inner("qualify_on_loop_ext4") {
+        rerun_in_unshare(
+            "qualify_on_loop_ext4",
+            PRIVATE_MOUNTS,
+            "mount namespaces and mounts",
+        );
         return;
     }
     if Command::new("mkfs.ext4").arg("-V").output().is_err() {

@@ -23,6 +23,50 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// Environment variable that marks the inner run of a test re-executed by [`rerun_in_unshare`];
+/// its value is the test's name.
+pub const INNER: &str = "IC_NODE_TESTS_INNER";
+
+/// True in the run of `test` that [`rerun_in_unshare`] started inside the namespaces.
+pub fn is_inner(test: &str) -> bool {
+    std::env::var(INNER).as_deref() == Ok(test)
+}
+
+/// Runs `test` (this binary's test of that name) again inside `unshare <flags>`, with [`INNER`]
+/// set, and asserts that the inner run passed exactly that test. Returns false (skipped, with a
+/// line saying so) when that is impossible here: not root (`needs` says what for) or no
+/// `unshare`.
+pub fn rerun_in_unshare(test: &str, flags: &[&str], needs: &str) -> bool {
+    if !is_root() {
+        eprintln!("skipped {test}: needs root for {needs} (CI runs as root)");
+        return false;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = match Command::new("unshare")
+        .args(flags)
+        .arg("--")
+        .arg(&exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(INNER, test)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("skipped {test}: cannot run unshare ({e})");
+            return false;
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("--- inner stdout\n{stdout}\n--- inner stderr\n{stderr}");
+    assert!(out.status.success(), "inner run failed: {}", out.status);
+    assert!(
+        stdout.contains("1 passed"),
+        "the inner run did not run {test}"
+    );
+    true
+}
+
 /// True when `cmd` runs (`cmd --version` or `cmd -V` exits at all).
 pub fn have(cmd: &str) -> bool {
     Command::new(cmd)
