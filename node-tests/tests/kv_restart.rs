@@ -8,9 +8,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
+use support::stack::{free_port, kv_fixture, start_controller, wait_until};
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,8 +24,6 @@ use ic_agent::link::LinkConfig;
 use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
 use ic_controller::index::Tier;
-use ic_controller::standalone::{self, StandaloneConfig};
-use ic_controller::state::LookupPolicy;
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 
@@ -35,28 +36,11 @@ const CONNECT_WAIT: Duration = Duration::from_millis(1500);
 /// Convergence bound after the last frame.
 const CONVERGE: Duration = Duration::from_secs(5);
 
-fn fixture() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return PathBuf::from(dir).join("kv-events").join(FIXTURE);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/kv-events")
-        .join(FIXTURE)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 type Entry = (String, u32, u64, i32);
 
 /// What a fresh replay of `seqs` (dp0 frames, in order) gives: the stream's entries.
 fn ground_truth(seqs: &[u64]) -> BTreeSet<Entry> {
-    let fx = Fixture::load(&fixture()).unwrap();
+    let fx = Fixture::load(&kv_fixture(FIXTURE)).unwrap();
     let mut st = StreamState::new(StreamConfig {
         keeps_l2: true,
         block_size: 16,
@@ -92,55 +76,6 @@ fn index_entries(shared: &ic_controller::state::Shared) -> Option<BTreeSet<Entry
             })
             .collect(),
     )
-}
-
-struct Controller {
-    stop: tokio::sync::watch::Sender<bool>,
-    done: tokio::task::JoinHandle<()>,
-    shared: Arc<ic_controller::state::Shared>,
-}
-
-impl Controller {
-    async fn stop(self) {
-        let _ = self.stop.send(true);
-        tokio::time::timeout(Duration::from_secs(10), self.done)
-            .await
-            .expect("controller drains and stops")
-            .unwrap();
-    }
-}
-
-async fn start_controller(grpc: SocketAddr) -> Controller {
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut attempt = 0;
-    let running = loop {
-        let mut rx = stopped.clone();
-        // After a stop the port may take a moment to be free again.
-        match standalone::start(
-            StandaloneConfig {
-                grpc_addr: grpc,
-                http_addr: "127.0.0.1:0".parse().unwrap(),
-                agent_expiry: Duration::from_secs(60),
-                policy: LookupPolicy::default(),
-            },
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            },
-        )
-        .await
-        {
-            Ok(r) => break r,
-            Err(e) if attempt < 50 => {
-                attempt += 1;
-                eprintln!("controller start: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("controller start: {e}"),
-        }
-    };
-    let shared = running.shared.clone();
-    let done = tokio::spawn(async move { running.wait().await.unwrap() });
-    Controller { stop, done, shared }
 }
 
 fn plan(pub_port: u16, replay_port: u16) -> NodePlan {
@@ -235,7 +170,7 @@ fn start_publisher(
     replay_port: u16,
     skip: &[u64],
 ) -> (tokio::task::JoinHandle<()>, Instant) {
-    let fx = Fixture::load(&fixture()).unwrap();
+    let fx = Fixture::load(&kv_fixture(FIXTURE)).unwrap();
     let live = fx
         .frames("dp0")
         .iter()
@@ -251,7 +186,7 @@ fn start_publisher(
     let last = Instant::now() + CONNECT_WAIT + INTERVAL * live.saturating_sub(1);
     let task = tokio::spawn(async move {
         let r = publish_fixture(
-            &fixture(),
+            &kv_fixture(FIXTURE),
             &format!("tcp://127.0.0.1:{pub_port}"),
             Some(&format!("tcp://127.0.0.1:{replay_port}")),
             &opts,
@@ -262,17 +197,6 @@ fn start_publisher(
         }
     });
     (task, last)
-}
-
-async fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out after {limit:?} waiting for {what}");
 }
 
 /// Waits for the last frame (its scheduled time, and the agent having applied `final_seq`), then

@@ -14,18 +14,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
+use support::stack::{free_port, kv_fixture, start_controller, wait_until};
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ic_agent::kv::publish::{publish_fixture, Fixture, PublishOptions};
 use ic_agent::kv::{StreamConfig, StreamState};
 use ic_agent::subscribe::{self, Subscriber};
 use ic_controller::index::Tier;
-use ic_controller::standalone::{self, StandaloneConfig};
-use ic_controller::state::{LookupPolicy, Shared};
+use ic_controller::state::Shared;
 use ic_shared::kv::decode::decode_batch;
 
 const FIXTURE: &str = "vllm-0.24.0.json";
@@ -40,28 +41,11 @@ const CONVERGE: Duration = Duration::from_secs(5);
 /// The recording ends with AllBlocksCleared (seq 9): withhold it to keep the state.
 const FINAL_SEQ: u64 = 8;
 
-fn fixture() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return PathBuf::from(dir).join("kv-events").join(FIXTURE);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/kv-events")
-        .join(FIXTURE)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 type Entry = (String, u32, u64, Tier);
 
 /// A fresh replay of the dp0 frames 0..=FINAL_SEQ with `keeps_l2`.
 fn ground_truth(keeps_l2: bool) -> BTreeSet<Entry> {
-    let fx = Fixture::load(&fixture()).unwrap();
+    let fx = Fixture::load(&kv_fixture(FIXTURE)).unwrap();
     let mut st = StreamState::new(StreamConfig {
         keeps_l2,
         block_size: 16,
@@ -97,55 +81,6 @@ fn index_entries(shared: &Shared, pod: &str) -> Option<BTreeSet<Entry>> {
             .map(|e| (e.adapter, e.block_size, e.content_key, e.tier))
             .collect(),
     )
-}
-
-struct Controller {
-    stop: tokio::sync::watch::Sender<bool>,
-    done: tokio::task::JoinHandle<()>,
-    shared: Arc<Shared>,
-}
-
-impl Controller {
-    async fn stop(self) {
-        let _ = self.stop.send(true);
-        tokio::time::timeout(Duration::from_secs(10), self.done)
-            .await
-            .expect("controller drains and stops")
-            .unwrap();
-    }
-}
-
-async fn start_controller(grpc: SocketAddr) -> Controller {
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut attempt = 0;
-    let running = loop {
-        let mut rx = stopped.clone();
-        match standalone::start(
-            StandaloneConfig {
-                grpc_addr: grpc,
-                http_addr: "127.0.0.1:0".parse().unwrap(),
-                agent_expiry: Duration::from_secs(60),
-                policy: LookupPolicy::default(),
-            },
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            },
-        )
-        .await
-        {
-            Ok(r) => break r,
-            // After a stop the port may take a moment to be free again.
-            Err(e) if attempt < 50 => {
-                attempt += 1;
-                eprintln!("controller start: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("controller start: {e}"),
-        }
-    };
-    let shared = running.shared.clone();
-    let done = tokio::spawn(async move { running.wait().await.unwrap() });
-    Controller { stop, done, shared }
 }
 
 /// A subscriber "process": its own runtime, started from the sidecar's command line.
@@ -220,7 +155,7 @@ fn sidecar_args(
 }
 
 fn start_publisher(pub_port: u16, replay_port: u16) -> (tokio::task::JoinHandle<()>, Instant) {
-    let fx = Fixture::load(&fixture()).unwrap();
+    let fx = Fixture::load(&kv_fixture(FIXTURE)).unwrap();
     let skip: Vec<u64> = fx
         .frames("dp0")
         .iter()
@@ -238,7 +173,7 @@ fn start_publisher(pub_port: u16, replay_port: u16) -> (tokio::task::JoinHandle<
     let last = Instant::now() + CONNECT_WAIT + INTERVAL * (live - 1);
     let task = tokio::spawn(async move {
         let r = publish_fixture(
-            &fixture(),
+            &kv_fixture(FIXTURE),
             &format!("tcp://127.0.0.1:{pub_port}"),
             Some(&format!("tcp://127.0.0.1:{replay_port}")),
             &opts,
@@ -249,17 +184,6 @@ fn start_publisher(pub_port: u16, replay_port: u16) -> (tokio::task::JoinHandle<
         }
     });
     (task, last)
-}
-
-async fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out after {limit:?} waiting for {what}");
 }
 
 /// After the last frame (and both subscribers having applied it), the index must equal the

@@ -7,9 +7,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
+use support::stack::{free_port, kv_fixture, start_controller};
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ic_agent::checks::{Checks, ChecksConfig};
@@ -17,29 +19,12 @@ use ic_agent::kv::publish::{publish_fixture, PublishOptions};
 use ic_agent::link::LinkConfig;
 use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
-use ic_controller::standalone::{self, StandaloneConfig};
-use ic_controller::state::LookupPolicy;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan, ShmRequirement};
 use ic_shared::proto::{
     router_service_client::RouterServiceClient, Decision, LookupRouteRequest, LookupRouteResponse,
 };
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::oneshot;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/kv-events")
-        .join(name)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// GET over plain HTTP/1.1 and parse the JSON body.
 async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
@@ -67,40 +52,6 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("timed out after {limit:?} waiting for {what}");
-}
-
-struct Controller {
-    grpc: SocketAddr,
-    http: SocketAddr,
-    stop: oneshot::Sender<()>,
-    done: tokio::task::JoinHandle<()>,
-    shared: Arc<ic_controller::state::Shared>,
-}
-
-async fn start_controller(grpc: SocketAddr) -> Controller {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let running = standalone::start(
-        StandaloneConfig {
-            grpc_addr: grpc,
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            agent_expiry: Duration::from_secs(60),
-            policy: LookupPolicy::default(),
-        },
-        async move {
-            let _ = stopped.await;
-        },
-    )
-    .await
-    .unwrap();
-    let (grpc, http, shared) = (running.grpc_addr, running.http_addr, running.shared.clone());
-    let done = tokio::spawn(async move { running.wait().await.unwrap() });
-    Controller {
-        grpc,
-        http,
-        stop,
-        done,
-        shared,
-    }
 }
 
 async fn lookup(grpc: SocketAddr, tokens: std::ops::Range<u32>) -> Option<LookupRouteResponse> {
@@ -220,7 +171,7 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
             ..Default::default()
         };
         publish_fixture(
-            &fixture("vllm-0.24.0.json"),
+            &kv_fixture("vllm-0.24.0.json"),
             &format!("tcp://127.0.0.1:{pub_port}"),
             Some(&format!("tcp://127.0.0.1:{replay_port}")),
             &opts,
@@ -274,11 +225,7 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
     let before = controller.shared.index.read().snapshot();
 
     // Restart the controller on the same port; the agent reconnects and resyncs.
-    let _ = controller.stop.send(());
-    tokio::time::timeout(Duration::from_secs(10), controller.done)
-        .await
-        .expect("controller drains its agent streams and stops")
-        .unwrap();
+    controller.stop().await;
     let controller = start_controller(grpc).await;
     assert_eq!(controller.shared.index.read().entry_count(), 0);
     wait_for(
@@ -321,7 +268,7 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
 
     publisher.abort();
     agent.abort();
-    let _ = controller.stop.send(());
+    controller.stop().await;
 }
 
 /// Every controller replica serves reads, so every replica must hold every node's state: the
@@ -366,7 +313,7 @@ async fn an_agent_feeds_every_controller_replica_the_same_index() {
             ..Default::default()
         };
         publish_fixture(
-            &fixture("vllm-0.24.0.json"),
+            &kv_fixture("vllm-0.24.0.json"),
             &format!("tcp://127.0.0.1:{pub_port}"),
             None,
             &opts,
@@ -408,6 +355,6 @@ async fn an_agent_feeds_every_controller_replica_the_same_index() {
     assert_eq!(agent.state.link.read().connected_count(), 2);
     publisher.abort();
     agent.abort();
-    let _ = a.stop.send(());
-    let _ = b.stop.send(());
+    a.stop().await;
+    b.stop().await;
 }

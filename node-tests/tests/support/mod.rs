@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod stack;
+
 use std::io::{BufRead, BufReader, Lines};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
