@@ -8,61 +8,26 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::pin::Pin;
+mod support;
+
+use support::FakeController;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::routing::get;
-use futures::Stream;
 use ic_agent::checks::Checks;
 use ic_agent::engine_metrics::ScrapeConfig;
 use ic_agent::link::LinkConfig;
 use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
 use ic_shared::plan::{EnginePlan, KvEventSource, NodePlan};
-use ic_shared::proto::{
-    agent_message::Msg, agent_service_server::AgentService,
-    agent_service_server::AgentServiceServer, controller_message, AgentMessage, ControllerMessage,
-    ResyncRequest,
-};
+use ic_shared::proto::{agent_message::Msg, controller_message, AgentMessage, ResyncRequest};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
 
 const VLLM_DP2: &str = include_str!("data/vllm-dp2.metrics");
-
-type DownTx = mpsc::Sender<Result<ControllerMessage, Status>>;
-type Down = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
-
-/// A stand-in controller: records every message, keeps the latest stream's sending half.
-#[derive(Clone)]
-struct FakeController {
-    up: mpsc::UnboundedSender<AgentMessage>,
-    down: Arc<Mutex<Option<DownTx>>>,
-}
-
-#[tonic::async_trait]
-impl AgentService for FakeController {
-    type ConnectStream = Down;
-
-    async fn connect(
-        &self,
-        request: Request<Streaming<AgentMessage>>,
-    ) -> Result<Response<Down>, Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
-        *self.down.lock() = Some(tx);
-        let up = self.up.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(m)) = inbound.message().await {
-                let _ = up.send(m);
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-}
 
 /// The engine's `/metrics`, whose body the test changes.
 type Page = Arc<Mutex<String>>;
@@ -158,18 +123,7 @@ fn expected(hits1: u64) -> Vec<(String, String, u64, u64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and_on_change() {
-    let (up, mut received) = mpsc::unbounded_channel();
-    let fake = FakeController {
-        up,
-        down: Arc::new(Mutex::new(None)),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentServiceServer::new(fake.clone()))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
+    let (fake, grpc, mut received) = FakeController::start().await;
 
     // First the engine exports no tier-2 counters (no KV connector traffic yet).
     let page: Page = Arc::new(Mutex::new(
@@ -220,14 +174,10 @@ async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and
     assert_eq!(got, expected(0));
 
     // The controller asks for a resync: the counters follow it (a Resync resets them there).
-    let down = fake.down.lock().clone().unwrap();
-    down.send(Ok(ControllerMessage {
-        msg: Some(controller_message::Msg::ResyncRequest(ResyncRequest {
-            reason: "test".into(),
-        })),
+    fake.send(controller_message::Msg::ResyncRequest(ResyncRequest {
+        reason: "test".into(),
     }))
-    .await
-    .unwrap();
+    .await;
     let (got, skipped) = next_counters(&mut received, "counters after the resync").await;
     assert_eq!(got, expected(0));
     assert_eq!(skipped.last(), Some(&"resync"), "{skipped:?}");

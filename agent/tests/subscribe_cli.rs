@@ -7,26 +7,23 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
+use support::FakeController;
+
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::Stream;
 use ic_agent::kv::{publish_fixture, Fixture, PublishOptions, StreamConfig, StreamState};
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::proto::{
-    agent_message::Msg, agent_service_server::AgentService,
-    agent_service_server::AgentServiceServer, controller_message, AgentMessage, ControllerMessage,
-    NodePlanUpdate, ResyncRequest, StreamSnapshot,
+    agent_message::Msg, controller_message, AgentMessage, NodePlanUpdate, ResyncRequest,
+    StreamSnapshot,
 };
-use parking_lot::Mutex;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 
@@ -134,48 +131,6 @@ fn unusable_flags_exit_2_naming_the_flag() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
 }
 
-/// The sending half of the stand-in controller's latest stream.
-type DownTx = mpsc::Sender<Result<ControllerMessage, Status>>;
-
-/// A stand-in controller: records every message, keeps the latest stream's sending half.
-#[derive(Clone)]
-struct FakeController {
-    up: mpsc::UnboundedSender<AgentMessage>,
-    down: Arc<Mutex<Option<DownTx>>>,
-}
-
-type Down = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl AgentService for FakeController {
-    type ConnectStream = Down;
-
-    async fn connect(
-        &self,
-        request: Request<Streaming<AgentMessage>>,
-    ) -> Result<Response<Down>, Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
-        *self.down.lock() = Some(tx);
-        let up = self.up.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(m)) = inbound.message().await {
-                let _ = up.send(m);
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-}
-
-impl FakeController {
-    async fn send(&self, msg: controller_message::Msg) {
-        let tx = self.down.lock().clone().unwrap();
-        tx.send(Ok(ControllerMessage { msg: Some(msg) }))
-            .await
-            .unwrap();
-    }
-}
-
 type Entry = (String, u32, u64, i32);
 
 fn ground_truth(final_seq: u64) -> BTreeSet<Entry> {
@@ -225,18 +180,7 @@ async fn next_message(rx: &mut mpsc::UnboundedReceiver<AgentMessage>, what: &str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_streams_one_engine_to_the_controller_and_stops_on_sigterm() {
     // Stand-in controller.
-    let (up, mut received) = mpsc::unbounded_channel();
-    let fake = FakeController {
-        up,
-        down: Arc::new(Mutex::new(None)),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentServiceServer::new(fake.clone()))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
+    let (fake, grpc, mut received) = FakeController::start().await;
     // Engine publisher: dp0 frames 0..=8 (the final AllBlocksCleared withheld).
     let (pub_port, replay_port, metrics_port) = (free_port(), free_port(), free_port());
     let publisher = tokio::spawn(async move {

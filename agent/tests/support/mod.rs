@@ -1,0 +1,81 @@
+//! A stand-in controller for the agent's integration tests (`engine_metrics`, `subscribe_cli`):
+//! a real tonic `AgentService` on loopback that records every message an agent sends and lets
+//! the test push controller messages down the latest stream.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use ic_shared::proto::agent_service_server::{AgentService, AgentServiceServer};
+use ic_shared::proto::{controller_message, AgentMessage, ControllerMessage};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+/// The sending half of the stand-in controller's latest stream.
+type DownTx = mpsc::Sender<Result<ControllerMessage, Status>>;
+type Down = Pin<Box<dyn Stream<Item = Result<ControllerMessage, Status>> + Send>>;
+
+/// A stand-in controller: records every message, keeps the latest stream's sending half.
+#[derive(Clone)]
+pub struct FakeController {
+    up: mpsc::UnboundedSender<AgentMessage>,
+    down: Arc<Mutex<Option<DownTx>>>,
+}
+
+#[tonic::async_trait]
+impl AgentService for FakeController {
+    type ConnectStream = Down;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<AgentMessage>>,
+    ) -> Result<Response<Down>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        *self.down.lock() = Some(tx);
+        let up = self.up.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(m)) = inbound.message().await {
+                let _ = up.send(m);
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl FakeController {
+    /// Serves a stand-in controller on 127.0.0.1 (ephemeral port). Returns it, its gRPC
+    /// address, and the receiver of every message agents send it, in order.
+    pub async fn start() -> (
+        FakeController,
+        SocketAddr,
+        mpsc::UnboundedReceiver<AgentMessage>,
+    ) {
+        let (up, received) = mpsc::unbounded_channel();
+        let fake = FakeController {
+            up,
+            down: Arc::new(Mutex::new(None)),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let grpc = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(AgentServiceServer::new(fake.clone()))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        (fake, grpc, received)
+    }
+
+    /// Sends `msg` down the latest agent stream; panics when no agent has connected.
+    pub async fn send(&self, msg: controller_message::Msg) {
+        let tx = self.down.lock().clone().expect("an agent is connected");
+        tx.send(Ok(ControllerMessage { msg: Some(msg) }))
+            .await
+            .unwrap();
+    }
+}
