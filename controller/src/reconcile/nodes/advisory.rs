@@ -257,6 +257,45 @@ pub struct AdvisoryReport {
     pub failed: Vec<(String, String)>,
 }
 
+impl AdvisoryReport {
+    /// Records the outcome of one status write of `key` (object `name` in `api`'s namespace)
+    /// and returns the object to try again with, if any: on the first attempt a conflict (409)
+    /// re-reads the object and returns it; a vanished object (404) ends quietly; anything else
+    /// ends as written or failed.
+    pub(crate) async fn settle<K, T>(
+        &mut self,
+        api: &Api<K>,
+        key: &str,
+        name: &str,
+        result: Result<T, kube::Error>,
+        first_attempt: bool,
+    ) -> Option<K>
+    where
+        K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        match result {
+            Ok(_) => {
+                self.written.push(key.to_string());
+                None
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 && first_attempt => {
+                match api.get_opt(name).await {
+                    Ok(fresh) => fresh,
+                    Err(e) => {
+                        self.failed.push((key.to_string(), e.to_string()));
+                        None
+                    }
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => None,
+            Err(e) => {
+                self.failed.push((key.to_string(), e.to_string()));
+                None
+            }
+        }
+    }
+}
+
 /// Writes the advisory condition on every backend in `backends` whose condition differs from
 /// `desired` (absent from `desired` → the condition is removed). Only the status subresource is
 /// replaced, with the backend's `resourceVersion`; a conflict re-reads and retries once.
@@ -291,29 +330,13 @@ pub async fn sync_advisories(
                 break;
             }
             obj.status = Some(status);
-            match api
-                .replace_status(&obj.name_any(), &PostParams::default(), &obj)
-                .await
-            {
-                Ok(_) => {
-                    report.written.push(key.clone());
-                    break;
-                }
-                Err(kube::Error::Api(e)) if e.code == 409 && attempt == 0 => {
-                    match api.get_opt(&obj.name_any()).await {
-                        Ok(Some(fresh)) => obj = fresh,
-                        Ok(None) => break,
-                        Err(e) => {
-                            report.failed.push((key.clone(), e.to_string()));
-                            break;
-                        }
-                    }
-                }
-                Err(kube::Error::Api(e)) if e.code == 404 => break,
-                Err(e) => {
-                    report.failed.push((key.clone(), e.to_string()));
-                    break;
-                }
+            let name = obj.name_any();
+            let result = api
+                .replace_status(&name, &PostParams::default(), &obj)
+                .await;
+            match report.settle(&api, &key, &name, result, attempt == 0).await {
+                Some(fresh) => obj = fresh,
+                None => break,
             }
         }
     }

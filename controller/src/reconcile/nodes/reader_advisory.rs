@@ -508,33 +508,17 @@ pub async fn sync_reader_conditions(
                 break;
             }
             let rv = obj.resource_version().unwrap_or_default();
-            match api
+            let name = obj.name_any();
+            let result = api
                 .patch_status(
-                    &obj.name_any(),
+                    &name,
                     &params,
                     &Patch::Merge(conditions_patch(&conditions, &rv)),
                 )
-                .await
-            {
-                Ok(_) => {
-                    report.written.push(key.clone());
-                    break;
-                }
-                Err(kube::Error::Api(e)) if e.code == 409 && attempt == 0 => {
-                    match api.get_opt(&obj.name_any()).await {
-                        Ok(Some(fresh)) => obj = fresh,
-                        Ok(None) => break,
-                        Err(e) => {
-                            report.failed.push((key.clone(), e.to_string()));
-                            break;
-                        }
-                    }
-                }
-                Err(kube::Error::Api(e)) if e.code == 404 => break,
-                Err(e) => {
-                    report.failed.push((key.clone(), e.to_string()));
-                    break;
-                }
+                .await;
+            match report.settle(&api, &key, &name, result, attempt == 0).await {
+                Some(fresh) => obj = fresh,
+                None => break,
             }
         }
     }
