@@ -18,3 +18,13 @@ pub mod qualify;
 pub mod runtime;
 pub mod state;
 pub mod subscribe;
+
+/// Writes a command's output to stdout. A closed pipe (`ic-agent check --json | head`) ends the
+/// output quietly instead of panicking like `println!`; other write errors are returned.
+pub fn write_stdout(text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}

@@ -226,7 +226,8 @@ fn main() -> anyhow::Result<()> {
             let plan = match a.common.plan() {
                 Ok(p) => p,
                 Err(e) => {
-                    eprintln!("ic-agent check: {e:#}");
+                    // The plan error's message already names its cause.
+                    eprintln!("ic-agent check: {e}");
                     std::process::exit(3);
                 }
             };
@@ -239,14 +240,14 @@ fn main() -> anyhow::Result<()> {
                 }
             };
             let results = Checks::new(&cfg).run_all(&plan);
-            if a.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&checks::report_json(&node, &results))?
-                );
+            let text = if a.json {
+                let mut json = serde_json::to_string_pretty(&checks::report_json(&node, &results))?;
+                json.push('\n');
+                json
             } else {
-                print!("{}", checks::render_table(&node, &results));
-            }
+                checks::render_table(&node, &results)
+            };
+            ic_agent::write_stdout(&text)?;
             std::process::exit(CheckStatus::worst(results.iter().map(|r| r.status)).exit_code());
         }
         Command::Kv(KvCommand::Publish(a)) => {
@@ -345,14 +346,7 @@ fn main() -> anyhow::Result<()> {
                 text = serde_json::to_string_pretty(&docs)?;
                 text.push('\n');
             }
-            // A closed pipe (`| head`) ends the output quietly.
-            if let Err(e) =
-                std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes())
-            {
-                if e.kind() != std::io::ErrorKind::BrokenPipe {
-                    return Err(e.into());
-                }
-            }
+            ic_agent::write_stdout(&text)?;
             let undecodable = docs.iter().filter(|d| d.get("error").is_some()).count();
             if undecodable > 0 {
                 eprintln!("{undecodable} of {} messages did not decode", docs.len());

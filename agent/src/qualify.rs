@@ -597,13 +597,16 @@ pub fn run_cli(args: QualifyArgs) -> i32 {
     };
     match qualify(&opts, &launcher) {
         Ok(report) => {
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report.to_json()).unwrap_or_default()
-                );
+            let text = if args.json {
+                let mut json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default();
+                json.push('\n');
+                json
             } else {
-                print!("{}", report.render_text());
+                report.render_text()
+            };
+            if let Err(e) = crate::write_stdout(&text) {
+                eprintln!("ic-agent qualify: cannot write the report: {e}");
+                return 2;
             }
             report.exit_code()
         }

@@ -67,3 +67,40 @@ fn check_with_an_unreadable_plan_exits_3_with_the_field_name() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("shmm"));
 }
+
+#[test]
+fn check_with_a_missing_plan_exits_3_naming_the_cause_once() {
+    let out = ic_agent()
+        .args(["check", "--plan", "/nonexistent/plan.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent/plan.yaml"), "{stderr}");
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `ic-agent check --json | head -1`: the reader goes away before the report is written.
+#[test]
+fn check_into_a_closed_pipe_ends_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = ic_agent()
+        .args(["check", "--json", "--node", "cli-node"])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        matches!(out.status.code(), Some(0..=2)),
+        "exit {:?}: {stderr}",
+        out.status
+    );
+}
