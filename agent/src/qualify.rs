@@ -55,7 +55,7 @@ pub const REQUIRED_PROBES: [&str; 7] = [
 /// `ic-agent qualify` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct QualifyArgs {
-    /// Where the writer volume is mounted read-write (e.g. the kubelet's
+    /// Required. Where the writer volume is mounted read-write (e.g. the kubelet's
     /// /var/lib/kubelet/pods/<writer-pod-uid>/volumes/kubernetes.io~csi/<pv>/mount).
     #[arg(
         long,
@@ -63,7 +63,8 @@ pub struct QualifyArgs {
         required_unless_present = "write_payload"
     )]
     pub writer_path: Option<PathBuf>,
-    /// Where the reader volume (a reader PV of another namespace on the same data) is mounted.
+    /// Required. Where the reader volume (a reader PV of another namespace on the same data) is
+    /// mounted.
     #[arg(
         long,
         env = "IC_QUALIFY_READER_PATH",

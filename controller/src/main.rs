@@ -405,7 +405,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
 
 #[derive(clap::Args)]
 struct LookupArgs {
-    /// Controller gRPC URL.
+    /// Controller gRPC URL (`http://HOST:PORT`; a bare `HOST:PORT` means `http://`).
     #[arg(long, env = "IC_CONTROLLER", default_value = "http://127.0.0.1:50051")]
     controller: String,
     /// Prompt token ids: a comma list ("1,2,3") and/or ranges ("0..32" = 0 to 31).
@@ -518,7 +518,13 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Command::Lookup(a) => {
-            let channel = tonic::transport::Endpoint::from_shared(a.controller.clone())
+            // `host:port` means plain-text gRPC, as `ic-agent subscribe --controller` reads it.
+            let url = if a.controller.contains("://") {
+                a.controller.clone()
+            } else {
+                format!("http://{}", a.controller)
+            };
+            let channel = tonic::transport::Endpoint::from_shared(url)
                 .with_context(|| format!("invalid controller URL {:?}", a.controller))?
                 .connect()
                 .await
