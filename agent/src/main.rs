@@ -226,8 +226,7 @@ fn main() -> anyhow::Result<()> {
             let plan = match a.common.plan() {
                 Ok(p) => p,
                 Err(e) => {
-                    // The plan error's message already names its cause.
-                    eprintln!("ic-agent check: {e}");
+                    eprintln!("ic-agent check: {e:#}");
                     std::process::exit(3);
                 }
             };

@@ -297,8 +297,9 @@ impl EnginePlan {
 /// Errors reading a plan document.
 #[derive(Debug, Error)]
 pub enum PlanError {
-    /// The file could not be read.
-    #[error("cannot read plan file {path}: {source}")]
+    /// The file could not be read. The I/O error is the `source()` (printed after the message
+    /// by `{:#}` / anyhow's chain), not repeated in the message.
+    #[error("cannot read plan file {path}")]
     Read {
         /// File path.
         path: String,
