@@ -10,7 +10,7 @@
 
 mod support;
 
-use support::FakeController;
+use support::{http_get, FakeController};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -216,18 +216,4 @@ async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and
     assert_eq!(doc["engineCounters"][1]["streamId"], "team-a/vllm-0#1");
     assert_eq!(doc["engineCounters"][1]["t2Hits"], 4096);
     agent.abort();
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }

@@ -9,10 +9,9 @@
 
 mod support;
 
-use support::FakeController;
+use support::{http_get, FakeController};
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -155,19 +154,6 @@ fn entries(s: &StreamSnapshot) -> BTreeSet<Entry> {
         .iter()
         .map(|e| (e.adapter.clone(), e.block_size, e.content_key, e.tier))
         .collect()
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 async fn next_message(rx: &mut mpsc::UnboundedReceiver<AgentMessage>, what: &str) -> AgentMessage {

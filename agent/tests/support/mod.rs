@@ -1,6 +1,6 @@
-//! A stand-in controller for the agent's integration tests (`engine_metrics`, `subscribe_cli`):
-//! a real tonic `AgentService` on loopback that records every message an agent sends and lets
-//! the test push controller messages down the latest stream.
+//! Shared by the agent's integration tests (`engine_metrics`, `subscribe_cli`): a stand-in
+//! controller (a real tonic `AgentService` on loopback that records every message an agent sends
+//! and lets the test push controller messages down the latest stream) and a plain HTTP GET.
 
 #![allow(dead_code)]
 
@@ -78,4 +78,20 @@ impl FakeController {
             .await
             .unwrap();
     }
+}
+
+/// `GET path` on `addr` (HTTP/1.1, `Connection: close`): the whole response, head and body.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }

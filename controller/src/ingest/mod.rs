@@ -482,6 +482,17 @@ mod tests {
         (resp, tx)
     }
 
+    /// Reads `inbound` to its end: the status the controller closed the stream with.
+    async fn final_status(inbound: &mut Streaming<ControllerMessage>) -> Status {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream must end with a status"),
+                Err(st) => return st,
+            }
+        }
+    }
+
     async fn until(what: &str, mut f: impl FnMut() -> bool) {
         for _ in 0..200 {
             if f() {
@@ -541,13 +552,7 @@ mod tests {
         tx.send(resync(&[("ns", "pod-a", "a1"), ("ns", "pod-b", "b1")]))
             .await
             .unwrap();
-        let status = loop {
-            match inbound.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => panic!("the stream must end with a status"),
-                Err(st) => break st,
-            }
-        };
+        let status = final_status(&mut inbound).await;
         assert_eq!(status.code(), tonic::Code::PermissionDenied);
         assert!(
             status.message().contains("\"ns/pod-b#0\"") && status.message().contains("replica"),
@@ -638,13 +643,7 @@ mod tests {
         tx.send(counters(&[("ns", "pod-a", 1, 2), ("ns", "pod-b", 3, 4)]))
             .await
             .unwrap();
-        let status = loop {
-            match inbound.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => panic!("the stream must end with a status"),
-                Err(st) => break st,
-            }
-        };
+        let status = final_status(&mut inbound).await;
         assert_eq!(status.code(), tonic::Code::PermissionDenied);
         assert!(
             status.message().contains("\"ns/pod-b#0\""),
