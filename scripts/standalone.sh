@@ -26,7 +26,7 @@ inference-cache standalone stack is up (controller pid $CTRL, agent pid $AGENT).
   Nodes and their checks:   curl -s http://127.0.0.1:8080/v1/nodes
   Index per replica:        curl -s http://127.0.0.1:8080/snapshot
   Agent report:             curl -s http://127.0.0.1:9090/v1/report
-  Replay an engine stream:  $BIN/ic-agent kv publish --fixture ../shared/fixtures/kv-events/vllm-0.24.0.json --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --skip-seq 9
+  Replay an engine stream:  $BIN/ic-agent kv publish --fixture ../shared/fixtures/kv-events/vllm-0.24.0.json --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --until-seq 8
   Ask the router:           $BIN/ic-controller lookup --tokens 0..32
 Ctrl-C stops both.
 TXT

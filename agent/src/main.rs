@@ -124,10 +124,14 @@ struct PublishArgs {
     /// Seconds to keep serving replay requests after the last frame.
     #[arg(long, default_value_t = 3600)]
     linger_seconds: u64,
-    /// Recorded seqs not to send live (still served by replay); repeatable. The recorded
-    /// scenarios end with AllBlocksCleared: skip its seq to keep the state in the index.
+    /// Recorded seqs not to send live (still served by replay, so a subscriber that checks its
+    /// tail finds them: simulated loss); repeatable.
     #[arg(long = "skip-seq")]
     skip_seqs: Vec<u64>,
+    /// End the recording after this seq: later frames are neither sent nor replayable. The
+    /// recorded scenarios end with AllBlocksCleared at seq 9: `--until-seq 8` keeps the state.
+    #[arg(long)]
+    until_seq: Option<u64>,
 }
 
 #[derive(Args)]
@@ -260,6 +264,7 @@ fn main() -> anyhow::Result<()> {
                 connect_wait: Duration::from_millis(a.connect_wait_ms),
                 linger: Duration::from_secs(a.linger_seconds),
                 skip_seqs: a.skip_seqs.into_iter().collect(),
+                until_seq: a.until_seq,
             };
             let report = rt.block_on(async {
                 tokio::select! {

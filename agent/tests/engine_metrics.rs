@@ -106,7 +106,7 @@ async fn next_counters(
                 return (got, skipped);
             }
             Some(Msg::Hello(_)) => skipped.push("hello"),
-            Some(Msg::Resync(_)) => skipped.push("resync"),
+            Some(Msg::Resync(_)) | Some(Msg::ResyncChunk(_)) => skipped.push("resync"),
             Some(Msg::Checks(_)) => skipped.push("checks"),
             Some(Msg::KvDeltas(_)) => skipped.push("deltas"),
             None => skipped.push("empty"),

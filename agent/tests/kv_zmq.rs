@@ -200,15 +200,18 @@ fn fast(skip_seqs: BTreeSet<u64>, repeat: u32) -> PublishOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_map_frames_become_content_keys() {
-    // vLLM 0.26 (map events, topic in replay replies). Seq 9 (AllBlocksCleared) is withheld so
-    // the final state is observable: A0..A2 and B1 on GPU (A3 was removed), C0,C1 under the
-    // LoRA; the hybrid groups 1 and 2 (seq 6..8) are not indexed.
+    // vLLM 0.26 (map events, topic in replay replies). The recording ends before seq 9
+    // (AllBlocksCleared) so the final state is observable: A0..A2 and B1 on GPU (A3 was
+    // removed), C0,C1 under the LoRA; the hybrid groups 1 and 2 (seq 6..8) are not indexed.
     let (a, b) = recorded_requests("vllm-0.26.0.json");
     let out = run(
         "vllm-0.26.0.json",
         HashScheme::Vllm,
         true,
-        fast(skip(&[9]), 1),
+        PublishOptions {
+            until_seq: Some(8),
+            ..fast(skip(&[]), 1)
+        },
         9,
     )
     .await;
@@ -261,13 +264,17 @@ async fn sglang_array_frames_with_i64_hashes_become_content_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_healed_from_the_replay_router() {
     // vLLM 0.14: seq 2 (request B's divergent block) is never sent live; the subscriber sees 3
-    // after 1, asks the replay ROUTER from 2 and applies it before 3.
+    // after 1, asks the replay ROUTER from 2 and applies it before 3. The recording ends
+    // before its AllBlocksCleared (seq 6).
     let (a, b) = recorded_requests("vllm-0.14.0.json");
     let out = run(
         "vllm-0.14.0.json",
         HashScheme::Vllm,
         true,
-        fast(skip(&[2, 6]), 1),
+        PublishOptions {
+            until_seq: Some(5),
+            ..fast(skip(&[2]), 1)
+        },
         6,
     )
     .await;
@@ -342,7 +349,7 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
         interval: Duration::from_millis(100),
         connect_wait: Duration::ZERO,
         linger: Duration::from_secs(2),
-        skip_seqs: skip(&[9]),
+        until_seq: Some(8),
         ..PublishOptions::default()
     };
     let publisher =

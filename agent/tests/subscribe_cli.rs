@@ -167,14 +167,14 @@ async fn next_message(rx: &mut mpsc::UnboundedReceiver<AgentMessage>, what: &str
 async fn the_binary_streams_one_engine_to_the_controller_and_stops_on_sigterm() {
     // Stand-in controller.
     let (fake, grpc, mut received) = FakeController::start().await;
-    // Engine publisher: dp0 frames 0..=8 (the final AllBlocksCleared withheld).
+    // Engine publisher: dp0 frames 0..=8 (the recording ends before its AllBlocksCleared).
     let (pub_port, replay_port, metrics_port) = (free_port(), free_port(), free_port());
     let publisher = tokio::spawn(async move {
         let opts = PublishOptions {
             connect_wait: Duration::from_millis(1500),
             interval: Duration::from_millis(50),
             linger: Duration::from_secs(60),
-            skip_seqs: [9].into_iter().collect(),
+            until_seq: Some(8),
             ..Default::default()
         };
         publish_fixture(

@@ -562,10 +562,7 @@ where
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(AgentServiceServer::new(AgentIngest::with_auth(
-                shared.clone(),
-                auth,
-            )))
+            .add_service(AgentIngest::with_auth(shared.clone(), auth).into_server())
             .add_service(RouterServiceServer::new(Router::new(shared.clone())))
             .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
                 let _ = grpc_stop.wait_for(|s| *s).await;

@@ -1,6 +1,8 @@
 //! The controller's Prometheus registry (`inferencecache_controller_…`, base units, bounded labels).
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 /// Every controller metric, registered in [`ControllerMetrics::registry`].
 #[derive(Clone)]
@@ -27,6 +29,9 @@ pub struct ControllerMetrics {
     pub index_blocks: IntGauge,
     /// Engine streams known to the index.
     pub index_replicas: IntGauge,
+    /// Engine streams by coverage (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`,
+    /// `Unknown`).
+    pub index_replicas_by_coverage: IntGaugeVec,
     /// LookupRoute answers by decision (`prefix_match`, `no_hint`).
     pub lookups_total: IntCounterVec,
     /// LookupRoute server-side latency.
@@ -87,6 +92,13 @@ impl ControllerMetrics {
             format!("{p}index_replicas"),
             "Engine streams (replicas) known to the KV-prefix index.",
         )?;
+        let index_replicas_by_coverage = IntGaugeVec::new(
+            Opts::new(
+                format!("{p}index_replicas_by_coverage"),
+                "Engine streams known to the KV-prefix index, by coverage (Exact: every engine block indexed; Disconnected and EngineDown replicas are not routed).",
+            ),
+            &["coverage"],
+        )?;
         let lookups_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}lookups_total"),
@@ -114,6 +126,7 @@ impl ControllerMetrics {
         registry.register(Box::new(index_entries.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_replicas.clone()))?;
+        registry.register(Box::new(index_replicas_by_coverage.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
         Ok(ControllerMetrics {
@@ -128,6 +141,7 @@ impl ControllerMetrics {
             index_entries,
             index_blocks,
             index_replicas,
+            index_replicas_by_coverage,
             lookups_total,
             lookup_duration_seconds,
         })

@@ -186,6 +186,8 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
                 entries: Vec::new(),
                 last_event_unix_ms: 0,
                 stale: false,
+                coverage: proto::Coverage::Exact as i32,
+                coverage_reason: String::new(),
             }],
         );
         let delta = proto::StreamDelta {
@@ -200,6 +202,8 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
                 })),
             }],
             last_event_unix_ms: ic_shared::now_unix_ms(),
+            coverage: proto::Coverage::Exact as i32,
+            coverage_reason: String::new(),
         };
         let report = match ix.apply_delta(&node, &delta) {
             Err(e) => StageReport::failed(format!(

@@ -125,6 +125,8 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
                 matched_tokens: m.matched_tokens,
                 tier: m.tier.to_proto() as i32,
                 backend: m.backend,
+                coverage: m.coverage.state.to_proto() as i32,
+                coverage_reason: m.coverage.reason_str().to_string(),
             })
             .collect(),
         block_size: r.block_size,
@@ -182,6 +184,8 @@ mod tests {
             ix.apply_delta(
                 "n",
                 &StreamDelta {
+                    coverage: ic_shared::proto::Coverage::Exact as i32,
+                    coverage_reason: String::new(),
                     stream: Some(desc),
                     seq: 1,
                     ops: vec![KvOp {

@@ -143,7 +143,7 @@ where
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(AgentServiceServer::new(AgentIngest::new(shared.clone())))
+            .add_service(AgentIngest::new(shared.clone()).into_server())
             .add_service(RouterServiceServer::new(Router::new(shared.clone())))
             .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
                 let _ = grpc_stop.wait_for(|s| *s).await;

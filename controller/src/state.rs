@@ -61,6 +61,12 @@ impl Shared {
         self.metrics
             .index_replicas
             .set(index.replica_count() as i64);
+        for (state, n) in index.coverage_counts() {
+            self.metrics
+                .index_replicas_by_coverage
+                .with_label_values(&[state.as_str()])
+                .set(n as i64);
+        }
     }
 }
 

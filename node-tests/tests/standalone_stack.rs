@@ -161,13 +161,13 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
     );
     assert_eq!(report["node"], "node-under-test");
 
-    // Attach a replayed vLLM 0.24 engine (map-encoded events); withhold the final
-    // AllBlocksCleared so the state stays.
+    // Attach a replayed vLLM 0.24 engine (map-encoded events); the recording ends before its
+    // final AllBlocksCleared so the state stays.
     let publisher = tokio::spawn(async move {
         let opts = PublishOptions {
             connect_wait: Duration::from_millis(1500),
             linger: Duration::from_secs(30),
-            skip_seqs: [9].into_iter().collect(),
+            until_seq: Some(8),
             ..Default::default()
         };
         publish_fixture(
@@ -228,6 +228,7 @@ async fn standalone_stack_reports_checks_routes_prefixes_and_survives_a_controll
     controller.stop().await;
     let controller = start_controller(grpc).await;
     assert_eq!(controller.shared.index.read().entry_count(), 0);
+
     wait_for(
         "the index to come back",
         Duration::from_secs(10),
@@ -309,7 +310,7 @@ async fn an_agent_feeds_every_controller_replica_the_same_index() {
         let opts = PublishOptions {
             connect_wait: Duration::from_millis(1500),
             linger: Duration::from_secs(30),
-            skip_seqs: [9].into_iter().collect(),
+            until_seq: Some(8),
             ..Default::default()
         };
         publish_fixture(

@@ -5,13 +5,15 @@
 //!   `shared/proto/inferencecache.proto`.
 //! - [`plan`] — the node plan the controller pushes to an agent (or an agent reads from a file).
 //! - [`check`] — the typed result of a node check.
-//! - [`kv`] — engine KV-event wire decoding and our content keys.
+//! - [`kv`] — engine KV-event wire decoding, our content keys, replica coverage.
+//! - [`resync`] — resyncs split into chunks below gRPC's message limit, and put back together.
 //! - [`telemetry`] — logging set-up for both binaries.
 
 pub mod check;
 pub mod crd;
 pub mod kv;
 pub mod plan;
+pub mod resync;
 pub mod telemetry;
 
 /// Generated gRPC code for package `inferencecache.v1alpha1`.

@@ -94,6 +94,11 @@ pub struct StreamStatus {
     pub orphans: usize,
     /// True while the state is uncertain after an unhealed gap.
     pub stale: bool,
+    /// Coverage state (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`;
+    /// `docs/kv-events.md` "Coverage").
+    pub coverage: &'static str,
+    /// Why the stream is not Exact (`BootstrapIncomplete`, `ReplayTruncated`, …).
+    pub coverage_reason: Option<&'static str>,
     /// The stream's current delta seq.
     pub delta_seq: u64,
     /// The plan's block size.
@@ -170,6 +175,7 @@ impl KvHub {
                     config: StreamConfig {
                         keeps_l2: e.keeps_l2,
                         block_size: e.block_size,
+                        dp_rank: Some(src.dp_rank),
                         ..self.inner.stream_defaults.clone()
                     },
                 };
@@ -243,13 +249,17 @@ impl KvHub {
         let streams = self.streams();
         let mut out = Vec::new();
         for entry in streams.values() {
-            let taken = entry.shared.lock().state.take_delta();
+            let mut g = entry.shared.lock();
+            let taken = g.state.take_delta();
             if let Some((seq, ops, last_event_unix_ms)) = taken {
+                let cov = g.state.reported_coverage();
                 out.push(StreamDelta {
                     stream: Some(entry.shared.spec.descriptor.clone()),
                     seq,
                     ops,
                     last_event_unix_ms,
+                    coverage: cov.state.to_proto() as i32,
+                    coverage_reason: cov.reason_str().to_string(),
                 });
             }
         }
@@ -265,12 +275,15 @@ impl KvHub {
         for entry in streams.values() {
             let mut g = entry.shared.lock();
             let (seq, entries, stale) = g.state.snapshot();
+            let cov = g.state.reported_coverage();
             out.push(StreamSnapshot {
                 stream: Some(entry.shared.spec.descriptor.clone()),
                 seq,
                 entries,
                 last_event_unix_ms: g.state.last_event_unix_ms(),
                 stale,
+                coverage: cov.state.to_proto() as i32,
+                coverage_reason: cov.reason_str().to_string(),
             });
         }
         out
@@ -292,6 +305,7 @@ impl KvHub {
                 let g = s.lock();
                 let d = &s.spec.descriptor;
                 let ts = g.state.last_event_unix_ms();
+                let cov = g.state.coverage();
                 StreamStatus {
                     stream_id: d.stream_id.clone(),
                     replica: d.replica.clone(),
@@ -322,6 +336,8 @@ impl KvHub {
                     blocks_held: g.state.blocks_held(),
                     orphans: g.state.orphans(),
                     stale: g.state.is_stale(),
+                    coverage: cov.state.as_str(),
+                    coverage_reason: cov.reason,
                     delta_seq: g.state.delta_seq(),
                     plan_block_size: s.spec.config.block_size,
                     observed_block_size: g.state.observed_block_size(),

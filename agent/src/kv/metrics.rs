@@ -12,8 +12,10 @@
 //! | `inferencecache_agent_kv_events_dropped_total` | stream, reason | batches or events lost (queue full, bad frames, undecodable, token mismatch, evicted orphans, op overflow) |
 //! | `inferencecache_agent_kv_events_ignored_total` | stream, reason | events or blocks deliberately not indexed (other group, partial block, unknown hash, parked/resolved orphans) |
 //! | `inferencecache_agent_kv_gaps_total` | stream | sequence gaps detected |
-//! | `inferencecache_agent_kv_replays_total` | stream, result | replay requests: `healed`, `failed`, `bootstrap` |
-//! | `inferencecache_agent_kv_resyncs_total` | stream, reason | replica clears: `AllBlocksCleared`, `EngineRestarted`, `SequenceGap` |
+//! | `inferencecache_agent_kv_replays_total` | stream, result | replay requests: `healed` (gap filled), `failed` (no answer), `bootstrap` (complete from seq 0), `bootstrap_incomplete` (the buffer no longer held seq 0, or holes), `truncated` (holes in a gap replay), `verified` (idle or reconnect check: same incarnation), `restart_detected` (the replay showed another incarnation), `forged` (a live seq the engine never sent) |
+//! | `inferencecache_agent_kv_resyncs_total` | stream, reason | replica clears: `AllBlocksCleared`, `EngineRestarted`, `SequenceGap`, `ReplayTruncated`, `RankMismatch` |
+//! | `inferencecache_agent_kv_coverage` | stream, state, reason | 1 for the stream's current coverage (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`; reason empty when Exact) |
+//! | `inferencecache_agent_kv_coverage_transitions_total` | stream, state | transitions into each coverage state |
 //! | `inferencecache_agent_kv_blocks` | stream | index entries held |
 //! | `inferencecache_agent_kv_connected` | stream | 1 while the SUB socket is connected |
 //! | `inferencecache_agent_kv_stream_lag_seconds` | stream | agent time − engine `ts` of the newest live batch applied |
@@ -21,18 +23,37 @@
 use ic_shared::kv::decode::DecodeError;
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
+use ic_shared::kv::coverage::{Coverage, CoverageState, REASONS as COVERAGE_REASONS};
+
 use super::stream::{
-    CLEAR_ALL_BLOCKS, CLEAR_ENGINE_RESTARTED, CLEAR_SEQUENCE_GAP, DROP_REASONS, IGNORE_REASONS,
+    CLEAR_ALL_BLOCKS, CLEAR_ENGINE_RESTARTED, CLEAR_RANK_MISMATCH, CLEAR_REPLAY_TRUNCATED,
+    CLEAR_SEQUENCE_GAP, DROP_REASONS, IGNORE_REASONS,
 };
 
 /// Batch-level drop reasons of the subscriber itself (besides the decoder's and the state
 /// machine's).
-pub const SUBSCRIBER_DROP_REASONS: &[&str] = &["queue_full", "bad_frames", "bad_seq"];
+pub const SUBSCRIBER_DROP_REASONS: &[&str] = &["queue_full", "bad_frames", "bad_seq", "forged_seq"];
 
 const EVENT_TYPES: &[&str] = &["BlockStored", "BlockRemoved", "AllBlocksCleared"];
 const SOURCES: &[&str] = &["live", "replay"];
-const REPLAY_RESULTS: &[&str] = &["healed", "failed", "bootstrap"];
-const CLEAR_REASONS: &[&str] = &[CLEAR_ALL_BLOCKS, CLEAR_ENGINE_RESTARTED, CLEAR_SEQUENCE_GAP];
+/// `result` label values of `replays_total`.
+pub const REPLAY_RESULTS: &[&str] = &[
+    "healed",
+    "failed",
+    "bootstrap",
+    "bootstrap_incomplete",
+    "truncated",
+    "verified",
+    "restart_detected",
+    "forged",
+];
+const CLEAR_REASONS: &[&str] = &[
+    CLEAR_ALL_BLOCKS,
+    CLEAR_ENGINE_RESTARTED,
+    CLEAR_SEQUENCE_GAP,
+    CLEAR_REPLAY_TRUNCATED,
+    CLEAR_RANK_MISMATCH,
+];
 
 /// The metric families, registered once per hub.
 #[derive(Clone)]
@@ -48,6 +69,8 @@ pub struct KvMetrics {
     pub(crate) blocks: IntGaugeVec,
     pub(crate) connected: IntGaugeVec,
     pub(crate) lag: GaugeVec,
+    pub(crate) coverage: IntGaugeVec,
+    pub(crate) coverage_transitions: IntCounterVec,
 }
 
 fn counter(
@@ -148,7 +171,38 @@ impl KvMetrics {
                 reg.register(Box::new(g.clone()))?;
                 g
             },
+            coverage: gauge(
+                reg,
+                &format!("{P}coverage"),
+                "1 for the stream's current coverage state and reason (Exact: every engine block indexed).",
+                &["stream", "state", "reason"],
+            )?,
+            coverage_transitions: counter(
+                reg,
+                &format!("{P}coverage_transitions_total"),
+                "Transitions of a stream's coverage into each state.",
+                &["stream", "state"],
+            )?,
         })
+    }
+
+    /// Moves the stream's coverage series from `old` to `new` (the gauge keeps exactly one
+    /// series per stream at 1).
+    pub(crate) fn set_coverage(&self, stream: &str, old: Option<Coverage>, new: Coverage) {
+        if let Some(o) = old {
+            if o == new {
+                return;
+            }
+            let _ = self
+                .coverage
+                .remove_label_values(&[stream, o.state.as_str(), o.reason_str()]);
+        }
+        self.coverage
+            .with_label_values(&[stream, new.state.as_str(), new.reason_str()])
+            .set(1);
+        self.coverage_transitions
+            .with_label_values(&[stream, new.state.as_str()])
+            .inc();
     }
 
     /// Deletes every series of `stream` (after the plan dropped it).
@@ -181,6 +235,14 @@ impl KvMetrics {
         }
         for r in CLEAR_REASONS {
             let _ = self.resyncs.remove_label_values(&[stream, r]);
+        }
+        for st in CoverageState::ALL {
+            let _ = self
+                .coverage_transitions
+                .remove_label_values(&[stream, st.as_str()]);
+            for r in COVERAGE_REASONS.iter().chain(std::iter::once(&"")) {
+                let _ = self.coverage.remove_label_values(&[stream, st.as_str(), r]);
+            }
         }
     }
 }

@@ -12,14 +12,14 @@
 //! subscribed to yet), then sends the `live[]` frames of one `source` (`[topic, seq, payload]`,
 //! unchanged) every [`PublishOptions::interval`], `repeat` times (each pass restarts at the
 //! recorded seqs, which a subscriber sees as an engine restart). With a replay endpoint it also
-//! binds a ROUTER that answers `["", start_seq]` requests like the engine: every recorded batch
-//! of the source with seq ≥ start, as `["", seq, payload]` or — when the fixture's engine sends
+//! binds a ROUTER that answers `["", start_seq]` requests like the engine: every batch of the
+//! current pass published (or withheld by `--skip-seq`) so far with seq ≥ start, as `["", seq, payload]` or — when the fixture's engine sends
 //! the topic in replies (vLLM ≥ 0.26) — `["", topic, seq, payload]`, then the end marker (seq of
 //! all `0xFF` bytes, empty payload).
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -184,8 +184,13 @@ pub struct PublishOptions {
     /// How long to keep the sockets (and the replay service) up after the last frame
     /// (default 1 s).
     pub linger: Duration,
-    /// Recorded seqs not sent live (the replay socket still serves them): simulates message loss.
+    /// Recorded seqs not sent live (the replay socket still serves them): simulates message loss
+    /// — a subscriber that checks its tail by replay finds them.
     pub skip_seqs: BTreeSet<u64>,
+    /// The recording ends after this seq: later frames are neither published nor replayable
+    /// (an engine that has not got there). The recorded scenarios end with AllBlocksCleared
+    /// (seq 9): `Some(8)` keeps their state.
+    pub until_seq: Option<u64>,
 }
 
 impl Default for PublishOptions {
@@ -197,6 +202,7 @@ impl Default for PublishOptions {
             connect_wait: Duration::from_millis(500),
             linger: Duration::from_secs(1),
             skip_seqs: BTreeSet::new(),
+            until_seq: None,
         }
     }
 }
@@ -235,7 +241,10 @@ pub async fn publish_fixture(
     opts: &PublishOptions,
 ) -> Result<PublishReport, PublishError> {
     let fixture = Fixture::load(path)?;
-    let frames = fixture.frames(&opts.source);
+    let mut frames = fixture.frames(&opts.source);
+    if let Some(last) = opts.until_seq {
+        frames.retain(|f| f.seq <= last);
+    }
     if frames.is_empty() {
         return Err(PublishError::NoFrames(opts.source.clone()));
     }
@@ -249,6 +258,9 @@ pub async fn publish_fixture(
         })?;
     let requests = Arc::new(AtomicU64::new(0));
     let replayed = Arc::new(AtomicU64::new(0));
+    // How many frames of the current pass were published (or withheld): the replay buffer holds
+    // only those, as the engine's does; a new pass (an engine restart) starts it over.
+    let progress = Arc::new(AtomicUsize::new(0));
     let server = match replay_endpoint {
         Some(ep) => {
             let mut router = RouterSocket::new();
@@ -262,6 +274,7 @@ pub async fn publish_fixture(
             Some(AbortOnDrop(tokio::spawn(serve_replay(
                 router,
                 frames.clone(),
+                progress.clone(),
                 fixture.replay_with_topic,
                 requests.clone(),
                 replayed.clone(),
@@ -278,14 +291,17 @@ pub async fn publish_fixture(
         }
         pass = pass.saturating_add(1);
         let mut failed = None;
-        for f in &frames {
+        progress.store(0, Ordering::Relaxed);
+        for (i, f) in frames.iter().enumerate() {
             if opts.skip_seqs.contains(&f.seq) {
                 report.skipped += 1;
+                progress.store(i + 1, Ordering::Relaxed);
                 continue;
             }
             let mut msg = ZmqMessage::from(f.topic.clone());
             msg.push_back(f.seq.to_be_bytes().to_vec().into());
             msg.push_back(f.payload.clone().into());
+            progress.store(i + 1, Ordering::Relaxed);
             if let Err(e) = publisher.send(msg).await {
                 failed = Some(PublishError::Send(e.to_string()));
                 break;
@@ -315,10 +331,12 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Answers replay requests `[identity, "", start_seq]` with the recorded frames.
+/// Answers replay requests `[identity, "", start_seq]` with the frames of the current pass
+/// published so far (`progress` of them) whose seq is at least the start.
 async fn serve_replay(
     mut router: RouterSocket,
     frames: Vec<LiveFrame>,
+    progress: Arc<AtomicUsize>,
     with_topic: bool,
     requests: Arc<AtomicU64>,
     replayed: Arc<AtomicU64>,
@@ -351,7 +369,8 @@ async fn serve_replay(
             m.push_back(payload.into());
             m
         };
-        for f in frames.iter().filter(|f| f.seq >= start) {
+        let sent = progress.load(Ordering::Relaxed).min(frames.len());
+        for f in frames[..sent].iter().filter(|f| f.seq >= start) {
             if router
                 .send(reply(f.seq, f.payload.clone(), &f.topic))
                 .await

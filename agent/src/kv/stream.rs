@@ -61,6 +61,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use ic_shared::kv::content_key::{block_key, ROOT};
+use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use ic_shared::proto::{kv_op, BlockEntry, ClearOp, KvOp, RemoveOp, StoreOp, Tier};
 
@@ -70,6 +71,24 @@ pub const CLEAR_ALL_BLOCKS: &str = "AllBlocksCleared";
 pub const CLEAR_ENGINE_RESTARTED: &str = "EngineRestarted";
 /// Clear reason for a sequence gap that replay could not heal.
 pub const CLEAR_SEQUENCE_GAP: &str = "SequenceGap";
+/// Clear reason when the engine reports another data-parallel rank than planned.
+pub const CLEAR_RANK_MISMATCH: &str = "RankMismatch";
+/// Clear reason when a replay came back with holes and the replica is rebuilt.
+pub const CLEAR_REPLAY_TRUNCATED: &str = "ReplayTruncated";
+
+/// What the subscriber knows of the publisher's socket, for [`StreamState::coverage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LinkState {
+    /// Connected (or not yet known to be otherwise).
+    #[default]
+    Up,
+    /// A replay is in flight.
+    Healing,
+    /// The SUB socket lost its publisher past the grace period.
+    Disconnected,
+    /// The engine process is known to be gone.
+    EngineDown,
+}
 
 /// KV-cache spec kinds whose groups keep the whole prefix and are indexed.
 pub const INDEXED_KINDS: &[&str] = &["full_attention", "mla_attention", "sink_full_attention"];
@@ -88,6 +107,9 @@ pub struct StreamConfig {
     pub max_tombstones: usize,
     /// Most content keys in pending ops before they are discarded in favour of a resync.
     pub max_pending_keys: usize,
+    /// The plan's data-parallel rank: a batch that reports another rank is not indexed
+    /// ([`coverage::RANK_MISMATCH`]). `None` accepts any rank.
+    pub dp_rank: Option<u32>,
 }
 
 impl Default for StreamConfig {
@@ -98,6 +120,7 @@ impl Default for StreamConfig {
             max_orphans: 65_536,
             max_tombstones: 65_536,
             max_pending_keys: 1_000_000,
+            dp_rank: None,
         }
     }
 }
@@ -158,9 +181,17 @@ pub struct ApplyReport {
 }
 
 /// Bounded labels [`ApplyReport::dropped`] can carry (besides the decoder's reasons).
-pub const DROP_REASONS: &[&str] = &["token_mismatch", "orphan_evicted", "pending_overflow"];
+pub const DROP_REASONS: &[&str] = &[
+    "token_mismatch",
+    "orphan_evicted",
+    "pending_overflow",
+    "hash_collision",
+    "rank_mismatch",
+    "seq_unverified",
+];
 /// Bounded labels [`ApplyReport::ignored`] can carry.
 pub const IGNORE_REASONS: &[&str] = &[
+    "replayed",
     "other_group",
     "partial_block",
     "unknown_hash",
@@ -202,8 +233,11 @@ struct Block {
     key: u64,
     /// `None` for a partial block (tracked, not indexed).
     entry: Option<EntryKey>,
-    gpu: bool,
-    offload: bool,
+    /// Physical copies on GPU: vLLM's pool can hold one hash in several blocks, and stores and
+    /// removes each, so a removal drops one copy, not the block.
+    gpu: u32,
+    /// Copies on an offload medium.
+    offload: u32,
 }
 
 /// A block whose parent's content key is not known yet.
@@ -214,8 +248,8 @@ struct Orphan {
     adapter: Arc<str>,
     block_size: u32,
     partial: bool,
-    gpu: bool,
-    offload: bool,
+    gpu: u32,
+    offload: u32,
 }
 
 type BlockId = (u32, u64);
@@ -308,6 +342,19 @@ pub struct StreamState {
     stale: Option<u64>,
     last_event_unix_ms: i64,
     observed_block_size: u32,
+    /// Why blocks of this incarnation are known to be missing (sticky until a clear or
+    /// restart makes the engine's state known again).
+    incomplete: Option<&'static str>,
+    rank_mismatch: bool,
+    collision: bool,
+    tail_unverified: bool,
+    suspect: bool,
+    link: LinkState,
+    /// Coverage carried by the last delta or snapshot taken.
+    reported: Coverage,
+    /// `(seq, xxh3 of the payload)` of the last batch applied: proves on a replay that the
+    /// engine is still the incarnation we followed.
+    last_digest: Option<(u64, u64)>,
 }
 
 impl StreamState {
@@ -330,7 +377,93 @@ impl StreamState {
             stale: None,
             last_event_unix_ms: 0,
             observed_block_size: 0,
+            incomplete: None,
+            rank_mismatch: false,
+            collision: false,
+            tail_unverified: false,
+            suspect: false,
+            link: LinkState::Up,
+            reported: Coverage::EXACT,
+            last_digest: None,
         }
+    }
+
+    /// The stream's coverage now, by precedence: EngineDown, Disconnected, Healing, then Partial
+    /// (RankMismatch, the incomplete-history reason, HashCollision, SequenceUnverified,
+    /// TailUnverified, ParentUnknown while blocks are parked), else Exact.
+    pub fn coverage(&self) -> Coverage {
+        match self.link {
+            LinkState::EngineDown => {
+                return Coverage::new(CoverageState::EngineDown, coverage::PUBLISHER_DISCONNECTED)
+            }
+            LinkState::Disconnected => {
+                return Coverage::new(
+                    CoverageState::Disconnected,
+                    coverage::PUBLISHER_DISCONNECTED,
+                )
+            }
+            LinkState::Healing => {
+                return Coverage::new(CoverageState::Healing, coverage::REPLAYING)
+            }
+            LinkState::Up => {}
+        }
+        let partial = |r| Coverage::new(CoverageState::Partial, r);
+        if self.rank_mismatch {
+            partial(coverage::RANK_MISMATCH)
+        } else if let Some(r) = self.incomplete {
+            partial(r)
+        } else if self.collision {
+            partial(coverage::HASH_COLLISION)
+        } else if self.suspect {
+            partial(coverage::SEQUENCE_UNVERIFIED)
+        } else if self.tail_unverified {
+            partial(coverage::TAIL_UNVERIFIED)
+        } else if !self.orphans.is_empty() {
+            partial(coverage::PARENT_UNKNOWN)
+        } else {
+            Coverage::EXACT
+        }
+    }
+
+    /// The coverage carried by the last delta or snapshot taken.
+    pub fn reported_coverage(&self) -> Coverage {
+        self.reported
+    }
+
+    /// Sets what the subscriber knows of the publisher's socket.
+    pub fn set_link(&mut self, link: LinkState) {
+        self.link = link;
+    }
+
+    /// The subscriber's socket state last set.
+    pub fn link(&self) -> LinkState {
+        self.link
+    }
+
+    /// Records that blocks of this incarnation are missing for `reason` (one of the coverage
+    /// reasons; `None` when the engine's state is known again); kept until a clear or restart.
+    pub fn set_incomplete(&mut self, reason: Option<&'static str>) {
+        self.incomplete = reason;
+    }
+
+    /// Messages may have been lost after the last one received and no replay could check.
+    pub fn set_tail_unverified(&mut self, on: bool) {
+        self.tail_unverified = on;
+    }
+
+    /// A frame with an implausible sequence number is held back, unverified.
+    pub fn set_suspect(&mut self, on: bool) {
+        self.suspect = on;
+    }
+
+    /// Records the payload digest of batch `seq` (just applied or noted undecodable).
+    pub fn record_digest(&mut self, seq: u64, digest: u64) {
+        self.last_digest = Some((seq, digest));
+    }
+
+    /// `(seq, digest)` of the last batch applied in this incarnation.
+    pub fn last_digest(&self) -> Option<(u64, u64)> {
+        self.last_digest
     }
 
     /// Classifies a live message's engine sequence number (does not change state).
@@ -380,7 +513,7 @@ impl StreamState {
 
     /// True when ops are waiting to be taken.
     pub fn has_pending(&self) -> bool {
-        !self.pending.ops.is_empty() || self.pending.overflowed
+        !self.pending.ops.is_empty() || self.pending.overflowed || self.coverage() != self.reported
     }
 
     /// Continues the delta numbering of a replaced stream of the same id whose last delta seq was
@@ -408,6 +541,11 @@ impl StreamState {
         self.waiting.clear();
         self.orphan_order.clear();
         self.pending.clear(reason);
+        // The engine's state is known again (empty, or rebuilt by the caller, who marks what it
+        // cannot know).
+        self.incomplete = None;
+        self.collision = false;
+        self.tail_unverified = false;
     }
 
     /// The engine restarted with an empty cache: clear (`EngineRestarted`) and forget the
@@ -416,6 +554,9 @@ impl StreamState {
         self.clear(CLEAR_ENGINE_RESTARTED);
         self.last_seq = None;
         self.stale = None;
+        self.last_digest = None;
+        self.rank_mismatch = false;
+        self.suspect = false;
     }
 
     /// A gap could not be healed: clear (`SequenceGap`) and stay stale until a live batch newer
@@ -423,6 +564,7 @@ impl StreamState {
     pub fn mark_gap(&mut self, seq: u64) {
         self.clear(CLEAR_SEQUENCE_GAP);
         self.stale = Some(seq);
+        self.incomplete = Some(coverage::SEQUENCE_GAP);
     }
 
     /// Applies batch `seq`. `now_unix_ms` stands in for a missing or absurd engine timestamp.
@@ -434,6 +576,17 @@ impl StreamState {
         } else {
             now_unix_ms
         };
+        if let (Some(got), Some(planned)) = (batch.data_parallel_rank, self.cfg.dp_rank) {
+            if got != planned {
+                // Never index a stream under a rank it does not report.
+                if !self.rank_mismatch {
+                    self.clear(CLEAR_RANK_MISMATCH);
+                    self.rank_mismatch = true;
+                }
+                report.dropped.add("rank_mismatch", 1);
+                return report;
+            }
+        }
         for s in &batch.skipped {
             report.dropped.add(s.error.reason(), 1);
         }
@@ -473,6 +626,7 @@ impl StreamState {
         self.delta_seq += 1;
         let ops = std::mem::take(&mut self.pending.ops);
         self.pending = OpBuffer::default();
+        self.reported = self.coverage();
         Some((self.delta_seq, ops, self.last_event_unix_ms))
     }
 
@@ -480,6 +634,7 @@ impl StreamState {
     /// them); deltas taken afterwards continue at seq + 1. A stale stream has no entries.
     pub fn snapshot(&mut self) -> (u64, Vec<BlockEntry>, bool) {
         self.pending = OpBuffer::default();
+        self.reported = self.coverage();
         let entries = if self.stale.is_some() {
             Vec::new()
         } else {
@@ -556,9 +711,9 @@ impl StreamState {
                         found = true;
                         self.update_media(id, report, |gpu, off| {
                             if gpu_medium {
-                                *gpu = true;
+                                *gpu += 1;
                             } else {
-                                *off = true;
+                                *off += 1;
                             }
                         });
                     }
@@ -600,7 +755,7 @@ impl StreamState {
                 }
             }
         };
-        let (gpu, offload) = (gpu_medium, !gpu_medium);
+        let (gpu, offload) = (u32::from(gpu_medium), u32::from(!gpu_medium));
         for (h, toks) in s.block_hashes.iter().zip(slices) {
             let id = (g, *h);
             let partial = toks.len() < bs as usize || bs < self.cfg.block_size;
@@ -626,8 +781,8 @@ impl StreamState {
                         // Known already (e.g. a duplicate store): its key anchors the rest.
                         let key = b.key;
                         self.update_media(id, report, |g_, o_| {
-                            *g_ |= gpu;
-                            *o_ |= offload;
+                            *g_ += gpu;
+                            *o_ += offload;
                         });
                         parent = ParentRef::Known(key);
                     } else {
@@ -660,14 +815,17 @@ impl StreamState {
                 let id = (g, *h);
                 if self.blocks.contains_key(&id) || self.orphans.contains_key(&id) {
                     found = true;
+                    // One physical copy goes per removal (the engine's pool counts copies).
                     self.update_media(id, report, |gpu, off| {
                         if gpu_medium {
-                            *gpu = false;
-                            if keeps_l2 {
-                                *off = true;
+                            if *gpu > 0 {
+                                *gpu -= 1;
+                                if *gpu == 0 && keeps_l2 {
+                                    *off = (*off).max(1);
+                                }
                             }
                         } else {
-                            *off = false;
+                            *off = off.saturating_sub(1);
                         }
                     });
                 }
@@ -678,21 +836,30 @@ impl StreamState {
         }
     }
 
-    /// Inserts or replaces a keyed block, moving its holder counts.
+    /// Inserts or replaces a keyed block, moving its holder counts. A store of a hash already
+    /// held with the same content adds its copies (a second physical block); one with another
+    /// content (an engine that hashes pages by content alone) replaces the old entry and marks
+    /// the stream Partial ([`coverage::HASH_COLLISION`]): which copy a later removal means is
+    /// unknowable, so the older entry is dropped rather than guessed.
     fn store_block(
         &mut self,
         id: BlockId,
         key: u64,
         entry: Option<EntryKey>,
-        gpu: bool,
-        offload: bool,
+        gpu: u32,
+        offload: u32,
         report: &mut ApplyReport,
     ) {
         self.drop_orphan(id);
         let (gpu, offload) = match self.blocks.get(&id) {
-            // A duplicate store of the same content adds a medium; it never takes one away.
-            Some(old) if old.key == key && old.entry == entry => {
-                (old.gpu || gpu, old.offload || offload)
+            Some(old) if old.key == key && old.entry == entry => (
+                old.gpu.saturating_add(gpu),
+                old.offload.saturating_add(offload),
+            ),
+            Some(old) if old.key != key => {
+                self.collision = true;
+                report.dropped.add("hash_collision", 1);
+                (gpu, offload)
             }
             _ => (gpu, offload),
         };
@@ -700,14 +867,14 @@ impl StreamState {
         match (old.as_ref().and_then(|o| o.entry.clone()), &entry) {
             (Some(oe), Some(ne)) if oe == *ne => {
                 let (og, oo) = old.as_ref().map(|o| (o.gpu, o.offload)).unwrap_or_default();
-                self.adjust(ne, flag(gpu) - flag(og), flag(offload) - flag(oo), report);
+                self.adjust(ne, has(gpu) - has(og), has(offload) - has(oo), report);
             }
             (oe, ne) => {
                 if let (Some(oe), Some(o)) = (oe, old.as_ref()) {
-                    self.adjust(&oe, -flag(o.gpu), -flag(o.offload), report);
+                    self.adjust(&oe, -has(o.gpu), -has(o.offload), report);
                 }
                 if let Some(ne) = ne {
-                    self.adjust(ne, flag(gpu), flag(offload), report);
+                    self.adjust(ne, has(gpu), has(offload), report);
                 }
             }
         }
@@ -727,11 +894,11 @@ impl StreamState {
         &mut self,
         id: BlockId,
         report: &mut ApplyReport,
-        f: impl FnOnce(&mut bool, &mut bool),
+        f: impl FnOnce(&mut u32, &mut u32),
     ) {
         if let Some(o) = self.orphans.get_mut(&id) {
             f(&mut o.gpu, &mut o.offload);
-            if !o.gpu && !o.offload {
+            if o.gpu == 0 && o.offload == 0 {
                 self.drop_orphan(id);
             }
             return;
@@ -748,14 +915,9 @@ impl StreamState {
         let entry = b.entry.clone();
         let key = b.key;
         if let Some(e) = &entry {
-            self.adjust(
-                e,
-                flag(gpu) - flag(old_gpu),
-                flag(off) - flag(old_off),
-                report,
-            );
+            self.adjust(e, has(gpu) - has(old_gpu), has(off) - has(old_off), report);
         }
-        if gpu || off {
+        if gpu > 0 || off > 0 {
             if let Some(b) = self.blocks.get_mut(&id) {
                 b.gpu = gpu;
                 b.offload = off;
@@ -884,8 +1046,9 @@ impl StreamState {
     }
 }
 
-fn flag(b: bool) -> i32 {
-    i32::from(b)
+/// 1 when at least one copy is held.
+fn has(copies: u32) -> i32 {
+    i32::from(copies > 0)
 }
 
 /// Medium `None` or `GPU…` (any case) is the engine's HBM.
@@ -1106,7 +1269,13 @@ mod tests {
         let r = st.apply(5, &batch(vec![stored(&[12, 13], Some(11), 32..64)]), 0);
         assert_eq!(r.ignored.get("unknown_parent"), 1);
         st.apply(6, &batch(vec![stored(&[14], Some(13), 64..80)]), 0);
-        assert!(st.take_delta().is_none(), "no guessed keys");
+        // No guessed keys: the delta carries only the coverage change.
+        let (_, ops, _) = st.take_delta().unwrap();
+        assert!(ops.is_empty(), "no guessed keys");
+        assert_eq!(
+            st.reported_coverage(),
+            Coverage::new(CoverageState::Partial, coverage::PARENT_UNKNOWN)
+        );
         assert_eq!(st.orphans(), 3);
         st.apply(7, &batch(vec![stored(&[10, 11], None, 0..32)]), 0);
         let keys: Vec<u64> = flat(&st.take_delta().unwrap().1)
@@ -1116,6 +1285,127 @@ mod tests {
         let full = chain(&tokens(0..80), 16);
         assert_eq!(keys, vec![a[0], a[1], a[2], a[3], full[4]]);
         assert_eq!(st.orphans(), 0);
+        assert_eq!(st.reported_coverage(), Coverage::EXACT);
+    }
+
+    #[test]
+    fn a_block_stored_twice_is_removed_when_removed_twice() {
+        // vLLM's BlockPool holds one hash in two physical blocks for a repeated, block-aligned
+        // prompt: two BlockStored, later one BlockRemoved per physical block.
+        let k = chain(&tokens(0..32), 16);
+        let mut st = StreamState::new(StreamConfig::default());
+        st.apply(0, &batch(vec![stored(&[1, 2], None, 0..32)]), 0);
+        st.apply(1, &batch(vec![stored(&[1, 2], None, 0..32)]), 0);
+        st.take_delta();
+        st.apply(2, &batch(vec![removed(&[2], None)]), 0);
+        assert!(st.take_delta().is_none(), "one copy of block 2 is still cached");
+        assert_eq!(st.blocks_held(), 2);
+        st.apply(3, &batch(vec![removed(&[2], None)]), 0);
+        assert_eq!(flat(&st.take_delta().unwrap().1), vec![("remove", 0, k[1])]);
+        // With an L2 the last GPU copy demotes the entry to T2; its offload copy goes with
+        // a removal from CPU.
+        let mut st = StreamState::new(StreamConfig {
+            keeps_l2: true,
+            ..StreamConfig::default()
+        });
+        st.apply(0, &batch(vec![stored(&[1], None, 0..16)]), 0);
+        st.apply(1, &batch(vec![stored(&[1], None, 0..16)]), 0);
+        st.apply(2, &batch(vec![removed(&[1], Some("GPU"))]), 0);
+        st.apply(3, &batch(vec![removed(&[1], Some("GPU"))]), 0);
+        st.apply(4, &batch(vec![removed(&[1], Some("CPU"))]), 0);
+        assert_eq!(
+            flat(&st.take_delta().unwrap().1),
+            vec![("store", T1, k[0]), ("store", T2, k[0]), ("remove", 0, k[0])]
+        );
+    }
+
+    #[test]
+    fn a_stream_reporting_another_rank_is_never_indexed_under_the_planned_one() {
+        let mut st = StreamState::new(StreamConfig {
+            dp_rank: Some(1),
+            ..StreamConfig::default()
+        });
+        let mut b = batch(vec![stored(&[1], None, 0..16)]);
+        b.data_parallel_rank = Some(1);
+        st.apply(0, &b, 0);
+        assert_eq!(st.blocks_held(), 1);
+        let mut wrong = batch(vec![stored(&[2], Some(1), 16..32)]);
+        wrong.data_parallel_rank = Some(0);
+        let r = st.apply(1, &wrong, 0);
+        assert_eq!(r.dropped.get("rank_mismatch"), 1);
+        assert_eq!(st.blocks_held(), 0, "cleared, nothing indexed");
+        let (_, ops, _) = st.take_delta().unwrap();
+        assert_eq!(clear_reason(&ops).as_deref(), Some(CLEAR_RANK_MISMATCH));
+        assert_eq!(
+            st.reported_coverage(),
+            Coverage::new(CoverageState::Partial, coverage::RANK_MISMATCH)
+        );
+        // A restarted engine is judged afresh.
+        st.restart();
+        assert_eq!(st.coverage(), Coverage::EXACT);
+    }
+
+    #[test]
+    fn one_hash_with_two_contents_drops_the_older_entry_and_says_so() {
+        // Content-hashed pages (no parent chaining): the same engine hash for the same tokens
+        // under two different parents.
+        let mut st = StreamState::new(StreamConfig::default());
+        st.apply(
+            0,
+            &batch(vec![
+                stored(&[1], None, 0..16),
+                stored(&[2], None, 100..116),
+                stored(&[7], Some(1), 16..32),
+                stored(&[7], Some(2), 16..32),
+            ]),
+            0,
+        );
+        let other = chain(&[tokens(100..116), tokens(16..32)].concat(), 16)[1];
+        let (_, entries, _) = st.snapshot();
+        let keys: Vec<u64> = entries.iter().map(|e| e.content_key).collect();
+        assert!(keys.contains(&other));
+        assert!(!keys.contains(&chain(&tokens(0..32), 16)[1]));
+        assert_eq!(
+            st.reported_coverage(),
+            Coverage::new(CoverageState::Partial, coverage::HASH_COLLISION)
+        );
+        // AllBlocksCleared makes the state known again.
+        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), 0);
+        assert_eq!(st.coverage(), Coverage::EXACT);
+    }
+
+    #[test]
+    fn coverage_precedence_and_coverage_only_deltas() {
+        let mut st = StreamState::new(StreamConfig::default());
+        st.apply(0, &batch(vec![stored(&[1], None, 0..16)]), 0);
+        st.take_delta();
+        st.set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+        st.set_tail_unverified(true);
+        assert!(st.has_pending(), "a coverage change alone is sent");
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Partial, coverage::BOOTSTRAP_INCOMPLETE)
+        );
+        st.set_link(LinkState::Healing);
+        assert_eq!(st.coverage().state, CoverageState::Healing);
+        st.set_link(LinkState::Disconnected);
+        assert_eq!(st.coverage().state, CoverageState::Disconnected);
+        st.set_link(LinkState::Up);
+        let (_, ops, _) = st.take_delta().unwrap();
+        assert!(ops.is_empty());
+        assert!(!st.has_pending());
+        // A clear by the engine (AllBlocksCleared) leaves nothing unknown; the tail flag too.
+        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), 0);
+        assert_eq!(st.coverage(), Coverage::EXACT);
+        // An unhealed gap is Partial/SequenceGap until the engine's state is known again.
+        st.mark_gap(9);
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Partial, coverage::SEQUENCE_GAP)
+        );
+        st.apply(10, &batch(vec![]), 0);
+        assert!(!st.is_stale());
+        assert_eq!(st.coverage().state, CoverageState::Partial);
     }
 
     #[test]

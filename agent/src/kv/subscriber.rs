@@ -1,40 +1,68 @@
 //! One engine publisher's subscriber: a ZMQ SUB socket, a bounded queue, and a processor that
-//! checks sequence numbers, heals gaps by replay and feeds [`StreamState`].
+//! checks sequence numbers, verifies and heals by replay, and feeds [`StreamState`].
 //!
 //! Two tasks per stream:
 //!
 //! - the **reader** owns the SUB socket (subscribed to the topic prefix before it connects, and
 //!   polled from the moment it exists, so the subscription always reaches the publisher). It
 //!   connects with exponential backoff ([`SubscriberOptions::reconnect_initial`] doubling up to
-//!   [`SubscriberOptions::reconnect_max`]); once connected, the socket itself reconnects after a
-//!   publisher restart and re-sends the subscription. Each message goes into a bounded queue
-//!   ([`SubscriberOptions::queue_capacity`]); when it is full the message is dropped and counted
-//!   (`queue_full`) — the processor then sees a sequence gap and replays it.
-//! - the **processor** takes messages `[topic, seq (8 bytes big-endian), payload]` and applies
-//!   them in order: a gap is replayed from the replay endpoint (DEALER sends `["", start]`, replies
-//!   `["", seq, payload]` or `["", topic, seq, payload]` up to an end marker of seq `u64::MAX`);
-//!   the replay must cover every missing seq, else the replica is cleared (`SequenceGap`) and
-//!   marked stale. A sequence at or below the last one clears it (`EngineRestarted`). The first
-//!   message of an engine incarnation with seq > 0 triggers a *bootstrap* replay from 0 when a
-//!   replay endpoint exists, so a subscriber that starts after the engine learns the blocks
-//!   stored before it (the publisher sends nothing at start, only replay can tell).
+//!   [`SubscriberOptions::reconnect_max`], 1 s by default, so a restarted local engine is
+//!   re-attached within about a second). When the publisher goes away it drops the socket and
+//!   connects a fresh one the same way (the ZMQ library's own reconnect backs off to 30 s).
+//!   Every connection has an *epoch*; each message goes into a bounded queue
+//!   ([`SubscriberOptions::queue_capacity`]) tagged with it. When the queue is full the message
+//!   is dropped and counted (`queue_full`) — the processor then sees a gap, or checks the tail.
+//! - the **processor** applies messages `[topic, seq (8 bytes big-endian), payload]` in order.
+//!   Every replay (DEALER sends `["", start]`, replies `["", seq, payload]` or
+//!   `["", topic, seq, payload]` up to an end marker of seq `u64::MAX`) is *anchored*: it starts
+//!   at the last applied seq `L`, and the engine's batch `L` must be byte-identical (xxh3 of the
+//!   payload) to the one applied — proof that the engine is still the incarnation we followed,
+//!   whatever its sequence numbers say. Then:
+//!   - **gap** (`seq > L + 1`): the anchored replay fills `L+1..seq`. Holes (vLLM < 0.33 under
+//!     load) rebuild the replica from seq 0 (exact while the engine's buffer still holds it,
+//!     else Partial `ReplayTruncated`); a replay that ends before `seq` asks the engine for `seq`
+//!     itself, and a frame the engine never sent is dropped (`forged_seq`) instead of clearing
+//!     anything. Another incarnation clears (`EngineRestarted`) and bootstraps.
+//!   - **seq at or below `L`**: a batch already applied from a replay is skipped; otherwise the
+//!     anchor decides (same incarnation: the frame is dropped as forged; another: restart).
+//!   - **first message** of an incarnation with seq > 0: *bootstrap* replay from 0; if the
+//!     engine's buffer no longer holds seq 0 (or there is no replay endpoint) the replica is
+//!     Partial `BootstrapIncomplete` until the engine's state is known again.
+//!   - **reconnect** (a new epoch), **idle** ([`SubscriberOptions::idle_verify_after`] after the
+//!     last live message, then every [`SubscriberOptions::idle_verify_interval`]): an anchored
+//!     replay from `L` applies a lost tail and detects an engine that restarted while we were
+//!     away — so a burst that overflowed the publisher's high-water mark heals as soon as the
+//!     engine goes idle.
+//!   - **without a replay endpoint** an unhealed gap clears the replica (`SequenceGap`, stale
+//!     until a newer batch), except a jump beyond [`SubscriberOptions::suspicious_seq_jump`]:
+//!     that frame is held back (Partial `SequenceUnverified`) until the next frame shows whether
+//!     the engine's sequence really moved there.
+//! - a publisher socket gone for [`SubscriberOptions::disconnect_grace`] makes the stream
+//!   Disconnected (no PREFIX_MATCH) until it is back and verified.
+//!
+//! Every coverage transition is counted, exported as a gauge and logged: WARN out of Exact, INFO
+//! back to it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
+use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::proto::StreamDescriptor;
 use thiserror::Error;
 use tokio::sync::{mpsc, Notify};
+use xxhash_rust::xxh3::xxh3_64;
 use zeromq::{
     DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
 };
 
 use super::metrics::KvMetrics;
 use super::stream::{
-    ApplyReport, SeqCheck, StreamConfig, StreamState, CLEAR_ENGINE_RESTARTED, CLEAR_SEQUENCE_GAP,
+    ApplyReport, LinkState, SeqCheck, StreamConfig, StreamState, CLEAR_ENGINE_RESTARTED,
+    CLEAR_REPLAY_TRUNCATED, CLEAR_SEQUENCE_GAP,
 };
 
 /// Everything that identifies one planned stream; a change of any field restarts it.
@@ -59,9 +87,9 @@ pub struct SubscriberOptions {
     pub queue_capacity: usize,
     /// Limit of one connect attempt (default 5 s).
     pub connect_timeout: Duration,
-    /// First reconnect delay after a failed connect (default 200 ms), doubled per failure.
+    /// First reconnect delay after a failed connect (default 100 ms), doubled per failure.
     pub reconnect_initial: Duration,
-    /// Largest reconnect delay (default 5 s).
+    /// Largest reconnect delay (default 1 s).
     pub reconnect_max: Duration,
     /// Longest wait for each replay reply, and for the replay connect (default 3 s).
     pub replay_timeout: Duration,
@@ -70,6 +98,17 @@ pub struct SubscriberOptions {
     /// Replay from seq 0 when the first message of an engine incarnation has seq > 0 (default
     /// true).
     pub bootstrap_replay: bool,
+    /// Quiet time after the last live message before the tail is checked by replay (default
+    /// 300 ms).
+    pub idle_verify_after: Duration,
+    /// How often an idle stream is checked again (default 5 s).
+    pub idle_verify_interval: Duration,
+    /// How long a lost publisher socket is tolerated before the stream reads Disconnected and
+    /// stops being routed (default 1 s).
+    pub disconnect_grace: Duration,
+    /// Without a replay endpoint, a forward jump larger than this is held back as suspicious
+    /// instead of clearing the replica (default 1 000 000 batches, 100× the engine's buffer).
+    pub suspicious_seq_jump: u64,
 }
 
 impl Default for SubscriberOptions {
@@ -77,11 +116,15 @@ impl Default for SubscriberOptions {
         Self {
             queue_capacity: 8192,
             connect_timeout: Duration::from_secs(5),
-            reconnect_initial: Duration::from_millis(200),
-            reconnect_max: Duration::from_secs(5),
+            reconnect_initial: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(3),
             replay_max_batches: 20_000,
             bootstrap_replay: true,
+            idle_verify_after: Duration::from_millis(300),
+            idle_verify_interval: Duration::from_secs(5),
+            disconnect_grace: Duration::from_secs(1),
+            suspicious_seq_jump: 1_000_000,
         }
     }
 }
@@ -115,11 +158,19 @@ pub(crate) struct StreamShared {
     pub spec: StreamSpec,
     pub inner: Mutex<StreamInner>,
     pub connected: AtomicBool,
+    /// Connection epoch: +1 each time the reader connects a SUB socket.
+    epoch: AtomicU64,
+    /// Unix ms the publisher socket was lost (0 while connected or never connected).
+    disconnected_at_ms: AtomicI64,
+    /// Wakes the processor when the connection changes.
+    link_changed: Notify,
 }
 
 impl StreamShared {
     pub fn new(spec: StreamSpec) -> Self {
-        let state = StreamState::new(spec.config.clone());
+        let mut state = StreamState::new(spec.config.clone());
+        // Nothing is known of the engine until the first connection.
+        state.set_link(LinkState::Disconnected);
         Self {
             spec,
             inner: Mutex::new(StreamInner {
@@ -127,6 +178,9 @@ impl StreamShared {
                 stats: StreamStats::default(),
             }),
             connected: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            disconnected_at_ms: AtomicI64::new(0),
+            link_changed: Notify::new(),
         }
     }
 
@@ -203,18 +257,14 @@ fn record_drop(shared: &StreamShared, sink: &Sink, reason: &'static str, n: u64)
     *g.stats.dropped_by_reason.entry(reason).or_default() += n;
 }
 
-async fn read_loop(
-    shared: Arc<StreamShared>,
-    sink: Sink,
-    opts: SubscriberOptions,
-    tx: mpsc::Sender<ZmqMessage>,
-) {
-    let id = shared.id().to_string();
+/// Connects a SUB socket (subscribed first) with capped exponential backoff.
+async fn connect_sub(
+    shared: &StreamShared,
+    opts: &SubscriberOptions,
+) -> (SubSocket, futures::channel::mpsc::Receiver<SocketEvent>) {
+    let id = shared.id();
     let mut backoff = opts.reconnect_initial;
-    set_connected(&shared, &sink, false);
-    // Connect with backoff; once connected, the socket reconnects by itself (re-sending the
-    // subscription) whenever the publisher goes away.
-    let (mut sock, mut monitor) = loop {
+    loop {
         let mut zopts = SocketOptions::default();
         zopts.connect_timeout(opts.connect_timeout);
         let mut sock = SubSocket::with_options(zopts);
@@ -228,35 +278,58 @@ async fn read_loop(
         )
         .await;
         let error = match attempt {
-            Ok(Ok(())) => break (sock, monitor),
+            Ok(Ok(())) => return (sock, monitor),
             Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
             Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
         };
         tracing::debug!(stream = %id, "kv events: {error}");
         shared.lock().stats.last_error = Some(error);
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(opts.reconnect_max);
-    };
-    tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, "kv events: connected");
-    set_connected(&shared, &sink, true);
-    {
+        backoff = (backoff * 2).min(opts.reconnect_max.max(opts.reconnect_initial));
+    }
+}
+
+async fn read_loop(
+    shared: Arc<StreamShared>,
+    sink: Sink,
+    opts: SubscriberOptions,
+    tx: mpsc::Sender<(u64, ZmqMessage)>,
+) {
+    let id = shared.id().to_string();
+    set_connected(&shared, &sink, false);
+    loop {
+        let (mut sock, mut monitor) = connect_sub(&shared, &opts).await;
+        let epoch = shared.epoch.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, epoch, "kv events: connected");
+        shared.disconnected_at_ms.store(0, Ordering::Relaxed);
+        set_connected(&shared, &sink, true);
+        shared.link_changed.notify_one();
         let mut monitor_open = true;
+        let forward = |m: ZmqMessage| -> bool {
+            sink.metrics
+                .received
+                .with_label_values(&[&id, "live"])
+                .inc();
+            {
+                let mut g = shared.lock();
+                g.stats.batches_received += 1;
+                g.stats.last_message_unix_ms = Some(now_unix_ms());
+            }
+            match tx.try_send((epoch, m)) {
+                Ok(()) => true,
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    record_drop(&shared, &sink, "queue_full", 1);
+                    true
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            }
+        };
         loop {
             tokio::select! {
                 msg = sock.recv() => match msg {
                     Ok(m) => {
-                        sink.metrics.received.with_label_values(&[&id, "live"]).inc();
-                        {
-                            let mut g = shared.lock();
-                            g.stats.batches_received += 1;
-                            g.stats.last_message_unix_ms = Some(now_unix_ms());
-                        }
-                        match tx.try_send(m) {
-                            Ok(()) => {}
-                            Err(mpsc::error::TrySendError::Full(_)) => {
-                                record_drop(&shared, &sink, "queue_full", 1);
-                            }
-                            Err(mpsc::error::TrySendError::Closed(_)) => return,
+                        if !forward(m) {
+                            return;
                         }
                     }
                     Err(e) => {
@@ -265,13 +338,26 @@ async fn read_loop(
                     }
                 },
                 ev = monitor.next(), if monitor_open => match ev {
-                    Some(SocketEvent::Disconnected(_)) => set_connected(&shared, &sink, false),
-                    Some(SocketEvent::Connected(_, _)) => set_connected(&shared, &sink, true),
+                    Some(SocketEvent::Disconnected(_)) => break,
                     Some(_) => {}
                     None => monitor_open = false,
                 },
             }
         }
+        // Take what the socket still holds, then connect afresh: our backoff, not the
+        // library's (which grows to 30 s).
+        while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(5), sock.recv()).await {
+            if !forward(m) {
+                return;
+            }
+        }
+        drop(sock);
+        shared
+            .disconnected_at_ms
+            .store(now_unix_ms().max(1), Ordering::Relaxed);
+        set_connected(&shared, &sink, false);
+        shared.link_changed.notify_one();
+        tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, "kv events: publisher gone; reconnecting");
     }
 }
 
@@ -285,181 +371,663 @@ fn split_live(msg: ZmqMessage) -> Result<(u64, Vec<u8>), &'static str> {
     Ok((u64::from_be_bytes(seq), frames[2].to_vec()))
 }
 
+/// What an anchored replay (from the last applied seq) showed.
+enum Anchored {
+    /// The engine's batch at our last seq is the one we applied; the replies after it follow.
+    Same(Vec<(u64, Vec<u8>)>),
+    /// The engine holds another batch at that seq, or nothing from it on: another incarnation.
+    Other,
+    /// The engine's buffer starts after our last seq: it cannot be told.
+    Unverifiable,
+}
+
+/// How a run of replies continues from `next`.
+#[derive(Debug, PartialEq, Eq)]
+enum Run {
+    /// Contiguous up to (excluding) the wanted end.
+    Complete,
+    /// Contiguous, but ended (end marker) before the wanted end.
+    EndedEarly,
+    /// A seq is missing inside the run.
+    Holes,
+}
+
+/// Classifies `replies` (seqs ascending) as a continuation from `next` up to `upto` (`None`: to
+/// the end of the engine's buffer).
+fn classify_run(next: u64, replies: &[(u64, Vec<u8>)], upto: Option<u64>) -> Run {
+    let mut expected = next;
+    for (s, _) in replies {
+        if upto.is_some_and(|u| *s >= u) {
+            break;
+        }
+        if *s != expected {
+            return Run::Holes;
+        }
+        expected += 1;
+    }
+    match upto {
+        Some(u) if expected < u => Run::EndedEarly,
+        _ => Run::Complete,
+    }
+}
+
+/// The longest contiguous suffix of `replies` that ends at `upto - 1` (or at the last reply
+/// when `upto` is `None`), and whether the replies had holes. Returns the index it starts at.
+fn tail_run(replies: &[(u64, Vec<u8>)], upto: Option<u64>) -> (Option<usize>, bool) {
+    let end = match upto {
+        Some(u) => replies.iter().take_while(|(s, _)| *s < u).count(),
+        None => replies.len(),
+    };
+    if end == 0 {
+        return (None, false);
+    }
+    let mut start = end - 1;
+    let mut holes = false;
+    for i in (1..end).rev() {
+        if replies[i].0 != replies[i - 1].0.wrapping_add(1) {
+            holes = true;
+            break;
+        }
+        start = i - 1;
+    }
+    if !holes {
+        start = 0;
+    }
+    let connects = match upto {
+        Some(u) => replies[end - 1].0.checked_add(1) == Some(u),
+        None => true,
+    };
+    (connects.then_some(start), holes)
+}
+
+/// The processor of one stream (see the module docs).
+struct Processor {
+    shared: Arc<StreamShared>,
+    sink: Sink,
+    opts: SubscriberOptions,
+    replay_ep: Option<String>,
+    /// The connection epoch whose attachment was handled.
+    handled_epoch: u64,
+    /// `seq → digest` of batches applied from a replay and not yet seen live, so their live
+    /// copies are skipped instead of read as an engine restart.
+    replayed: BTreeMap<u64, u64>,
+    last_live: Option<Instant>,
+    last_check: Option<Instant>,
+    /// An idle check ran since the last live message.
+    tail_checked: bool,
+    /// Queue-full drops counted when the last live message was applied.
+    drops_at_last_live: u64,
+    /// Without a replay endpoint: a held-back frame with an implausible seq.
+    suspect: Option<u64>,
+    coverage: Option<Coverage>,
+}
+
 async fn process_loop(
     shared: Arc<StreamShared>,
     sink: Sink,
     opts: SubscriberOptions,
-    mut rx: mpsc::Receiver<ZmqMessage>,
+    mut rx: mpsc::Receiver<(u64, ZmqMessage)>,
 ) {
-    let id = shared.id().to_string();
-    while let Some(msg) = rx.recv().await {
+    let mut p = Processor {
+        replay_ep: shared.spec.replay_endpoint.clone(),
+        shared,
+        sink,
+        opts,
+        handled_epoch: 0,
+        replayed: BTreeMap::new(),
+        last_live: None,
+        last_check: None,
+        tail_checked: false,
+        drops_at_last_live: 0,
+        suspect: None,
+        coverage: None,
+    };
+    p.observe();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some((epoch, msg)) => p.on_message(epoch, msg).await,
+                None => return,
+            },
+            _ = p.shared.link_changed.notified() => p.on_tick(rx.is_empty()).await,
+            _ = tick.tick() => p.on_tick(rx.is_empty()).await,
+        }
+        p.observe();
+    }
+}
+
+impl Processor {
+    fn id(&self) -> &str {
+        self.shared.id()
+    }
+
+    /// Publishes a coverage change: gauge, transition counter, log, and a wake-up for the link
+    /// (a coverage change is sent even without ops).
+    fn observe(&mut self) {
+        let (cov, blocks, orphans, err) = {
+            let g = self.shared.lock();
+            (
+                g.state.coverage(),
+                g.state.blocks_held(),
+                g.state.orphans(),
+                g.stats.last_error.clone(),
+            )
+        };
+        if self.coverage != Some(cov) {
+            let id = self.shared.id();
+            self.sink.metrics.set_coverage(id, self.coverage, cov);
+            let from = self.coverage.map(|c| c.to_string());
+            match (self.coverage, cov.state) {
+                (None, _) => tracing::debug!(stream = %id, coverage = %cov, "kv events: coverage"),
+                (Some(_), CoverageState::Exact) => {
+                    tracing::info!(stream = %id, coverage = %cov, from = ?from, blocks, "kv events: coverage back to Exact")
+                }
+                (Some(_), _) => {
+                    tracing::warn!(stream = %id, coverage = %cov, from = ?from, blocks, orphans, last_error = ?err, "kv events: stream not exact")
+                }
+            }
+            self.coverage = Some(cov);
+        }
+        if self.shared.lock().state.has_pending() {
+            self.sink.notify.notify_one();
+        }
+    }
+
+    /// A replay begins: Healing (a stream still Disconnected stays so until verified).
+    fn begin_healing(&mut self) {
+        {
+            let mut g = self.shared.lock();
+            if g.state.link() != LinkState::Disconnected {
+                g.state.set_link(LinkState::Healing);
+            }
+        }
+        self.observe();
+    }
+
+    /// A replay ended: Up again while the socket is connected.
+    fn end_healing(&self) {
+        let connected = self.shared.connected.load(Ordering::Relaxed);
+        let mut g = self.shared.lock();
+        match g.state.link() {
+            LinkState::Healing => g.state.set_link(LinkState::Up),
+            LinkState::Disconnected if connected => g.state.set_link(LinkState::Up),
+            _ => {}
+        }
+    }
+
+    fn count_replay(&self, result: &'static str) {
+        self.sink
+            .metrics
+            .replays
+            .with_label_values(&[self.id(), result])
+            .inc();
+        let mut g = self.shared.lock();
+        if result == "failed" {
+            g.stats.replays_failed += 1;
+        } else {
+            g.stats.replays += 1;
+        }
+    }
+
+    fn count_clear(&self, reason: &'static str) {
+        self.sink
+            .metrics
+            .resyncs
+            .with_label_values(&[self.id(), reason])
+            .inc();
+        self.shared.lock().stats.resyncs += 1;
+    }
+
+    fn set_error(&self, e: String) {
+        self.shared.lock().stats.last_error = Some(e);
+    }
+
+    /// Decodes and applies one batch; replayed batches are remembered so their live copies are
+    /// skipped.
+    fn apply(&mut self, seq: u64, payload: &[u8], live: bool) {
+        let digest = xxh3_64(payload);
+        if live {
+            self.replayed = self.replayed.split_off(&seq.saturating_add(1));
+            if self.suspect.take().is_some() {
+                // The engine's sequence continued where it was: the held frame was not its.
+                self.shared.lock().state.set_suspect(false);
+            }
+        } else {
+            self.sink
+                .metrics
+                .received
+                .with_label_values(&[self.id(), "replay"])
+                .inc();
+            self.shared.lock().stats.batches_replayed += 1;
+            self.replayed.insert(seq, digest);
+            while self.replayed.len() > self.opts.replay_max_batches.saturating_mul(2) {
+                self.replayed.pop_first();
+            }
+        }
+        apply_payload(&self.shared, &self.sink, seq, payload, live);
+        self.shared.lock().state.record_digest(seq, digest);
+    }
+
+    fn apply_all(&mut self, replies: &[(u64, Vec<u8>)]) {
+        for (s, p) in replies {
+            self.apply(*s, p, false);
+        }
+    }
+
+    async fn on_message(&mut self, epoch: u64, msg: ZmqMessage) {
         let (seq, payload) = match split_live(msg) {
             Ok(x) => x,
             Err(reason) => {
-                record_drop(&shared, &sink, reason, 1);
-                continue;
+                record_drop(&self.shared, &self.sink, reason, 1);
+                return;
             }
         };
-        let check = shared.lock().state.check_seq(seq);
-        let replay_ep = shared.spec.replay_endpoint.clone();
-        match check {
-            SeqCheck::InOrder => {}
-            SeqCheck::Restarted => {
-                tracing::info!(stream = %id, seq, "kv events: engine restarted (seq went back)");
-                {
-                    let mut g = shared.lock();
-                    g.state.restart();
-                    g.stats.resyncs += 1;
-                }
-                sink.metrics
-                    .resyncs
-                    .with_label_values(&[&id, CLEAR_ENGINE_RESTARTED])
-                    .inc();
-                bootstrap(&shared, &sink, &opts, replay_ep.as_deref(), seq).await;
-            }
-            SeqCheck::First => {
-                bootstrap(&shared, &sink, &opts, replay_ep.as_deref(), seq).await;
-            }
-            SeqCheck::Gap { from } => {
-                tracing::info!(stream = %id, from, to = seq, "kv events: sequence gap");
-                sink.metrics.gaps.with_label_values(&[&id]).inc();
-                shared.lock().stats.gaps += 1;
-                let healed = match replay_ep.as_deref() {
-                    Some(ep) => heal(&shared, &sink, &opts, ep, from, seq).await,
-                    None => false,
-                };
-                if !healed {
-                    {
-                        let mut g = shared.lock();
-                        g.state.mark_gap(seq);
-                        g.stats.resyncs += 1;
-                    }
-                    sink.metrics
-                        .resyncs
-                        .with_label_values(&[&id, CLEAR_SEQUENCE_GAP])
-                        .inc();
-                }
-            }
+        if epoch > self.handled_epoch {
+            self.on_attach(epoch).await;
         }
-        apply_payload(&shared, &sink, seq, &payload, true);
-        if shared.lock().state.has_pending() {
-            sink.notify.notify_one();
+        self.last_live = Some(Instant::now());
+        self.tail_checked = false;
+        self.on_live(seq, payload).await;
+        self.drops_at_last_live = self.queue_drops();
+        if self.replay_ep.is_none() {
+            self.shared.lock().state.set_tail_unverified(false);
         }
     }
-}
 
-/// Replays `[0, seq)` for a stream that starts mid-incarnation; applies the contiguous run it
-/// gets. Failure is not an error: the stream simply starts from `seq`.
-async fn bootstrap(
-    shared: &StreamShared,
-    sink: &Sink,
-    opts: &SubscriberOptions,
-    replay_ep: Option<&str>,
-    seq: u64,
-) {
-    let Some(ep) = replay_ep else { return };
-    if seq == 0 || !opts.bootstrap_replay {
-        return;
+    fn queue_drops(&self) -> u64 {
+        self.shared
+            .lock()
+            .stats
+            .dropped_by_reason
+            .get("queue_full")
+            .copied()
+            .unwrap_or(0)
     }
-    let id = shared.id();
-    match request_replay(ep, 0, seq, opts).await {
-        Ok(batches) => {
-            sink.metrics
-                .replays
-                .with_label_values(&[id, "bootstrap"])
-                .inc();
-            shared.lock().stats.replays += 1;
-            let mut next: Option<u64> = None;
-            for (r, payload) in batches {
-                if r >= seq || next.is_some_and(|n| r != n) {
+
+    async fn on_live(&mut self, seq: u64, payload: Vec<u8>) {
+        let digest = xxh3_64(&payload);
+        for verified in [false, true] {
+            if self.replayed.get(&seq) == Some(&digest) {
+                self.sink
+                    .metrics
+                    .ignored
+                    .with_label_values(&[self.id(), "replayed"])
+                    .inc();
+                return;
+            }
+            let check = self.shared.lock().state.check_seq(seq);
+            match check {
+                SeqCheck::InOrder => {
+                    self.apply(seq, &payload, true);
+                    return;
+                }
+                SeqCheck::First => {
+                    if seq == 0 {
+                        // A fresh engine: nothing came before.
+                        self.shared.lock().state.set_incomplete(None);
+                    }
+                    self.bootstrap(Some(seq), coverage::BOOTSTRAP_INCOMPLETE)
+                        .await;
+                    self.apply(seq, &payload, true);
+                    return;
+                }
+                SeqCheck::Gap { from } => {
+                    self.on_gap(from, seq, &payload, digest).await;
+                    return;
+                }
+                SeqCheck::Restarted if !verified && self.replay_ep.is_some() => {
+                    // Behind what we applied, and not a replayed batch: ask the engine.
+                    if self.verify(false).await == Verdict::Same {
+                        record_drop(&self.shared, &self.sink, "forged_seq", 1);
+                        self.count_replay("forged");
+                        tracing::warn!(stream = %self.id(), seq, "kv events: a frame behind the engine's own sequence was dropped (the engine still holds the batches we applied)");
+                        return;
+                    }
+                    // The state was reset by the verification (or it failed): classify again.
+                }
+                SeqCheck::Restarted => {
+                    tracing::info!(stream = %self.id(), seq, "kv events: engine restarted (seq went back)");
+                    self.shared.lock().state.restart();
+                    self.count_clear(CLEAR_ENGINE_RESTARTED);
+                    self.bootstrap(Some(seq), coverage::BOOTSTRAP_INCOMPLETE)
+                        .await;
+                    self.apply(seq, &payload, true);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A new connection epoch: verify what we hold, or learn what the engine holds.
+    async fn on_attach(&mut self, epoch: u64) {
+        self.handled_epoch = epoch;
+        let has_state = self.shared.lock().state.last_digest().is_some();
+        if has_state {
+            self.verify(false).await;
+        } else if self.replay_ep.is_some() {
+            self.bootstrap(None, coverage::BOOTSTRAP_INCOMPLETE).await;
+        } else {
+            // No replay: whatever the engine stored before now is unknowable, until a batch at
+            // seq 0 shows a fresh engine.
+            self.shared
+                .lock()
+                .state
+                .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+        }
+        self.end_healing();
+    }
+
+    async fn on_tick(&mut self, queue_empty: bool) {
+        let connected = self.shared.connected.load(Ordering::Relaxed);
+        if !connected {
+            let since = self.shared.disconnected_at_ms.load(Ordering::Relaxed);
+            let grace = self.opts.disconnect_grace.as_millis() as i64;
+            if since > 0 && now_unix_ms() - since >= grace {
+                let mut g = self.shared.lock();
+                if matches!(g.state.link(), LinkState::Up | LinkState::Healing) {
+                    g.state.set_link(LinkState::Disconnected);
+                }
+            }
+            return;
+        }
+        let epoch = self.shared.epoch.load(Ordering::Relaxed);
+        if epoch > self.handled_epoch && queue_empty {
+            self.on_attach(epoch).await;
+            return;
+        }
+        let Some(last) = self.last_live else { return };
+        if !queue_empty {
+            return;
+        }
+        let due = if self.tail_checked {
+            self.last_check
+                .is_some_and(|t| t.elapsed() >= self.opts.idle_verify_interval)
+        } else {
+            last.elapsed() >= self.opts.idle_verify_after
+        };
+        if !due {
+            return;
+        }
+        self.tail_checked = true;
+        self.last_check = Some(Instant::now());
+        if self.replay_ep.is_some() {
+            self.verify(true).await;
+        } else if self.queue_drops() > self.drops_at_last_live {
+            // We dropped messages after the last one we applied and cannot ask for them.
+            self.shared.lock().state.set_tail_unverified(true);
+        }
+    }
+
+    /// Replays from our last applied seq and checks the anchor (see [`Anchored`]).
+    async fn anchored_replay(
+        &self,
+        ep: &str,
+        upto: Option<u64>,
+    ) -> Result<(u64, Anchored), ReplayError> {
+        let Some((last, digest)) = self.shared.lock().state.last_digest() else {
+            return Ok((0, Anchored::Unverifiable));
+        };
+        let mut replies = request_replay(ep, last, upto.unwrap_or(u64::MAX), &self.opts).await?;
+        let anchored = match replies.first() {
+            None => Anchored::Other,
+            Some((s, p)) if *s == last && xxh3_64(p) == digest => {
+                replies.remove(0);
+                Anchored::Same(replies)
+            }
+            Some((s, _)) if *s <= last => Anchored::Other,
+            Some(_) => Anchored::Unverifiable,
+        };
+        Ok((last, anchored))
+    }
+
+    /// Checks the engine's tail (and incarnation) by an anchored replay. `routine` (idle checks)
+    /// does not show Healing. Returns what it found.
+    async fn verify(&mut self, routine: bool) -> Verdict {
+        let Some(ep) = self.replay_ep.clone() else {
+            return Verdict::Failed;
+        };
+        if !routine {
+            self.begin_healing();
+        }
+        let verdict = match self.anchored_replay(&ep, None).await {
+            Ok((last, Anchored::Same(rest))) => match classify_run(last + 1, &rest, None) {
+                Run::Holes => {
+                    tracing::warn!(stream = %self.id(), from = last + 1, "kv events: replay came back with holes; rebuilding the replica");
+                    self.rebuild(None).await;
+                    Verdict::Reset
+                }
+                _ => {
+                    if !rest.is_empty() {
+                        tracing::info!(stream = %self.id(), from = last + 1, batches = rest.len(), "kv events: lost tail recovered by replay");
+                    }
+                    self.apply_all(&rest);
+                    self.count_replay("verified");
+                    self.shared.lock().state.set_tail_unverified(false);
+                    Verdict::Same
+                }
+            },
+            Ok((last, Anchored::Other)) => {
+                tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine no longer holds the batches we applied: it restarted");
+                self.shared.lock().state.restart();
+                self.count_clear(CLEAR_ENGINE_RESTARTED);
+                self.count_replay("restart_detected");
+                self.bootstrap(None, coverage::BOOTSTRAP_INCOMPLETE).await;
+                Verdict::Reset
+            }
+            Ok((last, Anchored::Unverifiable)) => {
+                tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine's replay buffer starts after our last batch; rebuilding the replica");
+                self.shared.lock().state.clear(CLEAR_SEQUENCE_GAP);
+                self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.bootstrap(None, coverage::SEQUENCE_GAP).await;
+                Verdict::Reset
+            }
+            Err(e) => {
+                self.count_replay("failed");
+                self.set_error(format!("tail check: {e}"));
+                self.shared.lock().state.set_tail_unverified(true);
+                Verdict::Failed
+            }
+        };
+        self.end_healing();
+        verdict
+    }
+
+    /// A gap `from..seq` before live batch `seq`.
+    async fn on_gap(&mut self, from: u64, seq: u64, payload: &[u8], digest: u64) {
+        tracing::info!(stream = %self.id(), from, to = seq, "kv events: sequence gap");
+        self.sink.metrics.gaps.with_label_values(&[self.id()]).inc();
+        self.shared.lock().stats.gaps += 1;
+        let Some(ep) = self.replay_ep.clone() else {
+            self.gap_without_replay(from, seq, payload);
+            return;
+        };
+        self.begin_healing();
+        match self.anchored_replay(&ep, Some(seq)).await {
+            Ok((last, Anchored::Same(rest))) => match classify_run(last + 1, &rest, Some(seq)) {
+                Run::Complete => {
+                    self.apply_all(&rest);
+                    self.count_replay("healed");
+                    self.apply(seq, payload, true);
+                }
+                Run::EndedEarly => {
+                    if self.engine_sent(&ep, seq, digest).await {
+                        // The engine has the frame but its replay stopped short: truncated.
+                        self.rebuild(Some(seq)).await;
+                        self.apply(seq, payload, true);
+                    } else {
+                        self.apply_all(&rest);
+                        record_drop(&self.shared, &self.sink, "forged_seq", 1);
+                        self.count_replay("forged");
+                        tracing::warn!(stream = %self.id(), seq, "kv events: a frame whose seq the engine never sent was dropped");
+                    }
+                }
+                Run::Holes => {
+                    tracing::warn!(stream = %self.id(), from, to = seq, "kv events: gap replay came back with holes; rebuilding the replica");
+                    self.rebuild(Some(seq)).await;
+                    self.apply(seq, payload, true);
+                }
+            },
+            Ok((_, Anchored::Other)) => {
+                tracing::warn!(stream = %self.id(), seq, "kv events: the gap hides an engine restart (its replay shows another incarnation)");
+                self.shared.lock().state.restart();
+                self.count_clear(CLEAR_ENGINE_RESTARTED);
+                self.count_replay("restart_detected");
+                self.bootstrap(Some(seq), coverage::BOOTSTRAP_INCOMPLETE)
+                    .await;
+                self.apply(seq, payload, true);
+            }
+            Ok((_, Anchored::Unverifiable)) => {
+                tracing::warn!(stream = %self.id(), from, to = seq, "kv events: the gap reaches past the engine's replay buffer; rebuilding the replica");
+                self.shared.lock().state.clear(CLEAR_SEQUENCE_GAP);
+                self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.bootstrap(Some(seq), coverage::SEQUENCE_GAP).await;
+                self.apply(seq, payload, true);
+            }
+            Err(e) => {
+                self.count_replay("failed");
+                self.set_error(format!("replay from {from}: {e}"));
+                tracing::warn!(stream = %self.id(), from, to = seq, error = %e, "kv events: gap replay failed; the replica is cleared");
+                self.shared.lock().state.mark_gap(seq);
+                self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.apply(seq, payload, true);
+            }
+        }
+        self.end_healing();
+    }
+
+    /// Whether the engine's replay holds batch `seq` with this digest.
+    async fn engine_sent(&self, ep: &str, seq: u64, digest: u64) -> bool {
+        match request_replay(ep, seq, seq.saturating_add(1), &self.opts).await {
+            Ok(r) => r
+                .first()
+                .is_some_and(|(s, p)| *s == seq && xxh3_64(p) == digest),
+            Err(_) => true,
+        }
+    }
+
+    fn gap_without_replay(&mut self, from: u64, seq: u64, payload: &[u8]) {
+        if let Some(held) = self.suspect {
+            if held.checked_add(1) == Some(seq) {
+                // The engine's sequence really moved there.
+                self.suspect = None;
+                self.shared.lock().state.set_suspect(false);
+            }
+        }
+        let jump = seq - from;
+        if self.suspect.is_none() && jump > self.opts.suspicious_seq_jump {
+            self.suspect = Some(seq);
+            self.shared.lock().state.set_suspect(true);
+            record_drop(&self.shared, &self.sink, "forged_seq", 1);
+            tracing::warn!(stream = %self.id(), seq, expected = from, "kv events: implausible sequence jump held back until the next frame confirms it");
+            return;
+        }
+        if self.suspect == Some(seq) {
+            return;
+        }
+        self.shared.lock().state.mark_gap(seq);
+        self.count_clear(CLEAR_SEQUENCE_GAP);
+        tracing::warn!(stream = %self.id(), from, to = seq, "kv events: gap without a replay endpoint; the replica is cleared");
+        self.apply(seq, payload, true);
+    }
+
+    /// A replay had holes: clear and rebuild from seq 0 (exact while the engine's buffer still
+    /// holds it).
+    async fn rebuild(&mut self, upto: Option<u64>) {
+        self.count_replay("truncated");
+        self.shared.lock().state.clear(CLEAR_REPLAY_TRUNCATED);
+        self.count_clear(CLEAR_REPLAY_TRUNCATED);
+        self.bootstrap(upto, coverage::REPLAY_TRUNCATED).await;
+    }
+
+    /// Learns what the engine stored before `upto` (`None`: everything its buffer holds) by a
+    /// replay from seq 0. Complete (from 0, no holes) keeps the stream exact; otherwise the
+    /// contiguous run that connects to `upto` is applied and the stream is marked incomplete
+    /// (`BootstrapIncomplete` when the buffer starts after 0, `holes_reason` when it had holes —
+    /// tried twice, since vLLM < 0.33 truncates under load).
+    async fn bootstrap(&mut self, upto: Option<u64>, holes_reason: &'static str) {
+        let Some(ep) = self.replay_ep.clone() else {
+            if upto != Some(0) {
+                self.shared
+                    .lock()
+                    .state
+                    .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+            }
+            return;
+        };
+        if upto == Some(0) {
+            return;
+        }
+        if !self.opts.bootstrap_replay {
+            self.shared
+                .lock()
+                .state
+                .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+            return;
+        }
+        self.begin_healing();
+        for attempt in 0..2 {
+            let replies = match request_replay(&ep, 0, upto.unwrap_or(u64::MAX), &self.opts).await {
+                Ok(r) => r,
+                Err(e) => {
+                    self.count_replay("failed");
+                    self.set_error(format!("bootstrap replay: {e}"));
+                    tracing::warn!(stream = %self.id(), error = %e, "kv events: bootstrap replay failed; blocks stored before now are unknown");
+                    self.shared
+                        .lock()
+                        .state
+                        .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
                     break;
                 }
-                count_replayed(shared, sink);
-                apply_payload(shared, sink, r, &payload, false);
-                next = Some(r + 1);
+            };
+            let (start, holes) = tail_run(&replies, upto);
+            let complete = match start {
+                Some(0) => !holes && replies.first().is_some_and(|(s, _)| *s == 0),
+                Some(_) => false,
+                None => replies.is_empty() && upto.is_none(),
+            };
+            if complete {
+                self.apply_all(&replies);
+                self.count_replay("bootstrap");
+                break;
             }
+            if holes && attempt == 0 {
+                continue;
+            }
+            let first = replies.first().map(|(s, _)| *s);
+            if let Some(i) = start {
+                let run: Vec<_> = replies.into_iter().skip(i).collect();
+                self.apply_all(&run);
+            }
+            let reason = if holes {
+                holes_reason
+            } else {
+                coverage::BOOTSTRAP_INCOMPLETE
+            };
+            self.count_replay("bootstrap_incomplete");
+            let msg = format!(
+                "bootstrap replay incomplete ({reason}): the engine's buffer starts at seq {first:?}{}",
+                if holes { ", with holes" } else { "" }
+            );
+            tracing::warn!(stream = %self.id(), "kv events: {msg}; blocks stored before it are unknown");
+            self.set_error(msg);
+            self.shared.lock().state.set_incomplete(Some(reason));
+            break;
         }
-        Err(e) => {
-            sink.metrics
-                .replays
-                .with_label_values(&[id, "failed"])
-                .inc();
-            let mut g = shared.lock();
-            g.stats.replays_failed += 1;
-            g.stats.last_error = Some(format!("bootstrap replay: {e}"));
-        }
+        self.end_healing();
     }
 }
 
-/// Replays `[from, upto)`; applies it and returns true only if every missing batch came back.
-async fn heal(
-    shared: &StreamShared,
-    sink: &Sink,
-    opts: &SubscriberOptions,
-    ep: &str,
-    from: u64,
-    upto: u64,
-) -> bool {
-    let id = shared.id();
-    let result = request_replay(ep, from, upto, opts).await;
-    let batches = match result {
-        Ok(b) => b,
-        Err(e) => {
-            sink.metrics
-                .replays
-                .with_label_values(&[id, "failed"])
-                .inc();
-            let mut g = shared.lock();
-            g.stats.replays_failed += 1;
-            g.stats.last_error = Some(format!("replay from {from}: {e}"));
-            return false;
-        }
-    };
-    let mut expected = from;
-    let mut keep = Vec::new();
-    for (r, payload) in batches {
-        if r < expected {
-            continue;
-        }
-        if r >= upto {
-            break;
-        }
-        if r != expected {
-            break;
-        }
-        keep.push((r, payload));
-        expected += 1;
-    }
-    if expected != upto {
-        sink.metrics
-            .replays
-            .with_label_values(&[id, "failed"])
-            .inc();
-        let mut g = shared.lock();
-        g.stats.replays_failed += 1;
-        g.stats.last_error = Some(format!(
-            "replay from {from}: not contiguous up to {upto} (stopped before {expected})"
-        ));
-        return false;
-    }
-    sink.metrics
-        .replays
-        .with_label_values(&[id, "healed"])
-        .inc();
-    shared.lock().stats.replays += 1;
-    for (r, payload) in keep {
-        count_replayed(shared, sink);
-        apply_payload(shared, sink, r, &payload, false);
-    }
-    true
-}
-
-fn count_replayed(shared: &StreamShared, sink: &Sink) {
-    sink.metrics
-        .received
-        .with_label_values(&[shared.id(), "replay"])
-        .inc();
-    shared.lock().stats.batches_replayed += 1;
+/// What [`Processor::verify`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Same incarnation; any lost tail applied.
+    Same,
+    /// The replica was cleared and rebuilt (another incarnation, holes, an unverifiable anchor).
+    Reset,
+    /// No replay endpoint, or the replay failed.
+    Failed,
 }
 
 /// Decodes and applies one batch, recording metrics. `live` batches (not replayed ones) set the

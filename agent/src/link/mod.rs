@@ -56,6 +56,9 @@ pub struct LinkConfig {
     /// for, sent in `Hello.pod_subscriber`. Such a link ignores node plans (the controller sends
     /// none to subscriber streams). `None` for the node agent.
     pub pod_subscriber: Option<proto::PodSubscriber>,
+    /// A delta batch not acked within this long ends the stream, which reconnects and resyncs
+    /// (a controller that stopped applying our deltas must not leave the index silently behind).
+    pub ack_timeout: Duration,
 }
 
 impl LinkConfig {
@@ -69,6 +72,7 @@ impl LinkConfig {
             batch_window: Duration::from_millis(20),
             rediscover_interval: Duration::from_secs(10),
             pod_subscriber: None,
+            ack_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -106,6 +110,14 @@ pub enum LinkError {
     /// The outbound queue or the pump closed.
     #[error("outbound stream closed")]
     Closed,
+    /// A delta batch went un-acked past [`LinkConfig::ack_timeout`].
+    #[error("delta batch {batch_id} not acked within {waited_ms} ms")]
+    AckTimeout {
+        /// The oldest un-acked batch.
+        batch_id: u64,
+        /// How long it waited.
+        waited_ms: u64,
+    },
 }
 
 /// Signals that a new check pass is available (its value is a counter).
@@ -416,10 +428,9 @@ async fn session(
     let mut covered = Covered::from_snapshot(&snap);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
     send(hello(state, &token, cfg.pod_subscriber.as_ref())).await?;
-    send(AgentMessage {
-        msg: Some(Msg::Resync(proto::Resync { streams: snap })),
-    })
-    .await?;
+    for m in ic_shared::resync::chunk_resync(snap) {
+        send(m).await?;
+    }
     counter_changes.mark_unchanged();
     if let Some(m) = counters(state) {
         send(m).await?;
@@ -444,6 +455,11 @@ async fn session(
     state.metrics.link_connects_total.inc();
     info!(controller = %url, node = %state.node, "connected to controller");
 
+    // The oldest batch sent and not yet acked, with when it was sent.
+    let mut unacked: Option<(u64, std::time::Instant)> = None;
+    let mut last_sent_batch = 0u64;
+    let mut ack_tick = tokio::time::interval(Duration::from_millis(500));
+    ack_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             msg = inbound.message() => {
@@ -460,17 +476,31 @@ async fn session(
                         info!(controller = %url, reason = %r.reason, "controller requested a resync");
                         let snap = pump.snapshot().await?;
                         covered = Covered::from_snapshot(&snap);
-                        send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
+                        for m in ic_shared::resync::chunk_resync(snap) {
+                            send(m).await?;
+                        }
                         if let Some(m) = counters(state) {
                             send(m).await?;
                         }
                     }
-                    Some(controller_message::Msg::Ack(_)) | None => {}
+                    Some(controller_message::Msg::Ack(a)) => {
+                        if a.batch_id >= last_sent_batch {
+                            unacked = None;
+                        } else if let Some((oldest, _)) = unacked {
+                            if a.batch_id >= oldest {
+                                // Later batches are still in flight: the clock restarts now.
+                                unacked = Some((a.batch_id + 1, std::time::Instant::now()));
+                            }
+                        }
+                    }
+                    None => {}
                 }
             }
             batch = batches.recv() => match batch {
                 Ok(batch) => {
                     if let Some(b) = covered.filter(&batch) {
+                        last_sent_batch = b.batch_id;
+                        unacked.get_or_insert((b.batch_id, std::time::Instant::now()));
                         send(AgentMessage { msg: Some(Msg::KvDeltas(b)) }).await?;
                     }
                 }
@@ -478,13 +508,25 @@ async fn session(
                     warn!(controller = %url, missed = n, "stream fell behind the delta fan-out; resyncing");
                     let snap = pump.snapshot().await?;
                     covered = Covered::from_snapshot(&snap);
-                    send(AgentMessage { msg: Some(Msg::Resync(proto::Resync { streams: snap })) }).await?;
+                    for m in ic_shared::resync::chunk_resync(snap) {
+                        send(m).await?;
+                    }
                     if let Some(m) = counters(state) {
                         send(m).await?;
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(LinkError::Closed),
             },
+            _ = ack_tick.tick() => {
+                if let Some((batch_id, since)) = unacked {
+                    if since.elapsed() >= cfg.ack_timeout {
+                        return Err(LinkError::AckTimeout {
+                            batch_id,
+                            waited_ms: since.elapsed().as_millis() as u64,
+                        });
+                    }
+                }
+            }
             changed = counter_changes.changed() => {
                 if changed.is_err() {
                     return Err(LinkError::Closed);
@@ -558,7 +600,7 @@ mod tests {
             }),
             seq,
             ops: vec![],
-            last_event_unix_ms: 0,
+            ..Default::default()
         }
     }
 

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use ic_shared::kv::content_key;
+use ic_shared::kv::coverage::Coverage;
 
 use super::holders::{is_t2, slot_of, Holder, Holders};
 use super::{PartitionId, PrefixIndex, ReplicaSlot, Tier};
@@ -74,6 +75,8 @@ pub struct ReplicaMatch {
     pub tier: Tier,
     /// CacheBackend that wired the replica, if known.
     pub backend: String,
+    /// What the agent says of the replica's entries (never Disconnected or EngineDown here).
+    pub coverage: Coverage,
 }
 
 /// Lookup answer.
@@ -276,6 +279,8 @@ impl PrefixIndex {
         let mut all: Vec<ReplicaScore> = first
             .holders(&self.arena, &mut buf)
             .iter()
+            // Replicas whose engine or publisher is gone are never matched.
+            .filter(|h| self.routable(slot_of(**h)))
             .map(|h| ReplicaScore {
                 slot: slot_of(*h),
                 matched_blocks: 1,
@@ -283,6 +288,9 @@ impl PrefixIndex {
                 t1: !is_t2(*h),
             })
             .collect();
+        if all.is_empty() {
+            return Ok(all);
+        }
         let mut alive: Vec<u32> = (0..all.len() as u32).collect();
         let mut next: Vec<u32> = Vec::with_capacity(alive.len().min(16));
         let mut level: [Option<Holders>; CHUNK] = [None; CHUNK];
@@ -386,6 +394,7 @@ impl PrefixIndex {
                     matched_tokens: s.tokens(),
                     tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                     backend: r.desc.backend.clone(),
+                    coverage: r.coverage,
                 })
             })
             .collect()

@@ -44,6 +44,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
+use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::proto::{self, kv_op::Op};
 use thiserror::Error;
 
@@ -172,6 +173,8 @@ struct Replica {
     t2_blocks: usize,
     last_event_unix_ms: i64,
     stale: bool,
+    /// What the agent says of the entries (see `ic_shared::kv::coverage`).
+    coverage: Coverage,
     /// Position of the stream id in sorted order (ties in lookup answers).
     rank: u32,
     /// Engine tier-2 counters, when reported.
@@ -242,6 +245,10 @@ pub struct PrefixIndex {
     seed: u64,
     entries: usize,
     policies: Arc<PolicyTable>,
+    /// Per slot: true while the replica must not be matched (Disconnected, EngineDown).
+    unroutable: Vec<bool>,
+    /// Number of `true` in `unroutable` (0 in steady state: lookups skip the filter).
+    unroutable_count: usize,
 }
 
 impl Default for PrefixIndex {
@@ -263,7 +270,66 @@ impl PrefixIndex {
             seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
+            unroutable: Vec::new(),
+            unroutable_count: 0,
         }
+    }
+
+    /// Records a replica's coverage and whether lookups may match it.
+    fn set_coverage(&mut self, slot: ReplicaSlot, cov: Coverage) {
+        if let Some(r) = self.replica_mut(slot) {
+            r.coverage = cov;
+        }
+        let block = !cov.state.routable();
+        let i = slot as usize;
+        if self.unroutable.len() <= i {
+            self.unroutable.resize(i + 1, false);
+        }
+        if let Some(cell) = self.unroutable.get_mut(i) {
+            if *cell != block {
+                *cell = block;
+                if block {
+                    self.unroutable_count += 1;
+                } else {
+                    self.unroutable_count = self.unroutable_count.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    /// True when lookups may match the replica in `slot`.
+    #[inline]
+    fn routable(&self, slot: ReplicaSlot) -> bool {
+        self.unroutable_count == 0 || !self.unroutable.get(slot as usize).copied().unwrap_or(false)
+    }
+
+    /// Marks every replica of `node` as unreported (its agent's stream ended): coverage
+    /// Unknown / `AgentDisconnected` until the agent's next resync. The entries stay routable
+    /// (an agent restart is not an engine outage) until the node expires.
+    pub fn mark_node_unreported(&mut self, node: &str) {
+        let slots: Vec<ReplicaSlot> = self
+            .live_replicas()
+            .filter(|(_, r)| r.node == node)
+            .map(|(s, _)| s)
+            .collect();
+        for s in slots {
+            self.set_coverage(
+                s,
+                Coverage::new(CoverageState::Unknown, coverage::AGENT_DISCONNECTED),
+            );
+        }
+    }
+
+    /// Replicas per coverage state, every state listed (the
+    /// `inferencecache_controller_index_replicas_by_coverage` gauge).
+    pub fn coverage_counts(&self) -> [(CoverageState, usize); 6] {
+        let mut out = CoverageState::ALL.map(|s| (s, 0usize));
+        for (_, r) in self.live_replicas() {
+            if let Some(c) = out.iter_mut().find(|(s, _)| *s == r.coverage.state) {
+                c.1 += 1;
+            }
+        }
+        out
     }
 
     /// Number of (block, replica) entries.
@@ -418,11 +484,16 @@ impl PrefixIndex {
                     t2_blocks: 0,
                     last_event_unix_ms: snap.last_event_unix_ms,
                     stale: snap.stale,
+                    coverage: Coverage::EXACT,
                     rank: 0,
                     t2_hits: None,
                     t2_queries: None,
                 });
             }
+            self.set_coverage(
+                slot,
+                Coverage::from_proto(snap.coverage, &snap.coverage_reason),
+            );
             if snap.stale {
                 continue;
             }
@@ -473,6 +544,7 @@ impl PrefixIndex {
             return false;
         };
         self.clear_replica(slot);
+        self.set_coverage(slot, Coverage::EXACT);
         if let Some(cell) = self.replicas.get_mut(slot as usize) {
             *cell = None;
         }
@@ -533,6 +605,10 @@ impl PrefixIndex {
                 r.last_event_unix_ms = delta.last_event_unix_ms;
             }
         }
+        self.set_coverage(
+            slot,
+            Coverage::from_proto(delta.coverage, &delta.coverage_reason),
+        );
         Ok(())
     }
 

@@ -50,6 +50,14 @@ pub struct ReplicaSnapshot {
     pub seq: u64,
     /// True while the replica's state is uncertain (gap without replay).
     pub stale: bool,
+    /// Coverage state the agent reports (`Exact`, `Healing`, `Partial`, `Disconnected`,
+    /// `EngineDown`; `Unknown` while its agent is away or predates coverage).
+    pub coverage: &'static str,
+    /// Why it is not Exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coverage_reason: Option<&'static str>,
+    /// False while lookups skip the replica (Disconnected, EngineDown).
+    pub routable: bool,
 }
 
 /// The whole `/snapshot` document.
@@ -107,6 +115,9 @@ impl PrefixIndex {
                     t2_queries: r.t2_queries,
                     seq: r.seq,
                     stale: r.stale,
+                    coverage: r.coverage.state.as_str(),
+                    coverage_reason: r.coverage.reason,
+                    routable: r.coverage.state.routable(),
                 }
             })
             .collect();

@@ -18,6 +18,8 @@ fn desc(pod: &str, rank: u32) -> proto::StreamDescriptor {
 
 fn empty_snapshot(pod: &str) -> proto::StreamSnapshot {
     proto::StreamSnapshot {
+        coverage: ic_shared::proto::Coverage::Exact as i32,
+        coverage_reason: String::new(),
         stream: Some(desc(pod, 0)),
         seq: 0,
         entries: vec![],
@@ -39,6 +41,8 @@ fn store(keys: &[u64], tier: proto::Tier, adapter: &str) -> proto::KvOp {
 
 fn delta(pod: &str, seq: u64, ops: Vec<proto::KvOp>) -> proto::StreamDelta {
     proto::StreamDelta {
+        coverage: ic_shared::proto::Coverage::Exact as i32,
+        coverage_reason: String::new(),
         stream: Some(desc(pod, 0)),
         seq,
         ops,
@@ -202,6 +206,8 @@ fn resync_replaces_the_nodes_state_and_clear_empties_a_replica() {
     assert_eq!(ix.lookup(&query(&tokens(0..8))).replicas.len(), 1);
 
     let snap = proto::StreamSnapshot {
+        coverage: ic_shared::proto::Coverage::Exact as i32,
+        coverage_reason: String::new(),
         stream: Some(desc("c", 0)),
         seq: 7,
         entries: vec![proto::BlockEntry {
@@ -224,6 +230,8 @@ fn resync_replaces_the_nodes_state_and_clear_empties_a_replica() {
     ix.apply_delta(
         "n1",
         &proto::StreamDelta {
+            coverage: ic_shared::proto::Coverage::Exact as i32,
+            coverage_reason: String::new(),
             stream: Some(desc("c", 0)),
             seq: 8,
             ops: vec![],
@@ -298,6 +306,8 @@ fn removing_a_node_drops_its_entries() {
 
 fn snapshot_with(pod: &str, entries: Vec<proto::BlockEntry>) -> proto::StreamSnapshot {
     proto::StreamSnapshot {
+        coverage: ic_shared::proto::Coverage::Exact as i32,
+        coverage_reason: String::new(),
         stream: Some(desc(pod, 0)),
         seq: 0,
         entries,

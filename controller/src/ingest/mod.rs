@@ -2,7 +2,9 @@
 //!
 //! Protocol, per stream:
 //! 1. the agent sends `Hello` first (anything else → `InvalidArgument`);
-//! 2. the agent sends a full `Resync`; the index replaces every stream of that node;
+//! 2. the agent sends a full `Resync` (or, when it is larger than one message may be, a series
+//!    of `ResyncChunk`s applied together when the last arrives — `ic_shared::resync`); the index
+//!    replaces every stream of that node;
 //! 3. `KvDeltaBatch`es are applied stream by stream; each batch is acked. A delta whose seq does
 //!    not follow, or of a stream the index does not know, is refused: the controller sends one
 //!    `ResyncRequest` and ignores further deltas of that agent until the next `Resync`;
@@ -13,7 +15,12 @@
 //!    resets a stream's counters; the agent sends them again right after it.
 //!
 //! When the stream ends the node is marked disconnected; its index entries stay until
-//! `agent_expiry` passes without a reconnect (a restarted agent replaces them with its resync).
+//! `agent_expiry` passes without a reconnect (a restarted agent replaces them with its resync),
+//! and read coverage Unknown / `AgentDisconnected` meanwhile.
+//!
+//! A newer stream from the same node supersedes the open one: the old stream is ended at once
+//! with `Aborted` (so an agent that still runs reconnects instead of sending deltas nobody
+//! acks), and a message that still arrives on it ends it the same way.
 //!
 //! In-cluster mode authenticates the Hello ([`auth`]: TokenReview, the agent's service account,
 //! the token's node equal to `Hello.node`) before anything else happens; a refused stream ends
@@ -44,8 +51,8 @@ use std::time::Duration;
 
 use futures::Stream;
 use ic_shared::proto::{
-    self, agent_message::Msg, agent_service_server::AgentService, controller_message,
-    ControllerMessage,
+    self, agent_message::Msg, agent_service_server, agent_service_server::AgentService,
+    controller_message, ControllerMessage,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -58,6 +65,15 @@ use registry::StreamTicket;
 /// Outbound queue depth per agent stream.
 const OUTBOUND_DEPTH: usize = 64;
 
+/// Most entries one node's resync may carry (all chunks together): 16 M, sixteen times the
+/// largest node we plan for (1 M blocks), ≈ 0.5 GiB while assembled.
+pub const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
+
+/// Inbound message limit of `AgentService`: a `ResyncChunk` is at most
+/// `ic_shared::resync::CHUNK_BUDGET_BYTES` plus framing; 8 MiB leaves room for a large check
+/// report while bounding what one caller can make the controller buffer.
+pub const MAX_AGENT_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
+
 /// The gRPC service.
 #[derive(Clone)]
 pub struct AgentIngest {
@@ -69,6 +85,13 @@ impl AgentIngest {
     /// A service over the shared state that accepts every Hello (standalone mode).
     pub fn new(shared: Arc<Shared>) -> Self {
         AgentIngest { shared, auth: None }
+    }
+
+    /// The tonic server for this service, with the inbound limit [`MAX_AGENT_MESSAGE_BYTES`]
+    /// (resyncs above it arrive as chunks).
+    pub fn into_server(self) -> agent_service_server::AgentServiceServer<Self> {
+        agent_service_server::AgentServiceServer::new(self)
+            .max_decoding_message_size(MAX_AGENT_MESSAGE_BYTES)
     }
 
     /// A service that authenticates every Hello with `auth` (in-cluster mode).
@@ -166,6 +189,7 @@ impl AgentService for AgentIngest {
                 tx,
                 awaiting_resync: false,
                 owned: HashSet::new(),
+                chunks: ic_shared::resync::ResyncAssembler::new(MAX_RESYNC_ENTRIES),
             };
             let mut stopping = shared.stopping.subscribe();
             let end = loop {
@@ -174,6 +198,15 @@ impl AgentService for AgentIngest {
                         Ok(Some(msg)) => match session.handle(msg).await {
                             Ok(()) => {}
                             Err(SessionEnd::Closed) => break "controller side closed",
+                            Err(SessionEnd::Superseded) => {
+                                let _ = session.tx.try_send(Err(superseded_status()));
+                                break "superseded by a newer stream of the node";
+                            }
+                            Err(SessionEnd::TooLarge(e)) => {
+                                warn!(node = %session.ticket.node, error = %e, "resync refused; closing the stream");
+                                let _ = session.tx.send(Err(Status::resource_exhausted(e))).await;
+                                break "resync too large";
+                            }
                             Err(SessionEnd::Refused(e)) => {
                                 warn!(node = %session.ticket.node, error = %e, "stream reported outside its scope; closing it");
                                 let _ = session.tx.send(Err(e.to_status())).await;
@@ -194,6 +227,11 @@ impl AgentService for AgentIngest {
             };
             {
                 let mut nodes = shared.nodes.lock();
+                if nodes.is_current(&ticket) {
+                    let mut ix = shared.index.write();
+                    ix.mark_node_unreported(&ticket.node);
+                    shared.update_index_gauges(&ix);
+                }
                 if nodes.disconnect(&ticket, now_unix_ms()) {
                     match &ticket.scope {
                         Some(s) => {
@@ -215,10 +253,19 @@ impl AgentService for AgentIngest {
     }
 }
 
+/// The status a superseded stream ends with.
+pub fn superseded_status() -> Status {
+    Status::aborted("superseded by a newer stream of this node; reconnect")
+}
+
 /// Why [`Session::handle`] ends a stream.
 enum SessionEnd {
     /// The outbound half is gone.
     Closed,
+    /// A newer stream of the same node (or pod) took over.
+    Superseded,
+    /// A chunked resync exceeded [`MAX_RESYNC_ENTRIES`].
+    TooLarge(String),
     /// A subscriber reported a stream outside its pod.
     Refused(auth::AuthError),
 }
@@ -232,6 +279,8 @@ struct Session {
     /// Stream ids of this connection's last applied `Resync`: the streams it may report
     /// counters for.
     owned: HashSet<String>,
+    /// A chunked resync being put back together.
+    chunks: ic_shared::resync::ResyncAssembler,
 }
 
 impl Session {
@@ -259,32 +308,38 @@ impl Session {
     async fn handle(&mut self, msg: proto::AgentMessage) -> Result<(), SessionEnd> {
         let now = now_unix_ms();
         if !self.shared.nodes.lock().is_current(&self.ticket) {
-            // A newer stream from the same node took over; this one only drains.
-            return Ok(());
+            // A newer stream from the same node took over: end this one so its agent (if it
+            // still runs) reconnects instead of sending deltas nobody applies.
+            return Err(SessionEnd::Superseded);
         }
         self.shared.nodes.lock().touch(&self.ticket, now);
         let m = &self.shared.metrics;
         match msg.msg {
             Some(Msg::Hello(_)) | None => {}
             Some(Msg::Resync(r)) => {
+                self.chunks.reset();
                 self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;
-                let trigger = if self.awaiting_resync {
-                    "requested"
-                } else {
-                    "connect"
-                };
-                {
-                    let mut ix = self.shared.index.write();
-                    let streams = with_node(r.streams, self.ticket.reporting_node());
-                    ix.resync_node(&self.ticket.node, &streams);
-                    self.shared.update_index_gauges(&ix);
-                    self.owned = streams
-                        .iter()
-                        .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
-                        .collect();
+                self.apply_resync(r.streams);
+            }
+            Some(Msg::ResyncChunk(c)) => {
+                self.authorize(c.streams.iter().map(|s| s.stream.as_ref()))?;
+                match self.chunks.push(c) {
+                    Ok(Some(streams)) => self.apply_resync(streams),
+                    Ok(None) => {}
+                    Err(e @ ic_shared::resync::AssembleError::TooLarge { .. }) => {
+                        return Err(SessionEnd::TooLarge(e.to_string()));
+                    }
+                    Err(e) => {
+                        warn!(node = %self.ticket.node, error = %e, "resync chunk out of order; requesting a resync");
+                        self.awaiting_resync = true;
+                        self.send(controller_message::Msg::ResyncRequest(
+                            proto::ResyncRequest {
+                                reason: e.to_string(),
+                            },
+                        ))
+                        .await?;
+                    }
                 }
-                m.kv_resyncs_total.with_label_values(&[trigger]).inc();
-                self.awaiting_resync = false;
             }
             Some(Msg::KvDeltas(batch)) => {
                 self.authorize(batch.deltas.iter().map(|d| d.stream.as_ref()))?;
@@ -353,6 +408,30 @@ impl Session {
     }
 }
 
+impl Session {
+    /// Replaces the node's streams with a whole resync.
+    fn apply_resync(&mut self, streams: Vec<proto::StreamSnapshot>) {
+        let m = &self.shared.metrics;
+        let trigger = if self.awaiting_resync {
+            "requested"
+        } else {
+            "connect"
+        };
+        {
+            let mut ix = self.shared.index.write();
+            let streams = with_node(streams, self.ticket.reporting_node());
+            ix.resync_node(&self.ticket.node, &streams);
+            self.shared.update_index_gauges(&ix);
+            self.owned = streams
+                .iter()
+                .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
+                .collect();
+        }
+        m.kv_resyncs_total.with_label_values(&[trigger]).inc();
+        self.awaiting_resync = false;
+    }
+}
+
 /// Stamps the reporting node into each stream descriptor.
 fn with_node(mut streams: Vec<proto::StreamSnapshot>, node: &str) -> Vec<proto::StreamSnapshot> {
     for s in &mut streams {
@@ -394,8 +473,8 @@ mod tests {
     use super::*;
     use crate::state::LookupPolicy;
     use ic_shared::proto::{
-        agent_service_client::AgentServiceClient, agent_service_server::AgentServiceServer,
-        AgentMessage, BlockEntry, PodSubscriber, Resync, StreamDescriptor, StreamSnapshot,
+        agent_service_client::AgentServiceClient, AgentMessage, BlockEntry, PodSubscriber, Resync,
+        StreamDescriptor, StreamSnapshot,
     };
     use tokio_stream::wrappers::TcpListenerStream;
 
@@ -409,7 +488,7 @@ mod tests {
         };
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(AgentServiceServer::new(svc))
+                .add_service(svc.into_server())
                 .serve_with_incoming(TcpListenerStream::new(listener)),
         );
         (format!("http://{addr}"), shared)

@@ -365,7 +365,13 @@ impl NodeRegistry {
             },
             None => None,
         };
-        self.outbound.insert(ticket.node.clone(), a);
+        if let Some(old) = self.outbound.insert(ticket.node.clone(), a) {
+            // End the superseded stream now: its agent, if it still runs, reconnects at once
+            // instead of sending deltas nobody applies.
+            if old.epoch != ticket.epoch {
+                let _ = old.tx.try_send(Err(super::superseded_status()));
+            }
+        }
         queued
     }
 

@@ -1,0 +1,206 @@
+//! Coverage: how far one replica's index entries can be trusted (`docs/kv-events.md`
+//! "Coverage"). The one definition of the states, their reasons and their wire form, used by the
+//! agent (which decides it per engine stream), the controller's index (which stores it per
+//! replica and routes by it) and every surface that shows it (`/v1/report`, `/snapshot`,
+//! `LookupRoute`, metrics, CacheNode and CacheBackend status).
+//!
+//! The invariant behind every state but [`CoverageState::Exact`]: a replica's entries are a
+//! **subset** of the blocks its engine holds. The agent never guesses a key and never keeps an
+//! entry whose removal it may have missed; where it cannot know, it forgets and says so here.
+
+use serde::Serialize;
+
+use crate::proto;
+
+/// The coverage states (the proto's `Coverage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum CoverageState {
+    /// Every block the engine holds is indexed, and nothing else is.
+    Exact,
+    /// A replay is in flight (a gap, a reconnect, an idle check).
+    Healing,
+    /// Some of the engine's blocks are known to be missing; the reason says why.
+    Partial,
+    /// The publisher socket is gone past the grace period: no PREFIX_MATCH for this replica.
+    Disconnected,
+    /// The engine process is known to be gone: no PREFIX_MATCH for this replica.
+    EngineDown,
+    /// Not reported (an agent that predates coverage).
+    Unknown,
+}
+
+impl CoverageState {
+    /// Every state, in display order (metric label values).
+    pub const ALL: [CoverageState; 6] = [
+        CoverageState::Exact,
+        CoverageState::Healing,
+        CoverageState::Partial,
+        CoverageState::Disconnected,
+        CoverageState::EngineDown,
+        CoverageState::Unknown,
+    ];
+
+    /// The CamelCase name shown in JSON, metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CoverageState::Exact => "Exact",
+            CoverageState::Healing => "Healing",
+            CoverageState::Partial => "Partial",
+            CoverageState::Disconnected => "Disconnected",
+            CoverageState::EngineDown => "EngineDown",
+            CoverageState::Unknown => "Unknown",
+        }
+    }
+
+    /// Whether the replica may be returned by a lookup: not when its engine or publisher is gone.
+    pub fn routable(self) -> bool {
+        !matches!(
+            self,
+            CoverageState::Disconnected | CoverageState::EngineDown
+        )
+    }
+
+    /// The wire enum.
+    pub fn to_proto(self) -> proto::Coverage {
+        match self {
+            CoverageState::Exact => proto::Coverage::Exact,
+            CoverageState::Healing => proto::Coverage::Healing,
+            CoverageState::Partial => proto::Coverage::Partial,
+            CoverageState::Disconnected => proto::Coverage::Disconnected,
+            CoverageState::EngineDown => proto::Coverage::EngineDown,
+            CoverageState::Unknown => proto::Coverage::Unspecified,
+        }
+    }
+
+    /// From the wire value; unknown numbers read as [`CoverageState::Unknown`].
+    pub fn from_proto(v: i32) -> CoverageState {
+        match proto::Coverage::try_from(v) {
+            Ok(proto::Coverage::Exact) => CoverageState::Exact,
+            Ok(proto::Coverage::Healing) => CoverageState::Healing,
+            Ok(proto::Coverage::Partial) => CoverageState::Partial,
+            Ok(proto::Coverage::Disconnected) => CoverageState::Disconnected,
+            Ok(proto::Coverage::EngineDown) => CoverageState::EngineDown,
+            Ok(proto::Coverage::Unspecified) | Err(_) => CoverageState::Unknown,
+        }
+    }
+}
+
+impl std::fmt::Display for CoverageState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Partial: the engine's buffer no longer held the start of its incarnation when the stream
+/// attached (or there is no replay endpoint), so blocks stored before are unknown.
+pub const BOOTSTRAP_INCOMPLETE: &str = "BootstrapIncomplete";
+/// Partial: a replay came back with holes (vLLM < 0.33 under load); the replica was rebuilt from
+/// what could be verified.
+pub const REPLAY_TRUNCATED: &str = "ReplayTruncated";
+/// Partial: a sequence gap could not be replayed; the replica was cleared and rebuilt from live
+/// events.
+pub const SEQUENCE_GAP: &str = "SequenceGap";
+/// Partial: messages were lost after the last one received, and no replay could check the tail.
+pub const TAIL_UNVERIFIED: &str = "TailUnverified";
+/// Partial: blocks are parked because their parent block was never seen.
+pub const PARENT_UNKNOWN: &str = "ParentUnknown";
+/// Partial: the engine reports another data-parallel rank than the plan's; nothing is indexed.
+pub const RANK_MISMATCH: &str = "RankMismatch";
+/// Partial: one engine hash named two different contents (a content-hash release): the older
+/// entry was dropped.
+pub const HASH_COLLISION: &str = "HashCollision";
+/// Partial: a frame with an implausible sequence number was held back, unverified.
+pub const SEQUENCE_UNVERIFIED: &str = "SequenceUnverified";
+/// Healing: a replay is in flight.
+pub const REPLAYING: &str = "Replaying";
+/// Disconnected: the publisher socket is down.
+pub const PUBLISHER_DISCONNECTED: &str = "PublisherDisconnected";
+/// Unknown (controller side): the agent that reports the replica is not connected.
+pub const AGENT_DISCONNECTED: &str = "AgentDisconnected";
+
+/// Every reason a coverage can carry (bounded metric label values).
+pub const REASONS: &[&str] = &[
+    BOOTSTRAP_INCOMPLETE,
+    REPLAY_TRUNCATED,
+    SEQUENCE_GAP,
+    TAIL_UNVERIFIED,
+    PARENT_UNKNOWN,
+    RANK_MISMATCH,
+    HASH_COLLISION,
+    SEQUENCE_UNVERIFIED,
+    REPLAYING,
+    PUBLISHER_DISCONNECTED,
+    AGENT_DISCONNECTED,
+];
+
+/// A state with its reason (`None` for Exact and Unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Coverage {
+    /// The state.
+    pub state: CoverageState,
+    /// CamelCase reason (one of [`REASONS`]) when not Exact.
+    pub reason: Option<&'static str>,
+}
+
+impl Coverage {
+    /// Exact, no reason.
+    pub const EXACT: Coverage = Coverage {
+        state: CoverageState::Exact,
+        reason: None,
+    };
+
+    /// A state with a reason.
+    pub fn new(state: CoverageState, reason: &'static str) -> Self {
+        Coverage {
+            state,
+            reason: Some(reason),
+        }
+    }
+
+    /// The reason as sent on the wire (empty when none).
+    pub fn reason_str(&self) -> &'static str {
+        self.reason.unwrap_or("")
+    }
+
+    /// From the wire pair; a reason not in [`REASONS`] is dropped (the state is kept), so a
+    /// caller cannot grow metric label sets.
+    pub fn from_proto(state: i32, reason: &str) -> Self {
+        Coverage {
+            state: CoverageState::from_proto(state),
+            reason: REASONS.iter().copied().find(|r| *r == reason),
+        }
+    }
+}
+
+impl std::fmt::Display for Coverage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.reason {
+            Some(r) => write!(f, "{}/{r}", self.state),
+            None => write!(f, "{}", self.state),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_round_trip_and_routability() {
+        for s in CoverageState::ALL {
+            assert_eq!(CoverageState::from_proto(s.to_proto() as i32), s);
+        }
+        assert_eq!(CoverageState::from_proto(99), CoverageState::Unknown);
+        assert!(!CoverageState::Disconnected.routable());
+        assert!(!CoverageState::EngineDown.routable());
+        assert!(CoverageState::Partial.routable() && CoverageState::Unknown.routable());
+        let c = Coverage::from_proto(proto::Coverage::Partial as i32, BOOTSTRAP_INCOMPLETE);
+        assert_eq!(
+            c,
+            Coverage::new(CoverageState::Partial, BOOTSTRAP_INCOMPLETE)
+        );
+        assert_eq!(c.to_string(), "Partial/BootstrapIncomplete");
+        assert_eq!(Coverage::from_proto(1, "Forged").reason, None);
+    }
+}
