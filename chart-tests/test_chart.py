@@ -358,10 +358,15 @@ def test_agent_host_mounts_are_read_only(variant: Rendered) -> None:
     ds = agent_daemonset(variant)
     spec = ds["spec"]["template"]["spec"]
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    # The one writable host path is the agent's own KV stream state, under /var/lib/inference-cache.
+    state = host_paths.pop("kv-state")
+    assert state == "/var/lib/inference-cache/agent"
     assert set(host_paths.values()) == {"/proc", "/sys", "/dev/shm", "/var/lib/kubelet/pods"}
     mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
     for name in host_paths:
         assert mounts[name].get("readOnly") is True, name
+    assert mounts["kv-state"]["mountPath"] == state and not mounts["kv-state"].get("readOnly")
+    assert args_of(the_container(ds))["--state-dir"] == state
     assert mounts["host-proc"]["mountPath"] == "/host/proc"
     assert mounts["kubelet-pods"]["mountPropagation"] == "HostToContainer"
 

@@ -181,6 +181,11 @@ struct RunArgs {
     /// Milliseconds one engine /metrics fetch may take (connect, request, response).
     #[arg(long, env = "IC_T2_SCRAPE_TIMEOUT_MS", default_value_t = 2000)]
     t2_scrape_timeout_ms: u64,
+    /// Directory where each KV stream's state is kept across agent restarts (a rolling upgrade
+    /// resumes every stream where it was instead of losing what the engines' replay buffers no
+    /// longer hold). In cluster the chart mounts a hostPath here. Unset: nothing is kept.
+    #[arg(long, env = "IC_STATE_DIR")]
+    state_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -386,6 +391,11 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
     let plan = a.common.plan()?;
     let node = a.common.node();
     let state = ic_agent::state::AgentState::new(node, plan)?;
+    if let Some(dir) = &a.state_dir {
+        let dir = ic_agent::kv::persist::StateDir::open(dir)
+            .with_context(|| format!("--state-dir {}", dir.display()))?;
+        state.hub.set_state_dir(dir);
+    }
     let link = match &a.controller {
         Some(url) => {
             let mut cfg = ic_agent::link::LinkConfig::new(url.clone());

@@ -81,7 +81,8 @@ impl Running {
         for t in &self.tasks {
             t.abort();
         }
-        self.state.hub.apply_plan(&Default::default());
+        // Stops the KV streams and keeps their state for the next start (`--state-dir`).
+        self.state.hub.shutdown();
     }
 }
 
@@ -147,6 +148,19 @@ pub async fn start_with(
     }
     if !scrape.interval.is_zero() {
         tasks.push(tokio::spawn(engine_metrics::run(state.clone(), scrape)));
+    }
+    {
+        // Keep changed KV stream state on disk (a no-op without `--state-dir`).
+        let hub = state.hub.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(crate::kv::persist::SAVE_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let hub = hub.clone();
+                let _ = tokio::task::spawn_blocking(move || hub.save_changed()).await;
+            }
+        }));
     }
     if let Some(link_cfg) = cfg.link {
         let state = state.clone();

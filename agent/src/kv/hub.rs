@@ -20,7 +20,8 @@ use serde::Serialize;
 use tokio::sync::Notify;
 
 use super::metrics::KvMetrics;
-use super::stream::StreamConfig;
+use super::persist::StateDir;
+use super::stream::{LinkState, StreamConfig};
 use super::subscriber::{self, Running, Sink, StreamShared, StreamSpec, SubscriberOptions};
 
 /// The agent's KV-event hub. Cheap to clone (an `Arc` inside); all methods are thread-safe.
@@ -34,12 +35,16 @@ struct HubInner {
     opts: SubscriberOptions,
     stream_defaults: StreamConfig,
     streams: Mutex<BTreeMap<String, StreamEntry>>,
+    /// Where stream state is kept across agent restarts (`kv::persist`), if anywhere.
+    state_dir: Mutex<Option<StateDir>>,
 }
 
 struct StreamEntry {
     shared: Arc<StreamShared>,
     /// `None` while no tokio runtime was available to start it (retried on the next plan).
     running: Option<Running>,
+    /// `(last seq, delta seq, coverage)` at the last save: unchanged streams are not written.
+    saved: Option<(Option<u64>, u64, ic_shared::kv::Coverage)>,
 }
 
 /// Per-stream status for `/v1/report` (JSON, camelCase).
@@ -140,8 +145,124 @@ impl KvHub {
                 opts,
                 stream_defaults,
                 streams: Mutex::new(BTreeMap::new()),
+                state_dir: Mutex::new(None),
             }),
         })
+    }
+
+    /// Keeps stream state in `dir` across agent restarts: streams not started yet resume from
+    /// their kept state when they start; changed streams are saved by [`KvHub::save_changed`]
+    /// and all of them by [`KvHub::shutdown`].
+    pub fn set_state_dir(&self, dir: StateDir) {
+        tracing::info!(dir = %dir.path().display(), "kv events: stream state kept across restarts");
+        *self
+            .inner
+            .state_dir
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(dir);
+        // Streams the first plan already started (nothing applied yet) start over from their
+        // kept state.
+        let rt = tokio::runtime::Handle::try_current().ok();
+        let mut streams = self.streams();
+        for entry in streams.values_mut() {
+            if entry.shared.lock().state.last_seq().is_some() {
+                continue;
+            }
+            let was_running = entry.running.take().is_some();
+            let shared = Arc::new(StreamShared::new(entry.shared.spec.clone()));
+            self.restore(&shared);
+            entry.shared = shared;
+            if let (true, Some(rt)) = (was_running, &rt) {
+                entry.running = Some(subscriber::spawn(
+                    rt,
+                    entry.shared.clone(),
+                    self.inner.sink.clone(),
+                    self.inner.opts.clone(),
+                ));
+            }
+        }
+    }
+
+    fn state_dir(&self) -> Option<StateDir> {
+        self.inner
+            .state_dir
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replaces a not-yet-started stream's empty state with its kept one.
+    fn restore(&self, shared: &StreamShared) {
+        let Some(dir) = self.state_dir() else { return };
+        let id = &shared.spec.descriptor.stream_id;
+        match dir.load(&shared.spec) {
+            Ok(Some(mut st)) => {
+                st.set_link(LinkState::Disconnected);
+                tracing::info!(stream = %id, last_seq = ?st.last_seq(), blocks = st.blocks_held(), "kv events: resuming from kept state");
+                shared.lock().state = st;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(stream = %id, error = %e, "kv events: kept state discarded; the stream starts fresh");
+                dir.remove(id);
+            }
+        }
+    }
+
+    /// Saves every stream whose state changed since its last save. Returns how many were
+    /// written. Blocking file I/O: call it off the async workers.
+    pub fn save_changed(&self) -> usize {
+        self.save(false)
+    }
+
+    fn save(&self, all: bool) -> usize {
+        let Some(dir) = self.state_dir() else {
+            return 0;
+        };
+        // Take the records under each stream's lock, write them outside it.
+        let mut todo = Vec::new();
+        {
+            let mut streams = self.streams();
+            for entry in streams.values_mut() {
+                let g = entry.shared.lock();
+                let key = (g.state.last_seq(), g.state.delta_seq(), g.state.coverage());
+                if g.state.last_seq().is_none() || (!all && entry.saved == Some(key)) {
+                    continue;
+                }
+                todo.push((entry.shared.spec.clone(), g.state.to_persisted()));
+                drop(g);
+                entry.saved = Some(key);
+            }
+        }
+        let mut n = 0;
+        for (spec, p) in todo {
+            match dir.save(&spec, p) {
+                Ok(_) => n += 1,
+                Err(e) => {
+                    tracing::warn!(stream = %spec.descriptor.stream_id, error = %e, "kv events: could not keep stream state")
+                }
+            }
+        }
+        n
+    }
+
+    /// Stops every stream and keeps its state (agent shutdown). Unlike an empty plan, this
+    /// deletes no kept state. Blocking file I/O.
+    pub fn shutdown(&self) {
+        {
+            let mut streams = self.streams();
+            for entry in streams.values_mut() {
+                entry.running = None;
+            }
+        }
+        let n = self.save(true);
+        if n > 0 {
+            tracing::info!(
+                streams = n,
+                "kv events: stream state kept for the next start"
+            );
+        }
+        self.streams().clear();
     }
 
     fn streams(&self) -> MutexGuard<'_, BTreeMap<String, StreamEntry>> {
@@ -198,6 +319,7 @@ impl KvHub {
         let metrics = &self.inner.sink.metrics;
         // Delta seqs of streams replaced in place (same id, changed spec).
         let mut replaced: BTreeMap<String, u64> = BTreeMap::new();
+        let state_dir = self.state_dir();
         streams.retain(|id, entry| {
             let keep = desired.get(id) == Some(&entry.shared.spec);
             if !keep {
@@ -206,6 +328,9 @@ impl KvHub {
                 if desired.contains_key(id) {
                     replaced.insert(id.clone(), entry.shared.lock().state.delta_seq());
                 }
+                if let Some(d) = &state_dir {
+                    d.remove(id);
+                }
             }
             keep
         });
@@ -213,6 +338,7 @@ impl KvHub {
             if let Some(entry) = streams.get_mut(&id) {
                 if let (None, Some(rt)) = (&entry.running, &rt) {
                     entry.shared.lock().stats.last_error = None;
+                    self.restore(&entry.shared);
                     entry.running = Some(subscriber::spawn(
                         rt,
                         entry.shared.clone(),
@@ -228,18 +354,30 @@ impl KvHub {
                 shared.lock().state.continue_after(*prev);
             }
             let running = match &rt {
-                Some(rt) => Some(subscriber::spawn(
-                    rt,
-                    shared.clone(),
-                    self.inner.sink.clone(),
-                    self.inner.opts.clone(),
-                )),
+                Some(rt) => {
+                    if !replaced.contains_key(&id) {
+                        self.restore(&shared);
+                    }
+                    Some(subscriber::spawn(
+                        rt,
+                        shared.clone(),
+                        self.inner.sink.clone(),
+                        self.inner.opts.clone(),
+                    ))
+                }
                 None => {
                     shared.lock().stats.last_error = Some("no tokio runtime: not started".into());
                     None
                 }
             };
-            streams.insert(id, StreamEntry { shared, running });
+            streams.insert(
+                id,
+                StreamEntry {
+                    shared,
+                    running,
+                    saved: None,
+                },
+            );
         }
     }
 

@@ -9,11 +9,13 @@
 //! - [`tail`]: follow one publisher and print decoded batches, gaps and replays (`ic-agent kv tail`).
 //! - [`inspect`]: read captured frames (hex, JSON, ZMTP dumps) and decode them to JSON
 //!   (`ic-agent kv decode`).
+//! - [`persist`]: stream state kept on the node across agent restarts.
 //! - [`metrics`]: the `inferencecache_agent_kv_*` metric families.
 
 pub mod hub;
 pub mod inspect;
 pub mod metrics;
+pub mod persist;
 pub mod publish;
 pub mod stream;
 pub mod subscriber;
