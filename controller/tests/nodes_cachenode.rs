@@ -194,6 +194,53 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
 }
 
 #[test]
+fn a_stream_that_is_not_exact_says_so_in_the_cachenode() {
+    let rec = record("gpu-1", true, vec![], 1_700_000_000_500);
+    let p = plan(vec![engine("ns", "vllm-0", "ns/cb")]);
+    let snap =
+        |coverage: &'static str, reason: Option<&'static str>, routable: bool| ReplicaSnapshot {
+            stream_id: "ns/vllm-0#0".into(),
+            replica: "vllm-0".into(),
+            node: "gpu-1".into(),
+            tenant: "ns".into(),
+            prefix_count: 7,
+            coverage,
+            coverage_reason: reason,
+            routable,
+            ..Default::default()
+        };
+    let stream_of = |replicas: &[ReplicaSnapshot]| {
+        let view = NodeView {
+            node: "gpu-1",
+            record: Some(&rec),
+            plan: Some(&p),
+            replicas,
+        };
+        desired_status(&view, None, at(100)).engines[0].streams[0].clone()
+    };
+    let s = stream_of(&[snap("Partial", Some("BootstrapIncomplete"), true)]);
+    assert!(s.connected);
+    assert_eq!(s.coverage.as_deref(), Some("Partial"));
+    assert_eq!(s.coverage_reason.as_deref(), Some("BootstrapIncomplete"));
+    assert!(
+        s.message
+            .as_deref()
+            .unwrap()
+            .starts_with("Partial: the engine's replay buffer"),
+        "{:?}",
+        s.message
+    );
+    let s = stream_of(&[snap("Disconnected", Some("PublisherDisconnected"), false)]);
+    assert!(!s.connected);
+    assert!(s.message.unwrap().contains("not routed"));
+    let s = stream_of(&[snap("Unknown", Some("AgentDisconnected"), true)]);
+    assert!(!s.connected);
+    let s = stream_of(&[snap("Exact", None, true)]);
+    assert!(s.connected && s.message.is_none());
+    assert_eq!(s.coverage.as_deref(), Some("Exact"));
+}
+
+#[test]
 fn transition_times_move_only_when_a_status_changes() {
     let bad = record(
         "n",

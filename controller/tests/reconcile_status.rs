@@ -465,6 +465,34 @@ fn attribution_prefers_injected_by_then_sorted_selector() {
     )
     .unwrap();
     assert_eq!(pb.prefix_count, 4);
+    assert!(
+        pb.inexact_replicas.is_empty(),
+        "every replica Exact: no list"
+    );
+    // A replica that is not exact is named with its coverage and reason.
+    let mut partial = replica("p2#1", 4, 2_000);
+    partial.coverage = "Partial";
+    partial.coverage_reason = Some("BootstrapIncomplete");
+    let replicas2 = Ok(vec![replica("p1", 3, 1_000), partial]);
+    let pb = participation(
+        None,
+        NS,
+        "b-second",
+        &replicas2,
+        Some(&pods),
+        Some(&backends),
+    )
+    .unwrap();
+    assert_eq!(
+        pb.inexact_replicas,
+        vec![ic_shared::crd::ReplicaCoverage {
+            replica: "p2#1".into(),
+            coverage: "Partial".into(),
+            reason: Some("BootstrapIncomplete".into()),
+        }]
+    );
+    let json = serde_json::to_value(&pb).unwrap();
+    assert_eq!(json["inexactReplicas"][0]["coverage"], "Partial");
     // A selector-less backend claims nothing by vacuous truth.
     assert!(participation(None, NS, "0-empty", &replicas, Some(&pods), Some(&backends)).is_none());
 }
@@ -1228,6 +1256,7 @@ fn status_participation_reset_keeps_t2() {
             last_event_at: None,
             hit_rate: None,
             t2_hit_rate: Some("0.5".to_string()),
+            inexact_replicas: Vec::new(),
         }),
         ..Default::default()
     });

@@ -214,7 +214,13 @@ impl AgentService for AgentIngest {
                             }
                         },
                         Ok(None) => break "agent closed the stream",
-                        Err(_) => break "stream error",
+                        Err(e) => {
+                            // Tell the agent why (e.g. a message above the size limit), so
+                            // the stream never ends "OK" with nothing applied.
+                            warn!(node = %session.ticket.node, error = %e, "agent stream failed");
+                            let _ = session.tx.try_send(Err(Status::new(e.code(), e.message().to_string())));
+                            break "stream error";
+                        }
                     },
                     _ = async { stopping.wait_for(|s| *s).await.map(|_| ()) } => {
                         let _ = session
@@ -580,6 +586,148 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("timed out waiting for {what}");
+    }
+
+    fn big_snapshot(stream: &str, n: u64) -> StreamSnapshot {
+        StreamSnapshot {
+            stream: Some(StreamDescriptor {
+                stream_id: stream.into(),
+                replica: "vllm-0".into(),
+                tenant: "ns".into(),
+                model: "m".into(),
+                hash_scheme: "vllm".into(),
+                ..Default::default()
+            }),
+            seq: 4,
+            entries: (0..n)
+                .map(|k| BlockEntry {
+                    adapter: String::new(),
+                    block_size: 16,
+                    content_key: k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    tier: proto::Tier::T1 as i32,
+                })
+                .collect(),
+            coverage: proto::Coverage::Exact as i32,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_holding_a_million_blocks_registers_through_chunks() {
+        let (url, shared) = serve(None).await;
+        let snap = big_snapshot("ns/vllm-0#0", 1_000_000);
+        // In one message it is past the inbound limit: refused, nothing applied.
+        let (inbound, tx) = open(&url, hello("n-one", None, "")).await;
+        let mut inbound = inbound.unwrap();
+        tx.send(AgentMessage {
+            msg: Some(Msg::Resync(Resync {
+                streams: vec![snap.clone()],
+            })),
+        })
+        .await
+        .unwrap();
+        let st = final_status(&mut inbound).await;
+        assert_ne!(st.code(), tonic::Code::Ok, "{st:?}");
+        assert!(shared.index.read().stream_entries("ns/vllm-0#0").is_none());
+        // In the agent's chunks it arrives whole, and deltas continue from its seq.
+        let (inbound, tx) = open(&url, hello("n-big", None, "")).await;
+        let mut inbound = inbound.unwrap();
+        let msgs = ic_shared::resync::chunk_resync(vec![snap]);
+        assert!(msgs.len() > 4);
+        for m in msgs {
+            tx.send(m).await.unwrap();
+        }
+        until("a million entries", || {
+            shared
+                .index
+                .read()
+                .stream_entries("ns/vllm-0#0")
+                .is_some_and(|e| e.len() == 1_000_000)
+        })
+        .await;
+        tx.send(AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: 1,
+                deltas: vec![proto::StreamDelta {
+                    stream: big_snapshot("ns/vllm-0#0", 0).stream,
+                    seq: 5,
+                    ops: vec![proto::KvOp {
+                        op: Some(proto::kv_op::Op::Clear(proto::ClearOp {
+                            reason: "AllBlocksCleared".into(),
+                        })),
+                    }],
+                    coverage: proto::Coverage::Exact as i32,
+                    ..Default::default()
+                }],
+            })),
+        })
+        .await
+        .unwrap();
+        loop {
+            match inbound.message().await.unwrap().unwrap().msg {
+                Some(controller_message::Msg::Ack(a)) => {
+                    assert_eq!(a.batch_id, 1);
+                    break;
+                }
+                Some(controller_message::Msg::ResyncRequest(r)) => panic!("{r:?}"),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            shared
+                .index
+                .read()
+                .stream_entries("ns/vllm-0#0")
+                .map(|e| e.len()),
+            Some(0)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_superseded_stream_is_ended_at_once() {
+        let (url, shared) = serve(None).await;
+        let (first, tx1) = open(&url, hello("n1", None, "")).await;
+        let mut first = first.unwrap();
+        tx1.send(resync(&[("ns", "pod-a", "a1")])).await.unwrap();
+        until("the first resync", || {
+            shared.index.read().stream_entries("ns/pod-a#0").is_some()
+        })
+        .await;
+        // A second stream claims the node: the first ends with Aborted, without sending
+        // anything more (so a live agent reconnects instead of waiting for acks).
+        let (second, tx2) = open(&url, hello("n1", None, "")).await;
+        let mut second = second.unwrap();
+        let st = tokio::time::timeout(Duration::from_secs(2), final_status(&mut first))
+            .await
+            .expect("the superseded stream ends promptly");
+        assert_eq!(st.code(), tonic::Code::Aborted, "{st:?}");
+        // The first agent reconnects and takes over; the second (leaving) is ended too.
+        let (third, tx3) = open(&url, hello("n1", None, "")).await;
+        let mut third = third.unwrap();
+        let st = tokio::time::timeout(Duration::from_secs(2), final_status(&mut second))
+            .await
+            .expect("the second stream ends");
+        assert_eq!(st.code(), tonic::Code::Aborted);
+        drop(tx2);
+        drop(tx1);
+        tx3.send(resync(&[("ns", "pod-a", "a2")])).await.unwrap();
+        tx3.send(AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: 7,
+                deltas: vec![],
+            })),
+        })
+        .await
+        .unwrap();
+        loop {
+            if let Some(controller_message::Msg::Ack(a)) =
+                third.message().await.unwrap().unwrap().msg
+            {
+                assert_eq!(a.batch_id, 7);
+                break;
+            }
+        }
+        assert!(shared.nodes.lock().connected_count() == 1);
     }
 
     #[tokio::test]

@@ -246,6 +246,8 @@ pub fn replica(pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservati
         last_event_unix_ms: last_event_ms,
         t2_queries: None,
         t2_hits: None,
+        coverage: "Exact",
+        coverage_reason: None,
     }
 }
 

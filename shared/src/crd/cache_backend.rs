@@ -737,6 +737,27 @@ pub struct IndexParticipation {
     /// "0" = queried, zero reloads.
     #[serde(rename = "t2HitRate", default, skip_serializing_if = "Option::is_none")]
     pub t2_hit_rate: Option<String>,
+
+    /// This backend's replicas whose index entries are not exact (`Healing`, `Partial`,
+    /// `Disconnected`, `EngineDown`, `Unknown`; `docs/kv-events.md` "Coverage"), at most 32,
+    /// by replica id. Absent when every replica is Exact: then `prefixCount` is the engines'
+    /// own count.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub inexact_replicas: Vec<ReplicaCoverage>,
+}
+
+/// One replica in `status.indexParticipation.inexactReplicas`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaCoverage {
+    /// Replica id (pod name, `#rank` above rank 0).
+    pub replica: String,
+    /// Coverage state.
+    pub coverage: String,
+    /// Why it is not Exact (`BootstrapIncomplete`, `ReplayTruncated`, `PublisherDisconnected`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl CacheBackendSpec {

@@ -248,6 +248,15 @@ pub struct KvStreamStatus {
     #[schemars(range(min = 0))]
     pub prefix_count: i64,
 
+    /// How far the stream's index entries can be trusted: `Exact`, `Healing`, `Partial`,
+    /// `Disconnected`, `EngineDown`, `Unknown` (`docs/kv-events.md` "Coverage").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage: Option<String>,
+
+    /// Why the stream is not Exact (`BootstrapIncomplete`, `ReplayTruncated`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage_reason: Option<String>,
+
     /// Last error or gap notice, when any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,

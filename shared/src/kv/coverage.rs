@@ -133,6 +133,24 @@ pub const REASONS: &[&str] = &[
     AGENT_DISCONNECTED,
 ];
 
+/// What a reason means, in a sentence an operator can act on (CacheNode messages, docs).
+pub fn describe(reason: &str) -> Option<&'static str> {
+    Some(match reason {
+        BOOTSTRAP_INCOMPLETE => "the engine's replay buffer no longer reached back to its start when the agent attached: blocks stored before are missing until the engine's cache is reset or it restarts",
+        REPLAY_TRUNCATED => "a replay came back with holes (vLLM < 0.33 under load); the replica was rebuilt from what could be verified",
+        SEQUENCE_GAP => "messages were lost and could not be replayed; the replica was rebuilt from live events",
+        TAIL_UNVERIFIED => "messages were lost after the last one received and no replay could check",
+        PARENT_UNKNOWN => "blocks are parked because their parent block was never seen",
+        RANK_MISMATCH => "the engine reports another data-parallel rank than planned; nothing is indexed",
+        HASH_COLLISION => "one engine hash named two different contents; the older entry was dropped",
+        SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
+        PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
+        AGENT_DISCONNECTED => "the node's agent is not connected; entries are as last reported",
+        REPLAYING => "a replay is in flight",
+        _ => return None,
+    })
+}
+
 /// A state with its reason (`None` for Exact and Unknown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Coverage {
@@ -202,5 +220,8 @@ mod tests {
         );
         assert_eq!(c.to_string(), "Partial/BootstrapIncomplete");
         assert_eq!(Coverage::from_proto(1, "Forged").reason, None);
+        for r in REASONS {
+            assert!(describe(r).is_some(), "{r} has a description");
+        }
     }
 }

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ic_shared::crd::{CacheBackend, IndexParticipation};
+use ic_shared::crd::{CacheBackend, IndexParticipation, ReplicaCoverage};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use parking_lot::{Mutex, RwLock};
@@ -35,6 +35,10 @@ pub struct ReplicaObservation {
     pub t2_queries: Option<u64>,
     /// Cumulative tier-2 hits (`vllm:external_prefix_cache_hits_total`), when reported.
     pub t2_hits: Option<u64>,
+    /// Coverage state of the replica's entries (`Exact`, `Partial`, …; empty = Exact).
+    pub coverage: &'static str,
+    /// Why it is not Exact.
+    pub coverage_reason: Option<&'static str>,
 }
 
 impl ReplicaObservation {
@@ -77,6 +81,8 @@ fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
             // (`CounterReport`); absent until a replica's engine exposed them.
             t2_queries: r.t2_queries,
             t2_hits: r.t2_hits,
+            coverage: r.coverage,
+            coverage_reason: r.coverage_reason,
         })
         .collect()
 }
@@ -213,6 +219,7 @@ pub fn participation(
     let mut prefix_count: u64 = 0;
     let mut last_ms: i64 = 0;
     let (mut queries, mut hits) = (0u64, 0u64);
+    let mut inexact: Vec<ReplicaCoverage> = Vec::new();
     for r in replicas.iter().filter(|r| r.tenant == namespace) {
         let Some(pod) = by_name.get(r.pod_name()) else {
             continue;
@@ -221,6 +228,13 @@ pub fn participation(
             continue;
         }
         found = true;
+        if !r.coverage.is_empty() && r.coverage != "Exact" {
+            inexact.push(ReplicaCoverage {
+                replica: r.replica.clone(),
+                coverage: r.coverage.to_string(),
+                reason: r.coverage_reason.map(str::to_string),
+            });
+        }
         prefix_count = prefix_count.saturating_add(r.prefix_count);
         last_ms = last_ms.max(r.last_event_unix_ms);
         if let Some(q) = r.t2_queries {
@@ -234,6 +248,7 @@ pub fn participation(
             last_event_at: None,
             hit_rate: None,
             t2_hit_rate: p.t2_hit_rate.clone(),
+            inexact_replicas: Vec::new(),
         });
     }
     let t2_hit_rate = if queries > 0 {
@@ -249,6 +264,11 @@ pub fn participation(
             .map(to_time),
         hit_rate: None,
         t2_hit_rate,
+        inexact_replicas: {
+            inexact.sort_by(|a, b| a.replica.cmp(&b.replica));
+            inexact.truncate(32);
+            inexact
+        },
     })
 }
 

@@ -138,6 +138,17 @@ fn gpu_status(r: &CheckResult) -> Option<GpuStatus> {
     })
 }
 
+/// A sentence for a stream that is not Exact (`None` when it is).
+fn coverage_message(state: &str, reason: Option<&str>) -> Option<String> {
+    if state == "Exact" || state.is_empty() {
+        return None;
+    }
+    Some(match reason.and_then(ic_shared::kv::coverage::describe) {
+        Some(why) => format!("{state}: {why}"),
+        None => format!("coverage {state}"),
+    })
+}
+
 fn engines_status(
     plan: Option<&NodePlan>,
     replicas: &[ReplicaSnapshot],
@@ -161,15 +172,22 @@ fn engines_status(
                     KvStreamStatus {
                         endpoint: s.endpoint.clone(),
                         dp_rank: i32::try_from(s.dp_rank).ok(),
-                        connected: r.is_some_and(|r| !r.stale),
+                        connected: r.is_some_and(|r| {
+                            !r.stale
+                                && !matches!(r.coverage, "Disconnected" | "EngineDown")
+                                && r.coverage_reason
+                                    != Some(ic_shared::kv::coverage::AGENT_DISCONNECTED)
+                        }),
                         last_event_at: r.and_then(|r| time_of_ms(r.last_event_unix_ms)),
                         prefix_count: r.map_or(0, |r| r.prefix_count as i64),
+                        coverage: r.map(|r| r.coverage.to_string()).filter(|c| !c.is_empty()),
+                        coverage_reason: r.and_then(|r| r.coverage_reason.map(str::to_string)),
                         message: match r {
                             None => Some("the agent has reported no state for this stream yet".into()),
                             Some(r) if r.stale => Some(
                                 "stream state is uncertain (a sequence gap without replay); it contributes no prefixes until it recovers".into(),
                             ),
-                            Some(_) => None,
+                            Some(r) => coverage_message(r.coverage, r.coverage_reason),
                         },
                     }
                 })

@@ -1,0 +1,117 @@
+//! The link tells the truth (issue 12): an agent whose delta batches go un-acked past
+//! `LinkConfig::ack_timeout` reconnects and resyncs, instead of believing the controller
+//! applied them. Real agent runtime, a replayed engine publisher, and a stand-in controller
+//! that records everything and acks nothing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ic_agent::checks::{Checks, ChecksConfig};
+use ic_agent::kv::publish::{publish_fixture, PublishOptions};
+use ic_agent::link::LinkConfig;
+use ic_agent::runtime::{self, RunConfig};
+use ic_agent::state::AgentState;
+use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_shared::proto::agent_message::Msg;
+use support::FakeController;
+
+fn fixture(name: &str) -> PathBuf {
+    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
+        return Path::new(&dir).join("kv-events").join(name);
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .map(|a| a.join("shared/fixtures/kv-events").join(name))
+        .find(|c| c.is_file())
+        .unwrap_or_else(|| panic!("fixture {name} not found"))
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
+    let (_fake, grpc, mut received) = FakeController::start().await;
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let publisher = tokio::spawn(async move {
+        publish_fixture(
+            &fixture("vllm-0.26.0.json"),
+            &format!("tcp://127.0.0.1:{pub_port}"),
+            Some(&format!("tcp://127.0.0.1:{replay_port}")),
+            &PublishOptions {
+                interval: Duration::from_millis(50),
+                connect_wait: Duration::from_millis(1000),
+                linger: Duration::from_secs(15),
+                until_seq: Some(8),
+                ..PublishOptions::default()
+            },
+        )
+        .await
+    });
+    let plan = NodePlan {
+        engines: vec![EnginePlan {
+            namespace: "team-a".into(),
+            pod: "engine-0".into(),
+            model: "model-x".into(),
+            hash_scheme: HashScheme::Vllm,
+            block_size: 16,
+            kv_events: vec![KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
+                topic: String::new(),
+                dp_rank: 0,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let state = AgentState::new("node-acks".into(), plan).unwrap();
+    let mut link = LinkConfig::new(format!("http://{grpc}"));
+    link.ack_timeout = Duration::from_secs(1);
+    link.backoff_initial = Duration::from_millis(100);
+    let running = runtime::start(
+        RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(30),
+        },
+        state,
+        Checks::new(&ChecksConfig::default()),
+    )
+    .await
+    .unwrap();
+    // Hello, Resync, … deltas nobody acks …, then a new stream: Hello and a fresh Resync.
+    let mut order = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while order.iter().filter(|m| **m == "hello").count() < 2 {
+        let m = tokio::time::timeout_at(deadline, received.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no reconnect; saw {order:?}"))
+            .unwrap();
+        order.push(match m.msg {
+            Some(Msg::Hello(_)) => "hello",
+            Some(Msg::Resync(_)) | Some(Msg::ResyncChunk(_)) => "resync",
+            Some(Msg::KvDeltas(_)) => "deltas",
+            _ => "other",
+        });
+    }
+    let second = order.iter().rposition(|m| *m == "hello").unwrap();
+    assert!(order[..second].contains(&"deltas"), "{order:?}");
+    let next = tokio::time::timeout(Duration::from_secs(5), received.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(next.msg, Some(Msg::Resync(_))), "{next:?}");
+    let link = running.state.link.read().clone();
+    assert!(link.endpoints.values().any(|e| e.connects >= 2), "{link:?}");
+    running.abort();
+    publisher.abort();
+}
