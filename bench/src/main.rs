@@ -211,6 +211,8 @@ fn ours_deltas(w: &Workload) -> (Vec<StreamDelta>, Vec<StreamSnapshot>) {
                 seq: seqs[worker],
                 ops: vec![KvOp { op: Some(op) }],
                 last_event_unix_ms: 0,
+                coverage: proto::Coverage::Exact as i32,
+                coverage_reason: String::new(),
             }
         })
         .collect();
@@ -222,6 +224,8 @@ fn ours_deltas(w: &Workload) -> (Vec<StreamDelta>, Vec<StreamSnapshot>) {
             entries: Vec::new(),
             last_event_unix_ms: 0,
             stale: false,
+            coverage: proto::Coverage::Exact as i32,
+            coverage_reason: String::new(),
         })
         .collect();
     (deltas, snaps)

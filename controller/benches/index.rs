@@ -113,6 +113,7 @@ fn main() {
         .iter()
         .map(|d| StreamSnapshot {
             stream: Some(d.clone()),
+            coverage: proto::Coverage::Exact as i32,
             ..Default::default()
         })
         .collect();
@@ -146,6 +147,8 @@ fn main() {
                 seq: seqs[worker],
                 ops: vec![KvOp { op: Some(op) }],
                 last_event_unix_ms: 0,
+                coverage: proto::Coverage::Exact as i32,
+                coverage_reason: String::new(),
             }
         })
         .collect();
