@@ -16,6 +16,7 @@ use ic_controller::reconcile::cachebackend::probe::{
 use ic_controller::reconcile::{error_policy, reconcile, Context, Error};
 use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::Resource;
 use kube_fake_client::{interceptor, ClientBuilder};
@@ -477,6 +478,105 @@ async fn injected_engine_crash_loop_is_reported_once() {
         .find(|e| e.event.reason == "InjectedEngineCrashLooping")
         .unwrap();
     assert_eq!(ev.object, "ml/kv", "recorded on the CacheBackend");
+}
+
+/// `p` with one container status, `status`.
+fn engine_status(mut p: Pod, status: serde_json::Value) -> Pod {
+    p.status = Some(
+        serde_json::from_value(json!({"phase": "Running", "containerStatuses": [status]})).unwrap(),
+    );
+    p
+}
+
+#[tokio::test]
+async fn a_crash_loop_reads_as_one_episode_across_its_back_off_cycle() {
+    let cb = managed_redis("kv");
+    let h = Harness::new(vec![cb.clone()], false).await;
+    let base = injected_engine("vllm-abc123-x", &cb, "vllm");
+    let started = |secs_ago: i64| {
+        let t =
+            k8s_openapi::jiff::Timestamp::from_millisecond(h.now_ms() - secs_ago * 1000).unwrap();
+        t.to_string()
+    };
+    let failed = json!({"terminated": {"exitCode": 1, "reason": "Error"}});
+    // Three reconciles: waiting in back-off; running again (lastState Error); back-off again.
+    let cycle = [
+        json!({"name": "vllm", "ready": false, "restartCount": 3, "image": "i", "imageID": "",
+               "state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": failed}),
+        json!({"name": "vllm", "ready": false, "restartCount": 4, "image": "i", "imageID": "",
+               "state": {"running": {"startedAt": started(5)}}, "lastState": failed}),
+        json!({"name": "vllm", "ready": false, "restartCount": 4, "image": "i", "imageID": "",
+               "state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": failed}),
+    ];
+    h.add_pod(engine_status(base.clone(), cycle[0].clone()))
+        .await;
+    for (i, st) in cycle.iter().enumerate() {
+        h.replace_pod(engine_status(base.clone(), st.clone())).await;
+        h.reconcile("kv").await;
+        assert_eq!(
+            sr(&h.status("kv").await, "EngineCompatibility"),
+            is("False", "InjectedEngineCrashLooping"),
+            "reconcile {i}"
+        );
+        h.advance(20);
+    }
+    assert_eq!(
+        h.events.count("InjectedEngineCrashLooping"),
+        1,
+        "one Event per episode"
+    );
+    // Running for longer than the back-off window: the episode is over.
+    h.replace_pod(engine_status(
+        base.clone(),
+        json!({"name": "vllm", "ready": true, "restartCount": 4, "image": "i", "imageID": "",
+               "state": {"running": {"startedAt": started(700)}}, "lastState": failed}),
+    ))
+    .await;
+    h.reconcile("kv").await;
+    assert_eq!(sr(&h.status("kv").await, "EngineCompatibility"), None);
+}
+
+#[tokio::test]
+async fn the_engine_container_is_the_one_the_adapter_wires_not_the_first() {
+    // `[log-shipper, server]`: `server` launches vLLM. A crash-looping log shipper is not the
+    // engine's problem; a crash-looping server is.
+    let cb = managed_redis("kv");
+    let h = Harness::new(vec![cb.clone()], false).await;
+    let mut p = injected_engine("vllm-abc123-y", &cb, "vllm");
+    p.spec.as_mut().unwrap().containers = serde_json::from_value(json!([
+        {"name": "log-shipper", "image": "fluent/fluent-bit:3.0", "command": ["/fluent-bit/bin/fluent-bit"]},
+        {"name": "server", "image": "vllm/vllm-openai:v0.9.1", "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"], "args": ["--model", "m"]}
+    ]))
+    .unwrap();
+    let looping = |name: &str| {
+        json!({"name": name, "ready": false, "restartCount": 5, "image": "i", "imageID": "",
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}}})
+    };
+    let ok = |name: &str| {
+        json!({"name": name, "ready": true, "restartCount": 0, "image": "i", "imageID": "",
+        "state": {"running": {}}})
+    };
+    let mut shipper_loops = p.clone();
+    shipper_loops.status = Some(
+        serde_json::from_value(json!({"phase": "Running",
+        "containerStatuses": [looping("log-shipper"), ok("server")]}))
+        .unwrap(),
+    );
+    h.add_pod(shipper_loops).await;
+    h.reconcile("kv").await;
+    assert_eq!(sr(&h.status("kv").await, "EngineCompatibility"), None);
+    let mut server_loops = p.clone();
+    server_loops.status = Some(
+        serde_json::from_value(json!({"phase": "Running",
+        "containerStatuses": [ok("log-shipper"), looping("server")]}))
+        .unwrap(),
+    );
+    h.replace_pod(server_loops).await;
+    h.reconcile("kv").await;
+    assert_eq!(
+        sr(&h.status("kv").await, "EngineCompatibility"),
+        is("False", "InjectedEngineCrashLooping")
+    );
 }
 
 #[tokio::test]

@@ -144,9 +144,38 @@ async fn followers_record_nothing() {
 }
 
 #[test]
+fn every_opt_out_the_webhook_honours_gets_skipped_by_operator() {
+    use ic_controller::admission::pod::{mutate_pod, PodWebhookConfig};
+    let cb = managed_redis("kv");
+    for v in ["yes", "on", "tRuE", " 1 ", "Y", "t"] {
+        let p = pod(
+            "engine-0",
+            &[("app", "vllm")],
+            &[("inferencecache.io/skip-inject", v)],
+        );
+        let mut doc = serde_json::to_value(&p).unwrap();
+        let out = mutate_pod(&doc, NS, &[cb.clone()], &PodWebhookConfig::default());
+        let ops = out.patch.clone().unwrap_or_default();
+        let patch: json_patch::Patch =
+            serde_json::from_value(serde_json::Value::Array(ops)).unwrap();
+        json_patch::patch(&mut doc, &patch).unwrap();
+        let admitted: k8s_openapi::api::core::v1::Pod = serde_json::from_value(doc).unwrap();
+        assert!(
+            admitted.spec.as_ref().unwrap().init_containers.is_none(),
+            "{v:?}: the webhook skips"
+        );
+        assert_eq!(decide(&admitted), PodDecision::SkippedByOperator, "{v:?}");
+    }
+    // What the webhook does not honour is not an opt-out for the Event either.
+    for v in ["no", "false", "", "maybe"] {
+        assert!(!truthy(v), "{v:?}");
+    }
+}
+
+#[test]
 fn decisions_and_truthiness() {
     assert!(truthy("true") && truthy("1") && truthy("T") && truthy("TRUE"));
-    assert!(!truthy("yes") && !truthy("false") && !truthy(""));
+    assert!(truthy("yes") && truthy("on") && !truthy("false") && !truthy(""));
     assert!(matches!(decide(&pod("x", &[], &[])), PodDecision::Skip(_)));
     assert_eq!(
         decide(&pod("x", &[], &[(BY, "ml/kv"), (BY_UID, "u")])),

@@ -851,77 +851,182 @@ fn probe_gate_off_clears_a_stale_condition() {
 
 // ---------------------------------------------------------------- engine-side advisories
 
-fn terminated(exit: i32, message: &str) -> serde_json::Value {
-    json!({"terminated": {"exitCode": exit, "message": message}})
-}
-
-#[test]
-fn kernel_check_reasons() {
-    let cases = [
-        (
-            terminated(0, "{\"loaded\": true}"),
-            "True",
-            "KernelsHealthy",
-        ),
-        (
-            terminated(
-                0,
-                "{\"loaded\": false, \"cause\": \"libcudart.so.13: cannot open\"}",
-            ),
-            "False",
-            "KernelLoadFailed",
-        ),
-        (terminated(0, ""), "Unknown", "KernelCheckError"),
-        (json!({"running": {}}), "Unknown", "KernelCheckPending"),
-    ];
-    for (state, status, reason) in cases {
-        let mut s = Sim::new(annotate(
-            managed_redis("kv"),
-            "inferencecache.io/require-kv-events",
-            "false",
-        ));
-        s.workload = Some(available(1));
-        s.pods = Some(vec![with_kernel_check(
-            pod("engine-0", &[("app", "vllm")], &[]),
-            state,
-            false,
-        )]);
-        let e = s.step();
-        assert_eq!(sr(&e.status, "EngineKernelsHealthy"), is(status, reason));
-        // Report-only never downgrades Ready.
-        assert_eq!(
-            sr(&e.status, "Ready"),
-            is("True", "BackendReady"),
-            "{reason}"
-        );
+/// A site directory for the adapter's kernel-check program: with `healthy`, an `lmcache`
+/// package holding a real compiled `c_ops` CPython extension (built here with gcc against the
+/// interpreter's own headers) and a stand-in `torch`; without, no `lmcache` at all.
+fn kernel_site(healthy: bool) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    if !healthy {
+        return dir;
     }
+    let pkg = dir.path().join("lmcache");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(pkg.join("__init__.py"), "").unwrap();
+    std::fs::write(dir.path().join("torch.py"), "").unwrap();
+    let src = dir.path().join("c_ops.c");
+    std::fs::write(
+        &src,
+        "#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"c_ops\", NULL, -1, NULL};\nPyMODINIT_FUNC PyInit_c_ops(void) { return PyModule_Create(&m); }\n",
+    )
+    .unwrap();
+    let q = |expr: &str| {
+        let o = std::process::Command::new("python3")
+            .args(["-c", &format!("import sysconfig; print({expr})")])
+            .output()
+            .expect("python3");
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let include = q("sysconfig.get_paths()['include']");
+    let suffix = q("sysconfig.get_config_var('EXT_SUFFIX')");
+    let st = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-I", &include, "-o"])
+        .arg(pkg.join(format!("c_ops{suffix}")))
+        .arg(&src)
+        .status()
+        .expect("cc");
+    assert!(
+        st.success(),
+        "building the stand-in c_ops extension (needs Python.h in {include})"
+    );
+    dir
 }
 
-#[test]
-fn strict_kernel_failure_downgrades_ready() {
+/// Runs the wired pod's `lmcache-kernel-check` container as the kubelet would — its own
+/// command and env — with `site` on PYTHONPATH; returns its exit code and the termination
+/// message it left at its env's termination-log path (redirected to a temporary file).
+fn run_kernel_check(pod: &Pod, site: &std::path::Path) -> (i32, String) {
+    let c = pod
+        .spec
+        .as_ref()
+        .unwrap()
+        .init_containers
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|c| c.name == "lmcache-kernel-check")
+        .unwrap();
+    let cmd = c.command.clone().unwrap();
+    assert_eq!(cmd[1], "-c", "{cmd:?}");
+    let log = site.join("termination-log");
+    let mut run = std::process::Command::new("python3");
+    run.args(&cmd[1..]);
+    let mut saw_log_env = false;
+    for e in c.env.iter().flatten() {
+        if let Some(v) = &e.value {
+            if e.name == "INFERENCECACHE_TERMINATION_LOG" {
+                assert_eq!(Some(v.as_str()), c.termination_message_path.as_deref());
+                saw_log_env = true;
+                run.env(&e.name, &log);
+            } else {
+                run.env(&e.name, v);
+            }
+        }
+    }
+    assert!(
+        saw_log_env,
+        "the program is told the container's terminationMessagePath"
+    );
+    let out = run.env("PYTHONPATH", site).output().expect("python3 runs");
+    let msg = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(msg.trim(), String::from_utf8_lossy(&out.stdout).trim());
+    (out.status.code().unwrap_or(-1), msg)
+}
+
+fn kernel_sim(pod: Pod) -> Evaluation {
     let mut s = Sim::new(annotate(
-        host_only("h"),
+        managed_redis("kv"),
         "inferencecache.io/require-kv-events",
         "false",
     ));
-    s.pods = Some(vec![with_kernel_check(
-        pod("engine-0", &[("app", "vllm")], &[]),
+    s.workload = Some(available(1));
+    s.pods = Some(vec![pod]);
+    s.step()
+}
+
+#[test]
+fn the_adapters_own_kernel_check_output_sets_engine_kernels_healthy() {
+    // report-only: the program always exits 0; its JSON verdict is the result.
+    for (healthy, status, reason) in [
+        (true, "True", "KernelsHealthy"),
+        (false, "False", "KernelLoadFailed"),
+    ] {
+        let wired = wired_for_kernel_check(pod("engine-0", &[("app", "vllm")], &[]), "report-only");
+        let site = kernel_site(healthy);
+        let (code, msg) = run_kernel_check(&wired, site.path());
+        assert_eq!(code, 0, "{msg}");
+        let e = kernel_sim(with_kernel_check_state(
+            wired,
+            json!({"terminated": {"exitCode": code, "message": msg}}),
+        ));
+        assert_eq!(
+            sr(&e.status, "EngineKernelsHealthy"),
+            is(status, reason),
+            "{msg}"
+        );
+        // Report-only never downgrades Ready.
+        assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"));
+        if !healthy {
+            let m = &cond(&e.status, "EngineKernelsHealthy").unwrap().message;
+            assert!(m.contains("lmcache is not importable"), "{m}");
+        }
+    }
+    // No message (logs lost) from a report-only check: not a verdict.
+    let wired = wired_for_kernel_check(pod("engine-0", &[("app", "vllm")], &[]), "report-only");
+    let e = kernel_sim(with_kernel_check_state(
+        wired.clone(),
+        json!({"terminated": {"exitCode": 0, "message": ""}}),
+    ));
+    assert_eq!(
+        sr(&e.status, "EngineKernelsHealthy"),
+        is("Unknown", "KernelCheckError")
+    );
+    let e = kernel_sim(with_kernel_check_state(wired, json!({"running": {}})));
+    assert_eq!(
+        sr(&e.status, "EngineKernelsHealthy"),
+        is("Unknown", "KernelCheckPending")
+    );
+}
+
+#[test]
+fn a_strict_kernel_failure_downgrades_ready_from_the_adapters_env_alone() {
+    let wired = wired_for_kernel_check(pod("engine-0", &[("app", "vllm")], &[]), "strict");
+    // The pod carries no mode annotation: strictness is the env the adapter rendered.
+    assert!(!wired
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key("inferencecache.io/lmcache-kernel-check")));
+    let site = kernel_site(false);
+    let (code, msg) = run_kernel_check(&wired, site.path());
+    assert_eq!(code, 1, "strict exits non-zero on failure: {msg}");
+    // The init container restarts: the failure is in lastState.
+    let mut p = with_kernel_check_state(
+        wired.clone(),
         json!({"waiting": {"reason": "CrashLoopBackOff"}}),
-        true,
-    )]);
-    // The failure is in lastState while the init container restarts.
-    let mut p = s.pods.clone().unwrap().remove(0);
+    );
     let mut st = serde_json::to_value(p.status.take().unwrap()).unwrap();
     st["initContainerStatuses"][0]["lastState"] =
-        json!({"terminated": {"exitCode": 1, "message": "failed: libcudart.so.13"}});
+        json!({"terminated": {"exitCode": code, "message": msg}});
     p.status = Some(serde_json::from_value(st).unwrap());
-    s.pods = Some(vec![p]);
-    let e = s.step();
+    let e = kernel_sim(p);
     assert_eq!(
         sr(&e.status, "EngineKernelsHealthy"),
         is("False", "KernelLoadFailed")
     );
     assert_eq!(sr(&e.status, "Ready"), is("False", "EngineKernelDegraded"));
+    // Strict success: exit 0, Healthy, Ready untouched.
+    let site = kernel_site(true);
+    let (code, msg) = run_kernel_check(&wired, site.path());
+    assert_eq!(code, 0, "{msg}");
+    let e = kernel_sim(with_kernel_check_state(
+        wired,
+        json!({"terminated": {"exitCode": code, "message": msg}}),
+    ));
+    assert_eq!(
+        sr(&e.status, "EngineKernelsHealthy"),
+        is("True", "KernelsHealthy")
+    );
+    assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"));
 }
 
 #[test]
@@ -973,6 +1078,22 @@ fn t2_degraded_follows_the_hit_rate_and_is_absent_until_exercised() {
             .as_deref(),
         Some("0.25")
     );
+    assert_eq!(sr(&e.status, "T2Degraded"), is("False", "T2Serving"));
+
+    // One reload in 30 000 queries is a tier that serves, not a dead one.
+    let mut r = replica("engine-0", 10, T0 * 1000);
+    r.t2_queries = Some(30_000);
+    r.t2_hits = Some(1);
+    s.replicas = Ok(vec![r]);
+    let e = s.step();
+    let rate = e
+        .status
+        .index_participation
+        .as_ref()
+        .unwrap()
+        .t2_hit_rate
+        .clone();
+    assert_eq!(rate.as_deref(), Some("0.0000333"));
     assert_eq!(sr(&e.status, "T2Degraded"), is("False", "T2Serving"));
 }
 

@@ -48,6 +48,40 @@ pub const KERNEL_CHECK_CONTAINER: &str = "lmcache-kernel-check";
 /// Env var on the kernel-check container carrying its mode (`report-only` | `strict`); the
 /// controller reads each pod's admitted mode from it.
 pub const ENV_KERNEL_CHECK_MODE: &str = "INFERENCECACHE_KERNEL_CHECK_MODE";
+/// Env var on the kernel-check container naming the file the verdict goes to: the container's
+/// own `terminationMessagePath` ([`KERNEL_CHECK_TERMINATION_PATH`]), so the program and the
+/// kubelet agree on one path.
+pub const ENV_TERMINATION_LOG: &str = "INFERENCECACHE_TERMINATION_LOG";
+/// The kernel-check container's `terminationMessagePath` (the Kubernetes default, set explicitly).
+pub const KERNEL_CHECK_TERMINATION_PATH: &str = "/dev/termination-log";
+/// The strict kernel-check mode: a failed load exits non-zero (and downgrades Ready).
+pub const KERNEL_CHECK_STRICT: &str = "strict";
+/// The report-only kernel-check mode: the check always exits 0; the verdict is its message.
+pub const KERNEL_CHECK_REPORT_ONLY: &str = "report-only";
+
+/// The verdict [`KERNEL_CHECK_PROGRAM`] writes to the termination log (and stdout):
+/// `{"kernelsHealthy": bool, "mode": "report-only"|"strict", "detail": "…"}`. The CacheBackend
+/// reconciler reads exactly this (EngineKernelsHealthy); the adapter's program and this type are
+/// the one definition of the format, and a test runs the program to keep them together.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KernelCheckVerdict {
+    /// True when `lmcache.c_ops` loaded.
+    pub kernels_healthy: bool,
+    /// The mode the check ran in.
+    #[serde(default)]
+    pub mode: Option<String>,
+    /// What was loaded, or why it failed.
+    #[serde(default)]
+    pub detail: Option<String>,
+}
+
+impl KernelCheckVerdict {
+    /// Parses a termination message; `None` when it is not a verdict.
+    pub fn parse(message: &str) -> Option<Self> {
+        serde_json::from_str(message.trim()).ok()
+    }
+}
 
 /// The Python program of the kernel check: force-loads `lmcache.c_ops` from disk without importing
 /// the `lmcache` package (whose import swaps in a fallback shim on failure), writes a JSON verdict
@@ -57,7 +91,7 @@ mode = os.environ.get("INFERENCECACHE_KERNEL_CHECK_MODE", "report-only")
 def report(ok, detail):
     msg = json.dumps({"kernelsHealthy": ok, "mode": mode, "detail": detail})
     try:
-        with open("/dev/termination-log", "w") as f:
+        with open(os.environ.get("INFERENCECACHE_TERMINATION_LOG", "/dev/termination-log"), "w") as f:
             f.write(msg)
     except OSError:
         pass
@@ -141,6 +175,7 @@ fn kernel_check_container(
     let mut env = vec![
         env_var(ENV_COMPONENT, KERNEL_CHECK_CONTAINER),
         env_var(ENV_KERNEL_CHECK_MODE, mode),
+        env_var(ENV_TERMINATION_LOG, KERNEL_CHECK_TERMINATION_PATH),
     ];
     // The interpreter must find the same packages the engine does.
     for name in ["PATH", "PYTHONPATH", "LD_LIBRARY_PATH"] {
@@ -176,6 +211,7 @@ fn kernel_check_container(
             ])),
             ..Default::default()
         }),
+        termination_message_path: Some(KERNEL_CHECK_TERMINATION_PATH.to_string()),
         termination_message_policy: Some("FallbackToLogsOnError".to_string()),
         security_context: engine_image_security_context(engine),
         ..Default::default()

@@ -61,7 +61,7 @@ pub const ANNOTATION_INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid"
 /// Pod annotation stamped when the operator opted out with [`ANNOTATION_SKIP_INJECT`].
 pub const ANNOTATION_INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
 /// Pod annotation by which an operator opts a pod out of wiring (truthy value).
-pub const ANNOTATION_SKIP_INJECT: &str = "inferencecache.io/skip-inject";
+pub const ANNOTATION_SKIP_INJECT: &str = crate::reconcile::annotations::SKIP_INJECT;
 /// Value of [`ANNOTATION_INJECT_SKIPPED`].
 pub const SKIPPED_BY_OPERATOR: &str = "skip-inject-annotation";
 /// `PodOutcome::reason` of a wired pod.
@@ -160,12 +160,7 @@ pub fn mutate_pod<B: Borrow<CacheBackend>>(
     })
 }
 
-fn truthy(v: &str) -> bool {
-    matches!(
-        v.trim().to_ascii_lowercase().as_str(),
-        "true" | "t" | "1" | "yes" | "y" | "on"
-    )
-}
+use crate::reconcile::annotations::is_truthy as truthy;
 
 fn annotations(pod: &mut Pod) -> &mut BTreeMap<String, String> {
     pod.metadata.annotations.get_or_insert_with(BTreeMap::new)

@@ -56,10 +56,8 @@ pub enum PodDecision {
     SkippedByOperator,
 }
 
-/// Go's `strconv.ParseBool` truthy spellings.
-pub fn truthy(v: &str) -> bool {
-    matches!(v.trim(), "1" | "t" | "T" | "true" | "TRUE" | "True")
-}
+/// The skip-inject truthiness, the Pod webhook's own (`annotations::is_truthy`).
+pub use crate::reconcile::annotations::is_truthy as truthy;
 
 /// Decides from the pod's annotations alone (pure).
 pub fn decide(pod: &Pod) -> PodDecision {

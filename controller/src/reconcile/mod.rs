@@ -43,9 +43,20 @@ pub mod annotations {
     pub const REQUIRE_KV_EVENTS: &str = "inferencecache.io/require-kv-events";
     /// On CacheBackends: `"true"` bypasses the functional probe (FunctionalProbeOK=ProbeBypassed).
     pub const SKIP_FUNCTIONAL_PROBE: &str = "inferencecache.io/skip-functional-probe";
-    /// On CacheBackends (admission) and engine pods (the admitted mode): `auto`, `report-only`,
-    /// `strict`, `off`.
+    /// On CacheBackends (admission): `auto`, `report-only`, `strict`, `off`. A pod's admitted
+    /// mode is its kernel-check container's env, not an annotation
+    /// (`crate::adapters::vllm_lmcache::ENV_KERNEL_CHECK_MODE`).
     pub const LMCACHE_KERNEL_CHECK: &str = "inferencecache.io/lmcache-kernel-check";
     /// On engine Deployments' pod templates: patched to the cascade time to roll the engines.
     pub const CACHE_SERVER_RESTART_TRIGGER: &str = "inferencecache.io/cache-server-restart-trigger";
+
+    /// The one truthiness of boolean-ish annotation values (`skip-inject`), used by the Pod
+    /// webhook and the engine-pod reconciler alike: `true`, `t`, `1`, `yes`, `y`, `on`, any
+    /// case, surrounding spaces ignored.
+    pub fn is_truthy(v: &str) -> bool {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "true" | "t" | "1" | "yes" | "y" | "on"
+        )
+    }
 }

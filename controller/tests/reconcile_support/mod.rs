@@ -117,7 +117,8 @@ pub fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) ->
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"),
                      "labels": labels, "annotations": annotations},
-        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.9.1"}]},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.9.1",
+                                 "command": ["vllm", "serve", "facebook/opt-125m"]}]},
     }))
     .unwrap()
 }
@@ -158,23 +159,34 @@ pub fn crash_looping(mut p: Pod) -> Pod {
     p
 }
 
-/// Adds a `lmcache-kernel-check` init container to `p` and sets its state (`state` is the
-/// ContainerState JSON); `strict` stamps the admitted mode annotation.
-pub fn with_kernel_check(mut p: Pod, state: Value, strict: bool) -> Pod {
-    let spec = p.spec.as_mut().unwrap();
-    spec.init_containers = Some(vec![serde_json::from_value(
-        json!({"name": "lmcache-kernel-check", "image": "vllm/vllm-openai:v0.9.1"}),
-    )
-    .unwrap()]);
-    if strict {
-        p.metadata
-            .annotations
-            .get_or_insert_with(BTreeMap::new)
-            .insert(
-                "inferencecache.io/lmcache-kernel-check".to_string(),
-                "strict".to_string(),
-            );
-    }
+/// Wires `p` through the real Pod webhook for a host-only backend annotated
+/// `inferencecache.io/lmcache-kernel-check: <mode>` (`strict` or `report-only`), so its
+/// `lmcache-kernel-check` init container is the adapter's own (program, env names, mode).
+pub fn wired_for_kernel_check(p: Pod, mode: &str) -> Pod {
+    use ic_controller::admission::pod::{mutate_pod, PodWebhookConfig};
+    let cb = annotate(
+        host_only("kc"),
+        "inferencecache.io/lmcache-kernel-check",
+        mode,
+    );
+    let mut v = serde_json::to_value(&p).unwrap();
+    let out = mutate_pod(&v, NS, &[cb], &PodWebhookConfig::default());
+    let ops = out
+        .patch
+        .unwrap_or_else(|| panic!("not wired: {}", out.reason));
+    let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).unwrap();
+    json_patch::patch(&mut v, &patch).unwrap();
+    let wired: Pod = serde_json::from_value(v).unwrap();
+    assert!(wired
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .is_some_and(|ics| ics.iter().any(|c| c.name == "lmcache-kernel-check")));
+    wired
+}
+
+/// Sets the state of the pod's kernel-check init container (`state` is the ContainerState JSON).
+pub fn with_kernel_check_state(mut p: Pod, state: Value) -> Pod {
     let mut status = p
         .status
         .take()
@@ -186,6 +198,12 @@ pub fn with_kernel_check(mut p: Pod, state: Value, strict: bool) -> Pod {
     }]);
     p.status = Some(serde_json::from_value(status).unwrap());
     p
+}
+
+/// [`wired_for_kernel_check`] (`strict` or `report-only`) with the init container in `state`.
+pub fn with_kernel_check(p: Pod, state: Value, strict: bool) -> Pod {
+    let mode = if strict { "strict" } else { "report-only" };
+    with_kernel_check_state(wired_for_kernel_check(p, mode), state)
 }
 
 /// A Ready cache-server pod of backend `cb_name` for provider `slug` (`redis`, …).

@@ -7,13 +7,23 @@
 //!
 //! # Kernel-check contract
 //!
-//! The `lmcache-kernel-check` init container (injected by the vLLM+LMCache adapter) reports
-//! through its termination message: JSON `{"loaded": true}` / `{"loaded": false, "cause":
-//! "…"}`, or a first line `ok` / `failed: <cause>`. In strict mode (pod annotation
-//! `inferencecache.io/lmcache-kernel-check: strict`, or the init container's env
-//! `LMCACHE_KERNEL_CHECK_MODE=strict`) a failure exits non-zero, so a non-zero exit without a
-//! message is a failure and a zero exit without one is success; in report-only mode the
-//! detector always exits 0 and the message is the only result (none → KernelCheckError).
+//! The `lmcache-kernel-check` init container (rendered by the vLLM+LMCache adapter,
+//! [`crate::adapters::vllm_lmcache`]) reports through its termination message, the adapter's
+//! [`KernelCheckVerdict`] JSON `{"kernelsHealthy": …, "mode": …, "detail": …}`. Its mode is the
+//! init container's env [`ENV_KERNEL_CHECK_MODE`] as the adapter rendered it (or the verdict's
+//! `mode`). In strict mode a failure exits non-zero, so a non-zero exit without a message is a
+//! failure and a zero exit without one is success; in report-only mode the check always exits 0
+//! and the message is the only result (none → KernelCheckError).
+//!
+//! # Engine container and crash loops
+//!
+//! The engine container is the one the adapters wire ([`select_engine_by_command`]: the
+//! container whose command launches the runtime), never a guess by name. It is crash-looping
+//! across its whole back-off cycle: while waiting in `CrashLoopBackOff`, and also between
+//! back-offs — waiting in another reason, or running for less than [`CRASH_LOOP_WINDOW_SECS`] —
+//! whenever it restarted at least [`CRASH_LOOP_MIN_RESTARTS`] times and its last run ended in
+//! failure (non-zero exit). The kubelet resets its back-off after 10 minutes of running, and so
+//! does this rule.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -22,13 +32,18 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 
 use super::index_view::selector_matches;
-use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, LMCACHE_KERNEL_CHECK};
+use crate::adapters::select_engine_by_command;
+use crate::adapters::vllm_lmcache::{
+    KernelCheckVerdict, ENV_KERNEL_CHECK_MODE, KERNEL_CHECK_CONTAINER, KERNEL_CHECK_STRICT,
+};
+use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID};
 use crate::reconcile::render::LABEL_BACKEND;
 
-/// Name of the kernel-check init container.
-pub const KERNEL_CHECK_CONTAINER: &str = "lmcache-kernel-check";
-/// Env var on the kernel-check init container naming its mode (`strict`, `report-only`).
-pub const KERNEL_CHECK_MODE_ENV: &str = "LMCACHE_KERNEL_CHECK_MODE";
+/// Restarts before a failing container counts as crash-looping between back-offs.
+pub const CRASH_LOOP_MIN_RESTARTS: i32 = 2;
+/// A container running this long after a failed restart no longer counts as crash-looping (the
+/// kubelet's back-off reset).
+pub const CRASH_LOOP_WINDOW_SECS: i64 = 600;
 
 /// `matchedEnginePods` / `engineSelectorMessage` and the requeue hint they imply.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -156,37 +171,64 @@ pub fn engine_pods<'a>(cb: &CacheBackend, pods: &'a [Pod]) -> Vec<&'a Pod> {
         .collect()
 }
 
-/// The engine container of a pod: the one named `vllm` or `sglang`, else the first.
-pub fn engine_container_name(pod: &Pod) -> Option<&str> {
-    let containers = &pod.spec.as_ref()?.containers;
-    containers
-        .iter()
-        .find(|c| c.name == "vllm" || c.name == "sglang")
-        .or_else(|| containers.first())
+/// The engine container of a pod for `cb`'s runtime: the one the adapters wire
+/// ([`select_engine_by_command`]); `None` when none or several qualify.
+pub fn engine_container_name<'a>(cb: &CacheBackend, pod: &'a Pod) -> Option<&'a str> {
+    let i = select_engine_by_command(pod, cb.spec.runtime).ok()?;
+    pod.spec
+        .as_ref()?
+        .containers
+        .get(i)
         .map(|c| c.name.as_str())
 }
 
-/// Names (sorted) of pods injected by `cb` whose engine container is in CrashLoopBackOff.
-pub fn crash_looping_injected(cb: &CacheBackend, pods: &[Pod]) -> Vec<String> {
+/// True when a container status shows a crash loop at `now_s` (unix seconds; see the module
+/// docs).
+pub fn is_crash_looping(c: &k8s_openapi::api::core::v1::ContainerStatus, now_s: i64) -> bool {
+    let state = c.state.as_ref();
+    let waiting = state.and_then(|s| s.waiting.as_ref());
+    if waiting.and_then(|w| w.reason.as_deref()) == Some("CrashLoopBackOff") {
+        return true;
+    }
+    let last_failed = c
+        .last_state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+        .is_some_and(|t| t.exit_code != 0);
+    if c.restart_count < CRASH_LOOP_MIN_RESTARTS || !last_failed {
+        return false;
+    }
+    if waiting.is_some() {
+        return true;
+    }
+    match state.and_then(|s| s.running.as_ref()) {
+        Some(r) => r
+            .started_at
+            .as_ref()
+            .is_some_and(|t| now_s - t.0.as_second() < CRASH_LOOP_WINDOW_SECS),
+        // Terminated again (failed) and not yet restarted: still in the loop.
+        None => state
+            .and_then(|s| s.terminated.as_ref())
+            .is_some_and(|t| t.exit_code != 0),
+    }
+}
+
+/// Names (sorted) of pods injected by `cb` whose engine container is crash-looping at `now_s`
+/// (unix seconds).
+pub fn crash_looping_injected(cb: &CacheBackend, pods: &[Pod], now_s: i64) -> Vec<String> {
     let mut out: Vec<String> = pods
         .iter()
         .filter(|p| injected_by(p, cb))
         .filter(|p| {
-            let Some(engine) = engine_container_name(p) else {
+            let Some(engine) = engine_container_name(cb, p) else {
                 return false;
             };
             p.status
                 .as_ref()
                 .and_then(|s| s.container_statuses.as_ref())
                 .is_some_and(|cs| {
-                    cs.iter().any(|c| {
-                        c.name == engine
-                            && c.state
-                                .as_ref()
-                                .and_then(|s| s.waiting.as_ref())
-                                .and_then(|w| w.reason.as_deref())
-                                == Some("CrashLoopBackOff")
-                    })
+                    cs.iter()
+                        .any(|c| c.name == engine && is_crash_looping(c, now_s))
                 })
         })
         .filter_map(|p| p.metadata.name.clone())
@@ -219,47 +261,25 @@ pub struct KernelCheck {
     pub strict: bool,
 }
 
-fn parse_message(msg: &str) -> Option<KernelResult> {
-    let msg = msg.trim();
-    if msg.is_empty() {
-        return None;
-    }
-    if let Ok(v) = serde_json::from_str::<serde_json::Value>(msg) {
-        let cause = ["cause", "error", "reason", "message"]
-            .iter()
-            .find_map(|k| v.get(*k).and_then(|c| c.as_str()))
-            .unwrap_or("lmcache c_ops failed to load")
-            .to_string();
-        return match v.get("loaded").and_then(|l| l.as_bool()) {
-            Some(true) => Some(KernelResult::Healthy),
-            Some(false) => Some(KernelResult::Failed(cause)),
-            None => match v.get("status").and_then(|s| s.as_str()) {
-                Some("ok") => Some(KernelResult::Healthy),
-                Some("failed") => Some(KernelResult::Failed(cause)),
-                _ => None,
-            },
-        };
-    }
-    let first = msg.lines().next().unwrap_or_default().trim();
-    let lower = first.to_ascii_lowercase();
-    if lower == "ok" || lower == "loaded" || lower == "healthy" {
-        return Some(KernelResult::Healthy);
-    }
-    for prefix in ["failed:", "fail:", "failed"] {
-        if lower.starts_with(prefix) {
-            let cause = first[prefix.len()..].trim();
-            return Some(KernelResult::Failed(if cause.is_empty() {
-                "lmcache c_ops failed to load".to_string()
-            } else {
-                cause.to_string()
-            }));
-        }
-    }
-    None
+/// The verdict of a termination message (the adapter's [`KernelCheckVerdict`]), with the mode
+/// it names.
+fn parse_message(msg: &str) -> Option<(KernelResult, Option<String>)> {
+    let v = KernelCheckVerdict::parse(msg)?;
+    let detail = v
+        .detail
+        .clone()
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| "lmcache c_ops failed to load".to_string());
+    let r = if v.kernels_healthy {
+        KernelResult::Healthy
+    } else {
+        KernelResult::Failed(detail)
+    };
+    Some((r, v.mode))
 }
 
 fn from_terminated(t: &ContainerStateTerminated, strict: bool) -> KernelResult {
-    if let Some(r) = t.message.as_deref().and_then(parse_message) {
+    if let Some((r, _)) = t.message.as_deref().and_then(parse_message) {
         return r;
     }
     match (strict, t.exit_code) {
@@ -271,13 +291,9 @@ fn from_terminated(t: &ContainerStateTerminated, strict: bool) -> KernelResult {
     }
 }
 
+/// Whether the pod's kernel check runs strict: the mode the adapter rendered into the init
+/// container's env, or the mode its verdict reports.
 fn is_strict(pod: &Pod) -> bool {
-    let by_annotation = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(LMCACHE_KERNEL_CHECK))
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("strict"));
     let by_env = pod
         .spec
         .as_ref()
@@ -286,13 +302,25 @@ fn is_strict(pod: &Pod) -> bool {
         .and_then(|c| c.env.as_ref())
         .is_some_and(|env| {
             env.iter().any(|e| {
-                e.name == KERNEL_CHECK_MODE_ENV
+                e.name == ENV_KERNEL_CHECK_MODE
                     && e.value
                         .as_deref()
-                        .is_some_and(|v| v.trim().eq_ignore_ascii_case("strict"))
+                        .is_some_and(|v| v.trim().eq_ignore_ascii_case(KERNEL_CHECK_STRICT))
             })
         });
-    by_annotation || by_env
+    let by_verdict = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_ref())
+        .and_then(|ss| ss.iter().find(|c| c.name == KERNEL_CHECK_CONTAINER))
+        .and_then(|cs| {
+            let st = cs.state.as_ref().and_then(|s| s.terminated.as_ref());
+            let last = cs.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+            st.or(last)?.message.as_deref().and_then(parse_message)
+        })
+        .and_then(|(_, mode)| mode)
+        .is_some_and(|m| m == KERNEL_CHECK_STRICT);
+    by_env || by_verdict
 }
 
 /// The kernel check of each pod that runs one (pods without the init container are skipped).
@@ -383,21 +411,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kernel_messages() {
+    fn kernel_messages_are_the_adapters_verdicts() {
         assert_eq!(
-            parse_message("{\"loaded\": true}"),
-            Some(KernelResult::Healthy)
+            parse_message(
+                r#"{"kernelsHealthy": true, "mode": "report-only", "detail": "lmcache.c_ops loaded from /x"}"#
+            ),
+            Some((KernelResult::Healthy, Some("report-only".into())))
         );
         assert_eq!(
-            parse_message("{\"loaded\": false, \"cause\": \"libcudart.so.13\"}"),
-            Some(KernelResult::Failed("libcudart.so.13".to_string()))
+            parse_message(
+                r#"{"kernelsHealthy": false, "mode": "strict", "detail": "ImportError: libcudart.so.13"}"#
+            ),
+            Some((
+                KernelResult::Failed("ImportError: libcudart.so.13".to_string()),
+                Some("strict".into())
+            ))
         );
-        assert_eq!(parse_message("ok\n"), Some(KernelResult::Healthy));
-        assert_eq!(
-            parse_message("failed: no module named lmcache"),
-            Some(KernelResult::Failed("no module named lmcache".to_string()))
-        );
-        assert_eq!(parse_message("garbage"), None);
+        // Formats nothing renders are not verdicts.
+        assert_eq!(parse_message(r#"{"loaded": true}"#), None);
+        assert_eq!(parse_message("ok"), None);
         assert_eq!(parse_message(""), None);
     }
 

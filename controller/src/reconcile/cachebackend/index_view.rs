@@ -180,15 +180,27 @@ pub fn owning_backend(pod: &Pod, backends: &[CacheBackend]) -> Option<String> {
         .and_then(|b| b.metadata.name.clone())
 }
 
-/// Formats a rate in [0,1] as a short decimal (`0`, `0.25`, `1`).
-pub fn format_rate(rate: f64) -> String {
-    let r = rate.clamp(0.0, 1.0);
-    let s = format!("{r:.4}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    if s.is_empty() {
-        "0".to_string()
-    } else {
-        s.to_string()
+/// Formats `hits / queries` as a short decimal that never lies at the ends: `"0"` only for
+/// exactly zero hits, `"1"` only for hits = queries; otherwise four decimals, or as many more
+/// as it takes to keep three significant digits of a small rate (1 in 30 000 → `"0.0000333"`)
+/// or of the distance to 1 (29 999 in 30 000 → `"0.9999667"`), at most 15 (a rate below
+/// 1e-15 reads `"0.000000000000001"`). `queries` = 0 gives `"0"`.
+pub fn format_rate(hits: u64, queries: u64) -> String {
+    if hits == 0 || queries == 0 {
+        return "0".to_string();
+    }
+    if hits >= queries {
+        return "1".to_string();
+    }
+    let r = hits as f64 / queries as f64;
+    let digits = |x: f64| -> usize { ((-x.log10()).floor().clamp(0.0, 20.0) as usize) + 3 };
+    let decimals = digits(r).max(digits(1.0 - r)).clamp(4, 15);
+    let s = format!("{r:.decimals$}");
+    match s.trim_end_matches('0').trim_end_matches('.') {
+        // Below what 15 decimals show: the smallest non-zero value, never "0".
+        "0" => "0.000000000000001".to_string(),
+        "1" => "0.999999999999999".to_string(),
+        t => t.to_string(),
     }
 }
 
@@ -252,7 +264,7 @@ pub fn participation(
         });
     }
     let t2_hit_rate = if queries > 0 {
-        Some(format_rate(hits as f64 / queries as f64))
+        Some(format_rate(hits, queries))
     } else {
         prior.and_then(|p| p.t2_hit_rate.clone())
     };
@@ -277,11 +289,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rates_format_short() {
-        assert_eq!(format_rate(0.0), "0");
-        assert_eq!(format_rate(0.25), "0.25");
-        assert_eq!(format_rate(1.0), "1");
-        assert_eq!(format_rate(1.0 / 3.0), "0.3333");
+    fn rates_format_short_and_never_round_to_the_ends() {
+        assert_eq!(format_rate(0, 10), "0");
+        assert_eq!(format_rate(0, 0), "0");
+        assert_eq!(format_rate(1, 4), "0.25");
+        assert_eq!(format_rate(4, 4), "1");
+        assert_eq!(format_rate(1, 3), "0.3333");
+        // 1 reload in 30 000 queries is not a dead tier, and 29 999 is not a perfect one.
+        assert_eq!(format_rate(1, 30_000), "0.0000333");
+        assert_eq!(format_rate(29_999, 30_000), "0.9999667");
+        assert_eq!(format_rate(1, u64::MAX), "0.000000000000001");
+        assert_eq!(format_rate(u64::MAX - 1, u64::MAX), "0.999999999999999");
+        for (h, q) in [
+            (1u64, 30_000u64),
+            (1, 1_000_000_000),
+            (999_999_999, 1_000_000_000),
+        ] {
+            let v: f64 = format_rate(h, q).parse().unwrap();
+            assert!(v > 0.0 && v < 1.0, "{h}/{q} -> {v}");
+        }
     }
 
     #[test]

@@ -899,7 +899,7 @@ pub fn evaluate(
                             );
                         }
 
-                        let looping = engine::crash_looping_injected(cb, pods);
+                        let looping = engine::crash_looping_injected(cb, pods, obs.now.as_second());
                         if looping.is_empty() {
                             w.remove(cond::ENGINE_COMPATIBILITY);
                         } else {
@@ -909,7 +909,7 @@ pub fn evaluate(
                                     ConditionStatus::False,
                                     reason::INJECTED_ENGINE_CRASH_LOOPING,
                                     format!(
-                                        "Injected engine pod(s) {} are in CrashLoopBackOff after \
+                                        "Injected engine pod(s) {} are crash-looping after \
                                          KV-connector injection. Check the engine logs; if the model \
                                          is hybrid-attention, set spec.integration.mode: EventsOnly.",
                                         looping.join(", ")
