@@ -390,12 +390,14 @@ fn main() -> anyhow::Result<()> {
 async fn run(a: RunArgs) -> anyhow::Result<()> {
     let plan = a.common.plan()?;
     let node = a.common.node();
-    let state = ic_agent::state::AgentState::new(node, plan)?;
-    if let Some(dir) = &a.state_dir {
-        let dir = ic_agent::kv::persist::StateDir::open(dir)
-            .with_context(|| format!("--state-dir {}", dir.display()))?;
-        state.hub.set_state_dir(dir);
-    }
+    let state_dir = match &a.state_dir {
+        Some(dir) => Some(
+            ic_agent::kv::persist::StateDir::open(dir)
+                .with_context(|| format!("--state-dir {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let state = ic_agent::state::AgentState::with_state_dir(node, plan, state_dir)?;
     let link = match &a.controller {
         Some(url) => {
             let mut cfg = ic_agent::link::LinkConfig::new(url.clone());

@@ -165,9 +165,22 @@ pub struct AgentState {
 impl AgentState {
     /// Fresh state for `node` with an initial plan.
     pub fn new(node: String, plan: NodePlan) -> Result<Arc<Self>, prometheus::Error> {
+        Self::with_state_dir(node, plan, None)
+    }
+
+    /// Like [`new`](Self::new), keeping KV stream state in `state_dir` across agent restarts
+    /// (`--state-dir`): the first plan's streams already start from their kept state.
+    pub fn with_state_dir(
+        node: String,
+        plan: NodePlan,
+        state_dir: Option<crate::kv::persist::StateDir>,
+    ) -> Result<Arc<Self>, prometheus::Error> {
         let metrics = AgentMetrics::new()?;
         let hub = KvHub::new(&metrics.registry)?;
         let engine_counters = EngineCounters::new(&metrics.registry)?;
+        if let Some(dir) = state_dir {
+            hub.set_state_dir(dir);
+        }
         hub.apply_plan(&plan);
         Ok(Arc::new(AgentState {
             node,

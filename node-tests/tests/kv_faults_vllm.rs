@@ -208,10 +208,8 @@ fn start_agent(
             .build()
             .unwrap();
         let running = rt.block_on(async {
-            let state = AgentState::new(NODE.into(), plan).unwrap();
-            if let Some(d) = &state_dir {
-                state.hub.set_state_dir(StateDir::open(d).unwrap());
-            }
+            let dir = state_dir.as_deref().map(|d| StateDir::open(d).unwrap());
+            let state = AgentState::with_state_dir(NODE.into(), plan, dir).unwrap();
             let mut link = LinkConfig::new(format!("http://{grpc}"));
             link.backoff_initial = Duration::from_millis(100);
             link.backoff_max = Duration::from_millis(300);

@@ -43,8 +43,15 @@ struct StreamEntry {
     shared: Arc<StreamShared>,
     /// `None` while no tokio runtime was available to start it (retried on the next plan).
     running: Option<Running>,
-    /// `(last seq, delta seq, coverage)` at the last save: unchanged streams are not written.
-    saved: Option<(Option<u64>, u64, ic_shared::kv::Coverage)>,
+    /// The last save: unchanged streams are not written again.
+    saved: Option<SaveMark>,
+}
+
+/// What a stream looked like when it was last kept, and when.
+#[derive(Debug, Clone, Copy)]
+struct SaveMark {
+    key: (Option<u64>, u64, ic_shared::kv::Coverage),
+    at: std::time::Instant,
 }
 
 /// Per-stream status for `/v1/report` (JSON, camelCase).
@@ -195,6 +202,11 @@ impl KvHub {
     fn restore(&self, shared: &StreamShared) {
         let Some(dir) = self.state_dir() else { return };
         let id = &shared.spec.descriptor.stream_id;
+        if shared.spec.replay_endpoint.is_none() {
+            // Nothing could verify a kept state against the engine: start fresh.
+            dir.remove(id);
+            return;
+        }
         match dir.load(&shared.spec) {
             Ok(Some(mut st)) => {
                 st.set_link(LinkState::Disconnected);
@@ -219,27 +231,53 @@ impl KvHub {
         let Some(dir) = self.state_dir() else {
             return 0;
         };
-        // Take the records under each stream's lock, write them outside it.
-        let mut todo = Vec::new();
-        {
-            let mut streams = self.streams();
-            for entry in streams.values_mut() {
-                let g = entry.shared.lock();
+        // The hub's map is held only to list the streams; each stream's records are taken
+        // under its own lock alone, and written with no lock held.
+        let listed: Vec<(String, Arc<StreamShared>, Option<SaveMark>)> = self
+            .streams()
+            .iter()
+            .map(|(id, e)| (id.clone(), e.shared.clone(), e.saved))
+            .collect();
+        let mut n = 0;
+        for (id, shared, saved) in listed {
+            if shared.spec.replay_endpoint.is_none() {
+                continue; // never restored (see `restore`)
+            }
+            let (key, blocks, records) = {
+                let g = shared.lock();
                 let key = (g.state.last_seq(), g.state.delta_seq(), g.state.coverage());
-                if g.state.last_seq().is_none() || (!all && entry.saved == Some(key)) {
+                if g.state.last_seq().is_none() {
                     continue;
                 }
-                todo.push((entry.shared.spec.clone(), g.state.to_persisted()));
-                drop(g);
-                entry.saved = Some(key);
-            }
-        }
-        let mut n = 0;
-        for (spec, p) in todo {
-            match dir.save(&spec, p) {
-                Ok(_) => n += 1,
+                let blocks = g.state.blocks_held();
+                // Large states are written less often (1 s + 1 s per 200 000 entries, at most
+                // 5 s): the replay from the kept seq covers the difference after a kill -9.
+                let due = saved.is_none_or(|m| {
+                    m.key != key
+                        && m.at.elapsed()
+                            >= std::time::Duration::from_millis(
+                                (1000 + blocks as u64 / 200).min(5000),
+                            )
+                });
+                if !all && !due {
+                    continue;
+                }
+                (key, blocks, g.state.to_persisted())
+            };
+            match dir.save(&shared.spec, records) {
+                Ok(_) => {
+                    n += 1;
+                    if let Some(e) = self.streams().get_mut(&id) {
+                        if Arc::ptr_eq(&e.shared, &shared) {
+                            e.saved = Some(SaveMark {
+                                key,
+                                at: std::time::Instant::now(),
+                            });
+                        }
+                    }
+                }
                 Err(e) => {
-                    tracing::warn!(stream = %spec.descriptor.stream_id, error = %e, "kv events: could not keep stream state")
+                    tracing::warn!(stream = %id, blocks, error = %e, "kv events: could not keep stream state")
                 }
             }
         }

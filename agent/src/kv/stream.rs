@@ -115,6 +115,9 @@ pub struct PersistedState {
     pub rank_mismatch: bool,
     /// One engine hash named two contents.
     pub collision: bool,
+    /// An event or batch could not be read.
+    #[serde(default)]
+    pub events_lost: bool,
     /// Adapter names; blocks refer to them by index.
     pub adapters: Vec<String>,
     /// `(group, engine hash, content key, adapter index or u32::MAX for a partial block, block
@@ -401,6 +404,9 @@ pub struct StreamState {
     incomplete: Option<&'static str>,
     rank_mismatch: bool,
     collision: bool,
+    /// An event or batch could not be read (undecodable, skipped by the decoder, tokens that do
+    /// not fit their hashes).
+    events_lost: bool,
     tail_unverified: bool,
     suspect: bool,
     link: LinkState,
@@ -434,6 +440,7 @@ impl StreamState {
             incomplete: None,
             rank_mismatch: false,
             collision: false,
+            events_lost: false,
             tail_unverified: false,
             suspect: false,
             link: LinkState::Up,
@@ -443,8 +450,8 @@ impl StreamState {
     }
 
     /// The stream's coverage now, by precedence: EngineDown, Disconnected, Healing, then Partial
-    /// (RankMismatch, the incomplete-history reason, HashCollision, SequenceUnverified,
-    /// TailUnverified, ParentUnknown while blocks are parked), else Exact.
+    /// (RankMismatch, the incomplete-history reason, EventsDropped, HashCollision,
+    /// SequenceUnverified, TailUnverified, ParentUnknown while blocks are parked), else Exact.
     pub fn coverage(&self) -> Coverage {
         match self.link {
             LinkState::EngineDown => {
@@ -466,6 +473,8 @@ impl StreamState {
             partial(coverage::RANK_MISMATCH)
         } else if let Some(r) = self.incomplete {
             partial(r)
+        } else if self.events_lost {
+            partial(coverage::EVENTS_DROPPED)
         } else if self.collision {
             partial(coverage::HASH_COLLISION)
         } else if self.suspect {
@@ -498,6 +507,11 @@ impl StreamState {
     /// reasons; `None` when the engine's state is known again); kept until a clear or restart.
     pub fn set_incomplete(&mut self, reason: Option<&'static str>) {
         self.incomplete = reason;
+    }
+
+    /// The incomplete-history reason, if any.
+    pub fn incomplete(&self) -> Option<&'static str> {
+        self.incomplete
     }
 
     /// Messages may have been lost after the last one received and no replay could check.
@@ -577,6 +591,7 @@ impl StreamState {
             incomplete: self.incomplete.map(str::to_string),
             rank_mismatch: self.rank_mismatch,
             collision: self.collision,
+            events_lost: self.events_lost,
             adapters,
             blocks,
             tombstones,
@@ -661,6 +676,7 @@ impl StreamState {
             .and_then(|r| coverage::REASONS.iter().copied().find(|x| *x == r));
         st.rank_mismatch = p.rank_mismatch;
         st.collision = p.collision;
+        st.events_lost = p.events_lost;
         Some(st)
     }
 
@@ -725,6 +741,9 @@ impl StreamState {
     /// Records that batch `seq` arrived but could not be decoded: the sequence advances, nothing
     /// else changes.
     pub fn note_undecodable(&mut self, seq: u64) {
+        // Whatever the batch said is lost — a removal among it would leave a block indexed that
+        // the engine no longer holds.
+        self.events_lost = true;
         self.last_seq = Some(seq);
     }
 
@@ -743,6 +762,7 @@ impl StreamState {
         // cannot know).
         self.incomplete = None;
         self.collision = false;
+        self.events_lost = false;
         self.tail_unverified = false;
     }
 
@@ -787,6 +807,7 @@ impl StreamState {
         }
         for s in &batch.skipped {
             report.dropped.add(s.error.reason(), 1);
+            self.events_lost = true;
         }
         for ev in &batch.events {
             report.events.add(ev.tag(), 1);
@@ -935,6 +956,7 @@ impl StreamState {
         };
         let Some(slices) = split_blocks(s.block_hashes.len(), &s.token_ids, bs as usize) else {
             report.dropped.add("token_mismatch", 1);
+            self.events_lost = true;
             return;
         };
         let adapter = self.adapter(s);

@@ -95,6 +95,9 @@ pub struct SubscriberOptions {
     pub replay_timeout: Duration,
     /// Most batches accepted from one replay (default 20000; engines buffer 10000).
     pub replay_max_batches: usize,
+    /// Longest a whole replay may take, however fast each reply comes (default 30 s): a
+    /// trickling endpoint cannot hold the stream in Healing.
+    pub replay_deadline: Duration,
     /// Replay from seq 0 when the first message of an engine incarnation has seq > 0 (default
     /// true).
     pub bootstrap_replay: bool,
@@ -120,6 +123,7 @@ impl Default for SubscriberOptions {
             reconnect_max: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(3),
             replay_max_batches: 20_000,
+            replay_deadline: Duration::from_secs(30),
             bootstrap_replay: true,
             idle_verify_after: Duration::from_millis(300),
             idle_verify_interval: Duration::from_secs(5),
@@ -379,6 +383,9 @@ enum Anchored {
     Other,
     /// The engine's buffer starts after our last seq: it cannot be told.
     Unverifiable,
+    /// The engine's replay holds nothing at all (buffer off or empty): it cannot be told, and
+    /// nothing was lost that a replay could give back.
+    Silent,
 }
 
 /// How a run of replies continues from `next`.
@@ -459,6 +466,8 @@ struct Processor {
     drops_at_last_live: u64,
     /// Without a replay endpoint: a held-back frame with an implausible seq.
     suspect: Option<u64>,
+    /// The attach verification failed: retried every second (and settled by an in-order frame).
+    unverified: bool,
     coverage: Option<Coverage>,
 }
 
@@ -480,6 +489,7 @@ async fn process_loop(
         tail_checked: false,
         drops_at_last_live: 0,
         suspect: None,
+        unverified: false,
         coverage: None,
     };
     p.observe();
@@ -544,6 +554,10 @@ impl Processor {
             }
         }
         self.observe();
+    }
+
+    fn set_link_disconnected(&self) {
+        self.shared.lock().state.set_link(LinkState::Disconnected);
     }
 
     /// A replay ended: Up again while the socket is connected.
@@ -660,6 +674,12 @@ impl Processor {
             let check = self.shared.lock().state.check_seq(seq);
             match check {
                 SeqCheck::InOrder => {
+                    if self.unverified {
+                        // The engine continued right after our last batch: the same stream.
+                        self.unverified = false;
+                        self.shared.lock().state.set_tail_unverified(false);
+                        self.end_healing();
+                    }
                     self.apply(seq, &payload, true);
                     return;
                 }
@@ -690,6 +710,7 @@ impl Processor {
                 SeqCheck::Restarted => {
                     tracing::info!(stream = %self.id(), seq, "kv events: engine restarted (seq went back)");
                     self.shared.lock().state.restart();
+                    self.replayed.clear();
                     self.count_clear(CLEAR_ENGINE_RESTARTED);
                     self.bootstrap(Some(seq), coverage::BOOTSTRAP_INCOMPLETE)
                         .await;
@@ -703,9 +724,23 @@ impl Processor {
     /// A new connection epoch: verify what we hold, or learn what the engine holds.
     async fn on_attach(&mut self, epoch: u64) {
         self.handled_epoch = epoch;
-        let has_state = self.shared.lock().state.last_digest().is_some();
-        if has_state {
-            self.verify(false).await;
+        let last = self.shared.lock().state.last_digest();
+        if let (Some((seq, _)), None) = (last, &self.replay_ep) {
+            // Nothing can tell whether the engine restarted while the socket was away: what we
+            // hold may include blocks it no longer has. Forget it (Partial SequenceGap).
+            tracing::warn!(stream = %self.id(), last_seq = seq, "kv events: publisher reconnected without a replay endpoint to verify it; the replica is cleared");
+            self.shared.lock().state.mark_gap(seq);
+            self.count_clear(CLEAR_SEQUENCE_GAP);
+            self.replayed.clear();
+        } else if last.is_some() {
+            if self.verify(false).await == Verdict::Failed {
+                // Unverified: the stream stays unrouted until a retry or an in-order frame
+                // proves the engine is the one we followed.
+                self.unverified = true;
+                self.last_check = Some(Instant::now());
+                self.set_link_disconnected();
+                return;
+            }
         } else if self.replay_ep.is_some() {
             self.bootstrap(None, coverage::BOOTSTRAP_INCOMPLETE).await;
         } else {
@@ -735,6 +770,21 @@ impl Processor {
         let epoch = self.shared.epoch.load(Ordering::Relaxed);
         if epoch > self.handled_epoch && queue_empty {
             self.on_attach(epoch).await;
+            return;
+        }
+        if self.unverified && queue_empty {
+            if self
+                .last_check
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+            {
+                self.last_check = Some(Instant::now());
+                if self.verify(false).await != Verdict::Failed {
+                    self.unverified = false;
+                    self.end_healing();
+                } else {
+                    self.set_link_disconnected();
+                }
+            }
             return;
         }
         let Some(last) = self.last_live else { return };
@@ -771,7 +821,14 @@ impl Processor {
         };
         let mut replies = request_replay(ep, last, upto.unwrap_or(u64::MAX), &self.opts).await?;
         let anchored = match replies.first() {
-            None => Anchored::Other,
+            // Nothing at or after our last seq. The engine keeps its newest batches, so if it
+            // holds any at all it has restarted (all of them are older than ours); if it holds
+            // none, its replay buffer is off or empty and tells nothing.
+            None => match request_replay(ep, 0, last, &self.opts).await {
+                Ok(older) if !older.is_empty() => Anchored::Other,
+                Ok(_) => Anchored::Silent,
+                Err(e) => return Err(e),
+            },
             Some((s, p)) if *s == last && xxh3_64(p) == digest => {
                 replies.remove(0);
                 Anchored::Same(replies)
@@ -811,6 +868,7 @@ impl Processor {
             Ok((last, Anchored::Other)) => {
                 tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine no longer holds the batches we applied: it restarted");
                 self.shared.lock().state.restart();
+                self.replayed.clear();
                 self.count_clear(CLEAR_ENGINE_RESTARTED);
                 self.count_replay("restart_detected");
                 self.bootstrap(None, coverage::BOOTSTRAP_INCOMPLETE).await;
@@ -820,8 +878,15 @@ impl Processor {
                 tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine's replay buffer starts after our last batch; rebuilding the replica");
                 self.shared.lock().state.clear(CLEAR_SEQUENCE_GAP);
                 self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.replayed.clear();
                 self.bootstrap(None, coverage::SEQUENCE_GAP).await;
                 Verdict::Reset
+            }
+            Ok((_, Anchored::Silent)) => {
+                self.count_replay("failed");
+                self.set_error("tail check: the engine's replay buffer is empty".into());
+                self.shared.lock().state.set_tail_unverified(true);
+                Verdict::Failed
             }
             Err(e) => {
                 self.count_replay("failed");
@@ -872,6 +937,7 @@ impl Processor {
             Ok((_, Anchored::Other)) => {
                 tracing::warn!(stream = %self.id(), seq, "kv events: the gap hides an engine restart (its replay shows another incarnation)");
                 self.shared.lock().state.restart();
+                self.replayed.clear();
                 self.count_clear(CLEAR_ENGINE_RESTARTED);
                 self.count_replay("restart_detected");
                 self.bootstrap(Some(seq), coverage::BOOTSTRAP_INCOMPLETE)
@@ -882,7 +948,18 @@ impl Processor {
                 tracing::warn!(stream = %self.id(), from, to = seq, "kv events: the gap reaches past the engine's replay buffer; rebuilding the replica");
                 self.shared.lock().state.clear(CLEAR_SEQUENCE_GAP);
                 self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.replayed.clear();
                 self.bootstrap(Some(seq), coverage::SEQUENCE_GAP).await;
+                self.apply(seq, payload, true);
+            }
+            Ok((_, Anchored::Silent)) => {
+                self.count_replay("failed");
+                self.set_error(format!(
+                    "replay from {from}: the engine's replay buffer is empty"
+                ));
+                tracing::warn!(stream = %self.id(), from, to = seq, "kv events: gap replay came back empty; the replica is cleared");
+                self.shared.lock().state.mark_gap(seq);
+                self.count_clear(CLEAR_SEQUENCE_GAP);
                 self.apply(seq, payload, true);
             }
             Err(e) => {
@@ -908,15 +985,17 @@ impl Processor {
     }
 
     fn gap_without_replay(&mut self, from: u64, seq: u64, payload: &[u8]) {
+        let mut confirmed = false;
         if let Some(held) = self.suspect {
             if held.checked_add(1) == Some(seq) {
-                // The engine's sequence really moved there.
+                // The engine's sequence really moved there: a gap after all.
                 self.suspect = None;
                 self.shared.lock().state.set_suspect(false);
+                confirmed = true;
             }
         }
         let jump = seq - from;
-        if self.suspect.is_none() && jump > self.opts.suspicious_seq_jump {
+        if !confirmed && self.suspect.is_none() && jump > self.opts.suspicious_seq_jump {
             self.suspect = Some(seq);
             self.shared.lock().state.set_suspect(true);
             record_drop(&self.shared, &self.sink, "forged_seq", 1);
@@ -938,6 +1017,7 @@ impl Processor {
         self.count_replay("truncated");
         self.shared.lock().state.clear(CLEAR_REPLAY_TRUNCATED);
         self.count_clear(CLEAR_REPLAY_TRUNCATED);
+        self.replayed.clear();
         self.bootstrap(upto, coverage::REPLAY_TRUNCATED).await;
     }
 
@@ -967,6 +1047,14 @@ impl Processor {
             return;
         }
         self.begin_healing();
+        // Until the replay proves complete, the stream is incomplete: a state saved (or an
+        // agent stopped) while it is in flight must not read Exact.
+        let before = {
+            let mut g = self.shared.lock();
+            let before = g.state.incomplete();
+            g.state.set_incomplete(Some(holes_reason));
+            before
+        };
         for attempt in 0..2 {
             let replies = match request_replay(&ep, 0, upto.unwrap_or(u64::MAX), &self.opts).await {
                 Ok(r) => r,
@@ -989,6 +1077,7 @@ impl Processor {
             };
             if complete {
                 self.apply_all(&replies);
+                self.shared.lock().state.set_incomplete(before);
                 self.count_replay("bootstrap");
                 break;
             }
@@ -996,15 +1085,16 @@ impl Processor {
                 continue;
             }
             let first = replies.first().map(|(s, _)| *s);
-            if let Some(i) = start {
-                let run: Vec<_> = replies.into_iter().skip(i).collect();
-                self.apply_all(&run);
-            }
             let reason = if holes {
                 holes_reason
             } else {
                 coverage::BOOTSTRAP_INCOMPLETE
             };
+            self.shared.lock().state.set_incomplete(Some(reason));
+            if let Some(i) = start {
+                let run: Vec<_> = replies.into_iter().skip(i).collect();
+                self.apply_all(&run);
+            }
             self.count_replay("bootstrap_incomplete");
             let msg = format!(
                 "bootstrap replay incomplete ({reason}): the engine's buffer starts at seq {first:?}{}",
@@ -1136,8 +1226,10 @@ pub async fn request_replay(
         .await
         .map_err(|e| ReplayError::Socket(e.to_string()))?;
     let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + opts.replay_deadline;
     loop {
-        let msg = tokio::time::timeout(opts.replay_timeout, sock.recv())
+        let wait = (tokio::time::Instant::now() + opts.replay_timeout).min(deadline);
+        let msg = tokio::time::timeout_at(wait, sock.recv())
             .await
             .map_err(|_| ReplayError::Timeout)?
             .map_err(|e| ReplayError::Socket(e.to_string()))?;

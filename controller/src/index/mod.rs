@@ -303,13 +303,14 @@ impl PrefixIndex {
         self.unroutable_count == 0 || !self.unroutable.get(slot as usize).copied().unwrap_or(false)
     }
 
-    /// Marks every replica of `node` as unreported (its agent's stream ended): coverage
-    /// Unknown / `AgentDisconnected` until the agent's next resync. The entries stay routable
-    /// (an agent restart is not an engine outage) until the node expires.
+    /// Marks every routable replica of `node` as unreported (its agent's stream ended):
+    /// coverage Unknown / `AgentDisconnected` until the agent's next resync. Those entries stay
+    /// routable (an agent restart is not an engine outage) until the node expires; a replica
+    /// already reported Disconnected or EngineDown stays unrouted.
     pub fn mark_node_unreported(&mut self, node: &str) {
         let slots: Vec<ReplicaSlot> = self
             .live_replicas()
-            .filter(|(_, r)| r.node == node)
+            .filter(|(_, r)| r.node == node && r.coverage.state.routable())
             .map(|(s, _)| s)
             .collect();
         for s in slots {

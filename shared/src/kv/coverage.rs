@@ -7,6 +7,8 @@
 //! The invariant behind every state but [`CoverageState::Exact`]: a replica's entries are a
 //! **subset** of the blocks its engine holds. The agent never guesses a key and never keeps an
 //! entry whose removal it may have missed; where it cannot know, it forgets and says so here.
+//! One exception says so in its name: [`EVENTS_DROPPED`] (an event that could not be read may
+//! have been a removal).
 
 use serde::Serialize;
 
@@ -109,6 +111,10 @@ pub const RANK_MISMATCH: &str = "RankMismatch";
 /// Partial: one engine hash named two different contents (a content-hash release): the older
 /// entry was dropped.
 pub const HASH_COLLISION: &str = "HashCollision";
+/// Partial: an event or batch could not be read (undecodable, skipped by the decoder, tokens
+/// that do not fit their hashes). The one Partial reason whose entries may include a block the
+/// engine removed — the removal may have been in what was lost.
+pub const EVENTS_DROPPED: &str = "EventsDropped";
 /// Partial: a frame with an implausible sequence number was held back, unverified.
 pub const SEQUENCE_UNVERIFIED: &str = "SequenceUnverified";
 /// Healing: a replay is in flight.
@@ -127,6 +133,7 @@ pub const REASONS: &[&str] = &[
     PARENT_UNKNOWN,
     RANK_MISMATCH,
     HASH_COLLISION,
+    EVENTS_DROPPED,
     SEQUENCE_UNVERIFIED,
     REPLAYING,
     PUBLISHER_DISCONNECTED,
@@ -143,6 +150,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         PARENT_UNKNOWN => "blocks are parked because their parent block was never seen",
         RANK_MISMATCH => "the engine reports another data-parallel rank than planned; nothing is indexed",
         HASH_COLLISION => "one engine hash named two different contents; the older entry was dropped",
+        EVENTS_DROPPED => "events could not be read (undecodable, unknown to this agent, or tokens that do not fit their hashes); entries may be missing or stale until the engine's cache is reset or it restarts",
         SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
         PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
         AGENT_DISCONNECTED => "the node's agent is not connected; entries are as last reported",
