@@ -682,3 +682,59 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
         assert_eq!(got, want, "key {key}");
     }
 }
+
+#[test]
+fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
+    let keys = chain(&tokens(0..16), 4);
+    for pod in ["a", "b"] {
+        ix.apply_delta("n1", &delta(pod, 1, vec![store(&keys, proto::Tier::T1, "")]))
+            .unwrap();
+    }
+    let matched = |ix: &PrefixIndex| -> Vec<(String, CoverageState)> {
+        ix.lookup(&query(&tokens(0..16)))
+            .replicas
+            .into_iter()
+            .map(|m| (m.replica, m.coverage.state))
+            .collect()
+    };
+    assert_eq!(matched(&ix).len(), 2);
+    // b's publisher is gone: a coverage-only delta makes it unroutable, entries kept.
+    let mut d = delta("b", 2, vec![]);
+    d.coverage = proto::Coverage::Disconnected as i32;
+    d.coverage_reason = coverage::PUBLISHER_DISCONNECTED.into();
+    ix.apply_delta("n1", &d).unwrap();
+    assert_eq!(matched(&ix), vec![("a".to_string(), CoverageState::Exact)]);
+    assert_eq!(ix.stream_entries("default/b#0").unwrap().len(), 4);
+    let snap = ix.snapshot();
+    let b = snap.replicas.iter().find(|r| r.replica == "b").unwrap();
+    assert_eq!((b.coverage, b.routable), ("Disconnected", false));
+    // The agent's stream drops: a stays routable (Unknown), b stays unrouted.
+    ix.mark_node_unreported("n1");
+    assert_eq!(matched(&ix), vec![("a".to_string(), CoverageState::Unknown)]);
+    assert_eq!(
+        ix.coverage_counts()
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![(CoverageState::Disconnected, 1), (CoverageState::Unknown, 1)]
+    );
+    // b is back and verified.
+    let mut d = delta("b", 3, vec![]);
+    d.coverage = proto::Coverage::Exact as i32;
+    ix.apply_delta("n1", &d).unwrap();
+    assert_eq!(matched(&ix).len(), 2);
+    // A partial replica is matched and says so.
+    let mut d = delta("a", 2, vec![]);
+    d.coverage = proto::Coverage::Partial as i32;
+    d.coverage_reason = coverage::BOOTSTRAP_INCOMPLETE.into();
+    ix.apply_delta("n1", &d).unwrap();
+    let r = ix.lookup(&query(&tokens(0..16)));
+    let a = r.replicas.iter().find(|m| m.replica == "a").unwrap();
+    assert_eq!(
+        a.coverage,
+        Coverage::new(CoverageState::Partial, coverage::BOOTSTRAP_INCOMPLETE)
+    );
+}
