@@ -551,6 +551,14 @@ where
         stop_rx.clone(),
     );
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
+    // Every replica routes, so every replica follows the CachePolicies (the leader writes
+    // their status).
+    let policies = tokio::spawn(crate::reconcile::policy::run(
+        client.clone(),
+        shared.index.read().policies(),
+        leader_flag.clone(),
+        stop_rx.clone(),
+    ));
 
     // gRPC and HTTP.
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -611,7 +619,7 @@ where
         grpc,
         http,
         election: election.task,
-        loops: vec![plan_loop, status_loop, expiry, mirror],
+        loops: vec![plan_loop, status_loop, expiry, mirror, policies],
         parts,
     })
 }

@@ -90,6 +90,12 @@ impl PolicyTable {
         );
     }
 
+    /// Replaces every namespace's values at once (the CachePolicy watcher): namespaces not in
+    /// `all` fall back to the defaults.
+    pub fn replace_all(&self, all: std::collections::BTreeMap<String, NamespacePolicy>) {
+        self.inner.write().by_namespace = all.into_iter().collect();
+    }
+
     /// Forgets `namespace`'s CachePolicy (it was deleted): the defaults apply again.
     pub fn remove_policy(&self, namespace: &str) {
         self.inner.write().by_namespace.remove(namespace);

@@ -689,8 +689,11 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
     ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
     let keys = chain(&tokens(0..16), 4);
     for pod in ["a", "b"] {
-        ix.apply_delta("n1", &delta(pod, 1, vec![store(&keys, proto::Tier::T1, "")]))
-            .unwrap();
+        ix.apply_delta(
+            "n1",
+            &delta(pod, 1, vec![store(&keys, proto::Tier::T1, "")]),
+        )
+        .unwrap();
     }
     let matched = |ix: &PrefixIndex| -> Vec<(String, CoverageState)> {
         ix.lookup(&query(&tokens(0..16)))
@@ -712,14 +715,20 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
     assert_eq!((b.coverage, b.routable), ("Disconnected", false));
     // The agent's stream drops: a stays routable (Unknown), b stays unrouted.
     ix.mark_node_unreported("n1");
-    assert_eq!(matched(&ix), vec![("a".to_string(), CoverageState::Unknown)]);
+    assert_eq!(
+        matched(&ix),
+        vec![("a".to_string(), CoverageState::Unknown)]
+    );
     assert_eq!(
         ix.coverage_counts()
             .iter()
             .filter(|(_, n)| *n > 0)
             .copied()
             .collect::<Vec<_>>(),
-        vec![(CoverageState::Disconnected, 1), (CoverageState::Unknown, 1)]
+        vec![
+            (CoverageState::Disconnected, 1),
+            (CoverageState::Unknown, 1)
+        ]
     );
     // b is back and verified.
     let mut d = delta("b", 3, vec![]);

@@ -21,6 +21,7 @@ pub mod clock;
 pub mod engine_pods;
 pub mod model_cache;
 pub mod nodes;
+pub mod policy;
 pub mod render;
 pub mod run;
 
