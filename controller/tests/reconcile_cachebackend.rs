@@ -254,6 +254,73 @@ async fn cascade_fixture() -> Harness {
     h
 }
 
+/// Every trigger value the API was asked to write is recorded: one replacement must roll the
+/// engines once, however often its cascade is retried.
+#[tokio::test]
+async fn a_cascade_whose_status_write_conflicts_restarts_the_engines_once() {
+    use std::sync::atomic::AtomicUsize;
+    let cb = managed_redis("kv");
+    let fail_next = Arc::new(AtomicUsize::new(0));
+    let triggers = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let (f, t) = (fail_next.clone(), triggers.clone());
+    let funcs = interceptor::Funcs::new()
+        .patch_status(move |_ctx| {
+            if f.load(Ordering::SeqCst) > 0 {
+                f.fetch_sub(1, Ordering::SeqCst);
+                return Err(kube_fake_client::Error::Conflict(
+                    "the object has been modified".into(),
+                ));
+            }
+            Ok(None)
+        })
+        .patch(move |ctx| {
+            if let Some(v) = ctx
+                .patch
+                .pointer("/spec/template/metadata/annotations/inferencecache.io~1cache-server-restart-trigger")
+                .and_then(|v| v.as_str())
+            {
+                t.lock().unwrap().push(v.to_string());
+            }
+            Ok(None)
+        });
+    let mut h = Harness::with_interceptors(vec![cb.clone()], false, Some(funcs)).await;
+    h.add_deployment(engine_deployment("vllm", &[("app", "vllm")], 1))
+        .await;
+    h.add_pod(injected_engine("vllm-abc123-x", &cb, "vllm"))
+        .await;
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+        .await;
+    h.reconcile("kv").await;
+    // The server is replaced; the cascade's status write then meets a concurrent writer.
+    h.delete_pod("kv-redis-a").await;
+    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+        .await;
+    h.advance(5);
+    fail_next.store(1, Ordering::SeqCst);
+    assert!(
+        h.try_reconcile("kv").await.is_err(),
+        "the status write conflicted"
+    );
+    let first = restart_trigger(&h, "vllm").await.expect("restarted");
+    // The retry (after the rate-limit window), and a controller restart (fresh memory) that
+    // reconciles again: the same replacement, so the same trigger — no second roll.
+    h.advance(31);
+    h.reconcile("kv").await;
+    assert_eq!(
+        h.status("kv").await.observed_server_instance.as_deref(),
+        Some("u2:0")
+    );
+    h.restart_controller();
+    h.advance(31);
+    h.reconcile("kv").await;
+    assert_eq!(restart_trigger(&h, "vllm").await, Some(first.clone()));
+    let mut seen = triggers.lock().unwrap().clone();
+    seen.dedup();
+    assert_eq!(seen, vec![first], "one distinct template change");
+}
+
 #[tokio::test]
 async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
     let h = cascade_fixture().await;

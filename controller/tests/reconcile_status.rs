@@ -53,6 +53,7 @@ fn available(desired: i32) -> WorkloadState {
         available_replicas: desired,
         rollout_completed: true,
         progress_deadline_exceeded: false,
+        max_unavailable: 0,
     }
 }
 
@@ -224,6 +225,59 @@ fn replicas_unavailable_degrades_then_recovers_with_events() {
     assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"));
     assert_eq!(sr(&e.status, "Degraded"), is("False", "NotDegraded"));
     assert_eq!(reasons(&e), vec!["BackendRecovered"]);
+}
+
+#[test]
+fn available_follows_the_deployments_own_reading() {
+    // A 4-replica RollingUpdate Deployment (default maxUnavailable 25 % = 1) with one pod
+    // unready is Available to the Deployment controller, and so to us: no Degraded, no Event.
+    let deployment = |available: i32, strategy: serde_json::Value| {
+        let d: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "kv-redis", "generation": 2},
+            "spec": {"replicas": 4, "selector": {}, "template": {}, "strategy": strategy},
+            "status": {"observedGeneration": 2, "replicas": 4, "updatedReplicas": 4,
+                       "readyReplicas": available, "availableReplicas": available,
+                       "conditions": [{"type": "Progressing", "status": "True",
+                                       "reason": "NewReplicaSetAvailable"}]}
+        }))
+        .unwrap();
+        WorkloadState::from_deployment(&d)
+    };
+    let mut cb = annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    );
+    spec_patch(&mut cb, json!({"replicas": 4}));
+    let mut s = Sim::new(cb);
+    s.workload = Some(deployment(4, json!({"type": "RollingUpdate"})));
+    s.step();
+    s.workload = Some(deployment(3, json!({"type": "RollingUpdate"})));
+    s.advance(30);
+    let e = s.step();
+    assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"));
+    assert_eq!(sr(&e.status, "Degraded"), is("False", "NotDegraded"));
+    assert!(!reasons(&e).contains(&"BackendDegraded".to_string()));
+    // Two down is past what the Deployment tolerates.
+    s.workload = Some(deployment(2, json!({"type": "RollingUpdate"})));
+    s.advance(30);
+    let e = s.step();
+    assert_eq!(sr(&e.status, "Degraded"), is("True", "ReplicasUnavailable"));
+    // maxUnavailable 0, and Recreate, tolerate none.
+    for strategy in [
+        json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}),
+        json!({"type": "Recreate"}),
+    ] {
+        assert_eq!(deployment(3, strategy).max_unavailable, 0);
+    }
+    assert_eq!(
+        deployment(
+            3,
+            json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "50%"}})
+        )
+        .max_unavailable,
+        2
+    );
 }
 
 #[test]

@@ -48,7 +48,8 @@ pub mod annotations {
     /// mode is its kernel-check container's env, not an annotation
     /// (`crate::adapters::vllm_lmcache::ENV_KERNEL_CHECK_MODE`).
     pub const LMCACHE_KERNEL_CHECK: &str = "inferencecache.io/lmcache-kernel-check";
-    /// On engine Deployments' pod templates: patched to the cascade time to roll the engines.
+    /// On engine Deployments' pod templates: patched to `server-<hash of the new server
+    /// instance>` to roll the engines once per cache-server replacement.
     pub const CACHE_SERVER_RESTART_TRIGGER: &str = "inferencecache.io/cache-server-restart-trigger";
 
     /// The one truthiness of boolean-ish annotation values (`skip-inject`), used by the Pod

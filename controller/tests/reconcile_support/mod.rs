@@ -304,6 +304,14 @@ pub struct Harness {
 
 /// A fake client holding `cbs`, with the status subresources the reconciler uses.
 pub async fn fake_client(cbs: Vec<CacheBackend>) -> Client {
+    fake_client_with(cbs, None).await
+}
+
+/// [`fake_client`] with interceptors (injected errors).
+pub async fn fake_client_with(
+    cbs: Vec<CacheBackend>,
+    funcs: Option<kube_fake_client::interceptor::Funcs>,
+) -> Client {
     let mut b = ClientBuilder::new()
         .with_resource::<CacheBackend>()
         .with_status_subresource::<CacheBackend>()
@@ -312,13 +320,39 @@ pub async fn fake_client(cbs: Vec<CacheBackend>) -> Client {
     for cb in cbs {
         b = b.with_object(cb);
     }
+    if let Some(f) = funcs {
+        b = b.with_interceptor_funcs(f);
+    }
     b.build().await.unwrap()
 }
 
 impl Harness {
     /// A harness over `cbs`; `probe` wires the scripted prober (the probe gate on).
     pub async fn new(cbs: Vec<CacheBackend>, probe: bool) -> Self {
-        let client = fake_client(cbs).await;
+        Self::with_interceptors(cbs, probe, None).await
+    }
+
+    /// A controller restart: the same API and clock, fresh in-process memory.
+    pub fn restart_controller(&mut self) {
+        self.ctx = Arc::new(
+            Context::new(
+                self.client.clone(),
+                self.index.clone(),
+                self.events.clone(),
+                self.clock.clone(),
+                self.leader.clone(),
+            )
+            .with_settings(Settings::default()),
+        );
+    }
+
+    /// [`new`](Self::new) over an API with interceptors.
+    pub async fn with_interceptors(
+        cbs: Vec<CacheBackend>,
+        probe: bool,
+        funcs: Option<kube_fake_client::interceptor::Funcs>,
+    ) -> Self {
+        let client = fake_client_with(cbs, funcs).await;
         let clock = Arc::new(FakeClock::new(Timestamp::from_second(T0).unwrap()));
         let events = Arc::new(RecordingEventSink::new());
         let index = Arc::new(FakeIndex::new());
@@ -348,8 +382,16 @@ impl Harness {
 
     /// Runs one reconcile of backend `name`.
     pub async fn reconcile(&self, name: &str) -> Action {
+        self.try_reconcile(name).await.unwrap()
+    }
+
+    /// Runs one reconcile of backend `name`, returning its error.
+    pub async fn try_reconcile(
+        &self,
+        name: &str,
+    ) -> Result<Action, ic_controller::reconcile::Error> {
         let stub = backend(name, json!({"runtime": "VLLM"}));
-        reconcile(Arc::new(stub), self.ctx.clone()).await.unwrap()
+        reconcile(Arc::new(stub), self.ctx.clone()).await
     }
 
     /// The live CacheBackend.

@@ -25,6 +25,16 @@ use k8s_openapi::jiff::Timestamp;
 use super::index_view::selector_matches;
 use crate::reconcile::clock::add;
 
+/// The engine pod-template annotation value of a cascade for server instance `instance`
+/// (`server-<16 hex digits of xxh3(instance)>`): one value per replacement, so repeating a
+/// cascade is idempotent.
+pub fn trigger_value(instance: &str) -> String {
+    format!(
+        "server-{:016x}",
+        xxhash_rust::xxh3::xxh3_64(instance.as_bytes())
+    )
+}
+
 /// One Ready cache-server pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerPod {

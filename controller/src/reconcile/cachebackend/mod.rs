@@ -656,8 +656,12 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
         }
     }
 
-    if matches!(eval.cascade, cascade::CascadeDecision::Fire(_)) {
-        let stamp = obs.now.to_string();
+    if let cascade::CascadeDecision::Fire(instance) = &eval.cascade {
+        // The trigger names the server instance it restarts the engines for, not the time: a
+        // cascade repeated for the same replacement (its status write failed with a 409, or the
+        // controller restarted before it) patches the same value again, which changes nothing
+        // and rolls no engine a second time.
+        let stamp = cascade::trigger_value(instance);
         let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
         for d in &eval.cascade_targets {
             let patch = json!({"spec": {"template": {"metadata": {"annotations": {

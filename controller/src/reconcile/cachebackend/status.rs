@@ -82,6 +82,28 @@ pub struct WorkloadState {
     pub rollout_completed: bool,
     /// Deployment `Progressing` reason `ProgressDeadlineExceeded`: the rollout is stuck.
     pub progress_deadline_exceeded: bool,
+    /// Pods the workload may have unavailable and still be Available, as the Deployment
+    /// controller reads it: `spec.strategy.rollingUpdate.maxUnavailable` resolved against the
+    /// desired replicas (default 25 %, rounded down; 0 for `Recreate` and StatefulSets).
+    pub max_unavailable: i32,
+}
+
+/// `maxUnavailable` (an int or a percentage, default `25%`) resolved against `desired`, rounded
+/// down as the Deployment controller does.
+pub fn resolve_max_unavailable(
+    v: Option<&k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>,
+    desired: i32,
+) -> i32 {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let n = match v {
+        Some(IntOrString::Int(n)) => *n,
+        Some(IntOrString::String(s)) => match s.trim().strip_suffix('%').map(str::parse::<i64>) {
+            Some(Ok(p)) => (i64::from(desired.max(0)) * p.clamp(0, 100) / 100) as i32,
+            _ => 0,
+        },
+        None => desired.max(0) / 4,
+    };
+    n.clamp(0, desired.max(0))
 }
 
 impl WorkloadState {
@@ -106,6 +128,18 @@ impl WorkloadState {
             available_replicas: st.available_replicas.unwrap_or(0),
             rollout_completed: progressing.as_deref() == Some("NewReplicaSetAvailable"),
             progress_deadline_exceeded: progressing.as_deref() == Some("ProgressDeadlineExceeded"),
+            max_unavailable: {
+                let spec = d.spec.as_ref();
+                let desired = spec.and_then(|s| s.replicas).unwrap_or(1);
+                match spec.and_then(|s| s.strategy.as_ref()) {
+                    Some(st) if st.type_.as_deref() == Some("Recreate") => 0,
+                    st => resolve_max_unavailable(
+                        st.and_then(|s| s.rolling_update.as_ref())
+                            .and_then(|r| r.max_unavailable.as_ref()),
+                        desired,
+                    ),
+                }
+            },
         }
     }
 
@@ -125,6 +159,7 @@ impl WorkloadState {
             rollout_completed: st.current_revision.is_some()
                 && st.current_revision == st.update_revision,
             progress_deadline_exceeded: false,
+            max_unavailable: 0,
         }
     }
 }
@@ -264,7 +299,9 @@ fn managed_base(spec: &CacheBackendSpec, w: Option<&WorkloadState>, ever_availab
             w.name, w.available_replicas
         ));
     }
-    if rolled_out && w.available_replicas >= desired {
+    // Available as the Deployment reads it (its own Available condition): at least
+    // desired − maxUnavailable pods available.
+    if rolled_out && w.available_replicas >= desired - w.max_unavailable.clamp(0, desired) {
         return Base::Available;
     }
     if rolled_out && (w.rollout_completed || ever_available) {
