@@ -281,6 +281,62 @@ fn available_follows_the_deployments_own_reading() {
 }
 
 #[test]
+fn a_stuck_first_rollout_that_recovers_narrates_one_backend_recovered() {
+    let cb = annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    );
+    let mut s = Sim::new(cb);
+    let mut all = Vec::new();
+    // Rolling out, then stuck past its progress deadline (never Available before).
+    s.workload = Some(WorkloadState {
+        updated_replicas: 0,
+        available_replicas: 0,
+        ready_replicas: 0,
+        rollout_completed: false,
+        ..available(1)
+    });
+    all.extend(reasons(&s.step()));
+    s.workload = Some(WorkloadState {
+        updated_replicas: 0,
+        available_replicas: 0,
+        ready_replicas: 0,
+        rollout_completed: false,
+        progress_deadline_exceeded: true,
+        ..available(1)
+    });
+    s.advance(30);
+    let e = s.step();
+    assert_eq!(sr(&e.status, "Ready"), is("False", "ReplicasUnavailable"));
+    all.extend(reasons(&e));
+    for _ in 0..3 {
+        s.workload = Some(available(1));
+        s.advance(30);
+        let e = s.step();
+        assert_eq!(sr(&e.status, "Ready"), is("True", "BackendReady"));
+        all.extend(reasons(&e));
+    }
+    let count = |r: &str| all.iter().filter(|x| *x == r).count();
+    assert_eq!(count("BackendDegraded"), 1, "{all:?}");
+    assert_eq!(count("BackendRecovered"), 1, "{all:?}");
+    // A plain first rollout becoming Ready narrates no recovery.
+    let mut s = Sim::new(annotate(
+        managed_redis("kv"),
+        "inferencecache.io/require-kv-events",
+        "false",
+    ));
+    s.workload = Some(WorkloadState {
+        available_replicas: 0,
+        rollout_completed: false,
+        ..available(1)
+    });
+    s.step();
+    s.workload = Some(available(1));
+    assert!(!reasons(&s.step()).contains(&"BackendRecovered".to_string()));
+}
+
+#[test]
 fn progress_deadline_exceeded_reads_replicas_unavailable() {
     let mut s = Sim::new(managed_redis("kv"));
     s.workload = Some(WorkloadState {

@@ -1113,12 +1113,12 @@ pub fn evaluate(
     let now_ready_true = is_status(now_c, cond::READY, ConditionStatus::True);
     if now_ready_true {
         if let Some(p) = prior_ready {
-            let first_rollout =
-                matches!(path, BackendPath::Managed(_)) && prior.first_available_at.is_none();
+            // Exactly the spec's narrative: ReplicasUnavailable → BackendReady /
+            // KVEventsObserved (a stuck first rollout that recovers included). A rollout, a
+            // scale from zero, a probe or kernel verdict clearing, or the KV-event gate
+            // opening are not recoveries of a degraded backend.
             if p.status == ConditionStatus::False.as_str()
-                && p.reason != reason::NO_KV_EVENTS_OBSERVED
-                && p.reason != reason::AWAITING_FIRST_KV_EVENT
-                && !first_rollout
+                && p.reason == reason::REPLICAS_UNAVAILABLE
             {
                 events.push(EventSpec::normal(
                     ev::BACKEND_RECOVERED,
