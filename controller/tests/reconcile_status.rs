@@ -733,6 +733,78 @@ fn offload_to_events_only_is_recognised_after_a_restart() {
     assert_eq!(sr(&e.status, "Ready"), is("False", "AwaitingFirstKVEvent"));
 }
 
+/// Runs `before` steps, flips the spec, then one step — once with this process's memory,
+/// once as a new leader with none (and no leftover workload to hint at the flip): both must
+/// reach the same status.
+fn flip_across_failover(
+    start: CacheBackend,
+    flip: serde_json::Value,
+    workload_after: Option<WorkloadState>,
+) -> (CacheBackendStatus, CacheBackendStatus) {
+    let run = |failover: bool| {
+        let mut s = Sim::new(start.clone());
+        s.workload = Some(available(1));
+        s.step();
+        s.advance(400);
+        s.step();
+        spec_patch(&mut s.cb, flip.clone());
+        s.workload = workload_after.clone();
+        s.owned_workload_present = false;
+        if failover {
+            s.mem = Memory::default();
+        }
+        s.advance(5);
+        s.step().status
+    };
+    (run(false), run(true))
+}
+
+fn conditions_of(st: &CacheBackendStatus) -> Vec<(String, String, String)> {
+    let mut v: Vec<_> = st
+        .conditions
+        .iter()
+        .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn both_mode_flips_reach_the_same_conditions_after_a_failover() {
+    // Managed (Offload, timed out: Degraded/NoKVEventsObserved) → EventsOnly.
+    let (kept, failed_over) = flip_across_failover(
+        managed_redis("kv"),
+        json!({"integration": {"mode": "EventsOnly"}, "remoteStorage": null}),
+        None,
+    );
+    assert_eq!(conditions_of(&kept), conditions_of(&failed_over));
+    assert_eq!(kept.first_available_at, failed_over.first_available_at);
+    assert_eq!(
+        sr(&failed_over, "Ready"),
+        is("False", "AwaitingFirstKVEvent")
+    );
+    assert_eq!(failed_over.observed_path.as_deref(), Some("EventsOnly"));
+    // EventsOnly → Offload (managed Redis): the anchor waits for the new workload.
+    let (kept, failed_over) = flip_across_failover(
+        events_only("kv"),
+        json!({"integration": {"mode": "Offload"},
+               "remoteStorage": {"provider": "Redis", "ownership": "Managed"}}),
+        Some(WorkloadState {
+            available_replicas: 0,
+            ready_replicas: 0,
+            rollout_completed: false,
+            ..available(1)
+        }),
+    );
+    assert_eq!(conditions_of(&kept), conditions_of(&failed_over));
+    assert_eq!(kept.first_available_at, failed_over.first_available_at);
+    assert!(
+        failed_over.first_available_at.is_none(),
+        "re-anchored on the new workload"
+    );
+    assert_eq!(failed_over.observed_path.as_deref(), Some("Managed"));
+}
+
 #[test]
 fn unmanaged_transition_clears_the_anchor_and_keeps_the_kv_latch() {
     let mut s = Sim::new(managed_redis("kv"));

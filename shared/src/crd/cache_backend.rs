@@ -699,6 +699,13 @@ pub struct CacheBackendStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_available_at: Option<Time>,
 
+    /// The serving path this status was computed for (`Managed`, `HostOnly`, `EventsOnly`,
+    /// `External`, `Inert`): how a mode flip (Managed→EventsOnly, EventsOnly→Offload) is
+    /// recognised by any controller replica, after a restart or a leader change, from what is
+    /// persisted rather than from one process's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_path: Option<String>,
+
     /// Cascade baseline: `<pod-uid>:<restart-sum>` per Ready cache-server pod, comma-joined,
     /// sorted by pod name.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -39,6 +39,32 @@ pub enum PathKind {
     Inert,
 }
 
+impl PathKind {
+    /// The name persisted in `status.observedPath`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathKind::Managed => "Managed",
+            PathKind::HostOnly => "HostOnly",
+            PathKind::EventsOnly => "EventsOnly",
+            PathKind::External => "External",
+            PathKind::Inert => "Inert",
+        }
+    }
+
+    /// From `status.observedPath`; `None` for anything else.
+    pub fn parse(s: &str) -> Option<PathKind> {
+        [
+            PathKind::Managed,
+            PathKind::HostOnly,
+            PathKind::EventsOnly,
+            PathKind::External,
+            PathKind::Inert,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+}
+
 impl BackendPath {
     /// The coarse kind.
     pub fn kind(self) -> PathKind {

@@ -453,11 +453,20 @@ pub fn evaluate(
         obs.backends.as_deref(),
     );
 
-    // Mode transitions. After a restart the memory is empty; a server-bearing → EventsOnly flip
-    // is still recognised by the not-yet-shed owned workload.
-    let previous = mem.last_path.or_else(|| {
-        (path == BackendPath::EventsOnly && obs.owned_workload_present).then_some(PathKind::Managed)
-    });
+    // Mode transitions, from what is persisted: the path the prior status was computed for
+    // (`status.observedPath`), so a restarted controller or a new leader reaches the same
+    // conditions; then this process's memory; then (a status from before the field) the
+    // not-yet-shed owned workload of a server-bearing → EventsOnly flip.
+    let previous = prior
+        .observed_path
+        .as_deref()
+        .and_then(PathKind::parse)
+        .or(mem.last_path)
+        .or_else(|| {
+            (path == BackendPath::EventsOnly && obs.owned_workload_present)
+                .then_some(PathKind::Managed)
+        });
+    st.observed_path = Some(path.kind().as_str().to_string());
     let changed = previous.is_some_and(|p| p != path.kind());
     let reanchored = changed && matches!(path, BackendPath::EventsOnly | BackendPath::HostOnly);
 
