@@ -154,7 +154,12 @@ fn every_opt_out_the_webhook_honours_gets_skipped_by_operator() {
             &[("inferencecache.io/skip-inject", v)],
         );
         let mut doc = serde_json::to_value(&p).unwrap();
-        let out = mutate_pod(&doc, NS, &[cb.clone()], &PodWebhookConfig::default());
+        let out = mutate_pod(
+            &doc,
+            NS,
+            std::slice::from_ref(&cb),
+            &PodWebhookConfig::default(),
+        );
         let ops = out.patch.clone().unwrap_or_default();
         let patch: json_patch::Patch =
             serde_json::from_value(serde_json::Value::Array(ops)).unwrap();

@@ -170,6 +170,17 @@ fn parse_fixture(text: &str) -> Result<Vec<RawMessage>, InputError> {
         line: 1,
         message: e.to_string(),
     })?;
+    if !["live", "replay"]
+        .iter()
+        .any(|k| doc.get(*k).is_some_and(Value::is_array))
+    {
+        return Err(InputError::BadJson {
+            line: 1,
+            message: "a JSON document must be a frame recording with a live[] or replay[] array \
+                      of {\"frames_hex\": [...]} (shared/fixtures/kv-events format)"
+                .to_string(),
+        });
+    }
     let mut out = Vec::new();
     for section in ["live", "replay"] {
         let Some(items) = doc.get(section).and_then(Value::as_array) else {
@@ -428,6 +439,17 @@ mod tests {
     use super::*;
 
     const PAYLOAD: &str = "92cb3ff8000000000000910a"; // [1.5, [10]] : one bad event
+
+    #[test]
+    fn json_that_is_not_a_frame_recording_is_an_error_not_an_empty_result() {
+        for doc in [r#"{"kind": "Pod"}"#, r#"{"live": "nope"}"#, r#"{}"#] {
+            assert!(
+                matches!(parse_input(doc.as_bytes()), Err(InputError::BadJson { .. })),
+                "{doc}"
+            );
+        }
+        assert!(parse_input(br#"{"live": []}"#).unwrap().is_empty());
+    }
 
     #[test]
     fn text_lines_take_payload_seq_and_topic_from_the_end() {
