@@ -14,6 +14,7 @@
 
 mod support;
 
+use support::agent::AgentProc;
 use support::stack::{free_port, start_controller, wait_until, Controller};
 
 use std::collections::{BTreeSet, HashMap};
@@ -21,14 +22,8 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ic_agent::checks::{Checks, ChecksConfig};
-use ic_agent::kv::persist::StateDir;
-use ic_agent::link::LinkConfig;
-use ic_agent::runtime::{self, RunConfig};
-use ic_agent::state::AgentState;
 use ic_controller::index::LookupQuery;
 use ic_shared::kv::content_key::chain;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
@@ -159,80 +154,12 @@ impl Drop for Engine {
     }
 }
 
-/// An agent "process" (see `kv_restart.rs`): its own runtime.
-struct AgentProc {
-    rt: Option<tokio::runtime::Runtime>,
-    running: runtime::Running,
-}
-
-impl AgentProc {
-    fn state(&self) -> &Arc<AgentState> {
-        &self.running.state
-    }
-
-    /// SIGTERM: the agent stops its tasks and keeps its stream state.
-    fn terminate(mut self) {
-        self.running.abort();
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-
-    /// kill -9: everything stops, nothing more is written.
-    fn kill9(mut self) {
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
 fn start_agent(
     grpc: SocketAddr,
     plan: &NodePlan,
     state_dir: Option<&std::path::Path>,
 ) -> AgentProc {
-    let plan = plan.clone();
-    let state_dir = state_dir.map(|p| p.to_path_buf());
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let running = rt.block_on(async {
-            let dir = state_dir.as_deref().map(|d| StateDir::open(d).unwrap());
-            let state = AgentState::with_state_dir(NODE.into(), plan, dir).unwrap();
-            let mut link = LinkConfig::new(format!("http://{grpc}"));
-            link.backoff_initial = Duration::from_millis(100);
-            link.backoff_max = Duration::from_millis(300);
-            runtime::start(
-                RunConfig {
-                    link: Some(link),
-                    http_addr: "127.0.0.1:0".parse().unwrap(),
-                    metrics_addr: None,
-                    check_interval: Duration::from_secs(30),
-                },
-                state,
-                Checks::new(&ChecksConfig::default()),
-            )
-            .await
-            .unwrap()
-        });
-        AgentProc {
-            rt: Some(rt),
-            running,
-        }
-    })
-    .join()
-    .unwrap()
+    support::agent::start_agent(grpc, NODE, plan, state_dir, Duration::from_secs(30))
 }
 
 /// Planned engines `vllm-0..n` on their own port pairs.

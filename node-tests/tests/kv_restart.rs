@@ -10,19 +10,15 @@
 
 mod support;
 
+use support::agent::AgentProc;
 use support::stack::{free_port, kv_fixture, start_controller, wait_until};
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ic_agent::checks::{Checks, ChecksConfig};
 use ic_agent::kv::publish::{publish_fixture, Fixture, PublishOptions};
 use ic_agent::kv::{StreamConfig, StreamState};
-use ic_agent::link::LinkConfig;
-use ic_agent::runtime::{self, RunConfig};
-use ic_agent::state::AgentState;
 use ic_controller::index::Tier;
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
@@ -99,67 +95,8 @@ fn plan(pub_port: u16, replay_port: u16) -> NodePlan {
     }
 }
 
-/// An agent "process": its own tokio runtime, so that killing it stops every task it spawned
-/// (subscribers, link streams, the delta pump) and closes its sockets, like a process exit.
-struct AgentProc {
-    rt: Option<tokio::runtime::Runtime>,
-    running: runtime::Running,
-}
-
-impl AgentProc {
-    fn state(&self) -> &Arc<AgentState> {
-        &self.running.state
-    }
-
-    fn kill(mut self) {
-        self.running.abort();
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
-}
-
 fn start_agent(grpc: SocketAddr, plan: &NodePlan) -> AgentProc {
-    let plan = plan.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let running = rt.block_on(async {
-            let state = AgentState::new(NODE.into(), plan).unwrap();
-            let mut link = LinkConfig::new(format!("http://{grpc}"));
-            link.backoff_initial = Duration::from_millis(100);
-            link.backoff_max = Duration::from_millis(300);
-            runtime::start(
-                RunConfig {
-                    link: Some(link),
-                    http_addr: "127.0.0.1:0".parse().unwrap(),
-                    metrics_addr: None,
-                    check_interval: Duration::from_secs(5),
-                },
-                state,
-                Checks::new(&ChecksConfig::default()),
-            )
-            .await
-            .unwrap()
-        });
-        AgentProc {
-            rt: Some(rt),
-            running,
-        }
-    })
-    .join()
-    .unwrap()
+    support::agent::start_agent(grpc, NODE, plan, None, Duration::from_secs(5))
 }
 
 /// A publisher task replaying the fixture's dp0 frames once, withholding `skip`; returns the task
@@ -253,7 +190,7 @@ async fn killing_the_agent_mid_stream_converges_to_the_ground_truth() {
     })
     .await;
     let killed_at = last_seq(&agent);
-    agent.kill();
+    agent.terminate();
     // A new agent process on the same node: it bootstraps by replay and resyncs the node.
     let agent = start_agent(grpc, &plan);
     let took = assert_converges(&controller.shared, &agent, &truth, last_frame, 8).await;
@@ -264,7 +201,7 @@ async fn killing_the_agent_mid_stream_converges_to_the_ground_truth() {
     );
 
     publisher.abort();
-    agent.kill();
+    agent.terminate();
     controller.stop().await;
 }
 
@@ -295,7 +232,7 @@ async fn killing_the_controller_mid_stream_converges_to_the_ground_truth() {
     eprintln!("controller restarted mid-stream; converged {took:?} after the last frame");
 
     publisher.abort();
-    agent.kill();
+    agent.terminate();
     controller.stop().await;
 }
 
@@ -331,6 +268,6 @@ async fn killing_the_engine_publisher_mid_stream_converges_to_the_new_incarnatio
     );
 
     publisher.abort();
-    agent.kill();
+    agent.terminate();
     controller.stop().await;
 }

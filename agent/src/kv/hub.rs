@@ -157,9 +157,10 @@ impl KvHub {
         })
     }
 
-    /// Keeps stream state in `dir` across agent restarts: streams not started yet resume from
-    /// their kept state when they start; changed streams are saved by [`KvHub::save_changed`]
-    /// and all of them by [`KvHub::shutdown`].
+    /// Keeps stream state in `dir` across agent restarts: streams started afterwards resume
+    /// from their kept state; changed streams are saved by [`KvHub::save_changed`] and all of
+    /// them by [`KvHub::shutdown`]. Call it before the first [`KvHub::apply_plan`]
+    /// (`AgentState::with_state_dir` does): streams already started keep the state they have.
     pub fn set_state_dir(&self, dir: StateDir) {
         tracing::info!(dir = %dir.path().display(), "kv events: stream state kept across restarts");
         *self
@@ -167,27 +168,6 @@ impl KvHub {
             .state_dir
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(dir);
-        // Streams the first plan already started (nothing applied yet) start over from their
-        // kept state.
-        let rt = tokio::runtime::Handle::try_current().ok();
-        let mut streams = self.streams();
-        for entry in streams.values_mut() {
-            if entry.shared.lock().state.last_seq().is_some() {
-                continue;
-            }
-            let was_running = entry.running.take().is_some();
-            let shared = Arc::new(StreamShared::new(entry.shared.spec.clone()));
-            self.restore(&shared);
-            entry.shared = shared;
-            if let (true, Some(rt)) = (was_running, &rt) {
-                entry.running = Some(subscriber::spawn(
-                    rt,
-                    entry.shared.clone(),
-                    self.inner.sink.clone(),
-                    self.inner.opts.clone(),
-                ));
-            }
-        }
     }
 
     fn state_dir(&self) -> Option<StateDir> {

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod agent;
 pub mod stack;
 
 use std::io::{BufRead, BufReader, Lines};
