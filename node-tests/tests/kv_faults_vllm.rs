@@ -191,8 +191,24 @@ fn stream(i: usize) -> String {
     format!("default/vllm-{i}#0")
 }
 
+/// A port for an engine to bind, below the kernel's ephemeral range (32768–60999 by default):
+/// outgoing connections of the tests running alongside (ZMQ, gRPC) take their source ports from
+/// that range, and could take an engine's port between this check and the engine's bind — or
+/// between an engine's exit and its restart on the same port.
+fn engine_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let base = (std::process::id() % 1000) * 10;
+    loop {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = 20_000 + ((base + n) % 12_000) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
 fn ports(n: usize) -> Vec<(u16, u16)> {
-    (0..n).map(|_| (free_port(), free_port())).collect()
+    (0..n).map(|_| (engine_port(), engine_port())).collect()
 }
 
 /// The stream's keys in the controller's index (`None` when it is not registered).

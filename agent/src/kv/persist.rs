@@ -181,7 +181,7 @@ impl StateDir {
             .map(Some)
             .ok_or_else(|| PersistError::Corrupt {
                 path,
-                message: "records refer to unknown adapters".into(),
+                message: "records contradict each other (unknown adapters, or an anchor that is not the last seq)".into(),
             })
     }
 
@@ -319,6 +319,11 @@ mod tests {
             sd.load(&spec("tcp://127.0.0.1:9")),
             Err(PersistError::Mismatch { .. })
         ));
+        // A state whose anchor is not its last seq would replay what it holds: refused.
+        let mut torn = st.to_persisted();
+        torn.last_digest = Some((40, 0xabc));
+        sd.save(&sp, torn).unwrap();
+        assert!(matches!(sd.load(&sp), Err(PersistError::Corrupt { .. })));
         // Garbage is refused, not trusted.
         std::fs::write(sd.file_of("ns/pod#0"), b"not cbor").unwrap();
         assert!(matches!(sd.load(&sp), Err(PersistError::Corrupt { .. })));

@@ -600,8 +600,14 @@ impl StreamState {
     }
 
     /// Rebuilds a stream from its kept state. `None` when the records contradict each other
-    /// (an adapter index out of range): the caller starts fresh.
+    /// (an adapter index out of range, an anchor that is not the last seq): the caller starts
+    /// fresh.
     pub fn from_persisted(cfg: StreamConfig, p: PersistedState) -> Option<Self> {
+        // The anchor must name the batch the records reflect, or a resume would replay (and
+        // count twice) what they already hold.
+        if p.last_digest.map(|(seq, _)| seq) != p.last_seq {
+            return None;
+        }
         let mut st = StreamState::new(cfg);
         let adapters: Vec<Arc<str>> = p.adapters.iter().map(|a| Arc::from(a.as_str())).collect();
         for (name, a) in p.adapters.iter().zip(&adapters) {

@@ -620,8 +620,7 @@ impl Processor {
                 self.replayed.pop_first();
             }
         }
-        apply_payload(&self.shared, &self.sink, seq, payload, live);
-        self.shared.lock().state.record_digest(seq, digest);
+        apply_payload(&self.shared, &self.sink, seq, payload, digest, live);
     }
 
     fn apply_all(&mut self, replies: &[(u64, Vec<u8>)]) {
@@ -1120,9 +1119,17 @@ enum Verdict {
     Failed,
 }
 
-/// Decodes and applies one batch, recording metrics. `live` batches (not replayed ones) set the
-/// stream-lag gauge.
-fn apply_payload(shared: &StreamShared, sink: &Sink, seq: u64, payload: &[u8], live: bool) {
+/// Decodes and applies one batch, recording metrics. The batch's `digest` (the replay anchor)
+/// is recorded under the same lock as its effects, so a state saved at any moment names the
+/// batch it reflects. `live` batches (not replayed ones) set the stream-lag gauge.
+fn apply_payload(
+    shared: &StreamShared,
+    sink: &Sink,
+    seq: u64,
+    payload: &[u8],
+    digest: u64,
+    live: bool,
+) {
     let id = shared.id();
     match decode_batch(payload) {
         Ok(batch) => {
@@ -1134,6 +1141,7 @@ fn apply_payload(shared: &StreamShared, sink: &Sink, seq: u64, payload: &[u8], l
             let (report, held) = {
                 let mut g = shared.lock();
                 let report = g.state.apply(seq, &batch, now_unix_ms());
+                g.state.record_digest(seq, digest);
                 g.stats.batches_decoded += 1;
                 g.stats.events_decoded += batch.events.len() as u64;
                 if batch.data_parallel_rank.is_some() {
@@ -1150,7 +1158,11 @@ fn apply_payload(shared: &StreamShared, sink: &Sink, seq: u64, payload: &[u8], l
                 .set(held as i64);
         }
         Err(e) => {
-            shared.lock().state.note_undecodable(seq);
+            {
+                let mut g = shared.lock();
+                g.state.note_undecodable(seq);
+                g.state.record_digest(seq, digest);
+            }
             record_drop(shared, sink, e.reason(), 1);
         }
     }
