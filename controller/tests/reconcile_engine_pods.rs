@@ -8,12 +8,13 @@ mod reconcile_support;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use ic_controller::reconcile::cachebackend::events::RecordingEventSink;
+use ic_controller::reconcile::cachebackend::events::{KubeEventSink, RecordingEventSink};
 use ic_controller::reconcile::engine_pods::{
     decide, reconcile_engine_pod, truthy, PodDecision, PodEventsContext,
 };
 use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
 use kube_fake_client::{interceptor, ClientBuilder};
 use reconcile_support::*;
 
@@ -127,6 +128,92 @@ async fn skipped_by_operator_needs_both_annotations() {
     assert_eq!(ev.len(), 1);
     assert_eq!(ev[0].event.reason, "SkippedByOperator");
     assert_eq!(ev[0].object, "ml/a");
+}
+
+/// The Events the in-memory API server holds, as (regarding name, reason).
+async fn stored_events(client: &kube::Client) -> Vec<(String, String)> {
+    let api: kube::Api<Event> = kube::Api::namespaced(client.clone(), NS);
+    let mut out: Vec<(String, String)> = api
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|e| {
+            (
+                e.regarding.and_then(|r| r.name).unwrap_or_default(),
+                e.reason.unwrap_or_default(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// InjectedByCacheBackend and SkippedByOperator are recorded once per pod, ever: a restarted
+/// controller (fresh process memory) and a new leader re-list every pod, and the API server
+/// still holds one Event each (spec 000 "Contract Notes"; issue: de-duplication across
+/// restarts). A recreated pod of the same name is a different object and gets its own.
+#[tokio::test]
+async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
+    let cb = managed_redis("kv");
+    let client = ClientBuilder::new()
+        .with_resource::<CacheBackend>()
+        .with_resource::<Event>()
+        .with_object(cb.clone())
+        .build()
+        .await
+        .unwrap();
+    let injected = injected_engine("engine-0", &cb, "vllm");
+    let skipped = pod(
+        "opted-out",
+        &[],
+        &[(SKIP, "yes"), (SKIPPED, "skip-inject-annotation")],
+    );
+    for _process in 0..3 {
+        let sink = Arc::new(KubeEventSink::new(
+            client.clone(),
+            "inference-cache-controller",
+            Some("controller-0".into()),
+        ));
+        let ctx = Arc::new(PodEventsContext::new(
+            client.clone(),
+            sink,
+            Arc::new(AtomicBool::new(true)),
+        ));
+        run(&ctx, injected.clone()).await;
+        run(&ctx, skipped.clone()).await;
+        run(&ctx, injected.clone()).await;
+    }
+    assert_eq!(
+        stored_events(&client).await,
+        vec![
+            ("engine-0".to_string(), "InjectedByCacheBackend".to_string()),
+            ("opted-out".to_string(), "SkippedByOperator".to_string()),
+        ]
+    );
+    // The same name, a new UID: a new pod, a new Event.
+    let mut recreated = injected.clone();
+    recreated.metadata.uid = Some("uid-engine-0-second".into());
+    let sink = Arc::new(KubeEventSink::new(
+        client.clone(),
+        "inference-cache-controller",
+        None,
+    ));
+    let ctx = Arc::new(PodEventsContext::new(
+        client.clone(),
+        sink,
+        Arc::new(AtomicBool::new(true)),
+    ));
+    run(&ctx, recreated).await;
+    assert_eq!(
+        stored_events(&client)
+            .await
+            .iter()
+            .filter(|(_, r)| r == "InjectedByCacheBackend")
+            .count(),
+        2
+    );
 }
 
 #[tokio::test]

@@ -14,8 +14,11 @@
 //! | truthy `skip-inject` + `inject-skipped: skip-inject-annotation` | — | Normal `SkippedByOperator` |
 //! | only one of the two skip annotations | — | none |
 //!
-//! Each (pod UID, reason) is recorded once per controller process; the API server's event
-//! series aggregation absorbs repeats across restarts.
+//! Each (pod UID, reason) is recorded once, ever: the Event's name is derived from the pod UID
+//! and the reason ([`super::cachebackend::events::once_event_name`]), so after a controller
+//! restart or a leader change the re-listed pods find their Event (409 AlreadyExists) instead
+//! of getting a second one. The in-process set only saves the API call on re-reconciles. A
+//! failed create is retried after 30 s.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -33,7 +36,7 @@ use thiserror::Error;
 use super::annotations::{
     INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, SKIP_INJECT,
 };
-use super::cachebackend::events::{reason, EventSink, EventSpec};
+use super::cachebackend::events::{reason, EventSink, EventSpec, Recorded};
 
 /// Most (pod UID, reason) pairs remembered before the dedupe set is reset.
 const DEDUPE_CAP: usize = 50_000;
@@ -139,6 +142,11 @@ impl PodEventsContext {
         }
         r.insert((uid.to_string(), reason))
     }
+
+    /// Forgets `(uid, reason)` so the next reconcile tries again (the publish failed).
+    fn forget(&self, uid: &str, reason: &'static str) {
+        self.recorded.lock().remove(&(uid.to_string(), reason));
+    }
 }
 
 /// The Pod controller feeding [`reconcile_engine_pod`] (every Pod; the decision is made from
@@ -205,8 +213,22 @@ pub async fn reconcile_engine_pod(
     };
     if ctx.first_time(&pod_uid, reason) {
         let oref = pod.object_ref(&());
-        if let Err(err) = ctx.events.publish(&oref, &event).await {
-            tracing::warn!(error = %err, "publishing engine-pod event failed");
+        // One Event per pod and reason, ever: its name is derived from the pod UID, so a
+        // restarted controller or a new leader re-listing every pod finds it (409) instead of
+        // re-creating it.
+        match ctx.events.publish_once(&oref, &event).await {
+            Ok(Recorded::New) => {}
+            Ok(Recorded::AlreadyRecorded) => {
+                tracing::debug!(
+                    reason,
+                    "engine-pod event already recorded by an earlier run"
+                )
+            }
+            Err(err) => {
+                ctx.forget(&pod_uid, reason);
+                tracing::warn!(error = %err, "publishing engine-pod event failed; retrying later");
+                return Ok(Action::requeue(Duration::from_secs(30)));
+            }
         }
     }
     Ok(Action::await_change())

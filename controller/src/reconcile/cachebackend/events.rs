@@ -7,6 +7,9 @@
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::Client;
 use parking_lot::Mutex;
@@ -96,6 +99,16 @@ pub enum EventError {
     },
 }
 
+/// What [`EventSink::publish_once`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// The Event was created.
+    New,
+    /// An Event with the same name already exists (this controller, an earlier process of it, or
+    /// another replica recorded it): nothing was written.
+    AlreadyRecorded,
+}
+
 /// Where events go.
 pub trait EventSink: Send + Sync {
     /// Publishes `event` regarding `object`.
@@ -104,26 +117,59 @@ pub trait EventSink: Send + Sync {
         object: &'a ObjectReference,
         event: &'a EventSpec,
     ) -> BoxFuture<'a, Result<(), EventError>>;
+
+    /// Records `event` regarding `object` at most once per (object UID, reason), whatever the
+    /// process: the Event's name is [`once_event_name`], so a second create (after a controller
+    /// restart or a leader change) is refused by the API server with 409 and reads
+    /// [`Recorded::AlreadyRecorded`]. For one-shot facts about an object (spec 000
+    /// InjectedByCacheBackend, SkippedByOperator) that must not be re-created on every restart.
+    fn publish_once<'a>(
+        &'a self,
+        object: &'a ObjectReference,
+        event: &'a EventSpec,
+    ) -> BoxFuture<'a, Result<Recorded, EventError>>;
+}
+
+/// The deterministic name of the one Event [`EventSink::publish_once`] records for `object`
+/// and `reason`: `<object name, at most 200 chars>.<16 hex digits of xxh3(uid "/" reason)>`
+/// (a valid DNS subdomain for any valid object name; different objects of the same name, e.g. a
+/// recreated pod, get different names because their UIDs differ).
+pub fn once_event_name(object: &ObjectReference, reason: &str) -> String {
+    let name: String = object
+        .name
+        .as_deref()
+        .unwrap_or("object")
+        .chars()
+        .take(200)
+        .collect();
+    let key = format!("{}/{reason}", object.uid.as_deref().unwrap_or_default());
+    format!(
+        "{}.{:016x}",
+        name.trim_end_matches(['.', '-']),
+        xxhash_rust::xxh3::xxh3_64(key.as_bytes())
+    )
 }
 
 /// An [`EventSink`] backed by kube-runtime's `Recorder` (`events.k8s.io/v1`, with its
 /// client-side series aggregation).
 pub struct KubeEventSink {
     recorder: Recorder,
+    client: Client,
+    reporter: Reporter,
 }
 
 impl KubeEventSink {
     /// A sink reporting as `controller` (e.g. `inference-cache-controller`) from `instance`
     /// (the pod name, when known).
     pub fn new(client: Client, controller: &str, instance: Option<String>) -> Self {
+        let reporter = Reporter {
+            controller: controller.to_string(),
+            instance,
+        };
         KubeEventSink {
-            recorder: Recorder::new(
-                client,
-                Reporter {
-                    controller: controller.to_string(),
-                    instance,
-                },
-            ),
+            recorder: Recorder::new(client.clone(), reporter.clone()),
+            client,
+            reporter,
         }
     }
 }
@@ -154,6 +200,54 @@ impl EventSink for KubeEventSink {
                 })
         })
     }
+
+    fn publish_once<'a>(
+        &'a self,
+        object: &'a ObjectReference,
+        event: &'a EventSpec,
+    ) -> BoxFuture<'a, Result<Recorded, EventError>> {
+        Box::pin(async move {
+            let namespace = object.namespace.clone().unwrap_or_else(|| "default".into());
+            let ev = K8sEvent {
+                metadata: ObjectMeta {
+                    name: Some(once_event_name(object, &event.reason)),
+                    namespace: Some(namespace.clone()),
+                    ..Default::default()
+                },
+                action: Some(event.action.clone()),
+                reason: Some(event.reason.clone()),
+                note: Some(event.note.chars().take(1024).collect()),
+                event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+                regarding: Some(object.clone()),
+                reporting_controller: Some(self.reporter.controller.clone()),
+                reporting_instance: Some(
+                    self.reporter
+                        .instance
+                        .clone()
+                        .unwrap_or_else(|| self.reporter.controller.clone()),
+                ),
+                type_: Some(
+                    match event.kind {
+                        EventKind::Normal => "Normal",
+                        EventKind::Warning => "Warning",
+                    }
+                    .to_string(),
+                ),
+                ..Default::default()
+            };
+            let api: Api<K8sEvent> = Api::namespaced(self.client.clone(), &namespace);
+            match api.create(&PostParams::default(), &ev).await {
+                Ok(_) => Ok(Recorded::New),
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    Ok(Recorded::AlreadyRecorded)
+                }
+                Err(source) => Err(EventError::Publish {
+                    reason: event.reason.clone(),
+                    source,
+                }),
+            }
+        })
+    }
 }
 
 /// One event a [`RecordingEventSink`] received.
@@ -173,6 +267,7 @@ pub struct RecordedEvent {
 #[derive(Debug, Default)]
 pub struct RecordingEventSink {
     events: Mutex<Vec<RecordedEvent>>,
+    once_names: Mutex<std::collections::HashSet<String>>,
 }
 
 impl RecordingEventSink {
@@ -210,12 +305,8 @@ impl RecordingEventSink {
     }
 }
 
-impl EventSink for RecordingEventSink {
-    fn publish<'a>(
-        &'a self,
-        object: &'a ObjectReference,
-        event: &'a EventSpec,
-    ) -> BoxFuture<'a, Result<(), EventError>> {
+impl RecordingEventSink {
+    fn record(&self, object: &ObjectReference, event: &EventSpec) {
         self.events.lock().push(RecordedEvent {
             object_kind: object.kind.clone().unwrap_or_default(),
             object: format!(
@@ -226,6 +317,38 @@ impl EventSink for RecordingEventSink {
             object_uid: object.uid.clone().unwrap_or_default(),
             event: event.clone(),
         });
+    }
+}
+
+impl EventSink for RecordingEventSink {
+    fn publish<'a>(
+        &'a self,
+        object: &'a ObjectReference,
+        event: &'a EventSpec,
+    ) -> BoxFuture<'a, Result<(), EventError>> {
+        self.record(object, event);
         Box::pin(async { Ok(()) })
+    }
+
+    /// Like the API server: a second Event of the same [`once_event_name`] is refused.
+    fn publish_once<'a>(
+        &'a self,
+        object: &'a ObjectReference,
+        event: &'a EventSpec,
+    ) -> BoxFuture<'a, Result<Recorded, EventError>> {
+        let fresh = self
+            .once_names
+            .lock()
+            .insert(once_event_name(object, &event.reason));
+        if fresh {
+            self.record(object, event);
+        }
+        Box::pin(async move {
+            Ok(if fresh {
+                Recorded::New
+            } else {
+                Recorded::AlreadyRecorded
+            })
+        })
     }
 }
