@@ -210,10 +210,15 @@ impl AgentState {
                 .latest()
                 .iter()
                 .map(|c| {
+                    // Absent values are null, never 0.
+                    let t2 = |v: u64| (!c.t2_absent).then_some(v);
                     serde_json::json!({
                         "streamId": c.stream.as_ref().map(|d| d.stream_id.as_str()).unwrap_or_default(),
-                        "t2Hits": c.t2_hits,
-                        "t2Queries": c.t2_queries,
+                        "t2Hits": t2(c.t2_hits),
+                        "t2Queries": t2(c.t2_queries),
+                        "cacheMemoryBytes": c.cache_memory_bytes,
+                        "prefixCacheHits": c.prefix_cache_hits,
+                        "prefixCacheQueries": c.prefix_cache_queries,
                         "observedAtUnixMs": c.observed_at_unix_ms,
                     })
                 })

@@ -136,6 +136,28 @@ pub struct InClusterConfig {
     pub functional_probe: bool,
 }
 
+/// Whether the functional-probe gate is on, from `--functional-probe` and the spec's
+/// `--server-probe-url` (spec 000 "Functional-probe gate": `--server-probe-url=""` disables the
+/// gate).
+///
+/// # Errors
+/// A non-empty `server_probe_url`: the probe runs in process against the controller's own
+/// index, so a URL would be silently ignored; it is refused instead.
+pub fn functional_probe_gate(
+    functional_probe: bool,
+    server_probe_url: Option<&str>,
+) -> anyhow::Result<bool> {
+    match server_probe_url.map(str::trim) {
+        None => Ok(functional_probe),
+        Some("") => Ok(false),
+        Some(url) => anyhow::bail!(
+            "--server-probe-url={url:?}: the functional probe runs in process against this \
+             controller's index, so it takes no URL; pass --server-probe-url=\"\" or \
+             --functional-probe=false to turn the gate off"
+        ),
+    }
+}
+
 /// Test seams: replace the token verifier (default: [`KubeTokenVerifier`] behind a
 /// [`CachingVerifier`]) or the clock.
 #[derive(Default, Clone)]
@@ -550,6 +572,15 @@ where
         Some(node_metrics),
         stop_rx.clone(),
     );
+    let cache_index = crate::reconcile::cache_index::spawn_writer(
+        client.clone(),
+        shared.clone(),
+        leader_handle.clone(),
+        clock.clone(),
+        cfg.nodes.status_interval,
+        cfg.nodes.cacheindex_min_write_interval,
+        stop_rx.clone(),
+    );
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
     // Every replica routes, so every replica follows the CachePolicies (the leader writes
     // their status).
@@ -619,7 +650,34 @@ where
         grpc,
         http,
         election: election.task,
-        loops: vec![plan_loop, status_loop, expiry, mirror, policies],
+        loops: vec![
+            plan_loop,
+            status_loop,
+            cache_index,
+            expiry,
+            mirror,
+            policies,
+        ],
         parts,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::functional_probe_gate;
+
+    #[test]
+    fn the_specs_empty_probe_url_turns_the_gate_off_and_a_url_is_refused() {
+        assert!(functional_probe_gate(true, None).unwrap());
+        assert!(!functional_probe_gate(false, None).unwrap());
+        assert!(!functional_probe_gate(true, Some("")).unwrap());
+        assert!(!functional_probe_gate(true, Some("  ")).unwrap());
+        let err = functional_probe_gate(true, Some("http://inference-cache-server:8081"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("in process") && err.contains("--functional-probe=false"),
+            "{err}"
+        );
+    }
 }

@@ -174,6 +174,14 @@ struct RunArgs {
         default_value_t = 30
     )]
     cachenode_min_write_interval_seconds: u64,
+    /// At most one write of the cluster-wide CacheIndex status per this many seconds (it is
+    /// written only when it changed, by the leader only).
+    #[arg(
+        long,
+        env = "IC_CACHEINDEX_MIN_WRITE_INTERVAL_SECONDS",
+        default_value_t = 15
+    )]
+    cacheindex_min_write_interval_seconds: u64,
     /// Serve the admission webhooks (CacheBackend defaulting/validation, Pod wiring).
     #[arg(long, env = "IC_WEBHOOKS", default_value_t = true, action = clap::ArgAction::Set)]
     webhooks: bool,
@@ -209,6 +217,11 @@ struct RunArgs {
     /// the in-process index (spec "Functional-probe gate"); false turns the gate off.
     #[arg(long, env = "IC_FUNCTIONAL_PROBE", default_value_t = true, action = clap::ArgAction::Set)]
     functional_probe: bool,
+    /// The spec's off switch for the functional-probe gate: `--server-probe-url=""` turns it
+    /// off (same as `--functional-probe=false`). The probe runs against the in-process index,
+    /// so there is no URL to give: any other value is refused.
+    #[arg(long, env = "IC_SERVER_PROBE_URL")]
+    server_probe_url: Option<String>,
     /// Run the ModelCache / ModelCacheBinding controllers and model-data pod wiring.
     #[arg(long, env = "IC_MODEL_CACHE_ENABLED", default_value_t = true, action = clap::ArgAction::Set)]
     model_cache_enabled: bool,
@@ -392,11 +405,17 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             cachenode_min_write_interval: Duration::from_secs(
                 a.cachenode_min_write_interval_seconds,
             ),
+            cacheindex_min_write_interval: Duration::from_secs(
+                a.cacheindex_min_write_interval_seconds,
+            ),
             model_cache_control_namespace: control_namespace,
             ..Default::default()
         },
         model_cache,
-        functional_probe: a.functional_probe,
+        functional_probe: incluster::functional_probe_gate(
+            a.functional_probe,
+            a.server_probe_url.as_deref(),
+        )?,
     };
     let running = incluster::start(client, cfg, Default::default(), termination()).await?;
     running.wait().await?;

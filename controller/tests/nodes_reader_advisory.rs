@@ -197,6 +197,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
         // far away: every write below is caused by a verdict change, not by the resync
         advisory_resync: Duration::from_secs(600),
         model_cache_control_namespace: CTL.into(),
+        ..Default::default()
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let leader = LeaderHandle::fixed(true);

@@ -102,6 +102,7 @@ fn counters(c: &[(&str, u64, u64)]) -> AgentMessage {
                     t2_hits: *hits,
                     t2_queries: *queries,
                     observed_at_unix_ms: 1,
+                    ..Default::default()
                 })
                 .collect(),
         })),

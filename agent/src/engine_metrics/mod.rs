@@ -1,5 +1,6 @@
-//! Tier-2 counters from the engines' Prometheus endpoints (spec 000
-//! `indexParticipation.t2HitRate`, condition `T2Degraded`).
+//! Tier-2 counters and cache memory from the engines' Prometheus endpoints (spec 000
+//! `indexParticipation.t2HitRate`, condition `T2Degraded`; `CacheIndex.status.replicas[].
+//! cacheMemoryBytes` from LMCache's `lmcache:local_cache_usage`, [`prom::cache_memory_bytes`]).
 //!
 //! The controller plans an engine's `metricsUrl` (`http://<podIP>:<port>/metrics`) for
 //! Offload backends. Every [`ScrapeConfig::interval`] the agent fetches each planned URL once
@@ -11,9 +12,10 @@
 //! link sends them as a `CounterReport` after every Resync and whenever they change.
 //!
 //! Absent counters (no KV connector, or an engine that does not export them) are never sent
-//! as 0: tier 2 "not exercised" stays distinct from "queried, zero hits". A failed fetch keeps
-//! the stream's last values (counters are cumulative: nothing new was learnt); a stream that
-//! left the plan is forgotten.
+//! as 0: tier 2 "not exercised" stays distinct from "queried, zero hits" (an entry that
+//! carries only the cache memory says `t2_absent`). A failed fetch keeps the stream's last
+//! values and their scrape time (`observed_at_unix_ms`: counters are cumulative, nothing new was
+//! learnt); a stream that left the plan is forgotten.
 //!
 //! Metric: `inferencecache_agent_engine_metrics_scrapes_total{outcome}` — one per URL and
 //! scrape: `ok`, `absent` (fetched, counters not there), or the fetch failure
@@ -132,6 +134,10 @@ impl EngineCounters {
                         || a.stream != b.stream
                         || a.t2_hits != b.t2_hits
                         || a.t2_queries != b.t2_queries
+                        || a.t2_absent != b.t2_absent
+                        || a.cache_memory_bytes != b.cache_memory_bytes
+                        || a.prefix_cache_hits != b.prefix_cache_hits
+                        || a.prefix_cache_queries != b.prefix_cache_queries
                 })
         };
         *self.latest.write() = next;
@@ -190,18 +196,27 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
                 for e in engines {
                     for src in &e.kv_events {
                         let d = descriptor(e, src.dp_rank);
-                        if let Some(c) = prom::t2_counters(&body, src.dp_rank) {
-                            found = true;
-                            next.insert(
-                                d.stream_id.clone(),
-                                StreamCounters {
-                                    stream: Some(d),
-                                    t2_hits: c.hits,
-                                    t2_queries: c.queries,
-                                    observed_at_unix_ms: now,
-                                },
-                            );
+                        let t2 = prom::t2_counters(&body, src.dp_rank);
+                        let memory =
+                            prom::cache_memory_bytes(&body, src.dp_rank, e.kv_events.len());
+                        let prefix = prom::prefix_cache_counters(&body, src.dp_rank);
+                        if t2.is_none() && memory.is_none() && prefix.is_none() {
+                            continue;
                         }
+                        found = true;
+                        next.insert(
+                            d.stream_id.clone(),
+                            StreamCounters {
+                                stream: Some(d),
+                                t2_hits: t2.map_or(0, |c| c.hits),
+                                t2_queries: t2.map_or(0, |c| c.queries),
+                                observed_at_unix_ms: now,
+                                t2_absent: t2.is_none(),
+                                cache_memory_bytes: memory,
+                                prefix_cache_hits: prefix.map(|c| c.hits),
+                                prefix_cache_queries: prefix.map(|c| c.queries),
+                            },
+                        );
                     }
                 }
                 let outcome = if found { OUTCOME_OK } else { OUTCOME_ABSENT };

@@ -12,6 +12,13 @@ use std::borrow::Cow;
 pub const T2_HITS: &str = "vllm:external_prefix_cache_hits_total";
 /// vLLM's cumulative tier-2 lookups, in tokens.
 pub const T2_QUERIES: &str = "vllm:external_prefix_cache_queries_total";
+/// vLLM's cumulative prefix-cache (tier 1, GPU) hits, in tokens.
+pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
+/// vLLM's cumulative prefix-cache lookups, in tokens.
+pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
+/// LMCache's local (CPU) cache occupancy in bytes, a gauge LMCache registers in the engine's
+/// Prometheus registry (multiprocess mode `sum`, so it appears on vLLM's `/metrics`).
+pub const LMCACHE_LOCAL_CACHE_USAGE: &str = "lmcache:local_cache_usage";
 /// The label vLLM puts the engine (data-parallel rank) index in.
 pub const ENGINE_LABEL: &str = "engine";
 
@@ -182,7 +189,7 @@ pub fn samples<'a>(text: &'a str, names: &'a [&'a str]) -> impl Iterator<Item = 
         .filter_map(parse_line)
 }
 
-/// Tier-2 counters of one engine stream.
+/// A (hits, queries) counter pair of one engine stream (tier-2 or prefix-cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct T2Counters {
     /// Cumulative reload hits (tokens).
@@ -204,15 +211,31 @@ fn counter_value(v: f64) -> Option<f64> {
 /// pod, one series per engine). `None` when either counter is absent: the engine has no KV
 /// connector or does not export it, and "not exercised" must stay distinct from 0.
 pub fn t2_counters(text: &str, dp_rank: u32) -> Option<T2Counters> {
+    counter_pair(text, T2_HITS, T2_QUERIES, dp_rank)
+}
+
+/// The prefix-cache (tier 1) counters of data-parallel rank `dp_rank`: [`PREFIX_CACHE_HITS`]
+/// and [`PREFIX_CACHE_QUERIES`], by the rules of [`t2_counters`].
+pub fn prefix_cache_counters(text: &str, dp_rank: u32) -> Option<T2Counters> {
+    counter_pair(text, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, dp_rank)
+}
+
+/// A (hits, queries) counter pair of rank `dp_rank`, per [`t2_counters`]'s rules.
+fn counter_pair(
+    text: &str,
+    hits_name: &str,
+    queries_name: &str,
+    dp_rank: u32,
+) -> Option<T2Counters> {
     let rank = dp_rank.to_string();
     let mut hits: Vec<(Option<String>, f64)> = Vec::new();
     let mut queries: Vec<(Option<String>, f64)> = Vec::new();
-    for s in samples(text, &[T2_HITS, T2_QUERIES]) {
+    for s in samples(text, &[hits_name, queries_name]) {
         let Some(v) = counter_value(s.value) else {
             continue;
         };
         let engine = s.label(ENGINE_LABEL).map(str::to_string);
-        if s.name == T2_HITS {
+        if s.name == hits_name {
             hits.push((engine, v));
         } else {
             queries.push((engine, v));
@@ -240,10 +263,105 @@ pub fn t2_counters(text: &str, dp_rank: u32) -> Option<T2Counters> {
     })
 }
 
+/// Bytes LMCache holds in its local (CPU) cache for data-parallel rank `dp_rank` of an engine
+/// with `dp_size` ranks: the sum of every finite, non-negative [`LMCACHE_LOCAL_CACHE_USAGE`]
+/// series (one per worker: tensor-parallel workers hold their own shards), or only those with
+/// `engine="<dp_rank>"` when some series carries the `engine` label.
+///
+/// `None` when the gauge is absent, and when `dp_size > 1` and no series says which rank it
+/// belongs to: a pod total attributed to one rank would be a wrong number.
+pub fn cache_memory_bytes(text: &str, dp_rank: u32, dp_size: usize) -> Option<u64> {
+    let rank = dp_rank.to_string();
+    let series: Vec<(Option<String>, f64)> = samples(text, &[LMCACHE_LOCAL_CACHE_USAGE])
+        .filter_map(|s| {
+            counter_value(s.value).map(|v| (s.label(ENGINE_LABEL).map(str::to_string), v))
+        })
+        .collect();
+    if series.is_empty() {
+        return None;
+    }
+    let by_rank = series.iter().any(|(e, _)| e.is_some());
+    if !by_rank && dp_size > 1 {
+        return None;
+    }
+    let total: f64 = series
+        .iter()
+        .filter(|(e, _)| !by_rank || e.as_deref() == Some(rank.as_str()))
+        .map(|(_, v)| *v)
+        .sum();
+    (!by_rank
+        || series
+            .iter()
+            .any(|(e, _)| e.as_deref() == Some(rank.as_str())))
+    .then_some(total.floor() as u64)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// What LMCache's `PrometheusLogger` exposes through vLLM's multiprocess registry (a TP=2
+    /// engine: one series per worker), next to vLLM's own series.
+    const LMCACHE_TP2: &str =
+        "# HELP lmcache:local_cache_usage Local cache usage (bytes) of lmcache\n\
+        # TYPE lmcache:local_cache_usage gauge\n\
+        lmcache:local_cache_usage{model_name=\"Qwen/Qwen3-8B\",worker_id=\"0\"} 1.073741824e+09\n\
+        lmcache:local_cache_usage{model_name=\"Qwen/Qwen3-8B\",worker_id=\"1\"} 1073741824.0\n\
+        lmcache:local_cache_usage_x 5\n\
+        vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.4\n";
+
+    #[test]
+    fn prefix_cache_counters_follow_the_rank_rules() {
+        let page = "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 4096.0\n\
+                    vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 1024.0\n\
+                    vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"m\"} 10.0\n\
+                    vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 0.0\n";
+        assert_eq!(
+            prefix_cache_counters(page, 0),
+            Some(T2Counters {
+                hits: 1024,
+                queries: 4096
+            })
+        );
+        assert_eq!(
+            prefix_cache_counters(page, 1),
+            Some(T2Counters {
+                hits: 0,
+                queries: 10
+            })
+        );
+        assert_eq!(t2_counters(page, 0), None);
+    }
+
+    #[test]
+    fn lmcache_local_cache_usage_is_summed_over_workers_and_never_invented() {
+        assert_eq!(
+            cache_memory_bytes(LMCACHE_TP2, 0, 1),
+            Some(2 * 1_073_741_824)
+        );
+        // No LMCache: absent, not 0.
+        assert_eq!(
+            cache_memory_bytes("vllm:kv_cache_usage_perc 0.4\n", 0, 1),
+            None
+        );
+        // Data-parallel engine without a rank label: which rank holds what is unknown.
+        assert_eq!(cache_memory_bytes(LMCACHE_TP2, 0, 2), None);
+        // With a rank label, each rank reads its own series; a rank with none reads absent.
+        let ranked = "lmcache:local_cache_usage{engine=\"0\"} 10\n\
+                      lmcache:local_cache_usage{engine=\"1\"} 32\n";
+        assert_eq!(cache_memory_bytes(ranked, 1, 2), Some(32));
+        assert_eq!(cache_memory_bytes(ranked, 2, 3), None);
+        // Garbage values are skipped, not summed.
+        assert_eq!(
+            cache_memory_bytes(
+                "lmcache:local_cache_usage NaN\nlmcache:local_cache_usage -4\n",
+                0,
+                1
+            ),
+            None
+        );
+    }
 
     /// What vLLM 0.11+ serves at `/metrics` with two data-parallel engines and LMCache wired
     /// (prometheus_client text format 0.0.4, trimmed to a few families around the counters).

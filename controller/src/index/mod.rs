@@ -180,6 +180,35 @@ struct Replica {
     /// Engine tier-2 counters, when reported.
     t2_hits: Option<u64>,
     t2_queries: Option<u64>,
+    /// LMCache local-cache bytes of the engine (`lmcache:local_cache_usage`), when reported.
+    cache_memory_bytes: Option<u64>,
+    /// Engine prefix-cache (hits, queries), when reported.
+    prefix_cache: Option<(u64, u64)>,
+}
+
+/// What a replica's engine last reported on its `/metrics` (through the node agent's
+/// `CounterReport`); `None` = not reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineReport {
+    /// Cumulative tier-2 (hits, queries) in tokens.
+    pub t2: Option<(u64, u64)>,
+    /// Cumulative prefix-cache (hits, queries) in tokens.
+    pub prefix_cache: Option<(u64, u64)>,
+    /// LMCache local-cache bytes.
+    pub cache_memory_bytes: Option<u64>,
+}
+
+impl EngineReport {
+    /// What one `StreamCounters` of a `CounterReport` says (the agent's wire format:
+    /// `t2_absent` marks counters that are not readings; the prefix-cache pair is present only
+    /// as a pair).
+    pub fn from_counters(c: &proto::StreamCounters) -> Self {
+        EngineReport {
+            t2: (!c.t2_absent).then_some((c.t2_hits, c.t2_queries)),
+            prefix_cache: c.prefix_cache_hits.zip(c.prefix_cache_queries),
+            cache_memory_bytes: c.cache_memory_bytes,
+        }
+    }
 }
 
 /// Why a delta could not be applied; the agent is asked for a resync.
@@ -343,6 +372,33 @@ impl PrefixIndex {
         self.partitions.iter().map(|p| p.blocks.len()).sum()
     }
 
+    /// Distinct blocks per tenant (a block several replicas of the tenant hold counts once;
+    /// partitions never span tenants, so the values sum to [`Self::block_count`]).
+    pub fn blocks_by_tenant(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut out = std::collections::BTreeMap::new();
+        for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
+            *out.entry(p.key.tenant.clone()).or_insert(0) += p.blocks.len();
+        }
+        out
+    }
+
+    /// Distinct blocks held by some replica at T1 (`.0`), and held only at T2 (`.1`). Walks
+    /// every block: O(blocks); for status writers that run seconds apart, not for lookups.
+    pub fn blocks_by_tier(&self) -> (usize, usize) {
+        let (mut t1, mut t2_only) = (0usize, 0usize);
+        let mut buf = [0; 1];
+        for p in &self.partitions {
+            for (_, h) in p.blocks.iter() {
+                if h.holders(&self.arena, &mut buf).iter().any(|x| !is_t2(*x)) {
+                    t1 += 1;
+                } else {
+                    t2_only += 1;
+                }
+            }
+        }
+        (t1, t2_only)
+    }
+
     /// Number of known streams.
     pub fn replica_count(&self) -> usize {
         self.slot_by_stream.len()
@@ -366,17 +422,26 @@ impl PrefixIndex {
             .set_policy(namespace, lookup_timeout_ms, minimum_prefix_tokens);
     }
 
-    /// Records a replica's engine tier-2 counters (cumulative `external_prefix_cache_hits` and
-    /// `_queries`), shown in `/snapshot`. Unknown streams are ignored.
-    pub fn set_t2_counters(&mut self, stream_id: &str, hits: u64, queries: u64) {
+    /// Records what a replica's engine reported on its `/metrics`, shown in `/snapshot`. The
+    /// cumulative counter pairs (`t2`, `prefix_cache`) keep their last reported value when
+    /// absent from `report` (counters never go back to "not exercised"); the
+    /// `cache_memory_bytes` gauge is replaced (absent now: none is shown). Unknown streams are
+    /// ignored.
+    pub fn set_engine_counters(&mut self, stream_id: &str, report: EngineReport) {
         if let Some(r) = self
             .slot_by_stream
             .get(stream_id)
             .and_then(|s| self.replicas.get_mut(*s as usize))
             .and_then(Option::as_mut)
         {
-            r.t2_hits = Some(hits);
-            r.t2_queries = Some(queries);
+            if let Some((hits, queries)) = report.t2 {
+                r.t2_hits = Some(hits);
+                r.t2_queries = Some(queries);
+            }
+            if report.prefix_cache.is_some() {
+                r.prefix_cache = report.prefix_cache;
+            }
+            r.cache_memory_bytes = report.cache_memory_bytes;
         }
     }
 
@@ -489,6 +554,8 @@ impl PrefixIndex {
                     rank: 0,
                     t2_hits: None,
                     t2_queries: None,
+                    cache_memory_bytes: None,
+                    prefix_cache: None,
                 });
             }
             self.set_coverage(

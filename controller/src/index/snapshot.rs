@@ -46,6 +46,17 @@ pub struct ReplicaSnapshot {
     /// Engine tier-2 queries (cumulative `external_prefix_cache_queries`), when reported.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub t2_queries: Option<u64>,
+    /// LMCache local-cache bytes the engine reports for this replica
+    /// (`lmcache:local_cache_usage`), when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_memory_bytes: Option<u64>,
+    /// Engine prefix-cache hits (cumulative `vllm:prefix_cache_hits_total`), when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_cache_hits: Option<u64>,
+    /// Engine prefix-cache lookups (cumulative `vllm:prefix_cache_queries_total`), when
+    /// reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_cache_queries: Option<u64>,
     /// Last applied delta seq.
     pub seq: u64,
     /// True while the replica's state is uncertain (gap without replay).
@@ -113,6 +124,9 @@ impl PrefixIndex {
                     last_event_at: rfc3339_ms(r.last_event_unix_ms),
                     t2_hits: r.t2_hits,
                     t2_queries: r.t2_queries,
+                    cache_memory_bytes: r.cache_memory_bytes,
+                    prefix_cache_hits: r.prefix_cache.map(|p| p.0),
+                    prefix_cache_queries: r.prefix_cache.map(|p| p.1),
                     seq: r.seq,
                     stale: r.stale,
                     coverage: r.coverage.state.as_str(),

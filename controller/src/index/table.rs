@@ -268,7 +268,6 @@ impl BlockTable {
     }
 
     /// Every (key, holders).
-    #[cfg(test)]
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, Holders)> + '_ {
         self.slots
             .iter()

@@ -520,11 +520,31 @@ fn snapshot_shows_tier_counts_last_event_and_t2_counters() {
     let json = serde_json::to_value(r).unwrap();
     assert!(json.get("t2Hits").is_none());
     assert_eq!(json["lastEventAt"], "2026-05-28T20:26:40.123Z");
-    ix.set_t2_counters("default/a#0", 5, 9);
+    ix.set_engine_counters(
+        "default/a#0",
+        EngineReport {
+            t2: Some((5, 9)),
+            ..Default::default()
+        },
+    );
     let json = serde_json::to_value(&ix.snapshot().replicas[0]).unwrap();
     assert_eq!(
         (json["t2Hits"].as_u64(), json["t2Queries"].as_u64()),
         (Some(5), Some(9))
+    );
+    assert!(json.get("cacheMemoryBytes").is_none());
+    // A memory-only report (the engine exports no tier-2 counters now) keeps the counters.
+    ix.set_engine_counters(
+        "default/a#0",
+        EngineReport {
+            cache_memory_bytes: Some(1 << 30),
+            ..Default::default()
+        },
+    );
+    let json = serde_json::to_value(&ix.snapshot().replicas[0]).unwrap();
+    assert_eq!(
+        (json["t2Hits"].as_u64(), json["cacheMemoryBytes"].as_u64()),
+        (Some(5), Some(1 << 30))
     );
     assert!(ix.approx_heap_bytes() > 0);
 }

@@ -9,8 +9,9 @@
 //!    not follow, or of a stream the index does not know, is refused: the controller sends one
 //!    `ResyncRequest` and ignores further deltas of that agent until the next `Resync`;
 //! 4. `CheckReport`s replace the node's latest results.
-//! 5. `CounterReport`s (the engines' tier-2 hit and lookup counters, scraped by the agent) are
-//!    recorded per stream with [`crate::index::PrefixIndex::set_t2_counters`] — only for
+//! 5. `CounterReport`s (the engines' tier-2 hit and lookup counters and LMCache cache bytes,
+//!    scraped by the agent) are
+//!    recorded per stream with [`crate::index::PrefixIndex::set_engine_counters`] — only for
 //!    streams this connection owns (those of its last `Resync`); others are ignored. A `Resync`
 //!    resets a stream's counters; the agent sends them again right after it.
 //!
@@ -393,7 +394,10 @@ impl Session {
                 for c in &report.streams {
                     match c.stream.as_ref().map(|d| d.stream_id.as_str()) {
                         Some(id) if self.owned.contains(id) => {
-                            ix.set_t2_counters(id, c.t2_hits, c.t2_queries);
+                            ix.set_engine_counters(
+                                id,
+                                crate::index::EngineReport::from_counters(c),
+                            );
                         }
                         _ => ignored += 1,
                     }
@@ -807,6 +811,7 @@ mod tests {
                         t2_hits: *hits,
                         t2_queries: *queries,
                         observed_at_unix_ms: 1,
+                        ..Default::default()
                     })
                     .collect(),
             })),

@@ -1,9 +1,9 @@
 //! Shared by the node-loop and run-mode tests: kube-fake-client cluster-scope shim.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode is
-/// cluster-scoped: this shim maps the cluster-scoped CacheNode URLs of single objects (get,
-/// create, status patch) onto one namespace of the in-memory store, so the controller's
+/// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode and
+/// CacheIndex are cluster-scoped: this shim maps their cluster-scoped URLs of single objects
+/// (get, create, status patch) onto one namespace of the in-memory store, so the controller's
 /// cluster-scoped calls run unchanged. Lists across the store need no mapping.
 #[derive(Clone)]
 pub struct ClusterScopeShim(pub kube::Client);
@@ -25,19 +25,19 @@ impl tonic::codegen::Service<tonic::codegen::http::Request<kube::client::Body>>
     }
 
     fn call(&mut self, mut req: tonic::codegen::http::Request<kube::client::Body>) -> Self::Future {
-        const PREFIX: &str = "/apis/inferencecache.io/v1alpha1/cachenodes";
+        const GROUP: &str = "/apis/inferencecache.io/v1alpha1/";
         let pq = req
             .uri()
             .path_and_query()
             .map(|p| p.as_str().to_string())
             .unwrap_or_default();
-        if let Some(rest) = pq.strip_prefix(PREFIX) {
-            if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
-                *req.uri_mut() = format!(
-                    "/apis/inferencecache.io/v1alpha1/namespaces/cluster-scope/cachenodes{rest}"
-                )
-                .parse()
-                .unwrap();
+        for plural in ["cachenodes", "cacheindexes"] {
+            if let Some(rest) = pq.strip_prefix(GROUP).and_then(|p| p.strip_prefix(plural)) {
+                if rest.starts_with('/') || req.method() == tonic::codegen::http::Method::POST {
+                    *req.uri_mut() = format!("{GROUP}namespaces/cluster-scope/{plural}{rest}")
+                        .parse()
+                        .unwrap();
+                }
             }
         }
         let client = self.0.clone();

@@ -49,8 +49,8 @@ pub struct CacheIndexStatus {
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["tenant", "id"]))]
     pub replicas: Vec<ReplicaCacheStatus>,
 
-    /// Number of replicas currently reporting (the length of `replicas`, for the printer
-    /// column).
+    /// Number of replicas currently reporting. Equals the length of `replicas` unless the list
+    /// was truncated (condition `Complete=False/ReplicasTruncated`).
     #[serde(default)]
     #[schemars(range(min = 0))]
     pub replica_count: i32,
@@ -83,7 +83,8 @@ pub struct CacheIndexStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReplicaCacheStatus {
-    /// Replica id (the engine pod name, with `/dp<N>` for data-parallel ranks > 0).
+    /// Replica id as routing answers name it: the engine pod name, with `#<N>` for
+    /// data-parallel ranks above 0.
     pub id: String,
 
     /// Tenant the replica reports under (the engine pod's namespace).
@@ -103,19 +104,33 @@ pub struct ReplicaCacheStatus {
     #[schemars(range(min = 0))]
     pub prefix_count: i64,
 
-    /// Engine KV-cache memory in bytes for the whole replica (all tenants) — the honest memory
-    /// signal at this altitude.
+    /// Cache memory in bytes for the whole replica (all tenants) — the honest memory signal at
+    /// this altitude: what the engine's LMCache holds in its local (CPU) cache
+    /// (`lmcache:local_cache_usage` on the engine's `/metrics`, scraped by the node agent,
+    /// summed over the engine's workers). Absent when the engine does not export it (no
+    /// LMCache) or it cannot be attributed to one data-parallel rank; never a guess.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub cache_memory_bytes: Option<i64>,
 
-    /// Rolling hit rate, decimal string in [0,1]; absent when not reported.
+    /// The engine's prefix-cache hit rate since it started (`vllm:prefix_cache_hits_total /
+    /// vllm:prefix_cache_queries_total`), decimal string in [0,1]; absent when the engine does
+    /// not report the counters or has had no lookups (the presence bit: absent is never 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hit_rate: Option<String>,
 
     /// Most recent KV event from this replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_event_at: Option<Time>,
+
+    /// Whether the index holds exactly what the engine holds (`Exact`, `Healing`, `Partial`,
+    /// `Disconnected`, `EngineDown`, `Unknown`; see docs/kv-events.md "Coverage").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage: Option<String>,
+
+    /// Why the replica is not `Exact`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage_reason: Option<String>,
 }
 
 /// `status.tenants[]`: one tenant's footprint in the index.
@@ -132,7 +147,8 @@ pub struct TenantCacheStatus {
     #[schemars(range(min = 0))]
     pub index_entries: i64,
 
-    /// Mean replica hit rate, decimal string in [0,1]; absent when not reported.
+    /// Query-weighted prefix-cache hit rate over the tenant's replicas that report one, decimal
+    /// string in [0,1]; absent when none does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hit_rate: Option<String>,
 
@@ -161,6 +177,15 @@ pub struct PrefixSummary {
     #[serde(default)]
     #[schemars(range(min = 0))]
     pub t2: i64,
+}
+
+/// Condition types on the CacheIndex.
+pub mod index_condition {
+    /// True when `status.replicas` lists every reporting replica.
+    pub const COMPLETE: &str = "Complete";
+    /// True when every replica's coverage is `Exact` (the index holds exactly what the engines
+    /// hold); False names how many are not and why.
+    pub const EXACT: &str = "Exact";
 }
 
 /// Conventional name of the single CacheIndex the controller maintains.

@@ -63,6 +63,9 @@ pub struct NodeLoopConfig {
     /// At most one CacheNode write per node per this interval unless a condition status changed
     /// (default 30 s).
     pub cachenode_min_write_interval: Duration,
+    /// At most one CacheIndex status write per this interval (default 15 s); the CacheIndex is
+    /// compared with the index every `status_interval`.
+    pub cacheindex_min_write_interval: Duration,
     /// Advisory conditions are re-checked against the API at least this often even when the
     /// verdicts did not change (repairs drift; default 60 s).
     pub advisory_resync: Duration,
@@ -76,6 +79,7 @@ impl Default for NodeLoopConfig {
             plan_interval: Duration::from_secs(10),
             status_interval: Duration::from_secs(5),
             cachenode_min_write_interval: Duration::from_secs(30),
+            cacheindex_min_write_interval: Duration::from_secs(15),
             advisory_resync: Duration::from_secs(60),
             model_cache_control_namespace:
                 crate::reconcile::model_cache::ModelCacheConfig::default().control_namespace,

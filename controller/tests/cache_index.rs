@@ -1,0 +1,380 @@
+//! The CacheIndex writer (issue 13 item 4; spec 000 CacheIndex carve-out, "Index
+//! Participation"): one cluster-scoped `default` object, from the controller's own index and
+//! what the engines report through the agents' `CounterReport` (the wire message, as the agent
+//! builds it from LMCache's `lmcache:local_cache_usage` and vLLM's prefix-cache counters),
+//! written by the leader only, rate-limited, validated against the generated CRD schema.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod cluster_scope_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster_scope_support::cluster_scoped;
+use ic_controller::crdgen;
+use ic_controller::index::{EngineReport, PrefixIndex};
+use ic_controller::leader::LeaderHandle;
+use ic_controller::reconcile::cache_index::{
+    desired_status, spawn_writer, CacheIndexWriter, IndexAggregate, SyncOutcome, MAX_REPLICA_ROWS,
+};
+use ic_controller::reconcile::clock::{Clock, SystemClock};
+use ic_controller::state::Shared;
+use ic_shared::crd::{find_condition, CacheIndex, CACHE_INDEX_NAME};
+use ic_shared::kv::content_key::chain;
+use ic_shared::proto::{self, kv_op::Op, KvOp, StoreOp, StreamCounters, StreamDelta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube_fake_client::ClientBuilder;
+
+fn desc(tenant: &str, replica: &str, rank: u32) -> proto::StreamDescriptor {
+    proto::StreamDescriptor {
+        stream_id: format!("{tenant}/{}#{rank}", replica.split('#').next().unwrap()),
+        replica: replica.into(),
+        dp_rank: rank,
+        tenant: tenant.into(),
+        model: "Qwen/Qwen3-8B".into(),
+        hash_scheme: "vllm".into(),
+        backend: format!("{tenant}/kv"),
+        node: "n1".into(),
+    }
+}
+
+fn store(tier: proto::Tier, tokens: std::ops::Range<u32>) -> KvOp {
+    KvOp {
+        op: Some(Op::Store(StoreOp {
+            adapter: String::new(),
+            block_size: 16,
+            tier: tier as i32,
+            content_keys: chain(&tokens.collect::<Vec<_>>(), 16),
+        })),
+    }
+}
+
+/// team-a: pod a-0 holds blocks 0..4 at T1, a-1 the same 4 plus 4 more offloaded (T2 only);
+/// team-b: b-0 holds 2 blocks, and its stream is Partial (a sequence gap).
+fn populated() -> PrefixIndex {
+    let mut ix = PrefixIndex::new();
+    let streams = [
+        (desc("team-a", "a-0", 0), proto::Coverage::Exact, ""),
+        (desc("team-a", "a-1", 0), proto::Coverage::Exact, ""),
+        (
+            desc("team-b", "b-0", 0),
+            proto::Coverage::Partial,
+            "SequenceGap",
+        ),
+    ];
+    ix.resync_node(
+        "n1",
+        &streams
+            .iter()
+            .map(|(d, c, r)| proto::StreamSnapshot {
+                stream: Some(d.clone()),
+                coverage: *c as i32,
+                coverage_reason: r.to_string(),
+                last_event_unix_ms: 1_780_000_000_000,
+                ..Default::default()
+            })
+            .collect::<Vec<_>>(),
+    );
+    let deltas = [
+        (0, vec![store(proto::Tier::T1, 0..64)]),
+        (
+            1,
+            vec![
+                store(proto::Tier::T1, 0..64),
+                store(proto::Tier::T2, 1000..1064),
+            ],
+        ),
+        (2, vec![store(proto::Tier::T1, 5000..5032)]),
+    ];
+    for (i, ops) in deltas {
+        let (d, c, r) = &streams[i];
+        ix.apply_delta(
+            "n1",
+            &StreamDelta {
+                stream: Some(d.clone()),
+                seq: 1,
+                ops,
+                coverage: *c as i32,
+                coverage_reason: r.to_string(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    }
+    // What the agent sends for a-0: LMCache's local cache bytes and vLLM's prefix-cache
+    // counters, no tier-2 counters; for a-1 only tier-2 counters; b-0 reports nothing.
+    let a0 = StreamCounters {
+        stream: Some(streams[0].0.clone()),
+        t2_absent: true,
+        cache_memory_bytes: Some(2 * 1_073_741_824),
+        prefix_cache_hits: Some(1),
+        prefix_cache_queries: Some(30_000),
+        observed_at_unix_ms: 1,
+        ..Default::default()
+    };
+    let a1 = StreamCounters {
+        stream: Some(streams[1].0.clone()),
+        t2_hits: 5,
+        t2_queries: 9,
+        observed_at_unix_ms: 1,
+        ..Default::default()
+    };
+    ix.set_engine_counters("team-a/a-0#0", EngineReport::from_counters(&a0));
+    ix.set_engine_counters("team-a/a-1#0", EngineReport::from_counters(&a1));
+    ix
+}
+
+fn validate(status: &serde_json::Value) {
+    let crd = crdgen::all_crds()
+        .into_iter()
+        .find(|c| c.spec.names.kind == "CacheIndex")
+        .unwrap();
+    let schema = serde_json::to_value(
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .unwrap()
+            .open_api_v3_schema
+            .as_ref()
+            .unwrap(),
+    )
+    .unwrap();
+    let doc = serde_json::json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheIndex",
+        "metadata": {"name": "default"}, "spec": {}, "status": status,
+    });
+    let v = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = v.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "schema: {errors:?}");
+}
+
+#[test]
+fn the_status_carries_per_replica_memory_tenants_tiers_and_coverage() {
+    let ix = populated();
+    let s = desired_status(
+        &IndexAggregate::of(&ix),
+        None,
+        ic_controller::reconcile::clock::to_time(Timestamp::now()),
+    );
+    validate(&serde_json::to_value(&s).unwrap());
+    assert_eq!(s.replica_count, 3);
+    let ids: Vec<(&str, &str)> = s
+        .replicas
+        .iter()
+        .map(|r| (r.tenant.as_str(), r.id.as_str()))
+        .collect();
+    assert_eq!(
+        ids,
+        [("team-a", "a-0"), ("team-a", "a-1"), ("team-b", "b-0")]
+    );
+    let a0 = &s.replicas[0];
+    assert_eq!(a0.cache_memory_bytes, Some(2_147_483_648));
+    // 1 hit in 30 000 lookups is not 0.
+    assert_eq!(a0.hit_rate.as_deref(), Some("0.0000333"));
+    assert_eq!(a0.backend.as_deref(), Some("team-a/kv"));
+    assert_eq!(a0.prefix_count, 4);
+    // Not reported: absent, never 0.
+    assert_eq!(s.replicas[1].cache_memory_bytes, None);
+    assert_eq!(s.replicas[1].hit_rate, None);
+    assert_eq!(s.replicas[1].prefix_count, 8);
+    assert_eq!(s.replicas[2].coverage.as_deref(), Some("Partial"));
+    assert_eq!(
+        s.replicas[2].coverage_reason.as_deref(),
+        Some("SequenceGap")
+    );
+
+    // Distinct prefixes: team-a's 4 shared blocks count once, plus its 4 offloaded ones.
+    let tenants: Vec<(&str, i64, i64, Option<&str>)> = s
+        .tenants
+        .iter()
+        .map(|t| {
+            (
+                t.id.as_str(),
+                t.index_entries,
+                t.memory_used,
+                t.hit_rate.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        tenants,
+        [("team-a", 8, 0, Some("0.0000333")), ("team-b", 2, 0, None)]
+    );
+    assert_eq!((s.prefixes.total, s.prefixes.t1, s.prefixes.t2), (10, 6, 4));
+    assert_eq!(
+        s.tenants.iter().map(|t| t.index_entries).sum::<i64>(),
+        s.prefixes.total
+    );
+    let complete = find_condition(&s.conditions, "Complete").unwrap();
+    assert_eq!(
+        (complete.status.as_str(), complete.reason.as_str()),
+        ("True", "AllReplicas")
+    );
+    let exact = find_condition(&s.conditions, "Exact").unwrap();
+    assert_eq!(
+        (exact.status.as_str(), exact.reason.as_str()),
+        ("False", "InexactReplicas")
+    );
+    assert!(
+        exact.message.contains("1 of 3") && exact.message.contains("1 Partial"),
+        "{}",
+        exact.message
+    );
+    assert_eq!(s.observed_server.as_deref(), Some("in-process"));
+}
+
+#[test]
+fn too_many_replicas_are_truncated_loudly() {
+    let mut ix = PrefixIndex::new();
+    let n = MAX_REPLICA_ROWS + 5;
+    ix.resync_node(
+        "n1",
+        &(0..n)
+            .map(|i| proto::StreamSnapshot {
+                stream: Some(desc("t", &format!("p-{i:05}"), 0)),
+                coverage: proto::Coverage::Exact as i32,
+                ..Default::default()
+            })
+            .collect::<Vec<_>>(),
+    );
+    let s = desired_status(
+        &IndexAggregate::of(&ix),
+        None,
+        ic_controller::reconcile::clock::to_time(Timestamp::now()),
+    );
+    assert_eq!(s.replicas.len(), MAX_REPLICA_ROWS);
+    assert_eq!(s.replica_count as usize, n);
+    let c = find_condition(&s.conditions, "Complete").unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "ReplicasTruncated")
+    );
+    assert!(c.message.contains(&n.to_string()), "{}", c.message);
+}
+
+async fn fake() -> kube::Client {
+    cluster_scoped(
+        ClientBuilder::new()
+            .with_resource::<CacheIndex>()
+            .with_status_subresource::<CacheIndex>()
+            .build()
+            .await
+            .unwrap(),
+    )
+}
+
+async fn stored(client: &kube::Client) -> Option<CacheIndex> {
+    Api::<CacheIndex>::all(client.clone())
+        .get_opt(CACHE_INDEX_NAME)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_writer_creates_writes_on_change_and_is_rate_limited() {
+    let client = fake().await;
+    let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
+    let mut ix = populated();
+    let t0 = Timestamp::from_second(1_800_000_000).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t0).await.unwrap(),
+        SyncOutcome::Written
+    );
+    let first = stored(&client).await.unwrap().status.unwrap();
+    validate(&serde_json::to_value(&first).unwrap());
+    assert_eq!(first.replicas[0].cache_memory_bytes, Some(2_147_483_648));
+    // Nothing changed: nothing written, lastUpdated stays.
+    let t1 = Timestamp::from_second(1_800_000_100).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t1).await.unwrap(),
+        SyncOutcome::Unchanged
+    );
+    // The engine's cache grew: written, but not before min_interval after the last write.
+    let grown = StreamCounters {
+        stream: Some(desc("team-a", "a-0", 0)),
+        t2_absent: true,
+        cache_memory_bytes: Some(3 * 1_073_741_824),
+        ..Default::default()
+    };
+    ix.set_engine_counters("team-a/a-0#0", EngineReport::from_counters(&grown));
+    let mut w2 = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
+    assert_eq!(
+        w2.sync(&IndexAggregate::of(&ix), t1).await.unwrap(),
+        SyncOutcome::Written,
+        "a fresh writer (new leader) reads what is stored and writes the change"
+    );
+    ix.set_engine_counters(
+        "team-a/a-0#0",
+        EngineReport {
+            cache_memory_bytes: Some(1),
+            ..Default::default()
+        },
+    );
+    let t2 = Timestamp::from_second(1_800_000_105).unwrap();
+    assert_eq!(
+        w2.sync(&IndexAggregate::of(&ix), t2).await.unwrap(),
+        SyncOutcome::RateLimited
+    );
+    let t3 = Timestamp::from_second(1_800_000_116).unwrap();
+    assert_eq!(
+        w2.sync(&IndexAggregate::of(&ix), t3).await.unwrap(),
+        SyncOutcome::Written
+    );
+    let last = stored(&client).await.unwrap().status.unwrap();
+    assert_eq!(last.replicas[0].cache_memory_bytes, Some(1));
+    assert_eq!(
+        last.last_updated.as_ref().map(|t| t.0.as_second()),
+        Some(1_800_000_116)
+    );
+    // The engine stops reporting memory: the field goes away in the stored object too.
+    ix.set_engine_counters("team-a/a-0#0", EngineReport::default());
+    let t4 = Timestamp::from_second(1_800_000_200).unwrap();
+    w2.sync(&IndexAggregate::of(&ix), t4).await.unwrap();
+    let gone = stored(&client).await.unwrap().status.unwrap();
+    assert_eq!(gone.replicas[0].cache_memory_bytes, None);
+}
+
+#[tokio::test]
+async fn only_the_leader_writes() {
+    let client = fake().await;
+    let shared = Arc::new(Shared::new(Default::default()).unwrap());
+    *shared.index.write() = populated();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let follower = spawn_writer(
+        client.clone(),
+        shared.clone(),
+        LeaderHandle::fixed(false),
+        clock.clone(),
+        Duration::from_millis(10),
+        Duration::ZERO,
+        stop_rx.clone(),
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        stored(&client).await.is_none(),
+        "a follower wrote the CacheIndex"
+    );
+    let leader = spawn_writer(
+        client.clone(),
+        shared,
+        LeaderHandle::fixed(true),
+        clock,
+        Duration::from_millis(10),
+        Duration::ZERO,
+        stop_rx,
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stored(&client).await.and_then(|o| o.status).is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the leader never wrote"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_tx.send(true).unwrap();
+    follower.await.unwrap();
+    leader.await.unwrap();
+}
