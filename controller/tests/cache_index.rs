@@ -378,3 +378,95 @@ async fn only_the_leader_writes() {
     follower.await.unwrap();
     leader.await.unwrap();
 }
+
+fn tenant(ns: &str, name: &str, spec: serde_json::Value) -> ic_shared::crd::CacheTenant {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheTenant",
+        "metadata": {"name": name, "namespace": ns, "generation": 3},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// CacheTenant (spec 000 carve-out: no memory quota): the leader writes `indexEntries` from
+/// the index's distinct prefixes of the tenant and reports the entry quota, which is not
+/// enforced (the index keeps mirroring the engines).
+#[tokio::test]
+async fn cache_tenants_report_their_distinct_prefixes_against_the_quota() {
+    use ic_controller::reconcile::tenants::sync_tenants;
+    use ic_shared::crd::CacheTenant;
+    let client = ClientBuilder::new()
+        .with_resource::<CacheTenant>()
+        .with_status_subresource::<CacheTenant>()
+        .with_object(tenant(
+            "team-a",
+            "quota",
+            serde_json::json!({"quota": {"maxIndexEntries": 5}}),
+        ))
+        .with_object(tenant(
+            "team-b",
+            "roomy",
+            serde_json::json!({"quota": {"maxIndexEntries": 5}}),
+        ))
+        .with_object(tenant(
+            "ops",
+            "names-team-a",
+            serde_json::json!({"tenantID": "team-a"}),
+        ))
+        .with_object(tenant("idle", "nothing", serde_json::json!({})))
+        .build()
+        .await
+        .unwrap();
+    let ix = populated();
+    let agg = IndexAggregate::of(&ix);
+    let now = ic_controller::reconcile::clock::to_time(Timestamp::now());
+    assert_eq!(
+        sync_tenants(&client, &agg.blocks_by_tenant, now.clone())
+            .await
+            .unwrap(),
+        4
+    );
+    // Nothing changed: nothing written.
+    assert_eq!(
+        sync_tenants(&client, &agg.blocks_by_tenant, now)
+            .await
+            .unwrap(),
+        0
+    );
+    let get = |ns: &'static str, name: &'static str| {
+        let api: Api<CacheTenant> = Api::namespaced(client.clone(), ns);
+        async move { api.get(name).await.unwrap().status.unwrap() }
+    };
+    let a = get("team-a", "quota").await;
+    assert_eq!(a.index_entries, Some(8));
+    assert_eq!(a.observed_generation, Some(3));
+    let c = find_condition(&a.conditions, "WithinQuota").unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "QuotaExceeded")
+    );
+    assert!(
+        c.message.contains("8") && c.message.contains("(5)"),
+        "{}",
+        c.message
+    );
+    let b = get("team-b", "roomy").await;
+    assert_eq!(b.index_entries, Some(2));
+    let c = find_condition(&b.conditions, "WithinQuota").unwrap();
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "WithinQuota")
+    );
+    let named = get("ops", "names-team-a").await;
+    assert_eq!(
+        named.index_entries,
+        Some(8),
+        "spec.tenantID names the tenant"
+    );
+    let idle = get("idle", "nothing").await;
+    assert_eq!(idle.index_entries, Some(0));
+    let c = find_condition(&idle.conditions, "WithinQuota").unwrap();
+    assert_eq!(c.reason, "NoQuota");
+    // The index is untouched: the quota is reported, not enforced.
+    assert_eq!(agg.blocks_by_tenant.get("team-a"), Some(&8));
+}

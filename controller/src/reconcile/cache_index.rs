@@ -357,7 +357,9 @@ impl CacheIndexWriter {
 }
 
 /// The leader-only loop: every `interval`, [`CacheIndexWriter::sync`] with the index (writes
-/// at most once per `min_interval`). Followers write nothing.
+/// at most once per `min_interval`), and at most once per `min_interval` the CacheTenant
+/// statuses from the same aggregate ([`super::tenants::sync_tenants`]). Followers write
+/// nothing.
 pub fn spawn_writer(
     client: Client,
     shared: Arc<Shared>,
@@ -368,18 +370,33 @@ pub fn spawn_writer(
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let mut writer = CacheIndexWriter::new(client, min_interval);
+        let mut writer = CacheIndexWriter::new(client.clone(), min_interval);
         let mut was_leader = false;
+        let mut tenants_at: Option<Timestamp> = None;
         loop {
             let is_leader = leader.is_leader();
             if is_leader && !was_leader {
                 writer.reset();
+                tenants_at = None;
             }
             was_leader = is_leader;
             if is_leader {
                 let agg = IndexAggregate::of(&shared.index.read());
-                if let Err(e) = writer.sync(&agg, clock.now()).await {
+                let now = clock.now();
+                if let Err(e) = writer.sync(&agg, now).await {
                     warn!(error = %e, "writing the CacheIndex status failed; retrying next pass");
+                }
+                let due = tenants_at.is_none_or(|t| {
+                    now.duration_since(t).as_secs_f64() >= min_interval.as_secs_f64()
+                });
+                if due {
+                    tenants_at = Some(now);
+                    if let Err(e) =
+                        super::tenants::sync_tenants(&client, &agg.blocks_by_tenant, to_time(now))
+                            .await
+                    {
+                        warn!(error = %e, "listing CacheTenants failed; retrying later");
+                    }
                 }
             }
             let stop = tokio::select! {

@@ -25,6 +25,7 @@ pub mod nodes;
 pub mod policy;
 pub mod render;
 pub mod run;
+pub mod tenants;
 
 pub use cachebackend::{error_policy, reconcile, Context, Error};
 pub use run::{run_controllers, Controllers};

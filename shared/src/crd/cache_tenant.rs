@@ -51,8 +51,10 @@ pub struct CacheTenantSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CacheTenantQuota {
-    /// Maximum distinct prefixes the tenant may hold in the index (≥ 0; a prefix on several
-    /// replicas counts once). Over budget, the tenant's oldest prefixes are evicted first.
+    /// Maximum distinct prefixes the tenant should hold in the index (≥ 0; a prefix on several
+    /// replicas counts once). Reported, not enforced: above it the condition
+    /// `WithinQuota=False/QuotaExceeded` says so; the index keeps mirroring what the engines
+    /// hold (dropping entries an engine holds would make routes inexact).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub max_index_entries: Option<i64>,
@@ -66,7 +68,8 @@ pub struct CacheTenantStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// Distinct prefixes the tenant currently holds; absent = not yet computed.
+    /// Distinct prefixes the tenant currently holds (written by the controller's leader with
+    /// the CacheIndex); absent = not yet computed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub index_entries: Option<i64>,
