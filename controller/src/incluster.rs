@@ -581,6 +581,12 @@ where
         cfg.nodes.cacheindex_min_write_interval,
         stop_rx.clone(),
     );
+    // Every replica has its own index, so every replica follows the CacheTenant quotas.
+    let quotas = tokio::spawn(crate::reconcile::tenants::run_quotas(
+        client.clone(),
+        shared.clone(),
+        stop_rx.clone(),
+    ));
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
     // Every replica routes, so every replica follows the CachePolicies (the leader writes
     // their status).
@@ -654,6 +660,7 @@ where
             plan_loop,
             status_loop,
             cache_index,
+            quotas,
             expiry,
             mirror,
             policies,

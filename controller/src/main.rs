@@ -85,6 +85,11 @@ struct StandaloneArgs {
     /// (CachePolicy.spec.minimumPrefixTokens in cluster).
     #[arg(long, env = "IC_MINIMUM_PREFIX_TOKENS", default_value_t = 0)]
     minimum_prefix_tokens: u32,
+    /// Most blocks one engine stream may hold in the index (a bound on what one agent or
+    /// subscriber token can make the controller store; blocks beyond it are not indexed and the
+    /// stream reads Partial/StreamCapExceeded). 0 = no cap.
+    #[arg(long, env = "IC_MAX_BLOCKS_PER_STREAM", default_value_t = 16_777_216)]
+    max_blocks_per_stream: usize,
 }
 
 #[derive(clap::Args)]
@@ -163,6 +168,11 @@ struct RunArgs {
     /// LookupRoute answers NO_HINT for matches shorter than this many tokens.
     #[arg(long, env = "IC_MINIMUM_PREFIX_TOKENS", default_value_t = 0)]
     minimum_prefix_tokens: u32,
+    /// Most blocks one engine stream may hold in the index (a bound on what one agent or
+    /// subscriber token can make the controller store; blocks beyond it are not indexed and the
+    /// stream reads Partial/StreamCapExceeded). 0 = no cap.
+    #[arg(long, env = "IC_MAX_BLOCKS_PER_STREAM", default_value_t = 16_777_216)]
+    max_blocks_per_stream: usize,
     /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
     #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
     node_plan_interval_seconds: u64,
@@ -369,6 +379,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
         agent_expiry: Duration::from_secs(a.agent_expiry_seconds),
         policy: ic_controller::state::LookupPolicy {
             minimum_prefix_tokens: a.minimum_prefix_tokens,
+            max_blocks_per_stream: (a.max_blocks_per_stream > 0).then_some(a.max_blocks_per_stream),
         },
         webhook: WebhookSettings {
             enabled: a.webhooks,
@@ -485,6 +496,8 @@ async fn main() -> anyhow::Result<()> {
                 agent_expiry: Duration::from_secs(a.agent_expiry_seconds),
                 policy: ic_controller::state::LookupPolicy {
                     minimum_prefix_tokens: a.minimum_prefix_tokens,
+                    max_blocks_per_stream: (a.max_blocks_per_stream > 0)
+                        .then_some(a.max_blocks_per_stream),
                 },
             };
             let running = ic_controller::standalone::start(cfg, async {

@@ -32,6 +32,10 @@ pub struct ControllerMetrics {
     /// Engine streams by coverage (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`,
     /// `Unknown`).
     pub index_replicas_by_coverage: IntGaugeVec,
+    /// Blocks evicted by CacheTenant quotas, by tenant.
+    pub index_quota_evictions_total: IntCounterVec,
+    /// Blocks refused by the per-stream cap.
+    pub index_stream_cap_refusals_total: IntCounter,
     /// LookupRoute answers by decision (`prefix_match`, `no_hint`).
     pub lookups_total: IntCounterVec,
     /// LookupRoute server-side latency.
@@ -99,6 +103,17 @@ impl ControllerMetrics {
             ),
             &["coverage"],
         )?;
+        let index_quota_evictions_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}index_quota_evictions_total"),
+                "Blocks the KV-prefix index evicted (oldest first) to keep a tenant within its CacheTenant spec.quota.maxIndexEntries, by tenant.",
+            ),
+            &["tenant"],
+        )?;
+        let index_stream_cap_refusals_total = IntCounter::new(
+            format!("{p}index_stream_cap_refusals_total"),
+            "Blocks not indexed because their stream reached --max-blocks-per-stream.",
+        )?;
         let lookups_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}lookups_total"),
@@ -127,6 +142,8 @@ impl ControllerMetrics {
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_replicas.clone()))?;
         registry.register(Box::new(index_replicas_by_coverage.clone()))?;
+        registry.register(Box::new(index_quota_evictions_total.clone()))?;
+        registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
         Ok(ControllerMetrics {
@@ -142,6 +159,8 @@ impl ControllerMetrics {
             index_blocks,
             index_replicas,
             index_replicas_by_coverage,
+            index_quota_evictions_total,
+            index_stream_cap_refusals_total,
             lookups_total,
             lookup_duration_seconds,
         })

@@ -6,11 +6,14 @@ use crate::index::PrefixIndex;
 use crate::ingest::registry::NodeRegistry;
 use crate::metrics::ControllerMetrics;
 
-/// Lookup defaults until a CachePolicy says otherwise (spec 000: CachePolicy.spec).
+/// Lookup defaults until a CachePolicy says otherwise (spec 000: CachePolicy.spec), and the
+/// index's own bounds.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LookupPolicy {
     /// Matches shorter than this answer NO_HINT.
     pub minimum_prefix_tokens: u32,
+    /// Most blocks one stream may hold (`--max-blocks-per-stream`); `None`: no cap.
+    pub max_blocks_per_stream: Option<usize>,
 }
 
 /// Everything the gRPC and HTTP services share. Cheap to share behind an `Arc`.
@@ -34,8 +37,10 @@ pub struct Shared {
 impl Shared {
     /// Empty state with fresh metrics.
     pub fn new(policy: LookupPolicy) -> Result<Self, prometheus::Error> {
+        let mut index = PrefixIndex::new();
+        index.set_max_blocks_per_stream(policy.max_blocks_per_stream.unwrap_or(usize::MAX));
         Ok(Shared {
-            index: RwLock::new(PrefixIndex::new()),
+            index: RwLock::new(index),
             nodes: Mutex::new(NodeRegistry::default()),
             metrics: ControllerMetrics::new()?,
             policy,
@@ -67,7 +72,73 @@ impl Shared {
                 .with_label_values(&[state.as_str()])
                 .set(n as i64);
         }
+        // The index counts monotonically; the counters follow by the difference.
+        for (tenant, n) in index.quota_evictions() {
+            let c = self
+                .metrics
+                .index_quota_evictions_total
+                .with_label_values(&[tenant.as_str()]);
+            c.inc_by(n.saturating_sub(c.get()));
+        }
+        let c = &self.metrics.index_stream_cap_refusals_total;
+        c.inc_by(index.stream_cap_refusals().saturating_sub(c.get()));
     }
 }
 
 pub use ic_shared::now_unix_ms;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ic_shared::proto;
+
+    fn desc(tenant: &str, pod: &str) -> proto::StreamDescriptor {
+        proto::StreamDescriptor {
+            stream_id: format!("{tenant}/{pod}#0"),
+            replica: pod.into(),
+            tenant: tenant.into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn quota_evictions_and_cap_refusals_reach_the_metrics() {
+        let shared = Shared::new(LookupPolicy {
+            minimum_prefix_tokens: 0,
+            max_blocks_per_stream: Some(3),
+        })
+        .unwrap();
+        let mut ix = shared.index.write();
+        ix.resync_node(
+            "n",
+            &[proto::StreamSnapshot {
+                stream: Some(desc("t", "p")),
+                coverage: proto::Coverage::Exact as i32,
+                entries: (1..=5)
+                    .map(|k| proto::BlockEntry {
+                        block_size: 16,
+                        content_key: k,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }],
+        );
+        ix.set_tenant_quotas(std::collections::HashMap::from([("t".to_string(), 1)]));
+        shared.update_index_gauges(&ix);
+        // Twice: the counters follow the index, they do not add it up again.
+        shared.update_index_gauges(&ix);
+        drop(ix);
+        let text = shared.metrics.render();
+        assert!(
+            text.contains("inferencecache_controller_index_stream_cap_refusals_total 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("inferencecache_controller_index_quota_evictions_total{tenant=\"t\"} 2"),
+            "{text}"
+        );
+    }
+}

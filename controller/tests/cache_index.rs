@@ -388,70 +388,83 @@ fn tenant(ns: &str, name: &str, spec: serde_json::Value) -> ic_shared::crd::Cach
     .unwrap()
 }
 
-/// CacheTenant (spec 000 carve-out: no memory quota): the leader writes `indexEntries` from
-/// the index's distinct prefixes of the tenant and reports the entry quota, which is not
-/// enforced (the index keeps mirroring the engines).
+/// CacheTenant (spec 000 carve-out: no memory quota; issue 15: the entry quota is enforced):
+/// every replica gives its index the quotas of the stored CacheTenants; the index evicts the
+/// tenant's oldest prefixes; the leader writes `indexEntries`, `evictedEntries` and
+/// `WithinQuota`.
 #[tokio::test]
-async fn cache_tenants_report_their_distinct_prefixes_against_the_quota() {
-    use ic_controller::reconcile::tenants::sync_tenants;
+async fn cache_tenants_quotas_are_enforced_and_reported() {
+    use ic_controller::reconcile::tenants::{quotas, sync_tenants};
     use ic_shared::crd::CacheTenant;
-    let client = ClientBuilder::new()
-        .with_resource::<CacheTenant>()
-        .with_status_subresource::<CacheTenant>()
-        .with_object(tenant(
+    let objects = vec![
+        tenant(
             "team-a",
             "quota",
-            serde_json::json!({"quota": {"maxIndexEntries": 5}}),
-        ))
-        .with_object(tenant(
+            serde_json::json!({"quota": {"maxIndexEntries": 6}}),
+        ),
+        tenant(
             "team-b",
             "roomy",
             serde_json::json!({"quota": {"maxIndexEntries": 5}}),
-        ))
-        .with_object(tenant(
+        ),
+        // A second CacheTenant naming team-a: the smaller quota applies.
+        tenant(
             "ops",
             "names-team-a",
-            serde_json::json!({"tenantID": "team-a"}),
-        ))
-        .with_object(tenant("idle", "nothing", serde_json::json!({})))
-        .build()
-        .await
-        .unwrap();
-    let ix = populated();
+            serde_json::json!({"tenantID": "team-a", "quota": {"maxIndexEntries": 5}}),
+        ),
+        tenant("idle", "nothing", serde_json::json!({})),
+    ];
+    let mut b = ClientBuilder::new()
+        .with_resource::<CacheTenant>()
+        .with_status_subresource::<CacheTenant>();
+    for o in objects.clone() {
+        b = b.with_object(o);
+    }
+    let client = b.build().await.unwrap();
+    let q = quotas(&objects);
+    assert_eq!(q.get("team-a"), Some(&5));
+    assert_eq!(q.get("team-b"), Some(&5));
+    assert_eq!(q.len(), 2);
+
+    let mut ix = populated();
+    ix.set_tenant_quotas(q);
     let agg = IndexAggregate::of(&ix);
+    // team-a held 8 distinct prefixes: the 3 oldest went.
+    assert_eq!(agg.blocks_by_tenant.get("team-a"), Some(&5));
+    assert_eq!(agg.quota_evictions.get("team-a"), Some(&3));
+    let s = desired_status(
+        &agg,
+        None,
+        ic_controller::reconcile::clock::to_time(Timestamp::now()),
+    );
+    assert!(s
+        .replicas
+        .iter()
+        .filter(|r| r.tenant == "team-a")
+        .all(|r| r.coverage.as_deref() == Some("Partial")
+            && r.coverage_reason.as_deref() == Some("TenantQuotaExceeded")));
+
     let now = ic_controller::reconcile::clock::to_time(Timestamp::now());
-    assert_eq!(
-        sync_tenants(&client, &agg.blocks_by_tenant, now.clone())
-            .await
-            .unwrap(),
-        4
-    );
+    let written = sync_tenants(&client, &agg, now.clone()).await.unwrap();
+    assert_eq!(written, 4);
     // Nothing changed: nothing written.
-    assert_eq!(
-        sync_tenants(&client, &agg.blocks_by_tenant, now)
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(sync_tenants(&client, &agg, now).await.unwrap(), 0);
     let get = |ns: &'static str, name: &'static str| {
         let api: Api<CacheTenant> = Api::namespaced(client.clone(), ns);
         async move { api.get(name).await.unwrap().status.unwrap() }
     };
     let a = get("team-a", "quota").await;
-    assert_eq!(a.index_entries, Some(8));
+    assert_eq!((a.index_entries, a.evicted_entries), (Some(5), Some(3)));
     assert_eq!(a.observed_generation, Some(3));
     let c = find_condition(&a.conditions, "WithinQuota").unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("False", "QuotaExceeded")
     );
-    assert!(
-        c.message.contains("8") && c.message.contains("(5)"),
-        "{}",
-        c.message
-    );
+    assert!(c.message.contains("evicted 3"), "{}", c.message);
     let b = get("team-b", "roomy").await;
-    assert_eq!(b.index_entries, Some(2));
+    assert_eq!((b.index_entries, b.evicted_entries), (Some(2), Some(0)));
     let c = find_condition(&b.conditions, "WithinQuota").unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
@@ -460,13 +473,11 @@ async fn cache_tenants_report_their_distinct_prefixes_against_the_quota() {
     let named = get("ops", "names-team-a").await;
     assert_eq!(
         named.index_entries,
-        Some(8),
+        Some(5),
         "spec.tenantID names the tenant"
     );
     let idle = get("idle", "nothing").await;
-    assert_eq!(idle.index_entries, Some(0));
+    assert_eq!((idle.index_entries, idle.evicted_entries), (Some(0), None));
     let c = find_condition(&idle.conditions, "WithinQuota").unwrap();
     assert_eq!(c.reason, "NoQuota");
-    // The index is untouched: the quota is reported, not enforced.
-    assert_eq!(agg.blocks_by_tenant.get("team-a"), Some(&8));
 }

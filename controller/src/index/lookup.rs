@@ -394,7 +394,7 @@ impl PrefixIndex {
                     matched_tokens: s.tokens(),
                     tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                     backend: r.desc.backend.clone(),
-                    coverage: r.coverage,
+                    coverage: r.effective_coverage(),
                 })
             })
             .collect()

@@ -184,6 +184,28 @@ struct Replica {
     cache_memory_bytes: Option<u64>,
     /// Engine prefix-cache (hits, queries), when reported.
     prefix_cache: Option<(u64, u64)>,
+    /// Set when the index itself dropped some of the replica's blocks (a tenant quota
+    /// eviction, the per-stream cap): the replica reads Partial with this reason until it is
+    /// cleared or resynced, whatever its agent says.
+    limited: Option<&'static str>,
+}
+
+impl Replica {
+    /// The coverage answers show: the agent's, overlaid with [`Replica::limited`] (an Exact or
+    /// Healing replica whose blocks the index dropped is Partial).
+    fn effective_coverage(&self) -> Coverage {
+        match self.limited {
+            Some(reason)
+                if matches!(
+                    self.coverage.state,
+                    CoverageState::Exact | CoverageState::Healing
+                ) =>
+            {
+                Coverage::new(CoverageState::Partial, reason)
+            }
+            _ => self.coverage,
+        }
+    }
 }
 
 /// What a replica's engine last reported on its `/metrics` (through the node agent's
@@ -278,6 +300,17 @@ pub struct PrefixIndex {
     unroutable: Vec<bool>,
     /// Number of `true` in `unroutable` (0 in steady state: lookups skip the filter).
     unroutable_count: usize,
+    /// Tenant quotas (CacheTenant `spec.quota.maxIndexEntries`): most distinct blocks per tenant.
+    quotas: HashMap<String, usize>,
+    /// Per tenant with a quota: its blocks in the order they entered the index (oldest first;
+    /// entries whose block has gone since are skipped when popped).
+    tenant_fifo: HashMap<String, std::collections::VecDeque<(PartitionId, u64)>>,
+    /// Most blocks one stream may hold (`usize::MAX`: no cap).
+    max_blocks_per_stream: usize,
+    /// Blocks evicted by tenant quotas, per tenant, since the index was created.
+    quota_evictions: HashMap<String, u64>,
+    /// Blocks refused by the per-stream cap since the index was created.
+    stream_cap_refusals: u64,
 }
 
 impl Default for PrefixIndex {
@@ -301,7 +334,118 @@ impl PrefixIndex {
             policies: Arc::new(PolicyTable::new()),
             unroutable: Vec::new(),
             unroutable_count: 0,
+            quotas: HashMap::new(),
+            tenant_fifo: HashMap::new(),
+            max_blocks_per_stream: usize::MAX,
+            quota_evictions: HashMap::new(),
+            stream_cap_refusals: 0,
         }
+    }
+
+    /// Sets the tenant quotas (CacheTenant `spec.quota.maxIndexEntries`, by tenant id): each
+    /// tenant holds at most that many distinct blocks; storing beyond evicts the tenant's oldest
+    /// blocks first (from every replica that holds them, which then read Partial /
+    /// `TenantQuotaExceeded`). Blocks already held when a quota is first set count as oldest in
+    /// partition order. A tenant absent from `quotas` has none.
+    pub fn set_tenant_quotas(&mut self, quotas: HashMap<String, usize>) {
+        if quotas == self.quotas {
+            return;
+        }
+        self.tenant_fifo.retain(|t, _| quotas.contains_key(t));
+        for t in quotas.keys() {
+            if self.tenant_fifo.contains_key(t) {
+                continue;
+            }
+            let mut fifo = std::collections::VecDeque::new();
+            for (pid, p) in self.partitions.iter().enumerate() {
+                if &p.key.tenant == t {
+                    fifo.extend(p.blocks.iter().map(|(k, _)| (pid as PartitionId, k)));
+                }
+            }
+            self.tenant_fifo.insert(t.clone(), fifo);
+        }
+        self.quotas = quotas;
+        let tenants: Vec<String> = self.quotas.keys().cloned().collect();
+        for t in tenants {
+            self.enforce_quota(&t);
+        }
+    }
+
+    /// Caps the blocks one stream may hold (`usize::MAX`: none). Blocks a stream stores beyond
+    /// it are not indexed, and the stream reads Partial / `StreamCapExceeded`.
+    pub fn set_max_blocks_per_stream(&mut self, cap: usize) {
+        self.max_blocks_per_stream = cap;
+    }
+
+    /// The tenant quotas in force ([`Self::set_tenant_quotas`]).
+    pub fn tenant_quotas(&self) -> &HashMap<String, usize> {
+        &self.quotas
+    }
+
+    /// Blocks evicted by tenant quotas so far, per tenant.
+    pub fn quota_evictions(&self) -> &HashMap<String, u64> {
+        &self.quota_evictions
+    }
+
+    /// Blocks refused by the per-stream cap so far.
+    pub fn stream_cap_refusals(&self) -> u64 {
+        self.stream_cap_refusals
+    }
+
+    fn tenant_blocks(&self, tenant: &str) -> usize {
+        self.partitions
+            .iter()
+            .filter(|p| p.key.tenant == tenant)
+            .map(|p| p.blocks.len())
+            .sum()
+    }
+
+    /// Evicts `tenant`'s oldest blocks until it is within its quota.
+    fn enforce_quota(&mut self, tenant: &str) {
+        let Some(&max) = self.quotas.get(tenant) else {
+            return;
+        };
+        let mut held = self.tenant_blocks(tenant);
+        while held > max {
+            let Some((pid, key)) = self.tenant_fifo.get_mut(tenant).and_then(|f| f.pop_front())
+            else {
+                break;
+            };
+            if self.evict_block(pid, key) {
+                held -= 1;
+                *self.quota_evictions.entry(tenant.to_string()).or_insert(0) += 1;
+            }
+        }
+    }
+
+    /// Drops block `key` of partition `pid` from every replica that holds it; they read Partial
+    /// / `TenantQuotaExceeded`. False when the block is not there (any more).
+    fn evict_block(&mut self, pid: PartitionId, key: u64) -> bool {
+        let Some(h) = self
+            .partitions
+            .get(pid as usize)
+            .and_then(|p| p.blocks.get(key))
+        else {
+            return false;
+        };
+        let mut buf = [0; 1];
+        let slots: Vec<ReplicaSlot> = h
+            .holders(&self.arena, &mut buf)
+            .iter()
+            .map(|x| holders::slot_of(*x))
+            .collect();
+        for slot in slots {
+            let part = self
+                .replica(slot)
+                .and_then(|r| r.parts.iter().position(|p| p.pid == pid));
+            if let Some(part) = part {
+                self.remove(slot, part, &[key]);
+            }
+            if let Some(r) = self.replica_mut(slot) {
+                r.limited = Some(coverage::TENANT_QUOTA_EXCEEDED);
+            }
+        }
+        true
     }
 
     /// Records a replica's coverage and whether lookups may match it.
@@ -355,7 +499,10 @@ impl PrefixIndex {
     pub fn coverage_counts(&self) -> [(CoverageState, usize); 6] {
         let mut out = CoverageState::ALL.map(|s| (s, 0usize));
         for (_, r) in self.live_replicas() {
-            if let Some(c) = out.iter_mut().find(|(s, _)| *s == r.coverage.state) {
+            if let Some(c) = out
+                .iter_mut()
+                .find(|(s, _)| *s == r.effective_coverage().state)
+            {
                 c.1 += 1;
             }
         }
@@ -556,6 +703,7 @@ impl PrefixIndex {
                     t2_queries: None,
                     cache_memory_bytes: None,
                     prefix_cache: None,
+                    limited: None,
                 });
             }
             self.set_coverage(
@@ -701,16 +849,43 @@ impl PrefixIndex {
         };
         let arena = &mut self.arena;
         let t2 = tier == Tier::T2;
+        let pid = rp.pid;
+        // Only tenants with a quota track the order their blocks arrived in.
+        let mut fifo = if self.quotas.is_empty() {
+            None
+        } else {
+            self.tenant_fifo.get_mut(&ps.key.tenant)
+        };
+        let room = self.max_blocks_per_stream.saturating_sub(replica.blocks);
         ps.blocks.prefetch(keys);
-        let (mut added, mut t2_up, mut t2_down) = (0usize, 0usize, 0usize);
+        let (mut added, mut t2_up, mut t2_down, mut refused) = (0usize, 0usize, 0usize, 0usize);
         for &key in keys {
             let pos = rp.keys.len() as u32;
+            if added >= room {
+                // At the per-stream cap: tier changes of held blocks still apply, new blocks
+                // are not indexed.
+                match ps.blocks.get_mut(key) {
+                    Some(h) if h.find(arena, slot).is_some() => match h.set(arena, slot, t2, pos) {
+                        SetOutcome::TierChanged if t2 => t2_up += 1,
+                        SetOutcome::TierChanged => t2_down += 1,
+                        _ => {}
+                    },
+                    _ => refused += 1,
+                }
+                continue;
+            }
             let outcome = match ps
                 .blocks
                 .get_mut_or_insert(key, || Holders::one(holder(slot, t2, pos)))
             {
                 Some(h) => h.set(arena, slot, t2, pos),
-                None => SetOutcome::Added,
+                None => {
+                    // A new block of the partition (and so of its tenant).
+                    if let Some(f) = fifo.as_mut() {
+                        f.push_back((pid, key));
+                    }
+                    SetOutcome::Added
+                }
             };
             match outcome {
                 SetOutcome::Added => {
@@ -725,7 +900,15 @@ impl PrefixIndex {
         }
         replica.blocks += added;
         replica.t2_blocks = (replica.t2_blocks + t2_up).saturating_sub(t2_down);
+        if refused > 0 {
+            replica.limited = Some(coverage::STREAM_CAP_EXCEEDED);
+            self.stream_cap_refusals += refused as u64;
+        }
         self.entries += added;
+        if fifo.is_some() {
+            let tenant = ps.key.tenant.clone();
+            self.enforce_quota(&tenant);
+        }
     }
 
     /// Drops `slot`'s copies of `keys` (in its part `part`); unknown keys are ignored.
@@ -797,6 +980,8 @@ impl PrefixIndex {
         };
         replica.t2_blocks = 0;
         replica.blocks = 0;
+        // Nothing is held any more, so nothing the index dropped is missing.
+        replica.limited = None;
         for rp in replica.parts.iter_mut() {
             let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
                 continue;

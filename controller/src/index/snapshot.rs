@@ -129,8 +129,8 @@ impl PrefixIndex {
                     prefix_cache_queries: r.prefix_cache.map(|p| p.1),
                     seq: r.seq,
                     stale: r.stale,
-                    coverage: r.coverage.state.as_str(),
-                    coverage_reason: r.coverage.reason,
+                    coverage: r.effective_coverage().state.as_str(),
+                    coverage_reason: r.effective_coverage().reason,
                     routable: r.coverage.state.routable(),
                 }
             })

@@ -767,3 +767,141 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
         Coverage::new(CoverageState::Partial, coverage::BOOTSTRAP_INCOMPLETE)
     );
 }
+
+/// A CacheTenant quota (issue 15: one pod-bound token must not grow the index without bound):
+/// the tenant holds at most `max` distinct blocks; storing beyond evicts its oldest first, from
+/// every replica holding them, and those replicas say so (Partial / TenantQuotaExceeded) in the
+/// snapshot and in lookup answers. Other tenants are untouched; a Clear resets the flag.
+#[test]
+fn a_tenant_quota_evicts_the_oldest_blocks_and_says_so() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
+    let other = proto::StreamSnapshot {
+        stream: Some(proto::StreamDescriptor {
+            stream_id: "other/c#0".into(),
+            replica: "c".into(),
+            tenant: "other".into(),
+            ..desc("c", 0)
+        }),
+        ..empty_snapshot("c")
+    };
+    ix.resync_node("n2", &[other]);
+    let keys = chain(&tokens(0..40), 4); // 10 chained blocks
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys[..6], proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta("b", 1, vec![store(&keys[..2], proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    let other_keys: Vec<u64> = (1000..1020).collect();
+    let mut other_delta = delta("c", 1, vec![store(&other_keys, proto::Tier::T1, "")]);
+    other_delta.stream = Some(proto::StreamDescriptor {
+        stream_id: "other/c#0".into(),
+        replica: "c".into(),
+        tenant: "other".into(),
+        ..desc("c", 0)
+    });
+    ix.apply_delta("n2", &other_delta).unwrap();
+
+    // A quota below what the tenant holds: the oldest two blocks go (keys 0, 1 — held by a and b).
+    ix.set_tenant_quotas(HashMap::from([("default".to_string(), 4)]));
+    assert_eq!(ix.blocks_by_tenant().get("default"), Some(&4));
+    assert_eq!(ix.blocks_by_tenant().get("other"), Some(&20));
+    assert_eq!(ix.quota_evictions().get("default"), Some(&2));
+    let snap = ix.snapshot();
+    let cov: Vec<(&str, &str, Option<&str>, usize)> = snap
+        .replicas
+        .iter()
+        .map(|r| {
+            (
+                r.replica.as_str(),
+                r.coverage,
+                r.coverage_reason,
+                r.prefix_count,
+            )
+        })
+        .collect();
+    assert_eq!(
+        cov,
+        vec![
+            ("a", "Partial", Some("TenantQuotaExceeded"), 4),
+            ("b", "Partial", Some("TenantQuotaExceeded"), 0),
+            ("c", "Exact", None, 20),
+        ]
+    );
+    // Storing more evicts the oldest remaining first; the newest blocks stay routable.
+    ix.apply_delta(
+        "n1",
+        &delta("a", 2, vec![store(&keys[6..], proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert_eq!(ix.blocks_by_tenant().get("default"), Some(&4));
+    assert_eq!(ix.quota_evictions().get("default"), Some(&6));
+    let mut entries: Vec<u64> = ix
+        .stream_entries("default/a#0")
+        .unwrap()
+        .iter()
+        .map(|e| e.content_key)
+        .collect();
+    entries.sort_unstable();
+    let mut newest = keys[6..].to_vec();
+    newest.sort_unstable();
+    assert_eq!(entries, newest);
+    let r = ix.lookup(&query(&tokens(0..40)));
+    // The chain's head was evicted, so the prefix no longer matches from the start: the index
+    // does not pretend.
+    assert!(!r.prefix_match);
+    // The delta's Exact does not overwrite the index's own Partial.
+    assert_eq!(ix.snapshot().replicas[0].coverage, "Partial");
+    // A Clear (engine cache reset) empties the replica and the flag with it.
+    ix.apply_delta(
+        "n1",
+        &delta(
+            "a",
+            3,
+            vec![proto::KvOp {
+                op: Some(Op::Clear(proto::ClearOp {
+                    reason: "AllBlocksCleared".into(),
+                })),
+            }],
+        ),
+    )
+    .unwrap();
+    assert_eq!(ix.snapshot().replicas[0].coverage, "Exact");
+}
+
+/// The per-stream cap (`--max-blocks-per-stream`): blocks beyond it are not indexed, tier
+/// changes of held ones still apply, the stream reads Partial / StreamCapExceeded and lookups
+/// say it on every match.
+#[test]
+fn the_per_stream_cap_refuses_new_blocks_loudly() {
+    let mut ix = PrefixIndex::new();
+    ix.set_max_blocks_per_stream(3);
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    let keys = chain(&tokens(0..20), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert_eq!(ix.entry_count(), 3);
+    assert_eq!(ix.stream_cap_refusals(), 2);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 2, vec![store(&keys[..1], proto::Tier::T2, "")]),
+    )
+    .unwrap();
+    let s = ix.snapshot();
+    assert_eq!(
+        (s.replicas[0].t2_blocks, s.replicas[0].prefix_count),
+        (1, 3)
+    );
+    assert_eq!(s.replicas[0].coverage_reason, Some("StreamCapExceeded"));
+    let r = ix.lookup(&query(&tokens(0..12)));
+    assert!(r.prefix_match);
+    assert_eq!(r.replicas[0].coverage.reason, Some("StreamCapExceeded"));
+}

@@ -77,6 +77,10 @@ pub struct IndexAggregate {
     pub blocks_by_tenant: BTreeMap<String, usize>,
     /// Distinct blocks held at T1 by some replica, and held only at T2.
     pub blocks_by_tier: (usize, usize),
+    /// Blocks evicted by tenant quotas, per tenant.
+    pub quota_evictions: std::collections::HashMap<String, u64>,
+    /// The tenant quotas the index enforces.
+    pub quotas: std::collections::HashMap<String, usize>,
 }
 
 impl IndexAggregate {
@@ -86,6 +90,8 @@ impl IndexAggregate {
             snapshot: index.snapshot(),
             blocks_by_tenant: index.blocks_by_tenant(),
             blocks_by_tier: index.blocks_by_tier(),
+            quota_evictions: index.quota_evictions().clone(),
+            quotas: index.tenant_quotas().clone(),
         }
     }
 }
@@ -391,9 +397,7 @@ pub fn spawn_writer(
                 });
                 if due {
                     tenants_at = Some(now);
-                    if let Err(e) =
-                        super::tenants::sync_tenants(&client, &agg.blocks_by_tenant, to_time(now))
-                            .await
+                    if let Err(e) = super::tenants::sync_tenants(&client, &agg, to_time(now)).await
                     {
                         warn!(error = %e, "listing CacheTenants failed; retrying later");
                     }

@@ -1,22 +1,31 @@
 //! CacheTenant status (spec 000 CacheTenant carve-out; `docs/crds.md` "CacheTenant").
 //!
-//! The leader writes each CacheTenant's `status.indexEntries` — the distinct prefixes its tenant
-//! (`spec.tenantID`, else the object's namespace) holds in the index — and one condition,
+//! Every controller replica watches CacheTenants ([`run_quotas`]) and gives its index the
+//! quotas ([`quotas`]: `spec.quota.maxIndexEntries` by tenant id, the smallest when several
+//! CacheTenants name one tenant). The index enforces them: storing beyond a tenant's quota
+//! evicts its oldest prefixes first, and the replicas that held them read Partial /
+//! `TenantQuotaExceeded` — their engines still hold blocks the index no longer routes to, and
+//! that is said, not hidden.
+//!
+//! The leader writes each CacheTenant's `status.indexEntries` (the distinct prefixes its tenant,
+//! `spec.tenantID` or the object's namespace, holds), `status.evictedEntries` and one condition,
 //! `WithinQuota`:
 //!
 //! | status | reason | when |
 //! |---|---|---|
-//! | True | `WithinQuota` | `indexEntries ≤ spec.quota.maxIndexEntries` |
-//! | False | `QuotaExceeded` | above it (the message gives both numbers) |
 //! | True | `NoQuota` | no `maxIndexEntries` |
+//! | True | `WithinQuota` | below the quota, or nothing evicted |
+//! | False | `QuotaExceeded` | at the quota with prefixes evicted (the message gives the numbers) |
 //!
-//! The quota is reported, not enforced: the index mirrors what the engines hold, and dropping
-//! entries an engine still holds would make routes inexact (docs/kv-events.md "Coverage"). The
-//! engines' own cache sizes bound a tenant's footprint; the condition and `indexEntries` show
-//! it. Two CacheTenants naming the same tenant both report it. [`desired_status`] is pure; the
-//! CacheIndex loop calls [`sync_tenants`] with the same index aggregate.
+//! [`desired_status`] is pure; the CacheIndex loop calls [`sync_tenants`] with the same index
+//! aggregate.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use tokio::sync::watch;
 
 use ic_shared::crd::{
     new_condition, set_condition, CacheTenant, CacheTenantStatus, ConditionStatus,
@@ -24,6 +33,8 @@ use ic_shared::crd::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::Client;
+
+use super::cache_index::IndexAggregate;
 
 /// Condition type on a CacheTenant.
 pub const CONDITION_WITHIN_QUOTA: &str = "WithinQuota";
@@ -38,15 +49,73 @@ pub mod reason {
     pub const NO_QUOTA: &str = "NoQuota";
 }
 
-/// The status `tenant` should have, given the index's distinct blocks per tenant id.
-pub fn desired_status(
-    tenant: &CacheTenant,
-    blocks_by_tenant: &BTreeMap<String, usize>,
-    now: Time,
-) -> CacheTenantStatus {
+/// The quotas the index enforces: tenant id → `spec.quota.maxIndexEntries`, the smallest when
+/// several CacheTenants name the same tenant; tenants without a quota are absent.
+pub fn quotas(tenants: &[CacheTenant]) -> HashMap<String, usize> {
+    let mut out: HashMap<String, usize> = HashMap::new();
+    for t in tenants {
+        let (Some(id), Some(max)) = (
+            t.tenant_id(),
+            t.spec.quota.as_ref().and_then(|q| q.max_index_entries),
+        ) else {
+            continue;
+        };
+        let max = usize::try_from(max.max(0)).unwrap_or(usize::MAX);
+        out.entry(id.to_string())
+            .and_modify(|m| *m = (*m).min(max))
+            .or_insert(max);
+    }
+    out
+}
+
+/// Watches CacheTenants of every namespace and keeps the index's quotas equal to them until
+/// `shutdown` (every replica: each has its own index).
+pub async fn run_quotas(
+    client: Client,
+    shared: Arc<crate::state::Shared>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let (reader, writer) = reflector::store::<CacheTenant>();
+    let stream = watcher(Api::<CacheTenant>::all(client), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer);
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        tokio::select! {
+            _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => return,
+            item = stream.next() => match item {
+                Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => {}
+                Some(Ok(_)) => {
+                    let all: Vec<CacheTenant> =
+                        reader.state().iter().map(|t| (**t).clone()).collect();
+                    let q = quotas(&all);
+                    let mut ix = shared.index.write();
+                    ix.set_tenant_quotas(q);
+                    shared.update_index_gauges(&ix);
+                }
+                Some(Err(e)) => tracing::warn!(error = %e, "CacheTenant watch failed; re-listing"),
+                None => return,
+            },
+        }
+    }
+}
+
+/// The status `tenant` should have, given what the index holds and enforces (`agg`: distinct
+/// blocks, quota evictions and the quotas in force, per tenant id). The quota reported is the
+/// one the index enforces for the tenant (the smallest of the CacheTenants naming it).
+pub fn desired_status(tenant: &CacheTenant, agg: &IndexAggregate, now: Time) -> CacheTenantStatus {
     let id = tenant.tenant_id().unwrap_or_default();
-    let entries = i64::try_from(blocks_by_tenant.get(id).copied().unwrap_or(0)).unwrap_or(i64::MAX);
-    let quota = tenant.spec.quota.as_ref().and_then(|q| q.max_index_entries);
+    let entries =
+        i64::try_from(agg.blocks_by_tenant.get(id).copied().unwrap_or(0)).unwrap_or(i64::MAX);
+    let evicted =
+        i64::try_from(agg.quota_evictions.get(id).copied().unwrap_or(0)).unwrap_or(i64::MAX);
+    let own = tenant.spec.quota.as_ref().and_then(|q| q.max_index_entries);
+    // What the index enforces; before the quota watch delivered it, the object's own.
+    let quota = agg
+        .quotas
+        .get(id)
+        .map(|m| i64::try_from(*m).unwrap_or(i64::MAX))
+        .or(own);
     let generation = tenant.metadata.generation;
     let condition = match quota {
         None => new_condition(
@@ -57,7 +126,7 @@ pub fn desired_status(
             generation,
             now,
         ),
-        Some(max) if entries <= max => new_condition(
+        Some(max) if entries < max || evicted == 0 => new_condition(
             CONDITION_WITHIN_QUOTA,
             ConditionStatus::True,
             reason::WITHIN_QUOTA,
@@ -70,9 +139,10 @@ pub fn desired_status(
             ConditionStatus::False,
             reason::QUOTA_EXCEEDED,
             format!(
-                "Tenant {id:?} holds {entries} distinct prefixes, above spec.quota.maxIndexEntries \
-                 ({max}). The quota is reported, not enforced: the index mirrors what the engines \
-                 hold. Shrink the engines' caches (or add a CacheTenant quota you can meet)."
+                "Tenant {id:?} is at spec.quota.maxIndexEntries ({max}): the index evicted \
+                 {evicted} of its oldest prefixes so far, and the replicas that held them read \
+                 Partial/TenantQuotaExceeded (their engines hold blocks that are no longer \
+                 routed). Raise the quota or shrink the engines' caches."
             ),
             generation,
             now,
@@ -87,6 +157,7 @@ pub fn desired_status(
     CacheTenantStatus {
         observed_generation: generation,
         index_entries: Some(entries),
+        evicted_entries: quota.map(|_| evicted),
         conditions,
     }
 }
@@ -98,13 +169,13 @@ pub fn desired_status(
 /// The list's; a failed status write is logged and left for the next pass.
 pub async fn sync_tenants(
     client: &Client,
-    blocks_by_tenant: &BTreeMap<String, usize>,
+    agg: &IndexAggregate,
     now: Time,
 ) -> Result<usize, kube::Error> {
     let all: Api<CacheTenant> = Api::all(client.clone());
     let mut written = 0;
     for t in all.list(&ListParams::default()).await?.items {
-        let desired = desired_status(&t, blocks_by_tenant, now.clone());
+        let desired = desired_status(&t, agg, now.clone());
         if t.status.as_ref() == Some(&desired) {
             continue;
         }

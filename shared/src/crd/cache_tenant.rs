@@ -51,10 +51,11 @@ pub struct CacheTenantSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CacheTenantQuota {
-    /// Maximum distinct prefixes the tenant should hold in the index (≥ 0; a prefix on several
-    /// replicas counts once). Reported, not enforced: above it the condition
-    /// `WithinQuota=False/QuotaExceeded` says so; the index keeps mirroring what the engines
-    /// hold (dropping entries an engine holds would make routes inexact).
+    /// Maximum distinct prefixes the tenant may hold in the index (≥ 0; a prefix on several
+    /// replicas counts once). Over it, the index evicts the tenant's oldest prefixes first; the
+    /// replicas that held them read Partial / `TenantQuotaExceeded` (their engines still hold
+    /// blocks the index no longer routes to) and the condition `WithinQuota=False/QuotaExceeded`
+    /// says so. When several CacheTenants name one tenant, the smallest quota applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub max_index_entries: Option<i64>,
@@ -73,6 +74,12 @@ pub struct CacheTenantStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub index_entries: Option<i64>,
+
+    /// Prefixes the leader's index evicted to keep the tenant within its quota, since that
+    /// controller process started (`inferencecache_controller_index_quota_evictions_total`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub evicted_entries: Option<i64>,
 
     /// Conditions keyed by type.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -117,6 +117,12 @@ pub const HASH_COLLISION: &str = "HashCollision";
 pub const EVENTS_DROPPED: &str = "EventsDropped";
 /// Partial: a frame with an implausible sequence number was held back, unverified.
 pub const SEQUENCE_UNVERIFIED: &str = "SequenceUnverified";
+/// Partial (controller side): the tenant reached its CacheTenant `spec.quota.maxIndexEntries`
+/// and the index evicted its oldest entries, some of which this replica's engine still holds.
+pub const TENANT_QUOTA_EXCEEDED: &str = "TenantQuotaExceeded";
+/// Partial (controller side): the stream reached the controller's per-stream block cap
+/// (`--max-blocks-per-stream`); blocks beyond it are not indexed.
+pub const STREAM_CAP_EXCEEDED: &str = "StreamCapExceeded";
 /// Healing: a replay is in flight.
 pub const REPLAYING: &str = "Replaying";
 /// Disconnected: the publisher socket is down.
@@ -135,6 +141,8 @@ pub const REASONS: &[&str] = &[
     HASH_COLLISION,
     EVENTS_DROPPED,
     SEQUENCE_UNVERIFIED,
+    TENANT_QUOTA_EXCEEDED,
+    STREAM_CAP_EXCEEDED,
     REPLAYING,
     PUBLISHER_DISCONNECTED,
     AGENT_DISCONNECTED,
@@ -152,6 +160,8 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         HASH_COLLISION => "one engine hash named two different contents; the older entry was dropped",
         EVENTS_DROPPED => "events could not be read (undecodable, unknown to this agent, or tokens that do not fit their hashes); entries may be missing or stale until the engine's cache is reset or it restarts",
         SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
+        TENANT_QUOTA_EXCEEDED => "the tenant reached its CacheTenant quota (spec.quota.maxIndexEntries): the index evicted its oldest entries, so some blocks the engine holds are not routed to it",
+        STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
         PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
         AGENT_DISCONNECTED => "the node's agent is not connected; entries are as last reported",
         REPLAYING => "a replay is in flight",
