@@ -345,8 +345,9 @@ impl PrefixIndex {
     /// Sets the tenant quotas (CacheTenant `spec.quota.maxIndexEntries`, by tenant id): each
     /// tenant holds at most that many distinct blocks; storing beyond evicts the tenant's oldest
     /// blocks first (from every replica that holds them, which then read Partial /
-    /// `TenantQuotaExceeded`). Blocks already held when a quota is first set count as oldest in
-    /// partition order. A tenant absent from `quotas` has none.
+    /// `TenantQuotaExceeded`). Blocks already held when a quota is first set are ordered by their
+    /// position in the replicas' key vectors (arrival order, but for removals). A tenant absent
+    /// from `quotas` has none.
     pub fn set_tenant_quotas(&mut self, quotas: HashMap<String, usize>) {
         if quotas == self.quotas {
             return;
@@ -356,10 +357,30 @@ impl PrefixIndex {
             if self.tenant_fifo.contains_key(t) {
                 continue;
             }
+            // Blocks held before the quota: oldest first as far as the replicas' key vectors
+            // tell (each is in arrival order but for removals), position by position.
             let mut fifo = std::collections::VecDeque::new();
-            for (pid, p) in self.partitions.iter().enumerate() {
-                if &p.key.tenant == t {
-                    fifo.extend(p.blocks.iter().map(|(k, _)| (pid as PartitionId, k)));
+            let mut seen = std::collections::HashSet::new();
+            let vecs: Vec<(PartitionId, &[u64])> = self
+                .replicas
+                .iter()
+                .flatten()
+                .flat_map(|r| r.parts.iter())
+                .filter(|p| {
+                    self.partitions
+                        .get(p.pid as usize)
+                        .is_some_and(|ps| &ps.key.tenant == t)
+                })
+                .map(|p| (p.pid, p.keys.as_slice()))
+                .collect();
+            let longest = vecs.iter().map(|(_, k)| k.len()).max().unwrap_or(0);
+            for i in 0..longest {
+                for (pid, keys) in &vecs {
+                    if let Some(&k) = keys.get(i) {
+                        if seen.insert((*pid, k)) {
+                            fifo.push_back((*pid, k));
+                        }
+                    }
                 }
             }
             self.tenant_fifo.insert(t.clone(), fifo);

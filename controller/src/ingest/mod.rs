@@ -582,8 +582,10 @@ mod tests {
         }
     }
 
+    /// Polls `f` for up to 30 s (a correctness wait, not a timing assertion: a debug build on a
+    /// busy 2-core machine needs seconds for a million-block resync).
     async fn until(what: &str, mut f: impl FnMut() -> bool) {
-        for _ in 0..200 {
+        for _ in 0..3000 {
             if f() {
                 return;
             }
