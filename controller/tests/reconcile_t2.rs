@@ -287,3 +287,84 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
     h.reconcile("kv").await;
     assert_eq!(gauge_line(&http), None);
 }
+
+/// Issue 19 item 3: `indexParticipation.hitRate` — the engines' prefix-cache hit rate,
+/// query-weighted over the backend's replicas, from what the agent sends (`StreamCounters` with
+/// `prefix_cache_{hits,queries}` and no tier-2 readings: `t2_absent`). Unset until reported;
+/// tier 2 stays "not exercised".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_counters_set_the_backends_hit_rate() {
+    let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+    let (grpc, _http) = serve(shared.clone()).await;
+    let mut h = Harness::new(vec![managed_redis("kv")], false).await;
+    h.ctx = Arc::new(Context::new(
+        h.client.clone(),
+        shared.clone(),
+        h.events.clone(),
+        h.clock.clone(),
+        h.leader.clone(),
+    ));
+    for p in ["engine-0", "engine-1"] {
+        h.add_pod(pod(p, &[("app", "vllm")], &[])).await;
+    }
+    h.reconcile("kv").await;
+    h.settle_deployment("kv-redis", 1).await;
+    let channel = tonic::transport::Endpoint::from_shared(grpc)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = AgentServiceClient::new(channel);
+    let (tx, rx) = mpsc::channel(8);
+    tx.send(AgentMessage {
+        msg: Some(Msg::Hello(proto::Hello {
+            node: "gpu-1".into(),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    tx.send(resync(&["engine-0", "engine-1"], h.now_ms()))
+        .await
+        .unwrap();
+    let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
+    until("the resync", || shared.index.read().replica_count() == 2).await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert!(st.index_participation.as_ref().unwrap().hit_rate.is_none());
+
+    // engine-0: 900 of 1000 tokens hit; engine-1: 0 of 3000 → (900 + 0) / 4000.
+    let report = AgentMessage {
+        msg: Some(Msg::Counters(CounterReport {
+            streams: [("engine-0", 900, 1000), ("engine-1", 0, 3000)]
+                .iter()
+                .map(|(pod, hits, queries)| StreamCounters {
+                    stream: Some(descriptor(pod)),
+                    t2_absent: true,
+                    prefix_cache_hits: Some(*hits),
+                    prefix_cache_queries: Some(*queries),
+                    observed_at_unix_ms: 1,
+                    ..Default::default()
+                })
+                .collect(),
+        })),
+    };
+    tx.send(report).await.unwrap();
+    until("the prefix-cache counters", || {
+        shared
+            .index
+            .read()
+            .snapshot()
+            .replicas
+            .iter()
+            .all(|r| r.prefix_cache_queries.is_some())
+    })
+    .await;
+    h.advance(30);
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    let ip = st.index_participation.as_ref().unwrap();
+    assert_eq!(ip.hit_rate.as_deref(), Some("0.225"));
+    assert!(ip.t2_hit_rate.is_none(), "t2_absent is not a zero reading");
+    assert!(sr(&st, "T2Degraded").is_none());
+}

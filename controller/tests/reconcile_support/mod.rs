@@ -262,10 +262,8 @@ pub fn replica(pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservati
         replica: pod.to_string(),
         prefix_count: prefixes,
         last_event_unix_ms: last_event_ms,
-        t2_queries: None,
-        t2_hits: None,
         coverage: "Exact",
-        coverage_reason: None,
+        ..Default::default()
     }
 }
 

@@ -736,7 +736,10 @@ pub struct IndexParticipation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_event_at: Option<Time>,
 
-    /// Prefix-count-weighted hit rate, decimal in [0,1]. Always unset today; absence is not 0.
+    /// The engines' prefix-cache hit rate across this backend's replicas, decimal in [0,1]:
+    /// query-weighted (Σ `vllm:prefix_cache_hits_total` / Σ `vllm:prefix_cache_queries_total`
+    /// over the replicas that report them, cumulative since each engine started). Unset until a
+    /// replica reported lookups; absence is not 0, and `"0"` means exactly zero hits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hit_rate: Option<String>,
 

@@ -35,6 +35,10 @@ pub struct ReplicaObservation {
     pub t2_queries: Option<u64>,
     /// Cumulative tier-2 hits (`vllm:external_prefix_cache_hits_total`), when reported.
     pub t2_hits: Option<u64>,
+    /// Cumulative prefix-cache lookups (`vllm:prefix_cache_queries_total`), when reported.
+    pub prefix_cache_queries: Option<u64>,
+    /// Cumulative prefix-cache hits (`vllm:prefix_cache_hits_total`), when reported.
+    pub prefix_cache_hits: Option<u64>,
     /// Coverage state of the replica's entries (`Exact`, `Partial`, …; empty = Exact).
     pub coverage: &'static str,
     /// Why it is not Exact.
@@ -81,6 +85,8 @@ fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
             // (`CounterReport`); absent until a replica's engine exposed them.
             t2_queries: r.t2_queries,
             t2_hits: r.t2_hits,
+            prefix_cache_queries: r.prefix_cache_queries,
+            prefix_cache_hits: r.prefix_cache_hits,
             coverage: r.coverage,
             coverage_reason: r.coverage_reason,
         })
@@ -208,9 +214,15 @@ pub fn format_rate(hits: u64, queries: u64) -> String {
 ///
 /// - `replicas` failed, or `pods` / `backends` unavailable → `prior` unchanged (soft state).
 /// - No replica attributed → `prior` absent stays absent; a present `prior` resets to
-///   `prefixCount: 0` without `lastEventAt` (drain), keeping `t2HitRate`.
-/// - Otherwise the sum of prefix counts, the newest event time, and the query-weighted tier-2
-///   hit rate when any replica reported tier-2 lookups (else the prior `t2HitRate`).
+///   `prefixCount: 0` without `lastEventAt` (drain), keeping `t2HitRate` and `hitRate`.
+/// - Otherwise the sum of prefix counts, the newest event time, the query-weighted tier-2 hit
+///   rate when any replica reported tier-2 lookups (else the prior `t2HitRate`), and the
+///   query-weighted prefix-cache `hitRate` (issue 19: Σ hits / Σ queries of
+///   `vllm:prefix_cache_{hits,queries}_total` over the replicas that report them — each token
+///   looked up counts once, so a busy replica weighs more than an idle one, as the traffic
+///   does) when any reported lookups, else the prior `hitRate` (like `t2HitRate`: the
+///   counters are cumulative, a drain or a restarted engine does not erase what was measured);
+///   unset until then, never 0 for "not reported".
 pub fn participation(
     prior: Option<&IndexParticipation>,
     namespace: &str,
@@ -231,6 +243,7 @@ pub fn participation(
     let mut prefix_count: u64 = 0;
     let mut last_ms: i64 = 0;
     let (mut queries, mut hits) = (0u64, 0u64);
+    let (mut pc_queries, mut pc_hits) = (0u64, 0u64);
     let mut inexact: Vec<ReplicaCoverage> = Vec::new();
     for r in replicas.iter().filter(|r| r.tenant == namespace) {
         let Some(pod) = by_name.get(r.pod_name()) else {
@@ -253,12 +266,16 @@ pub fn participation(
             queries = queries.saturating_add(q);
             hits = hits.saturating_add(r.t2_hits.unwrap_or(0).min(q));
         }
+        if let (Some(q), Some(h)) = (r.prefix_cache_queries, r.prefix_cache_hits) {
+            pc_queries = pc_queries.saturating_add(q);
+            pc_hits = pc_hits.saturating_add(h.min(q));
+        }
     }
     if !found {
         return prior.map(|p| IndexParticipation {
             prefix_count: 0,
             last_event_at: None,
-            hit_rate: None,
+            hit_rate: p.hit_rate.clone(),
             t2_hit_rate: p.t2_hit_rate.clone(),
             inexact_replicas: Vec::new(),
         });
@@ -274,7 +291,11 @@ pub fn participation(
             .then(|| Timestamp::from_millisecond(last_ms).ok())
             .flatten()
             .map(to_time),
-        hit_rate: None,
+        hit_rate: if pc_queries > 0 {
+            Some(format_rate(pc_hits, pc_queries))
+        } else {
+            prior.and_then(|p| p.hit_rate.clone())
+        },
         t2_hit_rate,
         inexact_replicas: {
             inexact.sort_by(|a, b| a.replica.cmp(&b.replica));
