@@ -75,7 +75,12 @@ pub struct EngineCounters {
     latest: RwLock<BTreeMap<String, StreamCounters>>,
     changed: watch::Sender<u64>,
     scrapes_total: IntCounterVec,
+    t2_hits_total: IntCounterVec,
+    t2_queries_total: IntCounterVec,
 }
+
+/// Labels of the per-stream tier-2 counters: the engine pod's namespace and the replica id.
+const STREAM_LABELS: [&str; 2] = ["namespace", "replica"];
 
 impl EngineCounters {
     /// An empty store; registers `inferencecache_agent_engine_metrics_scrapes_total` in
@@ -92,10 +97,28 @@ impl EngineCounters {
             &["outcome"],
         )?;
         registry.register(Box::new(scrapes_total.clone()))?;
+        let t2_hits_total = IntCounterVec::new(
+            Opts::new(
+                "inferencecache_agent_engine_t2_hits_total",
+                "Tier-2 (KV-connector) reload hits in tokens of each engine stream on this node, from vllm:external_prefix_cache_hits_total; monotonic across engine restarts (a reset adds the new count). For windowed alerts (LMCacheT2NoHits).",
+            ),
+            &STREAM_LABELS,
+        )?;
+        let t2_queries_total = IntCounterVec::new(
+            Opts::new(
+                "inferencecache_agent_engine_t2_queries_total",
+                "Tier-2 lookups in tokens of each engine stream on this node, from vllm:external_prefix_cache_queries_total; monotonic across engine restarts.",
+            ),
+            &STREAM_LABELS,
+        )?;
+        registry.register(Box::new(t2_hits_total.clone()))?;
+        registry.register(Box::new(t2_queries_total.clone()))?;
         Ok(EngineCounters {
             latest: RwLock::new(BTreeMap::new()),
             changed: watch::Sender::new(0),
             scrapes_total,
+            t2_hits_total,
+            t2_queries_total,
         })
     }
 
@@ -126,23 +149,65 @@ impl EngineCounters {
     /// Replaces the store; signals subscribers when any stream's values (not just the scrape
     /// time) changed or a stream came or went.
     fn replace(&self, next: BTreeMap<String, StreamCounters>) {
+        // Everything but the scrape time.
+        let values = |c: &StreamCounters| StreamCounters {
+            observed_at_unix_ms: 0,
+            ..c.clone()
+        };
         let differs = {
             let cur = self.latest.read();
             cur.len() != next.len()
-                || cur.iter().zip(next.iter()).any(|((ka, a), (kb, b))| {
-                    ka != kb
-                        || a.stream != b.stream
-                        || a.t2_hits != b.t2_hits
-                        || a.t2_queries != b.t2_queries
-                        || a.t2_absent != b.t2_absent
-                        || a.cache_memory_bytes != b.cache_memory_bytes
-                        || a.prefix_cache_hits != b.prefix_cache_hits
-                        || a.prefix_cache_queries != b.prefix_cache_queries
-                })
+                || cur
+                    .iter()
+                    .zip(next.iter())
+                    .any(|((ka, a), (kb, b))| ka != kb || values(a) != values(b))
         };
+        self.mirror_t2(&self.latest.read(), &next);
         *self.latest.write() = next;
         if differs {
             self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+}
+
+impl EngineCounters {
+    /// Advances the per-stream tier-2 counters from `cur` to `next`: by the engine's increase,
+    /// or by its whole new value when it went down (the engine restarted and counts from 0);
+    /// streams that left the plan lose their series.
+    fn mirror_t2(
+        &self,
+        cur: &BTreeMap<String, StreamCounters>,
+        next: &BTreeMap<String, StreamCounters>,
+    ) {
+        let labels = |c: &StreamCounters| {
+            c.stream
+                .as_ref()
+                .map(|d| [d.tenant.clone(), d.replica.clone()])
+        };
+        for (id, n) in next.iter().filter(|(_, n)| !n.t2_absent) {
+            let Some(l) = labels(n) else { continue };
+            let l = [l[0].as_str(), l[1].as_str()];
+            let prev = cur.get(id).filter(|c| !c.t2_absent);
+            let step = |new: u64, old: Option<u64>| match old {
+                Some(o) if new >= o => new - o,
+                _ => new,
+            };
+            self.t2_hits_total
+                .with_label_values(&l)
+                .inc_by(step(n.t2_hits, prev.map(|p| p.t2_hits)));
+            self.t2_queries_total
+                .with_label_values(&l)
+                .inc_by(step(n.t2_queries, prev.map(|p| p.t2_queries)));
+        }
+        for (id, c) in cur {
+            if next.get(id).is_some_and(|n| !n.t2_absent) {
+                continue;
+            }
+            if let Some(l) = labels(c) {
+                let l = [l[0].as_str(), l[1].as_str()];
+                let _ = self.t2_hits_total.remove_label_values(&l);
+                let _ = self.t2_queries_total.remove_label_values(&l);
+            }
         }
     }
 }
@@ -297,6 +362,67 @@ mod tests {
             metrics_url: url,
             ..Default::default()
         }
+    }
+
+    fn entry(hits: u64, queries: u64, absent: bool) -> BTreeMap<String, StreamCounters> {
+        BTreeMap::from([(
+            "team-a/vllm-0#0".to_string(),
+            StreamCounters {
+                stream: Some(StreamDescriptor {
+                    stream_id: "team-a/vllm-0#0".into(),
+                    replica: "vllm-0".into(),
+                    tenant: "team-a".into(),
+                    ..Default::default()
+                }),
+                t2_hits: hits,
+                t2_queries: queries,
+                t2_absent: absent,
+                observed_at_unix_ms: 1,
+                ..Default::default()
+            },
+        )])
+    }
+
+    /// Issue 19 item 5: the per-stream tier-2 counters a windowed alert (LMCacheT2NoHits) can
+    /// use — monotonic across an engine restart, gone with the stream.
+    #[test]
+    fn t2_counters_are_mirrored_monotonically_per_stream() {
+        let registry = Registry::new();
+        let counters = EngineCounters::new(&registry).unwrap();
+        let read = || {
+            let text = {
+                use prometheus::Encoder;
+                let mut buf = Vec::new();
+                prometheus::TextEncoder::new()
+                    .encode(&registry.gather(), &mut buf)
+                    .unwrap();
+                String::from_utf8(buf).unwrap()
+            };
+            let pick = |name: &str| {
+                text.lines()
+                    .find(|l| l.starts_with(name))
+                    .and_then(|l| l.rsplit(' ').next())
+                    .map(|v| v.parse::<u64>().unwrap())
+            };
+            (
+                pick("inferencecache_agent_engine_t2_hits_total{namespace=\"team-a\",replica=\"vllm-0\"}"),
+                pick("inferencecache_agent_engine_t2_queries_total{namespace=\"team-a\",replica=\"vllm-0\"}"),
+            )
+        };
+        counters.replace(entry(0, 0, true));
+        assert_eq!(read(), (None, None), "no tier-2 readings, no series");
+        counters.replace(entry(10, 100, false));
+        assert_eq!(read(), (Some(10), Some(100)));
+        counters.replace(entry(30, 150, false));
+        assert_eq!(read(), (Some(30), Some(150)));
+        // The engine restarted and counts from 0: the counter keeps going up.
+        counters.replace(entry(5, 20, false));
+        assert_eq!(read(), (Some(35), Some(170)));
+        // Queried, no new hits: the window shows hits flat while queries grow.
+        counters.replace(entry(5, 90, false));
+        assert_eq!(read(), (Some(35), Some(240)));
+        counters.replace(BTreeMap::new());
+        assert_eq!(read(), (None, None), "the stream left the plan");
     }
 
     #[tokio::test]
