@@ -375,7 +375,12 @@ pub async fn start_reconcilers(
         index: ctx.shared.clone(),
         clock: ctx.clock.clone(),
         leader: ctx.leader_flag.clone(),
-        prober: functional_probe.then(|| crate::probe::in_process_prober(ctx.shared.clone())),
+        prober: functional_probe.then(|| {
+            crate::probe::in_process_prober(
+                ctx.shared.clone(),
+                Some(Arc::new(crate::t2probe::ProviderT2Prober::default())),
+            )
+        }),
         instance: std::env::var("POD_NAME").ok(),
     };
     let shutdown = ctx.shutdown.clone();

@@ -28,3 +28,4 @@ pub mod reconcile;
 pub mod router;
 pub mod standalone;
 pub mod state;
+pub mod t2probe;

@@ -8,7 +8,9 @@
 //! - **routing** — asks the real [`Router`] (policy, budget, key derivation from raw token ids,
 //!   scoring) for the synthetic prompt and expects PREFIX_MATCH on the probe replica at full
 //!   depth.
-//! - **t2** — skipped: no tier-2 prober is registered in this binary (the spec's Stage C).
+//! - **t2** — the spec's Stage C: for the gate (one CacheBackend), a put / get through the
+//!   backend's own remote tier ([`crate::t2probe`]); `/probe` itself names no backend, so
+//!   there it is skipped.
 //!
 //! The probe stream is removed afterwards whatever happened. Each stage is `ok`, `failed` or
 //! `skipped` with a diagnostic a person can act on; a stage after a failed one is skipped.
@@ -100,7 +102,7 @@ pub struct ProbeStages {
     pub ingest: StageReport,
     /// A lookup through the real router finds it.
     pub routing: StageReport,
-    /// Tier-2 put/get (not wired: always skipped).
+    /// Tier-2 put/get through the backend's remote tier (skipped for `/probe` itself).
     pub t2: StageReport,
 }
 
@@ -280,7 +282,9 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
         ix.remove_node(&node);
         shared.update_index_gauges(&ix);
     }
-    let t2 = StageReport::skipped("no tier-2 prober is registered in this controller");
+    let t2 = StageReport::skipped(
+        "this probe names no CacheBackend tier; the gate probes each backend's own tier",
+    );
     let ok = ![&ingest, &routing, &t2]
         .iter()
         .any(|s| s.status == StageStatus::Failed);
@@ -300,31 +304,68 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
 /// lives in this process, so the CacheBackend reconciler runs [`run`] directly instead of
 /// calling a `/probe` URL. The probe uses its own tenant and model (a namespace's CachePolicy
 /// cannot make it miss) and the backend's hash scheme (`vllm` / `sglang` from
-/// `spec.runtime`). Its per-stage report maps onto the gate's stage results; an in-process
-/// probe has no transport, so it never answers `TransportError`.
+/// `spec.runtime`). With `t2`, Stage C is a real put / get through the backend's own remote tier
+/// ([`crate::t2probe`]) once ingest and routing passed; without, it is skipped. Its per-stage
+/// report maps onto the gate's stage results; an in-process probe has no transport, so it never
+/// answers `TransportError`.
 pub fn in_process_prober(
     shared: Arc<Shared>,
+    t2: Option<Arc<dyn crate::t2probe::T2Prober>>,
 ) -> Arc<dyn crate::reconcile::cachebackend::probe::Prober> {
-    use crate::reconcile::cachebackend::probe::FnProber;
-    let router = Router::new(shared.clone());
-    Arc::new(FnProber(move |cb: &ic_shared::crd::CacheBackend| {
-        let req = ProbeRequest {
-            hash_scheme: Some(
-                match cb.spec.runtime {
-                    ic_shared::crd::Runtime::Vllm => "vllm",
-                    ic_shared::crd::Runtime::SgLang => "sglang",
-                }
-                .to_string(),
-            ),
-            backend: Some(format!(
-                "{}/{}",
-                cb.metadata.namespace.as_deref().unwrap_or_default(),
-                cb.metadata.name.as_deref().unwrap_or_default()
-            )),
-            ..Default::default()
-        };
-        outcome_of(&run(&shared, &router, &req))
-    }))
+    Arc::new(InProcessProber {
+        router: Router::new(shared.clone()),
+        shared,
+        t2,
+    })
+}
+
+struct InProcessProber {
+    shared: Arc<Shared>,
+    router: Router,
+    t2: Option<Arc<dyn crate::t2probe::T2Prober>>,
+}
+
+impl crate::reconcile::cachebackend::probe::Prober for InProcessProber {
+    fn probe<'a>(
+        &'a self,
+        cb: &'a ic_shared::crd::CacheBackend,
+    ) -> futures::future::BoxFuture<'a, crate::reconcile::cachebackend::probe::ProbeOutcome> {
+        Box::pin(async move {
+            let req = ProbeRequest {
+                hash_scheme: Some(
+                    match cb.spec.runtime {
+                        ic_shared::crd::Runtime::Vllm => "vllm",
+                        ic_shared::crd::Runtime::SgLang => "sglang",
+                    }
+                    .to_string(),
+                ),
+                backend: Some(format!(
+                    "{}/{}",
+                    cb.metadata.namespace.as_deref().unwrap_or_default(),
+                    cb.metadata.name.as_deref().unwrap_or_default()
+                )),
+                ..Default::default()
+            };
+            let mut report = run(&self.shared, &self.router, &req);
+            if let Some(t2) = &self.t2 {
+                report.stages.t2 = if report.ok {
+                    use crate::t2probe::T2Outcome;
+                    match t2
+                        .probe(cb, PROBE_SEQ.fetch_add(1, Ordering::Relaxed))
+                        .await
+                    {
+                        T2Outcome::Ok(m) => StageReport::ok(m),
+                        T2Outcome::Failed(m) => StageReport::failed(m),
+                        T2Outcome::Skipped(m) => StageReport::skipped(m),
+                    }
+                } else {
+                    StageReport::skipped("not run: an earlier stage failed")
+                };
+                report.ok = report.stages.t2.status != StageStatus::Failed && report.ok;
+            }
+            outcome_of(&report)
+        })
+    }
 }
 
 /// A `/probe` report as the gate's [`ProbeOutcome`](crate::reconcile::cachebackend::probe::ProbeOutcome).
@@ -401,7 +442,7 @@ mod tests {
         Router::new(shared.clone())
             .policies()
             .set_policy("team-a", None, Some(u32::MAX));
-        let prober = in_process_prober(shared.clone());
+        let prober = in_process_prober(shared.clone(), None);
         let cb: ic_shared::crd::CacheBackend = serde_json::from_value(serde_json::json!({
             "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
             "metadata": {"name": "cb", "namespace": "team-a"},
