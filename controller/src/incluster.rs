@@ -260,11 +260,16 @@ pub async fn start_admission(
     let mut pod_config = settings.pod.clone();
     match ctx.client.apiserver_version().await {
         Ok(v) => {
-            pod_config.native_sidecars =
-                crate::admission::pod::NativeSidecars::from_version(&v.major, &v.minor, &v.git_version);
+            pod_config.native_sidecars = crate::admission::pod::NativeSidecars::from_version(
+                &v.major,
+                &v.minor,
+                &v.git_version,
+            );
             info!(version = %v.git_version, native_sidecars = ?pod_config.native_sidecars, "apiserver version discovered");
         }
-        Err(e) => warn!("cannot read the apiserver version ({e}); native sidecars are assumed supported"),
+        Err(e) => {
+            warn!("cannot read the apiserver version ({e}); native sidecars are assumed supported")
+        }
     }
     let mut pods = PodWebhook::new(pod_config);
     if let Some(source) = model_cache_source {

@@ -202,7 +202,11 @@ fn stored_backends_that_current_rules_reject_are_used_with_a_warning() {
         "{}",
         out.stderr
     );
-    assert!(out.stderr.contains("the cluster holds it as stored"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the cluster holds it as stored"),
+        "{}",
+        out.stderr
+    );
     let v: Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(v["reason"], "Injected", "{v:#}");
     assert!(v["warnings"]

@@ -190,7 +190,10 @@ fn set_flag(pod: &mut Value, flag: &str, value: &str) {
 fn every_repo_fixture_has_a_source_and_a_test() {
     let covered = [HOST_NET, OUTWARD, DP8];
     for name in repo_fixture_names() {
-        assert!(covered.contains(&name.as_str()), "fixture {name} has no test");
+        assert!(
+            covered.contains(&name.as_str()),
+            "fixture {name} has no test"
+        );
         let text = std::fs::read_to_string(repo_fixtures_dir().join(&name)).unwrap();
         assert!(
             text.starts_with("# source: github.com/"),
@@ -274,7 +277,10 @@ fn host_network_collisions_fail_open_with_reason_and_warning() {
 
     // Another container of the pod already declares the node port the subscriber would dial.
     let mut pod = load_repo_pod(HOST_NET);
-    pod["spec"]["containers"].as_array_mut().unwrap().push(json!({
+    pod["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({
         "name": "zmq-exporter", "image": "example/exporter:1",
         "ports": [{"containerPort": 5557, "name": "zmq"}]}));
     let outcome = admit(&pod, &[backend(SGLANG_LMCACHE)], &cfg());
@@ -348,7 +354,12 @@ fn fixed_hash_seed_is_kept_and_offload_wires_without_a_subscriber() {
         .as_array()
         .unwrap()
         .iter()
-        .chain(wired["spec"]["initContainers"].as_array().into_iter().flatten())
+        .chain(
+            wired["spec"]["initContainers"]
+                .as_array()
+                .into_iter()
+                .flatten(),
+        )
         .filter(|c| c["name"] != "vllm")
     {
         assert!(!c.to_string().contains("${"), "{c}");
@@ -492,7 +503,11 @@ fn readmission_keeps_other_webhooks_additions_to_our_sidecars() {
         .push(json!({"name": "vault-secrets", "emptyDir": {"medium": "Memory"}}));
     let again = admit(&wired, std::slice::from_ref(&cb), &cfg());
     assert_eq!(again.reason, REASON_INJECTED);
-    assert_eq!(again.patch, None, "re-admission strips nothing: {:?}", again.patch);
+    assert_eq!(
+        again.patch, None,
+        "re-admission strips nothing: {:?}",
+        again.patch
+    );
 
     // A backend change converges the owned fields and still keeps the additions.
     let mut changed = cb.clone();
@@ -503,7 +518,9 @@ fn readmission_keeps_other_webhooks_additions_to_our_sidecars() {
     let out = admit(&wired, &[changed], &cfg());
     let rewired = apply(&wired, &out);
     let w = init_container(&rewired, "lmcache-mp-worker").unwrap();
-    assert!(strings(&w["args"]).windows(2).any(|p| p == ["--chunk-size", "512"]));
+    assert!(strings(&w["args"])
+        .windows(2)
+        .any(|p| p == ["--chunk-size", "512"]));
     assert_eq!(
         env_value(w, "VAULT_ADDR").as_deref(),
         Some("https://vault.vault.svc:8200")
@@ -556,9 +573,9 @@ fn two_matching_backends_warn_and_a_new_backend_replaces_the_old_settings() {
         by_b["metadata"]["annotations"]["inferencecache.io/injected-by"],
         "llm-d-wide-ep-precise/glm-lmcache"
     );
-    assert!(outcome.warnings.iter().any(|w| w.starts_with(
-        "the pod was wired by CacheBackend llm-d-wide-ep-precise/a-glm-mooncake"
-    )));
+    assert!(outcome.warnings.iter().any(
+        |w| w.starts_with("the pod was wired by CacheBackend llm-d-wide-ep-precise/a-glm-mooncake")
+    ));
 }
 
 // ---- 7. /dev/shm on a real shape ------------------------------------------------------------
@@ -574,9 +591,9 @@ fn tensor_parallel_vllm_without_shm_is_warned() {
     let outcome = admit(&pod, &[backend(GLM_LMCACHE)], &cfg());
     assert_eq!(outcome.reason, REASON_INJECTED);
     assert!(
-        outcome.warnings.iter().any(|w| w.contains(
-            "runs tensor-parallel size 2 without a /dev/shm mount"
-        ) && w.contains("production-stack#276")),
+        outcome.warnings.iter().any(|w| w
+            .contains("runs tensor-parallel size 2 without a /dev/shm mount")
+            && w.contains("production-stack#276")),
         "{:?}",
         outcome.warnings
     );

@@ -103,7 +103,11 @@ fn merge_resources(
 /// The container a re-admission leaves: `rendered` with what others added to `existing` kept
 /// (module docs). `owned_env` lists env names the adapter owns besides those it renders now
 /// (so a variable it stopped rendering is removed rather than kept as foreign).
-pub fn converge_rendered(existing: &Container, rendered: Container, owned_env: &[&str]) -> Container {
+pub fn converge_rendered(
+    existing: &Container,
+    rendered: Container,
+    owned_env: &[&str],
+) -> Container {
     let env = merge_env(
         existing.env.as_deref().unwrap_or(&[]),
         rendered.env.as_deref().unwrap_or(&[]),
@@ -118,7 +122,10 @@ pub fn converge_rendered(existing: &Container, rendered: Container, owned_env: &
         env: (!env.is_empty()).then_some(env),
         volume_mounts: (!mounts.is_empty()).then_some(mounts),
         resources,
-        env_from: rendered.env_from.clone().or_else(|| existing.env_from.clone()),
+        env_from: rendered
+            .env_from
+            .clone()
+            .or_else(|| existing.env_from.clone()),
         ..rendered
     }
 }
@@ -196,6 +203,9 @@ mod tests {
         assert_eq!(req["memory"], Quantity("1Mi".into()));
         // Converged: a second pass changes nothing; a fresh rendering is the rendering.
         assert_eq!(converge_rendered(&got, rendered.clone(), &["GONE"]), got);
-        assert_eq!(converge_rendered(&rendered, rendered.clone(), &[]), rendered);
+        assert_eq!(
+            converge_rendered(&rendered, rendered.clone(), &[]),
+            rendered
+        );
     }
 }

@@ -508,9 +508,9 @@ impl RuntimeAdapter for SglangLmCacheMp {
                 .as_ref()
                 .and_then(|s| s.volumes.as_ref())
                 .and_then(|v| v.iter().find(|v| &v.name == name));
-            if let Some(v) = volume.filter(|v| {
-                v.persistent_volume_claim.is_some() || v.ephemeral.is_some()
-            }) {
+            if let Some(v) =
+                volume.filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
+            {
                 let claim = v
                     .persistent_volume_claim
                     .as_ref()

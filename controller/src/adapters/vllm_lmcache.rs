@@ -811,8 +811,10 @@ mod tests {
         assert_eq!(e[0], ("PYTHONHASHSEED".into(), "123".into()));
         assert_eq!(e[1], ("LMCACHE_MAX_LOCAL_CPU_SIZE".into(), "20".into()));
         assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
-        assert!(r.warnings.iter().any(|w| w.contains("PYTHONHASHSEED=123")
-            && w.contains("same fixed value")));
+        assert!(r
+            .warnings
+            .iter()
+            .any(|w| w.contains("PYTHONHASHSEED=123") && w.contains("same fixed value")));
     }
 
     #[test]
@@ -838,7 +840,10 @@ mod tests {
                 "{given:?}: {e:?}"
             );
             assert_eq!(
-                r.warnings.iter().filter(|w| w.contains("PYTHONHASHSEED")).count(),
+                r.warnings
+                    .iter()
+                    .filter(|w| w.contains("PYTHONHASHSEED"))
+                    .count(),
                 warns,
                 "{given:?}: {:?}",
                 r.warnings
@@ -854,7 +859,9 @@ mod tests {
         let mut p = pod(&["vllm", "serve", "m", "--tensor-parallel-size", "2"], &[]);
         let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
         assert!(
-            r.warnings.iter().any(|w| w.contains("tensor-parallel size 2 without a /dev/shm")),
+            r.warnings
+                .iter()
+                .any(|w| w.contains("tensor-parallel size 2 without a /dev/shm")),
             "{:?}",
             r.warnings
         );
@@ -867,7 +874,11 @@ mod tests {
                 ..Default::default()
             }]);
         let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
-        assert!(r.warnings.iter().all(|w| !w.contains("/dev/shm")), "{:?}", r.warnings);
+        assert!(
+            r.warnings.iter().all(|w| !w.contains("/dev/shm")),
+            "{:?}",
+            r.warnings
+        );
         // TP 1: no warning.
         let mut p = pod(&["vllm", "serve", "m"], &[]);
         let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();

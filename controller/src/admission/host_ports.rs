@@ -84,7 +84,12 @@ pub fn declare_host_ports(
         .chain(spec.init_containers.iter().flatten())
         .filter(|c| c.name != engine_name);
     for c in declared_elsewhere {
-        for p in c.ports.iter().flatten().filter(|p| is_tcp(p) && !is_ours(p)) {
+        for p in c
+            .ports
+            .iter()
+            .flatten()
+            .filter(|p| is_tcp(p) && !is_ours(p))
+        {
             let port = p.host_port.unwrap_or(p.container_port);
             if let Some(l) = wanted.iter().find(|l| i32::from(l.port) == port) {
                 return Err(format!(
@@ -149,7 +154,12 @@ pub fn declared_ports(pod: &Pod) -> BTreeMap<u16, String> {
         .iter()
         .chain(spec.init_containers.iter().flatten())
     {
-        for p in c.ports.iter().flatten().filter(|p| is_tcp(p) && !is_ours(p)) {
+        for p in c
+            .ports
+            .iter()
+            .flatten()
+            .filter(|p| is_tcp(p) && !is_ours(p))
+        {
             if let Ok(port) = u16::try_from(p.host_port.unwrap_or(p.container_port)) {
                 let label = p.name.clone().unwrap_or_else(|| port.to_string());
                 out.entry(port)
@@ -207,7 +217,10 @@ mod tests {
         let mut p = pod(true);
         let ls = [l(5555, "ic-lmcache-mp", false), l(5557, "ic-kv-ev-0", true)];
         declare_host_ports(&mut p, 0, &ls).unwrap();
-        let ports = p.spec.as_ref().unwrap().containers[0].ports.clone().unwrap();
+        let ports = p.spec.as_ref().unwrap().containers[0]
+            .ports
+            .clone()
+            .unwrap();
         // 5557 is the engine's own declaration; only 5555 is added.
         assert_eq!(ports.len(), 2);
         assert_eq!(ports[1].host_port, Some(5555));
@@ -218,12 +231,25 @@ mod tests {
         // Off the host network, our declarations go.
         p.spec.as_mut().unwrap().host_network = None;
         declare_host_ports(&mut p, 0, &ls).unwrap();
-        assert_eq!(p.spec.as_ref().unwrap().containers[0].ports.as_ref().unwrap().len(), 1);
+        assert_eq!(
+            p.spec.as_ref().unwrap().containers[0]
+                .ports
+                .as_ref()
+                .unwrap()
+                .len(),
+            1
+        );
 
         let err = declare_host_ports(&mut pod(true), 0, &[l(8000, "ic-x", false)]).unwrap_err();
-        assert!(err.contains("container \"proxy\" declares port 8000"), "{err}");
+        assert!(
+            err.contains("container \"proxy\" declares port 8000"),
+            "{err}"
+        );
         let err = declare_host_ports(&mut pod(true), 0, &[l(5557, "ic-x", false)]).unwrap_err();
-        assert!(err.contains("container \"engine\" declares port 5557"), "{err}");
+        assert!(
+            err.contains("container \"engine\" declares port 5557"),
+            "{err}"
+        );
         let err = declare_host_ports(
             &mut pod(true),
             0,

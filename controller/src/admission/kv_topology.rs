@@ -104,7 +104,12 @@ fn expand_kubernetes_refs(text: &str, c: &Container) -> Result<String, String> {
         .env
         .iter()
         .flatten()
-        .map(|e| (e.name.as_str(), e.value.as_deref().filter(|_| e.value_from.is_none())))
+        .map(|e| {
+            (
+                e.name.as_str(),
+                e.value.as_deref().filter(|_| e.value_from.is_none()),
+            )
+        })
         .collect();
     let mut out = String::new();
     let mut rest = text;
@@ -281,10 +286,21 @@ pub fn subscriber_topology(
     let ranks = {
         let args = cmd.texts();
         let ranks = dp_ranks(runtime, &args);
-        if let Some(v) = ["--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr", "--data-parallel-rank", "-dpn", "--dp-size", "--dp"]
-            .iter()
-            .find_map(|f| flag_value(&args, &[f]))
-            .filter(|v| v.trim().parse::<u32>().is_err())
+        if let Some(v) = [
+            "--data-parallel-size",
+            "-dp",
+            "--data-parallel-size-local",
+            "-dpl",
+            "--data-parallel-start-rank",
+            "-dpr",
+            "--data-parallel-rank",
+            "-dpn",
+            "--dp-size",
+            "--dp",
+        ]
+        .iter()
+        .find_map(|f| flag_value(&args, &[f]))
+        .filter(|v| v.trim().parse::<u32>().is_err())
         {
             return Err(Unresolved(format!(
                 "container {:?}: the data-parallel size or rank {v:?} is known only when the engine starts, so the publishers' ports (port + rank) are unknown at admission",
@@ -293,12 +309,8 @@ pub fn subscriber_topology(
         }
         ranks
     };
-    let pub_ep = classify(&endpoint).map_err(|e| {
-        Unresolved(format!(
-            "container {:?}: KV-event {e}",
-            c.name
-        ))
-    })?;
+    let pub_ep = classify(&endpoint)
+        .map_err(|e| Unresolved(format!("container {:?}: KV-event {e}", c.name)))?;
     let (host, port) = match pub_ep {
         Endpoint::BindTcp { host, port } => (host, port),
         Endpoint::ConnectTcp { host, port } => {
@@ -331,7 +343,9 @@ pub fn subscriber_topology(
                 None
             } else {
                 match classify(r) {
-                    Ok(Endpoint::BindTcp { port: 0, .. } | Endpoint::ConnectTcp { port: 0, .. }) => {
+                    Ok(
+                        Endpoint::BindTcp { port: 0, .. } | Endpoint::ConnectTcp { port: 0, .. },
+                    ) => {
                         warnings.push(format!(
                             "container {:?}: replay endpoint {r:?} asks for an ephemeral port, unknown at admission; the kvevent-subscriber runs without replay",
                             c.name
@@ -341,7 +355,11 @@ pub fn subscriber_topology(
                     // The ROUTER always binds, whatever the host.
                     Ok(Endpoint::BindTcp { host, port }) => Some((host, port)),
                     Ok(Endpoint::ConnectTcp { host, port }) => {
-                        let host = if host == "0.0.0.0" { "127.0.0.1".into() } else { host };
+                        let host = if host == "0.0.0.0" {
+                            "127.0.0.1".into()
+                        } else {
+                            host
+                        };
                         Some((host, port))
                     }
                     Ok(Endpoint::BindLocal(_)) | Err(_) => {
@@ -445,7 +463,12 @@ mod tests {
     }
 
     fn topo(args: &[&str]) -> Result<SubscriberTopology, Unresolved> {
-        subscriber_topology(&pod(args, &[]), Some(0), Runtime::Vllm, &OtherListeners::new())
+        subscriber_topology(
+            &pod(args, &[]),
+            Some(0),
+            Runtime::Vllm,
+            &OtherListeners::new(),
+        )
     }
 
     #[test]

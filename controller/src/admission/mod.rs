@@ -18,10 +18,10 @@
 
 pub mod ca_bundle;
 pub mod defaulting;
-pub mod model_cache_pod;
-pub mod offline;
 pub mod host_ports;
 pub mod kv_topology;
+pub mod model_cache_pod;
+pub mod offline;
 pub mod pod;
 pub mod review;
 pub mod server;

@@ -234,13 +234,8 @@ pub fn run_admit(
             None => None,
         };
         let admission = Admission::new(registry, Arc::new(StaticBackends::default()), pods);
-        let v = admit_cache_backend_with(
-            &admission,
-            obj,
-            old,
-            &args.namespace,
-            args.field_validation,
-        );
+        let v =
+            admit_cache_backend_with(&admission, obj, old, &args.namespace, args.field_validation);
         return Ok(render_cache_backend(&v));
     }
 
@@ -361,9 +356,7 @@ fn expect_kind(path: &Path, obj: &Value, kind: &str) -> Result<(), AdmitError> {
         Some(v) => Err(parse(format!(
             "{kind} has apiVersion {v:?}; this server serves {kind} only as {want:?}"
         ))),
-        None => Err(parse(format!(
-            "apiVersion not set (a {kind} is {want:?})"
-        ))),
+        None => Err(parse(format!("apiVersion not set (a {kind} is {want:?})"))),
     }
 }
 

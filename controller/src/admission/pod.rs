@@ -575,7 +575,10 @@ fn previous_wiring_by_another(pod: &Pod, cb: &CacheBackend) -> Option<String> {
     let by = a.get(ANNOTATION_INJECTED_BY)?;
     let name = cb.metadata.name.as_deref().unwrap_or("");
     let same_name = by.rsplit_once('/').map_or(by.as_str(), |(_, n)| n) == name;
-    let same_uid = match (a.get(ANNOTATION_INJECTED_BY_UID), cb.metadata.uid.as_deref()) {
+    let same_uid = match (
+        a.get(ANNOTATION_INJECTED_BY_UID),
+        cb.metadata.uid.as_deref(),
+    ) {
         (Some(old), Some(new)) => old == new,
         _ => true,
     };
@@ -757,7 +760,12 @@ fn add_subscribers(
         return Err(Unwired::from("the pod has no spec"));
     };
     for name in &names {
-        if spec.init_containers.iter().flatten().any(|c| &c.name == name) {
+        if spec
+            .init_containers
+            .iter()
+            .flatten()
+            .any(|c| &c.name == name)
+        {
             return Err(Unwired::from(format!(
                 "the pod already has a init container named {name:?} that inference-cache did not render; rename it to get the pod wired"
             )));
