@@ -463,6 +463,40 @@ fn data_parallel_port_plans_are_checked() {
     }
 }
 
+#[test]
+fn a_publisher_that_connects_to_loopback_is_served_by_subscribers_that_bind() {
+    // The same DP8 engine told to connect (vLLM connects any non-wildcard endpoint) to its
+    // own loopback: each rank's subscriber binds port + rank.
+    let mut pod = load_repo_pod(DP8);
+    set_flag(
+        &mut pod,
+        "--kv-events-config",
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","replay_endpoint":"tcp://*:5600"}"#,
+    );
+    let (outcome, wired) = admit_converged(&pod, &[backend(GLM_EVENTS_ONLY)], &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{:?}", outcome.warnings);
+    let names = subscriber_names(&wired);
+    assert_eq!(names.len(), 8);
+    for (rank, name) in names.iter().enumerate() {
+        let args = strings(&container(&wired, name)["args"]);
+        assert_eq!(
+            args[1],
+            format!("--endpoint=tcp://127.0.0.1:{}", 5557 + rank)
+        );
+        assert_eq!(args[2], "--bind");
+        assert_eq!(args[3], format!("--replay=tcp://127.0.0.1:{}", 5600 + rank));
+    }
+    // On the host network the subscribers' bound ports are the node's: declared.
+    pod["spec"]["hostNetwork"] = json!(true);
+    let (_, wired) = admit_converged(&pod, &[backend(GLM_EVENTS_ONLY)], &cfg());
+    let declared: Vec<String> = ports_of(container(&wired, "vllm"))
+        .into_iter()
+        .map(|(_, _, n)| n)
+        .filter(|n| n.starts_with("ic-kv-sub-"))
+        .collect();
+    assert_eq!(declared.len(), 8, "{declared:?}");
+}
+
 // ---- 5. other webhooks' additions ---------------------------------------------------------
 
 /// What a secrets-injecting webhook (Vault Agent Injector's shape) adds to every container.

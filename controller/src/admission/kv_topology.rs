@@ -9,8 +9,10 @@
 //! - vLLM's publisher **binds** when the endpoint host is a wildcard (`*`, an address containing
 //!   `::`) or the endpoint is `ipc://`/`inproc://`, and **connects** otherwise. A bound TCP
 //!   endpoint is followed at `tcp://127.0.0.1:<port>` (the sidecar shares the pod's network
-//!   namespace); an endpoint the engine connects to (llm-d's pattern: the engine pushes to the
-//!   scheduler's `tcp://<epp-service>:5557`) is not followed, since the sidecar only connects;
+//!   namespace). An endpoint the engine connects to on its own network namespace (loopback,
+//!   `localhost`, `0.0.0.0`) is **bound** by the sidecar (`ic-agent subscribe --bind`), so the
+//!   engine connects to it; one on another host (llm-d's pattern: the engine pushes to the
+//!   scheduler's `tcp://<epp-service>:5557`) is not followed, since the events go there;
 //!   `ipc://` needs a volume the sidecar does not share.
 //! - Data parallelism: each rank `r` of this pod publishes on `port + r` and serves replay on
 //!   `replay_port + r` ([`crate::reconcile::nodes::plans::dp_ranks`]: the same ranks the node
@@ -46,6 +48,9 @@ pub struct SubscriberStream {
     pub endpoint: String,
     /// ROUTER replay endpoint of the same rank, when the engine serves one.
     pub replay: Option<String>,
+    /// True when the engine's publisher connects to this endpoint (a loopback one), so the
+    /// sidecar binds it (`ic-agent subscribe --bind`).
+    pub bind: bool,
 }
 
 /// The subscriber's plan for one pod.
@@ -81,6 +86,7 @@ fn default_topology(warning: String) -> SubscriberTopology {
             rank: 0,
             endpoint: super::pod::DEFAULT_KV_EVENTS_ENDPOINT.to_string(),
             replay: None,
+            bind: false,
         }],
         // The port the sidecar dials: on the host network it must be this pod's.
         engine_listeners: vec![Listener {
@@ -186,6 +192,11 @@ fn classify(endpoint: &str) -> Result<Endpoint, String> {
     } else {
         Endpoint::ConnectTcp { host, port }
     })
+}
+
+/// A host that resolves to the pod's own network namespace (`0.0.0.0` connects there too).
+fn is_local(host: &str) -> bool {
+    matches!(host, "localhost" | "0.0.0.0" | "[::1]" | "::1") || host.starts_with("127.")
 }
 
 fn offset(port: u16, rank: u32, what: &str) -> Result<u16, Unresolved> {
@@ -311,11 +322,16 @@ pub fn subscriber_topology(
     };
     let pub_ep = classify(&endpoint)
         .map_err(|e| Unresolved(format!("container {:?}: KV-event {e}", c.name)))?;
-    let (host, port) = match pub_ep {
-        Endpoint::BindTcp { host, port } => (host, port),
+    let (host, port, bind) = match pub_ep {
+        Endpoint::BindTcp { host, port } => (host, port, false),
+        // vLLM connects; a loopback endpoint is in the pod's own network namespace, where the
+        // sidecar binds it.
+        Endpoint::ConnectTcp { host, port } if is_local(&host) => {
+            ("127.0.0.1".to_string(), port, true)
+        }
         Endpoint::ConnectTcp { host, port } => {
             return Err(Unresolved(format!(
-                "container {:?}: the engine connects its KV-event publisher to {endpoint:?} (vLLM binds only a wildcard or ipc endpoint) and so sends its events to {host}:{port}, not to a subscriber in the pod; the kvevent-subscriber only connects (publish on tcp://*:{port} to have the pod's events followed)",
+                "container {:?}: the engine connects its KV-event publisher to {endpoint:?} (vLLM binds only a wildcard or ipc endpoint) and so sends its events to {host}:{port}, another host, not to a subscriber in the pod (publish on tcp://*:{port}, or connect to tcp://127.0.0.1:{port}, to have the pod's events followed)",
                 c.name
             )))
         }
@@ -402,11 +418,19 @@ pub fn subscriber_topology(
     };
     for &rank in &ranks {
         let p = offset(port, rank, "KV-event")?;
-        claim(
-            p,
-            format!("ic-kv-ev-{rank}"),
-            format!("the KV-event publisher of data-parallel rank {rank}"),
-        )?;
+        if bind {
+            claim(
+                p,
+                format!("ic-kv-sub-{rank}"),
+                format!("the kvevent-subscriber of data-parallel rank {rank} (the engine connects to it)"),
+            )?;
+        } else {
+            claim(
+                p,
+                format!("ic-kv-ev-{rank}"),
+                format!("the KV-event publisher of data-parallel rank {rank}"),
+            )?;
+        }
         let replay_ep = match &replay {
             Some((h, rp)) => {
                 let q = offset(*rp, rank, "replay")?;
@@ -423,9 +447,17 @@ pub fn subscriber_topology(
             rank,
             endpoint: format!("tcp://{host}:{p}"),
             replay: replay_ep,
+            bind,
         });
     }
-    let engine_listeners = plan.into_values().collect();
+    let engine_listeners = plan
+        .into_values()
+        .map(|mut l| {
+            // The subscriber's own listener is not the engine's.
+            l.engine_owned = !l.name.starts_with("ic-kv-sub-");
+            l
+        })
+        .collect();
     Ok(SubscriberTopology {
         streams,
         engine_listeners,
@@ -499,12 +531,14 @@ mod tests {
                 SubscriberStream {
                     rank: 0,
                     endpoint: "tcp://127.0.0.1:5557".into(),
-                    replay: Some("tcp://127.0.0.1:5600".into())
+                    replay: Some("tcp://127.0.0.1:5600".into()),
+                    bind: false,
                 },
                 SubscriberStream {
                     rank: 1,
                     endpoint: "tcp://127.0.0.1:5558".into(),
-                    replay: Some("tcp://127.0.0.1:5601".into())
+                    replay: Some("tcp://127.0.0.1:5601".into()),
+                    bind: false,
                 },
             ]
         );
@@ -514,8 +548,20 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.0.contains("connects its KV-event publisher"), "{e}");
-        // 0.0.0.0 has neither `*` nor `::`: vLLM connects to it.
-        assert!(topo(&["--kv-events-config", r#"{"endpoint":"tcp://0.0.0.0:5557"}"#]).is_err());
+        // 0.0.0.0 and loopback have neither `*` nor `::`: vLLM connects to them, in the pod's
+        // own network namespace, so the sidecar binds there.
+        for ep in [
+            "tcp://0.0.0.0:5557",
+            "tcp://127.0.0.1:5557",
+            "tcp://localhost:5557",
+        ] {
+            let t = topo(&["--kv-events-config", &format!(r#"{{"endpoint":"{ep}"}}"#)]).unwrap();
+            assert_eq!(t.streams.len(), 1);
+            assert!(t.streams[0].bind, "{ep}");
+            assert_eq!(t.streams[0].endpoint, "tcp://127.0.0.1:5557");
+            assert_eq!(t.engine_listeners[0].name, "ic-kv-sub-0");
+            assert!(!t.engine_listeners[0].engine_owned);
+        }
         let e = topo(&["--kv-events-config", r#"{"endpoint":"tcp://*:0"}"#]).unwrap_err();
         assert!(e.0.contains("ephemeral port"), "{e}");
         let e = topo(&["--kv-events-config", r#"{"endpoint":"tcp://${EPP}:5557"}"#]).unwrap_err();

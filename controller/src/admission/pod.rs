@@ -789,6 +789,9 @@ fn add_subscribers(
             "subscribe".to_string(),
             format!("--endpoint={}", stream.endpoint),
         ];
+        if stream.bind {
+            args.push("--bind".to_string());
+        }
         if let Some(r) = &stream.replay {
             args.push(format!("--replay={r}"));
         }
