@@ -307,6 +307,86 @@ fn unknown_fields_follow_field_validation() {
 }
 
 #[test]
+fn unknown_pod_fields_follow_field_validation_and_real_pods_have_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let pod = write(
+        dir.path(),
+        "pod.yaml",
+        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {"app": "a"}},
+                "spec": {"containers": [{"name": "vllm", "image": "i", "command": ["vllm", "serve", "m"],
+                         "volumeMount": [{"name": "x", "mountPath": "/x"}]}]}}),
+    );
+    let cb = write(
+        dir.path(),
+        "cb.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "cb"},
+                "spec": {"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "a"}}}}),
+    );
+    let mut a = args(pod);
+    a.backends = vec![cb.clone()];
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "Error: Pod \"p\" is invalid:\n  strict decoding error: unknown field \"spec.containers[0].volumeMount\""
+        ),
+        "{}",
+        out.stderr
+    );
+    a.field_validation = FieldValidation::Warn;
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    assert!(out
+        .stderr
+        .contains("Warning: unknown field \"spec.containers[0].volumeMount\" (pruned)"));
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(v["pod"]["spec"]["containers"][0]
+        .get("volumeMount")
+        .is_none());
+    assert_eq!(v["reason"], "Injected");
+
+    // Every real engine pod of the fixtures (the repository's and ../shared's) passes Strict,
+    // and so does every pod the webhook wired (the golden files).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let shared = root.join("../../shared/fixtures/pods");
+    let dirs = [root.join("tests/fixtures/pods")]
+        .into_iter()
+        .chain(shared.is_dir().then_some(shared));
+    for entry in dirs.flat_map(|d| std::fs::read_dir(d).unwrap().flatten()) {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for doc in ic_controller::admission::offline::parse_documents(&text).unwrap() {
+            let mut pod = match doc["kind"].as_str() {
+                Some("Pod") => doc.clone(),
+                _ => json!({"apiVersion": "v1", "kind": "Pod",
+                            "metadata": doc["spec"]["template"]["metadata"].clone(),
+                            "spec": doc["spec"]["template"]["spec"].clone()}),
+            };
+            let unknown = ic_controller::admission::offline::prune_unknown_pod_fields(&mut pod);
+            assert!(
+                unknown.is_empty(),
+                "{}: {unknown:?}",
+                entry.path().display()
+            );
+        }
+    }
+    for entry in std::fs::read_dir(root.join("tests/golden"))
+        .unwrap()
+        .flatten()
+    {
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(entry.path()).unwrap()).unwrap();
+        let mut pod = v["pod"].clone();
+        let unknown = ic_controller::admission::offline::prune_unknown_pod_fields(&mut pod);
+        assert!(
+            unknown.is_empty(),
+            "{}: {unknown:?}",
+            entry.path().display()
+        );
+    }
+}
+
+#[test]
 fn kube_version_gates_native_sidecars() {
     let dir = tempfile::tempdir().unwrap();
     let pod = write(

@@ -17,7 +17,9 @@
 //! - CacheBackend: prints the defaulted object as YAML (exit 0), or the field-scoped errors
 //!   (exit 1). Warnings go to stderr as `Warning: …`. With `--old`, the request is an UPDATE and
 //!   validation only rejects violations the update introduces.
-//! - Pod: each `--backend` (a file may hold several YAML documents) stands for a **stored**
+//! - Pod: its unknown fields (those the typed Pod model drops, [`prune_unknown_pod_fields`])
+//!   follow `--field-validation` too. Each `--backend` (a file may hold several YAML documents)
+//!   stands for a **stored**
 //!   object: it is pruned and defaulted as storage would, and run through admission only to
 //!   report — one that current rules reject is still used, with a warning that the cluster holds
 //!   it as stored (objects stored before a rule exist, and the Pod webhook fails open on them);
@@ -297,6 +299,33 @@ pub fn run_admit(
             backends.push(cb);
         }
     }
+    let mut obj = obj;
+    let unknown = prune_unknown_pod_fields(&mut obj);
+    if !unknown.is_empty() {
+        match args.field_validation {
+            FieldValidation::Strict => {
+                let name = obj
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                stderr.push_str(&format!("Error: Pod {name:?} is invalid:\n"));
+                for f in &unknown {
+                    stderr.push_str(&format!("  strict decoding error: unknown field {f:?}\n"));
+                }
+                return Ok(AdmitOutput {
+                    stdout: String::new(),
+                    stderr,
+                    exit_code: 1,
+                });
+            }
+            FieldValidation::Warn => {
+                for f in &unknown {
+                    stderr.push_str(&format!("Warning: unknown field {f:?} (pruned)\n"));
+                }
+            }
+            FieldValidation::Ignore => {}
+        }
+    }
     let admission = Admission::new(registry, Arc::new(StaticBackends::new(backends)), pods);
     let verdict = admit_pod(&admission, obj, &namespace);
     for w in &verdict.warnings {
@@ -357,6 +386,53 @@ fn expect_kind(path: &Path, obj: &Value, kind: &str) -> Result<(), AdmitError> {
             "{kind} has apiVersion {v:?}; this server serves {kind} only as {want:?}"
         ))),
         None => Err(parse(format!("apiVersion not set (a {kind} is {want:?})"))),
+    }
+}
+
+/// Removes from a Pod the fields the Kubernetes API (the typed model, API 1.33) does not know,
+/// as the apiserver drops them, and returns their paths (`spec.containers[0].volumeMount`).
+/// Found by decoding into the typed Pod and re-encoding: what the input has (non-null) and the
+/// re-encoding lacks is unknown. A pod that does not decode is left to the Pod webhook (which
+/// admits it unwired with the decode error).
+pub fn prune_unknown_pod_fields(pod: &mut Value) -> Vec<String> {
+    let Ok(typed) = serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(pod.clone()) else {
+        return Vec::new();
+    };
+    let Ok(known) = serde_json::to_value(&typed) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    prune_against(pod, &known, "", &mut out);
+    out
+}
+
+fn prune_against(v: &mut Value, known: &Value, path: &str, out: &mut Vec<String>) {
+    match (v, known) {
+        (Value::Object(m), Value::Object(k)) => {
+            let mut gone = Vec::new();
+            for (key, child) in m.iter_mut() {
+                let here = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                match k.get(key) {
+                    None if !child.is_null() => gone.push((key.clone(), here)),
+                    None => {}
+                    Some(kc) => prune_against(child, kc, &here, out),
+                }
+            }
+            for (key, here) in gone {
+                m.remove(&key);
+                out.push(here);
+            }
+        }
+        (Value::Array(a), Value::Array(k)) => {
+            for (i, (child, kc)) in a.iter_mut().zip(k).enumerate() {
+                prune_against(child, kc, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
     }
 }
 
