@@ -275,6 +275,17 @@ fn host_network_collisions_fail_open_with_reason_and_warning() {
         .iter()
         .any(|w| w.starts_with("pod admitted unwired: the LMCache MP worker")));
 
+    // The engine declares the worker's port for one of its own listeners (llm-d's wide-EP pods
+    // use 5555 for --data-parallel-rpc-port): refused whatever the network.
+    let mut pod = load_repo_pod(HOST_NET);
+    pod["spec"]["hostNetwork"] = json!(false);
+    pod["spec"]["containers"][0]["ports"] = json!([{"containerPort": 5555, "name": "dp-rpc"}]);
+    let outcome = admit(&pod, &[backend(SGLANG_LMCACHE)], &cfg());
+    assert_eq!(
+        outcome.reason,
+        "CacheBackend default/sglang-lmcache: the LMCache MP worker would listen on port 5555, which is container \"sglang-container\" port dp-rpc; set spec.lmCache.workerPort to a free port; pod admitted unwired"
+    );
+
     // Another container of the pod already declares the node port the subscriber would dial.
     let mut pod = load_repo_pod(HOST_NET);
     pod["spec"]["containers"]

@@ -532,7 +532,10 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
     }
     let mp_worker = mp_worker_port(pod, cb);
     if let Some(p) = mp_worker {
-        if let Some(what) = other_listeners(pod, Some(engine), runtime, None).get(&p) {
+        // Every declared port counts here, the engine's own too: none of them is the worker.
+        let taken = other_listeners(pod, Some(engine), runtime, None);
+        let declared = declared_ports(pod);
+        if let Some(what) = taken.get(&p).or_else(|| declared.get(&p)) {
             return Err(Unwired::loud(format!(
                 "the LMCache MP worker would listen on port {p}, which is {what}; set spec.lmCache.workerPort to a free port"
             )));
