@@ -102,7 +102,8 @@ struct PublishArgs {
     /// Fixture file recorded from a genuine publisher.
     #[arg(long)]
     fixture: PathBuf,
-    /// PUB endpoint to bind, e.g. tcp://127.0.0.1:5557.
+    /// PUB endpoint to bind, e.g. tcp://127.0.0.1:5557; >tcp://HOST:PORT connects instead (as
+    /// vLLM does for a non-wildcard endpoint, to a subscriber that binds).
     #[arg(long, default_value = "tcp://127.0.0.1:5557")]
     endpoint: String,
     /// ROUTER endpoint to bind for replay requests, e.g. tcp://127.0.0.1:5558.

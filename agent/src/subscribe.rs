@@ -56,6 +56,18 @@ pub struct SubscribeArgs {
     /// tcp://127.0.0.1:5557.
     #[arg(long, env = "IC_KV_ENDPOINT")]
     pub endpoint: String,
+    /// Bind the SUB socket at --endpoint instead of connecting: the engine's publisher connects
+    /// to it (vLLM connects to any endpoint that is not a wildcard or ipc, e.g.
+    /// tcp://127.0.0.1:5557).
+    #[arg(
+        long,
+        env = "IC_KV_BIND",
+        default_value_t = false,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    pub bind: bool,
     /// Engine replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558. With it, sequence gaps are
     /// healed and a subscriber that starts after the engine learns the blocks published before;
     /// without it a gap clears the replica until new events arrive.
@@ -166,7 +178,7 @@ pub enum SubscribeError {
 /// Settings of one subscriber.
 #[derive(Debug, Clone)]
 pub struct SubscribeConfig {
-    /// Engine PUB endpoint.
+    /// Engine PUB endpoint (`@tcp://…` when the SUB binds it, `--bind`).
     pub endpoint: String,
     /// Engine replay endpoint.
     pub replay: Option<String>,
@@ -214,7 +226,17 @@ impl SubscribeArgs {
             }
             Ok(v.to_string())
         };
-        let endpoint = required("endpoint", &self.endpoint)?;
+        let mut endpoint = required("endpoint", &self.endpoint)?;
+        if self.bind {
+            if !endpoint.starts_with("tcp://") {
+                return Err(SubscribeError::Invalid {
+                    flag: "endpoint",
+                    reason: "--bind takes a tcp://HOST:PORT endpoint".into(),
+                });
+            }
+            // The hub's spelling of a SUB that binds (kv::subscriber::bound_endpoint).
+            endpoint = format!("@{endpoint}");
+        }
         let tenant = required("tenant", &self.tenant)?;
         let replica = required("replica-id", &self.replica_id)?;
         if replica.contains(['#', '/']) || tenant.contains(['#', '/']) {
@@ -473,6 +495,19 @@ mod tests {
         argv.extend_from_slice(extra);
         let args = parse_args(argv).map_err(|e| e.to_string())?;
         args.config().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn bind_plans_a_sub_that_binds() {
+        let cfg = parse(&["--bind", "--data-parallel-rank=2"]).unwrap();
+        assert_eq!(cfg.endpoint, "@tcp://127.0.0.1:5557");
+        assert_eq!(
+            crate::kv::subscriber::bound_endpoint(&cfg.plan().engines[0].kv_events[0].endpoint),
+            Some("tcp://127.0.0.1:5557")
+        );
+        assert_eq!(parse(&[]).unwrap().endpoint, "tcp://127.0.0.1:5557");
+        let err = parse(&["--bind", "--endpoint=ipc:///tmp/x"]).unwrap_err();
+        assert!(err.contains("--bind takes a tcp://"), "{err}");
     }
 
     #[test]

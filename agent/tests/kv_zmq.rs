@@ -377,3 +377,75 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
     assert_eq!(snap.len(), 6);
     publisher.await.unwrap().unwrap();
 }
+
+/// An engine whose PUB connects to `tcp://127.0.0.1:<port>` and publishes seqs 0..=8 once.
+fn connecting_publisher(
+    port: u16,
+) -> tokio::task::JoinHandle<Result<ic_agent::kv::PublishReport, ic_agent::kv::PublishError>> {
+    let path = fixture("vllm-0.26.0.json");
+    let endpoint = format!(">tcp://127.0.0.1:{port}");
+    tokio::spawn(async move {
+        publish_fixture(
+            &path,
+            &endpoint,
+            None,
+            &PublishOptions {
+                until_seq: Some(8),
+                connect_wait: Duration::from_millis(800),
+                ..fast(skip(&[]), 1)
+            },
+        )
+        .await
+    })
+}
+
+/// vLLM connects its PUB to any non-wildcard endpoint (llm-d's pattern, or a loopback endpoint
+/// the pod's own kvevent-subscriber serves): a stream planned as `@tcp://…` binds its SUB there
+/// and receives a publisher that connects (`>tcp://…`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_binds_receives_a_publisher_that_connects() {
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    let port = free_port();
+    let mut p = plan(HashScheme::Vllm, port, None);
+    p.engines[0].kv_events[0].endpoint = format!("@tcp://127.0.0.1:{port}");
+    hub.apply_plan(&p);
+    // The hub binds before the engine starts connecting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let publisher = connecting_publisher(port);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut connected = false;
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(200), hub.changed()).await;
+        let st = hub.status().remove(0);
+        connected |= st.connected;
+        if st.batches_decoded >= 9 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {st:#?}");
+    }
+    assert!(connected);
+    assert!(publisher.await.unwrap().unwrap().published > 0);
+    let st = hub.status().remove(0);
+    assert_eq!(st.last_seq, Some(8));
+    assert_eq!(st.gaps, 0);
+
+    // The engine restarts: its PUB goes away and a new one connects. The bound SUB is reported
+    // disconnected, binds afresh and follows the new incarnation (seq from 0 again).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while hub.status().remove(0).connected {
+        let _ = tokio::time::timeout(Duration::from_millis(200), hub.changed()).await;
+        assert!(tokio::time::Instant::now() < deadline, "still connected");
+    }
+    let restarted = connecting_publisher(port);
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(200), hub.changed()).await;
+        let st = hub.status().remove(0);
+        if st.batches_decoded >= 18 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {st:#?}");
+    }
+    assert!(restarted.await.unwrap().unwrap().published > 0);
+    assert_eq!(hub.status().remove(0).last_seq, Some(8));
+}

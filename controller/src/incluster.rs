@@ -278,7 +278,22 @@ pub async fn start_admission(
         warn!("the CacheBackend/ModelCache watch has not listed yet; serving webhooks anyway (pods admitted before it lists stay unwired)");
     }
     let (backend_source, model_cache_source) = sources::pod_sources(backends, model_caches);
-    let mut pods = PodWebhook::new(settings.pod.clone());
+    // Native sidecars (the LMCache MP worker) only where the apiserver runs them.
+    let mut pod_config = settings.pod.clone();
+    match ctx.client.apiserver_version().await {
+        Ok(v) => {
+            pod_config.native_sidecars = crate::admission::pod::NativeSidecars::from_version(
+                &v.major,
+                &v.minor,
+                &v.git_version,
+            );
+            info!(version = %v.git_version, native_sidecars = ?pod_config.native_sidecars, "apiserver version discovered");
+        }
+        Err(e) => {
+            warn!("cannot read the apiserver version ({e}); native sidecars are assumed supported")
+        }
+    }
+    let mut pods = PodWebhook::new(pod_config);
     if let Some(source) = model_cache_source {
         pods = pods.with_model_caches(source);
     }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ic_controller::admission::offline::{admit_cli, AdmitArgs, AdmitError};
+use ic_controller::admission::offline::{admit_cli, AdmitArgs, AdmitError, FieldValidation};
 use serde_json::{json, Value};
 
 fn samples() -> PathBuf {
@@ -54,7 +54,9 @@ fn warnings_go_to_stderr() {
                 "spec": {"runtime": "VLLM", "replicass": 3,
                          "remoteStorage": {"provider": "Mooncake", "ownership": "Managed"}}}),
     );
-    let out = admit_cli(&args(file)).unwrap();
+    let mut a = args(file);
+    a.field_validation = FieldValidation::Warn;
+    let out = admit_cli(&a).unwrap();
     assert_eq!(out.exit_code, 0, "{}", out.stderr);
     assert!(
         out.stderr
@@ -170,7 +172,9 @@ fn pod_is_wired_through_the_pod_webhook_and_readmission_is_a_no_op() {
 }
 
 #[test]
-fn invalid_backend_is_refused_in_pod_mode() {
+fn stored_backends_that_current_rules_reject_are_used_with_a_warning() {
+    // engineHostNetwork without a published endpoint is rejected today; a backend stored before
+    // that rule exists, and the Pod webhook fails open on (here: ignores) the field.
     let dir = tempfile::tempdir().unwrap();
     let pod = write(
         dir.path(),
@@ -183,18 +187,240 @@ fn invalid_backend_is_refused_in_pod_mode() {
         "cb.yaml",
         &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
                 "metadata": {"name": "cb"},
-                "spec": {"runtime": "VLLM", "integration": {"engineHostNetwork": true}}}),
+                "spec": {"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "a"}},
+                         "integration": {"engineHostNetwork": true}}}),
     );
     let mut a = args(pod);
-    a.backends = vec![cb];
+    a.backends = vec![cb.clone()];
     let out = admit_cli(&a).unwrap();
-    assert_eq!(out.exit_code, 1);
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
     assert!(
-        out.stderr
-            .contains("spec.integration.engineHostNetwork: Forbidden"),
+        out.stderr.contains(&format!(
+            "Warning: backend cb ({}) would not be admitted today (spec.integration.engineHostNetwork: Forbidden",
+            cb.display()
+        )),
         "{}",
         out.stderr
     );
+    assert!(
+        out.stderr.contains("the cluster holds it as stored"),
+        "{}",
+        out.stderr
+    );
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["reason"], "Injected", "{v:#}");
+    assert!(v["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|w| w.as_str().unwrap().contains("engineHostNetwork is ignored")));
+}
+
+#[test]
+fn api_version_and_kind_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, doc, want) in [
+        (
+            "wrong.yaml",
+            json!({"apiVersion": "inferencecache.io/v1", "kind": "CacheBackend",
+                   "metadata": {"name": "x"}, "spec": {"runtime": "VLLM"}}),
+            "CacheBackend has apiVersion \"inferencecache.io/v1\"; this server serves CacheBackend only as \"inferencecache.io/v1alpha1\"",
+        ),
+        (
+            "missing.yaml",
+            json!({"kind": "CacheBackend", "metadata": {"name": "x"}, "spec": {"runtime": "VLLM"}}),
+            "apiVersion not set (a CacheBackend is \"inferencecache.io/v1alpha1\")",
+        ),
+    ] {
+        let file = write(dir.path(), name, &doc);
+        match admit_cli(&args(file)) {
+            Err(AdmitError::Parse { message, .. }) => assert_eq!(message, want),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    // A Pod is core v1.
+    let pod = write(
+        dir.path(),
+        "pod.yaml",
+        &json!({"apiVersion": "apps/v1", "kind": "Pod", "metadata": {"name": "p"},
+                "spec": {"containers": [{"name": "c", "image": "i"}]}}),
+    );
+    let cb = write(
+        dir.path(),
+        "cb.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "cb"}, "spec": {"runtime": "VLLM"}}),
+    );
+    let mut a = args(pod);
+    a.backends = vec![cb];
+    assert!(matches!(
+        admit_cli(&a),
+        Err(AdmitError::Parse { message, .. }) if message.contains("serves Pod only as \"v1\"")
+    ));
+}
+
+#[test]
+fn unknown_fields_follow_field_validation() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "typo.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "typo"},
+                "spec": {"runtime": "VLLM", "engineSelectr": {"matchLabels": {"app": "a"}}}}),
+    );
+    // Strict, the default (as kubectl apply): rejected, naming the field.
+    let out = admit_cli(&args(file.clone())).unwrap();
+    assert_eq!(out.exit_code, 1, "{}", out.stderr);
+    assert!(out.stdout.is_empty());
+    assert!(
+        out.stderr.contains(
+            "Error: CacheBackend.inferencecache.io \"typo\" is invalid:\n  strict decoding error: unknown field \"spec.engineSelectr\""
+        ),
+        "{}",
+        out.stderr
+    );
+    // Warn: pruned with a warning.
+    let mut a = args(file.clone());
+    a.field_validation = FieldValidation::Warn;
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    assert!(out
+        .stderr
+        .contains("Warning: unknown field \"spec.engineSelectr\" (pruned)"));
+    // Ignore: pruned silently.
+    a.field_validation = FieldValidation::Ignore;
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    assert!(!out.stderr.contains("engineSelectr"), "{}", out.stderr);
+    // The binary takes the flag as kubectl spells the values.
+    let bin = env!("CARGO_BIN_EXE_ic-controller");
+    for (flag, code) in [("Strict", 1), ("Warn", 0), ("Ignore", 0)] {
+        let o = std::process::Command::new(bin)
+            .arg("admit")
+            .arg(format!("--field-validation={flag}"))
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(code), "{flag}: {o:?}");
+    }
+}
+
+#[test]
+fn unknown_pod_fields_follow_field_validation_and_real_pods_have_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let pod = write(
+        dir.path(),
+        "pod.yaml",
+        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {"app": "a"}},
+                "spec": {"containers": [{"name": "vllm", "image": "i", "command": ["vllm", "serve", "m"],
+                         "volumeMount": [{"name": "x", "mountPath": "/x"}]}]}}),
+    );
+    let cb = write(
+        dir.path(),
+        "cb.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "cb"},
+                "spec": {"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "a"}}}}),
+    );
+    let mut a = args(pod);
+    a.backends = vec![cb.clone()];
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "Error: Pod \"p\" is invalid:\n  strict decoding error: unknown field \"spec.containers[0].volumeMount\""
+        ),
+        "{}",
+        out.stderr
+    );
+    a.field_validation = FieldValidation::Warn;
+    let out = admit_cli(&a).unwrap();
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    assert!(out
+        .stderr
+        .contains("Warning: unknown field \"spec.containers[0].volumeMount\" (pruned)"));
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(v["pod"]["spec"]["containers"][0]
+        .get("volumeMount")
+        .is_none());
+    assert_eq!(v["reason"], "Injected");
+
+    // Every real engine pod of the fixtures (the repository's and ../shared's) passes Strict,
+    // and so does every pod the webhook wired (the golden files).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let shared = root.join("../../shared/fixtures/pods");
+    let dirs = [root.join("tests/fixtures/pods")]
+        .into_iter()
+        .chain(shared.is_dir().then_some(shared));
+    for entry in dirs.flat_map(|d| std::fs::read_dir(d).unwrap().flatten()) {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for doc in ic_controller::admission::offline::parse_documents(&text).unwrap() {
+            let mut pod = match doc["kind"].as_str() {
+                Some("Pod") => doc.clone(),
+                _ => json!({"apiVersion": "v1", "kind": "Pod",
+                            "metadata": doc["spec"]["template"]["metadata"].clone(),
+                            "spec": doc["spec"]["template"]["spec"].clone()}),
+            };
+            let unknown = ic_controller::admission::offline::prune_unknown_pod_fields(&mut pod);
+            assert!(
+                unknown.is_empty(),
+                "{}: {unknown:?}",
+                entry.path().display()
+            );
+        }
+    }
+    for entry in std::fs::read_dir(root.join("tests/golden"))
+        .unwrap()
+        .flatten()
+    {
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(entry.path()).unwrap()).unwrap();
+        let mut pod = v["pod"].clone();
+        let unknown = ic_controller::admission::offline::prune_unknown_pod_fields(&mut pod);
+        assert!(
+            unknown.is_empty(),
+            "{}: {unknown:?}",
+            entry.path().display()
+        );
+    }
+}
+
+#[test]
+fn kube_version_gates_native_sidecars() {
+    let dir = tempfile::tempdir().unwrap();
+    let pod = write(
+        dir.path(),
+        "pod.yaml",
+        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {"app": "s"}},
+                "spec": {"containers": [{"name": "sglang", "image": "lmsysorg/sglang:v0.5.16",
+                         "command": ["python3", "-m", "sglang.launch_server", "--model-path", "Q"]}]}}),
+    );
+    let cb = write(
+        dir.path(),
+        "cb.yaml",
+        &json!({"apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+                "metadata": {"name": "cb"},
+                "spec": {"runtime": "SGLang", "engineSelector": {"matchLabels": {"app": "s"}}}}),
+    );
+    let mut a = args(pod);
+    a.backends = vec![cb];
+    a.kube_version = Some("v1.28.9".into());
+    let out = admit_cli(&a).unwrap();
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(
+        v["reason"]
+            .as_str()
+            .unwrap()
+            .contains("the wiring needs the native sidecar \"lmcache-mp-worker\""),
+        "{v:#}"
+    );
+    assert_eq!(v["patch"], json!([]));
+    a.kube_version = Some("1.30".into());
+    let v: Value = serde_json::from_str(&admit_cli(&a).unwrap().stdout).unwrap();
+    assert_eq!(v["reason"], "Injected", "{v:#}");
+    a.kube_version = Some("latest".into());
+    assert!(matches!(admit_cli(&a), Err(AdmitError::Usage(_))));
 }
 
 #[test]

@@ -462,7 +462,13 @@ fn fixture_wiring_details() {
             .count(),
         1
     );
-    assert_eq!(env_value(c, "PYTHONHASHSEED").as_deref(), Some("0"));
+    // production-stack's chart fixes the seed at 123: any fixed seed keeps LMCache's keys
+    // stable, so it is kept (issue 14 item 3), with a warning.
+    assert_eq!(env_value(c, "PYTHONHASHSEED").as_deref(), Some("123"));
+    assert!(outcome
+        .warnings
+        .iter()
+        .any(|w| w.contains("PYTHONHASHSEED=123 from the pod template is kept")));
     assert_eq!(
         env_value(c, "LMCACHE_MAX_LOCAL_CPU_SIZE").as_deref(),
         Some("20")

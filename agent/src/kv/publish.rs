@@ -226,8 +226,10 @@ pub fn bind_endpoint(endpoint: &str) -> String {
     endpoint.replacen("://*:", "://0.0.0.0:", 1)
 }
 
-/// Publishes a fixture's live frames on a PUB bound at `endpoint` and serves replay requests on a
-/// ROUTER bound at `replay_endpoint` (see the module docs for the exact behaviour).
+/// Publishes a fixture's live frames on a PUB bound at `endpoint` (or connected to it, when it
+/// is written `>tcp://host:port`, as vLLM connects a non-wildcard endpoint) and serves replay
+/// requests on a ROUTER bound at `replay_endpoint` (see the module docs for the exact
+/// behaviour).
 ///
 /// Returns after the last pass plus [`PublishOptions::linger`].
 ///
@@ -249,13 +251,15 @@ pub async fn publish_fixture(
         return Err(PublishError::NoFrames(opts.source.clone()));
     }
     let mut publisher = PubSocket::new();
-    publisher
-        .bind(&bind_endpoint(endpoint))
-        .await
-        .map_err(|e| PublishError::Bind {
-            endpoint: endpoint.to_string(),
-            message: e.to_string(),
-        })?;
+    // `>tcp://…` connects the PUB, as vLLM does for a non-wildcard endpoint.
+    let attached = match endpoint.strip_prefix('>') {
+        Some(ep) => publisher.connect(ep).await,
+        None => publisher.bind(&bind_endpoint(endpoint)).await.map(|_| ()),
+    };
+    attached.map_err(|e| PublishError::Bind {
+        endpoint: endpoint.to_string(),
+        message: e.to_string(),
+    })?;
     let requests = Arc::new(AtomicU64::new(0));
     let replayed = Arc::new(AtomicU64::new(0));
     // How many frames of the current pass were published (or withheld): the replay buffer holds

@@ -70,7 +70,8 @@ use super::stream::{
 pub struct StreamSpec {
     /// Identity sent with deltas and snapshots.
     pub descriptor: StreamDescriptor,
-    /// PUB endpoint the SUB connects to.
+    /// PUB endpoint the SUB connects to; `@tcp://host:port` binds the SUB there instead
+    /// ([`bound_endpoint`]).
     pub endpoint: String,
     /// ROUTER replay endpoint, if the engine has one.
     pub replay_endpoint: Option<String>,
@@ -261,7 +262,33 @@ fn record_drop(shared: &StreamShared, sink: &Sink, reason: &'static str, n: u64)
     *g.stats.dropped_by_reason.entry(reason).or_default() += n;
 }
 
-/// Connects a SUB socket (subscribed first) with capped exponential backoff.
+/// The endpoint a SUB binds when the plan writes it `@tcp://host:port` (CZMQ's convention):
+/// the engine's PUB connects to it (vLLM connects any endpoint that is not a wildcard).
+pub fn bound_endpoint(endpoint: &str) -> Option<&str> {
+    endpoint.strip_prefix('@')
+}
+
+/// Binds `sock` at `endpoint` and waits for the first publisher to connect; `Err` with the
+/// reason when the bind fails.
+async fn bind_and_accept(
+    sock: &mut SubSocket,
+    monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+    endpoint: &str,
+) -> Result<(), String> {
+    sock.bind(&super::publish::bind_endpoint(endpoint))
+        .await
+        .map_err(|e| format!("bind {endpoint}: {e}"))?;
+    loop {
+        match monitor.next().await {
+            Some(SocketEvent::Accepted(..)) => return Ok(()),
+            Some(_) => {}
+            None => return Err(format!("bind {endpoint}: the socket monitor closed")),
+        }
+    }
+}
+
+/// Connects a SUB socket (subscribed first) with capped exponential backoff; for an `@…`
+/// endpoint ([`bound_endpoint`]) binds it instead and returns once a publisher has connected.
 async fn connect_sub(
     shared: &StreamShared,
     opts: &SubscriberOptions,
@@ -272,19 +299,26 @@ async fn connect_sub(
         let mut zopts = SocketOptions::default();
         zopts.connect_timeout(opts.connect_timeout);
         let mut sock = SubSocket::with_options(zopts);
-        let monitor = sock.monitor();
+        let mut monitor = sock.monitor();
         if let Err(e) = sock.subscribe(&shared.spec.topic).await {
             shared.lock().stats.last_error = Some(format!("subscribe: {e}"));
         }
-        let attempt = tokio::time::timeout(
-            opts.connect_timeout + Duration::from_secs(1),
-            sock.connect(&shared.spec.endpoint),
-        )
-        .await;
-        let error = match attempt {
-            Ok(Ok(())) => return (sock, monitor),
-            Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
-            Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
+        let error = if let Some(ep) = bound_endpoint(&shared.spec.endpoint) {
+            match bind_and_accept(&mut sock, &mut monitor, ep).await {
+                Ok(()) => return (sock, monitor),
+                Err(e) => e,
+            }
+        } else {
+            let attempt = tokio::time::timeout(
+                opts.connect_timeout + Duration::from_secs(1),
+                sock.connect(&shared.spec.endpoint),
+            )
+            .await;
+            match attempt {
+                Ok(Ok(())) => return (sock, monitor),
+                Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
+                Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
+            }
         };
         tracing::debug!(stream = %id, "kv events: {error}");
         shared.lock().stats.last_error = Some(error);

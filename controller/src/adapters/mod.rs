@@ -18,6 +18,7 @@
 //! applied by [`overrides`].
 
 pub mod command;
+pub mod converge;
 pub mod overrides;
 pub mod providers;
 pub mod sglang_hicache;
@@ -260,6 +261,13 @@ pub trait RuntimeAdapter: Send + Sync {
     /// Whether the adapter accepts this remote binding (`None` = host-only).
     fn supports_binding(&self, binding: Option<BindingKind>) -> bool;
 
+    /// Engine env vars whose values the adapter derives from the CacheBackend (the binding and
+    /// tunables). A pod wired by another backend loses them before this adapter runs, so the
+    /// old backend's settings do not survive a re-admission. Default: none.
+    fn backend_env(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// Index of the engine container in `pod.spec.containers`. The default finds the one
     /// container that launches this runtime (see [`select_engine_by_command`]).
     fn select_engine(&self, pod: &Pod) -> Result<usize, InjectError> {
@@ -501,6 +509,29 @@ pub(crate) fn default_env(c: &mut Container, name: &str, value: &str, warnings: 
     }
 }
 
+/// A mount path as the kubelet resolves it: repeated and trailing slashes and `.` segments
+/// removed (`/dev//shm/` → `/dev/shm`), so two spellings of one directory are one mount.
+pub fn normalize_mount_path(path: &str) -> String {
+    let segs: Vec<&str> = path
+        .split('/')
+        .filter(|s| !s.is_empty() && *s != ".")
+        .collect();
+    let joined = segs.join("/");
+    if path.starts_with('/') {
+        format!("/{joined}")
+    } else {
+        joined
+    }
+}
+
+/// The engine container's mount at `/dev/shm` (any spelling), if any.
+pub(crate) fn shm_mount(c: &Container) -> Option<&k8s_openapi::api::core::v1::VolumeMount> {
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| normalize_mount_path(&m.mount_path) == "/dev/shm")
+}
+
 /// Whether container `c` carries `ENV_COMPONENT=component` (rendered by this webhook).
 pub(crate) fn is_rendered(c: &Container, component: &str) -> bool {
     c.env
@@ -666,6 +697,14 @@ mod tests {
         assert!(h.supports_binding(None));
         assert!(!h.supports_binding(Some(BindingKind::Resp)));
         assert!(h.reserved_env().is_empty());
+    }
+
+    #[test]
+    fn mount_paths_normalise() {
+        assert_eq!(normalize_mount_path("/dev//shm"), "/dev/shm");
+        assert_eq!(normalize_mount_path("/dev/shm/"), "/dev/shm");
+        assert_eq!(normalize_mount_path("/dev/./shm"), "/dev/shm");
+        assert_eq!(normalize_mount_path("/"), "/");
     }
 
     #[test]

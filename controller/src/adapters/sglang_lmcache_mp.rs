@@ -53,6 +53,8 @@ pub const CONFIG_FILE: &str = "/etc/lmcache/lmcache.yaml";
 pub const ENV_MP_CONFIG: &str = "LMCACHE_MP_CONFIG";
 
 const RESERVED_ARGS: &[&str] = &["--enable-lmcache", "--lmcache-config-file"];
+/// Env names the worker rendering owns (others' additions to the worker are kept).
+const WORKER_ENV: &[&str] = &[ENV_COMPONENT, "NVIDIA_VISIBLE_DEVICES", ENV_MP_CONFIG];
 const RESERVED_ENV: &[&str] = &["LMCACHE_USE_EXPERIMENTAL", ENV_FAIL_OPEN];
 
 /// The (SGLang, LMCache) MP adapter.
@@ -103,6 +105,35 @@ fn render_settings(ctx: &InjectContext<'_>) -> Result<Render, InjectError> {
         chunk,
         l1_gib,
     })
+}
+
+/// The worker's startup probe: succeeds only when a process of **this container** holds the
+/// LISTEN socket on `port` — the socket's inode from `/proc/net/tcp{,6}` is found among the fds
+/// of the processes the container sees (its own PID namespace). On the host network the port
+/// is the node's, so merely connecting would also succeed against another pod's worker.
+pub fn worker_probe_program(port: i32) -> String {
+    format!(
+        r#"import os, sys
+port = "%04X" % {port}
+socks = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+        for line in open(table).readlines()[1:]:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and f[1].rsplit(":", 1)[1] == port:
+                socks.add("socket:[%s]" % f[9])
+    except OSError:
+        pass
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        for fd in os.listdir("/proc/%s/fd" % pid):
+            if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in socks:
+                sys.exit(0)
+    except OSError:
+        pass
+sys.exit(1)
+"#
+    )
 }
 
 /// The config file content (`chunk_size`, `mp_host`, `mp_port`).
@@ -174,7 +205,7 @@ impl SglangLmCacheMp {
             }
         }
         for m in mounts {
-            if m.mount_path.trim_end_matches('/') == CONFIG_DIR
+            if super::normalize_mount_path(&m.mount_path) == CONFIG_DIR
                 && !(ours && m.name == CONFIG_VOLUME)
             {
                 return Err(InjectError::ReservedName {
@@ -183,9 +214,7 @@ impl SglangLmCacheMp {
                 });
             }
         }
-        let shm_mount = mounts
-            .iter()
-            .find(|m| m.mount_path.trim_end_matches('/') == "/dev/shm");
+        let shm_mount = super::shm_mount(engine);
         let shm = match shm_mount {
             None => Shm::Render,
             Some(m) => {
@@ -368,10 +397,7 @@ impl SglangLmCacheMp {
                     command: Some(vec![
                         python.to_string(),
                         "-c".to_string(),
-                        format!(
-                            "import socket; socket.create_connection(('127.0.0.1', {}), 1).close()",
-                            r.port
-                        ),
+                        worker_probe_program(r.port),
                     ]),
                 }),
                 period_seconds: Some(2),
@@ -477,11 +503,25 @@ impl RuntimeAdapter for SglangLmCacheMp {
         let r = render_settings(ctx)?;
 
         if let Shm::Reuse(name, _) = &shm {
-            let limit = pod
+            let volume = pod
                 .spec
                 .as_ref()
                 .and_then(|s| s.volumes.as_ref())
-                .and_then(|v| v.iter().find(|v| &v.name == name))
+                .and_then(|v| v.iter().find(|v| &v.name == name));
+            if let Some(v) =
+                volume.filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
+            {
+                let claim = v
+                    .persistent_volume_claim
+                    .as_ref()
+                    .map(|c| format!("PersistentVolumeClaim {:?}", c.claim_name))
+                    .unwrap_or_else(|| "an ephemeral PersistentVolumeClaim".to_string());
+                report.warnings.push(format!(
+                    "container {:?} mounts /dev/shm from {claim} (volume {name:?}); it is reused for the LMCache MP data path, but a disk-backed volume turns every shared-memory transfer into storage I/O — mount an emptyDir with medium: Memory at /dev/shm",
+                    original.name
+                ));
+            }
+            let limit = volume
                 .and_then(|v| v.empty_dir.as_ref())
                 .and_then(|e| e.size_limit.as_ref())
                 .and_then(|q| parse_quantity(&q.0));
@@ -559,7 +599,7 @@ impl RuntimeAdapter for SglangLmCacheMp {
         }
         let inits = spec.init_containers.get_or_insert_with(Vec::new);
         match worker_at.and_then(|i| inits.get_mut(i)) {
-            Some(slot) => *slot = worker,
+            Some(slot) => *slot = super::converge::converge_rendered(slot, worker, WORKER_ENV),
             None => inits.push(worker),
         }
         Ok(report)
@@ -701,6 +741,29 @@ mod tests {
         assert_eq!(p, once);
     }
 
+    /// The probe program, run against a real listener: succeeds when a process it can see
+    /// holds the port, fails when none does.
+    #[test]
+    fn worker_probe_proves_a_visible_process_holds_the_port() {
+        let Ok(out) = std::process::Command::new("python3").arg("-V").output() else {
+            panic!("python3 is needed to run the worker probe program");
+        };
+        assert!(out.status.success());
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let run = |p: u16| {
+            std::process::Command::new("python3")
+                .arg("-c")
+                .arg(worker_probe_program(i32::from(p)))
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(run(port), "this test process holds {port}");
+        drop(listener);
+        assert!(!run(port), "nobody holds {port} any more");
+    }
+
     #[test]
     fn resp_binding_adds_l2_adapter() {
         let mut p = pod();
@@ -781,6 +844,75 @@ mod tests {
         let once = p.clone();
         inject(&mut p, &cb(), None).unwrap();
         assert_eq!(p, once);
+    }
+
+    #[test]
+    fn shm_spelled_twice_is_one_mount_and_a_pvc_is_reused_with_a_warning() {
+        // `/dev//shm` is /dev/shm: reused, no second mount added.
+        let mut p = pod();
+        let s = p.spec.as_mut().unwrap();
+        s.volumes = Some(vec![Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: None,
+            }),
+            ..Default::default()
+        }]);
+        s.containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev//shm".into(),
+            ..Default::default()
+        }]);
+        inject(&mut p, &cb(), None).unwrap();
+        let e = &p.spec.as_ref().unwrap().containers[0];
+        let shm: Vec<_> = e
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter(|m| crate::adapters::normalize_mount_path(&m.mount_path) == "/dev/shm")
+            .collect();
+        assert_eq!(shm.len(), 1, "{:?}", e.volume_mounts);
+        assert!(p
+            .spec
+            .as_ref()
+            .unwrap()
+            .volumes
+            .iter()
+            .flatten()
+            .all(|v| v.name != DSHM_VOLUME));
+
+        // A PVC at /dev/shm: reused, with a warning naming the claim.
+        let mut p = pod();
+        let s = p.spec.as_mut().unwrap();
+        s.volumes = Some(vec![Volume {
+            name: "shm".into(),
+            persistent_volume_claim: Some(
+                k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource {
+                    claim_name: "fast-disk".into(),
+                    read_only: None,
+                },
+            ),
+            ..Default::default()
+        }]);
+        s.containers[0].volume_mounts = Some(vec![VolumeMount {
+            name: "shm".into(),
+            mount_path: "/dev/shm".into(),
+            ..Default::default()
+        }]);
+        let r = inject(&mut p, &cb(), None).unwrap();
+        assert!(
+            r.warnings
+                .iter()
+                .any(|w| w.contains("PersistentVolumeClaim \"fast-disk\"")),
+            "{:?}",
+            r.warnings
+        );
+        assert!(worker(&p)
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "shm" && m.mount_path == "/dev/shm"));
     }
 
     #[test]

@@ -120,6 +120,25 @@ except BaseException as e:
 /// The (VLLM, LMCache) adapter.
 pub struct VllmLmCache;
 
+/// Engine env the adapter derives from the CacheBackend (binding and tunables).
+const BACKEND_ENV: &[&str] = &[
+    "LMCACHE_REMOTE_URL",
+    "LMCACHE_REMOTE_SERDE",
+    "LMCACHE_CHUNK_SIZE",
+    "LMCACHE_LOCAL_CPU",
+    "LMCACHE_MAX_LOCAL_CPU_SIZE",
+];
+
+/// Env names the kernel-check rendering owns (others' additions to it are kept).
+const KERNEL_CHECK_ENV: &[&str] = &[
+    ENV_COMPONENT,
+    ENV_KERNEL_CHECK_MODE,
+    ENV_TERMINATION_LOG,
+    "PATH",
+    "PYTHONPATH",
+    "LD_LIBRARY_PATH",
+];
+
 const RESERVED_ARGS: &[&str] = &["--kv-transfer-config"];
 const RESERVED_ENV: &[&str] = &[
     "VLLM_USE_V1",
@@ -215,6 +234,62 @@ fn kernel_check_container(
         termination_message_policy: Some("FallbackToLogsOnError".to_string()),
         security_context: engine_image_security_context(engine),
         ..Default::default()
+    }
+}
+
+/// `PYTHONHASHSEED` on the engine: LMCache hashes chunk keys with Python's `hash()`, so a
+/// random seed makes every TP rank (and every restart) compute different keys and never hit its
+/// own cache; llm-d's precise-prefix scorer must also use the engine's seed. Any fixed value
+/// works, so a fixed seed the template sets (an integer in 0–4294967295, or a `valueFrom` the
+/// webhook cannot read) is kept, with a warning that every engine must share it; an absent,
+/// empty or `random` value is set to `0`, and a value Python rejects is replaced by `0` with a
+/// warning.
+pub const HASH_SEED_ENV: &str = "PYTHONHASHSEED";
+
+fn converge_hash_seed(c: &mut Container, warnings: &mut Vec<String>) {
+    let existing = c
+        .env
+        .iter()
+        .flatten()
+        .rev()
+        .find(|e| e.name == HASH_SEED_ENV)
+        .cloned();
+    let why = "LMCache's chunk keys (and llm-d's precise-prefix scorer) depend on it, so every engine pod of this backend must use the same fixed value";
+    match existing {
+        Some(e) if e.value_from.is_some() => {
+            warnings.push(format!(
+                "container {:?}: {HASH_SEED_ENV} from valueFrom is kept; it must resolve to a fixed integer: {why}",
+                c.name
+            ));
+        }
+        Some(e) => {
+            let v = e.value.clone().unwrap_or_default();
+            let t = v.trim();
+            if t.parse::<u32>().is_ok() {
+                if t != "0" {
+                    warnings.push(format!(
+                        "container {:?}: {HASH_SEED_ENV}={t} from the pod template is kept (the webhook sets 0 only when it is absent or random): {why}",
+                        c.name
+                    ));
+                }
+                // A duplicate entry is dropped; the kept value is the one Kubernetes uses.
+                upsert_env(c, HASH_SEED_ENV, &v);
+            } else {
+                if !t.is_empty() && t != "random" {
+                    warnings.push(format!(
+                        "container {:?}: {HASH_SEED_ENV}={v:?} is neither random nor an integer in 0-4294967295 (Python refuses to start with it); set to 0",
+                        c.name
+                    ));
+                } else if t == "random" {
+                    warnings.push(format!(
+                        "container {:?}: {HASH_SEED_ENV}=random replaced by 0: {why}",
+                        c.name
+                    ));
+                }
+                upsert_env(c, HASH_SEED_ENV, "0");
+            }
+        }
+        None => upsert_env(c, HASH_SEED_ENV, "0"),
     }
 }
 
@@ -339,6 +414,10 @@ impl RuntimeAdapter for VllmLmCache {
         )
     }
 
+    fn backend_env(&self) -> &'static [&'static str] {
+        BACKEND_ENV
+    }
+
     fn inject_engine_config(
         &self,
         ctx: &InjectContext<'_>,
@@ -367,6 +446,14 @@ impl RuntimeAdapter for VllmLmCache {
             });
         }
         report.warnings.extend(cmd.warnings.iter().cloned());
+        let tp = crate::reconcile::nodes::plans::tensor_parallel(Runtime::Vllm, &cmd.texts());
+        let host_ipc = pod.spec.as_ref().and_then(|s| s.host_ipc) == Some(true);
+        if tp > 1 && !host_ipc && super::shm_mount(&original).is_none() {
+            report.warnings.push(format!(
+                "container {:?} runs tensor-parallel size {tp} without a /dev/shm mount: the container runtime's default /dev/shm is 64 MiB, which NCCL exhausts (SIGBUS; vllm-project/production-stack#276) — mount an emptyDir with medium: Memory at /dev/shm",
+                original.name
+            ));
+        }
         let edits = Self::connector_edits(&cmd, spec.integration_role())?;
         let gib = host_memory_gib(ctx.backend)?;
         let chunk = lm.effective_chunk_size_tokens();
@@ -415,7 +502,7 @@ impl RuntimeAdapter for VllmLmCache {
         let mut c = cmd.apply(&original, &edits)?;
         // Env: reserved converge, tunables default.
         upsert_env(&mut c, "VLLM_USE_V1", "1");
-        upsert_env(&mut c, "PYTHONHASHSEED", "0");
+        converge_hash_seed(&mut c, &mut report.warnings);
         default_env(
             &mut c,
             "LMCACHE_CHUNK_SIZE",
@@ -466,7 +553,7 @@ impl RuntimeAdapter for VllmLmCache {
         match (check, existing_check) {
             (Some(check), Some(i)) => {
                 if let Some(slot) = pod_spec.init_containers.as_mut().and_then(|v| v.get_mut(i)) {
-                    *slot = check;
+                    *slot = super::converge::converge_rendered(slot, check, KERNEL_CHECK_ENV);
                 }
             }
             (Some(check), None) => pod_spec
@@ -720,9 +807,82 @@ mod tests {
         ]);
         let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
         let e = env(&p);
-        assert_eq!(e[0], ("PYTHONHASHSEED".into(), "0".into()));
+        // A fixed seed is the operator's (llm-d's scorer must match it), kept with a warning.
+        assert_eq!(e[0], ("PYTHONHASHSEED".into(), "123".into()));
         assert_eq!(e[1], ("LMCACHE_MAX_LOCAL_CPU_SIZE".into(), "20".into()));
-        assert_eq!(r.warnings.len(), 1);
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r
+            .warnings
+            .iter()
+            .any(|w| w.contains("PYTHONHASHSEED=123") && w.contains("same fixed value")));
+    }
+
+    #[test]
+    fn hash_seed_set_only_when_absent_or_random() {
+        for (given, want, warns) in [
+            (None, "0", 0),
+            (Some("random"), "0", 1),
+            (Some(""), "0", 0),
+            (Some("0"), "0", 0),
+            (Some("42"), "42", 1),
+            (Some("4294967296"), "0", 1),
+            (Some("abc"), "0", 1),
+        ] {
+            let mut p = pod(&["vllm", "serve", "m"], &[]);
+            if let Some(v) = given {
+                p.spec.as_mut().unwrap().containers[0].env =
+                    Some(vec![env_var("PYTHONHASHSEED", v)]);
+            }
+            let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+            let e = env(&p);
+            assert!(
+                e.contains(&("PYTHONHASHSEED".into(), want.into())),
+                "{given:?}: {e:?}"
+            );
+            assert_eq!(
+                r.warnings
+                    .iter()
+                    .filter(|w| w.contains("PYTHONHASHSEED"))
+                    .count(),
+                warns,
+                "{given:?}: {:?}",
+                r.warnings
+            );
+            let once = p.clone();
+            inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+            assert_eq!(p, once, "{given:?} converges");
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_without_shm_warns() {
+        let mut p = pod(&["vllm", "serve", "m", "--tensor-parallel-size", "2"], &[]);
+        let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+        assert!(
+            r.warnings
+                .iter()
+                .any(|w| w.contains("tensor-parallel size 2 without a /dev/shm")),
+            "{:?}",
+            r.warnings
+        );
+        // Mounted under any spelling: no warning.
+        let mut p = pod(&["vllm", "serve", "m", "-tp", "2"], &[]);
+        p.spec.as_mut().unwrap().containers[0].volume_mounts =
+            Some(vec![k8s_openapi::api::core::v1::VolumeMount {
+                name: "dshm".into(),
+                mount_path: "/dev//shm/".into(),
+                ..Default::default()
+            }]);
+        let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+        assert!(
+            r.warnings.iter().all(|w| !w.contains("/dev/shm")),
+            "{:?}",
+            r.warnings
+        );
+        // TP 1: no warning.
+        let mut p = pod(&["vllm", "serve", "m"], &[]);
+        let r = inject(&mut p, &cb(IntegrationRole::ReadWrite), None).unwrap();
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
     }
 
     #[test]

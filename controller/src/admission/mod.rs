@@ -18,6 +18,8 @@
 
 pub mod ca_bundle;
 pub mod defaulting;
+pub mod host_ports;
+pub mod kv_topology;
 pub mod model_cache_pod;
 pub mod offline;
 pub mod pod;

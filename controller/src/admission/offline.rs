@@ -7,16 +7,23 @@
 //!
 //! Same code path as the server: each step builds an `admission.k8s.io/v1` AdmissionReview in
 //! memory, serializes it, and hands the bytes to [`Admission::handle_bytes`], exactly what the
-//! HTTPS routes do. Around it, what the apiserver would do: unknown fields are pruned (with a
-//! warning) and the CRD schema's literal defaults applied before the mutating webhook and again
-//! after a non-empty patch.
+//! HTTPS routes do. Around it, what the apiserver would do: `apiVersion` and `kind` must name
+//! the resource (`inferencecache.io/v1alpha1` CacheBackend, `v1` Pod; a wrong or missing one is
+//! an input error, exit 2); unknown fields are handled per `--field-validation` like `kubectl
+//! apply`'s server-side field validation — `Strict` (the default, as kubectl's) rejects them
+//! (exit 1), `Warn` prunes them with a warning, `Ignore` prunes them silently; the CRD schema's
+//! literal defaults are applied before the mutating webhook and again after a non-empty patch.
 //!
 //! - CacheBackend: prints the defaulted object as YAML (exit 0), or the field-scoped errors
 //!   (exit 1). Warnings go to stderr as `Warning: …`. With `--old`, the request is an UPDATE and
 //!   validation only rejects violations the update introduces.
-//! - Pod: each `--backend` (a file may hold several YAML documents) is itself admitted as a
-//!   CacheBackend first (an invalid one is an error, exit 1: the cluster would not hold it); the
-//!   pod is then sent to `/mutate-pod` and the result printed as JSON:
+//! - Pod: its unknown fields (those the typed Pod model drops, [`prune_unknown_pod_fields`])
+//!   follow `--field-validation` too. Each `--backend` (a file may hold several YAML documents)
+//!   stands for a **stored**
+//!   object: it is pruned and defaulted as storage would, and run through admission only to
+//!   report — one that current rules reject is still used, with a warning that the cluster holds
+//!   it as stored (objects stored before a rule exist, and the Pod webhook fails open on them);
+//!   the pod is then sent to `/mutate-pod` and the result printed as JSON:
 //!   `{"allowed", "reason", "patch" (decoded JSON Patch array), "warnings", "pod" (patched)}`.
 
 use std::io::Read as _;
@@ -26,7 +33,7 @@ use std::sync::Arc;
 use ic_shared::crd::CacheBackend;
 use serde_json::{json, Value};
 
-use super::pod::PodWebhookConfig;
+use super::pod::{NativeSidecars, PodWebhookConfig};
 use super::review::{
     AdmissionRequest, AdmissionResponse, AdmissionReview, GroupVersionKind, GroupVersionResource,
     Operation,
@@ -35,9 +42,30 @@ use super::validation::schema;
 use super::{Admission, PodMutator, PodWebhook, Route, StaticBackends};
 use crate::adapters::Registry;
 
+/// How unknown fields are treated (`kubectl apply --validate=strict|warn|ignore`, the
+/// apiserver's `fieldValidation`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FieldValidation {
+    /// Reject the object (exit 1), naming each unknown field — kubectl's default.
+    #[default]
+    #[value(name = "Strict", alias = "strict")]
+    Strict,
+    /// Prune unknown fields with a warning each.
+    #[value(name = "Warn", alias = "warn")]
+    Warn,
+    /// Prune unknown fields silently.
+    #[value(name = "Ignore", alias = "ignore")]
+    Ignore,
+}
+
 /// `ic-controller admit` arguments.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct AdmitArgs {
+    /// Unknown fields of the CacheBackend: Strict (reject, the default, as `kubectl apply`),
+    /// Warn (prune with a warning) or Ignore (prune silently). `--backend` objects are stored
+    /// ones: their unknown fields are always pruned with a warning.
+    #[arg(long, value_enum, default_value_t = FieldValidation::Strict)]
+    pub field_validation: FieldValidation,
     /// The object to admit: a CacheBackend, or a Pod when --backend is given. YAML or JSON;
     /// `-` reads standard input.
     pub file: PathBuf,
@@ -59,6 +87,11 @@ pub struct AdmitArgs {
     /// As the controller's --lmcache-worker-image: default image of the SGLang LMCache MP worker.
     #[arg(long, value_name = "IMAGE")]
     pub lmcache_worker_image: Option<String>,
+    /// The cluster's Kubernetes version (`1.28`, `v1.30.2`), which the controller discovers from
+    /// the apiserver: before 1.29 a wiring that needs a native sidecar fails open. Unset: assumed
+    /// to support them.
+    #[arg(long, value_name = "VERSION")]
+    pub kube_version: Option<String>,
 }
 
 /// What `admit` prints and its exit status.
@@ -146,10 +179,25 @@ impl PodVerdict {
 /// `exit_code`; an `Err` is a usage or input error (exit 2).
 pub fn admit_cli(args: &AdmitArgs) -> Result<AdmitOutput, AdmitError> {
     let registry = Arc::new(Registry::builtin());
+    let native_sidecars = match args.kube_version.as_deref() {
+        None => NativeSidecars::Supported,
+        Some(v) => {
+            let bare = v.trim().trim_start_matches('v');
+            let mut parts = bare.split('.');
+            let (major, minor) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            if minor.is_empty() {
+                return Err(AdmitError::Usage(format!(
+                    "--kube-version {v:?} is not MAJOR.MINOR[.PATCH]"
+                )));
+            }
+            NativeSidecars::from_version(major, minor, &format!("v{bare}"))
+        }
+    };
     let config = PodWebhookConfig {
         registry: registry.clone(),
         kvevent_subscriber_image: args.kvevent_subscriber_image.clone(),
         lmcache_worker_image: args.lmcache_worker_image.clone(),
+        native_sidecars,
         ..PodWebhookConfig::default()
     };
     run_admit(args, registry, Arc::new(PodWebhook::new(config)))
@@ -188,7 +236,8 @@ pub fn run_admit(
             None => None,
         };
         let admission = Admission::new(registry, Arc::new(StaticBackends::default()), pods);
-        let v = admit_cache_backend(&admission, obj, old, &args.namespace);
+        let v =
+            admit_cache_backend_with(&admission, obj, old, &args.namespace, args.field_validation);
         return Ok(render_cache_backend(&v));
     }
 
@@ -223,17 +272,20 @@ pub fn run_admit(
                 .and_then(Value::as_str)
                 .unwrap_or("")
                 .to_string();
-            if !v.allowed {
-                let mut out = render_cache_backend(&v);
-                out.stderr = format!(
-                    "error: backend {} ({name}) is not admissible, so the cluster could not hold it:\n{}",
-                    path.display(),
-                    out.stderr
-                );
-                return Ok(out);
-            }
             for w in &v.warnings {
                 stderr.push_str(&format!("Warning: backend {name}: {w}\n"));
+            }
+            if !v.allowed {
+                // A stored object: it may predate a rule that rejects it today.
+                stderr.push_str(&format!(
+                    "Warning: backend {name} ({}) would not be admitted today ({}); the cluster holds it as stored, so the pod is matched against it as is\n",
+                    path.display(),
+                    if v.errors.is_empty() {
+                        v.message.clone()
+                    } else {
+                        v.errors.join("; ")
+                    }
+                ));
             }
             let mut object = v.object;
             if let (Some(s), Some(map)) = (status, object.as_object_mut()) {
@@ -245,6 +297,33 @@ pub fn run_admit(
                     message: format!("backend {name}: {e}"),
                 })?;
             backends.push(cb);
+        }
+    }
+    let mut obj = obj;
+    let unknown = prune_unknown_pod_fields(&mut obj);
+    if !unknown.is_empty() {
+        match args.field_validation {
+            FieldValidation::Strict => {
+                let name = obj
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                stderr.push_str(&format!("Error: Pod {name:?} is invalid:\n"));
+                for f in &unknown {
+                    stderr.push_str(&format!("  strict decoding error: unknown field {f:?}\n"));
+                }
+                return Ok(AdmitOutput {
+                    stdout: String::new(),
+                    stderr,
+                    exit_code: 1,
+                });
+            }
+            FieldValidation::Warn => {
+                for f in &unknown {
+                    stderr.push_str(&format!("Warning: unknown field {f:?} (pruned)\n"));
+                }
+            }
+            FieldValidation::Ignore => {}
         }
     }
     let admission = Admission::new(registry, Arc::new(StaticBackends::new(backends)), pods);
@@ -285,17 +364,75 @@ fn render_cache_backend(v: &CacheBackendVerdict) -> AdmitOutput {
     }
 }
 
+/// Checks `kind` and `apiVersion` as the apiserver routes an object: a CacheBackend must be
+/// `inferencecache.io/v1alpha1`, a Pod `v1`.
 fn expect_kind(path: &Path, obj: &Value, kind: &str) -> Result<(), AdmitError> {
+    let parse = |message: String| AdmitError::Parse {
+        path: path.to_path_buf(),
+        message,
+    };
     match obj.get("kind").and_then(Value::as_str) {
-        Some(k) if k == kind => Ok(()),
-        Some(k) => Err(AdmitError::Parse {
-            path: path.to_path_buf(),
-            message: format!("expected kind {kind}, found {k}"),
-        }),
-        None => Err(AdmitError::Parse {
-            path: path.to_path_buf(),
-            message: format!("expected kind {kind}, found no kind"),
-        }),
+        Some(k) if k == kind => {}
+        Some(k) => return Err(parse(format!("expected kind {kind}, found {k}"))),
+        None => return Err(parse(format!("expected kind {kind}, found no kind"))),
+    }
+    let want = match kind {
+        "Pod" => "v1".to_string(),
+        _ => format!("{}/{}", ic_shared::crd::GROUP, ic_shared::crd::VERSION),
+    };
+    match obj.get("apiVersion").and_then(Value::as_str) {
+        Some(v) if v == want => Ok(()),
+        Some(v) => Err(parse(format!(
+            "{kind} has apiVersion {v:?}; this server serves {kind} only as {want:?}"
+        ))),
+        None => Err(parse(format!("apiVersion not set (a {kind} is {want:?})"))),
+    }
+}
+
+/// Removes from a Pod the fields the Kubernetes API (the typed model, API 1.33) does not know,
+/// as the apiserver drops them, and returns their paths (`spec.containers[0].volumeMount`).
+/// Found by decoding into the typed Pod and re-encoding: what the input has (non-null) and the
+/// re-encoding lacks is unknown. A pod that does not decode is left to the Pod webhook (which
+/// admits it unwired with the decode error).
+pub fn prune_unknown_pod_fields(pod: &mut Value) -> Vec<String> {
+    let Ok(typed) = serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(pod.clone()) else {
+        return Vec::new();
+    };
+    let Ok(known) = serde_json::to_value(&typed) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    prune_against(pod, &known, "", &mut out);
+    out
+}
+
+fn prune_against(v: &mut Value, known: &Value, path: &str, out: &mut Vec<String>) {
+    match (v, known) {
+        (Value::Object(m), Value::Object(k)) => {
+            let mut gone = Vec::new();
+            for (key, child) in m.iter_mut() {
+                let here = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                match k.get(key) {
+                    None if !child.is_null() => gone.push((key.clone(), here)),
+                    None => {}
+                    Some(kc) => prune_against(child, kc, &here, out),
+                }
+            }
+            for (key, here) in gone {
+                m.remove(&key);
+                out.push(here);
+            }
+        }
+        (Value::Array(a), Value::Array(k)) => {
+            for (i, (child, kc)) in a.iter_mut().zip(k).enumerate() {
+                prune_against(child, kc, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -410,18 +547,57 @@ fn status_message(r: &AdmissionResponse) -> String {
         .unwrap_or_default()
 }
 
-/// Admits a CacheBackend as CREATE (or UPDATE with `old`): prune, schema defaults, the
-/// `/mutate-cachebackend` patch, schema defaults again, then `/validate-cachebackend`.
+/// Admits a CacheBackend as CREATE (or UPDATE with `old`) with unknown fields pruned and
+/// warned about ([`FieldValidation::Warn`]); see [`admit_cache_backend_with`].
 pub fn admit_cache_backend(
+    admission: &Admission,
+    obj: Value,
+    old: Option<Value>,
+    namespace: &str,
+) -> CacheBackendVerdict {
+    admit_cache_backend_with(admission, obj, old, namespace, FieldValidation::Warn)
+}
+
+/// Admits a CacheBackend as CREATE (or UPDATE with `old`): unknown fields per
+/// `field_validation` (Strict: rejected before admission runs), schema defaults, the
+/// `/mutate-cachebackend` patch, schema defaults again, then `/validate-cachebackend`.
+pub fn admit_cache_backend_with(
     admission: &Admission,
     mut obj: Value,
     old: Option<Value>,
     namespace: &str,
+    field_validation: FieldValidation,
 ) -> CacheBackendVerdict {
-    let mut warnings: Vec<String> = schema::prune_unknown(&mut obj)
-        .into_iter()
-        .map(|f| format!("unknown field {f:?} (pruned)"))
-        .collect();
+    let unknown = schema::prune_unknown(&mut obj);
+    if field_validation == FieldValidation::Strict && !unknown.is_empty() {
+        let name = obj
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let errors: Vec<String> = unknown
+            .iter()
+            .map(|f| format!("strict decoding error: unknown field {f:?}"))
+            .collect();
+        return CacheBackendVerdict {
+            allowed: false,
+            object: obj.clone(),
+            patch: Vec::new(),
+            message: format!(
+                "CacheBackend.{} {name:?} is invalid: {}",
+                ic_shared::crd::GROUP,
+                errors.join(", ")
+            ),
+            errors,
+            warnings: Vec::new(),
+        };
+    }
+    let mut warnings: Vec<String> = match field_validation {
+        FieldValidation::Ignore => Vec::new(),
+        _ => unknown
+            .into_iter()
+            .map(|f| format!("unknown field {f:?} (pruned)"))
+            .collect(),
+    };
     schema::apply_defaults(&mut obj);
     let old = old.map(|mut o| {
         schema::prune_unknown(&mut o);

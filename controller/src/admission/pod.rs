@@ -48,11 +48,16 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::Value;
 
+use super::host_ports::{declare_host_ports, declared_ports, Listener};
+use super::kv_topology::{subscriber_topology, OtherListeners};
+use crate::adapters::converge::converge_rendered;
 use crate::adapters::overrides::{apply_overrides, snapshot};
+use crate::adapters::sglang_lmcache_mp::WORKER_CONTAINER;
 use crate::adapters::{
     binding_label, env_var, hardened_security_context, is_rendered, resolve_binding,
     select_engine_by_command, EngineCommand, InjectContext, Registry, ENV_COMPONENT,
 };
+use crate::reconcile::nodes::plans;
 
 /// Pod annotation stamped on a wired pod: `<namespace>/<name>` of the CacheBackend.
 pub const ANNOTATION_INJECTED_BY: &str = "inferencecache.io/injected-by";
@@ -96,6 +101,46 @@ pub struct PodWebhookConfig {
     /// Image of the lmcache-kernel-check init container; unset (the default) runs the check in
     /// the engine's own image, which is what it is meant to test.
     pub lmcache_kernel_check_image: Option<String>,
+    /// Whether the cluster runs native sidecars, from the apiserver's version (discovered at
+    /// start-up in cluster; `admit --kube-version`).
+    pub native_sidecars: NativeSidecars,
+}
+
+/// Whether the cluster runs native sidecars (init containers with `restartPolicy: Always`;
+/// beta and on by default from Kubernetes 1.29, alpha behind a feature gate in 1.28).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum NativeSidecars {
+    /// Supported, or not known (offline use): wiring renders them.
+    #[default]
+    Supported,
+    /// The apiserver predates them: a wiring that needs one fails open with the reason.
+    Unsupported {
+        /// The apiserver's version, e.g. `v1.28.9`.
+        version: String,
+    },
+}
+
+impl NativeSidecars {
+    /// From an apiserver's `major`/`minor` (`/version`; a minor such as `29+` is read as 29).
+    /// Unparsable values count as supported (the apiserver then decides).
+    pub fn from_version(major: &str, minor: &str, git_version: &str) -> Self {
+        let num = |s: &str| {
+            s.trim()
+                .trim_end_matches(|c: char| !c.is_ascii_digit())
+                .parse::<u32>()
+                .ok()
+        };
+        match (num(major), num(minor)) {
+            (Some(1), Some(m)) if m < 29 => NativeSidecars::Unsupported {
+                version: if git_version.is_empty() {
+                    format!("v{}.{}", major.trim(), minor.trim())
+                } else {
+                    git_version.to_string()
+                },
+            },
+            _ => NativeSidecars::Supported,
+        }
+    }
 }
 
 impl Default for PodWebhookConfig {
@@ -106,6 +151,7 @@ impl Default for PodWebhookConfig {
             kvevent_subscriber_controller: None,
             lmcache_worker_image: None,
             lmcache_kernel_check_image: None,
+            native_sidecars: NativeSidecars::Supported,
         }
     }
 }
@@ -254,12 +300,30 @@ fn decide<B: Borrow<CacheBackend>>(
         })
         .collect();
     candidates.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let matched = candidates.into_iter().find(|cb| {
-        cb.spec
-            .match_labels()
-            .is_some_and(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
-    });
-    let Some(cb) = matched else {
+    let matching: Vec<&CacheBackend> = candidates
+        .into_iter()
+        .filter(|cb| {
+            cb.spec
+                .match_labels()
+                .is_some_and(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
+        })
+        .collect();
+    let mut selection_warnings = Vec::new();
+    if let [first, rest @ ..] = matching.as_slice() {
+        if !rest.is_empty() {
+            selection_warnings.push(format!(
+                "{} CacheBackends in namespace {namespace:?} select this pod ({}); {:?} wins by name order — narrow the others' engineSelector so exactly one selects it",
+                matching.len(),
+                matching
+                    .iter()
+                    .map(|cb| cb.metadata.name.as_deref().unwrap_or(""))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                first.metadata.name.as_deref().unwrap_or("")
+            ));
+        }
+    }
+    let Some(cb) = matching.first().copied() else {
         let mut out = pod.clone();
         strip(&mut out, &ALL_MARKERS);
         return finish(
@@ -284,7 +348,8 @@ fn decide<B: Borrow<CacheBackend>>(
 
     let mut wired = pod.clone();
     match wire(&mut wired, cb, cfg) {
-        Ok(warnings) => {
+        Ok(mut warnings) => {
+            warnings.splice(0..0, selection_warnings);
             strip(&mut wired, &[ANNOTATION_INJECT_SKIPPED]);
             let a = annotations(&mut wired);
             a.insert(ANNOTATION_INJECTED_BY.to_string(), id);
@@ -298,7 +363,12 @@ fn decide<B: Borrow<CacheBackend>>(
             }
             finish(raw, &base, &wired, REASON_INJECTED.to_string(), warnings)
         }
-        Err(Unwired { reason, warnings }) => {
+        Err(Unwired {
+            reason,
+            warnings: mut unwired_warnings,
+        }) => {
+            let mut warnings = selection_warnings;
+            warnings.append(&mut unwired_warnings);
             let mut out = pod.clone();
             strip(&mut out, &ALL_MARKERS);
             finish(
@@ -316,6 +386,17 @@ fn decide<B: Borrow<CacheBackend>>(
 struct Unwired {
     reason: String,
     warnings: Vec<String>,
+}
+
+impl Unwired {
+    /// A fail-open whose reason is also an admission warning (so `kubectl` shows it).
+    fn loud(reason: impl Into<String>) -> Self {
+        let reason = reason.into();
+        Unwired {
+            warnings: vec![format!("pod admitted unwired: {reason}")],
+            reason,
+        }
+    }
 }
 
 impl<E: std::fmt::Display> From<E> for Unwired {
@@ -345,7 +426,8 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
             ));
         };
         let engine = select_engine_by_command(pod, runtime).ok();
-        add_subscriber(
+        let others = other_listeners(pod, engine, runtime, None);
+        let listeners = add_subscribers(
             pod,
             engine,
             runtime,
@@ -353,8 +435,12 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
             model,
             false,
             cfg,
+            &others,
             &mut warnings,
         )?;
+        if let Some(engine) = engine {
+            declare_host_ports(pod, engine, &listeners).map_err(Unwired::loud)?;
+        }
         return Ok(warnings);
     }
 
@@ -377,6 +463,15 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         )));
     }
     let engine = adapter.select_engine(pod)?;
+    if let Some(previous) =
+        previous_wiring_by_another(pod, cb).filter(|_| !adapter.backend_env().is_empty())
+    {
+        forget_backend_env(pod, engine, adapter.backend_env());
+        warnings.push(format!(
+            "the pod was wired by CacheBackend {previous}; the settings it derived from that backend ({}) are replaced by this one's",
+            adapter.backend_env().join(", ")
+        ));
+    }
     let before = pod
         .spec
         .as_ref()
@@ -432,60 +527,155 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         }
     }
 
-    if let (Some(image), Some(model)) = (cfg.kvevent_subscriber_image.as_deref(), spec.model_id()) {
-        add_subscriber(
-            pod,
-            Some(engine),
-            runtime,
-            image,
-            model,
-            true,
-            cfg,
-            &mut warnings,
-        )?;
+    if let Some(reason) = native_sidecar_refusal(pod, cfg) {
+        return Err(Unwired::loud(reason));
     }
+    let mp_worker = mp_worker_port(pod, cb);
+    if let Some(p) = mp_worker {
+        // Every declared port counts here, the engine's own too: none of them is the worker.
+        let taken = other_listeners(pod, Some(engine), runtime, None);
+        let declared = declared_ports(pod);
+        if let Some(what) = taken.get(&p).or_else(|| declared.get(&p)) {
+            return Err(Unwired::loud(format!(
+                "the LMCache MP worker would listen on port {p}, which is {what}; set spec.lmCache.workerPort to a free port"
+            )));
+        }
+    }
+    let others = other_listeners(pod, Some(engine), runtime, mp_worker);
+    let mut listeners: Vec<Listener> = mp_worker
+        .map(|port| Listener {
+            port,
+            name: "ic-lmcache-mp".to_string(),
+            what: "the LMCache MP worker".to_string(),
+            engine_owned: false,
+        })
+        .into_iter()
+        .collect();
+    match (cfg.kvevent_subscriber_image.as_deref(), spec.model_id()) {
+        (Some(image), Some(model)) => {
+            listeners.extend(add_subscribers(
+                pod,
+                Some(engine),
+                runtime,
+                image,
+                model,
+                true,
+                cfg,
+                &others,
+                &mut warnings,
+            )?);
+        }
+        _ => remove_subscribers(pod, &[]),
+    }
+    declare_host_ports(pod, engine, &listeners).map_err(Unwired::loud)?;
     Ok(warnings)
 }
 
-/// The engine's KV-event endpoint as seen from a sidecar: `--kv-events-config`'s `endpoint`
-/// with a wildcard host replaced by loopback.
-fn kv_events_endpoint(
+/// The `injected-by` of a pod wired by a different CacheBackend (another name, or the same
+/// name with another UID), if any.
+fn previous_wiring_by_another(pod: &Pod, cb: &CacheBackend) -> Option<String> {
+    let a = pod.metadata.annotations.as_ref()?;
+    let by = a.get(ANNOTATION_INJECTED_BY)?;
+    let name = cb.metadata.name.as_deref().unwrap_or("");
+    let same_name = by.rsplit_once('/').map_or(by.as_str(), |(_, n)| n) == name;
+    let same_uid = match (
+        a.get(ANNOTATION_INJECTED_BY_UID),
+        cb.metadata.uid.as_deref(),
+    ) {
+        (Some(old), Some(new)) => old == new,
+        _ => true,
+    };
+    (!(same_name && same_uid)).then(|| by.clone())
+}
+
+/// Removes the engine env an adapter derives from its backend, so a re-admission under a new
+/// backend renders that backend's values instead of keeping the old one's.
+fn forget_backend_env(pod: &mut Pod, engine: usize, names: &[&str]) {
+    if let Some(c) = pod.spec.as_mut().and_then(|s| s.containers.get_mut(engine)) {
+        if let Some(env) = c.env.as_mut() {
+            env.retain(|e| !names.contains(&e.name.as_str()));
+            if env.is_empty() {
+                c.env = None;
+            }
+        }
+    }
+}
+
+/// Why a rendered native sidecar (an init container with `restartPolicy: Always`) cannot run
+/// on this cluster, when the apiserver's version is known to predate them.
+fn native_sidecar_refusal(pod: &Pod, cfg: &PodWebhookConfig) -> Option<String> {
+    let NativeSidecars::Unsupported { version } = &cfg.native_sidecars else {
+        return None;
+    };
+    let sidecar = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|c| c.restart_policy.as_deref() == Some("Always") && is_rendered(c, &c.name))?;
+    Some(format!(
+        "the wiring needs the native sidecar {:?} (an init container with restartPolicy: Always), which the apiserver ({version}) does not run: native sidecars are on by default from Kubernetes 1.29",
+        sidecar.name
+    ))
+}
+
+/// The LMCache MP worker's port when the adapter rendered the worker.
+fn mp_worker_port(pod: &Pod, cb: &CacheBackend) -> Option<u16> {
+    let rendered = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| is_rendered(c, WORKER_CONTAINER));
+    if !rendered {
+        return None;
+    }
+    u16::try_from(
+        cb.spec
+            .lm_cache
+            .clone()
+            .unwrap_or_default()
+            .effective_worker_port(),
+    )
+    .ok()
+}
+
+/// The pod's TCP listeners other than the engine's KV-event sockets: ports other containers
+/// declare, the engine's HTTP port (`--port`, else the runtime's default), the MP worker.
+fn other_listeners(
     pod: &Pod,
     engine: Option<usize>,
     runtime: Runtime,
-    warnings: &mut Vec<String>,
-) -> String {
-    let Some(c) = engine.and_then(|i| pod.spec.as_ref().and_then(|s| s.containers.get(i))) else {
-        warnings.push(format!(
-            "no engine container found; the kvevent-subscriber listens on {DEFAULT_KV_EVENTS_ENDPOINT}"
-        ));
-        return DEFAULT_KV_EVENTS_ENDPOINT.to_string();
-    };
-    let found = EngineCommand::parse(c, runtime).ok().and_then(|cmd| {
-        let occ = cmd.find("--kv-events-config").into_iter().next()?;
-        let (value, _) = cmd.value_of(&occ)?;
-        let v: Value = serde_json::from_str(&value).ok()?;
-        let ep = v.get("endpoint")?.as_str()?.to_string();
-        let rest = ep.strip_prefix("tcp://")?;
-        let (host, port) = rest.rsplit_once(':')?;
-        let port: u16 = port.parse().ok()?;
-        let host = if matches!(host, "*" | "0.0.0.0" | "" | "[::]" | "::") {
-            "127.0.0.1"
-        } else {
-            host
-        };
-        Some(format!("tcp://{host}:{port}"))
-    });
-    match found {
-        Some(ep) => ep,
-        None => {
-            warnings.push(format!(
-                "container {:?} has no readable --kv-events-config endpoint; the kvevent-subscriber listens on {DEFAULT_KV_EVENTS_ENDPOINT} (the engine must publish KV events for routing to work)",
-                c.name
-            ));
-            DEFAULT_KV_EVENTS_ENDPOINT.to_string()
+    mp_worker: Option<u16>,
+) -> OtherListeners {
+    let engine_c = engine.and_then(|i| pod.spec.as_ref().and_then(|s| s.containers.get(i)));
+    let engine_name = engine_c.map(|c| c.name.as_str());
+    let mut out: OtherListeners = declared_ports(pod)
+        .into_iter()
+        .filter(|(_, what)| {
+            // The engine's own declarations may be its publishers; they are not "others".
+            engine_name.is_none_or(|n| !what.starts_with(&format!("container {n:?} ")))
+        })
+        .collect();
+    if let Some(c) = engine_c {
+        if let Ok(cmd) = EngineCommand::parse(c, runtime) {
+            let args = cmd.texts();
+            let http = plans::flag_value(&args, &["--port"])
+                .and_then(|v| v.trim().parse::<u16>().ok())
+                .unwrap_or(match runtime {
+                    Runtime::Vllm => plans::VLLM_DEFAULT_PORT,
+                    Runtime::SgLang => plans::SGLANG_DEFAULT_PORT,
+                });
+            out.entry(http)
+                .or_insert_with(|| format!("the engine's HTTP port (container {:?})", c.name));
         }
     }
+    if let Some(p) = mp_worker {
+        out.insert(p, "the LMCache MP worker".to_string());
+    }
+    out
 }
 
 fn field_env(name: &str, path: &str) -> EnvVar {
@@ -502,15 +692,42 @@ fn field_env(name: &str, path: &str) -> EnvVar {
     }
 }
 
-/// Appends (or converges) the kvevent-subscriber sidecar: the agent binary in per-pod mode,
-/// `--hash-scheme` from the runtime, `--ignore-block-removed=true` in Offload mode, tenant = pod
-/// namespace, replica id = pod name (downward API). The sidecar mounts a projected
-/// service-account token (audience `inference-cache`, 1 h) read-only at
-/// [`SUBSCRIBER_TOKEN_DIR`], which the controller verifies as the pod's own
-/// ([`crate::ingest::auth`], per-pod subscribers); the volume is added unless the pod already
-/// has one named [`SUBSCRIBER_TOKEN_VOLUME`].
+/// Env names the kvevent-subscriber rendering owns (others' additions to it are kept).
+const SUBSCRIBER_ENV: &[&str] = &[ENV_COMPONENT, "POD_NAME", "POD_NAMESPACE", "NODE_NAME"];
+
+/// Name of the subscriber container of data-parallel rank `rank`: [`SUBSCRIBER_CONTAINER`] for
+/// rank 0, `kvevent-subscriber-<rank>` otherwise.
+pub fn subscriber_container_name(rank: u32) -> String {
+    if rank == 0 {
+        SUBSCRIBER_CONTAINER.to_string()
+    } else {
+        format!("{SUBSCRIBER_CONTAINER}-{rank}")
+    }
+}
+
+/// Removes the rendered subscriber containers whose names are not in `keep`.
+fn remove_subscribers(pod: &mut Pod, keep: &[String]) {
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.containers
+            .retain(|c| !is_rendered(c, SUBSCRIBER_CONTAINER) || keep.contains(&c.name));
+    }
+}
+
+/// Appends (or converges) one kvevent-subscriber sidecar per data-parallel rank the engine
+/// publishes ([`subscriber_topology`]): the agent binary in per-pod mode, `--endpoint` and
+/// `--replay` of that rank, `--data-parallel-rank` above 0, `--hash-scheme` from the runtime,
+/// `--ignore-block-removed=true` in Offload mode, tenant = pod namespace, replica id = pod name
+/// (downward API). Each sidecar mounts a projected service-account token (audience
+/// `inference-cache`, 1 h) read-only at [`SUBSCRIBER_TOKEN_DIR`], which the controller verifies
+/// as the pod's own ([`crate::ingest::auth`], per-pod subscribers); the volume is added unless
+/// the pod already has one named [`SUBSCRIBER_TOKEN_VOLUME`]. A re-admission converges only
+/// the fields the webhook owns ([`converge_rendered`]).
+///
+/// When the engine's publishers cannot be followed, an Offload pod is wired without a
+/// subscriber (the reason becomes a warning) and an events-only pod is left unwired. Returns
+/// the engine listeners the streams depend on (for host-port declarations).
 #[allow(clippy::too_many_arguments)]
-fn add_subscriber(
+fn add_subscribers(
     pod: &mut Pod,
     engine: Option<usize>,
     runtime: Runtime,
@@ -518,80 +735,120 @@ fn add_subscriber(
     model: &str,
     offload: bool,
     cfg: &PodWebhookConfig,
+    others: &OtherListeners,
     warnings: &mut Vec<String>,
-) -> Result<(), Unwired> {
-    let endpoint = kv_events_endpoint(pod, engine, runtime, warnings);
+) -> Result<Vec<Listener>, Unwired> {
+    let topology = match subscriber_topology(pod, engine, runtime, others) {
+        Ok(t) => t,
+        Err(u) if offload => {
+            warnings.push(format!(
+                "the kvevent-subscriber is not added: {u}; the pod is wired for offload, its KV events are not followed"
+            ));
+            remove_subscribers(pod, &[]);
+            return Ok(Vec::new());
+        }
+        Err(u) => return Err(Unwired::loud(u.to_string())),
+    };
+    warnings.extend(topology.warnings.iter().cloned());
     let scheme = match runtime {
         Runtime::Vllm => "vllm",
         Runtime::SgLang => "sglang",
     };
-    let mut args = vec![
-        "subscribe".to_string(),
-        format!("--endpoint={endpoint}"),
-        format!("--hash-scheme={scheme}"),
-        format!("--model-id={model}"),
-        "--tenant=$(POD_NAMESPACE)".to_string(),
-        "--replica-id=$(POD_NAME)".to_string(),
-    ];
-    if offload {
-        args.push("--ignore-block-removed=true".to_string());
-    }
-    if let Some(ctl) = cfg.kvevent_subscriber_controller.as_deref() {
-        args.push(format!("--controller={ctl}"));
-    }
-    let sidecar = Container {
-        name: SUBSCRIBER_CONTAINER.to_string(),
-        image: Some(image.to_string()),
-        args: Some(args),
-        env: Some(vec![
-            env_var(ENV_COMPONENT, SUBSCRIBER_CONTAINER),
-            field_env("POD_NAME", "metadata.name"),
-            field_env("POD_NAMESPACE", "metadata.namespace"),
-            field_env("NODE_NAME", "spec.nodeName"),
-        ]),
-        resources: Some(ResourceRequirements {
-            requests: Some(BTreeMap::from([
-                ("cpu".to_string(), Quantity("10m".to_string())),
-                ("memory".to_string(), Quantity("32Mi".to_string())),
-            ])),
-            ..Default::default()
-        }),
-        security_context: Some(hardened_security_context()),
-        volume_mounts: Some(vec![VolumeMount {
-            name: SUBSCRIBER_TOKEN_VOLUME.to_string(),
-            mount_path: SUBSCRIBER_TOKEN_DIR.to_string(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
-        ..Default::default()
-    };
+    let names: Vec<String> = topology
+        .streams
+        .iter()
+        .map(|s| subscriber_container_name(s.rank))
+        .collect();
     let Some(spec) = pod.spec.as_mut() else {
         return Err(Unwired::from("the pod has no spec"));
     };
-    if spec
-        .init_containers
-        .iter()
-        .flatten()
-        .any(|c| c.name == SUBSCRIBER_CONTAINER)
-    {
-        return Err(Unwired::from(format!(
-            "the pod already has a init container named {SUBSCRIBER_CONTAINER:?} that inference-cache did not render; rename it to get the pod wired"
-        )));
-    }
-    match spec.containers.iter_mut().find(|c| c.name == SUBSCRIBER_CONTAINER) {
-        Some(existing) if is_rendered(existing, SUBSCRIBER_CONTAINER) => *existing = sidecar,
-        Some(_) => {
+    for name in &names {
+        if spec
+            .init_containers
+            .iter()
+            .flatten()
+            .any(|c| &c.name == name)
+        {
             return Err(Unwired::from(format!(
-                "the pod already has a container named {SUBSCRIBER_CONTAINER:?} that inference-cache did not render; rename it to get the pod wired"
-            )))
+                "the pod already has a init container named {name:?} that inference-cache did not render; rename it to get the pod wired"
+            )));
         }
-        None => spec.containers.push(sidecar),
+        if spec
+            .containers
+            .iter()
+            .any(|c| &c.name == name && !is_rendered(c, SUBSCRIBER_CONTAINER))
+        {
+            return Err(Unwired::from(format!(
+                "the pod already has a container named {name:?} that inference-cache did not render; rename it to get the pod wired"
+            )));
+        }
+    }
+    remove_subscribers(pod, &names);
+    let Some(spec) = pod.spec.as_mut() else {
+        return Err(Unwired::from("the pod has no spec"));
+    };
+    for (stream, name) in topology.streams.iter().zip(&names) {
+        let mut args = vec![
+            "subscribe".to_string(),
+            format!("--endpoint={}", stream.endpoint),
+        ];
+        if stream.bind {
+            args.push("--bind".to_string());
+        }
+        if let Some(r) = &stream.replay {
+            args.push(format!("--replay={r}"));
+        }
+        if stream.rank > 0 {
+            args.push(format!("--data-parallel-rank={}", stream.rank));
+        }
+        args.extend([
+            format!("--hash-scheme={scheme}"),
+            format!("--model-id={model}"),
+            "--tenant=$(POD_NAMESPACE)".to_string(),
+            "--replica-id=$(POD_NAME)".to_string(),
+        ]);
+        if offload {
+            args.push("--ignore-block-removed=true".to_string());
+        }
+        if let Some(ctl) = cfg.kvevent_subscriber_controller.as_deref() {
+            args.push(format!("--controller={ctl}"));
+        }
+        let sidecar = Container {
+            name: name.clone(),
+            image: Some(image.to_string()),
+            args: Some(args),
+            env: Some(vec![
+                env_var(ENV_COMPONENT, SUBSCRIBER_CONTAINER),
+                field_env("POD_NAME", "metadata.name"),
+                field_env("POD_NAMESPACE", "metadata.namespace"),
+                field_env("NODE_NAME", "spec.nodeName"),
+            ]),
+            resources: Some(ResourceRequirements {
+                requests: Some(BTreeMap::from([
+                    ("cpu".to_string(), Quantity("10m".to_string())),
+                    ("memory".to_string(), Quantity("32Mi".to_string())),
+                ])),
+                ..Default::default()
+            }),
+            security_context: Some(hardened_security_context()),
+            volume_mounts: Some(vec![VolumeMount {
+                name: SUBSCRIBER_TOKEN_VOLUME.to_string(),
+                mount_path: SUBSCRIBER_TOKEN_DIR.to_string(),
+                read_only: Some(true),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        };
+        match spec.containers.iter_mut().find(|c| &c.name == name) {
+            Some(existing) => *existing = converge_rendered(existing, sidecar, SUBSCRIBER_ENV),
+            None => spec.containers.push(sidecar),
+        }
     }
     let volumes = spec.volumes.get_or_insert_with(Vec::new);
     if !volumes.iter().any(|v| v.name == SUBSCRIBER_TOKEN_VOLUME) {
         volumes.push(subscriber_token_volume());
     }
-    Ok(())
+    Ok(topology.engine_listeners)
 }
 
 /// The sidecar's projected token: audience `inference-cache`, file `token`.

@@ -31,6 +31,32 @@ pub fn fixtures_dir() -> PathBuf {
     repo_root().join("../shared/fixtures/pods")
 }
 
+/// `controller/tests/fixtures/pods`: real public engine pods kept in the repository (each
+/// names its source in a header), for the topologies of issue 14.
+pub fn repo_fixtures_dir() -> PathBuf {
+    repo_root().join("controller/tests/fixtures/pods")
+}
+
+/// Every file name under [`repo_fixtures_dir`], sorted.
+pub fn repo_fixture_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(repo_fixtures_dir())
+        .expect("repo fixtures dir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// The single pod of a repository fixture (a workload's template as a Pod).
+pub fn load_repo_pod(name: &str) -> Value {
+    let text = std::fs::read_to_string(repo_fixtures_dir().join(name)).expect("repo fixture");
+    let mut pods = pods_in_yaml(&text);
+    assert_eq!(pods.len(), 1, "{name}: expected exactly one pod");
+    pods.remove(0)
+}
+
 /// `controller/tests/golden`.
 pub fn golden_dir() -> PathBuf {
     repo_root().join("controller/tests/golden")
