@@ -71,7 +71,7 @@ use kube::Client;
 use thiserror::Error;
 
 use super::clock::Clock;
-pub use binding::{reconcile_binding, strip_binding_finalizers};
+pub use binding::{reconcile_binding, strip_binding_finalizers, uninstalling, UNINSTALL_MARKER};
 pub use decide::FeatureFlags;
 pub use request::reconcile_request;
 
@@ -190,6 +190,13 @@ pub enum Error {
         /// The API error.
         source: kube::Error,
     },
+    /// Uninstall must stop: bindings with finalizers kept appearing after the uninstall marker
+    /// was created (a controller that does not honour it).
+    #[error("uninstall stopped: ModelCacheBindings with finalizers still appear after {rounds} strip rounds; is an older controller still running?")]
+    StillCreating {
+        /// Rounds made.
+        rounds: usize,
+    },
 }
 
 impl Error {
@@ -201,6 +208,7 @@ impl Error {
             Error::Serde(_) => "serde",
             Error::Random => "random",
             Error::StripFinalizer { .. } => "strip_finalizer",
+            Error::StillCreating { .. } => "still_creating",
         }
     }
 }
