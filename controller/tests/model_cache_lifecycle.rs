@@ -526,14 +526,12 @@ async fn uninstall_stops_when_a_finalizer_cannot_be_stripped() {
 
 // ------------------------------------------------------------------ issue 17 item 8: uninstall
 
-fn marker_exists_in(h: &Harness) -> impl std::future::Future<Output = bool> + '_ {
-    async move {
-        Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(h.client.clone(), CTL)
-            .get_opt(UNINSTALL_MARKER)
-            .await
-            .unwrap()
-            .is_some()
-    }
+async fn marker_exists_in(h: &Harness) -> bool {
+    Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(h.client.clone(), CTL)
+        .get_opt(UNINSTALL_MARKER)
+        .await
+        .unwrap()
+        .is_some()
 }
 
 #[tokio::test]

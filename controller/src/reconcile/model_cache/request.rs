@@ -73,14 +73,11 @@ pub async fn reconcile_request(obj: Arc<ModelCache>, ctx: Arc<Context>) -> Resul
     pass.run().await
 }
 
-/// SHA-256 (hex) of a request's `spec.writer.template` as JSON (`status.writerTemplateDigest`;
-/// object keys sorted, as `serde_json::Value` keeps them and the API server serves them).
-///
-/// Errors: [`Error::Serde`] when the template does not serialize (never for a parsed one).
-pub fn writer_template_digest(mc: &ModelCache) -> Result<String, Error> {
-    Ok(crate::catalog::sha256_hex(&serde_json::to_vec(
-        &mc.spec.writer.template,
-    )?))
+/// SHA-256 (hex) of a request's `spec.writer.template` as compact JSON
+/// (`status.writerTemplateDigest`; object keys in the order `serde_json::Value` keeps them, the
+/// same for every read of one stored object).
+pub fn writer_template_digest(mc: &ModelCache) -> String {
+    crate::catalog::sha256_hex(mc.spec.writer.template.to_string().as_bytes())
 }
 
 /// Why the flow cannot go on this pass.
@@ -166,7 +163,7 @@ impl Pass<'_> {
     async fn run(&mut self) -> Result<Action, Error> {
         // The API server cannot enforce immutability inside spec.writer.template: the template
         // as first read is recorded before any side effect and compared on every pass.
-        let digest = writer_template_digest(&self.mc)?;
+        let digest = writer_template_digest(&self.mc);
         match self.status.writer_template_digest.clone() {
             None => {
                 self.status.writer_template_digest = Some(digest);
