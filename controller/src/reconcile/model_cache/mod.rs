@@ -36,9 +36,18 @@
 //! References whose request is gone (or recreated with another UID) are pruned; zero references
 //! past [`ModelCacheConfig::idle_period`] → `Retiring` → every object the binding names is
 //! deleted if it still carries the binding's label and UID annotation (anything else is foreign:
-//! never adopted, never deleted) → the finalizer is dropped and the binding deleted. A binding
-//! being deleted retires the same way. Transient API errors return [`Error`] before any further
-//! write (the runtime requeues; nothing is half-decided).
+//! never adopted, never deleted), each delete preconditioned on the UID and resourceVersion that
+//! were read, a claim or PV only while its volume still `Retain`s → `Released` written (with
+//! `status.releaseSkipped` for whatever was kept) → the finalizer is dropped and the binding
+//! deleted. A binding being deleted is `Retiring` at once but released the same way only: zero
+//! live references past the idle period. Transient API errors return [`Error`] before any
+//! further write (the runtime requeues; nothing is half-decided).
+//!
+//! # Uninstall
+//!
+//! [`binding::strip_binding_finalizers`] creates [`UNINSTALL_MARKER`] first; while it exists no
+//! binding is created (a create that raced it strips its own finalizer), so none can appear after
+//! the strip.
 //!
 //! # Wiring into `ic-controller run`
 //!
@@ -49,7 +58,8 @@
 //!
 //! The controller needs RBAC for: modelcaches (get/list/watch, status patch), modelcachebindings
 //! (all verbs, status), persistentvolumeclaims, persistentvolumes, jobs, leases, secrets (control
-//! namespace), storageclasses (get/create/delete), configmaps (get, catalog namespace).
+//! namespace), storageclasses (get/create/delete), configmaps (get, catalog namespace; get of
+//! the uninstall marker, control namespace).
 
 pub mod binding;
 pub mod decide;
