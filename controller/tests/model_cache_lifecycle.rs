@@ -679,3 +679,18 @@ async fn uninstall_keeps_a_finalizer_added_concurrently() {
         ])
     );
 }
+
+/// The marker's name crosses a boundary (the controller's RBAC in the chart grants `get` on it
+/// by name): the chart names the very ConfigMap the code creates and reads.
+#[test]
+fn the_chart_grants_the_marker_the_code_uses() {
+    let rbac = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../chart/templates/model-cache-rbac.yaml"),
+    )
+    .unwrap();
+    assert!(
+        rbac.contains(&format!("resourceNames: [\"{UNINSTALL_MARKER}\"]")),
+        "chart/templates/model-cache-rbac.yaml must grant get on {UNINSTALL_MARKER}"
+    );
+}
