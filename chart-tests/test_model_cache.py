@@ -33,6 +33,8 @@ CONTROL_NS = "inference-cache-model-cache"
 MC_RBAC = f"{CONTROLLER}-model-cache"
 HOOK = "inference-cache-strip-finalizers"
 HOOK_DELETE_POLICY = "before-hook-creation,hook-succeeded"
+# The uninstall marker ConfigMap (controller/src/reconcile/model_cache/binding.rs UNINSTALL_MARKER).
+UNINSTALL_MARKER = "inference-cache-model-cache-uninstalling"
 
 
 def controller_args(r: Rendered) -> dict[str, str]:
@@ -221,6 +223,7 @@ def test_model_cache_control_namespace_role_is_exact(variant: Rendered) -> None:
         ("inferencecache.io", "modelcachebindings/status", ()): {"update"},
         ("coordination.k8s.io", "leases", ()): {"get", "create", "update", "delete"},
         ("", "secrets", ()): {"get", "create", "delete"},
+        ("", "configmaps", (UNINSTALL_MARKER,)): {"get"},
     }
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": MC_RBAC}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NAMESPACE}]
@@ -239,11 +242,19 @@ def test_no_model_cache_grants_elsewhere(variant: Rendered) -> None:
 
 
 def test_catalog_read_is_named(variant: Rendered) -> None:
-    """The catalog is read with GET by name; no role lists or watches ConfigMaps."""
+    """The catalog is read with GET by name; no role lists or watches ConfigMaps. In the control
+    namespace the controller reads the uninstall marker by name and the hook creates it."""
     for role in variant.of_kind("Role") + variant.of_kind("ClusterRole"):
         for rule in role["rules"]:
             if "configmaps" in rule["resources"]:
-                assert role["kind"] == "Role" and role["metadata"]["namespace"] == NAMESPACE
+                assert role["kind"] == "Role"
+                if role["metadata"]["namespace"] == control_ns_of(variant):
+                    assert (rule["verbs"], rule.get("resourceNames")) in (
+                        (["get"], [UNINSTALL_MARKER]),
+                        (["create"], None),
+                    ), role["metadata"]["name"]
+                    continue
+                assert role["metadata"]["namespace"] == NAMESPACE
                 assert rule["verbs"] == ["get"]
                 assert rule["resourceNames"] == [controller_args(variant)["--model-cache-catalog-config-map"]]
 
@@ -283,7 +294,10 @@ def test_uninstall_hook(variant: Rendered) -> None:
     sa, role, rb, job = (objs[(k, HOOK)] for k in ("ServiceAccount", "Role", "RoleBinding", "Job"))
     assert sa["metadata"]["namespace"] == NAMESPACE
     assert role["metadata"]["namespace"] == rb["metadata"]["namespace"] == control_ns
-    assert grants(role["rules"]) == {("inferencecache.io", "modelcachebindings", ()): {"list", "patch"}}
+    assert grants(role["rules"]) == {
+        ("inferencecache.io", "modelcachebindings", ()): {"get", "list", "patch"},
+        ("", "configmaps", ()): {"create"},
+    }
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": HOOK}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": HOOK, "namespace": NAMESPACE}]
 

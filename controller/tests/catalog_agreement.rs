@@ -49,6 +49,11 @@ fn table() -> Vec<(&'static str, Value, bool)> {
     rule_extra["volumeHandleNamespace"] = json!({"separator": "/", "segment": 0, "x": 1});
     let mut enc_string = rwo_rox.clone();
     enc_string["encryptionSupported"] = json!("yes");
+    // Issue 17 item 5: an explicit null is not "absent" for either validator.
+    let mut null_rule = rwo_rox.clone();
+    null_rule["volumeHandleNamespace"] = Value::Null;
+    let mut null_enc = rwo_rox.clone();
+    null_enc["encryptionSupported"] = Value::Null;
     vec![
         // good
         ("empty catalog", doc(vec![]), true),
@@ -207,6 +212,8 @@ fn table() -> Vec<(&'static str, Value, bool)> {
             false,
         ),
         ("extra handle field", doc(vec![rule_extra]), false),
+        ("null handle rule", doc(vec![null_rule]), false),
+        ("null encryptionSupported", doc(vec![null_enc]), false),
     ]
 }
 
@@ -289,6 +296,23 @@ fn the_shipped_catalog_passes_schema_and_loader() {
         vec!["ro", "norecovery", "nouuid"]
     );
     assert!(nvmesh.encryption_supported);
+    // NVMesh 3.2 cross-namespace volumes: the volume handle is a 4-element, colon-separated
+    // encoding whose last element is the consuming PVC's namespace (NVCA's
+    // `updateSecondaryPVVolumeHandle`, pkg/storage/modelcache.go), so roxReadOnly crosses
+    // namespaces there and helmModelCache is durable (spec 004 "Capability catalog").
+    assert_eq!(
+        nvmesh.volume_handle_namespace,
+        Some(ic_shared::crd::VolumeHandleNamespace {
+            separator: ":".into(),
+            segment: 3
+        })
+    );
+    let helm = FlowRequest {
+        provisioner: "nvmesh-csi.excelero.com",
+        cross_namespace: true,
+        encryption_requested: false,
+    };
+    assert_eq!(c.decide(&helm).unwrap().flow, Flow::RoxReadOnly);
     let req = |p| FlowRequest {
         provisioner: p,
         cross_namespace: false,

@@ -297,3 +297,224 @@ fn recorded_mode_selection_and_binding_are_final() {
     drifted["status"]["selection"]["flow"] = json!("roxReadOnly");
     rejects(MC, &drifted, Some(&bound), "status.selection is final");
 }
+
+// ------------------------------------------------------------------ issue 17: data identity
+
+fn with_binding_status(status: Value) -> Value {
+    let mut b = binding();
+    b["status"] = status;
+    b
+}
+
+#[test]
+fn writer_volume_name_is_set_once() {
+    let msg = "status.writerVolumeName is set once";
+    let none = with_binding_status(json!({"phase": "Active"}));
+    let set = with_binding_status(json!({"phase": "Active", "writerVolumeName": "pvc-1"}));
+    // Recording it the first time is allowed; keeping it is allowed.
+    admits(MCB, &set, Some(&none));
+    admits(MCB, &set, Some(&set));
+    // Changed, removed, or the whole status dropped: rejected.
+    let other = with_binding_status(json!({"phase": "Active", "writerVolumeName": "pvc-2"}));
+    rejects(MCB, &other, Some(&set), msg);
+    rejects(MCB, &none, Some(&set), msg);
+    rejects(MCB, &binding(), Some(&set), msg);
+}
+
+#[test]
+fn additional_resources_never_shrink() {
+    let never = "is never dropped";
+    let pvc = |ns: &str| json!({"namespace": ns, "name": "mcb-1-reader"});
+    let old = with_binding_status(json!({"additionalResources": {
+        "persistentVolumeClaims": [pvc("b"), pvc("c")],
+        "persistentVolumes": ["mcb-1-b", "mcb-1-c"],
+        "lease": {"namespace": "ctl", "name": "w"}
+    }}));
+    // Growing (a new reader namespace) is allowed, in any order.
+    let grown = with_binding_status(json!({"additionalResources": {
+        "persistentVolumeClaims": [pvc("d"), pvc("b"), pvc("c")],
+        "persistentVolumes": ["mcb-1-b", "mcb-1-c", "mcb-1-d"],
+        "lease": {"namespace": "ctl", "name": "w"}
+    }}));
+    admits(MCB, &grown, Some(&old));
+    admits(MCB, &old, Some(&old));
+    // Dropping one entry of either list, or a whole list, is rejected.
+    let mut dropped_pvc = old.clone();
+    dropped_pvc["status"]["additionalResources"]["persistentVolumeClaims"] = json!([pvc("c")]);
+    rejects(MCB, &dropped_pvc, Some(&old), never);
+    let mut dropped_pv = old.clone();
+    dropped_pv["status"]["additionalResources"]["persistentVolumes"] = json!(["mcb-1-b"]);
+    rejects(MCB, &dropped_pv, Some(&old), never);
+    let mut no_list = old.clone();
+    no_list["status"]["additionalResources"]
+        .as_object_mut()
+        .unwrap()
+        .remove("persistentVolumes");
+    rejects(MCB, &no_list, Some(&old), never);
+    // A renamed entry is a dropped one.
+    let mut renamed = old.clone();
+    renamed["status"]["additionalResources"]["persistentVolumeClaims"][0]["name"] = json!("x");
+    rejects(MCB, &renamed, Some(&old), never);
+    // The Lease never changes; the whole field and the whole status never go.
+    let mut lease = old.clone();
+    lease["status"]["additionalResources"]["lease"]["name"] = json!("other");
+    rejects(MCB, &lease, Some(&old), "a named lease never changes");
+    let gone = "status.additionalResources is never removed";
+    rejects(MCB, &with_binding_status(json!({})), Some(&old), gone);
+    rejects(MCB, &binding(), Some(&old), gone);
+}
+
+/// Every `x-kubernetes-validations` rule of a schema, with the schema node it sits on.
+fn rules_of(node: &Value, path: &str, out: &mut Vec<(String, String, Value)>) {
+    if let Some(rules) = node
+        .get("x-kubernetes-validations")
+        .and_then(Value::as_array)
+    {
+        for r in rules {
+            out.push((
+                path.to_string(),
+                r["rule"].as_str().unwrap().to_string(),
+                node.clone(),
+            ));
+        }
+    }
+    if let Some(props) = node.get("properties").and_then(Value::as_object) {
+        for (k, v) in props {
+            rules_of(v, &format!("{path}.{k}"), out);
+        }
+    }
+    if let Some(items) = node.get("items") {
+        rules_of(items, &format!("{path}[]"), out);
+    }
+}
+
+/// The API server refuses a CRD whose rules it cannot bound (estimated cost over its budget,
+/// lists walked without `maxItems`): kube-cel's static analysis of every rule of both CRDs,
+/// on the node it sits on, finds nothing to warn about.
+#[test]
+fn every_rule_compiles_within_the_cost_budget() {
+    let mut all = Vec::new();
+    for kind in [MCB, MC] {
+        rules_of(&schema(kind), kind, &mut all);
+    }
+    assert!(all.len() >= 15, "rules found: {}", all.len());
+    let mut warnings = Vec::new();
+    for (path, rule, node) in &all {
+        let compiled = kube_cel::compile_schema(node);
+        assert!(!compiled.has_errors(), "{path}: {rule} does not compile");
+        for w in kube_cel::analyze_rule(rule, &compiled, kube_cel::ScopeContext::CrdValidation) {
+            // kube-cel's scope check also lists the variables a macro binds (`all(x, …)`),
+            // which are in scope for the API server: only other variables are wrong.
+            let bound_by_macro = w.kind == kube_cel::WarningKind::WrongScope
+                && ["all", "exists", "exists_one", "map", "filter"]
+                    .iter()
+                    .any(|m| {
+                        w.message
+                            .split('\'')
+                            .nth(1)
+                            .is_some_and(|var| rule.contains(&format!(".{m}({var},")))
+                    });
+            if !bound_by_macro {
+                warnings.push(format!("{path}: {rule}: {} ({:?})", w.message, w.kind));
+            }
+        }
+    }
+    assert!(warnings.is_empty(), "{warnings:#?}");
+    // The lists the never-shrinks rules walk are bounded, and so are the strings they compare.
+    let res =
+        &schema(MCB)["properties"]["status"]["properties"]["additionalResources"]["properties"];
+    for list in [
+        "persistentVolumeClaims",
+        "persistentVolumes",
+        "jobs",
+        "storageClasses",
+        "secrets",
+    ] {
+        assert_eq!(res[list]["maxItems"], json!(256), "{list}");
+    }
+    assert_eq!(res["persistentVolumes"]["items"]["maxLength"], json!(253));
+    assert_eq!(
+        res["persistentVolumeClaims"]["items"]["properties"]["name"]["maxLength"],
+        json!(253)
+    );
+    assert_eq!(
+        res["persistentVolumeClaims"]["items"]["properties"]["namespace"]["maxLength"],
+        json!(63)
+    );
+}
+
+// ------------------------------------------------------------------ issue 17 item 10
+
+/// What the API server's CEL sees of an object: fields kept by
+/// `x-kubernetes-preserve-unknown-fields` on a node without declared properties are "not
+/// accessible in CEL expressions" (apiextensions v1 ValidationRule docs), so such a node reads
+/// as an empty object.
+fn as_apiserver_cel_sees(schema: &Value, value: &Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            if schema.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true))
+                && schema.get("properties").is_none()
+            {
+                return json!({});
+            }
+            let props = schema.get("properties");
+            Value::Object(
+                map.iter()
+                    .map(|(k, v)| {
+                        let sub = props.and_then(|p| p.get(k)).cloned().unwrap_or(json!({}));
+                        (k.clone(), as_apiserver_cel_sees(&sub, v))
+                    })
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(
+            items
+                .iter()
+                .map(|v| as_apiserver_cel_sees(schema.get("items").unwrap_or(&json!({})), v))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// Why the controller records `status.writerTemplateDigest`: in a real API server the
+/// `self == oldSelf` rule on `spec` admits any edit inside `spec.writer.template`.
+#[test]
+fn spec_immutability_cannot_see_inside_the_writer_template() {
+    let old = request(json!({}));
+    let edited = with(
+        old.clone(),
+        "/spec/writer/template",
+        json!({"spec": {"containers": [{"name": "fetch", "image": "evil"}]}}),
+    );
+    // kube-cel reads the whole object and rejects the edit ...
+    rejects(MC, &edited, Some(&old), "spec is immutable");
+    // ... the API server's CEL does not see the template's fields and admits it.
+    let s = schema(MC);
+    admits(
+        MC,
+        &as_apiserver_cel_sees(&s, &edited),
+        Some(&as_apiserver_cel_sees(&s, &old)),
+    );
+    // Other spec fields are declared, so the rule still holds for them there.
+    let resized = with(old.clone(), "/spec/size", json!("80Gi"));
+    rejects(
+        MC,
+        &as_apiserver_cel_sees(&s, &resized),
+        Some(&as_apiserver_cel_sees(&s, &old)),
+        "spec is immutable",
+    );
+}
+
+#[test]
+fn the_writer_template_digest_is_final() {
+    let base = request(json!({}));
+    let d1 = with_status(base.clone(), json!({"writerTemplateDigest": hex64('a')}));
+    let d2 = with_status(base.clone(), json!({"writerTemplateDigest": hex64('b')}));
+    admits(MC, &d1, Some(&base));
+    admits(MC, &d1, Some(&d1));
+    let msg = "status.writerTemplateDigest is final";
+    rejects(MC, &d2, Some(&d1), msg);
+    rejects(MC, &base, Some(&d1), msg);
+    rejects(MC, &with_status(base.clone(), json!({})), Some(&d1), msg);
+}

@@ -486,3 +486,118 @@ async fn row6_a_transient_error_in_the_binding_lifecycle_changes_nothing() {
         "nothing written"
     );
 }
+
+// ------------------------------------------------------------------ issue 17
+
+/// Item 3: a reader claim someone else creates between our read and our create (our create
+/// answers 409) is never taken for ours: the request is not Ready, and the claim is untouched.
+#[tokio::test]
+async fn row4_a_reader_claim_created_concurrently_by_someone_else_is_never_adopted() {
+    let mc = regular("a", NS, "r1");
+    let bname = names::binding_name(&names::identity_for(&mc), 1);
+    let claim = names::reader_claim(&bname);
+    let squatter: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim, "namespace": NS, "labels": {"app": "mine"}},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}
+    }))
+    .unwrap();
+    let hidden = claim.clone();
+    let h = Setup::nvmesh()
+        .with(&mc)
+        .with(&squatter)
+        .intercept(move |calls| {
+            let first = Arc::new(AtomicBool::new(true));
+            recording(calls).get(move |ctx| {
+                // Our read misses it: it appears right after.
+                if ctx.name == hidden && first.swap(false, Ordering::SeqCst) {
+                    return Err(kube_fake_client::Error::NotFound {
+                        kind: "persistentvolumeclaims".into(),
+                        name: ctx.name.to_string(),
+                        namespace: ctx.namespace.to_string(),
+                    });
+                }
+                Ok(None)
+            })
+        })
+        .build()
+        .await;
+    h.ok(NS, "a").await;
+    let b = h.bindings().await.remove(0);
+    h.complete_writer(&b, NVMESH, &format!("nvmesh/{NS}/vol-1"))
+        .await;
+    h.ok(NS, "a").await;
+    assert_eq!(h.cond(NS, "a", READY).await, is("False", "ForeignObject"));
+    let pvc = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
+        .get(&claim)
+        .await
+        .unwrap();
+    assert_eq!(
+        labels_of(&pvc.metadata).get("app").map(String::as_str),
+        Some("mine")
+    );
+    assert_eq!(
+        labels_of(&pvc.metadata).get(annotations::BINDING_LABEL),
+        None
+    );
+    // The pod webhook wires pods by Ready alone: nothing would mount the squatter's claim.
+    assert_ne!(h.cond(NS, "a", READY).await, is("True", "ReadersReady"));
+}
+
+/// Item 6: `provider` is a diagnostics label that gates nothing: editing it between the
+/// recorded selection and the binding is not drift.
+#[tokio::test]
+async fn row2_a_provider_label_edit_is_not_drift() {
+    let h = selected_but_unbound().await;
+    let mut catalog: serde_json::Value = serde_json::from_str(&catalog_text()).unwrap();
+    catalog["drivers"][0]["provider"] = json!("excelero-nvmesh");
+    h.set_catalog(&catalog.to_string()).await;
+    h.ok(NS, "a").await;
+    assert_eq!(h.status(NS, "a").await.mode, Some(CacheMode::Durable));
+    assert_eq!(h.bindings().await.len(), 1);
+    assert_ne!(
+        h.cond(NS, "a", READY).await,
+        is("False", "ConfigurationDrifted")
+    );
+    // Anything that gates (here the reader mount options) still is drift.
+    let h = selected_but_unbound().await;
+    let mut catalog: serde_json::Value = serde_json::from_str(&catalog_text()).unwrap();
+    catalog["drivers"][0]["readerMountOptions"] = json!(["ro"]);
+    h.set_catalog(&catalog.to_string()).await;
+    h.ok(NS, "a").await;
+    assert_eq!(
+        h.cond(NS, "a", READY).await,
+        is("False", "ConfigurationDrifted")
+    );
+}
+
+/// Item 10: an edit inside `spec.writer.template` (which the API server's CEL cannot see, see
+/// model_cache_cel.rs) is refused by the controller before anything is provisioned from it.
+#[tokio::test]
+async fn a_writer_template_edit_the_api_server_admits_is_refused() {
+    let h = selected_but_unbound().await;
+    let recorded = h.status(NS, "a").await.writer_template_digest.unwrap();
+    assert_eq!(recorded.len(), 64);
+    let api: Api<ic_shared::crd::ModelCache> = Api::namespaced(h.client.clone(), NS);
+    let mut mc = api.get("a").await.unwrap();
+    mc.spec.writer.template =
+        json!({"spec": {"containers": [{"name": "fetch", "image": "ghcr.io/example/other:2"}]}});
+    api.replace("a", &PostParams::default(), &mc).await.unwrap();
+    h.ok(NS, "a").await;
+    assert_eq!(h.cond(NS, "a", READY).await, is("False", "SpecChanged"));
+    let s = h.status(NS, "a").await;
+    assert_eq!(
+        s.writer_template_digest,
+        Some(recorded),
+        "the record is final"
+    );
+    assert!(s.binding.is_none() && s.mode.is_none());
+    assert!(h.bindings().await.is_empty());
+    assert_eq!(h.side_effects().await, 0);
+    // The same template again (an edit undone) goes on.
+    mc = api.get("a").await.unwrap();
+    mc.spec.writer.template = regular("a", NS, "r1").spec.writer.template;
+    api.replace("a", &PostParams::default(), &mc).await.unwrap();
+    h.ok(NS, "a").await;
+    assert_eq!(h.status(NS, "a").await.mode, Some(CacheMode::Durable));
+}

@@ -781,3 +781,41 @@ async fn step6_a_replaced_class_stops_provisioning_instead_of_switching() {
     assert!(h.names::<Job>(None).await.is_empty());
     assert_eq!(only_binding(&h).await.spec, before.spec);
 }
+
+/// Issue 17 item 4: with the catalog the chart ships, `helmModelCache` on NVMesh is durable
+/// (spec 004: "roxReadOnly does so only on NVMesh, whose volume handle encodes the consuming
+/// namespace and is rewritten per reader"). The handle is shaped as NVMesh 3.2 cross-namespace
+/// volumes encode it per NVCA's `updateSecondaryPVVolumeHandle` (four colon-separated
+/// elements, the consuming PVC's namespace last); the first three elements here are stand-ins.
+#[tokio::test]
+async fn step5_the_shipped_catalog_crosses_namespaces_on_nvmesh() {
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../chart/files/catalog.json"),
+    )
+    .unwrap();
+    let h = Setup::default()
+        .with(&catalog_cm(&shipped))
+        .with(&storage_class(NVMESH, Some("Retain")))
+        .with(&helm("h", NS, &["ns-b", "ns-c"]))
+        .build()
+        .await;
+    h.ok(NS, "h").await;
+    assert_eq!(h.status(NS, "h").await.mode, Some(CacheMode::Durable));
+    let b = only_binding(&h).await;
+    assert_eq!(b.spec.decision.flow, Flow::RoxReadOnly);
+    let bname = b.metadata.name.clone().unwrap();
+    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{CTL}"))
+        .await;
+    h.ok(NS, "h").await;
+    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
+    for ns in ["ns-b", "ns-c"] {
+        let pv = Api::<PersistentVolume>::all(h.client.clone())
+            .get(&names::reader_pv(&bname, ns))
+            .await
+            .unwrap();
+        assert_eq!(
+            pv.spec.unwrap().csi.unwrap().volume_handle,
+            format!("zone-a:csi-0d3f9a:xfs:{ns}")
+        );
+    }
+}

@@ -12,7 +12,7 @@
 //!     accessModes: [ReadWriteOnce, ReadOnlyMany]
 //!     readerMountOptions: [ro, norecovery, nouuid]
 //!     encryptionSupported: true
-//!     volumeHandleNamespace: { separator: "/", segment: 0 }
+//!     volumeHandleNamespace: { separator: ":", segment: 3 }   # NVMesh 3.2: namespace last of 4
 //!   - name: csi.weka.io
 //!     provider: weka
 //!     accessModes: []
@@ -88,16 +88,17 @@ struct StrictHandle {
     segment: u32,
 }
 
+/// An absent field is `None` (serde default); a present one must be an object — `null` is
+/// rejected, as the schema's `"type": "object"` rejects it.
 fn strict_handle<'de, D>(d: D) -> Result<Option<VolumeHandleNamespace>, D::Error>
 where
     D: serde::Deserializer<'de>,
 {
-    Ok(
-        Option::<StrictHandle>::deserialize(d)?.map(|h| VolumeHandleNamespace {
-            separator: h.separator,
-            segment: h.segment,
-        }),
-    )
+    let h = StrictHandle::deserialize(d)?;
+    Ok(Some(VolumeHandleNamespace {
+        separator: h.separator,
+        segment: h.segment,
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -232,9 +233,15 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(digest.as_ref())
 }
 
-/// SHA-256 of an entry's canonical JSON: the catalog profile a decision came from.
+/// SHA-256 of an entry's canonical JSON without its `provider` label: the catalog profile a
+/// decision came from. `provider` is for diagnostics and gates nothing (spec 004), so a label
+/// edit neither changes the profile nor counts as drift.
 pub fn profile_digest(entry: &DriverEntry) -> String {
-    sha256_hex(&serde_json::to_vec(entry).unwrap_or_default())
+    let gating = DriverEntry {
+        provider: String::new(),
+        ..entry.clone()
+    };
+    sha256_hex(&serde_json::to_vec(&gating).unwrap_or_default())
 }
 
 fn valid_driver_name(name: &str) -> bool {

@@ -122,6 +122,8 @@ pub fn request(name: &str, ns: &str, spec: Value) -> ModelCache {
 pub struct Calls {
     /// `verb kind-or-resource name` in call order.
     pub log: Mutex<Vec<String>>,
+    /// Every object sent with a status replace (PUT …/status), in call order.
+    pub statuses: Mutex<Vec<Value>>,
 }
 
 impl Calls {
@@ -132,6 +134,16 @@ impl Calls {
     /// Index of the first entry starting with `prefix`.
     pub fn first(&self, prefix: &str) -> Option<usize> {
         self.log().iter().position(|l| l.starts_with(prefix))
+    }
+    /// The `status` of every status replace of object `name`, in call order.
+    pub fn statuses_of(&self, name: &str) -> Vec<Value> {
+        self.statuses
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|o| o.pointer("/metadata/name").and_then(Value::as_str) == Some(name))
+            .map(|o| o.get("status").cloned().unwrap_or(Value::Null))
+            .collect()
     }
 }
 
@@ -215,7 +227,7 @@ impl Setup {
             Some(f) => b.with_interceptor_funcs(f(calls.clone())),
             None => b.with_interceptor_funcs(recording(calls.clone())),
         };
-        let client = b.build().await.unwrap();
+        let client = with_delete_preconditions(b.build().await.unwrap());
         let clock = Arc::new(FakeClock::new(Timestamp::from_second(T0).unwrap()));
         let config = ModelCacheConfig {
             flags: self.flags,
@@ -234,6 +246,75 @@ impl Setup {
             calls,
         }
     }
+}
+
+/// kube-fake-client 0.3.0 ignores `DeleteOptions.preconditions`; the API server answers a
+/// DELETE whose precondition `uid` or `resourceVersion` differs from the stored object with
+/// 409 Conflict ("Precondition failed: UID in precondition: …, UID in object meta: …"). This
+/// wraps the in-memory API in a service that does the same: a DELETE with preconditions first
+/// GETs the object at the same path and compares.
+pub fn with_delete_preconditions(inner: Client) -> Client {
+    let svc = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+        let inner = inner.clone();
+        async move {
+            if req.method() != http::Method::DELETE {
+                return inner.send(req).await;
+            }
+            let (parts, body) = req.into_parts();
+            let bytes = body.collect_bytes().await?;
+            let opts: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let pre = opts.get("preconditions").cloned().unwrap_or(Value::Null);
+            let want_uid = pre.get("uid").and_then(Value::as_str).map(str::to_string);
+            let want_rv = pre
+                .get("resourceVersion")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            if want_uid.is_some() || want_rv.is_some() {
+                let get = http::Request::get(parts.uri.path())
+                    .body(kube::client::Body::empty())
+                    .unwrap();
+                let res = inner.send(get).await?;
+                if res.status().is_success() {
+                    let stored: Value =
+                        serde_json::from_slice(&res.into_body().collect_bytes().await?)
+                            .unwrap_or(Value::Null);
+                    let meta = |k: &str| {
+                        stored
+                            .pointer(&format!("/metadata/{k}"))
+                            .and_then(Value::as_str)
+                            .map(str::to_string)
+                    };
+                    let mismatch = |want: &Option<String>, k: &str| {
+                        want.as_ref().is_some_and(|w| Some(w.clone()) != meta(k))
+                    };
+                    if mismatch(&want_uid, "uid") || mismatch(&want_rv, "resourceVersion") {
+                        let status = json!({
+                            "kind": "Status", "apiVersion": "v1", "metadata": {},
+                            "status": "Failure", "reason": "Conflict", "code": 409,
+                            "message": format!(
+                                "Precondition failed: UID in precondition: {:?}, UID in object meta: {:?}",
+                                want_uid, meta("uid")
+                            ),
+                        });
+                        return Ok(http::Response::builder()
+                            .status(409)
+                            .header("content-type", "application/json")
+                            .body(kube::client::Body::from(
+                                serde_json::to_vec(&status).unwrap(),
+                            ))
+                            .unwrap());
+                    }
+                }
+            }
+            inner
+                .send(http::Request::from_parts(
+                    parts,
+                    kube::client::Body::from(bytes),
+                ))
+                .await
+        }
+    });
+    Client::new(svc, "default")
 }
 
 fn kind_of(v: &Value) -> String {
@@ -275,6 +356,7 @@ pub fn recording(calls: Arc<Calls>) -> interceptor::Funcs {
                 .lock()
                 .unwrap()
                 .push(format!("status {} {}", kind_of(ctx.object), ctx.name));
+            c3.statuses.lock().unwrap().push(ctx.object.clone());
             Ok(None)
         })
         .delete(move |ctx| {

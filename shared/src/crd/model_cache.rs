@@ -25,8 +25,10 @@
 //!             args: ["--to", "/model-data"]
 //! ```
 //!
-//! What the API server enforces (CEL, `x-kubernetes-validations`): `spec` is immutable; a
-//! recorded `status.mode`, `status.selection` and `status.binding` never change (a request is
+//! What the API server enforces (CEL, `x-kubernetes-validations`): `spec` is immutable (except
+//! inside `spec.writer.template`, whose fields CEL cannot see: the controller records
+//! `status.writerTemplateDigest` and refuses a changed template with `SpecChanged`); a recorded
+//! `status.mode`, `status.selection`, `status.binding` and `status.writerTemplateDigest` never change (a request is
 //! never rebound — recreate it to start over); `helmModelCache` needs `readerNamespaces`,
 //! `regularModelCache` takes neither `readerNamespaces` nor `sharingDomain`.
 
@@ -129,6 +131,13 @@ pub mod model_cache_reason {
     pub const STORAGE_CLASS_CHANGED: &str = "StorageClassChanged";
     /// Ready=False: an object the binding names exists but belongs to someone else.
     pub const FOREIGN_OBJECT: &str = "ForeignObject";
+    /// Ready=False: `spec.writer.template` differs from what the controller first read
+    /// (`status.writerTemplateDigest`), an edit the API server's immutability rule cannot see.
+    /// Nothing is provisioned from the changed spec; recreate the ModelCache.
+    pub const SPEC_CHANGED: &str = "SpecChanged";
+    /// Not ready: an uninstall is in progress (the uninstall marker exists in the control
+    /// namespace), so no new binding is created.
+    pub const UNINSTALLING: &str = "Uninstalling";
     /// Ready=False: a reader PV cannot be derived from the writer's volume.
     pub const READER_DERIVATION_FAILED: &str = "ReaderDerivationFailed";
     /// Ready=True: reader claims exist in every reader namespace.
@@ -276,8 +285,10 @@ pub enum Durability {
 #[serde(rename_all = "camelCase")]
 pub struct NamespacedName {
     /// Namespace.
+    #[schemars(length(max = 63))]
     pub namespace: String,
     /// Name.
+    #[schemars(length(max = 253))]
     pub name: String,
 }
 
@@ -389,7 +400,8 @@ impl WriterSpec {
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#,
     validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.mode) || (has(self.status) && has(self.status.mode) && self.status.mode == oldSelf.status.mode)").message("status.mode is final once recorded"),
     validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.selection) || (has(self.status) && has(self.status.selection) && self.status.selection == oldSelf.status.selection)").message("status.selection is final once recorded"),
-    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.binding) || (has(self.status) && has(self.status.binding) && self.status.binding == oldSelf.status.binding)").message("status.binding never changes once recorded: a request is never rebound")
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.binding) || (has(self.status) && has(self.status.binding) && self.status.binding == oldSelf.status.binding)").message("status.binding never changes once recorded: a request is never rebound"),
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.writerTemplateDigest) || (has(self.status) && has(self.status.writerTemplateDigest) && self.status.writerTemplateDigest == oldSelf.status.writerTemplateDigest)").message("status.writerTemplateDigest is final once recorded")
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = super::shorten_quantity_descriptions)]
@@ -479,6 +491,14 @@ pub struct ModelCacheStatus {
     /// `.metadata.generation` last reconciled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// SHA-256 (64 lower-case hex) of `spec.writer.template` (JSON) as the controller first
+    /// read it, recorded before any side effect; final. The API server's `self == oldSelf`
+    /// cannot see inside the template (fields kept by `x-kubernetes-preserve-unknown-fields`
+    /// are not accessible to CEL), so the controller compares every pass and refuses a changed
+    /// template (`Ready=False SpecChanged`). The rest of `spec` is immutable by CEL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(r"^[0-9a-f]{64}$"))]
+    pub writer_template_digest: Option<String>,
     /// Conditions keyed by type: `Selected`, `Ready`, and the advisory `ReadersHealthy` (from
     /// the node agents' reader-volume checks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -11,8 +11,10 @@
 //! | `status.phase` | `Active` or `Retiring` |
 //!
 //! What the API server enforces (CEL, `x-kubernetes-validations`): `spec` is immutable, a
-//! recorded `spec.identity` never changes, and `Retiring` never returns to `Active` (a missing
-//! phase reads as `Active`). The finalizer [`BINDING_FINALIZER`](super::model_cache::annotations::BINDING_FINALIZER)
+//! recorded `spec.identity` never changes, `Retiring` never returns to `Active` (a missing
+//! phase reads as `Active`), `status.writerVolumeName` is set once (the data identity readers
+//! derive from), and `status.additionalResources` never loses a name (a dropped name would
+//! never be released). The finalizer [`BINDING_FINALIZER`](super::model_cache::annotations::BINDING_FINALIZER)
 //! protects owned resources until they are released.
 //!
 //! Readers added after creation (a later `helmModelCache` request naming a new namespace) are
@@ -28,8 +30,43 @@ use super::model_cache::{AccessMode, Flow, NamespacedName, VolumeHandleNamespace
 
 /// Condition types of a `ModelCacheBinding`.
 pub mod binding_condition {
-    /// False while an owned object could not be released (foreign ownership, API error).
+    /// Written by each release pass of a `Retiring` binding: `True` when every object it names
+    /// is gone, `False` while one is kept (listed in `status.releaseSkipped`).
     pub const RELEASED: &str = "Released";
+}
+
+/// Reasons of the `Released` condition and of `status.releaseSkipped` entries.
+pub mod binding_reason {
+    /// `Released=True`: every object the binding names was deleted or was already gone.
+    pub const RELEASED: &str = "Released";
+    /// `Released=False`: at least one named object was kept (see `status.releaseSkipped`).
+    pub const OBJECTS_KEPT: &str = "ObjectsKept";
+    /// Skipped: the object at a named name lacks the binding's label and UID annotation (never
+    /// adopted, never deleted).
+    pub const FOREIGN_OBJECT: &str = "ForeignObject";
+    /// Skipped: the object changed (UID or resourceVersion) between the ownership read and the
+    /// delete, so the delete's precondition failed; it is read again on the next pass.
+    pub const CHANGED_SINCE_READ: &str = "ChangedSinceRead";
+    /// Skipped: deleting it would delete data — the claim's bound PV, or the PV itself, no
+    /// longer has reclaim policy `Retain` ("Configuration drift never authorizes data
+    /// deletion"). The finalizer stays.
+    pub const VOLUME_NOT_RETAINED: &str = "VolumeNotRetained";
+}
+
+/// Most entries a `BindingResources` list holds (bounds the CEL cost of the never-shrinks rule:
+/// one reader claim and PV per reader namespace).
+pub const MAX_RESOURCE_ITEMS: usize = 256;
+
+/// One named object a release pass kept (`status.releaseSkipped`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseSkip {
+    /// `Kind namespace/name` (cluster-scoped: `Kind name`).
+    #[schemars(length(max = 400))]
+    pub object: String,
+    /// [`binding_reason`] `ForeignObject`, `ChangedSinceRead` or `VolumeNotRetained`.
+    #[schemars(length(max = 64))]
+    pub reason: String,
 }
 
 /// `status.phase`.
@@ -111,23 +148,41 @@ pub struct BindingStorageClass {
 
 /// `spec.resources` / `status.additionalResources`: names of owned objects. Nothing else is
 /// ever deleted on release.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+///
+/// CEL (transition rules, so only where an old object exists): no recorded name is ever
+/// dropped and a recorded Lease never changes — a name that left the list would never be
+/// released (spec 004 "a recorded data identity never changes"). Lists hold at most
+/// [`MAX_RESOURCE_ITEMS`] names, which bounds the rules' cost.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(oldSelf.persistentVolumeClaims) || (has(self.persistentVolumeClaims) && oldSelf.persistentVolumeClaims.all(x, x in self.persistentVolumeClaims))").message("a named persistentVolumeClaims entry is never dropped: a dropped object would never be released"),
+    validation = Rule::new("!has(oldSelf.persistentVolumes) || (has(self.persistentVolumes) && oldSelf.persistentVolumes.all(x, x in self.persistentVolumes))").message("a named persistentVolumes entry is never dropped: a dropped object would never be released"),
+    validation = Rule::new("!has(oldSelf.jobs) || (has(self.jobs) && oldSelf.jobs.all(x, x in self.jobs))").message("a named jobs entry is never dropped: a dropped object would never be released"),
+    validation = Rule::new("!has(oldSelf.storageClasses) || (has(self.storageClasses) && oldSelf.storageClasses.all(x, x in self.storageClasses))").message("a named storageClasses entry is never dropped: a dropped object would never be released"),
+    validation = Rule::new("!has(oldSelf.secrets) || (has(self.secrets) && oldSelf.secrets.all(x, x in self.secrets))").message("a named secrets entry is never dropped: a dropped object would never be released"),
+    validation = Rule::new("!has(oldSelf.lease) || (has(self.lease) && self.lease == oldSelf.lease)").message("a named lease never changes")
+)]
 pub struct BindingResources {
     /// PersistentVolumeClaims (writer claim, reader claims).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
     pub persistent_volume_claims: Vec<NamespacedName>,
     /// PersistentVolumes (derived reader PVs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256), inner(length(max = 253)))]
     pub persistent_volumes: Vec<String>,
     /// Jobs (the writer).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
     pub jobs: Vec<NamespacedName>,
     /// StorageClasses (an encrypted cache's derived class).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256), inner(length(max = 253)))]
     pub storage_classes: Vec<String>,
     /// Secrets (an encrypted cache's key).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
     pub secrets: Vec<NamespacedName>,
     /// The writer-election Lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -188,7 +243,9 @@ impl BindingResources {
     printcolumn = r#"{"name": "Provisioner", "type": "string", "jsonPath": ".spec.decision.provisioner"}"#,
     printcolumn = r#"{"name": "Workflow", "type": "string", "jsonPath": ".spec.identity.workflow"}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#,
-    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Retiring' || (has(self.status) && has(self.status.phase) && self.status.phase == 'Retiring')").message("Retiring never returns to Active")
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Retiring' || (has(self.status) && has(self.status.phase) && self.status.phase == 'Retiring')").message("Retiring never returns to Active"),
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.writerVolumeName) || (has(self.status) && has(self.status.writerVolumeName) && self.status.writerVolumeName == oldSelf.status.writerVolumeName)").message("status.writerVolumeName is set once: readers derive from it"),
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.additionalResources) || (has(self.status) && has(self.status.additionalResources))").message("status.additionalResources is never removed: its objects would never be released")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self == oldSelf").message("spec is immutable"))]
@@ -216,6 +273,10 @@ pub struct RequestReference {
 }
 
 /// Observed state of a `ModelCacheBinding`.
+///
+/// CEL: `writerVolumeName` is set once (what every reader PV derives from: the cache's data
+/// identity); `additionalResources`, once recorded, is never removed (its lists never shrink,
+/// see [`BindingResources`]).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelCacheBindingStatus {
@@ -235,7 +296,13 @@ pub struct ModelCacheBindingStatus {
     /// The writer claim's dynamically provisioned PV (not owned: under `Retain` it stays
     /// `Released` for the storage administrator after release).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub writer_volume_name: Option<String>,
+    /// Named objects the last release pass kept, with why (foreign, changed since read, or a
+    /// volume that no longer `Retain`s). Empty before release and once everything is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024))]
+    pub release_skipped: Vec<ReleaseSkip>,
     /// Conditions keyed by type (`Released`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]

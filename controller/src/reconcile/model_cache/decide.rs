@@ -174,9 +174,15 @@ pub enum Selected {
     NoFlow(NonDurable),
 }
 
-/// SHA-256 (hex) over a decision and a class record: what drift detection compares.
+/// SHA-256 (hex) over a decision and a class record: what drift detection compares. The
+/// decision's `provider` is left out: it is a diagnostics label that "gates nothing" (spec 004),
+/// so editing it is not drift.
 pub fn decision_digest(decision: &BindingDecision, class: &BindingStorageClass) -> String {
-    let v = serde_json::json!({"decision": decision, "storageClass": class});
+    let gating = BindingDecision {
+        provider: String::new(),
+        ..decision.clone()
+    };
+    let v = serde_json::json!({"decision": gating, "storageClass": class});
     sha256_hex(v.to_string().as_bytes())
 }
 
@@ -419,19 +425,28 @@ fn since(now: Timestamp, then: &Time) -> Duration {
         .unwrap_or(Duration::ZERO)
 }
 
-/// Lifecycle of an `Active` binding whose references were checked: `live` are those whose
-/// request still exists with the recorded UID. Zero live references starts (or continues) the
-/// idle period; at its end the binding retires. `steady` is the look-again cadence otherwise.
+/// Lifecycle of a binding whose references were checked: `live` are those whose request still
+/// exists with the recorded UID. Zero live references starts (or continues) the idle period; at
+/// its end the binding retires and is released — the only release path (spec 004 "Cache
+/// binding"). A binding being deleted (`deleting`) or already `Retiring` is never joined again
+/// (phase `Retiring`), but while a live request still references it nothing is released: it
+/// waits, like any binding, for zero references past the idle period. `steady` is the
+/// look-again cadence otherwise.
 pub fn lifecycle(
     binding: &ModelCacheBinding,
     live: &[RequestReference],
     now: Timestamp,
     idle_period: Duration,
     steady: Duration,
+    deleting: bool,
 ) -> Lifecycle {
     let current = binding.status.clone().unwrap_or_default();
     let mut next = current.clone();
-    next.phase = Some(BindingPhase::Active);
+    next.phase = Some(if deleting || binding.phase() == BindingPhase::Retiring {
+        BindingPhase::Retiring
+    } else {
+        BindingPhase::Active
+    });
     next.request_references = live.to_vec();
     if live.is_empty() {
         let idle_since = current
@@ -586,7 +601,7 @@ mod tests {
         let b = ModelCacheBinding::default();
         let idle = Duration::from_secs(600);
         let steady = Duration::from_secs(300);
-        let Lifecycle::Update(s, left) = lifecycle(&b, &[], t(1000), idle, steady) else {
+        let Lifecycle::Update(s, left) = lifecycle(&b, &[], t(1000), idle, steady, false) else {
             panic!()
         };
         assert_eq!(s.idle_since, Some(Time(t(1000))));
@@ -594,10 +609,10 @@ mod tests {
         let mut b2 = b.clone();
         b2.status = Some(*s);
         assert!(matches!(
-            lifecycle(&b2, &[], t(1500), idle, steady),
+            lifecycle(&b2, &[], t(1500), idle, steady, false),
             Lifecycle::Unchanged(d) if d == Duration::from_secs(100)
         ));
-        let Lifecycle::Retire(s) = lifecycle(&b2, &[], t(1600), idle, steady) else {
+        let Lifecycle::Retire(s) = lifecycle(&b2, &[], t(1600), idle, steady, false) else {
             panic!()
         };
         assert_eq!(s.phase, Some(BindingPhase::Retiring));
@@ -608,11 +623,33 @@ mod tests {
             uid: "u".into(),
         };
         let Lifecycle::Update(s, _) =
-            lifecycle(&b2, std::slice::from_ref(&r), t(1500), idle, steady)
+            lifecycle(&b2, std::slice::from_ref(&r), t(1500), idle, steady, false)
         else {
             panic!()
         };
         assert_eq!(s.idle_since, None);
-        assert_eq!(s.request_references, vec![r]);
+        assert_eq!(s.request_references, vec![r.clone()]);
+        // Deleted while referenced: Retiring (never joined again), nothing released.
+        let Lifecycle::Update(s, _) =
+            lifecycle(&b2, std::slice::from_ref(&r), t(99_999), idle, steady, true)
+        else {
+            panic!()
+        };
+        assert_eq!(s.phase, Some(BindingPhase::Retiring));
+        // Deleted and unreferenced: released only past the idle period.
+        let Lifecycle::Update(s, _) = lifecycle(&b, &[], t(1000), idle, steady, true) else {
+            panic!()
+        };
+        assert_eq!(s.phase, Some(BindingPhase::Retiring));
+        let mut b3 = b.clone();
+        b3.status = Some(*s);
+        assert!(matches!(
+            lifecycle(&b3, &[], t(1599), idle, steady, true),
+            Lifecycle::Unchanged(_)
+        ));
+        assert!(matches!(
+            lifecycle(&b3, &[], t(1600), idle, steady, true),
+            Lifecycle::Retire(_)
+        ));
     }
 }

@@ -36,9 +36,18 @@
 //! References whose request is gone (or recreated with another UID) are pruned; zero references
 //! past [`ModelCacheConfig::idle_period`] → `Retiring` → every object the binding names is
 //! deleted if it still carries the binding's label and UID annotation (anything else is foreign:
-//! never adopted, never deleted) → the finalizer is dropped and the binding deleted. A binding
-//! being deleted retires the same way. Transient API errors return [`Error`] before any further
-//! write (the runtime requeues; nothing is half-decided).
+//! never adopted, never deleted), each delete preconditioned on the UID and resourceVersion that
+//! were read, a claim or PV only while its volume still `Retain`s → `Released` written (with
+//! `status.releaseSkipped` for whatever was kept) → the finalizer is dropped and the binding
+//! deleted. A binding being deleted is `Retiring` at once but released the same way only: zero
+//! live references past the idle period. Transient API errors return [`Error`] before any
+//! further write (the runtime requeues; nothing is half-decided).
+//!
+//! # Uninstall
+//!
+//! [`binding::strip_binding_finalizers`] creates [`UNINSTALL_MARKER`] first; while it exists no
+//! binding is created (a create that raced it strips its own finalizer), so none can appear after
+//! the strip.
 //!
 //! # Wiring into `ic-controller run`
 //!
@@ -49,7 +58,8 @@
 //!
 //! The controller needs RBAC for: modelcaches (get/list/watch, status patch), modelcachebindings
 //! (all verbs, status), persistentvolumeclaims, persistentvolumes, jobs, leases, secrets (control
-//! namespace), storageclasses (get/create/delete), configmaps (get, catalog namespace).
+//! namespace), storageclasses (get/create/delete), configmaps (get, catalog namespace; get of
+//! the uninstall marker, control namespace).
 
 pub mod binding;
 pub mod decide;
@@ -71,7 +81,7 @@ use kube::Client;
 use thiserror::Error;
 
 use super::clock::Clock;
-pub use binding::{reconcile_binding, strip_binding_finalizers};
+pub use binding::{reconcile_binding, strip_binding_finalizers, uninstalling, UNINSTALL_MARKER};
 pub use decide::FeatureFlags;
 pub use request::reconcile_request;
 
@@ -190,6 +200,13 @@ pub enum Error {
         /// The API error.
         source: kube::Error,
     },
+    /// Uninstall must stop: bindings with finalizers kept appearing after the uninstall marker
+    /// was created (a controller that does not honour it).
+    #[error("uninstall stopped: ModelCacheBindings with finalizers still appear after {rounds} strip rounds; is an older controller still running?")]
+    StillCreating {
+        /// Rounds made.
+        rounds: usize,
+    },
 }
 
 impl Error {
@@ -201,6 +218,7 @@ impl Error {
             Error::Serde(_) => "serde",
             Error::Random => "random",
             Error::StripFinalizer { .. } => "strip_finalizer",
+            Error::StillCreating { .. } => "still_creating",
         }
     }
 }

@@ -73,6 +73,13 @@ pub async fn reconcile_request(obj: Arc<ModelCache>, ctx: Arc<Context>) -> Resul
     pass.run().await
 }
 
+/// SHA-256 (hex) of a request's `spec.writer.template` as compact JSON
+/// (`status.writerTemplateDigest`; object keys in the order `serde_json::Value` keeps them, the
+/// same for every read of one stored object).
+pub fn writer_template_digest(mc: &ModelCache) -> String {
+    crate::catalog::sha256_hex(mc.spec.writer.template.to_string().as_bytes())
+}
+
 /// Why the flow cannot go on this pass.
 struct Hold {
     reason: &'static str,
@@ -154,6 +161,32 @@ impl Pass<'_> {
     }
 
     async fn run(&mut self) -> Result<Action, Error> {
+        // The API server cannot enforce immutability inside spec.writer.template: the template
+        // as first read is recorded before any side effect and compared on every pass.
+        let digest = writer_template_digest(&self.mc);
+        match self.status.writer_template_digest.clone() {
+            None => {
+                self.status.writer_template_digest = Some(digest);
+                // A new request writes it with its first status write (before any side
+                // effect); one recorded before the digest existed writes it now.
+                if self.status.mode.is_some() || self.status.binding.is_some() {
+                    self.flush().await?;
+                }
+            }
+            Some(recorded) if recorded != digest => {
+                self.set(
+                    ctype::READY,
+                    ConditionStatus::False,
+                    reason::SPEC_CHANGED,
+                    format!(
+                        "spec.writer.template changed after it was recorded (sha256 {recorded}, now {digest}); the API server's immutability rule cannot see inside the template; nothing is provisioned from the changed spec — recreate the ModelCache"
+                    ),
+                );
+                self.flush().await?;
+                return Ok(Action::await_change());
+            }
+            Some(_) => {}
+        }
         match self.status.mode {
             Some(CacheMode::None) | Some(CacheMode::Ephemeral) => {
                 let mode = self.status.mode.map(|m| m.as_str()).unwrap_or_default();
@@ -249,6 +282,10 @@ impl Pass<'_> {
         let binding = match choose_binding(&existing, &identity) {
             Choice::Join(b) => *b,
             Choice::Create { generation } => {
+                // Uninstall strips finalizers: never add one after it began.
+                if let Some(h) = self.uninstall_hold().await? {
+                    return self.hold(h).await;
+                }
                 let bname = binding_name(&identity, generation);
                 let writer_ns =
                     writer_namespace(self.mc.spec.workflow, &self.ns, &cfg.control_namespace);
@@ -267,7 +304,15 @@ impl Pass<'_> {
                     durable.class,
                     resources,
                 );
-                bindings.create(&PostParams::default(), &obj).await?
+                let created = bindings.create(&PostParams::default(), &obj).await?;
+                // The marker may have appeared after the check above, and the uninstall's
+                // last list may predate this create: then the marker is visible now, and the
+                // finalizer this create added is removed here.
+                if let Some(h) = self.uninstall_hold().await? {
+                    super::binding::remove_finalizer(&bindings, &created).await?;
+                    return self.hold(h).await;
+                }
+                created
             }
         };
         // Step 4: reference on the binding, then binding name + UID on the request.
@@ -320,6 +365,23 @@ impl Pass<'_> {
         );
         self.flush().await?;
         Ok(Action::await_change())
+    }
+
+    /// `Some` while an uninstall is in progress ([`super::UNINSTALL_MARKER`] exists).
+    async fn uninstall_hold(&self) -> Result<Option<Hold>, Error> {
+        let cfg = &self.ctx.config;
+        if !super::uninstalling(&self.ctx.client, &cfg.control_namespace).await? {
+            return Ok(None);
+        }
+        Ok(Some(Hold {
+            reason: reason::UNINSTALLING,
+            message: format!(
+                "an uninstall is in progress (ConfigMap {}/{} exists): no new ModelCacheBinding is created",
+                cfg.control_namespace,
+                super::UNINSTALL_MARKER
+            ),
+            requeue: cfg.steady_requeue,
+        }))
     }
 
     /// `Ok(Err(message))` when the ConfigMap is missing or the catalog invalid.
@@ -819,7 +881,28 @@ impl Pass<'_> {
                     let c = render::reader_claim(&pv, &claim_name, &ns, owner);
                     match claims.create(&PostParams::default(), &c).await {
                         Ok(_) => {}
-                        Err(e) if is_conflict(&e) => {}
+                        // Created by someone else between our read and our create: it is
+                        // ours only if it carries the binding's label and UID annotation.
+                        Err(e) if is_conflict(&e) => match claims.get_opt(&claim_name).await? {
+                            Some(c)
+                                if ownership(&c.metadata, owner.name, owner.uid)
+                                    == Ownership::Owned => {}
+                            Some(_) => {
+                                return Ok(Some(self.foreign(&format!(
+                                    "PersistentVolumeClaim {ns}/{claim_name}"
+                                ))))
+                            }
+                            // Gone again: the next pass creates it.
+                            None => {
+                                return Ok(Some(Hold {
+                                    reason: reason::READER_DERIVATION_FAILED,
+                                    message: format!(
+                                        "reader claim {ns}/{claim_name} was created and deleted by someone else while it was being created; retrying"
+                                    ),
+                                    requeue: cfg.pending_requeue,
+                                }))
+                            }
+                        },
                         Err(e) => return Err(e.into()),
                     }
                 }
