@@ -714,12 +714,17 @@ mod tests {
             status.type_,
             "string; one of `Ok`, `Warning`, `Critical`, `Unknown`"
         );
-        // Items with nothing beyond a bare type get no row of their own.
+        // Items with nothing beyond a bare type get no row of their own; items with a bound do.
+        let backend = field_rows(&crd("CacheBackend"));
+        assert!(backend
+            .iter()
+            .any(|r| r.path == "spec.integration.engineOverrides.suppressEnv"
+                && r.type_ == "[]string"));
+        assert!(!backend
+            .iter()
+            .any(|r| r.path == "spec.integration.engineOverrides.suppressEnv[]"));
         let binding = field_rows(&crd("ModelCacheBinding"));
         assert!(binding
-            .iter()
-            .any(|r| r.path == "spec.resources.persistentVolumes" && r.type_ == "[]string"));
-        assert!(!binding
             .iter()
             .any(|r| r.path == "spec.resources.persistentVolumes[]"));
         // Items with an enum do.
