@@ -106,21 +106,30 @@ pub async fn redis_round_trip(
 ) -> Result<(), String> {
     let client = redis::Client::open(format!("redis://{endpoint}/"))
         .map_err(|e| format!("the Redis endpoint {endpoint:?} is not usable: {e}"))?;
+    // The library's own connection and response timeouts (1 s / 500 ms by default) would
+    // otherwise cut a step shorter than `timeout`.
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout));
     let mut conn = step(
         "connection",
         endpoint,
         timeout,
-        client.get_multiplexed_async_connection(),
+        client.get_multiplexed_async_connection_with_config(&config),
     )
     .await?;
-    let set: redis::RedisResult<()> = redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut conn)
-        .await;
-    step("put (SET)", endpoint, timeout, async { set }).await?;
+    let _: () = step(
+        "put (SET)",
+        endpoint,
+        timeout,
+        redis::cmd("SET")
+            .arg(key)
+            .arg(value)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut conn),
+    )
+    .await?;
     let got: Option<String> = step(
         "get (GET)",
         endpoint,

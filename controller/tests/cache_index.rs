@@ -407,11 +407,17 @@ async fn cache_tenants_quotas_are_enforced_and_reported() {
             "roomy",
             serde_json::json!({"quota": {"maxIndexEntries": 5}}),
         ),
-        // A second CacheTenant naming team-a: the smaller quota applies.
+        // A second CacheTenant of team-a: the smaller quota applies.
+        tenant(
+            "team-a",
+            "tighter",
+            serde_json::json!({"quota": {"maxIndexEntries": 5}}),
+        ),
+        // Another namespace naming team-a: never enforced (it could evict team-a's entries).
         tenant(
             "ops",
             "names-team-a",
-            serde_json::json!({"tenantID": "team-a", "quota": {"maxIndexEntries": 5}}),
+            serde_json::json!({"tenantID": "team-a", "quota": {"maxIndexEntries": 0}}),
         ),
         tenant("idle", "nothing", serde_json::json!({})),
     ];
@@ -447,7 +453,7 @@ async fn cache_tenants_quotas_are_enforced_and_reported() {
 
     let now = ic_controller::reconcile::clock::to_time(Timestamp::now());
     let written = sync_tenants(&client, &agg, now.clone()).await.unwrap();
-    assert_eq!(written, 4);
+    assert_eq!(written, 5);
     // Nothing changed: nothing written.
     assert_eq!(sync_tenants(&client, &agg, now).await.unwrap(), 0);
     let get = |ns: &'static str, name: &'static str| {
@@ -480,4 +486,36 @@ async fn cache_tenants_quotas_are_enforced_and_reported() {
     assert_eq!((idle.index_entries, idle.evicted_entries), (Some(0), None));
     let c = find_condition(&idle.conditions, "WithinQuota").unwrap();
     assert_eq!(c.reason, "NoQuota");
+}
+
+/// The rows are bounded by bytes too: long model ids cannot push the object toward etcd's limit.
+#[test]
+fn rows_are_bounded_by_bytes_and_say_so() {
+    use ic_controller::reconcile::cache_index::MAX_REPLICA_BYTES;
+    let mut ix = PrefixIndex::new();
+    ix.resync_node(
+        "n1",
+        &(0..600)
+            .map(|i| {
+                let mut d = desc("t", &format!("p-{i:04}"), 0);
+                d.model = "m".repeat(1000);
+                proto::StreamSnapshot {
+                    stream: Some(d),
+                    coverage: proto::Coverage::Exact as i32,
+                    ..Default::default()
+                }
+            })
+            .collect::<Vec<_>>(),
+    );
+    let s = desired_status(
+        &IndexAggregate::of(&ix),
+        None,
+        ic_controller::reconcile::clock::to_time(Timestamp::now()),
+    );
+    let bytes = serde_json::to_vec(&s.replicas).unwrap().len();
+    assert!(bytes <= MAX_REPLICA_BYTES, "{bytes}");
+    assert!(s.replicas.len() < 600 && !s.replicas.is_empty());
+    assert_eq!(s.replica_count, 600);
+    let c = find_condition(&s.conditions, "Complete").unwrap();
+    assert_eq!(c.reason, "ReplicasTruncated");
 }

@@ -192,6 +192,19 @@ async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
             ("opted-out".to_string(), "SkippedByOperator".to_string()),
         ]
     );
+    // Straight at the sink: the second create of the same Event reads AlreadyRecorded (the API
+    // server's 409), not a second object.
+    use ic_controller::reconcile::cachebackend::events::{EventSink, EventSpec, Recorded};
+    let sink = KubeEventSink::new(client.clone(), "inference-cache-controller", None);
+    let oref = {
+        use kube::Resource;
+        injected.object_ref(&())
+    };
+    let ev = EventSpec::normal("InjectedByCacheBackend", "again");
+    assert_eq!(
+        sink.publish_once(&oref, &ev).await.unwrap(),
+        Recorded::AlreadyRecorded
+    );
     // The same name, a new UID: a new pod, a new Event.
     let mut recreated = injected.clone();
     recreated.metadata.uid = Some("uid-engine-0-second".into());

@@ -24,6 +24,10 @@ struct Redis {
 
 impl Redis {
     fn start() -> Redis {
+        Redis::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Redis {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -40,6 +44,7 @@ impl Redis {
                 "--appendonly",
                 "no",
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -176,6 +181,35 @@ async fn tiers_without_a_client_are_skipped_with_the_reason() {
     ));
 }
 
+/// A tier slower than the library's own defaults (500 ms response) but within the probe's 2 s
+/// is not a failure: a Redis busy for 700 ms (a fork for BGSAVE, an AOF rewrite) still passes.
+#[tokio::test]
+async fn a_slow_but_working_tier_passes_within_the_configured_timeout() {
+    let r = Redis::start_with(&["--enable-debug-command", "yes"]);
+    let endpoint = r.endpoint();
+    let busy = {
+        let endpoint = endpoint.clone();
+        tokio::spawn(async move {
+            let client = redis::Client::open(format!("redis://{endpoint}/")).unwrap();
+            let mut c = client.get_multiplexed_async_connection().await.unwrap();
+            let _: redis::RedisResult<()> = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("0.7")
+                .query_async(&mut c)
+                .await;
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = std::time::Instant::now();
+    let got = prober().probe(&managed("Redis", &endpoint), 9).await;
+    assert!(matches!(got, T2Outcome::Ok(_)), "{got:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the tier was not busy"
+    );
+    let _ = busy.await;
+}
+
 /// A server that accepts and never answers: each step is bounded by the timeout.
 #[tokio::test]
 async fn a_tier_that_hangs_is_bounded_by_the_timeout() {
@@ -187,8 +221,19 @@ async fn a_tier_that_hangs_is_bounded_by_the_timeout() {
             held.push(s);
         }
     });
-    let err = redis_round_trip(&addr.to_string(), "k", "v", Duration::from_millis(300))
+    // 1.5 s: longer than the client library's own connect / response defaults (1 s / 500 ms),
+    // so an early failure would show they still applied.
+    let started = std::time::Instant::now();
+    let err = redis_round_trip(&addr.to_string(), "k", "v", Duration::from_millis(1500))
         .await
         .unwrap_err();
-    assert!(err.contains("did not answer"), "{err}");
+    assert!(
+        err.contains("connection") && (err.contains("did not answer") || err.contains("timed out")),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        started.elapsed()
+    );
 }

@@ -208,6 +208,38 @@ impl Replica {
     }
 }
 
+/// A tenant's blocks in arrival order, for its quota (oldest evicted first).
+///
+/// Entries carry the arrival number of their block; `latest` holds each queued block's newest
+/// number, so an entry whose block was removed and stored again (a newer entry exists) or that
+/// was already evicted is skipped when popped. The queue is compacted when it holds more than
+/// twice the tenant's blocks (plus slack), so it stays proportional to what the index holds.
+#[derive(Debug, Default)]
+struct TenantFifo {
+    queue: std::collections::VecDeque<(PartitionId, u64, u64)>,
+    latest: HashMap<(PartitionId, u64), u64>,
+    next: u64,
+}
+
+impl TenantFifo {
+    fn push(&mut self, pid: PartitionId, key: u64) {
+        self.next += 1;
+        self.latest.insert((pid, key), self.next);
+        self.queue.push_back((pid, key, self.next));
+    }
+
+    /// The oldest block whose entry is its newest.
+    fn pop(&mut self) -> Option<(PartitionId, u64)> {
+        while let Some((pid, key, n)) = self.queue.pop_front() {
+            if self.latest.get(&(pid, key)) == Some(&n) {
+                self.latest.remove(&(pid, key));
+                return Some((pid, key));
+            }
+        }
+        None
+    }
+}
+
 /// What a replica's engine last reported on its `/metrics` (through the node agent's
 /// `CounterReport`); `None` = not reported.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -302,9 +334,10 @@ pub struct PrefixIndex {
     unroutable_count: usize,
     /// Tenant quotas (CacheTenant `spec.quota.maxIndexEntries`): most distinct blocks per tenant.
     quotas: HashMap<String, usize>,
-    /// Per tenant with a quota: its blocks in the order they entered the index (oldest first;
-    /// entries whose block has gone since are skipped when popped).
-    tenant_fifo: HashMap<String, std::collections::VecDeque<(PartitionId, u64)>>,
+    /// Per tenant with a quota: its blocks in the order they entered the index.
+    tenant_fifo: HashMap<String, TenantFifo>,
+    /// Partitions of each tenant (a tenant's block count is the sum of theirs).
+    tenant_partitions: HashMap<String, Vec<PartitionId>>,
     /// Most blocks one stream may hold (`usize::MAX`: no cap).
     max_blocks_per_stream: usize,
     /// Blocks evicted by tenant quotas, per tenant, since the index was created.
@@ -336,6 +369,7 @@ impl PrefixIndex {
             unroutable_count: 0,
             quotas: HashMap::new(),
             tenant_fifo: HashMap::new(),
+            tenant_partitions: HashMap::new(),
             max_blocks_per_stream: usize::MAX,
             quota_evictions: HashMap::new(),
             stream_cap_refusals: 0,
@@ -359,7 +393,7 @@ impl PrefixIndex {
             }
             // Blocks held before the quota: oldest first as far as the replicas' key vectors
             // tell (each is in arrival order but for removals), position by position.
-            let mut fifo = std::collections::VecDeque::new();
+            let mut fifo = TenantFifo::default();
             let mut seen = std::collections::HashSet::new();
             let vecs: Vec<(PartitionId, &[u64])> = self
                 .replicas
@@ -378,7 +412,7 @@ impl PrefixIndex {
                 for (pid, keys) in &vecs {
                     if let Some(&k) = keys.get(i) {
                         if seen.insert((*pid, k)) {
-                            fifo.push_back((*pid, k));
+                            fifo.push(*pid, k);
                         }
                     }
                 }
@@ -414,11 +448,15 @@ impl PrefixIndex {
     }
 
     fn tenant_blocks(&self, tenant: &str) -> usize {
-        self.partitions
-            .iter()
-            .filter(|p| p.key.tenant == tenant)
-            .map(|p| p.blocks.len())
-            .sum()
+        self.tenant_partitions
+            .get(tenant)
+            .map(|ids| {
+                ids.iter()
+                    .filter_map(|id| self.partitions.get(*id as usize))
+                    .map(|p| p.blocks.len())
+                    .sum()
+            })
+            .unwrap_or(0)
     }
 
     /// Evicts `tenant`'s oldest blocks until it is within its quota.
@@ -428,13 +466,29 @@ impl PrefixIndex {
         };
         let mut held = self.tenant_blocks(tenant);
         while held > max {
-            let Some((pid, key)) = self.tenant_fifo.get_mut(tenant).and_then(|f| f.pop_front())
+            let Some((pid, key)) = self.tenant_fifo.get_mut(tenant).and_then(TenantFifo::pop)
             else {
                 break;
             };
             if self.evict_block(pid, key) {
                 held -= 1;
                 *self.quota_evictions.entry(tenant.to_string()).or_insert(0) += 1;
+            }
+        }
+        // Keep the queue proportional to what the tenant holds: drop entries that are not
+        // their block's newest and blocks the engines removed since.
+        let partitions = &self.partitions;
+        if let Some(f) = self.tenant_fifo.get_mut(tenant) {
+            if f.queue.len() > 2 * held + 1024 {
+                let present = |pid: PartitionId, key: u64| {
+                    partitions
+                        .get(pid as usize)
+                        .is_some_and(|p| p.blocks.get(key).is_some())
+                };
+                f.latest.retain(|(pid, key), _| present(*pid, *key));
+                let latest = &f.latest;
+                f.queue
+                    .retain(|(pid, key, n)| latest.get(&(*pid, *key)) == Some(n));
             }
         }
     }
@@ -635,6 +689,10 @@ impl PrefixIndex {
             return *id;
         }
         let id = self.partitions.len() as PartitionId;
+        self.tenant_partitions
+            .entry(p.tenant.clone())
+            .or_default()
+            .push(id);
         self.partitions.push(PartitionState {
             key: p.clone(),
             blocks: BlockTable::new(self.seed),
@@ -880,6 +938,7 @@ impl PrefixIndex {
         let room = self.max_blocks_per_stream.saturating_sub(replica.blocks);
         ps.blocks.prefetch(keys);
         let (mut added, mut t2_up, mut t2_down, mut refused) = (0usize, 0usize, 0usize, 0usize);
+        let mut new_blocks = 0usize;
         for &key in keys {
             let pos = rp.keys.len() as u32;
             if added >= room {
@@ -903,7 +962,8 @@ impl PrefixIndex {
                 None => {
                     // A new block of the partition (and so of its tenant).
                     if let Some(f) = fifo.as_mut() {
-                        f.push_back((pid, key));
+                        f.push(pid, key);
+                        new_blocks += 1;
                     }
                     SetOutcome::Added
                 }
@@ -926,7 +986,7 @@ impl PrefixIndex {
             self.stream_cap_refusals += refused as u64;
         }
         self.entries += added;
-        if fifo.is_some() {
+        if new_blocks > 0 {
             let tenant = ps.key.tenant.clone();
             self.enforce_quota(&tenant);
         }

@@ -905,3 +905,58 @@ fn the_per_stream_cap_refuses_new_blocks_loudly() {
     assert!(r.prefix_match);
     assert_eq!(r.replicas[0].coverage.reason, Some("StreamCapExceeded"));
 }
+
+/// Under a quota, a block removed and stored again is new again (it is not evicted as old), and
+/// churn below the quota (an engine's LRU storing and removing) keeps the arrival queue
+/// proportional to what the tenant holds.
+#[test]
+fn quota_order_follows_re_stores_and_the_queue_stays_bounded_under_churn() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    ix.set_tenant_quotas(HashMap::from([("default".to_string(), 3)]));
+    let remove = |keys: &[u64]| proto::KvOp {
+        op: Some(Op::Remove(proto::RemoveOp {
+            adapter: String::new(),
+            block_size: 4,
+            content_keys: keys.to_vec(),
+        })),
+    };
+    let mut seq = 0;
+    let mut step = |ix: &mut PrefixIndex, ops: Vec<proto::KvOp>| {
+        seq += 1;
+        ix.apply_delta("n1", &delta("a", seq, ops)).unwrap();
+    };
+    step(&mut ix, vec![store(&[1, 2, 3], proto::Tier::T1, "")]);
+    step(&mut ix, vec![remove(&[1])]);
+    step(&mut ix, vec![store(&[1], proto::Tier::T1, "")]); // 1 is now the newest
+    step(&mut ix, vec![store(&[4], proto::Tier::T1, "")]); // over: the oldest is 2
+    let mut held: Vec<u64> = ix
+        .stream_entries("default/a#0")
+        .unwrap()
+        .iter()
+        .map(|e| e.content_key)
+        .collect();
+    held.sort_unstable();
+    assert_eq!(held, vec![1, 3, 4]);
+    assert_eq!(ix.quota_evictions().get("default"), Some(&1));
+
+    // Churn below the quota: 20 000 stores and removes of fresh blocks.
+    step(&mut ix, vec![remove(&[1, 3, 4])]);
+    for k in 0..20_000u64 {
+        step(&mut ix, vec![store(&[100 + k], proto::Tier::T1, "")]);
+        step(&mut ix, vec![remove(&[100 + k])]);
+    }
+    let f = &ix.tenant_fifo["default"];
+    assert!(
+        f.queue.len() <= 2 * ix.tenant_blocks("default") + 1025,
+        "queue {} for {} blocks",
+        f.queue.len(),
+        ix.tenant_blocks("default")
+    );
+    assert!(f.latest.len() <= f.queue.len());
+    assert_eq!(
+        ix.quota_evictions().get("default"),
+        Some(&1),
+        "no eviction below the quota"
+    );
+}

@@ -12,7 +12,8 @@
 //!   the node agent's scrape of its `/metrics`: `cacheMemoryBytes` = LMCache's
 //!   `lmcache:local_cache_usage`, `hitRate` = `vllm:prefix_cache_hits_total /
 //!   vllm:prefix_cache_queries_total`. Either is absent when not reported (never 0).
-//!   At most [`MAX_REPLICA_ROWS`] rows (the object must stay far below etcd's 1.5 MiB);
+//!   At most [`MAX_REPLICA_ROWS`] rows and [`MAX_REPLICA_BYTES`] of them (the object must stay
+//!   far below etcd's 1.5 MiB);
 //!   `replicaCount` is always the full count and `Complete=False/ReplicasTruncated` says so.
 //! - `tenants[]`: distinct prefixes per tenant (they sum to `prefixes.total`), the tenant's
 //!   query-weighted hit rate, and `memoryUsed` always 0 (deprecated by the spec: per-tenant
@@ -49,6 +50,10 @@ use crate::state::Shared;
 
 /// Most rows in `status.replicas`.
 pub const MAX_REPLICA_ROWS: usize = 2000;
+
+/// Most bytes of `status.replicas` (serialized JSON): far below etcd's 1.5 MiB object limit,
+/// with room for the managed-fields entry the list-map costs.
+pub const MAX_REPLICA_BYTES: usize = 512 * 1024;
 
 /// `status.observedServer` for the controller's own index.
 pub const OBSERVED_IN_PROCESS: &str = "in-process";
@@ -147,10 +152,19 @@ pub fn desired_status(
     let snap = &agg.snapshot;
     let mut rows: Vec<ReplicaCacheStatus> = snap.replicas.iter().map(replica_row).collect();
     rows.sort_by(|a, b| (&a.tenant, &a.id).cmp(&(&b.tenant, &b.id)));
-    let total_replicas = rows.len();
     // Rows with the same (tenant, id) would break the list-map key: keep the first.
     rows.dedup_by(|b, a| a.tenant == b.tenant && a.id == b.id);
-    rows.truncate(MAX_REPLICA_ROWS);
+    let total_replicas = rows.len();
+    let mut bytes = 0usize;
+    let fit = rows
+        .iter()
+        .take(MAX_REPLICA_ROWS)
+        .take_while(|r| {
+            bytes += serde_json::to_vec(r).map_or(usize::MAX / 2, |v| v.len() + 1);
+            bytes <= MAX_REPLICA_BYTES
+        })
+        .count();
+    rows.truncate(fit);
 
     let mut tenants: BTreeMap<&str, (usize, u64, u64)> = BTreeMap::new();
     for (t, n) in &agg.blocks_by_tenant {
@@ -256,6 +270,7 @@ pub struct CacheIndexWriter {
     /// What the API holds, as far as we know (`None`: read it first).
     stored: Option<Option<CacheIndexStatus>>,
     last_write: Option<Timestamp>,
+    last_check: Option<Timestamp>,
 }
 
 /// What one [`CacheIndexWriter::sync`] did.
@@ -277,7 +292,15 @@ impl CacheIndexWriter {
             min_interval,
             stored: None,
             last_write: None,
+            last_check: None,
         }
+    }
+
+    /// Whether a [`Self::sync`] now could write: nothing checked for `min_interval`. The loop
+    /// builds the aggregate (a walk of every block) only then.
+    pub fn due(&self, now: Timestamp) -> bool {
+        self.last_check
+            .is_none_or(|t| now.duration_since(t).as_secs_f64() >= self.min_interval.as_secs_f64())
     }
 
     /// Forgets what was read and written (on gaining leadership: another replica may have
@@ -285,6 +308,7 @@ impl CacheIndexWriter {
     pub fn reset(&mut self) {
         self.stored = None;
         self.last_write = None;
+        self.last_check = None;
     }
 
     /// Brings the CacheIndex up to date with `agg` (subject to the rate limit); creates it when
@@ -316,6 +340,7 @@ impl CacheIndexWriter {
                 status
             }
         };
+        self.last_check = Some(now);
         let desired = desired_status(agg, current.as_ref(), to_time(now));
         if current.as_ref() == Some(&desired) {
             return Ok(SyncOutcome::Unchanged);
@@ -331,7 +356,7 @@ impl CacheIndexWriter {
             ..Default::default()
         };
         // A merge patch of the whole status: absent optional fields become null (removed).
-        let mut body = serde_json::to_value(&desired).unwrap_or_default();
+        let mut body = serde_json::to_value(&desired).map_err(kube::Error::SerdeError)?;
         if let serde_json::Value::Object(m) = &mut body {
             for k in [
                 "replicas",
@@ -362,8 +387,8 @@ impl CacheIndexWriter {
     }
 }
 
-/// The leader-only loop: every `interval`, [`CacheIndexWriter::sync`] with the index (writes
-/// at most once per `min_interval`), and at most once per `min_interval` the CacheTenant
+/// The leader-only loop: every `interval` it wakes, and once per `min_interval` it reads the
+/// index and runs [`CacheIndexWriter::sync`] (a write only when changed), and the CacheTenant
 /// statuses from the same aggregate ([`super::tenants::sync_tenants`]). Followers write
 /// nothing.
 pub fn spawn_writer(
@@ -378,29 +403,20 @@ pub fn spawn_writer(
     tokio::spawn(async move {
         let mut writer = CacheIndexWriter::new(client.clone(), min_interval);
         let mut was_leader = false;
-        let mut tenants_at: Option<Timestamp> = None;
         loop {
             let is_leader = leader.is_leader();
             if is_leader && !was_leader {
                 writer.reset();
-                tenants_at = None;
             }
             was_leader = is_leader;
-            if is_leader {
+            let now = clock.now();
+            if is_leader && writer.due(now) {
                 let agg = IndexAggregate::of(&shared.index.read());
-                let now = clock.now();
                 if let Err(e) = writer.sync(&agg, now).await {
                     warn!(error = %e, "writing the CacheIndex status failed; retrying next pass");
                 }
-                let due = tenants_at.is_none_or(|t| {
-                    now.duration_since(t).as_secs_f64() >= min_interval.as_secs_f64()
-                });
-                if due {
-                    tenants_at = Some(now);
-                    if let Err(e) = super::tenants::sync_tenants(&client, &agg, to_time(now)).await
-                    {
-                        warn!(error = %e, "listing CacheTenants failed; retrying later");
-                    }
+                if let Err(e) = super::tenants::sync_tenants(&client, &agg, to_time(now)).await {
+                    warn!(error = %e, "listing CacheTenants failed; retrying later");
                 }
             }
             let stop = tokio::select! {

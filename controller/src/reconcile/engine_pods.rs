@@ -188,6 +188,15 @@ pub async fn reconcile_engine_pod(
             name,
             uid,
         } => {
+            // Recorded already by this process: no lookup (every change of every injected pod
+            // comes through here).
+            if ctx
+                .recorded
+                .lock()
+                .contains(&(pod_uid.clone(), reason::INJECTED_BY_CACHE_BACKEND))
+            {
+                return Ok(Action::await_change());
+            }
             let api: Api<CacheBackend> = Api::namespaced(ctx.client.clone(), &namespace);
             let live = api
                 .get_opt(&name)

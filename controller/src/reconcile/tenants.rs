@@ -16,6 +16,7 @@
 //! | True | `NoQuota` | no `maxIndexEntries` |
 //! | True | `WithinQuota` | below the quota, or nothing evicted |
 //! | False | `QuotaExceeded` | at the quota with prefixes evicted (the message gives the numbers) |
+//! | False | `ForeignTenant` | `spec.tenantID` names another namespace: not enforced (a CacheTenant may bound only its own namespace's tenant) |
 //!
 //! [`desired_status`] is pure; the CacheIndex loop calls [`sync_tenants`] with the same index
 //! aggregate.
@@ -47,13 +48,23 @@ pub mod reason {
     pub const QUOTA_EXCEEDED: &str = "QuotaExceeded";
     /// WithinQuota=True: no quota set.
     pub const NO_QUOTA: &str = "NoQuota";
+    /// WithinQuota=False: `spec.tenantID` names another namespace; not enforced.
+    pub const FOREIGN_TENANT: &str = "ForeignTenant";
 }
 
-/// The quotas the index enforces: tenant id → `spec.quota.maxIndexEntries`, the smallest when
-/// several CacheTenants name the same tenant; tenants without a quota are absent.
+/// True when `t` bounds its own namespace's tenant. Engine streams report tenant = pod
+/// namespace, so only such a CacheTenant is enforced: one in namespace `a` naming tenant `b`
+/// would let whoever may create CacheTenants in `a` evict `b`'s entries.
+pub fn enforceable(t: &CacheTenant) -> bool {
+    t.tenant_id().is_some() && t.tenant_id() == t.metadata.namespace.as_deref()
+}
+
+/// The quotas the index enforces: tenant id → `spec.quota.maxIndexEntries` of the
+/// [`enforceable`] CacheTenants (the smallest when several in one namespace set one); tenants
+/// without a quota are absent.
 pub fn quotas(tenants: &[CacheTenant]) -> HashMap<String, usize> {
     let mut out: HashMap<String, usize> = HashMap::new();
-    for t in tenants {
+    for t in tenants.iter().filter(|t| enforceable(t)) {
         let (Some(id), Some(max)) = (
             t.tenant_id(),
             t.spec.quota.as_ref().and_then(|q| q.max_index_entries),
@@ -117,7 +128,21 @@ pub fn desired_status(tenant: &CacheTenant, agg: &IndexAggregate, now: Time) -> 
         .map(|m| i64::try_from(*m).unwrap_or(i64::MAX))
         .or(own);
     let generation = tenant.metadata.generation;
+    let foreign = !enforceable(tenant);
     let condition = match quota {
+        _ if foreign => new_condition(
+            CONDITION_WITHIN_QUOTA,
+            ConditionStatus::False,
+            reason::FOREIGN_TENANT,
+            format!(
+                "spec.tenantID {id:?} is not this CacheTenant's namespace ({:?}): engine streams \
+                 report their pod's namespace as tenant, and a CacheTenant may bound only its own, \
+                 so this quota is not enforced. Create the CacheTenant in namespace {id:?}.",
+                tenant.metadata.namespace.as_deref().unwrap_or_default()
+            ),
+            generation,
+            now,
+        ),
         None => new_condition(
             CONDITION_WITHIN_QUOTA,
             ConditionStatus::True,
@@ -157,7 +182,7 @@ pub fn desired_status(tenant: &CacheTenant, agg: &IndexAggregate, now: Time) -> 
     CacheTenantStatus {
         observed_generation: generation,
         index_entries: Some(entries),
-        evicted_entries: quota.map(|_| evicted),
+        evicted_entries: quota.filter(|_| !foreign).map(|_| evicted),
         conditions,
     }
 }
