@@ -85,6 +85,10 @@ struct StandaloneArgs {
     /// (CachePolicy.spec.minimumPrefixTokens in cluster).
     #[arg(long, env = "IC_MINIMUM_PREFIX_TOKENS", default_value_t = 0)]
     minimum_prefix_tokens: u32,
+    #[command(flatten)]
+    limits: ic_shared::serve::ConnectionLimitArgs,
+    #[command(flatten)]
+    keepalive: ic_shared::serve::GrpcKeepaliveArgs,
 }
 
 #[derive(clap::Args)]
@@ -270,6 +274,10 @@ struct RunArgs {
         default_value = "default"
     )]
     model_cache_writer_service_account: String,
+    #[command(flatten)]
+    limits: ic_shared::serve::ConnectionLimitArgs,
+    #[command(flatten)]
+    keepalive: ic_shared::serve::GrpcKeepaliveArgs,
 }
 
 /// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
@@ -344,6 +352,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             .map_err(|e: String| anyhow::anyhow!(e))?,
     };
     let control_namespace = a.model_cache_control_namespace.clone();
+    let limits = a.limits.with_keepalive(&a.keepalive);
     let model_cache = if a.model_cache_enabled {
         use ic_controller::reconcile::model_cache::{FeatureFlags, ModelCacheConfig};
         Some(ModelCacheConfig {
@@ -386,6 +395,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
                 lmcache_kernel_check_image: a.lmcache_kernel_check_image,
                 ..Default::default()
             },
+            limits,
         },
         leader_election: LeaderElectionSettings {
             namespace,
@@ -411,6 +421,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             model_cache_control_namespace: control_namespace,
             ..Default::default()
         },
+        limits,
         model_cache,
         functional_probe: incluster::functional_probe_gate(
             a.functional_probe,
@@ -486,6 +497,7 @@ async fn main() -> anyhow::Result<()> {
                 policy: ic_controller::state::LookupPolicy {
                     minimum_prefix_tokens: a.minimum_prefix_tokens,
                 },
+                limits: a.limits.with_keepalive(&a.keepalive),
             };
             let running = ic_controller::standalone::start(cfg, async {
                 let _ = tokio::signal::ctrl_c().await;
