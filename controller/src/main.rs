@@ -89,6 +89,10 @@ struct StandaloneArgs {
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
     keepalive: ic_shared::serve::GrpcKeepaliveArgs,
+    /// Listen on addresses beyond loopback although standalone mode authenticates nobody
+    /// (agent streams, LookupRoute, /snapshot, /v1/nodes); without it such an address is refused.
+    #[arg(long, env = "IC_ALLOW_UNAUTHENTICATED_NON_LOOPBACK")]
+    allow_unauthenticated_non_loopback: bool,
 }
 
 #[derive(clap::Args)]
@@ -498,6 +502,7 @@ async fn main() -> anyhow::Result<()> {
                     minimum_prefix_tokens: a.minimum_prefix_tokens,
                 },
                 limits: a.limits.with_keepalive(&a.keepalive),
+                allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,
             };
             let running = ic_controller::standalone::start(cfg, async {
                 let _ = tokio::signal::ctrl_c().await;

@@ -33,6 +33,9 @@ pub struct StandaloneConfig {
     pub policy: LookupPolicy,
     /// Connection limits, applied to each listener on its own (docs/security.md).
     pub limits: ConnectionLimits,
+    /// Listen beyond loopback although nothing is authenticated
+    /// (`--allow-unauthenticated-non-loopback`); without it such an address is refused.
+    pub allow_unauthenticated_non_loopback: bool,
 }
 
 /// Why the stack could not start or stopped with an error.
@@ -45,6 +48,12 @@ pub enum ServeError {
         addr: SocketAddr,
         /// OS error.
         source: std::io::Error,
+    },
+    /// A listen address beyond loopback without `allow_unauthenticated_non_loopback`.
+    #[error("standalone mode authenticates nobody (agent streams, LookupRoute, /snapshot, /v1/nodes are open): refusing to listen on {addr}, which is not a loopback address; pass --allow-unauthenticated-non-loopback to do it anyway")]
+    Unauthenticated {
+        /// The address.
+        addr: SocketAddr,
     },
     /// Metrics registration failed.
     #[error("metrics registry: {0}")]
@@ -89,11 +98,18 @@ impl Running {
     }
 }
 
-/// Binds both listeners and starts serving until `shutdown` resolves.
+/// Binds both listeners and starts serving until `shutdown` resolves. Nothing is
+/// authenticated in standalone mode, so an address beyond loopback is refused
+/// ([`ServeError::Unauthenticated`]) unless `cfg.allow_unauthenticated_non_loopback`.
 pub async fn start<F>(cfg: StandaloneConfig, shutdown: F) -> Result<Running, ServeError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    for addr in [cfg.grpc_addr, cfg.http_addr] {
+        if !addr.ip().is_loopback() && !cfg.allow_unauthenticated_non_loopback {
+            return Err(ServeError::Unauthenticated { addr });
+        }
+    }
     let shared = Arc::new(Shared::new(cfg.policy)?);
     let grpc_listener =
         TcpListener::bind(cfg.grpc_addr)

@@ -30,6 +30,7 @@ async fn lookup_reaches_the_router_by_url_or_bare_address() {
             agent_expiry: Duration::from_secs(60),
             policy: LookupPolicy::default(),
             limits: Default::default(),
+            allow_unauthenticated_non_loopback: false,
         },
         async move {
             let _ = stopped.await;

@@ -173,6 +173,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
             agent_expiry: Duration::from_secs(60),
             policy: LookupPolicy::default(),
             limits: Default::default(),
+            allow_unauthenticated_non_loopback: false,
         },
         std::future::pending(),
     )

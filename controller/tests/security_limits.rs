@@ -31,19 +31,42 @@ fn limits(max_connections: usize, header_read_timeout: Duration) -> ConnectionLi
     }
 }
 
+fn config(limits: ConnectionLimits) -> StandaloneConfig {
+    StandaloneConfig {
+        grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        agent_expiry: Duration::from_secs(60),
+        policy: LookupPolicy::default(),
+        limits,
+        allow_unauthenticated_non_loopback: false,
+    }
+}
+
 async fn stack(limits: ConnectionLimits) -> Running {
-    standalone::start(
-        StandaloneConfig {
-            grpc_addr: "127.0.0.1:0".parse().unwrap(),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            agent_expiry: Duration::from_secs(60),
-            policy: LookupPolicy::default(),
-            limits,
-        },
-        std::future::pending(),
-    )
-    .await
-    .unwrap()
+    standalone::start(config(limits), std::future::pending())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn standalone_refuses_to_listen_beyond_loopback_unless_told() {
+    // Nothing is authenticated in standalone mode: an address beyond loopback is refused…
+    let mut cfg = config(ConnectionLimits::default());
+    cfg.http_addr = "0.0.0.0:0".parse().unwrap();
+    let err = match standalone::start(cfg.clone(), std::future::pending()).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("standalone listened on 0.0.0.0 without being told"),
+    };
+    assert!(
+        err.contains("0.0.0.0") && err.contains("--allow-unauthenticated-non-loopback"),
+        "{err}"
+    );
+    // …unless asked for explicitly.
+    cfg.allow_unauthenticated_non_loopback = true;
+    let s = standalone::start(cfg, std::future::pending())
+        .await
+        .unwrap();
+    assert!(s.http_addr.ip().is_unspecified());
 }
 
 /// One HTTP/1.1 request on a fresh connection; (status, body).
