@@ -70,6 +70,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
         "agent": {"priorityClassName": "system-node-critical"},
     },
+    # The opt-in NetworkPolicies, the agent on the pod network so both are rendered.
+    "network-policy": {
+        "networkPolicy": {"enabled": True, "nodeCIDRs": ["10.0.0.0/16"]},
+        "agent": {"hostNetwork": False},
+    },
     # No cert-manager: the controller generates the CA and patches the webhook configurations.
     "self-signed-certs": {"webhook": {"certMode": "selfSigned"}},
     # prometheus-operator and the Grafana dashboard sidecar.

@@ -506,32 +506,30 @@ def test_agent_binding_check_is_not_vacuous(default: Rendered) -> None:
 def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
     self_signed = variant.values.get("webhook", {}).get("certMode") == "selfSigned"
     read = {"get", "list", "watch"}
-    crud = read | {"create", "update", "patch", "delete"}
-    status = {"get", "update", "patch"}
+    owned = {"list", "watch", "create", "patch", "delete"}
     expected = {
         ("inferencecache.io", "cachebackends", ()): read,
-        ("inferencecache.io", "cachepolicies", ()): read,
-        ("inferencecache.io", "cachetenants", ()): read,
-        ("inferencecache.io", "cachebackends/status", ()): status,
-        ("inferencecache.io", "cachepolicies/status", ()): status,
-        ("inferencecache.io", "cachetenants/status", ()): status,
+        ("inferencecache.io", "cachepolicies", ()): {"list", "watch"},
+        ("inferencecache.io", "cachetenants", ()): {"list", "watch"},
+        ("inferencecache.io", "cachebackends/status", ()): {"update", "patch"},
+        ("inferencecache.io", "cachepolicies/status", ()): {"patch"},
+        ("inferencecache.io", "cachetenants/status", ()): {"patch"},
         ("inferencecache.io", "cachebackends/finalizers", ()): {"update"},
-        ("inferencecache.io", "cacheindexes", ()): crud,
-        ("inferencecache.io", "cachenodes", ()): crud,
-        ("inferencecache.io", "cacheindexes/status", ()): status,
-        ("inferencecache.io", "cachenodes/status", ()): status,
+        ("inferencecache.io", "cacheindexes", ()): {"get", "create"},
+        ("inferencecache.io", "cachenodes", ()): {"get", "create"},
+        ("inferencecache.io", "cacheindexes/status", ()): {"patch"},
+        ("inferencecache.io", "cachenodes/status", ()): {"patch"},
         ("", "pods", ()): read,
-        ("apps", "deployments", ()): crud,
-        ("apps", "statefulsets", ()): crud,
-        ("", "services", ()): crud,
-        ("autoscaling", "horizontalpodautoscalers", ()): crud,
-        ("", "events", ()): {"create", "patch"},
-        ("events.k8s.io", "events", ()): {"create", "patch"},
+        ("apps", "deployments", ()): owned,
+        ("apps", "statefulsets", ()): owned,
+        ("", "services", ()): owned,
+        ("autoscaling", "horizontalpodautoscalers", ()): owned,
+        ("events.k8s.io", "events", ()): {"create"},
         ("authentication.k8s.io", "tokenreviews", ()): {"create"},
     }
     if self_signed:
         for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
-            expected[("admissionregistration.k8s.io", res, ("inference-cache",))] = {"get", "patch"}
+            expected[("admissionregistration.k8s.io", res, ("inference-cache",))] = {"get", "update"}
     assert grants(rules_of(variant, "ClusterRole", CONTROLLER)) == expected
     binding = variant.one("ClusterRoleBinding", CONTROLLER)
     assert binding["roleRef"]["name"] == CONTROLLER
@@ -691,7 +689,7 @@ def test_self_signed_mode() -> None:
     args = args_of(c)
     assert "--webhook-self-signed" in args and "--webhook-cert-dir" not in args
     # Both configurations carry the one name the controller patches the CA into, and the
-    # ClusterRole may get and patch exactly those two objects.
+    # ClusterRole may get and update (PUT, admission/ca_bundle.rs) exactly those two objects.
     names = set()
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         cfg = r.one(kind)
@@ -700,7 +698,7 @@ def test_self_signed_mode() -> None:
         assert "cert-manager.io/inject-ca-from" not in (cfg["metadata"].get("annotations") or {})
     g = grants(rules_of(r, "ClusterRole", CONTROLLER))
     for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
-        assert g[("admissionregistration.k8s.io", res, tuple(names))] == {"get", "patch"}
+        assert g[("admissionregistration.k8s.io", res, tuple(names))] == {"get", "update"}
     # The certificate's DNS names come from the webhook Service the API server calls.
     svc = r.one("Service", args["--webhook-service"])
     for w in _webhooks(r).values():

@@ -172,6 +172,8 @@ struct RunArgs {
     /// Seconds between check passes.
     #[arg(long, env = "IC_CHECK_INTERVAL_SECONDS", default_value_t = 5)]
     check_interval_seconds: u64,
+    #[command(flatten)]
+    limits: ic_shared::serve::ConnectionLimitArgs,
     /// File holding the projected service-account token presented to the controller.
     #[arg(long, env = "IC_TOKEN_FILE")]
     token_file: Option<PathBuf>,
@@ -419,6 +421,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             http_addr: a.http_addr,
             metrics_addr: a.metrics_addr,
             check_interval: Duration::from_secs(a.check_interval_seconds.max(1)),
+            limits: a.limits.limits(),
         },
         state,
         Checks::new(&a.common.checks_config()?),

@@ -27,6 +27,8 @@ pub struct RunConfig {
     pub metrics_addr: Option<SocketAddr>,
     /// Time between check passes.
     pub check_interval: Duration,
+    /// Connection limits of each HTTP listener (docs/security.md "Connection limits").
+    pub limits: ic_shared::serve::ConnectionLimits,
 }
 
 /// Why the agent could not start.
@@ -40,6 +42,28 @@ pub enum RunError {
         /// OS error.
         source: std::io::Error,
     },
+}
+
+/// Serves `app` on `listener` under `limits` until the task is dropped.
+async fn serve_limited(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ic_shared::serve::ConnectionLimits,
+    what: &'static str,
+) {
+    let served = ic_shared::serve::serve_http(
+        listener,
+        app,
+        limits,
+        Default::default(),
+        ic_shared::serve::plain,
+        std::future::pending(),
+        Duration::from_secs(1),
+    )
+    .await;
+    if let Err(e) = served {
+        warn!(error = %e, server = what, "HTTP server stopped");
+    }
 }
 
 /// Runs one pass of every check on a blocking thread and stores it.
@@ -173,19 +197,15 @@ pub async fn start_with(
     }
     {
         let app = crate::http::router(state.clone());
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                warn!(error = %e, "HTTP server stopped");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_limited(
+            listener, app, cfg.limits, "HTTP",
+        )));
     }
     if let Some(listener) = metrics_listener {
         let app = crate::http::metrics_router(state.clone());
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                warn!(error = %e, "metrics server stopped");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_limited(
+            listener, app, cfg.limits, "metrics",
+        )));
     }
     info!(http = %http_addr, node = %state.node, "agent running");
     Ok(Running {

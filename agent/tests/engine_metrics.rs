@@ -142,6 +142,7 @@ async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and
             http_addr: "127.0.0.1:0".parse().unwrap(),
             metrics_addr: None,
             check_interval: Duration::from_secs(3600),
+            limits: Default::default(),
         },
         state.clone(),
         Checks::with(vec![]),

@@ -82,6 +82,7 @@ async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
             http_addr: "127.0.0.1:0".parse().unwrap(),
             metrics_addr: None,
             check_interval: Duration::from_secs(30),
+            limits: Default::default(),
         },
         state,
         Checks::new(&ChecksConfig::default()),

@@ -28,12 +28,12 @@ use std::time::Duration;
 
 use ic_shared::proto::agent_service_server::AgentServiceServer;
 use ic_shared::proto::router_service_server::RouterServiceServer;
+use ic_shared::serve::{self, ConnectionLimits, ListenerStats};
 use kube::Client;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
 use crate::http::{self, HttpState};
@@ -76,6 +76,8 @@ pub struct WebhookSettings {
     pub ca_bundle_resync: Duration,
     /// Images and controller address the Pod wiring uses.
     pub pod: crate::admission::pod::PodWebhookConfig,
+    /// Connection limits of the HTTPS listener.
+    pub limits: ConnectionLimits,
 }
 
 impl Default for WebhookSettings {
@@ -90,6 +92,7 @@ impl Default for WebhookSettings {
             tls_secret: None,
             ca_bundle_resync: Duration::from_secs(60),
             pod: Default::default(),
+            limits: ConnectionLimits::default(),
         }
     }
 }
@@ -128,6 +131,9 @@ pub struct InClusterConfig {
     pub token_cache_ttl: Duration,
     /// Node-plan and node-status timing.
     pub nodes: NodeLoopConfig,
+    /// Connection limits, applied to the gRPC, HTTP and webhook listeners each on its own
+    /// (docs/security.md "Connection limits").
+    pub limits: ConnectionLimits,
     /// The model-cache controllers' settings; `None` leaves them (and `model-data` wiring) off.
     pub model_cache: Option<ModelCacheConfig>,
     /// The functional-probe gate (spec 000 "Functional-probe gate"): the CacheBackend
@@ -338,12 +344,11 @@ pub async fn start_admission(
                 .to_string(),
         ));
     };
-    let running = server::start(
-        admission,
-        server::ServerConfig::new(settings.addr, tls_source),
-    )
-    .await
-    .map_err(|e| part(e.to_string()))?;
+    let mut server_config = server::ServerConfig::new(settings.addr, tls_source);
+    server_config.limits = settings.limits;
+    let running = server::start(admission, server_config)
+        .await
+        .map_err(|e| part(e.to_string()))?;
     if settings.self_signed {
         match (&settings.config_name, &running.ca_pem) {
             (Some(name), Some(ca)) => tasks.push(ca_bundle::spawn_ca_bundle_keeper(
@@ -625,13 +630,21 @@ where
     health.set_serving::<RouterServiceServer<Router>>().await;
     let mut grpc_stop = stop_rx.clone();
     let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
+        cfg.limits
+            .grpc_server()
             .add_service(health_service)
             .add_service(AgentIngest::with_auth(shared.clone(), auth).into_server())
             .add_service(RouterServiceServer::new(Router::new(shared.clone())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
-                let _ = grpc_stop.wait_for(|s| *s).await;
-            }),
+            .serve_with_incoming_shutdown(
+                serve::grpc_incoming(
+                    grpc_listener,
+                    cfg.limits,
+                    Arc::new(ListenerStats::default()),
+                ),
+                async move {
+                    let _ = grpc_stop.wait_for(|s| *s).await;
+                },
+            ),
     );
     let ready = Arc::new(AtomicBool::new(false));
     let app = http::router(HttpState {
@@ -639,13 +652,17 @@ where
         ready: ready.clone(),
     });
     let mut http_stop = stop_rx.clone();
-    let http = tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    let http = tokio::spawn(serve::serve_http(
+        http_listener,
+        app,
+        cfg.limits,
+        Arc::new(ListenerStats::default()),
+        serve::plain,
+        async move {
+            let _ = http_stop.wait_for(|s| *s).await;
+        },
+        Duration::from_secs(5),
+    ));
 
     // Parts owned by other modules.
     let ctx = RunContext {

@@ -90,6 +90,14 @@ struct StandaloneArgs {
     /// stream reads Partial/StreamCapExceeded). 0 = no cap.
     #[arg(long, env = "IC_MAX_BLOCKS_PER_STREAM", default_value_t = 16_777_216)]
     max_blocks_per_stream: usize,
+    #[command(flatten)]
+    limits: ic_shared::serve::ConnectionLimitArgs,
+    #[command(flatten)]
+    keepalive: ic_shared::serve::GrpcKeepaliveArgs,
+    /// Listen on addresses beyond loopback although standalone mode authenticates nobody
+    /// (agent streams, LookupRoute, /snapshot, /v1/nodes); without it such an address is refused.
+    #[arg(long, env = "IC_ALLOW_UNAUTHENTICATED_NON_LOOPBACK")]
+    allow_unauthenticated_non_loopback: bool,
 }
 
 #[derive(clap::Args)]
@@ -280,6 +288,10 @@ struct RunArgs {
         default_value = "default"
     )]
     model_cache_writer_service_account: String,
+    #[command(flatten)]
+    limits: ic_shared::serve::ConnectionLimitArgs,
+    #[command(flatten)]
+    keepalive: ic_shared::serve::GrpcKeepaliveArgs,
 }
 
 /// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
@@ -354,6 +366,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             .map_err(|e: String| anyhow::anyhow!(e))?,
     };
     let control_namespace = a.model_cache_control_namespace.clone();
+    let limits = a.limits.with_keepalive(&a.keepalive);
     let model_cache = if a.model_cache_enabled {
         use ic_controller::reconcile::model_cache::{FeatureFlags, ModelCacheConfig};
         Some(ModelCacheConfig {
@@ -397,6 +410,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
                 lmcache_kernel_check_image: a.lmcache_kernel_check_image,
                 ..Default::default()
             },
+            limits,
         },
         leader_election: LeaderElectionSettings {
             namespace,
@@ -422,6 +436,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             model_cache_control_namespace: control_namespace,
             ..Default::default()
         },
+        limits,
         model_cache,
         functional_probe: incluster::functional_probe_gate(
             a.functional_probe,
@@ -499,6 +514,8 @@ async fn main() -> anyhow::Result<()> {
                     max_blocks_per_stream: (a.max_blocks_per_stream > 0)
                         .then_some(a.max_blocks_per_stream),
                 },
+                limits: a.limits.with_keepalive(&a.keepalive),
+                allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,
             };
             let running = ic_controller::standalone::start(cfg, async {
                 let _ = tokio::signal::ctrl_c().await;

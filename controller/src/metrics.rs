@@ -21,6 +21,10 @@ pub struct ControllerMetrics {
     pub kv_deltas_refused_total: IntCounterVec,
     /// Full resyncs applied, by trigger (`connect`, `requested`).
     pub kv_resyncs_total: IntCounterVec,
+    /// Streams of a node agent's resyncs, deltas and counter reports left out, by reason
+    /// (`outside_node_scope`: not an engine pod the plans place on the agent's node;
+    /// `block_size_cap`: a block size above the cap or past the registered-sizes cap).
+    pub kv_streams_refused_total: IntCounterVec,
     /// Check reports received.
     pub check_reports_total: IntCounter,
     /// (block, replica) entries in the index.
@@ -80,6 +84,13 @@ impl ControllerMetrics {
             ),
             &["trigger"],
         )?;
+        let kv_streams_refused_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}kv_streams_refused_total"),
+                "Streams of agent resyncs, deltas and counter reports left out, by reason.",
+            ),
+            &["reason"],
+        )?;
         let check_reports_total = IntCounter::new(
             format!("{p}check_reports_total"),
             "Node check reports received from agents.",
@@ -137,6 +148,7 @@ impl ControllerMetrics {
         registry.register(Box::new(kv_deltas_applied_total.clone()))?;
         registry.register(Box::new(kv_deltas_refused_total.clone()))?;
         registry.register(Box::new(kv_resyncs_total.clone()))?;
+        registry.register(Box::new(kv_streams_refused_total.clone()))?;
         registry.register(Box::new(check_reports_total.clone()))?;
         registry.register(Box::new(index_entries.clone()))?;
         registry.register(Box::new(index_blocks.clone()))?;
@@ -154,6 +166,7 @@ impl ControllerMetrics {
             kv_deltas_applied_total,
             kv_deltas_refused_total,
             kv_resyncs_total,
+            kv_streams_refused_total,
             check_reports_total,
             index_entries,
             index_blocks,

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ic_shared::kv::content_key;
+use ic_shared::limits::{MAX_BLOCK_SIZE, MAX_NAME_BYTES};
 use ic_shared::proto::{self, kv_op::Op};
 use serde::{Deserialize, Serialize};
 
@@ -35,7 +36,13 @@ pub const PROBE_DEFAULT: &str = "inferencecache-probe";
 /// Prefix of the pseudo-node a probe stream is registered under.
 pub const PROBE_NODE_PREFIX: &str = "inferencecache-probe/";
 
+/// Most synthetic tokens one probe builds (blocks × block size): a probe for a tenant whose
+/// minimum prefix is longer fails its routing stage with `BelowMinimumPrefixTokens` instead of
+/// allocating more.
+pub const PROBE_MAX_TOKENS: u32 = 65_536;
+
 /// Where to probe: the coordinates a gateway would look up for the backend under test.
+/// [`ProbeRequest::validate`] bounds every field before anything is allocated.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct ProbeRequest {
@@ -45,10 +52,44 @@ pub struct ProbeRequest {
     pub model: Option<String>,
     /// `vllm` or `sglang`; default `vllm`.
     pub hash_scheme: Option<String>,
-    /// Block size in tokens; default 16.
+    /// Block size in tokens; default 16, at most [`MAX_BLOCK_SIZE`].
     pub block_size: Option<u32>,
     /// CacheBackend (`namespace/name`) the probe is for; only echoed in the stream descriptor.
     pub backend: Option<String>,
+}
+
+impl ProbeRequest {
+    /// Checks every size parameter against its cap: `blockSize` at most [`MAX_BLOCK_SIZE`],
+    /// each string at most [`MAX_NAME_BYTES`] bytes.
+    ///
+    /// # Errors
+    /// The first field over its cap, with the cap, as a sentence for a 400 answer.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(b) = self.block_size {
+            if b > MAX_BLOCK_SIZE {
+                return Err(format!(
+                    "blockSize {b} is above the cap of {MAX_BLOCK_SIZE} tokens"
+                ));
+            }
+        }
+        let strings = [
+            ("tenant", &self.tenant),
+            ("model", &self.model),
+            ("hashScheme", &self.hash_scheme),
+            ("backend", &self.backend),
+        ];
+        for (field, value) in strings {
+            if let Some(v) = value {
+                if v.len() > MAX_NAME_BYTES {
+                    return Err(format!(
+                        "{field} is {} bytes, above the cap of {MAX_NAME_BYTES}",
+                        v.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A stage's outcome.
@@ -131,7 +172,9 @@ fn synthetic_tokens(nonce: u64, block_size: u32, blocks: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Runs the probe against `shared`'s index through `router`.
+/// Runs the probe against `shared`'s index through `router`. `req` is expected to pass
+/// [`ProbeRequest::validate`]; a larger block size is clamped to [`MAX_BLOCK_SIZE`] and the
+/// prompt to [`PROBE_MAX_TOKENS`] whatever the caller.
 pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport {
     let started = Instant::now();
     let nonce = PROBE_SEQ.fetch_add(1, Ordering::Relaxed);
@@ -150,7 +193,11 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
         .clone()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "vllm".to_string());
-    let block_size = req.block_size.filter(|b| *b > 0).unwrap_or(16);
+    let block_size = req
+        .block_size
+        .filter(|b| *b > 0)
+        .unwrap_or(16)
+        .min(MAX_BLOCK_SIZE);
     let node = format!("{PROBE_NODE_PREFIX}{}-{nonce}", std::process::id());
     let stream_id = format!("{tenant}/inferencecache-probe-{nonce}#0");
     let desc = proto::StreamDescriptor {
@@ -174,7 +221,10 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
             },
         )
         .minimum_prefix_tokens;
-    let blocks = minimum.div_ceil(block_size).clamp(4, 4096);
+    let blocks = minimum
+        .div_ceil(block_size)
+        .clamp(4, 4096)
+        .min((PROBE_MAX_TOKENS / block_size).max(1));
     let tokens = synthetic_tokens(nonce, block_size, blocks);
     let keys = content_key::chain(&tokens, block_size as usize);
 

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use ic_shared::limits::{MAX_BLOCK_SIZE, MAX_LOOKUP_TOKENS};
 use ic_shared::proto::{self, router_service_server::RouterService};
 use tonic::{Request, Response, Status};
 
@@ -135,6 +136,28 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
     }
 }
 
+/// Refuses a request above the lookup caps: more than [`MAX_LOOKUP_TOKENS`] token ids or
+/// content keys, or a block size above [`MAX_BLOCK_SIZE`] (docs/security.md "Input bounds").
+fn check_bounds(req: &proto::LookupRouteRequest) -> Result<(), Status> {
+    for (field, n) in [
+        ("token_ids", req.token_ids.len()),
+        ("content_keys", req.content_keys.len()),
+    ] {
+        if n > MAX_LOOKUP_TOKENS {
+            return Err(Status::invalid_argument(format!(
+                "LookupRouteRequest.{field} has {n} entries, above the cap of {MAX_LOOKUP_TOKENS}"
+            )));
+        }
+    }
+    if req.block_size > MAX_BLOCK_SIZE {
+        return Err(Status::invalid_argument(format!(
+            "LookupRouteRequest.block_size {} is above the cap of {MAX_BLOCK_SIZE} tokens",
+            req.block_size
+        )));
+    }
+    Ok(())
+}
+
 #[tonic::async_trait]
 impl RouterService for Router {
     async fn lookup_route(
@@ -147,6 +170,7 @@ impl RouterService for Router {
                 "LookupRouteRequest needs token_ids or content_keys",
             ));
         }
+        check_bounds(&req)?;
         Ok(Response::new(self.lookup(&req)))
     }
 }

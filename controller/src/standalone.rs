@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use ic_shared::proto::agent_service_server::AgentServiceServer;
 use ic_shared::proto::router_service_server::RouterServiceServer;
+use ic_shared::serve::{self, ConnectionLimits, ListenerStats};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
 use crate::http::{self, HttpState};
@@ -31,6 +31,11 @@ pub struct StandaloneConfig {
     pub agent_expiry: Duration,
     /// Lookup defaults.
     pub policy: LookupPolicy,
+    /// Connection limits, applied to each listener on its own (docs/security.md).
+    pub limits: ConnectionLimits,
+    /// Listen beyond loopback although nothing is authenticated
+    /// (`--allow-unauthenticated-non-loopback`); without it such an address is refused.
+    pub allow_unauthenticated_non_loopback: bool,
 }
 
 /// Why the stack could not start or stopped with an error.
@@ -43,6 +48,12 @@ pub enum ServeError {
         addr: SocketAddr,
         /// OS error.
         source: std::io::Error,
+    },
+    /// A listen address beyond loopback without `allow_unauthenticated_non_loopback`.
+    #[error("standalone mode authenticates nobody (agent streams, LookupRoute, /snapshot, /v1/nodes are open): refusing to listen on {addr}, which is not a loopback address; pass --allow-unauthenticated-non-loopback to do it anyway")]
+    Unauthenticated {
+        /// The address.
+        addr: SocketAddr,
     },
     /// Metrics registration failed.
     #[error("metrics registry: {0}")]
@@ -66,6 +77,10 @@ pub struct Running {
     pub http_addr: SocketAddr,
     /// Shared state (tests read the index directly).
     pub shared: Arc<Shared>,
+    /// Connections the gRPC listener refused at its cap or closed for a missed deadline.
+    pub grpc_stats: Arc<ListenerStats>,
+    /// The same for the HTTP listener.
+    pub http_stats: Arc<ListenerStats>,
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: JoinHandle<Result<(), std::io::Error>>,
     expiry: JoinHandle<()>,
@@ -83,11 +98,18 @@ impl Running {
     }
 }
 
-/// Binds both listeners and starts serving until `shutdown` resolves.
+/// Binds both listeners and starts serving until `shutdown` resolves. Nothing is
+/// authenticated in standalone mode, so an address beyond loopback is refused
+/// ([`ServeError::Unauthenticated`]) unless `cfg.allow_unauthenticated_non_loopback`.
 pub async fn start<F>(cfg: StandaloneConfig, shutdown: F) -> Result<Running, ServeError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    for addr in [cfg.grpc_addr, cfg.http_addr] {
+        if !addr.ip().is_loopback() && !cfg.allow_unauthenticated_non_loopback {
+            return Err(ServeError::Unauthenticated { addr });
+        }
+    }
     let shared = Arc::new(Shared::new(cfg.policy)?);
     let grpc_listener =
         TcpListener::bind(cfg.grpc_addr)
@@ -140,27 +162,37 @@ where
         info!("standalone mode: agent streams are not authenticated (loopback only)");
     }
 
+    let grpc_stats = Arc::new(ListenerStats::default());
+    let http_stats = Arc::new(ListenerStats::default());
     let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
+        cfg.limits
+            .grpc_server()
             .add_service(health_service)
             .add_service(AgentIngest::new(shared.clone()).into_server())
             .add_service(RouterServiceServer::new(Router::new(shared.clone())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
-                let _ = grpc_stop.wait_for(|s| *s).await;
-            }),
+            .serve_with_incoming_shutdown(
+                serve::grpc_incoming(grpc_listener, cfg.limits, grpc_stats.clone()),
+                async move {
+                    let _ = grpc_stop.wait_for(|s| *s).await;
+                },
+            ),
     );
     let ready = Arc::new(AtomicBool::new(false));
     let app = http::router(HttpState {
         shared: shared.clone(),
         ready: ready.clone(),
     });
-    let http = tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    let http = tokio::spawn(serve::serve_http(
+        http_listener,
+        app,
+        cfg.limits,
+        http_stats.clone(),
+        serve::plain,
+        async move {
+            let _ = http_stop.wait_for(|s| *s).await;
+        },
+        Duration::from_secs(5),
+    ));
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
     ready.store(true, Ordering::Release);
     info!(grpc = %grpc_addr, http = %http_addr, "standalone controller serving");
@@ -168,6 +200,8 @@ where
         grpc_addr,
         http_addr,
         shared,
+        grpc_stats,
+        http_stats,
         grpc,
         http,
         expiry,

@@ -485,3 +485,35 @@ fn the_binary_prints_the_verdict_and_exits_with_its_code() {
         .unwrap()
         .contains("/nonexistent/cb.yaml"));
 }
+
+#[test]
+fn unbounded_and_deeply_nested_input_is_refused_with_a_clear_error() {
+    // The attack: `admit /dev/zero` read until memory ran out.
+    if std::path::Path::new("/dev/zero").exists() {
+        match admit_cli(&args(PathBuf::from("/dev/zero"))) {
+            Err(e @ AdmitError::Read { .. }) => {
+                let text = format!("{e}");
+                assert!(text.contains("cap of 8388608 bytes"), "{text}");
+            }
+            other => panic!("{:?}", other.map(|o| o.exit_code)),
+        }
+    }
+    // A 100 000-deep document is refused before the YAML parser sees it.
+    let dir = tempfile::tempdir().unwrap();
+    let deep = dir.path().join("deep.yaml");
+    std::fs::write(
+        &deep,
+        format!("spec: {}{}\n", "[".repeat(100_000), "]".repeat(100_000)),
+    )
+    .unwrap();
+    match admit_cli(&args(deep)) {
+        Err(e @ AdmitError::Parse { .. }) => {
+            let text = format!("{e}");
+            assert!(
+                text.contains("nesting deeper than the limit of 64"),
+                "{text}"
+            );
+        }
+        other => panic!("{:?}", other.map(|o| o.exit_code)),
+    }
+}

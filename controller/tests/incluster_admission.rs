@@ -113,6 +113,7 @@ fn config(identity: &str) -> InClusterConfig {
         },
         token_audience: "inference-cache".into(),
         token_cache_ttl: Duration::from_secs(60),
+        limits: Default::default(),
         nodes: Default::default(),
         model_cache: Some(ModelCacheConfig::default()),
         functional_probe: true,

@@ -132,6 +132,7 @@ async fn run_mode_end_to_end() {
             advisory_resync: Duration::from_secs(60),
             ..Default::default()
         },
+        limits: Default::default(),
         model_cache: None,
         functional_probe: false,
     };

@@ -29,6 +29,8 @@ async fn lookup_reaches_the_router_by_url_or_bare_address() {
             http_addr: "127.0.0.1:0".parse().unwrap(),
             agent_expiry: Duration::from_secs(60),
             policy: LookupPolicy::default(),
+            limits: Default::default(),
+            allow_unauthenticated_non_loopback: false,
         },
         async move {
             let _ = stopped.await;

@@ -554,6 +554,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
             http_addr: "127.0.0.1:0".parse().unwrap(),
             agent_expiry: Duration::from_secs(60),
             policy: LookupPolicy::default(),
+            limits: Default::default(),
+            allow_unauthenticated_non_loopback: false,
         },
         std::future::pending(),
     )

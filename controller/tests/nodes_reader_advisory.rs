@@ -172,6 +172,8 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
             http_addr: "127.0.0.1:0".parse().unwrap(),
             agent_expiry: Duration::from_secs(60),
             policy: LookupPolicy::default(),
+            limits: Default::default(),
+            allow_unauthenticated_non_loopback: false,
         },
         std::future::pending(),
     )

@@ -8,12 +8,16 @@
 //! - [`kv`] — engine KV-event wire decoding, our content keys, replica coverage.
 //! - [`resync`] — resyncs split into chunks below gRPC's message limit, and put back together.
 //! - [`telemetry`] — logging set-up for both binaries.
+//! - [`serve`] — connection limits of every listener (HTTP/1.1 and gRPC).
+//! - [`limits`] — input bounds (block sizes, lookup lengths) both binaries agree on.
 
 pub mod check;
 pub mod crd;
 pub mod kv;
+pub mod limits;
 pub mod plan;
 pub mod resync;
+pub mod serve;
 pub mod telemetry;
 
 /// Generated gRPC code for package `inferencecache.v1alpha1`.

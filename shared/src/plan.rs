@@ -317,20 +317,31 @@ pub enum PlanError {
 }
 
 impl NodePlan {
-    /// Parses a plan from YAML or JSON text (JSON is YAML).
+    /// Parses a plan from YAML or JSON text (JSON is YAML); text nested deeper than
+    /// [`MAX_DOCUMENT_DEPTH`](crate::limits::MAX_DOCUMENT_DEPTH) is refused before parsing.
     pub fn parse(text: &str, origin: &str) -> Result<Self, PlanError> {
+        crate::limits::check_depth(text, crate::limits::MAX_DOCUMENT_DEPTH).map_err(|message| {
+            PlanError::Parse {
+                origin: origin.to_string(),
+                message,
+            }
+        })?;
         serde_yaml::from_str(text).map_err(|e| PlanError::Parse {
             origin: origin.to_string(),
             message: e.to_string(),
         })
     }
 
-    /// Reads and parses a plan file.
+    /// Reads and parses a plan file of at most
+    /// [`MAX_PLAN_BYTES`](crate::limits::MAX_PLAN_BYTES) (a longer one is a `Read` error naming
+    /// the cap; reading stops there).
     pub fn load(path: &std::path::Path) -> Result<Self, PlanError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = std::fs::File::open(path)
+            .and_then(|f| crate::limits::read_bounded(f, crate::limits::MAX_PLAN_BYTES))
+            .map_err(|source| PlanError::Read {
+                path: path.display().to_string(),
+                source,
+            })?;
         Self::parse(&text, &path.display().to_string())
     }
 }
@@ -338,6 +349,29 @@ impl NodePlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::panic)]
+    fn plan_files_are_read_up_to_a_cap_and_deep_plans_are_refused() {
+        if std::path::Path::new("/dev/zero").exists() {
+            match NodePlan::load(std::path::Path::new("/dev/zero")) {
+                Err(PlanError::Read { source, .. }) => {
+                    assert!(
+                        source.to_string().contains("cap of 4194304 bytes"),
+                        "{source}"
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let deep = format!("engines: {}{}", "[".repeat(100_000), "]".repeat(100_000));
+        match NodePlan::parse(&deep, "deep") {
+            Err(PlanError::Parse { message, .. }) => {
+                assert!(message.contains("nesting deeper"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn parses_the_documented_example() {

@@ -30,6 +30,7 @@ use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
 use thiserror::Error;
 
+pub mod beneath;
 pub mod cuda;
 pub mod fake;
 pub mod gpu;

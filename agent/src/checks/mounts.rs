@@ -21,15 +21,18 @@
 //! 3. the SHA-256 of every planned sample file must equal the writer's digest (digests are
 //!    cached by inode, size and mtime, so a large file is hashed once).
 //!
+//! Every file is opened beneath the volume's root ([`super::beneath`]: `openat2` with
+//! `RESOLVE_BENEATH`): a sample or probe file reached through a symbolic link out of the volume
+//! is neither hashed nor probed — its sample reads unreadable ("leads out of the volume").
+//!
 //! One result per planned mount, subject `<namespace>/<pod>:<path>` (one `host` result
 //! `NoReaderMounts`, Ok, when the plan has none). Reasons (see `docs/checks.md`): `ReaderVolumeReadOnly`, `ReaderVolumeMounted`, `ReaderVolumeWritable`,
 //! `ReaderVolumeDigestMismatch`, `ReaderVolumeMissing`, `PodNotFound`.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::fs::OpenOptions;
 use std::io::{self, Read};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -38,6 +41,9 @@ use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{NodePlan, ReaderMount};
 use parking_lot::Mutex;
 
+use nix::fcntl::OFlag;
+
+use super::beneath::{self, Volume};
 use super::pods::PodFinder;
 use super::shm::{find_mount, parse_mountinfo, pod_not_found, MountEntry};
 use super::{Check, ChecksConfig};
@@ -139,45 +145,61 @@ fn probe_name(kind: &str) -> String {
 }
 
 /// Runs every write probe against the directory `dir` (as the agent sees it, e.g. through
-/// `/proc/<pid>/root`), using `file` (an existing regular file on the same mount) for the
-/// probes that need one. Anything a probe changes is undone at once.
+/// `/proc/<pid>/root`), using `file` (an existing regular file under `dir`, absolute or
+/// relative to it) for the probes that need one. Anything a probe changes is undone at once.
+/// Every path is resolved beneath `dir` ([`Volume`]): a file reached through a symbolic link
+/// out of the volume is not touched (its probes read `Skipped`).
 pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, ProbeOutcome)> {
+    match Volume::open(dir) {
+        Ok(volume) => {
+            let rel = file.map(|f| f.strip_prefix(dir).unwrap_or(f));
+            write_probes_in(&volume, rel)
+        }
+        Err(_) => PROBES
+            .iter()
+            .map(|p| (*p, ProbeOutcome::Skipped("volume root unreadable")))
+            .collect(),
+    }
+}
+
+/// [`write_probes`] on an open volume, `file` relative to its root.
+pub fn write_probes_in(volume: &Volume, file: Option<&Path>) -> Vec<(&'static str, ProbeOutcome)> {
     let mut out = Vec::with_capacity(PROBES.len());
     // create: a new name, exclusive
-    let created = dir.join(probe_name("create"));
+    let created = probe_name("create");
     out.push((
         "create",
-        outcome(
-            OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&created),
-            |f| {
-                drop(f);
-                std::fs::remove_file(&created)
-            },
-        ),
+        outcome(volume.create_new(&created), |f| {
+            drop(f);
+            volume.unlink(&created)
+        }),
     ));
-    match file {
-        Some(file) => {
+    let opened = file.map(|f| volume.open_file(f, OFlag::O_RDONLY));
+    match (file, opened) {
+        (Some(file), Some(Ok(ro))) => {
             // append: open for writing, write nothing
             out.push((
                 "append",
-                outcome(OpenOptions::new().append(true).open(file), |f| {
-                    drop(f);
-                    Ok(())
-                }),
+                outcome(
+                    volume.open_file(file, OFlag::O_WRONLY | OFlag::O_APPEND),
+                    |f| {
+                        drop(f);
+                        Ok(())
+                    },
+                ),
             ));
-
             // chmod and truncate: to what the file already has
-            match std::fs::metadata(file) {
+            match ro.metadata() {
                 Ok(meta) => {
                     let mode = meta.permissions().mode() & 0o7777;
                     out.push((
                         "chmod",
                         outcome(
-                            std::fs::set_permissions(file, std::fs::Permissions::from_mode(mode)),
+                            nix::sys::stat::fchmod(
+                                &ro,
+                                nix::sys::stat::Mode::from_bits_truncate(mode),
+                            )
+                            .map_err(io::Error::from),
                             |()| Ok(()),
                         ),
                     ));
@@ -185,16 +207,16 @@ pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, Probe
                     out.push((
                         "truncate",
                         outcome(
-                            nix::unistd::truncate(file, len).map_err(io::Error::from),
+                            volume.open_file(file, OFlag::O_WRONLY).and_then(|f| {
+                                nix::unistd::ftruncate(&f, len).map_err(io::Error::from)
+                            }),
                             |()| Ok(()),
                         ),
                     ));
                     out.push((
                         "ftruncate",
                         outcome(
-                            std::fs::File::open(file).and_then(|f| {
-                                nix::unistd::ftruncate(&f, len).map_err(io::Error::from)
-                            }),
+                            nix::unistd::ftruncate(&ro, len).map_err(io::Error::from),
                             |()| Ok(()),
                         ),
                     ));
@@ -206,33 +228,39 @@ pub fn write_probes(dir: &Path, file: Option<&Path>) -> Vec<(&'static str, Probe
                 }
             }
         }
-        None => {
+        (Some(_), Some(Err(e))) => {
+            let why = if beneath::is_escape(&e) {
+                "file outside the volume"
+            } else {
+                "file unreadable"
+            };
+            for p in ["append", "chmod", "truncate", "ftruncate"] {
+                out.push((p, ProbeOutcome::Skipped(why)));
+            }
+        }
+        _ => {
             for p in ["append", "chmod", "truncate", "ftruncate"] {
                 out.push((p, ProbeOutcome::Skipped("no file")));
             }
         }
     }
     // rename: a name that does not exist (nothing of the volume moves, even if writable)
-    let from = dir.join(probe_name("rename"));
-    let to = dir.join(probe_name("renamed"));
+    let from = probe_name("rename");
+    let to = probe_name("renamed");
     out.push((
         "rename",
-        outcome(std::fs::rename(&from, &to), |()| {
-            std::fs::rename(&to, &from)
-        }),
+        outcome(volume.rename(&from, &to), |()| volume.rename(&to, &from)),
     ));
     // unlink: a name that does not exist
     out.push((
         "unlink",
-        outcome(std::fs::remove_file(dir.join(probe_name("unlink"))), |()| {
-            Ok(())
-        }),
+        outcome(volume.unlink(&probe_name("unlink")), |()| Ok(())),
     ));
     // mkdir: a new name, removed again
-    let made = dir.join(probe_name("mkdir"));
+    let made = probe_name("mkdir");
     out.push((
         "mkdir",
-        outcome(std::fs::create_dir(&made), |()| std::fs::remove_dir(&made)),
+        outcome(volume.mkdir(&made), |()| volume.rmdir(&made)),
     ));
     out
 }
@@ -254,7 +282,11 @@ pub fn sample_path(mount: &Path, file: &str) -> Option<PathBuf> {
 
 /// SHA-256 of a file as 64 lower-case hex digits.
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut f = std::fs::File::open(path)?;
+    sha256_of(&mut std::fs::File::open(path)?)
+}
+
+/// SHA-256 of what `f` reads, as 64 lower-case hex digits.
+pub fn sha256_of(f: &mut impl Read) -> io::Result<String> {
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     let mut buf = vec![0u8; 1 << 16];
     loop {
@@ -483,8 +515,14 @@ impl MountsCheck {
         }
     }
 
-    fn digest(&self, path: &Path) -> SampleState {
-        let meta = match std::fs::metadata(path) {
+    /// The digest of `rel` beneath `volume` (`path` is its full name, the cache's key). A
+    /// symbolic link out of the volume is not followed.
+    fn digest(&self, volume: &Volume, rel: &Path, path: &Path) -> SampleState {
+        let mut f = match volume.open_file(rel, OFlag::O_RDONLY) {
+            Ok(f) => f,
+            Err(e) => return SampleState::Unreadable(beneath::describe(&e)),
+        };
+        let meta = match f.metadata() {
             Ok(m) if m.is_file() => m,
             Ok(_) => return SampleState::Unreadable("not a regular file".into()),
             Err(e) => return SampleState::Unreadable(e.to_string()),
@@ -501,7 +539,7 @@ impl MountsCheck {
                 return SampleState::Digest(d.clone());
             }
         }
-        match sha256_file(path) {
+        match sha256_of(&mut f) {
             Ok(d) => {
                 let mut cache = self.digests.lock();
                 if cache.len() > 4096 {
@@ -546,10 +584,13 @@ impl MountsCheck {
             }
             Err(e) => view.mountinfo_error = Some(format!("{}: {e}", mountinfo.display())),
         }
-        if view.mount.is_none() || !target.is_dir() {
-            view.mount = None;
-            return view;
-        }
+        let volume = match view.mount.as_ref().map(|_| Volume::open(&target)) {
+            Some(Ok(v)) => v,
+            _ => {
+                view.mount = None;
+                return view;
+            }
+        };
         let samples: Vec<(String, String, Option<PathBuf>)> = plan
             .samples
             .iter()
@@ -562,18 +603,26 @@ impl MountsCheck {
             })
             .collect();
         if plan.expect_read_only {
+            // A planned sample that is a regular file beneath the volume, else the first
+            // regular file of its root.
             let file = samples
                 .iter()
-                .filter_map(|(_, _, p)| p.clone())
-                .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
-                .or_else(|| first_regular_file(&target));
-            view.probes = write_probes(&target, file.as_deref());
+                .filter(|(_, _, p)| p.is_some())
+                .map(|(f, _, _)| PathBuf::from(f))
+                .find(|rel| {
+                    volume
+                        .open_file(rel, OFlag::O_RDONLY)
+                        .and_then(|f| f.metadata())
+                        .is_ok_and(|m| m.is_file())
+                })
+                .or_else(|| volume.first_regular_file());
+            view.probes = write_probes_in(&volume, file.as_deref());
         }
         view.samples = samples
             .into_iter()
             .map(|(file, want, p)| {
                 let state = match p {
-                    Some(p) => self.digest(&p),
+                    Some(p) => self.digest(&volume, Path::new(&file), &p),
                     None => SampleState::Unreadable("path outside the volume".into()),
                 };
                 (file, want, state)
@@ -581,15 +630,6 @@ impl MountsCheck {
             .collect();
         view
     }
-}
-
-fn first_regular_file(dir: &Path) -> Option<PathBuf> {
-    let entries = std::fs::read_dir(dir).ok()?;
-    entries
-        .flatten()
-        .take(256)
-        .map(|e| e.path())
-        .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
 }
 
 impl Check for MountsCheck {
@@ -866,6 +906,77 @@ mod tests {
         assert_eq!(after.ino(), before.ino());
         let no_file = write_probes(dir.path(), None);
         assert_eq!(no_file[1].1, ProbeOutcome::Skipped("no file"));
+    }
+
+    #[test]
+    fn symlinks_out_of_the_volume_are_neither_hashed_nor_probed() {
+        // The attack: a link in the volume to a mode-0600 file outside it was hashed
+        // (the hash printed), appended to, chmod-ed and truncated, and reported
+        // ReaderVolumeWritable.
+        let top = tempfile::tempdir().unwrap();
+        let outside = top.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let secret = outside.join("secret");
+        std::fs::write(&secret, b"private").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let before = std::fs::metadata(&secret).unwrap();
+        let vol = top.path().join("volume");
+        std::fs::create_dir_all(vol.join("blobs")).unwrap();
+        std::fs::create_dir_all(vol.join("snapshots/r1")).unwrap();
+        std::fs::write(vol.join("blobs/abc"), b"test").unwrap();
+        // Links that stay inside (the Hugging Face cache layout) and links that leave.
+        std::os::unix::fs::symlink("../../blobs/abc", vol.join("snapshots/r1/config.json"))
+            .unwrap();
+        std::os::unix::fs::symlink(&secret, vol.join("weights.bin")).unwrap();
+        std::os::unix::fs::symlink("../outside", vol.join("sub")).unwrap();
+
+        let volume = Volume::open(&vol).unwrap();
+        let check = MountsCheck::new(&ChecksConfig::default());
+        for rel in ["weights.bin", "sub/secret"] {
+            match check.digest(&volume, Path::new(rel), &vol.join(rel)) {
+                SampleState::Unreadable(why) => {
+                    assert!(why.contains("leads out of the volume"), "{rel}: {why}")
+                }
+                other => panic!("{rel} was read: {other:?}"),
+            }
+        }
+        assert_eq!(
+            check.digest(
+                &volume,
+                Path::new("snapshots/r1/config.json"),
+                &vol.join("snapshots/r1/config.json")
+            ),
+            SampleState::Digest(
+                "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08".into()
+            )
+        );
+        for rel in ["weights.bin", "sub/secret"] {
+            let probes = write_probes_in(&volume, Some(Path::new(rel)));
+            for (p, o) in &probes {
+                if ["append", "chmod", "truncate", "ftruncate"].contains(p) {
+                    assert_eq!(
+                        *o,
+                        ProbeOutcome::Skipped("file outside the volume"),
+                        "{rel} {p}"
+                    );
+                }
+            }
+        }
+        // The file outside is untouched.
+        let after = std::fs::metadata(&secret).unwrap();
+        assert_eq!(std::fs::read(&secret).unwrap(), b"private");
+        assert_eq!(after.permissions().mode(), before.permissions().mode());
+        assert_eq!(after.mtime_nsec(), before.mtime_nsec());
+        // Without openat2 every link is refused, the in-volume one included.
+        assert!(volume
+            .walk(Path::new("snapshots/r1/config.json"), OFlag::O_RDONLY)
+            .is_err_and(|e| beneath::is_escape(&e)));
+        assert!(volume.walk(Path::new("blobs/abc"), OFlag::O_RDONLY).is_ok());
+        // `..` and absolute paths never resolve.
+        assert!(volume
+            .open_file(Path::new("../outside/secret"), OFlag::O_RDONLY)
+            .is_err());
+        assert!(volume.open_file(&secret, OFlag::O_RDONLY).is_err());
     }
 
     #[test]

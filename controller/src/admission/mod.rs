@@ -505,8 +505,18 @@ fn is_subresource(req: &AdmissionRequest) -> bool {
     req.sub_resource.as_deref().is_some_and(|s| !s.is_empty())
 }
 
+/// The answer to a body that is no AdmissionReview: with the uid when
+/// [`review::uid_of_raw`] finds one, else saying that it could not be read. The Pod webhook
+/// still admits the pod (unwired); the CacheBackend webhooks refuse.
 fn undecodable(route: Route, body: &[u8], why: &str) -> AdmissionResponse {
     let uid = review::uid_of_raw(body);
+    let unread;
+    let why = if uid.is_empty() {
+        unread = format!("{why} (and its request.uid could not be read)");
+        unread.as_str()
+    } else {
+        why
+    };
     match route {
         Route::MutatePod => {
             AdmissionResponse::allow_with_message(uid, format!("{why}; pod admitted unwired"))

@@ -26,7 +26,6 @@
 //!   the pod is then sent to `/mutate-pod` and the result printed as JSON:
 //!   `{"allowed", "reason", "patch" (decoded JSON Patch array), "warnings", "pod" (patched)}`.
 
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -436,32 +435,31 @@ fn prune_against(v: &mut Value, known: &Value, path: &str, out: &mut Vec<String>
     }
 }
 
-/// Reads every YAML (or JSON) document of a file (`-` = stdin), skipping empty documents.
+/// Reads every YAML (or JSON) document of a file (`-` = stdin), skipping empty documents; at
+/// most [`MAX_ADMIT_BYTES`](ic_shared::limits::MAX_ADMIT_BYTES) are read (a longer input is a
+/// `Read` error naming the cap).
 pub fn read_documents(path: &Path) -> Result<Vec<Value>, AdmitError> {
+    use ic_shared::limits::{read_bounded, MAX_ADMIT_BYTES};
     let text = if path == Path::new("-") {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .map_err(|source| AdmitError::Read {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        s
+        read_bounded(std::io::stdin().lock(), MAX_ADMIT_BYTES)
     } else {
-        std::fs::read_to_string(path).map_err(|source| AdmitError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?
-    };
+        std::fs::File::open(path).and_then(|f| read_bounded(f, MAX_ADMIT_BYTES))
+    }
+    .map_err(|source| AdmitError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     parse_documents(&text).map_err(|message| AdmitError::Parse {
         path: path.to_path_buf(),
         message,
     })
 }
 
-/// Parses YAML/JSON text into its non-empty documents.
+/// Parses YAML/JSON text into its non-empty documents; text nested deeper than
+/// [`MAX_DOCUMENT_DEPTH`](ic_shared::limits::MAX_DOCUMENT_DEPTH) is refused before parsing.
 pub fn parse_documents(text: &str) -> Result<Vec<Value>, String> {
     use serde::Deserialize as _;
+    ic_shared::limits::check_depth(text, ic_shared::limits::MAX_DOCUMENT_DEPTH)?;
     let mut out = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(text) {
         let v = Value::deserialize(doc).map_err(|e| e.to_string())?;

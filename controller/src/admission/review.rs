@@ -440,16 +440,60 @@ impl<'de> Deserialize<'de> for AdmissionResponse {
 }
 
 /// Best-effort `request.uid` of a body that did not decode as an AdmissionReview, so that even a
-/// malformed review gets an answer the apiserver can match.
+/// malformed review gets an answer the apiserver can match: the body is read as a stream and
+/// the uid kept as soon as it is seen, so a review that breaks (bad JSON, nesting past
+/// serde_json's limit, a truncated body) after `request.uid` — where the apiserver writes it,
+/// first — still yields it. Empty when no uid precedes the damage.
 pub fn uid_of_raw(body: &[u8]) -> String {
-    serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/request/uid")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .unwrap_or_default()
+    let mut uid = None;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let _ = serde::de::DeserializeSeed::deserialize(UidSeed::Review(&mut uid), &mut de);
+    uid.unwrap_or_default()
+}
+
+/// Walks `{"request": {"uid": …}}`, ignoring everything else, storing the uid when found.
+enum UidSeed<'a> {
+    Review(&'a mut Option<String>),
+    Request(&'a mut Option<String>),
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UidSeed<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UidSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an AdmissionReview object")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        use serde::de::IgnoredAny;
+        match self {
+            UidSeed::Review(uid) => {
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "request" {
+                        map.next_value_seed(UidSeed::Request(&mut *uid))?;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            UidSeed::Request(uid) => {
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "uid" {
+                        *uid = Some(map.next_value::<String>()?);
+                        // The rest need not decode: the uid is all we want.
+                        return Ok(());
+                    }
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -459,6 +503,22 @@ mod tests {
 
     fn add_op() -> json_patch::PatchOperation {
         serde_json::from_value(json!({"op": "add", "path": "/spec/x", "value": 1})).unwrap()
+    }
+
+    #[test]
+    fn the_uid_of_a_review_that_breaks_after_it_is_still_read() {
+        let deep = format!(
+            r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{{"uid":"u-7","object":{}{}}}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(serde_json::from_str::<Value>(&deep).is_err());
+        assert_eq!(uid_of_raw(deep.as_bytes()), "u-7");
+        let truncated = br#"{"request":{"uid":"u-8","kind":{"group":"","#;
+        assert_eq!(uid_of_raw(truncated), "u-8");
+        let garbage = br#"{"request":{"kind":"#;
+        assert_eq!(uid_of_raw(garbage), "");
+        assert_eq!(uid_of_raw(b"\xff\x00"), "");
     }
 
     #[test]

@@ -1,4 +1,6 @@
-//! The HTTPS admission server (axum on axum-server + rustls/ring).
+//! The HTTPS admission server (axum on hyper-util + rustls/ring, under the listener's
+//! [`ConnectionLimits`]: a cap on connections, the TLS handshake and each request's headers
+//! within the header-read timeout, each review within the request timeout).
 //!
 //! Routes: `POST /mutate-cachebackend`, `POST /validate-cachebackend`, `POST /mutate-pod` (each
 //! takes and returns an `admission.k8s.io/v1` AdmissionReview, always HTTP 200), and
@@ -20,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use axum_server::tls_rustls::RustlsConfig;
+use ic_shared::serve::{self, ConnectionLimits, ListenerStats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 
@@ -39,6 +42,8 @@ pub struct ServerConfig {
     pub tls: TlsSource,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
+    /// Connection limits (docs/security.md "Connection limits").
+    pub limits: ConnectionLimits,
 }
 
 impl ServerConfig {
@@ -48,6 +53,7 @@ impl ServerConfig {
             addr,
             tls,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            limits: ConnectionLimits::default(),
         }
     }
 }
@@ -111,7 +117,9 @@ pub struct RunningServer {
     pub ca_pem: Option<String>,
     /// The live TLS configuration (reloads swap into it).
     pub rustls: RustlsConfig,
-    handle: axum_server::Handle<SocketAddr>,
+    /// Connections refused at the cap or closed for a missed deadline.
+    pub stats: Arc<ListenerStats>,
+    stop: tokio::sync::watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
     reloader: Option<JoinHandle<()>>,
 }
@@ -119,7 +127,7 @@ pub struct RunningServer {
 impl RunningServer {
     /// Starts a graceful shutdown (in-flight reviews get up to 5 s).
     pub fn shutdown(&self) {
-        self.handle.graceful_shutdown(Some(Duration::from_secs(5)));
+        self.stop.send_replace(true);
     }
 
     /// Waits for the server to stop (after [`RunningServer::shutdown`]).
@@ -180,22 +188,34 @@ pub async fn start(
             )
         }
     };
-    let listener = std::net::TcpListener::bind(cfg.addr).map_err(|source| ServerError::Bind {
-        addr: cfg.addr,
-        source,
-    })?;
     let bind_err = |source| ServerError::Bind {
         addr: cfg.addr,
         source,
     };
-    listener.set_nonblocking(true).map_err(bind_err)?;
+    let listener = tokio::net::TcpListener::bind(cfg.addr)
+        .await
+        .map_err(bind_err)?;
     let local_addr = listener.local_addr().map_err(bind_err)?;
-    let handle = axum_server::Handle::new();
     let app = router(admission, cfg.max_body_bytes);
-    let server = axum_server::tls_rustls::from_tcp_rustls(listener, rustls.clone())
-        .map_err(bind_err)?
-        .handle(handle.clone());
-    let server = tokio::spawn(async move { server.serve(app.into_make_service()).await });
+    let stats = Arc::new(ListenerStats::default());
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let live = rustls.clone();
+    // Each connection takes the configuration current at accept (reloads swap it).
+    let handshake = move |stream: serve::Limited<tokio::net::TcpStream>| {
+        let acceptor = tokio_rustls::TlsAcceptor::from(live.get_inner());
+        async move { acceptor.accept(stream).await }
+    };
+    let server = tokio::spawn(serve::serve_http(
+        listener,
+        app,
+        cfg.limits,
+        stats.clone(),
+        handshake,
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        },
+        Duration::from_secs(5),
+    ));
     let reloader =
         watch.map(|(cert, key, interval)| tls::spawn_reloader(rustls.clone(), cert, key, interval));
     tracing::info!(addr = %local_addr, "admission webhooks listening (HTTPS)");
@@ -203,7 +223,8 @@ pub async fn start(
         local_addr,
         ca_pem,
         rustls,
-        handle,
+        stats,
+        stop,
         server,
         reloader,
     })

@@ -8,15 +8,18 @@
 //! - `/probe` (GET or POST): the functional probe ([`ProbeReport`](crate::probe::ProbeReport)):
 //!   stages ingest, routing, t2, each `ok` / `failed` / `skipped` with a diagnostic. Optional
 //!   coordinates as query parameters or a JSON body: `tenant`, `model`, `hashScheme`,
-//!   `blockSize`, `backend`. Always 200 with the report; a failed stage is an outcome, not a
-//!   server error.
+//!   `blockSize`, `backend`. 200 with the report; a failed stage is an outcome, not a
+//!   server error. A parameter over its cap (`blockSize` above
+//!   [`MAX_BLOCK_SIZE`](ic_shared::limits::MAX_BLOCK_SIZE), a string above
+//!   [`MAX_NAME_BYTES`](ic_shared::limits::MAX_NAME_BYTES), a body above
+//!   [`MAX_PROBE_BODY_BYTES`]) is a 400 with `{"error": …}` and nothing is allocated for it.
 //! - `/v1/nodes`: `{"nodes":[NodeRecord…]}` — each agent that connected, with its latest checks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -25,6 +28,9 @@ use serde_json::json;
 
 use crate::probe::{self, ProbeRequest};
 use crate::state::Shared;
+
+/// Largest `/probe` POST body accepted (a probe request is a few hundred bytes).
+pub const MAX_PROBE_BODY_BYTES: usize = 16 * 1024;
 
 /// State behind the HTTP handlers.
 #[derive(Clone)]
@@ -42,7 +48,12 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/snapshot", get(snapshot))
-        .route("/probe", get(probe_get).post(probe_post))
+        .route(
+            "/probe",
+            get(probe_get)
+                .post(probe_post)
+                .layer(DefaultBodyLimit::max(MAX_PROBE_BODY_BYTES)),
+        )
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}", get(node))
         .with_state(state)
@@ -82,19 +93,20 @@ async fn probe_post(
     } else {
         match serde_json::from_slice::<ProbeRequest>(&body) {
             Ok(r) => r,
-            Err(e) => {
-                return (
-                    StatusCode::BAD_REQUEST,
-                    Json(json!({ "error": format!("probe request body: {e}") })),
-                )
-                    .into_response()
-            }
+            Err(e) => return bad_request(format!("probe request body: {e}")),
         }
     };
     run_probe(s, req).await
 }
 
+fn bad_request(message: String) -> Response {
+    (StatusCode::BAD_REQUEST, Json(json!({ "error": message }))).into_response()
+}
+
 async fn run_probe(s: HttpState, req: ProbeRequest) -> Response {
+    if let Err(e) = req.validate() {
+        return bad_request(format!("probe request: {e}"));
+    }
     let shared = s.shared.clone();
     // The probe takes the index write lock briefly: keep it off the async workers.
     let report = tokio::task::spawn_blocking(move || {

@@ -41,9 +41,17 @@
 //! ([`auth::PodScope::authorize`]; counters included) — one that is not ends the stream with `PermissionDenied`
 //! before anything of that message is applied. They get no node plan; check reports from them
 //! are ignored. Standalone mode holds them to the pod their Hello names.
+//!
+//! **Node scope and block sizes** ([`scope`]): once this replica has derived node plans (in
+//! cluster, every replica does), a node agent's resync keeps only streams of engine pods the
+//! plans place on its node, and its deltas of other streams are dropped — each counted in
+//! `kv_streams_refused_total{reason="outside_node_scope"}`; entries and ops with a block size
+//! over the caps are dropped the same way (`reason="block_size_cap"`). Standalone derives no
+//! plans: node agents report what they see, as before.
 
 pub mod auth;
 pub mod registry;
+pub mod scope;
 
 use std::collections::HashSet;
 use std::pin::Pin;
@@ -357,8 +365,18 @@ impl Session {
                         .with_label_values(&["awaiting_resync"])
                         .inc_by(batch.deltas.len() as u64);
                 } else {
+                    let mut deltas = self.in_scope_deltas(batch.deltas);
                     let mut ix = self.shared.index.write();
-                    for d in &batch.deltas {
+                    let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
+                    for d in &mut deltas {
+                        let capped = scope::cap_delta(d, &mut budget);
+                        if capped > 0 {
+                            m.kv_streams_refused_total
+                                .with_label_values(&["block_size_cap"])
+                                .inc_by(capped as u64);
+                        }
+                    }
+                    for d in &deltas {
                         match ix.apply_delta(&self.ticket.node, d) {
                             Ok(()) => m.kv_deltas_applied_total.inc(),
                             Err(e) => {
@@ -419,6 +437,75 @@ impl Session {
 }
 
 impl Session {
+    /// A node agent's deltas without those of streams outside its node's scope (counted);
+    /// subscribers' deltas pass (they are held to their pod by [`Session::authorize`]).
+    fn in_scope_deltas(&self, deltas: Vec<proto::StreamDelta>) -> Vec<proto::StreamDelta> {
+        if self.ticket.scope.is_some() {
+            return deltas;
+        }
+        let nodes = self.shared.nodes.lock();
+        let before = deltas.len();
+        let kept: Vec<proto::StreamDelta> = deltas
+            .into_iter()
+            .filter(|d| {
+                d.stream
+                    .as_ref()
+                    .is_none_or(|desc| nodes.node_may_report(&self.ticket.node, desc).is_ok())
+            })
+            .collect();
+        drop(nodes);
+        let dropped = before - kept.len();
+        if dropped > 0 {
+            let m = &self.shared.metrics;
+            m.kv_streams_refused_total
+                .with_label_values(&["outside_node_scope"])
+                .inc_by(dropped as u64);
+            m.kv_deltas_refused_total
+                .with_label_values(&["outside_node_scope"])
+                .inc_by(dropped as u64);
+            warn!(node = %self.ticket.node, dropped, "KV deltas of streams outside the node's scope were dropped");
+        }
+        kept
+    }
+
+    /// A node agent's resync without the streams outside its node's scope (counted, with the
+    /// first reason logged).
+    fn in_scope_snapshots(
+        &self,
+        streams: Vec<proto::StreamSnapshot>,
+    ) -> Vec<proto::StreamSnapshot> {
+        if self.ticket.scope.is_some() {
+            return streams;
+        }
+        let nodes = self.shared.nodes.lock();
+        let mut first = None;
+        let before = streams.len();
+        let kept: Vec<proto::StreamSnapshot> = streams
+            .into_iter()
+            .filter(|s| match s.stream.as_ref() {
+                None => true,
+                Some(desc) => match nodes.node_may_report(&self.ticket.node, desc) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        first.get_or_insert(e);
+                        false
+                    }
+                },
+            })
+            .collect();
+        drop(nodes);
+        if let Some(why) = first {
+            let dropped = before - kept.len();
+            self.shared
+                .metrics
+                .kv_streams_refused_total
+                .with_label_values(&["outside_node_scope"])
+                .inc_by(dropped as u64);
+            warn!(node = %self.ticket.node, dropped, first = %why, "resync streams outside the node's scope were left out");
+        }
+        kept
+    }
+
     /// Replaces the node's streams with a whole resync.
     fn apply_resync(&mut self, streams: Vec<proto::StreamSnapshot>) {
         let m = &self.shared.metrics;
@@ -427,9 +514,20 @@ impl Session {
         } else {
             "connect"
         };
+        let streams = self.in_scope_snapshots(streams);
         {
             let mut ix = self.shared.index.write();
-            let streams = with_node(streams, self.ticket.reporting_node());
+            let mut streams = with_node(streams, self.ticket.reporting_node());
+            let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
+            let capped: usize = streams
+                .iter_mut()
+                .map(|s| scope::cap_snapshot(s, &mut budget))
+                .sum();
+            if capped > 0 {
+                m.kv_streams_refused_total
+                    .with_label_values(&["block_size_cap"])
+                    .inc_by(capped as u64);
+            }
             ix.resync_node(&self.ticket.node, &streams);
             self.shared.update_index_gauges(&ix);
             self.owned = streams
@@ -775,6 +873,164 @@ mod tests {
         );
         let reg = shared.nodes.lock();
         assert_eq!((reg.connected_count(), reg.connected_subscribers()), (1, 2));
+    }
+
+    fn plan_with(engines: &[(&str, &str)]) -> ic_shared::plan::NodePlan {
+        let engines = engines
+            .iter()
+            .map(|(ns, pod)| {
+                serde_json::from_value(serde_json::json!({"namespace": ns, "pod": pod})).unwrap()
+            })
+            .collect();
+        ic_shared::plan::NodePlan {
+            engines,
+            ..Default::default()
+        }
+    }
+
+    fn delta(tenant: &str, pod: &str, seq: u64, key: u64) -> proto::StreamDelta {
+        proto::StreamDelta {
+            stream: Some(StreamDescriptor {
+                stream_id: format!("{tenant}/{pod}#0"),
+                replica: pod.to_string(),
+                tenant: tenant.to_string(),
+                model: "m".into(),
+                hash_scheme: "vllm".into(),
+                ..Default::default()
+            }),
+            seq,
+            ops: vec![proto::KvOp {
+                op: Some(proto::kv_op::Op::Store(proto::StoreOp {
+                    adapter: String::new(),
+                    block_size: 16,
+                    tier: proto::Tier::T1 as i32,
+                    content_keys: vec![key],
+                })),
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_node_agent_may_report_only_engine_pods_its_node_runs() {
+        let (url, shared) = serve(None).await;
+        // The plans place team-a/vllm-a on n1 and team-b/vllm-b on n2.
+        shared.nodes.lock().set_node_scope(
+            &[
+                ("n1".to_string(), plan_with(&[("team-a", "vllm-a")])),
+                ("n2".to_string(), plan_with(&[("team-b", "vllm-b")])),
+            ]
+            .into(),
+        );
+        // n2's own agent reports its pod.
+        let (a2, tx2) = open(&url, hello("n2", None, "")).await;
+        let _in2 = a2.unwrap();
+        tx2.send(resync(&[("team-b", "vllm-b", "b1")]))
+            .await
+            .unwrap();
+        until("n2's stream", || {
+            shared
+                .index
+                .read()
+                .stream_entries("team-b/vllm-b#0")
+                .is_some()
+        })
+        .await;
+        // A compromised n1 reports its own pod, n2's pod, and a made-up one of another tenant.
+        let (a1, tx1) = open(&url, hello("n1", None, "")).await;
+        let mut in1 = a1.unwrap();
+        tx1.send(resync(&[
+            ("team-a", "vllm-a", "a1"),
+            ("team-b", "vllm-b", "ee"),
+            ("team-c", "ghost", "cc"),
+        ]))
+        .await
+        .unwrap();
+        until("n1's own stream", || {
+            shared
+                .index
+                .read()
+                .stream_entries("team-a/vllm-a#0")
+                .is_some()
+        })
+        .await;
+        let refused = || {
+            shared
+                .metrics
+                .kv_streams_refused_total
+                .with_label_values(&["outside_node_scope"])
+                .get()
+        };
+        assert_eq!(refused(), 2);
+        assert!(shared
+            .index
+            .read()
+            .stream_entries("team-c/ghost#0")
+            .is_none());
+        // n2's stream still holds n2's block, and is still n2's.
+        let b: Vec<u64> = shared
+            .index
+            .read()
+            .stream_entries("team-b/vllm-b#0")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.content_key)
+            .collect();
+        assert_eq!(b, vec![0xb1]);
+        // Deltas for n2's stream from n1 are dropped, n1's own apply.
+        tx1.send(AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: 7,
+                deltas: vec![
+                    delta("team-b", "vllm-b", 1, 0xdead),
+                    delta("team-a", "vllm-a", 1, 0xa2),
+                ],
+            })),
+        })
+        .await
+        .unwrap();
+        loop {
+            match in1.message().await.unwrap().unwrap().msg {
+                Some(controller_message::Msg::Ack(a)) if a.batch_id == 7 => break,
+                _ => continue,
+            }
+        }
+        assert_eq!(refused(), 3);
+        let keys = |s: &str| -> Vec<u64> {
+            let mut k: Vec<u64> = shared
+                .index
+                .read()
+                .stream_entries(s)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.content_key)
+                .collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys("team-b/vllm-b#0"), vec![0xb1]);
+        assert_eq!(keys("team-a/vllm-a#0"), vec![0xa1, 0xa2]);
+    }
+
+    #[tokio::test]
+    async fn without_node_plans_node_agents_report_what_they_see() {
+        // Standalone derives no plans: no node scope, today's behaviour.
+        let (url, shared) = serve(None).await;
+        assert!(!shared.nodes.lock().has_node_scope());
+        let (a1, tx1) = open(&url, hello("n1", None, "")).await;
+        let _in1 = a1.unwrap();
+        tx1.send(resync(&[
+            ("team-a", "vllm-a", "a1"),
+            ("team-b", "vllm-b", "b1"),
+        ]))
+        .await
+        .unwrap();
+        until("both streams", || {
+            ["team-a/vllm-a#0", "team-b/vllm-b#0"]
+                .iter()
+                .all(|s| shared.index.read().stream_entries(s).is_some())
+        })
+        .await;
     }
 
     #[tokio::test]

@@ -21,7 +21,7 @@
 //! another pod's subscriber on the same node supersedes them; they get no plan, no CacheNode
 //! and no check results, and are not counted in [`NodeRegistry::connected_count`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
@@ -114,6 +114,9 @@ pub struct NodeRegistry {
     plans: BTreeMap<String, NodePlan>,
     plans_authoritative: bool,
     generation_base: u64,
+    /// Node → the engine pods (`namespace`, `pod`) known to run there; `None` until this
+    /// replica derived plans once (standalone never does: no node scope).
+    scope: Option<BTreeMap<String, BTreeSet<(String, String)>>>,
 }
 
 /// What one [`NodeRegistry::publish_plans`] call did.
@@ -448,6 +451,68 @@ impl NodeRegistry {
         for a in self.outbound.values_mut() {
             a.sent_generation = None;
         }
+    }
+
+    /// Records which engine pods run on which node, from derived plans (every replica derives
+    /// them, leader or not): from now on a node agent may report only those pods' streams
+    /// ([`NodeRegistry::node_may_report`]).
+    pub fn set_node_scope(&mut self, plans: &BTreeMap<String, NodePlan>) {
+        self.scope = Some(
+            plans
+                .iter()
+                .map(|(node, plan)| {
+                    let pods = plan
+                        .engines
+                        .iter()
+                        .map(|e| (e.namespace.clone(), e.pod.clone()))
+                        .collect();
+                    (node.clone(), pods)
+                })
+                .collect(),
+        );
+    }
+
+    /// Whether node `node`'s agent may report `desc`: always without a node scope (standalone,
+    /// or before this replica's first plan derivation); otherwise only a stream of an engine
+    /// pod the plans place on `node` — tenant = the pod's namespace, replica = the pod
+    /// (`pod` or `pod#rank`), stream id `namespace/pod#rank`.
+    ///
+    /// # Errors
+    /// A sentence naming the stream and why it is outside the node's scope.
+    pub fn node_may_report(
+        &self,
+        node: &str,
+        desc: &ic_shared::proto::StreamDescriptor,
+    ) -> Result<(), String> {
+        let Some(scope) = &self.scope else {
+            return Ok(());
+        };
+        let pod = desc
+            .replica
+            .split_once('#')
+            .map_or(desc.replica.as_str(), |(p, _)| p);
+        let known = scope
+            .get(node)
+            .is_some_and(|pods| pods.contains(&(desc.tenant.clone(), pod.to_string())));
+        if !known {
+            return Err(format!(
+                "stream {:?} (pod {}/{}) is not an engine pod the controller knows on node {node:?}",
+                desc.stream_id, desc.tenant, pod
+            ));
+        }
+        let want = format!("{}/{}#{}", desc.tenant, pod, desc.dp_rank);
+        if desc.stream_id != want {
+            return Err(format!(
+                "stream id {:?} does not match its pod and rank (expected {want:?})",
+                desc.stream_id
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a node scope is in force on this replica.
+    pub fn has_node_scope(&self) -> bool {
+        self.scope.is_some()
     }
 
     /// The node's current plan (generation stamped), if any.

@@ -80,6 +80,7 @@ pub fn start_agent(
                     http_addr: "127.0.0.1:0".parse().unwrap(),
                     metrics_addr: None,
                     check_interval,
+                    limits: Default::default(),
                 },
                 state,
                 Checks::new(&ChecksConfig::default()),

@@ -64,6 +64,8 @@ pub async fn start_controller(grpc: SocketAddr) -> Controller {
                 http_addr: "127.0.0.1:0".parse().unwrap(),
                 agent_expiry: Duration::from_secs(60),
                 policy: LookupPolicy::default(),
+                limits: Default::default(),
+                allow_unauthenticated_non_loopback: false,
             },
             async move {
                 let _ = rx.wait_for(|s| *s).await;

@@ -161,15 +161,9 @@ impl NodesMetrics {
     }
 }
 
-/// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans and
-/// publishes them through the registry. Returns what the registry did. A failing ModelCache
-/// list (e.g. the CRD is not installed) only leaves reader mounts out.
-pub async fn publish_plans_once(
+async fn list_pods_and_backends(
     client: &Client,
-    shared: &Shared,
-    model_cache_control_namespace: &str,
-    metrics: Option<&NodesMetrics>,
-) -> Result<PublishReport, kube::Error> {
+) -> Result<(Vec<Pod>, Vec<CacheBackend>), kube::Error> {
     let pods = Api::<Pod>::all(client.clone())
         .list(&ListParams::default())
         .await?
@@ -178,7 +172,32 @@ pub async fn publish_plans_once(
         .list(&ListParams::default())
         .await?
         .items;
+    Ok((pods, backends))
+}
+
+/// On a replica that does not lead: derives the plans only to learn which engine pods run on
+/// which node, and records that as the node scope agents' streams are held to
+/// ([`crate::ingest::scope`]). Nothing is published.
+pub async fn derive_node_scope_once(client: &Client, shared: &Shared) -> Result<(), kube::Error> {
+    let (pods, backends) = list_pods_and_backends(client).await?;
+    let derived = plans::derive_plans(&pods, &backends);
+    shared.nodes.lock().set_node_scope(&derived.plans);
+    Ok(())
+}
+
+/// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans,
+/// records them as the node scope ([`crate::ingest::scope`]) and publishes them through the
+/// registry. Returns what the registry did. A failing ModelCache
+/// list (e.g. the CRD is not installed) only leaves reader mounts out.
+pub async fn publish_plans_once(
+    client: &Client,
+    shared: &Shared,
+    model_cache_control_namespace: &str,
+    metrics: Option<&NodesMetrics>,
+) -> Result<PublishReport, kube::Error> {
+    let (pods, backends) = list_pods_and_backends(client).await?;
     let mut derived = plans::derive_plans(&pods, &backends);
+    shared.nodes.lock().set_node_scope(&derived.plans);
     match Api::<ModelCache>::all(client.clone())
         .list(&ListParams::default())
         .await
@@ -218,7 +237,7 @@ pub async fn publish_plans_once(
 }
 
 /// On the leader, runs [`publish_plans_once`] every `interval` (and at once when leadership is
-/// gained) until `shutdown` turns true; logs nodes that newly run engine pods without a
+/// gained) until `shutdown` turns true — on other replicas [`derive_node_scope_once`]; logs nodes that newly run engine pods without a
 /// connected agent. A replica that does not lead withdraws its plans: agents keep a stream to
 /// every replica, and plans come from the leader only, so every agent sees one consistent
 /// sequence of generations.
@@ -260,11 +279,18 @@ pub fn spawn_plan_publisher(
                         warn!(error = %e, "cannot list pods and CacheBackends to derive node plans")
                     }
                 }
-            } else if was_leader {
-                shared.nodes.lock().withdraw_plans();
-                unserved.clear();
-                if let Some(m) = &metrics {
-                    m.nodes_without_agent.set(0);
+            } else {
+                if was_leader {
+                    shared.nodes.lock().withdraw_plans();
+                    unserved.clear();
+                    if let Some(m) = &metrics {
+                        m.nodes_without_agent.set(0);
+                    }
+                }
+                // Every replica accepts agent streams, so every replica holds them to the
+                // node scope.
+                if let Err(e) = derive_node_scope_once(&client, &shared).await {
+                    warn!(error = %e, "cannot list pods and CacheBackends to derive the node scope");
                 }
             }
             was_leader = is_leader;
