@@ -122,18 +122,14 @@ fn old_object_makes_an_update() {
     assert_eq!(out.exit_code, 0, "{}", out.stderr);
 }
 
-fn fixture_pod() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/pods/01-vllm-docs-nvidia-sh-c.yaml");
-    p.exists().then_some(p)
+/// The real vLLM pod of `testdata/pods`.
+fn fixture_pod() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/pods/01-vllm-docs-nvidia-sh-c.yaml")
 }
 
 #[test]
 fn pod_is_wired_through_the_pod_webhook_and_readmission_is_a_no_op() {
-    let Some(pod) = fixture_pod() else {
-        eprintln!("../shared/fixtures/pods not present; skipped");
-        return;
-    };
+    let pod = fixture_pod();
     let dir = tempfile::tempdir().unwrap();
     // Two documents in one --backend file: one that does not match, one that does.
     let backends = dir.path().join("backends.yaml");

@@ -26,9 +26,9 @@ pub fn repo_root() -> PathBuf {
     }
 }
 
-/// `../shared/fixtures/pods` next to the repository.
+/// The repository's real engine pods (`testdata/pods`).
 pub fn fixtures_dir() -> PathBuf {
-    repo_root().join("../shared/fixtures/pods")
+    repo_root().join("testdata/pods")
 }
 
 /// `controller/tests/golden`.
