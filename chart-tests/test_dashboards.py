@@ -12,17 +12,18 @@ import pytest
 from conftest import CHART_DIR, ROOT
 
 DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
-METRIC_SOURCES = [
-    ROOT / "controller" / "src" / "metrics.rs",
-    ROOT / "agent" / "src" / "state.rs",
-    ROOT / "agent" / "src" / "kv" / "metrics.rs",
-]
+METRIC_SOURCES = sorted((ROOT / "agent" / "src").rglob("*.rs")) + sorted(
+    (ROOT / "controller" / "src").rglob("*.rs")
+) + sorted((ROOT / "shared" / "src").rglob("*.rs"))
 PROMQL_NAME = re.compile(r"\binferencecache_[a-z0-9_]+")
+# Histograms (their series get _bucket, _sum and _count): the binaries' two latency histograms.
+HISTOGRAM_SUFFIX = "_duration_seconds"
 
 
 def metric_names() -> set[str]:
-    """Metric families registered in the Rust sources (`let p = "inferencecache_…_"` /
-    `const P: &str = "…"` prefixes joined with `{p}name`), with the series histograms add."""
+    """Metric families the binaries' sources register: `let p = "inferencecache_…_"` /
+    `const P: &str = "…"` prefixes joined with `{p}name`, and whole names written as literals,
+    plus the series histograms add."""
     names: set[str] = set()
     for src in METRIC_SOURCES:
         text = src.read_text()
@@ -30,8 +31,12 @@ def metric_names() -> set[str]:
         for var, prefix in prefixes.items():
             for name in re.findall(r"\{" + var + r"\}(\w+)", text):
                 names.add(prefix + name)
+            # `format!("{P}{name}")` helpers called with the bare name (agent/src/checks/metrics.rs).
+            if "{" + var + "}{name}" in text:
+                names |= {prefix + n for n in re.findall(r'gauge_vec\(\s*"(\w+)"', text)}
+        names |= {n for n in re.findall(r'"(inferencecache_[a-z0-9_]+)"', text) if not n.endswith("_")}
     for n in list(names):
-        if n.endswith("_seconds"):
+        if n.endswith(HISTOGRAM_SUFFIX):
             names |= {n + "_bucket", n + "_sum", n + "_count"}
     return names
 
