@@ -34,16 +34,17 @@ AGENT_LOG=$LOG_DIR/agent.log
 say() { printf 'standalone: %s\n' "$*" >&2; }
 
 # --- binaries: reuse a fresh build, else build with progress ------------------------------------
+# fresh BINARY PACKAGE_DIR: the binary exists and no input of it (the workspace manifests,
+# shared/ and its package's sources, protos, build scripts) is newer; tests and benches do not
+# count.
 fresh() {
-  local b=$1
+  local b=$1 pkg=$2
   [ -x "$b" ] || return 1
-  # Any input of the binaries (sources, protos, build scripts, manifests) newer than it makes
-  # it stale; tests and benches do not count.
   [ -z "$(find Cargo.toml Cargo.lock shared/Cargo.toml shared/build.rs shared/build-commit.rs \
-          shared/src shared/proto controller/Cargo.toml controller/src agent/Cargo.toml agent/src \
+          shared/src shared/proto "$pkg/Cargo.toml" "$pkg/src" \
           -newer "$b" -type f -print -quit 2>/dev/null)" ]
 }
-if fresh "$BIN/ic-controller" && fresh "$BIN/ic-agent"; then
+if fresh "$BIN/ic-controller" controller && fresh "$BIN/ic-agent" agent; then
   say "using the existing build in $BIN (newer than every source file)"
 else
   [ -n "${IC_BIN_DIR:-}" ] && { say "IC_BIN_DIR=$IC_BIN_DIR has no up-to-date ic-controller and ic-agent"; exit 1; }
