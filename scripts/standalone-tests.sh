@@ -36,9 +36,10 @@ occupy() {
 import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[2])))
 if sys.argv[1] == "listen": s.listen()
-print("held", flush=True); time.sleep(300)' "$1" "$2" >"$WORK/occupy.out" &
+print("held", flush=True); time.sleep(300)' "$1" "$2" >"$WORK/occupy-$2.out" &
   BG+=($!)
-  for _ in $(seq 50); do grep -q held "$WORK/occupy.out" 2>/dev/null && return 0; sleep 0.1; done
+  # Its own file: a previous occupier's "held" must not count for this one.
+  for _ in $(seq 50); do grep -q held "$WORK/occupy-$2.out" 2>/dev/null && return 0; sleep 0.1; done
   echo "could not occupy port $2" >&2; return 1
 }
 # run_script OUT [timeout]: runs standalone.sh to completion (or timeout), echoing its exit status.
