@@ -23,9 +23,17 @@ failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 pass() { echo "ok: $*"; }
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Three distinct free loopback ports (held together while chosen, so they differ).
+free_ports() {
+  python3 -c 'import socket
+ss = [socket.socket() for _ in range(3)]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))'
+}
 new_ports() {
-  export IC_GRPC_PORT=$(free_port) IC_HTTP_PORT=$(free_port) IC_AGENT_HTTP_PORT=$(free_port)
+  local p
+  read -r -a p <<<"$(free_ports)"
+  export IC_GRPC_PORT=${p[0]} IC_HTTP_PORT=${p[1]} IC_AGENT_HTTP_PORT=${p[2]}
   export IC_LOG_DIR=$WORK/logs-$RANDOM
   export IC_UP_TIMEOUT=30
 }
