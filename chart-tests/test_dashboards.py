@@ -69,7 +69,8 @@ def test_dashboard(path: Path) -> None:
     assert d["uid"].startswith("ic-") and d["title"].startswith("inference-cache / ")
     ids = [p["id"] for p in panels(d)]
     assert len(ids) == len(set(ids))
-    assert {v["name"] for v in d["templating"]["list"]} >= {"datasource"}
+    variables = {v["name"] for v in d["templating"]["list"]}
+    assert variables >= {"datasource", "cluster", "job"}
     used = set()
     for p in panels(d):
         if p["type"] == "row":
@@ -78,6 +79,12 @@ def test_dashboard(path: Path) -> None:
         assert p["datasource"]["uid"] == "${datasource}"
         for t in p["targets"]:
             used |= set(PROMQL_NAME.findall(t["expr"]))
+            # Every selector is scoped by the cluster and job variables (one Prometheus may hold
+            # several clusters or releases).
+            selectors = re.findall(r"\b(?:inferencecache|process)_[a-z0-9_]+(\{[^}]*\})?", t["expr"])
+            assert selectors, (p["title"], t["expr"])
+            for s in selectors:
+                assert 'cluster=~"$cluster"' in s and 'job=~"$job"' in s, (p["title"], t["expr"])
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24
     assert used and used <= known, sorted(used - known)

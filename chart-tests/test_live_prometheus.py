@@ -110,6 +110,8 @@ def dashboard_exprs() -> Iterator[tuple[str, str]]:
                     .replace("$__rate_interval", "1m")
                     .replace('=~"$namespace"', '=~".*"')
                     .replace('=~"$node"', '=~".*"')
+                    .replace('=~"$cluster"', '=~".*"')
+                    .replace('=~"$job"', '=~".*"')
                 )
                 assert "$" not in expr, f"{path.name} {p['title']}: unresolved variable in {expr}"
                 yield f"{path.name}: {p['title']}", expr
