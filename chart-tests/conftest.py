@@ -83,6 +83,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
             "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
             "dashboards": {"enabled": True, "annotations": {"grafana_folder": "inference-cache"}},
+            "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         }
     },
     # The chart renders the (privileged) namespace itself.
@@ -96,6 +97,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "model-cache-off": {"modelCache": {"enabled": False}},
     # Every model-cache and engine-wiring value away from its default.
     "model-cache-custom": MODEL_CACHE_CUSTOM,
+    # NVML and libcuda from the host's driver (no NVIDIA runtime), extra volumes on both parts.
+    "driver-root-extra-volumes": {
+        "agent": {
+            "gpu": {"driverRoot": "/run/nvidia/driver", "driverLibDir": "/usr/lib64/"},
+            "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+            "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca", "readOnly": True}],
+        },
+        "controller": {
+            "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+            "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca", "readOnly": True}],
+        },
+    },
     # An existing cert-manager ClusterIssuer.
     "cluster-issuer": {
         "webhook": {

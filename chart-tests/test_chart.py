@@ -102,6 +102,9 @@ def test_chart_metadata() -> None:
     assert meta["apiVersion"] == "v2"
     assert meta["appVersion"] == "0.1.0"
     assert meta["kubeVersion"] == ">=1.29.0-0"
+    # The icon URL points at the chart's own icon file, which must exist and be an SVG.
+    assert meta["icon"].endswith("/main/chart/icon.svg")
+    assert (CHART_DIR / "icon.svg").read_text().startswith("<svg ")
 
 
 def test_image_tags_default_to_app_version(default: Rendered) -> None:
@@ -361,6 +364,8 @@ def test_agent_host_mounts_are_read_only(variant: Rendered) -> None:
     # The one writable host path is the agent's own KV stream state, under /var/lib/inference-cache.
     state = host_paths.pop("kv-state")
     assert state == "/var/lib/inference-cache/agent"
+    driver = host_paths.pop("nvidia-driver", None)
+    assert driver == variant.values.get("agent", {}).get("gpu", {}).get("driverRoot")
     assert set(host_paths.values()) == {"/proc", "/sys", "/dev/shm", "/var/lib/kubelet/pods"}
     mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
     for name in host_paths:
@@ -405,6 +410,30 @@ def test_gpu_off() -> None:
     env = env_of(the_container(agent_daemonset(r)))
     assert "NVIDIA_VISIBLE_DEVICES" not in env
     assert "runtimeClassName" not in spec
+
+
+def test_driver_root_and_extra_volumes() -> None:
+    r = variant_named("driver-root-extra-volumes")
+    ds = agent_daemonset(r)
+    c = the_container(ds)
+    vols = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert vols["nvidia-driver"]["hostPath"] == {"path": "/run/nvidia/driver", "type": "Directory"}
+    assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/host/driver", "readOnly": True}
+    env = env_of(c)
+    assert env["IC_NVML_LIBRARY"]["value"] == "/host/driver/usr/lib64/libnvidia-ml.so.1"
+    assert env["IC_CUDA_LIBRARY"]["value"] == "/host/driver/usr/lib64/libcuda.so.1"
+    assert "LD_LIBRARY_PATH" not in env
+    assert vols["ca"] == {"name": "ca", "configMap": {"name": "corp-ca"}}
+    assert mounts["ca"]["mountPath"] == "/etc/corp-ca"
+    dep = r.one("Deployment", CONTROLLER)
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/corp-ca", "readOnly": True} in the_container(dep)["volumeMounts"]
+    # Off by default, and with the GPU off.
+    for r in (variant_named("default"), render({"agent": {"gpu": {"enabled": False, "driverRoot": "/"}}})):
+        c = the_container(agent_daemonset(r))
+        assert "IC_NVML_LIBRARY" not in env_of(c)
+        assert "nvidia-driver" not in {m["name"] for m in c["volumeMounts"]}
 
 
 def test_gpu_runtime_class_with_node_affinity() -> None:

@@ -12,17 +12,18 @@ import pytest
 from conftest import CHART_DIR, ROOT
 
 DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
-METRIC_SOURCES = [
-    ROOT / "controller" / "src" / "metrics.rs",
-    ROOT / "agent" / "src" / "state.rs",
-    ROOT / "agent" / "src" / "kv" / "metrics.rs",
-]
+METRIC_SOURCES = sorted((ROOT / "agent" / "src").rglob("*.rs")) + sorted(
+    (ROOT / "controller" / "src").rglob("*.rs")
+) + sorted((ROOT / "shared" / "src").rglob("*.rs"))
 PROMQL_NAME = re.compile(r"\binferencecache_[a-z0-9_]+")
+# Histograms (their series get _bucket, _sum and _count): the binaries' two latency histograms.
+HISTOGRAM_SUFFIX = "_duration_seconds"
 
 
 def metric_names() -> set[str]:
-    """Metric families registered in the Rust sources (`let p = "inferencecache_…_"` /
-    `const P: &str = "…"` prefixes joined with `{p}name`), with the series histograms add."""
+    """Metric families the binaries' sources register: `let p = "inferencecache_…_"` /
+    `const P: &str = "…"` prefixes joined with `{p}name`, and whole names written as literals,
+    plus the series histograms add."""
     names: set[str] = set()
     for src in METRIC_SOURCES:
         text = src.read_text()
@@ -30,8 +31,12 @@ def metric_names() -> set[str]:
         for var, prefix in prefixes.items():
             for name in re.findall(r"\{" + var + r"\}(\w+)", text):
                 names.add(prefix + name)
+            # `format!("{P}{name}")` helpers called with the bare name (agent/src/checks/metrics.rs).
+            if "{" + var + "}{name}" in text:
+                names |= {prefix + n for n in re.findall(r'gauge_vec\(\s*"(\w+)"', text)}
+        names |= {n for n in re.findall(r'"(inferencecache_[a-z0-9_]+)"', text) if not n.endswith("_")}
     for n in list(names):
-        if n.endswith("_seconds"):
+        if n.endswith(HISTOGRAM_SUFFIX):
             names |= {n + "_bucket", n + "_sum", n + "_count"}
     return names
 
@@ -64,7 +69,8 @@ def test_dashboard(path: Path) -> None:
     assert d["uid"].startswith("ic-") and d["title"].startswith("inference-cache / ")
     ids = [p["id"] for p in panels(d)]
     assert len(ids) == len(set(ids))
-    assert {v["name"] for v in d["templating"]["list"]} >= {"datasource"}
+    variables = {v["name"] for v in d["templating"]["list"]}
+    assert variables >= {"datasource", "cluster", "job"}
     used = set()
     for p in panels(d):
         if p["type"] == "row":
@@ -73,6 +79,12 @@ def test_dashboard(path: Path) -> None:
         assert p["datasource"]["uid"] == "${datasource}"
         for t in p["targets"]:
             used |= set(PROMQL_NAME.findall(t["expr"]))
+            # Every selector is scoped by the cluster and job variables (one Prometheus may hold
+            # several clusters or releases).
+            selectors = re.findall(r"\b(?:inferencecache|process)_[a-z0-9_]+(\{[^}]*\})?", t["expr"])
+            assert selectors, (p["title"], t["expr"])
+            for s in selectors:
+                assert 'cluster=~"$cluster"' in s and 'job=~"$job"' in s, (p["title"], t["expr"])
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24
     assert used and used <= known, sorted(used - known)

@@ -108,6 +108,45 @@ CUSTOM_RESOURCE_SCHEMAS: dict[str, dict[str, Any]] = {
             },
         },
     ),
+    "PrometheusRule": _cr(
+        "monitoring.coreos.com/v1",
+        "PrometheusRule",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": _STR,
+                            "rules": {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["alert", "expr"],
+                                    "properties": {
+                                        "alert": _STR,
+                                        "expr": _STR,
+                                        "for": _DURATION,
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    ),
     "Issuer": _cr(
         "cert-manager.io/v1",
         "Issuer",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import helm_python as helm
 import pytest
 
+import gen_chart_readme
 import gen_values_schema
 from conftest import CHART_DIR, load_chart
 
@@ -86,3 +87,21 @@ def test_schema_rejects(values: dict) -> None:
 )
 def test_schema_accepts(values: dict) -> None:
     load_chart().validate_schema(values)
+
+
+def test_chart_readme_is_up_to_date() -> None:
+    """chart/README.md's values table is generated from values.yaml (helm-docs conventions)."""
+    current = (CHART_DIR / "README.md").read_text()
+    assert current == gen_chart_readme.generate(), (
+        "chart/README.md is stale: run scripts/chart-tests.sh --regen"
+    )
+
+
+def test_chart_readme_lists_every_value_with_its_default() -> None:
+    rows = gen_chart_readme.rows()
+    keys = {r.split(" | ")[0].removeprefix("| ") for r in rows}
+    for key in ("controller.replicas", "agent.gpu.driverRoot", "agent.extraVolumes",
+                "monitoring.prometheusRule.enabled", "controller.resources"):
+        assert key in keys, key
+    (replicas,) = [r for r in rows if r.startswith("| controller.replicas |")]
+    assert "| int | `2` |" in replicas

@@ -11,7 +11,8 @@
 # binary test fails (it never skips) when they are missing.
 #
 #   scripts/chart-tests.sh              run the tests (extra arguments go to pytest)
-#   scripts/chart-tests.sh --regen      regenerate chart/values.schema.json from values.yaml first
+#   scripts/chart-tests.sh --regen      regenerate chart/values.schema.json and chart/README.md from
+#                                       values.yaml first
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,7 @@ fi
 if [ "${1:-}" = "--regen" ]; then
   shift
   "$venv/bin/python" chart-tests/gen_values_schema.py --write
+  (cd chart-tests && "../$venv/bin/python" gen_chart_readme.py --write)
 fi
 
 bin_dir="${IC_BIN_DIR:-${CARGO_TARGET_DIR:-target}/debug}"

@@ -14,4 +14,7 @@ export IC_BIN_DIR="${IC_BIN_DIR:-${CARGO_TARGET_DIR:-$PWD/target}/debug}"
 # Helm chart: render with Helm's Go SDK, lint, validate against Kubernetes 1.29 and 1.33 schemas,
 # and check the binaries accept the rendered arguments.
 bash scripts/chart-tests.sh || status=$?
+# scripts/standalone.sh (the README's first command) against the same binaries: it fails fast and
+# loudly when a part does not come up or dies, and stops cleanly on SIGTERM.
+bash scripts/standalone-tests.sh || status=$?
 exit $status

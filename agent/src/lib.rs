@@ -10,6 +10,9 @@
 //! - [`subscribe`] — `ic-agent subscribe`, the per-pod kvevent-subscriber sidecar.
 
 pub mod checks;
+
+/// This build's version and commit (`inferencecache_build_info` on `/metrics`).
+pub const BUILD_INFO: ic_shared::telemetry::BuildInfo = ic_shared::build_info!();
 pub mod engine_metrics;
 pub mod http;
 pub mod kv;

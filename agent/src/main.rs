@@ -48,7 +48,7 @@ enum Command {
 
 #[derive(Subcommand)]
 enum KvCommand {
-    /// Replay golden engine frames (../shared/fixtures/kv-events/*.json) on a ZMQ PUB socket with
+    /// Replay golden engine frames (testdata/kv-events/*.json) on a ZMQ PUB socket with
     /// the engine's exact framing, and serve the engine's replay protocol on a ROUTER socket.
     Publish(PublishArgs),
     /// Follow one engine publisher and print every batch decoded, with sequence numbers, gaps,
@@ -133,6 +133,10 @@ struct PublishArgs {
     /// recorded scenarios end with AllBlocksCleared at seq 9: `--until-seq 8` keeps the state.
     #[arg(long)]
     until_seq: Option<u64>,
+    /// Send the recorded engine timestamps. By default each live batch carries the current
+    /// time, so the agent's `kv_stream_lag_seconds` is the real delay, not the recording's age.
+    #[arg(long)]
+    recorded_timestamps: bool,
 }
 
 #[derive(Args)]
@@ -229,7 +233,11 @@ impl CommonArgs {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    telemetry::exit_code(run_main())
+}
+
+fn run_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
@@ -238,7 +246,7 @@ fn main() -> anyhow::Result<()> {
             let plan = match a.common.plan() {
                 Ok(p) => p,
                 Err(e) => {
-                    eprintln!("ic-agent check: {e:#}");
+                    eprintln!("ic-agent check: {}", telemetry::error_report(e.as_ref()));
                     std::process::exit(3);
                 }
             };
@@ -246,7 +254,7 @@ fn main() -> anyhow::Result<()> {
             let cfg = match a.common.checks_config() {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("ic-agent check: {e:#}");
+                    eprintln!("ic-agent check: {}", telemetry::error_report(e.as_ref()));
                     std::process::exit(3);
                 }
             };
@@ -273,24 +281,20 @@ fn main() -> anyhow::Result<()> {
                 linger: Duration::from_secs(a.linger_seconds),
                 skip_seqs: a.skip_seqs.into_iter().collect(),
                 until_seq: a.until_seq,
+                retime: !a.recorded_timestamps,
             };
-            let report = rt.block_on(async {
-                tokio::select! {
-                    r = ic_agent::kv::publish::publish_fixture(
-                        &a.fixture,
-                        &a.endpoint,
-                        a.replay_endpoint.as_deref(),
-                        &opts,
-                    ) => r.map(Some),
-                    _ = telemetry::shutdown_signal() => Ok(None),
-                }
-            })?;
-            if let Some(r) = report {
-                eprintln!(
-                    "published {} batches ({} withheld), answered {} replay requests with {} batches",
-                    r.published, r.skipped, r.replay_requests, r.replayed_batches
-                );
-            }
+            // A signal ends publishing or the linger early; the summary is printed either way.
+            let r = rt.block_on(ic_agent::kv::publish::publish_fixture_until(
+                &a.fixture,
+                &a.endpoint,
+                a.replay_endpoint.as_deref(),
+                &opts,
+                telemetry::shutdown_signal(),
+            ))?;
+            eprintln!(
+                "published {} batches ({} withheld), answered {} replay requests with {} batches",
+                r.published, r.skipped, r.replay_requests, r.replayed_batches
+            );
             Ok(())
         }
         Command::Kv(KvCommand::Tail(a)) => {

@@ -119,6 +119,7 @@ impl AgentMetrics {
         registry.register(Box::new(link_connects_total.clone()))?;
         registry.register(Box::new(kv_batches_sent_total.clone()))?;
         let check_details = crate::checks::metrics::CheckMetrics::register(&registry)?;
+        ic_shared::telemetry::register_process_and_build_info(&registry, crate::BUILD_INFO)?;
         Ok(AgentMetrics {
             registry,
             check_results,

@@ -14,16 +14,9 @@ use ic_agent::kv::tail::{tail, TailOptions};
 use ic_agent::kv::{publish_fixture, PublishOptions};
 use serde_json::Value;
 
+/// The repository's golden recordings (`testdata/kv-events`).
 fn fixtures_dir() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events");
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest
-        .ancestors()
-        .map(|a| a.join("shared/fixtures/kv-events"))
-        .find(|p| p.is_dir())
-        .unwrap_or_else(|| panic!("fixtures not found above {}", manifest.display()))
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events")
 }
 
 fn fixtures() -> Vec<(String, Value)> {
@@ -285,4 +278,67 @@ async fn kv_tail_prints_batches_the_gap_and_the_replayed_batch() {
     let saved = parse_input(&save).unwrap();
     assert_eq!(saved.len(), 9);
     assert_eq!(saved[3].seq, Some(4));
+}
+
+/// `ic-agent kv publish` as the README runs it: it says when the last frame is out and it only
+/// serves replay requests (the default linger is an hour), and SIGTERM ends it with the summary
+/// and exit status 0. An endpoint without `tcp://` is refused with what to write instead.
+#[test]
+fn kv_publish_reports_the_linger_and_prints_its_summary_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    let fixture = fixtures_dir().join("vllm-0.24.0.json");
+    let fixture = fixture.to_str().unwrap();
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ic-agent"))
+        .args(["kv", "publish", "--fixture", fixture, "--until-seq", "8"])
+        .args(["--endpoint", &format!("tcp://127.0.0.1:{pub_port}")])
+        .args([
+            "--replay-endpoint",
+            &format!("tcp://127.0.0.1:{replay_port}"),
+        ])
+        .args(["--connect-wait-ms", "0", "--interval-ms", "1"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("last frame published") {
+        let mut line = String::new();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "exited early:\n{seen}"
+        );
+        seen.push_str(&line);
+    }
+    assert!(seen.contains("linger_seconds=3600"), "{seen}");
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{seen}{rest}");
+    // seqs 0..=8 of dp0 (the recording's seq 9 is after --until-seq)
+    assert!(
+        rest.contains("published 9 batches (0 withheld), answered 0 replay requests"),
+        "{rest}"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_ic-agent"))
+        .args([
+            "kv",
+            "publish",
+            "--fixture",
+            fixture,
+            "--endpoint",
+            "127.0.0.1:5557",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no transport: write tcp://127.0.0.1:5557 (or ipc://PATH)")
+            && !err.contains("Could not parse"),
+        "{err}"
+    );
 }

@@ -14,18 +14,11 @@ use ic_shared::kv::decode::{decode_batch, KvEvent};
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use ic_shared::proto::{kv_op, StreamDelta, StreamSnapshot, Tier};
 
+/// A golden recording of `testdata/kv-events`.
 fn fixture(name: &str) -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events").join(name);
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for anc in manifest.ancestors() {
-        let cand = anc.join("shared/fixtures/kv-events").join(name);
-        if cand.is_file() {
-            return cand;
-        }
-    }
-    panic!("fixture {name} not found above {}", manifest.display());
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/kv-events")
+        .join(name)
 }
 
 /// A free loopback TCP port (bound and released; loopback only).
@@ -448,4 +441,53 @@ async fn a_subscriber_that_binds_receives_a_publisher_that_connects() {
     }
     assert!(restarted.await.unwrap().unwrap().published > 0);
     assert_eq!(hub.status().remove(0).last_seq, Some(8));
+}
+
+/// A stream planned before its engine is up reports the connect error; once the publisher is up
+/// and the SUB connected, the old error is gone from its status (`/v1/report` `lastError`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_error_is_cleared_once_the_stream_connects() {
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    let pub_port = free_port();
+    hub.apply_plan(&plan(HashScheme::Vllm, pub_port, None));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = hub.status().remove(0);
+        if st
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("connect"))
+        {
+            assert!(!st.connected);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no connect error: {st:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let path = fixture("vllm-0.24.0.json");
+    let endpoint = format!("tcp://127.0.0.1:{pub_port}");
+    let publisher = tokio::spawn(async move {
+        let opts = PublishOptions {
+            linger: Duration::from_secs(10),
+            ..PublishOptions::default()
+        };
+        publish_fixture(&path, &endpoint, None, &opts).await
+    });
+    loop {
+        let st = hub.status().remove(0);
+        if st.connected {
+            assert_eq!(st.last_error, None, "{st:#?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never connected: {st:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publisher.abort();
 }

@@ -19,16 +19,11 @@ use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use ic_shared::proto::agent_message::Msg;
 use support::FakeController;
 
+/// A golden recording of `testdata/kv-events`.
 fn fixture(name: &str) -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events").join(name);
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest
-        .ancestors()
-        .map(|a| a.join("shared/fixtures/kv-events").join(name))
-        .find(|c| c.is_file())
-        .unwrap_or_else(|| panic!("fixture {name} not found"))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/kv-events")
+        .join(name)
 }
 
 fn free_port() -> u16 {

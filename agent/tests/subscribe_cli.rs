@@ -26,16 +26,9 @@ use tokio::sync::mpsc;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 
+/// The vLLM 0.24.0 golden recording (`testdata/kv-events`).
 fn fixture() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events/vllm-0.24.0.json");
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest
-        .ancestors()
-        .map(|a| a.join("shared/fixtures/kv-events/vllm-0.24.0.json"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("fixtures not found above {}", manifest.display()))
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events/vllm-0.24.0.json")
 }
 
 fn free_port() -> u16 {

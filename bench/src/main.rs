@@ -457,7 +457,7 @@ fn find_fixtures(explicit: Option<&Path>) -> Option<PathBuf> {
     }
     let here = std::env::current_dir().ok()?;
     here.ancestors()
-        .map(|a| a.join("shared/fixtures/kv-events"))
+        .map(|a| a.join("testdata/kv-events"))
         .find(|p| p.is_dir())
 }
 

@@ -139,8 +139,8 @@ pub fn load_trace(path: &Path) -> Result<Vec<Vec<u64>>, String> {
     Ok(out)
 }
 
-/// Finds the trace file: `$IC_TRACE`, else `shared/fixtures/traces/mooncake-fast25-conversation.jsonl`
-/// in an ancestor of `start`.
+/// Finds the trace file: `$IC_TRACE`, else `$IC_FIXTURES_DIR/traces/…`, else
+/// `testdata/traces/mooncake-fast25-conversation.jsonl` in an ancestor of `start` (the repository).
 pub fn find_trace(start: &Path) -> Option<std::path::PathBuf> {
     if let Ok(p) = std::env::var("IC_TRACE") {
         return Some(p.into());
@@ -150,7 +150,7 @@ pub fn find_trace(start: &Path) -> Option<std::path::PathBuf> {
     }
     start
         .ancestors()
-        .map(|a| a.join("shared/fixtures/traces/mooncake-fast25-conversation.jsonl"))
+        .map(|a| a.join("testdata/traces/mooncake-fast25-conversation.jsonl"))
         .find(|p| p.is_file())
 }
 

@@ -1,5 +1,5 @@
 //! KV-prefix index benchmarks (issue 3 item 9) on the Mooncake FAST'25 conversation trace
-//! (`../shared/fixtures/traces/`, 512-token blocks; `bench/src/workload.rs` turns it into the
+//! (`testdata/traces/`, 512-token blocks; `bench/src/workload.rs` turns it into the
 //! store/remove events of 1 000 simulated workers with LRU caches), plus the decoder on genuine
 //! engine frames.
 //!
@@ -55,16 +55,7 @@ fn descriptor(i: usize) -> StreamDescriptor {
 
 fn golden_payloads() -> Vec<Vec<u8>> {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::var("IC_FIXTURES_DIR")
-        .map(|d| Path::new(&d).join("kv-events"))
-        .ok()
-        .or_else(|| {
-            manifest
-                .ancestors()
-                .map(|a| a.join("shared/fixtures/kv-events"))
-                .find(|p| p.is_dir())
-        })
-        .expect("fixtures");
+    let dir = manifest.join("../testdata/kv-events");
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();

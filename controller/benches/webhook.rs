@@ -12,7 +12,7 @@
 //! - **throughput**: reviews/s with `IC_BENCH_CONNECTIONS` (default 8) concurrent keep-alive
 //!   connections for `IC_BENCH_SECONDS` (default 3).
 //!
-//! The pod is the real vLLM pod of `../shared/fixtures/pods/01-vllm-docs-nvidia-sh-c.yaml`
+//! The pod is the real vLLM pod of `testdata/pods/01-vllm-docs-nvidia-sh-c.yaml`
 //! (engine inside `sh -c`), wired to a vLLM + External LMCacheServer backend, so every review
 //! produces a full JSON Patch. `IC_BENCH_REQUESTS` (default 20 000) sets the sample count.
 // A benchmark harness, like a test: failing loudly on a broken setup is the point.
@@ -44,17 +44,9 @@ fn env_or(name: &str, default: u64) -> u64 {
 
 fn fixture_pod() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/pods/01-vllm-docs-nvidia-sh-c.yaml");
-    match std::fs::read_to_string(&path) {
-        Ok(text) => serde_yaml::from_str(&text).expect("fixture pod parses"),
-        Err(_) => json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "mistral-7b-6d5f8c7b9d-x2k4q", "namespace": "default",
-                         "labels": {"app": "mistral-7b"}},
-            "spec": {"containers": [{"name": "mistral-7b", "image": "vllm/vllm-openai:latest",
-                "command": ["/bin/sh", "-c"],
-                "args": ["vllm serve mistralai/Mistral-7B-Instruct-v0.3 --trust-remote-code"],
-                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
-    }
+        .join("../testdata/pods/01-vllm-docs-nvidia-sh-c.yaml");
+    let text = std::fs::read_to_string(&path).expect("testdata/pods fixture");
+    serde_yaml::from_str(&text).expect("fixture pod parses")
 }
 
 fn backend() -> CacheBackend {

@@ -13,6 +13,9 @@
 //! - [`leader`] — Lease-based leader election.
 
 pub mod adapters;
+
+/// This build's version and commit (`inferencecache_build_info` on `/metrics`).
+pub const BUILD_INFO: ic_shared::telemetry::BuildInfo = ic_shared::build_info!();
 pub mod admission;
 pub mod catalog;
 pub mod crddoc;

@@ -499,8 +499,12 @@ fn parse_tokens(spec: &str) -> anyhow::Result<Vec<u32>> {
     Ok(out)
 }
 
+fn main() -> std::process::ExitCode {
+    telemetry::exit_code(run_main())
+}
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn run_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
@@ -517,10 +521,9 @@ async fn main() -> anyhow::Result<()> {
                 limits: a.limits.with_keepalive(&a.keepalive),
                 allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,
             };
-            let running = ic_controller::standalone::start(cfg, async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+            // SIGINT or SIGTERM: drain and exit 0 (as `run` does).
+            let running =
+                ic_controller::standalone::start(cfg, telemetry::shutdown_signal()).await?;
             running.wait().await?;
         }
         Command::Run(a) => run_in_cluster(*a).await?,

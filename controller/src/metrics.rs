@@ -158,6 +158,27 @@ impl ControllerMetrics {
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
+        ic_shared::telemetry::register_process_and_build_info(&registry, crate::BUILD_INFO)?;
+        // Every value of these bounded labels exists from the start at 0, so a dashboard or
+        // alert reads 0 (not "No data") until the first event of its kind.
+        for (vec, values) in [
+            (&agent_streams_total, &["accepted", "rejected"][..]),
+            (
+                &kv_deltas_refused_total,
+                &[
+                    "sequence_gap",
+                    "unknown_stream",
+                    "missing_stream",
+                    "awaiting_resync",
+                ][..],
+            ),
+            (&kv_resyncs_total, &["connect", "requested"][..]),
+            (&lookups_total, &["prefix_match", "no_hint"][..]),
+        ] {
+            for v in values {
+                vec.with_label_values(&[*v]);
+            }
+        }
         Ok(ControllerMetrics {
             registry,
             agents_connected,
@@ -182,5 +203,32 @@ impl ControllerMetrics {
     /// Prometheus text exposition of the registry.
     pub fn render(&self) -> String {
         ic_shared::telemetry::encode_metrics(&self.registry)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::ControllerMetrics;
+
+    #[test]
+    fn bounded_label_values_read_zero_before_first_use() {
+        let m = ControllerMetrics::new().unwrap();
+        let text = ic_shared::telemetry::encode_metrics(&m.registry);
+        for series in [
+            "inferencecache_controller_agent_streams_total{outcome=\"rejected\"} 0",
+            "inferencecache_controller_kv_deltas_refused_total{reason=\"awaiting_resync\"} 0",
+            "inferencecache_controller_kv_deltas_refused_total{reason=\"sequence_gap\"} 0",
+            "inferencecache_controller_kv_resyncs_total{trigger=\"requested\"} 0",
+            "inferencecache_controller_lookups_total{decision=\"prefix_match\"} 0",
+            "inferencecache_controller_lookups_total{decision=\"no_hint\"} 0",
+        ] {
+            assert!(
+                text.lines().any(|l| l == series),
+                "no `{series}` in:\n{text}"
+            );
+        }
+        assert!(text.contains("inferencecache_build_info{commit="));
+        assert!(text.contains("process_start_time_seconds "));
     }
 }

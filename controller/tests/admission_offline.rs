@@ -124,18 +124,14 @@ fn old_object_makes_an_update() {
     assert_eq!(out.exit_code, 0, "{}", out.stderr);
 }
 
-fn fixture_pod() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/pods/01-vllm-docs-nvidia-sh-c.yaml");
-    p.exists().then_some(p)
+/// The real vLLM pod of `testdata/pods`.
+fn fixture_pod() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/pods/01-vllm-docs-nvidia-sh-c.yaml")
 }
 
 #[test]
 fn pod_is_wired_through_the_pod_webhook_and_readmission_is_a_no_op() {
-    let Some(pod) = fixture_pod() else {
-        eprintln!("../shared/fixtures/pods not present; skipped");
-        return;
-    };
+    let pod = fixture_pod();
     let dir = tempfile::tempdir().unwrap();
     // Two documents in one --backend file: one that does not match, one that does.
     let backends = dir.path().join("backends.yaml");
@@ -346,14 +342,18 @@ fn unknown_pod_fields_follow_field_validation_and_real_pods_have_none() {
         .is_none());
     assert_eq!(v["reason"], "Injected");
 
-    // Every real engine pod of the fixtures (the repository's and ../shared's) passes Strict,
-    // and so does every pod the webhook wired (the golden files).
+    // Every real engine pod of the fixtures passes Strict, and so does every pod the webhook
+    // wired (the golden files).
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let shared = root.join("../../shared/fixtures/pods");
-    let dirs = [root.join("tests/fixtures/pods")]
-        .into_iter()
-        .chain(shared.is_dir().then_some(shared));
-    for entry in dirs.flat_map(|d| std::fs::read_dir(d).unwrap().flatten()) {
+    let dirs = [
+        root.join("../testdata/pods"),
+        root.join("../testdata/pods/topologies"),
+    ]
+    .into_iter();
+    for entry in dirs
+        .flat_map(|d| std::fs::read_dir(d).unwrap().flatten())
+        .filter(|e| e.path().is_file())
+    {
         let text = std::fs::read_to_string(entry.path()).unwrap();
         for doc in ic_controller::admission::offline::parse_documents(&text).unwrap() {
             let mut pod = match doc["kind"].as_str() {

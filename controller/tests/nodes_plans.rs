@@ -1,4 +1,4 @@
-//! Node plans from real-world engine pods (`../shared/fixtures/pods/`), wired by CacheBackends:
+//! Node plans from real-world engine pods (`testdata/pods/`), wired by CacheBackends:
 //! KV endpoints and DP ranks, block sizes, MP-worker ports, required shm, hostNetwork ports,
 //! Mooncake master placement, and what cannot be planned.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -14,18 +14,11 @@ use ic_shared::plan::{HashScheme, KvEventSource, NodePlan, PortExpect};
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
 use serde_json::json;
 
+/// A real engine pod of `testdata/pods`.
 fn fixture_path(name: &str) -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("pods").join(name);
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for anc in manifest.ancestors() {
-        let cand = anc.join("shared/fixtures/pods").join(name);
-        if cand.is_file() {
-            return cand;
-        }
-    }
-    panic!("fixture {name} not found above {}", manifest.display());
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/pods")
+        .join(name)
 }
 
 fn fixture(name: &str) -> Pod {

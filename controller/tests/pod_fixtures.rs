@@ -1,4 +1,4 @@
-//! Real engine pods from public projects (`../shared/fixtures/pods/`, each names its source),
+//! Real engine pods from public projects (`testdata/pods/`, each names its source),
 //! each paired with plausible CacheBackends: either the exact resulting pod and patch (a golden
 //! file under `tests/golden/`, rewritten with `UPDATE_GOLDEN=1`) or a fail-open admit with the
 //! precise reason. Every wired pod re-admits with no patch. Spec 000 "Mutating Pod webhook";

@@ -1,6 +1,6 @@
 //! Engine-pod wiring on real fleet topologies (issue 14): host networking, outward publishers,
 //! data-parallel ranks, other webhooks' additions, two matching backends, native-sidecar
-//! support. Every case starts from a real public manifest under `tests/fixtures/pods/` (each
+//! support. Every case starts from a real public manifest under `testdata/pods/topologies/` (each
 //! names its source); where a case needs a variant, the test edits the fixture and says how.
 //! `docs/pod-wiring.md` describes the rules these tests hold.
 

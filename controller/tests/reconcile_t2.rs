@@ -6,13 +6,14 @@
 //! gauge on the controller's `/metrics`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod http_support;
 mod reconcile_support;
 
-use std::io::{Read, Write};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_support::http_get;
 use ic_controller::http::{router, HttpState};
 use ic_controller::ingest::AgentIngest;
 use ic_controller::reconcile::Context;
@@ -43,19 +44,6 @@ async fn serve(shared: Arc<Shared>) -> (String, String) {
     });
     tokio::spawn(async move { axum::serve(http, app).await });
     (format!("http://{grpc_addr}"), http_addr.to_string())
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out.split_once("\r\n\r\n").unwrap().1.to_string()
 }
 
 fn descriptor(pod: &str) -> StreamDescriptor {

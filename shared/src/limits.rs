@@ -142,10 +142,12 @@ mod tests {
         );
         assert_eq!(check_depth(&ok, MAX_DOCUMENT_DEPTH), Ok(()));
         // Every real pod manifest in the fixtures passes.
-        // `../shared/fixtures/pods` next to the repository, as controller/tests/pod_support reads it.
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/pods");
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/pods");
         let mut n = 0;
-        for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let entries = [root.to_string(), format!("{root}/topologies")]
+            .into_iter()
+            .flat_map(|d| std::fs::read_dir(d).unwrap().flatten());
+        for e in entries {
             let p = e.path();
             if p.extension().is_some_and(|x| x == "yaml" || x == "json") {
                 let text = std::fs::read_to_string(&p).unwrap();
@@ -158,6 +160,6 @@ mod tests {
                 n += 1;
             }
         }
-        assert!(n > 0, "no pod fixtures found in {dir}");
+        assert!(n > 0, "no pod fixtures found in {root}");
     }
 }

@@ -317,9 +317,22 @@ pub enum PlanError {
 }
 
 impl NodePlan {
-    /// Parses a plan from YAML or JSON text (JSON is YAML); text nested deeper than
+    /// Parses a plan from YAML or JSON text (JSON is YAML). A document with no content (empty,
+    /// or only comments) is an error, not an empty plan: a truncated or wrong file must not pass
+    /// as "nothing to check" (an empty plan is written `{}`); text nested deeper than
     /// [`MAX_DOCUMENT_DEPTH`](crate::limits::MAX_DOCUMENT_DEPTH) is refused before parsing.
     pub fn parse(text: &str, origin: &str) -> Result<Self, PlanError> {
+        let blank = text.lines().all(|l| {
+            let t = l.trim();
+            t.is_empty() || t.starts_with('#') || t == "---"
+        });
+        if blank {
+            return Err(PlanError::Parse {
+                origin: origin.to_string(),
+                message: "the document is empty (an empty plan is written `{}`)".to_string(),
+            });
+        }
+
         crate::limits::check_depth(text, crate::limits::MAX_DOCUMENT_DEPTH).map_err(|message| {
             PlanError::Parse {
                 origin: origin.to_string(),
@@ -438,6 +451,18 @@ cuda: { runtimeVersion: "12.8" }
         assert_eq!(
             serde_json::to_string(&NodePlan::default()).unwrap(),
             r#"{"generation":0,"gpuNode":false}"#
+        );
+    }
+
+    #[test]
+    fn an_empty_document_is_an_error_and_an_empty_plan_is_braces() {
+        for empty in ["", "\n", "# a comment only\n---\n"] {
+            let err = NodePlan::parse(empty, "f.yaml").unwrap_err().to_string();
+            assert!(err.contains("f.yaml") && err.contains("empty"), "{err}");
+        }
+        assert_eq!(
+            NodePlan::parse("{}", "f.yaml").unwrap(),
+            NodePlan::default()
         );
     }
 

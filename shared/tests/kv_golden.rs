@@ -1,5 +1,5 @@
 //! Golden tests: every frame captured from the genuine vLLM/SGLang publishers
-//! (`shared/fixtures/kv-events/*.json`, outside this repository) decodes to the JSON the engine's
+//! (`testdata/kv-events/*.json`) decodes to the JSON the engine's
 //! own types produced, field by field; and content keys chained along the engine's parent links
 //! equal `chain` over the same tokens.
 
@@ -12,24 +12,9 @@ use ic_shared::kv::content_key::{block_key, chain, ROOT};
 use ic_shared::kv::decode::{decode_batch, EventBatch, KvEvent};
 use serde_json::Value as Json;
 
-/// Finds `shared/fixtures/kv-events`: `$IC_FIXTURES_DIR/kv-events` when set, else the first
-/// ancestor of this crate holding `shared/fixtures/kv-events` (the workspace's sibling
-/// `../shared`).
+/// The repository's golden recordings (`testdata/kv-events`).
 fn fixtures_dir() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events");
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for anc in manifest.ancestors() {
-        let cand = anc.join("shared/fixtures/kv-events");
-        if cand.is_dir() {
-            return cand;
-        }
-    }
-    panic!(
-        "shared/fixtures/kv-events not found above {}",
-        manifest.display()
-    );
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events")
 }
 
 fn fixture_files() -> Vec<(String, Json)> {

@@ -177,7 +177,7 @@ fn parse_fixture(text: &str) -> Result<Vec<RawMessage>, InputError> {
         return Err(InputError::BadJson {
             line: 1,
             message: "a JSON document must be a frame recording with a live[] or replay[] array \
-                      of {\"frames_hex\": [...]} (shared/fixtures/kv-events format)"
+                      of {\"frames_hex\": [...]} (testdata/kv-events format)"
                 .to_string(),
         });
     }

@@ -22,6 +22,8 @@ pub mod subscriber;
 pub mod tail;
 
 pub use hub::{KvHub, StreamStatus};
-pub use publish::{publish_fixture, Fixture, PublishError, PublishOptions, PublishReport};
+pub use publish::{
+    publish_fixture, publish_fixture_until, Fixture, PublishError, PublishOptions, PublishReport,
+};
 pub use stream::{StreamConfig, StreamState};
 pub use subscriber::SubscriberOptions;

@@ -1,5 +1,5 @@
 //! A stand-in engine publisher for docs, demos and tests: replays golden frames from a fixture
-//! (`shared/fixtures/kv-events/<engine>-<version>.json`) over real ZeroMQ sockets, byte for byte
+//! (`testdata/kv-events/<engine>-<version>.json`) over real ZeroMQ sockets, byte for byte
 //! as the engine sent them.
 //!
 //! ```text
@@ -191,6 +191,11 @@ pub struct PublishOptions {
     /// (an engine that has not got there). The recorded scenarios end with AllBlocksCleared
     /// (seq 9): `Some(8)` keeps their state.
     pub until_seq: Option<u64>,
+    /// Send each live batch with the current time as its engine timestamp (the batch's first
+    /// element, an msgpack float64) instead of the recorded one, so a subscriber's
+    /// `kv_stream_lag_seconds` reads the real delay rather than the recording's age (default
+    /// false: byte for byte; `ic-agent kv publish` turns it on unless `--recorded-timestamps`).
+    pub retime: bool,
 }
 
 impl Default for PublishOptions {
@@ -203,6 +208,7 @@ impl Default for PublishOptions {
             linger: Duration::from_secs(1),
             skip_seqs: BTreeSet::new(),
             until_seq: None,
+            retime: false,
         }
     }
 }
@@ -226,6 +232,29 @@ pub fn bind_endpoint(endpoint: &str) -> String {
     endpoint.replacen("://*:", "://0.0.0.0:", 1)
 }
 
+/// `payload` with its batch timestamp replaced by `unix_seconds`, when it has the engines' shape
+/// (`[ts: float64, events, (dp_rank)]`: fixarray of 2 or 3, then `0xcb` + 8 bytes); any other
+/// payload is returned unchanged.
+pub fn retimed(payload: &[u8], unix_seconds: f64) -> Vec<u8> {
+    let mut out = payload.to_vec();
+    if out.len() >= 10 && matches!(out[0], 0x92 | 0x93) && out[1] == 0xcb {
+        out[2..10].copy_from_slice(&unix_seconds.to_be_bytes());
+    }
+    out
+}
+
+/// An endpoint without a transport (`127.0.0.1:5557`): ZeroMQ would only say "Could not parse
+/// transport", so this says what to write instead.
+fn require_transport(endpoint: &str) -> Result<(), PublishError> {
+    if endpoint.contains("://") {
+        return Ok(());
+    }
+    Err(PublishError::Bind {
+        endpoint: endpoint.to_string(),
+        message: format!("no transport: write tcp://{endpoint} (or ipc://PATH)"),
+    })
+}
+
 /// Publishes a fixture's live frames on a PUB bound at `endpoint` (or connected to it, when it
 /// is written `>tcp://host:port`, as vLLM connects a non-wildcard endpoint) and serves replay
 /// requests on a ROUTER bound at `replay_endpoint` (see the module docs for the exact
@@ -242,6 +271,31 @@ pub async fn publish_fixture(
     replay_endpoint: Option<&str>,
     opts: &PublishOptions,
 ) -> Result<PublishReport, PublishError> {
+    publish_fixture_until(
+        path,
+        endpoint,
+        replay_endpoint,
+        opts,
+        std::future::pending(),
+    )
+    .await
+}
+
+/// [`publish_fixture`] that also ends when `stop` resolves (SIGINT / SIGTERM for `ic-agent kv
+/// publish`): publishing and the linger stop there and the report says what was done so far.
+/// Logs (info) when the last frame is out and the linger begins, so a user sees that the
+/// publisher is now only serving replay requests.
+///
+/// # Errors
+/// As [`publish_fixture`].
+pub async fn publish_fixture_until(
+    path: &Path,
+    endpoint: &str,
+    replay_endpoint: Option<&str>,
+    opts: &PublishOptions,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<PublishReport, PublishError> {
+    tokio::pin!(stop);
     let fixture = Fixture::load(path)?;
     let mut frames = fixture.frames(&opts.source);
     if let Some(last) = opts.until_seq {
@@ -249,6 +303,10 @@ pub async fn publish_fixture(
     }
     if frames.is_empty() {
         return Err(PublishError::NoFrames(opts.source.clone()));
+    }
+    require_transport(endpoint)?;
+    if let Some(ep) = replay_endpoint {
+        require_transport(ep)?;
     }
     let mut publisher = PubSocket::new();
     // `>tcp://…` connects the PUB, as vLLM does for a non-wildcard endpoint.
@@ -286,10 +344,17 @@ pub async fn publish_fixture(
         }
         None => None,
     };
-    tokio::time::sleep(opts.connect_wait).await;
     let mut report = PublishReport::default();
     let mut pass = 0u32;
+    let mut stopped = false;
+    tokio::select! {
+        () = tokio::time::sleep(opts.connect_wait) => {}
+        () = &mut stop => stopped = true,
+    }
     let result = loop {
+        if stopped {
+            break Ok(());
+        }
         if opts.repeat != 0 && pass >= opts.repeat {
             break Ok(());
         }
@@ -304,20 +369,45 @@ pub async fn publish_fixture(
             }
             let mut msg = ZmqMessage::from(f.topic.clone());
             msg.push_back(f.seq.to_be_bytes().to_vec().into());
-            msg.push_back(f.payload.clone().into());
+            let payload = if opts.retime {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                retimed(&f.payload, now)
+            } else {
+                f.payload.clone()
+            };
+            msg.push_back(payload.into());
             progress.store(i + 1, Ordering::Relaxed);
             if let Err(e) = publisher.send(msg).await {
                 failed = Some(PublishError::Send(e.to_string()));
                 break;
             }
             report.published += 1;
-            tokio::time::sleep(opts.interval).await;
+            tokio::select! {
+                () = tokio::time::sleep(opts.interval) => {}
+                () = &mut stop => {
+                    stopped = true;
+                    break;
+                }
+            }
         }
         if let Some(e) = failed {
             break Err(e);
         }
     };
-    tokio::time::sleep(opts.linger).await;
+    if result.is_ok() && !stopped {
+        tracing::info!(
+            published = report.published,
+            withheld = report.skipped,
+            linger_seconds = opts.linger.as_secs(),
+            "last frame published; serving replay requests until the linger ends (Ctrl-C stops)"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(opts.linger) => {}
+            () = &mut stop => {}
+        }
+    }
     drop(server);
     report.replay_requests = requests.load(Ordering::Relaxed);
     report.replayed_batches = replayed.load(Ordering::Relaxed);
@@ -411,5 +501,30 @@ mod tests {
         assert_eq!(dp0[0].payload, vec![0x93]);
         assert!(Fixture::parse(r#"{"live":[{"frames_hex":["00"]}]}"#, "t").is_err());
         assert_eq!(bind_endpoint("tcp://*:5557"), "tcp://0.0.0.0:5557");
+    }
+
+    #[test]
+    fn retiming_replaces_only_the_batch_timestamp() {
+        // [1.5, [], 0] and a payload of another shape
+        let batch = [0x93, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x90, 0x00];
+        let out = retimed(&batch, 1_700_000_000.25);
+        assert_eq!(out[..2], batch[..2]);
+        assert_eq!(
+            f64::from_be_bytes(out[2..10].try_into().unwrap()),
+            1_700_000_000.25
+        );
+        assert_eq!(out[10..], batch[10..]);
+        let other = [0x92, 0xca, 0, 0, 0, 0, 0x90];
+        assert_eq!(retimed(&other, 1.0), other.to_vec());
+    }
+
+    #[test]
+    fn an_endpoint_without_transport_says_what_to_write() {
+        let err = require_transport("127.0.0.1:5557").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "cannot bind 127.0.0.1:5557: no transport: write tcp://127.0.0.1:5557 (or ipc://PATH)"
+        );
+        assert!(require_transport("tcp://127.0.0.1:5557").is_ok());
     }
 }

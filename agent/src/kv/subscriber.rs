@@ -339,6 +339,9 @@ async fn read_loop(
         let (mut sock, mut monitor) = connect_sub(&shared, &opts).await;
         let epoch = shared.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, epoch, "kv events: connected");
+        // The connect errors before this connection are history: /v1/report's lastError shows
+        // what is wrong now.
+        shared.lock().stats.last_error = None;
         shared.disconnected_at_ms.store(0, Ordering::Relaxed);
         set_connected(&shared, &sink, true);
         shared.link_changed.notify_one();

@@ -107,6 +107,18 @@ pub enum LinkError {
         /// I/O error.
         source: std::io::Error,
     },
+    /// The URL answers, but not with gRPC (e.g. the controller's HTTP port instead of its gRPC
+    /// port): the response's `content-type` is not `application/grpc…`.
+    #[error(
+        "{url} is not a gRPC endpoint (it answered content-type {content_type:?}); is it the \
+         controller's HTTP port? AgentService is on the gRPC port (50051 by default)"
+    )]
+    NotGrpc {
+        /// URL.
+        url: String,
+        /// The `content-type` the server answered with (empty when none).
+        content_type: String,
+    },
     /// The outbound queue or the pump closed.
     #[error("outbound stream closed")]
     Closed,
@@ -439,7 +451,23 @@ async fn session(
     if let Some(m) = checks(state) {
         send(m).await?;
     }
-    let mut inbound = client.connect(ReceiverStream::new(rx)).await?.into_inner();
+    let response = client.connect(ReceiverStream::new(rx)).await?;
+    // tonic hands back a streaming response before the status is known; an HTTP server that
+    // answers 404 looks connected until the first read. A gRPC server always answers
+    // `application/grpc…`: anything else is not the controller's AgentService.
+    let content_type = response
+        .metadata()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    if !content_type.starts_with("application/grpc") {
+        return Err(LinkError::NotGrpc {
+            url: url.to_string(),
+            content_type,
+        });
+    }
+    let mut inbound = response.into_inner();
     {
         let mut link = state.link.write();
         let ep = link.endpoints.entry(url.to_string()).or_default();

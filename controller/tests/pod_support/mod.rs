@@ -26,15 +26,15 @@ pub fn repo_root() -> PathBuf {
     }
 }
 
-/// `../shared/fixtures/pods` next to the repository.
+/// The repository's real engine pods (`testdata/pods`).
 pub fn fixtures_dir() -> PathBuf {
-    repo_root().join("../shared/fixtures/pods")
+    repo_root().join("testdata/pods")
 }
 
-/// `controller/tests/fixtures/pods`: real public engine pods kept in the repository (each
-/// names its source in a header), for the topologies of issue 14.
+/// `testdata/pods/topologies`: real public engine pods of the deployment topologies of issue 14
+/// (host network, outward publisher, data parallel), each naming its source in a header.
 pub fn repo_fixtures_dir() -> PathBuf {
-    repo_root().join("controller/tests/fixtures/pods")
+    fixtures_dir().join("topologies")
 }
 
 /// Every file name under [`repo_fixtures_dir`], sorted.

@@ -9,13 +9,10 @@ use std::time::{Duration, Instant};
 use ic_controller::standalone::{self, StandaloneConfig};
 use ic_controller::state::{LookupPolicy, Shared};
 
-/// A golden KV-event recording of `../shared/fixtures/kv-events` (or `$IC_FIXTURES_DIR/kv-events`).
+/// A golden KV-event recording of the repository's `testdata/kv-events`.
 pub fn kv_fixture(name: &str) -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return PathBuf::from(dir).join("kv-events").join(name);
-    }
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/kv-events")
+        .join("../testdata/kv-events")
         .join(name)
 }
 

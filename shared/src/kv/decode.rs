@@ -1,7 +1,7 @@
 //! Decoding of one engine KV-event batch (the msgpack payload, third frame of a live message).
 //!
 //! Accepts every shape vLLM 0.9–0.33 and SGLang 0.4.9–0.5.23 have shipped
-//! (`shared/spec/kv-event-wire.md`):
+//! (`docs/kv-event-wire.md`):
 //!
 //! - batch: a msgpack array `[ts, events, data_parallel_rank]`; 2 elements (vLLM 0.9.0) or more
 //!   (elements past the third are ignored). `ts` may be a float or an integer (unix seconds).

@@ -1,4 +1,4 @@
-//! Engine KV-cache events and our content keys (`shared/spec/kv-event-wire.md`,
+//! Engine KV-cache events and our content keys (`docs/kv-event-wire.md`,
 //! `docs/kv-events.md`).
 //!
 //! - [`decode`]: the msgpack payload of one vLLM/SGLang event batch → [`decode::EventBatch`],

@@ -43,17 +43,26 @@ pub fn check(obj: &Value) -> Outcome {
     out
 }
 
-/// Decodes a CacheBackend, reporting a failure at its field path.
+/// Decodes a CacheBackend, reporting a failure at its field path. A missing field is a
+/// `Required value` at that field (`spec.runtime: Required value`), not the decoder's message
+/// with the whole enclosing object as the "bad value".
 pub fn decode(obj: &Value) -> Result<CacheBackend, Violation> {
     serde_path_to_error::deserialize::<_, CacheBackend>(obj).map_err(|e| {
         let field = render_path(e.path());
+        let detail = e.inner().to_string();
+        if let Some(name) = detail
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(name, _)| name)
+        {
+            return Violation::required(child(&field, name), "a CacheBackend must set it");
+        }
         let field = if field.is_empty() {
             "<root>".to_string()
         } else {
             field
         };
         let value = lookup(obj, e.path()).map(render_value).unwrap_or_default();
-        let detail = e.inner().to_string();
         Violation {
             kind: super::ViolationKind::Invalid,
             field,
@@ -369,6 +378,26 @@ fn prune_walk(schema: &Value, value: &mut Value, path: &str, removed: &mut Vec<S
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_missing_field_is_required_at_its_path_without_a_dump_of_its_parent() {
+        let obj = json!({
+            "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+            "metadata": {"name": "x", "namespace": "ns"},
+            "spec": {}
+        });
+        let v = decode(&obj).unwrap_err();
+        assert_eq!(v.kind, super::super::ViolationKind::Required);
+        assert!(
+            v.field.starts_with("spec.") && !v.field[5..].contains('.'),
+            "{v:?}"
+        );
+        assert_eq!(v.bad_value, None);
+        assert!(
+            !v.detail.contains('{') && !v.detail.contains("missing field"),
+            "{v:?}"
+        );
+    }
 
     #[test]
     fn schema_is_available() {

@@ -43,16 +43,9 @@ fn assert_agree(p: &[u8]) -> Result<bool, TestCaseError> {
 
 // ------------------------------------------------------------------ genuine frames
 
+/// The repository's golden recordings (`testdata/kv-events`).
 fn fixtures_dir() -> PathBuf {
-    if let Ok(dir) = std::env::var("IC_FIXTURES_DIR") {
-        return Path::new(&dir).join("kv-events");
-    }
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest
-        .ancestors()
-        .map(|a| a.join("shared/fixtures/kv-events"))
-        .find(|p| p.is_dir())
-        .unwrap_or_else(|| panic!("shared/fixtures/kv-events not found above {manifest:?}"))
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events")
 }
 
 /// Every live frame payload of the golden fixtures (the frames the benchmarks decode).

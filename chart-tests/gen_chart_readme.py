@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Generate chart/README.md from chart/Chart.yaml, the head text below and
+the `# --` descriptions of chart/values.yaml (helm-docs conventions: a `# --` comment above a key
+is its description; the table lists Key, Type, Default, Description for every documented key).
+
+Usage: gen_chart_readme.py            print the README
+       gen_chart_readme.py --write    write chart/README.md
+       gen_chart_readme.py --check    exit 1 when chart/README.md differs
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gen_values_schema import ROOT, VALUES, parse_annotations
+
+CHART = ROOT / "chart" / "Chart.yaml"
+README = ROOT / "chart" / "README.md"
+
+HEAD = """\
+# {name}
+
+![Version: {version}](https://img.shields.io/badge/Version-{version}-informational?style=flat-square)
+![AppVersion: {appVersion}](https://img.shields.io/badge/AppVersion-{appVersion}-informational?style=flat-square)
+
+{description}
+
+Generated from `values.yaml` by `chart-tests/gen_chart_readme.py` (`scripts/chart-tests.sh
+--regen`); a chart test fails when it is stale. Do not edit by hand.
+
+## Install
+
+```sh
+helm install inference-cache ./chart --namespace inference-cache --create-namespace
+```
+
+Kubernetes {kubeVersion}. Prerequisites, the privileged agent namespace, cert-manager or the
+self-signed webhook certificate, and upgrades (Helm never upgrades `crds/`: apply them first) are in
+[docs/install.md](../docs/install.md); operating it (metrics, dashboards, the opt-in
+PrometheusRule and its runbooks) in [docs/operations.md](../docs/operations.md) and
+[docs/troubleshooting.md](../docs/troubleshooting.md).
+
+## Sizing the controller
+
+Each controller replica holds the whole KV-prefix index in memory: about **39 bytes per
+(block, replica) entry** (measured, `docs/benchmarks.md` "Memory"; `inferencecache_controller_index_entries`
+is the live count) on top of its idle footprint (`process_resident_memory_bytes` of an idle
+controller, tens of MiB). The table grows by doubling, so allow twice the steady size at growth:
+
+    memory limit ≈ idle RSS + 2 × 39 B × entries
+
+Entries ≈ engine replicas × KV blocks each holds (GPU KV-cache bytes ÷ bytes per block; with
+`keepsL2`, plus the offload tier's blocks). For example 200 replicas × 50 000 blocks = 10 M
+entries ≈ 390 MB steady, ~780 MB while growing: set `controller.resources.limits.memory: 1Gi`.
+Alert on `process_resident_memory_bytes` against the limit (docs/operations.md "Capacity").
+
+## Values
+
+| Key | Type | Default | Description |
+|-----|------|---------|-------------|
+"""
+
+
+def type_of(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "list"
+    return "object"
+
+
+def default_of(v: Any) -> str:
+    text = json.dumps(v, ensure_ascii=False)
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def rows() -> list[str]:
+    text = VALUES.read_text()
+    values = yaml.safe_load(text)
+    ann = parse_annotations(text)
+    out: list[str] = []
+
+    def walk(v: Any, path: tuple[str, ...]) -> None:
+        a = ann.get(path, {})
+        if isinstance(v, dict) and v and "additionalProperties" not in a.get("schema", {}):
+            for k, child in v.items():
+                walk(child, path + (str(k),))
+            return
+        desc = a.get("description", "").replace("|", "\\|")
+        out.append(f"| {'.'.join(path)} | {type_of(v)} | {default_of(v)} | {desc} |")
+
+    walk(values, ())
+    return out
+
+
+def generate() -> str:
+    chart = yaml.safe_load(CHART.read_text())
+    head = HEAD.format(
+        name=chart["name"],
+        version=chart["version"],
+        appVersion=chart["appVersion"],
+        description=" ".join(chart["description"].split()),
+        kubeVersion=chart.get("kubeVersion", ""),
+    )
+    return head + "\n".join(rows()) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    out = generate()
+    if "--write" in argv:
+        if not README.exists() or README.read_text() != out:
+            README.write_text(out)
+            print(f"wrote {README.relative_to(ROOT)}")
+        return 0
+    if "--check" in argv:
+        if not README.exists() or README.read_text() != out:
+            print(f"{README.relative_to(ROOT)} is stale: run scripts/chart-tests.sh --regen")
+            return 1
+        return 0
+    sys.stdout.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
