@@ -26,7 +26,8 @@ MC_REQ = "reconcile/model_cache/request.rs"
 MC_BIND = "reconcile/model_cache/binding.rs"
 SSA = r"PatchParams::apply\(FIELD_MANAGER\)\.force\(\)"
 SHED = r"api\.delete\(&name, &DeleteParams::background\(\)\)"
-RELEASE = r"api\.delete\(name, &DeleteParams::background\(\)\)"
+# Release deletes go through one helper with UID + resourceVersion preconditions.
+RELEASE = r"async fn delete_as_read[\s\S]*\.\.DeleteParams::background\(\)[\s\S]*api\.delete\(&name, &dp\)"
 
 # (apiGroup, resource, verb) -> (file under controller/src, fragments that must all be there).
 RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
@@ -121,6 +122,8 @@ MC_RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     ("", "secrets", "get"): (MC_REQ, [r"Api<Secret>", r"\.get_opt\(&secret_ref\.name\)"]),
     ("", "secrets", "create"): (MC_REQ, [r"secrets\.create\(&PostParams::default\(\)"]),
     ("", "secrets", "delete"): (MC_BIND, [r"Api<Secret>", RELEASE]),
+    # The uninstall marker: while it exists no new binding is created.
+    ("", "configmaps", "get"): (MC_BIND, [r"Api<ConfigMap>", r"\.get_opt\(UNINSTALL_MARKER\)"]),
 }
 
 # Verbs the issue found granted but unused; none may come back.
