@@ -20,8 +20,49 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ContainerPort, Pod};
 
-/// Prefix of the container-port names the webhook declares.
-pub const PORT_NAME_PREFIX: &str = "ic-";
+/// Container-port name of the injected LMCache MP worker.
+pub const MP_WORKER_PORT_NAME: &str = "ic-lmcache-mp";
+
+/// Per-rank container-port name prefixes: the engine's KV-event publisher, its replay endpoint,
+/// and the kvevent-subscriber that binds where the engine connects.
+const KV_PUBLISHER: &str = "ic-kv-ev-";
+const KV_REPLAY: &str = "ic-kv-rp-";
+const KV_SUBSCRIBER: &str = "ic-kv-sub-";
+
+/// `ic-kv-ev-<rank>`: the engine's KV-event publisher of data-parallel rank `rank`.
+pub fn kv_publisher_port_name(rank: u32) -> String {
+    format!("{KV_PUBLISHER}{rank}")
+}
+
+/// `ic-kv-rp-<rank>`: the engine's KV-event replay endpoint of rank `rank`.
+pub fn kv_replay_port_name(rank: u32) -> String {
+    format!("{KV_REPLAY}{rank}")
+}
+
+/// `ic-kv-sub-<rank>`: the kvevent-subscriber of rank `rank`, bound where the engine connects.
+pub fn kv_subscriber_port_name(rank: u32) -> String {
+    format!("{KV_SUBSCRIBER}{rank}")
+}
+
+fn ranked(name: &str, prefix: &str) -> bool {
+    name.strip_prefix(prefix)
+        .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// True when `name` is the subscriber's own listener ([`kv_subscriber_port_name`]), not one
+/// the engine binds.
+pub fn is_subscriber_port_name(name: &str) -> bool {
+    ranked(name, KV_SUBSCRIBER)
+}
+
+/// True for exactly the names this webhook declares (the forms above); a user's own port that
+/// merely starts with `ic-` is not ours and is never removed.
+pub fn is_injected_port_name(name: &str) -> bool {
+    name == MP_WORKER_PORT_NAME
+        || [KV_PUBLISHER, KV_REPLAY, KV_SUBSCRIBER]
+            .iter()
+            .any(|p| ranked(name, p))
+}
 
 /// A listener the wiring depends on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,9 +79,7 @@ pub struct Listener {
 }
 
 fn is_ours(p: &ContainerPort) -> bool {
-    p.name
-        .as_deref()
-        .is_some_and(|n| n.starts_with(PORT_NAME_PREFIX))
+    p.name.as_deref().is_some_and(is_injected_port_name)
 }
 
 fn is_tcp(p: &ContainerPort) -> bool {
@@ -210,6 +249,49 @@ mod tests {
             what: format!("listener {name}"),
             engine_owned,
         }
+    }
+
+    /// A user's own port whose name merely starts with `ic-` survives re-admission; only the
+    /// exact names the webhook declares are ours.
+    #[test]
+    fn only_the_webhooks_own_port_names_are_converged() {
+        for ours in ["ic-lmcache-mp", "ic-kv-ev-0", "ic-kv-rp-3", "ic-kv-sub-12"] {
+            assert!(is_injected_port_name(ours), "{ours}");
+        }
+        for theirs in [
+            "ic-metrics",
+            "ic-kv-ev-",
+            "ic-kv-ev-x",
+            "ic-lmcache-mp2",
+            "http",
+        ] {
+            assert!(!is_injected_port_name(theirs), "{theirs}");
+        }
+        assert!(is_subscriber_port_name(&kv_subscriber_port_name(2)));
+        assert!(!is_subscriber_port_name(&kv_publisher_port_name(2)));
+        let mut p = pod(true);
+        p.spec.as_mut().unwrap().containers[0]
+            .ports
+            .as_mut()
+            .unwrap()
+            .push(ContainerPort {
+                container_port: 9400,
+                name: Some("ic-metrics".into()),
+                ..Default::default()
+            });
+        declare_host_ports(&mut p, 0, &[l(5555, MP_WORKER_PORT_NAME, false)]).unwrap();
+        let names: Vec<Option<String>> = p.spec.as_ref().unwrap().containers[0]
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
+        assert!(names.contains(&Some("ic-metrics".into())), "{names:?}");
+        assert!(
+            names.contains(&Some(MP_WORKER_PORT_NAME.into())),
+            "{names:?}"
+        );
     }
 
     #[test]

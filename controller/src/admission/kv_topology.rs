@@ -421,13 +421,13 @@ pub fn subscriber_topology(
         if bind {
             claim(
                 p,
-                format!("ic-kv-sub-{rank}"),
+                super::host_ports::kv_subscriber_port_name(rank),
                 format!("the kvevent-subscriber of data-parallel rank {rank} (the engine connects to it)"),
             )?;
         } else {
             claim(
                 p,
-                format!("ic-kv-ev-{rank}"),
+                super::host_ports::kv_publisher_port_name(rank),
                 format!("the KV-event publisher of data-parallel rank {rank}"),
             )?;
         }
@@ -436,7 +436,7 @@ pub fn subscriber_topology(
                 let q = offset(*rp, rank, "replay")?;
                 claim(
                     q,
-                    format!("ic-kv-rp-{rank}"),
+                    super::host_ports::kv_replay_port_name(rank),
                     format!("the KV-event replay endpoint of data-parallel rank {rank}"),
                 )?;
                 Some(format!("tcp://{h}:{q}"))
@@ -454,7 +454,7 @@ pub fn subscriber_topology(
         .into_values()
         .map(|mut l| {
             // The subscriber's own listener is not the engine's.
-            l.engine_owned = !l.name.starts_with("ic-kv-sub-");
+            l.engine_owned = !super::host_ports::is_subscriber_port_name(&l.name);
             l
         })
         .collect();

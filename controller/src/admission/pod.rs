@@ -545,7 +545,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
     let mut listeners: Vec<Listener> = mp_worker
         .map(|port| Listener {
             port,
-            name: "ic-lmcache-mp".to_string(),
+            name: super::host_ports::MP_WORKER_PORT_NAME.to_string(),
             what: "the LMCache MP worker".to_string(),
             engine_owned: false,
         })
