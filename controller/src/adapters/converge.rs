@@ -12,7 +12,10 @@
 //!   name the adapter owns but no longer renders is removed, any other entry is kept where it
 //!   is; rendered entries not yet present are appended in rendering order;
 //! - `volumeMounts`: the same by mount path (a foreign mount at one of our paths is replaced);
-//! - `resources.requests`/`limits`/`claims`: the rendering's keys win, other keys are kept;
+//! - `resources.requests`/`limits`/`claims`: the rendering's keys win, other keys are kept —
+//!   also a key the adapter rendered once and no longer does: a LimitRanger default or another
+//!   webhook's value cannot be told apart from a stale rendering, and removing a limit the
+//!   namespace's LimitRange requires would get the pod rejected (the webhook never blocks a pod);
 //! - `envFrom`: kept (the webhook renders none).
 
 use std::collections::BTreeMap;
