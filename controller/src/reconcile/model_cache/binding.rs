@@ -155,7 +155,9 @@ async fn record_release(
             ConditionStatus::True,
             reason::RELEASED,
             format!(
-                "every object the binding names is gone ({} deleted by this pass)",
+                "every object the binding names is deleted or was already gone ({} deletes \
+                 accepted by this pass; claims and volumes may read Terminating until their \
+                 protection finalizers clear)",
                 released.deleted.len()
             ),
             binding.metadata.generation,
