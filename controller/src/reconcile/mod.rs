@@ -20,6 +20,7 @@ pub mod cache_index;
 pub mod cachebackend;
 pub mod clock;
 pub mod engine_pods;
+pub mod follow;
 pub mod model_cache;
 pub mod nodes;
 pub mod policy;

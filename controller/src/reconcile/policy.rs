@@ -13,13 +13,11 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use futures::StreamExt;
 use ic_shared::crd::{
     new_condition, set_condition, CachePolicy, CachePolicyStatus, ConditionStatus,
     POLICY_CONDITION_APPLIED,
 };
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::Client;
 use tokio::sync::watch;
 
@@ -155,28 +153,16 @@ pub async fn run(
     client: Client,
     table: Arc<PolicyTable>,
     leader: Arc<AtomicBool>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let (reader, writer) = reflector::store::<CachePolicy>();
-    let api: Api<CachePolicy> = Api::all(client.clone());
-    let stream = watcher(api, watcher::Config::default())
-        .default_backoff()
-        .reflect(writer);
-    let mut stream = std::pin::pin!(stream);
-    loop {
-        tokio::select! {
-            _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => return,
-            item = stream.next() => match item {
-                // The initial list is applied once it is complete (InitDone).
-                Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => {}
-                Some(Ok(_)) => {
-                    let policies: Vec<CachePolicy> =
-                        reader.state().iter().map(|p| (**p).clone()).collect();
-                    sync(&client, &table, &policies, leader.load(Ordering::Relaxed)).await;
-                }
-                Some(Err(e)) => tracing::warn!(error = %e, "CachePolicy watch failed; re-listing"),
-                None => return,
-            },
-        }
-    }
+    crate::reconcile::follow::follow_all(
+        client.clone(),
+        "CachePolicy",
+        shutdown,
+        |policies: Vec<CachePolicy>| {
+            let (client, table, leader) = (client.clone(), table.clone(), leader.clone());
+            async move { sync(&client, &table, &policies, leader.load(Ordering::Relaxed)).await }
+        },
+    )
+    .await;
 }

@@ -24,8 +24,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use futures::StreamExt;
-use kube::runtime::{reflector, watcher, WatchStreamExt};
 use tokio::sync::watch;
 
 use ic_shared::crd::{
@@ -84,31 +82,20 @@ pub fn quotas(tenants: &[CacheTenant]) -> HashMap<String, usize> {
 pub async fn run_quotas(
     client: Client,
     shared: Arc<crate::state::Shared>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let (reader, writer) = reflector::store::<CacheTenant>();
-    let stream = watcher(Api::<CacheTenant>::all(client), watcher::Config::default())
-        .default_backoff()
-        .reflect(writer);
-    let mut stream = std::pin::pin!(stream);
-    loop {
-        tokio::select! {
-            _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => return,
-            item = stream.next() => match item {
-                Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => {}
-                Some(Ok(_)) => {
-                    let all: Vec<CacheTenant> =
-                        reader.state().iter().map(|t| (**t).clone()).collect();
-                    let q = quotas(&all);
-                    let mut ix = shared.index.write();
-                    ix.set_tenant_quotas(q);
-                    shared.update_index_gauges(&ix);
-                }
-                Some(Err(e)) => tracing::warn!(error = %e, "CacheTenant watch failed; re-listing"),
-                None => return,
-            },
-        }
-    }
+    crate::reconcile::follow::follow_all(
+        client,
+        "CacheTenant",
+        shutdown,
+        |all: Vec<CacheTenant>| {
+            let mut ix = shared.index.write();
+            ix.set_tenant_quotas(quotas(&all));
+            shared.update_index_gauges(&ix);
+            std::future::ready(())
+        },
+    )
+    .await;
 }
 
 /// The status `tenant` should have, given what the index holds and enforces (`agg`: distinct
