@@ -125,8 +125,18 @@ fn gauge_line(http: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
+/// A controller's index, HTTP and agent gRPC on loopback; the CacheBackend reconciler over
+/// that index with one Ready managed-Redis backend `kv` and engine pods `engine-0`/`engine-1`;
+/// and a node agent that said Hello and resynced both engines' streams.
+struct Setup {
+    shared: Arc<Shared>,
+    http: String,
+    h: Harness,
+    tx: mpsc::Sender<AgentMessage>,
+    _inbound: tonic::Response<tonic::Streaming<proto::ControllerMessage>>,
+}
+
+async fn setup() -> Setup {
     let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
     let (grpc, http) = serve(shared.clone()).await;
 
@@ -166,6 +176,24 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
         .unwrap();
     let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
     until("the resync", || shared.index.read().replica_count() == 2).await;
+    Setup {
+        shared,
+        http,
+        h,
+        tx,
+        _inbound,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
+    let Setup {
+        http,
+        h,
+        tx,
+        _inbound,
+        ..
+    } = setup().await;
 
     // Before any counters: tier 2 not exercised — no t2HitRate, no T2Degraded, no gauge series.
     assert_eq!(
@@ -282,41 +310,13 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
 /// tier 2 stays "not exercised".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_cache_counters_set_the_backends_hit_rate() {
-    let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
-    let (grpc, _http) = serve(shared.clone()).await;
-    let mut h = Harness::new(vec![managed_redis("kv")], false).await;
-    h.ctx = Arc::new(Context::new(
-        h.client.clone(),
-        shared.clone(),
-        h.events.clone(),
-        h.clock.clone(),
-        h.leader.clone(),
-    ));
-    for p in ["engine-0", "engine-1"] {
-        h.add_pod(pod(p, &[("app", "vllm")], &[])).await;
-    }
-    h.reconcile("kv").await;
-    h.settle_deployment("kv-redis", 1).await;
-    let channel = tonic::transport::Endpoint::from_shared(grpc)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: "gpu-1".into(),
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    tx.send(resync(&["engine-0", "engine-1"], h.now_ms()))
-        .await
-        .unwrap();
-    let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
-    until("the resync", || shared.index.read().replica_count() == 2).await;
+    let Setup {
+        shared,
+        h,
+        tx,
+        _inbound,
+        ..
+    } = setup().await;
     h.reconcile("kv").await;
     let st = h.status("kv").await;
     assert!(st.index_participation.as_ref().unwrap().hit_rate.is_none());

@@ -37,16 +37,21 @@ pub fn repo_fixtures_dir() -> PathBuf {
     fixtures_dir().join("topologies")
 }
 
-/// Every file name under [`repo_fixtures_dir`], sorted.
-pub fn repo_fixture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(repo_fixtures_dir())
-        .expect("repo fixtures dir")
+/// The YAML file names directly in `dir`, sorted.
+fn yaml_names(dir: PathBuf) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
         .collect();
     names.sort();
     names
+}
+
+/// Every file name under [`repo_fixtures_dir`], sorted.
+pub fn repo_fixture_names() -> Vec<String> {
+    yaml_names(repo_fixtures_dir())
 }
 
 /// The single pod of a repository fixture (a workload's template as a Pod).
@@ -64,14 +69,7 @@ pub fn golden_dir() -> PathBuf {
 
 /// Every fixture file name, sorted.
 pub fn fixture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
-        .expect("fixtures dir")
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
-        .collect();
-    names.sort();
-    names
+    yaml_names(fixtures_dir())
 }
 
 /// The pod of a workload document: a Pod as is; the pod template of a Deployment, StatefulSet,
