@@ -39,11 +39,12 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     ("inferencecache.io", "cachebackends/status", "update"): ("reconcile/nodes/advisory.rs", [r"\.replace_status\(&name"]),
     ("inferencecache.io", "cachebackends/finalizers", "update"): ("reconcile/render/mod.rs", [r"block_owner_deletion: Some\(true\)"]),
     # CachePolicies, CacheTenants
-    ("inferencecache.io", "cachepolicies", "list"): ("reconcile/policy.rs", [r"Api<CachePolicy>", r"watcher\("]),
-    ("inferencecache.io", "cachepolicies", "watch"): ("reconcile/policy.rs", [r"Api<CachePolicy>", r"watcher\("]),
+    # follow_all (reconcile/follow.rs) lists and watches every object of the kind.
+    ("inferencecache.io", "cachepolicies", "list"): ("reconcile/policy.rs", [r"follow_all\(", r"policies: Vec<CachePolicy>"]),
+    ("inferencecache.io", "cachepolicies", "watch"): ("reconcile/policy.rs", [r"follow_all\(", r"policies: Vec<CachePolicy>"]),
     ("inferencecache.io", "cachepolicies/status", "patch"): ("reconcile/policy.rs", [r"\.patch_status\(&name"]),
     ("inferencecache.io", "cachetenants", "list"): ("reconcile/tenants.rs", [r"Api<CacheTenant>", r"\.list\(&"]),
-    ("inferencecache.io", "cachetenants", "watch"): ("reconcile/tenants.rs", [r"watcher\(Api::<CacheTenant>::all"]),
+    ("inferencecache.io", "cachetenants", "watch"): ("reconcile/tenants.rs", [r"follow_all\(", r"all: Vec<CacheTenant>"]),
     ("inferencecache.io", "cachetenants/status", "patch"): ("reconcile/tenants.rs", [r"\.patch_status\(name"]),
     # CacheIndex, CacheNodes
     ("inferencecache.io", "cacheindexes", "get"): ("reconcile/cache_index.rs", [r"Api<CacheIndex>", r"\.get_opt\("]),
