@@ -109,6 +109,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca", "readOnly": True}],
         },
     },
+    # LookupRoute prompt_text tokenizers: a small one from a ConfigMap, a large one (over the
+    # ConfigMap limit) from a PVC at a custom path.
+    "tokenizers": {
+        "controller": {
+            "tokenizers": [
+                {
+                    "model": "sentence-transformers/all-MiniLM-L6-v2",
+                    "volume": {"configMap": {"name": "minilm-tokenizer"}},
+                },
+                {
+                    "model": "deepseek-ai/DeepSeek-V4-Flash",
+                    "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                    "path": "deepseek-ai/DeepSeek-V4-Flash/tokenizer.json",
+                },
+            ],
+            "tokenizerReloadSeconds": 30,
+        }
+    },
     # An existing cert-manager ClusterIssuer.
     "cluster-issuer": {
         "webhook": {

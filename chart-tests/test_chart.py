@@ -436,6 +436,35 @@ def test_driver_root_and_extra_volumes() -> None:
         assert "nvidia-driver" not in {m["name"] for m in c["volumeMounts"]}
 
 
+def test_tokenizers_are_mounted_and_passed_per_model() -> None:
+    r = variant_named("tokenizers")
+    dep = r.one("Deployment", CONTROLLER)
+    c = the_container(dep)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert vols["tokenizer-0"] == {"name": "tokenizer-0", "configMap": {"name": "minilm-tokenizer"}}
+    assert vols["tokenizer-1"] == {
+        "name": "tokenizer-1",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    }
+    for i in (0, 1):
+        assert mounts[f"tokenizer-{i}"] == {
+            "name": f"tokenizer-{i}",
+            "mountPath": f"/etc/inference-cache/tokenizers/{i}",
+            "readOnly": True,
+        }
+    assert "--tokenizer=sentence-transformers/all-MiniLM-L6-v2=/etc/inference-cache/tokenizers/0/tokenizer.json" in c["args"]
+    assert (
+        "--tokenizer=deepseek-ai/DeepSeek-V4-Flash=/etc/inference-cache/tokenizers/1/deepseek-ai/DeepSeek-V4-Flash/tokenizer.json"
+        in c["args"]
+    )
+    assert "--tokenizer-reload-seconds=30" in c["args"]
+    # None by default: no flag, no volume.
+    c = the_container(variant_named("default").one("Deployment", CONTROLLER))
+    assert not [a for a in c["args"] if a.startswith("--tokenizer")]
+    assert not [m for m in c["volumeMounts"] if m["name"].startswith("tokenizer-")]
+
+
 def test_gpu_runtime_class_with_node_affinity() -> None:
     r = variant_named("gpu-runtimeclass")
     spec = agent_daemonset(r)["spec"]["template"]["spec"]

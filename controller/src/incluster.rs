@@ -140,6 +140,8 @@ pub struct InClusterConfig {
     /// reconciler probes the in-process index ([`crate::probe::in_process_prober`]). Off is the
     /// spec's `--server-probe-url=""`.
     pub functional_probe: bool,
+    /// Per-model tokenizers of LookupRoute `prompt_text` (`--tokenizer`).
+    pub tokenizers: crate::tokenize::TokenizerConfig,
 }
 
 /// Whether the functional-probe gate is on, from `--functional-probe` and the spec's
@@ -188,6 +190,9 @@ pub enum RunError {
     /// Metrics registration failed.
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// Two `--tokenizer` flags name one model.
+    #[error(transparent)]
+    Tokenizers(#[from] crate::tokenize::DuplicateModel),
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
@@ -511,7 +516,8 @@ pub async fn start<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let shared = Arc::new(Shared::new(cfg.policy)?);
+    let tokenizers = Arc::new(crate::tokenize::Tokenizers::new(&cfg.tokenizers.specs)?);
+    let shared = Arc::new(Shared::new(cfg.policy)?.with_tokenizers(tokenizers.clone()));
     let registry = shared.metrics.registry.clone();
     let clock: Arc<dyn Clock> = overrides.clock.unwrap_or_else(|| Arc::new(SystemClock));
     let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr).await?;
@@ -613,6 +619,13 @@ where
         stop_rx.clone(),
     ));
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
+    // Every replica routes, so every replica loads the tokenizers.
+    let tokenizer_watch = crate::tokenize::load_and_watch(
+        tokenizers,
+        shared.metrics.clone(),
+        cfg.tokenizers.reload_interval,
+    )
+    .await;
     // Every replica routes, so every replica follows the CachePolicies (the leader writes
     // their status).
     let policies = tokio::spawn(crate::reconcile::policy::run(
@@ -699,6 +712,7 @@ where
             cache_index,
             quotas,
             expiry,
+            tokenizer_watch,
             mirror,
             policies,
         ],

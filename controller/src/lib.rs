@@ -7,6 +7,7 @@
 //! - [`index`] — the KV-prefix index and lookups.
 //! - [`ingest`] — the agents' gRPC stream.
 //! - [`router`] — `RouterService.LookupRoute`.
+//! - [`tokenize`] — per-model tokenizers for LookupRoute `prompt_text`.
 //! - [`http`] — health, metrics, snapshot and node endpoints.
 //! - [`standalone`] — the one-machine stack.
 //! - [`incluster`] — `ic-controller run`, the in-cluster controller.
@@ -32,3 +33,4 @@ pub mod router;
 pub mod standalone;
 pub mod state;
 pub mod t2probe;
+pub mod tokenize;

@@ -98,6 +98,8 @@ struct StandaloneArgs {
     /// (agent streams, LookupRoute, /snapshot, /v1/nodes); without it such an address is refused.
     #[arg(long, env = "IC_ALLOW_UNAUTHENTICATED_NON_LOOPBACK")]
     allow_unauthenticated_non_loopback: bool,
+    #[command(flatten)]
+    tokenizers: ic_controller::tokenize::TokenizerArgs,
 }
 
 #[derive(clap::Args)]
@@ -292,6 +294,8 @@ struct RunArgs {
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
     keepalive: ic_shared::serve::GrpcKeepaliveArgs,
+    #[command(flatten)]
+    tokenizers: ic_controller::tokenize::TokenizerArgs,
 }
 
 /// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
@@ -442,6 +446,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             a.functional_probe,
             a.server_probe_url.as_deref(),
         )?,
+        tokenizers: a.tokenizers.config(),
     };
     let running = incluster::start(client, cfg, Default::default(), termination()).await?;
     running.wait().await?;
@@ -454,8 +459,15 @@ struct LookupArgs {
     #[arg(long, env = "IC_CONTROLLER", default_value = "http://127.0.0.1:50051")]
     controller: String,
     /// Prompt token ids: a comma list ("1,2,3") and/or ranges ("0..32" = 0 to 31).
+    #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+    tokens: Option<String>,
+    /// Prompt text instead of token ids: the controller tokenizes it with --model's tokenizer.
     #[arg(long)]
-    tokens: String,
+    text: Option<String>,
+    /// With --text: do not add the tokenizer's special tokens (a chat prompt already rendered
+    /// with the chat template).
+    #[arg(long, requires = "text")]
+    no_special_tokens: bool,
     /// Tenant (namespace); empty matches any.
     #[arg(long, default_value = "")]
     tenant: String,
@@ -520,6 +532,7 @@ async fn run_main() -> anyhow::Result<()> {
                 },
                 limits: a.limits.with_keepalive(&a.keepalive),
                 allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,
+                tokenizers: a.tokenizers.config(),
             };
             // SIGINT or SIGTERM: drain and exit 0 (as `run` does).
             let running =
@@ -588,9 +601,14 @@ async fn run_main() -> anyhow::Result<()> {
                     model: a.model,
                     hash_scheme: a.hash_scheme,
                     adapter: a.adapter,
-                    token_ids: parse_tokens(&a.tokens)?,
+                    token_ids: match &a.tokens {
+                        Some(t) => parse_tokens(t)?,
+                        None => Vec::new(),
+                    },
                     content_keys: vec![],
                     block_size: a.block_size,
+                    add_special_tokens: a.text.as_ref().map(|_| !a.no_special_tokens),
+                    prompt_text: a.text,
                 })
                 .await?
                 .into_inner();
@@ -610,6 +628,8 @@ fn lookup_json(r: &ic_shared::proto::LookupRouteResponse) -> serde_json::Value {
         "reason": r.reason,
         "blockSize": r.block_size,
         "requestBlocks": r.request_blocks,
+        "warnings": r.warnings,
+        "promptTokens": r.prompt_tokens,
         "replicas": r.replicas.iter().map(|m| serde_json::json!({
             "replica": m.replica,
             "streamId": m.stream_id,

@@ -44,6 +44,15 @@ pub struct ControllerMetrics {
     pub lookups_total: IntCounterVec,
     /// LookupRoute server-side latency.
     pub lookup_duration_seconds: Histogram,
+    /// LookupRoute prompt texts answered NO_HINT without a lookup, by reason (`too_large`,
+    /// `no_model`, `no_tokenizer`, `tokenizer_unavailable`, `tokenization_failed`;
+    /// [`crate::tokenize::PromptRefusal`]).
+    pub prompt_text_refusals_total: IntCounterVec,
+    /// Tokenizer file loads, by model (one per `--tokenizer`) and outcome (`loaded`, `failed`).
+    pub tokenizer_loads_total: IntCounterVec,
+    /// 1 while a model's tokenizer file on disk failed to load (the last good one, if any, is
+    /// still used), else 0; by model.
+    pub tokenizer_load_failing: IntGaugeVec,
 }
 
 impl ControllerMetrics {
@@ -142,6 +151,27 @@ impl ControllerMetrics {
                 0.01, 0.025, 0.05, 0.1,
             ]),
         )?;
+        let prompt_text_refusals_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}prompt_text_refusals_total"),
+                "LookupRoute prompt texts answered NO_HINT without a lookup (too large, no model, no tokenizer, tokenizer unavailable, tokenization failed), by reason.",
+            ),
+            &["reason"],
+        )?;
+        let tokenizer_loads_total = IntCounterVec::new(
+            Opts::new(
+                format!("{p}tokenizer_loads_total"),
+                "Loads of a --tokenizer file (at start and whenever it changed), by model and outcome.",
+            ),
+            &["model", "outcome"],
+        )?;
+        let tokenizer_load_failing = IntGaugeVec::new(
+            Opts::new(
+                format!("{p}tokenizer_load_failing"),
+                "1 while the model's tokenizer file failed to load (the last good tokenizer, if any, is still used and answers carry TokenizerStale), else 0.",
+            ),
+            &["model"],
+        )?;
         registry.register(Box::new(agents_connected.clone()))?;
         registry.register(Box::new(agent_streams_total.clone()))?;
         registry.register(Box::new(kv_batches_total.clone()))?;
@@ -158,6 +188,9 @@ impl ControllerMetrics {
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
+        registry.register(Box::new(prompt_text_refusals_total.clone()))?;
+        registry.register(Box::new(tokenizer_loads_total.clone()))?;
+        registry.register(Box::new(tokenizer_load_failing.clone()))?;
         ic_shared::telemetry::register_process_and_build_info(&registry, crate::BUILD_INFO)?;
         // Every value of these bounded labels exists from the start at 0, so a dashboard or
         // alert reads 0 (not "No data") until the first event of its kind.
@@ -174,6 +207,10 @@ impl ControllerMetrics {
             ),
             (&kv_resyncs_total, &["connect", "requested"][..]),
             (&lookups_total, &["prefix_match", "no_hint"][..]),
+            (
+                &prompt_text_refusals_total,
+                &crate::tokenize::PromptRefusal::ALL.map(|r| r.label())[..],
+            ),
         ] {
             for v in values {
                 vec.with_label_values(&[*v]);
@@ -197,6 +234,9 @@ impl ControllerMetrics {
             index_stream_cap_refusals_total,
             lookups_total,
             lookup_duration_seconds,
+            prompt_text_refusals_total,
+            tokenizer_loads_total,
+            tokenizer_load_failing,
         })
     }
 

@@ -301,6 +301,8 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
             token_ids: tokens,
             content_keys: Vec::new(),
             block_size: 0,
+            prompt_text: None,
+            add_special_tokens: None,
         });
         let ours = answer.replicas.iter().find(|m| m.stream_id == stream_id);
         if answer.decision != proto::Decision::PrefixMatch as i32 {

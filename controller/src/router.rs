@@ -11,7 +11,15 @@
 //! [`Router::with_max_replicas`]): the deepest, T1 before T2, then by stream id. A prompt whose
 //! first block is a system prompt every replica caches would otherwise list the whole fleet.
 //!
+//! A request carries raw token ids, pre-computed content keys, or prompt text. Prompt text
+//! (spec 000, "Block-size alignment for server-derived lookups": gateways call LookupRoute
+//! "with raw token_ids / prompt_text") is tokenized with the model's own tokenizer
+//! ([`crate::tokenize`]) and then looked up exactly as token ids are. Prompt text the router
+//! cannot tokenize (too long, no model, no tokenizer, tokenizer never loaded or refusing the
+//! text) answers NO_HINT with the [`PromptRefusal`] reason, never a gRPC error.
+//!
 //! [`PrefixIndex::lookup`]: crate::index::PrefixIndex::lookup
+//! [`PromptRefusal`]: crate::tokenize::PromptRefusal
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,6 +30,7 @@ use tonic::{Request, Response, Status};
 
 use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKUP_TIMEOUT};
 use crate::state::Shared;
+use crate::tokenize::{PromptRefusal, TOKENIZER_STALE};
 
 /// Replicas listed in one answer by default (the best ones).
 pub const DEFAULT_MAX_REPLICAS: usize = 32;
@@ -57,8 +66,30 @@ impl Router {
     }
 
     /// Answers one request (the same path the gRPC method and the functional probe use).
+    ///
+    /// With `prompt_text`, the text is tokenized first (blocking CPU work: up to
+    /// [`MAX_PROMPT_TEXT_BYTES`](ic_shared::limits::MAX_PROMPT_TEXT_BYTES) of text; the gRPC
+    /// method runs it on a blocking thread) and its ids replace `token_ids`.
     pub fn lookup(&self, req: &proto::LookupRouteRequest) -> proto::LookupRouteResponse {
         let started = Instant::now();
+        let mut warnings = Vec::new();
+        let mut prompt_tokens = 0;
+        let token_ids = match &req.prompt_text {
+            None => req.token_ids.clone(),
+            Some(text) => {
+                let add_special = req.add_special_tokens.unwrap_or(true);
+                match self.shared.tokenizers.encode(&req.model, text, add_special) {
+                    Ok(enc) => {
+                        if enc.stale {
+                            warnings.push(TOKENIZER_STALE.to_string());
+                        }
+                        prompt_tokens = u32::try_from(enc.ids.len()).unwrap_or(u32::MAX);
+                        enc.ids
+                    }
+                    Err(refusal) => return self.refuse_prompt(started, req.block_size, refusal),
+                }
+            }
+        };
         let policy = self.policies.resolve_or(
             &req.tenant,
             ResolvedPolicy {
@@ -72,7 +103,7 @@ impl Router {
             model: req.model.clone(),
             hash_scheme: req.hash_scheme.clone(),
             adapter: req.adapter.clone(),
-            token_ids: req.token_ids.clone(),
+            token_ids,
             content_keys: req.content_keys.clone(),
             block_size: (req.block_size > 0).then_some(req.block_size),
             minimum_prefix_tokens: policy.minimum_prefix_tokens,
@@ -103,7 +134,33 @@ impl Router {
                 "no_hint"
             }])
             .inc();
-        to_proto(result)
+        let mut answer = to_proto(result);
+        answer.warnings = warnings;
+        answer.prompt_tokens = prompt_tokens;
+        answer
+    }
+
+    /// NO_HINT for prompt text that got no lookup, counted by reason.
+    fn refuse_prompt(
+        &self,
+        started: Instant,
+        block_size: u32,
+        refusal: PromptRefusal,
+    ) -> proto::LookupRouteResponse {
+        let m = &self.shared.metrics;
+        m.prompt_text_refusals_total
+            .with_label_values(&[refusal.label()])
+            .inc();
+        m.lookup_duration_seconds
+            .observe(started.elapsed().as_secs_f64());
+        m.lookups_total.with_label_values(&["no_hint"]).inc();
+        to_proto(LookupResult {
+            prefix_match: false,
+            replicas: Vec::new(),
+            block_size,
+            request_blocks: 0,
+            reason: refusal.reason().to_string(),
+        })
     }
 }
 
@@ -133,6 +190,8 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
         block_size: r.block_size,
         request_blocks: r.request_blocks,
         reason: r.reason,
+        warnings: Vec::new(),
+        prompt_tokens: 0,
     }
 }
 
@@ -165,13 +224,33 @@ impl RouterService for Router {
         request: Request<proto::LookupRouteRequest>,
     ) -> Result<Response<proto::LookupRouteResponse>, Status> {
         let req = request.into_inner();
-        if req.token_ids.is_empty() && req.content_keys.is_empty() {
+        if req.prompt_text.is_some() {
+            if !req.token_ids.is_empty() || !req.content_keys.is_empty() {
+                return Err(Status::invalid_argument(
+                    "LookupRouteRequest carries prompt_text together with token_ids or content_keys; send one of them",
+                ));
+            }
+        } else if req.token_ids.is_empty() && req.content_keys.is_empty() {
             return Err(Status::invalid_argument(
-                "LookupRouteRequest needs token_ids or content_keys",
+                "LookupRouteRequest needs token_ids, content_keys or prompt_text",
             ));
         }
         check_bounds(&req)?;
-        Ok(Response::new(self.lookup(&req)))
+        if req.prompt_text.is_none() {
+            return Ok(Response::new(self.lookup(&req)));
+        }
+        // Tokenizing up to 1 MiB of text is CPU work: keep it off the async workers.
+        let started = Instant::now();
+        let router = self.clone();
+        let (model, block_size) = (req.model.clone(), req.block_size);
+        let answer = match tokio::task::spawn_blocking(move || router.lookup(&req)).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(model, error = %e, "prompt_text lookup task failed");
+                self.refuse_prompt(started, block_size, PromptRefusal::TokenizationFailed)
+            }
+        };
+        Ok(Response::new(answer))
     }
 }
 

@@ -19,6 +19,7 @@ use crate::http::{self, HttpState};
 use crate::ingest::{self, AgentIngest};
 use crate::router::Router;
 use crate::state::{LookupPolicy, Shared};
+use crate::tokenize::{self, DuplicateModel, TokenizerConfig, Tokenizers};
 
 /// Settings of the standalone stack.
 #[derive(Debug, Clone)]
@@ -36,6 +37,8 @@ pub struct StandaloneConfig {
     /// Listen beyond loopback although nothing is authenticated
     /// (`--allow-unauthenticated-non-loopback`); without it such an address is refused.
     pub allow_unauthenticated_non_loopback: bool,
+    /// Per-model tokenizers of LookupRoute `prompt_text` (`--tokenizer`).
+    pub tokenizers: TokenizerConfig,
 }
 
 /// Why the stack could not start or stopped with an error.
@@ -58,6 +61,9 @@ pub enum ServeError {
     /// Metrics registration failed.
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// Two `--tokenizer` flags name one model.
+    #[error(transparent)]
+    Tokenizers(#[from] DuplicateModel),
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
@@ -84,6 +90,7 @@ pub struct Running {
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: JoinHandle<Result<(), std::io::Error>>,
     expiry: JoinHandle<()>,
+    tokenizers: JoinHandle<()>,
 }
 
 impl Running {
@@ -92,6 +99,7 @@ impl Running {
         let grpc = self.grpc.await;
         let http = self.http.await;
         self.expiry.abort();
+        self.tokenizers.abort();
         grpc??;
         http?.map_err(ServeError::Http)?;
         Ok(())
@@ -110,7 +118,8 @@ where
             return Err(ServeError::Unauthenticated { addr });
         }
     }
-    let shared = Arc::new(Shared::new(cfg.policy)?);
+    let tokenizers = Arc::new(Tokenizers::new(&cfg.tokenizers.specs)?);
+    let shared = Arc::new(Shared::new(cfg.policy)?.with_tokenizers(tokenizers.clone()));
     let grpc_listener =
         TcpListener::bind(cfg.grpc_addr)
             .await
@@ -194,6 +203,12 @@ where
         Duration::from_secs(5),
     ));
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
+    let tokenizers = tokenize::load_and_watch(
+        tokenizers,
+        shared.metrics.clone(),
+        cfg.tokenizers.reload_interval,
+    )
+    .await;
     ready.store(true, Ordering::Release);
     info!(grpc = %grpc_addr, http = %http_addr, "standalone controller serving");
     Ok(Running {
@@ -205,5 +220,6 @@ where
         grpc,
         http,
         expiry,
+        tokenizers,
     })
 }

@@ -5,6 +5,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::index::PrefixIndex;
 use crate::ingest::registry::NodeRegistry;
 use crate::metrics::ControllerMetrics;
+use crate::tokenize::Tokenizers;
 
 /// Lookup defaults until a CachePolicy says otherwise (spec 000: CachePolicy.spec), and the
 /// index's own bounds.
@@ -32,6 +33,8 @@ pub struct Shared {
     /// Bumped whenever an agent connects, disconnects or reports checks; the CacheNode and
     /// advisory writers wake on it ([`Shared::node_changes`]).
     pub node_events: tokio::sync::watch::Sender<u64>,
+    /// Per-model tokenizers of LookupRoute `prompt_text` (none by default).
+    pub tokenizers: std::sync::Arc<Tokenizers>,
 }
 
 impl Shared {
@@ -46,7 +49,14 @@ impl Shared {
             policy,
             stopping: tokio::sync::watch::Sender::new(false),
             node_events: tokio::sync::watch::Sender::new(0),
+            tokenizers: std::sync::Arc::default(),
         })
+    }
+
+    /// The same state with `tokenizers` for LookupRoute `prompt_text`.
+    pub fn with_tokenizers(mut self, tokenizers: std::sync::Arc<Tokenizers>) -> Self {
+        self.tokenizers = tokenizers;
+        self
     }
 
     /// Signals that node state changed (connect, disconnect, check report).

@@ -117,6 +117,7 @@ fn config(identity: &str) -> InClusterConfig {
         nodes: Default::default(),
         model_cache: Some(ModelCacheConfig::default()),
         functional_probe: true,
+        tokenizers: Default::default(),
     }
 }
 

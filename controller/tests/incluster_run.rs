@@ -135,6 +135,7 @@ async fn run_mode_end_to_end() {
         limits: Default::default(),
         model_cache: None,
         functional_probe: false,
+        tokenizers: Default::default(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = incluster::start(

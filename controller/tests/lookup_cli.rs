@@ -31,6 +31,7 @@ async fn lookup_reaches_the_router_by_url_or_bare_address() {
             policy: LookupPolicy::default(),
             limits: Default::default(),
             allow_unauthenticated_non_loopback: false,
+            tokenizers: Default::default(),
         },
         async move {
             let _ = stopped.await;

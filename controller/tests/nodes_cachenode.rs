@@ -556,6 +556,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
             policy: LookupPolicy::default(),
             limits: Default::default(),
             allow_unauthenticated_non_loopback: false,
+            tokenizers: Default::default(),
         },
         std::future::pending(),
     )

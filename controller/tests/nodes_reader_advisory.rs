@@ -174,6 +174,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
             policy: LookupPolicy::default(),
             limits: Default::default(),
             allow_unauthenticated_non_loopback: false,
+            tokenizers: Default::default(),
         },
         std::future::pending(),
     )

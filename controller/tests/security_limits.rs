@@ -39,6 +39,7 @@ fn config(limits: ConnectionLimits) -> StandaloneConfig {
         policy: LookupPolicy::default(),
         limits,
         allow_unauthenticated_non_loopback: false,
+        tokenizers: Default::default(),
     }
 }
 

@@ -16,6 +16,17 @@ pub const MAX_BLOCK_SIZES: usize = 64;
 /// context windows of current long-context models (Qwen2.5-1M, Llama 4).
 pub const MAX_LOOKUP_TOKENS: usize = 1 << 20;
 
+/// Longest `LookupRouteRequest.prompt_text`, in UTF-8 bytes: 1 MiB. A byte-level BPE tokenizer
+/// yields at most one token per byte, so the ids stay within [`MAX_LOOKUP_TOKENS`]; 1 MiB is
+/// ~250 k tokens of English text, longer than the context windows prompt text is routed for.
+/// Longer text answers NO_HINT / `PromptTextTooLarge` (never an error: the gateway routes by
+/// load).
+pub const MAX_PROMPT_TEXT_BYTES: usize = 1 << 20;
+
+/// Largest HF `tokenizer.json` the controller loads (`--tokenizer`): 64 MiB. Real ones are
+/// 2–35 MB (DeepSeek V4 6 MB, Llama 3 9 MB, Gemma 3 33 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 64 * 1024 * 1024;
+
 /// Longest tenant, model, hash-scheme or backend string a `/probe` request may name: a
 /// Kubernetes `namespace/name` is at most 63 + 1 + 253 bytes; model ids are shorter.
 pub const MAX_NAME_BYTES: usize = 512;

@@ -63,6 +63,7 @@ pub async fn start_controller(grpc: SocketAddr) -> Controller {
                 policy: LookupPolicy::default(),
                 limits: Default::default(),
                 allow_unauthenticated_non_loopback: false,
+                tokenizers: Default::default(),
             },
             async move {
                 let _ = rx.wait_for(|s| *s).await;
