@@ -41,6 +41,23 @@ pub struct StandaloneConfig {
     pub tokenizers: TokenizerConfig,
 }
 
+impl StandaloneConfig {
+    /// Loopback listeners on ports the OS picks (`127.0.0.1:0`), 60 s agent expiry, default
+    /// lookup policy and limits, no tokenizers: what tests and benchmarks start.
+    pub fn ephemeral() -> Self {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        StandaloneConfig {
+            grpc_addr: loopback,
+            http_addr: loopback,
+            agent_expiry: Duration::from_secs(60),
+            policy: LookupPolicy::default(),
+            limits: ConnectionLimits::default(),
+            allow_unauthenticated_non_loopback: false,
+            tokenizers: TokenizerConfig::default(),
+        }
+    }
+}
+
 /// Why the stack could not start or stopped with an error.
 #[derive(Debug, Error)]
 pub enum ServeError {

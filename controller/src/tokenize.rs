@@ -354,14 +354,7 @@ impl Tokenizers {
                 st.seen = Some(before);
                 st.last_error = None;
                 drop(st);
-                metrics
-                    .tokenizer_loads_total
-                    .with_label_values(&[model, "loaded"])
-                    .inc();
-                metrics
-                    .tokenizer_load_failing
-                    .with_label_values(&[model])
-                    .set(0);
+                record_load(metrics, model, true);
                 info!(model, path = %slot.path.display(), replaced, "tokenizer loaded");
                 true
             }
@@ -385,14 +378,7 @@ impl Tokenizers {
         st.last_error = Some(msg.clone());
         let kept = st.good.is_some();
         drop(st);
-        metrics
-            .tokenizer_loads_total
-            .with_label_values(&[model, "failed"])
-            .inc();
-        metrics
-            .tokenizer_load_failing
-            .with_label_values(&[model])
-            .set(1);
+        record_load(metrics, model, false);
         if kept {
             warn!(model, error = %msg, "tokenizer file did not load; keeping the last good tokenizer (prompt_text answers carry the warning TokenizerStale)");
         } else {
@@ -444,6 +430,19 @@ impl Tokenizers {
         }
         Ok(Encoded { ids, stale })
     }
+}
+
+/// Counts one load of `model`'s file and sets its `tokenizer_load_failing` gauge.
+fn record_load(metrics: &ControllerMetrics, model: &str, loaded: bool) {
+    let outcome = if loaded { "loaded" } else { "failed" };
+    metrics
+        .tokenizer_loads_total
+        .with_label_values(&[model, outcome])
+        .inc();
+    metrics
+        .tokenizer_load_failing
+        .with_label_values(&[model])
+        .set(i64::from(!loaded));
 }
 
 /// Loads every configured tokenizer once (awaited), then checks the files every `interval`
@@ -516,6 +515,9 @@ mod tests {
         .unwrap();
         let big = "a".repeat(MAX_PROMPT_TEXT_BYTES + 1);
         assert_eq!(t.encode("m", &big, true), Err(PromptRefusal::TooLarge));
+        // At the cap the text goes on (to the next check, here the missing model).
+        let at_cap = &big[..MAX_PROMPT_TEXT_BYTES];
+        assert_eq!(t.encode("", at_cap, true), Err(PromptRefusal::NoModel));
         assert_eq!(t.encode("", "hi", true), Err(PromptRefusal::NoModel));
         assert_eq!(
             t.encode("other", "hi", true),

@@ -2,15 +2,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::time::Duration;
-
 use ic_controller::standalone::{self, StandaloneConfig};
-use ic_controller::state::LookupPolicy;
 
 async fn lookup(controller: String) -> std::process::Output {
+    lookup_with(controller, &["--tokens", "0..32"]).await
+}
+
+async fn lookup_with(controller: String, args: &[&str]) -> std::process::Output {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_ic-controller"))
-            .args(["lookup", "--tokens", "0..32", "--controller", &controller])
+            .arg("lookup")
+            .args(&args)
+            .args(["--controller", &controller])
             .output()
             .unwrap()
     })
@@ -23,20 +27,9 @@ async fn lookup(controller: String) -> std::process::Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_reaches_the_router_by_url_or_bare_address() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = standalone::start(
-        StandaloneConfig {
-            grpc_addr: "127.0.0.1:0".parse().unwrap(),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            agent_expiry: Duration::from_secs(60),
-            policy: LookupPolicy::default(),
-            limits: Default::default(),
-            allow_unauthenticated_non_loopback: false,
-            tokenizers: Default::default(),
-        },
-        async move {
-            let _ = stopped.await;
-        },
-    )
+    let running = standalone::start(StandaloneConfig::ephemeral(), async move {
+        let _ = stopped.await;
+    })
     .await
     .unwrap();
     let grpc = running.grpc_addr;
@@ -50,6 +43,16 @@ async fn lookup_reaches_the_router_by_url_or_bare_address() {
         );
         assert!(stdout.contains("NO_HINT"), "{controller}: {stdout}");
     }
+    // Prompt text for a model without a tokenizer: NO_HINT with the reason, exit 0.
+    let out = lookup_with(grpc.to_string(), &["--text", "Hello", "--model", "m"]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let answer: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(answer["reason"], "NoTokenizerForModel", "{stdout}");
+    assert_eq!(answer["promptTokens"], 0, "{stdout}");
+    // Ids and text together are refused by the CLI itself.
+    let out = lookup_with(grpc.to_string(), &["--text", "Hello", "--tokens", "1"]).await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
     let _ = stop.send(());
     running.wait().await.unwrap();
 }
