@@ -97,6 +97,13 @@ impl EngineCounters {
             &["outcome"],
         )?;
         registry.register(Box::new(scrapes_total.clone()))?;
+        // Every outcome exists at 0 from the start: a panel over rate(...) reads 0, not "No data".
+        for outcome in [OUTCOME_OK, OUTCOME_ABSENT]
+            .iter()
+            .chain(http::FetchError::OUTCOMES)
+        {
+            scrapes_total.with_label_values(&[outcome]);
+        }
         let t2_hits_total = IntCounterVec::new(
             Opts::new(
                 "inferencecache_agent_engine_t2_hits_total",
@@ -385,6 +392,33 @@ mod tests {
 
     /// Issue 19 item 5: the per-stream tier-2 counters a windowed alert (LMCacheT2NoHits) can
     /// use — monotonic across an engine restart, gone with the stream.
+    #[test]
+    fn every_scrape_outcome_exists_at_zero_before_the_first_scrape() {
+        let registry = Registry::new();
+        let _counters = EngineCounters::new(&registry).unwrap();
+        let fam = registry
+            .gather()
+            .into_iter()
+            .find(|f| f.name() == "inferencecache_agent_engine_metrics_scrapes_total")
+            .unwrap();
+        let mut outcomes: Vec<&str> = fam
+            .get_metric()
+            .iter()
+            .map(|m| m.get_label()[0].value())
+            .collect();
+        outcomes.sort_unstable();
+        let mut want: Vec<&str> = [OUTCOME_OK, OUTCOME_ABSENT]
+            .into_iter()
+            .chain(http::FetchError::OUTCOMES.iter().copied())
+            .collect();
+        want.sort_unstable();
+        assert_eq!(outcomes, want);
+        assert!(fam
+            .get_metric()
+            .iter()
+            .all(|m| m.get_counter().get_value() == 0.0));
+    }
+
     #[test]
     fn t2_counters_are_mirrored_monotonically_per_stream() {
         let registry = Registry::new();
