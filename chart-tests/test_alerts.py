@@ -132,6 +132,7 @@ def test_the_alerts_the_issue_asks_for() -> None:
         "InferenceCacheT2ZeroHitRate",
         "LMCacheT2NoHits",
         "InferenceCacheWebhookCertExpiring",
+        "InferenceCacheWebhookServingCertExpiring",
         "InferenceCacheNodesWithoutAgent",
         "InferenceCacheAgentMissing",
     }

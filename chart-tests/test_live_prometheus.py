@@ -59,6 +59,7 @@ IN_CLUSTER_ONLY = {
     "inferencecache_controller_agent_auth_total",
     "inferencecache_controller_node_plans_sent_total",
     "inferencecache_controller_node_plan_issues",
+    "inferencecache_controller_webhook_cert_expiry_timestamp_seconds",
 }
 # Expressions that must return a series on the idle stack (0 is an answer, "No data" is not).
 MUST_ANSWER = [

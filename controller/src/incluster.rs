@@ -346,6 +346,18 @@ pub async fn start_admission(
     };
     let mut server_config = server::ServerConfig::new(settings.addr, tls_source);
     server_config.limits = settings.limits;
+    // Registered only where webhooks serve: a series that read 0 elsewhere would say "expired".
+    let cert_expiry = prometheus::IntGauge::new(
+        "inferencecache_controller_webhook_cert_expiry_timestamp_seconds",
+        "notAfter of the certificate the admission webhooks serve now, in Unix seconds (follows reloads).",
+    )
+    .map_err(|e| part(e.to_string()))?;
+    ctx.shared
+        .metrics
+        .registry
+        .register(Box::new(cert_expiry.clone()))
+        .map_err(|e| part(e.to_string()))?;
+    server_config.cert_expiry = Some(cert_expiry);
     let running = server::start(admission, server_config)
         .await
         .map_err(|e| part(e.to_string()))?;
