@@ -45,7 +45,7 @@ use nix::fcntl::OFlag;
 
 use super::beneath::{self, Volume};
 use super::pods::PodFinder;
-use super::shm::{find_mount, parse_mountinfo, pod_not_found, MountEntry};
+use super::shm::{find_mount, parse_mountinfo, MountEntry};
 use super::{Check, ChecksConfig};
 
 /// Check name.
@@ -668,7 +668,9 @@ impl Check for MountsCheck {
                     Some(uid) => {
                         let containers = self.pods.containers(uid);
                         if containers.is_empty() {
-                            return pod_not_found(NAME, &subject, uid, "its model volume")
+                            return self
+                                .pods
+                                .unavailable(NAME, &subject, uid, "its model volume")
                                 .with("path", &m.path);
                         }
                         containers

@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use ic_shared::check::{CheckResult, CheckStatus};
 use parking_lot::Mutex;
 
 pub use super::ports::{normalise_pod_uid, pod_uid_from_cgroup};
@@ -224,6 +225,49 @@ impl PodFinder {
     pub fn containers(&self, pod_uid: &str) -> Vec<PodContainer> {
         let pids = self.pids(pod_uid);
         containers(&self.proc_root, &pids)
+    }
+
+    /// The `Unknown` result for a planned pod whose containers [`PodFinder::containers`] did not
+    /// find: `PodNotInspectable` when processes of the pod run (their cgroup names it) but none
+    /// of their `/proc/<pid>/exe` and `ns/mnt` can be read — the agent lacks `CAP_SYS_PTRACE`,
+    /// named in the message when its checks thread does —, else `PodNotFound`. `what` completes
+    /// "so … cannot be inspected" (`its /dev/shm`).
+    pub fn unavailable(
+        &self,
+        check: &str,
+        subject: &str,
+        pod_uid: &str,
+        what: &str,
+    ) -> CheckResult {
+        let pids = self.pids(pod_uid);
+        if pids.is_empty() {
+            return super::shm::pod_not_found(check, subject, pod_uid, what);
+        }
+        let needed = [crate::privilege::Capability::CAP_SYS_PTRACE];
+        let lacking = crate::privilege::missing(&needed);
+        let cause = crate::privilege::lacking_clause(&needed).unwrap_or_else(|| {
+            "the agent needs CAP_SYS_PTRACE and hostPID to read them".to_string()
+        });
+        let shown: Vec<String> = pids.iter().take(5).map(u32::to_string).collect();
+        let r = CheckResult::new(
+            check,
+            subject,
+            CheckStatus::Unknown,
+            "PodNotInspectable",
+            format!(
+                "processes of pod {subject} (UID {pod_uid}) run on this node (pid {}), but none of \
+                 their /proc entries (exe, ns/mnt) can be read, so {what} cannot be inspected; \
+                 {cause}.",
+                shown.join(", ")
+            ),
+        )
+        .with("podUid", pod_uid)
+        .with("pids", shown.join(","));
+        if lacking.is_empty() {
+            r
+        } else {
+            r.with("missingCapabilities", crate::privilege::names(&lacking))
+        }
     }
 }
 
