@@ -340,4 +340,61 @@ mod tests {
         // only the sandbox left: it is the container
         assert_eq!(containers(root, &[10])[0].pid, 10);
     }
+
+    /// A pod whose processes show in their cgroups but whose exe and ns/mnt cannot be read (what
+    /// an agent without CAP_SYS_PTRACE sees of an engine container) is PodNotInspectable, not
+    /// PodNotFound; the capability is named only when this thread lacks it.
+    #[test]
+    fn unreadable_processes_are_not_inspectable_rather_than_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let d = root.join("42");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("cgroup"),
+            format!(
+                "0::/kubepods/pod{uid}/c
+"
+            ),
+        )
+        .unwrap();
+        let f = PodFinder::new(root);
+        assert!(f.containers(uid).is_empty());
+        let r = f.unavailable("shm", "team-a/vllm-0", uid, "its /dev/shm");
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Unknown, "PodNotInspectable")
+        );
+        assert_eq!(r.observed["pids"], "42");
+        assert!(r.message.contains("CAP_SYS_PTRACE"), "{}", r.message);
+        let lacking = crate::privilege::missing(&[crate::privilege::Capability::CAP_SYS_PTRACE]);
+        assert_eq!(
+            r.observed.contains_key("missingCapabilities"),
+            !lacking.is_empty()
+        );
+        // Without the capability (a thread that dropped everything) it is named as missing.
+        let r = std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::privilege::drop_all().unwrap();
+                f.unavailable("shm", "team-a/vllm-0", uid, "its /dev/shm")
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(r.observed["missingCapabilities"], "CAP_SYS_PTRACE");
+        assert!(
+            r.message.contains("the agent lacks CAP_SYS_PTRACE"),
+            "{}",
+            r.message
+        );
+        // No process at all: PodNotFound.
+        let r = f.unavailable(
+            "shm",
+            "team-a/vllm-1",
+            "00000000-0000-0000-0000-000000000001",
+            "x",
+        );
+        assert_eq!(r.reason, "PodNotFound");
+    }
 }
