@@ -279,7 +279,7 @@ def test_controller_is_restricted_psa_compliant(variant: Rendered) -> None:
 
 
 def test_restricted_checker_catches_the_agent(default: Rendered) -> None:
-    """The restricted checker is not vacuous: the agent (hostPID, root, two capabilities) fails it."""
+    """The restricted checker is not vacuous: the agent (hostPID, root, three capabilities) fails it."""
     v = _restricted_violations(agent_daemonset(default)["spec"]["template"]["spec"])
     assert "hostPID" in v and "agent: capabilities.add" in v and "agent: runAsUser 0" in v
 

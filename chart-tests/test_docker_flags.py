@@ -23,7 +23,7 @@ def test_agent_flags_follow_the_daemonset(tmp_path: Path) -> None:
     )
     assert "--privileged" not in flags
     assert _pairs(flags, "--cap-drop") == ["ALL"]
-    assert _pairs(flags, "--cap-add") == ["SYS_PTRACE", "SYS_ADMIN"]
+    assert _pairs(flags, "--cap-add") == ["SYS_PTRACE", "SYS_ADMIN", "DAC_READ_SEARCH"]
     assert "--read-only" in flags
     assert _pairs(flags, "--user") == ["0:0"]
     assert _pairs(flags, "--pid") == ["host"] and _pairs(flags, "--network") == ["host"]

@@ -12,8 +12,9 @@
 #     hostPID, hostNetwork, host mounts and environment (derived the same way), next to engine
 #     "pods" — containers under kubepods cgroup parents with their own network namespace and
 #     /dev/shm: an engine with an LMCache MP worker, a hostNetwork engine holding a port, a reader
-#     of a read-only model volume. Every check passes with only the granted capabilities; with
-#     one of them taken away, the checks that need it read Unknown naming it;
+#     of a read-only model volume (one sample readable by its writer's uid alone). Every check
+#     passes with only the granted capabilities; with one of them taken away, the checks that
+#     need it read Unknown naming it;
 #  4. runs `ic-agent run` the same way and reads /proc/<pid>/task/*/status: only the checks
 #     thread (and threads it started) holds capabilities; every other thread — those that parse
 #     engine input — has empty effective and permitted sets, and so has the MP-worker probe.
@@ -173,6 +174,10 @@ AGENT_PORT=$(free_port)
 mkdir -p "$WORK/models" "$WORK/plan"
 printf '{"architectures": ["LlamaForCausalLM"]}\n' >"$WORK/models/config.json"
 SAMPLE_SHA=$(sha256sum "$WORK/models/config.json" | cut -d' ' -f1)
+# A writer Job running as another uid with umask 077: only that uid may read the file.
+printf 'weights\n' >"$WORK/models/model.safetensors"
+chown 1000:1000 "$WORK/models/model.safetensors" && chmod 0600 "$WORK/models/model.safetensors"
+PRIVATE_SHA=$(sha256sum "$WORK/models/model.safetensors" | cut -d' ' -f1)
 # An engine with its own network namespace and a 64 MiB /dev/shm (Docker's --shm-size, as an
 # emptyDir medium Memory would give), serving an LMCache MP worker on its loopback.
 run -d --cgroup-parent "/kubepods/besteffort/pod$ENGINE_UID" --shm-size 64m "${fake[@]}" "$BASE" \
@@ -191,7 +196,7 @@ ports:
 engines:
   - {namespace: team-a, pod: engine-0, podUid: $ENGINE_UID, model: m, shmRequiredBytes: 33554432, mpWorkerPort: 5555}
 readerMounts:
-  - {namespace: team-a, pod: reader-0, podUid: $READER_UID, path: /models, samples: [{file: config.json, sha256: $SAMPLE_SHA}]}
+  - {namespace: team-a, pod: reader-0, podUid: $READER_UID, path: /models, samples: [{file: config.json, sha256: $SAMPLE_SHA}, {file: model.safetensors, sha256: $PRIVATE_SHA}]}
 EOF
 sleep 1
 for id in $($DOCKER ps -q --filter "label=$LABEL"); do
@@ -241,6 +246,7 @@ ok = {
 # What each capability's absence turns Unknown (docs/checks.md "Capabilities").
 affected = {
     "SYS_ADMIN": {("mp_worker", "team-a/engine-0"): "MpWorkerProbeFailed"},
+    "DAC_READ_SEARCH": {("mounts", "team-a/reader-0:/models"): "ReaderVolumeSampleUnreadable"},
     "SYS_PTRACE": {
         ("shm", "team-a/engine-0"): "PodNotInspectable",
         ("mp_worker", "team-a/engine-0"): "PodNotInspectable",

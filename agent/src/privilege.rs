@@ -2,8 +2,9 @@
 //! "The agent holds capabilities only where a check needs them").
 //!
 //! The agent is not privileged: the DaemonSet grants `CAP_SYS_PTRACE` (another process's
-//! `/proc/<pid>/{root,fd,exe,ns,mountinfo}`) and `CAP_SYS_ADMIN` (`setns(2)` into a pod's network
-//! namespace) and drops every other capability. Capabilities are per thread, so `ic-agent run`
+//! `/proc/<pid>/{root,fd,exe,ns,mountinfo}`), `CAP_SYS_ADMIN` (`setns(2)` into a pod's network
+//! namespace) and `CAP_DAC_READ_SEARCH` (reader-volume samples of another uid) and drops every
+//! other capability. Capabilities are per thread, so `ic-agent run`
 //! keeps them only on the checks thread ([`crate::runtime::CheckRunner`]) and the threads it
 //! starts, which inherit them. Every other thread — the tokio runtime that decodes engine
 //! KV-event frames (ZMQ/msgpack), parses engine `/metrics`, talks to the controller and serves
@@ -28,6 +29,10 @@ pub const NEEDED: &[(Capability, &str)] = &[
     (
         Capability::CAP_SYS_ADMIN,
         "setns(2) into an engine pod's network namespace (mp_worker)",
+    ),
+    (
+        Capability::CAP_DAC_READ_SEARCH,
+        "reading reader-volume sample files and directories another uid may read alone (mounts)",
     ),
 ];
 
