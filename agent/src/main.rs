@@ -435,8 +435,9 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
-    // The checks thread has inherited this thread's capabilities; this one needs none from now on.
-    ic_agent::privilege::drop_all().context("dropping the main thread's capabilities")?;
+    // The checks thread has inherited this thread's capabilities; this one needs none from now on
+    // (a failure is logged, as for the runtime's threads: the agent keeps running).
+    ic_agent::privilege::drop_all_or_warn();
     telemetry::shutdown_signal().await;
     running.abort();
     Ok(())

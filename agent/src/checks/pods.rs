@@ -246,7 +246,9 @@ impl PodFinder {
         let needed = [crate::privilege::Capability::CAP_SYS_PTRACE];
         let lacking = crate::privilege::missing(&needed);
         let cause = crate::privilege::lacking_clause(&needed).unwrap_or_else(|| {
-            "the agent needs CAP_SYS_PTRACE and hostPID to read them".to_string()
+            "the agent holds CAP_SYS_PTRACE, so something else refuses it: a security module \
+             (AppArmor, SELinux) or a /proc mounted with hidepid"
+                .to_string()
         });
         let shown: Vec<String> = pids.iter().take(5).map(u32::to_string).collect();
         let r = CheckResult::new(
