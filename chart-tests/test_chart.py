@@ -279,9 +279,9 @@ def test_controller_is_restricted_psa_compliant(variant: Rendered) -> None:
 
 
 def test_restricted_checker_catches_the_agent(default: Rendered) -> None:
-    """The restricted checker is not vacuous: the privileged agent fails it."""
+    """The restricted checker is not vacuous: the agent (hostPID, root, three capabilities) fails it."""
     v = _restricted_violations(agent_daemonset(default)["spec"]["template"]["spec"])
-    assert "hostPID" in v and "agent: privileged" in v
+    assert "hostPID" in v and "agent: capabilities.add" in v and "agent: runAsUser 0" in v
 
 
 def test_controller_grpc_test_pod_is_restricted(variant: Rendered) -> None:
@@ -338,7 +338,8 @@ def test_agent_daemonset(default: Rendered) -> None:
     assert spec["hostNetwork"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["automountServiceAccountToken"] is False
-    assert c["securityContext"]["privileged"] is True
+    assert c["securityContext"]["privileged"] is False
+    assert spec["priorityClassName"] == "system-node-critical"
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
     assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}
     assert c["args"][0] == "run"

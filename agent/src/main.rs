@@ -385,10 +385,9 @@ fn run_main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run(a) => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            // Every runtime thread drops its capabilities; only the checks thread, which
+            // `runtime::start_with` spawns from this (main) thread, keeps them.
+            let rt = ic_agent::runtime::build_runtime()?;
             rt.block_on(run(a))
         }
     }
@@ -436,6 +435,9 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    // The checks thread has inherited this thread's capabilities; this one needs none from now on
+    // (a failure is logged, as for the runtime's threads: the agent keeps running).
+    ic_agent::privilege::drop_all_or_warn();
     telemetry::shutdown_signal().await;
     running.abort();
     Ok(())
