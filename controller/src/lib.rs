@@ -20,6 +20,7 @@ pub mod admission;
 pub mod catalog;
 pub mod crddoc;
 pub mod crdgen;
+pub mod crdupgrade;
 pub mod http;
 pub mod incluster;
 pub mod index;

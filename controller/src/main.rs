@@ -54,6 +54,17 @@ enum Command {
     /// ModelCacheBinding in the control namespace so the namespace can be deleted. Exits 1,
     /// naming the binding, when one cannot be stripped — the uninstall must then stop.
     StripFinalizers(StripFinalizersArgs),
+    /// Upgrade step (the chart's pre-upgrade hook): server-side apply this release's
+    /// CustomResourceDefinitions (Helm never upgrades `crds/`). Refuses, writing nothing, when a
+    /// stored version would no longer be served (exit 1 naming it).
+    UpgradeCrds(UpgradeCrdsArgs),
+}
+
+#[derive(clap::Args)]
+struct UpgradeCrdsArgs {
+    /// Kubeconfig file; unset: $KUBECONFIG, ~/.kube/config, then the in-cluster service account.
+    #[arg(long, env = "IC_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -563,6 +574,25 @@ async fn run_main() -> anyhow::Result<()> {
                     "removed the finalizer of {n} ModelCacheBinding(s) in namespace {}",
                     a.namespace
                 ),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        Command::UpgradeCrds(a) => {
+            let client = kube_client(a.kubeconfig.as_ref()).await?;
+            let crds = ic_controller::crdgen::all_crds();
+            match ic_controller::crdupgrade::upgrade(&client, &crds).await {
+                Ok(done) => {
+                    for (name, action) in done {
+                        let what = match action {
+                            ic_controller::crdupgrade::CrdAction::Create => "created",
+                            ic_controller::crdupgrade::CrdAction::Update => "applied",
+                        };
+                        println!("{what} CustomResourceDefinition {name}");
+                    }
+                }
                 Err(e) => {
                     eprintln!("error: {e}");
                     std::process::exit(1);
