@@ -555,6 +555,7 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
         ("autoscaling", "horizontalpodautoscalers", ()): owned,
         ("events.k8s.io", "events", ()): {"create"},
         ("authentication.k8s.io", "tokenreviews", ()): {"create"},
+        ("authorization.k8s.io", "subjectaccessreviews", ()): {"create"},
     }
     if self_signed:
         for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
