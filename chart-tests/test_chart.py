@@ -619,7 +619,7 @@ def test_secrets_check_is_not_vacuous() -> None:
     seen = {
         (o["metadata"]["namespace"], o["metadata"]["name"])
         for o in r.of_kind("Role")
-        if any("secrets" in rule["resources"] for rule in o["rules"])
+        if any("secrets" in rule.get("resources", []) for rule in o["rules"])
     }
     assert seen == {(NAMESPACE, CONTROLLER), ("inference-cache-model-cache", f"{CONTROLLER}-model-cache")}
 

@@ -115,27 +115,26 @@ fn admit(p: &Policy, operation: &str, object: &Value, old: &Value) -> Result<(),
         "name": any["metadata"]["name"],
         "userInfo": {"username": "system:serviceaccount:inference-cache:inference-cache-controller"},
     });
-    let mut vars = serde_json::Map::new();
-    for (name, prog) in &p.variables {
+    // The API server's activation: request, object, oldObject and the variables so far.
+    let context = |vars: &serde_json::Map<String, Value>| {
         let mut ctx = Context::default();
         ctx.add_variable("request", request.clone()).unwrap();
         ctx.add_variable("object", object.clone()).unwrap();
         ctx.add_variable("oldObject", old.clone()).unwrap();
         ctx.add_variable("variables", Value::Object(vars.clone()))
             .unwrap();
+        ctx
+    };
+    let mut vars = serde_json::Map::new();
+    for (name, prog) in &p.variables {
         let v = prog
-            .execute(&ctx)
+            .execute(&context(&vars))
             .unwrap_or_else(|e| panic!("variable {name} errors on {operation} {kind}: {e:?}"));
         vars.insert(name.clone(), cel_to_json(&v));
     }
     let mut failed = Vec::new();
     for (prog, message) in &p.validations {
-        let mut ctx = Context::default();
-        ctx.add_variable("request", request.clone()).unwrap();
-        ctx.add_variable("object", object.clone()).unwrap();
-        ctx.add_variable("oldObject", old.clone()).unwrap();
-        ctx.add_variable("variables", Value::Object(vars.clone()))
-            .unwrap();
+        let ctx = context(&vars);
         match prog.execute(&ctx) {
             Ok(CelValue::Bool(true)) => {}
             Ok(other) => failed.push(format!("{message} ({other:?})")),
@@ -185,6 +184,8 @@ fn allowed(p: &Policy, op: &str, object: &Value, old: &Value) {
 fn denied(p: &Policy, op: &str, object: &Value, old: &Value) -> Vec<String> {
     match admit(p, op, object, old) {
         Ok(()) => panic!("{op} {object} was admitted"),
+        // A verdict, not an expression that failed to evaluate.
+        Err(e) if e.iter().any(|m| m.contains("(error:")) => panic!("{op}: {e:?}"),
         Err(e) => e,
     }
 }
