@@ -78,6 +78,7 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     },
     ("events.k8s.io", "events", "create"): ("reconcile/cachebackend/events.rs", [r"Api<K8sEvent>", r"api\.create\(&PostParams::default\(\), &ev\)"]),
     ("authentication.k8s.io", "tokenreviews", "create"): ("ingest/auth.rs", [r"Api<TokenReview>", r"\.create\(&PostParams::default\(\), &review\)"]),
+    ("authorization.k8s.io", "subjectaccessreviews", "create"): ("access.rs", [r"Api<SubjectAccessReview>", r"\.create\(&PostParams::default\(\), &sar\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "get"): ("admission/ca_bundle.rs", [r"api\.get_opt\(name\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "update"): ("admission/ca_bundle.rs", [r"api\.replace\(name"]),
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get"): ("admission/ca_bundle.rs", [r"api\.get_opt\(name\)"]),

@@ -47,18 +47,20 @@ pub enum RunError {
     ChecksThread(std::io::Error),
 }
 
-/// Serves `app` on `listener` under `limits` until the task is dropped.
-async fn serve_limited(
+/// Serves `app` on `listener` under `limits` until the task is dropped, counting refused and
+/// timed-out connections in `stats`; `what` names the listener in the log line if it stops.
+pub(crate) async fn serve_limited(
     listener: TcpListener,
     app: axum::Router,
     limits: ic_shared::serve::ConnectionLimits,
+    stats: Arc<ic_shared::serve::ListenerStats>,
     what: &'static str,
 ) {
     let served = ic_shared::serve::serve_http(
         listener,
         app,
         limits,
-        Default::default(),
+        stats,
         ic_shared::serve::plain,
         std::future::pending(),
         Duration::from_secs(1),
@@ -257,13 +259,21 @@ pub async fn start_with(
     {
         let app = crate::http::router(state.clone());
         tasks.push(tokio::spawn(serve_limited(
-            listener, app, cfg.limits, "HTTP",
+            listener,
+            app,
+            cfg.limits,
+            Default::default(),
+            "HTTP",
         )));
     }
     if let Some(listener) = metrics_listener {
         let app = crate::http::metrics_router(state.clone());
         tasks.push(tokio::spawn(serve_limited(
-            listener, app, cfg.limits, "metrics",
+            listener,
+            app,
+            cfg.limits,
+            Default::default(),
+            "metrics",
         )));
     }
     info!(http = %http_addr, node = %state.node, "agent running");

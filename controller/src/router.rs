@@ -11,6 +11,13 @@
 //! [`Router::with_max_replicas`]): the deepest, T1 before T2, then by stream id. A prompt whose
 //! first block is a system prompt every replica caches would otherwise list the whole fleet.
 //!
+//! In cluster the router requires a caller identity ([`Router::with_access`],
+//! [`crate::access`]): the `authorization: Bearer TOKEN` metadata is verified, then `get` on
+//! `cacheroutes` in the request's tenant is reviewed (refused with `PERMISSION_DENIED` and the
+//! reason otherwise). A request without a tenant is answered from the namespaces the caller may
+//! read only, and then says `narrowed = true`; without a cluster-wide grant a replica of another
+//! namespace is never named.
+//!
 //! [`PrefixIndex::lookup`]: crate::index::PrefixIndex::lookup
 
 use std::sync::Arc;
@@ -20,6 +27,7 @@ use ic_shared::limits::{MAX_BLOCK_SIZE, MAX_LOOKUP_TOKENS};
 use ic_shared::proto::{self, router_service_server::RouterService};
 use tonic::{Request, Response, Status};
 
+use crate::access::{AccessRequest, CallerAuth, TenantGrant};
 use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKUP_TIMEOUT};
 use crate::state::Shared;
 
@@ -32,6 +40,7 @@ pub struct Router {
     shared: Arc<Shared>,
     policies: Arc<PolicyTable>,
     max_replicas: usize,
+    access: Option<Arc<CallerAuth>>,
 }
 
 impl Router {
@@ -42,7 +51,15 @@ impl Router {
             shared,
             policies,
             max_replicas: DEFAULT_MAX_REPLICAS,
+            access: None,
         }
+    }
+
+    /// Requires a caller identity on the gRPC method (module docs); without it (standalone,
+    /// the in-process probe) every request is answered.
+    pub fn with_access(mut self, access: Arc<CallerAuth>) -> Self {
+        self.access = Some(access);
+        self
     }
 
     /// Lists at most `n` replicas per answer (0 = every replica with a match).
@@ -56,8 +73,19 @@ impl Router {
         &self.policies
     }
 
-    /// Answers one request (the same path the gRPC method and the functional probe use).
+    /// Answers one request (the same path the gRPC method and the functional probe use), over
+    /// every tenant.
     pub fn lookup(&self, req: &proto::LookupRouteRequest) -> proto::LookupRouteResponse {
+        self.lookup_visible(req, &TenantGrant::All)
+    }
+
+    /// Answers one request from the replicas of the tenants `grant` allows only; the answer
+    /// says `narrowed` when `grant` is not [`TenantGrant::All`].
+    pub fn lookup_visible(
+        &self,
+        req: &proto::LookupRouteRequest,
+        grant: &TenantGrant,
+    ) -> proto::LookupRouteResponse {
         let started = Instant::now();
         let policy = self.policies.resolve_or(
             &req.tenant,
@@ -78,6 +106,10 @@ impl Router {
             minimum_prefix_tokens: policy.minimum_prefix_tokens,
             deadline,
             max_replicas: self.max_replicas,
+            visible_tenants: match grant {
+                TenantGrant::All => None,
+                TenantGrant::Only(set) => Some(set.clone()),
+            },
         };
         let guard = match deadline {
             Some(d) => self.shared.index.try_read_until(d),
@@ -103,7 +135,40 @@ impl Router {
                 "no_hint"
             }])
             .inc();
-        to_proto(result)
+        let mut answer = to_proto(result);
+        answer.narrowed = !matches!(grant, TenantGrant::All);
+        answer
+    }
+
+    /// The tenants the caller of `request` may read for `req` (module docs), or the refusal.
+    async fn grant(
+        &self,
+        request: &Request<proto::LookupRouteRequest>,
+    ) -> Result<TenantGrant, Status> {
+        let Some(access) = &self.access else {
+            return Ok(TenantGrant::All);
+        };
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let user = access
+            .authenticate(authorization)
+            .await
+            .map_err(|e| e.to_status())?;
+        let tenant = &request.get_ref().tenant;
+        if !tenant.is_empty() {
+            access
+                .authorize(&user, &AccessRequest::routes("get", tenant))
+                .await
+                .map_err(|e| e.to_status())?;
+            return Ok(TenantGrant::All);
+        }
+        let tenants = self.shared.index.read().tenants();
+        access
+            .visible_tenants(&user, "get", tenants)
+            .await
+            .map_err(|e| e.to_status())
     }
 }
 
@@ -133,6 +198,7 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
         block_size: r.block_size,
         request_blocks: r.request_blocks,
         reason: r.reason,
+        narrowed: false,
     }
 }
 
@@ -164,6 +230,7 @@ impl RouterService for Router {
         &self,
         request: Request<proto::LookupRouteRequest>,
     ) -> Result<Response<proto::LookupRouteResponse>, Status> {
+        let grant = self.grant(&request).await?;
         let req = request.into_inner();
         if req.token_ids.is_empty() && req.content_keys.is_empty() {
             return Err(Status::invalid_argument(
@@ -171,7 +238,7 @@ impl RouterService for Router {
             ));
         }
         check_bounds(&req)?;
-        Ok(Response::new(self.lookup(&req)))
+        Ok(Response::new(self.lookup_visible(&req, &grant)))
     }
 }
 

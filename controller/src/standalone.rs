@@ -181,6 +181,7 @@ where
     let app = http::router(HttpState {
         shared: shared.clone(),
         ready: ready.clone(),
+        access: None,
     });
     let http = tokio::spawn(serve::serve_http(
         http_listener,

@@ -10,7 +10,8 @@
 //! is shorter, answers NO_HINT (`BelowMinimumPrefixTokens`); a lookup past its `deadline`
 //! answers NO_HINT (`LookupTimeout`) — fail open, the gateway routes by load.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ic_shared::kv::content_key;
@@ -54,6 +55,11 @@ pub struct LookupQuery {
     pub deadline: Option<Instant>,
     /// Most replicas in the answer (the best ones); 0 = all.
     pub max_replicas: usize,
+    /// Only partitions of these tenants (namespaces) are searched — the caller's grant
+    /// (docs/security.md "Authenticated data plane"); `None` = every tenant. Applied before the
+    /// best partition is chosen, so a replica of another tenant is never named and never
+    /// displaces a visible one.
+    pub visible_tenants: Option<Arc<BTreeSet<String>>>,
 }
 
 /// One replica's match.
@@ -218,6 +224,9 @@ impl PrefixIndex {
             }
             let k = &p.key;
             let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
+                && q.visible_tenants
+                    .as_ref()
+                    .is_none_or(|v| v.contains(&k.tenant))
                 && (q.model.is_empty() || k.model == q.model)
                 && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
                 && k.adapter == q.adapter

@@ -594,6 +594,22 @@ impl PrefixIndex {
         self.partitions.iter().map(|p| p.blocks.len()).sum()
     }
 
+    /// Tenants (namespaces) the index holds anything of: those of live replicas and of
+    /// partitions that hold blocks (what a caller's grant is checked against).
+    pub fn tenants(&self) -> std::collections::BTreeSet<String> {
+        let mut out: std::collections::BTreeSet<String> = self
+            .live_replicas()
+            .map(|(_, r)| r.desc.tenant.clone())
+            .collect();
+        out.extend(
+            self.partitions
+                .iter()
+                .filter(|p| !p.blocks.is_empty())
+                .map(|p| p.key.tenant.clone()),
+        );
+        out
+    }
+
     /// Distinct blocks per tenant (a block several replicas of the tenant hold counts once;
     /// partitions never span tenants, so the values sum to [`Self::block_count`]).
     pub fn blocks_by_tenant(&self) -> std::collections::BTreeMap<String, usize> {
@@ -1112,8 +1128,20 @@ impl PrefixIndex {
 
     /// Block sizes registered per hash scheme: those of partitions that hold blocks.
     pub fn block_sizes(&self) -> std::collections::BTreeMap<String, Vec<u32>> {
+        self.block_sizes_of(&|_| true)
+    }
+
+    /// [`Self::block_sizes`] of the partitions of tenants `visible` accepts.
+    pub(crate) fn block_sizes_of(
+        &self,
+        visible: &dyn Fn(&str) -> bool,
+    ) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
-        for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
+        for p in self
+            .partitions
+            .iter()
+            .filter(|p| !p.blocks.is_empty() && visible(&p.key.tenant))
+        {
             let v = out.entry(p.key.hash_scheme.clone()).or_default();
             if !v.contains(&p.key.block_size) {
                 v.push(p.key.block_size);
