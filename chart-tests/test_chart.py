@@ -838,8 +838,9 @@ def test_monitoring_on() -> None:
 
 
 def test_helm_test_hooks(default: Rendered) -> None:
-    # Besides `helm test`, the only hooks are the model-cache uninstall hook's (pre-delete).
-    assert {hook_of(o) for o in default.objects if is_hook(o)} == {"test", "pre-delete"}
+    # Besides `helm test`, the only hooks are the model-cache uninstall hook's (pre-delete) and
+    # the CRD upgrade hook's (pre-upgrade).
+    assert {hook_of(o) for o in default.objects if is_hook(o)} == {"test", "pre-delete", "pre-upgrade"}
     tests = [o for o in default.objects if hook_of(o) == "test"]
     assert {o["metadata"]["name"] for o in tests} == {
         "inference-cache-test-controller-grpc",
@@ -854,6 +855,36 @@ def test_helm_test_hooks(default: Rendered) -> None:
     readyz_pod = default.one("Pod", "inference-cache-test-agent-readyz")
     assert readyz_pod["spec"]["hostNetwork"] is True
     assert "http://127.0.0.1:9090/readyz" in " ".join(the_pod_container(readyz_pod)["command"])
+
+
+def test_crd_upgrade_hook(default: Rendered) -> None:
+    """helm upgrade applies the new CRDs first (Helm never upgrades crds/): the new image's
+    `ic-controller upgrade-crds`, allowed to read and apply exactly the chart's CRDs by name."""
+    name = "inference-cache-upgrade-crds"
+    hook = [o for o in default.objects if hook_of(o) == "pre-upgrade"]
+    assert {(o["kind"], o["metadata"]["name"]) for o in hook} == {
+        ("ServiceAccount", name), ("ClusterRole", name), ("ClusterRoleBinding", name), ("Job", name),
+    }
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hook}
+    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job"), "RBAC must exist before the Job"
+    job = default.one("Job", name)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["args"] == ["upgrade-crds", "--log-format=json"]
+    # The new release's controller image: its CRDs are the ones it serves.
+    ctrl = default.one("Deployment", CONTROLLER)["spec"]["template"]["spec"]["containers"]
+    assert c["image"] in {x["image"] for x in ctrl}
+    crd_names = {p.name.removesuffix(".yaml") for p in (CHART_DIR / "crds").glob("*.yaml")}
+    role = default.one("ClusterRole", name)
+    by_verb = {}
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["apiextensions.k8s.io"] and rule["resources"] == ["customresourcedefinitions"]
+        for v in rule["verbs"]:
+            by_verb[v] = set(rule.get("resourceNames", []))
+    assert by_verb == {"get": crd_names, "patch": crd_names, "create": set()}
+    off = render({"crds": {"upgradeHook": {"enabled": False}}})
+    assert not [o for o in off.objects if hook_of(o) == "pre-upgrade"]
 
 
 def the_pod_container(pod: dict[str, Any]) -> dict[str, Any]:
