@@ -14,7 +14,9 @@ dir="${1:-target/ci-cache/lmcache}"
 version=0.4.7
 [ -f "$dir/$version/lmcache/v1/server/__main__.py" ] && exit 0
 mkdir -p "$dir/$version"
-PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip download --quiet --no-deps --only-binary=:all: \
+# pip from a venv of its own: a distribution's python3 may come without pip.
+[ -x "$dir/venv/bin/pip" ] || python3 -m venv "$dir/venv"
+PIP_DISABLE_PIP_VERSION_CHECK=1 "$dir/venv/bin/pip" download --quiet --no-deps --only-binary=:all: \
   --python-version 3.11 --platform manylinux_2_28_x86_64 "lmcache==$version" -d "$dir/$version"
 whl=$(ls "$dir/$version"/lmcache-"$version"-*.whl)
 python3 - "$whl" "$dir/$version" <<'PY'
