@@ -49,6 +49,9 @@ NO_SUBJECT_YET = {
     "inferencecache_agent_kv_stream_lag_seconds",
     "inferencecache_agent_kv_blocks",
     "inferencecache_backend_t2_hit_rate",
+    # An engine stream's first tier-2 reading (a planned metrics URL that serves the counters).
+    "inferencecache_agent_engine_t2_queries_total",
+    "inferencecache_agent_engine_t2_last_hit_timestamp_seconds",
 }
 # Registered only by `ic-controller run` (leader election, TokenReview, node plans, CacheNode
 # status), which the standalone stack does not run; test_dashboards / test_alerts check that the
