@@ -794,6 +794,25 @@ def test_namespace_only_when_asked(default: Rendered) -> None:
 # ----------------------------------------------------------------------------- monitoring
 
 
+def test_agent_http_auth_is_opt_in_and_the_pod_monitor_presents_the_token(default: Rendered) -> None:
+    """agent.httpAuth.bearerTokenSecret: the agent reads the Secret's key as its token file, and
+    the PodMonitor sends the same key; unset, nothing of it renders."""
+    assert not any(a.startswith("--http-bearer-token-file") for a in the_container(agent_daemonset(default))["args"])
+    r = render({
+        "agent": {"httpAuth": {"bearerTokenSecret": {"name": "agent-scrape", "key": "tok"}}},
+        "monitoring": {"podMonitor": {"enabled": True}},
+    })
+    ds = agent_daemonset(r)
+    c = the_container(ds)
+    assert "--http-bearer-token-file=/etc/inference-cache/agent-http-auth/tok" in c["args"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "http-auth"]
+    assert mount["readOnly"] is True and mount["mountPath"] == "/etc/inference-cache/agent-http-auth"
+    (vol,) = [v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "http-auth"]
+    assert vol["secret"] == {"secretName": "agent-scrape", "items": [{"key": "tok", "path": "tok"}]}
+    ep = r.one("PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": "agent-scrape", "key": "tok"}}
+
+
 def dashboard_configmaps(r: Rendered) -> list[dict[str, Any]]:
     """ConfigMaps carrying the Grafana sidecar label (the catalog ConfigMap is not one)."""
     return [c for c in r.of_kind("ConfigMap") if "grafana_dashboard" in c["metadata"].get("labels", {})]

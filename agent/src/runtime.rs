@@ -29,6 +29,9 @@ pub struct RunConfig {
     pub check_interval: Duration,
     /// Connection limits of each HTTP listener (docs/security.md "Connection limits").
     pub limits: ic_shared::serve::ConnectionLimits,
+    /// With a file, `/metrics` and `/v1/report` require `Authorization: Bearer <its content>`
+    /// on both listeners ([`crate::http::auth`]); `None` leaves them open.
+    pub http_bearer_token_file: Option<std::path::PathBuf>,
 }
 
 /// Why the agent could not start.
@@ -45,6 +48,9 @@ pub enum RunError {
     /// The checks thread could not be started.
     #[error("cannot start the checks thread: {0}")]
     ChecksThread(std::io::Error),
+    /// `--http-bearer-token-file` cannot be used.
+    #[error("{0}")]
+    BearerToken(String),
 }
 
 /// Serves `app` on `listener` under `limits` until the task is dropped, counting refused and
@@ -189,6 +195,12 @@ pub async fn start_with(
     checks: Checks,
     scrape: ScrapeConfig,
 ) -> Result<Running, RunError> {
+    let token = match &cfg.http_bearer_token_file {
+        Some(p) => Some(
+            crate::http::auth::BearerToken::from_file(p.clone()).map_err(RunError::BearerToken)?,
+        ),
+        None => None,
+    };
     let listener = TcpListener::bind(cfg.http_addr)
         .await
         .map_err(|source| RunError::Bind {
@@ -257,7 +269,7 @@ pub async fn start_with(
         )));
     }
     {
-        let app = crate::http::router(state.clone());
+        let app = crate::http::router_guarded(state.clone(), token.clone());
         tasks.push(tokio::spawn(serve_limited(
             listener,
             app,
@@ -267,7 +279,7 @@ pub async fn start_with(
         )));
     }
     if let Some(listener) = metrics_listener {
-        let app = crate::http::metrics_router(state.clone());
+        let app = crate::http::metrics_router(state.clone(), token.clone());
         tasks.push(tokio::spawn(serve_limited(
             listener,
             app,
