@@ -38,16 +38,9 @@ NO_SUBJECT_YET = {
     "inferencecache_agent_gpu_last_xid",
     "inferencecache_agent_gpu_xid_events_total",
     "inferencecache_agent_cuda_status",
-    "inferencecache_agent_kv_events_decoded_total",
-    "inferencecache_agent_kv_events_dropped_total",
-    "inferencecache_agent_kv_events_ignored_total",
-    "inferencecache_agent_kv_gaps_total",
-    "inferencecache_agent_kv_replays_total",
-    "inferencecache_agent_kv_resyncs_total",
-    "inferencecache_agent_kv_batches_received_total",
-    "inferencecache_agent_kv_batches_decoded_total",
+    # Absent until the stream's first batch: the value is not known before (a planned stream's
+    # counters, blocks and connected exist at 0 from the start).
     "inferencecache_agent_kv_stream_lag_seconds",
-    "inferencecache_agent_kv_blocks",
     "inferencecache_backend_t2_hit_rate",
     # An engine stream's first tier-2 reading (a planned metrics URL that serves the counters).
     "inferencecache_agent_engine_t2_queries_total",
