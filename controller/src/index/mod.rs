@@ -49,8 +49,8 @@ use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::proto::{self, kv_op::Op};
 use thiserror::Error;
 
-use order::StreamOrder;
 use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT};
+use order::StreamOrder;
 use table::BlockTable;
 
 pub use lookup::{
@@ -541,10 +541,18 @@ impl PrefixIndex {
             if let Some(part) = part {
                 self.remove(slot, part, &[key]);
             }
-            if let Some(r) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) {
+            if let Some(r) = self
+                .replicas
+                .get_mut(slot as usize)
+                .and_then(Option::as_mut)
+            {
                 let before = r.effective_coverage().state;
                 r.limited = Some(coverage::TENANT_QUOTA_EXCEEDED);
-                retally(&mut self.coverage_tally, Some(before), Some(r.effective_coverage().state));
+                retally(
+                    &mut self.coverage_tally,
+                    Some(before),
+                    Some(r.effective_coverage().state),
+                );
             }
         }
         true
@@ -552,14 +560,22 @@ impl PrefixIndex {
 
     /// Records a replica's coverage and whether lookups may match it.
     fn set_coverage(&mut self, slot: ReplicaSlot, cov: Coverage) {
-        if let Some(r) = self.replicas.get_mut(slot as usize).and_then(Option::as_mut) {
+        if let Some(r) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        {
             if r.coverage == cov {
                 // Unchanged (nearly every delta): the tally and `unroutable` already agree.
                 return;
             }
             let before = r.effective_coverage().state;
             r.coverage = cov;
-            retally(&mut self.coverage_tally, Some(before), Some(r.effective_coverage().state));
+            retally(
+                &mut self.coverage_tally,
+                Some(before),
+                Some(r.effective_coverage().state),
+            );
         }
         let block = !cov.state.routable();
         let i = slot as usize;
@@ -807,7 +823,10 @@ impl PrefixIndex {
             };
             self.slot_by_stream.insert(desc.stream_id.clone(), slot);
             self.order.insert(&desc.stream_id, slot);
-            self.node_slots.entry(node.to_string()).or_default().push(slot);
+            self.node_slots
+                .entry(node.to_string())
+                .or_default()
+                .push(slot);
             if let Some(cell) = self.replicas.get_mut(slot as usize) {
                 *cell = Some(Replica {
                     desc,
@@ -889,7 +908,11 @@ impl PrefixIndex {
         self.set_coverage(slot, Coverage::EXACT);
         if let Some(cell) = self.replicas.get_mut(slot as usize) {
             if let Some(r) = cell.take() {
-                retally(&mut self.coverage_tally, Some(r.effective_coverage().state), None);
+                retally(
+                    &mut self.coverage_tally,
+                    Some(r.effective_coverage().state),
+                    None,
+                );
             }
         }
         self.free_slots.push(slot);

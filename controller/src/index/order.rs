@@ -204,7 +204,10 @@ mod tests {
         let before = o.relabelled();
         // 100 ids squeezed between two neighbours: each gap halving, relabelling windows.
         for j in 0..100u32 {
-            o.insert(&format!("ns/p-005000#0{}", "z".repeat(100 - j as usize)), 10_000 + j);
+            o.insert(
+                &format!("ns/p-005000#0{}", "z".repeat(100 - j as usize)),
+                10_000 + j,
+            );
         }
         assert_ordered(&o);
         let rewritten = o.relabelled() - before;

@@ -1013,7 +1013,11 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
                     continue;
                 };
                 let depth = 1 + (next() % 8) as usize;
-                let mut d = delta(&p, *seq + 1, vec![store(&keys[..depth], proto::Tier::T1, "")]);
+                let mut d = delta(
+                    &p,
+                    *seq + 1,
+                    vec![store(&keys[..depth], proto::Tier::T1, "")],
+                );
                 d.coverage = states[(next() % states.len() as u64) as usize] as i32;
                 d.coverage_reason = "Test".into();
                 for n in 0..4 {
@@ -1033,7 +1037,13 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
         let order: Vec<(std::cmp::Reverse<u32>, Tier, String)> = r
             .replicas
             .iter()
-            .map(|m| (std::cmp::Reverse(m.matched_tokens), m.tier, m.stream_id.clone()))
+            .map(|m| {
+                (
+                    std::cmp::Reverse(m.matched_tokens),
+                    m.tier,
+                    m.stream_id.clone(),
+                )
+            })
             .collect();
         let mut sorted = order.clone();
         sorted.sort();
