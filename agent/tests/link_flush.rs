@@ -78,6 +78,7 @@ async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
             metrics_addr: None,
             check_interval: Duration::from_secs(30),
             limits: Default::default(),
+            http_bearer_token_file: None,
         },
         state,
         Checks::new(&ChecksConfig::default()),

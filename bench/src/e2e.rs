@@ -391,6 +391,7 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
                 metrics_addr: None,
                 check_interval: Duration::from_secs(3600),
                 limits: Default::default(),
+                http_bearer_token_file: None,
             },
             state,
             Checks::new(&ChecksConfig::default()),

@@ -52,8 +52,8 @@ pub enum CrdUpgradeError {
     Api {
         /// CRD name.
         crd: String,
-        /// The API error.
-        source: kube::Error,
+        /// The API error (boxed: `kube::Error` is large).
+        source: Box<kube::Error>,
     },
 }
 
@@ -112,7 +112,7 @@ pub async fn upgrade(
             .await
             .map_err(|source| CrdUpgradeError::Api {
                 crd: n.clone(),
-                source,
+                source: Box::new(source),
             })?;
         planned.push((n, plan(current.as_ref(), crd)?, crd));
     }
@@ -123,7 +123,7 @@ pub async fn upgrade(
             .await
             .map_err(|source| CrdUpgradeError::Api {
                 crd: n.clone(),
-                source,
+                source: Box::new(source),
             })?;
         out.push((n, action));
     }

@@ -3,6 +3,8 @@
 //! replaced by this release's, and a stored version the release no longer serves stops the
 //! upgrade before anything is written.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use ic_controller::crdgen::all_crds;
 use ic_controller::crdupgrade::{upgrade, CrdAction, CrdUpgradeError};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
