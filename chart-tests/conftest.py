@@ -84,7 +84,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
             "dashboards": {"enabled": True, "annotations": {"grafana_folder": "inference-cache"}},
             "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-        }
+        },
+        # The scrape authenticates (the binaries must accept --http-bearer-token-file).
+        "agent": {"httpAuth": {"bearerTokenSecret": {"name": "agent-scrape"}}},
     },
     # The chart renders the (privileged) namespace itself.
     "namespace-create": {"namespace": {"create": True}},

@@ -11,10 +11,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import pytest
 import yaml
 
-from conftest import NAMESPACE, RELEASE, ROOT, render
+from conftest import NAMESPACE, RELEASE, ROOT, load_chart, render
 from test_dashboards import metric_names
 
 TESTS = Path(__file__).resolve().parent / "alerts" / "alerts-test.yaml"
@@ -26,8 +27,6 @@ OUTSIDE = {
     "kube_daemonset_status_desired_number_scheduled": "kube-state-metrics",
     "kube_daemonset_status_number_ready": "kube-state-metrics",
     "certmanager_certificate_expiration_timestamp_seconds": "cert-manager",
-    "vllm:external_prefix_cache_queries_total": "vLLM engine pods",
-    "vllm:external_prefix_cache_hits_total": "vLLM engine pods",
 }
 PROMQL_FUNCS = {
     "absent", "sum", "max", "min", "count", "increase", "rate", "histogram_quantile", "time",
@@ -132,6 +131,7 @@ def test_the_alerts_the_issue_asks_for() -> None:
         "InferenceCacheT2ZeroHitRate",
         "LMCacheT2NoHits",
         "InferenceCacheWebhookCertExpiring",
+        "InferenceCacheWebhookServingCertExpiring",
         "InferenceCacheNodesWithoutAgent",
         "InferenceCacheAgentMissing",
     }
@@ -194,7 +194,6 @@ def test_selectors_labels_and_optional_alerts() -> None:
                     "enabled": True,
                     "controllerSelector": 'job="ic-controller"',
                     "agentSelector": 'job="ic-agent"',
-                    "engineSelector": 'job="vllm"',
                     "kubeStateMetrics": False,
                     "additionalAlertLabels": {"team": "ml", "severity": "ignored"},
                     "t2NoHitsWindow": "1h",
@@ -207,6 +206,22 @@ def test_selectors_labels_and_optional_alerts() -> None:
     assert "InferenceCacheAgentMissing" not in by and "InferenceCacheWebhookCertExpiring" not in by
     assert 'up{job="ic-controller"}' in by["InferenceCacheControllerDown"]["expr"]
     assert 'inferencecache_agent_link_connected{job="ic-agent"}' in by["InferenceCacheAgentUnlinked"]["expr"]
-    assert '{job="vllm"}[1h]' in by["LMCacheT2NoHits"]["expr"]
+    assert 'inferencecache_agent_engine_t2_queries_total{job="ic-agent"}[1h]' in by["LMCacheT2NoHits"]["expr"]
+    assert by["LMCacheT2NoHits"]["expr"].endswith("> 3600")
     assert all(r["labels"]["team"] == "ml" for r in rules)
     assert {r["labels"]["severity"] for r in rules} <= {"critical", "warning"}
+
+
+def test_t2_window_is_one_setting_in_both_forms() -> None:
+    """`t2NoHitsWindow` feeds LMCacheT2NoHits twice: as the range of the query increase and, in
+    seconds, as the bound on the time since the last hit; the schema takes only d/h/m/s forms."""
+    for window, seconds in [("30m", 1800), ("1h30m", 5400), ("2d", 172800), ("45s", 45)]:
+        (rule,) = [
+            r for r in rules_of({"monitoring": {"prometheusRule": {"enabled": True, "t2NoHitsWindow": window}}})
+            if r["alert"] == "LMCacheT2NoHits"
+        ]
+        assert f"[{window}]" in rule["expr"] and rule["expr"].endswith(f"> {seconds}"), rule["expr"]
+    chart = load_chart()
+    for bad in ["30", "1.5h", "30min", ""]:
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"monitoring": {"prometheusRule": {"t2NoHitsWindow": bad}}})

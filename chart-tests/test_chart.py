@@ -279,9 +279,9 @@ def test_controller_is_restricted_psa_compliant(variant: Rendered) -> None:
 
 
 def test_restricted_checker_catches_the_agent(default: Rendered) -> None:
-    """The restricted checker is not vacuous: the privileged agent fails it."""
+    """The restricted checker is not vacuous: the agent (hostPID, root, three capabilities) fails it."""
     v = _restricted_violations(agent_daemonset(default)["spec"]["template"]["spec"])
-    assert "hostPID" in v and "agent: privileged" in v
+    assert "hostPID" in v and "agent: capabilities.add" in v and "agent: runAsUser 0" in v
 
 
 def test_controller_grpc_test_pod_is_restricted(variant: Rendered) -> None:
@@ -338,7 +338,8 @@ def test_agent_daemonset(default: Rendered) -> None:
     assert spec["hostNetwork"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["automountServiceAccountToken"] is False
-    assert c["securityContext"]["privileged"] is True
+    assert c["securityContext"]["privileged"] is False
+    assert spec["priorityClassName"] == "system-node-critical"
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
     assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}
     assert c["args"][0] == "run"
@@ -584,6 +585,7 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
         ("autoscaling", "horizontalpodautoscalers", ()): owned,
         ("events.k8s.io", "events", ()): {"create"},
         ("authentication.k8s.io", "tokenreviews", ()): {"create"},
+        ("authorization.k8s.io", "subjectaccessreviews", ()): {"create"},
     }
     if self_signed:
         for res in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
@@ -647,7 +649,7 @@ def test_secrets_check_is_not_vacuous() -> None:
     seen = {
         (o["metadata"]["namespace"], o["metadata"]["name"])
         for o in r.of_kind("Role")
-        if any("secrets" in rule["resources"] for rule in o["rules"])
+        if any("secrets" in rule.get("resources", []) for rule in o["rules"])
     }
     assert seen == {(NAMESPACE, CONTROLLER), ("inference-cache-model-cache", f"{CONTROLLER}-model-cache")}
 
@@ -821,6 +823,25 @@ def test_namespace_only_when_asked(default: Rendered) -> None:
 # ----------------------------------------------------------------------------- monitoring
 
 
+def test_agent_http_auth_is_opt_in_and_the_pod_monitor_presents_the_token(default: Rendered) -> None:
+    """agent.httpAuth.bearerTokenSecret: the agent reads the Secret's key as its token file, and
+    the PodMonitor sends the same key; unset, nothing of it renders."""
+    assert not any(a.startswith("--http-bearer-token-file") for a in the_container(agent_daemonset(default))["args"])
+    r = render({
+        "agent": {"httpAuth": {"bearerTokenSecret": {"name": "agent-scrape", "key": "tok"}}},
+        "monitoring": {"podMonitor": {"enabled": True}},
+    })
+    ds = agent_daemonset(r)
+    c = the_container(ds)
+    assert "--http-bearer-token-file=/etc/inference-cache/agent-http-auth/tok" in c["args"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "http-auth"]
+    assert mount["readOnly"] is True and mount["mountPath"] == "/etc/inference-cache/agent-http-auth"
+    (vol,) = [v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "http-auth"]
+    assert vol["secret"] == {"secretName": "agent-scrape", "items": [{"key": "tok", "path": "tok"}]}
+    ep = r.one("PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": "agent-scrape", "key": "tok"}}
+
+
 def dashboard_configmaps(r: Rendered) -> list[dict[str, Any]]:
     """ConfigMaps carrying the Grafana sidecar label (the catalog ConfigMap is not one)."""
     return [c for c in r.of_kind("ConfigMap") if "grafana_dashboard" in c["metadata"].get("labels", {})]
@@ -865,8 +886,9 @@ def test_monitoring_on() -> None:
 
 
 def test_helm_test_hooks(default: Rendered) -> None:
-    # Besides `helm test`, the only hooks are the model-cache uninstall hook's (pre-delete).
-    assert {hook_of(o) for o in default.objects if is_hook(o)} == {"test", "pre-delete"}
+    # Besides `helm test`, the only hooks are the model-cache uninstall hook's (pre-delete) and
+    # the CRD upgrade hook's (pre-upgrade).
+    assert {hook_of(o) for o in default.objects if is_hook(o)} == {"test", "pre-delete", "pre-upgrade"}
     tests = [o for o in default.objects if hook_of(o) == "test"]
     assert {o["metadata"]["name"] for o in tests} == {
         "inference-cache-test-controller-grpc",
@@ -881,6 +903,36 @@ def test_helm_test_hooks(default: Rendered) -> None:
     readyz_pod = default.one("Pod", "inference-cache-test-agent-readyz")
     assert readyz_pod["spec"]["hostNetwork"] is True
     assert "http://127.0.0.1:9090/readyz" in " ".join(the_pod_container(readyz_pod)["command"])
+
+
+def test_crd_upgrade_hook(default: Rendered) -> None:
+    """helm upgrade applies the new CRDs first (Helm never upgrades crds/): the new image's
+    `ic-controller upgrade-crds`, allowed to read and apply exactly the chart's CRDs by name."""
+    name = "inference-cache-upgrade-crds"
+    hook = [o for o in default.objects if hook_of(o) == "pre-upgrade"]
+    assert {(o["kind"], o["metadata"]["name"]) for o in hook} == {
+        ("ServiceAccount", name), ("ClusterRole", name), ("ClusterRoleBinding", name), ("Job", name),
+    }
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hook}
+    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job"), "RBAC must exist before the Job"
+    job = default.one("Job", name)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["args"] == ["upgrade-crds", "--log-format=json"]
+    # The new release's controller image: its CRDs are the ones it serves.
+    ctrl = default.one("Deployment", CONTROLLER)["spec"]["template"]["spec"]["containers"]
+    assert c["image"] in {x["image"] for x in ctrl}
+    crd_names = {p.name.removesuffix(".yaml") for p in (CHART_DIR / "crds").glob("*.yaml")}
+    role = default.one("ClusterRole", name)
+    by_verb = {}
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["apiextensions.k8s.io"] and rule["resources"] == ["customresourcedefinitions"]
+        for v in rule["verbs"]:
+            by_verb[v] = set(rule.get("resourceNames", []))
+    assert by_verb == {"get": crd_names, "patch": crd_names, "create": set()}
+    off = render({"crds": {"upgradeHook": {"enabled": False}}})
+    assert not [o for o in off.objects if hook_of(o) == "pre-upgrade"]
 
 
 def the_pod_container(pod: dict[str, Any]) -> dict[str, Any]:

@@ -38,17 +38,13 @@ NO_SUBJECT_YET = {
     "inferencecache_agent_gpu_last_xid",
     "inferencecache_agent_gpu_xid_events_total",
     "inferencecache_agent_cuda_status",
-    "inferencecache_agent_kv_events_decoded_total",
-    "inferencecache_agent_kv_events_dropped_total",
-    "inferencecache_agent_kv_events_ignored_total",
-    "inferencecache_agent_kv_gaps_total",
-    "inferencecache_agent_kv_replays_total",
-    "inferencecache_agent_kv_resyncs_total",
-    "inferencecache_agent_kv_batches_received_total",
-    "inferencecache_agent_kv_batches_decoded_total",
+    # Absent until the stream's first batch: the value is not known before (a planned stream's
+    # counters, blocks and connected exist at 0 from the start).
     "inferencecache_agent_kv_stream_lag_seconds",
-    "inferencecache_agent_kv_blocks",
     "inferencecache_backend_t2_hit_rate",
+    # An engine stream's first tier-2 reading (a planned metrics URL that serves the counters).
+    "inferencecache_agent_engine_t2_queries_total",
+    "inferencecache_agent_engine_t2_last_hit_timestamp_seconds",
 }
 # Registered only by `ic-controller run` (leader election, TokenReview, node plans, CacheNode
 # status), which the standalone stack does not run; test_dashboards / test_alerts check that the
@@ -59,6 +55,7 @@ IN_CLUSTER_ONLY = {
     "inferencecache_controller_agent_auth_total",
     "inferencecache_controller_node_plans_sent_total",
     "inferencecache_controller_node_plan_issues",
+    "inferencecache_controller_webhook_cert_expiry_timestamp_seconds",
 }
 # Expressions that must return a series on the idle stack (0 is an answer, "No data" is not).
 MUST_ANSWER = [

@@ -238,7 +238,7 @@ def test_no_model_cache_grants_elsewhere(variant: Rendered) -> None:
         assert res not in ("persistentvolumes", "persistentvolumeclaims", "jobs", "storageclasses", "secrets")
     for cr in variant.of_kind("ClusterRole"):
         for rule in cr["rules"]:
-            assert not any(r.startswith("modelcachebindings") for r in rule["resources"]), cr["metadata"]["name"]
+            assert not any(r.startswith("modelcachebindings") for r in rule.get("resources", [])), cr["metadata"]["name"]
 
 
 def test_catalog_read_is_named(variant: Rendered) -> None:
@@ -246,7 +246,7 @@ def test_catalog_read_is_named(variant: Rendered) -> None:
     namespace the controller reads the uninstall marker by name and the hook creates it."""
     for role in variant.of_kind("Role") + variant.of_kind("ClusterRole"):
         for rule in role["rules"]:
-            if "configmaps" in rule["resources"]:
+            if "configmaps" in rule.get("resources", []):
                 assert role["kind"] == "Role"
                 if role["metadata"]["namespace"] == control_ns_of(variant):
                     assert (rule["verbs"], rule.get("resourceNames")) in (

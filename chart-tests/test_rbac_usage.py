@@ -78,6 +78,7 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     },
     ("events.k8s.io", "events", "create"): ("reconcile/cachebackend/events.rs", [r"Api<K8sEvent>", r"api\.create\(&PostParams::default\(\), &ev\)"]),
     ("authentication.k8s.io", "tokenreviews", "create"): ("ingest/auth.rs", [r"Api<TokenReview>", r"\.create\(&PostParams::default\(\), &review\)"]),
+    ("authorization.k8s.io", "subjectaccessreviews", "create"): ("access.rs", [r"Api<SubjectAccessReview>", r"\.create\(&PostParams::default\(\), &sar\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "get"): ("admission/ca_bundle.rs", [r"api\.get_opt\(name\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "update"): ("admission/ca_bundle.rs", [r"api\.replace\(name"]),
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get"): ("admission/ca_bundle.rs", [r"api\.get_opt\(name\)"]),
@@ -127,6 +128,16 @@ MC_RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     ("", "configmaps", "get"): (MC_BIND, [r"Api<ConfigMap>", r"\.get_opt\(UNINSTALL_MARKER\)"]),
 }
 
+# The pre-upgrade hook's ClusterRole (chart/templates/crd-upgrade-hook.yaml): `ic-controller
+# upgrade-crds` reads each CRD and server-side applies it (an apply that creates is `create`).
+CRD_HOOK = "inference-cache-upgrade-crds"
+CRD_UP = "crdupgrade.rs"
+HOOK_RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "get"): (CRD_UP, [r"Api<CustomResourceDefinition>", r"\.get_opt\(&n\)"]),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "patch"): (CRD_UP, [r"PatchParams::apply\(FIELD_MANAGER\)\.force\(\)", r"api\.patch\(&n, &params, &Patch::Apply"]),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "create"): (CRD_UP, [r"CrdAction::Create", r"&Patch::Apply\(crd\)"]),
+}
+
 # Verbs the issue found granted but unused; none may come back.
 NEVER = [
     ("apps", "deployments", "update"),
@@ -153,7 +164,7 @@ def _controller_grants(r: Rendered, names: tuple[str, ...]) -> set[tuple[str, st
     return out
 
 
-@pytest.mark.parametrize("table", [RULES, MC_RULES], ids=["controller", "model-cache"])
+@pytest.mark.parametrize("table", [RULES, MC_RULES, HOOK_RULES], ids=["controller", "model-cache", "crd-upgrade-hook"])
 def test_every_table_entry_names_code_that_makes_the_call(table) -> None:
     missing = []
     for rule, (file, fragments) in table.items():
@@ -171,6 +182,9 @@ def test_every_granted_verb_is_used_by_some_code_path(variant: Rendered) -> None
     mc = _controller_grants(variant, (MC_RBAC,))
     unused = sorted(mc - set(MC_RULES))
     assert not unused, f"granted to the model-cache controllers but unused: {unused}"
+    hook = _controller_grants(variant, (CRD_HOOK,))
+    unused = sorted(hook - set(HOOK_RULES))
+    assert not unused, f"granted to the CRD upgrade hook but unused: {unused}"
 
 
 def test_the_unused_verbs_the_issue_found_stay_absent(variant: Rendered) -> None:

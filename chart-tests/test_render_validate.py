@@ -55,6 +55,20 @@ _ENDPOINT = {
         "interval": _DURATION,
         "scrapeTimeout": _DURATION,
         "relabelings": {"type": "array", "items": _RELABEL},
+        # prometheus-operator SafeAuthorization: a type and a Secret key selector.
+        "authorization": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "type": _STR,
+                "credentials": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["key"],
+                    "properties": {"name": _STR, "key": _STR, "optional": {"type": "boolean"}},
+                },
+            },
+        },
     },
 }
 _ISSUER_REF = {

@@ -95,3 +95,23 @@ def test_network_policy_peers_from_values() -> None:
     agent = nps["inference-cache-agent"]["spec"]
     assert {p["port"] for p in agent["ingress"][0]["ports"]} == {9090, 9091}
     assert agent["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}] + peers
+
+
+def test_agent_is_not_privileged_and_holds_only_the_measured_capabilities() -> None:
+    """Issue 15 item 6: the agent drops every capability but the three its checks need
+    (docs/checks.md "Capabilities"; proven in Docker by scripts/image-tests.sh), on a read-only
+    root under the runtime's seccomp profile, and is not evicted first."""
+    ds = agent_daemonset(render({}))
+    spec = ds["spec"]["template"]["spec"]
+    sc = the_container(ds)["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "SYS_ADMIN", "DAC_READ_SEARCH"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # Kubernetes rejects allowPrivilegeEscalation: false together with CAP_SYS_ADMIN.
+    assert "allowPrivilegeEscalation" not in sc
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["hostPID"] is True
+    # Overridable: an empty priorityClassName renders none.
+    spec = agent_daemonset(render({"agent": {"priorityClassName": ""}}))["spec"]["template"]["spec"]
+    assert "priorityClassName" not in spec

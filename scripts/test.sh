@@ -17,4 +17,10 @@ bash scripts/chart-tests.sh || status=$?
 # scripts/standalone.sh (the README's first command) against the same binaries: it fails fast and
 # loudly when a part does not come up or dies, and stops cleanly on SIGTERM.
 bash scripts/standalone-tests.sh || status=$?
+# Both images built from the same binaries (Dockerfile BIN_SOURCE=prebuilt) on a local Debian base,
+# run in Docker: the controller non-root on a read-only root answering /healthz; the agent under
+# the chart's own securityContext next to engine "pods" — every check passes with only the granted
+# capabilities, each dropped capability turns the checks that need it Unknown naming it, and only
+# the checks thread holds capabilities. Needs root and Docker; fails (never skips) without them.
+bash scripts/image-tests.sh || status=$?
 exit $status

@@ -6,6 +6,7 @@
 //! - [`link`] — the gRPC stream to the controller.
 //! - [`http`] — troubleshooting endpoints and `/metrics`.
 //! - [`qualify`] — `ic-agent qualify`, the model-cache storage qualification run.
+//! - [`privilege`] — the Linux capabilities of each thread (dropped where input is parsed).
 //! - [`runtime`] — `ic-agent run` wiring; [`state`] — what the loops share.
 //! - [`subscribe`] — `ic-agent subscribe`, the per-pod kvevent-subscriber sidecar.
 
@@ -17,6 +18,7 @@ pub mod engine_metrics;
 pub mod http;
 pub mod kv;
 pub mod link;
+pub mod privilege;
 pub mod qualify;
 pub mod runtime;
 pub mod state;

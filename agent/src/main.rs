@@ -181,6 +181,12 @@ struct RunArgs {
     /// File holding the projected service-account token presented to the controller.
     #[arg(long, env = "IC_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// Require `Authorization: Bearer <token>` on /metrics and /v1/report (both listeners), the
+    /// token being this file's content (a mounted Secret; re-read when it changes). /healthz and
+    /// /readyz stay open. Unset: no authentication (the troubleshooting listener is loopback-only
+    /// by default).
+    #[arg(long, env = "IC_HTTP_BEARER_TOKEN_FILE")]
+    http_bearer_token_file: Option<PathBuf>,
     /// Seconds between scrapes of the planned engines' /metrics for tier-2 counters
     /// (vllm:external_prefix_cache_{hits,queries}_total); 0 turns scraping off.
     #[arg(long, env = "IC_T2_SCRAPE_INTERVAL_SECONDS", default_value_t = 15)]
@@ -385,10 +391,9 @@ fn run_main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run(a) => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            // Every runtime thread drops its capabilities; only the checks thread, which
+            // `runtime::start_with` spawns from this (main) thread, keeps them.
+            let rt = ic_agent::runtime::build_runtime()?;
             rt.block_on(run(a))
         }
     }
@@ -426,6 +431,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             metrics_addr: a.metrics_addr,
             check_interval: Duration::from_secs(a.check_interval_seconds.max(1)),
             limits: a.limits.limits(),
+            http_bearer_token_file: a.http_bearer_token_file.clone(),
         },
         state,
         Checks::new(&a.common.checks_config()?),
@@ -436,6 +442,9 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    // The checks thread has inherited this thread's capabilities; this one needs none from now on
+    // (a failure is logged, as for the runtime's threads: the agent keeps running).
+    ic_agent::privilege::drop_all_or_warn();
     telemetry::shutdown_signal().await;
     running.abort();
     Ok(())

@@ -29,6 +29,9 @@ pub struct RunConfig {
     pub check_interval: Duration,
     /// Connection limits of each HTTP listener (docs/security.md "Connection limits").
     pub limits: ic_shared::serve::ConnectionLimits,
+    /// With a file, `/metrics` and `/v1/report` require `Authorization: Bearer <its content>`
+    /// on both listeners ([`crate::http::auth`]); `None` leaves them open.
+    pub http_bearer_token_file: Option<std::path::PathBuf>,
 }
 
 /// Why the agent could not start.
@@ -42,20 +45,28 @@ pub enum RunError {
         /// OS error.
         source: std::io::Error,
     },
+    /// The checks thread could not be started.
+    #[error("cannot start the checks thread: {0}")]
+    ChecksThread(std::io::Error),
+    /// `--http-bearer-token-file` cannot be used.
+    #[error("{0}")]
+    BearerToken(String),
 }
 
-/// Serves `app` on `listener` under `limits` until the task is dropped.
-async fn serve_limited(
+/// Serves `app` on `listener` under `limits` until the task is dropped, counting refused and
+/// timed-out connections in `stats`; `what` names the listener in the log line if it stops.
+pub(crate) async fn serve_limited(
     listener: TcpListener,
     app: axum::Router,
     limits: ic_shared::serve::ConnectionLimits,
+    stats: Arc<ic_shared::serve::ListenerStats>,
     what: &'static str,
 ) {
     let served = ic_shared::serve::serve_http(
         listener,
         app,
         limits,
-        Default::default(),
+        stats,
         ic_shared::serve::plain,
         std::future::pending(),
         Duration::from_secs(1),
@@ -66,19 +77,60 @@ async fn serve_limited(
     }
 }
 
-/// Runs one pass of every check on a blocking thread and stores it.
-pub async fn check_pass(state: &Arc<AgentState>, checks: &Arc<Checks>) -> CheckPass {
+/// The thread that runs the checks: the only long-lived thread of `ic-agent run` that keeps the
+/// agent's capabilities (it inherits those of the thread that spawns it; [`crate::privilege`]).
+/// Passes queue on a channel and run one at a time; the thread ends when the runner is dropped.
+#[derive(Clone)]
+pub struct CheckRunner {
+    jobs: std::sync::mpsc::Sender<CheckJob>,
+}
+
+/// One queued pass: the plan and where its results go.
+type CheckJob = (
+    ic_shared::plan::NodePlan,
+    tokio::sync::oneshot::Sender<Vec<ic_shared::check::CheckResult>>,
+);
+
+/// Name of the checks thread (`/proc/<pid>/task/<tid>/comm`).
+pub const CHECKS_THREAD_NAME: &str = "ic-checks";
+
+impl CheckRunner {
+    /// Starts the checks thread, which inherits the calling thread's capabilities.
+    ///
+    /// # Errors
+    /// The thread could not be created.
+    pub fn spawn(checks: Checks) -> std::io::Result<Self> {
+        let (jobs, rx) = std::sync::mpsc::channel::<CheckJob>();
+        std::thread::Builder::new()
+            .name(CHECKS_THREAD_NAME.into())
+            .spawn(move || {
+                for (plan, reply) in rx {
+                    let _ = reply.send(checks.run_all(&plan));
+                }
+            })?;
+        Ok(CheckRunner { jobs })
+    }
+
+    /// Runs every check against `plan` on the checks thread; empty when the thread is gone.
+    pub async fn run(&self, plan: ic_shared::plan::NodePlan) -> Vec<ic_shared::check::CheckResult> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.jobs.send((plan, tx)).is_err() {
+            warn!("the checks thread is gone");
+            return Vec::new();
+        }
+        rx.await.unwrap_or_else(|_| {
+            warn!("check pass failed on the checks thread");
+            Vec::new()
+        })
+    }
+}
+
+/// Runs one pass of every check on the checks thread and stores it.
+pub async fn check_pass(state: &Arc<AgentState>, checks: &CheckRunner) -> CheckPass {
     let plan = state.plan.read().clone();
     let started = Instant::now();
-    let c = checks.clone();
     let generation = plan.generation;
-    let results = match tokio::task::spawn_blocking(move || c.run_all(&plan)).await {
-        Ok(r) => r,
-        Err(e) => {
-            warn!(error = %e, "check pass task failed");
-            Vec::new()
-        }
-    };
+    let results = checks.run(plan).await;
     let pass = CheckPass {
         observed_at_unix_ms: now_unix_ms(),
         plan_generation: generation,
@@ -88,6 +140,21 @@ pub async fn check_pass(state: &Arc<AgentState>, checks: &Arc<Checks>) -> CheckP
     state.metrics.record_pass(&pass);
     *state.latest.write() = Some(pass.clone());
     pass
+}
+
+/// The multi-threaded tokio runtime of `ic-agent run`: two workers, every thread of which
+/// (workers and the blocking pool) drops all capabilities before it runs anything, so the
+/// code that parses engine KV-event frames, engine `/metrics`, controller replies and HTTP
+/// requests holds none ([`crate::privilege`]).
+///
+/// # Errors
+/// The runtime could not be built.
+pub fn build_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(crate::privilege::drop_all_or_warn)
+        .build()
 }
 
 /// A started agent: the bound HTTP address and the tasks.
@@ -110,8 +177,8 @@ impl Running {
     }
 }
 
-/// Starts the check loop, the engine-metrics scraper (default [`ScrapeConfig`]), the link and
-/// the HTTP server.
+/// Starts the checks thread ([`CheckRunner`], with the calling thread's capabilities), the check
+/// loop, the engine-metrics scraper (default [`ScrapeConfig`]), the link and the HTTP server.
 pub async fn start(
     cfg: RunConfig,
     state: Arc<AgentState>,
@@ -128,6 +195,12 @@ pub async fn start_with(
     checks: Checks,
     scrape: ScrapeConfig,
 ) -> Result<Running, RunError> {
+    let token = match &cfg.http_bearer_token_file {
+        Some(p) => Some(
+            crate::http::auth::BearerToken::from_file(p.clone()).map_err(RunError::BearerToken)?,
+        ),
+        None => None,
+    };
     let listener = TcpListener::bind(cfg.http_addr)
         .await
         .map_err(|source| RunError::Bind {
@@ -146,7 +219,7 @@ pub async fn start_with(
         ),
         None => None,
     };
-    let checks = Arc::new(checks);
+    let checks = CheckRunner::spawn(checks).map_err(RunError::ChecksThread)?;
     let (pass_tx, pass_rx) = watch::channel(0u64);
     let plan_applied = Arc::new(Notify::new());
     let mut tasks = Vec::new();
@@ -196,15 +269,23 @@ pub async fn start_with(
         )));
     }
     {
-        let app = crate::http::router(state.clone());
+        let app = crate::http::router_guarded(state.clone(), token.clone());
         tasks.push(tokio::spawn(serve_limited(
-            listener, app, cfg.limits, "HTTP",
+            listener,
+            app,
+            cfg.limits,
+            Default::default(),
+            "HTTP",
         )));
     }
     if let Some(listener) = metrics_listener {
-        let app = crate::http::metrics_router(state.clone());
+        let app = crate::http::metrics_router(state.clone(), token.clone());
         tasks.push(tokio::spawn(serve_limited(
-            listener, app, cfg.limits, "metrics",
+            listener,
+            app,
+            cfg.limits,
+            Default::default(),
+            "metrics",
         )));
     }
     info!(http = %http_addr, node = %state.node, "agent running");

@@ -128,6 +128,10 @@ pub struct SubscribeArgs {
     /// 0.0.0.0:9091. Nothing is served without it.
     #[arg(long, env = "IC_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Connection limits of the `--metrics-addr` listener (docs/security.md "Connection
+    /// limits"), the same flags as `ic-agent run`.
+    #[command(flatten)]
+    pub limits: ic_shared::serve::ConnectionLimitArgs,
 }
 
 /// Parses `ic-agent subscribe` flags from `args` (the first item is the program or subcommand
@@ -206,6 +210,8 @@ pub struct SubscribeConfig {
     pub node: String,
     /// `/metrics` + `/healthz` listener.
     pub metrics_addr: Option<SocketAddr>,
+    /// Connection limits of that listener.
+    pub limits: ic_shared::serve::ConnectionLimits,
     /// First reconnect delay of the controller link.
     pub backoff_initial: Duration,
     /// Reconnect delay cap of the controller link.
@@ -290,6 +296,7 @@ impl SubscribeArgs {
                 .filter(|n| !n.trim().is_empty())
                 .unwrap_or_else(hostname),
             metrics_addr: self.metrics_addr,
+            limits: self.limits.limits(),
             backoff_initial: defaults.backoff_initial,
             backoff_max: defaults.backoff_max,
         })
@@ -364,6 +371,8 @@ pub struct Subscriber {
     pub state: Arc<AgentState>,
     /// Bound `/metrics` address, when one was asked for.
     pub metrics_addr: Option<SocketAddr>,
+    /// Refused and timed-out connections of that listener.
+    pub metrics_stats: Arc<ic_shared::serve::ListenerStats>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Held so the link never sees the (unused) check-pass channel close.
     _passes: watch::Sender<u64>,
@@ -409,13 +418,15 @@ pub async fn start(cfg: SubscribeConfig) -> Result<Subscriber, SubscribeError> {
         pass_rx,
         Arc::new(Notify::new()),
     ))];
+    let metrics_stats = Arc::new(ic_shared::serve::ListenerStats::default());
     if let Some(listener) = metrics_listener {
-        let app = metrics_router(state.clone());
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                warn!(error = %e, "metrics server stopped");
-            }
-        }));
+        tasks.push(tokio::spawn(crate::runtime::serve_limited(
+            listener,
+            metrics_router(state.clone()),
+            cfg.limits,
+            metrics_stats.clone(),
+            "metrics",
+        )));
     }
     info!(
         stream = %cfg.stream_id(),
@@ -433,6 +444,7 @@ pub async fn start(cfg: SubscribeConfig) -> Result<Subscriber, SubscribeError> {
     Ok(Subscriber {
         state,
         metrics_addr,
+        metrics_stats,
         tasks,
         _passes: passes,
     })
@@ -495,6 +507,65 @@ mod tests {
         argv.extend_from_slice(extra);
         let args = parse_args(argv).map_err(|e| e.to_string())?;
         args.config().map_err(|e| e.to_string())
+    }
+
+    /// Reads until the peer closes (or 10 s pass: a failure); returns what arrived.
+    async fn until_closed(s: &mut tokio::net::TcpStream) -> Vec<u8> {
+        use tokio::io::AsyncReadExt;
+        let mut out = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return out,
+                Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+                Err(_) => panic!("the metrics listener kept a connection open past 10 s"),
+            }
+        }
+    }
+
+    /// The sidecar's `--metrics-addr` listener runs under the same limits as the agent's: a
+    /// connection over `--max-connections` is closed at accept, a silent one after
+    /// `--header-read-timeout-seconds`, and the listener answers again once a slot frees.
+    #[tokio::test]
+    async fn the_metrics_listener_is_under_the_connection_limits() {
+        use tokio::io::AsyncWriteExt;
+        use tokio::net::TcpStream;
+        let cfg = parse(&[
+            "--metrics-addr=127.0.0.1:0",
+            "--max-connections=2",
+            "--header-read-timeout-seconds=1",
+            "--controller=127.0.0.1:1",
+        ])
+        .unwrap();
+        let sub = start(cfg).await.unwrap();
+        let addr = sub.metrics_addr.unwrap();
+        let mut silent = vec![
+            TcpStream::connect(addr).await.unwrap(),
+            TcpStream::connect(addr).await.unwrap(),
+        ];
+        // Both slots taken: a third connection is closed without an answer.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut third = TcpStream::connect(addr).await.unwrap();
+        let _ = third
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await;
+        assert!(
+            until_closed(&mut third).await.is_empty(),
+            "served over the cap"
+        );
+        assert_eq!(sub.metrics_stats.refused(), 1);
+        // The silent ones are closed by the header-read deadline.
+        for s in &mut silent {
+            assert!(until_closed(s).await.is_empty());
+        }
+        assert!(sub.metrics_stats.timed_out() >= 1);
+        let mut ok = TcpStream::connect(addr).await.unwrap();
+        ok.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let got = String::from_utf8_lossy(&until_closed(&mut ok).await).to_string();
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        sub.stop();
     }
 
     #[test]

@@ -209,6 +209,14 @@ fn live_not_listening_and_hung() {
     assert_eq!(r[0].observed["result"], "OK");
     assert_eq!(r[0].observed["verdict"], "Live");
     assert_eq!(r[0].observed["netns"], "agent");
+    // The worker's reply is tenant input: the probe thread parsed it without capabilities,
+    // although the thread that ran the check holds them (the tests run as root).
+    assert_eq!(r[0].observed["probeThreadCapEff"], "0000000000000000");
+    assert_ne!(
+        ic_agent::privilege::thread_cap_eff().as_deref(),
+        Some("0000000000000000"),
+        "run the agent tests as root (CI does)"
+    );
     assert_eq!(
         (r[1].status, r[1].reason.as_str()),
         (CheckStatus::Critical, "MpWorkerNotListening")

@@ -143,6 +143,7 @@ async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and
             metrics_addr: None,
             check_interval: Duration::from_secs(3600),
             limits: Default::default(),
+            http_bearer_token_file: None,
         },
         state.clone(),
         Checks::with(vec![]),

@@ -78,6 +78,7 @@ async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
             metrics_addr: None,
             check_interval: Duration::from_secs(30),
             limits: Default::default(),
+            http_bearer_token_file: None,
         },
         state,
         Checks::new(&ChecksConfig::default()),

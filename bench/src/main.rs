@@ -19,8 +19,16 @@
 //! - **decode**: `decode_batch` over every live frame of the golden fixtures, block events per
 //!   second on one core.
 //!
+//! - **racing** (`race.rs`): lookup p50 / p99 / max (read-lock wait included) while another
+//!   thread applies the workload flat out through the controller's shared state, and the
+//!   write-lock hold of a resync at `--stall-nodes × --stall-per-node` streams.
+//! - **publish → visible** (`e2e.rs`): vLLM's own publisher → agent → controller →
+//!   `LookupRoute`, latency histogram and agent CPU at `--e2e-rate` block events/s.
+//!
 //! Both indexers' answers are cross-checked: the deepest match per request must agree.
 
+mod e2e;
+mod race;
 #[path = "workload.rs"]
 mod workload;
 
@@ -118,6 +126,15 @@ struct Args {
     decode_seconds: f64,
     trace: Option<PathBuf>,
     fixtures: Option<PathBuf>,
+    race_lookups: usize,
+    race_batch: usize,
+    stall_nodes: usize,
+    stall_per_node: usize,
+    e2e: bool,
+    e2e_rate: u32,
+    e2e_seconds: f64,
+    e2e_probe_ms: u32,
+    vllm_version: String,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -130,6 +147,15 @@ fn parse_args() -> Result<Args, String> {
         decode_seconds: 2.0,
         trace: None,
         fixtures: None,
+        race_lookups: 200_000,
+        race_batch: 16,
+        stall_nodes: 1000,
+        stall_per_node: 100,
+        e2e: true,
+        e2e_rate: 20_000,
+        e2e_seconds: 10.0,
+        e2e_probe_ms: 20,
+        vllm_version: "0.33.0".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -143,10 +169,23 @@ fn parse_args() -> Result<Args, String> {
             "--decode-seconds" => a.decode_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
             "--trace" => a.trace = Some(val()?.into()),
             "--fixtures" => a.fixtures = Some(val()?.into()),
+            "--race-lookups" => a.race_lookups = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--race-batch" => a.race_batch = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--stall-nodes" => a.stall_nodes = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--stall-per-node" => a.stall_per_node = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--no-e2e" => a.e2e = false,
+            "--e2e-rate" => a.e2e_rate = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--e2e-seconds" => a.e2e_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--e2e-probe-ms" => a.e2e_probe_ms = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--vllm-version" => a.vllm_version = val()?,
             "-h" | "--help" => {
                 println!(
                     "ic-bench [--reps 3] [--workers 1000] [--capacity 1024 blocks/worker] [--copies 4] \
                      [--lookups 20000] [--decode-seconds 2] [--trace FILE] [--fixtures DIR]\n\
+                     \x20        [--race-lookups 200000] [--race-batch 16 deltas per write lock]\n\
+                     \x20        [--stall-nodes 1000] [--stall-per-node 100]\n\
+                     \x20        [--no-e2e] [--e2e-rate 20000 block events/s] [--e2e-seconds 10] [--e2e-probe-ms 20]\n\
+                     \x20        [--vllm-version 0.33.0] (IC_VLLM_DIR: scripts/fetch-vllm.sh output)\n\
                      Ingest: best of --reps alternating runs; lookups: the pass with the lowest p99."
                 );
                 std::process::exit(0);
@@ -744,6 +783,14 @@ fn main() {
         ours_full.p(99.0) / best_p99,
         if p99_ratio <= 0.5 { "yes" } else { "no" }
     );
+    let named_ratio = ours_full.p(99.0) / best_p99;
+    println!(
+        "| router answer p99 (µs): named, ordered, ≤ {} replicas | — | {:.2} | — | — | {:.2}× | ≤ 1× | {} |",
+        ic_controller::router::DEFAULT_MAX_REPLICAS,
+        ours_full.p(99.0),
+        named_ratio,
+        if named_ratio <= 1.0 { "yes" } else { "no" }
+    );
     println!(
         "| bytes per (block, replica) entry | {:.1} | (same) | {:.1} | {:.1} | {:.2}× | ≤ 48 B | {} |",
         ours.bytes_per_entry(),
@@ -769,4 +816,131 @@ fn main() {
         mismatches(&radix),
         mismatches(&crtc)
     );
+    let cwd2 = std::env::current_dir().unwrap_or_default();
+    drop(ix);
+    extras(&args, &w, &deltas, &snaps, &capped, best_p99, &cwd2);
+}
+
+/// Racing lookups, the resync stall and publish → visible (second table).
+#[allow(clippy::too_many_arguments)]
+fn extras(
+    args: &Args,
+    w: &Workload,
+    deltas: &[StreamDelta],
+    snaps: &[StreamSnapshot],
+    capped: &[LookupQuery],
+    best_p99_us: f64,
+    cwd: &Path,
+) {
+    let block_ops = w.stored_blocks + w.removed_blocks;
+    println!();
+    println!("| racing, round trips, end to end | p50 | p99 | max | also | target | met |");
+    println!("|---|---|---|---|---|---|---|");
+    match race::racing(
+        deltas,
+        snaps,
+        capped,
+        block_ops,
+        args.race_batch,
+        args.race_lookups,
+    ) {
+        Ok(r) => {
+            let ratio = r.lookup_us(99.0) / best_p99_us;
+            println!(
+                "| router answer while ingest runs flat out on the other core (µs, read-lock wait included) | {:.2} | {:.2} | {:.0} | ingest meanwhile {} (delta cloning included), {} deltas per write lock (hold p99 {:.0} µs, max {:.0} µs); p99 {:.2}× dynamo's quiet scoring p99 | — | — |",
+                r.lookup_us(50.0),
+                r.lookup_us(99.0),
+                r.lookup_us(100.0),
+                fmt_rate(r.ingest_rate),
+                args.race_batch,
+                r.hold_us(99.0),
+                r.hold_us(100.0),
+                ratio
+            );
+        }
+        Err(e) => println!("| racing | error: {e} | | | | | |"),
+    }
+    let chains: Vec<Vec<u64>> = w
+        .requests
+        .iter()
+        .map(|r| r.iter().map(|b| b.key).collect())
+        .collect();
+    match race::resync_stall(
+        &chains,
+        w.config.block_size,
+        capped,
+        args.stall_nodes,
+        args.stall_per_node,
+        args.race_lookups / 10,
+    ) {
+        Ok(r) => {
+            println!(
+                "| resync of one node ({} streams × 8 blocks) in an index of {} streams: write-lock hold (µs) | {:.0} | {:.0} | {:.0} | {} resyncs | — | — |",
+                args.stall_per_node,
+                r.streams,
+                r.hold_us(50.0),
+                r.hold_us(99.0),
+                r.hold_us(100.0),
+                r.hold_ns.len()
+            );
+            println!(
+                "| router answer while those resyncs run (µs) | {:.2} | {:.2} | {:.0} | — | stall ≪ 367 ms (issue 15) | {} |",
+                r.lookup_us(50.0),
+                r.lookup_us(99.0),
+                r.lookup_us(100.0),
+                if r.lookup_us(100.0) < 10_000.0 { "yes" } else { "no" }
+            );
+        }
+        Err(e) => println!("| resync stall | error: {e} | | | | | |"),
+    }
+    e2e_row(args, cwd);
+}
+
+/// The publish → visible row and its histogram.
+fn e2e_row(args: &Args, cwd: &Path) {
+    if !args.e2e {
+        println!("| publish → visible | not run (--no-e2e) | | | | p99 ≤ 5 ms | — |");
+        return;
+    }
+    let found = e2e::find_vllm_dir(cwd).zip(e2e::find_engine_py(cwd));
+    let Some((vllm_dir, engine_py)) = found else {
+        println!("| publish → visible | not run: no vLLM publisher (run scripts/fetch-vllm.sh or set IC_VLLM_DIR; node-tests/vllm-faults/engine.py must be in the checkout) | | | | p99 ≤ 5 ms | — |");
+        return;
+    };
+    let e = e2e::E2eArgs {
+        rate: args.e2e_rate,
+        seconds: args.e2e_seconds,
+        probe_ms: args.e2e_probe_ms,
+        vllm_dir,
+        vllm_version: args.vllm_version.clone(),
+        engine_py,
+    };
+    match e2e::run(&e) {
+        Ok(r) => {
+            let met = r.ms(99.0) <= 5.0 && r.agent_cpu <= 0.10 && r.lost == 0;
+            println!(
+                "| publish → visible in LookupRoute (ms), vLLM {} kv_events.py publisher at {:.0} block events/s ({} batches, {} probes, {} lost) | {:.2} | {:.2} | {:.1} | agent CPU {:.1} % of a core, controller {:.1} %, engine.py {:.0} % | p99 ≤ 5 ms, agent ≤ 10 % | {} |",
+                args.vllm_version,
+                r.block_events as f64 / r.seconds.max(1e-9),
+                r.batches,
+                r.latency_ns.len(),
+                r.lost,
+                r.ms(50.0),
+                r.ms(99.0),
+                r.ms(100.0),
+                r.agent_cpu * 100.0,
+                r.controller_cpu * 100.0,
+                r.engine_cpu * 100.0,
+                if met { "yes" } else { "no" }
+            );
+            println!();
+            let hist: Vec<String> = r
+                .histogram()
+                .into_iter()
+                .map(|(b, n)| format!("{b}: {n}"))
+                .collect();
+            println!("publish → visible histogram: {}", hist.join(", "));
+        }
+        Err(e) => println!("| publish → visible | error: {e} | | | | p99 ≤ 5 ms | — |"),
+    }
 }

@@ -179,3 +179,17 @@ RoleBinding). A Job name longer than 63 characters cannot label its pods: fullna
 {{- printf "%s.%s.svc:%v" (include "ic.agentsService" .) .Release.Namespace .Values.controller.ports.grpc -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+Seconds in a Prometheus duration made of d/h/m/s parts ("30m" → 1800, "1h30m" → 5400), for
+comparisons against time(); values.schema.json restricts the values it is given to that form.
+*/}}
+{{- define "ic.durationSeconds" -}}
+{{- $unit := dict "d" 86400 "h" 3600 "m" 60 "s" 1 -}}
+{{- $total := 0 -}}
+{{- range regexFindAll "[0-9]+[dhms]" . -1 -}}
+{{- $u := regexFind "[dhms]$" . -}}
+{{- $total = add $total (mul (trimSuffix $u . | atoi) (get $unit $u)) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}

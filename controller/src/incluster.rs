@@ -5,6 +5,9 @@
 //!
 //! - agent authentication ([`crate::ingest::auth`]): TokenReview of `Hello.token` (cached), the
 //!   agent service account, the token's node bound to `Hello.node`;
+//! - caller identity on the data plane ([`crate::access`], on by default): LookupRoute,
+//!   `/snapshot`, `/v1/nodes` and `/probe` need a TokenReview-verified bearer token and a
+//!   SubjectAccessReview grant, scoped by tenant;
 //! - Lease-based leader election ([`crate::leader`]): every replica serves reads and accepts
 //!   agent streams (agents keep one stream per replica); only the holder pushes node plans and
 //!   writes status;
@@ -36,6 +39,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::access::{
+    AccessReviewer, CallerAuth, CallerAuthSettings, KubeAccessReviewer, ReviewLimiter,
+    DEFAULT_MAX_CONCURRENT_REVIEWS, DEFAULT_REVIEW_WAIT,
+};
 use crate::http::{self, HttpState};
 use crate::ingest::auth::{
     AgentAuthenticator, CachingVerifier, KubeTokenVerifier, ServiceAccountRef, TokenVerifier,
@@ -129,6 +136,9 @@ pub struct InClusterConfig {
     pub token_audience: String,
     /// How long a successful TokenReview is cached.
     pub token_cache_ttl: Duration,
+    /// Caller identity on LookupRoute, `/snapshot`, `/v1/nodes` and `/probe`
+    /// ([`crate::access`]); `None` serves them to anyone who reaches the ports (logged loudly).
+    pub data_plane_auth: Option<DataPlaneAuthSettings>,
     /// Node-plan and node-status timing.
     pub nodes: NodeLoopConfig,
     /// Connection limits, applied to the gRPC, HTTP and webhook listeners each on its own
@@ -166,12 +176,32 @@ pub fn functional_probe_gate(
     }
 }
 
+/// How data-plane callers are checked (docs/security.md "Authenticated data plane").
+#[derive(Debug, Clone)]
+pub struct DataPlaneAuthSettings {
+    /// Audience, review cache lifetime and bound.
+    pub caller: CallerAuthSettings,
+    /// Most TokenReviews and SubjectAccessReviews in flight at once (agents' and callers').
+    pub max_concurrent_reviews: usize,
+}
+
+impl Default for DataPlaneAuthSettings {
+    fn default() -> Self {
+        DataPlaneAuthSettings {
+            caller: CallerAuthSettings::default(),
+            max_concurrent_reviews: DEFAULT_MAX_CONCURRENT_REVIEWS,
+        }
+    }
+}
+
 /// Test seams: replace the token verifier (default: [`KubeTokenVerifier`] behind a
 /// [`CachingVerifier`]) or the clock.
 #[derive(Default, Clone)]
 pub struct Overrides {
     /// Token verifier to use instead of TokenReview.
     pub token_verifier: Option<Arc<dyn TokenVerifier>>,
+    /// Access reviewer to use instead of SubjectAccessReview.
+    pub access_reviewer: Option<Arc<dyn AccessReviewer>>,
     /// Clock for leader election and status timestamps.
     pub clock: Option<Arc<dyn Clock>>,
 }
@@ -351,6 +381,18 @@ pub async fn start_admission(
     };
     let mut server_config = server::ServerConfig::new(settings.addr, tls_source);
     server_config.limits = settings.limits;
+    // Registered only where webhooks serve: a series that read 0 elsewhere would say "expired".
+    let cert_expiry = prometheus::IntGauge::new(
+        "inferencecache_controller_webhook_cert_expiry_timestamp_seconds",
+        "notAfter of the certificate the admission webhooks serve now, in Unix seconds (follows reloads).",
+    )
+    .map_err(|e| part(e.to_string()))?;
+    ctx.shared
+        .metrics
+        .registry
+        .register(Box::new(cert_expiry.clone()))
+        .map_err(|e| part(e.to_string()))?;
+    server_config.cert_expiry = Some(cert_expiry);
     let running = server::start(admission, server_config)
         .await
         .map_err(|e| part(e.to_string()))?;
@@ -564,15 +606,39 @@ where
         })
     };
 
-    // Agent authentication.
+    // Agent authentication. TokenReviews (agents' and callers') and SubjectAccessReviews share
+    // one bound on reviews in flight; cache hits take no slot.
+    let limiter = ReviewLimiter::new(
+        cfg.data_plane_auth
+            .as_ref()
+            .map_or(DEFAULT_MAX_CONCURRENT_REVIEWS, |d| d.max_concurrent_reviews),
+        DEFAULT_REVIEW_WAIT,
+    );
     let verifier: Arc<dyn TokenVerifier> = match overrides.token_verifier {
         Some(v) => v,
         None => Arc::new(CachingVerifier::with_ttls(
-            KubeTokenVerifier::new(client.clone()),
+            limiter.verifier(KubeTokenVerifier::new(client.clone())),
             cfg.token_cache_ttl,
             DEFAULT_NEGATIVE_CACHE_TTL,
             DEFAULT_CACHE_ENTRIES,
         )),
+    };
+    let access = match &cfg.data_plane_auth {
+        Some(d) => {
+            let reviewer: Arc<dyn AccessReviewer> = match overrides.access_reviewer {
+                Some(r) => r,
+                None => Arc::new(KubeAccessReviewer::new(client.clone())),
+            };
+            info!(audience = %d.caller.audience, "LookupRoute, /snapshot, /v1/nodes and /probe require a TokenReview-verified bearer token and a SubjectAccessReview grant");
+            Some(Arc::new(
+                CallerAuth::new(verifier.clone(), reviewer, limiter, d.caller.clone())
+                    .with_metrics(&registry)?,
+            ))
+        }
+        None => {
+            warn!("--data-plane-auth=false: LookupRoute, /snapshot, /v1/nodes and /probe answer anyone who reaches the ports, every tenant's routes included; restrict them with networkPolicy");
+            None
+        }
     };
     let auth = Arc::new(
         AgentAuthenticator::new(
@@ -647,7 +713,10 @@ where
             .grpc_server()
             .add_service(health_service)
             .add_service(AgentIngest::with_auth(shared.clone(), auth).into_server())
-            .add_service(RouterServiceServer::new(Router::new(shared.clone())))
+            .add_service(RouterServiceServer::new(match &access {
+                Some(a) => Router::new(shared.clone()).with_access(a.clone()),
+                None => Router::new(shared.clone()),
+            }))
             .serve_with_incoming_shutdown(
                 serve::grpc_incoming(
                     grpc_listener,
@@ -663,6 +732,7 @@ where
     let app = http::router(HttpState {
         shared: shared.clone(),
         ready: ready.clone(),
+        access,
     });
     let mut http_stop = stop_rx.clone();
     let http = tokio::spawn(serve::serve_http(

@@ -1,5 +1,6 @@
 //! `ic-controller` library: everything the binary wires together (DESIGN.md "Layout").
 //!
+//! - [`access`] — who may read the data plane (TokenReview + SubjectAccessReview).
 //! - [`adapters`] — runtime and storage-provider adapters behind a registry.
 //! - [`admission`] — the AdmissionReview server and its logic.
 //! - [`catalog`] — the storage capability catalog of the model cache.
@@ -13,6 +14,7 @@
 //! - [`incluster`] — `ic-controller run`, the in-cluster controller.
 //! - [`leader`] — Lease-based leader election.
 
+pub mod access;
 pub mod adapters;
 
 /// This build's version and commit (`inferencecache_build_info` on `/metrics`).
@@ -21,6 +23,7 @@ pub mod admission;
 pub mod catalog;
 pub mod crddoc;
 pub mod crdgen;
+pub mod crdupgrade;
 pub mod http;
 pub mod incluster;
 pub mod index;

@@ -54,6 +54,17 @@ enum Command {
     /// ModelCacheBinding in the control namespace so the namespace can be deleted. Exits 1,
     /// naming the binding, when one cannot be stripped — the uninstall must then stop.
     StripFinalizers(StripFinalizersArgs),
+    /// Upgrade step (the chart's pre-upgrade hook): server-side apply this release's
+    /// CustomResourceDefinitions (Helm never upgrades `crds/`). Refuses, writing nothing, when a
+    /// stored version would no longer be served (exit 1 naming it).
+    UpgradeCrds(UpgradeCrdsArgs),
+}
+
+#[derive(clap::Args)]
+struct UpgradeCrdsArgs {
+    /// Kubeconfig file; unset: $KUBECONFIG, ~/.kube/config, then the in-cluster service account.
+    #[arg(long, env = "IC_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -172,6 +183,22 @@ struct RunArgs {
     /// Seconds a successful TokenReview of an agent token is cached.
     #[arg(long, env = "IC_TOKEN_CACHE_TTL_SECONDS", default_value_t = 60)]
     token_cache_ttl_seconds: u64,
+    /// Require a caller identity on LookupRoute, /snapshot, /v1/nodes and /probe: a bearer
+    /// token verified by TokenReview for --caller-audience, then a SubjectAccessReview (get/list
+    /// on cacheroutes.inferencecache.io in the tenant's namespace, list/get on cachenodes, the
+    /// non-resource URL /probe). false serves them to anyone who reaches the ports.
+    #[arg(long, env = "IC_DATA_PLANE_AUTH", default_value_t = true, action = clap::ArgAction::Set)]
+    data_plane_auth: bool,
+    /// Audience the callers' (gateways', operators') bearer tokens must carry.
+    #[arg(long, env = "IC_CALLER_AUDIENCE", default_value = ic_controller::access::DEFAULT_CALLER_AUDIENCE)]
+    caller_audience: String,
+    /// Seconds a SubjectAccessReview verdict (allowed or denied) is cached per user and request.
+    #[arg(long, env = "IC_ACCESS_REVIEW_TTL_SECONDS", default_value_t = 30)]
+    access_review_ttl_seconds: u64,
+    /// Most TokenReviews and SubjectAccessReviews in flight at once; a request that waits more
+    /// than 2 s for a slot is refused with 503 / UNAVAILABLE.
+    #[arg(long, env = "IC_MAX_CONCURRENT_REVIEWS", default_value_t = ic_controller::access::DEFAULT_MAX_CONCURRENT_REVIEWS)]
+    max_concurrent_reviews: usize,
     /// Seconds a disconnected agent's index entries are kept before they are dropped.
     #[arg(long, env = "IC_AGENT_EXPIRY_SECONDS", default_value_t = 120)]
     agent_expiry_seconds: u64,
@@ -429,6 +456,14 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
         agent_service_account: agent_sa,
         token_audience: a.token_audience,
         token_cache_ttl: Duration::from_secs(a.token_cache_ttl_seconds),
+        data_plane_auth: a.data_plane_auth.then(|| incluster::DataPlaneAuthSettings {
+            caller: ic_controller::access::CallerAuthSettings {
+                audience: a.caller_audience,
+                review_ttl: Duration::from_secs(a.access_review_ttl_seconds),
+                ..Default::default()
+            },
+            max_concurrent_reviews: a.max_concurrent_reviews,
+        }),
         nodes: ic_controller::reconcile::nodes::NodeLoopConfig {
             plan_interval: Duration::from_secs(a.node_plan_interval_seconds.max(1)),
             cachenode_min_write_interval: Duration::from_secs(
@@ -483,6 +518,11 @@ struct LookupArgs {
     /// Block size in tokens; 0 = every size registered for the scheme.
     #[arg(long, default_value_t = 0)]
     block_size: u32,
+    /// File holding a bearer token (a service-account token for the controller's
+    /// --caller-audience) sent as `authorization: Bearer …`; an in-cluster controller refuses
+    /// lookups without one.
+    #[arg(long, env = "IC_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
 }
 
 fn parse_tokens(spec: &str) -> anyhow::Result<Vec<u32>> {
@@ -582,6 +622,25 @@ async fn run_main() -> anyhow::Result<()> {
                 }
             }
         }
+        Command::UpgradeCrds(a) => {
+            let client = kube_client(a.kubeconfig.as_ref()).await?;
+            let crds = ic_controller::crdgen::all_crds();
+            match ic_controller::crdupgrade::upgrade(&client, &crds).await {
+                Ok(done) => {
+                    for (name, action) in done {
+                        let what = match action {
+                            ic_controller::crdupgrade::CrdAction::Create => "created",
+                            ic_controller::crdupgrade::CrdAction::Update => "applied",
+                        };
+                        println!("{what} CustomResourceDefinition {name}");
+                    }
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
         Command::Lookup(a) => {
             // `host:port` means plain-text gRPC, as `ic-agent subscribe --controller` reads it.
             let url = if a.controller.contains("://") {
@@ -595,23 +654,31 @@ async fn run_main() -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("connecting to {}", a.controller))?;
             let mut client = RouterServiceClient::new(channel);
-            let resp = client
-                .lookup_route(LookupRouteRequest {
-                    tenant: a.tenant,
-                    model: a.model,
-                    hash_scheme: a.hash_scheme,
-                    adapter: a.adapter,
-                    token_ids: match &a.tokens {
-                        Some(t) => parse_tokens(t)?,
-                        None => Vec::new(),
-                    },
-                    content_keys: vec![],
-                    block_size: a.block_size,
-                    add_special_tokens: a.text.as_ref().map(|_| !a.no_special_tokens),
-                    prompt_text: a.text,
-                })
-                .await?
-                .into_inner();
+            let mut request = tonic::Request::new(LookupRouteRequest {
+                tenant: a.tenant,
+                model: a.model,
+                hash_scheme: a.hash_scheme,
+                adapter: a.adapter,
+                token_ids: match &a.tokens {
+                    Some(t) => parse_tokens(t)?,
+                    None => Vec::new(),
+                },
+                content_keys: vec![],
+                block_size: a.block_size,
+                add_special_tokens: a.text.as_ref().map(|_| !a.no_special_tokens),
+                prompt_text: a.text,
+            });
+            if let Some(path) = &a.token_file {
+                let token = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --token-file {}", path.display()))?;
+                let value = format!("Bearer {}", token.trim())
+                    .parse()
+                    .with_context(|| {
+                        format!("--token-file {}: not a header value", path.display())
+                    })?;
+                request.metadata_mut().insert("authorization", value);
+            }
+            let resp = client.lookup_route(request).await?.into_inner();
             println!("{}", serde_json::to_string_pretty(&lookup_json(&resp))?);
         }
     }
@@ -628,6 +695,7 @@ fn lookup_json(r: &ic_shared::proto::LookupRouteResponse) -> serde_json::Value {
         "reason": r.reason,
         "blockSize": r.block_size,
         "requestBlocks": r.request_blocks,
+        "narrowed": r.narrowed,
         "warnings": r.warnings,
         "promptTokens": r.prompt_tokens,
         "replicas": r.replicas.iter().map(|m| serde_json::json!({

@@ -18,6 +18,13 @@
 //! cannot tokenize (too long, no model, no tokenizer, tokenizer never loaded or refusing the
 //! text) answers NO_HINT with the [`PromptRefusal`] reason, never a gRPC error.
 //!
+//! In cluster the router requires a caller identity ([`Router::with_access`],
+//! [`crate::access`]): the `authorization: Bearer TOKEN` metadata is verified, then `get` on
+//! `cacheroutes` in the request's tenant is reviewed (refused with `PERMISSION_DENIED` and the
+//! reason otherwise). A request without a tenant is answered from the namespaces the caller may
+//! read only, and then says `narrowed = true`; without a cluster-wide grant a replica of another
+//! namespace is never named.
+//!
 //! [`PrefixIndex::lookup`]: crate::index::PrefixIndex::lookup
 //! [`PromptRefusal`]: crate::tokenize::PromptRefusal
 
@@ -28,6 +35,7 @@ use ic_shared::limits::{MAX_BLOCK_SIZE, MAX_LOOKUP_TOKENS};
 use ic_shared::proto::{self, router_service_server::RouterService};
 use tonic::{Request, Response, Status};
 
+use crate::access::{AccessRequest, CallerAuth, TenantGrant};
 use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKUP_TIMEOUT};
 use crate::state::Shared;
 use crate::tokenize::{PromptRefusal, TOKENIZER_STALE};
@@ -41,6 +49,7 @@ pub struct Router {
     shared: Arc<Shared>,
     policies: Arc<PolicyTable>,
     max_replicas: usize,
+    access: Option<Arc<CallerAuth>>,
 }
 
 impl Router {
@@ -51,7 +60,15 @@ impl Router {
             shared,
             policies,
             max_replicas: DEFAULT_MAX_REPLICAS,
+            access: None,
         }
+    }
+
+    /// Requires a caller identity on the gRPC method (module docs); without it (standalone,
+    /// the in-process probe) every request is answered.
+    pub fn with_access(mut self, access: Arc<CallerAuth>) -> Self {
+        self.access = Some(access);
+        self
     }
 
     /// Lists at most `n` replicas per answer (0 = every replica with a match).
@@ -65,12 +82,23 @@ impl Router {
         &self.policies
     }
 
-    /// Answers one request (the same path the gRPC method and the functional probe use).
+    /// Answers one request (the same path the gRPC method and the functional probe use), over
+    /// every tenant.
     ///
     /// With `prompt_text`, the text is tokenized first (blocking CPU work: up to
     /// [`MAX_PROMPT_TEXT_BYTES`](ic_shared::limits::MAX_PROMPT_TEXT_BYTES) of text; the gRPC
     /// method runs it on a blocking thread) and its ids replace `token_ids`.
     pub fn lookup(&self, req: &proto::LookupRouteRequest) -> proto::LookupRouteResponse {
+        self.lookup_visible(req, &TenantGrant::All)
+    }
+
+    /// Answers one request from the replicas of the tenants `grant` allows only; the answer
+    /// says `narrowed` when `grant` is not [`TenantGrant::All`].
+    pub fn lookup_visible(
+        &self,
+        req: &proto::LookupRouteRequest,
+        grant: &TenantGrant,
+    ) -> proto::LookupRouteResponse {
         let started = Instant::now();
         let mut warnings = Vec::new();
         let mut prompt_tokens = 0;
@@ -109,6 +137,10 @@ impl Router {
             minimum_prefix_tokens: policy.minimum_prefix_tokens,
             deadline,
             max_replicas: self.max_replicas,
+            visible_tenants: match grant {
+                TenantGrant::All => None,
+                TenantGrant::Only(set) => Some(set.clone()),
+            },
         };
         let guard = match deadline {
             Some(d) => self.shared.index.try_read_until(d),
@@ -137,6 +169,7 @@ impl Router {
         let mut answer = to_proto(result);
         answer.warnings = warnings;
         answer.prompt_tokens = prompt_tokens;
+        answer.narrowed = !matches!(grant, TenantGrant::All);
         answer
     }
 
@@ -161,6 +194,37 @@ impl Router {
             request_blocks: 0,
             reason: refusal.reason().to_string(),
         })
+    }
+
+    /// The tenants the caller of `request` may read for `req` (module docs), or the refusal.
+    async fn grant(
+        &self,
+        request: &Request<proto::LookupRouteRequest>,
+    ) -> Result<TenantGrant, Status> {
+        let Some(access) = &self.access else {
+            return Ok(TenantGrant::All);
+        };
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let user = access
+            .authenticate(authorization)
+            .await
+            .map_err(|e| e.to_status())?;
+        let tenant = &request.get_ref().tenant;
+        if !tenant.is_empty() {
+            access
+                .authorize(&user, &AccessRequest::routes("get", tenant))
+                .await
+                .map_err(|e| e.to_status())?;
+            return Ok(TenantGrant::All);
+        }
+        let tenants = self.shared.index.read().tenants();
+        access
+            .visible_tenants(&user, "get", tenants)
+            .await
+            .map_err(|e| e.to_status())
     }
 }
 
@@ -192,6 +256,7 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
         reason: r.reason,
         warnings: Vec::new(),
         prompt_tokens: 0,
+        narrowed: false,
     }
 }
 
@@ -223,6 +288,7 @@ impl RouterService for Router {
         &self,
         request: Request<proto::LookupRouteRequest>,
     ) -> Result<Response<proto::LookupRouteResponse>, Status> {
+        let grant = self.grant(&request).await?;
         let req = request.into_inner();
         if req.prompt_text.is_some() {
             if !req.token_ids.is_empty() || !req.content_keys.is_empty() {
@@ -237,19 +303,20 @@ impl RouterService for Router {
         }
         check_bounds(&req)?;
         if req.prompt_text.is_none() {
-            return Ok(Response::new(self.lookup(&req)));
+            return Ok(Response::new(self.lookup_visible(&req, &grant)));
         }
         // Tokenizing up to 1 MiB of text is CPU work: keep it off the async workers.
         let started = Instant::now();
         let router = self.clone();
         let (model, block_size) = (req.model.clone(), req.block_size);
-        let answer = match tokio::task::spawn_blocking(move || router.lookup(&req)).await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::error!(model, error = %e, "prompt_text lookup task failed");
-                self.refuse_prompt(started, block_size, PromptRefusal::TokenizationFailed)
-            }
-        };
+        let answer =
+            match tokio::task::spawn_blocking(move || router.lookup_visible(&req, &grant)).await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::error!(model, error = %e, "prompt_text lookup task failed");
+                    self.refuse_prompt(started, block_size, PromptRefusal::TokenizationFailed)
+                }
+            };
         Ok(Response::new(answer))
     }
 }

@@ -207,6 +207,7 @@ where
     let app = http::router(HttpState {
         shared: shared.clone(),
         ready: ready.clone(),
+        access: None,
     });
     let http = tokio::spawn(serve::serve_http(
         http_listener,

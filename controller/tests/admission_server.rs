@@ -257,20 +257,31 @@ async fn file_certificates_are_hot_reloaded() {
     let sans = vec!["127.0.0.1".to_string(), "localhost".to_string()];
     let first = tls::generate_self_signed(&sans).unwrap();
     let paths = tls::write_bundle(dir.path(), &first).unwrap();
-    let running = server::start(
-        admission(Arc::new(UnwiredPods)),
-        ServerConfig::new(
-            loopback(),
-            TlsSource::Files {
-                cert: paths.cert.clone(),
-                key: paths.key.clone(),
-                reload_interval: Duration::from_millis(50),
-            },
-        ),
-    )
-    .await
-    .unwrap();
+    let expiry = prometheus::IntGauge::new("expiry", "test").unwrap();
+    let mut cfg = ServerConfig::new(
+        loopback(),
+        TlsSource::Files {
+            cert: paths.cert.clone(),
+            key: paths.key.clone(),
+            reload_interval: Duration::from_millis(50),
+        },
+    );
+    cfg.cert_expiry = Some(expiry.clone());
+    let running = server::start(admission(Arc::new(UnwiredPods)), cfg)
+        .await
+        .unwrap();
     assert!(running.ca_pem.is_none());
+    // The expiry metric reads the served certificate: ten years from yesterday.
+    let first_not_after = tls::leaf_not_after_unix(first.cert_pem.as_bytes()).unwrap();
+    assert_eq!(expiry.get(), first_not_after);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let years = (first_not_after - now) as f64 / (365.25 * 86_400.0);
+    assert!((9.9..10.1).contains(&years), "{years} years");
+    // A sentinel the reload must overwrite (both pairs expire on the same day).
+    expiry.set(1);
     let addr = running.local_addr;
 
     let c1 = WebhookClient::new(addr, &first.ca_pem, "localhost").unwrap();
@@ -312,6 +323,11 @@ async fn file_certificates_are_hot_reloaded() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The metric follows the reload (the half-rotated pair never set it).
+    assert_eq!(
+        expiry.get(),
+        tls::leaf_not_after_unix(second.cert_pem.as_bytes()).unwrap()
+    );
     // The old CA no longer verifies new connections.
     assert!(c1.connect().await.is_err());
     // The connection opened before the rotation still works.

@@ -113,6 +113,7 @@ fn config(identity: &str) -> InClusterConfig {
         },
         token_audience: "inference-cache".into(),
         token_cache_ttl: Duration::from_secs(60),
+        data_plane_auth: Some(Default::default()),
         limits: Default::default(),
         nodes: Default::default(),
         model_cache: Some(ModelCacheConfig::default()),
@@ -131,6 +132,7 @@ async fn start(
         config(identity),
         Overrides {
             token_verifier: Some(Arc::new(FakeTokenVerifier::new())),
+            access_reviewer: None,
             clock: None,
         },
         async {
@@ -361,6 +363,7 @@ async fn a_secret_without_a_bundle_stops_the_start_with_a_clear_error() {
         config("replica-1"),
         Overrides {
             token_verifier: Some(Arc::new(FakeTokenVerifier::new())),
+            access_reviewer: None,
             clock: None,
         },
         async {

@@ -125,6 +125,7 @@ async fn run_mode_end_to_end() {
         agent_service_account: agent_sa(),
         token_audience: "inference-cache".into(),
         token_cache_ttl: Duration::from_secs(60),
+        data_plane_auth: Some(Default::default()),
         nodes: NodeLoopConfig {
             plan_interval: Duration::from_millis(200),
             status_interval: Duration::from_millis(500),
@@ -143,6 +144,7 @@ async fn run_mode_end_to_end() {
         cfg,
         Overrides {
             token_verifier: Some(verifier),
+            access_reviewer: None,
             clock: None,
         },
         async {

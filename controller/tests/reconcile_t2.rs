@@ -41,6 +41,7 @@ async fn serve(shared: Arc<Shared>) -> (String, String) {
     let app = router(HttpState {
         shared,
         ready: Arc::new(AtomicBool::new(true)),
+        access: None,
     });
     tokio::spawn(async move { axum::serve(http, app).await });
     (format!("http://{grpc_addr}"), http_addr.to_string())

@@ -1,11 +1,14 @@
-//! The functional probe's tier-2 stage against a real `redis-server` (issue 19 item 2; spec 000
-//! "Functional-probe gate" Stage C): a put / get / delete through the managed Redis tier,
-//! failing with Redis's own error when the tier refuses writes or is gone, skipped with a
-//! reason for tiers the controller has no client for. CI installs `redis-server` (.ci/run).
+//! The functional probe's tier-2 stage against real tier-2 servers (issue 19 item 2; spec 000
+//! "Functional-probe gate" Stage C): a put / get (/ delete) through a managed Redis tier
+//! (`redis-server`) and through LMCache's own standalone server (`lm://`, its code from the
+//! wheel), failing with the server's own error when the tier refuses writes, hangs or is gone.
+//! CI installs `redis-server` and fetches the LMCache files (`.ci/run`). Mooncake:
+//! `t2_probe_mooncake.rs`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::process::{Child, Command, Stdio};
+mod t2_support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,85 +16,9 @@ use ic_controller::probe::in_process_prober;
 use ic_controller::reconcile::cachebackend::probe::{ProbeOutcome, StageResult};
 use ic_controller::state::{LookupPolicy, Shared};
 use ic_controller::t2probe::{
-    redis_round_trip, ProviderT2Prober, T2Outcome, T2ProbeConfig, T2Prober,
+    lmcache_round_trip, redis_round_trip, ProviderT2Prober, T2Outcome, T2ProbeConfig, T2Prober,
 };
-use ic_shared::crd::CacheBackend;
-
-struct Redis {
-    child: Child,
-    port: u16,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        Redis::start_with(&[])
-    }
-
-    fn start_with(extra: &[&str]) -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (apt-get install redis-server; .ci/run does)");
-        let r = Redis { child, port };
-        for _ in 0..200 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return r;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server did not listen on {port}");
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    async fn config_set(&self, key: &str, value: &str) {
-        let client = redis::Client::open(format!("redis://{}/", self.endpoint())).unwrap();
-        let mut c = client.get_multiplexed_async_connection().await.unwrap();
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(key)
-            .arg(value)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn managed(provider: &str, endpoint: &str) -> CacheBackend {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
-        "metadata": {"name": "kv", "namespace": "ml"},
-        "spec": {"runtime": "VLLM", "remoteStorage": {"provider": provider, "ownership": "Managed"}},
-        "status": {"endpoint": endpoint}
-    }))
-    .unwrap()
-}
+use t2_support::{managed, LmCacheServer, Redis};
 
 fn prober() -> ProviderT2Prober {
     ProviderT2Prober::new(T2ProbeConfig {
@@ -160,25 +87,106 @@ async fn a_redis_that_is_gone_fails_and_the_gate_publishes_the_stage_failure() {
 }
 
 #[tokio::test]
-async fn tiers_without_a_client_are_skipped_with_the_reason() {
-    for (provider, endpoint, want) in [
-        ("LMCacheServer", "lm://kv-lmcache.ml.svc:65432", "lm://"),
-        (
-            "Mooncake",
-            "mooncakestore://kv-mooncake.ml.svc:50051",
-            "transfer engine",
-        ),
-    ] {
-        match prober().probe(&managed(provider, endpoint), 3).await {
-            T2Outcome::Skipped(m) => assert!(m.contains(want), "{provider}: {m}"),
-            other => panic!("{provider}: {other:?}"),
+async fn without_an_endpoint_or_a_managed_tier_nothing_is_probed() {
+    let no_endpoint = managed("Redis", "");
+    match prober().probe(&no_endpoint, 4).await {
+        T2Outcome::Skipped(m) => assert!(m.contains("status.endpoint"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let mut external = managed("LMCacheServer", "lm://127.0.0.1:1");
+    external.spec.remote_storage.as_mut().unwrap().ownership = ic_shared::crd::Ownership::External;
+    match prober().probe(&external, 4).await {
+        T2Outcome::Skipped(m) => assert!(m.contains("no managed remote tier"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------- LMCache server (lm://)
+
+#[tokio::test]
+async fn a_working_lmcache_server_round_trips_the_probe_chunk() {
+    let srv = LmCacheServer::start();
+    let cb = managed("LMCacheServer", &format!("lm://{}", srv.endpoint()));
+    for nonce in [1, 2] {
+        match prober().probe(&cb, nonce).await {
+            T2Outcome::Ok(m) => {
+                assert!(m.contains(&srv.endpoint()) && m.contains("LMCache"), "{m}")
+            }
+            other => panic!("{other:?}"),
         }
     }
-    let no_endpoint = managed("Redis", "");
-    assert!(matches!(
-        prober().probe(&no_endpoint, 4).await,
-        T2Outcome::Skipped(_)
-    ));
+    // The value read back is the one this probe put: an old chunk under the same key does not
+    // pass for a new put.
+    let key = ic_controller::t2probe::lmcache::probe_chunk_key("ml", "kv");
+    lmcache_round_trip(&srv.endpoint(), &key, b"first", Duration::from_secs(2))
+        .await
+        .unwrap();
+    lmcache_round_trip(
+        &srv.endpoint(),
+        &key,
+        b"second value",
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn an_lmcache_server_that_is_gone_fails_with_the_connection_error() {
+    let srv = LmCacheServer::start();
+    let endpoint = srv.endpoint();
+    drop(srv);
+    match prober()
+        .probe(&managed("LMCacheServer", &format!("lm://{endpoint}")), 1)
+        .await
+    {
+        T2Outcome::Failed(m) => {
+            assert!(m.contains("connection") && m.contains(&endpoint), "{m}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A stopped (SIGSTOP) server: the kernel still accepts the connection, nothing answers; the
+/// probe gives up on the health check at the timeout.
+#[tokio::test]
+async fn a_hung_lmcache_server_is_bounded_by_the_timeout() {
+    let srv = LmCacheServer::start();
+    srv.signal("STOP");
+    let started = std::time::Instant::now();
+    let got = ProviderT2Prober::new(T2ProbeConfig {
+        timeout: Duration::from_millis(800),
+    })
+    .probe(&managed("LMCacheServer", &srv.endpoint()), 1)
+    .await;
+    srv.signal("CONT");
+    match got {
+        T2Outcome::Failed(m) => assert!(
+            m.contains("did not answer the health check within 800 ms"),
+            "{m}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(750));
+}
+
+/// A server of another protocol at the endpoint (here a Redis, which waits for a newline our
+/// header never sends, or closes): a failure naming the step, not a pass.
+#[tokio::test]
+async fn another_server_at_the_lm_endpoint_fails() {
+    let r = Redis::start();
+    let got = ProviderT2Prober::new(T2ProbeConfig {
+        timeout: Duration::from_millis(800),
+    })
+    .probe(
+        &managed("LMCacheServer", &format!("lm://{}", r.endpoint())),
+        1,
+    )
+    .await;
+    match got {
+        T2Outcome::Failed(m) => assert!(m.contains("health check"), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 /// A tier slower than the library's own defaults (500 ms response) but within the probe's 2 s

@@ -29,6 +29,17 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
   {"cmd": "clear"}                                    reset the prefix cache (AllBlocksCleared)
   {"cmd": "truth"}                                    -> {"blocks": [[prompt id, blocks], …],
                                                       "prompts": {id: [tokens]} (new ones)}
+  {"cmd": "load", "seconds": S, "blocks_per_s": B, "per_step": R, "probe_ms": M}
+                                                      steps paced to B block events (stored +
+                                                      removed hashes) per second for S seconds;
+                                                      every M ms, right after a batch is handed
+                                                      to the publisher, one line
+                                                      {"probe": {"t_ns": wall-clock ns, "tokens":
+                                                      [the prefix of its deepest new run],
+                                                      "blocks": its full blocks}} (ic-bench's
+                                                      publish -> visible measurement) ->
+                                                      {"seq", "batches", "block_events",
+                                                      "seconds", "cpu_s"}
   {"cmd": "exit"}
 """
 
@@ -79,7 +90,7 @@ def load_kv_events(path: str):
 class BlockPool:
     """The prefix-caching pool model (see the module docs)."""
 
-    def __init__(self, kv, num_blocks: int, block_size: int, seed: int):
+    def __init__(self, kv, num_blocks: int, block_size: int, seed: int, user_blocks: int = 6):
         self.kv = kv
         self.block_size = block_size
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -89,6 +100,7 @@ class BlockPool:
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []
         self.reported = 0
+        self.user_blocks = user_blocks
         # A few long shared prefixes (system prompts) and many suffixes.
         self.systems = [
             [self.rng.randrange(1, 50_000) for _ in range(block_size * self.rng.randrange(2, 8))]
@@ -105,7 +117,7 @@ class BlockPool:
     def new_prompt(self) -> int:
         bs = self.block_size
         sys_p = self.rng.choice(self.systems)
-        user = [self.rng.randrange(1, 50_000) for _ in range(bs * self.rng.randrange(0, 6))]
+        user = [self.rng.randrange(1, 50_000) for _ in range(bs * self.rng.randrange(0, self.user_blocks))]
         tail = [self.rng.randrange(1, 50_000) for _ in range(self.rng.randrange(0, bs))]
         self.prompts.append(sys_p + user + tail)
         return len(self.prompts) - 1
@@ -125,6 +137,7 @@ class BlockPool:
                 pids.append(self.new_prompt())
         start_cache = set(self.cached)  # what requests of this step can reuse
         runs = []
+        self.last_runs = runs
         for pid in pids:
             toks = self.prompts[pid]
             nfull = len(toks) // bs
@@ -195,6 +208,53 @@ class BlockPool:
         return {"blocks": blocks, "copies": sum(len(v) for v in self.cached.values()), "prompts": new}
 
 
+def load(cmd, kv, pub, pool, seq, reply) -> int:
+    """The `load` command: paced steps with publish-time probes (see the module docs)."""
+    import time
+
+    seconds = float(cmd["seconds"])
+    rate = float(cmd["blocks_per_s"])
+    per_step = int(cmd.get("per_step", 8))
+    probe_ns = int(float(cmd.get("probe_ms", 50)) * 1e6)
+    bs = pool.block_size
+    cpu0 = time.process_time()
+    t0 = time.monotonic()
+    next_probe = time.time_ns()
+    events_total = batches = 0
+    while True:
+        elapsed = time.monotonic() - t0
+        if elapsed >= seconds:
+            break
+        ahead = events_total / rate - elapsed
+        if ahead > 0:
+            time.sleep(ahead)
+        events = pool.step(per_step, False)
+        if not events:
+            continue
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=events))
+        now = time.time_ns()
+        seq += 1
+        batches += 1
+        for e in events:
+            events_total += len(e.block_hashes)
+        if now >= next_probe:
+            runs = [r for r in pool.last_runs if r[3] > r[2]]
+            if runs:
+                pid, _, _, nblocks = max(runs, key=lambda r: r[3])
+                reply({"probe": {"t_ns": now, "tokens": pool.prompts[pid][: nblocks * bs], "blocks": nblocks}})
+                next_probe = now + probe_ns
+    pub._event_queue.join()
+    return_seq = seq
+    reply({
+        "seq": return_seq,
+        "batches": batches,
+        "block_events": events_total,
+        "seconds": time.monotonic() - t0,
+        "cpu_s": time.process_time() - cpu0,
+    })
+    return return_seq
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-events", required=True, help="path of vllm/distributed/kv_events.py")
@@ -205,6 +265,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dp-rank", type=int, default=0)
+    ap.add_argument("--user-blocks", type=int, default=6, help="prompts carry 0 to N-1 blocks after their system prompt")
     args = ap.parse_args()
 
     kv = load_kv_events(args.kv_events)
@@ -214,7 +275,7 @@ def main() -> None:
         replay_endpoint=args.replay_endpoint,
         buffer_steps=args.buffer_steps,
     )
-    pool = BlockPool(kv, args.num_blocks, args.block_size, args.seed)
+    pool = BlockPool(kv, args.num_blocks, args.block_size, args.seed, args.user_blocks)
     # `drop`: the publisher thread's PUB send is skipped for the next K batches; they still
     # enter the replay buffer, as with a full high-water mark.
     drops = {"left": 0}
@@ -265,6 +326,8 @@ def main() -> None:
         elif c == "truth":
             pub._event_queue.join()
             reply(pool.truth())
+        elif c == "load":
+            seq = load(cmd, kv, pub, pool, seq, reply)
         elif c == "exit":
             break
     pub.shutdown()

@@ -7,7 +7,8 @@
 //! observed keys of every check are documented in `docs/checks.md`.
 //!
 //! Checks are synchronous and may block on the file system or on NVML; the async caller runs
-//! [`Checks::run_all`] on a blocking thread (`tokio::task::spawn_blocking`).
+//! [`Checks::run_all`] on the checks thread (`runtime::CheckRunner`, the one thread of `ic-agent
+//! run` that keeps the agent's capabilities).
 //!
 //! | check | module | subjects |
 //! |---|---|---|

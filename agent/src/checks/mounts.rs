@@ -45,7 +45,7 @@ use nix::fcntl::OFlag;
 
 use super::beneath::{self, Volume};
 use super::pods::PodFinder;
-use super::shm::{find_mount, parse_mountinfo, pod_not_found, MountEntry};
+use super::shm::{find_mount, parse_mountinfo, MountEntry};
 use super::{Check, ChecksConfig};
 
 /// Check name.
@@ -309,6 +309,10 @@ pub enum SampleState {
     Digest(String),
     /// The file could not be read (`ENOENT` …) or the plan's path is not inside the volume.
     Unreadable(String),
+    /// Opening the file was refused by its permissions (`EACCES`/`EPERM`): says nothing about
+    /// the content. An agent without `CAP_DAC_READ_SEARCH` meets this on a file another uid
+    /// may read alone (docs/checks.md "Capabilities").
+    Denied(String),
 }
 
 /// What one container shows of a planned mount.
@@ -408,6 +412,15 @@ pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> Che
                 Some(format!("{file} has SHA-256 {d}, the writer's is {want}"))
             }
             SampleState::Unreadable(e) => Some(format!("{file} cannot be read ({e})")),
+            SampleState::Denied(_) => None,
+        })
+        .collect();
+    let denied: Vec<String> = view
+        .samples
+        .iter()
+        .filter_map(|(file, _, got)| match got {
+            SampleState::Denied(e) => Some(format!("{file} ({e})")),
+            _ => None,
         })
         .collect();
     if !bad.is_empty() {
@@ -418,6 +431,21 @@ pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> Che
                 "{path} in {who}{binding} does not hold what the writer wrote: {}; the volume is \
                  stale, partial or another one. Re-run the writer or fix the binding.",
                 bad.join("; ")
+            ),
+        ));
+    }
+    if !denied.is_empty() {
+        // Permissions, not content: Unknown, and which capability would read it.
+        let advice =
+            crate::privilege::lacking_clause(&[crate::privilege::Capability::CAP_DAC_READ_SEARCH])
+                .unwrap_or_else(|| "the file's permissions refuse the agent".to_string());
+        findings.push((
+            CheckStatus::Unknown,
+            "ReaderVolumeSampleUnreadable",
+            format!(
+                "{path} in {who}{binding}: the agent may not read {}, so the digests cannot \
+                 be compared; {advice}.",
+                denied.join(", ")
             ),
         ));
     }
@@ -520,6 +548,9 @@ impl MountsCheck {
     fn digest(&self, volume: &Volume, rel: &Path, path: &Path) -> SampleState {
         let mut f = match volume.open_file(rel, OFlag::O_RDONLY) {
             Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return SampleState::Denied(beneath::describe(&e))
+            }
             Err(e) => return SampleState::Unreadable(beneath::describe(&e)),
         };
         let meta = match f.metadata() {
@@ -668,7 +699,9 @@ impl Check for MountsCheck {
                     Some(uid) => {
                         let containers = self.pods.containers(uid);
                         if containers.is_empty() {
-                            return pod_not_found(NAME, &subject, uid, "its model volume")
+                            return self
+                                .pods
+                                .unavailable(NAME, &subject, uid, "its model volume")
                                 .with("path", &m.path);
                         }
                         containers
@@ -815,6 +848,22 @@ mod tests {
             ),
             (
                 Box::new(|v, _| v.samples[0].2 = SampleState::Unreadable("ENOENT".into())),
+                Critical,
+                "ReaderVolumeDigestMismatch",
+            ),
+            (
+                // refused by the file's permissions: says nothing about the content
+                Box::new(|v, _| v.samples[0].2 = SampleState::Denied("EACCES".into())),
+                Unknown,
+                "ReaderVolumeSampleUnreadable",
+            ),
+            (
+                // a wrong digest beside a refused one still reads Critical
+                Box::new(|v, _| {
+                    v.samples[0].2 = SampleState::Denied("EACCES".into());
+                    v.samples
+                        .push(("b".into(), "AA".into(), SampleState::Digest("cc".into())));
+                }),
                 Critical,
                 "ReaderVolumeDigestMismatch",
             ),

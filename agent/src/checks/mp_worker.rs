@@ -34,8 +34,8 @@ use thiserror::Error;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::pods::{own_ns, PodFinder};
-use super::shm::pod_not_found;
 use super::{Check, ChecksConfig};
+use crate::privilege::Capability;
 
 /// Check name.
 pub const NAME: &str = "mp_worker";
@@ -96,6 +96,10 @@ pub enum ProbeError {
     /// The ZMQ socket failed in a way that says nothing about the worker.
     #[error("ZMQ error: {0}")]
     Zmq(String),
+    /// The probe thread could not drop its capabilities after entering the namespace; it does
+    /// not talk to the worker with them.
+    #[error("cannot drop the probe thread's capabilities: {0}")]
+    DropCapabilities(String),
 }
 
 impl ProbeError {
@@ -105,6 +109,7 @@ impl ProbeError {
             ProbeError::OpenNetns { .. } => "OpenNetns",
             ProbeError::Setns { .. } => "Setns",
             ProbeError::Runtime(_) => "Runtime",
+            ProbeError::DropCapabilities(_) => "DropCapabilities",
             ProbeError::Zmq(_) => "Zmq",
         }
     }
@@ -199,6 +204,9 @@ fn probe_on_this_thread(
             }
         })?;
     }
+    // Nothing below needs a capability, and the worker's bytes are tenant-controlled: this
+    // thread gives up every capability before it connects (crate::privilege).
+    crate::privilege::drop_all().map_err(|e| ProbeError::DropCapabilities(e.to_string()))?;
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     match TcpStream::connect_timeout(&addr, timeout) {
         Ok(s) => drop(s),
@@ -298,7 +306,7 @@ impl MpWorkerCheck {
         let proc_root = self.pods.proc_root();
         let containers = self.pods.containers(uid);
         let Some(c) = containers.first() else {
-            return Err(Box::new(pod_not_found(
+            return Err(Box::new(self.pods.unavailable(
                 NAME,
                 subject,
                 uid,
@@ -381,15 +389,31 @@ pub fn evaluate(
                 ),
                 vec![("error", why), ("verdict", "BadReply".into())],
             ),
-            Err(e) => (
-                CheckStatus::Unknown,
-                "MpWorkerProbeFailed",
-                format!(
-                    "cannot probe {worker}: {e}; the agent needs CAP_SYS_ADMIN and hostPID to \
-                     enter the pod's network namespace."
-                ),
-                vec![("error", e.to_string()), ("cause", e.label().into())],
-            ),
+            Err(e) => {
+                // What the failed step needs, and which of it this (the checks) thread lacks.
+                let needed: &[Capability] = match &e {
+                    ProbeError::OpenNetns { .. } => &[Capability::CAP_SYS_PTRACE],
+                    ProbeError::Setns { .. } => &[Capability::CAP_SYS_ADMIN],
+                    _ => &[],
+                };
+                let lacking = crate::privilege::missing(needed);
+                let mut extra = vec![("error", e.to_string()), ("cause", e.label().into())];
+                let advice = match crate::privilege::lacking_clause(needed) {
+                    Some(clause) => {
+                        extra.push(("missingCapabilities", crate::privilege::names(&lacking)));
+                        format!("{clause}.")
+                    }
+                    None => "the agent needs CAP_SYS_PTRACE, CAP_SYS_ADMIN and hostPID to enter \
+                             the pod's network namespace."
+                        .to_string(),
+                };
+                (
+                    CheckStatus::Unknown,
+                    "MpWorkerProbeFailed",
+                    format!("cannot probe {worker}: {e}; {advice}"),
+                    extra,
+                )
+            }
         };
     extra.into_iter().fold(
         CheckResult::new(NAME, subject, status, reason, message)
@@ -428,7 +452,12 @@ impl Check for MpWorkerCheck {
                     let timeout = self.timeout;
                     let handle = std::thread::Builder::new()
                         .name("ic-mp-probe".into())
-                        .spawn(move || probe_on_this_thread(netns.as_deref(), port, id, timeout));
+                        .spawn(move || {
+                            let outcome = probe_on_this_thread(netns.as_deref(), port, id, timeout);
+                            // Read on the thread that parsed the worker's reply, afterwards:
+                            // a cleared permitted set cannot have been raised in between.
+                            (outcome, crate::privilege::thread_cap_eff())
+                        });
                     pending.push((slot, subject, port, label, handle));
                 }
             }
@@ -438,10 +467,16 @@ impl Check for MpWorkerCheck {
                 Err(e) => Err(ProbeError::Runtime(e.to_string())),
                 Ok(h) => h
                     .join()
-                    .map_err(|_| ProbeError::Runtime("the probe thread panicked".into()))
-                    .and_then(|r| r),
+                    .map_err(|_| ProbeError::Runtime("the probe thread panicked".into())),
+            };
+            let (outcome, cap_eff) = match outcome {
+                Ok((o, c)) => (o, c),
+                Err(e) => (Err(e), None),
             };
             let mut r = evaluate(&subject, port, &label, self.timeout, outcome);
+            if let Some(c) = cap_eff {
+                r = r.with("probeThreadCapEff", c);
+            }
             if let Some(p) = plan
                 .engines
                 .iter()

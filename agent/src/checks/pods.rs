@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use ic_shared::check::{CheckResult, CheckStatus};
 use parking_lot::Mutex;
 
 pub use super::ports::{normalise_pod_uid, pod_uid_from_cgroup};
@@ -225,6 +226,51 @@ impl PodFinder {
         let pids = self.pids(pod_uid);
         containers(&self.proc_root, &pids)
     }
+
+    /// The `Unknown` result for a planned pod whose containers [`PodFinder::containers`] did not
+    /// find: `PodNotInspectable` when processes of the pod run (their cgroup names it) but none
+    /// of their `/proc/<pid>/exe` and `ns/mnt` can be read — the agent lacks `CAP_SYS_PTRACE`,
+    /// named in the message when its checks thread does —, else `PodNotFound`. `what` completes
+    /// "so … cannot be inspected" (`its /dev/shm`).
+    pub fn unavailable(
+        &self,
+        check: &str,
+        subject: &str,
+        pod_uid: &str,
+        what: &str,
+    ) -> CheckResult {
+        let pids = self.pids(pod_uid);
+        if pids.is_empty() {
+            return super::shm::pod_not_found(check, subject, pod_uid, what);
+        }
+        let needed = [crate::privilege::Capability::CAP_SYS_PTRACE];
+        let lacking = crate::privilege::missing(&needed);
+        let cause = crate::privilege::lacking_clause(&needed).unwrap_or_else(|| {
+            "the agent holds CAP_SYS_PTRACE, so something else refuses it: a security module \
+             (AppArmor, SELinux) or a /proc mounted with hidepid"
+                .to_string()
+        });
+        let shown: Vec<String> = pids.iter().take(5).map(u32::to_string).collect();
+        let r = CheckResult::new(
+            check,
+            subject,
+            CheckStatus::Unknown,
+            "PodNotInspectable",
+            format!(
+                "processes of pod {subject} (UID {pod_uid}) run on this node (pid {}), but none of \
+                 their /proc entries (exe, ns/mnt) can be read, so {what} cannot be inspected; \
+                 {cause}.",
+                shown.join(", ")
+            ),
+        )
+        .with("podUid", pod_uid)
+        .with("pids", shown.join(","));
+        if lacking.is_empty() {
+            r
+        } else {
+            r.with("missingCapabilities", crate::privilege::names(&lacking))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -295,5 +341,62 @@ mod tests {
         assert_eq!(f.pids(uid), vec![10, 11, 12]);
         // only the sandbox left: it is the container
         assert_eq!(containers(root, &[10])[0].pid, 10);
+    }
+
+    /// A pod whose processes show in their cgroups but whose exe and ns/mnt cannot be read (what
+    /// an agent without CAP_SYS_PTRACE sees of an engine container) is PodNotInspectable, not
+    /// PodNotFound; the capability is named only when this thread lacks it.
+    #[test]
+    fn unreadable_processes_are_not_inspectable_rather_than_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let d = root.join("42");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("cgroup"),
+            format!(
+                "0::/kubepods/pod{uid}/c
+"
+            ),
+        )
+        .unwrap();
+        let f = PodFinder::new(root);
+        assert!(f.containers(uid).is_empty());
+        let r = f.unavailable("shm", "team-a/vllm-0", uid, "its /dev/shm");
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Unknown, "PodNotInspectable")
+        );
+        assert_eq!(r.observed["pids"], "42");
+        assert!(r.message.contains("CAP_SYS_PTRACE"), "{}", r.message);
+        let lacking = crate::privilege::missing(&[crate::privilege::Capability::CAP_SYS_PTRACE]);
+        assert_eq!(
+            r.observed.contains_key("missingCapabilities"),
+            !lacking.is_empty()
+        );
+        // Without the capability (a thread that dropped everything) it is named as missing.
+        let r = std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::privilege::drop_all().unwrap();
+                f.unavailable("shm", "team-a/vllm-0", uid, "its /dev/shm")
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(r.observed["missingCapabilities"], "CAP_SYS_PTRACE");
+        assert!(
+            r.message.contains("the agent lacks CAP_SYS_PTRACE"),
+            "{}",
+            r.message
+        );
+        // No process at all: PodNotFound.
+        let r = f.unavailable(
+            "shm",
+            "team-a/vllm-1",
+            "00000000-0000-0000-0000-000000000001",
+            "x",
+        );
+        assert_eq!(r.reason, "PodNotFound");
     }
 }

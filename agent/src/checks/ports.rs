@@ -501,9 +501,15 @@ pub fn evaluate_expectation_with(
                             format!(
                             "{label} is listening but its owner could not be identified (socket \
                              inode {}; in another PID namespace or unreadable), so {} cannot be \
-                             confirmed.",
+                             confirmed{}.",
                             join(&st.inodes),
-                            describe_owner(want)
+                            describe_owner(want),
+                            // Other processes' /proc/<pid>/fd need CAP_SYS_PTRACE.
+                            crate::privilege::lacking_clause(&[
+                                crate::privilege::Capability::CAP_SYS_PTRACE
+                            ])
+                            .map(|c| format!("; {c}"))
+                            .unwrap_or_default()
                         ),
                         )
                     } else {

@@ -67,7 +67,7 @@ impl ShmCheck {
         let subject = format!("{}/{}", engine.namespace, engine.pod);
         let containers = self.pods.containers(uid);
         if containers.is_empty() {
-            return pod_not_found(NAME, &subject, uid, "its /dev/shm");
+            return self.pods.unavailable(NAME, &subject, uid, "its /dev/shm");
         }
         let shm = Path::new(POD_SHM_PATH);
         let views: Vec<ContainerView<'_>> = containers

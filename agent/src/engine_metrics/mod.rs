@@ -31,7 +31,7 @@ use std::time::Duration;
 use ic_shared::plan::{EnginePlan, NodePlan};
 use ic_shared::proto::{CounterReport, StreamCounters, StreamDescriptor};
 use parking_lot::RwLock;
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use tokio::sync::watch;
 use tracing::debug;
 
@@ -77,10 +77,13 @@ pub struct EngineCounters {
     scrapes_total: IntCounterVec,
     t2_hits_total: IntCounterVec,
     t2_queries_total: IntCounterVec,
+    t2_last_hit: GaugeVec,
 }
 
-/// Labels of the per-stream tier-2 counters: the engine pod's namespace and the replica id.
-const STREAM_LABELS: [&str; 2] = ["namespace", "replica"];
+/// Label of the per-stream tier-2 series: the stream id (`<namespace>/<pod>#<dp rank>`), as on
+/// the agent's other per-stream series. (Not `namespace`: a scrape's own target label of that
+/// name would push it aside to `exported_namespace`.)
+const STREAM_LABELS: [&str; 1] = ["stream"];
 
 impl EngineCounters {
     /// An empty store; registers `inferencecache_agent_engine_metrics_scrapes_total` in
@@ -97,6 +100,13 @@ impl EngineCounters {
             &["outcome"],
         )?;
         registry.register(Box::new(scrapes_total.clone()))?;
+        // Every outcome exists at 0 from the start: a panel over rate(...) reads 0, not "No data".
+        for outcome in [OUTCOME_OK, OUTCOME_ABSENT]
+            .iter()
+            .chain(http::FetchError::OUTCOMES)
+        {
+            scrapes_total.with_label_values(&[outcome]);
+        }
         let t2_hits_total = IntCounterVec::new(
             Opts::new(
                 "inferencecache_agent_engine_t2_hits_total",
@@ -111,14 +121,23 @@ impl EngineCounters {
             ),
             &STREAM_LABELS,
         )?;
+        let t2_last_hit = GaugeVec::new(
+            Opts::new(
+                "inferencecache_agent_engine_t2_last_hit_timestamp_seconds",
+                "Unix time (seconds) of the scrape at which this agent last saw the engine stream's tier-2 hits grow (the first reading with hits counts: the last hit was at or before it); absent while the stream never served a reload. For LMCacheT2NoHits (served reloads before, none in the window).",
+            ),
+            &STREAM_LABELS,
+        )?;
         registry.register(Box::new(t2_hits_total.clone()))?;
         registry.register(Box::new(t2_queries_total.clone()))?;
+        registry.register(Box::new(t2_last_hit.clone()))?;
         Ok(EngineCounters {
             latest: RwLock::new(BTreeMap::new()),
             changed: watch::Sender::new(0),
             scrapes_total,
             t2_hits_total,
             t2_queries_total,
+            t2_last_hit,
         })
     }
 
@@ -179,22 +198,22 @@ impl EngineCounters {
         cur: &BTreeMap<String, StreamCounters>,
         next: &BTreeMap<String, StreamCounters>,
     ) {
-        let labels = |c: &StreamCounters| {
-            c.stream
-                .as_ref()
-                .map(|d| [d.tenant.clone(), d.replica.clone()])
-        };
+        let labels = |c: &StreamCounters| c.stream.as_ref().map(|d| [d.stream_id.clone()]);
         for (id, n) in next.iter().filter(|(_, n)| !n.t2_absent) {
             let Some(l) = labels(n) else { continue };
-            let l = [l[0].as_str(), l[1].as_str()];
+            let l = [l[0].as_str()];
             let prev = cur.get(id).filter(|c| !c.t2_absent);
             let step = |new: u64, old: Option<u64>| match old {
                 Some(o) if new >= o => new - o,
                 _ => new,
             };
-            self.t2_hits_total
-                .with_label_values(&l)
-                .inc_by(step(n.t2_hits, prev.map(|p| p.t2_hits)));
+            let hits = step(n.t2_hits, prev.map(|p| p.t2_hits));
+            self.t2_hits_total.with_label_values(&l).inc_by(hits);
+            if hits > 0 {
+                self.t2_last_hit
+                    .with_label_values(&l)
+                    .set(n.observed_at_unix_ms as f64 / 1000.0);
+            }
             self.t2_queries_total
                 .with_label_values(&l)
                 .inc_by(step(n.t2_queries, prev.map(|p| p.t2_queries)));
@@ -204,9 +223,10 @@ impl EngineCounters {
                 continue;
             }
             if let Some(l) = labels(c) {
-                let l = [l[0].as_str(), l[1].as_str()];
+                let l = [l[0].as_str()];
                 let _ = self.t2_hits_total.remove_label_values(&l);
                 let _ = self.t2_queries_total.remove_label_values(&l);
+                let _ = self.t2_last_hit.remove_label_values(&l);
             }
         }
     }
@@ -383,21 +403,92 @@ mod tests {
         )])
     }
 
+    /// `registry` in the text exposition format.
+    fn exposition(registry: &Registry) -> String {
+        use prometheus::Encoder;
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&registry.gather(), &mut buf)
+            .unwrap();
+        String::from_utf8(buf).unwrap()
+    }
+
+    /// Issue 19 item 5: the last-hit time LMCacheT2NoHits reads — absent until the stream
+    /// served a reload, moved only by a reading whose hits grew (an engine restart that counts
+    /// hits again counts), flat while queries grow without hits, gone with the stream.
+    #[test]
+    fn t2_last_hit_time_moves_only_with_hits() {
+        let registry = Registry::new();
+        let counters = EngineCounters::new(&registry).unwrap();
+        let at = |hits: u64, queries: u64, ms: i64| {
+            let mut e = entry(hits, queries, false);
+            for c in e.values_mut() {
+                c.observed_at_unix_ms = ms;
+            }
+            e
+        };
+        let last_hit = || {
+            let text = exposition(&registry);
+            text.lines()
+                .find(|l| {
+                    l.starts_with("inferencecache_agent_engine_t2_last_hit_timestamp_seconds{stream=\"team-a/vllm-0#0\"}")
+                })
+                .and_then(|l| l.rsplit(' ').next())
+                .map(|v| v.parse::<f64>().unwrap())
+        };
+        counters.replace(at(0, 100, 1_000));
+        assert_eq!(last_hit(), None, "queried, never served: no last hit");
+        counters.replace(at(10, 150, 2_500));
+        assert_eq!(last_hit(), Some(2.5));
+        counters.replace(at(10, 200, 3_000));
+        assert_eq!(last_hit(), Some(2.5), "queries without hits leave it");
+        counters.replace(at(12, 250, 4_000));
+        assert_eq!(last_hit(), Some(4.0));
+        // The engine restarted: 3 hits since then are new hits.
+        counters.replace(at(3, 10, 5_000));
+        assert_eq!(last_hit(), Some(5.0));
+        // Restarted again, no hit yet.
+        counters.replace(at(0, 10, 6_000));
+        assert_eq!(last_hit(), Some(5.0));
+        counters.replace(BTreeMap::new());
+        assert_eq!(last_hit(), None, "the stream left the plan");
+    }
+
     /// Issue 19 item 5: the per-stream tier-2 counters a windowed alert (LMCacheT2NoHits) can
     /// use — monotonic across an engine restart, gone with the stream.
+    #[test]
+    fn every_scrape_outcome_exists_at_zero_before_the_first_scrape() {
+        let registry = Registry::new();
+        let _counters = EngineCounters::new(&registry).unwrap();
+        let fam = registry
+            .gather()
+            .into_iter()
+            .find(|f| f.name() == "inferencecache_agent_engine_metrics_scrapes_total")
+            .unwrap();
+        let mut outcomes: Vec<&str> = fam
+            .get_metric()
+            .iter()
+            .map(|m| m.get_label()[0].value())
+            .collect();
+        outcomes.sort_unstable();
+        let mut want: Vec<&str> = [OUTCOME_OK, OUTCOME_ABSENT]
+            .into_iter()
+            .chain(http::FetchError::OUTCOMES.iter().copied())
+            .collect();
+        want.sort_unstable();
+        assert_eq!(outcomes, want);
+        assert!(fam
+            .get_metric()
+            .iter()
+            .all(|m| m.get_counter().get_value() == 0.0));
+    }
+
     #[test]
     fn t2_counters_are_mirrored_monotonically_per_stream() {
         let registry = Registry::new();
         let counters = EngineCounters::new(&registry).unwrap();
         let read = || {
-            let text = {
-                use prometheus::Encoder;
-                let mut buf = Vec::new();
-                prometheus::TextEncoder::new()
-                    .encode(&registry.gather(), &mut buf)
-                    .unwrap();
-                String::from_utf8(buf).unwrap()
-            };
+            let text = exposition(&registry);
             let pick = |name: &str| {
                 text.lines()
                     .find(|l| l.starts_with(name))
@@ -405,8 +496,8 @@ mod tests {
                     .map(|v| v.parse::<u64>().unwrap())
             };
             (
-                pick("inferencecache_agent_engine_t2_hits_total{namespace=\"team-a\",replica=\"vllm-0\"}"),
-                pick("inferencecache_agent_engine_t2_queries_total{namespace=\"team-a\",replica=\"vllm-0\"}"),
+                pick("inferencecache_agent_engine_t2_hits_total{stream=\"team-a/vllm-0#0\"}"),
+                pick("inferencecache_agent_engine_t2_queries_total{stream=\"team-a/vllm-0#0\"}"),
             )
         };
         counters.replace(entry(0, 0, true));

@@ -18,21 +18,43 @@ use axum::{Json, Router};
 
 use crate::state::AgentState;
 
-/// The HTTP router.
+pub mod auth;
+
+/// The HTTP router, every endpoint open.
 pub fn router(state: Arc<AgentState>) -> Router {
+    router_guarded(state, None)
+}
+
+/// The HTTP router; with `token`, `/metrics` and `/v1/report` require it ([`auth`]), while
+/// `/healthz` and `/readyz` stay open for the kubelet.
+pub fn router_guarded(state: Arc<AgentState>, token: Option<Arc<auth::BearerToken>>) -> Router {
+    let protected = guard(
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route("/v1/report", get(report)),
+        token,
+    );
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/v1/report", get(report))
+        .merge(protected)
         .with_state(state)
 }
 
-/// A router serving only `/metrics` (for a separate, scrapeable listener).
-pub fn metrics_router(state: Arc<AgentState>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .with_state(state)
+/// A router serving only `/metrics` (for a separate, scrapeable listener), guarded by `token`
+/// when given.
+pub fn metrics_router(state: Arc<AgentState>, token: Option<Arc<auth::BearerToken>>) -> Router {
+    guard(Router::new().route("/metrics", get(metrics)), token).with_state(state)
+}
+
+fn guard(
+    routes: Router<Arc<AgentState>>,
+    token: Option<Arc<auth::BearerToken>>,
+) -> Router<Arc<AgentState>> {
+    match token {
+        Some(t) => routes.route_layer(axum::middleware::from_fn_with_state(t, auth::require)),
+        None => routes,
+    }
 }
 
 async fn readyz(State(s): State<Arc<AgentState>>) -> Response {

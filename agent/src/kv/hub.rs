@@ -367,6 +367,7 @@ impl KvHub {
                 continue;
             }
             tracing::info!(stream = %id, endpoint = %spec.endpoint, "kv events: stream started");
+            metrics.init_stream(&id);
             let shared = Arc::new(StreamShared::new(spec));
             if let Some(prev) = replaced.get(&id) {
                 shared.lock().state.continue_after(*prev);

@@ -205,44 +205,142 @@ impl KvMetrics {
             .inc();
     }
 
-    /// Deletes every series of `stream` (after the plan dropped it).
-    pub(crate) fn remove_stream(&self, stream: &str) {
+    /// Calls `f` with every fixed-label counter series of `stream` (label values from the fixed
+    /// lists above): the one enumeration [`init_stream`](Self::init_stream) and
+    /// [`remove_stream`](Self::remove_stream) share.
+    fn each_counter_series(&self, stream: &str, mut f: impl FnMut(&IntCounterVec, &[&str])) {
         for c in [&self.decoded, &self.gaps] {
-            let _ = c.remove_label_values(&[stream]);
+            f(c, &[stream]);
         }
-        for g in [&self.blocks, &self.connected] {
-            let _ = g.remove_label_values(&[stream]);
-        }
-        let _ = self.lag.remove_label_values(&[stream]);
         for s in SOURCES {
-            let _ = self.received.remove_label_values(&[stream, s]);
+            f(&self.received, &[stream, s]);
         }
         for t in EVENT_TYPES {
-            let _ = self.events.remove_label_values(&[stream, t]);
+            f(&self.events, &[stream, t]);
         }
         let drops = SUBSCRIBER_DROP_REASONS
             .iter()
             .chain(DecodeError::REASONS)
             .chain(DROP_REASONS);
         for r in drops {
-            let _ = self.dropped.remove_label_values(&[stream, r]);
+            f(&self.dropped, &[stream, r]);
         }
         for r in IGNORE_REASONS {
-            let _ = self.ignored.remove_label_values(&[stream, r]);
+            f(&self.ignored, &[stream, r]);
         }
         for r in REPLAY_RESULTS {
-            let _ = self.replays.remove_label_values(&[stream, r]);
+            f(&self.replays, &[stream, r]);
         }
         for r in CLEAR_REASONS {
-            let _ = self.resyncs.remove_label_values(&[stream, r]);
+            f(&self.resyncs, &[stream, r]);
         }
         for st in CoverageState::ALL {
-            let _ = self
-                .coverage_transitions
-                .remove_label_values(&[stream, st.as_str()]);
+            f(&self.coverage_transitions, &[stream, st.as_str()]);
+        }
+    }
+
+    /// Creates every fixed-label series of a newly planned `stream` at 0 (counters, `blocks`,
+    /// `connected`), so a panel or alert over `rate(...)` reads 0 rather than "No data" until the
+    /// first event of each kind. `stream_lag_seconds` and `coverage` appear with the first batch
+    /// and the first coverage state: absent there means "not known yet", not 0.
+    pub(crate) fn init_stream(&self, stream: &str) {
+        self.each_counter_series(stream, |c, labels| {
+            c.with_label_values(labels);
+        });
+        for g in [&self.blocks, &self.connected] {
+            g.with_label_values(&[stream]);
+        }
+    }
+
+    /// Deletes every series of `stream` (after the plan dropped it).
+    pub(crate) fn remove_stream(&self, stream: &str) {
+        self.each_counter_series(stream, |c, labels| {
+            let _ = c.remove_label_values(labels);
+        });
+        for g in [&self.blocks, &self.connected] {
+            let _ = g.remove_label_values(&[stream]);
+        }
+        let _ = self.lag.remove_label_values(&[stream]);
+        for st in CoverageState::ALL {
             for r in COVERAGE_REASONS.iter().chain(std::iter::once(&"")) {
                 let _ = self.coverage.remove_label_values(&[stream, st.as_str(), r]);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Series of `stream` in the registry: (family name, value).
+    fn series_of(reg: &Registry, stream: &str) -> Vec<(String, f64)> {
+        let mut out = Vec::new();
+        for fam in reg.gather() {
+            for m in fam.get_metric() {
+                if m.get_label()
+                    .iter()
+                    .any(|l| l.name() == "stream" && l.value() == stream)
+                {
+                    let v = match fam.get_field_type() {
+                        prometheus::proto::MetricType::COUNTER => m.get_counter().get_value(),
+                        _ => m.get_gauge().get_value(),
+                    };
+                    out.push((fam.name().to_string(), v));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_planned_stream_has_every_fixed_series_at_zero_and_loses_them_all_when_dropped() {
+        let reg = Registry::new();
+        let m = KvMetrics::new(&reg).unwrap();
+        m.init_stream("ns/pod#0");
+        let series = series_of(&reg, "ns/pod#0");
+        let families: std::collections::BTreeSet<&str> =
+            series.iter().map(|(f, _)| f.as_str()).collect();
+        for want in [
+            "inferencecache_agent_kv_batches_received_total",
+            "inferencecache_agent_kv_batches_decoded_total",
+            "inferencecache_agent_kv_events_decoded_total",
+            "inferencecache_agent_kv_events_dropped_total",
+            "inferencecache_agent_kv_events_ignored_total",
+            "inferencecache_agent_kv_gaps_total",
+            "inferencecache_agent_kv_replays_total",
+            "inferencecache_agent_kv_resyncs_total",
+            "inferencecache_agent_kv_coverage_transitions_total",
+            "inferencecache_agent_kv_blocks",
+            "inferencecache_agent_kv_connected",
+        ] {
+            assert!(
+                families.contains(want),
+                "{want} has no series after init_stream"
+            );
+        }
+        assert!(series.iter().all(|(_, v)| *v == 0.0), "{series:?}");
+        // Every drop reason of each source is there, not only one.
+        let drops = series
+            .iter()
+            .filter(|(f, _)| f == "inferencecache_agent_kv_events_dropped_total")
+            .count();
+        assert_eq!(
+            drops,
+            SUBSCRIBER_DROP_REASONS.len() + DecodeError::REASONS.len() + DROP_REASONS.len()
+        );
+        m.set_coverage(
+            "ns/pod#0",
+            None,
+            Coverage {
+                state: CoverageState::Exact,
+                reason: None,
+            },
+        );
+        m.lag.with_label_values(&["ns/pod#0"]).set(0.5);
+        m.init_stream("other/pod#0");
+        m.remove_stream("ns/pod#0");
+        assert_eq!(series_of(&reg, "ns/pod#0"), vec![]);
+        assert!(!series_of(&reg, "other/pod#0").is_empty());
     }
 }

@@ -731,7 +731,12 @@ impl StreamState {
         self.delta_seq
     }
 
-    /// True when ops are waiting to be taken.
+    /// Keys (stored or removed blocks) in the pending ops.
+    pub fn pending_keys(&self) -> usize {
+        self.pending.keys
+    }
+
+    /// True when ops or a coverage change wait to be taken ([`Self::take_delta`]).
     pub fn has_pending(&self) -> bool {
         !self.pending.ops.is_empty() || self.pending.overflowed || self.coverage() != self.reported
     }

@@ -199,6 +199,11 @@ impl StreamShared {
     }
 }
 
+/// Pending keys that wake the link even while more batches are queued (flush on size): bounds
+/// one delta (≈ 10 bytes per key on the wire) and the delay a long burst adds to its first
+/// blocks.
+pub const FLUSH_KEYS: usize = 4096;
+
 /// Everything a stream's tasks report to.
 #[derive(Clone)]
 pub(crate) struct Sink {
@@ -541,7 +546,9 @@ async fn process_loop(
             _ = p.shared.link_changed.notified() => p.on_tick(rx.is_empty()).await,
             _ = tick.tick() => p.on_tick(rx.is_empty()).await,
         }
-        p.observe();
+        // Flush on idle: the link is woken once the queue is drained (or the pending ops are
+        // large), so a burst of batches leaves as one delta and a lone batch leaves at once.
+        p.observe_queue(rx.is_empty());
     }
 }
 
@@ -553,6 +560,14 @@ impl Processor {
     /// Publishes a coverage change: gauge, transition counter, log, and a wake-up for the link
     /// (a coverage change is sent even without ops).
     fn observe(&mut self) {
+        self.observe_queue(true);
+    }
+
+    /// [`Processor::observe`] with the flush policy: pending ops wake the link (which sends
+    /// them at once, no timer) when `queue_empty` (nothing more is waiting to be applied: flush
+    /// on idle), when at least [`FLUSH_KEYS`] keys are pending (flush on size), or when the
+    /// coverage changed.
+    fn observe_queue(&mut self, queue_empty: bool) {
         let (cov, blocks, orphans, err) = {
             let g = self.shared.lock();
             (
@@ -562,6 +577,7 @@ impl Processor {
                 g.stats.last_error.clone(),
             )
         };
+        let mut changed = false;
         if self.coverage != Some(cov) {
             let id = self.shared.id();
             self.sink.metrics.set_coverage(id, self.coverage, cov);
@@ -576,8 +592,14 @@ impl Processor {
                 }
             }
             self.coverage = Some(cov);
+            changed = true;
         }
-        if self.shared.lock().state.has_pending() {
+        let flush = {
+            let g = self.shared.lock();
+            g.state.has_pending()
+                && (queue_empty || changed || g.state.pending_keys() >= FLUSH_KEYS)
+        };
+        if flush {
             self.sink.notify.notify_one();
         }
     }

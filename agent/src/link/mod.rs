@@ -12,7 +12,8 @@
 //! requests (answered with a fresh Resync). On any error the stream reconnects with capped
 //! exponential backoff.
 //!
-//! One *pump* task owns the hub's delta queue: it takes deltas and broadcasts each batch to every
+//! One *pump* task owns the hub's delta queue: it takes deltas as soon as the hub signals (the
+//! subscribers signal on idle and on size, never on a timer) and broadcasts each batch to every
 //! stream, and produces snapshots on request — flushing pending deltas first, so a snapshot never
 //! swallows ops another stream still needs. A stream subscribes to the broadcast before it asks
 //! for its snapshot and drops broadcast deltas the snapshot already covers (per-stream seq ≤ the
@@ -48,8 +49,6 @@ pub struct LinkConfig {
     pub backoff_initial: Duration,
     /// Reconnect delay cap.
     pub backoff_max: Duration,
-    /// How long deltas are gathered into one batch after the hub signals.
-    pub batch_window: Duration,
     /// How often the controller host is re-resolved to find replicas.
     pub rediscover_interval: Duration,
     /// Set by `ic-agent subscribe` (the per-pod kvevent-subscriber): the pod the stream speaks
@@ -62,14 +61,13 @@ pub struct LinkConfig {
 }
 
 impl LinkConfig {
-    /// Defaults: 250 ms → 5 s backoff, 20 ms batching window, re-resolve every 10 s.
+    /// Defaults: 250 ms → 5 s backoff, re-resolve every 10 s.
     pub fn new(controller: impl Into<String>) -> Self {
         LinkConfig {
             controller: controller.into(),
             token_file: None,
             backoff_initial: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
-            batch_window: Duration::from_millis(20),
             rediscover_interval: Duration::from_secs(10),
             pod_subscriber: None,
             ack_timeout: Duration::from_secs(10),
@@ -146,7 +144,11 @@ struct Pump {
 }
 
 impl Pump {
-    fn start(state: Arc<AgentState>, window: Duration) -> (Pump, tokio::task::JoinHandle<()>) {
+    /// Starts the pump. It flushes as soon as the hub signals — no batching timer: the
+    /// subscribers signal when their queue is drained or their pending ops are large
+    /// (`kv::subscriber::FLUSH_KEYS`), so batches form from what arrived while the previous
+    /// flush was on its way, and a lone engine batch leaves at once.
+    fn start(state: Arc<AgentState>) -> (Pump, tokio::task::JoinHandle<()>) {
         let (batches, _) = broadcast::channel(BATCH_FANOUT_DEPTH);
         let (snapshots, mut requests) = mpsc::channel::<oneshot::Sender<Vec<StreamSnapshot>>>(16);
         let tx = batches.clone();
@@ -167,10 +169,7 @@ impl Pump {
             };
             loop {
                 tokio::select! {
-                    _ = state.hub.changed() => {
-                        tokio::time::sleep(window).await;
-                        flush(&mut batch_id);
-                    }
+                    _ = state.hub.changed() => flush(&mut batch_id),
                     req = requests.recv() => {
                         let Some(reply) = req else { return };
                         flush(&mut batch_id);
@@ -201,7 +200,7 @@ pub async fn run(
     plan_applied: Arc<Notify>,
 ) {
     state.link.write().controller = cfg.controller.clone();
-    let (pump, pump_task) = Pump::start(state.clone(), cfg.batch_window);
+    let (pump, pump_task) = Pump::start(state.clone());
     let mut streams: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
         let mut urls = Vec::new();

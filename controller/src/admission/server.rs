@@ -44,6 +44,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Connection limits (docs/security.md "Connection limits").
     pub limits: ConnectionLimits,
+    /// Set to the serving certificate's `notAfter` (Unix seconds) at start and on every reload
+    /// (`inferencecache_controller_webhook_cert_expiry_timestamp_seconds`); `None`: no metric.
+    pub cert_expiry: Option<prometheus::IntGauge>,
 }
 
 impl ServerConfig {
@@ -54,6 +57,7 @@ impl ServerConfig {
             tls,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             limits: ConnectionLimits::default(),
+            cert_expiry: None,
         }
     }
 }
@@ -156,6 +160,9 @@ pub async fn start(
             reload_interval,
         } => {
             let sc = tls::server_config_from_files(cert, key)?;
+            if let Ok(pem) = std::fs::read(cert) {
+                tls::record_not_after(cfg.cert_expiry.as_ref(), &pem);
+            }
             (
                 RustlsConfig::from_config(Arc::new(sc)),
                 None,
@@ -169,6 +176,7 @@ pub async fn start(
             }
             let sc =
                 tls::server_config_from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())?;
+            tls::record_not_after(cfg.cert_expiry.as_ref(), bundle.cert_pem.as_bytes());
             (
                 RustlsConfig::from_config(Arc::new(sc)),
                 Some(bundle.ca_pem),
@@ -181,6 +189,7 @@ pub async fn start(
             ca_pem,
         } => {
             let sc = tls::server_config_from_pem(cert_pem.as_bytes(), key_pem.as_bytes())?;
+            tls::record_not_after(cfg.cert_expiry.as_ref(), cert_pem.as_bytes());
             (
                 RustlsConfig::from_config(Arc::new(sc)),
                 ca_pem.clone(),
@@ -216,8 +225,9 @@ pub async fn start(
         },
         Duration::from_secs(5),
     ));
-    let reloader =
-        watch.map(|(cert, key, interval)| tls::spawn_reloader(rustls.clone(), cert, key, interval));
+    let reloader = watch.map(|(cert, key, interval)| {
+        tls::spawn_reloader(rustls.clone(), cert, key, interval, cfg.cert_expiry.clone())
+    });
     tracing::info!(addr = %local_addr, "admission webhooks listening (HTTPS)");
     Ok(RunningServer {
         local_addr,

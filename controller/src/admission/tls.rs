@@ -305,6 +305,31 @@ pub fn server_config_from_pem(
     Ok(config)
 }
 
+/// The leaf (first) certificate's `notAfter` in a PEM chain, as Unix seconds.
+///
+/// Errors: [`TlsError::CertPem`] when the PEM holds no certificate or its DER does not parse.
+pub fn leaf_not_after_unix(cert_pem: &[u8]) -> Result<i64, TlsError> {
+    let leaf = CertificateDer::pem_slice_iter(cert_pem)
+        .next()
+        .ok_or_else(|| TlsError::CertPem("no certificate found".to_string()))?
+        .map_err(|e| TlsError::CertPem(e.to_string()))?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map_err(|e| TlsError::CertPem(format!("leaf certificate: {e}")))?;
+    Ok(cert.validity().not_after.timestamp())
+}
+
+/// Sets `gauge` to the leaf certificate's `notAfter` (Unix seconds); logs and leaves it when the
+/// certificate does not parse (the pair loaded, so rustls accepted it: this is only the metric).
+pub fn record_not_after(gauge: Option<&prometheus::IntGauge>, cert_pem: &[u8]) {
+    let Some(g) = gauge else { return };
+    match leaf_not_after_unix(cert_pem) {
+        Ok(t) => g.set(t),
+        Err(e) => {
+            tracing::warn!(error = %e, "webhook certificate expiry not readable for the metric")
+        }
+    }
+}
+
 /// Reads a cert/key pair from files into a rustls config.
 pub fn server_config_from_files(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, TlsError> {
     let read = |p: &Path| {
@@ -331,12 +356,14 @@ fn stamp(cert: &Path, key: &Path) -> Stamp {
 /// Watches `cert`/`key` every `interval` and reloads `config` when their modification time or
 /// size changes (cert-manager rotation, a Secret update). A pair that fails to load is logged
 /// and retried on the next change or poll; the running certificate stays until a good pair
-/// loads. The task ends when the returned handle is aborted.
+/// loads; `expiry` (when given) follows the certificate that serves. The task ends when the
+/// returned handle is aborted.
 pub fn spawn_reloader(
     config: RustlsConfig,
     cert: PathBuf,
     key: PathBuf,
     interval: Duration,
+    expiry: Option<prometheus::IntGauge>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut loaded = stamp(&cert, &key);
@@ -352,6 +379,9 @@ pub fn spawn_reloader(
             }
             match server_config_from_files(&cert, &key) {
                 Ok(sc) => {
+                    if let Ok(pem) = std::fs::read(&cert) {
+                        record_not_after(expiry.as_ref(), &pem);
+                    }
                     config.reload_from_config(Arc::new(sc));
                     loaded = now;
                     failed = None;
@@ -379,6 +409,19 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(19_723), (2024, 1, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn leaf_expiry_is_read_from_the_first_certificate_and_junk_is_an_error() {
+        let b = generate_self_signed(&["localhost".to_string()]).unwrap();
+        let leaf = leaf_not_after_unix(b.cert_pem.as_bytes()).unwrap();
+        // The chain order matters: the leaf, not the CA that follows it.
+        let chain = format!("{}{}", b.cert_pem, b.ca_pem);
+        assert_eq!(leaf_not_after_unix(chain.as_bytes()).unwrap(), leaf);
+        assert!(matches!(
+            leaf_not_after_unix(b"junk"),
+            Err(TlsError::CertPem(_))
+        ));
     }
 
     #[test]

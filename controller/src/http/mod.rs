@@ -14,18 +14,26 @@
 //!   [`MAX_NAME_BYTES`](ic_shared::limits::MAX_NAME_BYTES), a body above
 //!   [`MAX_PROBE_BODY_BYTES`]) is a 400 with `{"error": …}` and nothing is allocated for it.
 //! - `/v1/nodes`: `{"nodes":[NodeRecord…]}` — each agent that connected, with its latest checks.
+//!
+//! With [`HttpState::access`] set (in cluster), `/snapshot`, `/probe`, `/v1/nodes` and
+//! `/v1/nodes/{node}` require `authorization: Bearer TOKEN` and the grant [`crate::access`]
+//! names (`list cacheroutes` — narrowed to the granted namespaces without a cluster-wide grant —,
+//! the non-resource URL `/probe`, `list` / `get cachenodes`): 401 without a valid token, 403
+//! with the review's reason, 503 when no verdict can be had, each with `{"error": …}`.
+//! `/healthz`, `/readyz` and `/metrics` stay open (kubelet, Prometheus).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::access::{AccessError, AccessRequest, CallerAuth, TenantGrant};
 use crate::probe::{self, ProbeRequest};
 use crate::state::Shared;
 
@@ -39,6 +47,38 @@ pub struct HttpState {
     pub shared: Arc<Shared>,
     /// Set once every listener is bound.
     pub ready: Arc<AtomicBool>,
+    /// Caller authentication and authorization of the data-plane reads; `None` serves them
+    /// to anyone (standalone on loopback).
+    pub access: Option<Arc<CallerAuth>>,
+}
+
+fn authorization(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+}
+
+fn refused(e: AccessError) -> Response {
+    let mut r = (e.http_status(), Json(json!({ "error": e.to_string() }))).into_response();
+    if e.http_status() == StatusCode::UNAUTHORIZED {
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    r
+}
+
+/// Checks `request` for the caller of `headers` (nothing without [`HttpState::access`]).
+async fn admit(s: &HttpState, headers: &HeaderMap, request: AccessRequest) -> Result<(), Response> {
+    match &s.access {
+        None => Ok(()),
+        Some(a) => a
+            .check(authorization(headers), &request)
+            .await
+            .map(|_| ())
+            .map_err(refused),
+    }
 }
 
 /// The HTTP router.
@@ -75,19 +115,56 @@ async fn metrics(State(s): State<HttpState>) -> Response {
         .into_response()
 }
 
-async fn snapshot(State(s): State<HttpState>) -> Response {
-    Json(s.shared.index.read().snapshot()).into_response()
+async fn snapshot(State(s): State<HttpState>, headers: HeaderMap) -> Response {
+    let grant = match &s.access {
+        None => TenantGrant::All,
+        Some(a) => {
+            let user = match a.authenticate(authorization(&headers)).await {
+                Ok(u) => u,
+                Err(e) => return refused(e),
+            };
+            let tenants = s.shared.index.read().tenants();
+            match a.visible_tenants(&user, "list", tenants).await {
+                Ok(g) => g,
+                Err(e) => return refused(e),
+            }
+        }
+    };
+    let doc = s.shared.index.read().snapshot_of(&|t| grant.allows(t));
+    Json(doc).into_response()
 }
 
-async fn probe_get(State(s): State<HttpState>, Query(req): Query<ProbeRequest>) -> Response {
+fn probe_access(method: &Method) -> AccessRequest {
+    AccessRequest::Path {
+        verb: if method == Method::POST {
+            "post"
+        } else {
+            "get"
+        },
+        path: "/probe",
+    }
+}
+
+async fn probe_get(
+    State(s): State<HttpState>,
+    headers: HeaderMap,
+    Query(req): Query<ProbeRequest>,
+) -> Response {
+    if let Err(r) = admit(&s, &headers, probe_access(&Method::GET)).await {
+        return r;
+    }
     run_probe(s, req).await
 }
 
 async fn probe_post(
     State(s): State<HttpState>,
+    headers: HeaderMap,
     Query(query): Query<ProbeRequest>,
     body: Bytes,
 ) -> Response {
+    if let Err(r) = admit(&s, &headers, probe_access(&Method::POST)).await {
+        return r;
+    }
     let req = if body.iter().all(u8::is_ascii_whitespace) {
         query
     } else {
@@ -124,11 +201,21 @@ async fn run_probe(s: HttpState, req: ProbeRequest) -> Response {
     }
 }
 
-async fn nodes(State(s): State<HttpState>) -> Response {
+async fn nodes(State(s): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(r) = admit(&s, &headers, AccessRequest::nodes("list", "")).await {
+        return r;
+    }
     Json(json!({ "nodes": s.shared.nodes.lock().list() })).into_response()
 }
 
-async fn node(State(s): State<HttpState>, Path(name): Path<String>) -> Response {
+async fn node(
+    State(s): State<HttpState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    if let Err(r) = admit(&s, &headers, AccessRequest::nodes("get", &name)).await {
+        return r;
+    }
     match s.shared.nodes.lock().get(&name) {
         Some(n) => Json(n).into_response(),
         None => (

@@ -10,7 +10,8 @@
 //! is shorter, answers NO_HINT (`BelowMinimumPrefixTokens`); a lookup past its `deadline`
 //! answers NO_HINT (`LookupTimeout`) — fail open, the gateway routes by load.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ic_shared::kv::content_key;
@@ -54,6 +55,11 @@ pub struct LookupQuery {
     pub deadline: Option<Instant>,
     /// Most replicas in the answer (the best ones); 0 = all.
     pub max_replicas: usize,
+    /// Only partitions of these tenants (namespaces) are searched — the caller's grant
+    /// (docs/security.md "Authenticated data plane"); `None` = every tenant. Applied before the
+    /// best partition is chosen, so a replica of another tenant is never named and never
+    /// displaces a visible one.
+    pub visible_tenants: Option<Arc<BTreeSet<String>>>,
 }
 
 /// One replica's match.
@@ -218,6 +224,9 @@ impl PrefixIndex {
             }
             let k = &p.key;
             let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
+                && q.visible_tenants
+                    .as_ref()
+                    .is_none_or(|v| v.contains(&k.tenant))
                 && (q.model.is_empty() || k.model == q.model)
                 && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
                 && k.adapter == q.adapter
@@ -365,15 +374,17 @@ impl PrefixIndex {
 
     /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
     /// (0 = all) and attaches names.
+    ///
+    /// The order key of a score is built from the score and the slot's stream-order label
+    /// alone (a dense array, no replica descriptor is read), so only the `max` replicas kept
+    /// are dereferenced for their names.
     fn materialize(&self, scores: Vec<ReplicaScore>, max: usize) -> Vec<ReplicaMatch> {
-        let mut keyed: Vec<(u64, ReplicaScore)> = scores
+        let mut keyed: Vec<(u128, ReplicaScore)> = scores
             .into_iter()
-            .filter_map(|s| {
-                let r = self.replica(s.slot as ReplicaSlot)?;
-                let key = (u64::from(u32::MAX - s.tokens()) << 32)
-                    | (u64::from(!s.t1) << 31)
-                    | u64::from(r.rank & 0x7FFF_FFFF);
-                Some((key, s))
+            .map(|s| {
+                let primary = (u64::from(u32::MAX - s.tokens()) << 1) | u64::from(!s.t1);
+                let key = (u128::from(primary) << 64) | u128::from(self.order.label(s.slot));
+                (key, s)
             })
             .collect();
         if max > 0 && keyed.len() > max {
@@ -381,23 +392,24 @@ impl PrefixIndex {
             keyed.truncate(max);
         }
         keyed.sort_unstable_by_key(|(k, _)| *k);
-        keyed
-            .into_iter()
-            .filter_map(|(_, s)| {
-                let r = self.replica(s.slot as ReplicaSlot)?;
-                Some(ReplicaMatch {
-                    replica: r.desc.replica.clone(),
-                    stream_id: r.desc.stream_id.clone(),
-                    node: r.node.clone(),
-                    dp_rank: r.desc.dp_rank,
-                    matched_blocks: s.matched_blocks,
-                    matched_tokens: s.tokens(),
-                    tier: if s.t1 { Tier::T1 } else { Tier::T2 },
-                    backend: r.desc.backend.clone(),
-                    coverage: r.effective_coverage(),
-                })
-            })
-            .collect()
+        let mut out = Vec::with_capacity(keyed.len());
+        for (_, s) in keyed {
+            let Some(r) = self.replica(s.slot as ReplicaSlot) else {
+                continue;
+            };
+            out.push(ReplicaMatch {
+                replica: r.desc.replica.clone(),
+                stream_id: r.desc.stream_id.clone(),
+                node: r.node.clone(),
+                dp_rank: r.desc.dp_rank,
+                matched_blocks: s.matched_blocks,
+                matched_tokens: s.tokens(),
+                tier: if s.t1 { Tier::T1 } else { Tier::T2 },
+                backend: r.desc.backend.clone(),
+                coverage: r.effective_coverage(),
+            });
+        }
+        out
     }
 
     /// Stream id of a scored slot (for callers of [`PrefixIndex::score`]).

@@ -36,6 +36,7 @@
 mod holders;
 mod lookup;
 mod mem;
+mod order;
 mod policy;
 mod snapshot;
 mod table;
@@ -49,6 +50,7 @@ use ic_shared::proto::{self, kv_op::Op};
 use thiserror::Error;
 
 use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT};
+use order::StreamOrder;
 use table::BlockTable;
 
 pub use lookup::{
@@ -175,8 +177,6 @@ struct Replica {
     stale: bool,
     /// What the agent says of the entries (see `ic_shared::kv::coverage`).
     coverage: Coverage,
-    /// Position of the stream id in sorted order (ties in lookup answers).
-    rank: u32,
     /// Engine tier-2 counters, when reported.
     t2_hits: Option<u64>,
     t2_queries: Option<u64>,
@@ -205,6 +205,21 @@ impl Replica {
             }
             _ => self.coverage,
         }
+    }
+}
+
+/// Moves one replica between the per-state counts of [`PrefixIndex::coverage_counts`]
+/// (`None`: the replica is created or removed).
+fn retally(tally: &mut [usize; 6], from: Option<CoverageState>, to: Option<CoverageState>) {
+    if from == to {
+        return;
+    }
+    let at = |s: CoverageState| CoverageState::ALL.iter().position(|x| *x == s);
+    if let Some(c) = from.and_then(at).and_then(|i| tally.get_mut(i)) {
+        *c = c.saturating_sub(1);
+    }
+    if let Some(c) = to.and_then(at).and_then(|i| tally.get_mut(i)) {
+        *c += 1;
     }
 }
 
@@ -324,6 +339,13 @@ pub struct PrefixIndex {
     replicas: Vec<Option<Replica>>,
     free_slots: Vec<ReplicaSlot>,
     slot_by_stream: HashMap<String, ReplicaSlot, table::StrBuild>,
+    /// Stream-id order labels (ties in lookup answers), kept incrementally.
+    order: StreamOrder,
+    /// Slots of each node's streams (a resync or expiry touches only the node's own).
+    node_slots: HashMap<String, Vec<ReplicaSlot>>,
+    /// Replicas per effective coverage state, in `CoverageState::ALL` order (kept as coverage
+    /// and limits change, so the gauges never walk every replica under the write lock).
+    coverage_tally: [usize; 6],
     arena: HolderArena,
     seed: u64,
     entries: usize,
@@ -361,6 +383,9 @@ impl PrefixIndex {
             replicas: Vec::new(),
             free_slots: Vec::new(),
             slot_by_stream: HashMap::default(),
+            order: StreamOrder::default(),
+            node_slots: HashMap::new(),
+            coverage_tally: [0; 6],
             arena: HolderArena::default(),
             seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
@@ -516,8 +541,18 @@ impl PrefixIndex {
             if let Some(part) = part {
                 self.remove(slot, part, &[key]);
             }
-            if let Some(r) = self.replica_mut(slot) {
+            if let Some(r) = self
+                .replicas
+                .get_mut(slot as usize)
+                .and_then(Option::as_mut)
+            {
+                let before = r.effective_coverage().state;
                 r.limited = Some(coverage::TENANT_QUOTA_EXCEEDED);
+                retally(
+                    &mut self.coverage_tally,
+                    Some(before),
+                    Some(r.effective_coverage().state),
+                );
             }
         }
         true
@@ -525,8 +560,22 @@ impl PrefixIndex {
 
     /// Records a replica's coverage and whether lookups may match it.
     fn set_coverage(&mut self, slot: ReplicaSlot, cov: Coverage) {
-        if let Some(r) = self.replica_mut(slot) {
+        if let Some(r) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        {
+            if r.coverage == cov {
+                // Unchanged (nearly every delta): the tally and `unroutable` already agree.
+                return;
+            }
+            let before = r.effective_coverage().state;
             r.coverage = cov;
+            retally(
+                &mut self.coverage_tally,
+                Some(before),
+                Some(r.effective_coverage().state),
+            );
         }
         let block = !cov.state.routable();
         let i = slot as usize;
@@ -557,9 +606,15 @@ impl PrefixIndex {
     /// already reported Disconnected or EngineDown stays unrouted.
     pub fn mark_node_unreported(&mut self, node: &str) {
         let slots: Vec<ReplicaSlot> = self
-            .live_replicas()
-            .filter(|(_, r)| r.node == node && r.coverage.state.routable())
-            .map(|(s, _)| s)
+            .node_slots
+            .get(node)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|s| {
+                self.replica(*s)
+                    .is_some_and(|r| r.node == node && r.coverage.state.routable())
+            })
             .collect();
         for s in slots {
             self.set_coverage(
@@ -572,6 +627,16 @@ impl PrefixIndex {
     /// Replicas per coverage state, every state listed (the
     /// `inferencecache_controller_index_replicas_by_coverage` gauge).
     pub fn coverage_counts(&self) -> [(CoverageState, usize); 6] {
+        let mut out = CoverageState::ALL.map(|s| (s, 0usize));
+        for (c, n) in out.iter_mut().zip(self.coverage_tally) {
+            c.1 = n;
+        }
+        out
+    }
+
+    /// [`Self::coverage_counts`] by walking every replica (what the tally must equal).
+    #[cfg(test)]
+    fn coverage_counts_walked(&self) -> [(CoverageState, usize); 6] {
         let mut out = CoverageState::ALL.map(|s| (s, 0usize));
         for (_, r) in self.live_replicas() {
             if let Some(c) = out
@@ -592,6 +657,22 @@ impl PrefixIndex {
     /// Number of distinct (partition, content key) blocks.
     pub fn block_count(&self) -> usize {
         self.partitions.iter().map(|p| p.blocks.len()).sum()
+    }
+
+    /// Tenants (namespaces) the index holds anything of: those of live replicas and of
+    /// partitions that hold blocks (what a caller's grant is checked against).
+    pub fn tenants(&self) -> std::collections::BTreeSet<String> {
+        let mut out: std::collections::BTreeSet<String> = self
+            .live_replicas()
+            .map(|(_, r)| r.desc.tenant.clone())
+            .collect();
+        out.extend(
+            self.partitions
+                .iter()
+                .filter(|p| !p.blocks.is_empty())
+                .map(|p| p.key.tenant.clone()),
+        );
+        out
     }
 
     /// Distinct blocks per tenant (a block several replicas of the tenant hold counts once;
@@ -737,35 +818,31 @@ impl PrefixIndex {
         Some(s as ReplicaSlot)
     }
 
-    /// Recomputes every replica's rank (stream-id order) after streams come or go.
-    fn rerank(&mut self) {
-        let mut ids: Vec<(&String, ReplicaSlot)> =
-            self.slot_by_stream.iter().map(|(k, v)| (k, *v)).collect();
-        ids.sort_unstable();
-        let order: Vec<ReplicaSlot> = ids.into_iter().map(|(_, s)| s).collect();
-        for (rank, slot) in order.into_iter().enumerate() {
-            if let Some(r) = self.replica_mut(slot) {
-                r.rank = rank as u32;
-            }
-        }
-    }
-
     /// Replaces every stream of `node` with the given snapshots (agent (re)connect or resync).
     /// Streams of the node not in `streams` are dropped. Stale snapshots register the stream with
     /// no entries.
+    ///
+    /// Costs what the node's streams hold plus O(log n) per stream for its place in the
+    /// stream-id order: nothing here walks or sorts every stream of the index (the write lock
+    /// it runs under stalls lookups).
     pub fn resync_node(&mut self, node: &str, streams: &[proto::StreamSnapshot]) {
-        self.remove_streams_where(|r| r.node == node);
+        self.remove_node_streams(node);
         for snap in streams {
             let Some(desc) = snap.stream.clone() else {
                 continue;
             };
             // A stream id moving between nodes: the newest report wins.
-            self.remove_stream_no_rerank(&desc.stream_id);
+            self.remove_stream(&desc.stream_id);
             let Some(slot) = self.alloc_slot() else {
                 tracing::warn!(stream = %desc.stream_id, "prefix index: replica slots exhausted");
                 continue;
             };
             self.slot_by_stream.insert(desc.stream_id.clone(), slot);
+            self.order.insert(&desc.stream_id, slot);
+            self.node_slots
+                .entry(node.to_string())
+                .or_default()
+                .push(slot);
             if let Some(cell) = self.replicas.get_mut(slot as usize) {
                 *cell = Some(Replica {
                     desc,
@@ -777,13 +854,13 @@ impl PrefixIndex {
                     last_event_unix_ms: snap.last_event_unix_ms,
                     stale: snap.stale,
                     coverage: Coverage::EXACT,
-                    rank: 0,
                     t2_hits: None,
                     t2_queries: None,
                     cache_memory_bytes: None,
                     prefix_cache: None,
                     limited: None,
                 });
+                retally(&mut self.coverage_tally, None, Some(CoverageState::Exact));
             }
             self.set_coverage(
                 slot,
@@ -807,41 +884,52 @@ impl PrefixIndex {
                 self.store(slot, part, &[e.content_key], Tier::from_proto(e.tier));
             }
         }
-        self.rerank();
     }
 
     /// Drops every stream reported by `node`.
     pub fn remove_node(&mut self, node: &str) {
-        self.remove_streams_where(|r| r.node == node);
-        self.rerank();
+        self.remove_node_streams(node);
     }
 
-    fn remove_streams_where(&mut self, f: impl Fn(&Replica) -> bool) {
+    fn remove_node_streams(&mut self, node: &str) {
         let streams: Vec<String> = self
-            .live_replicas()
-            .filter(|(_, r)| f(r))
-            .map(|(_, r)| r.desc.stream_id.clone())
+            .node_slots
+            .remove(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|s| self.replica(s))
+            .filter(|r| r.node == node)
+            .map(|r| r.desc.stream_id.clone())
             .collect();
         for s in streams {
-            self.remove_stream_no_rerank(&s);
+            self.remove_stream(&s);
         }
     }
 
-    /// Drops one stream and all its entries.
-    pub fn remove_stream(&mut self, stream_id: &str) {
-        if self.remove_stream_no_rerank(stream_id) {
-            self.rerank();
-        }
-    }
-
-    fn remove_stream_no_rerank(&mut self, stream_id: &str) -> bool {
+    /// Drops one stream and all its entries. True when it was known.
+    pub fn remove_stream(&mut self, stream_id: &str) -> bool {
         let Some(slot) = self.slot_by_stream.remove(stream_id) else {
             return false;
         };
+        self.order.remove(stream_id);
+        if let Some(node) = self.replica(slot).map(|r| r.node.clone()) {
+            if let Some(slots) = self.node_slots.get_mut(&node) {
+                slots.retain(|s| *s != slot);
+                if slots.is_empty() {
+                    self.node_slots.remove(&node);
+                }
+            }
+        }
         self.clear_replica(slot);
         self.set_coverage(slot, Coverage::EXACT);
         if let Some(cell) = self.replicas.get_mut(slot as usize) {
-            *cell = None;
+            if let Some(r) = cell.take() {
+                retally(
+                    &mut self.coverage_tally,
+                    Some(r.effective_coverage().state),
+                    None,
+                );
+            }
         }
         self.free_slots.push(slot);
         true
@@ -982,7 +1070,13 @@ impl PrefixIndex {
         replica.blocks += added;
         replica.t2_blocks = (replica.t2_blocks + t2_up).saturating_sub(t2_down);
         if refused > 0 {
+            let before = replica.effective_coverage().state;
             replica.limited = Some(coverage::STREAM_CAP_EXCEEDED);
+            retally(
+                &mut self.coverage_tally,
+                Some(before),
+                Some(replica.effective_coverage().state),
+            );
             self.stream_cap_refusals += refused as u64;
         }
         self.entries += added;
@@ -1062,7 +1156,13 @@ impl PrefixIndex {
         replica.t2_blocks = 0;
         replica.blocks = 0;
         // Nothing is held any more, so nothing the index dropped is missing.
+        let before = replica.effective_coverage().state;
         replica.limited = None;
+        retally(
+            &mut self.coverage_tally,
+            Some(before),
+            Some(replica.effective_coverage().state),
+        );
         for rp in replica.parts.iter_mut() {
             let Some(ps) = self.partitions.get_mut(rp.pid as usize) else {
                 continue;
@@ -1112,8 +1212,20 @@ impl PrefixIndex {
 
     /// Block sizes registered per hash scheme: those of partitions that hold blocks.
     pub fn block_sizes(&self) -> std::collections::BTreeMap<String, Vec<u32>> {
+        self.block_sizes_of(&|_| true)
+    }
+
+    /// [`Self::block_sizes`] of the partitions of tenants `visible` accepts.
+    pub(crate) fn block_sizes_of(
+        &self,
+        visible: &dyn Fn(&str) -> bool,
+    ) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
-        for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
+        for p in self
+            .partitions
+            .iter()
+            .filter(|p| !p.blocks.is_empty() && visible(&p.key.tenant))
+        {
             let v = out.entry(p.key.hash_scheme.clone()).or_default();
             if !v.contains(&p.key.block_size) {
                 v.push(p.key.block_size);

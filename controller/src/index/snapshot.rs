@@ -83,6 +83,11 @@ pub struct IndexSnapshot {
     pub entries: usize,
     /// Block sizes registered per hash scheme.
     pub block_sizes: BTreeMap<String, Vec<u32>>,
+    /// True when the document shows only the namespaces the caller may read
+    /// ([`PrefixIndex::snapshot_of`]): `replicas` lists only theirs, and `blocks`, `entries`
+    /// and `blockSizes` count only theirs. Absent (false) for the whole index.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub narrowed: bool,
 }
 
 /// RFC 3339 form of unix milliseconds; `None` for 0 or out of range.
@@ -96,8 +101,18 @@ pub fn rfc3339_ms(ms: i64) -> Option<String> {
 impl PrefixIndex {
     /// Projects the index per replica.
     pub fn snapshot(&self) -> IndexSnapshot {
+        self.snapshot_of(&|_| true)
+    }
+
+    /// Projects the replicas of the tenants `visible` accepts. When it rejects a tenant the
+    /// index holds, the totals are those of the visible tenants (distinct blocks of their
+    /// partitions, their replicas' entries, their block sizes) and `narrowed` is set, so the
+    /// document neither names nor counts what the caller may not read.
+    pub fn snapshot_of(&self, visible: &dyn Fn(&str) -> bool) -> IndexSnapshot {
+        let narrowed = self.tenants().iter().any(|t| !visible(t));
         let mut replicas: Vec<ReplicaSnapshot> = self
             .live_replicas()
+            .filter(|(_, r)| visible(&r.desc.tenant))
             .map(|(_, r)| {
                 let mut block_sizes: Vec<u32> = r
                     .parts
@@ -136,11 +151,26 @@ impl PrefixIndex {
             })
             .collect();
         replicas.sort_by(|a, b| a.stream_id.cmp(&b.stream_id));
+        if !narrowed {
+            return IndexSnapshot {
+                replicas,
+                blocks: self.block_count(),
+                entries: self.entry_count(),
+                block_sizes: self.block_sizes(),
+                narrowed: false,
+            };
+        }
         IndexSnapshot {
+            blocks: self
+                .blocks_by_tenant()
+                .iter()
+                .filter(|(t, _)| visible(t))
+                .map(|(_, n)| n)
+                .sum(),
+            entries: replicas.iter().map(|r| r.prefix_count).sum(),
             replicas,
-            blocks: self.block_count(),
-            entries: self.entry_count(),
-            block_sizes: self.block_sizes(),
+            block_sizes: self.block_sizes_of(visible),
+            narrowed: true,
         }
     }
 }

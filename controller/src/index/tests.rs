@@ -960,3 +960,93 @@ fn quota_order_follows_re_stores_and_the_queue_stays_bounded_under_churn() {
         "no eviction below the quota"
     );
 }
+
+#[test]
+fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
+    // Streams come and go on several nodes (resyncs, removals, expiry), with coverage
+    // changes, a per-stream cap and a tenant quota: after every step the incrementally kept
+    // coverage tally equals a walk over the replicas, and answers list ties by stream id.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut ix = PrefixIndex::new();
+    ix.set_max_blocks_per_stream(6);
+    ix.set_tenant_quotas([("default".to_string(), 40usize)].into_iter().collect());
+    let keys = chain(&tokens(0..32), 4);
+    let mut seqs: HashMap<String, u64> = HashMap::new();
+    let states = [
+        proto::Coverage::Exact,
+        proto::Coverage::Healing,
+        proto::Coverage::Partial,
+        proto::Coverage::Disconnected,
+        proto::Coverage::EngineDown,
+    ];
+    for step in 0..600 {
+        let node = format!("n{}", next() % 4);
+        match next() % 8 {
+            0 => {
+                // A resync of the node with a random set of pods (ids shared across nodes:
+                // the newest report wins).
+                let pods: Vec<String> = (0..(next() % 6))
+                    .map(|_| format!("p{:02}", next() % 30))
+                    .collect();
+                let snaps: Vec<_> = pods.iter().map(|p| empty_snapshot(p)).collect();
+                ix.resync_node(&node, &snaps);
+                for p in &pods {
+                    seqs.insert(p.clone(), 0);
+                }
+            }
+            1 => {
+                ix.remove_node(&node);
+            }
+            2 => {
+                ix.remove_stream(&format!("default/p{:02}#0", next() % 30));
+            }
+            3 => ix.mark_node_unreported(&node),
+            _ => {
+                let p = format!("p{:02}", next() % 30);
+                let Some(seq) = seqs.get_mut(&p) else {
+                    continue;
+                };
+                let depth = 1 + (next() % 8) as usize;
+                let mut d = delta(
+                    &p,
+                    *seq + 1,
+                    vec![store(&keys[..depth], proto::Tier::T1, "")],
+                );
+                d.coverage = states[(next() % states.len() as u64) as usize] as i32;
+                d.coverage_reason = "Test".into();
+                for n in 0..4 {
+                    if ix.apply_delta(&format!("n{n}"), &d).is_ok() {
+                        *seq += 1;
+                        break;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            ix.coverage_counts(),
+            ix.coverage_counts_walked(),
+            "step {step}"
+        );
+        let r = ix.lookup(&query(&tokens(0..32)));
+        let order: Vec<(std::cmp::Reverse<u32>, Tier, String)> = r
+            .replicas
+            .iter()
+            .map(|m| {
+                (
+                    std::cmp::Reverse(m.matched_tokens),
+                    m.tier,
+                    m.stream_id.clone(),
+                )
+            })
+            .collect();
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(order, sorted, "step {step}: answer order");
+    }
+}

@@ -390,6 +390,11 @@ impl<V: TokenVerifier> CachingVerifier<V> {
         self
     }
 
+    /// Tokens cached now (at most the bound given at construction).
+    pub fn cached_tokens(&self) -> usize {
+        self.cache.lock().len()
+    }
+
     fn lookup(
         &self,
         key: &(String, String),

@@ -81,6 +81,7 @@ pub fn start_agent(
                     metrics_addr: None,
                     check_interval,
                     limits: Default::default(),
+                    http_bearer_token_file: None,
                 },
                 state,
                 Checks::new(&ChecksConfig::default()),

@@ -203,7 +203,11 @@ impl Coverage {
     pub fn from_proto(state: i32, reason: &str) -> Self {
         Coverage {
             state: CoverageState::from_proto(state),
-            reason: REASONS.iter().copied().find(|r| *r == reason),
+            reason: if reason.is_empty() {
+                None
+            } else {
+                REASONS.iter().copied().find(|r| *r == reason)
+            },
         }
     }
 }

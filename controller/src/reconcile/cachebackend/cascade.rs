@@ -35,6 +35,17 @@ pub fn trigger_value(instance: &str) -> String {
     )
 }
 
+/// The merge patch a cascade sends to each engine Deployment for server instance `instance`:
+/// only the pod-template annotation
+/// [`CACHE_SERVER_RESTART_TRIGGER`](crate::reconcile::annotations::CACHE_SERVER_RESTART_TRIGGER)
+/// set to [`trigger_value`] (the chart's ValidatingAdmissionPolicy admits exactly this change on
+/// Deployments the controller does not own).
+pub fn restart_patch(instance: &str) -> serde_json::Value {
+    serde_json::json!({"spec": {"template": {"metadata": {"annotations": {
+        crate::reconcile::annotations::CACHE_SERVER_RESTART_TRIGGER: trigger_value(instance),
+    }}}}})
+}
+
 /// One Ready cache-server pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerPod {

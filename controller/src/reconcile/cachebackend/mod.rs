@@ -60,7 +60,6 @@ use self::index_view::IndexView;
 use self::metrics::BackendMetrics;
 use self::probe::{ProbeInput, Prober};
 use self::status::{evaluate, Memory, Observed, Settings, WorkloadState};
-use super::annotations::CACHE_SERVER_RESTART_TRIGGER;
 use super::clock::Clock;
 use super::render::{self, label_value, RenderError, Rendered, Workload, LABEL_BACKEND};
 
@@ -661,12 +660,9 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
         // cascade repeated for the same replacement (its status write failed with a 409, or the
         // controller restarted before it) patches the same value again, which changes nothing
         // and rolls no engine a second time.
-        let stamp = cascade::trigger_value(instance);
+        let patch = cascade::restart_patch(instance);
         let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
         for d in &eval.cascade_targets {
-            let patch = json!({"spec": {"template": {"metadata": {"annotations": {
-                CACHE_SERVER_RESTART_TRIGGER: stamp,
-            }}}}});
             deploys
                 .patch(d, &PatchParams::apply(FIELD_MANAGER), &Patch::Merge(&patch))
                 .await

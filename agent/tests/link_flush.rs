@@ -1,0 +1,112 @@
+//! The link flushes on idle, not on a timer (issue 18 item 3): a batch the engine publishes
+//! reaches the controller as a delta within a few milliseconds, instead of after a batching
+//! window. Real agent runtime, a replayed engine publisher that stamps each batch with the
+//! time it sends it, and a stand-in controller that timestamps what it receives.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ic_agent::checks::{Checks, ChecksConfig};
+use ic_agent::kv::publish::{publish_fixture, PublishOptions};
+use ic_agent::link::LinkConfig;
+use ic_agent::runtime::{self, RunConfig};
+use ic_agent::state::AgentState;
+use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_shared::proto::agent_message::Msg;
+use support::FakeController;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/kv-events")
+        .join(name)
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
+    let (_fake, grpc, mut received) = FakeController::start().await;
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let publisher = tokio::spawn(async move {
+        publish_fixture(
+            &fixture("vllm-0.26.0.json"),
+            &format!("tcp://127.0.0.1:{pub_port}"),
+            Some(&format!("tcp://127.0.0.1:{replay_port}")),
+            &PublishOptions {
+                // Far apart, so every batch leaves as its own delta.
+                interval: Duration::from_millis(150),
+                connect_wait: Duration::from_millis(1000),
+                linger: Duration::from_secs(15),
+                until_seq: Some(8),
+                retime: true,
+                ..PublishOptions::default()
+            },
+        )
+        .await
+    });
+    let plan = NodePlan {
+        engines: vec![EnginePlan {
+            namespace: "team-a".into(),
+            pod: "engine-0".into(),
+            model: "model-x".into(),
+            hash_scheme: HashScheme::Vllm,
+            block_size: 16,
+            kv_events: vec![KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
+                topic: String::new(),
+                dp_rank: 0,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let state = AgentState::new("node-flush".into(), plan).unwrap();
+    let mut link = LinkConfig::new(format!("http://{grpc}"));
+    link.backoff_initial = Duration::from_millis(100);
+    let running = runtime::start(
+        RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(30),
+            limits: Default::default(),
+            http_bearer_token_file: None,
+        },
+        state,
+        Checks::new(&ChecksConfig::default()),
+    )
+    .await
+    .unwrap();
+    // Publish → received, per delta carrying ops: now − the batch's engine timestamp.
+    let mut delays_ms = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while delays_ms.len() < 4 {
+        let m = tokio::time::timeout_at(deadline, received.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {} deltas with ops arrived", delays_ms.len()))
+            .unwrap();
+        let now = ic_shared::now_unix_ms();
+        if let Some(Msg::KvDeltas(b)) = m.msg {
+            for d in b.deltas.iter().filter(|d| !d.ops.is_empty()) {
+                delays_ms.push(now - d.last_event_unix_ms);
+            }
+        }
+    }
+    // The best of several: a loaded machine may delay some, but a timer of 20 ms (what the
+    // link had) would delay every one by at least that.
+    let best = delays_ms.iter().copied().min().unwrap();
+    assert!(
+        (0..15).contains(&best),
+        "publish → delta took at least {best} ms: {delays_ms:?}"
+    );
+    running.abort();
+    publisher.abort();
+}
