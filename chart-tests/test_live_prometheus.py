@@ -42,6 +42,8 @@ NO_SUBJECT_YET = {
     # counters, blocks and connected exist at 0 from the start).
     "inferencecache_agent_kv_stream_lag_seconds",
     "inferencecache_backend_t2_hit_rate",
+    # Per configured --tokenizer model; the idle stack configures none.
+    "inferencecache_controller_tokenizer_load_failing",
     # An engine stream's first tier-2 reading (a planned metrics URL that serves the counters).
     "inferencecache_agent_engine_t2_queries_total",
     "inferencecache_agent_engine_t2_last_hit_timestamp_seconds",
