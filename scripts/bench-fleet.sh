@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fleet scale on one controller (issue 18 items 5–6, docs/scaling.md): `ic-fleet` (bench/fleet/) runs
+# Fleet scale on one controller (issue 18 items 5–6, docs/scaling.md): `ic-fleet` (fleet/, a workspace member) runs
 # many simulated node agents, each its own AgentService.Connect stream over loopback gRPC,
 # against the real `ic-controller standalone` binary, and prints one Markdown row per size:
 # controller RSS (VmRSS / VmHWM of its /proc/<pid>/status), time to converge (every agent
@@ -12,17 +12,16 @@
 #   IC_FLEET_ARGS="--churn-every-ms 1000" scripts/bench-fleet.sh   # plus a churn phase
 #
 # Each agent holds one connection (the controller gets --max-connections agents + 64) and the
-# generator one more descriptor per agent, so the script raises `ulimit -n`. Build output goes to
-# $IC_BENCH_TARGET_DIR (default target/bench), as scripts/bench-kv.sh.
+# generator one more descriptor per agent, so the script raises `ulimit -n`. Both binaries are
+# built in one release invocation (one feature set) into $CARGO_TARGET_DIR (default target/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-export CARGO_TARGET_DIR=${IC_BENCH_TARGET_DIR:-$ROOT/target/bench}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 # agents:entries-per-agent. Entries at 1 000 agents: 10 M, 30 M, 100 M; agents at 20 k entries
 # each: 500, 1 500, 5 000 (10 M, 30 M, 100 M).
 SIZES=${SIZES:-"500:20000 1500:20000 5000:20000 1000:10000 1000:30000 1000:100000"}
-cargo build --quiet --release --locked --manifest-path bench/Cargo.toml -p ic-fleet
-cargo build --quiet --release --locked --manifest-path bench/Cargo.toml -p ic-controller --bin ic-controller
+cargo build --quiet --release --locked -p ic-fleet -p ic-controller --bin ic-fleet --bin ic-controller
 hard=$(ulimit -Hn)
 want=65536
 if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
