@@ -6,6 +6,7 @@
 //! - [`plan`] — the node plan the controller pushes to an agent (or an agent reads from a file).
 //! - [`check`] — the typed result of a node check.
 //! - [`kv`] — engine KV-event wire decoding, our content keys, replica coverage.
+//! - [`link`] — what an agent sends first on `AgentService.Connect` (Hello, then its resync).
 //! - [`resync`] — resyncs split into chunks below gRPC's message limit, and put back together.
 //! - [`telemetry`] — logging set-up for both binaries.
 //! - [`serve`] — connection limits of every listener (HTTP/1.1 and gRPC).
@@ -15,6 +16,7 @@ pub mod check;
 pub mod crd;
 pub mod kv;
 pub mod limits;
+pub mod link;
 pub mod plan;
 pub mod resync;
 pub mod serve;

@@ -323,21 +323,14 @@ fn hello(
     token: &str,
     pod_subscriber: Option<&proto::PodSubscriber>,
 ) -> AgentMessage {
-    let capabilities = match pod_subscriber {
-        Some(_) => vec!["kv-events".into(), "pod-subscriber".into()],
-        None => vec!["checks".into(), "kv-events".into()],
-    };
-    AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: state.node.clone(),
-            boot_id: read_boot_id(),
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            capabilities,
-            token: token.to_string(),
-            agent_instance: instance_id().to_string(),
-            pod_subscriber: pod_subscriber.cloned(),
-        })),
-    }
+    ic_shared::link::hello(ic_shared::link::HelloFields {
+        node: &state.node,
+        boot_id: &read_boot_id(),
+        version: env!("CARGO_PKG_VERSION"),
+        token,
+        agent_instance: instance_id(),
+        pod_subscriber,
+    })
 }
 
 /// The engines' latest tier-2 counters; `None` when no engine exposes them.
@@ -438,8 +431,7 @@ async fn session(
     let snap = pump.snapshot().await?;
     let mut covered = Covered::from_snapshot(&snap);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
-    send(hello(state, &token, cfg.pod_subscriber.as_ref())).await?;
-    for m in ic_shared::resync::chunk_resync(snap) {
+    for m in ic_shared::link::opening(hello(state, &token, cfg.pod_subscriber.as_ref()), snap) {
         send(m).await?;
     }
     counter_changes.mark_unchanged();

@@ -1,0 +1,376 @@
+//! `ic-fleet`: many node agents at once against one real controller (`ic-controller
+//! standalone`) over loopback gRPC — memory per (block, replica) entry, convergence after a
+//! controller restart with every agent resyncing at once, and LookupRoute latency meanwhile.
+//! docs/scaling.md reads its figures; `scripts/bench-fleet.sh` runs it over several sizes.
+//!
+//! One run: start the controller; connect `--agents` agents (each `--streams-per-agent` engine
+//! streams, about `--entries-per-agent` entries in all); wait until the controller's `/metrics`
+//! show every agent connected and every entry indexed; measure memory; optionally churn (one
+//! prompt replaced per stream every `--churn-every-ms`) and measure the controller's CPU per
+//! block op; then SIGTERM the controller, start it again, and time the reconnect storm while
+//! lookups run. Prints one Markdown table row (`--header` prints the header first) and, with
+//! `--json`, one JSON object per run on stderr.
+//!
+//! Standalone mode authenticates nobody and keeps no node scope (`ic_controller::ingest::scope`:
+//! it derives no plans), so a simulated agent is admitted exactly as a real agent without a
+//! token is; in cluster each would need a TokenReview-valid token bound to its node.
+
+mod agents;
+mod controller;
+mod lookups;
+mod spec;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use parking_lot::Mutex;
+
+use agents::Fleet;
+use controller::{cpu_seconds, load_average, rss_kib, Controller, ControllerCmd};
+use spec::FleetSpec;
+
+/// `ic_controller::ingest::MAX_RESYNC_ENTRIES` (not a dependency: the controller crate would
+/// pull its whole dependency tree into this build): a larger node resync is refused.
+const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ic-fleet",
+    about = "Many agents against one controller over loopback gRPC"
+)]
+struct Args {
+    /// Node agents (one HTTP/2 connection each).
+    #[arg(long, default_value_t = 1000)]
+    agents: usize,
+    /// (block, replica) entries per agent, over all its streams.
+    #[arg(long, default_value_t = 20_000)]
+    entries_per_agent: usize,
+    /// Engine streams (GPUs) per agent.
+    #[arg(long, default_value_t = 8)]
+    streams_per_agent: usize,
+    /// Tenants (namespaces) the nodes are spread over.
+    #[arg(long, default_value_t = 16)]
+    tenants: usize,
+    /// Blocks of each tenant's shared system prompt (held by all its replicas).
+    #[arg(long, default_value_t = 32)]
+    shared_prefix: usize,
+    /// Blocks per prompt after the shared prefix.
+    #[arg(long, default_value_t = 32)]
+    seq_blocks: usize,
+    /// LookupRoute calls per second during the run.
+    #[arg(long, default_value_t = 200)]
+    lookup_rate: u32,
+    /// Churn phase: replace one prompt per stream every this many ms (0 = skip the phase).
+    #[arg(long, default_value_t = 0)]
+    churn_every_ms: u64,
+    /// Seconds the churn phase runs.
+    #[arg(long, default_value_t = 10)]
+    churn_seconds: u64,
+    /// Skip the restart storm.
+    #[arg(long)]
+    no_restart: bool,
+    /// Seconds to wait for convergence before the run fails.
+    #[arg(long, default_value_t = 300)]
+    converge_timeout: u64,
+    /// The controller binary (default: ic-controller next to this binary).
+    #[arg(long)]
+    controller_bin: Option<PathBuf>,
+    /// gRPC port of the controller.
+    #[arg(long, default_value_t = 50151)]
+    grpc_port: u16,
+    /// HTTP port of the controller.
+    #[arg(long, default_value_t = 50180)]
+    http_port: u16,
+    /// Controller log file.
+    #[arg(long, default_value = "/tmp/ic-fleet-controller.log")]
+    controller_log: PathBuf,
+    /// Print the table header first.
+    #[arg(long)]
+    header: bool,
+    /// Also write one JSON object per run to stderr.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Memory, time and lookup figures of one run.
+#[derive(Debug, Default)]
+struct Report {
+    entries: u64,
+    empty_rss_kib: u64,
+    cold_converge_s: f64,
+    cold_cpu_s: f64,
+    steady_rss_kib: u64,
+    cold_hwm_kib: u64,
+    quiet: lookups::Window,
+    churn_ops_per_s: f64,
+    churn_cpu_frac: f64,
+    churn_lookups: lookups::Window,
+    down_s: f64,
+    ready_s: f64,
+    storm_converge_s: f64,
+    storm_cpu_s: f64,
+    storm_hwm_kib: u64,
+    storm: lookups::Window,
+    dropped: u64,
+    connect_failures_after_ready: u64,
+    resync_requests: u64,
+    load_cold: String,
+    load_storm: String,
+}
+
+fn gib(kib: u64) -> f64 {
+    kib as f64 / (1024.0 * 1024.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    if args.header {
+        println!("| agents | streams | entries | empty RSS | cold converge s | steady RSS GiB | B/entry | cold peak GiB | quiet lookup p50/p99 µs | churn block-ops/s | churn ctrl CPU | restart: ready s | converged s | storm peak GiB | storm lookup p50/p99/max µs | storm exact/no-hint/wrong | dropped | load (cold/storm) |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    }
+    match run(&args).await {
+        Ok(r) => print_row(&args, &r),
+        Err(e) => {
+            eprintln!("ic-fleet: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Polls the controller until every agent is connected and every entry indexed, sampling its
+/// RSS; returns the elapsed time since `since`.
+async fn converge(
+    cmd: &ControllerCmd,
+    ctl: &mut Controller,
+    fleet: &Fleet,
+    since: Instant,
+    limit: Duration,
+) -> Result<Duration, String> {
+    let want = fleet.spec.total_entries() as f64;
+    let agents = fleet.spec.agents as f64;
+    loop {
+        if since.elapsed() > limit {
+            let m = cmd.metrics().await.unwrap_or_default();
+            return Err(format!(
+                "not converged within {limit:?}: entries {:?} of {want}, agents {:?} of {agents}; agent errors {:?}",
+                m.get("inferencecache_controller_index_entries"),
+                m.get("inferencecache_controller_agents_connected"),
+                fleet.stats.errors.lock()
+            ));
+        }
+        if !ctl.alive() {
+            return Err(format!("the controller exited (see {})", cmd.log.display()));
+        }
+        if let Ok(m) = cmd.metrics().await {
+            let entries = m.get("inferencecache_controller_index_entries").copied();
+            let connected = m.get("inferencecache_controller_agents_connected").copied();
+            if entries == Some(want) && connected == Some(agents) {
+                return Ok(since.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn run(args: &Args) -> Result<Report, String> {
+    let spec = FleetSpec::new(
+        args.agents,
+        args.entries_per_agent,
+        args.streams_per_agent,
+        args.tenants,
+        args.shared_prefix,
+        args.seq_blocks,
+    );
+    if spec.streams_per_agent * spec.entries_per_stream() > MAX_RESYNC_ENTRIES {
+        return Err(format!(
+            "{} entries per agent is above the controller's resync cap of {}",
+            spec.streams_per_agent * spec.entries_per_stream(),
+            MAX_RESYNC_ENTRIES
+        ));
+    }
+    let fleet = Fleet::new(spec);
+    let grpc = SocketAddr::from(([127, 0, 0, 1], args.grpc_port));
+    let http = SocketAddr::from(([127, 0, 0, 1], args.http_port));
+    let cmd = ControllerCmd {
+        bin: args
+            .controller_bin
+            .clone()
+            .unwrap_or_else(controller::default_bin),
+        grpc,
+        http,
+        // One connection per agent, plus the lookup client and headroom (docs/scaling.md).
+        max_connections: args.agents + 64,
+        log: args.controller_log.clone(),
+    };
+    let limit = Duration::from_secs(args.converge_timeout);
+    let mut r = Report {
+        entries: fleet.spec.total_entries(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut ctl = cmd.spawn()?;
+    cmd.wait_ready(Duration::from_secs(30)).await?;
+    r.empty_rss_kib = rss_kib(ctl.pid).0;
+
+    // Cold start: every agent connects to an empty controller.
+    let url = format!("http://{grpc}");
+    let cpu0 = cpu_seconds(ctl.pid);
+    let cold = Instant::now();
+    for a in 0..fleet.spec.agents {
+        tokio::spawn(agents::run_agent(fleet.clone(), a, url.clone()));
+    }
+    r.cold_converge_s = converge(&cmd, &mut ctl, &fleet, cold, limit)
+        .await?
+        .as_secs_f64();
+    r.cold_cpu_s = cpu_seconds(ctl.pid) - cpu0;
+    r.load_cold = load_average();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    (r.steady_rss_kib, r.cold_hwm_kib) = rss_kib(ctl.pid);
+
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    tokio::spawn(lookups::run(
+        fleet.clone(),
+        url.clone(),
+        args.lookup_rate,
+        t0,
+        samples.clone(),
+    ));
+    let q0 = t0.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    r.quiet = lookups::window(&samples.lock(), q0, t0.elapsed());
+
+    if args.churn_every_ms > 0 {
+        let m0 = cmd.metrics().await?;
+        let c0 = cpu_seconds(ctl.pid);
+        let w0 = t0.elapsed();
+        let started = Instant::now();
+        fleet
+            .churn_every_ms
+            .store(args.churn_every_ms, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(args.churn_seconds)).await;
+        fleet.churn_every_ms.store(0, Ordering::Relaxed);
+        let secs = started.elapsed().as_secs_f64();
+        let m1 = cmd.metrics().await?;
+        let applied = |m: &std::collections::HashMap<String, f64>| {
+            m.get("inferencecache_controller_kv_deltas_applied_total")
+                .copied()
+                .unwrap_or(0.0)
+        };
+        // Each delta removes one prompt and stores one: 2 × seq_blocks block ops.
+        r.churn_ops_per_s =
+            (applied(&m1) - applied(&m0)) * 2.0 * fleet.spec.seq_blocks as f64 / secs;
+        r.churn_cpu_frac = (cpu_seconds(ctl.pid) - c0) / secs;
+        r.churn_lookups = lookups::window(&samples.lock(), w0, t0.elapsed());
+        // Let the last batches land before the restart counts entries.
+        converge(&cmd, &mut ctl, &fleet, Instant::now(), limit).await?;
+    }
+
+    if !args.no_restart {
+        let ended0 = fleet.stats.ended.load(Ordering::Relaxed);
+        let down = Instant::now();
+        ctl.stop().await?;
+        r.down_s = down.elapsed().as_secs_f64();
+        // Every stream of the old process has ended before the new one starts.
+        while fleet.stats.connected.load(Ordering::Relaxed) > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let ended1 = fleet.stats.ended.load(Ordering::Relaxed);
+        if ended1 - ended0 != fleet.spec.agents as u64 {
+            return Err(format!(
+                "{} streams ended at the restart, expected {}",
+                ended1 - ended0,
+                fleet.spec.agents
+            ));
+        }
+        let mut ctl2 = cmd.spawn()?;
+        let spawned = ctl2.started;
+        let cpu0 = cpu_seconds(ctl2.pid);
+        r.ready_s = cmd.wait_ready(Duration::from_secs(30)).await?.as_secs_f64();
+        let ready_at = t0.elapsed();
+        let fails0 = fleet.stats.connect_failures.load(Ordering::Relaxed);
+        r.storm_converge_s = converge(&cmd, &mut ctl2, &fleet, spawned, limit)
+            .await?
+            .as_secs_f64();
+        let conv_at = t0.elapsed();
+        r.storm_cpu_s = cpu_seconds(ctl2.pid) - cpu0;
+        r.load_storm = load_average();
+        r.storm_hwm_kib = rss_kib(ctl2.pid).1;
+        r.connect_failures_after_ready =
+            fleet.stats.connect_failures.load(Ordering::Relaxed) - fails0;
+        r.dropped = fleet.stats.ended.load(Ordering::Relaxed) - ended1;
+        r.storm = lookups::window(&samples.lock(), ready_at, conv_at);
+        ctl = ctl2;
+    }
+    r.resync_requests = fleet.stats.resync_requests.load(Ordering::Relaxed);
+    fleet.stop.store(true, Ordering::Relaxed);
+    let _ = ctl.stop().await;
+    if args.json {
+        eprintln!("{}", json(args, &r, &fleet));
+    }
+    Ok(r)
+}
+
+fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
+    let w = |w: &lookups::Window| {
+        serde_json::json!({"answered": w.answered, "errors": w.errors, "exact": w.exact,
+            "no_hint": w.no_hint, "wrong": w.wrong, "p50_us": w.p50_us, "p99_us": w.p99_us,
+            "max_us": w.max_us})
+    };
+    serde_json::json!({
+        "agents": args.agents, "streams_per_agent": args.streams_per_agent,
+        "entries": r.entries, "empty_rss_kib": r.empty_rss_kib,
+        "cold_converge_s": r.cold_converge_s, "cold_cpu_s": r.cold_cpu_s,
+        "steady_rss_kib": r.steady_rss_kib, "cold_hwm_kib": r.cold_hwm_kib,
+        "quiet": w(&r.quiet), "churn_ops_per_s": r.churn_ops_per_s,
+        "churn_cpu_frac": r.churn_cpu_frac, "churn_lookups": w(&r.churn_lookups),
+        "down_s": r.down_s, "ready_s": r.ready_s, "storm_converge_s": r.storm_converge_s,
+        "storm_cpu_s": r.storm_cpu_s, "storm_hwm_kib": r.storm_hwm_kib, "storm": w(&r.storm),
+        "dropped": r.dropped, "connect_failures_after_ready": r.connect_failures_after_ready,
+        "resync_requests": r.resync_requests,
+        "batches_sent": fleet.stats.batches_sent.load(Ordering::Relaxed),
+        "batches_acked": fleet.stats.batches_acked.load(Ordering::Relaxed),
+        "agent_errors": fleet.stats.errors.lock().clone(),
+        "load_cold": r.load_cold, "load_storm": r.load_storm,
+    })
+    .to_string()
+}
+
+fn print_row(args: &Args, r: &Report) {
+    let churn = if args.churn_every_ms > 0 {
+        (
+            format!("{:.2} M", r.churn_ops_per_s / 1e6),
+            format!("{:.0} %", r.churn_cpu_frac * 100.0),
+        )
+    } else {
+        ("–".into(), "–".into())
+    };
+    let storm = |s: String| if args.no_restart { "–".into() } else { s };
+    println!(
+        "| {} | {} | {:.1} M | {:.0} MiB | {:.1} | {:.2} | {:.1} | {:.2} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
+        args.agents,
+        args.agents * args.streams_per_agent,
+        r.entries as f64 / 1e6,
+        r.empty_rss_kib as f64 / 1024.0,
+        r.cold_converge_s,
+        gib(r.steady_rss_kib),
+        (r.steady_rss_kib.saturating_sub(r.empty_rss_kib) * 1024) as f64 / r.entries.max(1) as f64,
+        gib(r.cold_hwm_kib),
+        r.quiet.p50_us,
+        r.quiet.p99_us,
+        churn.0,
+        churn.1,
+        storm(format!("{:.2}", r.ready_s)),
+        storm(format!("{:.1}", r.storm_converge_s)),
+        storm(format!("{:.2}", gib(r.storm_hwm_kib))),
+        storm(format!("{}/{}/{}", r.storm.p50_us, r.storm.p99_us, r.storm.max_us)),
+        storm(format!("{}/{}/{}", r.storm.exact, r.storm.no_hint, r.storm.wrong)),
+        storm(r.dropped.to_string()),
+        r.load_cold,
+        if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
+    );
+}

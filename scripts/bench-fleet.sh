@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Fleet scale on one controller (issue 18 items 5–6, docs/scaling.md): `ic-fleet` (fleet/, a workspace member) runs
+# many simulated node agents, each its own AgentService.Connect stream over loopback gRPC,
+# against the real `ic-controller standalone` binary, and prints one Markdown row per size:
+# controller RSS (VmRSS / VmHWM of its /proc/<pid>/status), time to converge (every agent
+# connected, every entry indexed, read from the controller's /metrics), the reconnect storm after
+# a SIGTERM restart (each agent resyncing in full) with LookupRoute round trips meanwhile, and
+# the load average at each figure.
+#
+#   scripts/bench-fleet.sh                  # the curve: 3 entry sizes, 3 agent counts
+#   SIZES="5000:20000" scripts/bench-fleet.sh   # agents:entries-per-agent pairs
+#   IC_FLEET_ARGS="--churn-every-ms 1000" scripts/bench-fleet.sh   # plus a churn phase
+#
+# Each agent holds one connection (the controller gets --max-connections agents + 64) and the
+# generator one more descriptor per agent, so the script raises `ulimit -n`. Both binaries are
+# built in one release invocation (one feature set) into $CARGO_TARGET_DIR (default target/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+# agents:entries-per-agent. Entries at 1 000 agents: 10 M, 30 M, 100 M; agents at 20 k entries
+# each: 500, 1 500, 5 000 (10 M, 30 M, 100 M).
+SIZES=${SIZES:-"500:20000 1500:20000 5000:20000 1000:10000 1000:30000 1000:100000"}
+cargo build --quiet --release --locked -p ic-fleet -p ic-controller --bin ic-fleet --bin ic-controller
+hard=$(ulimit -Hn)
+want=65536
+if [ "$hard" != unlimited ] && [ "$hard" -lt "$want" ]; then want=$hard; fi
+ulimit -n "$want"
+echo "# $(date -u +%FT%TZ) $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB; uptime: $(uptime)"
+header=--header
+for size in $SIZES; do
+  agents=${size%%:*}
+  entries=${size##*:}
+  # shellcheck disable=SC2086
+  "$CARGO_TARGET_DIR/release/ic-fleet" $header --agents "$agents" --entries-per-agent "$entries" \
+    --controller-bin "$CARGO_TARGET_DIR/release/ic-controller" ${IC_FLEET_ARGS:-}
+  header=
+done
