@@ -25,7 +25,7 @@ use ic_shared::kv::content_key::chain;
 use ic_shared::proto::{self, kv_op::Op, KvOp, StoreOp, StreamCounters, StreamDelta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube_fake_client::ClientBuilder;
+use kube_fake_client::{interceptor, ClientBuilder};
 
 fn desc(tenant: &str, replica: &str, rank: u32) -> proto::StreamDescriptor {
     proto::StreamDescriptor {
@@ -255,14 +255,17 @@ fn too_many_replicas_are_truncated_loudly() {
 }
 
 async fn fake() -> kube::Client {
-    cluster_scoped(
-        ClientBuilder::new()
-            .with_resource::<CacheIndex>()
-            .with_status_subresource::<CacheIndex>()
-            .build()
-            .await
-            .unwrap(),
-    )
+    fake_with(None).await
+}
+
+async fn fake_with(funcs: Option<interceptor::Funcs>) -> kube::Client {
+    let mut b = ClientBuilder::new()
+        .with_resource::<CacheIndex>()
+        .with_status_subresource::<CacheIndex>();
+    if let Some(f) = funcs {
+        b = b.with_interceptor_funcs(f);
+    }
+    cluster_scoped(b.build().await.unwrap())
 }
 
 async fn stored(client: &kube::Client) -> Option<CacheIndex> {
@@ -334,6 +337,91 @@ async fn the_writer_creates_writes_on_change_and_is_rate_limited() {
     w2.sync(&IndexAggregate::of(&ix), t4).await.unwrap();
     let gone = stored(&client).await.unwrap().status.unwrap();
     assert_eq!(gone.replicas[0].cache_memory_bytes, None);
+}
+
+/// A status written by someone else (the other replica around a leadership hand-over) is seen
+/// on the next pass and corrected, although this writer's own index did not change.
+#[tokio::test]
+async fn a_status_overwritten_by_another_writer_is_corrected() {
+    let client = fake().await;
+    let ix = populated();
+    let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
+    let t0 = Timestamp::from_second(1_800_000_000).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t0).await.unwrap(),
+        SyncOutcome::Written
+    );
+    let ours = stored(&client).await.unwrap().status.unwrap();
+    // The other writer's view: an empty index.
+    let mut other = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
+    assert_eq!(
+        other
+            .sync(&IndexAggregate::of(&PrefixIndex::default()), t0)
+            .await
+            .unwrap(),
+        SyncOutcome::Written
+    );
+    assert_ne!(stored(&client).await.unwrap().status.unwrap(), ours);
+    let t1 = Timestamp::from_second(1_800_000_100).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t1).await.unwrap(),
+        SyncOutcome::Written,
+        "the writer trusted its own last write over the stored object"
+    );
+    let fixed = stored(&client).await.unwrap().status.unwrap();
+    assert_eq!(fixed.replicas, ours.replicas);
+    assert_eq!(fixed.prefixes, ours.prefixes);
+}
+
+/// A write computed from a read that another writer overtook is refused by the resourceVersion
+/// precondition (409): the newer object stays, the outcome says so, the next pass writes.
+#[tokio::test]
+async fn a_write_from_an_overtaken_read_is_refused() {
+    let interfered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = interfered.clone();
+    let funcs = interceptor::Funcs::new().patch_status(move |ctx| {
+        if !flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // Between the writer's GET and its PATCH, another writer's update lands.
+            let mut o: CacheIndex = ctx.client.get(ctx.namespace, ctx.name).unwrap();
+            let mut st = o.status.clone().unwrap_or_default();
+            st.replica_count = 4242;
+            o.status = Some(st);
+            ctx.client
+                .update_status(ctx.namespace, &o, &Default::default())
+                .unwrap();
+        }
+        Ok(None)
+    });
+    let client = fake_with(Some(funcs)).await;
+    let ix = populated();
+    let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
+    let t0 = Timestamp::from_second(1_800_000_000).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t0).await.unwrap(),
+        SyncOutcome::Conflict
+    );
+    assert!(interfered.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(
+        stored(&client).await.unwrap().status.unwrap().replica_count,
+        4242,
+        "the overtaken write replaced the newer object"
+    );
+    let t1 = Timestamp::from_second(1_800_000_020).unwrap();
+    assert_eq!(
+        w.sync(&IndexAggregate::of(&ix), t1).await.unwrap(),
+        SyncOutcome::Written
+    );
+    let st = stored(&client).await.unwrap().status.unwrap();
+    assert_eq!(
+        st.replica_count,
+        desired_status(
+            &IndexAggregate::of(&ix),
+            None,
+            ic_controller::reconcile::clock::to_time(t1)
+        )
+        .replica_count
+    );
+    assert_ne!(st.replica_count, 4242);
 }
 
 #[tokio::test]

@@ -21,9 +21,10 @@
 //! - `prefixes`: distinct blocks, those some replica holds at T1, those held only at T2.
 //! - `Exact`: True only when every replica's coverage is Exact; False counts the others.
 //!
-//! `lastUpdated` moves only when the content changes. [`CacheIndexWriter`] writes at most once
-//! per `min_interval`, and only when the status differs from what is stored; it creates the
-//! object when missing and re-reads after a failed write.
+//! `lastUpdated` moves only when the content changes. [`CacheIndexWriter`] reads the stored
+//! object once per `min_interval`, writes only when the status differs from it (at most once per
+//! `min_interval`), creates the object when missing, and writes conditionally on the
+//! resourceVersion it read (409 → nothing written, read again).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -264,11 +265,16 @@ pub fn desired_status(
 }
 
 /// Writes the CacheIndex (the leader's job).
+///
+/// Every pass that is [`Self::due`] reads the stored object (one GET per `min_interval`) rather
+/// than trusting what this writer last wrote: after a leadership hand-over the other replica may
+/// have written since, and a cached copy would call a stale object `Unchanged` for as long as the
+/// index stays the same. The write is a merge patch that carries the resourceVersion of that
+/// read, so a status computed from a read that another writer has overtaken is refused by the
+/// API server (409) instead of overwriting the newer one ([`SyncOutcome::Conflict`]).
 pub struct CacheIndexWriter {
     api: Api<CacheIndex>,
     min_interval: Duration,
-    /// What the API holds, as far as we know (`None`: read it first).
-    stored: Option<Option<CacheIndexStatus>>,
     last_write: Option<Timestamp>,
     last_check: Option<Timestamp>,
 }
@@ -282,6 +288,38 @@ pub enum SyncOutcome {
     Unchanged,
     /// Changed, but the last write was less than `min_interval` ago.
     RateLimited,
+    /// Another writer changed the object between this pass's read and its write (HTTP 409 on
+    /// the resourceVersion precondition): nothing was written; the next pass reads again.
+    Conflict,
+}
+
+/// The merge patch that replaces the whole status with `desired`, conditional on the object
+/// still being at `resource_version` (the API server answers 409 otherwise). Absent optional
+/// fields become `null`, so they are removed from the stored object too.
+///
+/// # Errors
+/// Serializing `desired` (not expected for this type).
+pub fn status_patch(
+    desired: &CacheIndexStatus,
+    resource_version: Option<&str>,
+) -> Result<serde_json::Value, serde_json::Error> {
+    let mut body = serde_json::to_value(desired)?;
+    if let serde_json::Value::Object(m) = &mut body {
+        for k in [
+            "replicas",
+            "tenants",
+            "observedServer",
+            "lastUpdated",
+            "conditions",
+        ] {
+            m.entry(k.to_string()).or_insert(serde_json::Value::Null);
+        }
+    }
+    let mut patch = serde_json::json!({ "status": body });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
+    Ok(patch)
 }
 
 impl CacheIndexWriter {
@@ -290,7 +328,6 @@ impl CacheIndexWriter {
         CacheIndexWriter {
             api: Api::all(client),
             min_interval,
-            stored: None,
             last_write: None,
             last_check: None,
         }
@@ -303,46 +340,41 @@ impl CacheIndexWriter {
             .is_none_or(|t| now.duration_since(t).as_secs_f64() >= self.min_interval.as_secs_f64())
     }
 
-    /// Forgets what was read and written (on gaining leadership: another replica may have
-    /// written since).
+    /// Forgets when it last checked and wrote (on gaining leadership: check at once).
     pub fn reset(&mut self) {
-        self.stored = None;
         self.last_write = None;
         self.last_check = None;
+    }
+
+    /// The stored object, created (with no status) when missing.
+    async fn read_or_create(&self) -> Result<CacheIndex, kube::Error> {
+        if let Some(o) = self.api.get_opt(CACHE_INDEX_NAME).await? {
+            return Ok(o);
+        }
+        let obj = CacheIndex::new(CACHE_INDEX_NAME, CacheIndexSpec {});
+        match self.api.create(&PostParams::default(), &obj).await {
+            Ok(o) => Ok(o),
+            // Created by another writer meanwhile: read theirs.
+            Err(kube::Error::Api(e)) if e.code == 409 => self.api.get(CACHE_INDEX_NAME).await,
+            Err(e) => Err(e),
+        }
     }
 
     /// Brings the CacheIndex up to date with `agg` (subject to the rate limit); creates it when
     /// missing.
     ///
     /// # Errors
-    /// The API's; the next call reads the object again.
+    /// The API's (other than the 409 of [`SyncOutcome::Conflict`]); the next call reads again.
     pub async fn sync(
         &mut self,
         agg: &IndexAggregate,
         now: Timestamp,
     ) -> Result<SyncOutcome, kube::Error> {
-        let current = match &self.stored {
-            Some(s) => s.clone(),
-            None => {
-                let status = match self.api.get_opt(CACHE_INDEX_NAME).await? {
-                    Some(o) => o.status,
-                    None => {
-                        let obj = CacheIndex::new(CACHE_INDEX_NAME, CacheIndexSpec {});
-                        match self.api.create(&PostParams::default(), &obj).await {
-                            Ok(_) => {}
-                            Err(kube::Error::Api(e)) if e.code == 409 => {}
-                            Err(e) => return Err(e),
-                        }
-                        None
-                    }
-                };
-                self.stored = Some(status.clone());
-                status
-            }
-        };
+        let stored = self.read_or_create().await?;
         self.last_check = Some(now);
-        let desired = desired_status(agg, current.as_ref(), to_time(now));
-        if current.as_ref() == Some(&desired) {
+        let current = stored.status.as_ref();
+        let desired = desired_status(agg, current, to_time(now));
+        if current == Some(&desired) {
             return Ok(SyncOutcome::Unchanged);
         }
         if let Some(last) = self.last_write {
@@ -355,34 +387,19 @@ impl CacheIndexWriter {
             field_manager: Some(FIELD_MANAGER.to_string()),
             ..Default::default()
         };
-        // A merge patch of the whole status: absent optional fields become null (removed).
-        let mut body = serde_json::to_value(&desired).map_err(kube::Error::SerdeError)?;
-        if let serde_json::Value::Object(m) = &mut body {
-            for k in [
-                "replicas",
-                "tenants",
-                "observedServer",
-                "lastUpdated",
-                "conditions",
-            ] {
-                m.entry(k.to_string()).or_insert(serde_json::Value::Null);
-            }
-        }
-        let patch = serde_json::json!({ "status": body });
+        let patch = status_patch(&desired, stored.metadata.resource_version.as_deref())
+            .map_err(kube::Error::SerdeError)?;
         match self
             .api
             .patch_status(CACHE_INDEX_NAME, &params, &Patch::Merge(patch))
             .await
         {
             Ok(_) => {
-                self.stored = Some(Some(desired));
                 self.last_write = Some(now);
                 Ok(SyncOutcome::Written)
             }
-            Err(e) => {
-                self.stored = None;
-                Err(e)
-            }
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(SyncOutcome::Conflict),
+            Err(e) => Err(e),
         }
     }
 }
@@ -412,8 +429,15 @@ pub fn spawn_writer(
             let now = clock.now();
             if is_leader && writer.due(now) {
                 let agg = IndexAggregate::of(&shared.index.read());
-                if let Err(e) = writer.sync(&agg, now).await {
-                    warn!(error = %e, "writing the CacheIndex status failed; retrying next pass");
+                match writer.sync(&agg, now).await {
+                    Ok(SyncOutcome::Conflict) => warn!(
+                        "the CacheIndex changed between read and write (another writer); \
+                         nothing written, reading again next pass"
+                    ),
+                    Ok(_) => {}
+                    Err(e) => {
+                        warn!(error = %e, "writing the CacheIndex status failed; retrying next pass")
+                    }
                 }
                 if let Err(e) = super::tenants::sync_tenants(&client, &agg, to_time(now)).await {
                     warn!(error = %e, "listing CacheTenants failed; retrying later");
