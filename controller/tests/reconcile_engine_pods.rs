@@ -243,6 +243,41 @@ async fn followers_record_nothing() {
     assert!(events.events().is_empty());
 }
 
+/// A pod the follower saw (admitted while the old leader was failing) is looked at again, so
+/// the replica that gains the Lease records its Event; a pod that calls for none is not
+/// requeued.
+#[tokio::test]
+async fn a_new_leader_records_what_it_saw_as_a_follower() {
+    use ic_controller::reconcile::engine_pods::FOLLOWER_RECHECK;
+    use kube::runtime::controller::Action;
+    let cb = managed_redis("kv");
+    let client = fake_client(vec![cb.clone()]).await;
+    let events = Arc::new(RecordingEventSink::new());
+    let leader = Arc::new(AtomicBool::new(false));
+    let ctx = Arc::new(PodEventsContext::new(
+        client,
+        events.clone(),
+        leader.clone(),
+    ));
+    let engine = Arc::new(injected_engine("engine-0", &cb, "vllm"));
+    let a = reconcile_engine_pod(engine.clone(), ctx.clone())
+        .await
+        .unwrap();
+    assert_eq!(a, Action::requeue(FOLLOWER_RECHECK));
+    let plain = Arc::new(pod("web-0", &[("app", "web")], &[]));
+    assert_eq!(
+        reconcile_engine_pod(plain, ctx.clone()).await.unwrap(),
+        Action::await_change()
+    );
+    assert!(events.events().is_empty());
+    leader.store(true, std::sync::atomic::Ordering::SeqCst);
+    let a = reconcile_engine_pod(engine, ctx.clone()).await.unwrap();
+    assert_eq!(a, Action::await_change());
+    let ev = events.events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].event.reason, "InjectedByCacheBackend");
+}
+
 #[test]
 fn every_opt_out_the_webhook_honours_gets_skipped_by_operator() {
     use ic_controller::admission::pod::{mutate_pod, PodWebhookConfig};

@@ -18,7 +18,9 @@
 //! and the reason ([`super::cachebackend::events::once_event_name`]), so after a controller
 //! restart or a leader change the re-listed pods find their Event (409 AlreadyExists) instead
 //! of getting a second one. The in-process set only saves the API call on re-reconciles. A
-//! failed create is retried after 30 s.
+//! failed create is retried after 30 s. A follower requeues the pods that call for an Event
+//! every [`FOLLOWER_RECHECK`] instead of waiting for a change, so a pod admitted while the old
+//! leader was failing still gets its Event from the new one.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -40,6 +42,12 @@ use super::cachebackend::events::{reason, EventSink, EventSpec, Recorded};
 
 /// Most (pod UID, reason) pairs remembered before the dedupe set is reset.
 const DEDUPE_CAP: usize = 50_000;
+
+/// How often a follower looks again at a pod that would get an Event. The watch delivers each
+/// pod once; a follower that merely waited for a change would leave the pods admitted before it
+/// gains the Lease without their Event (the old leader may have died first). Only pods whose
+/// annotations call for an Event are requeued, and a follower's pass is in memory (no API call).
+pub const FOLLOWER_RECHECK: Duration = Duration::from_secs(15);
 
 /// What the controller decided for one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,17 +176,21 @@ pub async fn reconcile_engine_pod(
     pod: Arc<Pod>,
     ctx: Arc<PodEventsContext>,
 ) -> Result<Action, PodEventsError> {
-    if !ctx.leader.load(std::sync::atomic::Ordering::SeqCst) {
-        return Ok(Action::await_change());
-    }
     let Some(pod_uid) = pod.metadata.uid.clone() else {
         return Ok(Action::await_change());
     };
-    let event = match decide(&pod) {
-        PodDecision::Skip(why) => {
-            tracing::trace!(why, "no engine-pod event");
-            return Ok(Action::await_change());
-        }
+    let decision = decide(&pod);
+    if let PodDecision::Skip(why) = decision {
+        tracing::trace!(why, "no engine-pod event");
+        return Ok(Action::await_change());
+    }
+    if !ctx.leader.load(std::sync::atomic::Ordering::SeqCst) {
+        // Not ours to record yet; look again, so that gaining the Lease records what the old
+        // leader did not (the Event's derived name makes a duplicate a 409, never a second one).
+        return Ok(Action::requeue(FOLLOWER_RECHECK));
+    }
+    let event = match decision {
+        PodDecision::Skip(_) => return Ok(Action::await_change()),
         PodDecision::SkippedByOperator => EventSpec::normal(
             reason::SKIPPED_BY_OPERATOR,
             "Cache wiring skipped: the pod opts out with inferencecache.io/skip-inject.",
