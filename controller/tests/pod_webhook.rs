@@ -377,6 +377,7 @@ fn events_only_appends_only_the_subscriber() {
             "subscribe",
             "--endpoint=tcp://127.0.0.1:5600",
             "--hash-scheme=vllm",
+            "--block-size=16",
             "--model-id=m",
             "--tenant=$(POD_NAMESPACE)",
             "--replica-id=$(POD_NAME)",
@@ -396,6 +397,76 @@ fn events_only_appends_only_the_subscriber() {
         volumes.last().unwrap(),
         &json!({"name": "inference-cache-token", "projected": {"sources": [{"serviceAccountToken": {
             "audience": "inference-cache", "expirationSeconds": 3600, "path": "token"}}]}})
+    );
+}
+
+/// The kvevent-subscriber chains at the engine's own block size (the node plan's rule): vLLM
+/// `--block-size`, SGLang `--page-size` (default 1 — the subscriber's own default of 16 would
+/// call every SGLang page partial and index nothing); a value only the shell knows is loud.
+#[test]
+fn the_subscriber_chains_at_the_engines_block_size() {
+    let cfg = PodWebhookConfig {
+        kvevent_subscriber_image: Some("ic-agent:1".into()),
+        ..Default::default()
+    };
+    let events = "{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5600\",\"topic\":\"kv-events\"}";
+    let events_only = |runtime: &str| {
+        cb(
+            "x",
+            json!({"spec": {"runtime": runtime, "integration": {"mode": "EventsOnly"}, "observation": {"modelID": "m"}}}),
+        )
+    };
+    let block_arg = |wired: &Value| -> Vec<String> {
+        strings(&container(wired, "kvevent-subscriber")["args"])
+            .into_iter()
+            .filter(|a| a.starts_with("--block-size"))
+            .collect()
+    };
+
+    let mut pod = vllm_pod();
+    pod["spec"]["containers"][0]["args"] =
+        json!(["--block-size", "32", "--kv-events-config", events]);
+    let (o, wired) = admit_converged(&pod, &[events_only("VLLM")], &cfg);
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
+    assert_eq!(block_arg(&wired), vec!["--block-size=32"]);
+
+    let mut sgl = vllm_pod();
+    sgl["spec"]["containers"][0] = json!({
+        "name": "sglang",
+        "image": "lmsysorg/sglang:v0.5.16",
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["--model-path", "Q", "--kv-events-config", events]
+    });
+    let (o, wired) = admit_converged(&sgl, &[events_only("SGLang")], &cfg);
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
+    assert_eq!(
+        block_arg(&wired),
+        vec!["--block-size=1"],
+        "SGLang's default page size"
+    );
+    sgl["spec"]["containers"][0]["args"] = json!([
+        "--model-path",
+        "Q",
+        "--page-size=64",
+        "--kv-events-config",
+        events
+    ]);
+    let (_, wired) = admit_converged(&sgl, &[events_only("SGLang")], &cfg);
+    assert_eq!(block_arg(&wired), vec!["--block-size=64"]);
+
+    let mut shell = vllm_pod();
+    shell["spec"]["containers"][0]["command"] = json!(["/bin/sh", "-c"]);
+    shell["spec"]["containers"][0]["args"] = json!([format!(
+        "vllm serve m --block-size $BLOCK --kv-events-config '{events}'"
+    )]);
+    let (o, wired) = admit_converged(&shell, &[events_only("VLLM")], &cfg);
+    assert_eq!(block_arg(&wired), vec!["--block-size=16"]);
+    assert!(
+        o.warnings
+            .iter()
+            .any(|w| w.contains("--block-size") && w.contains("not a literal number")),
+        "{:?}",
+        o.warnings
     );
 }
 

@@ -138,6 +138,7 @@ fn sidecar_args(
         "subscribe".to_string(),
         format!("--endpoint=tcp://127.0.0.1:{pub_port}"),
         "--hash-scheme=vllm".to_string(),
+        "--block-size=16".to_string(),
         "--model-id=meta-llama/Llama-3.2-1B-Instruct".to_string(),
         format!("--tenant={NAMESPACE}"),
         format!("--replica-id={pod}"),

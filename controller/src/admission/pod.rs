@@ -678,6 +678,48 @@ fn other_listeners(
     out
 }
 
+/// The block size the kvevent-subscriber chains at: the engine's own
+/// ([`plans::engine_block_size`] over its literal arguments — the node plan's rule). The
+/// subscriber treats a block shorter than it as partial and does not index it, so a wrong value
+/// either drops every block (an SGLang engine at its default page size 1 against the
+/// subscriber's default 16) or splits one block into several keys. When the flag's value is a
+/// shell expansion the engine's default is used and a warning says so.
+fn subscriber_block_size(
+    pod: &Pod,
+    engine: Option<usize>,
+    runtime: Runtime,
+    warnings: &mut Vec<String>,
+) -> u32 {
+    let engine_c = engine.and_then(|i| pod.spec.as_ref().and_then(|s| s.containers.get(i)));
+    let Some(cmd) = engine_c.and_then(|c| EngineCommand::parse(c, runtime).ok()) else {
+        return plans::engine_block_size(runtime, &[]);
+    };
+    let flag = plans::block_size_flag(runtime);
+    let unknown = cmd.find(flag).last().and_then(|occ| {
+        let (raw, index) = cmd.value_of(occ)?;
+        let opaque = index.is_some_and(|i| cmd.is_opaque(i)) || raw.contains('$');
+        (opaque || raw.trim().parse::<u32>().is_err()).then_some(raw)
+    });
+    let literal: Vec<&str> = cmd
+        .args
+        .iter()
+        .filter(|a| !a.opaque)
+        .map(|a| a.text.as_str())
+        .collect();
+    let size = if unknown.is_some() {
+        plans::engine_block_size(runtime, &[])
+    } else {
+        plans::engine_block_size(runtime, &literal)
+    };
+    if let Some(raw) = unknown {
+        warnings.push(format!(
+            "container {:?}: {flag} {raw:?} is not a literal number at admission; the kvevent-subscriber assumes the engine default of {size} tokens per block (events that carry their own block_size are split by it, but blocks shorter than {size} are not indexed): write the value literally",
+            cmd.container
+        ));
+    }
+    size
+}
+
 fn field_env(name: &str, path: &str) -> EnvVar {
     EnvVar {
         name: name.to_string(),
@@ -716,6 +758,7 @@ fn remove_subscribers(pod: &mut Pod, keep: &[String]) {
 /// Appends (or converges) one kvevent-subscriber sidecar per data-parallel rank the engine
 /// publishes ([`subscriber_topology`]): the agent binary in per-pod mode, `--endpoint` and
 /// `--replay` of that rank, `--data-parallel-rank` above 0, `--hash-scheme` from the runtime,
+/// `--block-size` from the engine's own ([`subscriber_block_size`]),
 /// `--ignore-block-removed=true` in Offload mode, tenant = pod namespace, replica id = pod name
 /// (downward API). Each sidecar mounts a projected service-account token (audience
 /// `inference-cache`, 1 h) read-only at [`SUBSCRIBER_TOKEN_DIR`], which the controller verifies
@@ -783,6 +826,7 @@ fn add_subscribers(
             )));
         }
     }
+    let block_size = subscriber_block_size(pod, engine, runtime, warnings);
     remove_subscribers(pod, &names);
     let Some(spec) = pod.spec.as_mut() else {
         return Err(Unwired::from("the pod has no spec"));
@@ -803,6 +847,7 @@ fn add_subscribers(
         }
         args.extend([
             format!("--hash-scheme={scheme}"),
+            format!("--block-size={block_size}"),
             format!("--model-id={model}"),
             "--tenant=$(POD_NAMESPACE)".to_string(),
             "--replica-id=$(POD_NAME)".to_string(),

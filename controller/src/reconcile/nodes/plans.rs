@@ -459,6 +459,28 @@ pub fn dp_ranks(runtime: Runtime, args: &[&str]) -> Vec<u32> {
     }
 }
 
+/// The flag that sets the engine's KV block size in tokens: vLLM `--block-size`, SGLang
+/// `--page-size`.
+pub fn block_size_flag(runtime: Runtime) -> &'static str {
+    match runtime {
+        Runtime::Vllm => "--block-size",
+        Runtime::SgLang => "--page-size",
+    }
+}
+
+/// The engine's KV block size in tokens from its (literal) arguments: [`block_size_flag`]'s
+/// value, else the engine's default ([`VLLM_DEFAULT_BLOCK_SIZE`], [`SGLANG_DEFAULT_PAGE_SIZE`]);
+/// at least 1. The node plan and the Pod webhook's kvevent-subscriber both chain at it.
+pub fn engine_block_size(runtime: Runtime, args: &[&str]) -> u32 {
+    let default = match runtime {
+        Runtime::Vllm => VLLM_DEFAULT_BLOCK_SIZE,
+        Runtime::SgLang => SGLANG_DEFAULT_PAGE_SIZE,
+    };
+    flag_u32(args, &[block_size_flag(runtime)])
+        .unwrap_or(default)
+        .max(1)
+}
+
 /// Tensor-parallel size from the engine args (default 1).
 pub fn tensor_parallel(runtime: Runtime, args: &[&str]) -> u32 {
     let names: &[&str] = match runtime {
@@ -514,11 +536,7 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         .unwrap_or_default();
     let args: Vec<&str> = texts.iter().map(String::as_str).collect();
 
-    let block_size = match runtime {
-        Runtime::Vllm => flag_u32(&args, &["--block-size"]).unwrap_or(VLLM_DEFAULT_BLOCK_SIZE),
-        Runtime::SgLang => flag_u32(&args, &["--page-size"]).unwrap_or(SGLANG_DEFAULT_PAGE_SIZE),
-    }
-    .max(1);
+    let block_size = engine_block_size(runtime, &args);
 
     let offload = spec.integration_mode() == IntegrationMode::Offload;
     let mp_worker =
