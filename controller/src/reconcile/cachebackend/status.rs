@@ -27,6 +27,7 @@ use super::cascade::{self, CascadeDecision, Convergence};
 use super::endpoint::{check_endpoint, EndpointCheck};
 use super::engine::{self, KernelResult};
 use super::events::{reason as ev, EventSpec};
+use super::host_tier;
 use super::index_view::{participation, IndexUnavailable, ReplicaObservation};
 use super::path::{classify, BackendPath, PathKind};
 use super::probe::{ProbeInput, ProbeOutcome, StageResult};
@@ -1015,6 +1016,14 @@ pub fn evaluate(
             w.set(cond::DEGRADED, degraded);
             w.set(cond::PROGRESSING, progressing);
         }
+    }
+
+    // HiCacheHostTier: advisory, (SGLang, SGLangHiCache) only; never gates Ready.
+    if host_tier::applies(spec) {
+        let v = host_tier::verdict(cb, obs.pods.as_deref(), &obs.index);
+        w.set(cond::HICACHE_HOST_TIER, c(v.status, v.reason, v.message));
+    } else {
+        w.remove(cond::HICACHE_HOST_TIER);
     }
 
     // observedServerInstance and the cascade (managed only).
