@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Renders the `/metrics` page a real SGLang engine serves, from SGLang's own metrics code.
 
-    python3 scripts/sglang-metrics-page.py <unzipped-wheel-dir> <scenario>   > page.metrics
+    target/ci-cache/sglang/venv/bin/python scripts/sglang-metrics-page.py \
+        target/ci-cache/sglang/0.5.23 <scenario> > testdata/metrics/sglang-0.5.23-<scenario>.metrics
 
 The collectors are SGLang's: `sglang/srt/observability/metrics_collector.py` from the released
 wheel (`scripts/fetch-sglang.sh` unpacks the few files used here), executed unchanged with the
@@ -278,7 +279,9 @@ def main() -> None:
             f"# sha256 00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937, fetched by\n"
             f"# scripts/fetch-sglang.sh) with prometheus_client {version('prometheus_client')}\n"
             f"# in multiprocess mode, as SGLang's HTTP server serves it. Regenerate:\n"
-            f"#   scripts/sglang-metrics-page.py target/ci-cache/sglang/0.5.23 {name}\n"
+            f"#   target/ci-cache/sglang/venv/bin/python scripts/sglang-metrics-page.py \\\n"
+            f"#     target/ci-cache/sglang/0.5.23 {name} \\\n"
+            f"#     > testdata/metrics/sglang-0.5.23-{name}.metrics\n"
             + generate_latest(registry).decode())
 
 

@@ -1,7 +1,7 @@
 //! SGLang HiCache host-tier counters (issue 19 item 4) from SGLang's own `/metrics` pages to the
 //! controller stream.
 //!
-//! The pages (`tests/data/sglang-0.5.23-*.metrics`) are rendered by SGLang 0.5.23's own metrics
+//! The pages (`testdata/metrics/sglang-0.5.23-*.metrics`) are rendered by SGLang 0.5.23's own metrics
 //! collectors (`scripts/sglang-metrics-page.py`); the first test renders them again from the
 //! wheel (`scripts/fetch-sglang.sh`, which `.ci/run` runs) and requires the same samples, so
 //! the committed pages stay what SGLang serves. The second runs an agent whose plan names an
@@ -34,8 +34,9 @@ use tokio::sync::mpsc;
 const SCENARIOS: [&str; 5] = ["roundtrip", "written", "idle", "no-hicache", "dp2"];
 
 fn sglang_page(scenario: &str) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join(format!("tests/data/sglang-0.5.23-{scenario}.metrics"));
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!(
+        "../testdata/metrics/sglang-0.5.23-{scenario}.metrics"
+    ));
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -109,7 +110,7 @@ fn the_committed_pages_are_what_sglang_s_own_collectors_render() {
         assert!(a.len() > 50, "{scenario}: only {} lines rendered", a.len());
         assert_eq!(
             a, b,
-            "{scenario}: re-render differs from tests/data; regenerate it"
+            "{scenario}: re-render differs from testdata/metrics; regenerate it"
         );
     }
 }

@@ -6,7 +6,7 @@
 //! the advisory condition.
 //!
 //! The numbers are what the agent reads from SGLang 0.5.23's own `/metrics` pages
-//! (`agent/tests/data/sglang-0.5.23-{idle,written,roundtrip}.metrics`, parsed in
+//! (`testdata/metrics/sglang-0.5.23-{idle,written,roundtrip}.metrics`, parsed in
 //! `agent/src/engine_metrics/prom.rs` and `agent/tests/sglang_metrics.rs`): idle 0 / 0, written
 //! 3072 / 0, round trip 3072 / 2048 (tokens written to / served from the host tier).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

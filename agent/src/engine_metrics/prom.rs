@@ -524,14 +524,15 @@ pub(crate) mod tests {
     /// SGLang 0.5.23's own `/metrics` pages, rendered from its collectors
     /// (`scripts/sglang-metrics-page.py`; provenance in each file's header).
     pub(crate) const SGLANG_ROUNDTRIP: &str =
-        include_str!("../../tests/data/sglang-0.5.23-roundtrip.metrics");
+        include_str!("../../../testdata/metrics/sglang-0.5.23-roundtrip.metrics");
     pub(crate) const SGLANG_WRITTEN: &str =
-        include_str!("../../tests/data/sglang-0.5.23-written.metrics");
+        include_str!("../../../testdata/metrics/sglang-0.5.23-written.metrics");
     pub(crate) const SGLANG_IDLE: &str =
-        include_str!("../../tests/data/sglang-0.5.23-idle.metrics");
+        include_str!("../../../testdata/metrics/sglang-0.5.23-idle.metrics");
     pub(crate) const SGLANG_NO_HICACHE: &str =
-        include_str!("../../tests/data/sglang-0.5.23-no-hicache.metrics");
-    pub(crate) const SGLANG_DP2: &str = include_str!("../../tests/data/sglang-0.5.23-dp2.metrics");
+        include_str!("../../../testdata/metrics/sglang-0.5.23-no-hicache.metrics");
+    pub(crate) const SGLANG_DP2: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-dp2.metrics");
 
     fn host(written_tokens: u64, served_tokens: u64) -> Option<HostTierCounters> {
         Some(HostTierCounters {

@@ -8,7 +8,8 @@
 //! Composition order on the Ready condition: managed readiness (or the host-only /
 //! events-only base) → KV-event gate → functional-probe gate → strict kernel-check downgrade.
 //! Conditions are merged with `set_condition`, so `lastTransitionTime` moves only when a
-//! condition's status changes.
+//! condition's status changes. `(SGLang, SGLangHiCache)` backends get the advisory
+//! `HiCacheHostTier` ([`super::host_tier`]) and no readiness condition.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
