@@ -13,14 +13,12 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{engine_metrics_server, http_get, FakeController, Page};
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::get;
 use ic_agent::checks::Checks;
 use ic_agent::engine_metrics::ScrapeConfig;
 use ic_agent::link::LinkConfig;
@@ -113,27 +111,6 @@ fn the_committed_pages_are_what_sglang_s_own_collectors_render() {
             "{scenario}: re-render differs from testdata/metrics; regenerate it"
         );
     }
-}
-
-/// The engine's `/metrics`, whose body the test changes.
-type Page = Arc<Mutex<String>>;
-
-async fn engine_metrics_server(page: Page) -> String {
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(|State(p): State<Page>| async move {
-                (
-                    [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-                    p.lock().clone(),
-                )
-            }),
-        )
-        .with_state(page);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/metrics")
 }
 
 fn plan(metrics_url: String, ranks: u32) -> NodePlan {

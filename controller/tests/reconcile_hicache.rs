@@ -143,6 +143,20 @@ async fn connect(grpc: &str, pods: &[&str], now_ms: i64) -> AgentStream {
     AgentStream { tx, _inbound }
 }
 
+/// Sends a host-tier report and waits until the controller holds exactly those readings.
+async fn report(agent: &AgentStream, shared: &Shared, c: &[(&str, Option<(u64, u64)>)]) {
+    agent.tx.send(host(c)).await.unwrap();
+    until("the readings", || {
+        let held = shared.host_tier.read();
+        c.iter().all(|(pod, h)| {
+            held.get(&format!("{NS}/{pod}#0"))
+                .map(|r| (r.written_tokens, r.served_tokens))
+                == *h
+        })
+    })
+    .await;
+}
+
 async fn until(what: &str, mut f: impl FnMut() -> bool) {
     for _ in 0..500 {
         if f() {
@@ -211,11 +225,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     // or metrics without it): still no signal, and it says so per pod.
     let agent = connect(&grpc, &["sglang-0", "sglang-1"], h.now_ms()).await;
     until("the resync", || shared.index.read().replica_count() == 2).await;
-    agent
-        .tx
-        .send(host(&[("sglang-0", None), ("sglang-1", None)]))
-        .await
-        .unwrap();
+    report(&agent, &shared, &[("sglang-0", None), ("sglang-1", None)]).await;
     let (s, r, m, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
@@ -230,12 +240,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The idle page: the host tier is there, nothing written or served.
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((0, 0)))]))
-        .await
-        .unwrap();
-    until("the idle reading", || shared.host_tier.read().len() == 1).await;
+    report(&agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
     let (s, r, m, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -247,20 +252,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The written page: backups, every hit from the GPU — a write is no round trip.
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((3072, 0)))]))
-        .await
-        .unwrap();
-    until("the written reading", || {
-        shared
-            .host_tier
-            .read()
-            .get("ml/sglang-0#0")
-            .map(|r| r.written_tokens)
-            == Some(3072)
-    })
-    .await;
+    report(&agent, &shared, &[("sglang-0", Some((3072, 0)))]).await;
     let (s, r, m, unknown_since) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -272,20 +264,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The round-trip page.
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((3072, 2048)))]))
-        .await
-        .unwrap();
-    until("the round-trip reading", || {
-        shared
-            .host_tier
-            .read()
-            .get("ml/sglang-0#0")
-            .map(|r| r.served_tokens)
-            == Some(2048)
-    })
-    .await;
+    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     let (s, r, m, true_since) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -308,23 +287,14 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The engine restarts: the agent's scrape fails and it drops the pair — Unknown, not True.
-    agent.tx.send(host(&[("sglang-0", None)])).await.unwrap();
-    until("the dropped reading", || shared.host_tier.read().is_empty()).await;
+    report(&agent, &shared, &[("sglang-0", None)]).await;
     let (s, r, _, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
         ("Unknown", "HostTierSignalUnavailable")
     );
     // The restarted engine counts from 0.
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((0, 0)))]))
-        .await
-        .unwrap();
-    until("the restarted reading", || {
-        shared.host_tier.read().len() == 1
-    })
-    .await;
+    report(&agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
     let (s, r, _, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
@@ -332,20 +302,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // A round trip again; then the agent goes away: no reading outlives its connection.
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((3072, 2048)))]))
-        .await
-        .unwrap();
-    until("the second round trip", || {
-        shared
-            .host_tier
-            .read()
-            .get("ml/sglang-0#0")
-            .map(|r| r.served_tokens)
-            == Some(2048)
-    })
-    .await;
+    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     assert_eq!(host_tier(&h).await.1, "HostTierRoundTrip");
     drop(agent);
     until("the disconnect", || shared.host_tier.read().is_empty()).await;
@@ -372,17 +329,14 @@ async fn host_tier_condition_follows_current_readings_only() {
     })
     .await;
     assert_eq!(host_tier(&h).await.1, "HostTierSignalUnavailable");
-    agent
-        .tx
-        .send(host(&[
+    report(
+        &agent,
+        &shared,
+        &[
             ("sglang-0", Some((3072, 2048))),
             ("sglang-1", Some((64, 0))),
-        ]))
-        .await
-        .unwrap();
-    until("the reports after reconnecting", || {
-        shared.host_tier.read().len() == 2
-    })
+        ],
+    )
     .await;
     assert_eq!(host_tier(&h).await.1, "HostTierRoundTrip");
 
@@ -395,12 +349,7 @@ async fn host_tier_condition_follows_current_readings_only() {
         .unwrap();
     until("the reset", || shared.host_tier.read().is_empty()).await;
     assert_eq!(host_tier(&h).await.1, "HostTierSignalUnavailable");
-    agent
-        .tx
-        .send(host(&[("sglang-0", Some((3072, 2048)))]))
-        .await
-        .unwrap();
-    until("the resent reading", || shared.host_tier.read().len() == 1).await;
+    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     assert_eq!(host_tier(&h).await.1, "HostTierRoundTrip");
 
     // The pod that did the round trip is deleted: its reading no longer counts.

@@ -1,6 +1,7 @@
-//! Shared by the agent's integration tests (`engine_metrics`, `subscribe_cli`): a stand-in
-//! controller (a real tonic `AgentService` on loopback that records every message an agent sends
-//! and lets the test push controller messages down the latest stream) and a plain HTTP GET.
+//! Shared by the agent's integration tests (`engine_metrics`, `sglang_metrics`, `subscribe_cli`):
+//! a stand-in controller (a real tonic `AgentService` on loopback that records every message an
+//! agent sends and lets the test push controller messages down the latest stream), an engine
+//! `/metrics` server whose page the test changes, and a plain HTTP GET.
 
 #![allow(dead_code)]
 
@@ -94,4 +95,27 @@ pub fn http_get(addr: &str, path: &str) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// The engine's `/metrics` body, which a test changes while the agent scrapes it.
+pub type Page = Arc<Mutex<String>>;
+
+/// Serves `page` at `/metrics` on loopback (prometheus_client's content type); returns its URL.
+pub async fn engine_metrics_server(page: Page) -> String {
+    use axum::extract::State;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(|State(p): State<Page>| async move {
+                (
+                    [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+                    p.lock().clone(),
+                )
+            }),
+        )
+        .with_state(page);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/metrics")
 }
