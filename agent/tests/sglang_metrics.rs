@@ -13,17 +13,12 @@
 
 mod support;
 
-use support::{engine_metrics_server, http_get, FakeController, Page};
+use support::{http_get, start_scraping_agent, Page, ScrapingAgent};
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ic_agent::checks::Checks;
-use ic_agent::engine_metrics::ScrapeConfig;
-use ic_agent::link::LinkConfig;
-use ic_agent::runtime::{self, RunConfig};
-use ic_agent::state::AgentState;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use ic_shared::proto::{agent_message::Msg, AgentMessage};
 use parking_lot::Mutex;
@@ -171,41 +166,6 @@ async fn next_host(rx: &mut mpsc::UnboundedReceiver<AgentMessage>, what: &str) -
     }
 }
 
-async fn start(
-    page: &Page,
-    ranks: u32,
-) -> (
-    Arc<AgentState>,
-    runtime::Running,
-    FakeController,
-    mpsc::UnboundedReceiver<AgentMessage>,
-) {
-    let (fake, grpc, received) = FakeController::start().await;
-    let url = engine_metrics_server(page.clone()).await;
-    let state = AgentState::new("gpu-1".into(), plan(url, ranks)).unwrap();
-    let mut link = LinkConfig::new(format!("http://{grpc}"));
-    link.backoff_max = Duration::from_millis(200);
-    let agent = runtime::start_with(
-        RunConfig {
-            link: Some(link),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: None,
-            check_interval: Duration::from_secs(3600),
-            limits: Default::default(),
-            http_bearer_token_file: None,
-        },
-        state.clone(),
-        Checks::with(vec![]),
-        ScrapeConfig {
-            interval: Duration::from_millis(100),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
-    (state, agent, fake, received)
-}
-
 fn row(written: Option<u64>, served: Option<u64>) -> Vec<HostRow> {
     vec![("team-a/sglang-0#0".to_string(), written, served)]
 }
@@ -214,7 +174,12 @@ fn row(written: Option<u64>, served: Option<u64>) -> Vec<HostRow> {
 async fn host_tier_counters_reach_the_controller_and_absent_stays_absent() {
     // First SGLang serves metrics without a host tier (HiCache off): nothing to report.
     let page: Page = Arc::new(Mutex::new(sglang_page("no-hicache")));
-    let (state, agent, _fake, mut received) = start(&page, 1).await;
+    let ScrapingAgent {
+        state,
+        agent,
+        mut received,
+        ..
+    } = start_scraping_agent(&page, |url| plan(url, 1)).await;
     for _ in 0..200 {
         if state.engine_counters.scrapes("absent") >= 3 {
             break;
@@ -282,7 +247,11 @@ async fn host_tier_counters_reach_the_controller_and_absent_stays_absent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_attention_dp_each_rank_reports_its_own_writes_and_the_pod_s_reads() {
     let page: Page = Arc::new(Mutex::new(sglang_page("dp2")));
-    let (_state, agent, _fake, mut received) = start(&page, 2).await;
+    let ScrapingAgent {
+        agent,
+        mut received,
+        ..
+    } = start_scraping_agent(&page, |url| plan(url, 2)).await;
     assert_eq!(
         next_host(&mut received, "dp2").await,
         vec![

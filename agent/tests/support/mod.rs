@@ -119,3 +119,54 @@ pub async fn engine_metrics_server(page: Page) -> String {
     tokio::spawn(async move { axum::serve(listener, app).await });
     format!("http://{addr}/metrics")
 }
+
+/// A running agent that scrapes an engine `/metrics` page every 100 ms and links to a stand-in
+/// controller.
+pub struct ScrapingAgent {
+    /// The agent's state.
+    pub state: Arc<ic_agent::state::AgentState>,
+    /// The running agent (its HTTP address; abort it at the end).
+    pub agent: ic_agent::runtime::Running,
+    /// The stand-in controller.
+    pub fake: FakeController,
+    /// Every message the agent sent.
+    pub received: mpsc::UnboundedReceiver<AgentMessage>,
+}
+
+/// Serves `page` ([`engine_metrics_server`]) and starts an agent on node `gpu-1` whose plan is
+/// `plan_for(<the page's URL>)`.
+pub async fn start_scraping_agent(
+    page: &Page,
+    plan_for: impl FnOnce(String) -> ic_shared::plan::NodePlan,
+) -> ScrapingAgent {
+    use std::time::Duration;
+    let (fake, grpc, received) = FakeController::start().await;
+    let url = engine_metrics_server(page.clone()).await;
+    let state = ic_agent::state::AgentState::new("gpu-1".into(), plan_for(url)).unwrap();
+    let mut link = ic_agent::link::LinkConfig::new(format!("http://{grpc}"));
+    link.backoff_max = Duration::from_millis(200);
+    let agent = ic_agent::runtime::start_with(
+        ic_agent::runtime::RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(3600),
+            limits: Default::default(),
+            http_bearer_token_file: None,
+        },
+        state.clone(),
+        ic_agent::checks::Checks::with(vec![]),
+        ic_agent::engine_metrics::ScrapeConfig {
+            interval: Duration::from_millis(100),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    ScrapingAgent {
+        state,
+        agent,
+        fake,
+        received,
+    }
+}
