@@ -220,6 +220,8 @@ impl AgentState {
                         "cacheMemoryBytes": c.cache_memory_bytes,
                         "prefixCacheHits": c.prefix_cache_hits,
                         "prefixCacheQueries": c.prefix_cache_queries,
+                        "hostTierWrittenTokens": c.host_tier_written_tokens,
+                        "hostTierServedTokens": c.host_tier_served_tokens,
                         "observedAtUnixMs": c.observed_at_unix_ms,
                     })
                 })

@@ -10,45 +10,17 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{http_get, start_scraping_agent, Page, ScrapingAgent};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::get;
-use ic_agent::checks::Checks;
-use ic_agent::engine_metrics::ScrapeConfig;
-use ic_agent::link::LinkConfig;
-use ic_agent::runtime::{self, RunConfig};
-use ic_agent::state::AgentState;
 use ic_shared::plan::{EnginePlan, KvEventSource, NodePlan};
 use ic_shared::proto::{agent_message::Msg, controller_message, AgentMessage, ResyncRequest};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 const VLLM_DP2: &str = include_str!("data/vllm-dp2.metrics");
-
-/// The engine's `/metrics`, whose body the test changes.
-type Page = Arc<Mutex<String>>;
-
-async fn engine_metrics_server(page: Page) -> String {
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(|State(p): State<Page>| async move {
-                (
-                    [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-                    p.lock().clone(),
-                )
-            }),
-        )
-        .with_state(page);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/metrics")
-}
 
 fn plan(metrics_url: String) -> NodePlan {
     // Nothing listens on the KV-event endpoints: the SUB sockets keep retrying, which does not
@@ -123,8 +95,6 @@ fn expected(hits1: u64) -> Vec<(String, String, u64, u64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and_on_change() {
-    let (fake, grpc, mut received) = FakeController::start().await;
-
     // First the engine exports no tier-2 counters (no KV connector traffic yet).
     let page: Page = Arc::new(Mutex::new(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
@@ -132,28 +102,12 @@ async fn scraped_counters_reach_the_controller_per_stream_after_every_resync_and
          vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n"
             .to_string(),
     ));
-    let url = engine_metrics_server(page.clone()).await;
-    let state = AgentState::new("gpu-1".into(), plan(url)).unwrap();
-    let mut link = LinkConfig::new(format!("http://{grpc}"));
-    link.backoff_max = Duration::from_millis(200);
-    let agent = runtime::start_with(
-        RunConfig {
-            link: Some(link),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: None,
-            check_interval: Duration::from_secs(3600),
-            limits: Default::default(),
-            http_bearer_token_file: None,
-        },
-        state.clone(),
-        Checks::with(vec![]),
-        ScrapeConfig {
-            interval: Duration::from_millis(100),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let ScrapingAgent {
+        state,
+        agent,
+        fake,
+        mut received,
+    } = start_scraping_agent(&page, plan).await;
 
     // Absent counters are never sent (tier 2 "not exercised" must not read as 0).
     for _ in 0..200 {

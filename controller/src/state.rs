@@ -3,6 +3,7 @@
 use parking_lot::{Mutex, RwLock};
 
 use crate::index::PrefixIndex;
+use crate::ingest::host_tier::HostTierReadings;
 use crate::ingest::registry::NodeRegistry;
 use crate::metrics::ControllerMetrics;
 use crate::tokenize::Tokenizers;
@@ -35,6 +36,9 @@ pub struct Shared {
     pub node_events: tokio::sync::watch::Sender<u64>,
     /// Per-model tokenizers of LookupRoute `prompt_text` (none by default).
     pub tokenizers: std::sync::Arc<Tokenizers>,
+    /// The engines' current SGLang HiCache host-tier readings, by stream (always taken after
+    /// `index` when both are held).
+    pub host_tier: RwLock<HostTierReadings>,
 }
 
 impl Shared {
@@ -50,6 +54,7 @@ impl Shared {
             stopping: tokio::sync::watch::Sender::new(false),
             node_events: tokio::sync::watch::Sender::new(0),
             tokenizers: std::sync::Arc::default(),
+            host_tier: RwLock::new(HostTierReadings::default()),
         })
     }
 

@@ -515,6 +515,40 @@ fn sglang_metrics_url_needs_enable_metrics_and_defaults_to_port_30000() {
     );
 }
 
+/// Issue 19 item 4: the engines of an `(SGLang, SGLangHiCache)` backend are scraped too — the
+/// host-tier counters of `HiCacheHostTier` come from the same `/metrics`, which needs
+/// `--enable-metrics` there as well.
+#[test]
+fn a_hicache_backend_plans_the_metrics_url() {
+    let hicache = backend(
+        "llm-d-tiered-prefix-cache",
+        "cb-sglang",
+        json!({
+            "runtime": "SGLang",
+            "type": "SGLangHiCache",
+            "hiCache": {"ratio": "2.0"},
+            "observation": {"modelID": "Qwen/Qwen3-32B"},
+            "integration": {"engineHostNetwork": true},
+        }),
+    );
+    let derived = derive_plans(&[sglang_hostnet_pod()], std::slice::from_ref(&hicache));
+    let e = &derived.plans["gpu-2"].engines[0];
+    assert_eq!(
+        e.metrics_url.as_deref(),
+        Some("http://192.168.1.10:8000/metrics")
+    );
+    assert!(!e.kv_events.is_empty());
+    assert_eq!(e.mp_worker_port, None, "HiCache runs no LMCache MP worker");
+    let mut pod = sglang_hostnet_pod();
+    pod.spec.as_mut().unwrap().containers[0]
+        .args
+        .as_mut()
+        .unwrap()
+        .retain(|a| a != "--enable-metrics");
+    let derived = derive_plans(&[pod], &[hicache]);
+    assert_eq!(derived.plans["gpu-2"].engines[0].metrics_url, None);
+}
+
 #[test]
 fn the_metrics_url_reaches_the_agent() {
     let derived = derive_plans(&[vllm_pod()], &[vllm_backend()]);

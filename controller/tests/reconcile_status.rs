@@ -1517,7 +1517,24 @@ fn hicache_publishes_no_readiness_conditions() {
     );
     let mut s = Sim::new(cb);
     let e = s.step();
-    assert!(e.status.conditions.is_empty());
+    // Only the advisory host-tier condition (issue 19 item 4), never a readiness one: no pod,
+    // no signal.
+    let types: Vec<&str> = e
+        .status
+        .conditions
+        .iter()
+        .map(|c| c.type_.as_str())
+        .collect();
+    assert_eq!(types, ["HiCacheHostTier"]);
+    assert_eq!(
+        sr(&e.status, "HiCacheHostTier"),
+        is("Unknown", "HostTierSignalUnavailable")
+    );
+    assert!(
+        e.events.iter().all(|ev| !ev.reason.contains("HostTier")),
+        "{:?}",
+        e.events
+    );
     assert!(e.status.first_available_at.is_none());
     assert_eq!(e.status.matched_engine_pods, Some(0));
 }

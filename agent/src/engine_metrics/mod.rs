@@ -11,11 +11,19 @@
 //! else the sum of all series). The latest values live in [`EngineCounters`]; the controller
 //! link sends them as a `CounterReport` after every Resync and whenever they change.
 //!
+//! For SGLang engines it also reads the HiCache host tier's writes and reads
+//! ([`prom::host_tier_counters`]: `sglang:hicache_backup_tokens_total{pool="kv"}` of the
+//! stream's rank and `sglang:cached_tokens_total{cache_source="host"}` of the pod; the
+//! controller's `HiCacheHostTier` condition). SGLang serves `/metrics` only with
+//! `--enable-metrics`; without it the controller plans no `metricsUrl`.
+//!
 //! Absent counters (no KV connector, or an engine that does not export them) are never sent
 //! as 0: tier 2 "not exercised" stays distinct from "queried, zero hits" (an entry that
 //! carries only the cache memory says `t2_absent`). A failed fetch keeps the stream's last
 //! values and their scrape time (`observed_at_unix_ms`: counters are cumulative, nothing new was
-//! learnt); a stream that left the plan is forgotten.
+//! learnt) except the host-tier pair, which is dropped (a change, so reported): the controller's
+//! `HiCacheHostTier` reads only current readings, and an engine that does not answer may be
+//! restarting (its counters start again at 0). A stream that left the plan is forgotten.
 //!
 //! Metric: `inferencecache_agent_engine_metrics_scrapes_total{outcome}` — one per URL and
 //! scrape: `ok`, `absent` (fetched, counters not there), or the fetch failure
@@ -285,7 +293,8 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
                         let memory =
                             prom::cache_memory_bytes(&body, src.dp_rank, e.kv_events.len());
                         let prefix = prom::prefix_cache_counters(&body, src.dp_rank);
-                        if t2.is_none() && memory.is_none() && prefix.is_none() {
+                        let host = prom::host_tier_counters(&body, src.dp_rank);
+                        if t2.is_none() && memory.is_none() && prefix.is_none() && host.is_none() {
                             continue;
                         }
                         found = true;
@@ -300,6 +309,8 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
                                 cache_memory_bytes: memory,
                                 prefix_cache_hits: prefix.map(|c| c.hits),
                                 prefix_cache_queries: prefix.map(|c| c.queries),
+                                host_tier_written_tokens: host.map(|c| c.written_tokens),
+                                host_tier_served_tokens: host.map(|c| c.served_tokens),
                             },
                         );
                     }
@@ -317,7 +328,16 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
                     for src in &e.kv_events {
                         let id = e.stream_id(src.dp_rank);
                         if let Some(prev) = previous.get(&id) {
-                            next.insert(id, prev.clone());
+                            // The host-tier pair is a "now" reading (HiCacheHostTier must not
+                            // read True from an engine that may have restarted): dropped.
+                            next.insert(
+                                id,
+                                StreamCounters {
+                                    host_tier_written_tokens: None,
+                                    host_tier_served_tokens: None,
+                                    ..prev.clone()
+                                },
+                            );
                         }
                     }
                 }
@@ -514,6 +534,34 @@ mod tests {
         assert_eq!(read(), (Some(35), Some(240)));
         counters.replace(BTreeMap::new());
         assert_eq!(read(), (None, None), "the stream left the plan");
+    }
+
+    /// Issue 19 item 4: SGLang's host-tier pair per rank from its own page; a failed scrape
+    /// drops the pair (and says so with a report) while the cumulative counters stay.
+    #[tokio::test]
+    async fn a_failed_scrape_drops_the_host_tier_reading() {
+        let (url, server) = serve(crate::engine_metrics::prom::tests::SGLANG_DP2).await;
+        let counters = EngineCounters::new(&Registry::new()).unwrap();
+        let mut changes = counters.subscribe();
+        let plan = NodePlan {
+            engines: vec![engine("sglang-0", &[0, 1], Some(url))],
+            ..Default::default()
+        };
+        let cfg = ScrapeConfig::default();
+        scrape_once(&plan, &counters, &cfg).await;
+        let host = |c: &StreamCounters| (c.host_tier_written_tokens, c.host_tier_served_tokens);
+        let got: Vec<_> = counters.latest().iter().map(host).collect();
+        assert_eq!(got, vec![(Some(2048), Some(1024)), (Some(0), Some(1024))]);
+        assert!(counters.latest().iter().all(|c| c.t2_absent));
+        changes.mark_unchanged();
+
+        server.abort();
+        let _ = server.await;
+        scrape_once(&plan, &counters, &cfg).await;
+        let got: Vec<_> = counters.latest().iter().map(host).collect();
+        assert_eq!(got, vec![(None, None), (None, None)]);
+        assert_eq!(counters.latest().len(), 2, "the streams stay");
+        assert!(changes.has_changed().unwrap(), "the controller hears of it");
     }
 
     #[tokio::test]

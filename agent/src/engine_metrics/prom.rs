@@ -21,6 +21,19 @@ pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
 pub const LMCACHE_LOCAL_CACHE_USAGE: &str = "lmcache:local_cache_usage";
 /// The label vLLM puts the engine (data-parallel rank) index in.
 pub const ENGINE_LABEL: &str = "engine";
+/// SGLang's host-tier (HiCache L2) capacity in tokens, a gauge its stats-logging scheduler ranks
+/// publish every log interval (at least every 30 s, idle included) only when HiCache is on
+/// (`sglang/srt/observability/metrics_collector.py`, 0.5.23): the sign that the engine exports
+/// its host-tier counters at all.
+pub const SGLANG_HICACHE_HOST_TOTAL_TOKENS: &str = "sglang:hicache_host_total_tokens";
+/// SGLang's cumulative GPU → host backups in tokens, per host pool (`pool`) and rank: host-tier
+/// writes.
+pub const SGLANG_HICACHE_BACKUP_TOKENS: &str = "sglang:hicache_backup_tokens_total";
+/// SGLang's cumulative cached prompt tokens by `cache_source` (`device`, `host`, `storage`,
+/// `total`), counted by the tokenizer manager for the whole server: `host` = host-tier reads.
+pub const SGLANG_CACHED_TOKENS: &str = "sglang:cached_tokens_total";
+/// The label SGLang puts the (attention) data-parallel rank in.
+pub const SGLANG_DP_RANK_LABEL: &str = "dp_rank";
 
 /// One sample line.
 #[derive(Debug, Clone, PartialEq)]
@@ -263,6 +276,65 @@ fn counter_pair(
     })
 }
 
+/// What an SGLang engine's `/metrics` says of its HiCache host tier for one data-parallel rank
+/// (issue 19 item 4), in tokens, cumulative since the engine started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostTierCounters {
+    /// Tokens backed up GPU → host for the rank ([`SGLANG_HICACHE_BACKUP_TOKENS`]).
+    pub written_tokens: u64,
+    /// Prompt tokens served from the host tier, the whole server's ([`SGLANG_CACHED_TOKENS`]
+    /// with `cache_source="host"`).
+    pub served_tokens: u64,
+}
+
+/// The host-tier counters of data-parallel rank `dp_rank` in an SGLang engine's `/metrics`
+/// text.
+///
+/// `None` unless [`SGLANG_HICACHE_HOST_TOTAL_TOKENS`] has a series for the rank (`dp_rank`
+/// label equal to it, or no series carries that label): without it the engine does not export
+/// the host tier (HiCache off, or not logged yet), and "no signal" must stay distinct from 0.
+/// When it is there, SGLang's counters count from their first increment (a multiprocess
+/// registry shows a series only once written), so a missing counter series reads 0:
+///
+/// - `written_tokens`: the largest [`SGLANG_HICACHE_BACKUP_TOKENS`] series with `pool="kv"` (or
+///   no `pool` label) of the rank (`dp_rank` label, when present): every TP rank reports the
+///   same logical count under its own `tp_rank`, so one is read, never their sum;
+/// - `served_tokens`: the sum of the [`SGLANG_CACHED_TOKENS`] series with `cache_source="host"`
+///   (one per label set of the tokenizer: priority or custom labels split it); the tokenizer
+///   serves every rank, so it is the pod's value on each rank.
+pub fn host_tier_counters(text: &str, dp_rank: u32) -> Option<HostTierCounters> {
+    let rank = dp_rank.to_string();
+    let of_rank = |s: &Sample<'_>| s.label(SGLANG_DP_RANK_LABEL).is_none_or(|r| r == rank);
+    let mut present = false;
+    let mut written: f64 = 0.0;
+    let mut served: f64 = 0.0;
+    let names = [
+        SGLANG_HICACHE_HOST_TOTAL_TOKENS,
+        SGLANG_HICACHE_BACKUP_TOKENS,
+        SGLANG_CACHED_TOKENS,
+    ];
+    for s in samples(text, &names) {
+        let Some(v) = counter_value(s.value) else {
+            continue;
+        };
+        match s.name {
+            SGLANG_HICACHE_HOST_TOTAL_TOKENS => present |= of_rank(&s),
+            SGLANG_HICACHE_BACKUP_TOKENS
+                if of_rank(&s) && s.label("pool").is_none_or(|p| p == "kv") =>
+            {
+                written = written.max(v);
+            }
+            SGLANG_CACHED_TOKENS if s.label("cache_source") == Some("host") => served += v,
+            _ => {}
+        }
+    }
+    // Float-to-integer casts saturate.
+    present.then_some(HostTierCounters {
+        written_tokens: written.floor() as u64,
+        served_tokens: served.floor() as u64,
+    })
+}
+
 /// Bytes LMCache holds in its local (CPU) cache for data-parallel rank `dp_rank` of an engine
 /// with `dp_size` ranks: the sum of every finite, non-negative [`LMCACHE_LOCAL_CACHE_USAGE`]
 /// series (one per worker: tensor-parallel workers hold their own shards), or only those with
@@ -449,10 +521,70 @@ pub(crate) mod tests {
         assert_eq!(t2_counters(bad, 0), None);
     }
 
+    /// SGLang 0.5.23's own `/metrics` pages, rendered from its collectors
+    /// (`scripts/sglang-metrics-page.py`; provenance in each file's header).
+    pub(crate) const SGLANG_ROUNDTRIP: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-roundtrip.metrics");
+    pub(crate) const SGLANG_WRITTEN: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-written.metrics");
+    pub(crate) const SGLANG_IDLE: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-idle.metrics");
+    pub(crate) const SGLANG_NO_HICACHE: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-no-hicache.metrics");
+    pub(crate) const SGLANG_DP2: &str =
+        include_str!("../../../testdata/metrics/sglang-0.5.23-dp2.metrics");
+
+    fn host(written_tokens: u64, served_tokens: u64) -> Option<HostTierCounters> {
+        Some(HostTierCounters {
+            written_tokens,
+            served_tokens,
+        })
+    }
+
+    #[test]
+    fn sglang_host_tier_counters_from_its_own_pages() {
+        // TP=2: both ranks report 3072 backed-up tokens; one is read, not their sum.
+        assert_eq!(host_tier_counters(SGLANG_ROUNDTRIP, 0), host(3072, 2048));
+        assert_eq!(host_tier_counters(SGLANG_WRITTEN, 0), host(3072, 0));
+        // HiCache on, nothing written or served yet: the counters do not exist, the host
+        // tier does — 0, not absent.
+        assert_eq!(host_tier_counters(SGLANG_IDLE, 0), host(0, 0));
+        // HiCache off (or metrics without the host tier): no signal, not 0.
+        assert_eq!(host_tier_counters(SGLANG_NO_HICACHE, 0), None);
+        // Attention DP: each rank its own writes; the tokenizer's reads are the pod's.
+        assert_eq!(host_tier_counters(SGLANG_DP2, 0), host(2048, 1024));
+        assert_eq!(host_tier_counters(SGLANG_DP2, 1), host(0, 1024));
+        assert_eq!(host_tier_counters(SGLANG_DP2, 2), None, "no such rank");
+        // SGLang pages carry no vLLM counters.
+        for page in [SGLANG_ROUNDTRIP, SGLANG_DP2, SGLANG_NO_HICACHE] {
+            assert_eq!(t2_counters(page, 0), None);
+            assert_eq!(prefix_cache_counters(page, 0), None);
+        }
+        // A vLLM page has no host tier.
+        assert_eq!(host_tier_counters(VLLM_DP2, 0), None);
+    }
+
+    #[test]
+    fn sglang_host_tier_reads_only_the_kv_pool_and_the_host_source() {
+        let page = "sglang:hicache_host_total_tokens{tp_rank=\"0\"} 100\n\
+                    sglang:hicache_backup_tokens_total{dp_rank=\"0\",pool=\"mamba\",tp_rank=\"0\"} 99\n\
+                    sglang:hicache_backup_tokens_total{dp_rank=\"0\",pool=\"kv\",tp_rank=\"0\"} 7\n\
+                    sglang:hicache_backup_tokens_total{dp_rank=\"0\",pool=\"kv\",tp_rank=\"1\"} 8\n\
+                    sglang:cached_tokens_total{cache_source=\"device\",priority=\"1\"} 50\n\
+                    sglang:cached_tokens_total{cache_source=\"host\",priority=\"1\"} 3\n\
+                    sglang:cached_tokens_total{cache_source=\"host\",priority=\"2\"} 4\n\
+                    sglang:cached_tokens_total{cache_source=\"total\"} 60\n";
+        // The freshest TP rank's count (they report the same; one may lag a log interval).
+        assert_eq!(host_tier_counters(page, 0), host(8, 7));
+        let garbage = "sglang:hicache_host_total_tokens NaN\n";
+        assert_eq!(host_tier_counters(garbage, 0), None);
+    }
+
     proptest! {
         #[test]
         fn arbitrary_text_never_panics(text in "\\PC*") {
             let _ = t2_counters(&text, 0);
+            let _ = host_tier_counters(&text, 0);
             for line in text.split('\n') {
                 let _ = parse_line(line);
             }

@@ -1,6 +1,7 @@
-//! Shared by the agent's integration tests (`engine_metrics`, `subscribe_cli`): a stand-in
-//! controller (a real tonic `AgentService` on loopback that records every message an agent sends
-//! and lets the test push controller messages down the latest stream) and a plain HTTP GET.
+//! Shared by the agent's integration tests (`engine_metrics`, `sglang_metrics`, `subscribe_cli`):
+//! a stand-in controller (a real tonic `AgentService` on loopback that records every message an
+//! agent sends and lets the test push controller messages down the latest stream), an engine
+//! `/metrics` server whose page the test changes, and a plain HTTP GET.
 
 #![allow(dead_code)]
 
@@ -94,4 +95,78 @@ pub fn http_get(addr: &str, path: &str) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// The engine's `/metrics` body, which a test changes while the agent scrapes it.
+pub type Page = Arc<Mutex<String>>;
+
+/// Serves `page` at `/metrics` on loopback (prometheus_client's content type); returns its URL.
+pub async fn engine_metrics_server(page: Page) -> String {
+    use axum::extract::State;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(|State(p): State<Page>| async move {
+                (
+                    [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+                    p.lock().clone(),
+                )
+            }),
+        )
+        .with_state(page);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/metrics")
+}
+
+/// A running agent that scrapes an engine `/metrics` page every 100 ms and links to a stand-in
+/// controller.
+pub struct ScrapingAgent {
+    /// The agent's state.
+    pub state: Arc<ic_agent::state::AgentState>,
+    /// The running agent (its HTTP address; abort it at the end).
+    pub agent: ic_agent::runtime::Running,
+    /// The stand-in controller.
+    pub fake: FakeController,
+    /// Every message the agent sent.
+    pub received: mpsc::UnboundedReceiver<AgentMessage>,
+}
+
+/// Serves `page` ([`engine_metrics_server`]) and starts an agent on node `gpu-1` whose plan is
+/// `plan_for(<the page's URL>)`.
+pub async fn start_scraping_agent(
+    page: &Page,
+    plan_for: impl FnOnce(String) -> ic_shared::plan::NodePlan,
+) -> ScrapingAgent {
+    use std::time::Duration;
+    let (fake, grpc, received) = FakeController::start().await;
+    let url = engine_metrics_server(page.clone()).await;
+    let state = ic_agent::state::AgentState::new("gpu-1".into(), plan_for(url)).unwrap();
+    let mut link = ic_agent::link::LinkConfig::new(format!("http://{grpc}"));
+    link.backoff_max = Duration::from_millis(200);
+    let agent = ic_agent::runtime::start_with(
+        ic_agent::runtime::RunConfig {
+            link: Some(link),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(3600),
+            limits: Default::default(),
+            http_bearer_token_file: None,
+        },
+        state.clone(),
+        ic_agent::checks::Checks::with(vec![]),
+        ic_agent::engine_metrics::ScrapeConfig {
+            interval: Duration::from_millis(100),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    ScrapingAgent {
+        state,
+        agent,
+        fake,
+        received,
+    }
 }

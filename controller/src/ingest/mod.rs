@@ -13,7 +13,10 @@
 //!    scraped by the agent) are
 //!    recorded per stream with [`crate::index::PrefixIndex::set_engine_counters`] — only for
 //!    streams this connection owns (those of its last `Resync`); others are ignored. A `Resync`
-//!    resets a stream's counters; the agent sends them again right after it.
+//!    resets a stream's counters; the agent sends them again right after it. Their SGLang
+//!    HiCache host-tier pair goes to [`host_tier::HostTierReadings`] (`Shared::host_tier`),
+//!    which holds only current readings: a report without the pair, a `Resync` and the end of
+//!    the stream remove them.
 //!
 //! When the stream ends the node is marked disconnected; its index entries stay until
 //! `agent_expiry` passes without a reconnect (a restarted agent replaces them with its resync),
@@ -50,6 +53,7 @@
 //! plans: node agents report what they see, as before.
 
 pub mod auth;
+pub mod host_tier;
 pub mod registry;
 pub mod scope;
 
@@ -246,6 +250,8 @@ impl AgentService for AgentIngest {
                     let mut ix = shared.index.write();
                     ix.mark_node_unreported(&ticket.node);
                     shared.update_index_gauges(&ix);
+                    // Host-tier readings are current ones only: none without the connection.
+                    shared.host_tier.write().forget_reporter(&ticket.node);
                 }
                 if nodes.disconnect(&ticket, now_unix_ms()) {
                     match &ticket.scope {
@@ -409,6 +415,7 @@ impl Session {
                 self.authorize(report.streams.iter().map(|c| c.stream.as_ref()))?;
                 let mut ignored = 0usize;
                 let mut ix = self.shared.index.write();
+                let mut owned = Vec::with_capacity(report.streams.len());
                 for c in &report.streams {
                     match c.stream.as_ref().map(|d| d.stream_id.as_str()) {
                         Some(id) if self.owned.contains(id) => {
@@ -416,11 +423,17 @@ impl Session {
                                 id,
                                 crate::index::EngineReport::from_counters(c),
                             );
+                            owned.push((id, c));
                         }
                         _ => ignored += 1,
                     }
                 }
                 drop(ix);
+                let mut host = self.shared.host_tier.write();
+                for (id, c) in owned {
+                    host.record(&self.ticket.node, id, c);
+                }
+                drop(host);
                 if ignored > 0 {
                     tracing::debug!(node = %self.ticket.node, ignored, "engine counters of streams this connection does not own were ignored");
                 }
@@ -530,6 +543,11 @@ impl Session {
             }
             ix.resync_node(&self.ticket.node, &streams);
             self.shared.update_index_gauges(&ix);
+            // The agent sends its counters again right after a resync.
+            self.shared
+                .host_tier
+                .write()
+                .forget_reporter(&self.ticket.node);
             self.owned = streams
                 .iter()
                 .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))

@@ -83,6 +83,10 @@ pub mod backend_condition {
     /// Advisory roll-up of node-agent checks on nodes running matched engine pods (DESIGN.md
     /// "Status"); never gates Ready.
     pub const NODE_HEALTHY: &str = "NodeHealthy";
+    /// Advisory SGLang HiCache host-tier write/read round trip of the matched engine pods
+    /// (`(SGLang, SGLangHiCache)` backends only; issue 19 item 4, `docs/kv-events.md` "SGLang
+    /// HiCache readiness"); never gates Ready (the spec publishes no Ready on this path).
+    pub const HICACHE_HOST_TIER: &str = "HiCacheHostTier";
 }
 
 /// Condition reasons a CacheBackend uses (spec 000 "Conditions", "KV-event readiness gate",
@@ -144,6 +148,15 @@ pub mod backend_reason {
     pub const T2_SERVING: &str = "T2Serving";
     /// EngineCompatibility=False: an injected engine container is crash-looping.
     pub const INJECTED_ENGINE_CRASH_LOOPING: &str = "InjectedEngineCrashLooping";
+    /// HiCacheHostTier=True: a matched pod's current engine wrote tokens to its host tier and
+    /// served prompt tokens from it.
+    pub const HOST_TIER_ROUND_TRIP: &str = "HostTierRoundTrip";
+    /// HiCacheHostTier=Unknown: pods report the host-tier counters, no pod has both a write
+    /// and a read yet.
+    pub const HOST_TIER_NOT_EXERCISED: &str = "HostTierNotExercised";
+    /// HiCacheHostTier=Unknown: no matched pod's host-tier counters are current (not exported,
+    /// not scraped, or their node agent is gone).
+    pub const HOST_TIER_SIGNAL_UNAVAILABLE: &str = "HostTierSignalUnavailable";
 }
 
 /// `spec.runtime`: the inference runtime whose engine pods are wired (case-sensitive).
@@ -716,7 +729,7 @@ pub struct CacheBackendStatus {
     pub observed_generation: Option<i64>,
 
     /// Conditions keyed by type: Ready, Degraded, Progressing, FunctionalProbeOK,
-    /// EngineKernelsHealthy, T2Degraded, EngineCompatibility.
+    /// EngineKernelsHealthy, T2Degraded, EngineCompatibility, NodeHealthy, HiCacheHostTier.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

@@ -17,6 +17,7 @@ use parking_lot::{Mutex, RwLock};
 use thiserror::Error;
 
 use crate::index::PrefixIndex;
+use crate::ingest::host_tier::{HostTierReading, HostTierReadings};
 use crate::reconcile::annotations::INJECTED_BY;
 use crate::reconcile::clock::to_time;
 
@@ -43,6 +44,9 @@ pub struct ReplicaObservation {
     pub coverage: &'static str,
     /// Why it is not Exact.
     pub coverage_reason: Option<&'static str>,
+    /// The engine's current SGLang HiCache host-tier reading (issue 19 item 4), when its agent
+    /// reports one ([`crate::ingest::host_tier`]).
+    pub host_tier: Option<HostTierReading>,
 }
 
 impl ReplicaObservation {
@@ -71,12 +75,13 @@ pub trait IndexView: Send + Sync {
     }
 }
 
-fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
+fn from_index(index: &PrefixIndex, host: Option<&HostTierReadings>) -> Vec<ReplicaObservation> {
     index
         .snapshot()
         .replicas
         .into_iter()
         .map(|r| ReplicaObservation {
+            host_tier: host.and_then(|h| h.get(&r.stream_id)),
             tenant: r.tenant,
             replica: r.replica,
             prefix_count: r.prefix_count as u64,
@@ -95,13 +100,14 @@ fn from_index(index: &PrefixIndex) -> Vec<ReplicaObservation> {
 
 impl IndexView for RwLock<PrefixIndex> {
     fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
-        Ok(from_index(&self.read()))
+        Ok(from_index(&self.read(), None))
     }
 }
 
 impl IndexView for crate::state::Shared {
     fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
-        Ok(from_index(&self.index.read()))
+        let index = self.index.read();
+        Ok(from_index(&index, Some(&self.host_tier.read())))
     }
 
     fn metrics_registry(&self) -> Option<prometheus::Registry> {

@@ -28,6 +28,7 @@ pub mod cascade;
 pub mod endpoint;
 pub mod engine;
 pub mod events;
+pub mod host_tier;
 pub mod index_view;
 pub mod metrics;
 pub mod path;

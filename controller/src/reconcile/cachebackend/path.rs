@@ -20,7 +20,8 @@ pub enum BackendPath {
     /// endpoint's shape check only.
     External(RemoteProvider),
     /// SGLang native HiCache or an unsupported (runtime, type) pair: nothing provisioned and no
-    /// readiness conditions published (spec "SGLang native HiCache": no Ready condition yet).
+    /// readiness conditions published (spec "SGLang native HiCache": no Ready condition); HiCache
+    /// gets only the advisory `HiCacheHostTier` ([`super::host_tier`]).
     Inert,
 }
 

@@ -8,7 +8,8 @@
 //! Composition order on the Ready condition: managed readiness (or the host-only /
 //! events-only base) → KV-event gate → functional-probe gate → strict kernel-check downgrade.
 //! Conditions are merged with `set_condition`, so `lastTransitionTime` moves only when a
-//! condition's status changes.
+//! condition's status changes. `(SGLang, SGLangHiCache)` backends get the advisory
+//! `HiCacheHostTier` ([`super::host_tier`]) and no readiness condition.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -27,6 +28,7 @@ use super::cascade::{self, CascadeDecision, Convergence};
 use super::endpoint::{check_endpoint, EndpointCheck};
 use super::engine::{self, KernelResult};
 use super::events::{reason as ev, EventSpec};
+use super::host_tier;
 use super::index_view::{participation, IndexUnavailable, ReplicaObservation};
 use super::path::{classify, BackendPath, PathKind};
 use super::probe::{ProbeInput, ProbeOutcome, StageResult};
@@ -1015,6 +1017,14 @@ pub fn evaluate(
             w.set(cond::DEGRADED, degraded);
             w.set(cond::PROGRESSING, progressing);
         }
+    }
+
+    // HiCacheHostTier: advisory, (SGLang, SGLangHiCache) only; never gates Ready.
+    if host_tier::applies(spec) {
+        let v = host_tier::verdict(cb, obs.pods.as_deref(), &obs.index);
+        w.set(cond::HICACHE_HOST_TIER, c(v.status, v.reason, v.message));
+    } else {
+        w.remove(cond::HICACHE_HOST_TIER);
     }
 
     // observedServerInstance and the cascade (managed only).

@@ -1,0 +1,348 @@
+//! The advisory `HiCacheHostTier` condition of `(SGLang, SGLangHiCache)` backends (issue 19
+//! item 4; `docs/kv-events.md` "SGLang HiCache readiness"). Pure: pods and index replicas in,
+//! the condition out.
+//!
+//! The spec publishes no Ready on this path (Pod readiness says SGLang serves, not that its
+//! host tier takes writes and serves reads); this condition says whether it did, from the
+//! engines' own counters as the node agents scrape them (`/metrics`, which SGLang serves only
+//! with `--enable-metrics`): per matched engine pod, the tokens its ranks backed up GPU → host
+//! (the sum of its streams' `written_tokens`) and the prompt tokens it served from the host
+//! tier (`served_tokens`, the pod's own on each stream, so the largest of them).
+//!
+//! | status | reason | when |
+//! |---|---|---|
+//! | True | `HostTierRoundTrip` | some matched pod has written > 0 and served > 0 |
+//! | Unknown | `HostTierNotExercised` | some matched pod has a current reading, none both |
+//! | Unknown | `HostTierSignalUnavailable` | no matched pod has a current reading |
+//!
+//! Readings are current ones only ([`crate::ingest::host_tier`]): an agent that disconnected, a
+//! failed scrape (an engine restarting), an engine that stopped exporting them all remove them,
+//! and a restarted engine counts from 0 — so the condition never reads True from the numbers of
+//! an engine or a connection that is gone. It never gates Ready and emits no Event (as its
+//! sibling T2Degraded).
+
+use ic_shared::crd::{
+    backend_reason as reason, CacheBackend, CacheBackendSpec, CacheType, ConditionStatus, Runtime,
+};
+use ic_shared::kv::coverage::AGENT_DISCONNECTED;
+use k8s_openapi::api::core::v1::Pod;
+
+use super::engine;
+use super::index_view::{IndexUnavailable, ReplicaObservation};
+
+/// The message of `HostTierSignalUnavailable` the doc's table gives: SGLang's precondition.
+pub const ENABLE_METRICS_HINT: &str = "SGLang exposes its host-tier counters only with \
+    --enable-metrics (checked in 0.5.23); add it to the engine to get this condition";
+
+/// Most pods a message names.
+const MAX_NAMED: usize = 5;
+
+/// The condition's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostTierVerdict {
+    /// True or Unknown.
+    pub status: ConditionStatus,
+    /// One of the three reasons.
+    pub reason: &'static str,
+    /// What was observed, in numbers (tokens) and pod names.
+    pub message: String,
+}
+
+/// True for the backends the condition is published on: `(SGLang, SGLangHiCache)` in Offload
+/// mode (events-only wires no host tier).
+pub fn applies(spec: &CacheBackendSpec) -> bool {
+    spec.runtime == Runtime::SgLang
+        && spec.effective_type() == CacheType::SGLangHiCache
+        && !spec.is_events_only()
+}
+
+/// One matched pod's host-tier totals.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PodReading {
+    pod: String,
+    written: u64,
+    served: u64,
+}
+
+/// Why a matched pod has no current reading.
+fn missing_why(replicas: &[&ReplicaObservation]) -> &'static str {
+    if replicas.is_empty() {
+        "no KV-event stream (the agent scrapes /metrics only of engines whose KV events it follows)"
+    } else if replicas
+        .iter()
+        .all(|r| r.coverage_reason == Some(AGENT_DISCONNECTED))
+    {
+        "its node agent is disconnected"
+    } else {
+        "no host-tier counters on its /metrics"
+    }
+}
+
+fn named(items: &[String]) -> String {
+    let mut s = items
+        .iter()
+        .take(MAX_NAMED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > MAX_NAMED {
+        s.push_str(&format!(" and {} more", items.len() - MAX_NAMED));
+    }
+    s
+}
+
+/// The `HiCacheHostTier` condition of `cb` from the namespace's pods and the index replicas
+/// (see the module docs). A failed pod list or index read reads `HostTierSignalUnavailable`
+/// with the error, never the previous verdict.
+pub fn verdict(
+    cb: &CacheBackend,
+    pods: Option<&[Pod]>,
+    index: &Result<Vec<ReplicaObservation>, IndexUnavailable>,
+) -> HostTierVerdict {
+    let unavailable = |detail: String| HostTierVerdict {
+        status: ConditionStatus::Unknown,
+        reason: reason::HOST_TIER_SIGNAL_UNAVAILABLE,
+        message: format!("{ENABLE_METRICS_HINT} ({detail})."),
+    };
+    let Some(pods) = pods else {
+        return unavailable("the controller could not list the engine pods".to_string());
+    };
+    let replicas = match index {
+        Ok(r) => r,
+        Err(e) => return unavailable(format!("the controller could not read the index: {e}")),
+    };
+    let ns = cb.metadata.namespace.as_deref().unwrap_or_default();
+    let mut engines: Vec<&Pod> = engine::engine_pods(cb, pods)
+        .into_iter()
+        .filter(|p| {
+            !matches!(
+                p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            )
+        })
+        .collect();
+    engines.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    if engines.is_empty() {
+        return unavailable("no engine pod matches this backend".to_string());
+    }
+    let mut readings: Vec<PodReading> = Vec::new();
+    let mut missing: Vec<String> = Vec::new();
+    for pod in engines {
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        let mine: Vec<&ReplicaObservation> = replicas
+            .iter()
+            .filter(|r| r.tenant == ns && r.pod_name() == name)
+            .collect();
+        let current: Vec<_> = mine.iter().filter_map(|r| r.host_tier).collect();
+        if current.is_empty() {
+            missing.push(format!("{name}: {}", missing_why(&mine)));
+            continue;
+        }
+        readings.push(PodReading {
+            pod: name.to_string(),
+            written: current
+                .iter()
+                .fold(0u64, |a, r| a.saturating_add(r.written_tokens)),
+            served: current.iter().map(|r| r.served_tokens).max().unwrap_or(0),
+        });
+    }
+    if let Some(r) = readings.iter().find(|r| r.written > 0 && r.served > 0) {
+        return HostTierVerdict {
+            status: ConditionStatus::True,
+            reason: reason::HOST_TIER_ROUND_TRIP,
+            message: format!(
+                "{}: {} tokens written to and {} served from the host tier",
+                r.pod, r.written, r.served
+            ),
+        };
+    }
+    if !readings.is_empty() {
+        let written = readings
+            .iter()
+            .fold(0u64, |a, r| a.saturating_add(r.written));
+        let served = readings
+            .iter()
+            .fold(0u64, |a, r| a.saturating_add(r.served));
+        return HostTierVerdict {
+            status: ConditionStatus::Unknown,
+            reason: reason::HOST_TIER_NOT_EXERCISED,
+            message: format!(
+                "no host-tier write and read observed yet ({written} tokens written, {served} \
+                 served)"
+            ),
+        };
+    }
+    unavailable(format!(
+        "no current host-tier reading from {}",
+        named(&missing)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::host_tier::HostTierReading;
+    use ic_shared::crd::{CacheBackendSpec, IntegrationMode, IntegrationSpec};
+    use k8s_openapi::api::core::v1::PodStatus;
+    use std::collections::BTreeMap;
+
+    fn backend() -> CacheBackend {
+        let mut cb = CacheBackend::new(
+            "hicache",
+            CacheBackendSpec {
+                runtime: Runtime::SgLang,
+                type_: Some(CacheType::SGLangHiCache),
+                engine_selector: Some(
+                    serde_json::from_value(serde_json::json!({"matchLabels": {"app": "sglang"}}))
+                        .unwrap(),
+                ),
+                ..Default::default()
+            },
+        );
+        cb.metadata.namespace = Some("ml".into());
+        cb
+    }
+
+    fn pod(name: &str, phase: &str) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.name = Some(name.into());
+        p.metadata.namespace = Some("ml".into());
+        p.metadata.labels = Some(BTreeMap::from([("app".to_string(), "sglang".to_string())]));
+        p.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            ..Default::default()
+        });
+        p
+    }
+
+    fn replica(replica: &str, host: Option<(u64, u64)>) -> ReplicaObservation {
+        ReplicaObservation {
+            tenant: "ml".into(),
+            replica: replica.into(),
+            host_tier: host.map(|(w, s)| HostTierReading {
+                written_tokens: w,
+                served_tokens: s,
+                observed_at_unix_ms: 1,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn applies_only_to_offload_hicache_on_sglang() {
+        let mut spec = backend().spec;
+        assert!(applies(&spec));
+        spec.integration = Some(IntegrationSpec {
+            mode: Some(IntegrationMode::EventsOnly),
+            ..Default::default()
+        });
+        assert!(!applies(&spec));
+        assert!(!applies(&CacheBackendSpec::default()));
+    }
+
+    #[test]
+    fn ranks_add_their_writes_and_share_the_pod_s_reads() {
+        let pods = [pod("sg-0", "Running")];
+        let v = verdict(
+            &backend(),
+            Some(&pods),
+            &Ok(vec![
+                replica("sg-0", Some((2048, 1024))),
+                replica("sg-0#1", Some((1000, 1024))),
+            ]),
+        );
+        assert_eq!(
+            (v.status, v.reason, v.message.as_str()),
+            (
+                ConditionStatus::True,
+                reason::HOST_TIER_ROUND_TRIP,
+                "sg-0: 3048 tokens written to and 1024 served from the host tier"
+            )
+        );
+    }
+
+    #[test]
+    fn a_write_and_a_read_on_different_pods_are_no_round_trip() {
+        let pods = [pod("sg-0", "Running"), pod("sg-1", "Running")];
+        let v = verdict(
+            &backend(),
+            Some(&pods),
+            &Ok(vec![
+                replica("sg-0", Some((64, 0))),
+                replica("sg-1", Some((0, 32))),
+            ]),
+        );
+        assert_eq!(
+            (v.status, v.reason, v.message.as_str()),
+            (
+                ConditionStatus::Unknown,
+                reason::HOST_TIER_NOT_EXERCISED,
+                "no host-tier write and read observed yet (64 tokens written, 32 served)"
+            )
+        );
+    }
+
+    #[test]
+    fn no_current_reading_says_why_per_pod() {
+        let pods = [
+            pod("sg-0", "Running"),
+            pod("sg-1", "Running"),
+            pod("sg-2", "Running"),
+            pod("old", "Succeeded"),
+        ];
+        let mut gone = replica("sg-1", None);
+        gone.coverage = "Unknown";
+        gone.coverage_reason = Some(AGENT_DISCONNECTED);
+        // A finished pod's reading, another namespace's and an unmatched pod's do not count.
+        let mut other_ns = replica("sg-0", Some((5, 5)));
+        other_ns.tenant = "other".into();
+        let v = verdict(
+            &backend(),
+            Some(&pods),
+            &Ok(vec![
+                replica("sg-0", None),
+                gone,
+                replica("old", Some((5, 5))),
+                other_ns,
+            ]),
+        );
+        assert_eq!(
+            (v.status, v.reason),
+            (
+                ConditionStatus::Unknown,
+                reason::HOST_TIER_SIGNAL_UNAVAILABLE
+            )
+        );
+        assert_eq!(
+            v.message,
+            format!(
+                "{ENABLE_METRICS_HINT} (no current host-tier reading from sg-0: no host-tier \
+                 counters on its /metrics, sg-1: its node agent is disconnected, sg-2: no \
+                 KV-event stream (the agent scrapes /metrics only of engines whose KV events it \
+                 follows))."
+            )
+        );
+        let none = verdict(&backend(), Some(&[]), &Ok(vec![]));
+        assert!(
+            none.message
+                .ends_with("(no engine pod matches this backend)."),
+            "{}",
+            none.message
+        );
+        let failed = verdict(
+            &backend(),
+            Some(&pods),
+            &Err(IndexUnavailable("boom".into())),
+        );
+        assert_eq!(failed.reason, reason::HOST_TIER_SIGNAL_UNAVAILABLE);
+        assert!(
+            failed.message.contains("prefix index unavailable: boom"),
+            "{}",
+            failed.message
+        );
+        assert_eq!(
+            verdict(&backend(), None, &Ok(vec![])).reason,
+            reason::HOST_TIER_SIGNAL_UNAVAILABLE
+        );
+    }
+}
