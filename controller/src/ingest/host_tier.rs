@@ -8,7 +8,8 @@
 //! from numbers of an engine or a connection that is gone:
 //!
 //! - a report without the pair removes the stream's reading (the engine stopped exporting it,
-//!   or the agent's last scrape of it failed — the agent drops the pair then);
+//!   or the agent's last scrape of it failed — the agent drops the pair then), and a report
+//!   that no longer lists a stream removes its reading (a report is the reporter's whole set);
 //! - a `Resync` of a reporter removes all of its readings (the agent sends its counters again
 //!   right after);
 //! - the end of a reporter's current stream removes all of its readings (a restarted or
@@ -63,6 +64,23 @@ impl HostTierReadings {
                 self.by_stream.remove(stream_id);
             }
         }
+    }
+
+    /// Records one whole `CounterReport` of `reporter`: the report is every stream's latest
+    /// counters (the agent's `EngineCounters::report`), so a reading of `reporter`'s that the
+    /// report no longer lists is removed too (its engine left the plan).
+    pub fn record_report<'a>(
+        &mut self,
+        reporter: &str,
+        streams: impl IntoIterator<Item = (&'a str, &'a StreamCounters)>,
+    ) {
+        let mut listed = std::collections::HashSet::new();
+        for (id, c) in streams {
+            self.record(reporter, id, c);
+            listed.insert(id);
+        }
+        self.by_stream
+            .retain(|id, (r, _)| r != reporter || listed.contains(id.as_str()));
     }
 
     /// Removes every reading `reporter` sent (its resync, or its stream ended).
@@ -122,5 +140,18 @@ mod tests {
         assert!(r.get("ns/b#0").is_some());
         r.forget_reporter("n2");
         assert!(r.is_empty());
+    }
+
+    /// A report is the reporter's whole set: a stream it no longer lists loses its reading,
+    /// another reporter's stay.
+    #[test]
+    fn a_report_replaces_the_reporters_whole_set() {
+        let mut r = HostTierReadings::default();
+        let c = counters(Some(5), Some(3));
+        r.record_report("n1", [("ns/a#0", &c), ("ns/b#0", &c)]);
+        r.record_report("n2", [("ns/c#0", &c)]);
+        r.record_report("n1", [("ns/b#0", &c)]);
+        assert_eq!(r.get("ns/a#0"), None, "the engine left n1's report");
+        assert!(r.get("ns/b#0").is_some() && r.get("ns/c#0").is_some());
     }
 }

@@ -429,11 +429,10 @@ impl Session {
                     }
                 }
                 drop(ix);
-                let mut host = self.shared.host_tier.write();
-                for (id, c) in owned {
-                    host.record(&self.ticket.node, id, c);
-                }
-                drop(host);
+                self.shared
+                    .host_tier
+                    .write()
+                    .record_report(&self.ticket.node, owned);
                 if ignored > 0 {
                     tracing::debug!(node = %self.ticket.node, ignored, "engine counters of streams this connection does not own were ignored");
                 }

@@ -17,8 +17,11 @@
 //!
 //! Readings are current ones only ([`crate::ingest::host_tier`]): an agent that disconnected, a
 //! failed scrape (an engine restarting), an engine that stopped exporting them all remove them,
-//! and a restarted engine counts from 0 — so the condition never reads True from the numbers of
-//! an engine or a connection that is gone. It never gates Ready and emits no Event (as its
+//! and a restarted engine counts from 0. The verdict also counts a reading only for a Running
+//! pod that is not being deleted, and only when it was observed after the pod's latest (re)start
+//! (`status.startTime`, containers' `startedAt`): a pod replaced under the same name, or an
+//! engine restarted between two scrapes, is never credited with its predecessor's numbers —
+//! the condition never reads True from the numbers of an engine or a connection that is gone. It never gates Ready and emits no Event (as its
 //! sibling T2Degraded).
 
 use ic_shared::crd::{
@@ -78,6 +81,36 @@ fn missing_why(replicas: &[&ReplicaObservation]) -> &'static str {
     }
 }
 
+/// Why a matched pod cannot have a current reading whatever the index holds: it is being
+/// deleted, or not running (a Pending pod is loading, or is a replacement under the old pod's
+/// name, whose reading may still be held).
+fn not_serving(pod: &Pod) -> Option<&'static str> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return Some("being deleted");
+    }
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    (phase != Some("Running")).then_some("not running")
+}
+
+/// Unix ms of the pod's latest (re)start: its `status.startTime` or a running container's
+/// `state.running.startedAt`, whichever is later. A reading observed before it belongs to an
+/// earlier engine (a pod replaced under the same name, a restarted container) and does not
+/// count. `None` when the status gives no time.
+fn last_start_unix_ms(pod: &Pod) -> Option<i64> {
+    let status = pod.status.as_ref()?;
+    let containers = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter_map(|c| c.state.as_ref()?.running.as_ref()?.started_at.as_ref());
+    status
+        .start_time
+        .iter()
+        .chain(containers)
+        .map(|t| t.0.as_millisecond())
+        .max()
+}
+
 fn named(items: &[String]) -> String {
     let mut s = items
         .iter()
@@ -129,13 +162,27 @@ pub fn verdict(
     let mut missing: Vec<String> = Vec::new();
     for pod in engines {
         let name = pod.metadata.name.as_deref().unwrap_or_default();
+        if let Some(why) = not_serving(pod) {
+            missing.push(format!("{name}: {why}"));
+            continue;
+        }
         let mine: Vec<&ReplicaObservation> = replicas
             .iter()
             .filter(|r| r.tenant == ns && r.pod_name() == name)
             .collect();
-        let current: Vec<_> = mine.iter().filter_map(|r| r.host_tier).collect();
+        let started = last_start_unix_ms(pod);
+        let with_reading: Vec<_> = mine.iter().filter_map(|r| r.host_tier).collect();
+        let current: Vec<_> = with_reading
+            .iter()
+            .filter(|r| started.is_none_or(|t| r.observed_at_unix_ms >= t))
+            .collect();
         if current.is_empty() {
-            missing.push(format!("{name}: {}", missing_why(&mine)));
+            let why = if with_reading.is_empty() {
+                missing_why(&mine)
+            } else {
+                "no reading since its containers last started (the one held predates them)"
+            };
+            missing.push(format!("{name}: {why}"));
             continue;
         }
         readings.push(PodReading {
@@ -280,6 +327,74 @@ mod tests {
                 "no host-tier write and read observed yet (64 tokens written, 32 served)"
             )
         );
+    }
+
+    fn at(ms: i64) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_millisecond(ms).unwrap(),
+        )
+    }
+
+    fn observed(replica_id: &str, w: u64, s: u64, at_ms: i64) -> ReplicaObservation {
+        let mut r = replica(replica_id, Some((w, s)));
+        if let Some(h) = r.host_tier.as_mut() {
+            h.observed_at_unix_ms = at_ms;
+        }
+        r
+    }
+
+    /// A StatefulSet replacement under the same name, a container restarted between two
+    /// scrapes, a pod not running or being deleted: the reading held is its predecessor's and
+    /// never makes the condition True.
+    #[test]
+    fn a_reading_from_before_the_pods_latest_start_does_not_count() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus};
+        let mut replaced = pod("sg-0", "Running");
+        replaced.status.as_mut().unwrap().start_time = Some(at(10_000));
+        let old = Ok(vec![observed("sg-0", 3072, 2048, 5_000)]);
+        let v = verdict(&backend(), Some(std::slice::from_ref(&replaced)), &old);
+        assert_eq!(
+            (v.status, v.reason),
+            (
+                ConditionStatus::Unknown,
+                reason::HOST_TIER_SIGNAL_UNAVAILABLE
+            )
+        );
+        assert!(
+            v.message
+                .contains("sg-0: no reading since its containers last started"),
+            "{}",
+            v.message
+        );
+        let fresh = Ok(vec![observed("sg-0", 3072, 2048, 20_000)]);
+        let v = verdict(&backend(), Some(std::slice::from_ref(&replaced)), &fresh);
+        assert_eq!(v.reason, reason::HOST_TIER_ROUND_TRIP);
+        // The engine container restarted at 30 s: the 20 s reading is its predecessor's.
+        replaced.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "sglang".into(),
+            state: Some(ContainerState {
+                running: Some(ContainerStateRunning {
+                    started_at: Some(at(30_000)),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        let v = verdict(&backend(), Some(std::slice::from_ref(&replaced)), &fresh);
+        assert_eq!(
+            v.reason,
+            reason::HOST_TIER_SIGNAL_UNAVAILABLE,
+            "{}",
+            v.message
+        );
+        // Not running, or being deleted: no reading counts.
+        let pending = pod("sg-0", "Pending");
+        let v = verdict(&backend(), Some(std::slice::from_ref(&pending)), &fresh);
+        assert!(v.message.contains("sg-0: not running"), "{}", v.message);
+        let mut deleting = pod("sg-0", "Running");
+        deleting.metadata.deletion_timestamp = Some(at(40_000));
+        let v = verdict(&backend(), Some(std::slice::from_ref(&deleting)), &fresh);
+        assert!(v.message.contains("sg-0: being deleted"), "{}", v.message);
     }
 
     #[test]
