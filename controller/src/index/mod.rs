@@ -39,6 +39,7 @@ mod mem;
 mod order;
 mod policy;
 mod snapshot;
+mod stream_cache;
 mod table;
 
 use std::collections::HashMap;
@@ -51,10 +52,12 @@ use thiserror::Error;
 
 use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT};
 use order::StreamOrder;
+use stream_cache::StreamCache;
 use table::BlockTable;
 
 pub use lookup::{
-    LookupQuery, LookupResult, ReplicaMatch, ReplicaScore, Scores, TimedOut, LOOKUP_TIMEOUT,
+    LookupQuery, LookupResult, ReplicaMatch, ReplicaNames, ReplicaScore, Scores, TimedOut,
+    LOOKUP_TIMEOUT,
 };
 pub use policy::{NamespacePolicy, PolicyTable, ResolvedPolicy};
 pub use snapshot::{IndexSnapshot, ReplicaSnapshot};
@@ -166,6 +169,8 @@ impl Parts {
 #[derive(Debug)]
 struct Replica {
     desc: proto::StreamDescriptor,
+    /// The names answers list (shared with them; see [`ReplicaNames`]).
+    names: Arc<ReplicaNames>,
     node: String,
     /// Last applied delta seq.
     seq: u64,
@@ -339,6 +344,9 @@ pub struct PrefixIndex {
     replicas: Vec<Option<Replica>>,
     free_slots: Vec<ReplicaSlot>,
     slot_by_stream: HashMap<String, ReplicaSlot, table::StrBuild>,
+    /// Candidate slots by stream-id hash in front of `slot_by_stream` for `apply_delta`
+    /// (confirmed against the replica's stream id; see `stream_cache`).
+    stream_cache: StreamCache,
     /// Stream-id order labels (ties in lookup answers), kept incrementally.
     order: StreamOrder,
     /// Slots of each node's streams (a resync or expiry touches only the node's own).
@@ -377,17 +385,20 @@ impl Default for PrefixIndex {
 impl PrefixIndex {
     /// An empty index.
     pub fn new() -> Self {
+        let seed =
+            std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64);
         PrefixIndex {
             partition_ids: HashMap::new(),
             partitions: Vec::new(),
             replicas: Vec::new(),
             free_slots: Vec::new(),
             slot_by_stream: HashMap::default(),
+            stream_cache: StreamCache::new(seed.rotate_left(32)),
             order: StreamOrder::default(),
             node_slots: HashMap::new(),
             coverage_tally: [0; 6],
             arena: HolderArena::default(),
-            seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
+            seed,
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
             unroutable: Vec::new(),
@@ -845,6 +856,12 @@ impl PrefixIndex {
                 .push(slot);
             if let Some(cell) = self.replicas.get_mut(slot as usize) {
                 *cell = Some(Replica {
+                    names: Arc::new(ReplicaNames {
+                        replica: desc.replica.clone(),
+                        stream_id: desc.stream_id.clone(),
+                        node: node.to_string(),
+                        backend: desc.backend.clone(),
+                    }),
                     desc,
                     node: node.to_string(),
                     seq: snap.seq,
@@ -943,10 +960,8 @@ impl PrefixIndex {
         delta: &proto::StreamDelta,
     ) -> Result<(), ApplyError> {
         let desc = delta.stream.as_ref().ok_or(ApplyError::MissingStream)?;
-        let found = self
-            .slot_by_stream
-            .get(&desc.stream_id)
-            .copied()
+        let slot = self.resolve_stream(&desc.stream_id);
+        let found = slot
             .and_then(|s| self.replica(s).map(|r| (s, r)))
             .filter(|(_, r)| r.node == node);
         let Some((slot, replica)) = found else {
@@ -993,6 +1008,27 @@ impl PrefixIndex {
             Coverage::from_proto(delta.coverage, &delta.coverage_reason),
         );
         Ok(())
+    }
+
+    /// The slot of stream `stream_id`, if known: the stream cache's candidate when the replica
+    /// there is that stream (its own id compared, so the answer is exactly the map's), else the
+    /// map's answer, which is then cached. A live replica's slot is its stream id's entry in
+    /// `slot_by_stream` (`resync_node` removes a stream before registering it again, and
+    /// `remove_stream` clears both), so the two paths always agree.
+    #[inline]
+    fn resolve_stream(&mut self, stream_id: &str) -> Option<ReplicaSlot> {
+        let h = self.stream_cache.hash(stream_id);
+        if let Some(s) = self.stream_cache.get(h) {
+            if self
+                .replica(s)
+                .is_some_and(|r| r.desc.stream_id == stream_id)
+            {
+                return Some(s);
+            }
+        }
+        let s = self.slot_by_stream.get(stream_id).copied()?;
+        self.stream_cache.put(h, s, self.slot_by_stream.len());
+        Some(s)
     }
 
     fn find_part(&self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
@@ -1103,13 +1139,17 @@ impl PrefixIndex {
         };
         let arena = &mut self.arena;
         ps.blocks.prefetch(keys);
+        // Each removal moves the last key of the replica's vector into the hole, and that
+        // key's holder learns its new position: the keys moved are all among the vector's
+        // last `keys.len()`, so fetch their slots up front too (their misses overlap the
+        // removed keys' instead of following them one by one).
+        ps.blocks.prefetch(
+            rp.keys
+                .get(rp.keys.len().saturating_sub(keys.len())..)
+                .unwrap_or(&[]),
+        );
         let (mut removed, mut t2_removed) = (0usize, 0usize);
         for &key in keys {
-            // Unless it is the one removed, the last key of the replica's vector moves into the
-            // hole and its holder learns the new position: fetch its slot too.
-            if let Some(&last) = rp.keys.last() {
-                ps.blocks.prefetch_key(last);
-            }
             let Some(h) = ps.blocks.get_mut(key) else {
                 continue;
             };
@@ -1247,7 +1287,7 @@ impl PrefixIndex {
             .flat_map(|(_, r)| r.parts.iter())
             .map(|p| p.keys.capacity() * 8)
             .sum();
-        blocks + keys + self.arena.heap_bytes()
+        blocks + keys + self.arena.heap_bytes() + self.stream_cache.heap_bytes()
     }
 }
 
