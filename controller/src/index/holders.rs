@@ -124,58 +124,6 @@ impl HolderArena {
         Holders::spill(class, list.len(), i)
     }
 
-    /// Moves list `(from, i)` (its first `len` holders) into a new chunk of class `to`,
-    /// inserting `insert = (at, holder)` on the way if given, and releases the old chunk: a
-    /// list changing class is copied pool to pool, with no temporary allocation.
-    fn relocate(
-        &mut self,
-        from: usize,
-        i: u32,
-        len: usize,
-        to: usize,
-        insert: Option<(usize, Holder)>,
-    ) -> Holders {
-        if from == to {
-            return Holders::spill(from, len, i);
-        }
-        let (lo, hi) = self.pools.split_at_mut(from.max(to));
-        let (src, dst) = if from < to {
-            (lo.get_mut(from), hi.first_mut())
-        } else {
-            (hi.first_mut(), lo.get_mut(to))
-        };
-        let (Some(src), Some(dst)) = (src, dst) else {
-            return Holders::spill(from, len, i);
-        };
-        let j = dst.alloc();
-        let old = src.chunk(i).get(..len).unwrap_or(&[]);
-        let chunk = dst.chunk_mut(j);
-        let new_len = match insert {
-            None => {
-                if let Some(d) = chunk.get_mut(..old.len()) {
-                    d.copy_from_slice(old);
-                }
-                old.len()
-            }
-            Some((at, h)) => {
-                let at = at.min(old.len());
-                let (head, tail) = old.split_at(at);
-                if let Some(d) = chunk.get_mut(..at) {
-                    d.copy_from_slice(head);
-                }
-                if let Some(d) = chunk.get_mut(at) {
-                    *d = h;
-                }
-                if let Some(d) = chunk.get_mut(at + 1..at + 1 + tail.len()) {
-                    d.copy_from_slice(tail);
-                }
-                old.len() + 1
-            }
-        };
-        src.free.push(i);
-        Holders::spill(to, new_len, j)
-    }
-
     fn release(&mut self, class: usize, i: u32) {
         if let Some(p) = self.pool_mut(class) {
             p.free.push(i);
@@ -319,7 +267,12 @@ impl Holders {
                     }
                     *self = Holders::spill(class, len + 1, i);
                 } else {
-                    *self = arena.relocate(class, i, len, class_for(len + 1), Some((j, new)));
+                    let mut grown = Vec::with_capacity(len + 1);
+                    grown.extend_from_slice(&list[..j]);
+                    grown.push(new);
+                    grown.extend_from_slice(&list[j..]);
+                    arena.release(class, i);
+                    *self = arena.store(&grown);
                 }
                 SetOutcome::Added
             }
@@ -378,10 +331,9 @@ impl Holders {
             return (Some(removed), Some(Holders::one(last)));
         }
         if class > 0 && len * 4 <= cap {
-            return (
-                Some(removed),
-                Some(arena.relocate(class, i, len, class_for(len), None)),
-            );
+            let kept: Vec<Holder> = list[..len].to_vec();
+            arena.release(class, i);
+            return (Some(removed), Some(arena.store(&kept)));
         }
         (Some(removed), Some(Holders::spill(class, len, i)))
     }

@@ -27,6 +27,8 @@
 //!   transparent huge pages (fewer TLB misses on those random probes).
 //! - A replica's first part (nearly always its only one) is kept inline, so a delta reaches the
 //!   replica's key vector without another dependent cache miss.
+//! - A lookup answer selects its best replicas on packed `u64` keys and reads stream-order
+//!   labels only for the group tied at the cut; names are shared (`ReplicaNames`), not copied.
 //! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
 //!   block held by every replica (a shared system prompt) costs one pass, not one per level.
 //!
@@ -39,7 +41,6 @@ mod mem;
 mod order;
 mod policy;
 mod snapshot;
-mod stream_cache;
 mod table;
 
 use std::collections::HashMap;
@@ -52,7 +53,6 @@ use thiserror::Error;
 
 use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT};
 use order::StreamOrder;
-use stream_cache::StreamCache;
 use table::BlockTable;
 
 pub use lookup::{
@@ -344,9 +344,6 @@ pub struct PrefixIndex {
     replicas: Vec<Option<Replica>>,
     free_slots: Vec<ReplicaSlot>,
     slot_by_stream: HashMap<String, ReplicaSlot, table::StrBuild>,
-    /// Candidate slots by stream-id hash in front of `slot_by_stream` for `apply_delta`
-    /// (confirmed against the replica's stream id; see `stream_cache`).
-    stream_cache: StreamCache,
     /// Stream-id order labels (ties in lookup answers), kept incrementally.
     order: StreamOrder,
     /// Slots of each node's streams (a resync or expiry touches only the node's own).
@@ -385,20 +382,17 @@ impl Default for PrefixIndex {
 impl PrefixIndex {
     /// An empty index.
     pub fn new() -> Self {
-        let seed =
-            std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64);
         PrefixIndex {
             partition_ids: HashMap::new(),
             partitions: Vec::new(),
             replicas: Vec::new(),
             free_slots: Vec::new(),
             slot_by_stream: HashMap::default(),
-            stream_cache: StreamCache::new(seed.rotate_left(32)),
             order: StreamOrder::default(),
             node_slots: HashMap::new(),
             coverage_tally: [0; 6],
             arena: HolderArena::default(),
-            seed,
+            seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
             policies: Arc::new(PolicyTable::new()),
             unroutable: Vec::new(),
@@ -960,8 +954,10 @@ impl PrefixIndex {
         delta: &proto::StreamDelta,
     ) -> Result<(), ApplyError> {
         let desc = delta.stream.as_ref().ok_or(ApplyError::MissingStream)?;
-        let slot = self.resolve_stream(&desc.stream_id);
-        let found = slot
+        let found = self
+            .slot_by_stream
+            .get(&desc.stream_id)
+            .copied()
             .and_then(|s| self.replica(s).map(|r| (s, r)))
             .filter(|(_, r)| r.node == node);
         let Some((slot, replica)) = found else {
@@ -1008,27 +1004,6 @@ impl PrefixIndex {
             Coverage::from_proto(delta.coverage, &delta.coverage_reason),
         );
         Ok(())
-    }
-
-    /// The slot of stream `stream_id`, if known: the stream cache's candidate when the replica
-    /// there is that stream (its own id compared, so the answer is exactly the map's), else the
-    /// map's answer, which is then cached. A live replica's slot is its stream id's entry in
-    /// `slot_by_stream` (`resync_node` removes a stream before registering it again, and
-    /// `remove_stream` clears both), so the two paths always agree.
-    #[inline]
-    fn resolve_stream(&mut self, stream_id: &str) -> Option<ReplicaSlot> {
-        let h = self.stream_cache.hash(stream_id);
-        if let Some(s) = self.stream_cache.get(h) {
-            if self
-                .replica(s)
-                .is_some_and(|r| r.desc.stream_id == stream_id)
-            {
-                return Some(s);
-            }
-        }
-        let s = self.slot_by_stream.get(stream_id).copied()?;
-        self.stream_cache.put(h, s, self.slot_by_stream.len());
-        Some(s)
     }
 
     fn find_part(&self, slot: ReplicaSlot, adapter: &str, block_size: u32) -> Option<usize> {
@@ -1139,17 +1114,13 @@ impl PrefixIndex {
         };
         let arena = &mut self.arena;
         ps.blocks.prefetch(keys);
-        // Each removal moves the last key of the replica's vector into the hole, and that
-        // key's holder learns its new position: the keys moved are all among the vector's
-        // last `keys.len()`, so fetch their slots up front too (their misses overlap the
-        // removed keys' instead of following them one by one).
-        ps.blocks.prefetch(
-            rp.keys
-                .get(rp.keys.len().saturating_sub(keys.len())..)
-                .unwrap_or(&[]),
-        );
         let (mut removed, mut t2_removed) = (0usize, 0usize);
         for &key in keys {
+            // Unless it is the one removed, the last key of the replica's vector moves into the
+            // hole and its holder learns the new position: fetch its slot too.
+            if let Some(&last) = rp.keys.last() {
+                ps.blocks.prefetch_key(last);
+            }
             let Some(h) = ps.blocks.get_mut(key) else {
                 continue;
             };
@@ -1287,7 +1258,7 @@ impl PrefixIndex {
             .flat_map(|(_, r)| r.parts.iter())
             .map(|p| p.keys.capacity() * 8)
             .sum();
-        blocks + keys + self.arena.heap_bytes() + self.stream_cache.heap_bytes()
+        blocks + keys + self.arena.heap_bytes()
     }
 }
 

@@ -3,10 +3,8 @@
 //! Each slot is 16 bytes — the key and its holders side by side — so a lookup costs one cache
 //! line (a Swiss table keeps control bytes and buckets apart: two dependent misses). Key 0 marks
 //! an empty slot; the rare content key 0 lives in a side cell. Deletion shifts the following
-//! run back (no tombstones), so probe lengths stay short under churn. A key's home slot is the
-//! top bits of its hash, so the table is ordered by hash and a rehash streams through both
-//! arrays in order. The table grows at 70 % load and shrinks when a quarter full after
-//! removals. Slot arrays of 4 MiB and more ask for
+//! run back (no tombstones), so probe lengths stay short under churn. The table grows at 70 %
+//! load and shrinks when a quarter full after removals. Slot arrays of 4 MiB and more ask for
 //! transparent huge pages (`mem::advise_huge_pages`): a probe is a random access into megabytes,
 //! and with 4 KiB pages it is a TLB miss as well as a cache miss.
 
@@ -27,12 +25,9 @@ const VACANT: Slot = Slot {
     holders: Holders::VACANT,
 };
 
-/// The odd multiplier of the table's hash (2^64 / φ).
-pub(super) const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
+const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// The 128-bit product of `a` and `b`, folded to 64 bits (low half xor high half).
-#[inline]
-pub(super) fn fold(a: u64, b: u64) -> u64 {
+fn fold(a: u64, b: u64) -> u64 {
     let full = u128::from(a) * u128::from(b);
     (full as u64) ^ ((full >> 64) as u64)
 }
@@ -44,8 +39,6 @@ pub(super) struct BlockTable {
     len: usize,
     zero: Option<Holders>,
     seed: u64,
-    /// `64 - log2(slots.len())`: a key's home slot is its hash's top bits (63 while empty).
-    shift: u32,
 }
 
 impl BlockTable {
@@ -57,7 +50,6 @@ impl BlockTable {
             len: 0,
             zero: None,
             seed,
-            shift: 63,
         }
     }
 
@@ -82,13 +74,8 @@ impl BlockTable {
         self.slots.capacity() * std::mem::size_of::<Slot>()
     }
 
-    /// The home slot of `key`: the top `log2(capacity)` bits of its hash. Top bits (not low
-    /// ones) keep the table ordered by hash, so doubling it maps slot *i* to 2*i* or 2*i* + 1
-    /// and a rehash writes the new array front to back (streaming, not one random miss per
-    /// key).
-    #[inline]
-    fn ideal(&self, key: u64) -> usize {
-        (fold(key ^ self.seed, MUL) >> self.shift) as usize
+    fn ideal(&self, key: u64, mask: usize) -> usize {
+        (fold(key ^ self.seed, MUL) as usize) & mask
     }
 
     /// Position of `key`, if present (key ≠ 0).
@@ -97,7 +84,7 @@ impl BlockTable {
             return None;
         }
         let mask = self.slots.len() - 1;
-        let mut i = self.ideal(key);
+        let mut i = self.ideal(key, mask);
         loop {
             let s = self.slots.get(i)?;
             if s.key == key {
@@ -138,10 +125,22 @@ impl BlockTable {
         if self.slots.is_empty() {
             return;
         }
+        let mask = self.slots.len() - 1;
         for k in keys {
-            if let Some(s) = self.slots.get(self.ideal(*k)) {
+            if let Some(s) = self.slots.get(self.ideal(*k, mask)) {
                 prefetch(s);
             }
+        }
+    }
+
+    /// Prefetches the home slot of one key.
+    #[inline]
+    pub(super) fn prefetch_key(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        if let Some(s) = self.slots.get(self.ideal(key, self.slots.len() - 1)) {
+            prefetch(s);
         }
     }
 
@@ -164,7 +163,7 @@ impl BlockTable {
             self.resize((self.slots.len() * 2).max(16));
         }
         let mask = self.slots.len() - 1;
-        let mut i = self.ideal(key);
+        let mut i = self.ideal(key, mask);
         loop {
             let found = match self.slots.get(i) {
                 Some(s) if s.key == key => true,
@@ -205,7 +204,7 @@ impl BlockTable {
 
     fn place(&mut self, slot: Slot) {
         let mask = self.slots.len() - 1;
-        let mut i = self.ideal(slot.key);
+        let mut i = self.ideal(slot.key, mask);
         while let Some(s) = self.slots.get_mut(i) {
             if s.key == EMPTY {
                 *s = slot;
@@ -217,7 +216,6 @@ impl BlockTable {
 
     fn resize(&mut self, cap: usize) {
         let old = std::mem::replace(&mut self.slots, vacant_slots(cap));
-        self.shift = 64 - cap.trailing_zeros();
         for s in old {
             if s.key != EMPTY {
                 self.place(s);
@@ -242,7 +240,7 @@ impl BlockTable {
             if next.key == EMPTY {
                 break;
             }
-            let k = self.ideal(next.key);
+            let k = self.ideal(next.key, mask);
             // `next` may move back into the hole unless its ideal slot lies cyclically in
             // (hole, j].
             let stays = if hole <= j {
@@ -299,13 +297,6 @@ pub(super) struct StrBuild;
 /// The hasher [`StrBuild`] makes.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct StrHasher(u64);
-
-impl StrHasher {
-    /// A hasher starting from `seed` (the stream cache's, random per index).
-    pub(super) fn seeded(seed: u64) -> Self {
-        StrHasher(seed)
-    }
-}
 
 impl std::hash::Hasher for StrHasher {
     fn finish(&self) -> u64 {
@@ -422,6 +413,7 @@ mod tests {
         assert_eq!(t.len(), keys.len());
         assert!(t.capacity() * 16 >= 4 * HUGE_MIN_BYTES);
         t.prefetch(&[keys[0].0, keys[1].0, 12345]);
+        t.prefetch_key(keys[2].0);
         for (k, h) in &keys {
             assert_eq!(t.get(*k), Some(*h));
         }
