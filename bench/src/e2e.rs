@@ -369,6 +369,7 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
                 policy: LookupPolicy::default(),
                 limits: Default::default(),
                 allow_unauthenticated_non_loopback: false,
+                tokenizers: Default::default(),
             },
             async move {
                 let mut rx = stopped;

@@ -135,6 +135,7 @@ struct Args {
     e2e_seconds: f64,
     e2e_probe_ms: u32,
     vllm_version: String,
+    ingest_only: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -156,6 +157,7 @@ fn parse_args() -> Result<Args, String> {
         e2e_seconds: 10.0,
         e2e_probe_ms: 20,
         vllm_version: "0.33.0".into(),
+        ingest_only: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -178,6 +180,7 @@ fn parse_args() -> Result<Args, String> {
             "--e2e-seconds" => a.e2e_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
             "--e2e-probe-ms" => a.e2e_probe_ms = val()?.parse().map_err(|e| format!("{e}"))?,
             "--vllm-version" => a.vllm_version = val()?,
+            "--ingest-only" => a.ingest_only = val()?.parse().map_err(|e| format!("{e}"))?,
             "-h" | "--help" => {
                 println!(
                     "ic-bench [--reps 3] [--workers 1000] [--capacity 1024 blocks/worker] [--copies 4] \
@@ -186,6 +189,7 @@ fn parse_args() -> Result<Args, String> {
                      \x20        [--stall-nodes 1000] [--stall-per-node 100]\n\
                      \x20        [--no-e2e] [--e2e-rate 20000 block events/s] [--e2e-seconds 10] [--e2e-probe-ms 20]\n\
                      \x20        [--vllm-version 0.33.0] (IC_VLLM_DIR: scripts/fetch-vllm.sh output)\n\
+                     \x20        [--ingest-only N: only our ingest, N fresh builds, each rate printed (for profiling)]\n\
                      Ingest: best of --reps alternating runs; lookups: the pass with the lowest p99."
                 );
                 std::process::exit(0);
@@ -624,6 +628,20 @@ fn main() {
         }
     };
     let (deltas, snaps) = ours_deltas(&w);
+    if args.ingest_only > 0 {
+        for rep in 0..args.ingest_only {
+            let (ix, secs, bytes) = build_ours(&deltas, &snaps);
+            assert_eq!(ix.entry_count() as u64, w.final_entries, "ours: entries");
+            println!(
+                "ingest-only {}: {} ({:.1} ms, {:.1} B per entry)",
+                rep + 1,
+                fmt_rate(block_ops as f64 / secs),
+                secs * 1e3,
+                bytes as f64 / w.final_entries.max(1) as f64
+            );
+        }
+        return;
+    }
     let seq = seq_hashes(&w);
     let events = dynamo_events(&w, &seq);
     // Ingest: alternating fresh builds, best of --reps for each.

@@ -239,14 +239,14 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
             .replicas
             .into_iter()
             .map(|m| proto::ReplicaMatch {
-                replica: m.replica,
-                stream_id: m.stream_id,
-                node: m.node,
+                replica: m.names.replica.clone(),
+                stream_id: m.names.stream_id.clone(),
+                node: m.names.node.clone(),
                 dp_rank: m.dp_rank,
                 matched_blocks: m.matched_blocks,
                 matched_tokens: m.matched_tokens,
                 tier: m.tier.to_proto() as i32,
-                backend: m.backend,
+                backend: m.names.backend.clone(),
                 coverage: m.coverage.state.to_proto() as i32,
                 coverage_reason: m.coverage.reason_str().to_string(),
             })

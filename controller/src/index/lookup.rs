@@ -62,15 +62,27 @@ pub struct LookupQuery {
     pub visible_tenants: Option<Arc<BTreeSet<String>>>,
 }
 
-/// One replica's match.
+/// A replica's names as answers carry them, built once when its stream registers and shared
+/// by every answer that lists it: listing a replica costs one reference-count increment under
+/// the index lock, and the gRPC layer copies the names into the proto's strings after the lock
+/// is released (`router::to_proto`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaMatch {
+pub struct ReplicaNames {
     /// Replica id (pod name, `#rank` above rank 0).
     pub replica: String,
     /// Stream id `ns/pod#rank`.
     pub stream_id: String,
     /// Node whose agent reported it.
     pub node: String,
+    /// CacheBackend that wired the replica, empty if unknown.
+    pub backend: String,
+}
+
+/// One replica's match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaMatch {
+    /// The replica's names (shared with the index; see [`ReplicaNames`]).
+    pub names: Arc<ReplicaNames>,
     /// Data-parallel rank.
     pub dp_rank: u32,
     /// Consecutive blocks matched from block 0.
@@ -79,10 +91,30 @@ pub struct ReplicaMatch {
     pub matched_tokens: u32,
     /// T1 when every matched block is in GPU memory, else T2.
     pub tier: Tier,
-    /// CacheBackend that wired the replica, if known.
-    pub backend: String,
     /// What the agent says of the replica's entries (never Disconnected or EngineDown here).
     pub coverage: Coverage,
+}
+
+impl ReplicaMatch {
+    /// Replica id (pod name, `#rank` above rank 0).
+    pub fn replica(&self) -> &str {
+        &self.names.replica
+    }
+
+    /// Stream id `ns/pod#rank`.
+    pub fn stream_id(&self) -> &str {
+        &self.names.stream_id
+    }
+
+    /// Node whose agent reported it.
+    pub fn node(&self) -> &str {
+        &self.names.node
+    }
+
+    /// CacheBackend that wired the replica, empty if unknown.
+    pub fn backend(&self) -> &str {
+        &self.names.backend
+    }
 }
 
 /// Lookup answer.
@@ -375,37 +407,24 @@ impl PrefixIndex {
     /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
     /// (0 = all) and attaches names.
     ///
-    /// The order key of a score is built from the score and the slot's stream-order label
-    /// alone (a dense array, no replica descriptor is read), so only the `max` replicas kept
-    /// are dereferenced for their names.
+    /// Only the kept replicas are dereferenced (see [`select_answer`]); their names are shared,
+    /// not copied.
     fn materialize(&self, scores: Vec<ReplicaScore>, max: usize) -> Vec<ReplicaMatch> {
-        let mut keyed: Vec<(u128, ReplicaScore)> = scores
-            .into_iter()
-            .map(|s| {
-                let primary = (u64::from(u32::MAX - s.tokens()) << 1) | u64::from(!s.t1);
-                let key = (u128::from(primary) << 64) | u128::from(self.order.label(s.slot));
-                (key, s)
-            })
-            .collect();
-        if max > 0 && keyed.len() > max {
-            keyed.select_nth_unstable_by_key(max - 1, |(k, _)| *k);
-            keyed.truncate(max);
-        }
-        keyed.sort_unstable_by_key(|(k, _)| *k);
-        let mut out = Vec::with_capacity(keyed.len());
-        for (_, s) in keyed {
+        let order = select_answer(&scores, max, |slot| self.order.label(slot));
+        let mut out = Vec::with_capacity(order.len());
+        for i in order {
+            let Some(s) = scores.get(i) else {
+                continue;
+            };
             let Some(r) = self.replica(s.slot as ReplicaSlot) else {
                 continue;
             };
             out.push(ReplicaMatch {
-                replica: r.desc.replica.clone(),
-                stream_id: r.desc.stream_id.clone(),
-                node: r.node.clone(),
+                names: r.names.clone(),
                 dp_rank: r.desc.dp_rank,
                 matched_blocks: s.matched_blocks,
                 matched_tokens: s.tokens(),
                 tier: if s.t1 { Tier::T1 } else { Tier::T2 },
-                backend: r.desc.backend.clone(),
                 coverage: r.effective_coverage(),
             });
         }
@@ -417,4 +436,77 @@ impl PrefixIndex {
         self.replica(slot as ReplicaSlot)
             .map(|r| r.desc.stream_id.as_str())
     }
+}
+
+/// Bits of a packed selection key that carry the score's index (the rest: its primary key).
+const IDX_BITS: u32 = 31;
+
+/// The primary order key of a score: deeper (in tokens) first, then T1 before T2 (33 bits).
+#[inline]
+fn primary(s: &ReplicaScore) -> u64 {
+    (u64::from(u32::MAX - s.tokens()) << 1) | u64::from(!s.t1)
+}
+
+/// Indices into `scores` of the answer, best first: deepest (tokens) first, T1 before T2, then
+/// by stream id — `label(slot)` is the slot's stream-order label ([`super::order`]), whose
+/// order is the stream ids' order. At most `max` (0 = all).
+///
+/// The selection runs on `u64`s packing the primary key (33 bits) over the score's index: the
+/// best `max` by primary key are selected first, and labels are read only for the group tied
+/// at the boundary (a shared system prompt ties the whole fleet at depth 1: those compete on
+/// their labels alone) and for the kept replicas, which are then sorted. Equal to sorting every
+/// score by (primary, label) and truncating (a property test holds them equal).
+pub(super) fn select_answer(
+    scores: &[ReplicaScore],
+    max: usize,
+    label: impl Fn(u32) -> u64,
+) -> Vec<usize> {
+    let idx_mask = (1u64 << IDX_BITS) - 1;
+    let full_key = |i: usize| {
+        scores
+            .get(i)
+            .map(|s| (primary(s), label(s.slot), i))
+            .unwrap_or((u64::MAX, u64::MAX, i))
+    };
+    if max == 0 || scores.len() <= max || scores.len() > idx_mask as usize {
+        let mut all: Vec<(u64, u64, usize)> = (0..scores.len()).map(full_key).collect();
+        all.sort_unstable();
+        all.truncate(if max == 0 { all.len() } else { max });
+        return all.into_iter().map(|(_, _, i)| i).collect();
+    }
+    let mut keys: Vec<u64> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (primary(s) << IDX_BITS) | i as u64)
+        .collect();
+    keys.select_nth_unstable(max - 1);
+    let boundary = keys.get(max - 1).map_or(u64::MAX, |k| k >> IDX_BITS);
+    // Strictly better than the boundary: all kept, and all among the first `max - 1` (the
+    // packed keys are distinct, so everything below the pivot lies before it).
+    let mut kept: Vec<(u64, u64, usize)> = keys
+        .iter()
+        .take(max)
+        .filter(|k| *k >> IDX_BITS < boundary)
+        .map(|k| full_key((k & idx_mask) as usize))
+        .collect();
+    let need = max - kept.len();
+    // The group tied at the boundary (on either side of the pivot) competes on labels alone.
+    let mut tied: Vec<(u64, usize)> = keys
+        .iter()
+        .filter(|k| *k >> IDX_BITS == boundary)
+        .map(|k| {
+            let i = (k & idx_mask) as usize;
+            (scores.get(i).map_or(u64::MAX, |s| label(s.slot)), i)
+        })
+        .collect();
+    if tied.len() > need && need > 0 {
+        tied.select_nth_unstable(need - 1);
+    }
+    tied.truncate(need);
+    kept.sort_unstable();
+    tied.sort_unstable();
+    kept.into_iter()
+        .map(|(_, _, i)| i)
+        .chain(tied.into_iter().map(|(_, i)| i))
+        .collect()
 }

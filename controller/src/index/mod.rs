@@ -27,6 +27,8 @@
 //!   transparent huge pages (fewer TLB misses on those random probes).
 //! - A replica's first part (nearly always its only one) is kept inline, so a delta reaches the
 //!   replica's key vector without another dependent cache miss.
+//! - A lookup answer selects its best replicas on packed `u64` keys and reads stream-order
+//!   labels only for the group tied at the cut; names are shared (`ReplicaNames`), not copied.
 //! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
 //!   block held by every replica (a shared system prompt) costs one pass, not one per level.
 //!
@@ -54,7 +56,8 @@ use order::StreamOrder;
 use table::BlockTable;
 
 pub use lookup::{
-    LookupQuery, LookupResult, ReplicaMatch, ReplicaScore, Scores, TimedOut, LOOKUP_TIMEOUT,
+    LookupQuery, LookupResult, ReplicaMatch, ReplicaNames, ReplicaScore, Scores, TimedOut,
+    LOOKUP_TIMEOUT,
 };
 pub use policy::{NamespacePolicy, PolicyTable, ResolvedPolicy};
 pub use snapshot::{IndexSnapshot, ReplicaSnapshot};
@@ -166,6 +169,8 @@ impl Parts {
 #[derive(Debug)]
 struct Replica {
     desc: proto::StreamDescriptor,
+    /// The names answers list (shared with them; see [`ReplicaNames`]).
+    names: Arc<ReplicaNames>,
     node: String,
     /// Last applied delta seq.
     seq: u64,
@@ -845,6 +850,12 @@ impl PrefixIndex {
                 .push(slot);
             if let Some(cell) = self.replicas.get_mut(slot as usize) {
                 *cell = Some(Replica {
+                    names: Arc::new(ReplicaNames {
+                        replica: desc.replica.clone(),
+                        stream_id: desc.stream_id.clone(),
+                        node: node.to_string(),
+                        backend: desc.backend.clone(),
+                    }),
                     desc,
                     node: node.to_string(),
                     seq: snap.seq,

@@ -84,10 +84,10 @@ fn stored_prefix_is_found_with_its_depth_and_unrelated_tokens_are_not() {
     let got: Vec<(&str, u32, u32)> = r
         .replicas
         .iter()
-        .map(|m| (m.replica.as_str(), m.matched_blocks, m.matched_tokens))
+        .map(|m| (m.replica(), m.matched_blocks, m.matched_tokens))
         .collect();
     assert_eq!(got, vec![("a", 4, 16), ("b", 2, 8)]);
-    assert_eq!(r.replicas[0].node, "n1");
+    assert_eq!(r.replicas[0].node(), "n1");
 
     let miss = ix.lookup(&query(&tokens(100..120)));
     assert!(!miss.prefix_match);
@@ -183,6 +183,59 @@ fn out_of_order_and_unknown_deltas_are_refused_without_change() {
 }
 
 #[test]
+fn deltas_resolve_their_stream_exactly_across_removals_recycled_slots_and_moves() {
+    // Every delta's stream goes through the stream cache: a stream removed (its cached
+    // candidate now stale), its slot recycled by another stream, a stream moved to another
+    // node and a fleet larger than the cache's first table must all resolve as the map does.
+    let keys = chain(&tokens(0..32), 4);
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
+    let one = |pod: &str, seq| delta(pod, seq, vec![store(&keys[..1], proto::Tier::T1, "")]);
+    ix.apply_delta("n1", &one("a", 1)).unwrap();
+    ix.apply_delta("n1", &one("b", 1)).unwrap();
+    // "a" goes; "c" takes its slot (the cache still names that slot for "a").
+    assert!(ix.remove_stream("default/a#0"));
+    ix.resync_node("n2", &[empty_snapshot("c")]);
+    let err = ix.apply_delta("n1", &one("a", 2)).unwrap_err();
+    assert_eq!(err.reason(), "unknown_stream");
+    let err = ix.apply_delta("n1", &one("c", 1)).unwrap_err();
+    assert_eq!(err.reason(), "unknown_stream", "c belongs to n2");
+    ix.apply_delta("n2", &one("c", 1)).unwrap();
+    // "b" moves to n3 (seq restarts): n1 may no longer feed it.
+    ix.resync_node("n3", &[empty_snapshot("b")]);
+    assert_eq!(
+        ix.apply_delta("n1", &one("b", 2)).unwrap_err().reason(),
+        "unknown_stream"
+    );
+    ix.apply_delta("n3", &one("b", 1)).unwrap();
+    // A fleet of 300 streams (the cache grows and refills), each fed twice in turn.
+    let pods: Vec<String> = (0..300).map(|i| format!("p{i:03}")).collect();
+    ix.resync_node(
+        "n4",
+        &pods.iter().map(|p| empty_snapshot(p)).collect::<Vec<_>>(),
+    );
+    for seq in 1..=2 {
+        for (i, p) in pods.iter().enumerate() {
+            let k = &keys[(i % 4)..(i % 4) + 1 + seq as usize];
+            ix.apply_delta("n4", &delta(p, seq, vec![store(k, proto::Tier::T1, "")]))
+                .unwrap();
+        }
+    }
+    for (i, p) in pods.iter().enumerate() {
+        let got: Vec<u64> = ix
+            .stream_entries(&format!("default/{p}#0"))
+            .unwrap()
+            .into_iter()
+            .map(|e| e.content_key)
+            .collect();
+        let mut want = keys[(i % 4)..(i % 4) + 3].to_vec();
+        want.sort_unstable();
+        assert_eq!(got, want, "{p}");
+    }
+    assert_eq!(ix.entry_count(), 1 + 1 + 300 * 3);
+}
+
+#[test]
 fn resync_replaces_the_nodes_state_and_clear_empties_a_replica() {
     let mut ix = PrefixIndex::new();
     ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
@@ -222,7 +275,7 @@ fn resync_replaces_the_nodes_state_and_clear_empties_a_replica() {
     ix.resync_node("n1", &[snap]);
     let r = ix.lookup(&query(&tokens(0..8)));
     assert_eq!(r.replicas.len(), 1);
-    assert_eq!(r.replicas[0].replica, "c");
+    assert_eq!(r.replicas[0].replica(), "c");
     assert_eq!(r.replicas[0].matched_blocks, 1);
     assert_eq!(ix.replica_count(), 1);
     assert_eq!(ix.block_count(), 1);
@@ -337,9 +390,9 @@ fn many_holders_spill_and_shrink_and_lookups_intersect_them() {
     let r = ix.lookup(&query(&tokens(0..16)));
     assert_eq!(r.replicas.len(), 40);
     // Deepest first, then by stream id.
-    assert_eq!(r.replicas[0].replica, "p03");
+    assert_eq!(r.replicas[0].replica(), "p03");
     assert_eq!(r.replicas[0].matched_blocks, 4);
-    assert_eq!(r.replicas[9].replica, "p39");
+    assert_eq!(r.replicas[9].replica(), "p39");
     assert_eq!(r.replicas[10].matched_blocks, 3);
     assert_eq!(r.replicas[39].matched_blocks, 1);
     // A capped answer keeps the best ones in the same order.
@@ -350,7 +403,7 @@ fn many_holders_spill_and_shrink_and_lookups_intersect_them() {
         capped
             .replicas
             .iter()
-            .map(|m| m.replica.as_str())
+            .map(|m| m.replica())
             .collect::<Vec<_>>(),
         vec!["p03", "p07", "p11"]
     );
@@ -363,7 +416,7 @@ fn many_holders_spill_and_shrink_and_lookups_intersect_them() {
     let got: Vec<_> = r
         .replicas
         .iter()
-        .map(|m| (m.replica.as_str(), m.matched_blocks))
+        .map(|m| (m.replica(), m.matched_blocks))
         .collect();
     assert_eq!(got, vec![("p01", 2), ("p00", 1)]);
 }
@@ -434,7 +487,7 @@ fn replicas_with_several_block_sizes_match_at_each_and_the_deepest_wins() {
     // Raw tokens are chunked at every registered size: 32 tokens at 16 beat 12 at 4.
     let r = ix.lookup(&query(&t));
     assert_eq!(r.block_size, 16);
-    assert_eq!(r.replicas[0].replica, "s");
+    assert_eq!(r.replicas[0].replica(), "s");
     assert_eq!(r.replicas[0].matched_tokens, 32);
     assert_eq!(r.replicas[0].tier, Tier::T2);
     // Restricted to one size, the other partition answers.
@@ -442,7 +495,7 @@ fn replicas_with_several_block_sizes_match_at_each_and_the_deepest_wins() {
     q.block_size = Some(4);
     let r = ix.lookup(&q);
     assert_eq!(
-        (r.replicas[0].replica.as_str(), r.replicas[0].matched_tokens),
+        (r.replicas[0].replica(), r.replicas[0].matched_tokens),
         ("v", 12)
     );
     assert_eq!(ix.block_sizes()["vllm"], vec![4, 16]);
@@ -666,7 +719,7 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
             .lookup(&q)
             .replicas
             .into_iter()
-            .map(|m| (m.replica, m.matched_blocks, m.tier))
+            .map(|m| (m.replica().to_string(), m.matched_blocks, m.tier))
             .collect();
         got.sort();
         let mut want: Vec<(String, u32, Tier)> = model
@@ -691,7 +744,7 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
             .lookup(&q)
             .replicas
             .into_iter()
-            .map(|m| m.replica)
+            .map(|m| m.replica().to_string())
             .collect();
         got.sort();
         let want: Vec<String> = model
@@ -719,7 +772,7 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
         ix.lookup(&query(&tokens(0..16)))
             .replicas
             .into_iter()
-            .map(|m| (m.replica, m.coverage.state))
+            .map(|m| (m.replica().to_string(), m.coverage.state))
             .collect()
     };
     assert_eq!(matched(&ix).len(), 2);
@@ -761,7 +814,7 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
     d.coverage_reason = coverage::BOOTSTRAP_INCOMPLETE.into();
     ix.apply_delta("n1", &d).unwrap();
     let r = ix.lookup(&query(&tokens(0..16)));
-    let a = r.replicas.iter().find(|m| m.replica == "a").unwrap();
+    let a = r.replicas.iter().find(|m| m.replica() == "a").unwrap();
     assert_eq!(
         a.coverage,
         Coverage::new(CoverageState::Partial, coverage::BOOTSTRAP_INCOMPLETE)
@@ -1041,12 +1094,209 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
                 (
                     std::cmp::Reverse(m.matched_tokens),
                     m.tier,
-                    m.stream_id.clone(),
+                    m.stream_id().to_string(),
                 )
             })
             .collect();
         let mut sorted = order.clone();
         sorted.sort();
         assert_eq!(order, sorted, "step {step}: answer order");
+    }
+}
+
+/// The answer a router gets (`lookup`, capped at `max`) equals sorting every score of the
+/// scoring pass by (deeper first, T1 before T2, stream id) and keeping the first `max`: the
+/// packed-key selection with labels read only in the tied group changes nothing. Random
+/// fleets with many ties at the boundary, re-registered streams (recycled slots, fresh
+/// labels) and two tenants merged under a wildcard query.
+mod answer_selection {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn desc_in(tenant: &str, pod: &str) -> proto::StreamDescriptor {
+        proto::StreamDescriptor {
+            stream_id: format!("{tenant}/{pod}#0"),
+            tenant: tenant.into(),
+            ..desc(pod, 0)
+        }
+    }
+
+    fn snap_in(tenant: &str, pod: &str) -> proto::StreamSnapshot {
+        proto::StreamSnapshot {
+            stream: Some(desc_in(tenant, pod)),
+            ..empty_snapshot(pod)
+        }
+    }
+
+    /// (tenant index, pod name, depth stored, index of a block stored at T2 if any).
+    fn fleet() -> impl Strategy<Value = Vec<(usize, String, usize, Option<usize>)>> {
+        prop::collection::vec(
+            (
+                0..2usize,
+                "[a-d]{1,3}",
+                0..5usize,
+                prop::option::weighted(0.3, 0..5usize),
+            ),
+            1..90,
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        #[test]
+        fn capped_answer_equals_a_full_sort(
+            fleet in fleet(),
+            drop_every in 2..7usize,
+            max in 0..40usize,
+            query_depth in 1..6usize,
+            wildcard in any::<bool>(),
+        ) {
+            let tenants = ["default", "other"];
+            let keys = chain(&tokens(0..24), 4);
+            let mut ix = PrefixIndex::new();
+            // Unique stream ids, registered on one node per tenant, in generation order.
+            let mut seen = std::collections::BTreeSet::new();
+            let fleet: Vec<_> = fleet
+                .into_iter()
+                .filter(|(t, p, _, _)| seen.insert((*t, p.clone())))
+                .collect();
+            for (t, tenant) in tenants.iter().enumerate() {
+                let snaps: Vec<_> = fleet
+                    .iter()
+                    .filter(|(ft, ..)| *ft == t)
+                    .map(|(_, p, ..)| snap_in(tenant, p))
+                    .collect();
+                ix.resync_node(&format!("n{t}"), &snaps);
+            }
+            // Drop some streams and register them again (new slots and labels).
+            for (i, (t, p, ..)) in fleet.iter().enumerate() {
+                if i % drop_every == 0 {
+                    let tenant = tenants[*t];
+                    ix.remove_stream(&format!("{tenant}/{p}#0"));
+                    ix.resync_node(&format!("extra-{tenant}-{p}"), &[snap_in(tenant, p)]);
+                }
+            }
+            for (i, (t, p, depth, t2_at)) in fleet.iter().enumerate() {
+                let tenant = tenants[*t];
+                let node = if i % drop_every == 0 {
+                    format!("extra-{tenant}-{p}")
+                } else {
+                    format!("n{t}")
+                };
+                let mut ops = vec![store(&keys[..*depth], proto::Tier::T1, "")];
+                if let Some(j) = t2_at.filter(|j| j < depth) {
+                    ops.push(store(&keys[j..=j], proto::Tier::T2, ""));
+                }
+                let d = proto::StreamDelta {
+                    stream: Some(desc_in(tenant, p)),
+                    ..delta(p, 1, ops)
+                };
+                ix.apply_delta(&node, &d).unwrap();
+            }
+            let q = LookupQuery {
+                tenant: if wildcard { String::new() } else { "default".into() },
+                content_keys: keys[..query_depth].to_vec(),
+                block_size: Some(4),
+                max_replicas: max,
+                ..Default::default()
+            };
+            let got: Vec<(String, u32, u32, Tier, String, String)> = ix
+                .lookup(&q)
+                .replicas
+                .iter()
+                .map(|m| {
+                    (
+                        m.stream_id().to_string(),
+                        m.matched_blocks,
+                        m.matched_tokens,
+                        m.tier,
+                        m.replica().to_string(),
+                        m.node().to_string(),
+                    )
+                })
+                .collect();
+            // The straightforward answer: every score, fully sorted by stream id strings.
+            let mut want: Vec<(std::cmp::Reverse<u32>, Tier, String, u32)> = ix
+                .score(&q)
+                .unwrap()
+                .replicas
+                .iter()
+                .map(|s| {
+                    (
+                        std::cmp::Reverse(s.matched_blocks * s.block_size),
+                        if s.t1 { Tier::T1 } else { Tier::T2 },
+                        ix.stream_of(s.slot).unwrap().to_string(),
+                        s.matched_blocks,
+                    )
+                })
+                .collect();
+            want.sort();
+            if max > 0 {
+                want.truncate(max);
+            }
+            let want: Vec<(String, u32, u32, Tier, String, String)> = want
+                .into_iter()
+                .map(|(tokens, tier, id, blocks)| {
+                    let (tenant, rest) = id.split_once('/').unwrap();
+                    let pod = rest.trim_end_matches("#0").to_string();
+                    let t = tenants.iter().position(|x| *x == tenant).unwrap();
+                    let i = fleet.iter().position(|(ft, p, ..)| *ft == t && *p == pod).unwrap();
+                    let node = if i % drop_every == 0 {
+                        format!("extra-{tenant}-{pod}")
+                    } else {
+                        format!("n{t}")
+                    };
+                    (id.clone(), blocks, tokens.0, tier, pod, node)
+                })
+                .collect();
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    /// The selection alone on large, heavily tied inputs (a fleet sharing block 0), against a
+    /// full sort by (primary key, label).
+    #[test]
+    fn selection_on_large_tied_groups_equals_a_full_sort() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for round in 0..200 {
+            let n = 1 + (next() % 2000) as usize;
+            let deep = (next() % 64) as usize;
+            let labels: Vec<u64> = (0..n).map(|_| next() >> (next() % 60)).collect();
+            let scores: Vec<ReplicaScore> = (0..n)
+                .map(|i| ReplicaScore {
+                    slot: i as u32,
+                    // Most at depth 1 (the shared prefix), a few deeper.
+                    matched_blocks: if (next() as usize % n) < deep {
+                        2 + (next() % 4) as u32
+                    } else {
+                        1
+                    },
+                    block_size: if next() % 9 == 0 { 8 } else { 4 },
+                    t1: next() % 5 != 0,
+                })
+                .collect();
+            let max = (next() % 40) as usize;
+            let got = lookup::select_answer(&scores, max, |s| labels[s as usize]);
+            let mut want: Vec<usize> = (0..n).collect();
+            want.sort_by_key(|&i| {
+                let s = &scores[i];
+                (
+                    std::cmp::Reverse(s.matched_blocks * s.block_size),
+                    !s.t1,
+                    labels[i],
+                    i,
+                )
+            });
+            if max > 0 {
+                want.truncate(max);
+            }
+            assert_eq!(got, want, "round {round}: n {n}, max {max}");
+        }
     }
 }
