@@ -34,7 +34,8 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
                                                       removed hashes) per second for S seconds;
                                                       every M ms, right after a batch is handed
                                                       to the publisher, one line
-                                                      {"probe": {"t_ns": wall-clock ns, "tokens":
+                                                      {"probe": {"t_ns": wall-clock ns, "seq":
+                                                      the batch's publisher seq, "tokens":
                                                       [the prefix of its deepest new run],
                                                       "blocks": its full blocks}} (ic-bench's
                                                       publish -> visible measurement) ->
@@ -241,7 +242,7 @@ def load(cmd, kv, pub, pool, seq, reply) -> int:
             runs = [r for r in pool.last_runs if r[3] > r[2]]
             if runs:
                 pid, _, _, nblocks = max(runs, key=lambda r: r[3])
-                reply({"probe": {"t_ns": now, "tokens": pool.prompts[pid][: nblocks * bs], "blocks": nblocks}})
+                reply({"probe": {"t_ns": now, "seq": seq, "tokens": pool.prompts[pid][: nblocks * bs], "blocks": nblocks}})
                 next_probe = now + probe_ns
     pub._event_queue.join()
     return_seq = seq
