@@ -2,6 +2,12 @@
 //! reaches the controller as a delta within a few milliseconds, instead of after a batching
 //! window. Real agent runtime, a replayed engine publisher that stamps each batch with the
 //! time it sends it, and a stand-in controller that timestamps what it receives.
+//!
+//! The same run checks the agent's timing marks (`ic_shared::timing`, what ic-bench splits
+//! publish → visible at): each engine batch is marked received, then applied, and a delta
+//! batch taken after it is marked taken, then sent, before the controller has it. The recorder
+//! is this binary's global tracing subscriber (the agent's tasks run on other threads), so this
+//! file holds one test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -17,6 +23,7 @@ use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use ic_shared::proto::agent_message::Msg;
+use ic_shared::timing::{Recorder, Stage};
 use support::FakeController;
 
 fn fixture(name: &str) -> PathBuf {
@@ -32,6 +39,8 @@ fn free_port() -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
+    let rec = Recorder::new();
+    tracing::subscriber::set_global_default(rec.subscriber()).unwrap();
     let (_fake, grpc, mut received) = FakeController::start().await;
     let (pub_port, replay_port) = (free_port(), free_port());
     let publisher = tokio::spawn(async move {
@@ -87,6 +96,7 @@ async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
     .unwrap();
     // Publish → received, per delta carrying ops: now − the batch's engine timestamp.
     let mut delays_ms = Vec::new();
+    let mut batches = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while delays_ms.len() < 4 {
         let m = tokio::time::timeout_at(deadline, received.recv())
@@ -95,6 +105,7 @@ async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
             .unwrap();
         let now = ic_shared::now_unix_ms();
         if let Some(Msg::KvDeltas(b)) = m.msg {
+            batches.push(b.batch_id);
             for d in b.deltas.iter().filter(|d| !d.ops.is_empty()) {
                 delays_ms.push(now - d.last_event_unix_ms);
             }
@@ -106,6 +117,36 @@ async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
     assert!(
         (0..15).contains(&best),
         "publish → delta took at least {best} ms: {delays_ms:?}"
+    );
+    // Marks: every batch the controller got was taken, then sent; an engine batch the agent
+    // applied live was received before (a batch its bootstrap replay delivered first is
+    // applied from the replay, unmarked, and its live copy skipped); a delta batch was taken
+    // after the first one applied.
+    let marks = rec.take();
+    let at = |stage: Stage, id: u64| marks.iter().position(|m| m.stage == stage && m.id == id);
+    for b in &batches {
+        let (taken, sent) = (at(Stage::BatchTaken, *b), at(Stage::BatchSent, *b));
+        assert!(
+            taken.is_some() && sent.is_some() && taken < sent,
+            "batch {b}: taken {taken:?}, sent {sent:?} in {marks:?}"
+        );
+    }
+    let applied: Vec<(u64, usize)> = marks
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.stage == Stage::KvApplied)
+        .map(|(i, m)| (m.id, i))
+        .collect();
+    assert!(applied.len() >= 2, "{marks:?}");
+    for (seq, i) in &applied {
+        let r = at(Stage::KvReceived, *seq);
+        assert!(r.is_some_and(|r| r < *i), "engine batch {seq}: {marks:?}");
+    }
+    assert!(
+        marks[applied[0].1..]
+            .iter()
+            .any(|m| m.stage == Stage::BatchTaken),
+        "no batch taken after the first applied engine batch: {marks:?}"
     );
     running.abort();
     publisher.abort();

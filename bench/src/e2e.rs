@@ -13,11 +13,21 @@
 //! - **agent** (`ic-agent` threads): `ic_agent::runtime::start` with a one-engine plan, linked
 //!   to the controller;
 //! - **controller** (`ic-ctl` threads): `ic_controller::standalone::start` on loopback;
-//! - **prober** (this thread's runtime): for each probe, `LookupRoute` with the prefix's token
-//!   ids every 100 µs until the engine's replica is listed with at least that many blocks.
+//! - **prober** (this thread, a current-thread runtime): for each probe, `LookupRoute` with the
+//!   prefix's token ids until the engine's replica is listed with at least that many blocks,
+//!   sleeping [`POLL`] between answers (`std::thread::sleep`: a tokio timer rounds up to its
+//!   1 ms tick, which the prober's own resolution must not add); it waits for the engine's
+//!   probe lines blocking, so it starts polling as soon as a line is written.
 //!
 //! Latency = first answer that lists it − publish time (one wall clock, the same host).
 //! Agent CPU = the agent threads' user + system time over the load window / its length.
+//!
+//! **Stages.** The agent and the controller emit [`ic_shared::timing`] marks (received, applied,
+//! batch taken, sent, received and applied by the controller); this process records them
+//! ([`ic_shared::timing::Recorder`] as its global tracing subscriber) and splits every probe's
+//! latency at them: publish → agent ZMQ receive (vLLM's publisher thread and queue, ZMQ) →
+//! decoded and applied → taken into a delta batch → handed to the gRPC stream → received by the
+//! controller → applied, write lock released → seen by the prober's next answer.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -32,9 +42,10 @@ use ic_agent::link::LinkConfig;
 use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
 use ic_controller::standalone::{self, StandaloneConfig};
-use ic_controller::state::LookupPolicy;
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use ic_shared::proto::{router_service_client::RouterServiceClient, Decision, LookupRouteRequest};
+
+use ic_shared::timing::{Mark, Recorder, Stage};
 
 use crate::workload::percentile;
 
@@ -45,6 +56,8 @@ const AGENT_THREADS: &str = "ic-agent";
 const CONTROLLER_THREADS: &str = "ic-ctl";
 /// A probe not visible within this long counts as lost.
 const PROBE_LIMIT: Duration = Duration::from_secs(1);
+/// The prober's pause between two answers that do not list the probe yet.
+const POLL: Duration = Duration::from_micros(100);
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -78,12 +91,145 @@ pub struct E2eReport {
     pub agent_cpu: f64,
     pub controller_cpu: f64,
     pub engine_cpu: f64,
+    /// Per-probe stage split (empty when the marks could not be recorded).
+    pub stages: Vec<ProbeStages>,
+    /// Probes the marks did not cover (no agent receive of their seq, or no batch after it).
+    pub unmatched: usize,
+}
+
+/// One probe: the engine's seq and publish time, and when each stage saw it (Unix ns).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Probe {
+    pub seq: u64,
+    /// Right after `publish()` returned (vLLM's queue took the batch).
+    pub published: u64,
+    /// When vLLM's publisher thread handed it to its PUB socket (engine.py's `sent_ns`).
+    pub sent: Option<u64>,
+    pub visible: u64,
+}
+
+/// Where one probe's publish → visible time went, ns per step (see the module docs).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProbeStages {
+    /// Publish → visible.
+    pub total: u64,
+    /// [`STAGE_NAMES`] order.
+    pub steps: [u64; 8],
+}
+
+/// Names of [`ProbeStages::steps`].
+pub const STAGE_NAMES: [&str; 8] = [
+    "publish() → vLLM's publisher thread sends",
+    "PUB send → agent ZMQ receive",
+    "receive → applied",
+    "applied → batch taken",
+    "taken → handed to gRPC",
+    "handed → controller received",
+    "received → applied in index",
+    "applied → prober saw it",
+];
+
+/// Splits each probe at the recorded marks. `marks` are in emission order: a batch taken after
+/// a seq was applied carries it (or an earlier batch did).
+pub fn split_stages(probes: &[Probe], marks: &[Mark]) -> (Vec<ProbeStages>, usize) {
+    use std::collections::HashMap;
+    let mut first: HashMap<(Stage, u64), (usize, u64)> = HashMap::new();
+    for (i, m) in marks.iter().enumerate() {
+        first.entry((m.stage, m.id)).or_insert((i, m.unix_ns));
+    }
+    // Batch taken marks in emission order, to find the first one after a seq was applied.
+    let taken: Vec<(usize, u64, u64)> = marks
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.stage == Stage::BatchTaken)
+        .map(|(i, m)| (i, m.id, m.unix_ns))
+        .collect();
+    let mut out = Vec::with_capacity(probes.len());
+    let mut unmatched = 0;
+    for p in probes {
+        let got = (|| {
+            let (_, recv) = *first.get(&(Stage::KvReceived, p.seq))?;
+            let (applied_i, applied) = *first.get(&(Stage::KvApplied, p.seq))?;
+            let k = taken.partition_point(|(i, _, _)| *i < applied_i);
+            let &(_, batch, taken_at) = taken.get(k)?;
+            let (_, sent) = *first.get(&(Stage::BatchSent, batch))?;
+            let (_, ctl_recv) = *first.get(&(Stage::BatchReceived, batch))?;
+            let (_, ctl_applied) = *first.get(&(Stage::BatchApplied, batch))?;
+            let points = [
+                p.published,
+                p.sent.unwrap_or(p.published),
+                recv,
+                applied,
+                taken_at,
+                sent,
+                ctl_recv,
+                ctl_applied,
+                p.visible,
+            ];
+            let mut steps = [0u64; 8];
+            for (s, w) in steps.iter_mut().zip(points.windows(2)) {
+                *s = w[1].saturating_sub(w[0]);
+            }
+            Some(ProbeStages {
+                total: p.visible.saturating_sub(p.published),
+                steps,
+            })
+        })();
+        match got {
+            Some(s) => out.push(s),
+            None => unmatched += 1,
+        }
+    }
+    (out, unmatched)
 }
 
 impl E2eReport {
     /// Percentile in ms.
     pub fn ms(&self, q: f64) -> f64 {
         percentile(&self.latency_ns, q) as f64 / 1e6
+    }
+
+    /// The stage split as the bench prints it: per step p50 / p99 / max over every probe, and
+    /// the mean per step over the slowest 1 % (at least one probe): where the tail is spent.
+    pub fn stage_lines(&self) -> Vec<String> {
+        if self.stages.is_empty() {
+            return vec!["publish → visible by stage: no stage marks recorded".into()];
+        }
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let mut lines = vec![format!(
+            "publish → visible by stage, ms ({} probes split, {} not matched to marks): p50 / p99 / max",
+            self.stages.len(),
+            self.unmatched
+        )];
+        for (i, name) in STAGE_NAMES.iter().enumerate() {
+            let mut v: Vec<u64> = self.stages.iter().map(|s| s.steps[i]).collect();
+            v.sort_unstable();
+            lines.push(format!(
+                "- {name}: {:.3} / {:.3} / {:.3}",
+                ms(percentile(&v, 50.0)),
+                ms(percentile(&v, 99.0)),
+                ms(percentile(&v, 100.0))
+            ));
+        }
+        let mut by_total: Vec<&ProbeStages> = self.stages.iter().collect();
+        by_total.sort_unstable_by_key(|s| std::cmp::Reverse(s.total));
+        let n = by_total.len().div_ceil(100).max(1);
+        let tail = &by_total[..n.min(by_total.len())];
+        let mean = |f: &dyn Fn(&ProbeStages) -> u64| {
+            tail.iter().map(|s| ms(f(s))).sum::<f64>() / tail.len() as f64
+        };
+        let parts: Vec<String> = STAGE_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, name)| format!("{name} {:.2}", mean(&|s| s.steps[i])))
+            .collect();
+        lines.push(format!(
+            "slowest {} probe(s), mean {:.2} ms: {}",
+            tail.len(),
+            mean(&|s| s.total),
+            parts.join(", ")
+        ));
+        lines
     }
 
     /// Counts per latency bucket (upper bounds in ms), as the bench prints them.
@@ -110,7 +256,7 @@ impl E2eReport {
 }
 
 /// CPU seconds (user + system) of this process's threads whose name starts with `prefix`.
-fn threads_cpu(prefix: &str) -> f64 {
+pub(crate) fn threads_cpu(prefix: &str) -> f64 {
     let tick = 100.0; // USER_HZ on Linux
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return 0.0;
@@ -274,37 +420,30 @@ fn plan(pub_port: u16, replay_port: u16) -> NodePlan {
     }
 }
 
-/// Polls LookupRoute until the engine's replica holds `blocks` blocks of `tokens`; returns the
-/// wall-clock ns of the answer that lists it, or `None` after [`PROBE_LIMIT`].
-async fn wait_visible(
+/// Whether one `LookupRoute` answer lists the engine's replica with `blocks` blocks of `tokens`
+/// (`None`: the call failed).
+async fn listed(
     client: &mut RouterServiceClient<tonic::transport::Channel>,
     tokens: &[u32],
     blocks: u32,
-) -> Option<u64> {
-    let start = Instant::now();
-    while start.elapsed() < PROBE_LIMIT {
-        let r = client
-            .lookup_route(LookupRouteRequest {
-                tenant: "default".into(),
-                model: "m".into(),
-                token_ids: tokens.to_vec(),
-                block_size: BS,
-                ..Default::default()
-            })
-            .await
-            .ok()?
-            .into_inner();
-        let now = unix_ns();
-        if r.decision == Decision::PrefixMatch as i32
+) -> Option<bool> {
+    let r = client
+        .lookup_route(LookupRouteRequest {
+            tenant: "default".into(),
+            model: "m".into(),
+            token_ids: tokens.to_vec(),
+            block_size: BS,
+            ..Default::default()
+        })
+        .await
+        .ok()?
+        .into_inner();
+    Some(
+        r.decision == Decision::PrefixMatch as i32
             && r.replicas
                 .iter()
-                .any(|m| m.replica == "vllm-0" && m.matched_blocks >= blocks)
-        {
-            return Some(now);
-        }
-        tokio::time::sleep(Duration::from_micros(100)).await;
-    }
-    None
+                .any(|m| m.replica == "vllm-0" && m.matched_blocks >= blocks),
+    )
 }
 
 fn unix_ns() -> u64 {
@@ -314,40 +453,103 @@ fn unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// Reads probes until the engine's final reply; each probe is waited for in turn (probes that
-/// arrive while one is pending queue up; their latency still counts from their publish time).
+/// A probe the prober still waits for.
+struct Pending {
+    seq: Option<u64>,
+    published: u64,
+    tokens: Vec<u32>,
+    blocks: u32,
+    since: Instant,
+}
+
+impl Pending {
+    fn parse(p: &serde_json::Value) -> Pending {
+        Pending {
+            seq: p["seq"].as_u64(),
+            published: p["t_ns"].as_u64().unwrap_or(0),
+            blocks: p["blocks"].as_u64().unwrap_or(0) as u32,
+            tokens: p["tokens"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|t| t.as_u64())
+                        .map(|t| t as u32)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            since: Instant::now(),
+        }
+    }
+}
+
+/// Reads probes until the engine's final reply, and watches every probe not yet visible at
+/// once: each round asks `LookupRoute` once per pending probe, then sleeps [`POLL`]
+/// (`std::thread::sleep`, blocking on purpose: nothing else runs on the prober's runtime, and a
+/// tokio timer would round 100 µs up to its 1 ms tick). A probe that waits behind a slow one
+/// is still seen within a round of becoming visible. With nothing pending the next line is
+/// awaited blocking, so polling starts as soon as the engine writes it.
 async fn probe_until_done(
     engine: &Engine,
     client: &mut RouterServiceClient<tonic::transport::Channel>,
     report: &mut E2eReport,
+    probes: &mut Vec<Probe>,
 ) -> Result<serde_json::Value, String> {
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut done = None;
     loop {
-        let msg = loop {
-            match engine.lines.try_recv() {
-                Ok(m) => break m,
-                Err(mpsc::TryRecvError::Empty) => {
-                    tokio::time::sleep(Duration::from_micros(200)).await
+        if pending.is_empty() && done.is_none() {
+            match engine.lines.recv_timeout(Duration::from_secs(30)) {
+                Ok(m) => match m.get("probe") {
+                    Some(p) => pending.push(Pending::parse(p)),
+                    None => done = Some(m),
+                },
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err("engine.py wrote nothing for 30 s".into())
                 }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err("engine.py exited".into()),
+            }
+        }
+        while done.is_none() {
+            match engine.lines.try_recv() {
+                Ok(m) => match m.get("probe") {
+                    Some(p) => pending.push(Pending::parse(p)),
+                    None => done = Some(m),
+                },
+                Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => return Err("engine.py exited".into()),
             }
-        };
-        let Some(p) = msg.get("probe") else {
-            return Ok(msg);
-        };
-        let t_ns = p["t_ns"].as_u64().unwrap_or(0);
-        let blocks = p["blocks"].as_u64().unwrap_or(0) as u32;
-        let tokens: Vec<u32> = p["tokens"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|t| t.as_u64())
-                    .map(|t| t as u32)
-                    .collect()
-            })
-            .unwrap_or_default();
-        match wait_visible(client, &tokens, blocks).await {
-            Some(at) => report.latency_ns.push(at.saturating_sub(t_ns)),
-            None => report.lost += 1,
+        }
+        if pending.is_empty() {
+            if let Some(m) = done {
+                return Ok(m);
+            }
+            continue;
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &pending[i];
+            let seen = listed(client, &p.tokens, p.blocks).await;
+            let now = unix_ns();
+            if seen == Some(true) {
+                report.latency_ns.push(now.saturating_sub(p.published));
+                if let Some(seq) = p.seq {
+                    probes.push(Probe {
+                        seq,
+                        published: p.published,
+                        sent: None,
+                        visible: now,
+                    });
+                }
+                pending.swap_remove(i);
+            } else if seen.is_none() || p.since.elapsed() >= PROBE_LIMIT {
+                report.lost += 1;
+                pending.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        if !pending.is_empty() {
+            std::thread::sleep(POLL);
         }
     }
 }
@@ -358,18 +560,17 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
     let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()?)
         .parse()
         .map_err(|e| format!("{e}"))?;
+    // The stage marks of the agent and the controller (module docs); without them (another
+    // global subscriber is installed) the stage split is left out.
+    let recorder = Recorder::new();
+    let recording = tracing::subscriber::set_global_default(recorder.subscriber()).is_ok();
     let ctl_rt = runtime(CONTROLLER_THREADS, 1)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let controller = ctl_rt
         .block_on(standalone::start(
             StandaloneConfig {
                 grpc_addr: grpc,
-                http_addr: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
-                agent_expiry: Duration::from_secs(60),
-                policy: LookupPolicy::default(),
-                limits: Default::default(),
-                allow_unauthenticated_non_loopback: false,
-                tokenizers: Default::default(),
+                ..StandaloneConfig::ephemeral()
             },
             async move {
                 let mut rx = stopped;
@@ -421,9 +622,10 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
             engine.send(serde_json::json!({
                 "cmd": "load", "seconds": 1, "blocks_per_s": 2000, "per_step": 4, "probe_ms": 100
             }))?;
-            probe_until_done(&engine, &mut client, &mut warm).await?;
+            probe_until_done(&engine, &mut client, &mut warm, &mut Vec::new()).await?;
         }
         let mut report = E2eReport::default();
+        let mut probes = Vec::new();
         let (agent0, ctl0) = (threads_cpu(AGENT_THREADS), threads_cpu(CONTROLLER_THREADS));
         let engine0 = process_cpu(engine.child.id());
         let t0 = Instant::now();
@@ -431,7 +633,7 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
             "cmd": "load", "seconds": a.seconds, "blocks_per_s": a.rate, "per_step": 4,
             "probe_ms": a.probe_ms
         }))?;
-        let done = probe_until_done(&engine, &mut client, &mut report).await?;
+        let done = probe_until_done(&engine, &mut client, &mut report, &mut probes).await?;
         let wall = t0.elapsed().as_secs_f64();
         report.agent_cpu = (threads_cpu(AGENT_THREADS) - agent0) / wall;
         report.controller_cpu = (threads_cpu(CONTROLLER_THREADS) - ctl0) / wall;
@@ -440,6 +642,22 @@ pub fn run(a: &E2eArgs) -> Result<E2eReport, String> {
         report.batches = done["batches"].as_u64().unwrap_or(0);
         report.seconds = done["seconds"].as_f64().unwrap_or(wall);
         report.latency_ns.sort_unstable();
+        let sent: std::collections::HashMap<u64, u64> = done["sent_ns"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| Some((x.get(0)?.as_u64()?, x.get(1)?.as_u64()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for p in &mut probes {
+            p.sent = sent.get(&p.seq).copied();
+        }
+        if recording {
+            let (stages, unmatched) = split_stages(&probes, &recorder.take());
+            report.stages = stages;
+            report.unmatched = unmatched + report.latency_ns.len() - probes.len();
+        }
         Ok(report)
     });
     let _ = engine.send(serde_json::json!({"cmd": "exit"}));

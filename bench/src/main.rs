@@ -22,12 +22,16 @@
 //! - **racing** (`race.rs`): lookup p50 / p99 / max (read-lock wait included) while another
 //!   thread applies the workload flat out through the controller's shared state, and the
 //!   write-lock hold of a resync at `--stall-nodes × --stall-per-node` streams.
+//! - **gRPC round trip** (`grpc.rs`): `LookupRoute` through the standalone controller's own
+//!   tonic server over loopback, one connection sequential (p50 / p99) and several concurrent
+//!   (lookups/s), every answer checked against the in-process router's.
 //! - **publish → visible** (`e2e.rs`): vLLM's own publisher → agent → controller →
 //!   `LookupRoute`, latency histogram and agent CPU at `--e2e-rate` block events/s.
 //!
 //! Both indexers' answers are cross-checked: the deepest match per request must agree.
 
 mod e2e;
+mod grpc;
 mod race;
 #[path = "workload.rs"]
 mod workload;
@@ -130,6 +134,7 @@ struct Args {
     race_batch: usize,
     stall_nodes: usize,
     stall_per_node: usize,
+    grpc: Option<grpc::GrpcArgs>,
     e2e: bool,
     e2e_rate: u32,
     e2e_seconds: f64,
@@ -152,6 +157,7 @@ fn parse_args() -> Result<Args, String> {
         race_batch: 16,
         stall_nodes: 1000,
         stall_per_node: 100,
+        grpc: Some(grpc::GrpcArgs::default()),
         e2e: true,
         e2e_rate: 20_000,
         e2e_seconds: 10.0,
@@ -175,6 +181,17 @@ fn parse_args() -> Result<Args, String> {
             "--race-batch" => a.race_batch = val()?.parse().map_err(|e| format!("{e}"))?,
             "--stall-nodes" => a.stall_nodes = val()?.parse().map_err(|e| format!("{e}"))?,
             "--stall-per-node" => a.stall_per_node = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--no-grpc" => a.grpc = None,
+            "--grpc-rounds"
+            | "--grpc-conns"
+            | "--grpc-inflight"
+            | "--grpc-seconds"
+            | "--grpc-server-threads" => {
+                let v = val()?;
+                if let Some(g) = a.grpc.as_mut() {
+                    g.set(&flag, &v)?;
+                }
+            }
             "--no-e2e" => a.e2e = false,
             "--e2e-rate" => a.e2e_rate = val()?.parse().map_err(|e| format!("{e}"))?,
             "--e2e-seconds" => a.e2e_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
@@ -187,6 +204,7 @@ fn parse_args() -> Result<Args, String> {
                      [--lookups 20000] [--decode-seconds 2] [--trace FILE] [--fixtures DIR]\n\
                      \x20        [--race-lookups 200000] [--race-batch 16 deltas per write lock]\n\
                      \x20        [--stall-nodes 1000] [--stall-per-node 100]\n\
+                     \x20        [--no-grpc] [--grpc-rounds 20000] [--grpc-conns 4] [--grpc-inflight 8] [--grpc-seconds 3] [--grpc-server-threads 2]\n\
                      \x20        [--no-e2e] [--e2e-rate 20000 block events/s] [--e2e-seconds 10] [--e2e-probe-ms 20]\n\
                      \x20        [--vllm-version 0.33.0] (IC_VLLM_DIR: scripts/fetch-vllm.sh output)\n\
                      \x20        [--ingest-only N: only our ingest, N fresh builds, each rate printed (for profiling)]\n\
@@ -911,6 +929,7 @@ fn extras(
         }
         Err(e) => println!("| resync stall | error: {e} | | | | | |"),
     }
+    grpc::row(args.grpc.as_ref(), snaps, deltas, capped);
     e2e_row(args, cwd);
 }
 
@@ -958,6 +977,9 @@ fn e2e_row(args: &Args, cwd: &Path) {
                 .map(|(b, n)| format!("{b}: {n}"))
                 .collect();
             println!("publish → visible histogram: {}", hist.join(", "));
+            for line in r.stage_lines() {
+                println!("{line}");
+            }
         }
         Err(e) => println!("| publish → visible | error: {e} | | | | p99 ≤ 5 ms | — |"),
     }

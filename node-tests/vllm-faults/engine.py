@@ -34,12 +34,16 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
                                                       removed hashes) per second for S seconds;
                                                       every M ms, right after a batch is handed
                                                       to the publisher, one line
-                                                      {"probe": {"t_ns": wall-clock ns, "tokens":
+                                                      {"probe": {"t_ns": wall-clock ns, "seq":
+                                                      the batch's publisher seq, "tokens":
                                                       [the prefix of its deepest new run],
                                                       "blocks": its full blocks}} (ic-bench's
                                                       publish -> visible measurement) ->
                                                       {"seq", "batches", "block_events",
-                                                      "seconds", "cpu_s"}
+                                                      "seconds", "cpu_s", "sent_ns": [[seq,
+                                                      wall-clock ns the publisher thread
+                                                      handed that probe's batch to its PUB
+                                                      socket], …]}
   {"cmd": "exit"}
 """
 
@@ -208,9 +212,17 @@ class BlockPool:
         return {"blocks": blocks, "copies": sum(len(v) for v in self.cached.values()), "prompts": new}
 
 
+# Publisher seq -> wall-clock ns its batch went to the PUB socket (the publisher thread's
+# send_multipart, wrapped in main); cleared by each `load`.
+SENT_NS: dict = {}
+
+
 def load(cmd, kv, pub, pool, seq, reply) -> int:
     """The `load` command: paced steps with publish-time probes (see the module docs)."""
     import time
+
+    SENT_NS.clear()
+    probed = []
 
     seconds = float(cmd["seconds"])
     rate = float(cmd["blocks_per_s"])
@@ -241,7 +253,8 @@ def load(cmd, kv, pub, pool, seq, reply) -> int:
             runs = [r for r in pool.last_runs if r[3] > r[2]]
             if runs:
                 pid, _, _, nblocks = max(runs, key=lambda r: r[3])
-                reply({"probe": {"t_ns": now, "tokens": pool.prompts[pid][: nblocks * bs], "blocks": nblocks}})
+                probed.append(seq)
+                reply({"probe": {"t_ns": now, "seq": seq, "tokens": pool.prompts[pid][: nblocks * bs], "blocks": nblocks}})
                 next_probe = now + probe_ns
     pub._event_queue.join()
     return_seq = seq
@@ -251,6 +264,7 @@ def load(cmd, kv, pub, pool, seq, reply) -> int:
         "block_events": events_total,
         "seconds": time.monotonic() - t0,
         "cpu_s": time.process_time() - cpu0,
+        "sent_ns": [[s, SENT_NS[s]] for s in probed if s in SENT_NS],
     })
     return return_seq
 
@@ -282,6 +296,7 @@ def main() -> None:
     real_send = pub._pub.send_multipart
 
     def send(frames, *a, **kw):
+        SENT_NS[int.from_bytes(frames[1], "big")] = time.time_ns()
         if drops["left"] > 0:
             drops["left"] -= 1
             return None

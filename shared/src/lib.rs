@@ -11,6 +11,7 @@
 //! - [`telemetry`] — logging set-up for both binaries.
 //! - [`serve`] — connection limits of every listener (HTTP/1.1 and gRPC).
 //! - [`limits`] — input bounds (block sizes, lookup lengths) both binaries agree on.
+//! - [`timing`] — per-stage timestamps of the KV delta path, for benchmarks and tests.
 
 pub mod check;
 pub mod crd;
@@ -21,6 +22,7 @@ pub mod plan;
 pub mod resync;
 pub mod serve;
 pub mod telemetry;
+pub mod timing;
 
 /// Generated gRPC code for package `inferencecache.v1alpha1`.
 #[allow(clippy::all, missing_docs)]

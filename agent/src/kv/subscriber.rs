@@ -52,6 +52,7 @@ use futures::StreamExt;
 use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::proto::StreamDescriptor;
+use ic_shared::timing::{self, Stage};
 use thiserror::Error;
 use tokio::sync::{mpsc, Notify};
 use xxhash_rust::xxh3::xxh3_64;
@@ -352,6 +353,9 @@ async fn read_loop(
         shared.link_changed.notify_one();
         let mut monitor_open = true;
         let forward = |m: ZmqMessage| -> bool {
+            if let Some(seq) = m.get(1).and_then(|f| <[u8; 8]>::try_from(f.as_ref()).ok()) {
+                timing::mark(Stage::KvReceived, u64::from_be_bytes(seq));
+            }
             sink.metrics
                 .received
                 .with_label_values(&[&id, "live"])
@@ -680,6 +684,9 @@ impl Processor {
             }
         }
         apply_payload(&self.shared, &self.sink, seq, payload, digest, live);
+        if live {
+            timing::mark(Stage::KvApplied, seq);
+        }
     }
 
     fn apply_all(&mut self, replies: &[(u64, Vec<u8>)]) {

@@ -29,6 +29,7 @@ use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient, controller_message,
     AgentMessage, KvDeltaBatch, StreamSnapshot,
 };
+use ic_shared::timing::{self, Stage};
 use thiserror::Error;
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio_stream::wrappers::ReceiverStream;
@@ -160,6 +161,7 @@ impl Pump {
                     return;
                 }
                 *batch_id += 1;
+                timing::mark(Stage::BatchTaken, *batch_id);
                 // No receiver = no stream connected: the next snapshot carries the state.
                 let _ = tx.send(Arc::new(KvDeltaBatch {
                     batch_id: *batch_id,
@@ -520,7 +522,9 @@ async fn session(
                     if let Some(b) = covered.filter(&batch) {
                         last_sent_batch = b.batch_id;
                         unacked.get_or_insert((b.batch_id, std::time::Instant::now()));
+                        let id = b.batch_id;
                         send(AgentMessage { msg: Some(Msg::KvDeltas(b)) }).await?;
+                        timing::mark(Stage::BatchSent, id);
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {

@@ -67,6 +67,7 @@ use ic_shared::proto::{
     self, agent_message::Msg, agent_service_server, agent_service_server::AgentService,
     controller_message, ControllerMessage,
 };
+use ic_shared::timing::{self, Stage};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -363,6 +364,7 @@ impl Session {
                 }
             }
             Some(Msg::KvDeltas(batch)) => {
+                timing::mark(Stage::BatchReceived, batch.batch_id);
                 self.authorize(batch.deltas.iter().map(|d| d.stream.as_ref()))?;
                 m.kv_batches_total.inc();
                 let mut refused = None;
@@ -395,6 +397,8 @@ impl Session {
                         }
                     }
                     self.shared.update_index_gauges(&ix);
+                    drop(ix);
+                    timing::mark(Stage::BatchApplied, batch.batch_id);
                 }
                 self.send(controller_message::Msg::Ack(proto::Ack {
                     batch_id: batch.batch_id,
@@ -1027,6 +1031,62 @@ mod tests {
         };
         assert_eq!(keys("team-b/vllm-b#0"), vec![0xb1]);
         assert_eq!(keys("team-a/vllm-a#0"), vec![0xa1, 0xa2]);
+    }
+
+    /// The timing marks of the delta path (`ic_shared::timing`, what ic-bench splits publish →
+    /// visible at): received when the batch arrives, applied once the write lock is released
+    /// with the batch in the index; a batch refused while a resync is awaited is received and
+    /// never applied. One thread (the test's runtime) runs the server, so a thread-local
+    /// recorder sees every mark.
+    #[tokio::test]
+    async fn delta_batches_are_marked_received_then_applied() {
+        use ic_shared::timing::{Recorder, Stage};
+        let rec = Recorder::new();
+        let _guard = tracing::subscriber::set_default(rec.subscriber());
+        let (url, shared) = serve(None).await;
+        let (inbound, tx) = open(&url, hello("n-timing", None, "")).await;
+        let mut inbound = inbound.unwrap();
+        tx.send(resync(&[("ns", "p", "a1")])).await.unwrap();
+        let batch = |id: u64, seq: u64, key: u64| AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: id,
+                deltas: vec![delta("ns", "p", seq, key)],
+            })),
+        };
+        // 3 applies, 4 skips a seq (refused: a resync is requested), 5 arrives while the
+        // resync is awaited.
+        for m in [batch(3, 1, 0xa2), batch(4, 3, 0xa3), batch(5, 4, 0xa4)] {
+            tx.send(m).await.unwrap();
+        }
+        let mut acked = Vec::new();
+        while acked.len() < 3 {
+            if let Some(controller_message::Msg::Ack(a)) =
+                inbound.message().await.unwrap().unwrap().msg
+            {
+                acked.push(a.batch_id);
+            }
+        }
+        assert_eq!(acked, vec![3, 4, 5]);
+        let keys: Vec<u64> = shared
+            .index
+            .read()
+            .stream_entries("ns/p#0")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.content_key)
+            .collect();
+        assert!(keys.contains(&0xa2) && !keys.contains(&0xa4), "{keys:?}");
+        let marks: Vec<(Stage, u64)> = rec.take().into_iter().map(|m| (m.stage, m.id)).collect();
+        assert_eq!(
+            marks,
+            vec![
+                (Stage::BatchReceived, 3),
+                (Stage::BatchApplied, 3),
+                (Stage::BatchReceived, 4),
+                (Stage::BatchApplied, 4),
+                (Stage::BatchReceived, 5),
+            ]
+        );
     }
 
     #[tokio::test]
