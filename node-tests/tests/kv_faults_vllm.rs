@@ -242,7 +242,7 @@ fn lookup_each(c: &Controller, i: usize, truth: &BTreeSet<u64>) -> Vec<String> {
             block_size: Some(BS),
             ..Default::default()
         });
-        let m = r.replicas.iter().find(|m| m.replica == replica);
+        let m = r.replicas.iter().find(|m| m.replica() == replica);
         assert!(m.is_some(), "key {k:#x} of {replica} not routed: {r:?}");
         seen.insert(m.unwrap().coverage.state.as_str().to_string());
     }
