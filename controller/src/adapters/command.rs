@@ -621,6 +621,16 @@ impl EngineCommand {
         self.args.iter().map(|a| a.text.as_str()).collect()
     }
 
+    /// The argument texts that are not shell expansions, in order (what the webhook and the
+    /// node plan can read literally at admission).
+    pub fn literal_texts(&self) -> Vec<&str> {
+        self.args
+            .iter()
+            .filter(|a| !a.opaque)
+            .map(|a| a.text.as_str())
+            .collect()
+    }
+
     /// Every `--flag` occurrence (tokens starting with `--`, except `--` itself), names
     /// normalised with [`normalize_flag`].
     pub fn flags(&self) -> Vec<FlagOcc> {

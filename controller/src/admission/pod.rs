@@ -700,16 +700,10 @@ fn subscriber_block_size(
         let opaque = index.is_some_and(|i| cmd.is_opaque(i)) || raw.contains('$');
         (opaque || raw.trim().parse::<u32>().is_err()).then_some(raw)
     });
-    let literal: Vec<&str> = cmd
-        .args
-        .iter()
-        .filter(|a| !a.opaque)
-        .map(|a| a.text.as_str())
-        .collect();
     let size = if unknown.is_some() {
         plans::engine_block_size(runtime, &[])
     } else {
-        plans::engine_block_size(runtime, &literal)
+        plans::engine_block_size(runtime, &cmd.literal_texts())
     };
     if let Some(raw) = unknown {
         warnings.push(format!(

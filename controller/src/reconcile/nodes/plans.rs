@@ -524,17 +524,10 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
             ),
         );
     }
-    let texts: Vec<String> = command
+    let args: Vec<&str> = command
         .as_ref()
-        .map(|(_, c)| {
-            c.args
-                .iter()
-                .filter(|a| !a.opaque)
-                .map(|a| a.text.clone())
-                .collect()
-        })
+        .map(|(_, c)| c.literal_texts())
         .unwrap_or_default();
-    let args: Vec<&str> = texts.iter().map(String::as_str).collect();
 
     let block_size = engine_block_size(runtime, &args);
 
