@@ -78,6 +78,7 @@ pub async fn run(
             token_ids: Vec::new(),
             content_keys: chain.clone(),
             block_size: BLOCK_SIZE,
+            ..Default::default()
         };
         let sent = Instant::now();
         let r = client.lookup_route(req).await;
