@@ -538,7 +538,10 @@ impl Running {
 }
 
 /// A listener on `addr` with an accept queue sized for `limits` ([`serve::listen`]).
-fn bind(addr: SocketAddr, limits: &ConnectionLimits) -> Result<(TcpListener, SocketAddr), RunError> {
+fn bind(
+    addr: SocketAddr,
+    limits: &ConnectionLimits,
+) -> Result<(TcpListener, SocketAddr), RunError> {
     let l = serve::listen(addr, limits).map_err(|source| RunError::Bind { addr, source })?;
     let local = l
         .local_addr()

@@ -19,10 +19,10 @@ use ic_shared::proto::{
 use parking_lot::Mutex;
 use prost::bytes::BufMut;
 use prost::Message;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::codegen::http::uri::PathAndQuery;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codegen::http::uri::PathAndQuery;
 
 use crate::spec::FleetSpec;
 
@@ -237,8 +237,7 @@ async fn session(
             return (false, Err(format!("connect: {e}")));
         }
     };
-    let mut client =
-        tonic::client::Grpc::new(channel).max_decoding_message_size(64 * 1024 * 1024);
+    let mut client = tonic::client::Grpc::new(channel).max_decoding_message_size(64 * 1024 * 1024);
     // Depth 1: the resync is queued once the stream has taken Hello (its first build happens
     // then, not while 5 000 connections queue).
     let (tx, rx) = mpsc::channel::<Frame>(1);

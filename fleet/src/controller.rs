@@ -178,7 +178,9 @@ pub fn listen_overflows() -> Option<u64> {
     let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
     let names = lines.next()?;
     let values = lines.next()?;
-    let i = names.split_whitespace().position(|n| n == "ListenOverflows")?;
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "ListenOverflows")?;
     values.split_whitespace().nth(i)?.parse().ok()
 }
 

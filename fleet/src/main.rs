@@ -30,9 +30,7 @@ use clap::Parser;
 use parking_lot::Mutex;
 
 use agents::Fleet;
-use controller::{
-    cpu_seconds, listen_overflows, load_average, rss_kib, Controller, ControllerCmd,
-};
+use controller::{cpu_seconds, listen_overflows, load_average, rss_kib, Controller, ControllerCmd};
 use spec::FleetSpec;
 
 /// `ic_controller::ingest::MAX_RESYNC_ENTRIES` (not a dependency: the controller crate would
@@ -138,7 +136,9 @@ async fn main() {
     let args = Args::parse();
     if args.header {
         println!("| agents | streams | entries | empty RSS | cold converge s | cold ctrl CPU s | steady RSS GiB | B/entry | cold peak GiB | quiet lookup p50/p99 µs | churn block-ops/s | churn ctrl CPU | restart: ready s | converged s | storm ctrl CPU s | storm peak GiB | storm lookup p50/p99/max µs | storm exact/no-hint/wrong/errors | dropped | listen overflows (cold/storm) | load (cold/storm) |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
     }
     match run(&args).await {
         Ok(r) => print_row(&args, &r),
@@ -150,7 +150,8 @@ async fn main() {
 }
 
 /// The gauge series of replicas reading Exact.
-const EXACT_SERIES: &str = "inferencecache_controller_index_replicas_by_coverage{coverage=\"Exact\"}";
+const EXACT_SERIES: &str =
+    "inferencecache_controller_index_replicas_by_coverage{coverage=\"Exact\"}";
 
 /// Polls the controller until every agent is connected, every entry indexed and every stream
 /// Exact; returns the elapsed time since `since`.
@@ -243,7 +244,9 @@ async fn run(args: &Args) -> Result<Report, String> {
         .await?
         .as_secs_f64();
     r.cold_cpu_s = cpu_seconds(ctl.pid) - cpu0;
-    r.cold_listen_overflows = listen_overflows().zip(lo0).map(|(a, b)| a.saturating_sub(b));
+    r.cold_listen_overflows = listen_overflows()
+        .zip(lo0)
+        .map(|(a, b)| a.saturating_sub(b));
     r.load_cold = load_average();
     tokio::time::sleep(Duration::from_secs(2)).await;
     (r.steady_rss_kib, r.cold_hwm_kib) = rss_kib(ctl.pid);
@@ -327,7 +330,9 @@ async fn run(args: &Args) -> Result<Report, String> {
             .as_secs_f64();
         let conv_at = t0.elapsed();
         r.storm_cpu_s = cpu_seconds(ctl2.pid) - cpu0;
-        r.storm_listen_overflows = listen_overflows().zip(lo0).map(|(a, b)| a.saturating_sub(b));
+        r.storm_listen_overflows = listen_overflows()
+            .zip(lo0)
+            .map(|(a, b)| a.saturating_sub(b));
         r.load_storm = load_average();
         r.storm_hwm_kib = rss_kib(ctl2.pid).1;
         r.connect_failures_after_ready =

@@ -522,8 +522,7 @@ mod tests {
     async fn fill_accept_queue(addr: SocketAddr, at_most: usize) -> (usize, Vec<TcpStream>) {
         let mut held = Vec::new();
         while held.len() < at_most {
-            match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await
-            {
+            match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await {
                 Ok(Ok(s)) => held.push(s),
                 _ => break,
             }
@@ -542,11 +541,17 @@ mod tests {
         // `TcpListener::bind` would queue 1 024 here).
         let small = listen(loopback, &limits(8)).unwrap();
         let (queued, _held) = fill_accept_queue(small.local_addr().unwrap(), 200).await;
-        assert!((8..=9).contains(&queued), "{queued} connections queued with a backlog of 8");
+        assert!(
+            (8..=9).contains(&queued),
+            "{queued} connections queued with a backlog of 8"
+        );
         // A larger cap queues all of a burst its size (when somaxconn allows, as by default).
         let large = listen(loopback, &limits(100)).unwrap();
         let (queued, _held) = fill_accept_queue(large.local_addr().unwrap(), 100).await;
-        assert_eq!(queued, 100, "a burst of the cap's size was not queued whole");
+        assert_eq!(
+            queued, 100,
+            "a burst of the cap's size was not queued whole"
+        );
         assert_eq!(limits(0).listen_backlog(), 1);
         assert_eq!(limits(usize::MAX).listen_backlog(), u32::MAX);
     }

@@ -894,10 +894,9 @@ impl PrefixIndex {
                 continue;
             };
             // The same id earlier in this resync: the later snapshot replaces it.
-            if let Some(earlier) = by_id.insert(
-                snap.stream.as_ref().map_or("", |d| d.stream_id.as_str()),
-                i,
-            ) {
+            if let Some(earlier) =
+                by_id.insert(snap.stream.as_ref().map_or("", |d| d.stream_id.as_str()), i)
+            {
                 if let Some(cell) = slots.get_mut(earlier) {
                     *cell = None;
                 }
@@ -999,7 +998,10 @@ impl PrefixIndex {
             };
             let slot = apply.slots.get(apply.stream).copied().flatten();
             let slot = slot.filter(|s| {
-                !snap.stale && self.replica(*s).is_some_and(|r| r.resync == apply.generation)
+                !snap.stale
+                    && self
+                        .replica(*s)
+                        .is_some_and(|r| r.resync == apply.generation)
             });
             let (Some(slot), Some(first)) = (slot, snap.entries.get(apply.entry)) else {
                 apply.stream += 1;

@@ -1072,7 +1072,17 @@ fn node_resync() -> (Vec<u64>, Vec<proto::StreamSnapshot>) {
         "a",
         keys.iter()
             .enumerate()
-            .map(|(i, k)| entry(*k, if i % 5 == 4 { proto::Tier::T2 } else { proto::Tier::T1 }, ""))
+            .map(|(i, k)| {
+                entry(
+                    *k,
+                    if i % 5 == 4 {
+                        proto::Tier::T2
+                    } else {
+                        proto::Tier::T1
+                    },
+                    "",
+                )
+            })
             .collect(),
     );
     a.entries
@@ -1088,17 +1098,26 @@ fn node_resync() -> (Vec<u64>, Vec<proto::StreamSnapshot>) {
     stale.stale = true;
     let dup_first = snapshot_with(
         "d",
-        keys[..3].iter().map(|k| entry(*k, proto::Tier::T1, "")).collect(),
+        keys[..3]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
     );
     let mut dup_later = snapshot_with(
         "d",
-        keys[..6].iter().map(|k| entry(*k, proto::Tier::T2, "")).collect(),
+        keys[..6]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T2, ""))
+            .collect(),
     );
     dup_later.coverage = proto::Coverage::Partial as i32;
     dup_later.coverage_reason = ic_shared::kv::coverage::EVENTS_DROPPED.into();
     let moved = snapshot_with(
         "m",
-        keys[..12].iter().map(|k| entry(*k, proto::Tier::T1, "")).collect(),
+        keys[..12]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
     );
     (keys, vec![a, b, stale, dup_first, dup_later, moved])
 }
@@ -1112,7 +1131,10 @@ fn before_resync(keys: &[u64]) -> PrefixIndex {
         &[
             snapshot_with(
                 "o",
-                keys[..20].iter().map(|k| entry(*k, proto::Tier::T1, "")).collect(),
+                keys[..20]
+                    .iter()
+                    .map(|k| entry(*k, proto::Tier::T1, ""))
+                    .collect(),
             ),
             snapshot_with("m", vec![entry(keys[0], proto::Tier::T1, "")]),
         ],
@@ -1121,7 +1143,13 @@ fn before_resync(keys: &[u64]) -> PrefixIndex {
         "n1",
         &[
             snapshot_with("a", vec![entry(keys[40], proto::Tier::T1, "")]),
-            snapshot_with("gone", keys[..30].iter().map(|k| entry(*k, proto::Tier::T1, "")).collect()),
+            snapshot_with(
+                "gone",
+                keys[..30]
+                    .iter()
+                    .map(|k| entry(*k, proto::Tier::T1, ""))
+                    .collect(),
+            ),
         ],
     );
     ix
@@ -1129,7 +1157,15 @@ fn before_resync(keys: &[u64]) -> PrefixIndex {
 
 /// Everything a caller can read of `ix`, for comparing two indexes.
 fn observable(ix: &PrefixIndex, keys: &[u64]) -> impl PartialEq + std::fmt::Debug {
-    let ids = ["default/a#0", "default/b#0", "default/s#0", "default/d#0", "default/m#0", "default/o#0", "default/gone#0"];
+    let ids = [
+        "default/a#0",
+        "default/b#0",
+        "default/s#0",
+        "default/d#0",
+        "default/m#0",
+        "default/o#0",
+        "default/gone#0",
+    ];
     let streams: Vec<_> = ids.iter().map(|id| ix.stream_entries(id)).collect();
     let lookups: Vec<_> = [keys.len(), 9, 3]
         .iter()
@@ -1184,13 +1220,19 @@ fn a_sliced_resync_never_reads_exact_midway_and_ends_equal_to_a_whole_one() {
             }
             assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
             let exact = ix.coverage_counts()[0].1;
-            assert_eq!(exact, 1, "only n0's stream reads Exact midway (budget {budget})");
+            assert_eq!(
+                exact, 1,
+                "only n0's stream reads Exact midway (budget {budget})"
+            );
             steps += 1;
             if ix.resync_step(&mut apply, &snaps, budget) {
                 break;
             }
         }
-        assert!(budget >= 64 || steps > 10, "budget {budget} took {steps} steps");
+        assert!(
+            budget >= 64 || steps > 10,
+            "budget {budget} took {steps} steps"
+        );
         assert_eq!(observable(&ix, &keys), want, "budget {budget}");
         assert_eq!(ix.heap_bytes(), whole.heap_bytes(), "budget {budget}");
         assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
@@ -1205,7 +1247,13 @@ fn a_sliced_resync_never_reads_exact_midway_and_ends_equal_to_a_whole_one() {
     // Key vectors are sized exactly from the snapshot.
     for (_, r) in whole.live_replicas() {
         for p in r.parts.iter() {
-            assert_eq!(p.keys.capacity(), p.keys.len(), "{} {}", r.desc.stream_id, p.adapter);
+            assert_eq!(
+                p.keys.capacity(),
+                p.keys.len(),
+                "{} {}",
+                r.desc.stream_id,
+                p.adapter
+            );
         }
     }
 }
@@ -1215,7 +1263,10 @@ fn a_resync_begun_later_for_the_node_wins_over_one_still_in_slices() {
     let (keys, snaps) = node_resync();
     let newer = vec![snapshot_with(
         "a",
-        keys[..5].iter().map(|k| entry(*k, proto::Tier::T1, "")).collect(),
+        keys[..5]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
     )];
     // What the two resyncs do one after the other (the older one took "m" from n0 at its
     // start: the newest report wins, and the newer resync of n1 does not list it).
