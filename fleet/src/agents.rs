@@ -60,6 +60,9 @@ impl FleetStats {
     }
 }
 
+/// One agent's resync: each message's protobuf encoding, in sending order.
+pub type Frames = Arc<[Arc<[u8]>]>;
+
 /// Agent-side state shared with the lookup client: the epoch of every agent (which prompts
 /// are live).
 pub struct Fleet {
@@ -75,7 +78,7 @@ pub struct Fleet {
     /// Set to stop every agent.
     pub stop: AtomicBool,
     /// Per agent: its encoded resync messages and the epoch they were built at.
-    frames: Vec<Mutex<Option<(u64, Arc<[Arc<[u8]>]>)>>>,
+    frames: Vec<Mutex<Option<(u64, Frames)>>>,
 }
 
 impl Fleet {
@@ -94,7 +97,7 @@ impl Fleet {
     /// Agent `a`'s full resync at its current epoch as encoded `AgentMessage`s, chunked as
     /// `ic_shared::link::opening` does (`ic_shared::resync::chunk_resync`): built and encoded on
     /// the first call of an epoch, the same bytes on every later one.
-    pub fn resync_frames(&self, a: usize) -> Arc<[Arc<[u8]>]> {
+    pub fn resync_frames(&self, a: usize) -> Frames {
         let epoch = self.epochs[a].load(Ordering::Acquire);
         let Some(cell) = self.frames.get(a) else {
             return Arc::from(Vec::new());
@@ -105,11 +108,10 @@ impl Fleet {
                 return frames.clone();
             }
         }
-        let frames: Arc<[Arc<[u8]>]> =
-            ic_shared::resync::chunk_resync(self.spec.snapshots(a, epoch))
-                .iter()
-                .map(|m| Arc::from(m.encode_to_vec()))
-                .collect();
+        let frames: Frames = ic_shared::resync::chunk_resync(self.spec.snapshots(a, epoch))
+            .iter()
+            .map(|m| Arc::from(m.encode_to_vec()))
+            .collect();
         *cell = Some((epoch, frames.clone()));
         frames
     }

@@ -394,6 +394,11 @@ fn print_row(args: &Args, r: &Report) {
         ("–".into(), "–".into())
     };
     let storm = |s: String| if args.no_restart { "–".into() } else { s };
+    let overflows = format!(
+        "{}/{}",
+        opt(r.cold_listen_overflows),
+        opt(r.storm_listen_overflows)
+    );
     println!(
         "| {} | {} | {:.1} M | {:.0} MiB | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
         args.agents,
@@ -419,11 +424,7 @@ fn print_row(args: &Args, r: &Report) {
             r.storm.exact, r.storm.no_hint, r.storm.wrong, r.storm.errors
         )),
         storm(r.dropped.to_string()),
-        format!(
-            "{}/{}",
-            opt(r.cold_listen_overflows),
-            opt(r.storm_listen_overflows)
-        ),
+        overflows,
         r.load_cold,
         if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
     );
