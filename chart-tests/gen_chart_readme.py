@@ -47,18 +47,19 @@ PrometheusRule and its runbooks) in [docs/operations.md](../docs/operations.md) 
 
 ## Sizing the controller
 
-Each controller replica holds the whole KV-prefix index in memory: about **39 bytes per
-(block, replica) entry** in the index itself (`docs/benchmarks.md` "Memory"), **62–70 bytes per
-entry all-in** for the whole process with thousands of agents and replicas (measured at 10–30 M
+Each controller replica holds the whole KV-prefix index in memory: about **35–44 bytes per
+(block, replica) entry** in the index itself at 10–30 M entries (it depends on the block
+tables' load; `inferencecache_controller_index_heap_bytes` shows it), **73–86 bytes per entry
+all-in** for the whole process with thousands of agents and replicas (measured at 10–30 M
 entries, [docs/scaling.md](../docs/scaling.md); `inferencecache_controller_index_entries` is the
 live count) on top of its idle footprint (`process_resident_memory_bytes` of an idle controller,
 about 21 MiB). Allow headroom for table growth and a reconnect storm:
 
-    memory limit ≈ idle RSS + 1.3 × 70 B × entries
+    memory limit ≈ idle RSS + 1.3 × 86 B × entries
 
 Entries ≈ engine replicas × KV blocks each holds (GPU KV-cache bytes ÷ bytes per block; with
 `keepsL2`, plus the offload tier's blocks). For example 200 replicas × 50 000 blocks = 10 M
-entries ≈ 0.7 GB all-in, ≈ 0.9 GB with headroom: set `controller.resources.limits.memory: 1Gi`.
+entries ≈ 0.86 GB all-in, ≈ 1.1 GB with headroom: set `controller.resources.limits.memory: 1200Mi`.
 Where one controller stops sufficing and the sharded design beyond it: docs/scaling.md.
 Alert on `process_resident_memory_bytes` against the limit (docs/operations.md "Capacity").
 

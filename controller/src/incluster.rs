@@ -537,10 +537,12 @@ impl Running {
     }
 }
 
-async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), RunError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|source| RunError::Bind { addr, source })?;
+/// A listener on `addr` with an accept queue sized for `limits` ([`serve::listen`]).
+fn bind(
+    addr: SocketAddr,
+    limits: &ConnectionLimits,
+) -> Result<(TcpListener, SocketAddr), RunError> {
+    let l = serve::listen(addr, limits).map_err(|source| RunError::Bind { addr, source })?;
     let local = l
         .local_addr()
         .map_err(|source| RunError::Bind { addr, source })?;
@@ -562,8 +564,8 @@ where
     let shared = Arc::new(Shared::new(cfg.policy)?.with_tokenizers(tokenizers.clone()));
     let registry = shared.metrics.registry.clone();
     let clock: Arc<dyn Clock> = overrides.clock.unwrap_or_else(|| Arc::new(SystemClock));
-    let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr).await?;
-    let (http_listener, http_addr) = bind(cfg.http_addr).await?;
+    let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr, &cfg.limits)?;
+    let (http_listener, http_addr) = bind(cfg.http_addr, &cfg.limits)?;
 
     // One shutdown signal fans out to everything.
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -36,6 +36,9 @@ pub struct ControllerMetrics {
     /// Engine streams by coverage (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`,
     /// `Unknown`).
     pub index_replicas_by_coverage: IntGaugeVec,
+    /// The index's heap by part, bytes (`slots`, `slots_used`, `holder_lists`, `key_vectors`,
+    /// `key_vectors_used`), estimated from capacities; refreshed on each `/metrics` scrape.
+    pub index_heap_bytes: IntGaugeVec,
     /// Blocks evicted by CacheTenant quotas, by tenant.
     pub index_quota_evictions_total: IntCounterVec,
     /// Blocks refused by the per-stream cap.
@@ -116,6 +119,13 @@ impl ControllerMetrics {
             format!("{p}index_replicas"),
             "Engine streams (replicas) known to the KV-prefix index.",
         )?;
+        let index_heap_bytes = IntGaugeVec::new(
+            Opts::new(
+                format!("{p}index_heap_bytes"),
+                "Heap of the KV-prefix index by part, bytes, from capacities (slots: block-table slot arrays; slots_used: the slots holding a block; holder_lists: spilled holder lists; key_vectors: per-replica key vectors; key_vectors_used: their filled part). Refreshed on each scrape.",
+            ),
+            &["part"],
+        )?;
         let index_replicas_by_coverage = IntGaugeVec::new(
             Opts::new(
                 format!("{p}index_replicas_by_coverage"),
@@ -184,6 +194,7 @@ impl ControllerMetrics {
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_replicas.clone()))?;
         registry.register(Box::new(index_replicas_by_coverage.clone()))?;
+        registry.register(Box::new(index_heap_bytes.clone()))?;
         registry.register(Box::new(index_quota_evictions_total.clone()))?;
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
@@ -230,6 +241,7 @@ impl ControllerMetrics {
             index_blocks,
             index_replicas,
             index_replicas_by_coverage,
+            index_heap_bytes,
             index_quota_evictions_total,
             index_stream_cap_refusals_total,
             lookups_total,

@@ -11,7 +11,6 @@ use ic_shared::proto::agent_service_server::AgentServiceServer;
 use ic_shared::proto::router_service_server::RouterServiceServer;
 use ic_shared::serve::{self, ConnectionLimits, ListenerStats};
 use thiserror::Error;
-use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -137,20 +136,18 @@ where
     }
     let tokenizers = Arc::new(Tokenizers::new(&cfg.tokenizers.specs)?);
     let shared = Arc::new(Shared::new(cfg.policy)?.with_tokenizers(tokenizers.clone()));
+    // Accept queues sized from the connection cap: a restart's reconnect storm queues in the
+    // kernel instead of losing SYNs (docs/scaling.md "Connection limits").
     let grpc_listener =
-        TcpListener::bind(cfg.grpc_addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: cfg.grpc_addr,
-                source,
-            })?;
+        serve::listen(cfg.grpc_addr, &cfg.limits).map_err(|source| ServeError::Bind {
+            addr: cfg.grpc_addr,
+            source,
+        })?;
     let http_listener =
-        TcpListener::bind(cfg.http_addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: cfg.http_addr,
-                source,
-            })?;
+        serve::listen(cfg.http_addr, &cfg.limits).map_err(|source| ServeError::Bind {
+            addr: cfg.http_addr,
+            source,
+        })?;
     let grpc_addr = grpc_listener
         .local_addr()
         .map_err(|source| ServeError::Bind {

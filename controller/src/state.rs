@@ -74,6 +74,23 @@ impl Shared {
         self.node_events.subscribe()
     }
 
+    /// Refreshes the index heap gauge (`index_heap_bytes`) from [`PrefixIndex::heap_bytes`]:
+    /// O(replicas) under the read lock, so it runs per `/metrics` scrape, not per write.
+    pub fn update_heap_gauges(&self) {
+        let h = self.index.read().heap_bytes();
+        let g = &self.metrics.index_heap_bytes;
+        for (part, v) in [
+            ("slots", h.table_slots),
+            ("slots_used", h.table_slots_used),
+            ("holder_lists", h.holder_lists),
+            ("key_vectors", h.key_vectors),
+            ("key_vectors_used", h.key_vectors_used),
+        ] {
+            g.with_label_values(&[part])
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Refreshes the index gauges (call after a write).
     pub fn update_index_gauges(&self, index: &PrefixIndex) {
         self.metrics.index_entries.set(index.entry_count() as i64);

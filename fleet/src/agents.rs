@@ -2,18 +2,27 @@
 //! `AgentService.Connect` the way `ic-agent` does (`agent/src/link`): the same Hello and opening
 //! resync (`ic_shared::link`), chunked by the same rule, a fresh resync on `ResyncRequest`, and
 //! the agent's reconnect backoff (250 ms doubling to 5 s, reset after a stream was up).
+//!
+//! Each agent's resync is built and protobuf-encoded once per epoch and kept as bytes
+//! ([`Fleet::resync_frames`]); every (re)connect resends those bytes through
+//! [`PreEncodedCodec`], so a reconnect storm costs the generator a copy per message, not a
+//! rebuild and re-encode of every entry (what made the generator, not the controller, the
+//! bound of the storm's wall clock).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ic_shared::proto::{
-    agent_message::Msg, agent_service_client::AgentServiceClient, controller_message, AgentMessage,
-    KvDeltaBatch,
+    agent_message::Msg, controller_message, AgentMessage, ControllerMessage, KvDeltaBatch,
 };
 use parking_lot::Mutex;
+use prost::bytes::BufMut;
+use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codegen::http::uri::PathAndQuery;
 
 use crate::spec::FleetSpec;
 
@@ -51,6 +60,9 @@ impl FleetStats {
     }
 }
 
+/// One agent's resync: each message's protobuf encoding, in sending order.
+pub type Frames = Arc<[Arc<[u8]>]>;
+
 /// Agent-side state shared with the lookup client: the epoch of every agent (which prompts
 /// are live).
 pub struct Fleet {
@@ -65,6 +77,8 @@ pub struct Fleet {
     pub churn_every_ms: AtomicU64,
     /// Set to stop every agent.
     pub stop: AtomicBool,
+    /// Per agent: its encoded resync messages and the epoch they were built at.
+    frames: Vec<Mutex<Option<(u64, Frames)>>>,
 }
 
 impl Fleet {
@@ -72,13 +86,104 @@ impl Fleet {
     pub fn new(spec: FleetSpec) -> Arc<Self> {
         Arc::new(Fleet {
             epochs: (0..spec.agents).map(|_| AtomicU64::new(0)).collect(),
+            frames: (0..spec.agents).map(|_| Mutex::new(None)).collect(),
             spec,
             stats: FleetStats::default(),
             churn_every_ms: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         })
     }
+
+    /// Agent `a`'s full resync at its current epoch as encoded `AgentMessage`s, chunked as
+    /// `ic_shared::link::opening` does (`ic_shared::resync::chunk_resync`): built and encoded on
+    /// the first call of an epoch, the same bytes on every later one.
+    pub fn resync_frames(&self, a: usize) -> Frames {
+        let epoch = self.epochs[a].load(Ordering::Acquire);
+        let Some(cell) = self.frames.get(a) else {
+            return Arc::from(Vec::new());
+        };
+        let mut cell = cell.lock();
+        if let Some((e, frames)) = cell.as_ref() {
+            if *e == epoch {
+                return frames.clone();
+            }
+        }
+        let frames: Frames = ic_shared::resync::chunk_resync(self.spec.snapshots(a, epoch))
+            .iter()
+            .map(|m| Arc::from(m.encode_to_vec()))
+            .collect();
+        *cell = Some((epoch, frames.clone()));
+        frames
+    }
 }
+
+/// One outbound message of an agent stream: a message to encode, or one encoded before.
+#[derive(Debug, Clone)]
+pub enum Frame {
+    /// Encoded on the way out (Hello, delta batches).
+    Msg(AgentMessage),
+    /// The protobuf encoding of an `AgentMessage` (a cached resync message).
+    Encoded(Arc<[u8]>),
+}
+
+/// `AgentService.Connect`'s codec with pre-encoded outbound messages: [`Frame::Encoded`] bytes
+/// are copied into the gRPC frame as they are (they are an `AgentMessage`'s protobuf encoding),
+/// [`Frame::Msg`] is encoded by prost; inbound `ControllerMessage`s are decoded by prost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PreEncodedCodec;
+
+/// The encoder of [`PreEncodedCodec`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FrameEncoder;
+
+/// The decoder of [`PreEncodedCodec`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ControllerDecoder;
+
+impl Codec for PreEncodedCodec {
+    type Encode = Frame;
+    type Decode = ControllerMessage;
+    type Encoder = FrameEncoder;
+    type Decoder = ControllerDecoder;
+    fn encoder(&mut self) -> FrameEncoder {
+        FrameEncoder
+    }
+    fn decoder(&mut self) -> ControllerDecoder {
+        ControllerDecoder
+    }
+}
+
+impl Encoder for FrameEncoder {
+    type Item = Frame;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Frame, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        match item {
+            Frame::Msg(m) => m
+                .encode(dst)
+                .map_err(|e| tonic::Status::internal(format!("encode: {e}"))),
+            Frame::Encoded(b) => {
+                dst.put_slice(&b);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Decoder for ControllerDecoder {
+    type Item = ControllerMessage;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut DecodeBuf<'_>,
+    ) -> Result<Option<ControllerMessage>, tonic::Status> {
+        ControllerMessage::decode(src)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(format!("decode: {e}")))
+    }
+}
+
+/// The method path of `AgentService.Connect` (as the generated client names it).
+const CONNECT_PATH: &str = "/inferencecache.v1alpha1.AgentService/Connect";
 
 /// Runs agent `a` against `url` until [`Fleet::stop`].
 pub async fn run_agent(fleet: Arc<Fleet>, a: usize, url: String) {
@@ -111,12 +216,6 @@ fn hello(node: &str, instance: &str) -> AgentMessage {
     })
 }
 
-/// The agent's full resync at its current epoch, chunked as `ic_shared::link::opening` does.
-fn resync(fleet: &Fleet, a: usize) -> Vec<AgentMessage> {
-    let epoch = fleet.epochs[a].load(Ordering::Acquire);
-    ic_shared::resync::chunk_resync(fleet.spec.snapshots(a, epoch))
-}
-
 /// One stream: (whether it opened, why it ended).
 async fn session(
     fleet: &Arc<Fleet>,
@@ -140,33 +239,46 @@ async fn session(
             return (false, Err(format!("connect: {e}")));
         }
     };
-    let mut client = AgentServiceClient::new(channel).max_decoding_message_size(64 * 1024 * 1024);
-    // Depth 1: the resync is built once the stream has taken Hello (a storm of 5 000 agents
-    // must not hold 5 000 decoded resyncs in the generator while their connections queue).
-    let (tx, rx) = mpsc::channel::<AgentMessage>(1);
+    let mut client = tonic::client::Grpc::new(channel).max_decoding_message_size(64 * 1024 * 1024);
+    // Depth 1: the resync is queued once the stream has taken Hello (its first build happens
+    // then, not while 5 000 connections queue).
+    let (tx, rx) = mpsc::channel::<Frame>(1);
     let feed = {
         let tx = tx.clone();
         let fleet = fleet.clone();
         let hello = hello(node, instance);
         tokio::spawn(async move {
-            if tx.send(hello).await.is_err() {
+            if tx.send(Frame::Msg(hello)).await.is_err() {
                 return;
             }
             let Ok(permit) = tx.reserve().await else {
                 return;
             };
-            let mut msgs = resync(&fleet, a).into_iter();
+            let frames = fleet.resync_frames(a);
+            let mut msgs = frames.iter();
             if let Some(first) = msgs.next() {
-                permit.send(first);
+                permit.send(Frame::Encoded(first.clone()));
             }
             for m in msgs {
-                if tx.send(m).await.is_err() {
+                if tx.send(Frame::Encoded(m.clone())).await.is_err() {
                     return;
                 }
             }
         })
     };
-    let response = match client.connect(ReceiverStream::new(rx)).await {
+    if let Err(e) = client.ready().await {
+        feed.abort();
+        stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+        return (false, Err(format!("connect: {e}")));
+    }
+    let response = match client
+        .streaming(
+            tonic::Request::new(ReceiverStream::new(rx)),
+            PathAndQuery::from_static(CONNECT_PATH),
+            PreEncodedCodec,
+        )
+        .await
+    {
         Ok(r) => r,
         Err(e) => {
             feed.abort();
@@ -187,8 +299,8 @@ async fn session(
 async fn stream_loop(
     fleet: &Fleet,
     a: usize,
-    tx: &mpsc::Sender<AgentMessage>,
-    inbound: &mut tonic::Streaming<ic_shared::proto::ControllerMessage>,
+    tx: &mpsc::Sender<Frame>,
+    inbound: &mut tonic::Streaming<ControllerMessage>,
 ) -> Result<(), String> {
     let stats = &fleet.stats;
     let mut batch_id = 0u64;
@@ -204,8 +316,10 @@ async fn stream_loop(
                 Ok(Some(m)) => match m.msg {
                     Some(controller_message::Msg::ResyncRequest(_)) => {
                         stats.resync_requests.fetch_add(1, Ordering::Relaxed);
-                        for m in resync(fleet, a) {
-                            tx.send(m).await.map_err(|_| "outbound closed".to_string())?;
+                        for m in fleet.resync_frames(a).iter() {
+                            tx.send(Frame::Encoded(m.clone()))
+                                .await
+                                .map_err(|_| "outbound closed".to_string())?;
                         }
                     }
                     Some(controller_message::Msg::Ack(_)) => {
@@ -225,12 +339,55 @@ async fn stream_loop(
                 let epoch = fleet.epochs[a].load(Ordering::Acquire);
                 batch_id += 1;
                 let batch = KvDeltaBatch { batch_id, deltas: fleet.spec.churn(a, epoch) };
-                tx.send(AgentMessage { msg: Some(Msg::KvDeltas(batch)) })
+                tx.send(Frame::Msg(AgentMessage { msg: Some(Msg::KvDeltas(batch)) }))
                     .await
                     .map_err(|_| "outbound closed".to_string())?;
                 fleet.epochs[a].store(epoch + 1, Ordering::Release);
                 stats.batches_sent.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_resync_bytes_are_the_agents_resync_and_follow_its_epoch() {
+        // Large enough to be chunked (several messages), as the real agent chunks it.
+        let fleet = Fleet::new(FleetSpec::new(2, 400_000, 8, 2, 32, 32));
+        let frames = fleet.resync_frames(1);
+        let want = ic_shared::resync::chunk_resync(fleet.spec.snapshots(1, 0));
+        assert!(want.len() > 1, "the resync is chunked");
+        let decoded: Vec<AgentMessage> = frames
+            .iter()
+            .map(|b| AgentMessage::decode(&b[..]).unwrap())
+            .collect();
+        // The same messages but for the snapshot timestamp (taken when each was built).
+        let strip = |mut m: AgentMessage| {
+            if let Some(Msg::ResyncChunk(c)) = m.msg.as_mut() {
+                c.streams.iter_mut().for_each(|s| s.last_event_unix_ms = 0);
+            }
+            if let Some(Msg::Resync(r)) = m.msg.as_mut() {
+                r.streams.iter_mut().for_each(|s| s.last_event_unix_ms = 0);
+            }
+            m
+        };
+        assert_eq!(
+            decoded.into_iter().map(strip).collect::<Vec<_>>(),
+            want.into_iter().map(strip).collect::<Vec<_>>()
+        );
+        // The same bytes on the next call; new ones once the agent's epoch moves (churn).
+        assert!(Arc::ptr_eq(&frames, &fleet.resync_frames(1)));
+        fleet.epochs[1].store(1, Ordering::Release);
+        let next = fleet.resync_frames(1);
+        assert!(!Arc::ptr_eq(&frames, &next));
+        let first = AgentMessage::decode(&next[0][..]).unwrap();
+        let Some(Msg::ResyncChunk(c)) = first.msg else {
+            panic!("not a chunk");
+        };
+        assert_eq!(c.streams[0].seq, 1);
     }
 }

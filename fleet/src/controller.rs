@@ -82,7 +82,8 @@ impl ControllerCmd {
         Err(format!("controller not ready within {limit:?}"))
     }
 
-    /// The controller's metrics, summed over labels: name → value.
+    /// The controller's metrics: each series by its full name with labels
+    /// (`name{label="v"}`), and each name summed over its labels.
     pub async fn metrics(&self) -> Result<HashMap<String, f64>, String> {
         let body = http_get(self.http, "/metrics").await?;
         let mut out = HashMap::new();
@@ -93,10 +94,14 @@ impl ControllerCmd {
             let Some((name, value)) = line.rsplit_once(' ') else {
                 continue;
             };
-            let name = name.split('{').next().unwrap_or(name);
-            if let Ok(v) = value.parse::<f64>() {
-                *out.entry(name.to_string()).or_insert(0.0) += v;
+            let Ok(v) = value.parse::<f64>() else {
+                continue;
+            };
+            let base = name.split('{').next().unwrap_or(name);
+            if base != name {
+                out.insert(name.to_string(), v);
             }
+            *out.entry(base.to_string()).or_insert(0.0) += v;
         }
         Ok(out)
     }
@@ -163,6 +168,20 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     // SAFETY: sysconf has no memory effects.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     (ticks(11) + ticks(12)) / hz
+}
+
+/// The kernel's count of connections dropped because a listener's accept queue was full
+/// (`TcpExt: ListenOverflows` of `/proc/net/netstat`; the whole network namespace, so every
+/// listener on the machine), when readable.
+pub fn listen_overflows() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/net/netstat").ok()?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let names = lines.next()?;
+    let values = lines.next()?;
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "ListenOverflows")?;
+    values.split_whitespace().nth(i)?.parse().ok()
 }
 
 /// The 1-minute load average (`/proc/loadavg`).

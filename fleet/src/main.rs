@@ -30,7 +30,7 @@ use clap::Parser;
 use parking_lot::Mutex;
 
 use agents::Fleet;
-use controller::{cpu_seconds, load_average, rss_kib, Controller, ControllerCmd};
+use controller::{cpu_seconds, listen_overflows, load_average, rss_kib, Controller, ControllerCmd};
 use spec::FleetSpec;
 
 /// `ic_controller::ingest::MAX_RESYNC_ENTRIES` (not a dependency: the controller crate would
@@ -120,6 +120,11 @@ struct Report {
     resync_requests: u64,
     load_cold: String,
     load_storm: String,
+    /// `TcpExt: ListenOverflows` during the cold start and the storm (the machine's).
+    cold_listen_overflows: Option<u64>,
+    storm_listen_overflows: Option<u64>,
+    /// The controller's index heap by part (`…_index_heap_bytes`) once converged.
+    steady_heap: Vec<(String, f64)>,
 }
 
 fn gib(kib: u64) -> f64 {
@@ -130,8 +135,10 @@ fn gib(kib: u64) -> f64 {
 async fn main() {
     let args = Args::parse();
     if args.header {
-        println!("| agents | streams | entries | empty RSS | cold converge s | steady RSS GiB | B/entry | cold peak GiB | quiet lookup p50/p99 µs | churn block-ops/s | churn ctrl CPU | restart: ready s | converged s | storm peak GiB | storm lookup p50/p99/max µs | storm exact/no-hint/wrong | dropped | load (cold/storm) |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        println!("| agents | streams | entries | empty RSS | cold converge s | cold ctrl CPU s | steady RSS GiB | B/entry | cold peak GiB | quiet lookup p50/p99 µs | churn block-ops/s | churn ctrl CPU | restart: ready s | converged s | storm ctrl CPU s | storm peak GiB | storm lookup p50/p99/max µs | storm exact/no-hint/wrong/errors | dropped | listen overflows (cold/storm) | load (cold/storm) |");
+        println!(
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
     }
     match run(&args).await {
         Ok(r) => print_row(&args, &r),
@@ -142,8 +149,12 @@ async fn main() {
     }
 }
 
-/// Polls the controller until every agent is connected and every entry indexed, sampling its
-/// RSS; returns the elapsed time since `since`.
+/// The gauge series of replicas reading Exact.
+const EXACT_SERIES: &str =
+    "inferencecache_controller_index_replicas_by_coverage{coverage=\"Exact\"}";
+
+/// Polls the controller until every agent is connected, every entry indexed and every stream
+/// Exact; returns the elapsed time since `since`.
 async fn converge(
     cmd: &ControllerCmd,
     ctl: &mut Controller,
@@ -153,13 +164,15 @@ async fn converge(
 ) -> Result<Duration, String> {
     let want = fleet.spec.total_entries() as f64;
     let agents = fleet.spec.agents as f64;
+    let streams = (fleet.spec.agents * fleet.spec.streams_per_agent) as f64;
     loop {
         if since.elapsed() > limit {
             let m = cmd.metrics().await.unwrap_or_default();
             return Err(format!(
-                "not converged within {limit:?}: entries {:?} of {want}, agents {:?} of {agents}; agent errors {:?}",
+                "not converged within {limit:?}: entries {:?} of {want}, agents {:?} of {agents}, Exact streams {:?} of {streams}; agent errors {:?}",
                 m.get("inferencecache_controller_index_entries"),
                 m.get("inferencecache_controller_agents_connected"),
+                m.get(EXACT_SERIES),
                 fleet.stats.errors.lock()
             ));
         }
@@ -169,7 +182,9 @@ async fn converge(
         if let Ok(m) = cmd.metrics().await {
             let entries = m.get("inferencecache_controller_index_entries").copied();
             let connected = m.get("inferencecache_controller_agents_connected").copied();
-            if entries == Some(want) && connected == Some(agents) {
+            // Every stream Exact: no resync is still being applied (Partial / ResyncApplying).
+            let exact = m.get(EXACT_SERIES).copied();
+            if entries == Some(want) && connected == Some(agents) && exact == Some(streams) {
                 return Ok(since.elapsed());
             }
         }
@@ -220,6 +235,7 @@ async fn run(args: &Args) -> Result<Report, String> {
     // Cold start: every agent connects to an empty controller.
     let url = format!("http://{grpc}");
     let cpu0 = cpu_seconds(ctl.pid);
+    let lo0 = listen_overflows();
     let cold = Instant::now();
     for a in 0..fleet.spec.agents {
         tokio::spawn(agents::run_agent(fleet.clone(), a, url.clone()));
@@ -228,9 +244,24 @@ async fn run(args: &Args) -> Result<Report, String> {
         .await?
         .as_secs_f64();
     r.cold_cpu_s = cpu_seconds(ctl.pid) - cpu0;
+    r.cold_listen_overflows = listen_overflows()
+        .zip(lo0)
+        .map(|(a, b)| a.saturating_sub(b));
     r.load_cold = load_average();
     tokio::time::sleep(Duration::from_secs(2)).await;
     (r.steady_rss_kib, r.cold_hwm_kib) = rss_kib(ctl.pid);
+    r.steady_heap = cmd
+        .metrics()
+        .await
+        .map(|m| {
+            let mut v: Vec<(String, f64)> = m
+                .into_iter()
+                .filter(|(k, _)| k.starts_with("inferencecache_controller_index_heap_bytes{"))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        })
+        .unwrap_or_default();
 
     let samples = Arc::new(Mutex::new(Vec::new()));
     tokio::spawn(lookups::run(
@@ -287,6 +318,7 @@ async fn run(args: &Args) -> Result<Report, String> {
                 fleet.spec.agents
             ));
         }
+        let lo0 = listen_overflows();
         let mut ctl2 = cmd.spawn()?;
         let spawned = ctl2.started;
         let cpu0 = cpu_seconds(ctl2.pid);
@@ -298,6 +330,9 @@ async fn run(args: &Args) -> Result<Report, String> {
             .as_secs_f64();
         let conv_at = t0.elapsed();
         r.storm_cpu_s = cpu_seconds(ctl2.pid) - cpu0;
+        r.storm_listen_overflows = listen_overflows()
+            .zip(lo0)
+            .map(|(a, b)| a.saturating_sub(b));
         r.load_storm = load_average();
         r.storm_hwm_kib = rss_kib(ctl2.pid).1;
         r.connect_failures_after_ready =
@@ -336,8 +371,17 @@ fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
         "batches_acked": fleet.stats.batches_acked.load(Ordering::Relaxed),
         "agent_errors": fleet.stats.errors.lock().clone(),
         "load_cold": r.load_cold, "load_storm": r.load_storm,
+        "cold_listen_overflows": r.cold_listen_overflows,
+        "storm_listen_overflows": r.storm_listen_overflows,
+        "steady_heap_bytes": r.steady_heap.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
+        "connects": fleet.stats.connects.load(Ordering::Relaxed),
+        "connect_failures": fleet.stats.connect_failures.load(Ordering::Relaxed),
     })
     .to_string()
+}
+
+fn opt(v: Option<u64>) -> String {
+    v.map_or_else(|| "?".into(), |v| v.to_string())
 }
 
 fn print_row(args: &Args, r: &Report) {
@@ -350,13 +394,19 @@ fn print_row(args: &Args, r: &Report) {
         ("–".into(), "–".into())
     };
     let storm = |s: String| if args.no_restart { "–".into() } else { s };
+    let overflows = format!(
+        "{}/{}",
+        opt(r.cold_listen_overflows),
+        opt(r.storm_listen_overflows)
+    );
     println!(
-        "| {} | {} | {:.1} M | {:.0} MiB | {:.1} | {:.2} | {:.1} | {:.2} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
+        "| {} | {} | {:.1} M | {:.0} MiB | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
         args.agents,
         args.agents * args.streams_per_agent,
         r.entries as f64 / 1e6,
         r.empty_rss_kib as f64 / 1024.0,
         r.cold_converge_s,
+        r.cold_cpu_s,
         gib(r.steady_rss_kib),
         (r.steady_rss_kib.saturating_sub(r.empty_rss_kib) * 1024) as f64 / r.entries.max(1) as f64,
         gib(r.cold_hwm_kib),
@@ -366,10 +416,15 @@ fn print_row(args: &Args, r: &Report) {
         churn.1,
         storm(format!("{:.2}", r.ready_s)),
         storm(format!("{:.1}", r.storm_converge_s)),
+        storm(format!("{:.1}", r.storm_cpu_s)),
         storm(format!("{:.2}", gib(r.storm_hwm_kib))),
         storm(format!("{}/{}/{}", r.storm.p50_us, r.storm.p99_us, r.storm.max_us)),
-        storm(format!("{}/{}/{}", r.storm.exact, r.storm.no_hint, r.storm.wrong)),
+        storm(format!(
+            "{}/{}/{}/{}",
+            r.storm.exact, r.storm.no_hint, r.storm.wrong, r.storm.errors
+        )),
         storm(r.dropped.to_string()),
+        overflows,
         r.load_cold,
         if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
     );

@@ -13,6 +13,12 @@
 //! A connection accepted while the cap is reached is closed at once (its file descriptor is
 //! released; the client sees the connection reset or closed) and counted in
 //! [`ListenerStats::refused`].
+//!
+//! Listeners are bound by [`listen`], whose kernel accept queue (the `listen(2)` backlog) holds
+//! as many connections as the cap allows ([`ConnectionLimits::listen_backlog`]): tokio's
+//! `TcpListener::bind` asks for 1 024, and when thousands of agents reconnect at once (a
+//! controller restart) the SYNs beyond a full queue are dropped (`TcpExt: ListenOverflows`) and
+//! those clients wait out their SYN retransmit (1 s, 3 s, …) or their connect timeout.
 
 use std::future::Future;
 use std::io;
@@ -25,9 +31,9 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// Default cap on concurrent connections per listener.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
@@ -71,6 +77,47 @@ impl Default for ConnectionLimits {
             keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
         }
     }
+}
+
+impl ConnectionLimits {
+    /// The `listen(2)` backlog of a listener under these limits: [`Self::max_connections`]
+    /// (at most `u32::MAX`), so a burst of as many connections as the listener may hold queues
+    /// in the kernel instead of being dropped at the SYN. The kernel caps it at
+    /// `net.core.somaxconn` ([`listen`] warns when that is lower).
+    pub fn listen_backlog(&self) -> u32 {
+        u32::try_from(self.max_connections.max(1)).unwrap_or(u32::MAX)
+    }
+}
+
+/// Binds a TCP listener on `addr` with the accept queue `limits` asks for
+/// ([`ConnectionLimits::listen_backlog`]) and `SO_REUSEADDR` (what `TcpListener::bind` sets, so
+/// a restarted process binds while the old connections linger in TIME_WAIT). Logs a warning
+/// when the kernel's `net.core.somaxconn` caps the backlog below that. Errors: the socket
+/// could not be created, bound or put into the listening state.
+pub fn listen(addr: SocketAddr, limits: &ConnectionLimits) -> io::Result<TcpListener> {
+    let backlog = limits.listen_backlog();
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    if let Some(cap) = somaxconn() {
+        if cap < backlog {
+            warn!(%addr, backlog, somaxconn = cap, "the kernel caps this listener's accept queue at net.core.somaxconn: a burst of more connections than that waits for SYN retransmits; raise net.core.somaxconn to at least --max-connections");
+        }
+    }
+    socket.listen(backlog)
+}
+
+/// `net.core.somaxconn` (Linux), when readable.
+fn somaxconn() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The command-line flags of the listeners' limits, flattened into both binaries' arguments
@@ -462,4 +509,50 @@ impl ConnectionLimits {
 /// The identity handshake of plain HTTP listeners (for [`serve_http`]).
 pub async fn plain(stream: Limited<TcpStream>) -> io::Result<Limited<TcpStream>> {
     Ok(stream)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// Connects to `addr` one client at a time while nobody accepts, until one connect does
+    /// not complete within 300 ms (its SYN was dropped: the accept queue is full); returns how
+    /// many completed and the held streams.
+    async fn fill_accept_queue(addr: SocketAddr, at_most: usize) -> (usize, Vec<TcpStream>) {
+        let mut held = Vec::new();
+        while held.len() < at_most {
+            match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await {
+                Ok(Ok(s)) => held.push(s),
+                _ => break,
+            }
+        }
+        (held.len(), held)
+    }
+
+    #[tokio::test]
+    async fn the_accept_queue_holds_as_many_connections_as_the_cap() {
+        let limits = |n: usize| ConnectionLimits {
+            max_connections: n,
+            ..Default::default()
+        };
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        // A small cap: the kernel queues backlog + 1 connections, then drops SYNs (tokio's
+        // `TcpListener::bind` would queue 1 024 here).
+        let small = listen(loopback, &limits(8)).unwrap();
+        let (queued, _held) = fill_accept_queue(small.local_addr().unwrap(), 200).await;
+        assert!(
+            (8..=9).contains(&queued),
+            "{queued} connections queued with a backlog of 8"
+        );
+        // A larger cap queues all of a burst its size (when somaxconn allows, as by default).
+        let large = listen(loopback, &limits(100)).unwrap();
+        let (queued, _held) = fill_accept_queue(large.local_addr().unwrap(), 100).await;
+        assert_eq!(
+            queued, 100,
+            "a burst of the cap's size was not queued whole"
+        );
+        assert_eq!(limits(0).listen_backlog(), 1);
+        assert_eq!(limits(usize::MAX).listen_backlog(), u32::MAX);
+    }
 }

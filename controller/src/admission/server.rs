@@ -201,9 +201,7 @@ pub async fn start(
         addr: cfg.addr,
         source,
     };
-    let listener = tokio::net::TcpListener::bind(cfg.addr)
-        .await
-        .map_err(bind_err)?;
+    let listener = serve::listen(cfg.addr, &cfg.limits).map_err(bind_err)?;
     let local_addr = listener.local_addr().map_err(bind_err)?;
     let app = router(admission, cfg.max_body_bytes);
     let stats = Arc::new(ListenerStats::default());

@@ -108,6 +108,7 @@ async fn readyz(State(s): State<HttpState>) -> Response {
 }
 
 async fn metrics(State(s): State<HttpState>) -> Response {
+    s.shared.update_heap_gauges();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         s.shared.metrics.render(),

@@ -193,6 +193,9 @@ struct Replica {
     /// eviction, the per-stream cap): the replica reads Partial with this reason until it is
     /// cleared or resynced, whatever its agent says.
     limited: Option<&'static str>,
+    /// The [`PrefixIndex::begin_resync`] that registered it (a sliced apply touches only
+    /// replicas of its own generation).
+    resync: u64,
 }
 
 impl Replica {
@@ -322,6 +325,44 @@ impl ApplyError {
     }
 }
 
+/// A node's resync being applied in slices: what [`PrefixIndex::begin_resync`] registered and
+/// how far [`PrefixIndex::resync_step`] got. Holds no borrow of the index, so the caller may
+/// release the index lock between steps.
+#[derive(Debug)]
+pub struct ResyncApply {
+    generation: u64,
+    /// Per snapshot of the resync: the slot it was registered in (`None`: skipped).
+    slots: Vec<Option<ReplicaSlot>>,
+    /// Next snapshot and entry to apply.
+    stream: usize,
+    entry: usize,
+    /// Reused buffer of one run's keys.
+    keys: Vec<u64>,
+}
+
+/// The index's heap by part, bytes, estimated from capacities ([`PrefixIndex::heap_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeapBytes {
+    /// Block tables' slot arrays at their capacity (16 bytes a slot, one slot per block).
+    pub table_slots: usize,
+    /// The part of `table_slots` holding a block (16 bytes per distinct block): the rest is
+    /// the tables' load-factor slack.
+    pub table_slots_used: usize,
+    /// Spilled holder lists (blocks with more than one holder).
+    pub holder_lists: usize,
+    /// Per-replica key vectors at their capacity (8 bytes a slot, one per entry).
+    pub key_vectors: usize,
+    /// The part of `key_vectors` holding a key.
+    pub key_vectors_used: usize,
+}
+
+impl HeapBytes {
+    /// Everything allocated: slots, holder lists, key vectors.
+    pub fn total(&self) -> usize {
+        self.table_slots + self.holder_lists + self.key_vectors
+    }
+}
+
 /// One (block, replica) entry as [`PrefixIndex::stream_entries`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamEntry {
@@ -371,6 +412,8 @@ pub struct PrefixIndex {
     quota_evictions: HashMap<String, u64>,
     /// Blocks refused by the per-stream cap since the index was created.
     stream_cap_refusals: u64,
+    /// Resyncs begun so far (each stamps its replicas with its number).
+    resync_generation: u64,
 }
 
 impl Default for PrefixIndex {
@@ -403,6 +446,7 @@ impl PrefixIndex {
             max_blocks_per_stream: usize::MAX,
             quota_evictions: HashMap::new(),
             stream_cap_refusals: 0,
+            resync_generation: 0,
         }
     }
 
@@ -828,18 +872,45 @@ impl PrefixIndex {
     /// no entries.
     ///
     /// Costs what the node's streams hold plus O(log n) per stream for its place in the
-    /// stream-id order: nothing here walks or sorts every stream of the index (the write lock
-    /// it runs under stalls lookups).
+    /// stream-id order: nothing here walks or sorts every stream of the index. The whole
+    /// resync is applied at once: [`Self::begin_resync`] and [`Self::resync_step`] apply it in
+    /// slices (the same result; see there), so the caller can release the write lock between.
     pub fn resync_node(&mut self, node: &str, streams: &[proto::StreamSnapshot]) {
+        let mut apply = self.begin_resync(node, streams);
+        while !self.resync_step(&mut apply, streams, usize::MAX) {}
+    }
+
+    /// Starts replacing every stream of `node` with `streams` (what [`Self::resync_node`] does
+    /// at once): drops the node's streams (and streams of these ids elsewhere: the newest
+    /// report wins), registers each snapshot's stream with no entries yet, its key vector sized
+    /// for its snapshot, and coverage Partial / [`coverage::RESYNC_APPLYING`] — so a lookup
+    /// before the last [`Self::resync_step`] sees the node's streams Partial, never Exact. A
+    /// later snapshot of the same stream id replaces an earlier one (as a whole resync does).
+    /// Pass the same `streams` to every [`Self::resync_step`] of the returned apply.
+    pub fn begin_resync(&mut self, node: &str, streams: &[proto::StreamSnapshot]) -> ResyncApply {
+        self.resync_generation += 1;
+        let generation = self.resync_generation;
         self.remove_node_streams(node);
-        for snap in streams {
+        let mut slots: Vec<Option<ReplicaSlot>> = Vec::with_capacity(streams.len());
+        let mut by_id: HashMap<&str, usize> = HashMap::with_capacity(streams.len());
+        for (i, snap) in streams.iter().enumerate() {
             let Some(desc) = snap.stream.clone() else {
+                slots.push(None);
                 continue;
             };
+            // The same id earlier in this resync: the later snapshot replaces it.
+            if let Some(earlier) =
+                by_id.insert(snap.stream.as_ref().map_or("", |d| d.stream_id.as_str()), i)
+            {
+                if let Some(cell) = slots.get_mut(earlier) {
+                    *cell = None;
+                }
+            }
             // A stream id moving between nodes: the newest report wins.
             self.remove_stream(&desc.stream_id);
             let Some(slot) = self.alloc_slot() else {
                 tracing::warn!(stream = %desc.stream_id, "prefix index: replica slots exhausted");
+                slots.push(None);
                 continue;
             };
             self.slot_by_stream.insert(desc.stream_id.clone(), slot);
@@ -870,31 +941,122 @@ impl PrefixIndex {
                     cache_memory_bytes: None,
                     prefix_cache: None,
                     limited: None,
+                    resync: generation,
                 });
                 retally(&mut self.coverage_tally, None, Some(CoverageState::Exact));
             }
             self.set_coverage(
                 slot,
-                Coverage::from_proto(snap.coverage, &snap.coverage_reason),
+                Coverage::new(CoverageState::Partial, coverage::RESYNC_APPLYING),
             );
-            if snap.stale {
-                continue;
+            if !snap.stale {
+                self.reserve_parts(slot, &snap.entries);
             }
-            let mut last: Option<(&str, u32, usize)> = None;
-            for e in &snap.entries {
-                let part = match last {
-                    Some((a, b, i)) if a == e.adapter && b == e.block_size => i,
-                    _ => match self.part_for(slot, &e.adapter, e.block_size) {
-                        Some(i) => {
-                            last = Some((&e.adapter, e.block_size, i));
-                            i
-                        }
-                        None => continue,
-                    },
-                };
-                self.store(slot, part, &[e.content_key], Tier::from_proto(e.tier));
+            slots.push(Some(slot));
+        }
+        ResyncApply {
+            generation,
+            slots,
+            stream: 0,
+            entry: 0,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Sizes `slot`'s key vectors for `entries` (one part per (adapter, block size), each
+    /// reserved exactly: a resync's vectors never carry push-growth slack).
+    fn reserve_parts(&mut self, slot: ReplicaSlot, entries: &[proto::BlockEntry]) {
+        let mut counts: Vec<(&str, u32, usize)> = Vec::new();
+        for e in entries {
+            match counts.last_mut() {
+                Some((a, b, n)) if *a == e.adapter && *b == e.block_size => *n += 1,
+                _ => match counts
+                    .iter_mut()
+                    .find(|(a, b, _)| *a == e.adapter && *b == e.block_size)
+                {
+                    Some((_, _, n)) => *n += 1,
+                    None => counts.push((&e.adapter, e.block_size, 1)),
+                },
             }
         }
+        let cap = self.max_blocks_per_stream;
+        for (adapter, block_size, n) in counts {
+            let Some(part) = self.part_for(slot, adapter, block_size) else {
+                continue;
+            };
+            if let Some(rp) = self.replica_mut(slot).and_then(|r| r.parts.get_mut(part)) {
+                rp.keys.reserve_exact(n.min(cap));
+            }
+        }
+    }
+
+    /// Applies up to `budget` more entries of `apply` (begun by [`Self::begin_resync`] with
+    /// these `streams`); once the last entry is in, sets each stream's own coverage from its
+    /// snapshot and returns true. Streams a later resync or removal took over since
+    /// (another generation in their slot) are skipped. Applying a resync in any number of steps
+    /// of any budget gives the same index as [`Self::resync_node`].
+    pub fn resync_step(
+        &mut self,
+        apply: &mut ResyncApply,
+        streams: &[proto::StreamSnapshot],
+        budget: usize,
+    ) -> bool {
+        let mut left = budget.max(1);
+        let mut keys = std::mem::take(&mut apply.keys);
+        while left > 0 {
+            let Some(snap) = streams.get(apply.stream) else {
+                break;
+            };
+            let slot = apply.slots.get(apply.stream).copied().flatten();
+            let slot = slot.filter(|s| {
+                !snap.stale
+                    && self
+                        .replica(*s)
+                        .is_some_and(|r| r.resync == apply.generation)
+            });
+            let (Some(slot), Some(first)) = (slot, snap.entries.get(apply.entry)) else {
+                apply.stream += 1;
+                apply.entry = 0;
+                continue;
+            };
+            // One run of entries of one (adapter, block size, tier), within the budget: one
+            // store, whose slot fetches overlap.
+            let run = snap.entries[apply.entry..]
+                .iter()
+                .take(left)
+                .take_while(|e| {
+                    e.adapter == first.adapter
+                        && e.block_size == first.block_size
+                        && e.tier == first.tier
+                });
+            keys.clear();
+            keys.extend(run.map(|e| e.content_key));
+            let n = keys.len();
+            if let Some(part) = self.part_for(slot, &first.adapter, first.block_size) {
+                self.store(slot, part, &keys, Tier::from_proto(first.tier));
+            }
+            apply.entry += n;
+            left -= n;
+        }
+        apply.keys = keys;
+        if apply.stream < streams.len() {
+            return false;
+        }
+        for (snap, slot) in streams.iter().zip(&apply.slots) {
+            let Some(slot) = *slot else {
+                continue;
+            };
+            if self
+                .replica(slot)
+                .is_some_and(|r| r.resync == apply.generation)
+            {
+                self.set_coverage(
+                    slot,
+                    Coverage::from_proto(snap.coverage, &snap.coverage_reason),
+                );
+            }
+        }
+        true
     }
 
     /// Drops every stream reported by `node`.
@@ -1252,13 +1414,27 @@ impl PrefixIndex {
     /// lists, per-replica key vectors), estimated from capacities. The benchmark measures the real
     /// figure with a counting allocator; this is for `/snapshot` and quick checks.
     pub fn approx_heap_bytes(&self) -> usize {
-        let blocks: usize = self.partitions.iter().map(|p| p.blocks.heap_bytes()).sum();
-        let keys: usize = self
-            .live_replicas()
-            .flat_map(|(_, r)| r.parts.iter())
-            .map(|p| p.keys.capacity() * 8)
-            .sum();
-        blocks + keys + self.arena.heap_bytes()
+        self.heap_bytes().total()
+    }
+
+    /// [`Self::approx_heap_bytes`] by part (the `inferencecache_controller_index_heap_bytes`
+    /// gauge, docs/scaling.md): walks every partition and replica, O(replicas).
+    pub fn heap_bytes(&self) -> HeapBytes {
+        HeapBytes {
+            table_slots: self.partitions.iter().map(|p| p.blocks.heap_bytes()).sum(),
+            table_slots_used: self.partitions.iter().map(|p| p.blocks.len() * 16).sum(),
+            holder_lists: self.arena.heap_bytes(),
+            key_vectors: self
+                .live_replicas()
+                .flat_map(|(_, r)| r.parts.iter())
+                .map(|p| p.keys.capacity() * 8)
+                .sum(),
+            key_vectors_used: self
+                .live_replicas()
+                .flat_map(|(_, r)| r.parts.iter())
+                .map(|p| p.keys.len() * 8)
+                .sum(),
+        }
     }
 }
 

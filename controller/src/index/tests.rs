@@ -1300,3 +1300,237 @@ mod answer_selection {
         }
     }
 }
+
+// ---- Sliced resync (issue 18 item 5) ----
+
+fn entry(key: u64, tier: proto::Tier, adapter: &str) -> proto::BlockEntry {
+    proto::BlockEntry {
+        adapter: adapter.into(),
+        block_size: 4,
+        content_key: key,
+        tier: tier as i32,
+    }
+}
+
+/// A node's resync with what a real one carries: chains sharing a prefix, T1 and T2, two
+/// adapters in one stream, a stale stream, a stream id listed twice (the later one wins) and a
+/// stream another node reported before (it moves here).
+fn node_resync() -> (Vec<u64>, Vec<proto::StreamSnapshot>) {
+    let keys = chain(&tokens(0..256), 4);
+    let lora = chain(&tokens(500..564), 4);
+    let mut a = snapshot_with(
+        "a",
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| {
+                entry(
+                    *k,
+                    if i % 5 == 4 {
+                        proto::Tier::T2
+                    } else {
+                        proto::Tier::T1
+                    },
+                    "",
+                )
+            })
+            .collect(),
+    );
+    a.entries
+        .extend(lora.iter().map(|k| entry(*k, proto::Tier::T1, "lora-x")));
+    let b = snapshot_with(
+        "b",
+        keys[..9]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
+    );
+    let mut stale = snapshot_with("s", vec![entry(keys[0], proto::Tier::T1, "")]);
+    stale.stale = true;
+    let dup_first = snapshot_with(
+        "d",
+        keys[..3]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
+    );
+    let mut dup_later = snapshot_with(
+        "d",
+        keys[..6]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T2, ""))
+            .collect(),
+    );
+    dup_later.coverage = proto::Coverage::Partial as i32;
+    dup_later.coverage_reason = ic_shared::kv::coverage::EVENTS_DROPPED.into();
+    let moved = snapshot_with(
+        "m",
+        keys[..12]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
+    );
+    (keys, vec![a, b, stale, dup_first, dup_later, moved])
+}
+
+/// An index with another node (sharing the prefix, and the stream "m" before it moves) and
+/// an older state of n1 that the resync replaces.
+fn before_resync(keys: &[u64]) -> PrefixIndex {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node(
+        "n0",
+        &[
+            snapshot_with(
+                "o",
+                keys[..20]
+                    .iter()
+                    .map(|k| entry(*k, proto::Tier::T1, ""))
+                    .collect(),
+            ),
+            snapshot_with("m", vec![entry(keys[0], proto::Tier::T1, "")]),
+        ],
+    );
+    ix.resync_node(
+        "n1",
+        &[
+            snapshot_with("a", vec![entry(keys[40], proto::Tier::T1, "")]),
+            snapshot_with(
+                "gone",
+                keys[..30]
+                    .iter()
+                    .map(|k| entry(*k, proto::Tier::T1, ""))
+                    .collect(),
+            ),
+        ],
+    );
+    ix
+}
+
+/// Everything a caller can read of `ix`, for comparing two indexes.
+fn observable(ix: &PrefixIndex, keys: &[u64]) -> impl PartialEq + std::fmt::Debug {
+    let ids = [
+        "default/a#0",
+        "default/b#0",
+        "default/s#0",
+        "default/d#0",
+        "default/m#0",
+        "default/o#0",
+        "default/gone#0",
+    ];
+    let streams: Vec<_> = ids.iter().map(|id| ix.stream_entries(id)).collect();
+    let lookups: Vec<_> = [keys.len(), 9, 3]
+        .iter()
+        .map(|n| {
+            ix.lookup(&LookupQuery {
+                content_keys: keys[..*n].to_vec(),
+                block_size: Some(4),
+                ..Default::default()
+            })
+        })
+        .collect();
+    (
+        ix.entry_count(),
+        ix.block_count(),
+        ix.replica_count(),
+        ix.coverage_counts(),
+        streams,
+        lookups,
+    )
+}
+
+#[test]
+fn a_sliced_resync_never_reads_exact_midway_and_ends_equal_to_a_whole_one() {
+    let (keys, snaps) = node_resync();
+    let mut whole = before_resync(&keys);
+    whole.resync_node("n1", &snaps);
+    let want = observable(&whole, &keys);
+    assert_eq!(whole.coverage_counts(), whole.coverage_counts_walked());
+
+    for budget in [1, 3, 7, 64] {
+        let mut ix = before_resync(&keys);
+        let mut apply = ix.begin_resync("n1", &snaps);
+        let mut steps = 0;
+        loop {
+            // Between slices (what a lookup under the read lock sees): n1's streams are
+            // there, never Exact, with a prefix of their entries; n0's stream is untouched.
+            let r = ix.lookup(&LookupQuery {
+                content_keys: keys.clone(),
+                block_size: Some(4),
+                ..Default::default()
+            });
+            for m in &r.replicas {
+                if m.node() == "n1" {
+                    assert_eq!(
+                        m.coverage,
+                        Coverage::new(CoverageState::Partial, coverage::RESYNC_APPLYING),
+                        "budget {budget}, step {steps}: {m:?}"
+                    );
+                } else {
+                    assert_eq!(m.coverage, Coverage::EXACT, "{m:?}");
+                }
+            }
+            assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
+            let exact = ix.coverage_counts()[0].1;
+            assert_eq!(
+                exact, 1,
+                "only n0's stream reads Exact midway (budget {budget})"
+            );
+            steps += 1;
+            if ix.resync_step(&mut apply, &snaps, budget) {
+                break;
+            }
+        }
+        assert!(
+            budget >= 64 || steps > 10,
+            "budget {budget} took {steps} steps"
+        );
+        assert_eq!(observable(&ix, &keys), want, "budget {budget}");
+        assert_eq!(ix.heap_bytes(), whole.heap_bytes(), "budget {budget}");
+        assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
+    }
+    // The streams read what their snapshots say; the earlier copy of "d" left nothing.
+    let d = whole.stream_entries("default/d#0").unwrap();
+    assert_eq!(d.len(), 6);
+    assert!(d.iter().all(|e| e.tier == Tier::T2));
+    assert!(whole.stream_entries("default/gone#0").is_none());
+    assert_eq!(whole.stream_entries("default/s#0").unwrap().len(), 0);
+    assert_eq!(whole.stream_entries("default/m#0").unwrap().len(), 12);
+    // Key vectors are sized exactly from the snapshot.
+    for (_, r) in whole.live_replicas() {
+        for p in r.parts.iter() {
+            assert_eq!(
+                p.keys.capacity(),
+                p.keys.len(),
+                "{} {}",
+                r.desc.stream_id,
+                p.adapter
+            );
+        }
+    }
+}
+
+#[test]
+fn a_resync_begun_later_for_the_node_wins_over_one_still_in_slices() {
+    let (keys, snaps) = node_resync();
+    let newer = vec![snapshot_with(
+        "a",
+        keys[..5]
+            .iter()
+            .map(|k| entry(*k, proto::Tier::T1, ""))
+            .collect(),
+    )];
+    // What the two resyncs do one after the other (the older one took "m" from n0 at its
+    // start: the newest report wins, and the newer resync of n1 does not list it).
+    let mut want = before_resync(&keys);
+    want.resync_node("n1", &snaps);
+    want.resync_node("n1", &newer);
+
+    let mut ix = before_resync(&keys);
+    let mut old = ix.begin_resync("n1", &snaps);
+    assert!(!ix.resync_step(&mut old, &snaps, 10));
+    // A newer stream of the node resyncs whole (slots recycled) while the old apply is midway;
+    // the old apply's remaining steps touch nothing of it.
+    ix.resync_node("n1", &newer);
+    while !ix.resync_step(&mut old, &snaps, 10) {}
+    assert_eq!(observable(&ix, &keys), observable(&want, &keys));
+    assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
+}

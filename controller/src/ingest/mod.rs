@@ -83,6 +83,11 @@ const OUTBOUND_DEPTH: usize = 64;
 /// largest node we plan for (1 M blocks), ≈ 0.5 GiB while assembled.
 pub const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
 
+/// Entries of a node's resync applied under one hold of the index write lock
+/// (a node's resync, `Session::apply_resync`): ≈ 0.3–1 ms of work, so a lookup waits at most about that long
+/// behind a resync (docs/scaling.md).
+pub const RESYNC_SLICE_ENTRIES: usize = 8192;
+
 /// Inbound message limit of `AgentService`: a `ResyncChunk` is at most
 /// `ic_shared::resync::CHUNK_BUDGET_BYTES` plus framing; 8 MiB leaves room for a large check
 /// report while bounding what one caller can make the controller buffer.
@@ -341,12 +346,12 @@ impl Session {
             Some(Msg::Resync(r)) => {
                 self.chunks.reset();
                 self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;
-                self.apply_resync(r.streams);
+                self.apply_resync(r.streams).await;
             }
             Some(Msg::ResyncChunk(c)) => {
                 self.authorize(c.streams.iter().map(|s| s.stream.as_ref()))?;
                 match self.chunks.push(c) {
-                    Ok(Some(streams)) => self.apply_resync(streams),
+                    Ok(Some(streams)) => self.apply_resync(streams).await,
                     Ok(None) => {}
                     Err(e @ ic_shared::resync::AssembleError::TooLarge { .. }) => {
                         return Err(SessionEnd::TooLarge(e.to_string()));
@@ -522,8 +527,13 @@ impl Session {
         kept
     }
 
-    /// Replaces the node's streams with a whole resync.
-    fn apply_resync(&mut self, streams: Vec<proto::StreamSnapshot>) {
+    /// Replaces the node's streams with a whole resync, applied in slices of
+    /// [`RESYNC_SLICE_ENTRIES`] entries ([`crate::index::PrefixIndex::begin_resync`]): the index
+    /// write lock is released and the task yields between slices, so lookups and other agents'
+    /// writes interleave with a large resync (a restart storm applies thousands at once). Until
+    /// the last slice the node's streams read Partial / `ResyncApplying`. A newer stream of the
+    /// node taking over stops the apply (the newer stream's resync replaces these streams).
+    async fn apply_resync(&mut self, streams: Vec<proto::StreamSnapshot>) {
         let m = &self.shared.metrics;
         let trigger = if self.awaiting_resync {
             "requested"
@@ -531,9 +541,9 @@ impl Session {
             "connect"
         };
         let streams = self.in_scope_snapshots(streams);
-        {
+        let mut streams = with_node(streams, self.ticket.reporting_node());
+        let mut apply = {
             let mut ix = self.shared.index.write();
-            let mut streams = with_node(streams, self.ticket.reporting_node());
             let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
             let capped: usize = streams
                 .iter_mut()
@@ -544,18 +554,35 @@ impl Session {
                     .with_label_values(&["block_size_cap"])
                     .inc_by(capped as u64);
             }
-            ix.resync_node(&self.ticket.node, &streams);
+            let apply = ix.begin_resync(&self.ticket.node, &streams);
             self.shared.update_index_gauges(&ix);
             // The agent sends its counters again right after a resync.
             self.shared
                 .host_tier
                 .write()
                 .forget_reporter(&self.ticket.node);
-            self.owned = streams
-                .iter()
-                .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
-                .collect();
+            apply
+        };
+        loop {
+            let done = {
+                let mut ix = self.shared.index.write();
+                let done = ix.resync_step(&mut apply, &streams, RESYNC_SLICE_ENTRIES);
+                self.shared.update_index_gauges(&ix);
+                done
+            };
+            if done {
+                break;
+            }
+            if !self.shared.nodes.lock().is_current(&self.ticket) {
+                info!(node = %self.ticket.node, "a newer stream of the node took over during its resync; stopped applying it");
+                return;
+            }
+            tokio::task::yield_now().await;
         }
+        self.owned = streams
+            .iter()
+            .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
+            .collect();
         m.kv_resyncs_total.with_label_values(&[trigger]).inc();
         self.awaiting_resync = false;
     }
@@ -762,14 +789,21 @@ mod tests {
         for m in msgs {
             tx.send(m).await.unwrap();
         }
-        until("a million entries", || {
+        // Applied in slices: once the last one is in, every entry is there and the stream
+        // reads Exact (Partial / ResyncApplying midway: index::tests).
+        until("a million entries, Exact", || {
+            let ix = shared.index.read();
+            ix.entry_count() == 1_000_000 && ix.coverage_counts()[0].1 == 1
+        })
+        .await;
+        assert_eq!(
             shared
                 .index
                 .read()
                 .stream_entries("ns/vllm-0#0")
-                .is_some_and(|e| e.len() == 1_000_000)
-        })
-        .await;
+                .map(|e| e.len()),
+            Some(1_000_000)
+        );
         tx.send(AgentMessage {
             msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
                 batch_id: 1,

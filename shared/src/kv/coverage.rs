@@ -123,6 +123,10 @@ pub const TENANT_QUOTA_EXCEEDED: &str = "TenantQuotaExceeded";
 /// Partial (controller side): the stream reached the controller's per-stream block cap
 /// (`--max-blocks-per-stream`); blocks beyond it are not indexed.
 pub const STREAM_CAP_EXCEEDED: &str = "StreamCapExceeded";
+/// Partial (controller side): the node's resync is being applied in slices (the index write
+/// lock is released between them so lookups go on); the replica holds only the entries applied
+/// so far until the last slice sets the coverage its agent reported.
+pub const RESYNC_APPLYING: &str = "ResyncApplying";
 /// Healing: a replay is in flight.
 pub const REPLAYING: &str = "Replaying";
 /// Disconnected: the publisher socket is down.
@@ -143,6 +147,7 @@ pub const REASONS: &[&str] = &[
     SEQUENCE_UNVERIFIED,
     TENANT_QUOTA_EXCEEDED,
     STREAM_CAP_EXCEEDED,
+    RESYNC_APPLYING,
     REPLAYING,
     PUBLISHER_DISCONNECTED,
     AGENT_DISCONNECTED,
@@ -162,6 +167,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
         TENANT_QUOTA_EXCEEDED => "the tenant reached its CacheTenant quota (spec.quota.maxIndexEntries): the index evicted its oldest entries, so some blocks the engine holds are not routed to it",
         STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
+        RESYNC_APPLYING => "the controller is applying the node's resync in slices: entries are incomplete until the last slice (milliseconds to seconds)",
         PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
         AGENT_DISCONNECTED => "the node's agent is not connected; entries are as last reported",
         REPLAYING => "a replay is in flight",
