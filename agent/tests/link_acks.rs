@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ic_agent::checks::{Checks, ChecksConfig};
-use ic_agent::kv::publish::{publish_fixture, PublishOptions};
+use ic_agent::kv::publish::{publish_fixture, PublishError, PublishOptions, PublishReport};
 use ic_agent::link::LinkConfig;
 use ic_agent::runtime::{self, RunConfig};
 use ic_agent::state::AgentState;
@@ -31,9 +31,14 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
-    let (_fake, grpc, mut received) = FakeController::start().await;
+/// The real agent runtime following a replayed vLLM publisher (8 events, 50 ms apart), linked
+/// to `grpc` with a 1 s ack timeout.
+async fn agent_with_deltas(
+    grpc: std::net::SocketAddr,
+) -> (
+    runtime::Running,
+    tokio::task::JoinHandle<Result<PublishReport, PublishError>>,
+) {
     let (pub_port, replay_port) = (free_port(), free_port());
     let publisher = tokio::spawn(async move {
         publish_fixture(
@@ -85,6 +90,13 @@ async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
     )
     .await
     .unwrap();
+    (running, publisher)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
+    let (_fake, grpc, mut received) = FakeController::start().await;
+    let (running, publisher) = agent_with_deltas(grpc).await;
     // Hello, Resync, … deltas nobody acks …, then a new stream: Hello and a fresh Resync.
     let mut order = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -116,6 +128,64 @@ async fn unacked_deltas_make_the_agent_reconnect_and_resync() {
                 .is_some_and(|m| m.contains("not acked"))),
         "{link:?}"
     );
+    running.abort();
+    publisher.abort();
+}
+
+/// A controller working through a resync queue (`ResyncProgress`, controller/src/ingest/turns.rs)
+/// cannot ack batches sent after the agent's resync; while it says so, the ack clock restarts
+/// and the agent keeps its stream (a reconnect would send it to the back of the queue). Once
+/// the progress stops, the timeout applies again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resync_progress_keeps_the_stream_past_the_ack_timeout() {
+    let (fake, grpc, mut received) = FakeController::start().await;
+    let (running, publisher) = agent_with_deltas(grpc).await;
+    let hello = tokio::time::timeout(Duration::from_secs(20), received.recv()).await;
+    assert!(matches!(hello, Ok(Some(m)) if matches!(m.msg, Some(Msg::Hello(_)))));
+    let mut deltas = false;
+    let progress_until = tokio::time::Instant::now() + Duration::from_secs(4);
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    // 4 s of progress, four ack timeouts: one stream, deltas un-acked all along.
+    while tokio::time::Instant::now() < progress_until {
+        tokio::select! {
+            _ = tick.tick() => {
+                fake.send(ic_shared::proto::controller_message::Msg::ResyncProgress(
+                    ic_shared::proto::ResyncProgress::default(),
+                ))
+                .await;
+            }
+            m = received.recv() => match m.unwrap().msg {
+                Some(Msg::Hello(_)) if deltas => panic!("reconnected while the controller reported resync progress"),
+                Some(Msg::KvDeltas(_)) => deltas = true,
+                _ => {}
+            },
+        }
+    }
+    assert!(
+        deltas,
+        "the publisher's events reached the controller as delta batches"
+    );
+    assert_eq!(
+        running
+            .state
+            .link
+            .read()
+            .endpoints
+            .values()
+            .map(|e| e.connects)
+            .sum::<u64>(),
+        1
+    );
+    // Silence: the un-acked batch times out and the agent reconnects.
+    let m = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(Msg::Hello(_)) = received.recv().await.unwrap().msg {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(m.is_ok(), "no reconnect after the progress stopped");
     running.abort();
     publisher.abort();
 }

@@ -21,6 +21,9 @@ pub struct ControllerMetrics {
     pub kv_deltas_refused_total: IntCounterVec,
     /// Full resyncs applied, by trigger (`connect`, `requested`).
     pub kv_resyncs_total: IntCounterVec,
+    /// Agent resyncs waiting for a turn or being applied, by `state` (`waiting`, `applying`;
+    /// `ingest::turns`).
+    pub resyncs_pending: IntGaugeVec,
     /// Streams of a node agent's resyncs, deltas and counter reports left out, by reason
     /// (`outside_node_scope`: not an engine pod the plans place on the agent's node;
     /// `block_size_cap`: a block size above the cap or past the registered-sizes cap).
@@ -95,6 +98,13 @@ impl ControllerMetrics {
                 "Full node resyncs applied to the index, by trigger.",
             ),
             &["trigger"],
+        )?;
+        let resyncs_pending = IntGaugeVec::new(
+            Opts::new(
+                format!("{p}resyncs_pending"),
+                "Agent resyncs waiting for a turn (waiting) or being applied (applying).",
+            ),
+            &["state"],
         )?;
         let kv_streams_refused_total = IntCounterVec::new(
             Opts::new(
@@ -188,6 +198,7 @@ impl ControllerMetrics {
         registry.register(Box::new(kv_deltas_applied_total.clone()))?;
         registry.register(Box::new(kv_deltas_refused_total.clone()))?;
         registry.register(Box::new(kv_resyncs_total.clone()))?;
+        registry.register(Box::new(resyncs_pending.clone()))?;
         registry.register(Box::new(kv_streams_refused_total.clone()))?;
         registry.register(Box::new(check_reports_total.clone()))?;
         registry.register(Box::new(index_entries.clone()))?;
@@ -227,6 +238,9 @@ impl ControllerMetrics {
                 vec.with_label_values(&[*v]);
             }
         }
+        for v in ["waiting", "applying"] {
+            resyncs_pending.with_label_values(&[v]);
+        }
         Ok(ControllerMetrics {
             registry,
             agents_connected,
@@ -235,6 +249,7 @@ impl ControllerMetrics {
             kv_deltas_applied_total,
             kv_deltas_refused_total,
             kv_resyncs_total,
+            resyncs_pending,
             kv_streams_refused_total,
             check_reports_total,
             index_entries,

@@ -39,6 +39,8 @@ pub struct Shared {
     /// The engines' current SGLang HiCache host-tier readings, by stream (always taken after
     /// `index` when both are held).
     pub host_tier: RwLock<HostTierReadings>,
+    /// Turns of agent resyncs: how many are read and applied at once (`ingest::turns`).
+    pub resync_turns: crate::ingest::turns::ResyncTurns,
 }
 
 impl Shared {
@@ -55,7 +57,14 @@ impl Shared {
             node_events: tokio::sync::watch::Sender::new(0),
             tokenizers: std::sync::Arc::default(),
             host_tier: RwLock::new(HostTierReadings::default()),
+            resync_turns: crate::ingest::turns::ResyncTurns::for_this_machine(),
         })
+    }
+
+    /// The same state with other resync turns (tests: one turn, short timings).
+    pub fn with_resync_turns(mut self, turns: crate::ingest::turns::ResyncTurns) -> Self {
+        self.resync_turns = turns;
+        self
     }
 
     /// The same state with `tokenizers` for LookupRoute `prompt_text`.

@@ -33,7 +33,7 @@ use ic_shared::timing::{self, Stage};
 use thiserror::Error;
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio_stream::wrappers::ReceiverStream;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::state::AgentState;
 
@@ -58,6 +58,8 @@ pub struct LinkConfig {
     pub pod_subscriber: Option<proto::PodSubscriber>,
     /// A delta batch not acked within this long ends the stream, which reconnects and resyncs
     /// (a controller that stopped applying our deltas must not leave the index silently behind).
+    /// A `ResyncProgress` from the controller (our resync is queued or being applied, so later
+    /// batches cannot be acked yet) restarts the clock.
     pub ack_timeout: Duration,
 }
 
@@ -502,6 +504,15 @@ async fn session(
                         }
                         if let Some(m) = counters(state) {
                             send(m).await?;
+                        }
+                    }
+                    Some(controller_message::Msg::ResyncProgress(p)) => {
+                        // Our resync waits for its turn or is being applied: batches sent
+                        // after it cannot be acked before it is, and the controller is alive
+                        // and working through its queue, so the ack clock restarts.
+                        debug!(controller = %url, applying = p.applying, applied = p.entries_applied, total = p.entries_total, "controller is working through our resync");
+                        if let Some((oldest, _)) = unacked {
+                            unacked = Some((oldest, std::time::Instant::now()));
                         }
                     }
                     Some(controller_message::Msg::Ack(a)) => {

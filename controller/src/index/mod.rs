@@ -340,6 +340,22 @@ pub struct ResyncApply {
     keys: Vec<u64>,
 }
 
+impl ResyncApply {
+    /// Entries of `streams` (the resync this apply was begun with) behind the apply's position:
+    /// applied, or skipped with their stream.
+    pub fn entries_done(&self, streams: &[proto::StreamSnapshot]) -> u64 {
+        let before: usize = streams
+            .iter()
+            .take(self.stream)
+            .map(|s| s.entries.len())
+            .sum();
+        let within = streams
+            .get(self.stream)
+            .map_or(0, |s| self.entry.min(s.entries.len()));
+        (before + within) as u64
+    }
+}
+
 /// The index's heap by part, bytes, estimated from capacities ([`PrefixIndex::heap_bytes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HeapBytes {

@@ -56,6 +56,7 @@ pub mod auth;
 pub mod host_tier;
 pub mod registry;
 pub mod scope;
+pub mod turns;
 
 use std::collections::HashSet;
 use std::pin::Pin;
@@ -209,31 +210,38 @@ impl AgentService for AgentIngest {
                 awaiting_resync: false,
                 owned: HashSet::new(),
                 chunks: ic_shared::resync::ResyncAssembler::new(MAX_RESYNC_ENTRIES),
+                turn: None,
+                opening_pending: true,
             };
             let mut stopping = shared.stopping.subscribe();
             let end = loop {
+                // The opening resync follows Hello: wait for a turn before reading it, so a
+                // waiting agent's resync stays in its connection's flow-control window.
+                if session.opening_pending && session.turn.is_none() {
+                    if let Err(e) = session.take_turn().await {
+                        break session.finish(e).await;
+                    }
+                }
+                let gap = session
+                    .turn
+                    .is_some()
+                    .then(|| shared.resync_turns.chunk_gap());
                 tokio::select! {
-                    msg = inbound.message() => match msg {
-                        Ok(Some(msg)) => match session.handle(msg).await {
+                    msg = next_message(&mut inbound, gap) => match msg {
+                        None => {
+                            let gap_ms = shared.resync_turns.chunk_gap().as_millis() as u64;
+                            warn!(node = %session.ticket.node, gap_ms, "no resync message within the gap while holding a resync turn; closing the stream");
+                            let _ = session.tx.try_send(Err(Status::deadline_exceeded(format!(
+                                "the controller waited {gap_ms} ms for the next message of this stream's resync while it held a resync turn; reconnect and resend it"
+                            ))));
+                            break "resync stalled";
+                        }
+                        Some(Ok(Some(msg))) => match session.handle(msg).await {
                             Ok(()) => {}
-                            Err(SessionEnd::Closed) => break "controller side closed",
-                            Err(SessionEnd::Superseded) => {
-                                let _ = session.tx.try_send(Err(superseded_status()));
-                                break "superseded by a newer stream of the node";
-                            }
-                            Err(SessionEnd::TooLarge(e)) => {
-                                warn!(node = %session.ticket.node, error = %e, "resync refused; closing the stream");
-                                let _ = session.tx.send(Err(Status::resource_exhausted(e))).await;
-                                break "resync too large";
-                            }
-                            Err(SessionEnd::Refused(e)) => {
-                                warn!(node = %session.ticket.node, error = %e, "stream reported outside its scope; closing it");
-                                let _ = session.tx.send(Err(e.to_status())).await;
-                                break "refused: stream outside the subscriber's pod";
-                            }
+                            Err(e) => break session.finish(e).await,
                         },
-                        Ok(None) => break "agent closed the stream",
-                        Err(e) => {
+                        Some(Ok(None)) => break "agent closed the stream",
+                        Some(Err(e)) => {
                             // Tell the agent why (e.g. a message above the size limit), so
                             // the stream never ends "OK" with nothing applied.
                             warn!(node = %session.ticket.node, error = %e, "agent stream failed");
@@ -242,11 +250,7 @@ impl AgentService for AgentIngest {
                         }
                     },
                     _ = async { stopping.wait_for(|s| *s).await.map(|_| ()) } => {
-                        let _ = session
-                            .tx
-                            .send(Err(Status::unavailable("controller shutting down")))
-                            .await;
-                        break "controller shutting down";
+                        break session.finish(SessionEnd::ShuttingDown).await;
                     }
                 }
             };
@@ -280,6 +284,18 @@ impl AgentService for AgentIngest {
     }
 }
 
+/// The next message of `inbound`; `None` when nothing arrived within `gap` (set while the
+/// session holds a resync turn, [`turns::RESYNC_CHUNK_GAP`]).
+async fn next_message(
+    inbound: &mut Streaming<proto::AgentMessage>,
+    gap: Option<Duration>,
+) -> Option<Result<Option<proto::AgentMessage>, Status>> {
+    match gap {
+        Some(gap) => tokio::time::timeout(gap, inbound.message()).await.ok(),
+        None => Some(inbound.message().await),
+    }
+}
+
 /// The status a superseded stream ends with.
 pub fn superseded_status() -> Status {
     Status::aborted("superseded by a newer stream of this node; reconnect")
@@ -295,6 +311,8 @@ enum SessionEnd {
     TooLarge(String),
     /// A subscriber reported a stream outside its pod.
     Refused(auth::AuthError),
+    /// The controller is shutting down.
+    ShuttingDown,
 }
 
 /// One open agent stream.
@@ -308,9 +326,82 @@ struct Session {
     owned: HashSet<String>,
     /// A chunked resync being put back together.
     chunks: ic_shared::resync::ResyncAssembler,
+    /// The resync turn this session holds ([`turns`]), from before its resync is read until
+    /// it is applied.
+    turn: Option<turns::Turn>,
+    /// The opening resync (which follows Hello) has not been applied yet.
+    opening_pending: bool,
 }
 
 impl Session {
+    /// Ends the stream for `e` (its final status to the agent); returns why, for the log.
+    async fn finish(&self, e: SessionEnd) -> &'static str {
+        match e {
+            SessionEnd::Closed => "controller side closed",
+            SessionEnd::Superseded => {
+                let _ = self.tx.try_send(Err(superseded_status()));
+                "superseded by a newer stream of the node"
+            }
+            SessionEnd::TooLarge(e) => {
+                warn!(node = %self.ticket.node, error = %e, "resync refused; closing the stream");
+                let _ = self.tx.send(Err(Status::resource_exhausted(e))).await;
+                "resync too large"
+            }
+            SessionEnd::Refused(e) => {
+                warn!(node = %self.ticket.node, error = %e, "stream reported outside its scope; closing it");
+                let _ = self.tx.send(Err(e.to_status())).await;
+                "refused: stream outside the subscriber's pod"
+            }
+            SessionEnd::ShuttingDown => {
+                let _ = self
+                    .tx
+                    .send(Err(Status::unavailable("controller shutting down")))
+                    .await;
+                "controller shutting down"
+            }
+        }
+    }
+
+    /// Sends `ResyncProgress` unless the outbound queue is full (the agent is not reading;
+    /// a later one will do).
+    fn progress(&self, p: proto::ResyncProgress) -> Result<(), SessionEnd> {
+        match self.tx.try_send(Ok(ControllerMessage {
+            msg: Some(controller_message::Msg::ResyncProgress(p)),
+        })) {
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(SessionEnd::Closed),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for a resync turn ([`turns::ResyncTurns::take`]), telling the agent every
+    /// [`turns::ResyncTurns::progress_every`] that its resync waits. Ends when a newer stream of the node
+    /// takes over or the controller shuts down.
+    async fn take_turn(&mut self) -> Result<(), SessionEnd> {
+        if self.turn.is_some() {
+            return Ok(());
+        }
+        let shared = self.shared.clone();
+        let take = shared.resync_turns.take(&shared.metrics.resyncs_pending);
+        tokio::pin!(take);
+        let every = shared.resync_turns.progress_every();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut stopping = shared.stopping.subscribe();
+        let turn = loop {
+            tokio::select! {
+                t = &mut take => break t,
+                _ = tick.tick() => {
+                    if !shared.nodes.lock().is_current(&self.ticket) {
+                        return Err(SessionEnd::Superseded);
+                    }
+                    self.progress(proto::ResyncProgress::default())?;
+                }
+                _ = stopping.wait_for(|s| *s) => return Err(SessionEnd::ShuttingDown),
+            }
+        };
+        self.turn = Some(turn);
+        Ok(())
+    }
+
     async fn send(&self, msg: controller_message::Msg) -> Result<(), SessionEnd> {
         self.tx
             .send(Ok(ControllerMessage { msg: Some(msg) }))
@@ -346,10 +437,12 @@ impl Session {
             Some(Msg::Resync(r)) => {
                 self.chunks.reset();
                 self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;
+                self.take_turn().await?;
                 self.apply_resync(r.streams).await;
             }
             Some(Msg::ResyncChunk(c)) => {
                 self.authorize(c.streams.iter().map(|s| s.stream.as_ref()))?;
+                self.take_turn().await?;
                 match self.chunks.push(c) {
                     Ok(Some(streams)) => self.apply_resync(streams).await,
                     Ok(None) => {}
@@ -358,6 +451,7 @@ impl Session {
                     }
                     Err(e) => {
                         warn!(node = %self.ticket.node, error = %e, "resync chunk out of order; requesting a resync");
+                        self.turn = None;
                         self.awaiting_resync = true;
                         self.send(controller_message::Msg::ResyncRequest(
                             proto::ResyncRequest {
@@ -563,6 +657,8 @@ impl Session {
                 .forget_reporter(&self.ticket.node);
             apply
         };
+        let total: u64 = streams.iter().map(|s| s.entries.len() as u64).sum();
+        let mut told = tokio::time::Instant::now();
         loop {
             let done = {
                 let mut ix = self.shared.index.write();
@@ -575,10 +671,21 @@ impl Session {
             }
             if !self.shared.nodes.lock().is_current(&self.ticket) {
                 info!(node = %self.ticket.node, "a newer stream of the node took over during its resync; stopped applying it");
+                self.turn = None;
                 return;
+            }
+            if told.elapsed() >= self.shared.resync_turns.progress_every() {
+                told = tokio::time::Instant::now();
+                let _ = self.progress(proto::ResyncProgress {
+                    applying: true,
+                    entries_applied: apply.entries_done(&streams),
+                    entries_total: total,
+                });
             }
             tokio::task::yield_now().await;
         }
+        self.turn = None;
+        self.opening_pending = false;
         self.owned = streams
             .iter()
             .filter_map(|s| s.stream.as_ref().map(|d| d.stream_id.clone()))
@@ -635,7 +742,14 @@ mod tests {
     use tokio_stream::wrappers::TcpListenerStream;
 
     async fn serve(auth: Option<Arc<auth::AgentAuthenticator>>) -> (String, Arc<Shared>) {
-        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        serve_state(Shared::new(LookupPolicy::default()).unwrap(), auth).await
+    }
+
+    async fn serve_state(
+        shared: Shared,
+        auth: Option<Arc<auth::AgentAuthenticator>>,
+    ) -> (String, Arc<Shared>) {
+        let shared = Arc::new(shared);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let svc = match auth {
@@ -840,6 +954,106 @@ mod tests {
                 .map(|e| e.len()),
             Some(0)
         );
+    }
+
+    /// One resync turn, progress every 50 ms, a stalled holder cut off after `gap`.
+    async fn serve_one_turn(gap: Duration) -> (String, Arc<Shared>) {
+        let shared = Shared::new(LookupPolicy::default())
+            .unwrap()
+            .with_resync_turns(
+                turns::ResyncTurns::new(1).with_timing(Duration::from_millis(50), gap),
+            );
+        serve_state(shared, None).await
+    }
+
+    fn pending(shared: &Shared, state: &str) -> i64 {
+        shared
+            .metrics
+            .resyncs_pending
+            .with_label_values(&[state])
+            .get()
+    }
+
+    /// The next `ResyncProgress` on `inbound` (other messages skipped), within 10 s.
+    async fn next_progress(inbound: &mut Streaming<ControllerMessage>) -> proto::ResyncProgress {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(controller_message::Msg::ResyncProgress(p)) =
+                    inbound.message().await.unwrap().unwrap().msg
+                {
+                    return p;
+                }
+            }
+        })
+        .await
+        .expect("a ResyncProgress within 10 s")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resyncs_take_turns_and_a_waiting_agent_hears_progress() {
+        let (url, shared) = serve_one_turn(Duration::from_secs(20)).await;
+        // Agent A takes the only turn and sends the first of its resync's chunks.
+        let chunks = ic_shared::resync::chunk_resync(vec![big_snapshot("ns/vllm-0#0", 300_000)]);
+        assert!(chunks.len() >= 2, "the resync is chunked");
+        let (a_in, a_tx) = open(&url, hello("n-a", None, "")).await;
+        let mut a_in = a_in.unwrap();
+        a_tx.send(chunks[0].clone()).await.unwrap();
+        until("A holds the turn", || pending(&shared, "applying") == 1).await;
+        // Agent B's resync waits: B hears that it waits, and nothing of it is applied.
+        let (b_in, b_tx) = open(&url, hello("n-b", None, "")).await;
+        let mut b_in = b_in.unwrap();
+        b_tx.send(resync(&[("ns", "b", "a1")])).await.unwrap();
+        let p = next_progress(&mut b_in).await;
+        assert!(!p.applying, "{p:?}");
+        assert_eq!(pending(&shared, "waiting"), 1);
+        assert!(shared.index.read().stream_entries("ns/b#0").is_none());
+        // A finishes; then B's turn comes, in that order.
+        for c in &chunks[1..] {
+            a_tx.send(c.clone()).await.unwrap();
+        }
+        until("both resyncs applied", || {
+            let ix = shared.index.read();
+            ix.stream_entries("ns/b#0").is_some()
+                && ix.stream_entries("ns/vllm-0#0").map(|e| e.len()) == Some(300_000)
+        })
+        .await;
+        until("no resync pending", || {
+            pending(&shared, "waiting") == 0 && pending(&shared, "applying") == 0
+        })
+        .await;
+        // A was never told to wait: it held the turn from its Hello on.
+        drop(a_tx);
+        while let Ok(Some(m)) = a_in.message().await {
+            assert!(
+                !matches!(m.msg, Some(controller_message::Msg::ResyncProgress(ref p)) if !p.applying),
+                "{m:?}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_turn_holder_is_cut_off_and_the_next_resync_proceeds() {
+        let (url, shared) = serve_one_turn(Duration::from_millis(300)).await;
+        let chunks = ic_shared::resync::chunk_resync(vec![big_snapshot("ns/vllm-0#0", 300_000)]);
+        let (a_in, a_tx) = open(&url, hello("n-a", None, "")).await;
+        let mut a_in = a_in.unwrap();
+        a_tx.send(chunks[0].clone()).await.unwrap();
+        until("A holds the turn", || pending(&shared, "applying") == 1).await;
+        let (b_in, b_tx) = open(&url, hello("n-b", None, "")).await;
+        let _b_in = b_in.unwrap();
+        b_tx.send(resync(&[("ns", "b", "a1")])).await.unwrap();
+        // A sends nothing more: cut off with DEADLINE_EXCEEDED, its half resync not applied.
+        let st = tokio::time::timeout(Duration::from_secs(10), final_status(&mut a_in))
+            .await
+            .unwrap();
+        assert_eq!(st.code(), tonic::Code::DeadlineExceeded, "{st:?}");
+        assert!(st.message().contains("resync turn"), "{st:?}");
+        until("B applied", || {
+            shared.index.read().stream_entries("ns/b#0").is_some()
+        })
+        .await;
+        assert!(shared.index.read().stream_entries("ns/vllm-0#0").is_none());
+        drop(a_tx);
     }
 
     #[tokio::test]
