@@ -101,6 +101,12 @@ struct StandaloneArgs {
     /// stream reads Partial/StreamCapExceeded). 0 = no cap.
     #[arg(long, env = "IC_MAX_BLOCKS_PER_STREAM", default_value_t = 16_777_216)]
     max_blocks_per_stream: usize,
+    /// Agent resyncs the controller reads and applies at once, in arrival order (a restart
+    /// storm queues the rest; docs/grpc.md "Resync turns"). 0 = automatic: half the cores this
+    /// process may use, at least 1, at most 4 (the index takes one writer at a time, and the
+    /// other cores stay free for lookups and connections).
+    #[arg(long, env = "IC_RESYNC_TURNS", default_value_t = 0)]
+    resync_turns: usize,
     #[command(flatten)]
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
@@ -210,6 +216,12 @@ struct RunArgs {
     /// stream reads Partial/StreamCapExceeded). 0 = no cap.
     #[arg(long, env = "IC_MAX_BLOCKS_PER_STREAM", default_value_t = 16_777_216)]
     max_blocks_per_stream: usize,
+    /// Agent resyncs the controller reads and applies at once, in arrival order (a restart
+    /// storm queues the rest; docs/grpc.md "Resync turns"). 0 = automatic: half the cores this
+    /// process may use, at least 1, at most 4 (the index takes one writer at a time, and the
+    /// other cores stay free for lookups and connections).
+    #[arg(long, env = "IC_RESYNC_TURNS", default_value_t = 0)]
+    resync_turns: usize,
     /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
     #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
     node_plan_interval_seconds: u64,
@@ -424,6 +436,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
         policy: ic_controller::state::LookupPolicy {
             minimum_prefix_tokens: a.minimum_prefix_tokens,
             max_blocks_per_stream: (a.max_blocks_per_stream > 0).then_some(a.max_blocks_per_stream),
+            resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
         },
         webhook: WebhookSettings {
             enabled: a.webhooks,
@@ -569,6 +582,7 @@ async fn run_main() -> anyhow::Result<()> {
                     minimum_prefix_tokens: a.minimum_prefix_tokens,
                     max_blocks_per_stream: (a.max_blocks_per_stream > 0)
                         .then_some(a.max_blocks_per_stream),
+                    resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
                 },
                 limits: a.limits.with_keepalive(&a.keepalive),
                 allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,

@@ -16,6 +16,9 @@ pub struct LookupPolicy {
     pub minimum_prefix_tokens: u32,
     /// Most blocks one stream may hold (`--max-blocks-per-stream`); `None`: no cap.
     pub max_blocks_per_stream: Option<usize>,
+    /// Agent resyncs read and applied at once (`--resync-turns`, `ingest::turns`); `None`:
+    /// [`crate::ingest::turns::ResyncTurns::for_this_machine`].
+    pub resync_turns: Option<usize>,
 }
 
 /// Everything the gRPC and HTTP services share. Cheap to share behind an `Arc`.
@@ -57,7 +60,10 @@ impl Shared {
             node_events: tokio::sync::watch::Sender::new(0),
             tokenizers: std::sync::Arc::default(),
             host_tier: RwLock::new(HostTierReadings::default()),
-            resync_turns: crate::ingest::turns::ResyncTurns::for_this_machine(),
+            resync_turns: match policy.resync_turns {
+                Some(n) => crate::ingest::turns::ResyncTurns::new(n),
+                None => crate::ingest::turns::ResyncTurns::for_this_machine(),
+            },
         })
     }
 
@@ -149,6 +155,7 @@ mod tests {
         let shared = Shared::new(LookupPolicy {
             minimum_prefix_tokens: 0,
             max_blocks_per_stream: Some(3),
+            resync_turns: None,
         })
         .unwrap();
         let mut ix = shared.index.write();

@@ -264,13 +264,28 @@ async fn run(args: &Args) -> Result<Report, String> {
         .unwrap_or_default();
 
     let samples = Arc::new(Mutex::new(Vec::new()));
-    tokio::spawn(lookups::run(
-        fleet.clone(),
-        url.clone(),
-        args.lookup_rate,
-        t0,
-        samples.clone(),
-    ));
+    // The gateway is its own process: its lookups run on a runtime and OS thread of their own,
+    // so the round trips measure the controller, not this generator's thousands of agent tasks.
+    {
+        let (fleet, url, rate, samples) = (
+            fleet.clone(),
+            url.clone(),
+            args.lookup_rate,
+            samples.clone(),
+        );
+        std::thread::Builder::new()
+            .name("gateway".into())
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt.block_on(lookups::run(fleet, url, rate, t0, samples)),
+                    Err(e) => eprintln!("ic-fleet: the gateway runtime did not start: {e}"),
+                }
+            })
+            .map_err(|e| format!("gateway thread: {e}"))?;
+    }
     let q0 = t0.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
     r.quiet = lookups::window(&samples.lock(), q0, t0.elapsed());

@@ -71,10 +71,14 @@ impl ResyncTurns {
         self.chunk_gap
     }
 
-    /// One turn per core this process may run on, at most [`MAX_TURNS`].
+    /// Half the cores this process may run on, at least 1, at most [`MAX_TURNS`]. The index
+    /// takes one writer at a time and its lock blocks the thread: turns beyond that only
+    /// overlap decoding with applying, while every applier parked on the lock is a runtime
+    /// worker that cannot poll lookups or connections (on 2 cores, 2 appliers stalled storm
+    /// lookups by milliseconds; docs/scaling.md).
     pub fn for_this_machine() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self::new(cores.min(MAX_TURNS))
+        Self::new((cores / 2).clamp(1, MAX_TURNS))
     }
 
     /// Number of turns.
