@@ -36,7 +36,6 @@ const MAX_TURNS: usize = 4;
 #[derive(Debug)]
 pub struct ResyncTurns {
     sem: Arc<Semaphore>,
-    size: usize,
     progress_every: Duration,
     chunk_gap: Duration,
 }
@@ -44,10 +43,8 @@ pub struct ResyncTurns {
 impl ResyncTurns {
     /// `size` turns (at least 1).
     pub fn new(size: usize) -> Self {
-        let size = size.max(1);
         ResyncTurns {
-            sem: Arc::new(Semaphore::new(size)),
-            size,
+            sem: Arc::new(Semaphore::new(size.max(1))),
             progress_every: PROGRESS_EVERY,
             chunk_gap: RESYNC_CHUNK_GAP,
         }
@@ -79,11 +76,6 @@ impl ResyncTurns {
     pub fn for_this_machine() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self::new((cores / 2).clamp(1, MAX_TURNS))
-    }
-
-    /// Number of turns.
-    pub fn size(&self) -> usize {
-        self.size
     }
 
     /// Waits for a turn, in arrival order. While waiting the session counts as `waiting` in
