@@ -104,6 +104,8 @@ wait_ready() {
   done
 }
 
+# As Dockerfile.controller ships it: freed pages go back to the kernel at once.
+MIMALLOC_PURGE_DELAY=${MIMALLOC_PURGE_DELAY:-0} \
 "$BIN/ic-controller" standalone --grpc-addr "127.0.0.1:$GRPC_PORT" \
   --http-addr "127.0.0.1:$HTTP_PORT" >"$CTRL_LOG" 2>&1 &
 CTRL=$!

@@ -55,6 +55,11 @@ impl ControllerCmd {
             .arg("--agent-expiry-seconds")
             .arg("3600")
             .env("RUST_LOG", "warn")
+            // As Dockerfile.controller ships it (unless this environment says otherwise).
+            .env(
+                "MIMALLOC_PURGE_DELAY",
+                std::env::var("MIMALLOC_PURGE_DELAY").unwrap_or_else(|_| "0".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)

@@ -321,12 +321,13 @@ async fn run(args: &Args) -> Result<Report, String> {
         let down = Instant::now();
         ctl.stop().await?;
         r.down_s = down.elapsed().as_secs_f64();
-        // Every stream of the old process has ended before the new one starts.
+        // Every stream of the old process has ended before the new one starts (an agent may
+        // also have reconnected to the stopping process and ended again: at least one end each).
         while fleet.stats.connected.load(Ordering::Relaxed) > 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let ended1 = fleet.stats.ended.load(Ordering::Relaxed);
-        if ended1 - ended0 != fleet.spec.agents as u64 {
+        if ended1 - ended0 < fleet.spec.agents as u64 {
             return Err(format!(
                 "{} streams ended at the restart, expected {}",
                 ended1 - ended0,

@@ -14,9 +14,13 @@ use thiserror::Error;
 
 use crate::proto::{agent_message::Msg, AgentMessage, Resync, ResyncChunk, StreamSnapshot};
 
-/// Most encoded bytes of entries per chunk (2 MiB: half the receiver's default limit, leaving
-/// room for descriptors and framing).
-pub const CHUNK_BUDGET_BYTES: usize = 2 * 1024 * 1024;
+/// Most encoded bytes of entries per chunk (64 KiB, ≈ 4 000 entries). Well under the receiver's
+/// 4 MiB limit, and small on purpose: tonic's decoder keeps, per connection, a buffer as large as
+/// the largest message it has read, for the connection's life — with 2 MiB chunks a controller
+/// holding 5 000 agents kept ≈ 2 GiB of such buffers after their opening resyncs
+/// (docs/scaling.md "Memory"); with 64 KiB it is ≈ 0.3 GiB. The per-chunk cost (a descriptor
+/// and one message decode) is negligible at this size.
+pub const CHUNK_BUDGET_BYTES: usize = 64 * 1024;
 
 /// The messages that carry `streams`: one `Resync` when it fits in [`CHUNK_BUDGET_BYTES`], else
 /// `ResyncChunk`s numbered from 0, the last one flagged.

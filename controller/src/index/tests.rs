@@ -1534,3 +1534,70 @@ fn a_resync_begun_later_for_the_node_wins_over_one_still_in_slices() {
     assert_eq!(observable(&ix, &keys), observable(&want, &keys));
     assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
 }
+
+#[test]
+fn large_tables_grow_ahead_of_a_slice_and_the_slice_never_grows_them() {
+    use super::table::GROW_AHEAD_MIN_SLOTS;
+    // Two streams of one node, 120 000 distinct blocks each plus 40 000 they share, and a second
+    // adapter: the base-model partition's table passes GROW_AHEAD_MIN_SLOTS and grows several
+    // times while the resync is applied.
+    let base = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let entries = |from: u64, n: u64| -> Vec<proto::BlockEntry> {
+        (from..from + n)
+            .map(|i| entry(base(i), proto::Tier::T1, ""))
+            .collect()
+    };
+    let mut a = snapshot_with("a", entries(0, 160_000));
+    a.entries
+        .extend((0..500).map(|i| entry(base(i + 9_000_000), proto::Tier::T2, "lora-x")));
+    let b = snapshot_with("b", entries(120_000, 160_000));
+    let snaps = vec![a, b];
+    let keys: Vec<u64> = (0..8).map(base).collect();
+
+    let mut whole = PrefixIndex::new();
+    whole.resync_node("n1", &snaps);
+
+    let mut ix = PrefixIndex::new();
+    let mut apply = ix.begin_resync("n1", &snaps);
+    let (mut grown_ahead, mut slices) = (0, 0);
+    let budget = 2048;
+    loop {
+        let grown = ix.grow_ahead(&apply, &snaps, budget);
+        grown_ahead += grown.tables.len();
+        ix.install_grown(grown);
+        let caps: Vec<usize> = ix.partitions.iter().map(|p| p.blocks.capacity()).collect();
+        let done = ix.resync_step(&mut apply, &snaps, budget);
+        slices += 1;
+        for (p, before) in ix.partitions.iter().zip(&caps) {
+            if *before >= GROW_AHEAD_MIN_SLOTS {
+                assert_eq!(p.blocks.capacity(), *before, "slice {slices} grew a large table");
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    assert!(grown_ahead >= 2, "grown ahead {grown_ahead} times in {slices} slices");
+    let base_table = ix
+        .partitions
+        .iter()
+        .map(|p| p.blocks.capacity())
+        .max()
+        .unwrap();
+    assert!(base_table > GROW_AHEAD_MIN_SLOTS);
+    // The same index as a whole resync: entries, blocks, answers, per-stream entries.
+    assert_eq!(ix.entry_count(), whole.entry_count());
+    assert_eq!(ix.block_count(), whole.block_count());
+    assert_eq!(ix.block_count(), 280_500);
+    for id in ["default/a#0", "default/b#0"] {
+        assert_eq!(ix.stream_entries(id), whole.stream_entries(id));
+    }
+    let q = LookupQuery {
+        content_keys: keys,
+        block_size: Some(4),
+        ..Default::default()
+    };
+    assert_eq!(ix.lookup(&q), whole.lookup(&q));
+    // A table with room, or a small one, is not copied.
+    assert!(ix.grow_ahead(&apply, &snaps, budget).is_empty());
+}

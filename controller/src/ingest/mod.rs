@@ -85,9 +85,10 @@ const OUTBOUND_DEPTH: usize = 64;
 pub const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
 
 /// Entries of a node's resync applied under one hold of the index write lock
-/// (a node's resync, `Session::apply_resync`): ≈ 0.3–1 ms of work, so a lookup waits at most about that long
-/// behind a resync (docs/scaling.md).
-pub const RESYNC_SLICE_ENTRIES: usize = 8192;
+/// (a node's resync, `Session::apply_resync`): ≈ 0.1–0.5 ms of work, so a lookup waits at most
+/// about that long behind a resync (docs/scaling.md). Large block tables the slice would grow
+/// are grown before it, while lookups still read (`PrefixIndex::grow_ahead`).
+pub const RESYNC_SLICE_ENTRIES: usize = 2048;
 
 /// Inbound message limit of `AgentService`: a `ResyncChunk` is at most
 /// `ic_shared::resync::CHUNK_BUDGET_BYTES` plus framing; 8 MiB leaves room for a large check
@@ -661,7 +662,14 @@ impl Session {
         let mut told = tokio::time::Instant::now();
         loop {
             let done = {
-                let mut ix = self.shared.index.write();
+                // Large tables this slice could grow are grown first under an upgradable read
+                // lock (lookups go on), then swapped in; the slice itself never grows one.
+                let ix = self.shared.index.upgradable_read();
+                let grown = ix.grow_ahead(&apply, &streams, RESYNC_SLICE_ENTRIES);
+                let mut ix = parking_lot::RwLockUpgradableReadGuard::upgrade(ix);
+                if !grown.is_empty() {
+                    ix.install_grown(grown);
+                }
                 let done = ix.resync_step(&mut apply, &streams, RESYNC_SLICE_ENTRIES);
                 self.shared.update_index_gauges(&ix);
                 done

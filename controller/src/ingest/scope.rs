@@ -40,10 +40,10 @@ impl BlockSizeBudget {
         if block_size > MAX_BLOCK_SIZE {
             return false;
         }
-        let set = self.sizes.entry(scheme.to_string()).or_default();
-        if set.contains(&block_size) {
+        if self.sizes.get(scheme).is_some_and(|set| set.contains(&block_size)) {
             return true;
         }
+        let set = self.sizes.entry(scheme.to_string()).or_default();
         if set.len() >= MAX_BLOCK_SIZES {
             return false;
         }
@@ -60,7 +60,16 @@ pub fn cap_snapshot(snap: &mut proto::StreamSnapshot, budget: &mut BlockSizeBudg
         .map(|d| d.hash_scheme.clone())
         .unwrap_or_default();
     let before = snap.entries.len();
-    snap.entries.retain(|e| budget.admit(&scheme, e.block_size));
+    // A stream's entries come in runs of one block size: ask the budget once per run.
+    let mut last: Option<(u32, bool)> = None;
+    snap.entries.retain(|e| match last {
+        Some((size, ok)) if size == e.block_size => ok,
+        _ => {
+            let ok = budget.admit(&scheme, e.block_size);
+            last = Some((e.block_size, ok));
+            ok
+        }
+    });
     before - snap.entries.len()
 }
 
