@@ -617,7 +617,12 @@ mod tests {
         }
         assert_eq!(t.capacity(), MIN_SLOTS, "no grow at 5 of 16");
         // Three of the four sit at the start of the array, after the wrap.
-        let wrapped = t.slots.iter().take(3).filter(|s| tail.contains(&s.key)).count();
+        let wrapped = t
+            .slots
+            .iter()
+            .take(3)
+            .filter(|s| tail.contains(&s.key))
+            .count();
         assert_eq!(wrapped, 3, "{:?}", t.slots);
         for (n, k) in tail.iter().enumerate() {
             assert_eq!(t.get(*k), Some(Holders::one(holder(n as u32, false, 0))));

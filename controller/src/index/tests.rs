@@ -1570,14 +1570,21 @@ fn large_tables_grow_ahead_of_a_slice_and_the_slice_never_grows_them() {
         slices += 1;
         for (p, before) in ix.partitions.iter().zip(&caps) {
             if *before >= GROW_AHEAD_MIN_SLOTS {
-                assert_eq!(p.blocks.capacity(), *before, "slice {slices} grew a large table");
+                assert_eq!(
+                    p.blocks.capacity(),
+                    *before,
+                    "slice {slices} grew a large table"
+                );
             }
         }
         if done {
             break;
         }
     }
-    assert!(grown_ahead >= 2, "grown ahead {grown_ahead} times in {slices} slices");
+    assert!(
+        grown_ahead >= 2,
+        "grown ahead {grown_ahead} times in {slices} slices"
+    );
     let base_table = ix
         .partitions
         .iter()

@@ -40,7 +40,11 @@ impl BlockSizeBudget {
         if block_size > MAX_BLOCK_SIZE {
             return false;
         }
-        if self.sizes.get(scheme).is_some_and(|set| set.contains(&block_size)) {
+        if self
+            .sizes
+            .get(scheme)
+            .is_some_and(|set| set.contains(&block_size))
+        {
             return true;
         }
         let set = self.sizes.entry(scheme.to_string()).or_default();
