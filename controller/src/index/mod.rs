@@ -1111,7 +1111,7 @@ impl PrefixIndex {
     /// the tables — then upgrades and [`Self::install_grown`]s them, so the slice that follows
     /// never grows a large table under the exclusive lock. A grow of a 6 M-block partition
     /// (≈ 100–160 MiB of fresh slots) took 0.2–0.5 s, all of it a stall for every lookup when
-    /// done in place (docs/scaling.md "Resync turns").
+    /// done in place (docs/scaling.md "Index at fleet scale").
     pub fn grow_ahead(
         &self,
         apply: &ResyncApply,
