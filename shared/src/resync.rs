@@ -14,8 +14,8 @@ use thiserror::Error;
 
 use crate::proto::{agent_message::Msg, AgentMessage, Resync, ResyncChunk, StreamSnapshot};
 
-/// Most encoded bytes of entries per chunk (64 KiB, ≈ 4 000 entries). Well under the receiver's
-/// 4 MiB limit, and small on purpose: tonic's decoder keeps, per connection, a buffer as large as
+/// Most encoded bytes of entries per chunk (64 KiB, ≈ 4 000 entries). Well under gRPC's default
+/// 4 MiB message limit (the controller accepts 8 MiB), and small on purpose: tonic's decoder keeps, per connection, a buffer as large as
 /// the largest message it has read, for the connection's life — with 2 MiB chunks a controller
 /// holding 5 000 agents kept ≈ 2 GiB of such buffers after their opening resyncs
 /// (docs/scaling.md "Memory"); with 64 KiB it is ≈ 0.3 GiB. The per-chunk cost (a descriptor

@@ -139,6 +139,27 @@ pub type PassSignal = watch::Receiver<u64>;
 /// Broadcast depth of delta batches; a stream that falls further behind resyncs.
 const BATCH_FANOUT_DEPTH: usize = 1024;
 
+/// Least depth of a stream's outbound queue (larger when the opening needs it).
+const OUTBOUND_DEPTH: usize = 64;
+
+/// A stream's outbound queue with `opening` (Hello and every resync chunk) already in it, and
+/// room for the counters and checks that follow. The opening is queued before the stream opens
+/// — nothing reads the queue yet — so the queue is sized to hold all of it: a node of 1 M
+/// blocks is ≈ 250 chunks of 64 KiB, and a fixed depth below that would wait forever. tokio's
+/// channel allocates its slots as they fill, not up front.
+///
+/// # Errors
+/// [`LinkError::Closed`] if a message does not fit (it always does).
+fn queue_opening(
+    opening: Vec<AgentMessage>,
+) -> Result<(mpsc::Sender<AgentMessage>, mpsc::Receiver<AgentMessage>), LinkError> {
+    let (tx, rx) = mpsc::channel::<AgentMessage>(OUTBOUND_DEPTH.max(opening.len() + 2));
+    for m in opening {
+        tx.try_send(m).map_err(|_| LinkError::Closed)?;
+    }
+    Ok((tx, rx))
+}
+
 /// Handle to the pump task (cheap to clone).
 #[derive(Clone)]
 struct Pump {
@@ -424,20 +445,20 @@ async fn session(
         None => String::new(),
     };
     let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel::<AgentMessage>(64);
-    let send = |m: AgentMessage| {
-        let tx = tx.clone();
-        async move { tx.send(m).await.map_err(|_| LinkError::Closed) }
-    };
     // Subscribe before the snapshot so no batch falls between the two.
     let mut batches = pump.batches.subscribe();
     let mut counter_changes = state.engine_counters.subscribe();
     let snap = pump.snapshot().await?;
     let mut covered = Covered::from_snapshot(&snap);
     // Queue Hello + Resync + the latest pass before opening: the controller reads Hello first.
-    for m in ic_shared::link::opening(hello(state, &token, cfg.pod_subscriber.as_ref()), snap) {
-        send(m).await?;
-    }
+    let (tx, rx) = queue_opening(ic_shared::link::opening(
+        hello(state, &token, cfg.pod_subscriber.as_ref()),
+        snap,
+    ))?;
+    let send = |m: AgentMessage| {
+        let tx = tx.clone();
+        async move { tx.send(m).await.map_err(|_| LinkError::Closed) }
+    };
     counter_changes.mark_unchanged();
     if let Some(m) = counters(state) {
         send(m).await?;
@@ -636,6 +657,57 @@ mod tests {
             ops: vec![],
             ..Default::default()
         }
+    }
+
+    /// A node of 1 M blocks over 8 GPUs: its opening is hundreds of 64 KiB chunks, all queued
+    /// before the stream opens (nothing reads yet); every one fits, in order, with room for
+    /// counters and checks after. A fixed 64-deep queue hung here at ≈ 270 k entries.
+    #[test]
+    fn a_million_block_opening_fits_the_queue_before_the_stream_opens() {
+        use ic_shared::proto::BlockEntry;
+        let snaps: Vec<StreamSnapshot> = (0..8u64)
+            .map(|g| StreamSnapshot {
+                stream: Some(StreamDescriptor {
+                    stream_id: format!("ns/pod#{g}"),
+                    ..Default::default()
+                }),
+                entries: (0..125_000u64)
+                    .map(|k| BlockEntry {
+                        adapter: String::new(),
+                        block_size: 16,
+                        content_key: g << 32 | k,
+                        tier: 1,
+                    })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect();
+        let hello = AgentMessage {
+            msg: Some(Msg::Hello(Default::default())),
+        };
+        let opening = ic_shared::link::opening(hello, snaps);
+        let n = opening.len();
+        assert!(n > 200, "{n} messages");
+        let (tx, mut rx) = queue_opening(opening).unwrap();
+        // Counters and checks still fit without a reader.
+        for _ in 0..2 {
+            tx.try_send(AgentMessage::default()).unwrap();
+        }
+        let mut got = 0usize;
+        let mut chunk = 0u32;
+        while let Ok(m) = rx.try_recv() {
+            match m.msg {
+                Some(Msg::ResyncChunk(c)) => {
+                    assert_eq!(c.chunk, chunk);
+                    chunk += 1;
+                }
+                Some(Msg::Hello(_)) => assert_eq!(got, 0),
+                _ => {}
+            }
+            got += 1;
+        }
+        assert_eq!(got, n + 2);
+        assert_eq!(chunk as usize, n - 1);
     }
 
     #[test]

@@ -1164,8 +1164,11 @@ impl PrefixIndex {
         GrownTables { tables }
     }
 
-    /// Swaps in tables [`Self::grow_ahead`] grew (from this index, unchanged since).
-    pub fn install_grown(&mut self, grown: GrownTables) {
+    /// Swaps in tables [`Self::grow_ahead`] grew (from this index, unchanged since); returns
+    /// the tables they replace, for the caller to drop after it releases the lock (freeing
+    /// 100 MiB of slots is page-table work a lookup need not wait for).
+    pub fn install_grown(&mut self, grown: GrownTables) -> GrownTables {
+        let mut replaced = GrownTables::default();
         for (pid, table) in grown.tables {
             // A table that changed since (a contract breach) keeps growing in place instead.
             if let Some(ps) = self
@@ -1173,9 +1176,12 @@ impl PrefixIndex {
                 .get_mut(pid as usize)
                 .filter(|ps| ps.blocks.len() == table.len())
             {
-                ps.blocks = table;
+                replaced
+                    .tables
+                    .push((pid, std::mem::replace(&mut ps.blocks, table)));
             }
         }
+        replaced
     }
 
     /// Drops every stream reported by `node`.

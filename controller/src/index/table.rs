@@ -88,7 +88,7 @@ impl BlockTable {
             len: 0,
             zero: None,
             seed,
-            small_slots,
+            small_slots: small_slots.max(MIN_SLOTS),
         }
     }
 

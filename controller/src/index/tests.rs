@@ -1563,8 +1563,10 @@ fn large_tables_grow_ahead_of_a_slice_and_the_slice_never_grows_them() {
     let budget = 2048;
     loop {
         let grown = ix.grow_ahead(&apply, &snaps, budget);
-        grown_ahead += grown.tables.len();
-        ix.install_grown(grown);
+        let n_grown = grown.tables.len();
+        grown_ahead += n_grown;
+        let replaced = ix.install_grown(grown);
+        assert_eq!(replaced.tables.len(), n_grown);
         let caps: Vec<usize> = ix.partitions.iter().map(|p| p.blocks.capacity()).collect();
         let done = ix.resync_step(&mut apply, &snaps, budget);
         slices += 1;

@@ -661,19 +661,19 @@ impl Session {
         let total: u64 = streams.iter().map(|s| s.entries.len() as u64).sum();
         let mut told = tokio::time::Instant::now();
         loop {
-            let done = {
+            let (done, replaced) = {
                 // Large tables this slice could grow are grown first under an upgradable read
                 // lock (lookups go on), then swapped in; the slice itself never grows one.
                 let ix = self.shared.index.upgradable_read();
                 let grown = ix.grow_ahead(&apply, &streams, RESYNC_SLICE_ENTRIES);
                 let mut ix = parking_lot::RwLockUpgradableReadGuard::upgrade(ix);
-                if !grown.is_empty() {
-                    ix.install_grown(grown);
-                }
+                let replaced = ix.install_grown(grown);
                 let done = ix.resync_step(&mut apply, &streams, RESYNC_SLICE_ENTRIES);
                 self.shared.update_index_gauges(&ix);
-                done
+                (done, replaced)
             };
+            // The replaced tables are freed outside the lock.
+            drop(replaced);
             if done {
                 break;
             }
