@@ -34,8 +34,9 @@ const MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Slot count (64 MiB of slots) below which the table doubles when it grows; from it on it grows
 /// by a quarter. Doubling keeps small, hot tables at low load (short probes, few grows); a quarter
-/// keeps large tables' memory within 1/0.56 of their keys at the price of more frequent grows,
-/// each moving the table once (amortised ≤ 5 moves per key).
+/// keeps a growing large table's slots within 1/0.56 of its keys (after removals the load may
+/// fall to 25 % before it shrinks) at the price of more frequent grows, each moving the table
+/// once (amortised ≤ 5 moves per key).
 pub(super) const SMALL_SLOTS: usize = 1 << 22;
 
 /// Slot count (1 MiB of slots) from which a resync grows a table ahead, outside the index's
