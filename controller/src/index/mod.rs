@@ -354,13 +354,6 @@ pub struct GrownTables {
     tables: Vec<(PartitionId, BlockTable)>,
 }
 
-impl GrownTables {
-    /// True when no table needed growing.
-    pub fn is_empty(&self) -> bool {
-        self.tables.is_empty()
-    }
-}
-
 impl ResyncApply {
     /// Entries of `streams` (the resync this apply was begun with) behind the apply's position:
     /// applied, or skipped with their stream.
