@@ -1042,39 +1042,27 @@ impl PrefixIndex {
         let mut left = budget.max(1);
         let mut keys = std::mem::take(&mut apply.keys);
         while left > 0 {
-            let Some(snap) = streams.get(apply.stream) else {
+            let Some((slot, run)) = self.next_resync_run(
+                &apply.slots,
+                apply.generation,
+                streams,
+                (&mut apply.stream, &mut apply.entry),
+                left,
+            ) else {
                 break;
-            };
-            let slot = apply.slots.get(apply.stream).copied().flatten();
-            let slot = slot.filter(|s| {
-                !snap.stale
-                    && self
-                        .replica(*s)
-                        .is_some_and(|r| r.resync == apply.generation)
-            });
-            let (Some(slot), Some(first)) = (slot, snap.entries.get(apply.entry)) else {
-                apply.stream += 1;
-                apply.entry = 0;
-                continue;
             };
             // One run of entries of one (adapter, block size, tier), within the budget: one
             // store, whose slot fetches overlap.
-            let run = snap.entries[apply.entry..]
-                .iter()
-                .take(left)
-                .take_while(|e| {
-                    e.block_size == first.block_size
-                        && e.tier == first.tier
-                        && same_str(&e.adapter, &first.adapter)
-                });
+            let Some(first) = run.first() else {
+                break;
+            };
             keys.clear();
-            keys.extend(run.map(|e| e.content_key));
-            let n = keys.len();
+            keys.extend(run.iter().map(|e| e.content_key));
             if let Some(part) = self.part_for(slot, &first.adapter, first.block_size) {
                 self.store(slot, part, &keys, Tier::from_proto(first.tier));
             }
-            apply.entry += n;
-            left -= n;
+            apply.entry += run.len();
+            left -= run.len();
         }
         apply.keys = keys;
         if apply.stream < streams.len() {
@@ -1097,6 +1085,43 @@ impl PrefixIndex {
         true
     }
 
+    /// The next run of a resync's entries from `at` = (stream, entry): at most `left` entries
+    /// of one adapter, block size and tier, in a stream the apply of generation `generation`
+    /// still owns (registered in `slots`, not stale). Moves `at` past the streams it skips to
+    /// the run's start; `None` past the last stream. What [`Self::resync_step`] applies and
+    /// [`Self::grow_ahead`] sizes for.
+    fn next_resync_run<'s>(
+        &self,
+        slots: &[Option<ReplicaSlot>],
+        generation: u64,
+        streams: &'s [proto::StreamSnapshot],
+        at: (&mut usize, &mut usize),
+        left: usize,
+    ) -> Option<(ReplicaSlot, &'s [proto::BlockEntry])> {
+        let (stream, entry) = at;
+        loop {
+            let snap = streams.get(*stream)?;
+            let slot = slots.get(*stream).copied().flatten().filter(|s| {
+                !snap.stale && self.replica(*s).is_some_and(|r| r.resync == generation)
+            });
+            let rest = snap.entries.get(*entry..).unwrap_or_default();
+            if let (Some(slot), Some(first)) = (slot, rest.first()) {
+                let n = rest
+                    .iter()
+                    .take(left.max(1))
+                    .take_while(|e| {
+                        e.block_size == first.block_size
+                            && e.tier == first.tier
+                            && same_str(&e.adapter, &first.adapter)
+                    })
+                    .count();
+                return rest.get(..n).map(|run| (slot, run));
+            }
+            *stream += 1;
+            *entry = 0;
+        }
+    }
+
     /// Grows, in copies built from `&self`, the block tables that the next `budget` entries of
     /// `apply` could push past their load bound (each entry counted as a new key of its
     /// partition; only tables of [`table::GROW_AHEAD_MIN_SLOTS`] slots and more). The caller
@@ -1114,37 +1139,28 @@ impl PrefixIndex {
         let mut per_pid: Vec<(PartitionId, usize)> = Vec::new();
         let (mut stream, mut entry, mut left) = (apply.stream, apply.entry, budget.max(1));
         while left > 0 {
-            let Some(snap) = streams.get(stream) else {
+            let Some((slot, run)) = self.next_resync_run(
+                &apply.slots,
+                apply.generation,
+                streams,
+                (&mut stream, &mut entry),
+                left,
+            ) else {
                 break;
             };
-            let slot = apply.slots.get(stream).copied().flatten();
-            let replica = slot.and_then(|s| self.replica(s));
-            let replica = replica.filter(|r| !snap.stale && r.resync == apply.generation);
-            let (Some(replica), Some(first)) = (replica, snap.entries.get(entry)) else {
-                stream += 1;
-                entry = 0;
-                continue;
-            };
-            let n = snap.entries[entry..]
-                .iter()
-                .take(left)
-                .take_while(|e| {
-                    e.block_size == first.block_size && same_str(&e.adapter, &first.adapter)
-                })
-                .count();
-            let pid = replica
-                .parts
-                .position(first.block_size, &first.adapter)
-                .and_then(|i| replica.parts.get(i))
-                .map(|p| p.pid);
+            let pid = run.first().and_then(|first| {
+                let parts = &self.replica(slot)?.parts;
+                let i = parts.position(first.block_size, &first.adapter)?;
+                parts.get(i).map(|p| p.pid)
+            });
             if let Some(pid) = pid {
                 match per_pid.iter_mut().find(|(p, _)| *p == pid) {
-                    Some((_, c)) => *c += n,
-                    None => per_pid.push((pid, n)),
+                    Some((_, c)) => *c += run.len(),
+                    None => per_pid.push((pid, run.len())),
                 }
             }
-            entry += n;
-            left -= n;
+            entry += run.len();
+            left -= run.len();
         }
         let tables = per_pid
             .into_iter()
