@@ -299,10 +299,14 @@ impl PrefixIndex {
         Ok(best)
     }
 
-    /// Walks the chain in one partition; returns every replica with ≥ 1 matched block, sorted by
-    /// slot. Levels are fetched in chunks (independent loads, so their misses overlap); each level
-    /// intersects the replicas still matching with the level's holders, iterating whichever side
-    /// is smaller (both are sorted by slot).
+    /// Walks the chain in one partition; returns every replica with ≥ 1 matched block
+    /// (unordered). Levels are fetched in chunks (independent loads, so their misses overlap).
+    /// The replicas still matching are kept as a slot-sorted vector; each level intersects it
+    /// with the level's holders (also sorted by slot). A level held by exactly the replicas
+    /// still matching — every level of a shared system prompt — costs one sequential compare
+    /// of the two slot lists; otherwise the smaller side is walked and each element found in
+    /// the other by a galloping search from the last match. A replica that drops out is scored
+    /// with the depth it reached.
     fn walk(
         &self,
         pid: PartitionId,
@@ -317,26 +321,28 @@ impl PrefixIndex {
             return Ok(Vec::new());
         };
         let mut buf: [Holder; 1] = [0; 1];
-        let mut all: Vec<ReplicaScore> = first
-            .holders(&self.arena, &mut buf)
-            .iter()
+        // The replicas still matching: slots (sorted) and whether every block so far is T1.
+        let mut slots: Vec<u32> = Vec::new();
+        let mut t1: Vec<bool> = Vec::new();
+        for &h in first.holders(&self.arena, &mut buf) {
             // Replicas whose engine or publisher is gone are never matched.
-            .filter(|h| self.routable(slot_of(**h)))
-            .map(|h| ReplicaScore {
-                slot: slot_of(*h),
-                matched_blocks: 1,
-                block_size,
-                t1: !is_t2(*h),
-            })
-            .collect();
-        if all.is_empty() {
-            return Ok(all);
+            if self.routable(slot_of(h)) {
+                slots.push(slot_of(h));
+                t1.push(!is_t2(h));
+            }
         }
-        let mut alive: Vec<u32> = (0..all.len() as u32).collect();
-        let mut next: Vec<u32> = Vec::with_capacity(alive.len().min(16));
+        let mut out: Vec<ReplicaScore> = Vec::with_capacity(slots.len());
+        let score = |slot: u32, depth: usize, t1: bool| ReplicaScore {
+            slot,
+            matched_blocks: depth as u32,
+            block_size,
+            t1,
+        };
+        let mut next_slots: Vec<u32> = Vec::with_capacity(slots.len());
+        let mut next_t1: Vec<bool> = Vec::with_capacity(slots.len());
         let mut level: [Option<Holders>; CHUNK] = [None; CHUNK];
         let mut depth = 1usize;
-        'walk: while depth < keys.len() {
+        'walk: while depth < keys.len() && !slots.is_empty() {
             if past(deadline) {
                 return Err(TimedOut);
             }
@@ -345,63 +351,87 @@ impl PrefixIndex {
             for (cell, key) in level.iter_mut().zip(chunk) {
                 *cell = part.blocks.get(*key);
             }
-            if let [only] = alive[..] {
-                // The common tail: one replica left, one holder check per level.
-                let Some(s) = all.get_mut(only as usize) else {
-                    break 'walk;
-                };
-                for cell in level.iter().take(chunk.len()) {
-                    match cell.and_then(|h| h.find(&self.arena, s.slot)) {
-                        Some(x) => {
-                            s.matched_blocks += 1;
-                            s.t1 &= !is_t2(x);
-                            depth += 1;
-                        }
-                        None => break 'walk,
-                    }
-                }
-                continue 'walk;
-            }
             for cell in level.iter().take(chunk.len()) {
                 let Some(h) = cell else {
                     break 'walk;
                 };
+                if let ([slot], Some(t)) = (&slots[..], t1.first_mut()) {
+                    // The common tail: one replica left, one holder check per level.
+                    match h.find(&self.arena, *slot) {
+                        Some(x) => {
+                            *t &= !is_t2(x);
+                            depth += 1;
+                            continue;
+                        }
+                        None => break 'walk,
+                    }
+                }
                 let mut buf: [Holder; 1] = [0; 1];
                 let holders = h.holders(&self.arena, &mut buf);
-                next.clear();
-                if alive.len() <= holders.len() {
-                    for &i in &alive {
-                        let Some(s) = all.get_mut(i as usize) else {
-                            continue;
-                        };
-                        if let Ok(j) = holders.binary_search_by_key(&s.slot, |w| slot_of(*w)) {
-                            s.matched_blocks += 1;
-                            s.t1 &= holders.get(j).is_some_and(|w| !is_t2(*w));
-                            next.push(i);
+                if holders.len() == slots.len()
+                    && holders.iter().zip(&slots).all(|(w, s)| slot_of(*w) == *s)
+                {
+                    if holders.iter().any(|w| is_t2(*w)) {
+                        for (w, t) in holders.iter().zip(t1.iter_mut()) {
+                            *t &= !is_t2(*w);
+                        }
+                    }
+                    depth += 1;
+                    continue;
+                }
+                next_slots.clear();
+                next_t1.clear();
+                if slots.len() <= holders.len() {
+                    let mut j = 0usize;
+                    for (&s, &t) in slots.iter().zip(&t1) {
+                        j = gallop(holders, j, s, |w| slot_of(*w));
+                        match holders.get(j) {
+                            Some(&w) if slot_of(w) == s => {
+                                next_slots.push(s);
+                                next_t1.push(t && !is_t2(w));
+                            }
+                            _ => out.push(score(s, depth, t)),
                         }
                     }
                 } else {
+                    // `k`: the first replica not yet decided at this level.
+                    let mut k = 0usize;
                     for &w in holders {
-                        let Ok(i) = all.binary_search_by_key(&slot_of(w), |s| s.slot) else {
-                            continue;
-                        };
-                        if let Some(s) = all.get_mut(i) {
-                            if s.matched_blocks as usize == depth {
-                                s.matched_blocks += 1;
-                                s.t1 &= !is_t2(w);
-                                next.push(i as u32);
+                        let at = gallop(&slots, k, slot_of(w), |s| *s);
+                        for (&s, &t) in slots
+                            .get(k..at)
+                            .unwrap_or(&[])
+                            .iter()
+                            .zip(t1.get(k..at).unwrap_or(&[]))
+                        {
+                            out.push(score(s, depth, t));
+                        }
+                        k = at;
+                        match (slots.get(at), t1.get(at)) {
+                            (Some(&s), Some(&t)) if s == slot_of(w) => {
+                                next_slots.push(s);
+                                next_t1.push(t && !is_t2(w));
+                                k = at + 1;
                             }
+                            (Some(_), _) => {}
+                            _ => break,
                         }
                     }
+                    let rest = slots.get(k..).unwrap_or(&[]);
+                    for (&s, &t) in rest.iter().zip(t1.get(k..).unwrap_or(&[])) {
+                        out.push(score(s, depth, t));
+                    }
                 }
-                if next.is_empty() {
+                std::mem::swap(&mut slots, &mut next_slots);
+                std::mem::swap(&mut t1, &mut next_t1);
+                if slots.is_empty() {
                     break 'walk;
                 }
-                std::mem::swap(&mut alive, &mut next);
                 depth += 1;
             }
         }
-        Ok(all)
+        out.extend(slots.iter().zip(&t1).map(|(&s, &t)| score(s, depth, t)));
+        Ok(out)
     }
 
     /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
@@ -436,6 +466,33 @@ impl PrefixIndex {
         self.replica(slot as ReplicaSlot)
             .map(|r| r.desc.stream_id.as_str())
     }
+}
+
+/// The first index `i ≥ from` with `slot(v[i]) ≥ target` (`v.len()` if none), for `v` sorted by
+/// `slot`: probes `from`, `from + 1`, `from + 3`, … doubling the step, then binary-searches the
+/// last step. O(log (i − from)) comparisons; 1 when `v[from]` is already there.
+#[inline]
+fn gallop<T>(v: &[T], from: usize, target: u32, slot: impl Fn(&T) -> u32) -> usize {
+    let below = |i: usize| v.get(i).is_some_and(|x| slot(x) < target);
+    if !below(from) {
+        return from.min(v.len());
+    }
+    // Invariant: slot(v[lo]) < target; hi is past the answer or at it.
+    let mut lo = from;
+    let mut step = 1usize;
+    let hi = loop {
+        let probe = lo.saturating_add(step);
+        if probe >= v.len() {
+            break v.len();
+        }
+        if !below(probe) {
+            break probe;
+        }
+        lo = probe;
+        step = step.saturating_mul(2);
+    };
+    let tail = v.get(lo + 1..hi).unwrap_or(&[]);
+    lo + 1 + tail.partition_point(|x| slot(x) < target)
 }
 
 /// Bits of a packed selection key that carry the score's index (the rest: its primary key).
@@ -509,4 +566,25 @@ pub(super) fn select_answer(
         .map(|(_, _, i)| i)
         .chain(tied.into_iter().map(|(_, i)| i))
         .collect()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::gallop;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `gallop` equals a linear scan for the first element at or above the target.
+        #[test]
+        fn gallop_finds_what_a_linear_scan_finds(
+            mut v in prop::collection::vec(0..200u32, 0..120),
+            from in 0..130usize,
+            target in 0..210u32,
+        ) {
+            v.sort_unstable();
+            let want = (from..v.len()).find(|&i| v[i] >= target).unwrap_or(v.len().max(from.min(v.len())));
+            prop_assert_eq!(gallop(&v, from, target, |x| *x), want);
+        }
+    }
 }

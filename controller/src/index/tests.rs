@@ -756,6 +756,78 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
     }
 }
 
+/// Chain walks over hundreds of replicas (long holder lists on both sides of every
+/// intersection: a prefix everyone holds, then sets thinning out at random, holes included)
+/// agree with a naive walk over what each replica stored.
+#[test]
+fn walks_over_long_holder_lists_agree_with_a_naive_model() {
+    let mut state = 0x0bad_cafe_f00d_1234u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let keys = chain(&tokens(0..4 * 48), 4);
+    let pods: Vec<String> = (0..400).map(|i| format!("r{i:03}")).collect();
+    let mut ix = PrefixIndex::new();
+    ix.resync_node(
+        "n1",
+        &pods.iter().map(|p| empty_snapshot(p)).collect::<Vec<_>>(),
+    );
+    let mut held: Vec<Vec<bool>> = Vec::new();
+    for p in &pods {
+        // Every replica holds the first 8 blocks; after that each keeps going with a
+        // replica-specific probability, with an occasional hole.
+        let keep = 50 + next() % 50;
+        let mut h = vec![false; keys.len()];
+        let mut on = true;
+        for (b, slot) in h.iter_mut().enumerate() {
+            if b >= 8 && next() % 100 >= keep {
+                on = false;
+            }
+            *slot = on || next() % 7 == 0;
+        }
+        let stored: Vec<u64> = keys
+            .iter()
+            .zip(&h)
+            .filter(|(_, on)| **on)
+            .map(|(k, _)| *k)
+            .collect();
+        ix.apply_delta(
+            "n1",
+            &delta(p, 1, vec![store(&stored, proto::Tier::T1, "")]),
+        )
+        .unwrap();
+        held.push(h);
+    }
+    for start in [0usize, 0, 0, 3, 8, 20] {
+        let len = 1 + (next() as usize) % (keys.len() - start);
+        let q = LookupQuery {
+            content_keys: keys[start..start + len].to_vec(),
+            block_size: Some(4),
+            ..Default::default()
+        };
+        let mut got: Vec<(String, u32)> = ix
+            .lookup(&q)
+            .replicas
+            .into_iter()
+            .map(|m| (m.replica().to_string(), m.matched_blocks))
+            .collect();
+        got.sort();
+        let want: Vec<(String, u32)> = pods
+            .iter()
+            .zip(&held)
+            .filter_map(|(p, h)| {
+                let depth = h[start..start + len].iter().take_while(|on| **on).count() as u32;
+                (depth > 0).then(|| (p.clone(), depth))
+            })
+            .collect();
+        assert!(!want.is_empty());
+        assert_eq!(got, want, "chain {start}..{}", start + len);
+    }
+}
+
 #[test]
 fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
     let mut ix = PrefixIndex::new();
