@@ -626,17 +626,20 @@ fn policy_table_resolves_namespace_then_defaults_then_fallback() {
     assert!(t.list().is_empty());
 }
 
-#[test]
-fn random_ops_keep_the_index_equal_to_a_naive_model() {
-    use std::collections::{BTreeMap, BTreeSet};
-    // A small deterministic generator (no extra dependency).
-    let mut state = 0x1234_5678_9abc_def0u64;
-    let mut next = move || {
+/// A small deterministic generator (xorshift64, no extra dependency) seeded with `seed` (not 0).
+fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         state
-    };
+    }
+}
+
+#[test]
+fn random_ops_keep_the_index_equal_to_a_naive_model() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut next = xorshift(0x1234_5678_9abc_def0);
     let mut ix = PrefixIndex::new();
     let pods: Vec<String> = (0..6).map(|i| format!("r{i}")).collect();
     ix.resync_node(
@@ -761,13 +764,7 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
 /// agree with a naive walk over what each replica stored.
 #[test]
 fn walks_over_long_holder_lists_agree_with_a_naive_model() {
-    let mut state = 0x0bad_cafe_f00d_1234u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0x0bad_cafe_f00d_1234);
     let keys = chain(&tokens(0..4 * 48), 4);
     let pods: Vec<String> = (0..400).map(|i| format!("r{i:03}")).collect();
     let mut ix = PrefixIndex::new();
@@ -1091,13 +1088,7 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
     // Streams come and go on several nodes (resyncs, removals, expiry), with coverage
     // changes, a per-stream cap and a tenant quota: after every step the incrementally kept
     // coverage tally equals a walk over the replicas, and answers list ties by stream id.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
     let mut ix = PrefixIndex::new();
     ix.set_max_blocks_per_stream(6);
     ix.set_tenant_quotas([("default".to_string(), 40usize)].into_iter().collect());
@@ -1329,13 +1320,7 @@ mod answer_selection {
     /// full sort by (primary key, label).
     #[test]
     fn selection_on_large_tied_groups_equals_a_full_sort() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for round in 0..200 {
             let n = 1 + (next() % 2000) as usize;
             let deep = (next() % 64) as usize;
