@@ -656,7 +656,11 @@ fn random_ops_keep_the_index_equal_to_a_naive_model() {
         let m = model.entry(p.clone()).or_default();
         let op = match next() % 10 {
             0..=4 => {
-                let tier = if next() % 3 == 0 { Tier::T2 } else { Tier::T1 };
+                let tier = if next().is_multiple_of(3) {
+                    Tier::T2
+                } else {
+                    Tier::T1
+                };
                 m.insert(key, tier);
                 store(&[key], tier.to_proto(), "")
             }
@@ -783,7 +787,7 @@ fn walks_over_long_holder_lists_agree_with_a_naive_model() {
             if b >= 8 && next() % 100 >= keep {
                 on = false;
             }
-            *slot = on || next() % 7 == 0;
+            *slot = on || next().is_multiple_of(7);
         }
         let stored: Vec<u64> = keys
             .iter()
@@ -1334,8 +1338,8 @@ mod answer_selection {
                     } else {
                         1
                     },
-                    block_size: if next() % 9 == 0 { 8 } else { 4 },
-                    t1: next() % 5 != 0,
+                    block_size: if next().is_multiple_of(9) { 8 } else { 4 },
+                    t1: !next().is_multiple_of(5),
                 })
                 .collect();
             let max = (next() % 40) as usize;
