@@ -122,7 +122,21 @@ async fn a_published_batch_reaches_the_controller_without_a_batching_delay() {
     // applied live was received before (a batch its bootstrap replay delivered first is
     // applied from the replay, unmarked, and its live copy skipped); a delta batch was taken
     // after the first one applied.
-    let marks = rec.take();
+    // The agent marks a batch sent once its send returns, which can be after the controller
+    // already holds it: gather marks until every received batch has both (or 5 s pass).
+    let mut marks = rec.take();
+    let sent_all = |marks: &[ic_shared::timing::Mark]| {
+        batches.iter().all(|b| {
+            marks
+                .iter()
+                .any(|m| m.stage == Stage::BatchSent && m.id == *b)
+        })
+    };
+    let gather_until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !sent_all(&marks) && tokio::time::Instant::now() < gather_until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        marks.extend(rec.take());
+    }
     let at = |stage: Stage, id: u64| marks.iter().position(|m| m.stage == stage && m.id == id);
     for b in &batches {
         let (taken, sent) = (at(Stage::BatchTaken, *b), at(Stage::BatchSent, *b));
