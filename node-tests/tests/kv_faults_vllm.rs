@@ -308,7 +308,21 @@ async fn agent_restarts_resume_every_stream_exactly_from_kept_state() {
         converge(&controller, i, &t, Duration::from_secs(10)).await;
     }
     for round in ["kill -9", "SIGTERM", "agent and controller"] {
-        tokio::time::sleep(Duration::from_millis(1200)).await; // a periodic save happened
+        // A periodic save of every stream's current state happened (on a loaded machine the
+        // save can trail the apply by more than its period: wait for it, don't assume it).
+        wait_until(
+            "every stream's kept state to reach its last seq",
+            Duration::from_secs(15),
+            || {
+                agent
+                    .state()
+                    .hub
+                    .status()
+                    .iter()
+                    .all(|st| st.last_seq.is_some() && st.kept_seq == st.last_seq)
+            },
+        )
+        .await;
         match round {
             "SIGTERM" => agent.terminate(),
             "agent and controller" => {

@@ -76,6 +76,10 @@ pub struct StreamStatus {
     pub connected: bool,
     /// Last applied engine sequence number.
     pub last_seq: Option<u64>,
+    /// Engine seq of the stream's last kept-state save (the file a restart resumes from; see
+    /// `--state-dir`); `None` before the first save or without a state directory. The replay
+    /// after a `kill -9` covers `lastSeq − keptSeq` batches.
+    pub kept_seq: Option<u64>,
     /// Engine time of the newest applied batch, unix ms.
     pub last_event_unix_ms: Option<i64>,
     /// Agent time the last live message arrived, unix ms.
@@ -473,6 +477,7 @@ impl KvHub {
                     topic: s.spec.topic.clone(),
                     connected: s.connected.load(Ordering::Relaxed),
                     last_seq: g.state.last_seq(),
+                    kept_seq: entry.saved.and_then(|m| m.key.0),
                     last_event_unix_ms: (ts > 0).then_some(ts),
                     last_message_unix_ms: g.stats.last_message_unix_ms,
                     events_received: g.stats.batches_received,
