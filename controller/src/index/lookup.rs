@@ -10,7 +10,7 @@
 //! is shorter, answers NO_HINT (`BelowMinimumPrefixTokens`); a lookup past its `deadline`
 //! answers NO_HINT (`LookupTimeout`) — fail open, the gateway routes by load.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -495,10 +495,7 @@ fn gallop<T>(v: &[T], from: usize, target: u32, slot: impl Fn(&T) -> u32) -> usi
     lo + 1 + tail.partition_point(|x| slot(x) < target)
 }
 
-/// Bits of a packed selection key that carry the score's index (the rest: its primary key).
-const IDX_BITS: u32 = 31;
-
-/// The primary order key of a score: deeper (in tokens) first, then T1 before T2 (33 bits).
+/// The primary order key of a score: deeper (in tokens) first, then T1 before T2.
 #[inline]
 fn primary(s: &ReplicaScore) -> u64 {
     (u64::from(u32::MAX - s.tokens()) << 1) | u64::from(!s.t1)
@@ -508,63 +505,47 @@ fn primary(s: &ReplicaScore) -> u64 {
 /// by stream id — `label(slot)` is the slot's stream-order label ([`super::order`]), whose
 /// order is the stream ids' order. At most `max` (0 = all).
 ///
-/// The selection runs on `u64`s packing the primary key (33 bits) over the score's index: the
-/// best `max` by primary key are selected first, and labels are read only for the group tied
-/// at the boundary (a shared system prompt ties the whole fleet at depth 1: those compete on
-/// their labels alone) and for the kept replicas, which are then sorted. Equal to sorting every
-/// score by (primary, label) and truncating (a property test holds them equal).
+/// One pass keeps the best `max` so far in a bounded max-heap keyed by (primary, label, index),
+/// the worst kept on top: a score whose primary key is worse than the top's is skipped without
+/// reading its label, and only one that beats the top replaces it. A shared system prompt ties
+/// the whole fleet at depth 1; those compete on labels, and the heap is touched only by the few
+/// that beat the kept worst. O(n + k log k) for scores already near label order, O(n log k) at
+/// worst, with no per-score allocation. Equal to sorting every score by (primary, label) and
+/// truncating (a property test holds them equal).
 pub(super) fn select_answer(
     scores: &[ReplicaScore],
     max: usize,
     label: impl Fn(u32) -> u64,
 ) -> Vec<usize> {
-    let idx_mask = (1u64 << IDX_BITS) - 1;
-    let full_key = |i: usize| {
-        scores
-            .get(i)
-            .map(|s| (primary(s), label(s.slot), i))
-            .unwrap_or((u64::MAX, u64::MAX, i))
-    };
-    if max == 0 || scores.len() <= max || scores.len() > idx_mask as usize {
-        let mut all: Vec<(u64, u64, usize)> = (0..scores.len()).map(full_key).collect();
+    let key = |i: usize, s: &ReplicaScore| (primary(s), label(s.slot), i);
+    if max == 0 || scores.len() <= max {
+        let mut all: Vec<(u64, u64, usize)> =
+            scores.iter().enumerate().map(|(i, s)| key(i, s)).collect();
         all.sort_unstable();
-        all.truncate(if max == 0 { all.len() } else { max });
         return all.into_iter().map(|(_, _, i)| i).collect();
     }
-    let mut keys: Vec<u64> = scores
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (primary(s) << IDX_BITS) | i as u64)
-        .collect();
-    keys.select_nth_unstable(max - 1);
-    let boundary = keys.get(max - 1).map_or(u64::MAX, |k| k >> IDX_BITS);
-    // Strictly better than the boundary: all kept, and all among the first `max - 1` (the
-    // packed keys are distinct, so everything below the pivot lies before it).
-    let mut kept: Vec<(u64, u64, usize)> = keys
-        .iter()
-        .take(max)
-        .filter(|k| *k >> IDX_BITS < boundary)
-        .map(|k| full_key((k & idx_mask) as usize))
-        .collect();
-    let need = max - kept.len();
-    // The group tied at the boundary (on either side of the pivot) competes on labels alone.
-    let mut tied: Vec<(u64, usize)> = keys
-        .iter()
-        .filter(|k| *k >> IDX_BITS == boundary)
-        .map(|k| {
-            let i = (k & idx_mask) as usize;
-            (scores.get(i).map_or(u64::MAX, |s| label(s.slot)), i)
-        })
-        .collect();
-    if tied.len() > need && need > 0 {
-        tied.select_nth_unstable(need - 1);
+    let mut kept: BinaryHeap<(u64, u64, usize)> = BinaryHeap::with_capacity(max);
+    for (i, s) in scores.iter().enumerate() {
+        if kept.len() < max {
+            kept.push(key(i, s));
+            continue;
+        }
+        let Some(mut worst) = kept.peek_mut() else {
+            continue;
+        };
+        let p = primary(s);
+        if p > worst.0 {
+            continue;
+        }
+        // Ties on (primary, label) go to the earlier index, which is already kept.
+        let k = (p, label(s.slot), i);
+        if k < *worst {
+            *worst = k;
+        }
     }
-    tied.truncate(need);
-    kept.sort_unstable();
-    tied.sort_unstable();
-    kept.into_iter()
+    kept.into_sorted_vec()
+        .into_iter()
         .map(|(_, _, i)| i)
-        .chain(tied.into_iter().map(|(_, i)| i))
         .collect()
 }
 

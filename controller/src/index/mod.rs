@@ -27,8 +27,9 @@
 //!   transparent huge pages (fewer TLB misses on those random probes).
 //! - A replica's first part (nearly always its only one) is kept inline, so a delta reaches the
 //!   replica's key vector without another dependent cache miss.
-//! - A lookup answer selects its best replicas on packed `u64` keys and reads stream-order
-//!   labels only for the group tied at the cut; names are shared (`ReplicaNames`), not copied.
+//! - A lookup answer selects its best replicas in one pass over a bounded heap, reading a
+//!   stream-order label only for a score whose depth and tier are not worse than the worst
+//!   kept; names are shared (`ReplicaNames`), not copied.
 //! - A lookup intersects sorted holder lists level by level, iterating the smaller side, so a
 //!   block held by every replica (a shared system prompt) costs one pass, not one per level.
 //!
