@@ -1174,9 +1174,8 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
 /// The answer a router gets (`lookup`, capped at `max`) equals sorting every score of the
 /// scoring pass by (deeper first, T1 before T2, stream id) and keeping the first `max`: the
 /// bounded-heap selection, reading labels only where depth and tier do not decide, changes
-/// nothing. Random
-/// fleets with many ties at the boundary, re-registered streams (recycled slots, fresh
-/// labels) and two tenants merged under a wildcard query.
+/// nothing. Random fleets with many ties at the boundary, re-registered streams (recycled
+/// slots, fresh labels) and two tenants merged under a wildcard query.
 mod answer_selection {
     use super::*;
     use proptest::prelude::*;
