@@ -39,7 +39,7 @@ mod workload;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use dynamo_kv_router::indexer::KvIndexerInterface;
@@ -49,18 +49,59 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, SyncIndexer, ThreadPoolIndexer};
 use ic_controller::index::{LookupQuery, PrefixIndex};
+use mimalloc::MiMalloc;
 use ic_shared::kv::decode::{decode_batch, KvEvent};
 use ic_shared::proto::{self, kv_op::Op, KvOp, StreamDelta, StreamDescriptor, StreamSnapshot};
 use workload::{percentile, Event, Workload};
 
-/// Counts live heap bytes.
+/// Counts live heap bytes, over the allocator `IC_BENCH_ALLOCATOR` names: `mimalloc` (the
+/// default: what the controller binary ships, `controller/src/main.rs`) or `system` (glibc's
+/// malloc, what earlier tables in docs/benchmarks.md used). Both indexers run on the same one.
 struct Counting;
 
 static LIVE: AtomicI64 = AtomicI64::new(0);
 
+/// 0 = not yet decided, 1 = system, 2 = mimalloc. Decided at the first allocation (before
+/// `main`, on one thread) and never changed after, so every block is freed by the allocator
+/// that gave it.
+static WHICH: AtomicU8 = AtomicU8::new(0);
+
+fn use_mimalloc() -> bool {
+    match WHICH.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            extern "C" {
+                fn getenv(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
+            }
+            // SAFETY: a NUL-terminated name; getenv allocates nothing (this runs inside the
+            // allocator) and returns NULL or a NUL-terminated value the process keeps.
+            let v = unsafe { getenv(c"IC_BENCH_ALLOCATOR".as_ptr()) };
+            let system = !v.is_null()
+                // SAFETY: non-NULL, NUL-terminated (see above).
+                && unsafe { std::ffi::CStr::from_ptr(v) }.to_bytes() == b"system";
+            WHICH.store(if system { 1 } else { 2 }, Ordering::Relaxed);
+            !system
+        }
+    }
+}
+
+/// The allocator's name, for the table's header.
+fn allocator_name() -> &'static str {
+    if use_mimalloc() {
+        "mimalloc"
+    } else {
+        "system (glibc)"
+    }
+}
+
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
+        let p = if use_mimalloc() {
+            unsafe { MiMalloc.alloc(layout) }
+        } else {
+            unsafe { System.alloc(layout) }
+        };
         if !p.is_null() {
             LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
         }
@@ -68,12 +109,20 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
+        if use_mimalloc() {
+            unsafe { MiMalloc.dealloc(ptr, layout) }
+        } else {
+            unsafe { System.dealloc(ptr, layout) }
+        }
         LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
+        let p = if use_mimalloc() {
+            unsafe { MiMalloc.alloc_zeroed(layout) }
+        } else {
+            unsafe { System.alloc_zeroed(layout) }
+        };
         if !p.is_null() {
             LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
         }
@@ -81,7 +130,11 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        let p = if use_mimalloc() {
+            unsafe { MiMalloc.realloc(ptr, layout, new_size) }
+        } else {
+            unsafe { System.realloc(ptr, layout, new_size) }
+        };
         if !p.is_null() {
             LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
         }
@@ -773,8 +826,8 @@ fn main() {
     let best_bytes = radix.bytes_per_entry().min(crtc.bytes_per_entry());
 
     println!(
-        "KV index benchmark — Mooncake FAST'25 conversation trace × {}, {} workers, {} blocks/worker LRU, 512-token blocks; best of {} runs",
-        w.config.copies, w.config.workers, w.config.capacity, args.reps
+        "KV index benchmark — Mooncake FAST'25 conversation trace × {}, {} workers, {} blocks/worker LRU, 512-token blocks; best of {} runs; allocator {}",
+        w.config.copies, w.config.workers, w.config.capacity, args.reps, allocator_name()
     );
     println!(
         "{} block ops ({} stores + {} removes in {} events); final state {} (block, replica) entries over {} blocks; {} lookups",

@@ -179,6 +179,17 @@ impl Holders {
         ))
     }
 
+    /// Prefetches the first cache line of a spilled list (an inline holder needs no load), so
+    /// that a walk reading several levels' lists overlaps their misses.
+    #[inline]
+    pub(super) fn prefetch_list(&self, arena: &HolderArena) {
+        if let Some((class, _, i)) = self.spilled() {
+            if let Some(first) = arena.pool(class).and_then(|p| p.chunk(i).first()) {
+                super::mem::prefetch(first);
+            }
+        }
+    }
+
     /// The holders, sorted by slot. `buf` backs the inline case.
     #[inline]
     pub(super) fn holders<'a>(

@@ -322,9 +322,10 @@ impl PrefixIndex {
         };
         let mut buf: [Holder; 1] = [0; 1];
         // The replicas still matching: slots (sorted) and whether every block so far is T1.
-        let mut slots: Vec<u32> = Vec::new();
-        let mut t1: Vec<bool> = Vec::new();
-        for &h in first.holders(&self.arena, &mut buf) {
+        let list = first.holders(&self.arena, &mut buf);
+        let mut slots: Vec<u32> = Vec::with_capacity(list.len());
+        let mut t1: Vec<bool> = Vec::with_capacity(list.len());
+        for &h in list {
             // Replicas whose engine or publisher is gone are never matched.
             if self.routable(slot_of(h)) {
                 slots.push(slot_of(h));
@@ -348,8 +349,15 @@ impl PrefixIndex {
             }
             let end = (depth + CHUNK).min(keys.len());
             let chunk = keys.get(depth..end).unwrap_or(&[]);
+            // Every level's slot is requested before the first is read, and every spilled
+            // holder list before the first is intersected: the chunk's misses overlap instead
+            // of following one another (the deepest chains of a trace are its p99).
+            part.blocks.prefetch(chunk);
             for (cell, key) in level.iter_mut().zip(chunk) {
                 *cell = part.blocks.get(*key);
+                if let Some(h) = cell {
+                    h.prefetch_list(&self.arena);
+                }
             }
             for cell in level.iter().take(chunk.len()) {
                 let Some(h) = cell else {
