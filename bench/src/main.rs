@@ -49,9 +49,9 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, SyncIndexer, ThreadPoolIndexer};
 use ic_controller::index::{LookupQuery, PrefixIndex};
-use mimalloc::MiMalloc;
 use ic_shared::kv::decode::{decode_batch, KvEvent};
 use ic_shared::proto::{self, kv_op::Op, KvOp, StreamDelta, StreamDescriptor, StreamSnapshot};
+use mimalloc::MiMalloc;
 use workload::{percentile, Event, Workload};
 
 /// Counts live heap bytes, over the allocator `IC_BENCH_ALLOCATOR` names: `mimalloc` (the
