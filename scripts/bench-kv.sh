@@ -9,6 +9,8 @@
 #
 # Build output goes to $IC_BENCH_TARGET_DIR (default target/bench). Fixtures and trace are the
 # repository's testdata/ unless IC_FIXTURES_DIR / IC_TRACE say otherwise.
+# Both indexers allocate through mimalloc (the controller's allocator) unless
+# IC_BENCH_ALLOCATOR=system.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
