@@ -95,13 +95,20 @@ fn allocator_name() -> &'static str {
     }
 }
 
+/// The allocator [`use_mimalloc`] chose.
+fn inner() -> &'static dyn GlobalAlloc {
+    static MI: MiMalloc = MiMalloc;
+    static SYS: System = System;
+    if use_mimalloc() {
+        &MI
+    } else {
+        &SYS
+    }
+}
+
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = if use_mimalloc() {
-            unsafe { MiMalloc.alloc(layout) }
-        } else {
-            unsafe { System.alloc(layout) }
-        };
+        let p = unsafe { inner().alloc(layout) };
         if !p.is_null() {
             LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
         }
@@ -109,20 +116,12 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if use_mimalloc() {
-            unsafe { MiMalloc.dealloc(ptr, layout) }
-        } else {
-            unsafe { System.dealloc(ptr, layout) }
-        }
+        unsafe { inner().dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = if use_mimalloc() {
-            unsafe { MiMalloc.alloc_zeroed(layout) }
-        } else {
-            unsafe { System.alloc_zeroed(layout) }
-        };
+        let p = unsafe { inner().alloc_zeroed(layout) };
         if !p.is_null() {
             LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
         }
@@ -130,11 +129,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = if use_mimalloc() {
-            unsafe { MiMalloc.realloc(ptr, layout, new_size) }
-        } else {
-            unsafe { System.realloc(ptr, layout, new_size) }
-        };
+        let p = unsafe { inner().realloc(ptr, layout, new_size) };
         if !p.is_null() {
             LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
         }
