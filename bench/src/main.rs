@@ -639,6 +639,12 @@ fn fmt_rate(x: f64) -> String {
 }
 
 fn main() {
+    if let Ok(v) = std::env::var("IC_BENCH_ALLOCATOR") {
+        if v != "system" && v != "mimalloc" {
+            eprintln!("ic-bench: IC_BENCH_ALLOCATOR={v:?} is neither \"system\" nor \"mimalloc\"");
+            std::process::exit(2);
+        }
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
