@@ -61,9 +61,10 @@ struct Counting;
 
 static LIVE: AtomicI64 = AtomicI64::new(0);
 
-/// 0 = not yet decided, 1 = system, 2 = mimalloc. Decided at the first allocation (before
-/// `main`, on one thread) and never changed after, so every block is freed by the allocator
-/// that gave it.
+/// 0 = not yet decided, 1 = system, 2 = mimalloc. Decided at the first allocation (the
+/// runtime's start-up, one thread) and never changed after, so every block is freed by the
+/// allocator that gave it. Two threads deciding at once would read the same environment (nothing
+/// here sets it) and store the same value.
 static WHICH: AtomicU8 = AtomicU8::new(0);
 
 fn use_mimalloc() -> bool {
@@ -75,7 +76,9 @@ fn use_mimalloc() -> bool {
                 fn getenv(name: *const std::ffi::c_char) -> *const std::ffi::c_char;
             }
             // SAFETY: a NUL-terminated name; getenv allocates nothing (this runs inside the
-            // allocator) and returns NULL or a NUL-terminated value the process keeps.
+            // allocator) and returns NULL or a NUL-terminated value, valid until the
+            // environment is next changed. It bypasses std's environment lock; that is sound
+            // because the value is read at once, below, and this program never sets a variable.
             let v = unsafe { getenv(c"IC_BENCH_ALLOCATOR".as_ptr()) };
             let system = !v.is_null()
                 // SAFETY: non-NULL, NUL-terminated (see above).
@@ -639,7 +642,7 @@ fn fmt_rate(x: f64) -> String {
 }
 
 fn main() {
-    if let Ok(v) = std::env::var("IC_BENCH_ALLOCATOR") {
+    if let Some(v) = std::env::var_os("IC_BENCH_ALLOCATOR") {
         if v != "system" && v != "mimalloc" {
             eprintln!("ic-bench: IC_BENCH_ALLOCATOR={v:?} is neither \"system\" nor \"mimalloc\"");
             std::process::exit(2);
