@@ -30,6 +30,7 @@ SOURCES = {
     "CacheBackend condition types": rust_consts("shared/src/crd/cache_backend.rs", "backend_condition"),
     "CacheNode condition types": rust_consts("shared/src/crd/cache_node.rs", "node_condition"),
     "node check reasons (docs/checks.md)": documented_check_reasons(),
+    "node plan issue reasons": rust_consts("controller/src/reconcile/nodes/plans.rs", "issue"),
 }
 _events = ROOT / "controller" / "src" / "reconcile" / "cachebackend" / "events.rs"
 if _events.exists():

@@ -220,6 +220,74 @@ fn tensor_parallel_needs_shm_and_a_missing_model_id_gates_kv_events() {
 }
 
 #[test]
+fn a_block_size_that_is_no_literal_number_is_a_plan_issue_not_a_silent_default() {
+    // `sh -c "vllm serve … --block-size $BLOCK_SIZE"`: the shell sets it, nobody before it knows.
+    let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
+    let script = &mut pod.spec.as_mut().unwrap().containers[0]
+        .args
+        .as_mut()
+        .unwrap()[0];
+    script.push_str(
+        r#" --block-size $BLOCK_SIZE --kv-events-config '{"enable_kv_cache_events":true}'"#,
+    );
+    let pod = wire(pod, "gpu-3", "10.9.9.9", "cb-opaque", "Running");
+    let cb = backend(
+        "default",
+        "cb-opaque",
+        json!({"runtime": "VLLM", "observation": {"modelID": "m"}}),
+    );
+    let derived = derive_plans(&[pod], &[cb.clone()]);
+    let e = &derived.plans["gpu-3"].engines[0];
+    assert_eq!(e.block_size, 16, "vLLM's default is assumed");
+    let reasons: Vec<&str> = derived.issues.iter().map(|i| i.reason).collect();
+    assert_eq!(reasons, [issue::BLOCK_SIZE_UNKNOWN], "{:?}", derived.issues);
+    let msg = &derived.issues[0].message;
+    assert!(
+        msg.contains("--block-size") && msg.contains("$BLOCK_SIZE") && msg.contains("16"),
+        "{msg}"
+    );
+
+    // SGLang's `--page-size $(PAGE_SIZE)` in container args (Kubernetes expands it at start).
+    let mut pod = sglang_hostnet_pod();
+    let args = pod.spec.as_mut().unwrap().containers[0]
+        .args
+        .as_mut()
+        .unwrap();
+    args.push("--page-size".into());
+    args.push("$(PAGE_SIZE)".into());
+    let derived = derive_plans(&[pod], &[sglang_backend()]);
+    let e = &derived.plans["gpu-2"].engines[0];
+    assert_eq!(e.block_size, 1, "SGLang's default page size is assumed");
+    assert!(
+        derived
+            .issues
+            .iter()
+            .any(|i| i.reason == issue::BLOCK_SIZE_UNKNOWN && i.message.contains("--page-size")),
+        "{:?}",
+        derived.issues
+    );
+
+    // A literal value plans as given and raises nothing.
+    let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
+    let script = &mut pod.spec.as_mut().unwrap().containers[0]
+        .args
+        .as_mut()
+        .unwrap()[0];
+    script.push_str(r#" --block-size 32 --kv-events-config '{"enable_kv_cache_events":true}'"#);
+    let pod = wire(pod, "gpu-3", "10.9.9.9", "cb-opaque", "Running");
+    let derived = derive_plans(&[pod], &[cb]);
+    assert_eq!(derived.plans["gpu-3"].engines[0].block_size, 32);
+    assert!(
+        derived
+            .issues
+            .iter()
+            .all(|i| i.reason != issue::BLOCK_SIZE_UNKNOWN),
+        "{:?}",
+        derived.issues
+    );
+}
+
+#[test]
 fn engine_container_is_found_beside_a_main_container_and_events_only_keeps_no_l2() {
     let pod = wire(
         fixture("22-dynamo-sglang-smg-two-containers-engine-not-main.yaml"),

@@ -695,11 +695,7 @@ fn subscriber_block_size(
         return plans::engine_block_size(runtime, &[]);
     };
     let flag = plans::block_size_flag(runtime);
-    let unknown = cmd.find(flag).last().and_then(|occ| {
-        let (raw, index) = cmd.value_of(occ)?;
-        let opaque = index.is_some_and(|i| cmd.is_opaque(i)) || raw.contains('$');
-        (opaque || raw.trim().parse::<u32>().is_err()).then_some(raw)
-    });
+    let unknown = plans::unknown_block_size(&cmd, runtime);
     let size = if unknown.is_some() {
         plans::engine_block_size(runtime, &[])
     } else {

@@ -108,6 +108,9 @@ pub mod issue {
     pub const HOST_PORT_CONFLICT: &str = "HostPortConflict";
     /// A quantity in the CacheBackend could not be parsed.
     pub const INVALID_QUANTITY: &str = "InvalidQuantity";
+    /// The engine's block-size flag (vLLM `--block-size`, SGLang `--page-size`) is not a literal
+    /// number (a shell expansion such as `$BLOCK`): the plan assumes the engine's default.
+    pub const BLOCK_SIZE_UNKNOWN: &str = "BlockSizeUnknown";
 }
 
 /// Plans per node plus what could not be planned.
@@ -481,6 +484,20 @@ pub fn engine_block_size(runtime: Runtime, args: &[&str]) -> u32 {
         .max(1)
 }
 
+/// The raw value of the engine's block-size flag ([`block_size_flag`], its last occurrence) when
+/// it is given but is not a literal number: a shell expansion (`$BLOCK`, `$(BLOCK)`), or text no
+/// integer parses from. Neither admission nor the node plan can know the size then; both assume
+/// the engine's default ([`engine_block_size`] over the literal arguments) and say so — the Pod
+/// webhook as an admission warning, the plan as [`issue::BLOCK_SIZE_UNKNOWN`]. `None` when the
+/// flag is absent (the engine's default is then the truth) or literal.
+pub fn unknown_block_size(cmd: &EngineCommand, runtime: Runtime) -> Option<String> {
+    cmd.find(block_size_flag(runtime)).last().and_then(|occ| {
+        let (raw, index) = cmd.value_of(occ)?;
+        let opaque = index.is_some_and(|i| cmd.is_opaque(i)) || raw.contains('$');
+        (opaque || raw.trim().parse::<u32>().is_err()).then_some(raw)
+    })
+}
+
 /// Tensor-parallel size from the engine args (default 1).
 pub fn tensor_parallel(runtime: Runtime, args: &[&str]) -> u32 {
     let names: &[&str] = match runtime {
@@ -529,7 +546,22 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         .map(|(_, c)| c.literal_texts())
         .unwrap_or_default();
 
-    let block_size = engine_block_size(runtime, &args);
+    let block_size = if let Some(raw) = command
+        .as_ref()
+        .and_then(|(_, cmd)| unknown_block_size(cmd, runtime))
+    {
+        let size = engine_block_size(runtime, &[]);
+        note(
+            issue::BLOCK_SIZE_UNKNOWN,
+            format!(
+                "{} {raw:?} is not a literal number; the node plan assumes the engine default of {size} tokens per block, so the agent skips blocks shorter than that and chains longer ones at their own size: write the value literally",
+                block_size_flag(runtime)
+            ),
+        );
+        size
+    } else {
+        engine_block_size(runtime, &args)
+    };
 
     let offload = spec.integration_mode() == IntegrationMode::Offload;
     let mp_worker =
