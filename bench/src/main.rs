@@ -192,6 +192,7 @@ struct Args {
     e2e_probe_ms: u32,
     vllm_version: String,
     ingest_only: usize,
+    prefault_mib: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -215,6 +216,7 @@ fn parse_args() -> Result<Args, String> {
         e2e_probe_ms: 20,
         vllm_version: "0.33.0".into(),
         ingest_only: 0,
+        prefault_mib: 2048,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -249,6 +251,7 @@ fn parse_args() -> Result<Args, String> {
             "--e2e-probe-ms" => a.e2e_probe_ms = val()?.parse().map_err(|e| format!("{e}"))?,
             "--vllm-version" => a.vllm_version = val()?,
             "--ingest-only" => a.ingest_only = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--prefault-mib" => a.prefault_mib = val()?.parse().map_err(|e| format!("{e}"))?,
             "-h" | "--help" => {
                 println!(
                     "ic-bench [--reps 3] [--workers 1000] [--capacity 1024 blocks/worker] [--copies 4] \
@@ -259,6 +262,7 @@ fn parse_args() -> Result<Args, String> {
                      \x20        [--no-e2e] [--e2e-rate 20000 block events/s] [--e2e-seconds 10] [--e2e-probe-ms 20]\n\
                      \x20        [--vllm-version 0.33.0] (IC_VLLM_DIR: scripts/fetch-vllm.sh output)\n\
                      \x20        [--ingest-only N: only our ingest, N fresh builds, each rate printed (for profiling)]\n\
+                     \x20        [--prefault-mib 2048: touch and free this much memory first (0: none)]\n\
                      Ingest: best of --reps alternating runs; lookups: the pass with the lowest p99."
                 );
                 std::process::exit(0);
@@ -641,6 +645,26 @@ fn fmt_rate(x: f64) -> String {
     }
 }
 
+/// Touches `mib` MiB of fresh memory and frees it, before anything is measured. On a virtual
+/// machine the first touch of a guest page can be far slower than any later one (here 0.1 GB/s
+/// against 7.6 GB/s for a page the guest had used and freed: the hypervisor backs guest memory
+/// on first touch), so without this whichever build happened to draw never-touched pages ran
+/// 2–4× slower, at random, for either indexer. Both indexers then fault pages the guest kernel
+/// recycles, as a long-running controller's heap does.
+fn prefault(mib: usize) {
+    if mib == 0 {
+        return;
+    }
+    let t = Instant::now();
+    let block = vec![1u8; mib << 20];
+    std::hint::black_box(&block);
+    drop(block);
+    eprintln!(
+        "prefault: touched and freed {mib} MiB in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+}
+
 fn main() {
     if let Some(v) = std::env::var_os("IC_BENCH_ALLOCATOR") {
         if v != "system" && v != "mimalloc" {
@@ -655,6 +679,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    prefault(args.prefault_mib);
     let cwd = std::env::current_dir().unwrap_or_default();
     let Some(trace_path) = args.trace.clone().or_else(|| workload::find_trace(&cwd)) else {
         eprintln!("ic-bench: trace not found (set IC_TRACE or pass --trace)");

@@ -94,6 +94,14 @@ struct Args {
     /// Also write one JSON object per run to stderr.
     #[arg(long)]
     json: bool,
+    /// Nice value of the simulated agents' runtime threads (0..=19). On a fleet the agents run on
+    /// their own nodes; on one machine they share the cores with the controller and the gateway
+    /// (which stay at the caller's priority), and a positive value lets those two run first.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    agents_nice: i32,
+    /// Write every lookup sample (`sent_ms rtt_us verdict`, one per line) to this file at the end.
+    #[arg(long)]
+    samples_out: Option<PathBuf>,
 }
 
 /// Memory, time and lookup figures of one run.
@@ -125,15 +133,98 @@ struct Report {
     storm_listen_overflows: Option<u64>,
     /// The controller's index heap by part (`…_index_heap_bytes`) once converged.
     steady_heap: Vec<(String, f64)>,
+    /// The controller's own `LookupRoute` latency (read-lock wait and walk, no transport) in
+    /// the quiet window, and from the restart to convergence.
+    quiet_server: Option<ServerLatency>,
+    storm_server: Option<ServerLatency>,
+}
+
+/// What the controller's `lookup_duration_seconds` histogram says of its lookups: how many,
+/// the share answered within 1 ms, and the bucket bound the 99th percentile falls under.
+#[derive(Debug, Clone, Copy, Default)]
+struct ServerLatency {
+    count: f64,
+    within_1ms: f64,
+    p99_le_s: f64,
+}
+
+impl ServerLatency {
+    /// Between two scrapes of one controller (`m0` the earlier; an empty map for a controller
+    /// that started with empty counters).
+    fn between(
+        m0: &std::collections::HashMap<String, f64>,
+        m1: &std::collections::HashMap<String, f64>,
+    ) -> Option<Self> {
+        const NAME: &str = "inferencecache_controller_lookup_duration_seconds";
+        let at = |k: &str| m1.get(k).copied().unwrap_or(0.0) - m0.get(k).copied().unwrap_or(0.0);
+        let count = at(&format!("{NAME}_count"));
+        let mut buckets: Vec<(f64, f64)> = m1
+            .keys()
+            .filter_map(|k| {
+                let le = k.strip_prefix(&format!("{NAME}_bucket{{le=\""))?;
+                let le = le.strip_suffix("\"}")?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, at(k)))
+            })
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let within_1ms = buckets
+            .iter()
+            .find(|(le, _)| (*le - 0.001).abs() < 1e-12)
+            .map_or(0.0, |(_, c)| *c);
+        let p99_le_s = buckets
+            .iter()
+            .find(|(_, c)| *c >= 0.99 * count)
+            .map_or(f64::INFINITY, |(le, _)| *le);
+        (count > 0.0).then_some(ServerLatency {
+            count,
+            within_1ms: within_1ms / count,
+            p99_le_s,
+        })
+    }
+
+    /// One line for stderr beside the table row.
+    fn line(&self, agents: usize, what: &str) -> String {
+        format!(
+            "ic-fleet: {agents} agents, {what}, controller side (lookup_duration_seconds: read-lock wait + walk): {:.0} lookups, {:.2} % within 1 ms, p99 ≤ {} ms",
+            self.count,
+            self.within_1ms * 100.0,
+            self.p99_le_s * 1e3
+        )
+    }
 }
 
 fn gib(kib: u64) -> f64 {
     kib as f64 / (1024.0 * 1024.0)
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let args = Args::parse();
+    let nice = args.agents_nice;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_start(move || {
+            if nice > 0 {
+                // SAFETY: setpriority(2) on the calling thread (who = 0); no memory is touched.
+                // Linux applies a nice value per thread, so only this runtime's threads change.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+            }
+        })
+        .build();
+    match rt {
+        Ok(rt) => rt.block_on(run_main(args)),
+        Err(e) => {
+            eprintln!("ic-fleet: the runtime did not start: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+async fn run_main(args: Args) {
     if args.header {
         println!("| agents | streams | entries | empty RSS | cold converge s | cold ctrl CPU s | steady RSS GiB | B/entry | cold peak GiB | quiet lookup p50/p99 µs | churn block-ops/s | churn ctrl CPU | restart: ready s | converged s | storm ctrl CPU s | storm peak GiB | storm lookup p50/p99/max µs | storm exact/no-hint/wrong/errors | dropped | listen overflows (cold/storm) | load (cold/storm) |");
         println!(
@@ -287,8 +378,14 @@ async fn run(args: &Args) -> Result<Report, String> {
             .map_err(|e| format!("gateway thread: {e}"))?;
     }
     let q0 = t0.elapsed();
+    let mq0 = cmd.metrics().await.unwrap_or_default();
     tokio::time::sleep(Duration::from_secs(3)).await;
     r.quiet = lookups::window(&samples.lock(), q0, t0.elapsed());
+    r.quiet_server = cmd
+        .metrics()
+        .await
+        .ok()
+        .and_then(|m| ServerLatency::between(&mq0, &m));
 
     if args.churn_every_ms > 0 {
         let m0 = cmd.metrics().await?;
@@ -355,7 +452,20 @@ async fn run(args: &Args) -> Result<Report, String> {
             fleet.stats.connect_failures.load(Ordering::Relaxed) - fails0;
         r.dropped = fleet.stats.ended.load(Ordering::Relaxed) - ended1;
         r.storm = lookups::window(&samples.lock(), ready_at, conv_at);
+        r.storm_server = cmd
+            .metrics()
+            .await
+            .ok()
+            .and_then(|m| ServerLatency::between(&Default::default(), &m));
         ctl = ctl2;
+    }
+    if let Some(path) = &args.samples_out {
+        let text: String = samples
+            .lock()
+            .iter()
+            .map(|s| format!("{} {} {:?}\n", s.at.as_millis(), s.rtt_us, s.verdict))
+            .collect();
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     r.resync_requests = fleet.stats.resync_requests.load(Ordering::Relaxed);
     fleet.stop.store(true, Ordering::Relaxed);
@@ -391,6 +501,11 @@ fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
         "storm_listen_overflows": r.storm_listen_overflows,
         "steady_heap_bytes": r.steady_heap.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
         "connects": fleet.stats.connects.load(Ordering::Relaxed),
+        "quiet_server_within_1ms": r.quiet_server.map(|s| s.within_1ms),
+        "quiet_server_p99_le_s": r.quiet_server.map(|s| s.p99_le_s),
+        "storm_server_lookups": r.storm_server.map(|s| s.count),
+        "storm_server_within_1ms": r.storm_server.map(|s| s.within_1ms),
+        "storm_server_p99_le_s": r.storm_server.map(|s| s.p99_le_s),
         "connect_failures": fleet.stats.connect_failures.load(Ordering::Relaxed),
     })
     .to_string()
@@ -444,4 +559,10 @@ fn print_row(args: &Args, r: &Report) {
         r.load_cold,
         if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
     );
+    // Beside the row (stderr): the controller's own share of the round trips.
+    for (what, s) in [("quiet", r.quiet_server), ("storm", r.storm_server)] {
+        if let Some(s) = s {
+            eprintln!("{}", s.line(args.agents, what));
+        }
+    }
 }
