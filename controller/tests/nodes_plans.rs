@@ -236,7 +236,7 @@ fn a_block_size_that_is_no_literal_number_is_a_plan_issue_not_a_silent_default()
         "cb-opaque",
         json!({"runtime": "VLLM", "observation": {"modelID": "m"}}),
     );
-    let derived = derive_plans(&[pod], &[cb.clone()]);
+    let derived = derive_plans(&[pod], std::slice::from_ref(&cb));
     let e = &derived.plans["gpu-3"].engines[0];
     assert_eq!(e.block_size, 16, "vLLM's default is assumed");
     let reasons: Vec<&str> = derived.issues.iter().map(|i| i.reason).collect();
