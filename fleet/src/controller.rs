@@ -90,26 +90,31 @@ impl ControllerCmd {
     /// The controller's metrics: each series by its full name with labels
     /// (`name{label="v"}`), and each name summed over its labels.
     pub async fn metrics(&self) -> Result<HashMap<String, f64>, String> {
-        let body = http_get(self.http, "/metrics").await?;
-        let mut out = HashMap::new();
-        for line in body.lines() {
-            if line.starts_with('#') || !line.starts_with("inferencecache_") {
-                continue;
-            }
-            let Some((name, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(v) = value.parse::<f64>() else {
-                continue;
-            };
-            let base = name.split('{').next().unwrap_or(name);
-            if base != name {
-                out.insert(name.to_string(), v);
-            }
-            *out.entry(base.to_string()).or_insert(0.0) += v;
-        }
-        Ok(out)
+        Ok(parse_metrics(&http_get(self.http, "/metrics").await?))
     }
+}
+
+/// Prometheus text exposition → each `inferencecache_` series by its full name with labels
+/// (`name{label="v"}`), and each name summed over its labels.
+pub fn parse_metrics(body: &str) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    for line in body.lines() {
+        if line.starts_with('#') || !line.starts_with("inferencecache_") {
+            continue;
+        }
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        let base = name.split('{').next().unwrap_or(name);
+        if base != name {
+            out.insert(name.to_string(), v);
+        }
+        *out.entry(base.to_string()).or_insert(0.0) += v;
+    }
+    out
 }
 
 impl Controller {

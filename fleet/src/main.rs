@@ -566,3 +566,42 @@ fn print_row(args: &Args, r: &Report) {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// The controller's own `/metrics` text (its `ControllerMetrics`), scraped twice: the
+    /// lookups between the scrapes are counted, their share within 1 ms and the p99's bucket.
+    #[test]
+    fn server_latency_reads_the_controllers_histogram_between_two_scrapes() {
+        let m = ic_controller::metrics::ControllerMetrics::new().unwrap();
+        // Before the first scrape: 50 slow lookups that must not count.
+        for _ in 0..50 {
+            m.lookup_duration_seconds.observe(0.04);
+        }
+        let m0 = controller::parse_metrics(&m.render());
+        // Between the scrapes: 97 within 1 ms, 2 in (1 ms, 2.5 ms], 1 in (2.5 ms, 5 ms].
+        for _ in 0..97 {
+            m.lookup_duration_seconds.observe(0.000_3);
+        }
+        for _ in 0..2 {
+            m.lookup_duration_seconds.observe(0.002);
+        }
+        m.lookup_duration_seconds.observe(0.004);
+        let m1 = controller::parse_metrics(&m.render());
+        let s = ServerLatency::between(&m0, &m1).unwrap();
+        assert_eq!(s.count, 100.0);
+        assert!((s.within_1ms - 0.97).abs() < 1e-9, "{}", s.within_1ms);
+        assert!((s.p99_le_s - 0.0025).abs() < 1e-12, "{}", s.p99_le_s);
+        // From an empty map (a controller that started with empty counters): everything.
+        let all = ServerLatency::between(&HashMap::new(), &m1).unwrap();
+        assert_eq!(all.count, 150.0);
+        assert!((all.p99_le_s - 0.05).abs() < 1e-12, "{}", all.p99_le_s);
+        // No lookup between the scrapes: nothing to say.
+        assert!(ServerLatency::between(&m1, &m1).is_none());
+    }
+}
