@@ -248,6 +248,8 @@ impl PrefixIndex {
             ..Scores::default()
         };
         let mut best_depth = 0u32;
+        // True once `best` holds the replicas of more than one partition (may list a slot twice).
+        let mut merged = false;
         for (pid, p) in self.partitions.iter().enumerate() {
             // A partition nobody holds blocks in any more (streams gone, probe streams) is not a
             // registered block size.
@@ -287,14 +289,20 @@ impl PrefixIndex {
                     no_partition: false,
                 };
                 best_depth = depth;
+                merged = false;
             } else if depth > 0 && depth == best_depth {
                 // Same depth in another partition (e.g. another tenant under a wildcard): merge.
-                for s in found {
-                    if !best.replicas.iter().any(|b| b.slot == s.slot) {
-                        best.replicas.push(s);
-                    }
-                }
+                best.replicas.extend(found);
+                merged = true;
             }
+        }
+        if merged {
+            // A replica in two of the merged partitions (two block sizes of equal depth in
+            // tokens) keeps the score of the first: a stable sort by slot, then one pass. A
+            // wildcard over tenants that share a system prompt merges thousands of replicas,
+            // where a scan per replica would be quadratic.
+            best.replicas.sort_by_key(|s| s.slot);
+            best.replicas.dedup_by_key(|s| s.slot);
         }
         Ok(best)
     }

@@ -1671,3 +1671,75 @@ fn large_tables_grow_ahead_of_a_slice_and_the_slice_never_grows_them() {
     // A table with room, or a small one, is not copied.
     assert!(ix.grow_ahead(&apply, &snaps, budget).tables.is_empty());
 }
+
+/// Partitions of equal depth merge: a replica in two of them (two block sizes, the same depth in
+/// tokens) is listed once, with the first partition's score; thousands of replicas of two
+/// tenants under a wildcard query are each listed once (a sort and one pass, not a scan per
+/// replica).
+#[test]
+fn equal_depth_partitions_merge_each_replica_once() {
+    let toks = tokens(0..32);
+    let store_at = |keys: &[u64], block_size: u32| proto::KvOp {
+        op: Some(Op::Store(proto::StoreOp {
+            adapter: String::new(),
+            block_size,
+            tier: proto::Tier::T1 as i32,
+            content_keys: keys.to_vec(),
+        })),
+    };
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n", &[empty_snapshot("a")]);
+    let ops = vec![store_at(&chain(&toks, 4), 4), store_at(&chain(&toks, 8), 8)];
+    ix.apply_delta("n", &delta("a", 1, ops)).unwrap();
+    let s = ix.score(&query(&toks)).unwrap();
+    assert_eq!(s.replicas.len(), 1, "{:?}", s.replicas);
+    let only = s.replicas[0];
+    assert_eq!((only.matched_blocks, only.block_size), (8, 4));
+    assert_eq!(ix.lookup(&query(&toks)).replicas.len(), 1);
+
+    // Two tenants, 600 replicas each, one shared chain; a wildcard query lists all 1 200 once.
+    let keys = chain(&toks, 4);
+    let mut ix = PrefixIndex::new();
+    for tenant in ["t1", "t2"] {
+        let d = |pod: &str| proto::StreamDescriptor {
+            stream_id: format!("{tenant}/{pod}#0"),
+            tenant: tenant.into(),
+            ..desc(pod, 0)
+        };
+        let pods: Vec<String> = (0..600).map(|i| format!("p{i}")).collect();
+        let snaps: Vec<_> = pods
+            .iter()
+            .map(|p| proto::StreamSnapshot {
+                stream: Some(d(p)),
+                ..empty_snapshot(p)
+            })
+            .collect();
+        ix.resync_node(tenant, &snaps);
+        for p in &pods {
+            let delta = proto::StreamDelta {
+                stream: Some(d(p)),
+                ..delta(p, 1, vec![store(&keys, proto::Tier::T1, "")])
+            };
+            ix.apply_delta(tenant, &delta).unwrap();
+        }
+    }
+    let q = LookupQuery {
+        content_keys: keys.clone(),
+        block_size: Some(4),
+        ..Default::default()
+    };
+    let s = ix.score(&q).unwrap();
+    let mut slots: Vec<u32> = s.replicas.iter().map(|r| r.slot).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!((s.replicas.len(), slots.len()), (1200, 1200));
+    assert!(s.replicas.iter().all(|r| r.matched_blocks == 8));
+    // One tenant asked: its 600 only.
+    let one = ix
+        .score(&LookupQuery {
+            tenant: "t2".into(),
+            ..q
+        })
+        .unwrap();
+    assert_eq!(one.replicas.len(), 600);
+}
