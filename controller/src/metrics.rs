@@ -1,7 +1,8 @@
 //! The controller's Prometheus registry (`inferencecache_controller_…`, base units, bounded labels).
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// Every controller metric, registered in [`ControllerMetrics::registry`].
@@ -50,6 +51,11 @@ pub struct ControllerMetrics {
     pub lookups_total: IntCounterVec,
     /// LookupRoute server-side latency.
     pub lookup_duration_seconds: Histogram,
+    /// How long agent ingest held the index's write lock at a time, seconds, by `what`
+    /// (`deltas`: one delta batch; `resync_begin`: dropping a node's streams and registering its
+    /// resync's; `resync_slice`: one slice of a resync's entries; `counters`: one counter
+    /// report). Every lookup arriving meanwhile waits this long at most.
+    pub index_write_hold_seconds: HistogramVec,
     /// LookupRoute prompt texts answered NO_HINT without a lookup, by reason (`too_large`,
     /// `no_model`, `no_tokenizer`, `tokenizer_unavailable`, `tokenization_failed`;
     /// [`crate::tokenize::PromptRefusal`]).
@@ -171,6 +177,17 @@ impl ControllerMetrics {
                 0.01, 0.025, 0.05, 0.1,
             ]),
         )?;
+        let index_write_hold_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                format!("{p}index_write_hold_seconds"),
+                "How long agent ingest held the KV-prefix index's write lock at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters).",
+            )
+            .buckets(vec![
+                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+                0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]),
+            &["what"],
+        )?;
         let prompt_text_refusals_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}prompt_text_refusals_total"),
@@ -210,6 +227,7 @@ impl ControllerMetrics {
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
+        registry.register(Box::new(index_write_hold_seconds.clone()))?;
         registry.register(Box::new(prompt_text_refusals_total.clone()))?;
         registry.register(Box::new(tokenizer_loads_total.clone()))?;
         registry.register(Box::new(tokenizer_load_failing.clone()))?;
@@ -261,6 +279,7 @@ impl ControllerMetrics {
             index_stream_cap_refusals_total,
             lookups_total,
             lookup_duration_seconds,
+            index_write_hold_seconds,
             prompt_text_refusals_total,
             tokenizer_loads_total,
             tokenizer_load_failing,

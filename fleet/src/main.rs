@@ -137,32 +137,52 @@ struct Report {
     /// the quiet window, and from the restart to convergence.
     quiet_server: Option<ServerLatency>,
     storm_server: Option<ServerLatency>,
+    /// The restarted controller's write-lock holds until convergence: resync slices, delta
+    /// batches.
+    storm_slice_holds: Option<ServerLatency>,
+    storm_delta_holds: Option<ServerLatency>,
 }
 
-/// What the controller's `lookup_duration_seconds` histogram says of its lookups: how many,
-/// the share answered within 1 ms, and the bucket bound the 99th percentile falls under.
+/// What one of the controller's histograms says of the observations between two scrapes: how
+/// many, the share within 1 ms, the bucket bound the 99th percentile falls under, and the bound
+/// of the highest bucket that gained any.
 #[derive(Debug, Clone, Copy, Default)]
 struct ServerLatency {
     count: f64,
     within_1ms: f64,
     p99_le_s: f64,
+    max_le_s: f64,
 }
 
+/// The controller's LookupRoute latency (read-lock wait + walk).
+const LOOKUP_SECONDS: &str = "inferencecache_controller_lookup_duration_seconds";
+/// The controller's index write-lock holds, by `what`.
+const WRITE_HOLD_SECONDS: &str = "inferencecache_controller_index_write_hold_seconds";
+
 impl ServerLatency {
-    /// Between two scrapes of one controller (`m0` the earlier; an empty map for a controller
-    /// that started with empty counters).
+    /// Histogram `name` (series with `labels`, e.g. `what="deltas"`, or "" for none) between
+    /// two scrapes of one controller (`m0` the earlier; an empty map for a controller that
+    /// started with empty counters).
     fn between(
         m0: &std::collections::HashMap<String, f64>,
         m1: &std::collections::HashMap<String, f64>,
+        name: &str,
+        labels: &str,
     ) -> Option<Self> {
-        const NAME: &str = "inferencecache_controller_lookup_duration_seconds";
         let at = |k: &str| m1.get(k).copied().unwrap_or(0.0) - m0.get(k).copied().unwrap_or(0.0);
-        let count = at(&format!("{NAME}_count"));
+        let (count_key, bucket_prefix) = if labels.is_empty() {
+            (format!("{name}_count"), format!("{name}_bucket{{le=\""))
+        } else {
+            (
+                format!("{name}_count{{{labels}}}"),
+                format!("{name}_bucket{{{labels},le=\""),
+            )
+        };
+        let count = at(&count_key);
         let mut buckets: Vec<(f64, f64)> = m1
             .keys()
             .filter_map(|k| {
-                let le = k.strip_prefix(&format!("{NAME}_bucket{{le=\""))?;
-                let le = le.strip_suffix("\"}")?;
+                let le = k.strip_prefix(&bucket_prefix)?.strip_suffix("\"}")?;
                 let le = if le == "+Inf" {
                     f64::INFINITY
                 } else {
@@ -180,20 +200,26 @@ impl ServerLatency {
             .iter()
             .find(|(_, c)| *c >= 0.99 * count)
             .map_or(f64::INFINITY, |(le, _)| *le);
+        let max_le_s = buckets
+            .iter()
+            .find(|(_, c)| *c >= count)
+            .map_or(f64::INFINITY, |(le, _)| *le);
         (count > 0.0).then_some(ServerLatency {
             count,
             within_1ms: within_1ms / count,
             p99_le_s,
+            max_le_s,
         })
     }
 
-    /// One line for stderr beside the table row.
+    /// One line for stderr beside the table row: `what` of `agents` agents.
     fn line(&self, agents: usize, what: &str) -> String {
         format!(
-            "ic-fleet: {agents} agents, {what}, controller side (lookup_duration_seconds: read-lock wait + walk): {:.0} lookups, {:.2} % within 1 ms, p99 ≤ {} ms",
+            "ic-fleet: {agents} agents, {what}: {:.0}, {:.2} % within 1 ms, p99 ≤ {} ms, max ≤ {} ms",
             self.count,
             self.within_1ms * 100.0,
-            self.p99_le_s * 1e3
+            self.p99_le_s * 1e3,
+            self.max_le_s * 1e3
         )
     }
 }
@@ -385,7 +411,7 @@ async fn run(args: &Args) -> Result<Report, String> {
         .metrics()
         .await
         .ok()
-        .and_then(|m| ServerLatency::between(&mq0, &m));
+        .and_then(|m| ServerLatency::between(&mq0, &m, LOOKUP_SECONDS, ""));
 
     if args.churn_every_ms > 0 {
         let m0 = cmd.metrics().await?;
@@ -452,11 +478,14 @@ async fn run(args: &Args) -> Result<Report, String> {
             fleet.stats.connect_failures.load(Ordering::Relaxed) - fails0;
         r.dropped = fleet.stats.ended.load(Ordering::Relaxed) - ended1;
         r.storm = lookups::window(&samples.lock(), ready_at, conv_at);
-        r.storm_server = cmd
-            .metrics()
-            .await
-            .ok()
-            .and_then(|m| ServerLatency::between(&Default::default(), &m));
+        if let Ok(m) = cmd.metrics().await {
+            let none = Default::default();
+            r.storm_server = ServerLatency::between(&none, &m, LOOKUP_SECONDS, "");
+            r.storm_slice_holds =
+                ServerLatency::between(&none, &m, WRITE_HOLD_SECONDS, "what=\"resync_slice\"");
+            r.storm_delta_holds =
+                ServerLatency::between(&none, &m, WRITE_HOLD_SECONDS, "what=\"deltas\"");
+        }
         ctl = ctl2;
     }
     if let Some(path) = &args.samples_out {
@@ -506,6 +535,9 @@ fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
         "storm_server_lookups": r.storm_server.map(|s| s.count),
         "storm_server_within_1ms": r.storm_server.map(|s| s.within_1ms),
         "storm_server_p99_le_s": r.storm_server.map(|s| s.p99_le_s),
+        "storm_slice_holds_p99_le_s": r.storm_slice_holds.map(|s| s.p99_le_s),
+        "storm_slice_holds_max_le_s": r.storm_slice_holds.map(|s| s.max_le_s),
+        "storm_delta_holds_p99_le_s": r.storm_delta_holds.map(|s| s.p99_le_s),
         "connect_failures": fleet.stats.connect_failures.load(Ordering::Relaxed),
     })
     .to_string()
@@ -560,7 +592,24 @@ fn print_row(args: &Args, r: &Report) {
         if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
     );
     // Beside the row (stderr): the controller's own share of the round trips.
-    for (what, s) in [("quiet", r.quiet_server), ("storm", r.storm_server)] {
+    for (what, s) in [
+        (
+            "quiet, controller-side lookups (read-lock wait + walk)",
+            r.quiet_server,
+        ),
+        (
+            "storm, controller-side lookups (read-lock wait + walk)",
+            r.storm_server,
+        ),
+        (
+            "storm, write-lock holds of resync slices",
+            r.storm_slice_holds,
+        ),
+        (
+            "storm, write-lock holds of delta batches",
+            r.storm_delta_holds,
+        ),
+    ] {
         if let Some(s) = s {
             eprintln!("{}", s.line(args.agents, what));
         }
@@ -593,15 +642,31 @@ mod tests {
         }
         m.lookup_duration_seconds.observe(0.004);
         let m1 = controller::parse_metrics(&m.render());
-        let s = ServerLatency::between(&m0, &m1).unwrap();
+        let s = ServerLatency::between(&m0, &m1, LOOKUP_SECONDS, "").unwrap();
         assert_eq!(s.count, 100.0);
         assert!((s.within_1ms - 0.97).abs() < 1e-9, "{}", s.within_1ms);
         assert!((s.p99_le_s - 0.0025).abs() < 1e-12, "{}", s.p99_le_s);
         // From an empty map (a controller that started with empty counters): everything.
-        let all = ServerLatency::between(&HashMap::new(), &m1).unwrap();
+        let all = ServerLatency::between(&HashMap::new(), &m1, LOOKUP_SECONDS, "").unwrap();
         assert_eq!(all.count, 150.0);
         assert!((all.p99_le_s - 0.05).abs() < 1e-12, "{}", all.p99_le_s);
         // No lookup between the scrapes: nothing to say.
-        assert!(ServerLatency::between(&m1, &m1).is_none());
+        assert!(ServerLatency::between(&m1, &m1, LOOKUP_SECONDS, "").is_none());
+        assert!((s.max_le_s - 0.005).abs() < 1e-12, "{}", s.max_le_s);
+        // A labelled histogram: the write-lock holds of one `what`.
+        let holds = &m.index_write_hold_seconds;
+        holds.with_label_values(&["deltas"]).observe(0.000_02);
+        holds.with_label_values(&["resync_slice"]).observe(0.000_2);
+        holds.with_label_values(&["resync_slice"]).observe(0.03);
+        let m2 = controller::parse_metrics(&m.render());
+        let slices =
+            ServerLatency::between(&m1, &m2, WRITE_HOLD_SECONDS, "what=\"resync_slice\"").unwrap();
+        assert_eq!(slices.count, 2.0);
+        assert!((slices.within_1ms - 0.5).abs() < 1e-9);
+        assert!(
+            (slices.max_le_s - 0.05).abs() < 1e-12,
+            "{}",
+            slices.max_le_s
+        );
     }
 }

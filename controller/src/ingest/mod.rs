@@ -61,7 +61,7 @@ pub mod turns;
 use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use ic_shared::proto::{
@@ -475,6 +475,7 @@ impl Session {
                 } else {
                     let mut deltas = self.in_scope_deltas(batch.deltas);
                     let mut ix = self.shared.index.write();
+                    let held = Instant::now();
                     let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
                     for d in &mut deltas {
                         let capped = scope::cap_delta(d, &mut budget);
@@ -498,6 +499,7 @@ impl Session {
                     }
                     self.shared.update_index_gauges(&ix);
                     drop(ix);
+                    observe_hold(m, "deltas", held);
                     timing::mark(Stage::BatchApplied, batch.batch_id);
                 }
                 self.send(controller_message::Msg::Ack(proto::Ack {
@@ -519,6 +521,7 @@ impl Session {
                 self.authorize(report.streams.iter().map(|c| c.stream.as_ref()))?;
                 let mut ignored = 0usize;
                 let mut ix = self.shared.index.write();
+                let held = Instant::now();
                 let mut owned = Vec::with_capacity(report.streams.len());
                 for c in &report.streams {
                     match c.stream.as_ref().map(|d| d.stream_id.as_str()) {
@@ -533,6 +536,7 @@ impl Session {
                     }
                 }
                 drop(ix);
+                observe_hold(m, "counters", held);
                 self.shared
                     .host_tier
                     .write()
@@ -639,6 +643,7 @@ impl Session {
         let mut streams = with_node(streams, self.ticket.reporting_node());
         let mut apply = {
             let mut ix = self.shared.index.write();
+            let held = Instant::now();
             let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
             let capped: usize = streams
                 .iter_mut()
@@ -656,6 +661,8 @@ impl Session {
                 .host_tier
                 .write()
                 .forget_reporter(&self.ticket.node);
+            drop(ix);
+            observe_hold(m, "resync_begin", held);
             apply
         };
         let total: u64 = streams.iter().map(|s| s.entries.len() as u64).sum();
@@ -667,9 +674,12 @@ impl Session {
                 let ix = self.shared.index.upgradable_read();
                 let grown = ix.grow_ahead(&apply, &streams, RESYNC_SLICE_ENTRIES);
                 let mut ix = parking_lot::RwLockUpgradableReadGuard::upgrade(ix);
+                let held = Instant::now();
                 let replaced = ix.install_grown(grown);
                 let done = ix.resync_step(&mut apply, &streams, RESYNC_SLICE_ENTRIES);
                 self.shared.update_index_gauges(&ix);
+                drop(ix);
+                observe_hold(m, "resync_slice", held);
                 (done, replaced)
             };
             // The replaced tables are freed outside the lock.
@@ -701,6 +711,13 @@ impl Session {
         m.kv_resyncs_total.with_label_values(&[trigger]).inc();
         self.awaiting_resync = false;
     }
+}
+
+/// Records one hold of the index write lock that began at `held` (`index_write_hold_seconds`).
+fn observe_hold(m: &crate::metrics::ControllerMetrics, what: &str, held: Instant) {
+    m.index_write_hold_seconds
+        .with_label_values(&[what])
+        .observe(held.elapsed().as_secs_f64());
 }
 
 /// Stamps the reporting node into each stream descriptor.
@@ -1342,6 +1359,23 @@ mod tests {
                 (Stage::BatchApplied, 4),
                 (Stage::BatchReceived, 5),
             ]
+        );
+        // Every write-lock hold was timed: the resync's registration and its one slice, and
+        // the two batches applied (the third waited for the resync and took no lock).
+        let holds = |what: &str| {
+            shared
+                .metrics
+                .index_write_hold_seconds
+                .with_label_values(&[what])
+                .get_sample_count()
+        };
+        assert_eq!(
+            (
+                holds("resync_begin"),
+                holds("resync_slice"),
+                holds("deltas")
+            ),
+            (1, 1, 2)
         );
     }
 
