@@ -555,4 +555,25 @@ mod tests {
         assert_eq!(limits(0).listen_backlog(), 1);
         assert_eq!(limits(usize::MAX).listen_backlog(), u32::MAX);
     }
+
+    /// A gRPC connection the listener hands to tonic has Nagle's algorithm off: an ack or a
+    /// LookupRoute answer is one small write, which Nagle would hold until the peer's delayed
+    /// ACK (up to 40 ms on Linux).
+    #[tokio::test]
+    async fn accepted_grpc_connections_have_nagle_off() {
+        use tokio::io::AsyncWriteExt;
+        use tokio_stream::StreamExt;
+        let limits = ConnectionLimits::default();
+        let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0)), &limits).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = grpc_incoming(listener, limits, Arc::default());
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        client.write_all(b"P").await.unwrap();
+        let accepted = tokio::time::timeout(Duration::from_secs(5), incoming.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(accepted.get_ref().nodelay().unwrap());
+    }
 }

@@ -425,6 +425,9 @@ async fn session(
             source,
         })?
         .connect_timeout(Duration::from_secs(3))
+        // A delta batch is one small write the controller waits for: never held back by Nagle
+        // (tonic's default, stated so that no change of it slows publish → visible).
+        .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(20))
         .keep_alive_while_idle(true);
     let channel = endpoint
