@@ -10,6 +10,12 @@
 #   scripts/bench-fleet.sh                  # the curve: 3 entry sizes, 3 agent counts
 #   SIZES="5000:20000" scripts/bench-fleet.sh   # agents:entries-per-agent pairs
 #   IC_FLEET_ARGS="--churn-every-ms 1000" scripts/bench-fleet.sh   # plus a churn phase
+#   IC_FLEET_ARGS="--samples-out /tmp/lookups.txt" scripts/bench-fleet.sh   # every lookup's round trip
+#
+# Beside each row, stderr gets the controller's own side of the lookups (its
+# lookup_duration_seconds between two scrapes: read-lock wait + walk, no transport) and the
+# storm's index write-lock holds (index_write_hold_seconds), so a round-trip tail can be told
+# apart from a slow index.
 #
 # Each agent holds one connection (the controller gets --max-connections agents + 64) and the
 # generator one more descriptor per agent, so the script raises `ulimit -n`. Both binaries are
