@@ -54,7 +54,9 @@ pub struct ControllerMetrics {
     /// How long agent ingest held the index's write lock at a time, seconds, by `what`
     /// (`deltas`: one delta batch; `resync_begin`: dropping a node's streams and registering its
     /// resync's; `resync_slice`: one slice of a resync's entries; `counters`: one counter
-    /// report). Every lookup arriving meanwhile waits this long at most.
+    /// report; `disconnect`: marking a node's streams unreported; `expire`: dropping expired
+    /// nodes). A lookup arriving during a hold waits for the rest of it, and longer when
+    /// writers queue or readers drain before a writer.
     pub index_write_hold_seconds: HistogramVec,
     /// LookupRoute prompt texts answered NO_HINT without a lookup, by reason (`too_large`,
     /// `no_model`, `no_tokenizer`, `tokenizer_unavailable`, `tokenization_failed`;
@@ -180,7 +182,7 @@ impl ControllerMetrics {
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(
                 format!("{p}index_write_hold_seconds"),
-                "How long agent ingest held the KV-prefix index's write lock at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters).",
+                "How long agent ingest held the KV-prefix index's write lock at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, disconnect, expire).",
             )
             .buckets(vec![
                 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
@@ -258,6 +260,16 @@ impl ControllerMetrics {
         }
         for v in ["waiting", "applying"] {
             resyncs_pending.with_label_values(&[v]);
+        }
+        for v in [
+            "deltas",
+            "resync_begin",
+            "resync_slice",
+            "counters",
+            "disconnect",
+            "expire",
+        ] {
+            index_write_hold_seconds.with_label_values(&[v]);
         }
         Ok(ControllerMetrics {
             registry,

@@ -267,6 +267,18 @@ fn a_block_size_that_is_no_literal_number_is_a_plan_issue_not_a_silent_default()
         derived.issues
     );
 
+    // Without KV events the block size plans nothing: no issue for it.
+    let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
+    pod.spec.as_mut().unwrap().containers[0]
+        .args
+        .as_mut()
+        .unwrap()[0]
+        .push_str(" --block-size $BLOCK_SIZE");
+    let pod = wire(pod, "gpu-3", "10.9.9.9", "cb-opaque", "Running");
+    let derived = derive_plans(&[pod], std::slice::from_ref(&cb));
+    let reasons: Vec<&str> = derived.issues.iter().map(|i| i.reason).collect();
+    assert_eq!(reasons, [issue::KV_EVENTS_DISABLED], "{:?}", derived.issues);
+
     // A literal value plans as given and raises nothing.
     let mut pod = fixture("01-vllm-docs-nvidia-sh-c.yaml");
     let script = &mut pod.spec.as_mut().unwrap().containers[0]

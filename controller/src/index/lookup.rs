@@ -297,11 +297,12 @@ impl PrefixIndex {
             }
         }
         if merged {
-            // A replica in two of the merged partitions (two block sizes of equal depth in
-            // tokens) keeps the score of the first: a stable sort by slot, then one pass. A
-            // wildcard over tenants that share a system prompt merges thousands of replicas,
-            // where a scan per replica would be quadratic.
-            best.replicas.sort_by_key(|s| s.slot);
+            // A replica in two of the merged partitions (two block sizes) keeps its best score
+            // of them: deeper in tokens, then T1; on a tie the first partition's. One sort and
+            // one pass: a wildcard over tenants that share a system prompt merges thousands of
+            // replicas, where a scan per replica would be quadratic.
+            best.replicas
+                .sort_by_key(|s| (s.slot, std::cmp::Reverse(s.tokens()), !s.t1));
             best.replicas.dedup_by_key(|s| s.slot);
         }
         Ok(best)

@@ -1672,10 +1672,9 @@ fn large_tables_grow_ahead_of_a_slice_and_the_slice_never_grows_them() {
     assert!(ix.grow_ahead(&apply, &snaps, budget).tables.is_empty());
 }
 
-/// Partitions of equal depth merge: a replica in two of them (two block sizes, the same depth in
-/// tokens) is listed once, with the first partition's score; thousands of replicas of two
-/// tenants under a wildcard query are each listed once (a sort and one pass, not a scan per
-/// replica).
+/// Partitions of equal depth merge: a replica in two of them (two block sizes) is listed once,
+/// with its better score (the first partition's on a tie); thousands of replicas of two tenants
+/// under a wildcard query are each listed once.
 #[test]
 fn equal_depth_partitions_merge_each_replica_once() {
     let toks = tokens(0..32);
@@ -1696,6 +1695,27 @@ fn equal_depth_partitions_merge_each_replica_once() {
     let only = s.replicas[0];
     assert_eq!((only.matched_blocks, only.block_size), (8, 4));
     assert_eq!(ix.lookup(&query(&toks)).replicas.len(), 1);
+
+    // Both partitions reach 32 tokens through replica "b"; "a" holds 8 tokens at block size 4
+    // and all 32 at block size 8: it keeps the deeper score whichever partition came first.
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n", &[empty_snapshot("a"), empty_snapshot("b")]);
+    let a = vec![
+        store_at(&chain(&toks, 4)[..2], 4),
+        store_at(&chain(&toks, 8), 8),
+    ];
+    let b = vec![store_at(&chain(&toks, 4), 4), store_at(&chain(&toks, 8), 8)];
+    ix.apply_delta("n", &delta("a", 1, a)).unwrap();
+    ix.apply_delta("n", &delta("b", 1, b)).unwrap();
+    let s = ix.score(&query(&toks)).unwrap();
+    assert_eq!(s.replicas.len(), 2, "{:?}", s.replicas);
+    assert!(
+        s.replicas
+            .iter()
+            .all(|r| r.matched_blocks * r.block_size == 32),
+        "{:?}",
+        s.replicas
+    );
 
     // Two tenants, 600 replicas each, one shared chain; a wildcard query lists all 1 200 once.
     let keys = chain(&toks, 4);

@@ -259,10 +259,13 @@ impl AgentService for AgentIngest {
                 let mut nodes = shared.nodes.lock();
                 if nodes.is_current(&ticket) {
                     let mut ix = shared.index.write();
+                    let held = Instant::now();
                     ix.mark_node_unreported(&ticket.node);
                     shared.update_index_gauges(&ix);
                     // Host-tier readings are current ones only: none without the connection.
                     shared.host_tier.write().forget_reporter(&ticket.node);
+                    drop(ix);
+                    observe_hold(&shared.metrics, "disconnect", held);
                 }
                 if nodes.disconnect(&ticket, now_unix_ms()) {
                     match &ticket.scope {
@@ -745,11 +748,14 @@ pub async fn expire_nodes(shared: Arc<Shared>, expiry: Duration) {
             continue;
         }
         let mut ix = shared.index.write();
+        let held = Instant::now();
         for n in &gone {
             info!(node = %n, "agent stayed away past the expiry; dropping its index entries");
             ix.remove_node(n);
         }
         shared.update_index_gauges(&ix);
+        drop(ix);
+        observe_hold(&shared.metrics, "expire", held);
     }
 }
 
@@ -1361,7 +1367,8 @@ mod tests {
             ]
         );
         // Every write-lock hold was timed: the resync's registration and its one slice, and
-        // the two batches applied (the third waited for the resync and took no lock).
+        // the two batches that took the lock (4 was refused there; 5 waited for the resync and
+        // took none).
         let holds = |what: &str| {
             shared
                 .metrics

@@ -487,9 +487,10 @@ pub fn engine_block_size(runtime: Runtime, args: &[&str]) -> u32 {
 /// The raw value of the engine's block-size flag ([`block_size_flag`], its last occurrence) when
 /// it is given but is not a literal number: a shell expansion (`$BLOCK`, `$(BLOCK)`), or text no
 /// integer parses from. Neither admission nor the node plan can know the size then; both assume
-/// the engine's default ([`engine_block_size`] over the literal arguments) and say so — the Pod
-/// webhook as an admission warning, the plan as [`issue::BLOCK_SIZE_UNKNOWN`]. `None` when the
-/// flag is absent (the engine's default is then the truth) or literal.
+/// the engine's bare default (`engine_block_size(runtime, &[])`: an earlier literal value does
+/// not win over a later expansion) and say so — the Pod webhook as an admission warning, the
+/// plan (when it plans KV events) as [`issue::BLOCK_SIZE_UNKNOWN`]. `None` when the flag is
+/// absent (the engine's default is then the truth) or literal.
 pub fn unknown_block_size(cmd: &EngineCommand, runtime: Runtime) -> Option<String> {
     cmd.find(block_size_flag(runtime)).last().and_then(|occ| {
         let (raw, index) = cmd.value_of(occ)?;
@@ -546,21 +547,12 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         .map(|(_, c)| c.literal_texts())
         .unwrap_or_default();
 
-    let block_size = if let Some(raw) = command
+    let unknown_size = command
         .as_ref()
-        .and_then(|(_, cmd)| unknown_block_size(cmd, runtime))
-    {
-        let size = engine_block_size(runtime, &[]);
-        note(
-            issue::BLOCK_SIZE_UNKNOWN,
-            format!(
-                "{} {raw:?} is not a literal number; the node plan assumes the engine default of {size} tokens per block, so the agent skips blocks shorter than that and chains longer ones at their own size: write the value literally",
-                block_size_flag(runtime)
-            ),
-        );
-        size
-    } else {
-        engine_block_size(runtime, &args)
+        .and_then(|(_, cmd)| unknown_block_size(cmd, runtime));
+    let block_size = match unknown_size {
+        Some(_) => engine_block_size(runtime, &[]),
+        None => engine_block_size(runtime, &args),
     };
 
     let offload = spec.integration_mode() == IntegrationMode::Offload;
@@ -603,6 +595,16 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
             ),
             Some(_) => kv_events = kv_sources(pod, runtime, &args, &mut note),
         }
+    }
+    // The block size matters to the KV-event subscription only.
+    if let Some(raw) = unknown_size.filter(|_| !kv_events.is_empty()) {
+        note(
+            issue::BLOCK_SIZE_UNKNOWN,
+            format!(
+                "{} {raw:?} is not a literal number; the node plan assumes the engine default of {block_size} tokens per block, so the agent skips blocks shorter than that and chains longer ones at their own size: write the value literally",
+                block_size_flag(runtime)
+            ),
+        );
     }
 
     let plan = EnginePlan {
