@@ -51,6 +51,9 @@ pub struct ControllerMetrics {
     pub lookups_total: IntCounterVec,
     /// LookupRoute server-side latency.
     pub lookup_duration_seconds: Histogram,
+    /// The part of a lookup spent waiting for the index's read lock (a writer holding or
+    /// queued for it), seconds; a lookup that gives up at its budget counts its whole wait.
+    pub lookup_lock_wait_seconds: Histogram,
     /// How long agent ingest held the index's write lock at a time, seconds, by `what`
     /// (`deltas`: one delta batch; `resync_begin`: dropping a node's streams and registering its
     /// resync's; `resync_slice`: one slice of a resync's entries; `counters`: one counter
@@ -179,6 +182,16 @@ impl ControllerMetrics {
                 0.01, 0.025, 0.05, 0.1,
             ]),
         )?;
+        let lookup_lock_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                format!("{p}lookup_lock_wait_seconds"),
+                "Time a LookupRoute waited for the KV-prefix index's read lock (a writer holding or queued for it), in seconds.",
+            )
+            .buckets(vec![
+                0.000_001, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
+                0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+            ]),
+        )?;
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(
                 format!("{p}index_write_hold_seconds"),
@@ -229,6 +242,7 @@ impl ControllerMetrics {
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
         registry.register(Box::new(lookups_total.clone()))?;
         registry.register(Box::new(lookup_duration_seconds.clone()))?;
+        registry.register(Box::new(lookup_lock_wait_seconds.clone()))?;
         registry.register(Box::new(index_write_hold_seconds.clone()))?;
         registry.register(Box::new(prompt_text_refusals_total.clone()))?;
         registry.register(Box::new(tokenizer_loads_total.clone()))?;
@@ -291,6 +305,7 @@ impl ControllerMetrics {
             index_stream_cap_refusals_total,
             lookups_total,
             lookup_duration_seconds,
+            lookup_lock_wait_seconds,
             index_write_hold_seconds,
             prompt_text_refusals_total,
             tokenizer_loads_total,

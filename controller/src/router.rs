@@ -142,10 +142,15 @@ impl Router {
                 TenantGrant::Only(set) => Some(set.clone()),
             },
         };
+        let waiting = Instant::now();
         let guard = match deadline {
             Some(d) => self.shared.index.try_read_until(d),
             None => Some(self.shared.index.read()),
         };
+        self.shared
+            .metrics
+            .lookup_lock_wait_seconds
+            .observe(waiting.elapsed().as_secs_f64());
         let result = match guard {
             Some(ix) => ix.lookup(&q),
             None => LookupResult {
@@ -419,6 +424,10 @@ mod tests {
         assert_eq!(a.decision, proto::Decision::NoHint as i32);
         assert_eq!(a.reason, LOOKUP_TIMEOUT);
         assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(2));
+        // The wait is the read-lock histogram's: one lookup, counted in its ≥ 10 ms buckets.
+        let w = &shared.metrics.lookup_lock_wait_seconds;
+        assert_eq!(w.get_sample_count(), 1);
+        assert!(w.get_sample_sum() >= 0.02, "{}", w.get_sample_sum());
         // Within budget it answers normally; 0 means no budget.
         assert_eq!(
             r.lookup(&req("team-a", 16)).decision,

@@ -141,6 +141,8 @@ struct Report {
     /// batches.
     storm_slice_holds: Option<ServerLatency>,
     storm_delta_holds: Option<ServerLatency>,
+    /// The restarted controller's lookups' read-lock waits until convergence.
+    storm_lock_waits: Option<ServerLatency>,
 }
 
 /// What one of the controller's histograms says of the observations between two scrapes: how
@@ -156,6 +158,8 @@ struct ServerLatency {
 
 /// The controller's LookupRoute latency (read-lock wait + walk).
 const LOOKUP_SECONDS: &str = "inferencecache_controller_lookup_duration_seconds";
+/// The part of the controller's lookups spent waiting for the read lock.
+const LOCK_WAIT_SECONDS: &str = "inferencecache_controller_lookup_lock_wait_seconds";
 /// The controller's index write-lock holds, by `what`.
 const WRITE_HOLD_SECONDS: &str = "inferencecache_controller_index_write_hold_seconds";
 
@@ -485,6 +489,7 @@ async fn run(args: &Args) -> Result<Report, String> {
                 ServerLatency::between(&none, &m, WRITE_HOLD_SECONDS, "what=\"resync_slice\"");
             r.storm_delta_holds =
                 ServerLatency::between(&none, &m, WRITE_HOLD_SECONDS, "what=\"deltas\"");
+            r.storm_lock_waits = ServerLatency::between(&none, &m, LOCK_WAIT_SECONDS, "");
         }
         ctl = ctl2;
     }
@@ -538,6 +543,7 @@ fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
         "storm_slice_holds_p99_le_s": r.storm_slice_holds.map(|s| s.p99_le_s),
         "storm_slice_holds_max_le_s": r.storm_slice_holds.map(|s| s.max_le_s),
         "storm_delta_holds_p99_le_s": r.storm_delta_holds.map(|s| s.p99_le_s),
+        "storm_lock_waits_within_1ms": r.storm_lock_waits.map(|s| s.within_1ms),
         "connect_failures": fleet.stats.connect_failures.load(Ordering::Relaxed),
     })
     .to_string()
@@ -600,6 +606,10 @@ fn print_row(args: &Args, r: &Report) {
         (
             "storm, controller-side lookups (read-lock wait + walk)",
             r.storm_server,
+        ),
+        (
+            "storm, controller-side lookups' read-lock waits",
+            r.storm_lock_waits,
         ),
         (
             "storm, write-lock holds of resync slices",
