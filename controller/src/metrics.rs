@@ -5,6 +5,13 @@ use prometheus::{
     Registry,
 };
 
+/// Bucket bounds of the controller's sub-second latency histograms, seconds (10 µs – 100 ms);
+/// the lock-wait histogram adds 1 µs below, the write-hold histogram 0.25 s and 1 s above.
+const LATENCY_BUCKETS: [f64; 13] = [
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.05, 0.1,
+];
+
 /// Every controller metric, registered in [`ControllerMetrics::registry`].
 #[derive(Clone)]
 pub struct ControllerMetrics {
@@ -177,30 +184,21 @@ impl ControllerMetrics {
                 format!("{p}lookup_duration_seconds"),
                 "LookupRoute server-side latency in seconds.",
             )
-            .buckets(vec![
-                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
-                0.01, 0.025, 0.05, 0.1,
-            ]),
+            .buckets(LATENCY_BUCKETS.to_vec()),
         )?;
         let lookup_lock_wait_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 format!("{p}lookup_lock_wait_seconds"),
                 "Time a LookupRoute waited for the KV-prefix index's read lock (a writer holding or queued for it), in seconds.",
             )
-            .buckets(vec![
-                0.000_001, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
-                0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
-            ]),
+            .buckets([&[0.000_001][..], &LATENCY_BUCKETS].concat()),
         )?;
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(
                 format!("{p}index_write_hold_seconds"),
                 "How long agent ingest held the KV-prefix index's write lock at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, disconnect, expire).",
             )
-            .buckets(vec![
-                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
-                0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-            ]),
+            .buckets([&LATENCY_BUCKETS[..], &[0.25, 1.0]].concat()),
             &["what"],
         )?;
         let prompt_text_refusals_total = IntCounterVec::new(
