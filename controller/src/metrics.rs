@@ -61,11 +61,9 @@ pub struct ControllerMetrics {
     /// The part of a lookup spent waiting for the index's read lock (a writer holding or
     /// queued for it), seconds; a lookup that gives up at its budget counts its whole wait.
     pub lookup_lock_wait_seconds: Histogram,
-    /// How long agent ingest held the index's write lock at a time, seconds, by `what`
-    /// (`deltas`: one delta batch; `resync_begin`: dropping a node's streams and registering its
-    /// resync's; `resync_slice`: one slice of a resync's entries; `counters`: one counter
-    /// report; `disconnect`: marking a node's streams unreported; `expire`: dropping expired
-    /// nodes). A lookup arriving during a hold waits for the rest of it, and longer when
+    /// How long the index's write lock was held at a time, seconds, by `what`
+    /// ([`crate::state::WriteHold`]; taken through [`crate::state::Shared::index_write`], which
+    /// observes it). A lookup arriving during a hold waits for the rest of it, and longer when
     /// writers queue or readers drain before a writer.
     pub index_write_hold_seconds: HistogramVec,
     /// LookupRoute prompt texts answered NO_HINT without a lookup, by reason (`too_large`,
@@ -196,7 +194,7 @@ impl ControllerMetrics {
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(
                 format!("{p}index_write_hold_seconds"),
-                "How long agent ingest held the KV-prefix index's write lock at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, disconnect, expire).",
+                "How long the KV-prefix index's write lock was held at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, disconnect, expire, tenant_quotas, probe).",
             )
             .buckets([&LATENCY_BUCKETS[..], &[0.25, 1.0]].concat()),
             &["what"],
@@ -273,15 +271,8 @@ impl ControllerMetrics {
         for v in ["waiting", "applying"] {
             resyncs_pending.with_label_values(&[v]);
         }
-        for v in [
-            "deltas",
-            "resync_begin",
-            "resync_slice",
-            "counters",
-            "disconnect",
-            "expire",
-        ] {
-            index_write_hold_seconds.with_label_values(&[v]);
+        for w in crate::state::WriteHold::ALL {
+            index_write_hold_seconds.with_label_values(&[w.as_str()]);
         }
         Ok(ControllerMetrics {
             registry,

@@ -229,7 +229,7 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
     let keys = content_key::chain(&tokens, block_size as usize);
 
     let ingest = {
-        let mut ix = shared.index.write();
+        let mut ix = shared.index_write(crate::state::WriteHold::Probe);
         ix.resync_node(
             &node,
             &[proto::StreamSnapshot {
@@ -330,7 +330,7 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
     };
 
     {
-        let mut ix = shared.index.write();
+        let mut ix = shared.index_write(crate::state::WriteHold::Probe);
         ix.remove_node(&node);
         shared.update_index_gauges(&ix);
     }

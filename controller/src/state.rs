@@ -1,6 +1,9 @@
 //! State shared by the controller's services: the prefix index, the node registry, metrics.
 
-use parking_lot::{Mutex, RwLock};
+use std::ops::{Deref, DerefMut};
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 use crate::index::PrefixIndex;
 use crate::ingest::host_tier::HostTierReadings;
@@ -89,6 +92,26 @@ impl Shared {
         self.node_events.subscribe()
     }
 
+    /// Takes the index write lock for `what`; the hold is timed into
+    /// `index_write_hold_seconds{what}` when the returned guard drops (see [`IndexWrite`]).
+    pub fn index_write(&self, what: WriteHold) -> IndexWrite<'_> {
+        IndexWrite::held(self.index.write(), &self.metrics, what)
+    }
+
+    /// Upgrades an upgradable read of the index to its write lock for `what`, timed like
+    /// [`Shared::index_write`] from the moment the upgrade returns.
+    pub fn index_upgrade<'a>(
+        &'a self,
+        read: RwLockUpgradableReadGuard<'a, PrefixIndex>,
+        what: WriteHold,
+    ) -> IndexWrite<'a> {
+        IndexWrite::held(
+            RwLockUpgradableReadGuard::upgrade(read),
+            &self.metrics,
+            what,
+        )
+    }
+
     /// Refreshes the index heap gauge (`index_heap_bytes`) from [`PrefixIndex::heap_bytes`]:
     /// O(replicas) under the read lock, so it runs per `/metrics` scrape, not per write.
     pub fn update_heap_gauges(&self) {
@@ -133,6 +156,104 @@ impl Shared {
 }
 
 pub use ic_shared::now_unix_ms;
+
+/// What one hold of the index write lock applies: the `what` label of
+/// `inferencecache_controller_index_write_hold_seconds` (docs/operations.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteHold {
+    /// One agent `KvDeltaBatch`.
+    Deltas,
+    /// The start of an agent resync (its streams registered, the node's old ones dropped).
+    ResyncBegin,
+    /// One slice of an agent resync's entries.
+    ResyncSlice,
+    /// One agent `EngineCounters` report.
+    Counters,
+    /// An agent's stream ended: its node marked unreported.
+    Disconnect,
+    /// Nodes past `--node-expiry` dropped.
+    Expire,
+    /// The CacheTenant quotas replaced (`reconcile::tenants`).
+    TenantQuotas,
+    /// The routing gate's synthetic probe stream added or removed (`probe`).
+    Probe,
+}
+
+impl WriteHold {
+    /// Every value, in label order.
+    pub const ALL: [WriteHold; 8] = [
+        WriteHold::Deltas,
+        WriteHold::ResyncBegin,
+        WriteHold::ResyncSlice,
+        WriteHold::Counters,
+        WriteHold::Disconnect,
+        WriteHold::Expire,
+        WriteHold::TenantQuotas,
+        WriteHold::Probe,
+    ];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteHold::Deltas => "deltas",
+            WriteHold::ResyncBegin => "resync_begin",
+            WriteHold::ResyncSlice => "resync_slice",
+            WriteHold::Counters => "counters",
+            WriteHold::Disconnect => "disconnect",
+            WriteHold::Expire => "expire",
+            WriteHold::TenantQuotas => "tenant_quotas",
+            WriteHold::Probe => "probe",
+        }
+    }
+}
+
+/// The index write lock, held for one [`WriteHold`]. Dereferences to the index; when it drops,
+/// the time since the lock was granted is observed into `index_write_hold_seconds{what}` and
+/// the lock is released. A lookup arriving meanwhile waits for the rest of the hold.
+pub struct IndexWrite<'a> {
+    guard: RwLockWriteGuard<'a, PrefixIndex>,
+    held: Instant,
+    metrics: &'a ControllerMetrics,
+    what: WriteHold,
+}
+
+impl<'a> IndexWrite<'a> {
+    fn held(
+        guard: RwLockWriteGuard<'a, PrefixIndex>,
+        metrics: &'a ControllerMetrics,
+        what: WriteHold,
+    ) -> Self {
+        IndexWrite {
+            guard,
+            held: Instant::now(),
+            metrics,
+            what,
+        }
+    }
+}
+
+impl Deref for IndexWrite<'_> {
+    type Target = PrefixIndex;
+    fn deref(&self) -> &PrefixIndex {
+        &self.guard
+    }
+}
+
+impl DerefMut for IndexWrite<'_> {
+    fn deref_mut(&mut self) -> &mut PrefixIndex {
+        &mut self.guard
+    }
+}
+
+impl Drop for IndexWrite<'_> {
+    fn drop(&mut self) {
+        // Observed just before the guard field releases the lock.
+        self.metrics
+            .index_write_hold_seconds
+            .with_label_values(&[self.what.as_str()])
+            .observe(self.held.elapsed().as_secs_f64());
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -188,5 +309,46 @@ mod tests {
             text.contains("inferencecache_controller_index_quota_evictions_total{tenant=\"t\"} 2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn each_index_write_hold_is_observed_once_under_its_label() {
+        let shared = Shared::new(LookupPolicy::default()).unwrap();
+        let count = |w: WriteHold| {
+            shared
+                .metrics
+                .index_write_hold_seconds
+                .with_label_values(&[w.as_str()])
+                .get_sample_count()
+        };
+        assert!(WriteHold::ALL.iter().all(|w| count(*w) == 0));
+        {
+            let mut ix = shared.index_write(WriteHold::Probe);
+            ix.remove_node("n");
+        }
+        let read = shared.index.upgradable_read();
+        drop(shared.index_upgrade(read, WriteHold::ResyncSlice));
+        drop(shared.index_write(WriteHold::Probe));
+        for w in WriteHold::ALL {
+            let want = match w {
+                WriteHold::Probe => 2,
+                WriteHold::ResyncSlice => 1,
+                _ => 0,
+            };
+            assert_eq!(count(w), want, "{w:?}");
+        }
+        // Released: a reader gets the lock.
+        assert!(shared.index.try_read().is_some());
+        // Every label exists from the start (a dashboard reads 0, not "No data").
+        let text = shared.metrics.render();
+        for w in WriteHold::ALL {
+            assert!(
+                text.contains(&format!(
+                    "index_write_hold_seconds_count{{what=\"{}\"}}",
+                    w.as_str()
+                )),
+                "{w:?}"
+            );
+        }
     }
 }

@@ -61,7 +61,7 @@ pub mod turns;
 use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::Stream;
 use ic_shared::proto::{
@@ -74,7 +74,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
-use crate::state::{now_unix_ms, Shared};
+use crate::state::{now_unix_ms, Shared, WriteHold};
 use registry::StreamTicket;
 
 /// Outbound queue depth per agent stream.
@@ -258,14 +258,12 @@ impl AgentService for AgentIngest {
             {
                 let mut nodes = shared.nodes.lock();
                 if nodes.is_current(&ticket) {
-                    let mut ix = shared.index.write();
-                    let held = Instant::now();
+                    let mut ix = shared.index_write(WriteHold::Disconnect);
                     ix.mark_node_unreported(&ticket.node);
                     shared.update_index_gauges(&ix);
                     // Host-tier readings are current ones only: none without the connection.
                     shared.host_tier.write().forget_reporter(&ticket.node);
                     drop(ix);
-                    observe_hold(&shared.metrics, "disconnect", held);
                 }
                 if nodes.disconnect(&ticket, now_unix_ms()) {
                     match &ticket.scope {
@@ -477,8 +475,7 @@ impl Session {
                         .inc_by(batch.deltas.len() as u64);
                 } else {
                     let mut deltas = self.in_scope_deltas(batch.deltas);
-                    let mut ix = self.shared.index.write();
-                    let held = Instant::now();
+                    let mut ix = self.shared.index_write(WriteHold::Deltas);
                     let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
                     for d in &mut deltas {
                         let capped = scope::cap_delta(d, &mut budget);
@@ -502,7 +499,6 @@ impl Session {
                     }
                     self.shared.update_index_gauges(&ix);
                     drop(ix);
-                    observe_hold(m, "deltas", held);
                     timing::mark(Stage::BatchApplied, batch.batch_id);
                 }
                 self.send(controller_message::Msg::Ack(proto::Ack {
@@ -523,8 +519,7 @@ impl Session {
             Some(Msg::Counters(report)) => {
                 self.authorize(report.streams.iter().map(|c| c.stream.as_ref()))?;
                 let mut ignored = 0usize;
-                let mut ix = self.shared.index.write();
-                let held = Instant::now();
+                let mut ix = self.shared.index_write(WriteHold::Counters);
                 let mut owned = Vec::with_capacity(report.streams.len());
                 for c in &report.streams {
                     match c.stream.as_ref().map(|d| d.stream_id.as_str()) {
@@ -539,7 +534,6 @@ impl Session {
                     }
                 }
                 drop(ix);
-                observe_hold(m, "counters", held);
                 self.shared
                     .host_tier
                     .write()
@@ -645,8 +639,7 @@ impl Session {
         let streams = self.in_scope_snapshots(streams);
         let mut streams = with_node(streams, self.ticket.reporting_node());
         let mut apply = {
-            let mut ix = self.shared.index.write();
-            let held = Instant::now();
+            let mut ix = self.shared.index_write(WriteHold::ResyncBegin);
             let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
             let capped: usize = streams
                 .iter_mut()
@@ -665,7 +658,6 @@ impl Session {
                 .write()
                 .forget_reporter(&self.ticket.node);
             drop(ix);
-            observe_hold(m, "resync_begin", held);
             apply
         };
         let total: u64 = streams.iter().map(|s| s.entries.len() as u64).sum();
@@ -676,13 +668,11 @@ impl Session {
                 // lock (lookups go on), then swapped in; the slice itself never grows one.
                 let ix = self.shared.index.upgradable_read();
                 let grown = ix.grow_ahead(&apply, &streams, RESYNC_SLICE_ENTRIES);
-                let mut ix = parking_lot::RwLockUpgradableReadGuard::upgrade(ix);
-                let held = Instant::now();
+                let mut ix = self.shared.index_upgrade(ix, WriteHold::ResyncSlice);
                 let replaced = ix.install_grown(grown);
                 let done = ix.resync_step(&mut apply, &streams, RESYNC_SLICE_ENTRIES);
                 self.shared.update_index_gauges(&ix);
                 drop(ix);
-                observe_hold(m, "resync_slice", held);
                 (done, replaced)
             };
             // The replaced tables are freed outside the lock.
@@ -716,13 +706,6 @@ impl Session {
     }
 }
 
-/// Records one hold of the index write lock that began at `held` (`index_write_hold_seconds`).
-fn observe_hold(m: &crate::metrics::ControllerMetrics, what: &str, held: Instant) {
-    m.index_write_hold_seconds
-        .with_label_values(&[what])
-        .observe(held.elapsed().as_secs_f64());
-}
-
 /// Stamps the reporting node into each stream descriptor.
 fn with_node(mut streams: Vec<proto::StreamSnapshot>, node: &str) -> Vec<proto::StreamSnapshot> {
     for s in &mut streams {
@@ -747,15 +730,13 @@ pub async fn expire_nodes(shared: Arc<Shared>, expiry: Duration) {
         if gone.is_empty() {
             continue;
         }
-        let mut ix = shared.index.write();
-        let held = Instant::now();
+        let mut ix = shared.index_write(WriteHold::Expire);
         for n in &gone {
             info!(node = %n, "agent stayed away past the expiry; dropping its index entries");
             ix.remove_node(n);
         }
         shared.update_index_gauges(&ix);
         drop(ix);
-        observe_hold(&shared.metrics, "expire", held);
     }
 }
 

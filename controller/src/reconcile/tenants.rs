@@ -89,7 +89,7 @@ pub async fn run_quotas(
         "CacheTenant",
         shutdown,
         |all: Vec<CacheTenant>| {
-            let mut ix = shared.index.write();
+            let mut ix = shared.index_write(crate::state::WriteHold::TenantQuotas);
             ix.set_tenant_quotas(quotas(&all));
             shared.update_index_gauges(&ix);
             std::future::ready(())
