@@ -7,29 +7,12 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ic_agent::checks::{Checks, ChecksConfig};
-use ic_agent::kv::publish::{publish_fixture, PublishError, PublishOptions, PublishReport};
-use ic_agent::link::LinkConfig;
-use ic_agent::runtime::{self, RunConfig};
-use ic_agent::state::AgentState;
-use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_agent::kv::publish::{PublishError, PublishOptions, PublishReport};
+use ic_agent::runtime::{self};
 use ic_shared::proto::agent_message::Msg;
-use support::FakeController;
-
-/// A golden recording of `testdata/kv-events`.
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../testdata/kv-events")
-        .join(name)
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
+use support::{agent_following_replay, FakeController};
 
 /// The real agent runtime following a replayed vLLM publisher (8 events, 50 ms apart), linked
 /// to `grpc` with a 1 s ack timeout.
@@ -39,58 +22,22 @@ async fn agent_with_deltas(
     runtime::Running,
     tokio::task::JoinHandle<Result<PublishReport, PublishError>>,
 ) {
-    let (pub_port, replay_port) = (free_port(), free_port());
-    let publisher = tokio::spawn(async move {
-        publish_fixture(
-            &fixture("vllm-0.26.0.json"),
-            &format!("tcp://127.0.0.1:{pub_port}"),
-            Some(&format!("tcp://127.0.0.1:{replay_port}")),
-            &PublishOptions {
-                interval: Duration::from_millis(50),
-                connect_wait: Duration::from_millis(1000),
-                linger: Duration::from_secs(15),
-                until_seq: Some(8),
-                ..PublishOptions::default()
-            },
-        )
-        .await
-    });
-    let plan = NodePlan {
-        engines: vec![EnginePlan {
-            namespace: "team-a".into(),
-            pod: "engine-0".into(),
-            model: "model-x".into(),
-            hash_scheme: HashScheme::Vllm,
-            block_size: 16,
-            kv_events: vec![KvEventSource {
-                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
-                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
-                topic: String::new(),
-                dp_rank: 0,
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    };
-    let state = AgentState::new("node-acks".into(), plan).unwrap();
-    let mut link = LinkConfig::new(format!("http://{grpc}"));
-    link.ack_timeout = Duration::from_secs(1);
-    link.backoff_initial = Duration::from_millis(100);
-    let running = runtime::start(
-        RunConfig {
-            link: Some(link),
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: None,
-            check_interval: Duration::from_secs(30),
-            limits: Default::default(),
-            http_bearer_token_file: None,
+    agent_following_replay(
+        "node-acks",
+        grpc,
+        PublishOptions {
+            interval: Duration::from_millis(50),
+            connect_wait: Duration::from_millis(1000),
+            linger: Duration::from_secs(15),
+            until_seq: Some(8),
+            ..PublishOptions::default()
         },
-        state,
-        Checks::new(&ChecksConfig::default()),
+        |link| {
+            link.ack_timeout = Duration::from_secs(1);
+            link.backoff_initial = Duration::from_millis(100);
+        },
     )
     .await
-    .unwrap();
-    (running, publisher)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,39 +11,24 @@
 //! 3072 / 0, round trip 3072 / 2048 (tokens written to / served from the host tier).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod agent_stream_support;
 mod reconcile_support;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use ic_controller::ingest::AgentIngest;
+use agent_stream_support::*;
 use ic_controller::reconcile::Context;
 use ic_controller::state::{LookupPolicy, Shared};
 use ic_shared::proto::{
-    self, agent_message::Msg, agent_service_client::AgentServiceClient,
-    agent_service_server::AgentServiceServer, AgentMessage, BlockEntry, CounterReport, Resync,
-    StreamCounters, StreamDescriptor, StreamSnapshot,
+    agent_message::Msg, AgentMessage, CounterReport, StreamCounters, StreamDescriptor,
 };
 use k8s_openapi::api::core::v1::Pod;
 use reconcile_support::*;
 use serde_json::json;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 
 const HICACHE: &str = "HiCacheHostTier";
 const HINT: &str = "SGLang exposes its host-tier counters only with --enable-metrics (checked \
                     in 0.5.23); add it to the engine to get this condition";
-
-async fn serve(shared: Arc<Shared>) -> String {
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = grpc.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentServiceServer::new(AgentIngest::new(shared)))
-            .serve_with_incoming(TcpListenerStream::new(grpc)),
-    );
-    format!("http://{addr}")
-}
 
 /// An SGLang engine pod with HiCache and metrics on (labels `app=sglang`).
 fn sglang_pod(name: &str) -> Pod {
@@ -62,38 +47,22 @@ fn sglang_pod(name: &str) -> Pod {
     .unwrap()
 }
 
+/// The SGLang engines of `hc` (64-token pages).
+const ENGINES: Engines = Engines {
+    namespace: NS,
+    model: "Qwen/Qwen3-8B",
+    hash_scheme: "sglang",
+    backend: "ml/hc",
+    block_size: 64,
+    key_base: 0x5a00,
+};
+
 fn descriptor(pod: &str) -> StreamDescriptor {
-    StreamDescriptor {
-        stream_id: format!("{NS}/{pod}#0"),
-        replica: pod.to_string(),
-        tenant: NS.to_string(),
-        model: "Qwen/Qwen3-8B".into(),
-        hash_scheme: "sglang".into(),
-        backend: format!("{NS}/hc"),
-        ..Default::default()
-    }
+    ENGINES.descriptor(pod)
 }
 
 fn resync(pods: &[&str], now_ms: i64) -> AgentMessage {
-    AgentMessage {
-        msg: Some(Msg::Resync(Resync {
-            streams: pods
-                .iter()
-                .enumerate()
-                .map(|(i, p)| StreamSnapshot {
-                    stream: Some(descriptor(p)),
-                    entries: vec![BlockEntry {
-                        block_size: 64,
-                        content_key: 0x5a00 + i as u64,
-                        tier: proto::Tier::T1 as i32,
-                        ..Default::default()
-                    }],
-                    last_event_unix_ms: now_ms,
-                    ..Default::default()
-                })
-                .collect(),
-        })),
-    }
+    ENGINES.resync(pods, now_ms)
 }
 
 /// A report of `(pod, host-tier pair)`: `None` is what the agent sends when SGLang exports no
@@ -116,33 +85,6 @@ fn host(c: &[(&str, Option<(u64, u64)>)]) -> AgentMessage {
     }
 }
 
-/// A node agent stream: Hello, then a resync of `pods`.
-struct AgentStream {
-    tx: mpsc::Sender<AgentMessage>,
-    _inbound: tonic::Response<tonic::Streaming<proto::ControllerMessage>>,
-}
-
-async fn connect(grpc: &str, pods: &[&str], now_ms: i64) -> AgentStream {
-    let channel = tonic::transport::Endpoint::from_shared(grpc.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: "gpu-1".into(),
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    tx.send(resync(pods, now_ms)).await.unwrap();
-    let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
-    AgentStream { tx, _inbound }
-}
-
 /// Sends a host-tier report and waits until the controller holds exactly those readings.
 async fn report(agent: &AgentStream, shared: &Shared, c: &[(&str, Option<(u64, u64)>)]) {
     agent.tx.send(host(c)).await.unwrap();
@@ -155,16 +97,6 @@ async fn report(agent: &AgentStream, shared: &Shared, c: &[(&str, Option<(u64, u
         })
     })
     .await;
-}
-
-async fn until(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// `(status, reason, message, lastTransitionTime)` of HiCacheHostTier after a reconcile 30 s on.
@@ -199,7 +131,7 @@ fn hicache() -> ic_shared::crd::CacheBackend {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_tier_condition_follows_current_readings_only() {
     let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
-    let grpc = serve(shared.clone()).await;
+    let grpc = serve_ingest(shared.clone()).await;
     let mut h = Harness::new(vec![hicache()], false).await;
     h.ctx = Arc::new(Context::new(
         h.client.clone(),
@@ -223,7 +155,12 @@ async fn host_tier_condition_follows_current_readings_only() {
 
     // The agent follows both engines; SGLang exports no host tier yet (HiCache gauge not logged,
     // or metrics without it): still no signal, and it says so per pod.
-    let agent = connect(&grpc, &["sglang-0", "sglang-1"], h.now_ms()).await;
+    let agent = connect(
+        &grpc,
+        "gpu-1",
+        resync(&["sglang-0", "sglang-1"], h.now_ms()),
+    )
+    .await;
     until("the resync", || shared.index.read().replica_count() == 2).await;
     report(&agent, &shared, &[("sglang-0", None), ("sglang-1", None)]).await;
     let (s, r, m, _) = host_tier(&h).await;
@@ -317,7 +254,12 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The agent comes back: its resync alone brings nothing back; its next report does.
-    let agent = connect(&grpc, &["sglang-0", "sglang-1"], h.now_ms()).await;
+    let agent = connect(
+        &grpc,
+        "gpu-1",
+        resync(&["sglang-0", "sglang-1"], h.now_ms()),
+    )
+    .await;
     until("the second resync", || {
         shared
             .index

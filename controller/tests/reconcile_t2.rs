@@ -6,36 +6,26 @@
 //! gauge on the controller's `/metrics`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod agent_stream_support;
 mod http_support;
 mod reconcile_support;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
+use agent_stream_support::*;
 use http_support::http_get;
 use ic_controller::http::{router, HttpState};
-use ic_controller::ingest::AgentIngest;
 use ic_controller::reconcile::Context;
 use ic_controller::state::{LookupPolicy, Shared};
 use ic_shared::proto::{
-    self, agent_message::Msg, agent_service_client::AgentServiceClient,
-    agent_service_server::AgentServiceServer, AgentMessage, BlockEntry, CounterReport, Resync,
-    StreamCounters, StreamDescriptor, StreamSnapshot,
+    agent_message::Msg, AgentMessage, CounterReport, StreamCounters, StreamDescriptor,
 };
 use reconcile_support::*;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 
 /// A controller's gRPC ingest and HTTP endpoints on loopback; returns (gRPC URL, HTTP address).
 async fn serve(shared: Arc<Shared>) -> (String, String) {
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc_addr = grpc.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(AgentServiceServer::new(AgentIngest::new(shared.clone())))
-            .serve_with_incoming(TcpListenerStream::new(grpc)),
-    );
+    let grpc = serve_ingest(shared.clone()).await;
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http_addr = http.local_addr().unwrap();
     let app = router(HttpState {
@@ -44,41 +34,25 @@ async fn serve(shared: Arc<Shared>) -> (String, String) {
         access: None,
     });
     tokio::spawn(async move { axum::serve(http, app).await });
-    (format!("http://{grpc_addr}"), http_addr.to_string())
+    (grpc, http_addr.to_string())
 }
 
+/// The vLLM engines of `kv` (16-token blocks).
+const ENGINES: Engines = Engines {
+    namespace: NS,
+    model: "m",
+    hash_scheme: "vllm",
+    backend: "ml/kv",
+    block_size: 16,
+    key_base: 0xabc0,
+};
+
 fn descriptor(pod: &str) -> StreamDescriptor {
-    StreamDescriptor {
-        stream_id: format!("{NS}/{pod}#0"),
-        replica: pod.to_string(),
-        tenant: NS.to_string(),
-        model: "m".into(),
-        hash_scheme: "vllm".into(),
-        backend: format!("{NS}/kv"),
-        ..Default::default()
-    }
+    ENGINES.descriptor(pod)
 }
 
 fn resync(pods: &[&str], last_event_ms: i64) -> AgentMessage {
-    AgentMessage {
-        msg: Some(Msg::Resync(Resync {
-            streams: pods
-                .iter()
-                .enumerate()
-                .map(|(i, p)| StreamSnapshot {
-                    stream: Some(descriptor(p)),
-                    entries: vec![BlockEntry {
-                        block_size: 16,
-                        content_key: 0xabc0 + i as u64,
-                        tier: proto::Tier::T1 as i32,
-                        ..Default::default()
-                    }],
-                    last_event_unix_ms: last_event_ms,
-                    ..Default::default()
-                })
-                .collect(),
-        })),
-    }
+    ENGINES.resync(pods, last_event_ms)
 }
 
 fn counters(c: &[(&str, u64, u64)]) -> AgentMessage {
@@ -96,16 +70,6 @@ fn counters(c: &[(&str, u64, u64)]) -> AgentMessage {
                 .collect(),
         })),
     }
-}
-
-async fn until(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..300 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// `(t2Hits, t2Queries)` of `stream` in the `/snapshot` JSON.
@@ -133,8 +97,7 @@ struct Setup {
     shared: Arc<Shared>,
     http: String,
     h: Harness,
-    tx: mpsc::Sender<AgentMessage>,
-    _inbound: tonic::Response<tonic::Streaming<proto::ControllerMessage>>,
+    agent: AgentStream,
 }
 
 async fn setup() -> Setup {
@@ -157,44 +120,25 @@ async fn setup() -> Setup {
     h.settle_deployment("kv-redis", 1).await;
 
     // A node agent: Hello, Resync of its two engine streams.
-    let channel = tonic::transport::Endpoint::from_shared(grpc)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: "gpu-1".into(),
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    tx.send(resync(&["engine-0", "engine-1"], h.now_ms()))
-        .await
-        .unwrap();
-    let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
+    let agent = connect(
+        &grpc,
+        "gpu-1",
+        resync(&["engine-0", "engine-1"], h.now_ms()),
+    )
+    .await;
     until("the resync", || shared.index.read().replica_count() == 2).await;
     Setup {
         shared,
         http,
         h,
-        tx,
-        _inbound,
+        agent,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
-    let Setup {
-        http,
-        h,
-        tx,
-        _inbound,
-        ..
-    } = setup().await;
+    let Setup { http, h, agent, .. } = setup().await;
+    let tx = agent.tx.clone();
 
     // Before any counters: tier 2 not exercised — no t2HitRate, no T2Degraded, no gauge series.
     assert_eq!(
@@ -312,12 +256,9 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_cache_counters_set_the_backends_hit_rate() {
     let Setup {
-        shared,
-        h,
-        tx,
-        _inbound,
-        ..
+        shared, h, agent, ..
     } = setup().await;
+    let tx = agent.tx.clone();
     h.reconcile("kv").await;
     let st = h.status("kv").await;
     assert!(st.index_participation.as_ref().unwrap().hit_rate.is_none());

@@ -1,4 +1,5 @@
-//! Shared by the agent's integration tests (`engine_metrics`, `sglang_metrics`, `subscribe_cli`):
+//! Shared by the agent's integration tests (`engine_metrics`, `sglang_metrics`, `subscribe_cli`,
+//! `link_acks`, `link_flush`):
 //! a stand-in controller (a real tonic `AgentService` on loopback that records every message an
 //! agent sends and lets the test push controller messages down the latest stream), an engine
 //! `/metrics` server whose page the test changes, and a plain HTTP GET.
@@ -169,4 +170,74 @@ pub async fn start_scraping_agent(
         fake,
         received,
     }
+}
+
+/// The real agent runtime on node `node` following a replayed vLLM 0.26.0 publisher
+/// (`testdata/kv-events/vllm-0.26.0.json`, with a replay endpoint, paced by `publish`), linked to
+/// the controller at `grpc` with the link settings `link` adjusts. Returns the running agent and
+/// the publisher task.
+pub async fn agent_following_replay(
+    node: &str,
+    grpc: SocketAddr,
+    publish: ic_agent::kv::publish::PublishOptions,
+    link: impl FnOnce(&mut ic_agent::link::LinkConfig),
+) -> (
+    ic_agent::runtime::Running,
+    tokio::task::JoinHandle<
+        Result<ic_agent::kv::publish::PublishReport, ic_agent::kv::publish::PublishError>,
+    >,
+) {
+    use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+    use std::time::Duration;
+    let free_port = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let recording = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/kv-events/vllm-0.26.0.json");
+    let publisher = tokio::spawn(async move {
+        ic_agent::kv::publish::publish_fixture(
+            &recording,
+            &format!("tcp://127.0.0.1:{pub_port}"),
+            Some(&format!("tcp://127.0.0.1:{replay_port}")),
+            &publish,
+        )
+        .await
+    });
+    let plan = NodePlan {
+        engines: vec![EnginePlan {
+            namespace: "team-a".into(),
+            pod: "engine-0".into(),
+            model: "model-x".into(),
+            hash_scheme: HashScheme::Vllm,
+            block_size: 16,
+            kv_events: vec![KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay_port}")),
+                topic: String::new(),
+                dp_rank: 0,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let state = ic_agent::state::AgentState::new(node.into(), plan).unwrap();
+    let mut cfg = ic_agent::link::LinkConfig::new(format!("http://{grpc}"));
+    link(&mut cfg);
+    let running = ic_agent::runtime::start(
+        ic_agent::runtime::RunConfig {
+            link: Some(cfg),
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            check_interval: Duration::from_secs(30),
+            limits: Default::default(),
+            http_bearer_token_file: None,
+        },
+        state,
+        ic_agent::checks::Checks::new(&ic_agent::checks::ChecksConfig::default()),
+    )
+    .await
+    .unwrap();
+    (running, publisher)
 }
