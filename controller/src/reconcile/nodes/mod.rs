@@ -188,12 +188,15 @@ pub async fn derive_node_scope_once(client: &Client, shared: &Shared) -> Result<
 /// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans,
 /// records them as the node scope ([`crate::ingest::scope`]) and publishes them through the
 /// registry. Returns what the registry did. A failing ModelCache
-/// list (e.g. the CRD is not installed) only leaves reader mounts out.
+/// list (e.g. the CRD is not installed) only leaves reader mounts out. Plan issues are counted
+/// in `node_plan_issues` and logged once when they appear (warn) and when they clear (info),
+/// through `issue_log`.
 pub async fn publish_plans_once(
     client: &Client,
     shared: &Shared,
     model_cache_control_namespace: &str,
     metrics: Option<&NodesMetrics>,
+    issue_log: &mut plans::PlanIssueLog,
 ) -> Result<PublishReport, kube::Error> {
     let (pods, backends) = list_pods_and_backends(client).await?;
     let mut derived = plans::derive_plans(&pods, &backends);
@@ -212,8 +215,12 @@ pub async fn publish_plans_once(
         ),
         Err(e) => debug!(error = %e, "cannot list ModelCaches; node plans carry no reader mounts"),
     }
-    for i in &derived.issues {
-        debug!(pod = %i.pod, node = ?i.node, reason = i.reason, "{}", i.message);
+    let (appeared, cleared) = issue_log.update(&derived.issues);
+    for i in appeared {
+        warn!(pod = %i.pod, node = ?i.node, reason = i.reason, "node plan issue: {}", i.message);
+    }
+    for (pod, reason) in cleared {
+        info!(pod = %pod, reason, "node plan issue cleared");
     }
     if let Some(m) = metrics {
         m.plan_issues.reset();
@@ -252,6 +259,7 @@ pub fn spawn_plan_publisher(
     let interval = cfg.plan_interval;
     tokio::spawn(async move {
         let mut unserved: BTreeSet<String> = BTreeSet::new();
+        let mut issue_log = plans::PlanIssueLog::default();
         let mut leading = leader.subscribe();
         let mut was_leader = false;
         loop {
@@ -262,6 +270,7 @@ pub fn spawn_plan_publisher(
                     &shared,
                     &cfg.model_cache_control_namespace,
                     metrics.as_ref(),
+                    &mut issue_log,
                 )
                 .await
                 {
@@ -283,6 +292,7 @@ pub fn spawn_plan_publisher(
                 if was_leader {
                     shared.nodes.lock().withdraw_plans();
                     unserved.clear();
+                    issue_log.clear();
                     if let Some(m) = &metrics {
                         m.nodes_without_agent.set(0);
                     }

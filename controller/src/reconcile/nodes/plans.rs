@@ -86,6 +86,37 @@ pub struct PlanIssue {
     pub message: String,
 }
 
+/// The plan issues open after the last derivation, so that each is logged when it appears and
+/// when it clears rather than on every derivation (one runs every `--node-plan-interval-seconds`).
+#[derive(Debug, Default)]
+pub struct PlanIssueLog {
+    open: BTreeSet<(String, &'static str)>,
+}
+
+impl PlanIssueLog {
+    /// Replaces the open issues with `issues` (one derivation's); returns the ones not open
+    /// before, in `issues`' order, and the `(pod, reason)` of those that are no longer raised.
+    pub fn update<'a>(
+        &mut self,
+        issues: &'a [PlanIssue],
+    ) -> (Vec<&'a PlanIssue>, Vec<(String, &'static str)>) {
+        let now: BTreeSet<(String, &'static str)> =
+            issues.iter().map(|i| (i.pod.clone(), i.reason)).collect();
+        let appeared = issues
+            .iter()
+            .filter(|i| !self.open.contains(&(i.pod.clone(), i.reason)))
+            .collect();
+        let cleared = self.open.difference(&now).cloned().collect();
+        self.open = now;
+        (appeared, cleared)
+    }
+
+    /// Forgets every open issue (leadership lost: the next leader logs them afresh).
+    pub fn clear(&mut self) {
+        self.open.clear();
+    }
+}
+
 /// Reasons of [`PlanIssue`].
 pub mod issue {
     /// `injected-by` names a CacheBackend that does not exist.
@@ -977,6 +1008,39 @@ pub fn add_reader_mounts(
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plan_issues_are_reported_when_they_appear_and_when_they_clear() {
+        let issue = |pod: &str, reason: &'static str| PlanIssue {
+            pod: pod.into(),
+            node: Some("gpu-1".into()),
+            reason,
+            message: format!("{pod}: {reason}"),
+        };
+        let mut log = PlanIssueLog::default();
+        let first = [
+            issue("ml/a", issue::NO_MODEL_ID),
+            issue("ml/b", issue::ENGINE_NOT_FOUND),
+        ];
+        let (appeared, cleared) = log.update(&first);
+        assert_eq!(appeared, first.iter().collect::<Vec<_>>());
+        assert!(cleared.is_empty());
+        // The same issues on the next derivation: nothing new, nothing cleared.
+        let (appeared, cleared) = log.update(&first);
+        assert!(appeared.is_empty() && cleared.is_empty());
+        // `a` gets a second reason, `b` is fixed.
+        let second = [
+            issue("ml/a", issue::NO_MODEL_ID),
+            issue("ml/a", issue::BLOCK_SIZE_UNKNOWN),
+        ];
+        let (appeared, cleared) = log.update(&second);
+        assert_eq!(appeared, vec![&second[1]]);
+        assert_eq!(cleared, vec![("ml/b".to_string(), issue::ENGINE_NOT_FOUND)]);
+        // After leadership moves, the issues are new again.
+        log.clear();
+        let (appeared, _) = log.update(&second);
+        assert_eq!(appeared.len(), 2);
+    }
 
     #[test]
     fn flags_in_every_spelling() {
