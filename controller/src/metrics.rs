@@ -25,16 +25,22 @@ pub struct ControllerMetrics {
     pub kv_batches_total: IntCounter,
     /// Stream deltas applied to the index.
     pub kv_deltas_applied_total: IntCounter,
-    /// Stream deltas refused, by reason (`sequence_gap`, `unknown_stream`, `missing_stream`, `awaiting_resync`).
+    /// Stream deltas refused, by reason: `sequence_gap`, `unknown_stream`, `missing_stream`
+    /// (each asks the agent for a resync and marks the node's replicas Unknown /
+    /// `ResyncRequested`), `awaiting_resync` (dropped while that resync is pending, the rest of
+    /// the refused delta's batch included), `outside_node_scope` (a stream the node may not
+    /// report).
     pub kv_deltas_refused_total: IntCounterVec,
     /// Full resyncs applied, by trigger (`connect`, `requested`).
     pub kv_resyncs_total: IntCounterVec,
     /// Agent resyncs waiting for a turn or being applied, by `state` (`waiting`, `applying`;
     /// `ingest::turns`).
     pub resyncs_pending: IntGaugeVec,
-    /// Streams of a node agent's resyncs, deltas and counter reports left out, by reason
-    /// (`outside_node_scope`: not an engine pod the plans place on the agent's node;
-    /// `block_size_cap`: a block size above the cap or past the registered-sizes cap).
+    /// Streams of a node agent's resyncs and deltas left out, by reason (`outside_node_scope`:
+    /// not an engine pod the plans place on the agent's node, one per stream snapshot or
+    /// delta dropped; `block_size_cap`: one per snapshot or delta that lost entries or ops to
+    /// a block size above the cap or past the registered-sizes cap, its stream then reads
+    /// Partial / `BlockSizeCapExceeded`).
     pub kv_streams_refused_total: IntCounterVec,
     /// Check reports received.
     pub check_reports_total: IntCounter,
@@ -125,7 +131,7 @@ impl ControllerMetrics {
         let kv_streams_refused_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}kv_streams_refused_total"),
-                "Streams of agent resyncs, deltas and counter reports left out, by reason.",
+                "Stream snapshots and deltas of agent resyncs left out (outside_node_scope) or cut (block_size_cap), by reason.",
             ),
             &["reason"],
         )?;
@@ -194,7 +200,7 @@ impl ControllerMetrics {
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(
                 format!("{p}index_write_hold_seconds"),
-                "How long the KV-prefix index's write lock was held at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, disconnect, expire, tenant_quotas, probe).",
+                "How long the KV-prefix index's write lock was held at a time (lookups wait meanwhile), in seconds, by what it applied (deltas, resync_begin, resync_slice, counters, connect, disconnect, expire, tenant_quotas, probe).",
             )
             .buckets([&LATENCY_BUCKETS[..], &[0.25, 1.0]].concat()),
             &["what"],
@@ -255,7 +261,12 @@ impl ControllerMetrics {
                     "unknown_stream",
                     "missing_stream",
                     "awaiting_resync",
+                    "outside_node_scope",
                 ][..],
+            ),
+            (
+                &kv_streams_refused_total,
+                &["outside_node_scope", "block_size_cap"][..],
             ),
             (&kv_resyncs_total, &["connect", "requested"][..]),
             (&lookups_total, &["prefix_match", "no_hint"][..]),

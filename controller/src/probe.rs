@@ -230,6 +230,9 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
 
     let ingest = {
         let mut ix = shared.index_write(crate::state::WriteHold::Probe);
+        // The probe's blocks do not count against the tenant's quota: they would evict as many
+        // of its real entries (the probe removes its own at the end).
+        ix.add_quota_headroom(&tenant, keys.len());
         ix.resync_node(
             &node,
             &[proto::StreamSnapshot {
@@ -332,6 +335,7 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
     {
         let mut ix = shared.index_write(crate::state::WriteHold::Probe);
         ix.remove_node(&node);
+        ix.remove_quota_headroom(&tenant, keys.len());
         shared.update_index_gauges(&ix);
     }
     let t2 = StageReport::skipped(
@@ -459,6 +463,58 @@ mod tests {
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["stages"]["ingest"]["status"], "ok");
         assert!(json["durationMs"].is_number());
+    }
+
+    #[test]
+    fn a_probe_of_a_tenant_at_its_quota_evicts_none_of_its_entries() {
+        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        let router = Router::new(shared.clone());
+        let stream = proto::StreamDescriptor {
+            stream_id: "team-a/engine-0#0".into(),
+            replica: "engine-0".into(),
+            tenant: "team-a".into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            ..Default::default()
+        };
+        {
+            let mut ix = shared.index.write();
+            ix.set_tenant_quotas(std::collections::HashMap::from([("team-a".to_string(), 8)]));
+            ix.resync_node(
+                "gpu-1",
+                &[proto::StreamSnapshot {
+                    stream: Some(stream),
+                    coverage: proto::Coverage::Exact as i32,
+                    entries: (1..=8)
+                        .map(|k| proto::BlockEntry {
+                            block_size: 16,
+                            content_key: k,
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                }],
+            );
+        }
+        let r = run(
+            &shared,
+            &router,
+            &ProbeRequest {
+                tenant: Some("team-a".into()),
+                model: Some("m".into()),
+                ..Default::default()
+            },
+        );
+        assert!(r.ok, "{r:?}");
+        let ix = shared.index.read();
+        assert_eq!(ix.stream_entries("team-a/engine-0#0").unwrap().len(), 8);
+        assert_eq!(ix.quota_evictions().get("team-a"), None);
+        let snap = ix.snapshot();
+        assert_eq!(snap.replicas.len(), 1);
+        assert_eq!(
+            (snap.replicas[0].coverage, snap.replicas[0].coverage_reason),
+            ("Exact", None)
+        );
     }
 
     #[test]

@@ -169,6 +169,8 @@ pub enum WriteHold {
     ResyncSlice,
     /// One agent `EngineCounters` report.
     Counters,
+    /// An agent's stream opened: what an older stream of its node reported marked unreported.
+    Connect,
     /// An agent's stream ended: its node marked unreported.
     Disconnect,
     /// Nodes past `--node-expiry` dropped.
@@ -181,11 +183,12 @@ pub enum WriteHold {
 
 impl WriteHold {
     /// Every value, in label order.
-    pub const ALL: [WriteHold; 8] = [
+    pub const ALL: [WriteHold; 9] = [
         WriteHold::Deltas,
         WriteHold::ResyncBegin,
         WriteHold::ResyncSlice,
         WriteHold::Counters,
+        WriteHold::Connect,
         WriteHold::Disconnect,
         WriteHold::Expire,
         WriteHold::TenantQuotas,
@@ -199,6 +202,7 @@ impl WriteHold {
             WriteHold::ResyncBegin => "resync_begin",
             WriteHold::ResyncSlice => "resync_slice",
             WriteHold::Counters => "counters",
+            WriteHold::Connect => "connect",
             WriteHold::Disconnect => "disconnect",
             WriteHold::Expire => "expire",
             WriteHold::TenantQuotas => "tenant_quotas",

@@ -501,3 +501,68 @@ async fn a_concurrent_status_write_is_not_lost() {
     let types: Vec<&str> = conds.iter().map(|c| c.type_.as_str()).collect();
     assert_eq!(types, vec!["Selected", "Ready", "Reconciled"]);
 }
+
+/// Plan figures are the leader's: a replica that loses leadership drops its
+/// `node_plan_issues` series instead of exporting its last counts for good.
+#[tokio::test]
+async fn a_replica_that_loses_leadership_exports_no_plan_issues() {
+    let shared = Arc::new(ic_controller::state::Shared::new(LookupPolicy::default()).unwrap());
+    // Wired by a CacheBackend that does not exist: a BackendNotFound plan issue.
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "engine-0", "namespace": "team-a", "uid": "u-engine-0",
+                     "annotations": {"inferencecache.io/injected-by": "team-a/gone"}},
+        "spec": {"nodeName": "gpu-1", "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.5"},
+    }))
+    .unwrap();
+    let client = fake_client(vec![], vec![pod]).await;
+    let registry = prometheus::Registry::new();
+    let metrics = NodesMetrics::register(&registry).unwrap();
+    let (lead_tx, lead_rx) = tokio::sync::watch::channel(true);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let publisher = spawn_plan_publisher(
+        client,
+        shared,
+        LeaderHandle::new(lead_rx),
+        Some(metrics),
+        NodeLoopConfig {
+            plan_interval: Duration::from_millis(50),
+            ..Default::default()
+        },
+        stop_rx,
+    );
+    let issues = || -> Vec<(String, i64)> {
+        registry
+            .gather()
+            .iter()
+            .filter(|f| f.name().ends_with("node_plan_issues"))
+            .flat_map(|f| f.get_metric().iter())
+            .map(|m| {
+                (
+                    m.get_label()[0].value().to_string(),
+                    m.get_gauge().get_value() as i64,
+                )
+            })
+            .collect()
+    };
+    let until = |want: Vec<(String, i64)>| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = issues();
+            if got == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node_plan_issues: {got:?}, want {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    until(vec![("BackendNotFound".to_string(), 1)]).await;
+    lead_tx.send(false).unwrap();
+    until(vec![]).await;
+    stop_tx.send(true).unwrap();
+    publisher.await.unwrap();
+}

@@ -441,6 +441,8 @@ pub struct PrefixIndex {
     unroutable_count: usize,
     /// Tenant quotas (CacheTenant `spec.quota.maxIndexEntries`): most distinct blocks per tenant.
     quotas: HashMap<String, usize>,
+    /// Blocks per tenant allowed above its quota ([`PrefixIndex::add_quota_headroom`]).
+    quota_headroom: HashMap<String, usize>,
     /// Per tenant with a quota: its blocks in the order they entered the index.
     tenant_fifo: HashMap<String, TenantFifo>,
     /// Partitions of each tenant (a tenant's block count is the sum of theirs).
@@ -480,6 +482,7 @@ impl PrefixIndex {
             unroutable: Vec::new(),
             unroutable_count: 0,
             quotas: HashMap::new(),
+            quota_headroom: HashMap::new(),
             tenant_fifo: HashMap::new(),
             tenant_partitions: HashMap::new(),
             max_blocks_per_stream: usize::MAX,
@@ -572,11 +575,29 @@ impl PrefixIndex {
             .unwrap_or(0)
     }
 
-    /// Evicts `tenant`'s oldest blocks until it is within its quota.
+    /// Lets `tenant` hold `blocks` more than its quota until [`Self::remove_quota_headroom`]
+    /// takes them back: blocks the controller stores for itself (the routing probe's synthetic
+    /// stream) so that they do not evict the tenant's real entries.
+    pub fn add_quota_headroom(&mut self, tenant: &str, blocks: usize) {
+        *self.quota_headroom.entry(tenant.to_string()).or_insert(0) += blocks;
+    }
+
+    /// Takes back headroom given by [`Self::add_quota_headroom`].
+    pub fn remove_quota_headroom(&mut self, tenant: &str, blocks: usize) {
+        if let Some(h) = self.quota_headroom.get_mut(tenant) {
+            *h = h.saturating_sub(blocks);
+            if *h == 0 {
+                self.quota_headroom.remove(tenant);
+            }
+        }
+    }
+
+    /// Evicts `tenant`'s oldest blocks until it is within its quota (plus any headroom).
     fn enforce_quota(&mut self, tenant: &str) {
-        let Some(&max) = self.quotas.get(tenant) else {
+        let Some(&quota) = self.quotas.get(tenant) else {
             return;
         };
+        let max = quota.saturating_add(self.quota_headroom.get(tenant).copied().unwrap_or(0));
         let mut held = self.tenant_blocks(tenant);
         while held > max {
             let Some((pid, key)) = self.tenant_fifo.get_mut(tenant).and_then(TenantFifo::pop)
@@ -629,19 +650,7 @@ impl PrefixIndex {
             if let Some(part) = part {
                 self.remove(slot, part, &[key]);
             }
-            if let Some(r) = self
-                .replicas
-                .get_mut(slot as usize)
-                .and_then(Option::as_mut)
-            {
-                let before = r.effective_coverage().state;
-                r.limited = Some(coverage::TENANT_QUOTA_EXCEEDED);
-                retally(
-                    &mut self.coverage_tally,
-                    Some(before),
-                    Some(r.effective_coverage().state),
-                );
-            }
+            self.limit_slot(slot, coverage::TENANT_QUOTA_EXCEEDED);
         }
         true
     }
@@ -693,6 +702,74 @@ impl PrefixIndex {
     /// routable (an agent restart is not an engine outage) until the node expires; a replica
     /// already reported Disconnected or EngineDown stays unrouted.
     pub fn mark_node_unreported(&mut self, node: &str) {
+        self.mark_node_routable(
+            node,
+            Coverage::new(CoverageState::Unknown, coverage::AGENT_DISCONNECTED),
+        );
+    }
+
+    /// A newer agent stream of `node` opened (it supersedes the one that reported the node's
+    /// replicas): a resync of the old stream still being applied in slices stops touching them
+    /// (its later [`Self::resync_step`]s skip them and do not set their coverage), and each
+    /// routable one reads Unknown / `AgentDisconnected` until the new stream's resync.
+    pub fn supersede_node(&mut self, node: &str) {
+        let slots: Vec<ReplicaSlot> = self
+            .node_slots
+            .get(node)
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        for s in slots {
+            if let Some(r) = self.replica_mut(s).filter(|r| r.node == node) {
+                // No apply has generation 0 (`begin_resync` counts from 1).
+                r.resync = 0;
+            }
+        }
+        self.mark_node_unreported(node);
+    }
+
+    /// Marks the replica of `stream_id` Partial with `reason` until it is cleared or resynced
+    /// (whatever its agent reports meanwhile): ingest dropped some of its entries or ops
+    /// (e.g. [`coverage::BLOCK_SIZE_CAP_EXCEEDED`]). False when the stream is not indexed.
+    pub fn limit_stream(&mut self, stream_id: &str, reason: &'static str) -> bool {
+        let Some(&slot) = self.slot_by_stream.get(stream_id) else {
+            return false;
+        };
+        self.limit_slot(slot, reason);
+        true
+    }
+
+    /// Sets `slot`'s [`Replica::limited`] and keeps the coverage tally.
+    fn limit_slot(&mut self, slot: ReplicaSlot, reason: &'static str) {
+        if let Some(r) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        {
+            let before = r.effective_coverage().state;
+            r.limited = Some(reason);
+            retally(
+                &mut self.coverage_tally,
+                Some(before),
+                Some(r.effective_coverage().state),
+            );
+        }
+    }
+
+    /// Marks every routable replica of `node` Unknown / `ResyncRequested`: the controller
+    /// refused one of the node's deltas and asked its agent for a resync, and applies none of
+    /// its deltas until then, so the entries are as last applied. Still routed, like an
+    /// unreported node; the resync sets each stream's coverage again.
+    pub fn mark_node_awaiting_resync(&mut self, node: &str) {
+        self.mark_node_routable(
+            node,
+            Coverage::new(CoverageState::Unknown, coverage::RESYNC_REQUESTED),
+        );
+    }
+
+    /// Sets `cov` on every replica of `node` that is routable now.
+    fn mark_node_routable(&mut self, node: &str, cov: Coverage) {
         let slots: Vec<ReplicaSlot> = self
             .node_slots
             .get(node)
@@ -705,10 +782,7 @@ impl PrefixIndex {
             })
             .collect();
         for s in slots {
-            self.set_coverage(
-                s,
-                Coverage::new(CoverageState::Unknown, coverage::AGENT_DISCONNECTED),
-            );
+            self.set_coverage(s, cov);
         }
     }
 

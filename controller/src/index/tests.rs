@@ -1763,3 +1763,149 @@ fn equal_depth_partitions_merge_each_replica_once() {
         .unwrap();
     assert_eq!(one.replicas.len(), 600);
 }
+
+fn coverage_of(ix: &PrefixIndex, pod: &str) -> (&'static str, Option<&'static str>) {
+    let snap = ix.snapshot();
+    let r = snap
+        .replicas
+        .iter()
+        .find(|r| r.replica == pod)
+        .expect("the replica is indexed");
+    (r.coverage, r.coverage_reason)
+}
+
+/// A newer agent stream of the node takes over while the old stream's resync is applied in
+/// slices: the rest of that resync touches nothing, and the node's replicas read Unknown /
+/// `AgentDisconnected` (not the old snapshot's Exact) until the new stream resyncs.
+#[test]
+fn a_superseded_nodes_resync_stops_and_its_replicas_are_not_vouched_for() {
+    let mut ix = PrefixIndex::new();
+    let mut snap = empty_snapshot("a");
+    snap.entries = (1..=100)
+        .map(|k| proto::BlockEntry {
+            block_size: 4,
+            content_key: k,
+            ..Default::default()
+        })
+        .collect();
+    let streams = vec![snap];
+    let mut apply = ix.begin_resync("n1", &streams);
+    assert!(!ix.resync_step(&mut apply, &streams, 10));
+    assert_eq!(coverage_of(&ix, "a"), ("Partial", Some("ResyncApplying")));
+    ix.supersede_node("n1");
+    while !ix.resync_step(&mut apply, &streams, 10) {}
+    assert_eq!(ix.stream_entries("default/a#0").unwrap().len(), 10);
+    assert_eq!(
+        coverage_of(&ix, "a"),
+        ("Unknown", Some("AgentDisconnected"))
+    );
+    // The new stream's resync is vouched for again.
+    ix.resync_node("n1", &streams);
+    assert_eq!(ix.stream_entries("default/a#0").unwrap().len(), 100);
+    assert_eq!(coverage_of(&ix, "a"), ("Exact", None));
+}
+
+/// After a refused delta the controller applies none of the node's deltas until its resync:
+/// every routable replica of the node says so, and stays routed.
+#[test]
+fn a_node_awaiting_its_resync_reads_resync_requested() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
+    ix.resync_node("n2", &[empty_snapshot("c")]);
+    let keys = chain(&tokens(0..8), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    ix.mark_node_awaiting_resync("n1");
+    assert_eq!(coverage_of(&ix, "a"), ("Unknown", Some("ResyncRequested")));
+    assert_eq!(coverage_of(&ix, "b"), ("Unknown", Some("ResyncRequested")));
+    assert_eq!(coverage_of(&ix, "c"), ("Exact", None));
+    let r = ix.lookup(&query(&tokens(0..8)));
+    assert!(r.prefix_match);
+    assert_eq!(r.replicas[0].coverage.reason, Some("ResyncRequested"));
+}
+
+/// Entries ingest dropped (the block-size caps) keep the stream Partial whatever its later
+/// deltas say, until a resync that drops nothing.
+#[test]
+fn a_limited_stream_stays_partial_until_it_is_resynced() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    assert!(ix.limit_stream("default/a#0", coverage::BLOCK_SIZE_CAP_EXCEEDED));
+    assert!(!ix.limit_stream("default/nope#0", coverage::BLOCK_SIZE_CAP_EXCEEDED));
+    ix.apply_delta("n1", &delta("a", 1, vec![])).unwrap();
+    assert_eq!(
+        coverage_of(&ix, "a"),
+        ("Partial", Some("BlockSizeCapExceeded"))
+    );
+    assert_eq!(ix.coverage_counts(), ix.coverage_counts_walked());
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    assert_eq!(coverage_of(&ix, "a"), ("Exact", None));
+}
+
+/// Blocks the controller stores for itself under headroom (the routing probe) do not evict a
+/// tenant's real entries; once the headroom is taken back the quota holds as before.
+#[test]
+fn quota_headroom_keeps_a_probes_blocks_from_evicting_real_entries() {
+    let mut ix = PrefixIndex::new();
+    ix.set_tenant_quotas(HashMap::from([("default".to_string(), 4)]));
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    let real = chain(&tokens(0..16), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&real, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert_eq!(ix.entry_count(), 4);
+    let probe = chain(&tokens(1000..1024), 4);
+    ix.add_quota_headroom("default", probe.len());
+    ix.resync_node("probe-node", &[empty_snapshot("probe")]);
+    ix.apply_delta(
+        "probe-node",
+        &delta("probe", 1, vec![store(&probe, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert_eq!(ix.stream_entries("default/a#0").unwrap().len(), 4);
+    assert_eq!(coverage_of(&ix, "a"), ("Exact", None));
+    assert_eq!(ix.quota_evictions().get("default"), None);
+    ix.remove_node("probe-node");
+    ix.remove_quota_headroom("default", probe.len());
+    // A fifth real block is one too many again: the oldest goes.
+    let more = chain(&tokens(0..20), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 2, vec![store(&more, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert_eq!(ix.stream_entries("default/a#0").unwrap().len(), 4);
+    assert_eq!(ix.quota_evictions().get("default"), Some(&1));
+}
+
+/// With no match in any partition, the NO_HINT reason is that of the partition the request
+/// has the most blocks in, whichever block size was registered first.
+#[test]
+fn no_match_speaks_of_the_smallest_block_size_not_the_first_registered() {
+    let mut ix = PrefixIndex::new();
+    let sized = |pod: &str, bs: u32| {
+        let mut s = empty_snapshot(pod);
+        s.entries = vec![proto::BlockEntry {
+            block_size: bs,
+            content_key: 7,
+            ..Default::default()
+        }];
+        s
+    };
+    ix.resync_node("n1", &[sized("big", 32), sized("small", 16)]);
+    // 20 tokens: no block at size 32, one at size 16 (held by nobody).
+    let r = ix.lookup(&query(&tokens(500..520)));
+    assert!(!r.prefix_match);
+    assert_eq!(
+        (r.reason.as_str(), r.block_size, r.request_blocks),
+        ("NoReplicaHoldsPrefix", 16, 1)
+    );
+    // Shorter than every size: that reason.
+    let r = ix.lookup(&query(&tokens(500..510)));
+    assert_eq!(r.reason, "RequestShorterThanOneBlock");
+}

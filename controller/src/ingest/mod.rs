@@ -49,8 +49,14 @@
 //! cluster, every replica does), a node agent's resync keeps only streams of engine pods the
 //! plans place on its node, and its deltas of other streams are dropped — each counted in
 //! `kv_streams_refused_total{reason="outside_node_scope"}`; entries and ops with a block size
-//! over the caps are dropped the same way (`reason="block_size_cap"`). Standalone derives no
-//! plans: node agents report what they see, as before.
+//! over the caps are dropped too (`reason="block_size_cap"`, one per snapshot or delta cut),
+//! and their stream reads Partial / `BlockSizeCapExceeded` until a resync or clear drops
+//! nothing. Standalone derives no plans: node agents report what they see, as before.
+//!
+//! **Refused deltas** (a sequence gap, an unknown stream): the controller asks the agent for a
+//! resync, drops the node's deltas until it arrives (`kv_deltas_refused_total{reason=
+//! "awaiting_resync"}`, the rest of the refused batch included) and marks the node's replicas
+//! Unknown / `ResyncRequested` meanwhile: their entries are as last applied.
 
 pub mod auth;
 pub mod host_tier;
@@ -181,6 +187,15 @@ impl AgentService for AgentIngest {
                     (ticket, generation)
                 }
             };
+            // This stream supersedes any open one of the node (or pod): what that one reported
+            // is as last reported until this one resyncs, and a resync of it still being
+            // applied stops (under the registry lock, so the old stream's end, which checks
+            // it, cannot race this).
+            {
+                let mut ix = self.shared.index_write(WriteHold::Connect);
+                ix.supersede_node(&ticket.node);
+                self.shared.update_index_gauges(&ix);
+            }
             self.shared
                 .metrics
                 .agents_connected
@@ -475,23 +490,40 @@ impl Session {
                         .inc_by(batch.deltas.len() as u64);
                 } else {
                     let mut deltas = self.in_scope_deltas(batch.deltas);
-                    let mut ix = self.shared.index_write(WriteHold::Deltas);
+                    let Some(mut ix) = self.index_write_if_current(WriteHold::Deltas) else {
+                        return Err(SessionEnd::Superseded);
+                    };
                     let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
-                    for d in &mut deltas {
-                        let capped = scope::cap_delta(d, &mut budget);
-                        if capped > 0 {
-                            m.kv_streams_refused_total
-                                .with_label_values(&["block_size_cap"])
-                                .inc_by(capped as u64);
-                        }
-                    }
-                    for d in &deltas {
+                    let capped: Vec<bool> = deltas
+                        .iter_mut()
+                        .map(|d| scope::cap_delta(d, &mut budget) > 0)
+                        .collect();
+                    for (i, d) in deltas.iter().enumerate() {
                         match ix.apply_delta(&self.ticket.node, d) {
-                            Ok(()) => m.kv_deltas_applied_total.inc(),
+                            Ok(()) => {
+                                m.kv_deltas_applied_total.inc();
+                                if capped.get(i) == Some(&true) {
+                                    m.kv_streams_refused_total
+                                        .with_label_values(&["block_size_cap"])
+                                        .inc();
+                                    if let Some(desc) = &d.stream {
+                                        ix.limit_stream(
+                                            &desc.stream_id,
+                                            ic_shared::kv::coverage::BLOCK_SIZE_CAP_EXCEEDED,
+                                        );
+                                    }
+                                }
+                            }
                             Err(e) => {
                                 m.kv_deltas_refused_total
                                     .with_label_values(&[e.reason()])
                                     .inc();
+                                // The rest of the batch waits for the resync like every later
+                                // delta; meanwhile no entry of the node is vouched for.
+                                m.kv_deltas_refused_total
+                                    .with_label_values(&["awaiting_resync"])
+                                    .inc_by((deltas.len() - i - 1) as u64);
+                                ix.mark_node_awaiting_resync(&self.ticket.node);
                                 refused = Some(e);
                                 break;
                             }
@@ -623,6 +655,21 @@ impl Session {
         kept
     }
 
+    /// The index write lock for `what` while this stream is still its node's (or pod's)
+    /// current one; `None` once a newer one took over. Checked under the registry lock, which
+    /// a newer stream's connect holds while it supersedes this one's replicas
+    /// ([`crate::index::PrefixIndex::supersede_node`]), so nothing this stream applies lands
+    /// after that.
+    fn index_write_if_current(&self, what: WriteHold) -> Option<crate::state::IndexWrite<'_>> {
+        let nodes = self.shared.nodes.lock();
+        if !nodes.is_current(&self.ticket) {
+            return None;
+        }
+        let ix = self.shared.index_write(what);
+        drop(nodes);
+        Some(ix)
+    }
+
     /// Replaces the node's streams with a whole resync, applied in slices of
     /// [`RESYNC_SLICE_ENTRIES`] entries ([`crate::index::PrefixIndex::begin_resync`]): the index
     /// write lock is released and the task yields between slices, so lookups and other agents'
@@ -639,18 +686,27 @@ impl Session {
         let streams = self.in_scope_snapshots(streams);
         let mut streams = with_node(streams, self.ticket.reporting_node());
         let mut apply = {
-            let mut ix = self.shared.index_write(WriteHold::ResyncBegin);
+            let Some(mut ix) = self.index_write_if_current(WriteHold::ResyncBegin) else {
+                info!(node = %self.ticket.node, "a newer stream of the node took over before its resync was applied");
+                self.turn = None;
+                return;
+            };
             let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
-            let capped: usize = streams
-                .iter_mut()
-                .map(|s| scope::cap_snapshot(s, &mut budget))
-                .sum();
-            if capped > 0 {
-                m.kv_streams_refused_total
-                    .with_label_values(&["block_size_cap"])
-                    .inc_by(capped as u64);
+            let mut capped: Vec<String> = Vec::new();
+            for s in streams.iter_mut() {
+                if scope::cap_snapshot(s, &mut budget) > 0 {
+                    capped.extend(s.stream.as_ref().map(|d| d.stream_id.clone()));
+                }
             }
+            m.kv_streams_refused_total
+                .with_label_values(&["block_size_cap"])
+                .inc_by(capped.len() as u64);
             let apply = ix.begin_resync(&self.ticket.node, &streams);
+            // What the cap dropped is not in the index: those streams read Partial whatever
+            // their snapshot says, until a resync or clear drops nothing.
+            for id in &capped {
+                ix.limit_stream(id, ic_shared::kv::coverage::BLOCK_SIZE_CAP_EXCEEDED);
+            }
             self.shared.update_index_gauges(&ix);
             // The agent sends its counters again right after a resync.
             self.shared
@@ -1082,6 +1138,12 @@ mod tests {
         // anything more (so a live agent reconnects instead of waiting for acks).
         let (second, tx2) = open(&url, hello("n1", None, "")).await;
         let mut second = second.unwrap();
+        // What the first stream reported is no longer vouched for: nothing applies its
+        // events any more, and the second has not resynced.
+        until("the takeover's coverage", || {
+            coverage(&shared, "ns/pod-a#0") == Some(("Unknown", Some("AgentDisconnected")))
+        })
+        .await;
         let st = tokio::time::timeout(Duration::from_secs(2), final_status(&mut first))
             .await
             .expect("the superseded stream ends promptly");
@@ -1113,6 +1175,156 @@ mod tests {
             }
         }
         assert!(shared.nodes.lock().connected_count() == 1);
+    }
+
+    /// [`resync`] with every stream reported Exact.
+    fn exact_resync(streams: &[(&str, &str, &str)]) -> proto::Resync {
+        let Some(Msg::Resync(mut r)) = resync(streams).msg else {
+            unreachable!("resync builds a Resync")
+        };
+        for s in &mut r.streams {
+            s.coverage = proto::Coverage::Exact as i32;
+        }
+        r
+    }
+
+    /// `(coverage, reason)` of `stream` in the index's snapshot.
+    fn coverage(shared: &Shared, stream: &str) -> Option<(&'static str, Option<&'static str>)> {
+        shared
+            .index
+            .read()
+            .snapshot()
+            .replicas
+            .iter()
+            .find(|r| r.stream_id == stream)
+            .map(|r| (r.coverage, r.coverage_reason))
+    }
+
+    #[tokio::test]
+    async fn a_refused_delta_leaves_the_node_resync_requested_and_counts_the_rest_of_its_batch() {
+        let (url, shared) = serve(None).await;
+        let (inbound, tx) = open(&url, hello("n1", None, "")).await;
+        let mut inbound = inbound.unwrap();
+        tx.send(AgentMessage {
+            msg: Some(Msg::Resync(exact_resync(&[
+                ("ns", "pod-a", "a1"),
+                ("ns", "pod-b", "b1"),
+            ]))),
+        })
+        .await
+        .unwrap();
+        until("the resync", || {
+            coverage(&shared, "ns/pod-b#0") == Some(("Exact", None))
+        })
+        .await;
+        // seq 2 after 0 is a gap; the two deltas after it wait for the resync.
+        tx.send(AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: 1,
+                deltas: vec![
+                    delta("ns", "pod-a", 2, 0xa2),
+                    delta("ns", "pod-a", 1, 0xa3),
+                    delta("ns", "pod-b", 1, 0xb2),
+                ],
+            })),
+        })
+        .await
+        .unwrap();
+        loop {
+            if let Some(controller_message::Msg::ResyncRequest(_)) =
+                inbound.message().await.unwrap().unwrap().msg
+            {
+                break;
+            }
+        }
+        let refused = |r: &str| {
+            shared
+                .metrics
+                .kv_deltas_refused_total
+                .with_label_values(&[r])
+                .get()
+        };
+        assert_eq!(
+            (refused("sequence_gap"), refused("awaiting_resync")),
+            (1, 2)
+        );
+        for s in ["ns/pod-a#0", "ns/pod-b#0"] {
+            assert_eq!(
+                coverage(&shared, s),
+                Some(("Unknown", Some("ResyncRequested"))),
+                "{s}"
+            );
+        }
+        // The resync the agent sends is vouched for again.
+        tx.send(AgentMessage {
+            msg: Some(Msg::Resync(exact_resync(&[
+                ("ns", "pod-a", "a4"),
+                ("ns", "pod-b", "b4"),
+            ]))),
+        })
+        .await
+        .unwrap();
+        until("the requested resync", || {
+            coverage(&shared, "ns/pod-a#0") == Some(("Exact", None))
+                && coverage(&shared, "ns/pod-b#0") == Some(("Exact", None))
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn entries_the_block_size_caps_drop_leave_their_stream_partial() {
+        let (url, shared) = serve(None).await;
+        let (_inbound, tx) = open(&url, hello("n1", None, "")).await;
+        let mut r = exact_resync(&[("ns", "pod-a", "a1"), ("ns", "pod-b", "b1")]);
+        // pod-a's block size is above the cap.
+        r.streams[0].entries[0].block_size = ic_shared::limits::MAX_BLOCK_SIZE * 2;
+        tx.send(AgentMessage {
+            msg: Some(Msg::Resync(r)),
+        })
+        .await
+        .unwrap();
+        until("the resync", || {
+            coverage(&shared, "ns/pod-b#0") == Some(("Exact", None))
+        })
+        .await;
+        assert_eq!(
+            coverage(&shared, "ns/pod-a#0"),
+            Some(("Partial", Some("BlockSizeCapExceeded")))
+        );
+        let cut = || {
+            shared
+                .metrics
+                .kv_streams_refused_total
+                .with_label_values(&["block_size_cap"])
+                .get()
+        };
+        assert_eq!(cut(), 1);
+        // A later Exact delta of a size the index takes does not make it Exact: what was cut
+        // is still missing.
+        tx.send(AgentMessage {
+            msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+                batch_id: 1,
+                deltas: vec![proto::StreamDelta {
+                    coverage: proto::Coverage::Exact as i32,
+                    ..delta("ns", "pod-a", 1, 0xa2)
+                }],
+            })),
+        })
+        .await
+        .unwrap();
+        until("the delta", || {
+            shared
+                .index
+                .read()
+                .stream_entries("ns/pod-a#0")
+                .is_some_and(|e| e.len() == 1)
+        })
+        .await;
+        assert_eq!(
+            coverage(&shared, "ns/pod-a#0"),
+            Some(("Partial", Some("BlockSizeCapExceeded")))
+        );
+        assert_eq!(cut(), 1);
     }
 
     #[tokio::test]

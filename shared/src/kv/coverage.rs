@@ -131,8 +131,17 @@ pub const RESYNC_APPLYING: &str = "ResyncApplying";
 pub const REPLAYING: &str = "Replaying";
 /// Disconnected: the publisher socket is down.
 pub const PUBLISHER_DISCONNECTED: &str = "PublisherDisconnected";
-/// Unknown (controller side): the agent that reports the replica is not connected.
+/// Unknown (controller side): the agent stream that reported the replica ended (the agent
+/// disconnected, or a newer stream of its node took over and has not resynced yet).
 pub const AGENT_DISCONNECTED: &str = "AgentDisconnected";
+/// Unknown (controller side): the controller refused one of the node's deltas (a sequence gap,
+/// an unknown stream) and asked its agent for a resync; it applies none of the node's deltas
+/// until then.
+pub const RESYNC_REQUESTED: &str = "ResyncRequested";
+/// Partial (controller side): entries or ops of the stream were dropped at ingest because
+/// their block size is above the cap or would register one size too many for its hash scheme
+/// (docs/security.md "Input bounds").
+pub const BLOCK_SIZE_CAP_EXCEEDED: &str = "BlockSizeCapExceeded";
 
 /// Every reason a coverage can carry (bounded metric label values).
 pub const REASONS: &[&str] = &[
@@ -151,6 +160,8 @@ pub const REASONS: &[&str] = &[
     REPLAYING,
     PUBLISHER_DISCONNECTED,
     AGENT_DISCONNECTED,
+    RESYNC_REQUESTED,
+    BLOCK_SIZE_CAP_EXCEEDED,
 ];
 
 /// What a reason means, in a sentence an operator can act on (CacheNode messages, docs).
@@ -169,7 +180,9 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
         RESYNC_APPLYING => "the controller is applying the node's resync in slices: entries are incomplete until the last slice (milliseconds to seconds)",
         PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
-        AGENT_DISCONNECTED => "the node's agent is not connected; entries are as last reported",
+        AGENT_DISCONNECTED => "the agent stream that reported this replica ended (the agent disconnected, or a newer stream of its node has not resynced yet); entries are as last reported",
+        RESYNC_REQUESTED => "the controller refused one of the node's deltas (a sequence gap or an unknown stream) and asked its agent for a resync; entries are as last applied until it arrives",
+        BLOCK_SIZE_CAP_EXCEEDED => "blocks of a size above the cap (4096), or one size too many for the hash scheme (64 sizes), were dropped at ingest: they are not routed to this replica",
         REPLAYING => "a replay is in flight",
         _ => return None,
     })

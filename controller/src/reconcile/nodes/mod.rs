@@ -94,7 +94,7 @@ pub struct NodesMetrics {
     pub plans_sent_total: IntCounter,
     /// Nodes with engine pods in their plan but no connected agent.
     pub nodes_without_agent: IntGauge,
-    /// Plan issues of the last derivation, by reason.
+    /// Plan issues of the leader's last derivation, by reason (none on a follower).
     pub plan_issues: prometheus::IntGaugeVec,
     /// CacheNode sync outcomes (`written`, `unchanged`, `rate_limited`, `error`).
     pub cachenode_syncs_total: IntCounterVec,
@@ -119,7 +119,7 @@ impl NodesMetrics {
         let plan_issues = prometheus::IntGaugeVec::new(
             Opts::new(
                 format!("{p}node_plan_issues"),
-                "Engine pods (or parts of them) the last plan derivation could not plan, by reason.",
+                "Engine pods (or parts of them) the last plan derivation could not plan, by reason (exported by the leader only; a replica that loses leadership drops its series).",
             ),
             &["reason"],
         )?;
@@ -294,7 +294,9 @@ pub fn spawn_plan_publisher(
                     unserved.clear();
                     issue_log.clear();
                     if let Some(m) = &metrics {
+                        // Plan figures are the leader's: a follower exports none.
                         m.nodes_without_agent.set(0);
+                        m.plan_issues.reset();
                     }
                 }
                 // Every replica accepts agent streams, so every replica holds them to the
