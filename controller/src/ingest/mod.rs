@@ -180,7 +180,10 @@ impl AgentService for AgentIngest {
         let (ticket, plan_generation) = {
             let mut nodes = self.shared.nodes.lock();
             let (ticket, plan_generation) = match &scope {
-                Some(scope) => (nodes.connect_subscriber(&hello, scope, now_unix_ms()), None),
+                Some(scope) => (
+                    nodes.connect_subscriber(&hello, scope, tx.clone(), now_unix_ms()),
+                    None,
+                ),
                 None => {
                     let ticket = nodes.connect(&hello, now_unix_ms());
                     let generation = nodes.attach(&ticket, tx.clone());

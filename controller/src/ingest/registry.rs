@@ -109,6 +109,9 @@ struct Attached {
 pub struct NodeRegistry {
     nodes: BTreeMap<String, NodeRecord>,
     subscribers: BTreeMap<String, SubscriberRecord>,
+    /// The sending half of each subscriber's open stream (epoch, sender), to end it when a
+    /// newer stream of its pod takes over.
+    subscriber_outbound: BTreeMap<String, (u64, Outbound)>,
     next_epoch: u64,
     outbound: BTreeMap<String, Attached>,
     plans: BTreeMap<String, NodePlan>,
@@ -196,11 +199,16 @@ impl NodeRegistry {
         &mut self,
         hello: &ic_shared::proto::Hello,
         scope: &PodScope,
+        tx: Outbound,
         now_ms: i64,
     ) -> StreamTicket {
         self.next_epoch += 1;
         let epoch = self.next_epoch;
         let key = scope.reporter_key();
+        if let Some((_, old)) = self.subscriber_outbound.insert(key.clone(), (epoch, tx)) {
+            // End the superseded stream now, as for a node agent (see `attach`).
+            let _ = old.try_send(Err(super::superseded_status()));
+        }
         self.subscribers.insert(
             key.clone(),
             SubscriberRecord {
@@ -313,6 +321,13 @@ impl NodeRegistry {
     /// Returns whether it did.
     pub fn disconnect(&mut self, ticket: &StreamTicket, now_ms: i64) -> bool {
         if ticket.scope.is_some() {
+            if self
+                .subscriber_outbound
+                .get(&ticket.node)
+                .is_some_and(|(epoch, _)| *epoch == ticket.epoch)
+            {
+                self.subscriber_outbound.remove(&ticket.node);
+            }
             return match self.subscribers.get_mut(&ticket.node) {
                 Some(r) if r.epoch == ticket.epoch => {
                     r.connected = false;
@@ -616,8 +631,9 @@ mod tests {
             pod: pod.into(),
         };
         let agent = reg.connect(&hello("n1"), 1);
-        let a = reg.connect_subscriber(&hello("n1"), &scope("a"), 1);
-        let b = reg.connect_subscriber(&hello("n1"), &scope("b"), 1);
+        let (a_tx, mut a_rx) = mpsc::channel(4);
+        let a = reg.connect_subscriber(&hello("n1"), &scope("a"), a_tx, 1);
+        let b = reg.connect_subscriber(&hello("n1"), &scope("b"), mpsc::channel(4).0, 1);
         assert_eq!(a.node, "n1/ns/a");
         assert_eq!(a.reporting_node(), "n1");
         // Neither the agent nor another pod's subscriber supersedes a subscriber, and back.
@@ -629,9 +645,14 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         assert_eq!(reg.attach(&a, tx), None);
         assert!(rx.try_recv().is_err());
-        // The same pod's restarted subscriber supersedes the old stream.
-        let a2 = reg.connect_subscriber(&hello("n1"), &scope("a"), 2);
+        // The same pod's restarted subscriber supersedes the old stream, which is ended at
+        // once (Aborted), as a node agent's is.
+        let a2 = reg.connect_subscriber(&hello("n1"), &scope("a"), mpsc::channel(4).0, 2);
         assert!(!reg.is_current(&a) && reg.is_current(&a2));
+        assert_eq!(
+            a_rx.try_recv().unwrap().unwrap_err().code(),
+            tonic::Code::Aborted
+        );
         assert!(!reg.disconnect(&a, 3));
         assert!(reg.disconnect(&a2, 3));
         assert!(reg.expire(50, 100).is_empty());
