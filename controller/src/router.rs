@@ -250,6 +250,7 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
                 dp_rank: m.dp_rank,
                 matched_blocks: m.matched_blocks,
                 matched_tokens: m.matched_tokens,
+                block_size: m.block_size,
                 tier: m.tier.to_proto() as i32,
                 backend: m.names.backend.clone(),
                 coverage: m.coverage.state.to_proto() as i32,

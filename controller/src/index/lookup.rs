@@ -89,6 +89,9 @@ pub struct ReplicaMatch {
     pub matched_blocks: u32,
     /// `matched_blocks × block_size`.
     pub matched_tokens: u32,
+    /// Block size (tokens) of the partition this replica matched in; differs from the
+    /// answer's only when partitions of several block sizes tie in depth.
+    pub block_size: u32,
     /// T1 when every matched block is in GPU memory, else T2.
     pub tier: Tier,
     /// What the agent says of the replica's entries (never Disconnected or EngineDown here).
@@ -478,6 +481,7 @@ impl PrefixIndex {
                 dp_rank: r.desc.dp_rank,
                 matched_blocks: s.matched_blocks,
                 matched_tokens: s.tokens(),
+                block_size: s.block_size,
                 tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                 coverage: r.effective_coverage(),
             });

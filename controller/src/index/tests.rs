@@ -1716,6 +1716,16 @@ fn equal_depth_partitions_merge_each_replica_once() {
         "{:?}",
         s.replicas
     );
+    // The router answer says in which block size each replica's blocks are counted.
+    let answer = ix.lookup(&query(&toks));
+    assert!(
+        answer
+            .replicas
+            .iter()
+            .all(|m| m.matched_blocks * m.block_size == m.matched_tokens && m.matched_tokens == 32),
+        "{:?}",
+        answer.replicas
+    );
 
     // Two tenants, 600 replicas each, one shared chain; a wildcard query lists all 1 200 once.
     let keys = chain(&toks, 4);
