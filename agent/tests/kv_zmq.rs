@@ -117,7 +117,8 @@ async fn run(
     deltas.extend(hub.take_deltas());
     let report = publisher.await.unwrap().unwrap();
     assert!(report.published > 0);
-    let snapshot = hub.snapshot();
+    let (rest, snapshot) = hub.take_deltas_and_snapshot();
+    deltas.extend(rest);
     let status = hub.status().remove(0);
     // Metrics were registered and moved.
     let families = reg.gather();
@@ -363,7 +364,7 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
     assert!(status.batches_replayed >= 1, "{status:#?}");
     let ka = chain(&a, 16);
     let kb = chain(&b, 16);
-    let snap = snapshot_index(&hub.snapshot());
+    let snap = snapshot_index(&hub.take_deltas_and_snapshot().1);
     for k in [ka[0], ka[1], ka[2], kb[1]] {
         assert_eq!(snap.get(&(String::new(), k)), Some(&T1));
     }

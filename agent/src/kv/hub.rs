@@ -22,7 +22,9 @@ use tokio::sync::Notify;
 use super::metrics::KvMetrics;
 use super::persist::StateDir;
 use super::stream::{LinkState, StreamConfig};
-use super::subscriber::{self, Running, Sink, StreamShared, StreamSpec, SubscriberOptions};
+use super::subscriber::{
+    self, Running, Sink, StreamInner, StreamShared, StreamSpec, SubscriberOptions,
+};
 
 /// The agent's KV-event hub. Cheap to clone (an `Arc` inside); all methods are thread-safe.
 #[derive(Clone)]
@@ -411,43 +413,25 @@ impl KvHub {
         let mut out = Vec::new();
         for entry in streams.values() {
             let mut g = entry.shared.lock();
-            let taken = g.state.take_delta();
-            if let Some((seq, ops, last_event_unix_ms)) = taken {
-                let cov = g.state.reported_coverage();
-                out.push(StreamDelta {
-                    stream: Some(entry.shared.spec.descriptor.clone()),
-                    seq,
-                    ops,
-                    last_event_unix_ms,
-                    coverage: cov.state.to_proto() as i32,
-                    coverage_reason: cov.reason_str().to_string(),
-                });
-            }
+            out.extend(take_delta_of(entry, &mut g));
         }
         out
     }
 
-    /// Full current state of every stream (seq = the stream's current delta seq), and discards
-    /// pending ops since they are included. Deltas taken afterwards continue at seq + 1. A stale
-    /// stream is listed with `stale: true` and no entries.
-    pub fn snapshot(&self) -> Vec<StreamSnapshot> {
+    /// The pending ops of every stream as deltas, and then every stream's full state, each
+    /// stream's pair taken under one hold of its lock: `(deltas, snapshots)`. A stream's
+    /// snapshot has the seq of its delta (when it had one), so the link that asked for the
+    /// snapshot drops that delta (`Covered`), while every other controller stream gets it — no
+    /// op that lands meanwhile is in a snapshot but missing from the deltas.
+    pub fn take_deltas_and_snapshot(&self) -> (Vec<StreamDelta>, Vec<StreamSnapshot>) {
         let streams = self.streams();
-        let mut out = Vec::new();
+        let (mut deltas, mut snaps) = (Vec::new(), Vec::with_capacity(streams.len()));
         for entry in streams.values() {
             let mut g = entry.shared.lock();
-            let (seq, entries, stale) = g.state.snapshot();
-            let cov = g.state.reported_coverage();
-            out.push(StreamSnapshot {
-                stream: Some(entry.shared.spec.descriptor.clone()),
-                seq,
-                entries,
-                last_event_unix_ms: g.state.last_event_unix_ms(),
-                stale,
-                coverage: cov.state.to_proto() as i32,
-                coverage_reason: cov.reason_str().to_string(),
-            });
+            deltas.extend(take_delta_of(entry, &mut g));
+            snaps.push(snapshot_of(entry, &mut g));
         }
-        out
+        (deltas, snaps)
     }
 
     /// Resolves when new ops are pending (a `tokio::sync::Notify` permit: a change that happened
@@ -510,6 +494,36 @@ impl KvHub {
     }
 }
 
+/// The stream's pending ops as its next delta (see [`StreamState::take_delta`]), under the
+/// held lock `g`.
+fn take_delta_of(entry: &StreamEntry, g: &mut MutexGuard<'_, StreamInner>) -> Option<StreamDelta> {
+    let (seq, ops, last_event_unix_ms) = g.state.take_delta()?;
+    let cov = g.state.reported_coverage();
+    Some(StreamDelta {
+        stream: Some(entry.shared.spec.descriptor.clone()),
+        seq,
+        ops,
+        last_event_unix_ms,
+        coverage: cov.state.to_proto() as i32,
+        coverage_reason: cov.reason_str().to_string(),
+    })
+}
+
+/// The stream's full state (see [`StreamState::snapshot`]), under the held lock `g`.
+fn snapshot_of(entry: &StreamEntry, g: &mut MutexGuard<'_, StreamInner>) -> StreamSnapshot {
+    let (seq, entries, stale) = g.state.snapshot();
+    let cov = g.state.reported_coverage();
+    StreamSnapshot {
+        stream: Some(entry.shared.spec.descriptor.clone()),
+        seq,
+        entries,
+        last_event_unix_ms: g.state.last_event_unix_ms(),
+        stale,
+        coverage: cov.state.to_proto() as i32,
+        coverage_reason: cov.reason_str().to_string(),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
@@ -543,13 +557,46 @@ mod tests {
         }
     }
 
+    /// What changed since the last delta is taken as a delta and the snapshot in one hold of
+    /// the stream's lock, at the same seq: the controller stream that asked for the snapshot
+    /// drops that delta (its snapshot holds it), every other one applies it — a change never
+    /// reaches one controller in a snapshot and the others not at all.
+    #[test]
+    fn a_snapshot_is_taken_with_the_deltas_it_covers() {
+        let reg = prometheus::Registry::new();
+        let hub = KvHub::new(&reg).unwrap();
+        hub.apply_plan(&plan("tcp://127.0.0.1:1"));
+        // Without a runtime the streams read Disconnected; that first change leaves as deltas.
+        assert_eq!(hub.take_deltas().len(), 2);
+        {
+            let streams = hub.streams();
+            let mut g = streams.get("ns/p#0").unwrap().shared.lock();
+            g.state.set_link(LinkState::EngineDown);
+        }
+        let (deltas, snaps) = hub.take_deltas_and_snapshot();
+        assert_eq!(deltas.len(), 1, "{deltas:?}");
+        let d = &deltas[0];
+        assert_eq!(d.stream.as_ref().unwrap().stream_id, "ns/p#0");
+        assert_eq!(
+            (d.seq, d.coverage),
+            (2, ic_shared::proto::Coverage::EngineDown as i32)
+        );
+        let s = snaps
+            .iter()
+            .find(|s| s.stream.as_ref().unwrap().stream_id == "ns/p#0")
+            .unwrap();
+        assert_eq!((s.seq, s.coverage), (d.seq, d.coverage));
+        // Nothing is left to send after them.
+        assert!(hub.take_deltas().is_empty());
+    }
+
     #[test]
     fn plan_streams_are_listed_with_their_descriptors_and_removed_with_the_plan() {
         let reg = prometheus::Registry::new();
         let hub = KvHub::new(&reg).unwrap();
         // No runtime here: streams are listed but not started.
         hub.apply_plan(&plan("tcp://127.0.0.1:1"));
-        let snap = hub.snapshot();
+        let snap = hub.take_deltas_and_snapshot().1;
         assert_eq!(snap.len(), 2);
         let d = snap[1].stream.as_ref().unwrap();
         assert_eq!(d.stream_id, "ns/p#1");
@@ -558,9 +605,10 @@ mod tests {
         assert_eq!(d.model, "m");
         assert_eq!(d.hash_scheme, "sglang");
         assert_eq!(d.backend, "ns/b");
+        // Seq 1: the streams' first coverage (Disconnected, no runtime) left as a delta with it.
         assert_eq!(
             (snap[0].seq, snap[0].entries.len(), snap[0].stale),
-            (0, 0, false)
+            (1, 0, false)
         );
         let status = hub.status();
         assert!(status[0].last_error.as_deref().unwrap().contains("runtime"));
@@ -575,14 +623,15 @@ mod tests {
         for st in hub.status() {
             assert!(!st.last_error.unwrap_or_default().contains("runtime"));
         }
-        // A changed spec restarts the stream; its next delta skips a seq (forces a resync).
+        // A changed spec restarts the stream; its next delta skips a seq (forces a resync):
+        // after the snapshot's seq 1 comes 3.
         let mut changed = plan("tcp://127.0.0.1:1");
         changed.engines[0].keeps_l2 = true;
         hub.apply_plan(&changed);
         let deltas = hub.take_deltas();
-        assert_eq!(deltas.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![2, 2]);
+        assert_eq!(deltas.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![3, 3]);
         hub.apply_plan(&NodePlan::default());
-        assert!(hub.snapshot().is_empty());
+        assert!(hub.take_deltas_and_snapshot().1.is_empty());
         assert!(hub.take_deltas().is_empty());
         // A second hub on the same registry is refused.
         assert!(KvHub::new(&reg).is_err());

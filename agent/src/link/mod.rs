@@ -14,8 +14,10 @@
 //!
 //! One *pump* task owns the hub's delta queue: it takes deltas as soon as the hub signals (the
 //! subscribers signal on idle and on size, never on a timer) and broadcasts each batch to every
-//! stream, and produces snapshots on request — flushing pending deltas first, so a snapshot never
-//! swallows ops another stream still needs. A stream subscribes to the broadcast before it asks
+//! stream, and produces snapshots on request — each stream's pending ops are taken as a delta
+//! and its snapshot in one hold of that stream's lock (`KvHub::take_deltas_and_snapshot`), and
+//! the delta is broadcast, so a snapshot never swallows ops another stream still needs, even
+//! when engine batches land while it is taken. A stream subscribes to the broadcast before it asks
 //! for its snapshot and drops broadcast deltas the snapshot already covers (per-stream seq ≤ the
 //! snapshot's), so each controller replica sees a gap-free sequence.
 
@@ -27,7 +29,7 @@ use std::time::Duration;
 use ic_shared::plan::NodePlan;
 use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient, controller_message,
-    AgentMessage, KvDeltaBatch, StreamSnapshot,
+    AgentMessage, KvDeltaBatch, StreamDelta, StreamSnapshot,
 };
 use ic_shared::timing::{self, Stage};
 use thiserror::Error;
@@ -178,8 +180,7 @@ impl Pump {
         let tx = batches.clone();
         let task = tokio::spawn(async move {
             let mut batch_id = 0u64;
-            let flush = |batch_id: &mut u64| {
-                let deltas = state.hub.take_deltas();
+            let send = |batch_id: &mut u64, deltas: Vec<StreamDelta>| {
                 if deltas.is_empty() {
                     return;
                 }
@@ -194,11 +195,16 @@ impl Pump {
             };
             loop {
                 tokio::select! {
-                    _ = state.hub.changed() => flush(&mut batch_id),
+                    _ = state.hub.changed() => send(&mut batch_id, state.hub.take_deltas()),
                     req = requests.recv() => {
                         let Some(reply) = req else { return };
-                        flush(&mut batch_id);
-                        let _ = reply.send(state.hub.snapshot());
+                        // Each stream's pending ops and its snapshot are taken in one hold of
+                        // its lock: the ops go to every controller stream as deltas (the one
+                        // that asked drops them, its snapshot holds them), and nothing that
+                        // lands meanwhile is in the snapshot alone.
+                        let (deltas, snap) = state.hub.take_deltas_and_snapshot();
+                        send(&mut batch_id, deltas);
+                        let _ = reply.send(snap);
                     }
                 }
             }
