@@ -23,6 +23,10 @@ const CHILD_PLAN: &str = "IC_TEST_CUDA_PLAN";
 const CHILD_RUNS: &str = "IC_TEST_CUDA_RUNS";
 const CHILD_TIMEOUT: &str = "IC_TEST_CUDA_TIMEOUT_S";
 const CHILD_PAUSE: &str = "IC_TEST_CUDA_PAUSE_MS";
+/// Re-probe interval of the child's check, ms (default 3 600 000).
+const CHILD_INTERVAL: &str = "IC_TEST_CUDA_INTERVAL_MS";
+/// A file the child creates after its first pass (the fake's `FAKE_INIT_SLEEP_FILE`).
+const CHILD_WEDGE: &str = "IC_TEST_CUDA_WEDGE_AFTER_FIRST";
 
 const FAKE_CUDA_C: &str = r#"
 #include <stdio.h>
@@ -55,6 +59,9 @@ const FAKE_CUDA_C: &str = r#"
 #ifndef FAKE_INIT_SLEEP_US
 #define FAKE_INIT_SLEEP_US 0 /* a wedged driver: cuInit takes this long */
 #endif
+#ifndef FAKE_INIT_SLEEP_FILE
+#define FAKE_INIT_SLEEP_FILE "" /* when set: cuInit sleeps only while this file exists */
+#endif
 #include <unistd.h>
 typedef int CUresult;
 typedef int CUdevice;
@@ -74,7 +81,8 @@ static void logf(const char *what) {
 
 CUresult cuInit(unsigned flags) {
     (void)flags; logf("cuInit");
-    if (FAKE_INIT_SLEEP_US) usleep(FAKE_INIT_SLEEP_US);
+    if (FAKE_INIT_SLEEP_US && (!FAKE_INIT_SLEEP_FILE[0] || access(FAKE_INIT_SLEEP_FILE, F_OK) == 0))
+        usleep(FAKE_INIT_SLEEP_US);
     return FAKE_INIT_RC;
 }
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_DRIVER; return 0; }
@@ -183,13 +191,23 @@ fn cuda_child() {
         .and_then(|t| t.parse().ok())
         .map(Duration::from_millis)
         .unwrap_or(Duration::ZERO);
+    let interval = std::env::var(CHILD_INTERVAL)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(Duration::from_secs(3600));
     let check = CudaCheck::new(&ChecksConfig {
         cuda_library: Some(PathBuf::from(lib)),
-        cuda_interval: Duration::from_secs(3600),
+        cuda_interval: interval,
         cuda_timeout: timeout,
         ..ChecksConfig::default()
     });
     for i in 0..runs {
+        if i == 1 {
+            if let Ok(wedge) = std::env::var(CHILD_WEDGE) {
+                std::fs::write(wedge, b"").unwrap();
+            }
+        }
         if i > 0 {
             std::thread::sleep(pause);
         }
@@ -516,4 +534,45 @@ fn a_wedged_driver_times_out_without_holding_every_pass() {
     // once the driver answers, the results arrive
     let (_, r3) = &passes[2];
     assert!(r3.iter().all(|c| c.reason == "CudaOk"), "{r3:#?}");
+}
+
+#[test]
+fn a_re_probe_stuck_in_the_driver_is_not_hidden_behind_the_last_good_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let wedge = dir.path().join("wedge");
+    let sleep_file = format!("FAKE_INIT_SLEEP_FILE=\"{}\"", wedge.display());
+    // cuInit answers at once until `wedge` exists, then takes 4 s.
+    let Some(lib) = fake_cuda(
+        dir.path(),
+        "rewedged",
+        &["FAKE_INIT_SLEEP_US=4000000", &sleep_file],
+    ) else {
+        return;
+    };
+    let wedge_env = wedge.display().to_string();
+    let passes = run_child_timed(
+        &lib,
+        &plan(true, None),
+        3,
+        &[
+            (CHILD_TIMEOUT, "1"),
+            (CHILD_PAUSE, "1300"),
+            (CHILD_INTERVAL, "0"),
+            (CHILD_WEDGE, &wedge_env),
+        ],
+    );
+    let (_, r1) = &passes[0];
+    assert!(r1.iter().all(|c| c.reason == "CudaOk"), "{r1:#?}");
+    // The re-probe has just started (and hangs): the last result stands, with its age.
+    let (_, r2) = &passes[1];
+    assert!(r2.iter().all(|c| c.reason == "CudaOk"), "{r2:#?}");
+    // Past its timeout the hanging re-probe is the verdict, not the old CudaOk.
+    let (t3, r3) = &passes[2];
+    assert_eq!(
+        (r3[0].status, r3[0].reason.as_str()),
+        (CheckStatus::Critical, "CudaInitFailed"),
+        "{r3:#?}"
+    );
+    assert_eq!(r3[0].observed["stage"], "timeout");
+    assert!(*t3 < 500, "the pass did not wait again: {t3} ms");
 }

@@ -802,15 +802,23 @@ impl Check for CudaCheck {
             }
             c.running = Some((Instant::now(), key.clone()));
         }
-        // Stale results for the same plan: return them while the refresh runs.
-        if let Some((at, k, r)) = &c.last {
-            if *k == key {
-                return with_age(r, at.elapsed());
+        // Stale results for the same plan: return them while the refresh runs — but not once
+        // the refresh is past its timeout: a re-probe stuck in the driver is the wedged driver
+        // this check exists for, whatever the last probe said.
+        let overdue = c
+            .running
+            .as_ref()
+            .is_some_and(|(started, _)| started.elapsed() >= self.timeout);
+        if !overdue {
+            if let Some((at, k, r)) = &c.last {
+                if *k == key {
+                    return with_age(r, at.elapsed());
+                }
             }
         }
         // No result for this plan yet: wait for one, but never longer than the running probe's
         // timeout (a wedged driver must not hold every pass for the full timeout).
-        loop {
+        while !overdue {
             if let Some((at, k, r)) = &c.last {
                 if *k == key {
                     return with_age(r, at.elapsed());
