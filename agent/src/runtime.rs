@@ -125,8 +125,13 @@ impl CheckRunner {
     }
 }
 
-/// Runs one pass of every check on the checks thread and stores it.
-pub async fn check_pass(state: &Arc<AgentState>, checks: &CheckRunner) -> CheckPass {
+/// Runs one pass of every check on the checks thread and stores it; `interval` is the time
+/// to the next pass.
+pub async fn check_pass(
+    state: &Arc<AgentState>,
+    checks: &CheckRunner,
+    interval: Duration,
+) -> CheckPass {
     let plan = state.plan.read().clone();
     let started = Instant::now();
     let generation = plan.generation;
@@ -135,6 +140,7 @@ pub async fn check_pass(state: &Arc<AgentState>, checks: &CheckRunner) -> CheckP
         observed_at_unix_ms: now_unix_ms(),
         plan_generation: generation,
         duration_seconds: started.elapsed().as_secs_f64(),
+        interval_seconds: interval.as_secs(),
         results,
     };
     state.metrics.record_pass(&pass);
@@ -225,7 +231,7 @@ pub async fn start_with(
     let mut tasks = Vec::new();
 
     // First pass before anything else, so the link's first report carries results.
-    check_pass(&state, &checks).await;
+    check_pass(&state, &checks, cfg.check_interval).await;
     pass_tx.send_modify(|n| *n += 1);
 
     {
@@ -238,7 +244,7 @@ pub async fn start_with(
                     _ = tokio::time::sleep(interval) => {}
                     _ = plan_applied.notified() => {}
                 }
-                check_pass(&state, &checks).await;
+                check_pass(&state, &checks, interval).await;
                 pass_tx.send_modify(|n| *n += 1);
             }
         }));

@@ -21,6 +21,9 @@ pub struct CheckPass {
     pub plan_generation: u64,
     /// Wall time of the pass in seconds.
     pub duration_seconds: f64,
+    /// Seconds between passes (`--check-interval-seconds`): the next one is due this long
+    /// after this one.
+    pub interval_seconds: u64,
     /// Every result.
     pub results: Vec<CheckResult>,
 }

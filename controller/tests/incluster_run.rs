@@ -222,6 +222,7 @@ async fn run_mode_end_to_end() {
         msg: Some(Msg::Checks(proto::CheckReport {
             observed_at_unix_ms: ic_shared::now_unix_ms(),
             plan_generation: plan.0,
+            interval_seconds: 5,
             results: vec![proto::CheckResult {
                 name: "shm".into(),
                 subject: "host".into(),

@@ -50,6 +50,9 @@ fn record(node: &str, connected: bool, checks: Vec<CheckResult>, report_ms: i64)
         connected_at_unix_ms: 1,
         last_seen_unix_ms: report_ms,
         last_report_unix_ms: report_ms,
+        report_received_unix_ms: report_ms,
+        // Not said (an older agent): the report never reads stale in these tests.
+        check_interval_seconds: 0,
         plan_generation: 3,
         status: CheckStatus::worst(checks.iter().map(|c| c.status)),
         checks,
@@ -612,6 +615,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_000_000,
         plan_generation: 1,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![
             check(
                 "shm",
@@ -704,6 +709,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_005_000,
         plan_generation: 1,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![
             check(
                 "shm",
@@ -724,6 +731,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_010_000,
         plan_generation: 1,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![
             check("shm", proto::CheckStatus::Ok, "ShmOk", "ok"),
             check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
@@ -821,4 +830,56 @@ async fn wait_for_report(shared: &ic_controller::state::Shared, ms: i64) {
     })
     .await
     .unwrap();
+}
+
+/// A check pass that hangs on the node (a reader volume on an unreachable NFS server) stops the
+/// reports while the stream stays up: once the last report is older than a few of the agent's
+/// intervals, Ready is Unknown / ChecksStale, not the last report's True.
+#[test]
+fn a_report_older_than_a_few_check_intervals_makes_ready_unknown() {
+    let mut rec = record(
+        "n",
+        true,
+        vec![shm(CheckStatus::Ok, "ShmOk", "ok")],
+        100_000,
+    );
+    rec.check_interval_seconds = 5;
+    let ready_at = |rec: &NodeRecord, s: i64| {
+        let view = NodeView {
+            node: "n",
+            record: Some(rec),
+            plan: None,
+            replicas: &[],
+        };
+        let st = desired_status(&view, None, at(s));
+        let c = find_condition(&st.conditions, "Ready").unwrap().clone();
+        (c.status, c.reason, c.message)
+    };
+    // 3 × 5 s + 60 s after the report arrived (at 100 s) it is still fresh.
+    let (status, reason_, _) = ready_at(&rec, 175);
+    assert_eq!(
+        (status.as_str(), reason_.as_str()),
+        ("True", reason::NODE_READY)
+    );
+    let (status, reason_, message) = ready_at(&rec, 176);
+    assert_eq!(
+        (status.as_str(), reason_.as_str()),
+        ("Unknown", reason::CHECKS_STALE)
+    );
+    assert!(
+        message.contains("76 s old") && message.contains("every 5 s"),
+        "{message}"
+    );
+    // A critical last report stays False (the worst known).
+    let mut bad = record(
+        "n",
+        true,
+        vec![shm(CheckStatus::Critical, "ShmUndersized", "a")],
+        100_000,
+    );
+    bad.check_interval_seconds = 5;
+    assert_eq!(ready_at(&bad, 500).1, reason::CHECK_CRITICAL);
+    // An agent that does not say its interval is never judged stale.
+    rec.check_interval_seconds = 0;
+    assert_eq!(ready_at(&rec, 100_000).1, reason::NODE_READY);
 }

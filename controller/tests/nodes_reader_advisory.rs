@@ -289,6 +289,8 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_010_000,
         plan_generation: plan.generation,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Critical,
@@ -357,6 +359,8 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_020_000,
         plan_generation: plan.generation,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Critical,
@@ -387,6 +391,8 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_030_000,
         plan_generation: plan.generation,
+        // An older agent: no interval, so the fake clock never makes it stale.
+        interval_seconds: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Ok,

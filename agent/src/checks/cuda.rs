@@ -818,29 +818,31 @@ impl Check for CudaCheck {
         }
         // No result for this plan yet: wait for one, but never longer than the running probe's
         // timeout (a wedged driver must not hold every pass for the full timeout).
-        while !overdue {
-            if let Some((at, k, r)) = &c.last {
-                if *k == key {
-                    return with_age(r, at.elapsed());
-                }
-            }
-            let started = match &c.running {
-                Some((started, _)) => *started,
-                None => {
-                    // a probe for another plan finished: probe this one
-                    if !self.spawn(key.clone(), plan.gpu_node, required.clone()) {
-                        return unavailable();
+        if !overdue {
+            loop {
+                if let Some((at, k, r)) = &c.last {
+                    if *k == key {
+                        return with_age(r, at.elapsed());
                     }
-                    let now = Instant::now();
-                    c.running = Some((now, key.clone()));
-                    now
                 }
-            };
-            let deadline = started + self.timeout;
-            if Instant::now() >= deadline
-                || self.shared.done.wait_until(&mut c, deadline).timed_out()
-            {
-                break;
+                let started = match &c.running {
+                    Some((started, _)) => *started,
+                    None => {
+                        // a probe for another plan finished: probe this one
+                        if !self.spawn(key.clone(), plan.gpu_node, required.clone()) {
+                            return unavailable();
+                        }
+                        let now = Instant::now();
+                        c.running = Some((now, key.clone()));
+                        now
+                    }
+                };
+                let deadline = started + self.timeout;
+                if Instant::now() >= deadline
+                    || self.shared.done.wait_until(&mut c, deadline).timed_out()
+                {
+                    break;
+                }
             }
         }
         let status = if plan.gpu_node {

@@ -378,6 +378,7 @@ fn checks(state: &AgentState) -> Option<AgentMessage> {
             observed_at_unix_ms: pass.observed_at_unix_ms,
             results: pass.results.iter().map(proto::CheckResult::from).collect(),
             plan_generation: pass.plan_generation,
+            interval_seconds: pass.interval_seconds,
         })),
     })
 }

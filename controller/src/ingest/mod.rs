@@ -580,7 +580,7 @@ impl Session {
             Some(Msg::Checks(_)) if self.ticket.scope.is_some() => {}
             Some(Msg::Checks(report)) => {
                 m.check_reports_total.inc();
-                self.shared.nodes.lock().report(&self.ticket, &report);
+                self.shared.nodes.lock().report(&self.ticket, &report, now);
                 self.shared.notify_node_change();
             }
         }

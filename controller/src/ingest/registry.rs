@@ -57,6 +57,10 @@ pub struct NodeRecord {
     pub last_seen_unix_ms: i64,
     /// Unix ms the latest check pass finished on the node (0 before the first report).
     pub last_report_unix_ms: i64,
+    /// Unix ms (controller clock) the latest check report arrived (0 before the first).
+    pub report_received_unix_ms: i64,
+    /// Seconds between the agent's check passes, as its latest report says (0: not said).
+    pub check_interval_seconds: u64,
     /// Plan generation of the latest report.
     pub plan_generation: u64,
     /// Worst status of the latest check results.
@@ -249,6 +253,8 @@ impl NodeRegistry {
                 connected_at_unix_ms: 0,
                 last_seen_unix_ms: 0,
                 last_report_unix_ms: 0,
+                report_received_unix_ms: 0,
+                check_interval_seconds: 0,
                 plan_generation: 0,
                 status: CheckStatus::Unknown,
                 checks: Vec::new(),
@@ -302,7 +308,12 @@ impl NodeRegistry {
 
     /// Stores a check report. Ignored for a superseded stream and for subscribers (which run
     /// no checks).
-    pub fn report(&mut self, ticket: &StreamTicket, report: &ic_shared::proto::CheckReport) {
+    pub fn report(
+        &mut self,
+        ticket: &StreamTicket,
+        report: &ic_shared::proto::CheckReport,
+        now_ms: i64,
+    ) {
         if ticket.scope.is_some() {
             return;
         }
@@ -313,6 +324,8 @@ impl NodeRegistry {
             r.checks = report.results.iter().map(CheckResult::from).collect();
             r.status = CheckStatus::worst(r.checks.iter().map(|c| c.status));
             r.last_report_unix_ms = report.observed_at_unix_ms;
+            r.report_received_unix_ms = now_ms;
+            r.check_interval_seconds = report.interval_seconds;
             r.plan_generation = report.plan_generation;
         }
     }
@@ -668,6 +681,7 @@ mod tests {
         let report = proto::CheckReport {
             observed_at_unix_ms: 10,
             plan_generation: 3,
+            interval_seconds: 5,
             results: vec![
                 proto::CheckResult {
                     name: "shm".into(),
@@ -681,11 +695,16 @@ mod tests {
                 },
             ],
         };
-        reg.report(&t, &report);
+        reg.report(&t, &report, 5);
         let r = reg.get("n1").unwrap();
         assert_eq!(r.status, CheckStatus::Warning);
         assert_eq!(r.checks.len(), 2);
         assert_eq!(r.plan_generation, 3);
+        // When it arrived by the controller's clock, and the agent's interval.
+        assert_eq!(
+            (r.report_received_unix_ms, r.check_interval_seconds),
+            (5, 5)
+        );
         reg.disconnect(&t, 100);
         assert!(reg.expire(150, 100).is_empty());
         assert_eq!(reg.expire(201, 100), vec!["n1".to_string()]);

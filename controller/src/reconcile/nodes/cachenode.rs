@@ -47,6 +47,9 @@ pub mod reason {
     pub const CHECK_CRITICAL: &str = "CheckCritical";
     /// Ready=Unknown: connected, no report yet.
     pub const AWAITING_FIRST_REPORT: &str = "AwaitingFirstReport";
+    /// Ready=Unknown: connected, but the last check report is older than a few of the agent's
+    /// check intervals (a check pass is hung; [`super::report_age_if_stale`]).
+    pub const CHECKS_STALE: &str = "ChecksStale";
     /// AgentConnected=True.
     pub const AGENT_CONNECTED: &str = "AgentConnected";
     /// AgentConnected=False / Ready=False: the agent's stream ended.
@@ -54,6 +57,28 @@ pub mod reason {
     /// AgentConnected=False / Ready=False: engine pods are planned here but no agent ever
     /// connected (since this controller started).
     pub const AGENT_NOT_CONNECTED: &str = "AgentNotConnected";
+}
+
+/// A check report is stale once older than this many of the agent's check intervals, plus
+/// [`STALE_MARGIN_MS`] (a pass itself takes time: the CUDA probe waits up to its timeout).
+pub const STALE_AFTER_INTERVALS: i64 = 3;
+/// See [`STALE_AFTER_INTERVALS`].
+pub const STALE_MARGIN_MS: i64 = 60_000;
+
+/// The age in seconds of `r`'s last check report when it is stale at `now_ms` (controller
+/// clocks both); `None` when fresh, or when the agent did not say its interval (older agents).
+pub fn report_age_if_stale(r: &NodeRecord, now_ms: i64) -> Option<i64> {
+    let interval_ms = i64::try_from(r.check_interval_seconds)
+        .unwrap_or(i64::MAX / 4)
+        .saturating_mul(1000);
+    if interval_ms == 0 || r.report_received_unix_ms == 0 {
+        return None;
+    }
+    let age = now_ms.saturating_sub(r.report_received_unix_ms);
+    (age > interval_ms
+        .saturating_mul(STALE_AFTER_INTERVALS)
+        .saturating_add(STALE_MARGIN_MS))
+    .then_some(age / 1000)
 }
 
 /// Longest condition message written (the API allows 32768 bytes).
@@ -271,6 +296,16 @@ pub fn desired_status(
             ConditionStatus::Unknown,
             reason::AWAITING_FIRST_REPORT,
             "The agent is connected but has not reported checks yet.".to_string(),
+        )
+    } else if let Some((age, interval)) = rec.and_then(|r| {
+        report_age_if_stale(r, now.0.as_millisecond()).map(|a| (a, r.check_interval_seconds))
+    }) {
+        (
+            ConditionStatus::Unknown,
+            reason::CHECKS_STALE,
+            format!(
+                "The agent is connected but its last check report is {age} s old (it checks every {interval} s): a check pass is hung (e.g. on an unreachable network filesystem; see the agent's log). The conditions below are that report."
+            ),
         )
     } else if warnings.is_empty() {
         (

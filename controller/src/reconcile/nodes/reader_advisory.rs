@@ -586,6 +586,8 @@ mod tests {
             connected_at_unix_ms: 1,
             last_seen_unix_ms: 2,
             last_report_unix_ms: if checks.is_empty() { 0 } else { 2 },
+            report_received_unix_ms: if checks.is_empty() { 0 } else { 2 },
+            check_interval_seconds: 0,
             plan_generation: 1,
             status: CheckStatus::worst(checks.iter().map(|c| c.status)),
             checks,
