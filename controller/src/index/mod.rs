@@ -713,20 +713,24 @@ impl PrefixIndex {
     /// (its later [`Self::resync_step`]s skip them and do not set their coverage), and each
     /// routable one reads Unknown / `AgentDisconnected` until the new stream's resync.
     pub fn supersede_node(&mut self, node: &str) {
-        let slots: Vec<ReplicaSlot> = self
-            .node_slots
-            .get(node)
-            .into_iter()
-            .flatten()
-            .copied()
-            .collect();
-        for s in slots {
-            if let Some(r) = self.replica_mut(s).filter(|r| r.node == node) {
+        for s in self.slots_of_node(node, |_| true) {
+            if let Some(r) = self.replica_mut(s) {
                 // No apply has generation 0 (`begin_resync` counts from 1).
                 r.resync = 0;
             }
         }
         self.mark_node_unreported(node);
+    }
+
+    /// The slots of `node`'s replicas for which `keep` holds.
+    fn slots_of_node(&self, node: &str, keep: impl Fn(&Replica) -> bool) -> Vec<ReplicaSlot> {
+        self.node_slots
+            .get(node)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|s| self.replica(*s).is_some_and(|r| r.node == node && keep(r)))
+            .collect()
     }
 
     /// Marks the replica of `stream_id` Partial with `reason` until it is cleared or resynced
@@ -770,18 +774,7 @@ impl PrefixIndex {
 
     /// Sets `cov` on every replica of `node` that is routable now.
     fn mark_node_routable(&mut self, node: &str, cov: Coverage) {
-        let slots: Vec<ReplicaSlot> = self
-            .node_slots
-            .get(node)
-            .into_iter()
-            .flatten()
-            .copied()
-            .filter(|s| {
-                self.replica(*s)
-                    .is_some_and(|r| r.node == node && r.coverage.state.routable())
-            })
-            .collect();
-        for s in slots {
+        for s in self.slots_of_node(node, |r| r.coverage.state.routable()) {
             self.set_coverage(s, cov);
         }
     }
