@@ -372,6 +372,54 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
     publisher.await.unwrap().unwrap();
 }
 
+/// The plan subscribes to another topic than the engine publishes on: no live message passes
+/// the SUB filter. The bootstrap replay (which carries the engine's topic) shows it, and the
+/// stream reads Partial / TopicMismatch with nothing indexed — not Exact with what the engine
+/// held at attach time, frozen while the engine moves on.
+#[tokio::test]
+async fn a_topic_the_engine_does_not_publish_is_partial_with_nothing_indexed() {
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let path = fixture("vllm-0.26.0.json");
+    let endpoint = format!("tcp://127.0.0.1:{pub_port}");
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let opts = PublishOptions {
+        interval: Duration::from_millis(100),
+        connect_wait: Duration::ZERO,
+        linger: Duration::from_secs(2),
+        until_seq: Some(8),
+        ..PublishOptions::default()
+    };
+    let publisher =
+        tokio::spawn(async move { publish_fixture(&path, &endpoint, Some(&replay), &opts).await });
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let mut p = plan(HashScheme::Vllm, pub_port, Some(replay_port));
+    // The engine publishes on "kv@pod-a@model-x".
+    p.engines[0].kv_events[0].topic = "kv@pod-b".into();
+    hub.apply_plan(&p);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while hub.status()[0].coverage_reason != Some("TopicMismatch") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:#?}",
+            hub.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publisher.await.unwrap().unwrap();
+    let status = hub.status().remove(0);
+    assert_eq!(status.coverage, "Partial", "{status:#?}");
+    assert!(
+        status
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("kv@pod-a@model-x")),
+        "{status:#?}"
+    );
+    assert!(snapshot_index(&hub.take_deltas_and_snapshot().1).is_empty());
+}
+
 /// An engine whose PUB connects to `tcp://127.0.0.1:<port>` and publishes seqs 0..=8 once.
 fn connecting_publisher(
     port: u16,

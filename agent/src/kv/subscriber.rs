@@ -884,12 +884,14 @@ impl Processor {
         let Some((last, digest)) = self.shared.lock().state.last_digest() else {
             return Ok((0, Anchored::Unverifiable));
         };
-        let mut replies = request_replay(ep, last, upto.unwrap_or(u64::MAX), &self.opts).await?;
+        let topic = &self.shared.spec.topic;
+        let mut replies =
+            request_replay(ep, last, upto.unwrap_or(u64::MAX), topic, &self.opts).await?;
         let anchored = match replies.first() {
             // Nothing at or after our last seq. The engine keeps its newest batches, so if it
             // holds any at all it has restarted (all of them are older than ours); if it holds
             // none, its replay buffer is off or empty and tells nothing.
-            None => match request_replay(ep, 0, last, &self.opts).await {
+            None => match request_replay(ep, 0, last, topic, &self.opts).await {
                 Ok(older) if !older.is_empty() => Anchored::Other,
                 Ok(_) => Anchored::Silent,
                 Err(e) => return Err(e),
@@ -1041,7 +1043,15 @@ impl Processor {
 
     /// Whether the engine's replay holds batch `seq` with this digest.
     async fn engine_sent(&self, ep: &str, seq: u64, digest: u64) -> bool {
-        match request_replay(ep, seq, seq.saturating_add(1), &self.opts).await {
+        match request_replay(
+            ep,
+            seq,
+            seq.saturating_add(1),
+            &self.shared.spec.topic,
+            &self.opts,
+        )
+        .await
+        {
             Ok(r) => r
                 .first()
                 .is_some_and(|(s, p)| *s == seq && xxh3_64(p) == digest),
@@ -1121,8 +1131,27 @@ impl Processor {
             before
         };
         for attempt in 0..2 {
-            let replies = match request_replay(&ep, 0, upto.unwrap_or(u64::MAX), &self.opts).await {
+            let replies = match request_replay(
+                &ep,
+                0,
+                upto.unwrap_or(u64::MAX),
+                &self.shared.spec.topic,
+                &self.opts,
+            )
+            .await
+            {
                 Ok(r) => r,
+                Err(e @ ReplayError::TopicMismatch { .. }) => {
+                    // Nothing live will ever pass the filter: index nothing, and say why.
+                    self.count_replay("failed");
+                    self.set_error(format!("bootstrap replay: {e}"));
+                    tracing::warn!(stream = %self.id(), error = %e, "kv events: the plan's topic does not match the engine's; no live event reaches this stream");
+                    self.shared
+                        .lock()
+                        .state
+                        .set_incomplete(Some(coverage::TOPIC_MISMATCH));
+                    break;
+                }
                 Err(e) => {
                     self.count_replay("failed");
                     self.set_error(format!("bootstrap replay: {e}"));
@@ -1274,15 +1303,28 @@ pub enum ReplayError {
     /// More batches than [`SubscriberOptions::replay_max_batches`].
     #[error("more than {0} batches")]
     TooMany(usize),
+    /// The engine's replies carry a topic the subscription's prefix does not match: its live
+    /// messages never pass this SUB socket's filter.
+    #[error("the engine publishes under topic {engine:?}, which the subscription to {subscribed:?} filters out")]
+    TopicMismatch {
+        /// The topic of the engine's replies.
+        engine: String,
+        /// The topic prefix subscribed to.
+        subscribed: String,
+    },
 }
 
 /// Requests a replay from `start` on a fresh DEALER connected to `endpoint` and collects
 /// `(seq, payload)` pairs up to the end marker. Replies at or past `upto` are not needed, so
 /// collection stops at the first one (the engine keeps sending; the socket is then closed).
+/// Replies that carry a topic (vLLM ≥ 0.26, SGLang ≥ 0.5.22: `["", topic, seq, payload]`) must
+/// start with `topic`, the live subscription's prefix: otherwise the live messages are being
+/// filtered out, and the replay is refused with [`ReplayError::TopicMismatch`].
 pub async fn request_replay(
     endpoint: &str,
     start: u64,
     upto: u64,
+    topic: &str,
     opts: &SubscriberOptions,
 ) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
     let mut zopts = SocketOptions::default();
@@ -1323,6 +1365,12 @@ pub async fn request_replay(
         let seq = u64::from_be_bytes(seq);
         if seq == u64::MAX {
             break;
+        }
+        if n >= 4 && !frames[n - 3].starts_with(topic.as_bytes()) {
+            return Err(ReplayError::TopicMismatch {
+                engine: String::from_utf8_lossy(&frames[n - 3]).into_owned(),
+                subscribed: topic.to_string(),
+            });
         }
         out.push((seq, frames[n - 1].to_vec()));
         if seq.saturating_add(1) >= upto {

@@ -375,7 +375,8 @@ async fn replay<W: Write>(
     ropts: &SubscriberOptions,
     summary: &mut TailSummary,
 ) -> Result<Option<u64>, TailError> {
-    let result = request_replay(ep, from, upto, ropts).await;
+    // The tool shows what the engine sends, whatever its topic.
+    let result = request_replay(ep, from, upto, "", ropts).await;
     match result {
         Err(e) => {
             p.notice(&Notice::Replay {

@@ -117,6 +117,9 @@ pub const HASH_COLLISION: &str = "HashCollision";
 pub const EVENTS_DROPPED: &str = "EventsDropped";
 /// Partial: a frame with an implausible sequence number was held back, unverified.
 pub const SEQUENCE_UNVERIFIED: &str = "SequenceUnverified";
+/// Partial: the engine's replay replies carry a topic the plan's subscription does not match,
+/// so its live events never pass the SUB filter; nothing is indexed.
+pub const TOPIC_MISMATCH: &str = "TopicMismatch";
 /// Partial (controller side): the tenant reached its CacheTenant `spec.quota.maxIndexEntries`
 /// and the index evicted its oldest entries, some of which this replica's engine still holds.
 pub const TENANT_QUOTA_EXCEEDED: &str = "TenantQuotaExceeded";
@@ -154,6 +157,7 @@ pub const REASONS: &[&str] = &[
     HASH_COLLISION,
     EVENTS_DROPPED,
     SEQUENCE_UNVERIFIED,
+    TOPIC_MISMATCH,
     TENANT_QUOTA_EXCEEDED,
     STREAM_CAP_EXCEEDED,
     RESYNC_APPLYING,
@@ -176,6 +180,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         HASH_COLLISION => "one engine hash named two different contents; the older entry was dropped",
         EVENTS_DROPPED => "events could not be read (undecodable, unknown to this agent, or tokens that do not fit their hashes); entries may be missing or stale until the engine's cache is reset or it restarts",
         SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
+        TOPIC_MISMATCH => "the engine publishes its KV events under another topic than the plan subscribes to, so none arrives; nothing is indexed. Check the topic in the engine's --kv-events-config",
         TENANT_QUOTA_EXCEEDED => "the tenant reached its CacheTenant quota (spec.quota.maxIndexEntries): the index evicted its oldest entries, so some blocks the engine holds are not routed to it",
         STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
         RESYNC_APPLYING => "the controller is applying the node's resync in slices: entries are incomplete until the last slice (milliseconds to seconds)",
