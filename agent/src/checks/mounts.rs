@@ -324,6 +324,9 @@ pub struct MountView {
     pub mount: Option<MountEntry>,
     /// Why mountinfo could not be read, if it could not.
     pub mountinfo_error: Option<String>,
+    /// Why the mounted volume's root could not be opened, if it could not (the mount is there,
+    /// its state is not known).
+    pub open_error: Option<String>,
     /// Write probes (empty when the volume is missing or not expected read-only).
     pub probes: Vec<(&'static str, ProbeOutcome)>,
     /// Planned samples: (relative path, expected digest, state).
@@ -354,6 +357,32 @@ pub fn evaluate_view(subject: &str, plan: &ReaderMount, view: &MountView) -> Che
         }
         r
     };
+    if view.mount.is_none() {
+        if let Some(e) = &view.mountinfo_error {
+            return r(
+                CheckStatus::Unknown,
+                "ReaderVolumeUnobservable",
+                format!(
+                    "cannot read the mount table of {who}{binding} ({e}), so whether {path} is \
+                     mounted is unknown."
+                ),
+            );
+        }
+    }
+    if let (Some(_), Some(e)) = (&view.mount, &view.open_error) {
+        return r(
+            CheckStatus::Unknown,
+            "ReaderVolumeUnreadable",
+            format!(
+                "{path} is mounted in {who}{binding}, but the agent cannot open it ({e}): whether \
+                 it is read-only and what it holds are unknown. An agent without \
+                 CAP_DAC_READ_SEARCH, or a network filesystem that squashes root, refuses it: \
+                 grant the capability in agent.securityContext.capabilities.add, or make the \
+                 volume root world-searchable."
+            ),
+        )
+        .with("openError", e);
+    }
     let Some(m) = &view.mount else {
         return r(
             CheckStatus::Critical,
@@ -601,6 +630,7 @@ impl MountsCheck {
             pid,
             mount: None,
             mountinfo_error: None,
+            open_error: None,
             probes: Vec::new(),
             samples: Vec::new(),
         };
@@ -617,10 +647,12 @@ impl MountsCheck {
         }
         let volume = match view.mount.as_ref().map(|_| Volume::open(&target)) {
             Some(Ok(v)) => v,
-            _ => {
-                view.mount = None;
+            Some(Err(e)) => {
+                // Mounted, but not observable by this agent: never "missing".
+                view.open_error = Some(format!("{}: {e}", target.display()));
                 return view;
             }
+            None => return view,
         };
         let samples: Vec<(String, String, Option<PathBuf>)> = plan
             .samples
@@ -793,6 +825,7 @@ mod tests {
             pid: Some(42),
             mount: Some(ro_mount()),
             mountinfo_error: None,
+            open_error: None,
             probes: refused_all(),
             samples: vec![(
                 "config.json".into(),
@@ -811,6 +844,25 @@ mod tests {
                 Box::new(|v, _| v.mount = None),
                 Critical,
                 "ReaderVolumeMissing",
+            ),
+            (
+                // the mount table could not be read: not "missing"
+                Box::new(|v, _| {
+                    v.mount = None;
+                    v.mountinfo_error = Some("/proc/42/mountinfo: No such process".into());
+                }),
+                Unknown,
+                "ReaderVolumeUnobservable",
+            ),
+            (
+                // mounted, but the agent may not open its root (EACCES, root_squash)
+                Box::new(|v, _| {
+                    v.open_error = Some("/proc/42/root/models: Permission denied".into());
+                    v.probes.clear();
+                    v.samples.clear();
+                }),
+                Unknown,
+                "ReaderVolumeUnreadable",
             ),
             (
                 Box::new(|v, _| {
