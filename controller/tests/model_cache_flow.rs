@@ -819,3 +819,52 @@ async fn step5_the_shipped_catalog_crosses_namespaces_on_nvmesh() {
         );
     }
 }
+
+/// A reader claim that is not Bound (recreated while its Retain reader volume still names the
+/// deleted claim, so the binder never binds it) makes Ready False / ReaderClaimPending: pods are
+/// wired by Ready, and a claim that never binds would leave them Pending with nothing pointing
+/// at the cache. Bound again, Ready is True again.
+#[tokio::test]
+async fn a_reader_claim_that_is_not_bound_holds_ready() {
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../chart/files/catalog.json"),
+    )
+    .unwrap();
+    let h = Setup::default()
+        .with(&catalog_cm(&shipped))
+        .with(&storage_class(NVMESH, Some("Retain")))
+        .with(&helm("h", NS, &["ns-b"]))
+        .build()
+        .await;
+    h.ok(NS, "h").await;
+    let b = only_binding(&h).await;
+    let bname = b.metadata.name.clone().unwrap();
+    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{CTL}"))
+        .await;
+    h.ok(NS, "h").await;
+    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
+    let claims = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), "ns-b");
+    let set_phase = |phase: &'static str| {
+        let claims = claims.clone();
+        let name = names::reader_claim(&bname);
+        async move {
+            claims
+                .patch_status(
+                    &name,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(json!({"status": {"phase": phase}})),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    set_phase("Pending").await;
+    h.ok(NS, "h").await;
+    assert_eq!(
+        h.cond(NS, "h", READY).await,
+        is("False", "ReaderClaimPending")
+    );
+    set_phase("Bound").await;
+    h.ok(NS, "h").await;
+    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
+}

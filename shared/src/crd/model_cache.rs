@@ -140,7 +140,11 @@ pub mod model_cache_reason {
     pub const UNINSTALLING: &str = "Uninstalling";
     /// Ready=False: a reader PV cannot be derived from the writer's volume.
     pub const READER_DERIVATION_FAILED: &str = "ReaderDerivationFailed";
-    /// Ready=True: reader claims exist in every reader namespace.
+    /// Ready=False: a reader claim exists but its phase is not `Bound` (Pending, Lost: e.g.
+    /// recreated against a reader PV that still names the deleted claim); pods wired to it
+    /// would not start.
+    pub const READER_CLAIM_PENDING: &str = "ReaderClaimPending";
+    /// Ready=True: reader claims exist in every reader namespace, none known unbound.
     pub const READERS_READY: &str = "ReadersReady";
     /// Ready=True: mode `none` or `ephemeral`; nothing to provision.
     pub const NOTHING_TO_PROVISION: &str = "NothingToProvision";

@@ -876,11 +876,23 @@ impl Pass<'_> {
                         self.foreign(&format!("PersistentVolumeClaim {ns}/{claim_name}")),
                     ))
                 }
-                Some(_) => {}
+                Some(c) => {
+                    if let Some(h) = unbound_reader_claim(&c, &ns, &pv_name, cfg.pending_requeue) {
+                        return Ok(Some(h));
+                    }
+                }
                 None => {
                     let c = render::reader_claim(&pv, &claim_name, &ns, owner);
                     match claims.create(&PostParams::default(), &c).await {
-                        Ok(_) => {}
+                        // The API server answers a new claim as Pending until the PV binder
+                        // binds it (pre-bound by name: within seconds).
+                        Ok(created) => {
+                            if let Some(h) =
+                                unbound_reader_claim(&created, &ns, &pv_name, cfg.pending_requeue)
+                            {
+                                return Ok(Some(h));
+                            }
+                        }
                         // Created by someone else between our read and our create: it is
                         // ours only if it carries the binding's label and UID annotation.
                         Err(e) if is_conflict(&e) => match claims.get_opt(&claim_name).await? {
@@ -910,4 +922,24 @@ impl Pass<'_> {
         }
         Ok(None)
     }
+}
+
+/// A hold while reader claim `c` (in `ns`, pre-bound to reader volume `pv_name`) is not
+/// `Bound`: pods wired to it would not start. `None` when bound, or when the phase is not
+/// reported at all.
+fn unbound_reader_claim(
+    c: &PersistentVolumeClaim,
+    ns: &str,
+    pv_name: &str,
+    requeue: std::time::Duration,
+) -> Option<Hold> {
+    let phase = c.status.as_ref().and_then(|s| s.phase.as_deref())?;
+    (phase != "Bound").then(|| Hold {
+        reason: reason::READER_CLAIM_PENDING,
+        message: format!(
+            "reader claim {ns}/{} is {phase}, not bound to reader volume {pv_name}; engine pods are not wired to it until it is (a claim recreated while the volume still names the deleted one stays Pending: clear the volume's spec.claimRef.uid)",
+            c.metadata.name.as_deref().unwrap_or_default()
+        ),
+        requeue,
+    })
 }
