@@ -333,23 +333,7 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
     // The publisher runs before the agent follows it (an agent restart): the first live message
     // the subscriber sees has seq > 0, so it replays from 0 and ends with the full state.
     let (a, b) = recorded_requests("vllm-0.26.0.json");
-    let reg = prometheus::Registry::new();
-    let hub = KvHub::new(&reg).unwrap();
-    let (pub_port, replay_port) = (free_port(), free_port());
-    let path = fixture("vllm-0.26.0.json");
-    let endpoint = format!("tcp://127.0.0.1:{pub_port}");
-    let replay = format!("tcp://127.0.0.1:{replay_port}");
-    let opts = PublishOptions {
-        interval: Duration::from_millis(100),
-        connect_wait: Duration::ZERO,
-        linger: Duration::from_secs(2),
-        until_seq: Some(8),
-        ..PublishOptions::default()
-    };
-    let publisher =
-        tokio::spawn(async move { publish_fixture(&path, &endpoint, Some(&replay), &opts).await });
-    tokio::time::sleep(Duration::from_millis(350)).await;
-    hub.apply_plan(&plan(HashScheme::Vllm, pub_port, Some(replay_port)));
+    let (hub, publisher) = follow_a_running_publisher(|_| {}).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while hub.status()[0].last_seq != Some(8) {
         assert!(
@@ -372,12 +356,15 @@ async fn a_late_subscriber_learns_earlier_blocks_by_bootstrap_replay() {
     publisher.await.unwrap().unwrap();
 }
 
-/// The plan subscribes to another topic than the engine publishes on: no live message passes
-/// the SUB filter. The bootstrap replay (which carries the engine's topic) shows it, and the
-/// stream reads Partial / TopicMismatch with nothing indexed — not Exact with what the engine
-/// held at attach time, frozen while the engine moves on.
-#[tokio::test]
-async fn a_topic_the_engine_does_not_publish_is_partial_with_nothing_indexed() {
+/// A vLLM 0.26 publisher (the recording's seqs 0..=8, 100 ms apart, with its replay socket)
+/// already running, and 350 ms later a hub that follows it with the plan `adjust` makes of
+/// [`plan`]'s: the first live message it sees has seq > 0, so it replays from 0.
+async fn follow_a_running_publisher(
+    adjust: impl FnOnce(&mut NodePlan),
+) -> (
+    KvHub,
+    tokio::task::JoinHandle<Result<ic_agent::kv::PublishReport, ic_agent::kv::PublishError>>,
+) {
     let reg = prometheus::Registry::new();
     let hub = KvHub::new(&reg).unwrap();
     let (pub_port, replay_port) = (free_port(), free_port());
@@ -395,9 +382,20 @@ async fn a_topic_the_engine_does_not_publish_is_partial_with_nothing_indexed() {
         tokio::spawn(async move { publish_fixture(&path, &endpoint, Some(&replay), &opts).await });
     tokio::time::sleep(Duration::from_millis(350)).await;
     let mut p = plan(HashScheme::Vllm, pub_port, Some(replay_port));
-    // The engine publishes on "kv@pod-a@model-x".
-    p.engines[0].kv_events[0].topic = "kv@pod-b".into();
+    adjust(&mut p);
     hub.apply_plan(&p);
+    (hub, publisher)
+}
+
+/// The plan subscribes to another topic than the engine publishes on: no live message passes
+/// the SUB filter. The bootstrap replay (which carries the engine's topic) shows it, and the
+/// stream reads Partial / TopicMismatch with nothing indexed — not Exact with what the engine
+/// held at attach time, frozen while the engine moves on.
+#[tokio::test]
+async fn a_topic_the_engine_does_not_publish_is_partial_with_nothing_indexed() {
+    // The engine publishes on "kv@pod-a@model-x".
+    let (hub, publisher) =
+        follow_a_running_publisher(|p| p.engines[0].kv_events[0].topic = "kv@pod-b".into()).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while hub.status()[0].coverage_reason != Some("TopicMismatch") {
         assert!(

@@ -1141,25 +1141,23 @@ impl Processor {
             .await
             {
                 Ok(r) => r,
-                Err(e @ ReplayError::TopicMismatch { .. }) => {
-                    // Nothing live will ever pass the filter: index nothing, and say why.
-                    self.count_replay("failed");
-                    self.set_error(format!("bootstrap replay: {e}"));
-                    tracing::warn!(stream = %self.id(), error = %e, "kv events: the plan's topic does not match the engine's; no live event reaches this stream");
-                    self.shared
-                        .lock()
-                        .state
-                        .set_incomplete(Some(coverage::TOPIC_MISMATCH));
-                    break;
-                }
                 Err(e) => {
+                    // A topic mismatch: nothing live will ever pass the filter, so nothing is
+                    // indexed, and the reason says why.
+                    let (reason, what) = match e {
+                        ReplayError::TopicMismatch { .. } => (
+                            coverage::TOPIC_MISMATCH,
+                            "the plan's topic does not match the engine's; no live event reaches this stream",
+                        ),
+                        _ => (
+                            coverage::BOOTSTRAP_INCOMPLETE,
+                            "bootstrap replay failed; blocks stored before now are unknown",
+                        ),
+                    };
                     self.count_replay("failed");
                     self.set_error(format!("bootstrap replay: {e}"));
-                    tracing::warn!(stream = %self.id(), error = %e, "kv events: bootstrap replay failed; blocks stored before now are unknown");
-                    self.shared
-                        .lock()
-                        .state
-                        .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+                    tracing::warn!(stream = %self.id(), error = %e, "kv events: {what}");
+                    self.shared.lock().state.set_incomplete(Some(reason));
                     break;
                 }
             };
