@@ -287,10 +287,8 @@ impl PrefixIndex {
             // With no match anywhere, the answer speaks of the partition the request has the
             // most blocks in (the smallest block size): "shorter than one block" only when it
             // is shorter than every registered size, whichever partition came first.
-            let fewer_blocks = depth == 0
-                && best_depth == 0
-                && best.replicas.is_empty()
-                && keys.len() > best.request_blocks as usize;
+            let fewer_blocks =
+                depth == 0 && best_depth == 0 && keys.len() > best.request_blocks as usize;
             if best.no_partition || depth > best_depth || fewer_blocks {
                 best = Scores {
                     replicas: found,
