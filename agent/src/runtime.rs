@@ -111,18 +111,33 @@ impl CheckRunner {
         Ok(CheckRunner { jobs })
     }
 
-    /// Runs every check against `plan` on the checks thread; empty when the thread is gone.
+    /// Runs every check against `plan` on the checks thread. When the thread is gone (or the
+    /// pass died on it) the pass is one Unknown result, `checks`/`host`/`ChecksUnavailable`:
+    /// an empty pass would read "every check passes" on the CacheNode.
     pub async fn run(&self, plan: ic_shared::plan::NodePlan) -> Vec<ic_shared::check::CheckResult> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.jobs.send((plan, tx)).is_err() {
             warn!("the checks thread is gone");
-            return Vec::new();
+            return vec![checks_unavailable("the agent's checks thread is gone")];
         }
         rx.await.unwrap_or_else(|_| {
             warn!("check pass failed on the checks thread");
-            Vec::new()
+            vec![checks_unavailable(
+                "the check pass died on the agent's checks thread",
+            )]
         })
     }
+}
+
+/// The one result of a pass that could not run: no check's verdict is known.
+fn checks_unavailable(why: &str) -> ic_shared::check::CheckResult {
+    ic_shared::check::CheckResult::new(
+        "checks",
+        "host",
+        ic_shared::check::CheckStatus::Unknown,
+        ic_shared::check::CHECKS_UNAVAILABLE,
+        format!("{why}, so no node check ran; restart the agent pod and read its log."),
+    )
 }
 
 /// Runs one pass of every check on the checks thread and stores it; `interval` is the time
@@ -300,4 +315,29 @@ pub async fn start_with(
         state,
         tasks,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    /// A checks thread that is gone yields one Unknown result, never an empty pass (which
+    /// the controller would read as "every node check passes").
+    #[tokio::test]
+    async fn a_gone_checks_thread_is_one_unknown_result() {
+        let (jobs, rx) = std::sync::mpsc::channel::<CheckJob>();
+        drop(rx);
+        let runner = CheckRunner { jobs };
+        let r = runner.run(ic_shared::plan::NodePlan::default()).await;
+        assert_eq!(r.len(), 1);
+        assert_eq!(
+            (r[0].status, r[0].reason.as_str(), r[0].subject.as_str()),
+            (
+                ic_shared::check::CheckStatus::Unknown,
+                ic_shared::check::CHECKS_UNAVAILABLE,
+                "host"
+            )
+        );
+    }
 }

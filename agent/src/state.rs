@@ -100,8 +100,11 @@ impl AgentMetrics {
                 format!("{p}check_pass_duration_seconds"),
                 "Wall time of one pass over every node check, in seconds.",
             )
+            // Up to 2 min: a pass waits up to 60 s for a first CUDA probe and seconds per hung
+            // MP worker; a quantile above the top bucket would read as that bucket.
             .buckets(vec![
-                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0,
             ]),
         )?;
         let link_connected = IntGauge::new(

@@ -373,6 +373,22 @@ fn fake_nvml_unhealthy_devices() {
             CheckStatus::Critical,
             "GpuLost",
         ),
+        // A health query that fails (NVML_ERROR_UNKNOWN) is not "healthy"; one that answers
+        // NVML_ERROR_RESET_REQUIRED asks for a reset.
+        (
+            "pagesunknown",
+            &["FAKE_PAGES_RC=999"],
+            "gpu0",
+            CheckStatus::Unknown,
+            "GpuHealthUnknown",
+        ),
+        (
+            "pagesreset",
+            &["FAKE_PAGES_RC=16"],
+            "gpu1",
+            CheckStatus::Warning,
+            "GpuResetRequired",
+        ),
     ];
     for (name, defines, subject, status, reason) in cases {
         let Some(lib) = fake_nvml(dir.path(), name, defines) else {
@@ -386,6 +402,10 @@ fn fake_nvml_unhealthy_devices() {
             (*status, *reason),
             "{name}: {g:?}"
         );
+        if *name == "pagesunknown" {
+            assert!(g.message.contains("retiredPages: "), "{}", g.message);
+            assert!(!g.message.contains("is healthy"), "{}", g.message);
+        }
         if *name == "thermal" {
             assert!(g.message.contains("93 °C"), "{}", g.message);
         }

@@ -186,16 +186,18 @@ impl ControllerMetrics {
         let lookup_duration_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 format!("{p}lookup_duration_seconds"),
-                "LookupRoute server-side latency in seconds.",
+                "LookupRoute server-side latency in seconds (prompt_text tokenization included).",
             )
-            .buckets(LATENCY_BUCKETS.to_vec()),
+            // Up to 2.5 s: tokenizing a long prompt_text takes tens of ms, and a quantile above
+            // the top bucket would read as that bucket.
+            .buckets([&LATENCY_BUCKETS[..], &[0.25, 0.5, 1.0, 2.5]].concat()),
         )?;
         let lookup_lock_wait_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 format!("{p}lookup_lock_wait_seconds"),
                 "Time a LookupRoute waited for the KV-prefix index's read lock (a writer holding or queued for it), in seconds.",
             )
-            .buckets([&[0.000_001][..], &LATENCY_BUCKETS].concat()),
+            .buckets([&[0.000_001][..], &LATENCY_BUCKETS, &[0.25, 1.0]].concat()),
         )?;
         let index_write_hold_seconds = HistogramVec::new(
             HistogramOpts::new(

@@ -40,6 +40,11 @@ use crate::index::{LookupQuery, LookupResult, PolicyTable, ResolvedPolicy, LOOKU
 use crate::state::Shared;
 use crate::tokenize::{PromptRefusal, TOKENIZER_STALE};
 
+/// `LookupRouteResponse.warnings` entry when replicas of the request's scope are not Exact
+/// (`inexact_replicas` > 0): the answer may miss a replica holding a longer prefix, or a
+/// NO_HINT may not be "nobody holds it".
+pub const INDEX_INCOMPLETE: &str = "IndexIncomplete";
+
 /// Replicas listed in one answer by default (the best ones).
 pub const DEFAULT_MAX_REPLICAS: usize = 32;
 
@@ -159,6 +164,7 @@ impl Router {
                 block_size: q.block_size.unwrap_or(0),
                 request_blocks: 0,
                 reason: LOOKUP_TIMEOUT.to_string(),
+                inexact_replicas: 0,
             },
         };
         let m = &self.shared.metrics;
@@ -171,6 +177,9 @@ impl Router {
                 "no_hint"
             }])
             .inc();
+        if result.inexact_replicas > 0 {
+            warnings.push(INDEX_INCOMPLETE.to_string());
+        }
         let mut answer = to_proto(result);
         answer.warnings = warnings;
         answer.prompt_tokens = prompt_tokens;
@@ -198,6 +207,7 @@ impl Router {
             block_size,
             request_blocks: 0,
             reason: refusal.reason().to_string(),
+            inexact_replicas: 0,
         })
     }
 
@@ -260,6 +270,7 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
         block_size: r.block_size,
         request_blocks: r.request_blocks,
         reason: r.reason,
+        inexact_replicas: r.inexact_replicas,
         warnings: Vec::new(),
         prompt_tokens: 0,
         narrowed: false,

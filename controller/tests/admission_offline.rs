@@ -415,7 +415,14 @@ fn kube_version_gates_native_sidecars() {
             .contains("the wiring needs the native sidecar \"lmcache-mp-worker\""),
         "{v:#}"
     );
-    assert_eq!(v["patch"], json!([]));
+    // Unwired: the only change is the not-injected record of why.
+    let patch = v["patch"].as_array().unwrap();
+    assert_eq!(patch.len(), 1, "{v:#}");
+    assert_eq!(patch[0]["path"], "/metadata/annotations");
+    assert!(patch[0]["value"]["inferencecache.io/not-injected"]
+        .as_str()
+        .unwrap()
+        .starts_with("CacheBackend default/cb: the wiring needs the native sidecar"));
     a.kube_version = Some("1.30".into());
     let v: Value = serde_json::from_str(&admit_cli(&a).unwrap().stdout).unwrap();
     assert_eq!(v["reason"], "Injected", "{v:#}");

@@ -223,6 +223,7 @@ async fn run_mode_end_to_end() {
             observed_at_unix_ms: ic_shared::now_unix_ms(),
             plan_generation: plan.0,
             interval_seconds: 5,
+            age_ms: 0,
             results: vec![proto::CheckResult {
                 name: "shm".into(),
                 subject: "host".into(),

@@ -5,7 +5,7 @@
 
 use ic_controller::reconcile::model_cache::plan::{reader_mounts, requested_cache};
 use ic_shared::crd::ModelCache;
-use ic_shared::plan::{NodePlan, ReaderMount};
+use ic_shared::plan::{NodePlan, PlannedContainer, ReaderMount};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{json, Value};
 
@@ -36,7 +36,10 @@ fn pod(
             {"name": "vllm", "image": "x", "volumeMounts": [{"name": "model-data", "mountPath": "/models", "readOnly": true}]},
             {"name": "side", "image": "x", "volumeMounts": [{"name": "model-data", "mountPath": "/models", "readOnly": true}]}
         ],
-        "initContainers": [{"name": "warm", "image": "x", "volumeMounts": [{"name": "model-data", "mountPath": "/warm", "readOnly": true}]}],
+        "initContainers": [
+            {"name": "warm", "image": "x", "volumeMounts": [{"name": "model-data", "mountPath": "/warm", "readOnly": true}]},
+            {"name": "prefetch", "image": "x", "restartPolicy": "Always", "volumeMounts": [{"name": "model-data", "mountPath": "/prefetch", "readOnly": true}]}
+        ],
         "volumes": [{"name": "model-data", "persistentVolumeClaim": {"claimName": claim, "readOnly": true}}]
     });
     if let Some(n) = node {
@@ -133,8 +136,9 @@ fn bound_readers_become_plan_entries_per_node() {
         n1.iter()
             .map(|m| (m.pod.as_str(), m.path.as_str()))
             .collect::<Vec<_>>(),
-        vec![("r1", "/models"), ("r1", "/warm")],
-        "one entry per distinct mount path, init containers included"
+        vec![("r1", "/models"), ("r1", "/prefetch")],
+        "one entry per distinct mount path: main containers and native sidecars; a plain init \
+         container has exited once the pod runs, so its /warm is never mounted"
     );
     assert_eq!(
         n1[0],
@@ -146,6 +150,16 @@ fn bound_readers_become_plan_entries_per_node() {
             expect_read_only: true,
             samples: vec![],
             binding: format!("{CTL}/mcb-llama-1"),
+            containers: vec![
+                PlannedContainer {
+                    name: "vllm".into(),
+                    id: None
+                },
+                PlannedContainer {
+                    name: "side".into(),
+                    id: None
+                },
+            ],
         }
     );
     assert_eq!(plan["node-2"].len(), 2);
@@ -164,4 +178,60 @@ fn a_plain_name_is_in_the_pod_namespace() {
     assert_eq!(requested_cache(&p), Some(("ns-b".into(), "llama".into())));
     let p = pod("ns-b", "r", Some("n"), "a/b/c", "c", json!({}));
     assert_eq!(requested_cache(&p), None);
+}
+
+/// Each planned reader path names the containers that mount it, with their runtime IDs only
+/// while pod status says they run: the agent looks through those, never through one that does
+/// not mount the volume.
+#[test]
+fn reader_paths_name_their_containers_with_running_ids() {
+    let caches = vec![cache("org", "llama", "durable", &["ns-b"])];
+    let id = "0b5c3e1f9a8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b";
+    let pods = vec![pod(
+        "ns-b",
+        "r1",
+        Some("node-1"),
+        "org/llama",
+        "mcb-llama-1-reader",
+        json!({"status": {"phase": "Running",
+            "containerStatuses": [
+                {"name": "vllm", "image": "x", "imageID": "", "ready": true, "restartCount": 0,
+                 "containerID": format!("cri-o://{id}"), "state": {"running": {}}},
+                {"name": "side", "image": "x", "imageID": "", "ready": false, "restartCount": 3,
+                 "containerID": "cri-o://1111111111111111",
+                 "state": {"waiting": {"reason": "CrashLoopBackOff"}}}],
+            "initContainerStatuses": [
+                {"name": "prefetch", "image": "x", "imageID": "", "ready": true, "restartCount": 0,
+                 "containerID": "containerd://2222222222222222", "state": {"running": {}}}]}}),
+    )];
+    let plan = reader_mounts(&caches, &pods, CTL);
+    type Named = Vec<(String, Option<String>)>;
+    let by_path: Vec<(String, Named)> = plan["node-1"]
+        .iter()
+        .map(|m| {
+            (
+                m.path.clone(),
+                m.containers
+                    .iter()
+                    .map(|c| (c.name.clone(), c.id.clone()))
+                    .collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_path,
+        vec![
+            (
+                "/models".to_string(),
+                vec![
+                    ("vllm".to_string(), Some(id.to_string())),
+                    ("side".to_string(), None)
+                ]
+            ),
+            (
+                "/prefetch".to_string(),
+                vec![("prefetch".to_string(), Some("2222222222222222".to_string()))]
+            ),
+        ]
+    );
 }

@@ -140,6 +140,7 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
         record: Some(&rec),
         plan: Some(&p),
         replicas: &replicas,
+        plans_authoritative: true,
     };
     let s = desired_status(&view, None, at(100));
     let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
@@ -194,6 +195,29 @@ fn conditions_per_check_aggregate_ready_gpus_and_engines() {
     assert_eq!(s.agent_version.as_deref(), Some("0.1.0"));
     assert_eq!(s.boot_id.as_deref(), Some("boot-1"));
     assert_eq!(s.observed_plan_generation, Some(3));
+
+    // A new leader before its first plan pass has no plans: the node's engines stay as they
+    // were rather than read "no engine" until the pass.
+    let early = NodeView {
+        plan: None,
+        plans_authoritative: false,
+        ..view
+    };
+    let kept = desired_status(&early, Some(&s), at(110));
+    assert_eq!(kept.engine_count, 1);
+    assert_eq!(kept.engines, s.engines);
+    let after = desired_status(
+        &NodeView {
+            plans_authoritative: true,
+            ..early
+        },
+        Some(&s),
+        at(120),
+    );
+    assert_eq!(
+        after.engine_count, 0,
+        "an authoritative empty plan is believed"
+    );
 }
 
 #[test]
@@ -218,6 +242,7 @@ fn a_stream_that_is_not_exact_says_so_in_the_cachenode() {
             record: Some(&rec),
             plan: Some(&p),
             replicas,
+            plans_authoritative: true,
         };
         desired_status(&view, None, at(100)).engines[0].streams[0].clone()
     };
@@ -256,6 +281,7 @@ fn transition_times_move_only_when_a_status_changes() {
         record: Some(&bad),
         plan: None,
         replicas: &[],
+        plans_authoritative: true,
     };
     let first = desired_status(&view, None, at(100));
 
@@ -271,6 +297,7 @@ fn transition_times_move_only_when_a_status_changes() {
         record: Some(&bad2),
         plan: None,
         replicas: &[],
+        plans_authoritative: true,
     };
     let second = desired_status(&view, Some(&first), at(200));
     let c = find_condition(&second.conditions, "ShmHealthy").unwrap();
@@ -286,6 +313,7 @@ fn transition_times_move_only_when_a_status_changes() {
         record: Some(&good),
         plan: None,
         replicas: &[],
+        plans_authoritative: true,
     };
     let third = desired_status(&view, Some(&second), at(300));
     for (t, status, time) in [
@@ -308,6 +336,7 @@ fn transition_times_move_only_when_a_status_changes() {
         record: Some(&none),
         plan: None,
         replicas: &[],
+        plans_authoritative: true,
     };
     let fourth = desired_status(&view, Some(&third), at(400));
     assert!(find_condition(&fourth.conditions, "ShmHealthy").is_none());
@@ -322,6 +351,7 @@ fn disconnected_missing_and_silent_agents() {
             record: Some(&gone),
             plan: None,
             replicas: &[],
+            plans_authoritative: true,
         },
         None,
         at(1),
@@ -344,6 +374,7 @@ fn disconnected_missing_and_silent_agents() {
             record: None,
             plan: Some(&p),
             replicas: &[],
+            plans_authoritative: true,
         },
         None,
         at(1),
@@ -363,6 +394,7 @@ fn disconnected_missing_and_silent_agents() {
             record: Some(&quiet),
             plan: None,
             replicas: &[],
+            plans_authoritative: true,
         },
         None,
         at(1),
@@ -464,7 +496,7 @@ fn advisory_names_nodes_and_checks_and_ignores_other_backends_pods() {
         ),
         ("n4".to_string(), record("n4", true, vec![], 0)),
     ]);
-    let adv = advisory::advisories(&plans, &records);
+    let adv = advisory::advisories(&plans, &records, 1);
     let a = &adv["ns/a"];
     assert_eq!(
         (a.status, a.reason),
@@ -500,9 +532,81 @@ fn advisory_names_nodes_and_checks_and_ignores_other_backends_pods() {
             "n1".to_string(),
             record("n1", true, vec![shm(CheckStatus::Ok, "ShmOk", "ok")], 1),
         )]),
+        1,
     );
     assert_eq!(healthy["ns/a"].status, ConditionStatus::True);
     assert_eq!(healthy["ns/a"].reason, adv_reason::NODES_HEALTHY);
+}
+
+/// A connected agent whose check pass hangs (no report for over 3 intervals + 60 s) no longer
+/// vouches for its last verdict: NodeHealthy reads Unknown/NodeReportStale, as its CacheNode
+/// reads Ready=Unknown/ChecksStale, and True again once a report arrives.
+#[test]
+fn a_stale_report_is_not_vouched_for_in_node_healthy() {
+    let plans = BTreeMap::from([("n1".to_string(), plan(vec![engine("ns", "a-0", "ns/a")]))]);
+    let mut rec = record(
+        "n1",
+        true,
+        vec![shm(CheckStatus::Ok, "ShmOk", "ok")],
+        1_000_000,
+    );
+    rec.check_interval_seconds = 10;
+    let records = BTreeMap::from([("n1".to_string(), rec)]);
+    let fresh = advisory::advisories(&plans, &records, 1_000_000 + 90_000);
+    assert_eq!(fresh["ns/a"].reason, adv_reason::NODES_HEALTHY);
+    let stale = advisory::advisories(&plans, &records, 1_000_000 + 91_000);
+    assert_eq!(
+        (stale["ns/a"].status, stale["ns/a"].reason),
+        (ConditionStatus::Unknown, adv_reason::NODE_REPORT_STALE)
+    );
+    assert!(
+        stale["ns/a"].message.contains("n1"),
+        "{}",
+        stale["ns/a"].message
+    );
+    // A pass that could not run (the checks thread is gone) vouches for nothing either.
+    let gone = record(
+        "n1",
+        true,
+        vec![CheckResult::new(
+            "checks",
+            "host",
+            CheckStatus::Unknown,
+            ic_shared::check::CHECKS_UNAVAILABLE,
+            "gone",
+        )],
+        1_000_000,
+    );
+    let records = BTreeMap::from([("n1".to_string(), gone)]);
+    assert_eq!(
+        advisory::advisories(&plans, &records, 1_000_001)["ns/a"].reason,
+        adv_reason::NODE_REPORT_STALE
+    );
+}
+
+/// A pod result whose podUid is not the planned pod's (a StatefulSet pod recreated under the
+/// same name) is about the earlier pod and does not count.
+#[test]
+fn a_result_about_an_earlier_pod_of_the_same_name_does_not_count() {
+    let mut e = engine("ns", "vllm-0", "ns/a");
+    e.pod_uid = Some("uid-new".into());
+    let plans = BTreeMap::from([("n1".to_string(), plan(vec![e]))]);
+    let about = |uid: &str| {
+        CheckResult::new(
+            "shm",
+            "ns/vllm-0",
+            CheckStatus::Critical,
+            "ShmUndersized",
+            "small",
+        )
+        .with("podUid", uid)
+    };
+    let verdict = |uid: &str| {
+        let records = BTreeMap::from([("n1".to_string(), record("n1", true, vec![about(uid)], 1))]);
+        advisory::advisories(&plans, &records, 1)["ns/a"].reason
+    };
+    assert_eq!(verdict("uid-old"), adv_reason::NODES_HEALTHY);
+    assert_eq!(verdict("uid-new"), adv_reason::NODE_CHECK_FAILING);
 }
 
 fn cache_backend(ns: &str, name: &str) -> CacheBackend {
@@ -617,6 +721,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         plan_generation: 1,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![
             check(
                 "shm",
@@ -711,6 +816,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         plan_generation: 1,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![
             check(
                 "shm",
@@ -733,6 +839,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         plan_generation: 1,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![
             check("shm", proto::CheckStatus::Ok, "ShmOk", "ok"),
             check("ports", proto::CheckStatus::Ok, "PortsOk", "ok"),
@@ -850,6 +957,7 @@ fn a_report_older_than_a_few_check_intervals_makes_ready_unknown() {
             record: Some(rec),
             plan: None,
             replicas: &[],
+            plans_authoritative: true,
         };
         let st = desired_status(&view, None, at(s));
         let c = find_condition(&st.conditions, "Ready").unwrap().clone();
@@ -882,4 +990,47 @@ fn a_report_older_than_a_few_check_intervals_makes_ready_unknown() {
     // An agent that does not say its interval is never judged stale.
     rec.check_interval_seconds = 0;
     assert_eq!(ready_at(&rec, 100_000).1, reason::NODE_READY);
+}
+
+/// Unknown results are named in Ready's message (Ready stays True: they do not fail), and a pass
+/// that could not run at all (the agent's checks thread is gone) is Ready=Unknown.
+#[test]
+fn unknown_checks_are_named_and_an_unavailable_pass_is_unknown() {
+    let ready_of = |checks: Vec<CheckResult>| {
+        let rec = record("n", true, checks, 100_000);
+        let view = NodeView {
+            node: "n",
+            record: Some(&rec),
+            plan: None,
+            replicas: &[],
+            plans_authoritative: true,
+        };
+        let st = desired_status(&view, None, at(101));
+        let c = find_condition(&st.conditions, "Ready").unwrap().clone();
+        (c.status, c.reason, c.message)
+    };
+    let (status, reason_, message) = ready_of(vec![
+        shm(CheckStatus::Ok, "ShmOk", "ok"),
+        CheckResult::new("gpu", "gpu0", CheckStatus::Unknown, "GpuHealthUnknown", "x"),
+    ]);
+    assert_eq!(
+        (status.as_str(), reason_.as_str()),
+        ("True", reason::NODE_READY)
+    );
+    assert!(
+        message.contains("Not known") && message.contains("gpu"),
+        "{message}"
+    );
+    assert!(!message.contains("Every node check passes"), "{message}");
+    let (status, reason_, _) = ready_of(vec![CheckResult::new(
+        "checks",
+        "host",
+        CheckStatus::Unknown,
+        ic_shared::check::CHECKS_UNAVAILABLE,
+        "gone",
+    )]);
+    assert_eq!(
+        (status.as_str(), reason_.as_str()),
+        ("Unknown", reason::CHECKS_UNAVAILABLE)
+    );
 }

@@ -326,6 +326,40 @@ fn engine_container_is_found_beside_a_main_container_and_events_only_keeps_no_l2
     assert!(derived.issues[0].message.contains("--kv-events-config"));
 }
 
+/// The plan reads the container the webhook wired, by the webhook's rule: the production-stack
+/// engine made args-only (the image's entrypoint runs vLLM, as KServe's `kserve-container`
+/// does) behind an args-only `istio-proxy` that Istio's `holdApplicationUntilProxyStarts`
+/// puts first. Before, the plan read the proxy's args: "no --kv-events-config", block size 16.
+#[test]
+fn the_plan_reads_the_engine_the_webhook_picks_not_a_sidecar_listed_first() {
+    let mut pod = vllm_pod();
+    let spec = pod.spec.as_mut().unwrap();
+    let engine = &mut spec.containers[0];
+    let cmd = engine.command.take().unwrap();
+    // `/opt/venv/bin/vllm serve MODEL …` → the image entrypoint is `vllm serve`; args: MODEL …
+    let mut args: Vec<String> = cmd[2..].to_vec();
+    args.extend(["--block-size".to_string(), "32".to_string()]);
+    engine.args = Some(args);
+    engine.name = "kserve-container".into();
+    let proxy: k8s_openapi::api::core::v1::Container = serde_json::from_value(json!({
+        "name": "istio-proxy",
+        "image": "docker.io/istio/proxyv2:1.24.0",
+        "args": ["proxy", "sidecar", "--domain", "$(POD_NAMESPACE).svc.cluster.local"],
+    }))
+    .unwrap();
+    spec.containers.insert(0, proxy);
+    let derived = derive_plans(&[pod], &[vllm_backend()]);
+    let e = &derived.plans["gpu-1"].engines[0];
+    assert_eq!(e.block_size, 32, "{:?}", derived.issues);
+    assert_eq!(e.kv_events.len(), 2, "{:?}", derived.issues);
+    assert_eq!(e.shm_containers[0].name, "kserve-container");
+    assert!(
+        derived.issues.is_empty(),
+        "no false KV-events-disabled issue: {:?}",
+        derived.issues
+    );
+}
+
 fn mooncake_master(phase: &str) -> Pod {
     let mut pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1",
@@ -375,6 +409,12 @@ fn mooncake_master_placement_reserves_its_host_ports() {
             (50051, PortExpect::Free)
         ],
         "a scheduled master that has not started needs its ports free"
+    );
+    assert!(
+        plan.ports
+            .iter()
+            .all(|p| p.owner.as_ref().and_then(|o| o.pod_uid.as_deref()) == Some("master-uid")),
+        "free for that pod: its own early listeners (a native sidecar) are no conflict"
     );
     let derived = derive_plans(&[mooncake_master("Running")], &[]);
     let plan = &derived.plans["cpu-1"];

@@ -291,6 +291,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
         plan_generation: plan.generation,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Critical,
@@ -361,6 +362,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
         plan_generation: plan.generation,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Critical,
@@ -393,6 +395,7 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
         plan_generation: plan.generation,
         // An older agent: no interval, so the fake clock never makes it stale.
         interval_seconds: 0,
+        age_ms: 0,
         results: vec![mounts_result(
             &subject,
             proto::CheckStatus::Ok,

@@ -255,6 +255,57 @@ fn host_network_pod_declares_its_listeners_and_probes_its_own_worker() {
     }
 }
 
+/// The shm check judges the engine's `/dev/shm`: the plan names the engine container and the
+/// MP worker the webhook mounted on the same volume, each with its runtime ID only while pod
+/// status says it runs (the engine waits on the worker's startup probe; the sidecar's ID is what
+/// its cgroup path carries).
+#[test]
+fn the_plan_names_the_containers_that_share_the_engines_dev_shm() {
+    let pod = load_repo_pod(HOST_NET);
+    let cb = backend(SGLANG_LMCACHE);
+    let (outcome, wired) = admit_converged(&pod, std::slice::from_ref(&cb), &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+    let worker_id = "0b5c3e1f9a8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b";
+    let engine_id = "9a8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b0b5c3e1f";
+    let plan_for = |engine_state: Value| {
+        let mut scheduled = wired.clone();
+        scheduled["metadata"]["uid"] = json!("0f6e3f52-7d2a-4d0c-9b1e-30a000000002");
+        scheduled["spec"]["nodeName"] = json!("gpu-node-1");
+        scheduled["status"] = json!({"phase": "Running", "podIP": "10.0.0.9",
+            "initContainerStatuses": [{"name": "lmcache-mp-worker", "image": "x", "imageID": "",
+                "ready": true, "restartCount": 0, "started": true,
+                "containerID": format!("containerd://{}", worker_id.to_uppercase()),
+                "state": {"running": {"startedAt": "2026-12-03T10:00:00Z"}}}],
+            "containerStatuses": [{"name": "sglang-container", "image": "x", "imageID": "",
+                "ready": false, "restartCount": 1, "containerID": format!("containerd://{engine_id}"),
+                "state": engine_state}]});
+        let plans = derive_plans(
+            &[serde_json::from_value(scheduled).unwrap()],
+            std::slice::from_ref(&cb),
+        );
+        plans.plans["gpu-node-1"].engines[0].shm_containers.clone()
+    };
+    let names_ids = |v: Vec<ic_shared::plan::PlannedContainer>| {
+        v.into_iter().map(|c| (c.name, c.id)).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names_ids(plan_for(json!({"waiting": {"reason": "CrashLoopBackOff"}}))),
+        vec![
+            ("sglang-container".to_string(), None),
+            ("lmcache-mp-worker".to_string(), Some(worker_id.to_string())),
+        ]
+    );
+    assert_eq!(
+        names_ids(plan_for(
+            json!({"running": {"startedAt": "2026-12-03T10:00:05Z"}})
+        )),
+        vec![
+            ("sglang-container".to_string(), Some(engine_id.to_string())),
+            ("lmcache-mp-worker".to_string(), Some(worker_id.to_string())),
+        ]
+    );
+}
+
 #[test]
 fn host_network_collisions_fail_open_with_reason_and_warning() {
     // The worker port is the engine's HTTP port (--port 8000): nothing can make both bind.
@@ -269,7 +320,7 @@ fn host_network_collisions_fail_open_with_reason_and_warning() {
         outcome.reason,
         "CacheBackend default/sglang-lmcache: the LMCache MP worker would listen on port 8000, which is the engine's HTTP port (container \"sglang-container\"); set spec.lmCache.workerPort to a free port; pod admitted unwired"
     );
-    assert_eq!(outcome.patch, None);
+    assert_fail_open_marked(&pod, &outcome);
     assert!(outcome
         .warnings
         .iter()
@@ -320,8 +371,13 @@ fn outward_publisher_is_not_followed_and_never_rendered_literally() {
         outcome.reason,
         "CacheBackend llm-d-precise/qwen-routing: container \"vllm\": the KV-event endpoint \"tcp://gaie-kv-events-epp.${NAMESPACE}.svc.cluster.local:5557\" is expanded by the engine's shell at start-up; its value is unknown at admission (write it literally); pod admitted unwired"
     );
-    assert_eq!(outcome.patch, None);
-    assert_eq!(outcome.warnings.len(), 1, "{:?}", outcome.warnings);
+    assert_fail_open_marked(&pod, &outcome);
+    assert_eq!(
+        outcome.warnings.len(),
+        1,
+        "the fail-open's own: {:?}",
+        outcome.warnings
+    );
 
     // Written literally, the endpoint names the EPP Service: vLLM connects out to it.
     let mut literal = pod.clone();
@@ -332,7 +388,7 @@ fn outward_publisher_is_not_followed_and_never_rendered_literally() {
         "{}",
         outcome.reason
     );
-    assert_eq!(outcome.patch, None);
+    assert_fail_open_marked(&literal, &outcome);
 }
 
 #[test]
@@ -455,7 +511,7 @@ fn data_parallel_port_plans_are_checked() {
         outcome.reason,
         "CacheBackend llm-d-wide-ep-precise/glm-routing: container \"vllm\": KV-event endpoint \"tcp://*:0\" asks for an ephemeral port, which vLLM picks and advertises only at run time (vllm-project/vllm#55844); give a fixed port; pod admitted unwired"
     );
-    assert_eq!(outcome.patch, None);
+    assert_fail_open_marked(&pod, &outcome);
 
     // On the host network every rank's publisher and replay port is declared; the routing
     // proxy's own 8000-8007 do not collide.
@@ -660,7 +716,7 @@ fn native_sidecars_only_where_the_apiserver_runs_them() {
         outcome.reason,
         "CacheBackend default/sglang-lmcache: the wiring needs the native sidecar \"lmcache-mp-worker\" (an init container with restartPolicy: Always), which the apiserver (v1.28.9) does not run: native sidecars are on by default from Kubernetes 1.29; pod admitted unwired"
     );
-    assert_eq!(outcome.patch, None);
+    assert_fail_open_marked(&load_repo_pod(HOST_NET), &outcome);
     // vLLM renders no native sidecar (the routing proxy is the pod's own): wired.
     let outcome = admit(&load_repo_pod(DP8), &[backend(GLM_LMCACHE)], &old);
     assert_eq!(outcome.reason, REASON_INJECTED);

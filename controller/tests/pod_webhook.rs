@@ -8,7 +8,7 @@ mod pod_support;
 
 use ic_controller::admission::pod::{
     mutate_pod, PodWebhookConfig, ANNOTATION_INJECTED_BY, ANNOTATION_INJECTED_BY_UID,
-    ANNOTATION_INJECT_SKIPPED, ANNOTATION_SKIP_INJECT, REASON_INJECTED,
+    ANNOTATION_INJECT_SKIPPED, ANNOTATION_NOT_INJECTED, ANNOTATION_SKIP_INJECT, REASON_INJECTED,
 };
 use ic_shared::crd::CacheBackend;
 use pod_support::*;
@@ -73,13 +73,28 @@ fn cfg() -> PodWebhookConfig {
     PodWebhookConfig::default()
 }
 
+/// The reason and the pod's annotations after admission, the `not-injected` record of a
+/// fail-open left out (checked here: it carries the reason).
 fn annotations_after(
     pod: &Value,
     backends: &[CacheBackend],
     cfg: &PodWebhookConfig,
 ) -> (String, Value) {
     let o = admit(pod, backends, cfg);
-    let out = apply(pod, &o);
+    let mut out = apply(pod, &o);
+    if let Some(a) = out
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
+        if let Some(note) = a.remove(ANNOTATION_NOT_INJECTED) {
+            let note = note.as_str().unwrap_or_default().to_string();
+            assert!(
+                o.reason.starts_with(&note) && o.reason.ends_with("; pod admitted unwired"),
+                "{note} vs {}",
+                o.reason
+            );
+        }
+    }
     (o.reason, out["metadata"]["annotations"].clone())
 }
 
@@ -309,7 +324,34 @@ fn adapter_rejection_fails_open_without_partial_changes() {
     );
     let out = apply(&pod, &o);
     assert_eq!(out["spec"], pod["spec"]);
-    assert_eq!(out["metadata"]["annotations"], json!({"keep": "me"}));
+    assert_eq!(
+        out["metadata"]["annotations"],
+        json!({"keep": "me", ANNOTATION_NOT_INJECTED: "CacheBackend ns/x: container \"vllm\" already sets --kv-transfer-config with kv_connector \"NixlConnector\"; refusing to replace the operator's connector with LMCacheConnectorV1"})
+    );
+}
+
+/// LMCache's production-stack shape names a config file. LMCache releases disagree on whether
+/// the file or the injected LMCACHE_* env wins, so the pod is wired with a warning that says
+/// so — never silently reported as wired to the backend.
+#[test]
+fn an_lmcache_config_file_is_wired_with_a_warning_that_the_file_may_win() {
+    let mut pod = vllm_pod();
+    pod["spec"]["containers"][0]["env"] =
+        json!([{"name": "LMCACHE_CONFIG_FILE", "value": "/lmcache/lmcache.yaml"}]);
+    let (o, wired) = admit_converged(&pod, &[cb("x", json!({}))], &cfg());
+    assert_eq!(o.reason, REASON_INJECTED);
+    assert!(
+        o.warnings.iter().any(|w| w.starts_with(
+            "container \"vllm\" sets LMCACHE_CONFIG_FILE=\"/lmcache/lmcache.yaml\": LMCache releases that read only that file ignore"
+        )),
+        "{:?}",
+        o.warnings
+    );
+    assert_eq!(
+        env_value(container(&wired, "vllm"), "LMCACHE_CONFIG_FILE").as_deref(),
+        Some("/lmcache/lmcache.yaml"),
+        "the operator's file is kept"
+    );
 }
 
 #[test]
@@ -571,7 +613,7 @@ fn engine_host_network_only_with_a_published_endpoint() {
     );
     let o = admit(&vllm_pod(), &[b], &cfg());
     assert!(o.reason.contains("has not published status.endpoint"));
-    assert_eq!(o.patch, None);
+    assert_fail_open_marked(&vllm_pod(), &o);
 
     // Host-only: never granted.
     let b = cb(

@@ -130,6 +130,29 @@ async fn skipped_by_operator_needs_both_annotations() {
     assert_eq!(ev[0].object, "ml/a");
 }
 
+/// A pod the webhook admitted unwired although a CacheBackend selects it carries the reason in
+/// `not-injected` (the webhook's own constant); it gets a Warning NotInjected Event with it,
+/// once, so `kubectl describe pod` and `kubectl get events` show why it runs without the cache.
+#[tokio::test]
+async fn a_selected_pod_admitted_unwired_gets_a_warning_with_the_reason() {
+    use ic_controller::admission::pod::ANNOTATION_NOT_INJECTED;
+    use ic_controller::reconcile::cachebackend::events::EventKind;
+    let (ctx, events) = ctx_with(vec![]).await;
+    let why = "CacheBackend ml/kv: Managed LMCacheServer backend has not published status.endpoint yet (roll the engine workload once the backend is Ready)";
+    let p = pod("a", &[], &[(ANNOTATION_NOT_INJECTED, why)]);
+    assert_eq!(decide(&p), PodDecision::NotInjected(why.to_string()));
+    run(&ctx, p.clone()).await;
+    run(&ctx, p).await;
+    let ev = events.events();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(
+        (ev[0].event.kind, ev[0].event.reason.as_str()),
+        (EventKind::Warning, "NotInjected")
+    );
+    assert!(ev[0].event.note.contains(why), "{}", ev[0].event.note);
+    assert_eq!(ev[0].object, "ml/a");
+}
+
 /// The Events the in-memory API server holds, as (regarding name, reason).
 async fn stored_events(client: &kube::Client) -> Vec<(String, String)> {
     let api: kube::Api<Event> = kube::Api::namespaced(client.clone(), NS);

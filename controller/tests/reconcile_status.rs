@@ -432,11 +432,7 @@ fn no_event_within_timeout_degrades_and_sticks_through_a_flap() {
     assert_eq!(reasons(&e), vec!["NoKVEventsObserved"]);
 
     // Availability flap: replicas unavailable, then back.
-    s.workload = Some(WorkloadState {
-        available_replicas: 0,
-        ready_replicas: 0,
-        ..available(1)
-    });
+    s.workload = Some(replicas_down(1));
     s.advance(10);
     let e = s.step();
     assert_eq!(sr(&e.status, "Ready"), is("False", "ReplicasUnavailable"));
@@ -471,11 +467,7 @@ fn availability_flap_does_not_restart_the_first_event_window() {
     s.step();
     let anchor = s.status().first_available_at.clone().unwrap();
     s.advance(200);
-    s.workload = Some(WorkloadState {
-        available_replicas: 0,
-        ready_replicas: 0,
-        ..available(1)
-    });
+    s.workload = Some(replicas_down(1));
     s.step();
     s.advance(50);
     s.workload = Some(available(1));
@@ -991,6 +983,76 @@ fn probe_is_rate_limited_and_reapplies_a_known_failure() {
     );
 }
 
+/// `desired` replicas, rolled out, none of them available.
+fn replicas_down(desired: i32) -> WorkloadState {
+    WorkloadState {
+        available_replicas: 0,
+        ready_replicas: 0,
+        ..available(desired)
+    }
+}
+
+/// A backend whose replicas go away after a good probe: the gate stops probing, so the old
+/// True/ProbeOK is not left standing for the outage; the first reconcile after recovery probes
+/// at once (inside the rate-limit window) instead of showing the pause until it expires.
+#[test]
+fn an_earlier_probe_ok_is_not_vouched_for_while_upstream_is_not_ready() {
+    let mut s = probing_sim();
+    s.step();
+    assert_eq!(sr(&s.status(), "FunctionalProbeOK"), is("True", "ProbeOK"));
+    s.workload = Some(replicas_down(1));
+    s.advance(5);
+    let e = s.step();
+    assert_eq!(sr(&e.status, "Ready"), is("False", "ReplicasUnavailable"));
+    assert_eq!(
+        sr(&e.status, "FunctionalProbeOK"),
+        is("Unknown", "ProbeAwaitingReady")
+    );
+    let msg = e
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "FunctionalProbeOK")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(msg.contains("False/ReplicasUnavailable"), "{msg}");
+    assert_eq!(s.probes_run, 1);
+    s.workload = Some(available(1));
+    s.advance(5);
+    let e = s.step();
+    assert_eq!(s.probes_run, 2, "recovery probes inside the window");
+    assert_eq!(sr(&e.status, "FunctionalProbeOK"), is("True", "ProbeOK"));
+    assert_eq!(sr(&e.status, "Ready"), is("True", "KVEventsObserved"));
+}
+
+/// A stage failure stays False through an upstream outage (sticky), and still holds Ready down
+/// when the upstream recovers inside the window, until a probe passes.
+#[test]
+fn a_probe_stage_failure_stays_false_while_upstream_is_not_ready() {
+    let mut s = probing_sim();
+    s.probe_next = Some(failed("routing"));
+    s.step();
+    s.workload = Some(replicas_down(1));
+    s.advance(5);
+    let e = s.step();
+    assert_eq!(
+        sr(&e.status, "FunctionalProbeOK"),
+        is("False", "ProbeRoutingFailed")
+    );
+    s.workload = Some(available(1));
+    s.advance(5);
+    let e = s.step();
+    assert_eq!(
+        s.probes_run, 1,
+        "rate-limited: the known failure is re-applied"
+    );
+    assert_eq!(sr(&e.status, "Ready"), is("False", "ProbeRoutingFailed"));
+    s.probe_next = Some(all_ok());
+    s.advance(31);
+    let e = s.step();
+    assert_eq!(sr(&e.status, "FunctionalProbeOK"), is("True", "ProbeOK"));
+}
+
 #[test]
 fn probe_waits_for_the_upstream_gates() {
     let mut s = Sim::new(managed_redis("kv"));
@@ -1369,6 +1431,39 @@ fn matched_engine_pods_and_selector_message() {
     // Empty matchLabels is no-claim too.
     spec_patch(&mut s.cb, json!({"engineSelector": {"matchLabels": {}}}));
     assert_eq!(s.step().status.matched_engine_pods, None);
+}
+
+/// A failed pod list keeps the last count only for the spec it was taken under: after a spec
+/// edit (a new selector) the count is unset and the message says none is known yet, rather
+/// than the old selector's count and message under the new observedGeneration.
+#[test]
+fn a_failed_pod_list_after_a_spec_change_does_not_show_the_old_selectors_count() {
+    let mut s = Sim::new(host_only("h"));
+    s.cb.metadata.generation = Some(1);
+    s.pods = Some(vec![pod("engine-0", &[("app", "vllm")], &[])]);
+    assert_eq!(s.step().status.matched_engine_pods, Some(1));
+    // Same spec, list fails: the last count stands.
+    s.pods = None;
+    let e = s.step();
+    assert_eq!(e.status.matched_engine_pods, Some(1));
+    assert!(e.status.engine_selector_message.is_none());
+    // A new selector, and the list still fails.
+    spec_patch(
+        &mut s.cb,
+        json!({"engineSelector": {"matchLabels": {"app": "sglang"}}}),
+    );
+    s.cb.metadata.generation = Some(2);
+    let e = s.step();
+    assert_eq!(e.status.observed_generation, Some(2));
+    assert_eq!(e.status.matched_engine_pods, None);
+    let msg = e.status.engine_selector_message.clone().unwrap_or_default();
+    assert!(msg.contains("could not be listed"), "{msg}");
+    assert!(!msg.contains("app=vllm"), "{msg}");
+    // The list works again: the new selector's count.
+    s.pods = Some(vec![pod("engine-1", &[("app", "sglang")], &[])]);
+    let e = s.step();
+    assert_eq!(e.status.matched_engine_pods, Some(1));
+    assert!(e.status.engine_selector_message.is_none());
 }
 
 #[test]

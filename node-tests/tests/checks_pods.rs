@@ -26,7 +26,7 @@ use ic_agent::checks::mp_worker::MpWorkerCheck;
 use ic_agent::checks::shm::ShmCheck;
 use ic_agent::checks::{Check, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
-use ic_shared::plan::{EnginePlan, NodePlan, ReaderMount, SampleDigest};
+use ic_shared::plan::{EnginePlan, NodePlan, PlannedContainer, ReaderMount, SampleDigest};
 use support::{eventually, have, is_root, sh, FakePod};
 
 const BASE: &str = "IC_POD_BASE";
@@ -146,6 +146,7 @@ fn reader(path: &Path, samples: Vec<SampleDigest>, expect_ro: bool) -> ReaderMou
         expect_read_only: expect_ro,
         samples,
         binding: "team-a/llama".into(),
+        containers: Vec::new(),
     }
 }
 
@@ -275,6 +276,41 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         (r[1].status, r[1].reason.as_str()),
         (CheckStatus::Ok, "ShmOk")
     );
+    // The plan names the engine container: its /dev/shm is judged (found by the runtime ID in
+    // its cgroup); when pod status says it is not running, or its ID is not this process's (it
+    // restarted), the pod's /dev/shm is not judged at all.
+    let named = |id: Option<&str>| {
+        let mut e = engine(Some(16 * MIB), None);
+        e.shm_containers = vec![PlannedContainer {
+            name: "vllm".into(),
+            id: id.map(str::to_string),
+        }];
+        shm.run(&NodePlan {
+            engines: vec![e],
+            ..NodePlan::default()
+        })
+    };
+    let r = named(Some(support::FAKE_CONTAINER_ID));
+    show(&r);
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Critical, "ShmUndersized")
+    );
+    assert_eq!(r[1].observed["container"], "vllm");
+    for id in [None, Some("0123456789abcdef0123456789abcdef")] {
+        let r = named(id);
+        show(&r);
+        assert_eq!(
+            (r[1].status, r[1].reason.as_str()),
+            (CheckStatus::Unknown, "EngineContainerNotRunning"),
+            "{id:?}"
+        );
+        assert_eq!(
+            r[1].observed["containersRunning"],
+            &support::FAKE_CONTAINER_ID[..12]
+        );
+        assert!(r[1].message.contains("vllm"), "{}", r[1].message);
+    }
     let mut gone = engine(Some(MIB), None);
     gone.pod_uid = Some("00000000-0000-0000-0000-000000000000".into());
     let r = shm.run(&NodePlan {
@@ -320,6 +356,36 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         }]
     };
     let mounts = MountsCheck::new(&cfg);
+    // The plan names the container that mounts the volume: looked through when its ID is the
+    // running process's; when it does not run (or restarted since the plan) the mount is
+    // Unknown, not ReaderVolumeMissing from a container that never mounts it.
+    let named = |id: Option<&str>| {
+        let mut m = reader(&base.join("not-mounted"), vec![], true);
+        m.containers = vec![PlannedContainer {
+            name: "reader".into(),
+            id: id.map(str::to_string),
+        }];
+        mounts.run(&NodePlan {
+            reader_mounts: vec![m],
+            ..NodePlan::default()
+        })
+    };
+    let r = named(Some(support::FAKE_CONTAINER_ID));
+    show(&r);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Critical, "ReaderVolumeMissing")
+    );
+    for id in [None, Some("0123456789abcdef0123456789abcdef")] {
+        let r = named(id);
+        show(&r);
+        assert_eq!(
+            (r[0].status, r[0].reason.as_str()),
+            (CheckStatus::Unknown, "PodNotFound"),
+            "{id:?}"
+        );
+        assert!(r[0].message.contains("(reader)"), "{}", r[0].message);
+    }
     let mut plans = vec![
         reader(&base.join("ro-tmpfs"), good(), true),
         reader(&base.join("rw-tmpfs"), vec![], true),

@@ -603,7 +603,7 @@ async fn a_long_024_bootstrap_is_exact_or_says_it_is_not() {
     engine.steps(3000, 2, false);
     let truth = engine.truth();
     let agent = start_agent(grpc, &plan(&ps), None);
-    wait_until("the bootstrap to settle", Duration::from_secs(10), || {
+    wait_until("the bootstrap to settle", Duration::from_secs(30), || {
         coverage(&controller, 0).is_some_and(|c| c.0 == "Exact" || c.0 == "Partial")
             && agent.state().hub.status()[0].replays >= 1
     })

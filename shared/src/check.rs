@@ -10,6 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::proto;
 
+/// Reason of the one result of a check pass that could not run at all (the agent's checks
+/// thread is gone): check `checks`, subject `host`, Unknown. The controller reads it as
+/// CacheNode `Ready=Unknown` with this reason.
+pub const CHECKS_UNAVAILABLE: &str = "ChecksUnavailable";
+
 /// Verdict of one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CheckStatus {

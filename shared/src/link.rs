@@ -9,7 +9,12 @@
 use crate::proto::{self, agent_message::Msg, AgentMessage, StreamSnapshot};
 
 /// Capabilities a node agent announces in `Hello.capabilities`.
-pub const NODE_AGENT_CAPABILITIES: [&str; 2] = ["checks", "kv-events"];
+pub const NODE_AGENT_CAPABILITIES: [&str; 3] = ["checks", "kv-events", PLAN_ADDITIVE];
+
+/// Capability of an agent that applies a pushed node plan with fields it does not know
+/// (`NodePlan::parse_pushed`). An agent without it refuses such a plan whole, so the controller
+/// sends it the plan without the fields added since ([`crate::plan::NodePlan::for_strict_agent`]).
+pub const PLAN_ADDITIVE: &str = "plan-additive";
 
 /// Capabilities a per-pod subscriber (`ic-agent subscribe`) announces.
 pub const POD_SUBSCRIBER_CAPABILITIES: [&str; 2] = ["kv-events", "pod-subscriber"];
@@ -33,9 +38,9 @@ pub struct HelloFields<'a> {
 
 /// The `Hello` message, with the capabilities of a node agent or of a pod subscriber.
 pub fn hello(f: HelloFields<'_>) -> AgentMessage {
-    let capabilities = match f.pod_subscriber {
-        Some(_) => POD_SUBSCRIBER_CAPABILITIES,
-        None => NODE_AGENT_CAPABILITIES,
+    let capabilities: &[&str] = match f.pod_subscriber {
+        Some(_) => &POD_SUBSCRIBER_CAPABILITIES,
+        None => &NODE_AGENT_CAPABILITIES,
     };
     AgentMessage {
         msg: Some(Msg::Hello(proto::Hello {
@@ -86,7 +91,7 @@ mod tests {
             panic!("expected Hello then Resync: {msgs:?}")
         };
         assert_eq!(h.node, "n1");
-        assert_eq!(h.capabilities, ["checks", "kv-events"]);
+        assert_eq!(h.capabilities, ["checks", "kv-events", "plan-additive"]);
         assert_eq!(r.streams.len(), 1);
         let sub = proto::PodSubscriber {
             namespace: "ns".into(),

@@ -34,7 +34,7 @@ use thiserror::Error;
 
 /// Everything an agent checks and subscribes to on its node.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct NodePlan {
     /// Monotonic plan generation (controller-assigned; 0 for a file plan).
     #[serde(default)]
@@ -62,7 +62,7 @@ pub struct NodePlan {
 
 /// A model-cache volume as one reader pod sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct ReaderMount {
     /// Reader pod namespace.
     #[serde(default = "default_namespace")]
@@ -86,6 +86,12 @@ pub struct ReaderMount {
     /// Model-cache binding (`namespace/name`) that planned the mount, for messages.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub binding: String,
+    /// The pod's containers that mount the volume at `path` (main containers and native
+    /// sidecars), each with its runtime ID while it runs. The agent looks through those that
+    /// run; when none does the result is Unknown, not `ReaderVolumeMissing` from a container
+    /// that never mounts it. Empty when unknown (standalone): every container is looked through.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub containers: Vec<PlannedContainer>,
 }
 
 impl Default for ReaderMount {
@@ -98,13 +104,14 @@ impl Default for ReaderMount {
             expect_read_only: true,
             samples: Vec::new(),
             binding: String::new(),
+            containers: Vec::new(),
         }
     }
 }
 
 /// A sample file of a model-cache volume and the writer's digest of it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct SampleDigest {
     /// Path relative to the mount path, e.g. `config.json` (no `..` components).
     pub file: String,
@@ -114,7 +121,7 @@ pub struct SampleDigest {
 
 /// The CUDA driver the node's engines need.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct CudaRequirement {
     /// Highest CUDA runtime version among the engine images on this node, `major.minor`
     /// (e.g. `12.8`). The `cuda` check loads its probe kernel at the matching PTX ISA version, so
@@ -126,7 +133,7 @@ pub struct CudaRequirement {
 
 /// Required `/dev/shm` capacity.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct ShmRequirement {
     /// Minimum size of the tmpfs in bytes.
     pub required_bytes: u64,
@@ -145,14 +152,16 @@ pub enum PortExpect {
 
 /// A host port expectation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PortExpectation {
     /// TCP port, 1–65535.
     pub port: u16,
     /// Free or held.
     #[serde(default)]
     pub expect: PortExpect,
-    /// Expected owner when held.
+    /// Expected owner when held. With `free`: the pod the port is kept free for (a pod not
+    /// started yet), whose own processes may already hold it — a native sidecar binds its port
+    /// before the main containers start — so a listener of that pod is no conflict.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<PortOwner>,
     /// Why the plan cares (shown in messages), e.g. "mooncake master rpc".
@@ -162,7 +171,7 @@ pub struct PortExpectation {
 
 /// Identity of an expected listener. Every given field must match.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PortOwner {
     /// Absolute path of the owner's executable (`/proc/<pid>/exe`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -205,7 +214,7 @@ impl HashScheme {
 
 /// One engine pod on the node.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct EnginePlan {
     /// Pod namespace; also the tenant in the index.
     #[serde(default = "default_namespace")]
@@ -215,6 +224,13 @@ pub struct EnginePlan {
     /// Pod UID (finds its processes through their cgroups); optional in standalone mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
+    /// The containers whose `/dev/shm` `shmRequiredBytes` is for: the engine container first,
+    /// then any container that mounts the same volume at `/dev/shm` (SGLang's LMCache MP
+    /// worker). The `shm` check inspects the first of them that runs; empty when unknown
+    /// (standalone plans, no engine container found), and the check then takes the largest
+    /// `/dev/shm` among the pod's containers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shm_containers: Vec<PlannedContainer>,
     /// Model id (the CacheBackend's `observation.modelID`).
     #[serde(default)]
     pub model: String,
@@ -249,9 +265,22 @@ pub struct EnginePlan {
     pub metrics_url: Option<String>,
 }
 
+/// A container of an engine pod, as pod status names it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlannedContainer {
+    /// Container name (`spec.containers[].name`, or an init container's for a native sidecar).
+    pub name: String,
+    /// Runtime ID while pod status says it is running (`containerStatuses[].containerID` after
+    /// `<runtime>://`, lower-case hex, as in the container's cgroup path); `None` while it is not
+    /// running (waiting, crash-loop back-off, terminated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
 /// One engine publisher (one data-parallel rank).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct KvEventSource {
     /// ZMQ PUB endpoint to connect a SUB to, e.g. `tcp://10.0.0.5:5557`.
     pub endpoint: String,
@@ -317,11 +346,29 @@ pub enum PlanError {
 }
 
 impl NodePlan {
-    /// Parses a plan from YAML or JSON text (JSON is YAML). A document with no content (empty,
-    /// or only comments) is an error, not an empty plan: a truncated or wrong file must not pass
-    /// as "nothing to check" (an empty plan is written `{}`); text nested deeper than
+    /// Parses a plan from YAML or JSON text (JSON is YAML), strictly: a field this build does not
+    /// know is an error naming its path (`engines.0.blokSize`), so a typo in a hand-written
+    /// plan file cannot pass as a default. A document with no content (empty, or only comments)
+    /// is an error, not an empty plan: a truncated or wrong file must not pass as "nothing to
+    /// check" (an empty plan is written `{}`); text nested deeper than
     /// [`MAX_DOCUMENT_DEPTH`](crate::limits::MAX_DOCUMENT_DEPTH) is refused before parsing.
     pub fn parse(text: &str, origin: &str) -> Result<Self, PlanError> {
+        let (plan, ignored) = Self::parse_pushed(text, origin)?;
+        match ignored.as_slice() {
+            [] => Ok(plan),
+            fields => Err(PlanError::Parse {
+                origin: origin.to_string(),
+                message: format!("unknown field(s): {}", fields.join(", ")),
+            }),
+        }
+    }
+
+    /// Parses a plan the controller pushed (`NodePlanUpdate.plan_json`), tolerating fields this
+    /// build does not know: a newer controller's plan reaches an older agent during a rolling
+    /// upgrade, and refusing the whole plan would leave the agent on its previous one. Returns
+    /// the plan and the paths of the fields it ignored (empty when it knows them all), for the
+    /// caller to report. Every other error is [`NodePlan::parse`]'s.
+    pub fn parse_pushed(text: &str, origin: &str) -> Result<(Self, Vec<String>), PlanError> {
         let blank = text.lines().all(|l| {
             let t = l.trim();
             t.is_empty() || t.starts_with('#') || t == "---"
@@ -339,10 +386,30 @@ impl NodePlan {
                 message,
             }
         })?;
-        serde_yaml::from_str(text).map_err(|e| PlanError::Parse {
+        let mut ignored = Vec::new();
+        let plan = serde_ignored::deserialize(serde_yaml::Deserializer::from_str(text), |path| {
+            ignored.push(path.to_string())
+        })
+        .map_err(|e| PlanError::Parse {
             origin: origin.to_string(),
             message: e.to_string(),
-        })
+        })?;
+        Ok((plan, ignored))
+    }
+
+    /// The plan as an agent without [`crate::link::PLAN_ADDITIVE`] can parse it: without the
+    /// fields added after its release (`engines[].shmContainers`, `readerMounts[].containers`),
+    /// which its strict parser would refuse the whole plan for. Its checks then judge as they
+    /// did (the largest `/dev/shm`, every container's view of a reader volume).
+    pub fn for_strict_agent(&self) -> NodePlan {
+        let mut p = self.clone();
+        for e in &mut p.engines {
+            e.shm_containers.clear();
+        }
+        for m in &mut p.reader_mounts {
+            m.containers.clear();
+        }
+        p
     }
 
     /// Reads and parses a plan file of at most
@@ -384,6 +451,28 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    #[allow(clippy::panic)]
+    fn a_file_plan_refuses_unknown_fields_and_a_pushed_plan_reports_them() {
+        let text = "engines:\n  - pod: vllm-0\n    blokSize: 32\n    engineFuture: {a: 1}\n";
+        match NodePlan::parse(text, "file") {
+            Err(PlanError::Parse { message, .. }) => {
+                assert!(message.contains("engines.0.blokSize"), "{message}");
+                assert!(message.contains("engines.0.engineFuture"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let (plan, ignored) = NodePlan::parse_pushed(text, "controller plan").unwrap();
+        assert_eq!(plan.engines[0].pod, "vllm-0");
+        assert_eq!(plan.engines[0].block_size, default_block_size());
+        assert_eq!(
+            ignored,
+            vec!["engines.0.blokSize", "engines.0.engineFuture"]
+        );
+        let (_, none) = NodePlan::parse_pushed("engines: [{pod: p}]", "c").unwrap();
+        assert!(none.is_empty());
     }
 
     #[test]

@@ -261,7 +261,13 @@ pub struct GpuSnapshot {
     pub xid: Option<XidStatus>,
     /// Queries that failed for another reason than "not supported": `"query: error"`.
     pub query_errors: Vec<String>,
+    /// A query answered `NVML_ERROR_RESET_REQUIRED`: the GPU needs a reset.
+    pub reset_required: bool,
 }
+
+/// The queries whose answers decide the verdict ([`evaluate_device`]); when one fails the GPU's
+/// health is not known, and the result says so instead of `GpuOk`.
+pub const HEALTH_QUERIES: [&str; 4] = ["ecc", "retiredPages", "remappedRows", "throttle"];
 
 /// The XID side of a GPU: what the NVML thread saw, judged under the policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,8 +329,10 @@ pub fn throttle_names(bits: u64) -> String {
 ///
 /// Critical: `GpuLost`, `GpuEccErrors` (uncorrectable volatile ECC errors > 0),
 /// `GpuRowRemapFailure`. Warning: `GpuRowRemapPending`, `GpuRetiredPagesPending`,
-/// `GpuThermalThrottle`, `GpuHwSlowdown`. Otherwise Ok `GpuOk`. Several findings combine into
-/// one result: worst status, the first worst finding's reason, every finding's sentence.
+/// `GpuThermalThrottle`, `GpuHwSlowdown`, `GpuResetRequired` (a query answered
+/// `NVML_ERROR_RESET_REQUIRED`). Unknown: `GpuHealthUnknown` (one of [`HEALTH_QUERIES`] failed
+/// otherwise than "not supported"). Otherwise Ok `GpuOk`. Several findings combine into one
+/// result: worst status, the first worst finding's reason, every finding's sentence.
 pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
     let subject = format!("gpu{}", s.index);
     let label = match &s.name {
@@ -417,6 +425,16 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
     if let Some((XidAction::Warning, m)) = &xid_finding {
         findings.push((CheckStatus::Warning, "GpuXidError", m.clone()));
     }
+    if s.reset_required {
+        findings.push((
+            CheckStatus::Warning,
+            "GpuResetRequired",
+            format!(
+                "{label} answered NVML_ERROR_RESET_REQUIRED: drain the node and reset the GPU \
+                 (nvidia-smi -r) or reboot."
+            ),
+        ));
+    }
     if let Some(bits) = s.throttle_reasons {
         if bits & THERMAL_THROTTLE_MASK != 0 {
             let temp = s
@@ -442,6 +460,28 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
                 ),
             ));
         }
+    }
+
+    let failed: Vec<&str> = s
+        .query_errors
+        .iter()
+        .map(String::as_str)
+        .filter(|e| {
+            HEALTH_QUERIES
+                .iter()
+                .any(|q| e.strip_prefix(q).is_some_and(|r| r.starts_with(':')))
+        })
+        .collect();
+    if !failed.is_empty() {
+        findings.push((
+            CheckStatus::Unknown,
+            "GpuHealthUnknown",
+            format!(
+                "{label}'s health queries failed ({}), so its ECC, row-remap, page-retirement or \
+                 throttle state is not known; it is not reported healthy.",
+                failed.join("; ")
+            ),
+        ));
     }
 
     let (status, reason, message) = if findings.is_empty() {
@@ -603,6 +643,11 @@ fn snapshot(
         // an older library without the function is the same as an unsupported query
         Ok(()) | Err(NvmlError::NotSupported) | Err(NvmlError::FailedToLoadSymbol(_)) => {}
         Err(NvmlError::GpuLost) => s.lost = true,
+        Err(NvmlError::ResetRequired) => {
+            s.reset_required = true;
+            s.query_errors
+                .push(format!("{what}: {}", NvmlError::ResetRequired));
+        }
         Err(e) => s.query_errors.push(format!("{what}: {e}")),
     };
     let mut name = None;
@@ -841,6 +886,7 @@ mod tests {
             mig_devices: None,
             xid: None,
             query_errors: vec![],
+            reset_required: false,
         }
     }
 
@@ -856,6 +902,36 @@ mod tests {
                 "GpuEccErrors",
             ),
             (Box::new(|s| s.ecc_dbe_volatile = None), Ok, "GpuOk"),
+            // A failed health query is not "healthy"; an informational one does not matter.
+            (
+                Box::new(|s| {
+                    s.ecc_dbe_volatile = None;
+                    s.query_errors = vec!["ecc: an unknown error occurred".into()];
+                }),
+                Unknown,
+                "GpuHealthUnknown",
+            ),
+            (
+                Box::new(|s| s.query_errors = vec!["temperature: timeout".into()]),
+                Ok,
+                "GpuOk",
+            ),
+            (
+                Box::new(|s| {
+                    s.reset_required = true;
+                    s.query_errors = vec!["remappedRows: reset required".into()];
+                }),
+                Warning,
+                "GpuResetRequired",
+            ),
+            (
+                Box::new(|s| {
+                    s.ecc_dbe_volatile = Some(1);
+                    s.query_errors = vec!["throttle: timeout".into()];
+                }),
+                Critical,
+                "GpuEccErrors",
+            ),
             (
                 Box::new(|s| s.retired_pages_pending = Some(true)),
                 Warning,

@@ -143,6 +143,9 @@ impl CheckMetrics {
                     self.gpu_last_xid
                         .with_label_values(&[gpu])
                         .set(num(r, "lastXid").unwrap_or(0));
+                    // The series exists at 0 from the GPU's first pass: `increase()` sees the
+                    // first XID only as a step up from an earlier sample.
+                    let xid_events = self.gpu_xid_events.with_label_values(&[gpu]);
                     if let Some(total) = r
                         .observed
                         .get("xidEventsTotal")
@@ -151,9 +154,7 @@ impl CheckMetrics {
                         let mut seen = self.xid_seen.lock();
                         let last = seen.entry(gpu.to_string()).or_insert(0);
                         if total > *last {
-                            self.gpu_xid_events
-                                .with_label_values(&[gpu])
-                                .inc_by(total - *last);
+                            xid_events.inc_by(total - *last);
                         }
                         *last = total;
                     }
@@ -183,6 +184,26 @@ impl CheckMetrics {
 mod tests {
     use super::*;
     use ic_shared::check::CheckStatus;
+
+    /// A GPU's XID counter is exported at 0 before its first XID, so the first one is an
+    /// increase (InferenceCacheGpuXid) rather than a series that starts at 1.
+    #[test]
+    fn the_xid_counter_starts_at_zero() {
+        let reg = Registry::new();
+        let m = CheckMetrics::register(&reg).unwrap();
+        m.record(&[
+            CheckResult::new("gpu", "gpu1", CheckStatus::Ok, "GpuOk", "m")
+                .with("xidEventsTotal", 0),
+        ]);
+        let mut buf = Vec::new();
+        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &reg.gather(), &mut buf)
+            .unwrap();
+        let text = String::from_utf8(buf).unwrap();
+        assert!(
+            text.contains("inferencecache_agent_gpu_xid_events_total{gpu=\"1\"} 0"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn gauges_from_results() {

@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 use nix::fcntl::OFlag;
 
 use super::beneath::{self, Volume};
-use super::pods::PodFinder;
+use super::pods::{is_sandbox_exe, short_id, PodContainer, PodFinder};
 use super::shm::{find_mount, parse_mountinfo, MountEntry};
 use super::{Check, ChecksConfig};
 
@@ -695,6 +695,51 @@ impl MountsCheck {
     }
 }
 
+/// Whether `c` is one of the containers the plan says mount `m` (by runtime ID); with no
+/// containers planned (standalone), any container but the pod sandbox.
+fn mounts_it(m: &ReaderMount, c: &PodContainer) -> bool {
+    if m.containers.is_empty() {
+        return !c.exe.as_deref().is_some_and(is_sandbox_exe);
+    }
+    m.containers
+        .iter()
+        .any(|p| p.id.is_some() && p.id == c.container_id)
+}
+
+/// `Unknown/PodNotFound` for a reader mount none of whose mounting containers runs (the pod
+/// still pulling its image or running init containers, or the reader container restarting):
+/// the other containers never mount the volume, so they cannot say it is missing.
+fn not_running(subject: &str, uid: &str, m: &ReaderMount, running: &[PodContainer]) -> CheckResult {
+    let who = if m.containers.is_empty() {
+        "its containers (only the pod sandbox runs)".to_string()
+    } else {
+        let names: Vec<&str> = m.containers.iter().map(|p| p.name.as_str()).collect();
+        format!("the container(s) that mount it ({})", names.join(", "))
+    };
+    CheckResult::new(
+        NAME,
+        subject,
+        CheckStatus::Unknown,
+        "PodNotFound",
+        format!(
+            "{who} of pod {}/{} have no process on this node yet (image pull, init containers, \
+             a restart), so the volume at {} cannot be inspected; the pod's other containers do \
+             not mount it.",
+            m.namespace, m.pod, m.path
+        ),
+    )
+    .with("podUid", uid)
+    .with("path", &m.path)
+    .with(
+        "containersRunning",
+        running
+            .iter()
+            .map(|c| c.container_id.as_deref().map_or("?", short_id))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
+
 impl Check for MountsCheck {
     fn name(&self) -> &'static str {
         NAME
@@ -736,10 +781,12 @@ impl Check for MountsCheck {
                                 .unavailable(NAME, &subject, uid, "its model volume")
                                 .with("path", &m.path);
                         }
-                        containers
-                            .iter()
-                            .map(|c| self.view(m, Some(c.pid)))
-                            .collect()
+                        let looked: Vec<&PodContainer> =
+                            containers.iter().filter(|c| mounts_it(m, c)).collect();
+                        if looked.is_empty() {
+                            return not_running(&subject, uid, m, &containers);
+                        }
+                        looked.iter().map(|c| self.view(m, Some(c.pid))).collect()
                     }
                 };
                 let mounted: Vec<&MountView> = views.iter().filter(|v| v.mount.is_some()).collect();

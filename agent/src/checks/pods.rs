@@ -8,9 +8,11 @@
 //! process's mounts, and `<proc_root>/<pid>/mountinfo` lists them. The sandbox (`pause`)
 //! process is skipped: it holds the namespaces but none of the pod's volumes.
 //!
-//! A full scan of `<proc_root>/*/cgroup` costs a read per process, so [`PodFinder`] keeps the
-//! last answer per UID, re-validates it by re-reading only those processes' cgroup files, and
-//! rescans at most once per [`PodFinder::MIN_RESCAN`].
+//! A full scan of `<proc_root>/*/cgroup` costs a read per process, so [`PodFinder`] shares one
+//! scan among the checks of a pass: it rescans when the last scan is older than
+//! [`PodFinder::MIN_RESCAN`] and, within a scan's lifetime, re-reads only the cgroup files of
+//! the pids it answers (dropping those that left). A scan is never kept longer: a pod first seen
+//! with only its sandbox (image still pulling) must show its engine on the next pass.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -30,6 +32,9 @@ pub struct PodContainer {
     pub mnt_ns: Option<u64>,
     /// Executable of `pid` (`<proc_root>/<pid>/exe`); `None` when unreadable.
     pub exe: Option<String>,
+    /// The container runtime's ID of the container `pid` runs in, from its cgroup path
+    /// ([`container_id_from_cgroup`]); `None` when the path names none.
+    pub container_id: Option<String>,
 }
 
 impl PodContainer {
@@ -93,6 +98,35 @@ fn pid_uid(proc_root: &Path, pid: u32) -> Option<String> {
         .and_then(|t| pod_uid_from_cgroup(&t))
 }
 
+/// The container ID in a kubepods cgroup path (`/proc/<pid>/cgroup`), lower-case: the last
+/// segment below the pod's, as the runtimes name it — systemd driver
+/// `cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope`; cgroupfs driver
+/// `<id>`. It is what pod status shows as `containerStatuses[].containerID` after
+/// `<runtime>://`. `None` for a process in the pod's own cgroup, for CRI-O's monitor
+/// (`crio-conmon-<id>.scope`, which runs in the host's namespaces), and for a segment that is
+/// not at least 12 hex digits.
+pub fn container_id_from_cgroup(text: &str) -> Option<String> {
+    for path in super::ports::kubepods_paths(text) {
+        let Some(last) = path.trim_end_matches('/').rsplit('/').next() else {
+            continue;
+        };
+        let id = match last.strip_suffix(".scope") {
+            Some(stem) if stem.contains("conmon") => return None,
+            Some(stem) => stem.rsplit('-').next().unwrap_or(stem),
+            None => last,
+        };
+        if id.len() >= 12 && id.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Some(id.to_ascii_lowercase());
+        }
+    }
+    None
+}
+
+/// The first 12 hex digits of a container ID (what `crictl ps` shows).
+pub fn short_id(id: &str) -> &str {
+    id.get(..12).unwrap_or(id)
+}
+
 /// True for a pod sandbox process (`…/pause`), which holds namespaces but no volumes.
 pub fn is_sandbox_exe(exe: &str) -> bool {
     Path::new(exe)
@@ -138,7 +172,15 @@ pub fn containers(proc_root: &Path, pids: &[u32]) -> Vec<PodContainer> {
             // vanished since the scan (or not readable at all): nothing to look through
             continue;
         }
-        let c = PodContainer { pid, mnt_ns, exe };
+        let container_id = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
+            .ok()
+            .and_then(|t| container_id_from_cgroup(&t));
+        let c = PodContainer {
+            pid,
+            mnt_ns,
+            exe,
+            container_id,
+        };
         if c.exe.as_deref().is_some_and(is_sandbox_exe) {
             sandboxes.push(c);
             continue;
@@ -201,16 +243,6 @@ impl PodFinder {
             return Vec::new();
         };
         let mut cache = self.cache.lock();
-        if let Some(pids) = cache.pods.get(&uid) {
-            let alive: Vec<u32> = pids
-                .iter()
-                .copied()
-                .filter(|p| pid_uid(&self.proc_root, *p).as_deref() == Some(uid.as_str()))
-                .collect();
-            if !alive.is_empty() && alive.len() == pids.len() {
-                return alive;
-            }
-        }
         let fresh = cache
             .scanned_at
             .is_some_and(|t| t.elapsed() < Self::MIN_RESCAN);
@@ -218,7 +250,15 @@ impl PodFinder {
             cache.pods = scan_pods(&self.proc_root);
             cache.scanned_at = Some(Instant::now());
         }
-        cache.pods.get(&uid).cloned().unwrap_or_default()
+        // Within one scan's lifetime, drop the pids that left the pod (or exited) since.
+        cache
+            .pods
+            .get(&uid)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|p| pid_uid(&self.proc_root, *p).as_deref() == Some(uid.as_str()))
+            .collect()
     }
 
     /// The pod's containers ([`containers`]); empty when the pod has no process here.
@@ -289,6 +329,30 @@ mod tests {
         assert!(!is_sandbox_exe("/usr/bin/python3"));
     }
 
+    /// Container IDs as the runtimes write them into cgroup paths (containerd, CRI-O and Docker
+    /// under the systemd driver, cgroup v2 and v1; the cgroupfs driver), and what is not one.
+    #[test]
+    fn container_ids_from_cgroup_paths() {
+        let id = "0b5c3e1f9a8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b";
+        for text in [
+            format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod3f1c2a9e_1b2c_4d5e_8f90_0123456789ab.slice/cri-containerd-{id}.scope\n"),
+            format!("0::/kubepods.slice/kubepods-pod3f1c2a9e_1b2c.slice/crio-{id}.scope\n"),
+            format!("12:pids:/kubepods/besteffort/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/{id}\n1:name=systemd:/kubepods/besteffort/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/{id}\n"),
+            format!("0::/kubepods.slice/kubepods-pod1.slice/docker-{}.scope\n", id.to_uppercase()),
+        ] {
+            assert_eq!(container_id_from_cgroup(&text).as_deref(), Some(id), "{text}");
+        }
+        for text in [
+            "0::/kubepods.slice/kubepods-pod3f1c2a9e_1b2c.slice\n".to_string(),
+            format!("0::/kubepods.slice/kubepods-pod1.slice/crio-conmon-{id}.scope\n"),
+            format!("0::/system.slice/containerd.service/{id}\n"),
+            "0::/kubepods/besteffort/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab/abc\n".to_string(),
+            "0::/kubepods/besteffort/pod3f1c2a9e-1b2c-4d5e-8f90-0123456789ab\n".to_string(),
+        ] {
+            assert_eq!(container_id_from_cgroup(&text), None, "{text}");
+        }
+    }
+
     #[test]
     fn fixture_proc_tree() {
         let dir = tempfile::tempdir().unwrap();
@@ -341,6 +405,33 @@ mod tests {
         assert_eq!(f.pids(uid), vec![10, 11, 12]);
         // only the sandbox left: it is the container
         assert_eq!(containers(root, &[10])[0].pid, 10);
+    }
+
+    /// A pod first seen with only its sandbox (the engine image still pulling) shows the engine
+    /// once it starts: a cached answer whose pids are all alive is not taken as complete.
+    #[test]
+    fn a_container_that_starts_after_the_first_look_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let uid = "3f1c2a9e-1b2c-4d5e-8f90-0123456789ab";
+        let cg = format!("0::/kubepods/burstable/pod{uid}/abc\n");
+        let add = |pid: u32, exe: &str, mnt: &str| {
+            let d = root.join(pid.to_string());
+            std::fs::create_dir_all(d.join("ns")).unwrap();
+            std::fs::write(d.join("cgroup"), &cg).unwrap();
+            std::os::unix::fs::symlink(exe, d.join("exe")).unwrap();
+            std::os::unix::fs::symlink(mnt, d.join("ns").join("mnt")).unwrap();
+        };
+        add(10, "/pause", "mnt:[100]");
+        let f = PodFinder::new(root);
+        assert_eq!(f.pids(uid), vec![10]);
+        add(11, "/usr/bin/python3", "mnt:[101]");
+        std::thread::sleep(PodFinder::MIN_RESCAN);
+        assert_eq!(f.pids(uid), vec![10, 11]);
+        assert_eq!(
+            f.containers(uid).iter().map(|c| c.pid).collect::<Vec<_>>(),
+            vec![11]
+        );
     }
 
     /// A pod whose processes show in their cgroups but whose exe and ns/mnt cannot be read (what

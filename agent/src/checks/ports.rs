@@ -140,13 +140,7 @@ fn parse_hex_addr(hex: &str) -> Option<IpAddr> {
 /// Accepts the cgroupfs driver's `…/kubepods/burstable/pod<uid>/<container>` and the systemd
 /// driver's `…/kubepods-burstable-pod<uid_with_underscores>.slice/…`, on cgroup v1 and v2.
 pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
-    for line in text.lines() {
-        let Some(path) = line.splitn(3, ':').nth(2) else {
-            continue;
-        };
-        if !path.contains("kubepods") {
-            continue;
-        }
+    for path in kubepods_paths(text) {
         for seg in path.split('/') {
             let candidate = if let Some(stem) = seg.strip_suffix(".slice") {
                 stem.rfind("-pod").map(|i| &stem[i + 4..])
@@ -159,6 +153,14 @@ pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
         }
     }
     None
+}
+
+/// The cgroup paths of a `/proc/<pid>/cgroup` text (`hierarchy:controllers:path` lines) that
+/// lie under `kubepods`.
+pub fn kubepods_paths(text: &str) -> impl Iterator<Item = &str> {
+    text.lines()
+        .filter_map(|line| line.splitn(3, ':').nth(2))
+        .filter(|path| path.contains("kubepods"))
 }
 
 /// Lower-cases a pod UID and turns the systemd driver's underscores into dashes; `None` when
@@ -438,6 +440,30 @@ pub fn evaluate_expectation_with(
                         .unwrap_or_else(|| "a listener".to_string())
                 ),
             ),
+            // Kept free for a pod that is starting: its own (sidecar) listeners are no conflict.
+            (PortExpect::Free, Some(st))
+                if exp.owner.is_some()
+                    && !st.owners.is_empty()
+                    && st
+                        .owners
+                        .iter()
+                        .all(|o| exp.owner.as_ref().is_some_and(|w| o.matches(w))) =>
+            {
+                r(
+                    CheckStatus::Ok,
+                    "PortOk",
+                    format!(
+                        "{label} is kept free for {}, and only that pod's own process ({}) \
+                         listens on it (a sidecar that starts first).",
+                        exp.owner.as_ref().map(describe_owner).unwrap_or_default(),
+                        st.owners
+                            .iter()
+                            .map(SocketOwner::describe)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                )
+            }
             (PortExpect::Free, Some(st)) => {
                 let holders = if st.owners.is_empty() {
                     format!(
@@ -530,6 +556,7 @@ pub fn evaluate_expectation_with(
             },
         };
     let verdict = match (result.reason.as_str(), exp.expect) {
+        ("PortOk", PortExpect::Free) if state.is_some() => "HeldByExpected",
         ("PortOk", PortExpect::Free) => "Free",
         ("PortOk", PortExpect::Held) => "HeldByExpected",
         ("PortConflict", _) => "Conflict",
@@ -826,6 +853,40 @@ mod tests {
             (
                 exp(50051, PortExpect::Free, None, None),
                 Some(held("127.0.0.1", vec![])),
+                Critical,
+                "PortConflict",
+            ),
+            // Kept free for a starting pod: its own sidecar's listener is no conflict; another
+            // pod's, a mix, or an unidentified one is.
+            (
+                exp(50051, PortExpect::Free, None, Some(uid)),
+                Some(held("0.0.0.0", vec![py.clone()])),
+                Ok,
+                "PortOk",
+            ),
+            (
+                exp(
+                    50051,
+                    PortExpect::Free,
+                    None,
+                    Some("00000000-1b2c-4d5e-8f90-0123456789ab"),
+                ),
+                Some(held("0.0.0.0", vec![py.clone()])),
+                Critical,
+                "PortConflict",
+            ),
+            (
+                exp(50051, PortExpect::Free, None, Some(uid)),
+                Some(held(
+                    "0.0.0.0",
+                    vec![py.clone(), owner(99, "/usr/bin/nc", None)],
+                )),
+                Critical,
+                "PortConflict",
+            ),
+            (
+                exp(50051, PortExpect::Free, None, Some(uid)),
+                Some(held("0.0.0.0", vec![])),
                 Critical,
                 "PortConflict",
             ),

@@ -8,15 +8,18 @@
 //!
 //! Engine pods (plan `engines[]` with a `podUid`): the pod's processes are found by their
 //! cgroup ([`super::pods`]); each container (mount namespace) is inspected through
-//! `<proc_root>/<pid>/root/dev/shm` (statvfs) and `<proc_root>/<pid>/mountinfo`, and the
-//! container with the largest `/dev/shm` is the one compared with `shmRequiredBytes` (the
-//! engine container is the one given the memory volume; sidecars keep the 64 MiB default).
+//! `<proc_root>/<pid>/root/dev/shm` (statvfs) and `<proc_root>/<pid>/mountinfo`. The one
+//! compared with `shmRequiredBytes` is the first of the plan's `shmContainers` (the engine
+//! container, then those sharing its `/dev/shm` volume) whose runtime ID is a running
+//! container's cgroup; when none of them runs the verdict is `Unknown`
+//! (`EngineContainerNotRunning`), never a sidecar's or the sandbox's 64 MiB default. A plan
+//! that names no container (standalone) compares the largest `/dev/shm` of the pod.
 //! Engines that map more shared memory than the tmpfs holds die with SIGBUS on first touch
 //! (NCCL with tensor parallelism, LMCache's L1 in the MP worker), so undersized is `Critical`.
 //!
 //! Results: subject `host`, then `<namespace>/<pod>` per engine with a pod UID. Reasons (see
 //! `docs/checks.md`): `ShmOk`, `ShmUndersized`, `ShmNearlyFull`, `ShmNotTmpfs`, `ShmMissing`,
-//! `ShmUnreadable`, `PodNotFound`.
+//! `ShmUnreadable`, `PodNotFound`, `EngineContainerNotRunning`.
 
 use std::ffi::OsString;
 use std::io;
@@ -25,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ic_shared::check::{CheckResult, CheckStatus};
-use ic_shared::plan::{EnginePlan, NodePlan};
+use ic_shared::plan::{EnginePlan, NodePlan, PlannedContainer};
 
-use super::pods::{PodContainer, PodFinder};
+use super::pods::{short_id, PodContainer, PodFinder};
 use super::units::{bytes_both, human_bytes, parse_size_option};
 use super::{Check, ChecksConfig};
 
@@ -81,19 +84,27 @@ impl ShmCheck {
                 (c, usage, mount)
             })
             .collect();
-        // The container with the largest /dev/shm (an unlimited tmpfs counts as largest); when
-        // none could be measured, the first container.
-        let rank = |v: &ContainerView<'_>| match (&v.1, &v.2) {
-            (Ok(u), Ok(Some(m))) if u.size_bytes == 0 && m.fs_type == "tmpfs" => Some(u64::MAX),
-            (Ok(u), _) => Some(u.size_bytes),
-            (Err(_), _) => None,
+        let best = match pick_container(&engine.shm_containers, &containers) {
+            Pick::Planned(i) => i,
+            Pick::NoneRunning => return engine_not_running(&subject, uid, engine, &containers),
+            Pick::Largest => {
+                // No engine container planned: the container with the largest /dev/shm (an
+                // unlimited tmpfs counts as largest); when none could be measured, the first.
+                let rank = |v: &ContainerView<'_>| match (&v.1, &v.2) {
+                    (Ok(u), Ok(Some(m))) if u.size_bytes == 0 && m.fs_type == "tmpfs" => {
+                        Some(u64::MAX)
+                    }
+                    (Ok(u), _) => Some(u.size_bytes),
+                    (Err(_), _) => None,
+                };
+                views
+                    .iter()
+                    .enumerate()
+                    .max_by_key(|(i, v)| (rank(v), std::cmp::Reverse(*i)))
+                    .map(|(i, _)| i)
+                    .unwrap_or(0)
+            }
         };
-        let best = views
-            .iter()
-            .enumerate()
-            .max_by_key(|(i, v)| (rank(v), std::cmp::Reverse(*i)))
-            .map(|(i, _)| i)
-            .unwrap_or(0);
         let count = views.len();
         let Some((c, usage, mount)) = views.into_iter().nth(best) else {
             return pod_not_found(NAME, &subject, uid, "its /dev/shm");
@@ -115,11 +126,100 @@ impl ShmCheck {
         .with("podUid", uid)
         .with("pid", c.pid)
         .with("containersInspected", count);
+        if let Some(name) = engine
+            .shm_containers
+            .iter()
+            .find(|p| p.id.is_some() && p.id == c.container_id)
+            .map(|p| p.name.as_str())
+        {
+            r = r.with("container", name);
+        }
         if let Some(e) = mountinfo_error {
             r = r.with("mountinfoError", e);
         }
         r
     }
+}
+
+/// Which of a pod's containers the `/dev/shm` requirement is compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// The plan names no container (standalone, or no engine container found): the largest
+    /// (unless only the sandbox runs: then [`Pick::NoneRunning`]).
+    Largest,
+    /// The first planned container with a running process: index into the containers.
+    Planned(usize),
+    /// The plan names the containers, and none of them has a process here (waiting, in
+    /// crash-loop back-off, just restarted): only a sidecar's or the sandbox's `/dev/shm` is
+    /// left, which is not the one the engine is given.
+    NoneRunning,
+}
+
+/// The container to compare: the first of `planned` (plan `shmContainers`, engine first) whose
+/// runtime ID matches a running container's cgroup ([`PodContainer::container_id`]).
+pub fn pick_container(planned: &[PlannedContainer], running: &[PodContainer]) -> Pick {
+    let sandbox_only = running
+        .iter()
+        .all(|c| c.exe.as_deref().is_some_and(super::pods::is_sandbox_exe));
+    if planned.is_empty() {
+        // Only the sandbox runs (the engine's image still pulling): its /dev/shm is the
+        // runtime's 64 MiB default, nobody's the engine is given.
+        return if sandbox_only {
+            Pick::NoneRunning
+        } else {
+            Pick::Largest
+        };
+    }
+    planned
+        .iter()
+        .filter_map(|p| p.id.as_deref())
+        .find_map(|id| {
+            running
+                .iter()
+                .position(|c| c.container_id.as_deref() == Some(id))
+        })
+        .map_or(Pick::NoneRunning, Pick::Planned)
+}
+
+/// `Unknown/EngineContainerNotRunning`: none of the planned containers runs, so the engine's
+/// `/dev/shm` cannot be seen (the others' would be a false verdict).
+fn engine_not_running(
+    subject: &str,
+    uid: &str,
+    engine: &EnginePlan,
+    running: &[PodContainer],
+) -> CheckResult {
+    let mut planned = engine
+        .shm_containers
+        .iter()
+        .map(|p| match &p.id {
+            Some(id) => format!("{} (ID {})", p.name, short_id(id)),
+            None => format!("{} (not running in pod status)", p.name),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    if planned.is_empty() {
+        planned = "(only the pod sandbox runs)".to_string();
+    }
+    let seen = running
+        .iter()
+        .map(|c| c.container_id.as_deref().map_or("?", short_id))
+        .collect::<Vec<_>>()
+        .join(", ");
+    CheckResult::new(
+        NAME,
+        subject,
+        CheckStatus::Unknown,
+        "EngineContainerNotRunning",
+        format!(
+            "no process of the engine container {planned} of pod {subject} runs on this node \
+             (waiting, in crash-loop back-off, or just restarted), so the /dev/shm it is given \
+             cannot be inspected; the pod's other containers' /dev/shm is not the engine's, so it \
+             is not judged. Check `kubectl describe pod` for why the engine is not running."
+        ),
+    )
+    .with("podUid", uid)
+    .with("containersRunning", seen)
 }
 
 /// One container's `/dev/shm`: statvfs outcome and the mount (or why mountinfo was unreadable).
@@ -574,6 +674,54 @@ mod tests {
             used_bytes: used,
             available_bytes: size - used,
         })
+    }
+
+    fn container(pid: u32, exe: &str, id: Option<&str>) -> PodContainer {
+        PodContainer {
+            pid,
+            mnt_ns: Some(u64::from(pid)),
+            exe: Some(exe.to_string()),
+            container_id: id.map(str::to_string),
+        }
+    }
+
+    fn planned(name: &str, id: Option<&str>) -> PlannedContainer {
+        PlannedContainer {
+            name: name.to_string(),
+            id: id.map(str::to_string),
+        }
+    }
+
+    /// The engine container's /dev/shm is judged when it runs, else the one sharing its volume
+    /// (the MP worker), else nothing: never a sidecar's or the sandbox's default.
+    #[test]
+    fn the_planned_engine_container_is_the_one_judged() {
+        let engine = "aaaaaaaaaaaa1111";
+        let worker = "bbbbbbbbbbbb2222";
+        let running = [
+            container(10, "/usr/bin/envoy", Some("cccccccccccc3333")),
+            container(11, "/usr/bin/python3", Some(worker)),
+            container(12, "/usr/bin/python3", Some(engine)),
+        ];
+        let both = [
+            planned("sglang", Some(engine)),
+            planned("lmcache-mp-worker", Some(worker)),
+        ];
+        assert_eq!(pick_container(&both, &running), Pick::Planned(2));
+        let waiting = [
+            planned("sglang", None),
+            planned("lmcache-mp-worker", Some(worker)),
+        ];
+        assert_eq!(pick_container(&waiting, &running), Pick::Planned(1));
+        let restarted = [planned("sglang", Some("dddddddddddd4444"))];
+        assert_eq!(pick_container(&restarted, &running), Pick::NoneRunning);
+        assert_eq!(
+            pick_container(&[planned("sglang", None)], &running),
+            Pick::NoneRunning
+        );
+        assert_eq!(pick_container(&[], &running), Pick::Largest);
+        let sandbox = [container(9, "/pause", Some("eeeeeeeeeeee5555"))];
+        assert_eq!(pick_container(&[], &sandbox), Pick::NoneRunning);
     }
 
     #[test]

@@ -379,6 +379,10 @@ fn checks(state: &AgentState) -> Option<AgentMessage> {
             results: pass.results.iter().map(proto::CheckResult::from).collect(),
             plan_generation: pass.plan_generation,
             interval_seconds: pass.interval_seconds,
+            age_ms: u64::try_from(
+                ic_shared::now_unix_ms().saturating_sub(pass.observed_at_unix_ms),
+            )
+            .unwrap_or(0),
         })),
     })
 }
@@ -613,13 +617,23 @@ async fn session(
 }
 
 /// Applies a plan pushed by the controller; a malformed plan is logged and ignored, and a plan
-/// equal to the current one (several replicas push the same plan) changes nothing.
+/// equal to the current one (several replicas push the same plan) changes nothing. Fields this
+/// agent does not know (a newer controller, mid-upgrade) are ignored with a warning that names
+/// them, so the rest of the plan still applies.
 fn apply_controller_plan(state: &AgentState, update: &proto::NodePlanUpdate) {
-    match NodePlan::parse(&update.plan_json, "controller plan") {
-        Ok(mut plan) => {
+    match NodePlan::parse_pushed(&update.plan_json, "controller plan") {
+        Ok((mut plan, ignored)) => {
             plan.generation = update.generation;
             if *state.plan.read() == plan {
                 return;
+            }
+            if !ignored.is_empty() {
+                warn!(
+                    generation = update.generation,
+                    fields = %ignored.join(", "),
+                    "the controller's node plan has fields this agent does not know (the \
+                     controller is newer): they are ignored; upgrade the agent"
+                );
             }
             state.hub.apply_plan(&plan);
             *state.plan.write() = plan;

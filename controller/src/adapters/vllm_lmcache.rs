@@ -437,6 +437,25 @@ impl RuntimeAdapter for VllmLmCache {
 
         // Validate everything before the first mutation.
         let original = engine_ref(pod, engine)?.clone();
+        // A config file next to the injected env: LMCache's releases disagree on which wins (its
+        // older docs: "the environment variable configurations will be ignored if the
+        // configuration file is present"; newer config loaders apply LMCACHE_* env over the
+        // file), so the wiring is not vouched for — said loudly, left to the operator.
+        if let Some(file) = original
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "LMCACHE_CONFIG_FILE")
+        {
+            report.warnings.push(format!(
+                "container {:?} sets LMCACHE_CONFIG_FILE={:?}: LMCache releases that read only \
+                 that file ignore the LMCACHE_* settings this CacheBackend injects (remote URL, \
+                 chunk size, CPU cache), newer ones let them override the file; make the file's \
+                 remote_url and sizes agree with the CacheBackend, or remove the variable",
+                original.name,
+                file.value.as_deref().unwrap_or_default()
+            ));
+        }
         let cmd = EngineCommand::parse(&original, Runtime::Vllm)?;
         if let Some((variable, flag)) = cmd.hidden_flag(&original, &["--kv-transfer-config"]) {
             return Err(InjectError::HiddenFlag {

@@ -65,6 +65,14 @@ pub const ANNOTATION_INJECTED_BY: &str = "inferencecache.io/injected-by";
 pub const ANNOTATION_INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid";
 /// Pod annotation stamped when the operator opted out with [`ANNOTATION_SKIP_INJECT`].
 pub const ANNOTATION_INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
+/// Pod annotation stamped on a pod a CacheBackend selects but that is admitted unwired:
+/// `CacheBackend <ns>/<name>: <reason>` (at most [`MAX_NOT_INJECTED_CHARS`] characters). It is
+/// the lasting record of the fail-open (admission warnings of a ReplicaSet's pods reach the
+/// kube-controller-manager, not the user); the engine-pod Events controller turns it into a
+/// Warning `NotInjected` Event on the pod. Never read as wiring.
+pub const ANNOTATION_NOT_INJECTED: &str = crate::reconcile::annotations::NOT_INJECTED;
+/// Longest [`ANNOTATION_NOT_INJECTED`] value, characters.
+pub const MAX_NOT_INJECTED_CHARS: usize = 1024;
 /// Pod annotation by which an operator opts a pod out of wiring (truthy value).
 pub const ANNOTATION_SKIP_INJECT: &str = crate::reconcile::annotations::SKIP_INJECT;
 /// Value of [`ANNOTATION_INJECT_SKIPPED`].
@@ -221,10 +229,11 @@ fn strip(pod: &mut Pod, keys: &[&str]) {
     }
 }
 
-const ALL_MARKERS: [&str; 3] = [
+const ALL_MARKERS: [&str; 4] = [
     ANNOTATION_INJECTED_BY,
     ANNOTATION_INJECTED_BY_UID,
     ANNOTATION_INJECT_SKIPPED,
+    ANNOTATION_NOT_INJECTED,
 ];
 
 fn decide<B: Borrow<CacheBackend>>(
@@ -272,7 +281,11 @@ fn decide<B: Borrow<CacheBackend>>(
         let mut out = pod.clone();
         strip(
             &mut out,
-            &[ANNOTATION_INJECTED_BY, ANNOTATION_INJECTED_BY_UID],
+            &[
+                ANNOTATION_INJECTED_BY,
+                ANNOTATION_INJECTED_BY_UID,
+                ANNOTATION_NOT_INJECTED,
+            ],
         );
         annotations(&mut out).insert(
             ANNOTATION_INJECT_SKIPPED.to_string(),
@@ -350,7 +363,10 @@ fn decide<B: Borrow<CacheBackend>>(
     match wire(&mut wired, cb, cfg) {
         Ok(mut warnings) => {
             warnings.splice(0..0, selection_warnings);
-            strip(&mut wired, &[ANNOTATION_INJECT_SKIPPED]);
+            strip(
+                &mut wired,
+                &[ANNOTATION_INJECT_SKIPPED, ANNOTATION_NOT_INJECTED],
+            );
             let a = annotations(&mut wired);
             a.insert(ANNOTATION_INJECTED_BY.to_string(), id);
             match cb.metadata.uid.as_deref().filter(|u| !u.is_empty()) {
@@ -371,6 +387,11 @@ fn decide<B: Borrow<CacheBackend>>(
             warnings.append(&mut unwired_warnings);
             let mut out = pod.clone();
             strip(&mut out, &ALL_MARKERS);
+            let record: String = format!("CacheBackend {id}: {reason}")
+                .chars()
+                .take(MAX_NOT_INJECTED_CHARS)
+                .collect();
+            annotations(&mut out).insert(ANNOTATION_NOT_INJECTED.to_string(), record);
             finish(
                 raw,
                 &base,
@@ -399,12 +420,10 @@ impl Unwired {
     }
 }
 
+/// Every fail-open of a matched pod is loud: its reason is an admission warning too.
 impl<E: std::fmt::Display> From<E> for Unwired {
     fn from(e: E) -> Self {
-        Unwired {
-            reason: e.to_string(),
-            warnings: Vec::new(),
-        }
+        Unwired::loud(e.to_string())
     }
 }
 

@@ -133,6 +133,11 @@ pub struct LookupResult {
     pub request_blocks: u32,
     /// Why NO_HINT, empty on PREFIX_MATCH.
     pub reason: String,
+    /// Replicas of the query's scope (tenant, model, hash scheme; wildcards widen it) whose
+    /// entries may miss blocks their engine holds — coverage Healing, Partial, Disconnected or
+    /// Unknown ([`PrefixIndex::inexact_replicas`]): they may hold more of the prefix than the
+    /// answer shows. 0 when the index vouches for every replica it could have named.
+    pub inexact_replicas: u32,
 }
 
 /// A replica's match before names are attached: what [`PrefixIndex::score`] returns, the
@@ -183,13 +188,65 @@ fn no_hint(reason: &str, block_size: u32, request_blocks: u32) -> LookupResult {
         block_size,
         request_blocks,
         reason: reason.to_string(),
+        inexact_replicas: 0,
     }
 }
 
 impl PrefixIndex {
     /// Finds, for every replica, the longest cached prefix of the query, and decides
-    /// PREFIX_MATCH / NO_HINT (see the module docs for the policy gates).
+    /// PREFIX_MATCH / NO_HINT (see the module docs for the policy gates); says how many replicas
+    /// of the query's scope the index does not vouch for ([`LookupResult::inexact_replicas`]).
     pub fn lookup(&self, q: &LookupQuery) -> LookupResult {
+        let mut r = self.decide(q);
+        r.inexact_replicas = self.inexact_replicas(
+            &q.tenant,
+            &q.model,
+            &q.hash_scheme,
+            q.visible_tenants.as_deref(),
+        );
+        r
+    }
+
+    /// Replicas of (tenant, model, hash scheme) — an empty one matches any; `visible` narrows
+    /// the tenants — whose coverage says their entries may miss blocks (anything but Exact and
+    /// EngineDown). O(scopes with such replicas), from a tally kept as coverage changes.
+    pub fn inexact_replicas(
+        &self,
+        tenant: &str,
+        model: &str,
+        hash_scheme: &str,
+        visible: Option<&BTreeSet<String>>,
+    ) -> u32 {
+        if self.coverage_tally.inexact.is_empty() {
+            // Steady state: every replica Exact (or its engine down).
+            return 0;
+        }
+        let matches = |(t, m, h): &(String, String, String)| {
+            (tenant.is_empty() || t == tenant)
+                && visible.is_none_or(|v| v.contains(t))
+                && (model.is_empty() || m == model)
+                && (hash_scheme.is_empty() || h == hash_scheme)
+        };
+        if !tenant.is_empty() && !model.is_empty() && !hash_scheme.is_empty() {
+            let key = (
+                tenant.to_string(),
+                model.to_string(),
+                hash_scheme.to_string(),
+            );
+            return match self.coverage_tally.inexact.get(&key) {
+                Some(n) if matches(&key) => *n,
+                _ => 0,
+            };
+        }
+        self.coverage_tally
+            .inexact
+            .iter()
+            .filter(|(k, _)| matches(k))
+            .map(|(_, n)| *n)
+            .sum()
+    }
+
+    fn decide(&self, q: &LookupQuery) -> LookupResult {
         let q_bs = q.block_size.unwrap_or(0);
         if q.minimum_prefix_tokens > 0 {
             let carried = if q.token_ids.is_empty() {
@@ -235,6 +292,7 @@ impl PrefixIndex {
             block_size: scores.block_size,
             request_blocks: scores.request_blocks,
             reason: String::new(),
+            inexact_replicas: 0,
         }
     }
 

@@ -225,6 +225,55 @@ impl Replica {
     }
 }
 
+/// Replicas per effective coverage state ([`PrefixIndex::coverage_counts`]) and, per
+/// (tenant, model, hash scheme), the replicas whose entries may miss blocks the engine holds
+/// ([`misses_entries`]: [`PrefixIndex::inexact_replicas`]). Kept as coverage and limits change,
+/// so neither the gauges nor a lookup walks every replica.
+#[derive(Debug, Default)]
+struct CoverageTally {
+    by_state: [usize; 6],
+    inexact: HashMap<(String, String, String), u32>,
+}
+
+/// Whether a replica in `state` may hold blocks its index entries lack: anything but Exact,
+/// and but EngineDown (the engine and its cache are gone).
+fn misses_entries(state: CoverageState) -> bool {
+    !matches!(state, CoverageState::Exact | CoverageState::EngineDown)
+}
+
+impl CoverageTally {
+    /// Moves the replica of `desc` between states (`None`: it is created or removed).
+    fn moved(
+        &mut self,
+        desc: &proto::StreamDescriptor,
+        from: Option<CoverageState>,
+        to: Option<CoverageState>,
+    ) {
+        if from == to {
+            return;
+        }
+        retally(&mut self.by_state, from, to);
+        let was = from.is_some_and(misses_entries);
+        let is = to.is_some_and(misses_entries);
+        if was == is {
+            return;
+        }
+        let scope = (
+            desc.tenant.clone(),
+            desc.model.clone(),
+            desc.hash_scheme.clone(),
+        );
+        if is {
+            *self.inexact.entry(scope).or_default() += 1;
+        } else if let Some(n) = self.inexact.get_mut(&scope) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.inexact.remove(&scope);
+            }
+        }
+    }
+}
+
 /// Moves one replica between the per-state counts of [`PrefixIndex::coverage_counts`]
 /// (`None`: the replica is created or removed).
 fn retally(tally: &mut [usize; 6], from: Option<CoverageState>, to: Option<CoverageState>) {
@@ -430,7 +479,7 @@ pub struct PrefixIndex {
     node_slots: HashMap<String, Vec<ReplicaSlot>>,
     /// Replicas per effective coverage state, in `CoverageState::ALL` order (kept as coverage
     /// and limits change, so the gauges never walk every replica under the write lock).
-    coverage_tally: [usize; 6],
+    coverage_tally: CoverageTally,
     arena: HolderArena,
     seed: u64,
     entries: usize,
@@ -474,7 +523,7 @@ impl PrefixIndex {
             slot_by_stream: HashMap::default(),
             order: StreamOrder::default(),
             node_slots: HashMap::new(),
-            coverage_tally: [0; 6],
+            coverage_tally: CoverageTally::default(),
             arena: HolderArena::default(),
             seed: std::collections::hash_map::RandomState::new().hash_one(0x6963_2d6b_762d_7631u64),
             entries: 0,
@@ -668,11 +717,8 @@ impl PrefixIndex {
             }
             let before = r.effective_coverage().state;
             r.coverage = cov;
-            retally(
-                &mut self.coverage_tally,
-                Some(before),
-                Some(r.effective_coverage().state),
-            );
+            self.coverage_tally
+                .moved(&r.desc, Some(before), Some(r.effective_coverage().state));
         }
         let block = !cov.state.routable();
         let i = slot as usize;
@@ -753,11 +799,8 @@ impl PrefixIndex {
         {
             let before = r.effective_coverage().state;
             r.limited = Some(reason);
-            retally(
-                &mut self.coverage_tally,
-                Some(before),
-                Some(r.effective_coverage().state),
-            );
+            self.coverage_tally
+                .moved(&r.desc, Some(before), Some(r.effective_coverage().state));
         }
     }
 
@@ -783,8 +826,25 @@ impl PrefixIndex {
     /// `inferencecache_controller_index_replicas_by_coverage` gauge).
     pub fn coverage_counts(&self) -> [(CoverageState, usize); 6] {
         let mut out = CoverageState::ALL.map(|s| (s, 0usize));
-        for (c, n) in out.iter_mut().zip(self.coverage_tally) {
+        for (c, n) in out.iter_mut().zip(self.coverage_tally.by_state) {
             c.1 = n;
+        }
+        out
+    }
+
+    /// The inexact-replica tally by walking every replica (what it must equal).
+    #[cfg(test)]
+    fn inexact_walked(&self) -> HashMap<(String, String, String), u32> {
+        let mut out: HashMap<(String, String, String), u32> = HashMap::new();
+        for (_, r) in self.live_replicas() {
+            if misses_entries(r.effective_coverage().state) {
+                *out.entry((
+                    r.desc.tenant.clone(),
+                    r.desc.model.clone(),
+                    r.desc.hash_scheme.clone(),
+                ))
+                .or_default() += 1;
+            }
         }
         out
     }
@@ -1049,7 +1109,10 @@ impl PrefixIndex {
                     limited: None,
                     resync: generation,
                 });
-                retally(&mut self.coverage_tally, None, Some(CoverageState::Exact));
+                if let Some(r) = self.replicas.get(slot as usize).and_then(Option::as_ref) {
+                    self.coverage_tally
+                        .moved(&r.desc, None, Some(CoverageState::Exact));
+                }
             }
             self.set_coverage(
                 slot,
@@ -1299,11 +1362,8 @@ impl PrefixIndex {
         self.set_coverage(slot, Coverage::EXACT);
         if let Some(cell) = self.replicas.get_mut(slot as usize) {
             if let Some(r) = cell.take() {
-                retally(
-                    &mut self.coverage_tally,
-                    Some(r.effective_coverage().state),
-                    None,
-                );
+                self.coverage_tally
+                    .moved(&r.desc, Some(r.effective_coverage().state), None);
             }
         }
         self.free_slots.push(slot);
@@ -1447,8 +1507,8 @@ impl PrefixIndex {
         if refused > 0 {
             let before = replica.effective_coverage().state;
             replica.limited = Some(coverage::STREAM_CAP_EXCEEDED);
-            retally(
-                &mut self.coverage_tally,
+            self.coverage_tally.moved(
+                &replica.desc,
                 Some(before),
                 Some(replica.effective_coverage().state),
             );
@@ -1533,8 +1593,8 @@ impl PrefixIndex {
         // Nothing is held any more, so nothing the index dropped is missing.
         let before = replica.effective_coverage().state;
         replica.limited = None;
-        retally(
-            &mut self.coverage_tally,
+        self.coverage_tally.moved(
+            &replica.desc,
             Some(before),
             Some(replica.effective_coverage().state),
         );

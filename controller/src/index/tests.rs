@@ -1153,6 +1153,11 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
             ix.coverage_counts_walked(),
             "step {step}"
         );
+        assert_eq!(
+            ix.coverage_tally.inexact,
+            ix.inexact_walked(),
+            "step {step}"
+        );
         let r = ix.lookup(&query(&tokens(0..32)));
         let order: Vec<(std::cmp::Reverse<u32>, Tier, String)> = r
             .replicas
@@ -1918,4 +1923,75 @@ fn no_match_speaks_of_the_smallest_block_size_not_the_first_registered() {
     // Shorter than every size: that reason.
     let r = ix.lookup(&query(&tokens(500..510)));
     assert_eq!(r.reason, "RequestShorterThanOneBlock");
+}
+
+/// A lookup says how many replicas of its scope the index does not vouch for: a replica
+/// awaiting its resync (Unknown) or capped (Partial) may hold more of the prefix than the
+/// answer shows; one whose engine is down does not count; other scopes do not count.
+#[test]
+fn lookups_count_the_inexact_replicas_of_their_scope() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node(
+        "n1",
+        &[
+            empty_snapshot("a"),
+            empty_snapshot("b"),
+            empty_snapshot("c"),
+        ],
+    );
+    let keys = chain(&tokens(0..8), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    let q = query(&tokens(0..16));
+    let r = ix.lookup(&q);
+    assert!(r.prefix_match);
+    assert_eq!(r.inexact_replicas, 0);
+    // b awaits a resync: it may hold all 4 blocks, the index does not know.
+    let mut d = delta("b", 1, vec![]);
+    d.coverage = proto::Coverage::Unspecified as i32;
+    d.coverage_reason = coverage::RESYNC_REQUESTED.into();
+    ix.apply_delta("n1", &d).unwrap();
+    // c's engine is gone: nothing to miss.
+    let mut d = delta("c", 1, vec![]);
+    d.coverage = proto::Coverage::EngineDown as i32;
+    d.coverage_reason = "EngineExited".into();
+    ix.apply_delta("n1", &d).unwrap();
+    let r = ix.lookup(&q);
+    assert_eq!(
+        r.replicas.iter().map(|m| m.replica()).collect::<Vec<_>>(),
+        vec!["a"]
+    );
+    assert_eq!(r.inexact_replicas, 1);
+    // Scoped: the same model in another tenant, or another model, has none.
+    let other = LookupQuery {
+        tenant: "team-b".into(),
+        ..query(&tokens(0..16))
+    };
+    assert_eq!(ix.lookup(&other).inexact_replicas, 0);
+    assert_eq!(ix.inexact_replicas("default", "m", "vllm", None), 1);
+    assert_eq!(ix.inexact_replicas("default", "other", "", None), 0);
+    assert_eq!(ix.inexact_replicas("", "", "", None), 1);
+    let none_visible = std::collections::BTreeSet::from(["team-b".to_string()]);
+    assert_eq!(ix.inexact_replicas("", "m", "", Some(&none_visible)), 0);
+    // A NO_HINT says it too.
+    let miss = ix.lookup(&query(&tokens(100..116)));
+    assert!(!miss.prefix_match);
+    assert_eq!(miss.inexact_replicas, 1);
+    // b's resync lands: Exact again, nothing to warn of.
+    let mut d = delta("b", 2, vec![]);
+    d.coverage = proto::Coverage::Exact as i32;
+    ix.apply_delta("n1", &d).unwrap();
+    assert_eq!(ix.lookup(&q).inexact_replicas, 0);
+    assert_eq!(ix.coverage_tally.inexact, ix.inexact_walked());
+    // Removing the node removes its replicas from the tally.
+    let mut d = delta("b", 3, vec![]);
+    d.coverage = proto::Coverage::Partial as i32;
+    d.coverage_reason = "Test".into();
+    ix.apply_delta("n1", &d).unwrap();
+    assert_eq!(ix.lookup(&q).inexact_replicas, 1);
+    ix.remove_node("n1");
+    assert!(ix.coverage_tally.inexact.is_empty());
 }

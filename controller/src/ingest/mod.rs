@@ -1258,6 +1258,21 @@ mod tests {
                 "{s}"
             );
         }
+        // A gateway asking meanwhile is told the index does not vouch for both replicas.
+        let router = crate::router::Router::new(shared.clone());
+        let ask = || {
+            router.lookup(&proto::LookupRouteRequest {
+                tenant: "ns".into(),
+                token_ids: (0..64).collect(),
+                ..Default::default()
+            })
+        };
+        let a = ask();
+        assert_eq!(a.inexact_replicas, 2, "{a:?}");
+        assert_eq!(
+            a.warnings,
+            vec![crate::router::INDEX_INCOMPLETE.to_string()]
+        );
         // The resync the agent sends is vouched for again.
         tx.send(AgentMessage {
             msg: Some(Msg::Resync(exact_resync(&[
@@ -1272,6 +1287,8 @@ mod tests {
                 && coverage(&shared, "ns/pod-b#0") == Some(("Exact", None))
         })
         .await;
+        let a = ask();
+        assert_eq!((a.inexact_replicas, a.warnings.len()), (0, 0), "{a:?}");
     }
 
     #[tokio::test]

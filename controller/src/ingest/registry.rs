@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ic_shared::check::{CheckResult, CheckStatus};
+use ic_shared::link::PLAN_ADDITIVE;
 use ic_shared::plan::NodePlan;
 use ic_shared::proto::{controller_message, ControllerMessage, NodePlanUpdate};
 use serde::Serialize;
@@ -106,6 +107,8 @@ struct Attached {
     tx: Outbound,
     /// Generation of the last plan queued on this stream.
     sent_generation: Option<u64>,
+    /// The agent said [`PLAN_ADDITIVE`]: it applies plans with fields it does not know.
+    additive: bool,
 }
 
 /// All nodes that ever connected since start, plus the plan book.
@@ -139,8 +142,13 @@ pub struct PublishReport {
     pub unserved: Vec<String>,
 }
 
-fn plan_message(plan: &NodePlan) -> Option<ControllerMessage> {
-    let plan_json = serde_json::to_string(plan).ok()?;
+fn plan_message(plan: &NodePlan, additive: bool) -> Option<ControllerMessage> {
+    let plan_json = if additive {
+        serde_json::to_string(plan).ok()?
+    } else {
+        // An older agent's strict parser refuses unknown fields: send what it knows.
+        serde_json::to_string(&plan.for_strict_agent()).ok()?
+    };
     Some(ControllerMessage {
         msg: Some(controller_message::Msg::Plan(NodePlanUpdate {
             generation: plan.generation,
@@ -156,7 +164,7 @@ fn send_plan(a: &mut Attached, plan: &NodePlan) -> Option<bool> {
     if a.sent_generation == Some(plan.generation) {
         return None;
     }
-    let msg = plan_message(plan)?;
+    let msg = plan_message(plan, a.additive)?;
     match a.tx.try_send(Ok(msg)) {
         Ok(()) => {
             a.sent_generation = Some(plan.generation);
@@ -324,7 +332,9 @@ impl NodeRegistry {
             r.checks = report.results.iter().map(CheckResult::from).collect();
             r.status = CheckStatus::worst(r.checks.iter().map(|c| c.status));
             r.last_report_unix_ms = report.observed_at_unix_ms;
-            r.report_received_unix_ms = now_ms;
+            // A re-sent pass (a reconnect sends the latest, however old) is dated by its age.
+            r.report_received_unix_ms =
+                now_ms.saturating_sub(i64::try_from(report.age_ms).unwrap_or(i64::MAX));
             r.check_interval_seconds = report.interval_seconds;
             r.plan_generation = report.plan_generation;
         }
@@ -375,10 +385,15 @@ impl NodeRegistry {
         if ticket.scope.is_some() || !self.is_current(ticket) {
             return None;
         }
+        let additive = self
+            .nodes
+            .get(&ticket.node)
+            .is_some_and(|r| r.capabilities.iter().any(|c| c == PLAN_ADDITIVE));
         let mut a = Attached {
             epoch: ticket.epoch,
             tx,
             sent_generation: None,
+            additive,
         };
         if self.plans_authoritative && !self.plans.contains_key(&ticket.node) {
             self.plans.insert(
@@ -682,6 +697,7 @@ mod tests {
             observed_at_unix_ms: 10,
             plan_generation: 3,
             interval_seconds: 5,
+            age_ms: 0,
             results: vec![
                 proto::CheckResult {
                     name: "shm".into(),
@@ -705,6 +721,14 @@ mod tests {
             (r.report_received_unix_ms, r.check_interval_seconds),
             (5, 5)
         );
+        // A pass re-sent on a reconnect is dated by its age, not by its arrival: a hung pass
+        // does not look fresh again.
+        let resent = proto::CheckReport {
+            age_ms: 120_000,
+            ..report.clone()
+        };
+        reg.report(&t, &resent, 200_000);
+        assert_eq!(reg.get("n1").unwrap().report_received_unix_ms, 80_000);
         reg.disconnect(&t, 100);
         assert!(reg.expire(150, 100).is_empty());
         assert_eq!(reg.expire(201, 100), vec!["n1".to_string()]);
@@ -732,6 +756,59 @@ mod tests {
             }
             _ => None,
         }
+    }
+
+    /// An agent released before `shmContainers` / `readerMounts[].containers` parses pushed
+    /// plans strictly and would drop the whole plan: it is sent the plan without them. One
+    /// that says `plan-additive` gets all of it.
+    #[test]
+    fn agents_without_plan_additive_get_the_plan_without_newer_fields() {
+        let mut plan = engine_plan("a");
+        plan.engines[0].shm_containers = vec![ic_shared::plan::PlannedContainer {
+            name: "vllm".into(),
+            id: Some("0123456789abcdef".into()),
+        }];
+        plan.reader_mounts = vec![ic_shared::plan::ReaderMount {
+            pod: "r".into(),
+            path: "/models".into(),
+            containers: plan.engines[0].shm_containers.clone(),
+            ..Default::default()
+        }];
+        let json_for = |caps: Vec<String>| {
+            let mut reg = NodeRegistry::default();
+            reg.publish_plans(BTreeMap::from([("n1".to_string(), plan.clone())]), 1);
+            let t = reg.connect(
+                &proto::Hello {
+                    capabilities: caps,
+                    ..hello("n1")
+                },
+                0,
+            );
+            let (tx, mut rx) = mpsc::channel(4);
+            reg.attach(&t, tx);
+            match rx.try_recv().ok().and_then(|m| m.ok()).and_then(|m| m.msg) {
+                Some(controller_message::Msg::Plan(p)) => p.plan_json,
+                other => panic!("{other:?}"),
+            }
+        };
+        let old = json_for(vec!["checks".into(), "kv-events".into()]);
+        assert!(
+            !old.contains("shmContainers") && !old.contains("\"containers\""),
+            "{old}"
+        );
+        assert_eq!(NodePlan::parse(&old, "old").unwrap().engines[0].pod, "a");
+        let new = json_for(
+            ic_shared::link::NODE_AGENT_CAPABILITIES
+                .iter()
+                .map(|c| c.to_string())
+                .collect(),
+        );
+        let back = NodePlan::parse(&new, "new").unwrap();
+        assert_eq!(
+            back.engines[0].shm_containers,
+            plan.engines[0].shm_containers
+        );
+        assert_eq!(back.reader_mounts[0].containers.len(), 1);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! | `injected-by` | NotFound | none |
 //! | `injected-by` | lookup error (not 404) | reconcile error (retried with backoff) |
 //! | truthy `skip-inject` + `inject-skipped: skip-inject-annotation` | — | Normal `SkippedByOperator` |
+//! | `not-injected: CacheBackend ns/name: reason` (a selected pod the webhook admitted unwired) | — | Warning `NotInjected` with the reason |
 //! | only one of the two skip annotations | — | none |
 //!
 //! Each (pod UID, reason) is recorded once, ever: the Event's name is derived from the pod UID
@@ -36,7 +37,8 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use super::annotations::{
-    INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, SKIP_INJECT,
+    INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, NOT_INJECTED,
+    SKIP_INJECT,
 };
 use super::cachebackend::events::{reason, EventSink, EventSpec, Recorded};
 
@@ -65,6 +67,8 @@ pub enum PodDecision {
     },
     /// Record SkippedByOperator.
     SkippedByOperator,
+    /// Record a Warning NotInjected with the webhook's reason (the `not-injected` annotation).
+    NotInjected(String),
 }
 
 /// The skip-inject truthiness, the Pod webhook's own (`annotations::is_truthy`).
@@ -90,6 +94,9 @@ pub fn decide(pod: &Pod) -> PodDecision {
             name: name.to_string(),
             uid: uid.trim().to_string(),
         };
+    }
+    if let Some(why) = a.get(NOT_INJECTED).filter(|w| !w.trim().is_empty()) {
+        return PodDecision::NotInjected(why.clone());
     }
     let opted_out = a.get(SKIP_INJECT).is_some_and(|v| truthy(v));
     let marked = a.get(INJECT_SKIPPED).map(String::as_str) == Some(INJECT_SKIPPED_BY_ANNOTATION);
@@ -195,6 +202,13 @@ pub async fn reconcile_engine_pod(
             reason::SKIPPED_BY_OPERATOR,
             "Cache wiring skipped: the pod opts out with inferencecache.io/skip-inject.",
         ),
+        PodDecision::NotInjected(why) => EventSpec::warning(
+            reason::NOT_INJECTED,
+            format!(
+                "Not wired to the cache: {why}. The pod runs without it; fix the cause and \
+                 recreate the pod (kubectl rollout restart its workload)."
+            ),
+        ),
         PodDecision::VerifyInjection {
             namespace,
             name,
@@ -227,10 +241,10 @@ pub async fn reconcile_engine_pod(
             }
         }
     };
-    let reason: &'static str = if event.reason == reason::SKIPPED_BY_OPERATOR {
-        reason::SKIPPED_BY_OPERATOR
-    } else {
-        reason::INJECTED_BY_CACHE_BACKEND
+    let reason: &'static str = match event.reason.as_str() {
+        reason::SKIPPED_BY_OPERATOR => reason::SKIPPED_BY_OPERATOR,
+        reason::NOT_INJECTED => reason::NOT_INJECTED,
+        _ => reason::INJECTED_BY_CACHE_BACKEND,
     };
     if ctx.first_time(&pod_uid, reason) {
         let oref = pod.object_ref(&());

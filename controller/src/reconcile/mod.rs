@@ -41,6 +41,9 @@ pub mod annotations {
     pub const SKIP_INJECT: &str = "inferencecache.io/skip-inject";
     /// On engine pods: the webhook's skip marker.
     pub const INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
+    /// On engine pods a CacheBackend selects but the webhook admitted unwired:
+    /// `CacheBackend <ns>/<name>: <reason>` (the Pod webhook's fail-open, kept on the pod).
+    pub const NOT_INJECTED: &str = "inferencecache.io/not-injected";
     /// Value of [`INJECT_SKIPPED`] for an explicit opt-out.
     pub const INJECT_SKIPPED_BY_ANNOTATION: &str = "skip-inject-annotation";
     /// On CacheBackends: `"false"` turns the KV-event readiness gate off.

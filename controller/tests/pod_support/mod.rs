@@ -155,6 +155,54 @@ pub fn apply(pod: &Value, outcome: &PodOutcome) -> Value {
     out
 }
 
+/// Checks a fail-open of a selected pod: the only change is the `not-injected` annotation
+/// (`CacheBackend ns/name: <reason>`, what the Events controller turns into a Warning Event),
+/// and the reason is an admission warning too. Returns the annotation's value.
+pub fn assert_fail_open_marked(pod: &Value, outcome: &PodOutcome) -> String {
+    let mut out = apply(pod, outcome);
+    let note = out
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+        .and_then(|a| a.remove(ic_controller::admission::pod::ANNOTATION_NOT_INJECTED))
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no not-injected annotation: {}", outcome.reason));
+    if out
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object)
+        .is_some_and(|a| a.is_empty())
+        && pod.pointer("/metadata/annotations").is_none()
+    {
+        if let Some(m) = out.pointer_mut("/metadata").and_then(Value::as_object_mut) {
+            m.remove("annotations");
+        }
+    }
+    let mut base = pod.clone();
+    if let Some(a) = base
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
+        a.remove(ic_controller::admission::pod::ANNOTATION_NOT_INJECTED);
+    }
+    assert_eq!(out, base, "a fail-open changes nothing but the annotation");
+    assert!(note.starts_with("CacheBackend "), "{note}");
+    assert!(
+        outcome
+            .reason
+            .contains(note.split_once(": ").map_or("", |x| x.1)),
+        "{note} vs {}",
+        outcome.reason
+    );
+    assert!(
+        outcome
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("pod admitted unwired: ")),
+        "the fail-open is loud: {:?}",
+        outcome.warnings
+    );
+    note
+}
+
 /// Runs the webhook on `pod` against `backends`.
 pub fn admit(pod: &Value, backends: &[CacheBackend], cfg: &PodWebhookConfig) -> PodOutcome {
     let outcome = mutate_pod(pod, &namespace_of(pod), backends, cfg);

@@ -179,8 +179,14 @@ pub fn cgroup_mounts() -> Vec<(String, PathBuf)> {
         .collect()
 }
 
-/// Puts `pid` into a kubepods cgroup for `uid` in every hierarchy that allows it (cgroupfs
-/// form in v1 `pids`, systemd form in cgroup2 and v1 `name=systemd`). Empty when none did.
+/// The runtime ID of the fake pod's one container: its cgroup leaf is named after it, as
+/// containerd names a container's (`cri-containerd-<id>.scope`, or `<id>` under cgroupfs).
+pub const FAKE_CONTAINER_ID: &str =
+    "5e0f8a3c2b1d4e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9e0f";
+
+/// Puts `pid` into a kubepods cgroup for `uid` (its container's, [`FAKE_CONTAINER_ID`]) in every
+/// hierarchy that allows it (cgroupfs form in v1 `pids`, systemd form in cgroup2 and v1
+/// `name=systemd`). Empty when none did.
 pub fn pod_cgroups(uid: &str, pid: u32) -> Vec<PodCgroup> {
     let mut out = Vec::new();
     for (kind, root) in cgroup_mounts() {
@@ -189,11 +195,13 @@ pub fn pod_cgroups(uid: &str, pid: u32) -> Vec<PodCgroup> {
             "kubepods.slice".to_string(),
             "kubepods-besteffort.slice".to_string(),
             format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
+            format!("cri-containerd-{FAKE_CONTAINER_ID}.scope"),
         ];
         let cgroupfs_form = vec![
             "kubepods".to_string(),
             "besteffort".to_string(),
             format!("pod{uid}"),
+            FAKE_CONTAINER_ID.to_string(),
         ];
         let rel = if kind == "cgroup2" || opts.contains(&"name=systemd") {
             systemd_form
@@ -271,7 +279,7 @@ impl FakePod {
             std::fs::create_dir(&p).unwrap();
             std::fs::write(
                 p.join("cgroup"),
-                format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-1.scope\n", uid.replace('-', "_")),
+                format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{FAKE_CONTAINER_ID}.scope\n", uid.replace('-', "_")),
             )
             .unwrap();
             for link in ["root", "mountinfo", "ns", "exe"] {

@@ -132,6 +132,10 @@ pub mod backend_reason {
     pub const PROBE_T2_FAILED: &str = "ProbeT2Failed";
     /// FunctionalProbeOK=Unknown: the probe endpoint could not be reached.
     pub const PROBE_ERROR: &str = "ProbeError";
+    /// FunctionalProbeOK=Unknown: the upstream gates say Ready is not True, so the probe is not
+    /// run (spec 000 "Functional-probe gate": it fires only when the upstream would say
+    /// Ready=True); the last outcome is no longer vouched for. A stage failure stays False.
+    pub const PROBE_AWAITING_READY: &str = "ProbeAwaitingReady";
     /// EngineKernelsHealthy=True.
     pub const KERNELS_HEALTHY: &str = "KernelsHealthy";
     /// EngineKernelsHealthy=False.

@@ -172,6 +172,10 @@ pub mod model_cache_reason {
     /// ReadersHealthy=Unknown: the agent could not judge a reader mount (its `mounts` check
     /// returned Unknown for another reason, e.g. it panicked).
     pub const READER_CHECK_INCONCLUSIVE: &str = "ReaderCheckInconclusive";
+    /// ReadersHealthy=Unknown: a reader mount's node agent is connected but its last check
+    /// report is older than 3 check intervals + 60 s (a check pass is hung, e.g. on an
+    /// unreachable network volume): its earlier verdict is not vouched for.
+    pub const READER_REPORT_STALE: &str = "ReaderReportStale";
 }
 
 /// `spec.workflow` (spec 004 "Terms").

@@ -76,7 +76,9 @@ fn is_owned_cache_server(d: &Deployment) -> bool {
 /// Computes `matchedEnginePods` and `engineSelectorMessage` (spec "Status").
 ///
 /// - No claim-capable selector (absent or empty `matchLabels`): both cleared.
-/// - `pods` unavailable (list failed): the prior values are kept.
+/// - `pods` unavailable (list failed): the prior values are kept while the spec is the one they
+///   were computed for; with `spec_changed` (the generation moved since the last status) the
+///   count is unset and the message says no count is known for the current selector.
 /// - Otherwise the count of namespace pods whose labels satisfy the selector; the message is
 ///   set when the count is 0 and engine pods are expected — i.e. unless the selector matches at
 ///   least one Deployment (by pod-template labels) and all of them are scaled to zero.
@@ -86,11 +88,27 @@ pub fn selector_status(
     pods: Option<&[Pod]>,
     deployments: Option<&[Deployment]>,
     prior: &CacheBackendStatus,
+    spec_changed: bool,
 ) -> SelectorObservation {
     let Some(sel) = spec.match_labels() else {
         return SelectorObservation::default();
     };
     let Some(pods) = pods else {
+        // The pod list failed. The last count stands only for the spec it was taken under; a
+        // changed spec (a new selector, perhaps) has none yet, and says so.
+        if spec_changed {
+            return SelectorObservation {
+                matched: None,
+                message: Some(
+                    "The pods of this namespace could not be listed since the spec changed, so \
+                     no engine pod count is known for the current selector yet (see the \
+                     controller log; it retries)."
+                        .to_string(),
+                ),
+                observed: false,
+                churn: false,
+            };
+        }
         return SelectorObservation {
             matched: prior.matched_engine_pods,
             message: prior.engine_selector_message.clone(),

@@ -39,6 +39,9 @@ pub mod reason {
     pub const INJECTED_BY_CACHE_BACKEND: &str = "InjectedByCacheBackend";
     /// Normal on an engine Pod: explicit `skip-inject` opt-out with the webhook's marker.
     pub const SKIPPED_BY_OPERATOR: &str = "SkippedByOperator";
+    /// Warning on an engine Pod: a CacheBackend selects it but the webhook admitted it unwired
+    /// (the pod's `not-injected` annotation carries the reason).
+    pub const NOT_INJECTED: &str = "NotInjected";
 }
 
 /// Event severity.

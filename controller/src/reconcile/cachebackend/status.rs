@@ -438,6 +438,7 @@ pub fn evaluate(
         obs.pods.as_deref(),
         obs.deployments.as_deref(),
         &prior,
+        prior.observed_generation != generation,
     );
     st.matched_engine_pods = sel.matched;
     st.engine_selector_message = sel.message.clone();
@@ -767,10 +768,14 @@ pub fn evaluate(
                         ),
                     );
                 } else if ready.status == ConditionStatus::True {
+                    // Upstream just came back: probe now rather than show the pause's
+                    // Unknown for the rest of the rate-limit window.
+                    let resumed = find_condition(&prior.conditions, cond::FUNCTIONAL_PROBE_OK)
+                        .is_some_and(|f| f.reason == reason::PROBE_AWAITING_READY);
                     match probe {
                         ProbeInput::NotRun => {
                             let next = mem.last_probe_at.map(|t| add(t, settings.probe_interval));
-                            match next.filter(|n| now < *n) {
+                            match next.filter(|n| now < *n && !resumed) {
                                 Some(n) => {
                                     // Rate-limited: re-apply a known failure, look again at expiry.
                                     if let Some(f) = &prior_fail {
@@ -856,6 +861,27 @@ pub fn evaluate(
                             }
                         }
                     }
+                } else if prior_fail.is_none()
+                    && find_condition(&prior.conditions, cond::FUNCTIONAL_PROBE_OK).is_some()
+                {
+                    // The gate does not probe a backend whose upstream is not Ready, so an
+                    // earlier ProbeOK (or ProbeError) no longer describes the cache plane. A stage
+                    // failure stays False (sticky) until a successful probe resolves it.
+                    w.set(
+                        cond::FUNCTIONAL_PROBE_OK,
+                        c(
+                            ConditionStatus::Unknown,
+                            reason::PROBE_AWAITING_READY,
+                            format!(
+                                "The functional probe is paused while Ready is {}/{}: the gate \
+                                 probes only a backend whose upstream gates say Ready, so no \
+                                 earlier outcome is vouched for now. It probes again as soon as \
+                                 they do.",
+                                ready.status.as_str(),
+                                ready.reason
+                            ),
+                        ),
+                    );
                 }
             } else {
                 w.remove(cond::FUNCTIONAL_PROBE_OK);

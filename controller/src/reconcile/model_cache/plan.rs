@@ -7,11 +7,13 @@
 //! mounted read-only (every write probe refused with `EROFS`), so a writable or mismatched
 //! reader shows up on the CacheNode.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use ic_shared::crd::{annotations, CacheMode, ModelCache, MODEL_DATA_VOLUME};
-use ic_shared::plan::ReaderMount;
+use ic_shared::plan::{PlannedContainer, ReaderMount};
 use k8s_openapi::api::core::v1::Pod;
+
+use crate::reconcile::nodes::plans::planned_container;
 
 /// Resolves a pod's [`annotations::MODEL_CACHE`] value to `(namespace, name)`: `<name>` is in
 /// the pod's namespace, `<namespace>/<name>` names another. `None` without the annotation or
@@ -101,15 +103,26 @@ pub fn reader_mounts(
         if !on_claim {
             continue;
         }
-        let paths: BTreeSet<String> = spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .flat_map(|c| c.volume_mounts.iter().flatten())
-            .filter(|m| m.name == MODEL_DATA_VOLUME)
-            .map(|m| m.mount_path.clone())
-            .collect();
-        for path in paths {
+        // Main containers and native sidecars (init containers with restartPolicy Always): a
+        // plain init container has exited once the pod runs, so its paths are never mounted.
+        let mut paths: BTreeMap<String, Vec<PlannedContainer>> = BTreeMap::new();
+        let running = spec.containers.iter().chain(
+            spec.init_containers
+                .iter()
+                .flatten()
+                .filter(|c| c.restart_policy.as_deref() == Some("Always")),
+        );
+        for c in running {
+            for m in c.volume_mounts.iter().flatten() {
+                if m.name == MODEL_DATA_VOLUME {
+                    paths
+                        .entry(m.mount_path.clone())
+                        .or_default()
+                        .push(planned_container(pod, &c.name));
+                }
+            }
+        }
+        for (path, containers) in paths {
             out.entry(node.clone()).or_default().push(ReaderMount {
                 namespace: pod_ns.clone(),
                 pod: pod.metadata.name.clone().unwrap_or_default(),
@@ -118,6 +131,7 @@ pub fn reader_mounts(
                 expect_read_only: true,
                 samples: Vec::new(),
                 binding: format!("{control_namespace}/{}", binding.name),
+                containers,
             });
         }
     }

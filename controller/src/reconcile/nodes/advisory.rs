@@ -7,11 +7,14 @@
 //! | False | `NodeCheckFailing` | a node running one of the backend's engine pods has a check at Warning or Critical (the message names each node and check, with its status and reason) |
 //! | Unknown | `NodeAgentNotConnected` | no failing check, but a node running its engine pods has no connected agent |
 //! | Unknown | `NodeReportPending` | agents connected, at least one has not reported yet |
+//! | Unknown | `NodeReportStale` | no failing check elsewhere, and a connected agent's last report is older than 3 check intervals + 60 s (a check pass is hung) or says no check could run (`ChecksUnavailable`): that node's verdicts, failing ones included, are not vouched for |
 //! | True | `NodesHealthy` | every node running its engine pods reports every check Ok (or Unknown) |
 //! | (absent) | | the backend has no scheduled engine pod |
 //!
 //! A check result about a pod (subject `namespace/pod`) counts only for the backend that owns
-//! that pod; host-wide results (`host`, `gpuN`, `tcp/N`) count for every backend on the node.
+//! that pod, and only while its `podUid` is the planned pod's (a result about an earlier pod of
+//! that name does not count); host-wide results (`host`, `gpuN`, `tcp/N`) count for every
+//! backend on the node.
 //!
 //! Ownership: the CacheBackend reconciler owns the rest of `status` and keeps this condition
 //! when it writes its own (it carries over condition types it does not manage). This module
@@ -21,7 +24,7 @@
 //! retry once; otherwise the next pass). The pure [`advisories`] / [`advisory_condition`] pair
 //! is public so the reconciler could compute the same condition in its own write instead.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use ic_shared::check::CheckStatus;
 use ic_shared::crd::conditions::{
@@ -35,6 +38,7 @@ use kube::{Client, ResourceExt};
 
 use crate::ingest::registry::NodeRecord;
 
+use super::cachenode::vouches_for_nothing;
 use super::plans::backend_key;
 
 /// The condition type (`NodeHealthy`).
@@ -50,6 +54,8 @@ pub mod reason {
     pub const NODE_AGENT_NOT_CONNECTED: &str = "NodeAgentNotConnected";
     /// Unknown: an agent has not reported yet.
     pub const NODE_REPORT_PENDING: &str = "NodeReportPending";
+    /// Unknown: a connected agent's last report is stale (a check pass is hung).
+    pub const NODE_REPORT_STALE: &str = "NodeReportStale";
 }
 
 /// The advisory verdict for one backend.
@@ -98,13 +104,15 @@ fn pod_subject(subject: &str) -> Option<&str> {
 }
 
 /// Computes every backend's advisory from the node plans (which backends' engine pods run
-/// where) and the agents' records. Backends without planned engine pods get no entry.
+/// where) and the agents' records, at `now_ms` (controller clock, Unix ms; judges a record's
+/// staleness with [`vouches_for_nothing`]). Backends without planned engine pods get no entry.
 pub fn advisories(
     plans: &BTreeMap<String, NodePlan>,
     records: &BTreeMap<String, NodeRecord>,
+    now_ms: i64,
 ) -> BTreeMap<String, NodeAdvisory> {
-    // backend → node → its pods there
-    let mut placement: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    // backend → node → its pods there (`namespace/pod` → planned pod UID)
+    let mut placement: BTreeMap<String, BTreeMap<String, PodsOnNode>> = BTreeMap::new();
     for (node, plan) in plans {
         for e in &plan.engines {
             if e.backend.is_empty() {
@@ -115,25 +123,30 @@ pub fn advisories(
                 .or_default()
                 .entry(node.clone())
                 .or_default()
-                .insert(format!("{}/{}", e.namespace, e.pod));
+                .insert(format!("{}/{}", e.namespace, e.pod), e.pod_uid.clone());
         }
     }
     placement
         .into_iter()
         .map(|(backend, nodes)| {
-            let adv = advisory_for(&nodes, records);
+            let adv = advisory_for(&nodes, records, now_ms);
             (backend, adv)
         })
         .collect()
 }
 
+/// A backend's engine pods on one node: `namespace/pod` → planned pod UID.
+type PodsOnNode = BTreeMap<String, Option<String>>;
+
 fn advisory_for(
-    nodes: &BTreeMap<String, BTreeSet<String>>,
+    nodes: &BTreeMap<String, PodsOnNode>,
     records: &BTreeMap<String, NodeRecord>,
+    now_ms: i64,
 ) -> NodeAdvisory {
     let mut failing: Vec<FailingCheck> = Vec::new();
     let mut missing: Vec<String> = Vec::new();
     let mut pending: Vec<String> = Vec::new();
+    let mut stale: Vec<String> = Vec::new();
     for (node, pods) in nodes {
         let Some(rec) = records.get(node).filter(|r| r.connected) else {
             missing.push(node.clone());
@@ -143,10 +156,21 @@ fn advisory_for(
             pending.push(node.clone());
             continue;
         }
+        // A stale report, or a pass that could not run at all (the agent's checks thread is
+        // gone), vouches for nothing on the node.
+        if vouches_for_nothing(rec, now_ms) {
+            stale.push(node.clone());
+            continue;
+        }
         let mut worst: BTreeMap<&str, (CheckStatus, &str)> = BTreeMap::new();
         for c in &rec.checks {
             if let Some(p) = pod_subject(&c.subject) {
-                if !pods.contains(p) {
+                let planned = pods.get(p);
+                let same_pod = match (c.observed.get("podUid"), planned) {
+                    (Some(got), Some(Some(want))) => got == want,
+                    (_, planned) => planned.is_some(),
+                };
+                if !same_pod {
                     continue;
                 }
             }
@@ -198,6 +222,20 @@ fn advisory_for(
             status: ConditionStatus::Unknown,
             reason: reason::NODE_AGENT_NOT_CONNECTED,
             message: format!("Engine pods of this backend run on nodes without a node agent. {s}"),
+        };
+    }
+    if !stale.is_empty() {
+        return NodeAdvisory {
+            status: ConditionStatus::Unknown,
+            reason: reason::NODE_REPORT_STALE,
+            message: format!(
+                "The node agent on {} is connected but sends no current check verdict: no \
+                 report for more than 3 check intervals + 60 s (a check pass is hung, e.g. on an \
+                 unreachable network volume), or no check could run (its checks thread is \
+                 gone), so its earlier verdicts are not vouched for. See `kubectl describe \
+                 cachenode <node>` (Ready=Unknown/ChecksStale or ChecksUnavailable).",
+                list(&stale)
+            ),
         };
     }
     if !pending.is_empty() {

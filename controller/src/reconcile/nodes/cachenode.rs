@@ -50,6 +50,9 @@ pub mod reason {
     /// Ready=Unknown: connected, but the last check report is older than a few of the agent's
     /// check intervals (a check pass is hung; [`super::report_age_if_stale`]).
     pub const CHECKS_STALE: &str = "ChecksStale";
+    /// Ready=Unknown: the agent reported that no check could run (its checks thread is gone:
+    /// the agent's `ChecksUnavailable` result).
+    pub const CHECKS_UNAVAILABLE: &str = ic_shared::check::CHECKS_UNAVAILABLE;
     /// AgentConnected=True.
     pub const AGENT_CONNECTED: &str = "AgentConnected";
     /// AgentConnected=False / Ready=False: the agent's stream ended.
@@ -81,6 +84,16 @@ pub fn report_age_if_stale(r: &NodeRecord, now_ms: i64) -> Option<i64> {
     .then_some(age / 1000)
 }
 
+/// Whether `r`'s latest report vouches for nothing on its node at `now_ms`: it is stale
+/// ([`report_age_if_stale`]), or it says no check could run ([`reason::CHECKS_UNAVAILABLE`]).
+/// The roll-ups (NodeHealthy, ReadersHealthy) then read the node as Unknown.
+pub fn vouches_for_nothing(r: &NodeRecord, now_ms: i64) -> bool {
+    report_age_if_stale(r, now_ms).is_some()
+        || r.checks
+            .iter()
+            .any(|c| c.reason == reason::CHECKS_UNAVAILABLE)
+}
+
 /// Longest condition message written (the API allows 32768 bytes).
 const MAX_MESSAGE: usize = 2048;
 
@@ -107,6 +120,9 @@ pub struct NodeView<'a> {
     pub plan: Option<&'a NodePlan>,
     /// The index's streams reported by this node.
     pub replicas: &'a [ReplicaSnapshot],
+    /// Whether `plan` comes from this leadership's plan pass (false before its first one: the
+    /// plans are empty then, and `engines` / `engineCount` keep their previous values).
+    pub plans_authoritative: bool,
 }
 
 fn time_of_ms(ms: i64) -> Option<Time> {
@@ -262,6 +278,24 @@ pub fn desired_status(
         .filter(|(_, rs)| CheckStatus::worst(rs.iter().map(|r| r.status)) == CheckStatus::Warning)
         .map(|(name, _)| *name)
         .collect();
+    let unknown: Vec<&str> = by_check
+        .iter()
+        .filter(|(_, rs)| rs.iter().any(|r| r.status == CheckStatus::Unknown))
+        .map(|(name, _)| *name)
+        .collect();
+    let unavailable = by_check
+        .values()
+        .flatten()
+        .find(|r| r.reason == reason::CHECKS_UNAVAILABLE);
+    // Said after the verdict: checks (or subjects) whose state is not known.
+    let not_known = if unknown.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " Not known (Unknown results, see their conditions): {}.",
+            unknown.join(", ")
+        )
+    };
 
     let (agent_status, agent_reason, agent_message) = match rec {
         Some(r) if r.connected => (
@@ -307,17 +341,32 @@ pub fn desired_status(
                 "The agent is connected but its last check report is {age} s old (it checks every {interval} s): a check pass is hung (e.g. on an unreachable network filesystem; see the agent's log). The conditions below are that report."
             ),
         )
-    } else if warnings.is_empty() {
+    } else if let Some(r) = unavailable {
+        (
+            ConditionStatus::Unknown,
+            reason::CHECKS_UNAVAILABLE,
+            r.message.clone(),
+        )
+    } else if warnings.is_empty() && unknown.is_empty() {
         (
             ConditionStatus::True,
             reason::NODE_READY,
             "Every node check passes.".to_string(),
         )
+    } else if warnings.is_empty() {
+        (
+            ConditionStatus::True,
+            reason::NODE_READY,
+            format!("No check fails.{not_known}"),
+        )
     } else {
         (
             ConditionStatus::True,
             reason::NODE_READY,
-            format!("No check is critical; warnings: {}.", warnings.join(", ")),
+            format!(
+                "No check is critical; warnings: {}.{not_known}",
+                warnings.join(", ")
+            ),
         )
     };
     wanted.push(new_condition(
@@ -359,7 +408,13 @@ pub fn desired_status(
         .unwrap_or_default();
     gpus.sort_by_key(|g| g.index);
     gpus.dedup_by_key(|g| g.index);
-    let engines = engines_status(view.plan, view.replicas);
+    let (engines, engine_count) = match previous.filter(|_| !view.plans_authoritative) {
+        Some(p) => (p.engines.clone(), p.engine_count),
+        None => (
+            engines_status(view.plan, view.replicas),
+            i32::try_from(view.plan.map_or(0, |p| p.engines.len())).unwrap_or(i32::MAX),
+        ),
+    };
 
     CacheNodeStatus {
         conditions,
@@ -372,7 +427,7 @@ pub fn desired_status(
             .filter(|r| r.plan_generation > 0)
             .and_then(|r| i64::try_from(r.plan_generation).ok()),
         gpu_count: i32::try_from(gpus.len()).unwrap_or(i32::MAX),
-        engine_count: i32::try_from(view.plan.map_or(0, |p| p.engines.len())).unwrap_or(i32::MAX),
+        engine_count,
         gpus,
         engines,
     }

@@ -396,6 +396,7 @@ pub async fn write_cachenodes(
             record: snap.records.get(&node),
             plan: snap.plans.get(&node),
             replicas: snap.replicas.get(&node).unwrap_or(&empty),
+            plans_authoritative: snap.plans_authoritative,
         };
         let res = writer.sync_node(&view, clock.now()).await;
         let label = match &res {
@@ -415,6 +416,11 @@ pub async fn write_cachenodes(
     out
 }
 
+/// The controller clock in Unix ms (what a record's `report_received_unix_ms` is in).
+fn now_ms(clock: &dyn Clock) -> i64 {
+    clock.now().as_millisecond()
+}
+
 /// Lists the CacheBackends and writes the advisory condition where it differs.
 pub async fn write_advisories(
     client: &Client,
@@ -422,7 +428,7 @@ pub async fn write_advisories(
     clock: &dyn Clock,
     metrics: Option<&NodesMetrics>,
 ) -> Result<advisory::AdvisoryReport, kube::Error> {
-    let desired = advisory::advisories(&snap.plans, &snap.records);
+    let desired = advisory::advisories(&snap.plans, &snap.records, now_ms(clock));
     let backends = Api::<CacheBackend>::all(client.clone())
         .list(&ListParams::default())
         .await?
@@ -454,7 +460,7 @@ pub async fn write_reader_advisories(
     clock: &dyn Clock,
     metrics: Option<&NodesMetrics>,
 ) -> Result<advisory::AdvisoryReport, kube::Error> {
-    let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records);
+    let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records, now_ms(clock));
     let caches = Api::<ModelCache>::all(client.clone())
         .list(&ListParams::default())
         .await?
@@ -511,9 +517,13 @@ pub fn spawn_status_writer(
             if is_leader {
                 let snap = NodeSnapshot::take(&shared);
                 write_cachenodes(&mut writer, &snap, clock.as_ref(), metrics.as_ref()).await;
-                let desired = advisory::advisories(&snap.plans, &snap.records);
+                // Before the first plan pass of a leadership the plans are empty: writing the
+                // advisory then would remove NodeHealthy from every backend ("no scheduled
+                // engine pod") until the pass, with a fresh transition time.
+                let desired =
+                    advisory::advisories(&snap.plans, &snap.records, now_ms(clock.as_ref()));
                 let due = last_advisory_sync.is_none_or(|t| t.elapsed() >= cfg.advisory_resync);
-                if last_advisories.as_ref() != Some(&desired) || due {
+                if snap.plans_authoritative && (last_advisories.as_ref() != Some(&desired) || due) {
                     match write_advisories(&client, &snap, clock.as_ref(), metrics.as_ref()).await {
                         Ok(r) if r.failed.is_empty() => {
                             last_advisories = Some(desired);
@@ -526,7 +536,11 @@ pub fn spawn_status_writer(
                     }
                 }
                 if snap.plans_authoritative {
-                    let desired = reader_advisory::reader_advisories(&snap.plans, &snap.records);
+                    let desired = reader_advisory::reader_advisories(
+                        &snap.plans,
+                        &snap.records,
+                        now_ms(clock.as_ref()),
+                    );
                     let due = last_readers_sync.is_none_or(|t| t.elapsed() >= cfg.advisory_resync);
                     if last_readers.as_ref() != Some(&desired) || due {
                         match write_reader_advisories(

@@ -47,14 +47,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime};
 use ic_shared::plan::{
-    EnginePlan, HashScheme, KvEventSource, NodePlan, PortExpect, PortExpectation, PortOwner,
-    ReaderMount, ShmRequirement,
+    EnginePlan, HashScheme, KvEventSource, NodePlan, PlannedContainer, PortExpect, PortExpectation,
+    PortOwner, ReaderMount, ShmRequirement,
 };
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::ResourceExt;
 use serde::Deserialize;
 
-use crate::adapters::command::{normalize_flag, CommandForm, EngineCommand};
+use crate::adapters::command::{normalize_flag, EngineCommand};
+use crate::adapters::select_engine_by_command;
 use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID};
 use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
 use crate::reconcile::render::{ProviderRenderer, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY};
@@ -72,6 +73,56 @@ pub const SGLANG_DEFAULT_PAGE_SIZE: u32 = 1;
 pub const VLLM_DEFAULT_PORT: u16 = 8000;
 /// SGLang's default `--port`.
 pub const SGLANG_DEFAULT_PORT: u16 = 30000;
+
+/// The containers whose `/dev/shm` the engine's requirement is for (plan `shmContainers`): the
+/// engine container, then every other container or native sidecar that mounts the same volume
+/// at `/dev/shm` (SGLang's LMCache MP worker), each with its runtime ID while pod status says it
+/// is running.
+pub fn shm_containers(pod: &Pod, engine: &Container) -> Vec<PlannedContainer> {
+    let shm_volume = crate::adapters::shm_mount(engine).map(|m| m.name.as_str());
+    let spec = pod.spec.as_ref();
+    let others = spec
+        .into_iter()
+        .flat_map(|s| {
+            s.init_containers
+                .iter()
+                .flatten()
+                .chain(s.containers.iter())
+        })
+        .filter(|c| c.name != engine.name)
+        .filter(|c| {
+            shm_volume.is_some()
+                && crate::adapters::shm_mount(c).map(|m| m.name.as_str()) == shm_volume
+        });
+    std::iter::once(engine)
+        .chain(others)
+        .map(|c| planned_container(pod, &c.name))
+        .collect()
+}
+
+/// Container `name` of `pod` with its runtime ID while pod status says it is running
+/// (`containerStatuses[]` or, for a native sidecar, `initContainerStatuses[]`; the
+/// `<runtime>://` prefix dropped, lower-cased as in cgroup paths).
+pub fn planned_container(pod: &Pod, name: &str) -> PlannedContainer {
+    let id = pod
+        .status
+        .as_ref()
+        .into_iter()
+        .flat_map(|s| {
+            s.container_statuses
+                .iter()
+                .flatten()
+                .chain(s.init_container_statuses.iter().flatten())
+        })
+        .find(|cs| cs.name == name)
+        .filter(|cs| cs.state.as_ref().is_some_and(|st| st.running.is_some()))
+        .and_then(|cs| cs.container_id.as_deref())
+        .map(|id| id.rsplit("://").next().unwrap_or(id).to_ascii_lowercase());
+    PlannedContainer {
+        name: name.to_string(),
+        id,
+    }
+}
 
 /// Something about a pod that could not be planned (or was planned partially).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -255,29 +306,20 @@ fn requests_gpu(pod: &Pod) -> bool {
     })
 }
 
-/// The engine container and its parsed command line for `runtime`: a container whose command
-/// visibly launches the engine, else one named like the runtime that accepts args, else the
-/// first container that accepts args (image entrypoint).
-pub fn engine_command(pod: &Pod, runtime: Runtime) -> Option<(Container, EngineCommand)> {
-    let containers = &pod.spec.as_ref()?.containers;
-    let parsed: Vec<(&Container, EngineCommand)> = containers
-        .iter()
-        .filter_map(|c| EngineCommand::parse(c, runtime).ok().map(|cmd| (c, cmd)))
-        .collect();
-    let typical = match runtime {
-        Runtime::Vllm => ["vllm", "engine"],
-        Runtime::SgLang => ["sglang", "engine"],
-    };
-    parsed
-        .iter()
-        .find(|(_, cmd)| cmd.form != CommandForm::ImageEntrypoint)
-        .or_else(|| {
-            parsed
-                .iter()
-                .find(|(c, _)| typical.contains(&c.name.as_str()))
-        })
-        .or_else(|| parsed.first())
-        .map(|(c, cmd)| ((*c).clone(), cmd.clone()))
+/// The engine container and its parsed command line for `runtime`, chosen by the rule the Pod
+/// webhook wired it by ([`select_engine_by_command`]: a container whose command visibly launches
+/// the engine, else an args-only one whose name or image names the runtime, our own sidecars
+/// left out), so the plan never reads another container's args (an `istio-proxy` listed
+/// first). The error says why no container was chosen.
+pub fn engine_command(pod: &Pod, runtime: Runtime) -> Result<(Container, EngineCommand), String> {
+    let i = select_engine_by_command(pod, runtime).map_err(|e| e.to_string())?;
+    let c = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.get(i))
+        .ok_or_else(|| "the engine container is gone".to_string())?;
+    let cmd = EngineCommand::parse(c, runtime).map_err(|e| e.to_string())?;
+    Ok((c.clone(), cmd))
 }
 
 /// The value of the last occurrence of any of `names` (long flags in any `_`/`-` spelling,
@@ -563,16 +605,19 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         Runtime::Vllm => HashScheme::Vllm,
         Runtime::SgLang => HashScheme::Sglang,
     };
-    let command = engine_command(pod, runtime);
-    if command.is_none() {
-        note(
-            issue::ENGINE_NOT_FOUND,
-            format!(
-                "no container of the pod launches {} (its KV events and parallelism are not planned)",
-                runtime.as_str()
-            ),
-        );
-    }
+    let command = match engine_command(pod, runtime) {
+        Ok(c) => Some(c),
+        Err(why) => {
+            note(
+                issue::ENGINE_NOT_FOUND,
+                format!(
+                    "no engine container of the pod is known to launch {} ({why}): its KV events and parallelism are not planned",
+                    runtime.as_str()
+                ),
+            );
+            None
+        }
+    };
     let args: Vec<&str> = command
         .as_ref()
         .map(|(_, c)| c.literal_texts())
@@ -648,6 +693,10 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         keeps_l2: offload,
         backend: backend_key(backend),
         shm_required_bytes: shm,
+        shm_containers: command
+            .as_ref()
+            .map(|(c, _)| shm_containers(pod, c))
+            .unwrap_or_default(),
         mp_worker_port,
         metrics_url: (offload && !kv_events.is_empty())
             .then(|| engine_metrics_url(pod, runtime, &all_args))
@@ -840,10 +889,15 @@ fn is_mooncake_master(pod: &Pod) -> bool {
 
 fn expectation(pod: &Pod, port: u16, purpose: String) -> Option<PortExpectation> {
     match port_phase(pod) {
+        // Free for this pod: its native sidecars (the LMCache MP worker) bind before the main
+        // containers start, and are no conflict.
         PortPhase::NotStarted => Some(PortExpectation {
             port,
             expect: PortExpect::Free,
-            owner: None,
+            owner: pod.metadata.uid.clone().map(|uid| PortOwner {
+                exe: None,
+                pod_uid: Some(uid),
+            }),
             purpose,
         }),
         PortPhase::Ready => Some(PortExpectation {

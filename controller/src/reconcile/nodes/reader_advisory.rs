@@ -14,6 +14,7 @@
 //! | False | `ReaderVolumeDigestMismatch` | a reader mount's sample file differs from the writer's digest |
 //! | False | `ReaderVolumeMissing` | nothing is mounted at a reader pod's planned path |
 //! | False | `ReaderCheckFailing` | the check failed a mount with a reason this controller does not know |
+//! | Unknown | `ReaderReportStale` | no failure, but a mount's node agent is connected and its last check report is older than 3 check intervals + 60 s (a hung pass) |
 //! | Unknown | `AwaitingReports` | no failure, but a mount's node has no connected agent, or its agent has not reported on it yet |
 //! | Unknown | `PodNotFound` | no failure, but the agent found no process of a reader pod |
 //! | Unknown | `ReaderCheckInconclusive` | no failure, but the agent could not judge a mount |
@@ -48,7 +49,7 @@ use serde_json::{json, Value};
 use crate::ingest::registry::NodeRecord;
 
 use super::advisory::AdvisoryReport;
-use super::cachenode::FIELD_MANAGER;
+use super::cachenode::{vouches_for_nothing, FIELD_MANAGER};
 
 /// The condition type (`ReadersHealthy`).
 pub const CONDITION_TYPE: &str = model_cache_condition::READERS_HEALTHY;
@@ -103,6 +104,9 @@ pub enum MountOutcome {
     /// The agent is connected but its latest report has no result for this mount (its plan
     /// may not carry the mount yet).
     NotReported,
+    /// The agent is connected but its last report is stale or says no check could run ([`vouches_for_nothing`]): what it
+    /// said then is not vouched for now.
+    ReportStale,
 }
 
 /// One planned reader mount with its outcome.
@@ -127,6 +131,7 @@ impl MountVerdict {
             MountOutcome::Failed(reason) | MountOutcome::Inconclusive(reason) => reason,
             MountOutcome::AgentNotConnected => "no node agent connected",
             MountOutcome::NotReported => "not reported yet",
+            MountOutcome::ReportStale => "no check report for over 3 check intervals",
         };
         format!(
             "{}: {}/{} at {} ({what})",
@@ -168,11 +173,19 @@ fn inconclusive_reason(agent: &str) -> &'static str {
 /// What the latest report of `record` says about `mount`. A result whose `podUid` differs from
 /// the planned pod's UID is about an earlier pod of that name and does not count. A mount
 /// without its own result, on a node whose `mounts` check reported Unknown as a whole (subject
-/// `host`: the check panicked or returned nothing), is inconclusive.
-pub fn mount_outcome(mount: &ReaderMount, record: Option<&NodeRecord>) -> MountOutcome {
+/// `host`: the check panicked or returned nothing), is inconclusive. A connected agent whose
+/// last report is stale at `now_ms` (controller clock, Unix ms) is [`MountOutcome::ReportStale`].
+pub fn mount_outcome(
+    mount: &ReaderMount,
+    record: Option<&NodeRecord>,
+    now_ms: i64,
+) -> MountOutcome {
     let Some(rec) = record.filter(|r| r.connected) else {
         return MountOutcome::AgentNotConnected;
     };
+    if vouches_for_nothing(rec, now_ms) {
+        return MountOutcome::ReportStale;
+    }
     let subject = mount_subject(mount);
     let same_pod = |c: &CheckResult| match (c.observed.get("podUid"), mount.pod_uid.as_ref()) {
         (Some(got), Some(want)) => got == want,
@@ -206,6 +219,7 @@ pub fn mount_outcome(mount: &ReaderMount, record: Option<&NodeRecord>) -> MountO
 pub fn mount_verdicts(
     plans: &BTreeMap<String, NodePlan>,
     records: &BTreeMap<String, NodeRecord>,
+    now_ms: i64,
 ) -> BTreeMap<String, Vec<MountVerdict>> {
     let mut out: BTreeMap<String, Vec<MountVerdict>> = BTreeMap::new();
     for (node, plan) in plans {
@@ -220,7 +234,7 @@ pub fn mount_verdicts(
                     namespace: m.namespace.clone(),
                     pod: m.pod.clone(),
                     path: m.path.clone(),
-                    outcome: mount_outcome(m, records.get(node)),
+                    outcome: mount_outcome(m, records.get(node), now_ms),
                 });
         }
     }
@@ -232,8 +246,9 @@ pub fn mount_verdicts(
 pub fn reader_advisories(
     plans: &BTreeMap<String, NodePlan>,
     records: &BTreeMap<String, NodeRecord>,
+    now_ms: i64,
 ) -> BTreeMap<String, ReaderAdvisory> {
-    mount_verdicts(plans, records)
+    mount_verdicts(plans, records, now_ms)
         .into_iter()
         .map(|(binding, verdicts)| {
             let adv = advisory_for(&binding, &verdicts);
@@ -352,7 +367,18 @@ pub fn advisory_for(binding: &str, verdicts: &[MountVerdict]) -> ReaderAdvisory 
         let pod_not_found = undecided
             .iter()
             .any(|v| v.outcome == MountOutcome::Inconclusive(r::READER_POD_NOT_FOUND));
-        let (reason, lead) = if awaiting {
+        let stale = undecided
+            .iter()
+            .any(|v| v.outcome == MountOutcome::ReportStale);
+        let (reason, lead) = if stale {
+            (
+                r::READER_REPORT_STALE,
+                "A node agent has sent no check report for over 3 check intervals + 60 s (a \
+                 check pass is hung, e.g. on an unreachable network volume; its CacheNode reads \
+                 Ready=Unknown/ChecksStale), so its earlier verdict is not vouched for, on \
+                 reader volumes of model cache binding",
+            )
+        } else if awaiting {
             (
                 r::AWAITING_REPORTS,
                 "Waiting for the node agents to report on reader volumes of model cache binding",
@@ -620,7 +646,7 @@ mod tests {
         plans: &BTreeMap<String, NodePlan>,
         recs: &BTreeMap<String, NodeRecord>,
     ) -> ReaderAdvisory {
-        let all = reader_advisories(plans, recs);
+        let all = reader_advisories(plans, recs, 0);
         assert_eq!(all.keys().collect::<Vec<_>>(), vec![B]);
         all[B].clone()
     }
@@ -647,6 +673,35 @@ mod tests {
         assert_eq!(adv.reason, r::READERS_READ_ONLY);
         assert!(adv.message.contains("2 reader mounts"), "{}", adv.message);
         assert!(adv.message.contains("on n1, n2"), "{}", adv.message);
+    }
+
+    /// The dead-NFS case: the mounts check hangs, the agent stays connected, no report comes.
+    /// The last ReadersReadOnly is not vouched for past 3 intervals + 60 s.
+    #[test]
+    fn a_stale_report_is_unknown_not_the_last_verdict() {
+        let a = mount("reader-0", "/models");
+        let p = plans(vec![("n1", a.clone())]);
+        let mut rec = record(
+            "n1",
+            true,
+            vec![result(&a, CheckStatus::Ok, "ReaderVolumeReadOnly")],
+        );
+        rec.report_received_unix_ms = 1_000_000;
+        rec.check_interval_seconds = 10;
+        let recs = records(vec![rec]);
+        let at = |now_ms: i64| reader_advisories(&p, &recs, now_ms)[B].clone();
+        assert_eq!(at(1_090_000).reason, r::READERS_READ_ONLY);
+        let adv = at(1_091_000);
+        assert_eq!(
+            (adv.status, adv.reason),
+            (ConditionStatus::Unknown, r::READER_REPORT_STALE)
+        );
+        assert!(
+            adv.message
+                .contains("n1: team-a/reader-0 at /models (no check report"),
+            "{}",
+            adv.message
+        );
     }
 
     #[test]
@@ -871,7 +926,7 @@ mod tests {
         )]);
         p.entry("n2".into()).or_default();
         let recs = records(vec![record("n1", true, vec![])]);
-        let all = reader_advisories(&p, &recs);
+        let all = reader_advisories(&p, &recs, 0);
         assert!(all.is_empty());
         // a bound request whose binding has no planned mount, and an unbound one: absent
         let bound = request(Some("mcb-1"));
@@ -920,6 +975,7 @@ mod tests {
                         result(which, CheckStatus::Critical, reason),
                     ],
                 )]),
+                0,
             )
         };
         let first = desired_condition(
@@ -966,6 +1022,7 @@ mod tests {
                     result(&b, CheckStatus::Ok, "ReaderVolumeReadOnly"),
                 ],
             )]),
+            0,
         );
         assert!(apply_reader_condition(
             &mut conds,
