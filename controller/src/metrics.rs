@@ -53,6 +53,10 @@ pub struct ControllerMetrics {
     /// Engine streams by coverage (`Exact`, `Healing`, `Partial`, `Disconnected`, `EngineDown`,
     /// `Unknown`).
     pub index_replicas_by_coverage: IntGaugeVec,
+    /// KV-event streams the node plans expect that the index has no replica for (their agent
+    /// has not connected or resynced since this controller started, or their replica
+    /// expired); each makes answers of its scope say `IndexIncomplete`.
+    pub index_planned_streams_absent: IntGauge,
     /// The index's heap by part, bytes (`slots`, `slots_used`, `holder_lists`, `key_vectors`,
     /// `key_vectors_used`), estimated from capacities; refreshed on each `/metrics` scrape.
     pub index_heap_bytes: IntGaugeVec,
@@ -165,6 +169,10 @@ impl ControllerMetrics {
             ),
             &["coverage"],
         )?;
+        let index_planned_streams_absent = IntGauge::new(
+            format!("{p}index_planned_streams_absent"),
+            "KV-event streams the node plans expect that the KV-prefix index has no replica for (agent not connected or not resynced since this controller started, or the replica expired); LookupRoute answers of their scope carry the IndexIncomplete warning.",
+        )?;
         let index_quota_evictions_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}index_quota_evictions_total"),
@@ -241,6 +249,7 @@ impl ControllerMetrics {
         registry.register(Box::new(index_blocks.clone()))?;
         registry.register(Box::new(index_replicas.clone()))?;
         registry.register(Box::new(index_replicas_by_coverage.clone()))?;
+        registry.register(Box::new(index_planned_streams_absent.clone()))?;
         registry.register(Box::new(index_heap_bytes.clone()))?;
         registry.register(Box::new(index_quota_evictions_total.clone()))?;
         registry.register(Box::new(index_stream_cap_refusals_total.clone()))?;
@@ -302,6 +311,7 @@ impl ControllerMetrics {
             index_blocks,
             index_replicas,
             index_replicas_by_coverage,
+            index_planned_streams_absent,
             index_heap_bytes,
             index_quota_evictions_total,
             index_stream_cap_refusals_total,

@@ -136,6 +136,9 @@ impl Shared {
         self.metrics
             .index_replicas
             .set(index.replica_count() as i64);
+        self.metrics
+            .index_planned_streams_absent
+            .set(index.planned_streams_absent() as i64);
         for (state, n) in index.coverage_counts() {
             self.metrics
                 .index_replicas_by_coverage

@@ -321,6 +321,22 @@ impl EnginePlan {
             format!("{}#{}", self.pod, dp_rank)
         }
     }
+
+    /// The descriptor the node agent reports this pod's stream at `dp_rank` with (`node`
+    /// empty: the controller fills it from the agent's Hello). The controller keys the
+    /// index's planned streams by the same definition.
+    pub fn descriptor(&self, dp_rank: u32) -> crate::proto::StreamDescriptor {
+        crate::proto::StreamDescriptor {
+            stream_id: self.stream_id(dp_rank),
+            replica: self.replica_id(dp_rank),
+            dp_rank,
+            tenant: self.namespace.clone(),
+            model: self.model.clone(),
+            hash_scheme: self.hash_scheme.as_str().to_string(),
+            backend: self.backend.clone(),
+            node: String::new(),
+        }
+    }
 }
 
 /// Errors reading a plan document.

@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ic_shared::plan::{EnginePlan, NodePlan};
-use ic_shared::proto::{CounterReport, StreamCounters, StreamDescriptor};
+use ic_shared::proto::{CounterReport, StreamCounters};
 use parking_lot::RwLock;
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use tokio::sync::watch;
@@ -240,20 +240,6 @@ impl EngineCounters {
     }
 }
 
-/// The descriptor of `engine`'s stream at `dp_rank`, as the KV hub reports it.
-fn descriptor(engine: &EnginePlan, dp_rank: u32) -> StreamDescriptor {
-    StreamDescriptor {
-        stream_id: engine.stream_id(dp_rank),
-        replica: engine.replica_id(dp_rank),
-        dp_rank,
-        tenant: engine.namespace.clone(),
-        model: engine.model.clone(),
-        hash_scheme: engine.hash_scheme.as_str().to_string(),
-        backend: engine.backend.clone(),
-        node: String::new(),
-    }
-}
-
 /// Engines with a metrics URL and at least one KV stream, grouped by URL.
 fn targets(plan: &NodePlan) -> BTreeMap<String, Vec<&EnginePlan>> {
     let mut out: BTreeMap<String, Vec<&EnginePlan>> = BTreeMap::new();
@@ -288,7 +274,7 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
                 let mut found = false;
                 for e in engines {
                     for src in &e.kv_events {
-                        let d = descriptor(e, src.dp_rank);
+                        let d = e.descriptor(src.dp_rank);
                         let t2 = prom::t2_counters(&body, src.dp_rank);
                         let memory =
                             prom::cache_memory_bytes(&body, src.dp_rank, e.kv_events.len());
@@ -408,7 +394,7 @@ mod tests {
         BTreeMap::from([(
             "team-a/vllm-0#0".to_string(),
             StreamCounters {
-                stream: Some(StreamDescriptor {
+                stream: Some(ic_shared::proto::StreamDescriptor {
                     stream_id: "team-a/vllm-0#0".into(),
                     replica: "vllm-0".into(),
                     tenant: "team-a".into(),

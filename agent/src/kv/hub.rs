@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ic_shared::plan::NodePlan;
-use ic_shared::proto::{StreamDelta, StreamDescriptor, StreamSnapshot};
+use ic_shared::proto::{StreamDelta, StreamSnapshot};
 use serde::Serialize;
 use tokio::sync::Notify;
 
@@ -304,16 +304,7 @@ impl KvHub {
                     continue;
                 }
                 let spec = StreamSpec {
-                    descriptor: StreamDescriptor {
-                        stream_id: id.clone(),
-                        replica: e.replica_id(src.dp_rank),
-                        dp_rank: src.dp_rank,
-                        tenant: e.namespace.clone(),
-                        model: e.model.clone(),
-                        hash_scheme: e.hash_scheme.as_str().to_string(),
-                        backend: e.backend.clone(),
-                        node: String::new(),
-                    },
+                    descriptor: e.descriptor(src.dp_rank),
                     endpoint: src.endpoint.clone(),
                     replay_endpoint: src.replay_endpoint.clone().filter(|s| !s.is_empty()),
                     topic: src.topic.clone(),

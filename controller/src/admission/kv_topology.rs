@@ -242,7 +242,9 @@ pub fn subscriber_topology(
     let Ok(cmd) = EngineCommand::parse(c, runtime) else {
         return no_config();
     };
-    let Some(occ) = cmd.find("--kv-events-config").into_iter().next() else {
+    // The last occurrence: the engine's argparse keeps the last value of a repeated flag, and
+    // so does the node plan (`plans::flag_value`).
+    let Some(occ) = cmd.find("--kv-events-config").into_iter().last() else {
         return no_config();
     };
     let Some((raw, value_index)) = cmd.value_of(&occ) else {
@@ -574,5 +576,18 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.0.contains("port 5558 would be both"), "{e}");
+    }
+
+    #[test]
+    fn a_repeated_kv_events_config_is_read_last_as_the_engine_and_the_plan_read_it() {
+        let first =
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}"#;
+        let last = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:6100"}"#;
+        let args = ["--kv-events-config", first, "--kv-events-config", last];
+        let t = topo(&args).unwrap();
+        assert_eq!(t.streams.len(), 1);
+        assert_eq!(t.streams[0].endpoint, "tcp://127.0.0.1:6100");
+        let planned = crate::reconcile::nodes::plans::flag_value(&args, &["--kv-events-config"]);
+        assert_eq!(planned.as_deref(), Some(last));
     }
 }

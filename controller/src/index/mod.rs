@@ -225,14 +225,39 @@ impl Replica {
     }
 }
 
+/// A replica's scope in [`PrefixIndex::inexact_replicas`]: (tenant, model, hash scheme).
+pub type StreamScope = (String, String, String);
+
+/// The KV-event streams `plans` expect (stream id → scope), with the descriptors the agents
+/// report them by ([`ic_shared::plan::EnginePlan::descriptor`]): what
+/// [`PrefixIndex::set_planned_streams`] takes.
+pub fn planned_streams<'a>(
+    plans: impl IntoIterator<Item = &'a ic_shared::plan::NodePlan>,
+) -> HashMap<String, StreamScope> {
+    let mut out = HashMap::new();
+    for e in plans.into_iter().flat_map(|p| &p.engines) {
+        for src in &e.kv_events {
+            let d = e.descriptor(src.dp_rank);
+            out.entry(d.stream_id)
+                .or_insert((d.tenant, d.model, d.hash_scheme));
+        }
+    }
+    out
+}
+
 /// Replicas per effective coverage state ([`PrefixIndex::coverage_counts`]) and, per
 /// (tenant, model, hash scheme), the replicas whose entries may miss blocks the engine holds
-/// ([`misses_entries`]: [`PrefixIndex::inexact_replicas`]). Kept as coverage and limits change,
-/// so neither the gauges nor a lookup walks every replica.
+/// ([`misses_entries`]: [`PrefixIndex::inexact_replicas`]) plus the planned streams the index
+/// has no replica for. Kept as coverage, limits, replicas and plans change, so neither the
+/// gauges nor a lookup walks every replica.
 #[derive(Debug, Default)]
 struct CoverageTally {
     by_state: [usize; 6],
-    inexact: HashMap<(String, String, String), u32>,
+    inexact: HashMap<StreamScope, u32>,
+    /// The streams the node plans expect ([`PrefixIndex::set_planned_streams`]), by stream id.
+    planned: HashMap<String, StreamScope>,
+    /// How many of `planned` have no replica.
+    planned_absent: usize,
 }
 
 /// Whether a replica in `state` may hold blocks its index entries lack: anything but Exact,
@@ -253,6 +278,18 @@ impl CoverageTally {
             return;
         }
         retally(&mut self.by_state, from, to);
+        // A planned stream without a replica counts as inexact under its planned scope.
+        if from.is_none() || to.is_none() {
+            if let Some(planned) = self.planned.get(&desc.stream_id).cloned() {
+                let created = from.is_none();
+                self.planned_absent = if created {
+                    self.planned_absent.saturating_sub(1)
+                } else {
+                    self.planned_absent + 1
+                };
+                self.bump(planned, !created);
+            }
+        }
         let was = from.is_some_and(misses_entries);
         let is = to.is_some_and(misses_entries);
         if was == is {
@@ -263,7 +300,12 @@ impl CoverageTally {
             desc.model.clone(),
             desc.hash_scheme.clone(),
         );
-        if is {
+        self.bump(scope, is);
+    }
+
+    /// Counts one more (`up`) or one less inexact replica in `scope`.
+    fn bump(&mut self, scope: StreamScope, up: bool) {
+        if up {
             *self.inexact.entry(scope).or_default() += 1;
         } else if let Some(n) = self.inexact.get_mut(&scope) {
             *n = n.saturating_sub(1);
@@ -271,6 +313,29 @@ impl CoverageTally {
                 self.inexact.remove(&scope);
             }
         }
+    }
+
+    /// Replaces the planned streams; `present` says whether the index has a replica of a
+    /// stream id.
+    fn set_planned(
+        &mut self,
+        planned: HashMap<String, StreamScope>,
+        present: impl Fn(&str) -> bool,
+    ) {
+        let old = std::mem::take(&mut self.planned);
+        for (id, scope) in old {
+            if !present(&id) {
+                self.bump(scope, false);
+            }
+        }
+        self.planned_absent = 0;
+        for (id, scope) in &planned {
+            if !present(id) {
+                self.planned_absent += 1;
+                self.bump(scope.clone(), true);
+            }
+        }
+        self.planned = planned;
     }
 }
 
@@ -832,10 +897,11 @@ impl PrefixIndex {
         out
     }
 
-    /// The inexact-replica tally by walking every replica (what it must equal).
+    /// The inexact-replica tally by walking every replica and planned stream (what it must
+    /// equal).
     #[cfg(test)]
-    fn inexact_walked(&self) -> HashMap<(String, String, String), u32> {
-        let mut out: HashMap<(String, String, String), u32> = HashMap::new();
+    fn inexact_walked(&self) -> HashMap<StreamScope, u32> {
+        let mut out: HashMap<StreamScope, u32> = HashMap::new();
         for (_, r) in self.live_replicas() {
             if misses_entries(r.effective_coverage().state) {
                 *out.entry((
@@ -846,7 +912,34 @@ impl PrefixIndex {
                 .or_default() += 1;
             }
         }
+        for (id, scope) in &self.coverage_tally.planned {
+            if !self.slot_by_stream.contains_key(id.as_str()) {
+                *out.entry(scope.clone()).or_default() += 1;
+            }
+        }
         out
+    }
+
+    /// Sets the streams the node plans expect (stream id → scope; [`planned_streams`] derives
+    /// them from the plans): each one the index has no replica for — its node's agent has not
+    /// connected since this controller started, or never did, or its replica expired — counts
+    /// in [`Self::inexact_replicas`] of its scope until its replica appears. O(planned streams);
+    /// the caller skips it when the plans did not change ([`Self::planned_streams_are`]).
+    pub fn set_planned_streams(&mut self, planned: HashMap<String, StreamScope>) {
+        let by_stream = &self.slot_by_stream;
+        self.coverage_tally
+            .set_planned(planned, |id| by_stream.contains_key(id));
+    }
+
+    /// True when [`Self::set_planned_streams`] last set exactly `planned`.
+    pub fn planned_streams_are(&self, planned: &HashMap<String, StreamScope>) -> bool {
+        self.coverage_tally.planned == *planned
+    }
+
+    /// Planned streams the index has no replica for (the
+    /// `inferencecache_controller_index_planned_streams_absent` gauge).
+    pub fn planned_streams_absent(&self) -> usize {
+        self.coverage_tally.planned_absent
     }
 
     /// [`Self::coverage_counts`] by walking every replica (what the tally must equal).

@@ -1995,3 +1995,83 @@ fn lookups_count_the_inexact_replicas_of_their_scope() {
     ix.remove_node("n1");
     assert!(ix.coverage_tally.inexact.is_empty());
 }
+
+/// After a controller restart the index is empty until each agent resyncs: a stream the node
+/// plans expect but the index has no replica for counts as inexact in its scope (a NO_HINT is
+/// then not "nobody holds it"), from the plans' own descriptors, until its replica appears;
+/// its replica expiring brings it back; a stream the plans drop stops counting.
+#[test]
+fn planned_streams_without_a_replica_count_as_inexact_until_their_agent_resyncs() {
+    let plan = ic_shared::plan::NodePlan::parse(
+        r#"
+engines:
+  - { namespace: default, pod: a, model: m, hashScheme: vllm, blockSize: 4,
+      kvEvents: [ { endpoint: "tcp://127.0.0.1:5557", dpRank: 0 } ] }
+  - { namespace: default, pod: b, model: m, hashScheme: vllm, blockSize: 4,
+      kvEvents: [ { endpoint: "tcp://127.0.0.1:5567", dpRank: 0 } ] }
+  - { namespace: team-b, pod: c, model: m, hashScheme: vllm, blockSize: 4,
+      kvEvents: [ { endpoint: "tcp://127.0.0.1:5577", dpRank: 0 } ] }
+"#,
+        "test",
+    )
+    .unwrap();
+    let planned = planned_streams([&plan]);
+    assert_eq!(planned.len(), 3);
+    assert_eq!(
+        planned.get("default/a#0"),
+        Some(&("default".to_string(), "m".to_string(), "vllm".to_string()))
+    );
+    let mut ix = PrefixIndex::new();
+    ix.set_planned_streams(planned.clone());
+    assert!(ix.planned_streams_are(&planned));
+    assert_eq!(ix.planned_streams_absent(), 3);
+    let q = query(&tokens(0..8));
+    let r = ix.lookup(&q);
+    assert!(!r.prefix_match);
+    assert_eq!(r.inexact_replicas, 3);
+    assert_eq!(ix.inexact_replicas("default", "m", "vllm", None), 2);
+    assert_eq!(ix.coverage_tally.inexact, ix.inexact_walked());
+    // a's agent resyncs (the descriptor the agent reports: the test helper's, the plan's).
+    assert_eq!(desc("a", 0), plan.engines[0].descriptor(0));
+    let keys = chain(&tokens(0..8), 4);
+    ix.resync_node(
+        "n1",
+        &[snapshot_with(
+            "a",
+            keys.iter()
+                .map(|k| entry(*k, proto::Tier::T1, ""))
+                .collect(),
+        )],
+    );
+    assert_eq!(ix.planned_streams_absent(), 2);
+    let r = ix.lookup(&q);
+    assert!(r.prefix_match);
+    assert_eq!(r.inexact_replicas, 2);
+    assert_eq!(ix.inexact_replicas("default", "m", "vllm", None), 1);
+    assert_eq!(ix.coverage_tally.inexact, ix.inexact_walked());
+    // b and c resync too: the index vouches for every planned stream.
+    ix.resync_node("n1", &[empty_snapshot("a"), empty_snapshot("b")]);
+    let mut c = empty_snapshot("c");
+    c.stream = Some(plan.engines[2].descriptor(0));
+    ix.resync_node("n2", &[c]);
+    assert_eq!(ix.planned_streams_absent(), 0);
+    assert_eq!(ix.lookup(&q).inexact_replicas, 0);
+    assert!(ix.coverage_tally.inexact.is_empty());
+    // n1's replicas expire (its agent gone past the TTL): planned, so counted again.
+    ix.remove_node("n1");
+    assert_eq!(ix.planned_streams_absent(), 2);
+    assert_eq!(ix.inexact_replicas("default", "", "", None), 2);
+    assert_eq!(ix.coverage_tally.inexact, ix.inexact_walked());
+    // The plans drop b (its pod is gone): only a still counts.
+    let fewer: HashMap<_, _> = planned
+        .into_iter()
+        .filter(|(id, _)| id != "default/b#0")
+        .collect();
+    ix.set_planned_streams(fewer);
+    assert_eq!(ix.planned_streams_absent(), 1);
+    assert_eq!(ix.inexact_replicas("", "", "", None), 1);
+    assert_eq!(ix.coverage_tally.inexact, ix.inexact_walked());
+    ix.set_planned_streams(HashMap::new());
+    assert_eq!(ix.planned_streams_absent(), 0);
+    assert!(ix.coverage_tally.inexact.is_empty());
+}

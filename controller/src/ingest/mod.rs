@@ -1291,6 +1291,73 @@ mod tests {
         assert_eq!((a.inexact_replicas, a.warnings.len()), (0, 0), "{a:?}");
     }
 
+    /// A restarted controller's index is empty until each agent resyncs, but its node plans
+    /// (derived from the pods before any agent reconnects) say which streams to expect:
+    /// answers of their scope say `IndexIncomplete` until the node's resync, and the gauge
+    /// counts them.
+    #[tokio::test]
+    async fn planned_streams_whose_agent_has_not_resynced_are_not_vouched_for() {
+        let (url, shared) = serve(None).await;
+        let engine = |pod: &str| ic_shared::plan::EnginePlan {
+            namespace: "ns".into(),
+            pod: pod.into(),
+            model: "m".into(),
+            hash_scheme: ic_shared::plan::HashScheme::Vllm,
+            block_size: 16,
+            kv_events: vec![ic_shared::plan::KvEventSource {
+                endpoint: "tcp://10.0.0.5:5557".into(),
+                replay_endpoint: None,
+                topic: String::new(),
+                dp_rank: 0,
+            }],
+            ..Default::default()
+        };
+        let plans = std::collections::BTreeMap::from([(
+            "n1".to_string(),
+            ic_shared::plan::NodePlan {
+                engines: vec![engine("pod-a"), engine("pod-b")],
+                ..Default::default()
+            },
+        )]);
+        crate::reconcile::nodes::record_derived_plans(&shared, &plans);
+        let router = crate::router::Router::new(shared.clone());
+        let ask = || {
+            router.lookup(&proto::LookupRouteRequest {
+                tenant: "ns".into(),
+                token_ids: (0..64).collect(),
+                ..Default::default()
+            })
+        };
+        let a = ask();
+        assert_eq!(a.decision, proto::Decision::NoHint as i32, "{a:?}");
+        assert_eq!(a.inexact_replicas, 2, "{a:?}");
+        assert_eq!(
+            a.warnings,
+            vec![crate::router::INDEX_INCOMPLETE.to_string()]
+        );
+        assert_eq!(shared.metrics.index_planned_streams_absent.get(), 2);
+        let (_inbound, tx) = open(&url, hello("n1", None, "")).await;
+        tx.send(AgentMessage {
+            msg: Some(Msg::Resync(exact_resync(&[
+                ("ns", "pod-a", "a1"),
+                ("ns", "pod-b", "b1"),
+            ]))),
+        })
+        .await
+        .unwrap();
+        until("the resync", || {
+            coverage(&shared, "ns/pod-a#0") == Some(("Exact", None))
+                && coverage(&shared, "ns/pod-b#0") == Some(("Exact", None))
+        })
+        .await;
+        let a = ask();
+        assert_eq!((a.inexact_replicas, a.warnings.len()), (0, 0), "{a:?}");
+        assert_eq!(shared.metrics.index_planned_streams_absent.get(), 0);
+        // Deriving the same plans again changes nothing.
+        crate::reconcile::nodes::record_derived_plans(&shared, &plans);
+        assert_eq!(ask().inexact_replicas, 0);
+    }
+
     #[tokio::test]
     async fn entries_the_block_size_caps_drop_leave_their_stream_partial() {
         let (url, shared) = serve(None).await;

@@ -181,8 +181,24 @@ async fn list_pods_and_backends(
 pub async fn derive_node_scope_once(client: &Client, shared: &Shared) -> Result<(), kube::Error> {
     let (pods, backends) = list_pods_and_backends(client).await?;
     let derived = plans::derive_plans(&pods, &backends);
-    shared.nodes.lock().set_node_scope(&derived.plans);
+    record_derived_plans(shared, &derived.plans);
     Ok(())
+}
+
+/// What every replica keeps from derived plans: the node scope agents' streams are held to
+/// ([`crate::ingest::scope`]) and the streams the index expects
+/// ([`crate::index::PrefixIndex::set_planned_streams`]: a planned stream with no replica —
+/// after a controller restart, until its agent resyncs — makes answers of its scope say
+/// `IndexIncomplete`). The index write lock is taken only when the planned streams changed.
+pub fn record_derived_plans(shared: &Shared, plans: &BTreeMap<String, ic_shared::plan::NodePlan>) {
+    shared.nodes.lock().set_node_scope(plans);
+    let planned = crate::index::planned_streams(plans.values());
+    if shared.index.read().planned_streams_are(&planned) {
+        return;
+    }
+    let mut ix = shared.index.write();
+    ix.set_planned_streams(planned);
+    shared.update_index_gauges(&ix);
 }
 
 /// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans,
@@ -200,7 +216,7 @@ pub async fn publish_plans_once(
 ) -> Result<PublishReport, kube::Error> {
     let (pods, backends) = list_pods_and_backends(client).await?;
     let mut derived = plans::derive_plans(&pods, &backends);
-    shared.nodes.lock().set_node_scope(&derived.plans);
+    record_derived_plans(shared, &derived.plans);
     match Api::<ModelCache>::all(client.clone())
         .list(&ListParams::default())
         .await
