@@ -255,6 +255,141 @@ fn host_network_pod_declares_its_listeners_and_probes_its_own_worker() {
     }
 }
 
+/// A CacheBackend edit does not reach a running pod (its worker, env and volumes were rendered
+/// at admission), so the node plan follows what the webhook recorded on the pod, not the
+/// current spec: the MP-worker port the worker really listens on, its `/dev/shm` need, the
+/// model id — and says loudly which fields changed. A pod without the record (wired before it
+/// existed) is planned from the current spec; an unreadable record says so.
+#[test]
+fn the_plan_follows_the_spec_a_pod_was_wired_under_and_says_when_the_spec_moved_on() {
+    let pod = load_repo_pod(HOST_NET);
+    let cb = backend(SGLANG_LMCACHE);
+    let (outcome, wired) = admit_converged(&pod, std::slice::from_ref(&cb), &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+    let record = wired["metadata"]["annotations"]["inferencecache.io/wired-spec"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let worker = init_container(&wired, "lmcache-mp-worker").unwrap();
+    let probe = strings(&worker["startupProbe"]["exec"]["command"]);
+    assert!(probe[2].contains("\"%04X\" % 5555"), "{}", probe[2]);
+    let mut scheduled = wired.clone();
+    scheduled["metadata"]["uid"] = json!("0f6e3f52-7d2a-4d0c-9b1e-30a000000003");
+    scheduled["spec"]["nodeName"] = json!("gpu-node-1");
+    scheduled["status"] = json!({"phase": "Running", "podIP": "10.0.0.9",
+        "conditions": [{"type": "Ready", "status": "True"}]});
+    let scheduled_pod: k8s_openapi::api::core::v1::Pod =
+        serde_json::from_value(scheduled.clone()).unwrap();
+
+    // The operator edits the backend afterwards: another worker port, a bigger L1, a new id.
+    let mut edited = cb.clone();
+    edited.metadata.generation = Some(2);
+    edited.spec.lm_cache = Some(
+        serde_json::from_value(json!({
+        "workerPort": 6000, "hostMemory": {"capacity": "8Gi"}}))
+        .unwrap(),
+    );
+    edited.spec.observation.as_mut().unwrap().model_id = Some("deepseek-ai/DeepSeek-V3".into());
+    let derived = derive_plans(
+        std::slice::from_ref(&scheduled_pod),
+        std::slice::from_ref(&edited),
+    );
+    let plan = &derived.plans["gpu-node-1"];
+    let e = &plan.engines[0];
+    assert_eq!(
+        e.mp_worker_port,
+        Some(5555),
+        "the port the pod's worker listens on"
+    );
+    assert_eq!(
+        e.model, "deepseek-ai/DeepSeek-R1",
+        "the id its streams carry"
+    );
+    assert_eq!(
+        e.shm_required_bytes,
+        Some(4 << 30),
+        "the default 4Gi it was wired with"
+    );
+    assert!(
+        plan.ports.iter().any(|p| p.port == 5555) && !plan.ports.iter().any(|p| p.port == 6000)
+    );
+    let issue = derived
+        .issues
+        .iter()
+        .find(|i| i.reason == "WiredUnderOlderSpec")
+        .unwrap_or_else(|| panic!("{:?}", derived.issues));
+    for field in [
+        "spec.lmCache.workerPort",
+        "spec.lmCache.hostMemory.capacity",
+        "spec.observation.modelID",
+    ] {
+        assert!(issue.message.contains(field), "{}", issue.message);
+    }
+    assert!(!issue.message.contains("spec.runtime"), "{}", issue.message);
+
+    // The unedited backend: the record agrees, no issue.
+    let derived = derive_plans(
+        std::slice::from_ref(&scheduled_pod),
+        std::slice::from_ref(&cb),
+    );
+    assert!(
+        derived
+            .issues
+            .iter()
+            .all(|i| !i.reason.starts_with("Wired")),
+        "{:?}",
+        derived.issues
+    );
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].mp_worker_port,
+        Some(5555)
+    );
+
+    // No record (a pod wired before it existed): the current spec.
+    let mut unrecorded = scheduled.clone();
+    unrecorded["metadata"]["annotations"]
+        .as_object_mut()
+        .unwrap()
+        .remove("inferencecache.io/wired-spec");
+    let derived = derive_plans(
+        &[serde_json::from_value(unrecorded).unwrap()],
+        std::slice::from_ref(&edited),
+    );
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].mp_worker_port,
+        Some(6000)
+    );
+    assert!(
+        derived
+            .issues
+            .iter()
+            .all(|i| !i.reason.starts_with("Wired")),
+        "{:?}",
+        derived.issues
+    );
+
+    // A record edited into nonsense: the current spec, and it says so.
+    let mut garbled = scheduled;
+    garbled["metadata"]["annotations"]["inferencecache.io/wired-spec"] =
+        json!(record.replace("workerPort", "wp"));
+    let derived = derive_plans(
+        &[serde_json::from_value(garbled).unwrap()],
+        std::slice::from_ref(&edited),
+    );
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].mp_worker_port,
+        Some(6000)
+    );
+    assert!(
+        derived
+            .issues
+            .iter()
+            .any(|i| i.reason == "WiredSpecUnreadable"),
+        "{:?}",
+        derived.issues
+    );
+}
+
 /// The shm check judges the engine's `/dev/shm`: the plan names the engine container and the
 /// MP worker the webhook mounted on the same volume, each with its runtime ID only while pod
 /// status says it runs (the engine waits on the worker's startup probe; the sidecar's ID is what

@@ -8,7 +8,8 @@ mod pod_support;
 
 use ic_controller::admission::pod::{
     mutate_pod, PodWebhookConfig, ANNOTATION_INJECTED_BY, ANNOTATION_INJECTED_BY_UID,
-    ANNOTATION_INJECT_SKIPPED, ANNOTATION_NOT_INJECTED, ANNOTATION_SKIP_INJECT, REASON_INJECTED,
+    ANNOTATION_INJECT_SKIPPED, ANNOTATION_NOT_INJECTED, ANNOTATION_SKIP_INJECT,
+    ANNOTATION_WIRED_SPEC, REASON_INJECTED,
 };
 use ic_shared::crd::CacheBackend;
 use pod_support::*;
@@ -65,6 +66,7 @@ fn stale() -> Value {
         ANNOTATION_INJECTED_BY: "ns/forged",
         ANNOTATION_INJECTED_BY_UID: "forged-uid",
         ANNOTATION_INJECT_SKIPPED: "skip-inject-annotation",
+        ANNOTATION_WIRED_SPEC: "{\"runtime\":\"VLLM\",\"forged\":true}",
         "keep": "me"
     })
 }
@@ -169,14 +171,22 @@ fn no_match_strips_stale_annotations() {
 }
 
 #[test]
-fn injection_stamps_both_annotations_and_clears_skipped_marker() {
+fn injection_stamps_its_annotations_and_clears_skipped_marker() {
     let pod = with_annotations(vllm_pod(), stale());
-    let (reason, ann) = annotations_after(&pod, &[cb("x", json!({}))], &cfg());
+    let backend = cb("x", json!({}));
+    let (reason, ann) = annotations_after(&pod, std::slice::from_ref(&backend), &cfg());
     assert_eq!(reason, REASON_INJECTED);
+    // The wired-spec record is the node plan's own type, read back as written.
+    let wired = ic_shared::crd::WiredSpec::of(&backend);
     assert_eq!(
         ann,
-        json!({ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "uid-x", "keep": "me"})
+        json!({ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "uid-x",
+               ANNOTATION_WIRED_SPEC: wired.to_annotation(), "keep": "me"})
     );
+    let back =
+        ic_shared::crd::WiredSpec::from_annotation(ann[ANNOTATION_WIRED_SPEC].as_str().unwrap())
+            .unwrap();
+    assert_eq!(back, wired);
 }
 
 /// The apiserver sends pods with explicit nulls, an empty status and (from newer clusters)
@@ -206,7 +216,7 @@ fn skip_inject_annotation_opts_out() {
     for v in ["true", "True", "1", "yes", "on", " t "] {
         let pod = with_annotations(
             vllm_pod(),
-            json!({ANNOTATION_SKIP_INJECT: v, ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "u"}),
+            json!({ANNOTATION_SKIP_INJECT: v, ANNOTATION_INJECTED_BY: "ns/x", ANNOTATION_INJECTED_BY_UID: "u", ANNOTATION_WIRED_SPEC: "{}"}),
         );
         let o = admit(&pod, &[cb("x", json!({}))], &cfg());
         assert_eq!(
@@ -351,6 +361,55 @@ fn an_lmcache_config_file_is_wired_with_a_warning_that_the_file_may_win() {
         env_value(container(&wired, "vllm"), "LMCACHE_CONFIG_FILE").as_deref(),
         Some("/lmcache/lmcache.yaml"),
         "the operator's file is kept"
+    );
+}
+
+/// LMCache is often configured by `LMCACHE_*` keys of a ConfigMap the engine takes with
+/// `envFrom`. The env the webhook injects wins over `envFrom`, so such a key is overridden:
+/// the pod is wired, with a warning naming the source and the variables it would hide. A
+/// source whose prefix cannot produce them is not mentioned.
+#[test]
+fn an_env_from_source_the_injected_env_overrides_is_named_in_a_warning() {
+    let mut pod = vllm_pod();
+    pod["spec"]["containers"][0]["envFrom"] = json!([
+        {"configMapRef": {"name": "lmcache-settings"}},
+        {"prefix": "HF_", "secretRef": {"name": "hf-token"}},
+    ]);
+    let (o, wired) = admit_converged(&pod, &[cb("x", json!({}))], &cfg());
+    assert_eq!(o.reason, REASON_INJECTED);
+    let shadow: Vec<&String> = o
+        .warnings
+        .iter()
+        .filter(|w| w.contains("takes env from"))
+        .collect();
+    assert_eq!(shadow.len(), 1, "{:?}", o.warnings);
+    assert!(
+        shadow[0].starts_with(
+            "container \"vllm\" takes env from ConfigMap \"lmcache-settings\": a key there named "
+        ),
+        "{}",
+        shadow[0]
+    );
+    // Every variable it names is one the wired container sets explicitly.
+    let env = env_of(container(&wired, "vllm"));
+    for name in ["LMCACHE_CHUNK_SIZE", "LMCACHE_LOCAL_CPU", "PYTHONHASHSEED"] {
+        assert!(shadow[0].contains(name), "{}", shadow[0]);
+        assert!(
+            env.iter().any(|(n, _)| n == name),
+            "{name} not injected: {env:?}"
+        );
+    }
+    // The same pod without envFrom: no such warning.
+    let mut plain = pod.clone();
+    plain["spec"]["containers"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("envFrom");
+    let o = admit(&plain, &[cb("x", json!({}))], &cfg());
+    assert!(
+        o.warnings.iter().all(|w| !w.contains("takes env from")),
+        "{:?}",
+        o.warnings
     );
 }
 

@@ -12,7 +12,7 @@
 //! 1. Decode the pod (`k8s_openapi` Pod). Failure → admit, no patch (no pod to patch, so stale
 //!    annotations cannot be cleared on this path).
 //! 2. `inferencecache.io/skip-inject: <truthy>` (`true`, `t`, `1`, `yes`, `y`, `on`, any case) →
-//!    no wiring; strip `injected-by`/`injected-by-uid`; stamp `inject-skipped:
+//!    no wiring; strip `injected-by`/`injected-by-uid`/`wired-spec`; stamp `inject-skipped:
 //!    skip-inject-annotation` (a pod already carrying exactly that yields no patch).
 //! 3. Selection: CacheBackends in the pod's namespace (a backend without a namespace counts as in
 //!    every namespace, for offline use) sorted by name, as the API lists them; the first whose
@@ -28,8 +28,9 @@
 //!    adapter); `engineHostNetwork` (`hostNetwork: true`, `dnsPolicy: ClusterFirstWithHostNet`,
 //!    only with a published endpoint); the kvevent-subscriber sidecar under the same gate as in
 //!    step 4.
-//! 6. Annotations: on success `injected-by: <namespace>/<name>` and `injected-by-uid: <uid>`,
-//!    `inject-skipped` removed; on every fail-open path after decoding, all three removed.
+//! 6. Annotations: on success `injected-by: <namespace>/<name>`, `injected-by-uid: <uid>` and
+//!    `wired-spec` (the JSON [`ic_shared::crd::WiredSpec`] the node plan follows),
+//!    `inject-skipped` removed; on every fail-open path after decoding, all of them removed.
 //!
 //! The JSON Patch is the diff between the decoded pod and the mutated one, checked to apply to
 //! the request object and to round-trip to the mutated pod. The adapters converge, so
@@ -63,6 +64,9 @@ use crate::reconcile::nodes::plans;
 pub const ANNOTATION_INJECTED_BY: &str = "inferencecache.io/injected-by";
 /// Pod annotation stamped on a wired pod: the CacheBackend's `metadata.uid`.
 pub const ANNOTATION_INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid";
+/// Pod annotation stamped on a wired pod: the JSON [`ic_shared::crd::WiredSpec`] of the
+/// CacheBackend spec it was wired under (the node plan reads it instead of the current spec).
+pub const ANNOTATION_WIRED_SPEC: &str = crate::reconcile::annotations::WIRED_SPEC;
 /// Pod annotation stamped when the operator opted out with [`ANNOTATION_SKIP_INJECT`].
 pub const ANNOTATION_INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
 /// Pod annotation stamped on a pod a CacheBackend selects but that is admitted unwired:
@@ -229,9 +233,10 @@ fn strip(pod: &mut Pod, keys: &[&str]) {
     }
 }
 
-const ALL_MARKERS: [&str; 4] = [
+const ALL_MARKERS: [&str; 5] = [
     ANNOTATION_INJECTED_BY,
     ANNOTATION_INJECTED_BY_UID,
+    ANNOTATION_WIRED_SPEC,
     ANNOTATION_INJECT_SKIPPED,
     ANNOTATION_NOT_INJECTED,
 ];
@@ -284,6 +289,7 @@ fn decide<B: Borrow<CacheBackend>>(
             &[
                 ANNOTATION_INJECTED_BY,
                 ANNOTATION_INJECTED_BY_UID,
+                ANNOTATION_WIRED_SPEC,
                 ANNOTATION_NOT_INJECTED,
             ],
         );
@@ -369,6 +375,10 @@ fn decide<B: Borrow<CacheBackend>>(
             );
             let a = annotations(&mut wired);
             a.insert(ANNOTATION_INJECTED_BY.to_string(), id);
+            a.insert(
+                ANNOTATION_WIRED_SPEC.to_string(),
+                ic_shared::crd::WiredSpec::of(cb).to_annotation(),
+            );
             match cb.metadata.uid.as_deref().filter(|u| !u.is_empty()) {
                 Some(uid) => {
                     a.insert(ANNOTATION_INJECTED_BY_UID.to_string(), uid.to_string());
@@ -428,6 +438,61 @@ impl<E: std::fmt::Display> From<E> for Unwired {
 }
 
 /// Wires `pod` for `cb`; returns warnings.
+/// The engine container's explicit env (`name` → literal value; `None` for `valueFrom`).
+fn explicit_env(pod: &Pod, engine: usize) -> BTreeMap<String, Option<String>> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.get(engine))
+        .and_then(|c| c.env.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|e| (e.name.clone(), e.value.clone()))
+        .collect()
+}
+
+/// One warning per `envFrom` source of the engine container that could carry a variable the
+/// wiring set (added or changed since `before`): an explicit `env` entry wins over `envFrom`,
+/// so such a key in that ConfigMap or Secret (e.g. an `LMCACHE_*` setting) is silently
+/// overridden. The webhook does not read the source, so the warning names what it would hide.
+fn env_from_shadowed(
+    pod: &Pod,
+    engine: usize,
+    before: &BTreeMap<String, Option<String>>,
+) -> Vec<String> {
+    let Some(c) = pod.spec.as_ref().and_then(|s| s.containers.get(engine)) else {
+        return Vec::new();
+    };
+    let set: Vec<String> = explicit_env(pod, engine)
+        .into_iter()
+        .filter(|(name, value)| before.get(name) != Some(value))
+        .map(|(name, _)| name)
+        .collect();
+    let mut out = Vec::new();
+    for src in c.env_from.iter().flatten() {
+        let prefix = src.prefix.as_deref().unwrap_or("");
+        let hidden: Vec<&str> = set
+            .iter()
+            .filter(|n| n.starts_with(prefix))
+            .map(String::as_str)
+            .collect();
+        if hidden.is_empty() {
+            continue;
+        }
+        let what = match (&src.config_map_ref, &src.secret_ref) {
+            (Some(cm), _) => format!("ConfigMap {:?}", cm.name),
+            (None, Some(sec)) => format!("Secret {:?}", sec.name),
+            _ => "an envFrom source".to_string(),
+        };
+        out.push(format!(
+            "container {:?} takes env from {what}{}: a key there named {} is overridden by the value this CacheBackend injects (an env entry wins over envFrom), so that setting does not reach the engine",
+            c.name,
+            if prefix.is_empty() { String::new() } else { format!(" (prefix {prefix:?})") },
+            hidden.join(", ")
+        ));
+    }
+    out
+}
+
 fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<String>, Unwired> {
     let spec = &cb.spec;
     let runtime = spec.runtime;
@@ -503,6 +568,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         lmcache_worker_image: cfg.lmcache_worker_image.as_deref(),
         kernel_check_image: cfg.lmcache_kernel_check_image.as_deref(),
     };
+    let env_before = explicit_env(pod, engine);
     let report = adapter.inject_engine_config(&ctx, pod, engine)?;
     warnings.extend(report.warnings);
 
@@ -526,6 +592,8 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         )?;
         warnings.extend(w);
     }
+
+    warnings.extend(env_from_shadowed(pod, engine, &env_before));
 
     if spec.engine_host_network() {
         if binding.is_some() {

@@ -37,6 +37,9 @@ pub mod annotations {
     pub const INJECTED_BY: &str = "inferencecache.io/injected-by";
     /// On engine pods: the injecting CacheBackend's `metadata.uid`.
     pub const INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid";
+    /// On engine pods: the JSON `ic_shared::crd::WiredSpec` of the CacheBackend spec the pod
+    /// was wired under; the node plan follows it, not the current spec.
+    pub const WIRED_SPEC: &str = "inferencecache.io/wired-spec";
     /// On engine pods: truthy value opts the pod out of wiring.
     pub const SKIP_INJECT: &str = "inferencecache.io/skip-inject";
     /// On engine pods: the webhook's skip marker.

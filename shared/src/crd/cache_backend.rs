@@ -888,6 +888,88 @@ impl LmCacheSpec {
     }
 }
 
+/// The part of a CacheBackend's spec a wired engine pod runs by — what the node plan needs and
+/// what a later spec edit does not change in a running pod (its containers, env and volumes
+/// were rendered at admission). The Pod webhook records it on each pod it wires (annotation
+/// `inferencecache.io/wired-spec`, JSON of this type: [`WiredSpec::to_annotation`]); the node
+/// plan reads it back ([`WiredSpec::from_annotation`]) instead of the current spec, and says
+/// which fields changed since ([`WiredSpec::changed_fields`]).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct WiredSpec {
+    /// The CacheBackend's `metadata.generation` at admission, when it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    /// `spec.runtime`.
+    pub runtime: Runtime,
+    /// `spec.type` (defaulted).
+    pub cache_type: CacheType,
+    /// `spec.integration.mode` (defaulted).
+    pub integration_mode: IntegrationMode,
+    /// `spec.lmCache.workerPort` (defaulted).
+    pub worker_port: i32,
+    /// `spec.lmCache.hostMemory.capacity` (defaulted), a Kubernetes quantity.
+    pub host_memory_capacity: String,
+    /// `spec.observation.modelID`, when set and non-empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_id: Option<String>,
+}
+
+impl WiredSpec {
+    /// What `cb` wires a pod with now.
+    pub fn of(cb: &CacheBackend) -> Self {
+        let spec = &cb.spec;
+        let lm = spec.lm_cache.clone().unwrap_or_default();
+        WiredSpec {
+            generation: cb.metadata.generation,
+            runtime: spec.runtime,
+            cache_type: spec.effective_type(),
+            integration_mode: spec.integration_mode(),
+            worker_port: lm.effective_worker_port(),
+            host_memory_capacity: lm.effective_host_memory_capacity().0,
+            model_id: spec.model_id().map(str::to_string),
+        }
+    }
+
+    /// The annotation value (compact JSON).
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Parses an annotation value.
+    ///
+    /// # Errors
+    /// The JSON error when `value` is not a `WiredSpec` (written by another version, edited).
+    pub fn from_annotation(value: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(value)
+    }
+
+    /// The spec fields (paths) whose value in `now` differs from this record; the generation
+    /// is not compared.
+    pub fn changed_fields(&self, now: &WiredSpec) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.runtime != now.runtime {
+            out.push("spec.runtime");
+        }
+        if self.cache_type != now.cache_type {
+            out.push("spec.type");
+        }
+        if self.integration_mode != now.integration_mode {
+            out.push("spec.integration.mode");
+        }
+        if self.worker_port != now.worker_port {
+            out.push("spec.lmCache.workerPort");
+        }
+        if self.host_memory_capacity != now.host_memory_capacity {
+            out.push("spec.lmCache.hostMemory.capacity");
+        }
+        if self.model_id != now.model_id {
+            out.push("spec.observation.modelID");
+        }
+        out
+    }
+}
+
 impl AutoscalingSpec {
     /// `targetCPUUtilizationPercent`, or 80.
     pub fn effective_target_cpu_utilization_percent(&self) -> i32 {

@@ -42,10 +42,17 @@
 //! - **Node-level `/dev/shm`**: only pods with `hostIPC: true` use the host's `/dev/shm`; the
 //!   node requirement is the largest of theirs. Other pods' requirements are per engine.
 //! - **`gpuNode`**: some engine pod on the node requests a `…/gpu` resource.
+//!
+//! The CacheBackend fields an engine plan reads (`spec.runtime`, `spec.type`,
+//! `spec.integration.mode`, `spec.lmCache.workerPort`, `spec.lmCache.hostMemory.capacity`,
+//! `spec.observation.modelID`) come from what the pod was wired under — the Pod webhook's
+//! `inferencecache.io/wired-spec` record ([`wired_spec`]) — not from the current spec: an edit
+//! reaches a pod only when it is recreated, and until then the plan says so
+//! ([`issue::WIRED_UNDER_OLDER_SPEC`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime};
+use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec};
 use ic_shared::plan::{
     EnginePlan, HashScheme, KvEventSource, NodePlan, PlannedContainer, PortExpect, PortExpectation,
     PortOwner, ReaderMount, ShmRequirement,
@@ -56,7 +63,7 @@ use serde::Deserialize;
 
 use crate::adapters::command::{normalize_flag, EngineCommand};
 use crate::adapters::select_engine_by_command;
-use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID};
+use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, WIRED_SPEC};
 use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
 use crate::reconcile::render::{ProviderRenderer, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY};
 
@@ -193,6 +200,59 @@ pub mod issue {
     /// The engine's block-size flag (vLLM `--block-size`, SGLang `--page-size`) is not a literal
     /// number (a shell expansion such as `$BLOCK`): the plan assumes the engine's default.
     pub const BLOCK_SIZE_UNKNOWN: &str = "BlockSizeUnknown";
+    /// The CacheBackend spec changed (in a field the plan reads) since the pod was wired: the
+    /// plan follows the pod's recorded wiring (`inferencecache.io/wired-spec`); the pod gets
+    /// the new spec when it is recreated.
+    pub const WIRED_UNDER_OLDER_SPEC: &str = "WiredUnderOlderSpec";
+    /// The pod's `inferencecache.io/wired-spec` annotation does not parse: the plan uses the
+    /// current spec, which may not be what the pod runs.
+    pub const WIRED_SPEC_UNREADABLE: &str = "WiredSpecUnreadable";
+}
+
+/// What the plan of `pod` wired by `backend` follows: the pod's recorded
+/// [`WiredSpec`] (annotation [`WIRED_SPEC`]) when it has one — a spec edit since does not
+/// reach a running pod, so each changed field is noted as [`issue::WIRED_UNDER_OLDER_SPEC`] —
+/// else the current spec (a pod wired before the record existed; an unreadable record is
+/// [`issue::WIRED_SPEC_UNREADABLE`]).
+pub fn wired_spec(
+    pod: &Pod,
+    backend: &CacheBackend,
+    note: &mut impl FnMut(&'static str, String),
+) -> WiredSpec {
+    let now = WiredSpec::of(backend);
+    let Some(raw) = pod.annotations().get(WIRED_SPEC) else {
+        return now;
+    };
+    match WiredSpec::from_annotation(raw) {
+        Ok(wired) => {
+            let changed = wired.changed_fields(&now);
+            if !changed.is_empty() {
+                note(
+                    issue::WIRED_UNDER_OLDER_SPEC,
+                    format!(
+                        "CacheBackend {} changed {} since this pod was wired{}; the node plan follows the pod's wiring until the pod is recreated",
+                        backend_key(backend),
+                        changed.join(", "),
+                        match wired.generation {
+                            Some(g) => format!(" (at generation {g})"),
+                            None => String::new(),
+                        }
+                    ),
+                );
+            }
+            wired
+        }
+        Err(e) => {
+            note(
+                issue::WIRED_SPEC_UNREADABLE,
+                format!(
+                    "annotation {WIRED_SPEC} does not parse ({e}); the node plan follows CacheBackend {}'s current spec, which may not be what the pod was wired with",
+                    backend_key(backend)
+                ),
+            );
+            now
+        }
+    }
 }
 
 /// Plans per node plus what could not be planned.
@@ -599,7 +659,7 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
             message,
         })
     };
-    let spec = &backend.spec;
+    let spec = wired_spec(pod, backend, &mut note);
     let runtime = spec.runtime;
     let hash_scheme = match runtime {
         Runtime::Vllm => HashScheme::Vllm,
@@ -631,25 +691,21 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         None => engine_block_size(runtime, &args),
     };
 
-    let offload = spec.integration_mode() == IntegrationMode::Offload;
-    let mp_worker =
-        runtime == Runtime::SgLang && spec.effective_type() == CacheType::LMCache && offload;
-    let lm = spec.lm_cache.clone().unwrap_or_default();
+    let offload = spec.integration_mode == IntegrationMode::Offload;
+    let mp_worker = runtime == Runtime::SgLang && spec.cache_type == CacheType::LMCache && offload;
     let mp_worker_port = if mp_worker {
-        u16::try_from(lm.effective_worker_port())
-            .ok()
-            .filter(|p| *p > 0)
+        u16::try_from(spec.worker_port).ok().filter(|p| *p > 0)
     } else {
         None
     };
     let mut shm: Option<u64> = None;
     if mp_worker {
-        let q = lm.effective_host_memory_capacity();
-        match bytes_of(&q.0) {
+        let q = &spec.host_memory_capacity;
+        match bytes_of(q) {
             Some(b) => shm = Some(b),
             None => note(
                 issue::INVALID_QUANTITY,
-                format!("spec.lmCache.hostMemory.capacity {:?} is not a positive quantity; the MP worker's /dev/shm need is not planned", q.0),
+                format!("spec.lmCache.hostMemory.capacity {q:?} is not a positive quantity; the MP worker's /dev/shm need is not planned"),
             ),
         }
     }
@@ -657,7 +713,7 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         shm = Some(shm.unwrap_or(0).max(TENSOR_PARALLEL_SHM_BYTES));
     }
 
-    let model = spec.model_id().map(str::to_string);
+    let model = spec.model_id.clone();
     let all_args: Vec<&str> = command.as_ref().map(|(_, c)| c.texts()).unwrap_or_default();
     let mut kv_events = Vec::new();
     if command.is_some() {
