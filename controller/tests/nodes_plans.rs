@@ -680,3 +680,76 @@ fn the_metrics_url_reaches_the_agent() {
     let back = NodePlan::parse(&json.to_string(), "test").unwrap();
     assert_eq!(&back, &derived.plans["gpu-1"]);
 }
+
+/// One data-parallel rank per pod, its rank taken from the pod (a LeaderWorkerSet worker
+/// index, a StatefulSet pod index) through an env `fieldRef`: the plan resolves it the way the
+/// kubelet does and subscribes that rank only — not every rank of `--data-parallel-size`,
+/// whose other publishers this pod does not run. A rank it cannot resolve is a plan issue
+/// naming the flag, not a silent guess.
+#[test]
+fn a_data_parallel_rank_from_the_pods_own_labels_is_resolved_and_an_unknown_one_is_an_issue() {
+    let with_rank = |rank_arg: &str, env: serde_json::Value, label: Option<&str>| {
+        let mut pod = vllm_pod();
+        let c = &mut pod.spec.as_mut().unwrap().containers[0];
+        let cmd = c.command.as_mut().unwrap();
+        let at = cmd
+            .iter()
+            .position(|a| a == "--data-parallel-size")
+            .unwrap();
+        cmd[at + 1] = "4".into();
+        cmd.extend(["--data-parallel-rank".to_string(), rank_arg.to_string()]);
+        c.env
+            .get_or_insert_with(Vec::new)
+            .push(serde_json::from_value(env).unwrap());
+        if let Some(l) = label {
+            pod.metadata
+                .labels
+                .get_or_insert_with(Default::default)
+                .insert("leaderworkerset.sigs.k8s.io/worker-index".into(), l.into());
+        }
+        derive_plans(&[pod], &[vllm_backend()])
+    };
+    let lws_index = json!({"name": "DP_RANK", "valueFrom": {"fieldRef":
+        {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}});
+    let ranks = |d: &plans::DerivedPlans| {
+        d.plans["gpu-1"].engines[0]
+            .kv_events
+            .iter()
+            .map(|s| (s.dp_rank, s.endpoint.clone()))
+            .collect::<Vec<_>>()
+    };
+
+    // Resolved from the pod's label: rank 3 only, at port 5557 + 3.
+    let d = with_rank("$(DP_RANK)", lws_index.clone(), Some("3"));
+    assert_eq!(ranks(&d), vec![(3, "tcp://10.1.2.3:5560".to_string())]);
+    assert!(d.issues.is_empty(), "{:?}", d.issues);
+    // A literal env value resolves the same way.
+    let d = with_rank("$(DP_RANK)", json!({"name": "DP_RANK", "value": "1"}), None);
+    assert_eq!(ranks(&d), vec![(1, "tcp://10.1.2.3:5558".to_string())]);
+    // The label is not there (the pod is not an LWS worker yet): an issue, and the plan says
+    // which ranks it subscribes instead.
+    let d = with_rank("$(DP_RANK)", lws_index, None);
+    assert_eq!(ranks(&d).len(), 4);
+    let issue = d
+        .issues
+        .iter()
+        .find(|i| i.reason == issue::DATA_PARALLEL_RANK_UNKNOWN)
+        .unwrap_or_else(|| panic!("{:?}", d.issues));
+    assert!(
+        issue
+            .message
+            .starts_with("--data-parallel-rank $(DP_RANK) cannot be resolved"),
+        "{}",
+        issue.message
+    );
+    assert!(issue.message.contains("[0, 1, 2, 3]"), "{}", issue.message);
+    // `$DP_RANK` in an exec-form command reaches vLLM literally (no shell expands it): unknown.
+    let d = with_rank("$DP_RANK", json!({"name": "DP_RANK", "value": "1"}), None);
+    assert!(
+        d.issues
+            .iter()
+            .any(|i| i.reason == issue::DATA_PARALLEL_RANK_UNKNOWN),
+        "{:?}",
+        d.issues
+    );
+}

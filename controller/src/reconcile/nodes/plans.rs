@@ -24,7 +24,9 @@
 //!     only for hostNetwork pods. One source per data-parallel rank, ports offset by the global
 //!     rank (vLLM: `--data-parallel-rank`, or `--data-parallel-start-rank` …
 //!     `+ --data-parallel-size-local`, default all of `--data-parallel-size`; SGLang: the
-//!     attention-DP ranks of this node with `--enable-dp-attention`, else rank 0).
+//!     attention-DP ranks of this node with `--enable-dp-attention`, else rank 0). A rank flag
+//!     given as a variable is resolved from the engine's env like the kubelet would
+//!     ([`resolved_rank_args`]); one that cannot be is [`issue::DATA_PARALLEL_RANK_UNKNOWN`].
 //!   - **block size**: vLLM `--block-size` (default 16), SGLang `--page-size` (default 1).
 //!   - **metrics URL** (Offload backends with KV-event publishers only; events-only has no tier
 //!     2): `http://<host>:<port>/metrics` of the engine's HTTP server, whose tier-2 counters the
@@ -207,6 +209,11 @@ pub mod issue {
     /// The pod's `inferencecache.io/wired-spec` annotation does not parse: the plan uses the
     /// current spec, which may not be what the pod runs.
     pub const WIRED_SPEC_UNREADABLE: &str = "WiredSpecUnreadable";
+    /// A flag that decides the pod's data-parallel ranks (vLLM `--data-parallel-rank`,
+    /// `--data-parallel-start-rank`, `--data-parallel-size[-local]`; SGLang `--node-rank`,
+    /// `--nnodes`, `--dp-size`) is an expansion the plan cannot resolve from the pod: the
+    /// planned publishers may not be the pod's.
+    pub const DATA_PARALLEL_RANK_UNKNOWN: &str = "DataParallelRankUnknown";
 }
 
 /// What the plan of `pod` wired by `backend` follows: the pod's recorded
@@ -563,6 +570,147 @@ pub fn resolve_replay_endpoint(
     Ok(format!("tcp://{host}:{port}"))
 }
 
+/// The flags [`dp_ranks`] reads for `runtime`.
+fn rank_flags(runtime: Runtime) -> &'static [&'static str] {
+    match runtime {
+        Runtime::Vllm => &[
+            "--data-parallel-rank",
+            "-dpn",
+            "--data-parallel-start-rank",
+            "-dpr",
+            "--data-parallel-size-local",
+            "-dpl",
+            "--data-parallel-size",
+            "-dp",
+        ],
+        Runtime::SgLang => &[
+            "--node-rank",
+            "--nnodes",
+            "--data-parallel-size",
+            "--dp-size",
+            "--dp",
+        ],
+    }
+}
+
+/// The engine arguments [`dp_ranks`] should read: every argument of `cmd` (shell expansions
+/// included), with the value of each rank flag ([`rank_flags`]) that is a variable resolved
+/// from the engine container's env the way the pod resolves it — a literal `value`, or a
+/// `fieldRef` to the pod's own `metadata.name`, `metadata.namespace`,
+/// `metadata.labels['…']` or `metadata.annotations['…']` (a StatefulSet's
+/// `apps.kubernetes.io/pod-index`, a LeaderWorkerSet's worker index). `$(VAR)` is the
+/// kubelet's (any command form); `$VAR` and `${VAR}` only a shell's. The second element lists
+/// the `flag value` pairs that stay unknown; those flags are left out of the returned
+/// arguments (so [`dp_ranks`] falls back to its defaults for them).
+pub fn resolved_rank_args(
+    pod: &Pod,
+    c: &Container,
+    cmd: &EngineCommand,
+    runtime: Runtime,
+) -> (Vec<String>, Vec<String>) {
+    let texts = cmd.texts();
+    let flags: Vec<String> = rank_flags(runtime)
+        .iter()
+        .map(|f| normalize_flag(f))
+        .collect();
+    let shell = cmd.form == crate::adapters::command::CommandForm::Shell;
+    let mut out = Vec::with_capacity(texts.len());
+    let mut unknown = Vec::new();
+    let mut i = 0;
+    while i < texts.len() {
+        let a = texts[i];
+        let (name, inline) = match a.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (a, None),
+        };
+        let is_rank_flag = a.starts_with('-') && flags.contains(&normalize_flag(name));
+        if !is_rank_flag {
+            out.push(a.to_string());
+            i += 1;
+            continue;
+        }
+        let (value, consumed) = match inline {
+            Some(v) => (Some(v), 1),
+            None => match texts.get(i + 1) {
+                Some(v) if !v.starts_with("--") => (Some(*v), 2),
+                _ => (None, 1),
+            },
+        };
+        match value {
+            Some(v) if v.trim().parse::<u32>().is_err() => {
+                match resolve_env_ref(pod, c, v.trim(), shell) {
+                    Some(r) if r.trim().parse::<u32>().is_ok() => {
+                        out.push(name.to_string());
+                        out.push(r.trim().to_string());
+                    }
+                    _ => unknown.push(format!("{name} {v}")),
+                }
+            }
+            Some(v) => {
+                out.push(name.to_string());
+                out.push(v.to_string());
+            }
+            None => out.push(a.to_string()),
+        }
+        i += consumed;
+    }
+    (out, unknown)
+}
+
+/// The value of `text` when it is exactly one variable reference (`$(VAR)`; with `shell` also
+/// `$VAR`, `${VAR}`, optionally double-quoted) to an env entry of `c` the plan can evaluate
+/// ([`resolved_rank_args`]).
+fn resolve_env_ref(pod: &Pod, c: &Container, text: &str, shell: bool) -> Option<String> {
+    let text = text.trim_matches('"');
+    let var = if let Some(v) = text.strip_prefix("$(").and_then(|t| t.strip_suffix(')')) {
+        v
+    } else if !shell {
+        return None;
+    } else if let Some(v) = text.strip_prefix("${").and_then(|t| t.strip_suffix('}')) {
+        v
+    } else {
+        text.strip_prefix('$')?
+    };
+    if var.is_empty()
+        || !var
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
+    {
+        return None;
+    }
+    // The last entry of a name is the one the container gets.
+    let e = c.env.iter().flatten().rev().find(|e| e.name == var)?;
+    if let Some(from) = &e.value_from {
+        let path = from.field_ref.as_ref()?.field_path.as_str();
+        return pod_field(pod, path);
+    }
+    e.value.clone()
+}
+
+/// A `fieldRef` path of the pod's metadata (`metadata.name`, `metadata.namespace`,
+/// `metadata.labels['k']`, `metadata.annotations['k']`).
+fn pod_field(pod: &Pod, path: &str) -> Option<String> {
+    let keyed = |prefix: &str| {
+        path.strip_prefix(prefix)?
+            .strip_prefix("['")?
+            .strip_suffix("']")
+            .map(str::to_string)
+    };
+    match path {
+        "metadata.name" => pod.metadata.name.clone(),
+        "metadata.namespace" => pod.metadata.namespace.clone(),
+        _ => {
+            if let Some(k) = keyed("metadata.labels") {
+                pod.labels().get(&k).cloned()
+            } else if let Some(k) = keyed("metadata.annotations") {
+                pod.annotations().get(&k).cloned()
+            } else {
+                None
+            }
+        }
+    }
+}
+
 /// The global data-parallel ranks whose publishers run in this pod.
 pub fn dp_ranks(runtime: Runtime, args: &[&str]) -> Vec<u32> {
     match runtime {
@@ -725,7 +873,30 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
                     backend_key(backend)
                 ),
             ),
-            Some(_) => kv_events = kv_sources(pod, runtime, &args, &mut note),
+            Some(_) => {
+                let ranks = match &command {
+                    Some((c, cmd)) => {
+                        let (rank_args, unknown) = resolved_rank_args(pod, c, cmd, runtime);
+                        let refs: Vec<&str> = rank_args.iter().map(String::as_str).collect();
+                        let ranks = dp_ranks(runtime, &refs);
+                        // SGLang runs one publisher whatever its ranks without DP attention.
+                        let matters = runtime == Runtime::Vllm
+                            || flag_set(&refs, &["--enable-dp-attention"]);
+                        if !unknown.is_empty() && matters {
+                            note(
+                                issue::DATA_PARALLEL_RANK_UNKNOWN,
+                                format!(
+                                    "{} cannot be resolved from the pod (not a literal, an env value or a fieldRef to the pod's name, namespace, labels or annotations); the plan subscribes data-parallel rank(s) {ranks:?}, which may not be the pod's: a rank planned but not run reads Disconnected, a rank run but not planned is not indexed. Write the value literally or take it from an env entry",
+                                    unknown.join(", ")
+                                ),
+                            );
+                        }
+                        ranks
+                    }
+                    None => dp_ranks(runtime, &args),
+                };
+                kv_events = kv_sources(pod, runtime, &args, ranks, &mut note)
+            }
         }
     }
     // The block size matters to the KV-event subscription only.
@@ -806,6 +977,7 @@ fn kv_sources(
     pod: &Pod,
     runtime: Runtime,
     args: &[&str],
+    ranks: Vec<u32>,
     note: &mut impl FnMut(&'static str, String),
 ) -> Vec<KvEventSource> {
     let Some(raw) = flag_value(args, &["--kv-events-config"]) else {
@@ -849,7 +1021,7 @@ fn kv_sources(
     let ip = pod_ip(pod);
     let hostnet = host_network(pod);
     let mut out = Vec::new();
-    for rank in dp_ranks(runtime, args) {
+    for rank in ranks {
         let pub_ep = match resolve_pub_endpoint(&endpoint, ip.as_deref(), rank) {
             Ok(e) => e,
             Err((reason, message)) => {
