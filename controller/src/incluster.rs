@@ -561,7 +561,11 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let tokenizers = Arc::new(crate::tokenize::Tokenizers::new(&cfg.tokenizers.specs)?);
-    let shared = Arc::new(Shared::new(cfg.policy)?.with_tokenizers(tokenizers.clone()));
+    let shared = Arc::new(
+        Shared::new(cfg.policy)?
+            .with_tokenizers(tokenizers.clone())
+            .await_plans(),
+    );
     let registry = shared.metrics.registry.clone();
     let clock: Arc<dyn Clock> = overrides.clock.unwrap_or_else(|| Arc::new(SystemClock));
     let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr, &cfg.limits)?;

@@ -41,7 +41,8 @@ use crate::state::Shared;
 use crate::tokenize::{PromptRefusal, TOKENIZER_STALE};
 
 /// `LookupRouteResponse.warnings` entry when replicas of the request's scope are not Exact
-/// (`inexact_replicas` > 0): the answer may miss a replica holding a longer prefix, or a
+/// (`inexact_replicas` > 0), or, in cluster, before this replica first derived the node plans
+/// ([`Shared::plans_pending`]): the answer may miss a replica holding a longer prefix, or a
 /// NO_HINT may not be "nobody holds it".
 pub const INDEX_INCOMPLETE: &str = "IndexIncomplete";
 
@@ -177,7 +178,12 @@ impl Router {
                 "no_hint"
             }])
             .inc();
-        if result.inexact_replicas > 0 {
+        if result.inexact_replicas > 0
+            || self
+                .shared
+                .plans_pending
+                .load(std::sync::atomic::Ordering::Acquire)
+        {
             warnings.push(INDEX_INCOMPLETE.to_string());
         }
         let mut answer = to_proto(result);

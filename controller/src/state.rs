@@ -47,6 +47,10 @@ pub struct Shared {
     pub host_tier: RwLock<HostTierReadings>,
     /// Turns of agent resyncs: how many are read and applied at once (`ingest::turns`).
     pub resync_turns: crate::ingest::turns::ResyncTurns,
+    /// True from [`Shared::await_plans`] (in cluster, at start) until this replica first
+    /// derived node plans (`reconcile::nodes::record_derived_plans`): meanwhile the index does
+    /// not know which streams to expect, so every LookupRoute answer says `IndexIncomplete`.
+    pub plans_pending: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -67,7 +71,17 @@ impl Shared {
                 Some(n) => crate::ingest::turns::ResyncTurns::new(n),
                 None => crate::ingest::turns::ResyncTurns::for_this_machine(),
             },
+            plans_pending: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Marks the node plans as not derived yet ([`Shared::plans_pending`]): in cluster the
+    /// plans say which streams the index must expect, and until the first derivation a NO_HINT
+    /// may be a node whose agent has not resynced.
+    pub fn await_plans(self) -> Self {
+        self.plans_pending
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self
     }
 
     /// The same state with other resync turns (tests: one turn, short timings).

@@ -753,3 +753,30 @@ fn a_data_parallel_rank_from_the_pods_own_labels_is_resolved_and_an_unknown_one_
         d.issues
     );
 }
+
+/// The engine takes the last `--kv-events-config`; when that one is an expansion the plan
+/// cannot read, it plans nothing and says why — never the earlier literal the engine ignores.
+#[test]
+fn a_last_kv_events_config_that_is_an_expansion_is_an_issue_not_the_earlier_literal() {
+    let mut pod = vllm_pod();
+    let cmd = pod.spec.as_mut().unwrap().containers[0]
+        .command
+        .as_mut()
+        .unwrap();
+    cmd.extend([
+        "--kv-events-config".to_string(),
+        "$(KV_EVENTS_JSON)".to_string(),
+    ]);
+    let d = derive_plans(&[pod], &[vllm_backend()]);
+    assert!(d.plans["gpu-1"].engines[0].kv_events.is_empty());
+    let i = d
+        .issues
+        .iter()
+        .find(|i| i.reason == issue::KV_EVENTS_CONFIG_INVALID)
+        .unwrap_or_else(|| panic!("{:?}", d.issues));
+    assert!(
+        i.message.contains("is an expansion ($(KV_EVENTS_JSON))"),
+        "{}",
+        i.message
+    );
+}

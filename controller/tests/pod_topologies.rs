@@ -327,6 +327,49 @@ fn the_plan_follows_the_spec_a_pod_was_wired_under_and_says_when_the_spec_moved_
     }
     assert!(!issue.message.contains("spec.runtime"), "{}", issue.message);
 
+    // Without a kvevent-subscriber sidecar nothing in the pod carries the model id: the node
+    // agent's streams take the current one, and only the worker's fields are reported.
+    let mut no_sidecar = scheduled.clone();
+    no_sidecar["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|c| {
+            !c["name"]
+                .as_str()
+                .unwrap()
+                .starts_with("kvevent-subscriber")
+        });
+    let derived = derive_plans(
+        &[serde_json::from_value(no_sidecar).unwrap()],
+        std::slice::from_ref(&edited),
+    );
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].model,
+        "deepseek-ai/DeepSeek-V3"
+    );
+    let issue = derived
+        .issues
+        .iter()
+        .find(|i| i.reason == "WiredUnderOlderSpec")
+        .unwrap_or_else(|| panic!("{:?}", derived.issues));
+    assert!(!issue.message.contains("modelID"), "{}", issue.message);
+    // The same capacity written another way is no change.
+    let mut same = cb.clone();
+    same.spec.lm_cache =
+        Some(serde_json::from_value(json!({"hostMemory": {"capacity": "4096Mi"}})).unwrap());
+    let derived = derive_plans(
+        std::slice::from_ref(&scheduled_pod),
+        std::slice::from_ref(&same),
+    );
+    assert!(
+        derived
+            .issues
+            .iter()
+            .all(|i| !i.reason.starts_with("Wired")),
+        "{:?}",
+        derived.issues
+    );
+
     // The unedited backend: the record agrees, no issue.
     let derived = derive_plans(
         std::slice::from_ref(&scheduled_pod),

@@ -385,7 +385,7 @@ fn an_env_from_source_the_injected_env_overrides_is_named_in_a_warning() {
     assert_eq!(shadow.len(), 1, "{:?}", o.warnings);
     assert!(
         shadow[0].starts_with(
-            "container \"vllm\" takes env from ConfigMap \"lmcache-settings\": a key there named "
+            "container \"vllm\" takes env from ConfigMap \"lmcache-settings\": if it has a key named "
         ),
         "{}",
         shadow[0]

@@ -437,7 +437,6 @@ impl<E: std::fmt::Display> From<E> for Unwired {
     }
 }
 
-/// Wires `pod` for `cb`; returns warnings.
 /// The engine container's explicit env (`name` → literal value; `None` for `valueFrom`).
 fn explicit_env(pod: &Pod, engine: usize) -> BTreeMap<String, Option<String>> {
     pod.spec
@@ -484,7 +483,7 @@ fn env_from_shadowed(
             _ => "an envFrom source".to_string(),
         };
         out.push(format!(
-            "container {:?} takes env from {what}{}: a key there named {} is overridden by the value this CacheBackend injects (an env entry wins over envFrom), so that setting does not reach the engine",
+            "container {:?} takes env from {what}{}: if it has a key named {}, the value this CacheBackend injects overrides it (an env entry wins over envFrom) and that setting does not reach the engine",
             c.name,
             if prefix.is_empty() { String::new() } else { format!(" (prefix {prefix:?})") },
             hidden.join(", ")
@@ -493,6 +492,7 @@ fn env_from_shadowed(
     out
 }
 
+/// Wires `pod` for `cb`; returns warnings.
 fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<String>, Unwired> {
     let spec = &cb.spec;
     let runtime = spec.runtime;

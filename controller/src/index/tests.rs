@@ -1127,6 +1127,16 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
                 ix.remove_stream(&format!("default/p{:02}#0", next() % 30));
             }
             3 => ix.mark_node_unreported(&node),
+            // The plans change: a random subset of the pods (some never reported) expected.
+            4 if next().is_multiple_of(4) => {
+                let planned: HashMap<String, StreamScope> = (0..(next() % 12))
+                    .map(|_| {
+                        let d = desc(&format!("p{:02}", next() % 36), 0);
+                        (d.stream_id, (d.tenant, d.model, d.hash_scheme))
+                    })
+                    .collect();
+                ix.set_planned_streams(planned);
+            }
             _ => {
                 let p = format!("p{:02}", next() % 30);
                 let Some(seq) = seqs.get_mut(&p) else {
@@ -1158,6 +1168,13 @@ fn churn_of_streams_keeps_answer_order_and_coverage_counts_exact() {
             ix.inexact_walked(),
             "step {step}"
         );
+        let absent = ix
+            .coverage_tally
+            .planned
+            .keys()
+            .filter(|id| !ix.slot_by_stream.contains_key(id.as_str()))
+            .count();
+        assert_eq!(ix.planned_streams_absent(), absent, "step {step}");
         let r = ix.lookup(&query(&tokens(0..32)));
         let order: Vec<(std::cmp::Reverse<u32>, Tier, String)> = r
             .replicas

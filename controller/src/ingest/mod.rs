@@ -1297,7 +1297,11 @@ mod tests {
     /// counts them.
     #[tokio::test]
     async fn planned_streams_whose_agent_has_not_resynced_are_not_vouched_for() {
-        let (url, shared) = serve(None).await;
+        let (url, shared) = serve_state(
+            Shared::new(LookupPolicy::default()).unwrap().await_plans(),
+            None,
+        )
+        .await;
         let engine = |pod: &str| ic_shared::plan::EnginePlan {
             namespace: "ns".into(),
             pod: pod.into(),
@@ -1319,7 +1323,6 @@ mod tests {
                 ..Default::default()
             },
         )]);
-        crate::reconcile::nodes::record_derived_plans(&shared, &plans);
         let router = crate::router::Router::new(shared.clone());
         let ask = || {
             router.lookup(&proto::LookupRouteRequest {
@@ -1328,6 +1331,14 @@ mod tests {
                 ..Default::default()
             })
         };
+        // Before the first derivation the index does not even know what to expect.
+        let a = ask();
+        assert_eq!(a.inexact_replicas, 0, "{a:?}");
+        assert_eq!(
+            a.warnings,
+            vec![crate::router::INDEX_INCOMPLETE.to_string()]
+        );
+        crate::reconcile::nodes::record_derived_plans(&shared, &plans);
         let a = ask();
         assert_eq!(a.decision, proto::Decision::NoHint as i32, "{a:?}");
         assert_eq!(a.inexact_replicas, 2, "{a:?}");

@@ -894,6 +894,10 @@ impl LmCacheSpec {
 /// `inferencecache.io/wired-spec`, JSON of this type: [`WiredSpec::to_annotation`]); the node
 /// plan reads it back ([`WiredSpec::from_annotation`]) instead of the current spec, and says
 /// which fields changed since ([`WiredSpec::changed_fields`]).
+///
+/// Compatibility: unknown fields (a newer writer's) are ignored; a field added later must carry
+/// `#[serde(default)]` so records written before it still parse. The fields here are required:
+/// a record without one (edited by hand) is unreadable rather than read as a zero port.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct WiredSpec {

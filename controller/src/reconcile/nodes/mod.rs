@@ -193,12 +193,15 @@ pub async fn derive_node_scope_once(client: &Client, shared: &Shared) -> Result<
 pub fn record_derived_plans(shared: &Shared, plans: &BTreeMap<String, ic_shared::plan::NodePlan>) {
     shared.nodes.lock().set_node_scope(plans);
     let planned = crate::index::planned_streams(plans.values());
-    if shared.index.read().planned_streams_are(&planned) {
-        return;
+    if !shared.index.read().planned_streams_are(&planned) {
+        let mut ix = shared.index.write();
+        ix.set_planned_streams(planned);
+        shared.update_index_gauges(&ix);
     }
-    let mut ix = shared.index.write();
-    ix.set_planned_streams(planned);
-    shared.update_index_gauges(&ix);
+    // After the index knows what to expect: a lookup in between must not read "complete".
+    shared
+        .plans_pending
+        .store(false, std::sync::atomic::Ordering::Release);
 }
 
 /// Lists every Pod and CacheBackend (and ModelCache, for reader mounts), derives the plans,

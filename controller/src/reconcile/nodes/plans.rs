@@ -47,10 +47,12 @@
 //!
 //! The CacheBackend fields an engine plan reads (`spec.runtime`, `spec.type`,
 //! `spec.integration.mode`, `spec.lmCache.workerPort`, `spec.lmCache.hostMemory.capacity`,
-//! `spec.observation.modelID`) come from what the pod was wired under — the Pod webhook's
-//! `inferencecache.io/wired-spec` record ([`wired_spec`]) — not from the current spec: an edit
-//! reaches a pod only when it is recreated, and until then the plan says so
-//! ([`issue::WIRED_UNDER_OLDER_SPEC`]).
+//! `spec.observation.modelID` when a kvevent-subscriber sidecar carries it) come from what the
+//! pod was wired under — the Pod webhook's `inferencecache.io/wired-spec` record
+//! ([`wired_spec`]) — not from the current spec: an edit reaches a pod only when it is
+//! recreated, and until then the plan says so ([`issue::WIRED_UNDER_OLDER_SPEC`]). Without a
+//! sidecar the model id is only the index's label for the node agent's streams, taken from the
+//! current spec.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -216,6 +218,19 @@ pub mod issue {
     pub const DATA_PARALLEL_RANK_UNKNOWN: &str = "DataParallelRankUnknown";
 }
 
+/// True when the webhook rendered a kvevent-subscriber sidecar into `pod` (rank 0's
+/// `kvevent-subscriber`, rank r's `kvevent-subscriber-r`).
+fn has_subscriber_sidecar(pod: &Pod) -> bool {
+    let name = crate::admission::pod::SUBSCRIBER_CONTAINER;
+    pod.spec.iter().flat_map(|s| &s.containers).any(|c| {
+        c.name == name
+            || c.name
+                .strip_prefix(name)
+                .and_then(|r| r.strip_prefix('-'))
+                .is_some_and(|r| r.parse::<u32>().is_ok())
+    })
+}
+
 /// What the plan of `pod` wired by `backend` follows: the pod's recorded
 /// [`WiredSpec`] (annotation [`WIRED_SPEC`]) when it has one — a spec edit since does not
 /// reach a running pod, so each changed field is noted as [`issue::WIRED_UNDER_OLDER_SPEC`] —
@@ -231,8 +246,30 @@ pub fn wired_spec(
         return now;
     };
     match WiredSpec::from_annotation(raw) {
-        Ok(wired) => {
-            let changed = wired.changed_fields(&now);
+        Ok(mut wired) => {
+            // The model id reaches the pod only through a rendered kvevent-subscriber sidecar
+            // (its arguments); otherwise it is the index's label for the node agent's streams,
+            // and an edit applies at the next derivation.
+            if !has_subscriber_sidecar(pod) {
+                wired.model_id.clone_from(&now.model_id);
+            }
+            // Only the SGLang LMCache MP worker runs by workerPort and hostMemory in the plan;
+            // quantities compare by value ("4Gi" = "4096Mi").
+            let mp = wired.runtime == Runtime::SgLang
+                && wired.cache_type == CacheType::LMCache
+                && wired.integration_mode == IntegrationMode::Offload;
+            let changed: Vec<&str> = wired
+                .changed_fields(&now)
+                .into_iter()
+                .filter(|f| match *f {
+                    "spec.lmCache.workerPort" => mp,
+                    "spec.lmCache.hostMemory.capacity" => {
+                        mp && bytes_of(&wired.host_memory_capacity)
+                            != bytes_of(&now.host_memory_capacity)
+                    }
+                    _ => true,
+                })
+                .collect();
             if !changed.is_empty() {
                 note(
                     issue::WIRED_UNDER_OLDER_SPEC,
@@ -895,7 +932,8 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
                     }
                     None => dp_ranks(runtime, &args),
                 };
-                kv_events = kv_sources(pod, runtime, &args, ranks, &mut note)
+                // Every argument: the engine takes the last occurrence, an expansion too.
+                kv_events = kv_sources(pod, runtime, &all_args, ranks, &mut note)
             }
         }
     }
@@ -995,6 +1033,13 @@ fn kv_sources(
     };
     let cfg: KvEventsConfig = match serde_json::from_str(&raw) {
         Ok(c) => c,
+        Err(_) if raw.contains('$') => {
+            note(
+                issue::KV_EVENTS_CONFIG_INVALID,
+                format!("--kv-events-config is an expansion ({raw}) whose value is known only when the engine starts, so its publishers are not planned: write the JSON literally"),
+            );
+            return Vec::new();
+        }
         Err(e) => {
             note(
                 issue::KV_EVENTS_CONFIG_INVALID,
