@@ -189,10 +189,19 @@ pub fn engine_pods<'a>(cb: &CacheBackend, pods: &'a [Pod]) -> Vec<&'a Pod> {
         .collect()
 }
 
-/// The engine container of a pod for `cb`'s runtime: the one the adapters wire
-/// ([`select_engine_by_command`]); `None` when none or several qualify.
+/// The engine container of a pod for `cb`'s runtime — the runtime the pod was wired under
+/// (its `inferencecache.io/wired-spec` record, as the node plan reads it), else the current
+/// spec's: the one the adapters wire ([`select_engine_by_command`]); `None` when none or
+/// several qualify.
 pub fn engine_container_name<'a>(cb: &CacheBackend, pod: &'a Pod) -> Option<&'a str> {
-    let i = select_engine_by_command(pod, cb.spec.runtime).ok()?;
+    let runtime = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(crate::reconcile::annotations::WIRED_SPEC))
+        .and_then(|v| ic_shared::crd::WiredSpec::from_annotation(v).ok())
+        .map_or(cb.spec.runtime, |w| w.runtime);
+    let i = select_engine_by_command(pod, runtime).ok()?;
     pod.spec
         .as_ref()?
         .containers
@@ -449,6 +458,36 @@ mod tests {
         assert_eq!(parse_message(r#"{"loaded": true}"#), None);
         assert_eq!(parse_message("ok"), None);
         assert_eq!(parse_message(""), None);
+    }
+
+    /// A pod wired as vLLM keeps its vLLM engine after the backend's runtime is edited: its
+    /// crash-loop and kernel-check conditions still read that container.
+    #[test]
+    fn the_engine_container_is_found_by_the_runtime_the_pod_was_wired_under() {
+        let cb: CacheBackend = serde_json::from_value(serde_json::json!({
+            "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+            "metadata": {"name": "b", "namespace": "ns"},
+            "spec": {"runtime": "VLLM"}}))
+        .unwrap();
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai",
+                "command": ["vllm", "serve", "m"]}]}}))
+        .unwrap();
+        assert_eq!(engine_container_name(&cb, &pod), Some("engine"));
+        let wired = ic_shared::crd::WiredSpec::of(&cb).to_annotation();
+        let mut edited = cb.clone();
+        edited.spec.runtime = ic_shared::crd::Runtime::SgLang;
+        assert_eq!(
+            engine_container_name(&edited, &pod),
+            None,
+            "no record: the current spec"
+        );
+        pod.metadata.annotations = Some(BTreeMap::from([(
+            crate::reconcile::annotations::WIRED_SPEC.to_string(),
+            wired,
+        )]));
+        assert_eq!(engine_container_name(&edited, &pod), Some("engine"));
     }
 
     #[test]
