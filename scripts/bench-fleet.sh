@@ -10,6 +10,8 @@
 #   scripts/bench-fleet.sh                  # the curve: 3 entry sizes, 3 agent counts
 #   SIZES="5000:20000" scripts/bench-fleet.sh   # agents:entries-per-agent pairs
 #   IC_FLEET_ARGS="--churn-every-ms 1000" scripts/bench-fleet.sh   # plus a churn phase
+#   IC_FLEET_ARGS="--agents-idle" scripts/bench-fleet.sh   # the simulated agents at SCHED_IDLE, so
+#                                           # they take only the CPU the controller and gateway leave
 #   SIZES="1500:20000" IC_FLEET_ARGS="--samples-out /tmp/lookups.txt" scripts/bench-fleet.sh
 #                                           # every lookup's round trip (one size: each run rewrites it)
 #

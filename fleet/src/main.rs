@@ -99,6 +99,12 @@ struct Args {
     /// (which stay at the caller's priority), and a positive value lets those two run first.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
     agents_nice: i32,
+    /// Run the simulated agents' runtime threads at SCHED_IDLE: on a fleet the agents run on
+    /// their own nodes; on one machine a normal thread of the controller or the gateway that
+    /// wakes preempts them at once (a nice value does not), and the agents take the CPU those
+    /// leave. docs/scaling.md "Fourteenth session".
+    #[arg(long)]
+    agents_idle: bool,
     /// Write every lookup sample (`sent_ms rtt_us verdict`, one per line) to this file at the end.
     #[arg(long)]
     samples_out: Option<PathBuf>,
@@ -232,12 +238,33 @@ fn gib(kib: u64) -> f64 {
     kib as f64 / (1024.0 * 1024.0)
 }
 
+/// Switches the calling thread to `SCHED_IDLE` (`--agents-idle`). Linux schedules policies per
+/// thread, so only the thread that calls it changes; threads it creates later inherit it (the
+/// controller and the gateway are started from the main thread, which stays normal).
+///
+/// Errors: the kernel's (`EPERM` where a seccomp or LSM policy forbids it).
+fn lower_this_thread_to_idle() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler(2) on the calling thread (pid 0) reads `param`, a valid local.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let nice = args.agents_nice;
+    let idle = args.agents_idle;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .on_thread_start(move || {
+            if idle {
+                if let Err(e) = lower_this_thread_to_idle() {
+                    eprintln!("ic-fleet: an agent thread could not switch to SCHED_IDLE: {e}");
+                }
+            }
             if nice > 0 {
                 // SAFETY: setpriority(2) on the calling thread (who = 0); no memory is touched.
                 // Linux applies a nice value per thread, so only this runtime's threads change.
@@ -632,6 +659,24 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+
+    /// `--agents-idle` lowers only the thread that asks: a thread it creates afterwards
+    /// inherits the class, the caller's other threads keep theirs.
+    #[test]
+    fn agents_idle_lowers_only_the_calling_thread() {
+        // SAFETY (both calls): sched_getscheduler(2) with pid 0 reads no memory of ours.
+        let policy = || unsafe { libc::sched_getscheduler(0) };
+        let (lowered, inherited) = std::thread::spawn(move || {
+            lower_this_thread_to_idle().unwrap();
+            let child = std::thread::spawn(policy).join().unwrap();
+            (policy(), child)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(lowered, libc::SCHED_IDLE);
+        assert_eq!(inherited, libc::SCHED_IDLE);
+        assert_eq!(policy(), libc::SCHED_OTHER);
+    }
 
     /// The controller's own `/metrics` text (its `ControllerMetrics`), scraped twice: the
     /// lookups between the scrapes are counted, their share within 1 ms and the p99's bucket.
