@@ -313,6 +313,26 @@ impl EnginePlan {
         format!("{}/{}#{}", self.namespace, self.pod, dp_rank)
     }
 
+    /// The inverse of [`Self::stream_id`] and [`Self::replica_id`]: the namespace and replica
+    /// id of a stream id `<namespace>/<pod>#<rank>`; `None` when `stream_id` is not of that
+    /// form (a stream id some agent reported that no plan made).
+    pub fn replica_of_stream_id(stream_id: &str) -> Option<(&str, String)> {
+        let (namespace, rest) = stream_id.split_once('/')?;
+        let (pod, rank) = rest.rsplit_once('#')?;
+        let rank: u32 = rank.parse().ok()?;
+        if namespace.is_empty() || pod.is_empty() {
+            return None;
+        }
+        Some((
+            namespace,
+            if rank == 0 {
+                pod.to_string()
+            } else {
+                format!("{pod}#{rank}")
+            },
+        ))
+    }
+
     /// Replica id used in routing answers: the pod name, plus `#rank` for ranks above 0.
     pub fn replica_id(&self, dp_rank: u32) -> String {
         if dp_rank == 0 {
@@ -520,6 +540,22 @@ engines:
         assert_eq!(e.stream_id(1), "default/vllm-0#1");
         assert_eq!(e.replica_id(1), "vllm-0#1");
         assert_eq!(e.replica_id(0), "vllm-0");
+        for rank in [0, 1, 7] {
+            assert_eq!(
+                EnginePlan::replica_of_stream_id(&e.stream_id(rank)),
+                Some(("default", e.replica_id(rank))),
+                "the inverse of stream_id at rank {rank}"
+            );
+        }
+        for foreign in [
+            "vllm-0",
+            "default/vllm-0",
+            "default/vllm-0#x",
+            "/p#0",
+            "ns/#0",
+        ] {
+            assert_eq!(EnginePlan::replica_of_stream_id(foreign), None, "{foreign}");
+        }
         assert_eq!(
             e.metrics_url.as_deref(),
             Some("http://127.0.0.1:8000/metrics")

@@ -146,6 +146,12 @@ pub const RESYNC_REQUESTED: &str = "ResyncRequested";
 /// (docs/security.md "Input bounds").
 pub const BLOCK_SIZE_CAP_EXCEEDED: &str = "BlockSizeCapExceeded";
 
+/// Unknown (controller side): a node plan expects this engine stream, but the index has no
+/// replica of it — its agent has not resynced since this controller started, the node has no
+/// working agent, or the replica expired. Shown where replicas are listed by plan
+/// (CacheBackend `status.indexParticipation.inexactReplicas`); nothing of it is routed.
+pub const NOT_REPORTED: &str = "NotReported";
+
 /// Every reason a coverage can carry (bounded metric label values).
 pub const REASONS: &[&str] = &[
     BOOTSTRAP_INCOMPLETE,
@@ -166,6 +172,7 @@ pub const REASONS: &[&str] = &[
     AGENT_DISCONNECTED,
     RESYNC_REQUESTED,
     BLOCK_SIZE_CAP_EXCEEDED,
+    NOT_REPORTED,
 ];
 
 /// What a reason means, in a sentence an operator can act on (CacheNode messages, docs).
@@ -189,6 +196,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         RESYNC_REQUESTED => "the controller refused one of the node's deltas (a sequence gap or an unknown stream) and asked its agent for a resync; entries are as last applied until it arrives",
         BLOCK_SIZE_CAP_EXCEEDED => "blocks of a size above the cap (4096), or one size too many for the hash scheme (64 sizes), were dropped at ingest: they are not routed to this replica",
         REPLAYING => "a replay is in flight",
+        NOT_REPORTED => "a node plan expects this engine stream but the index holds nothing of it: its agent has not resynced since the controller started, the node has no working agent, or the replica expired; it is not routed until its agent reports it",
         _ => return None,
     })
 }

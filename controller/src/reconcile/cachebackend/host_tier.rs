@@ -76,6 +76,11 @@ fn missing_why(replicas: &[&ReplicaObservation]) -> &'static str {
         .all(|r| r.coverage_reason == Some(AGENT_DISCONNECTED))
     {
         "its node agent is disconnected"
+    } else if replicas
+        .iter()
+        .all(|r| r.coverage_reason == Some(ic_shared::kv::coverage::NOT_REPORTED))
+    {
+        "its node agent has not reported its KV-event stream (since the controller started, or at all)"
     } else {
         "no host-tier counters on its /metrics"
     }
@@ -403,11 +408,16 @@ mod tests {
             pod("sg-0", "Running"),
             pod("sg-1", "Running"),
             pod("sg-2", "Running"),
+            pod("sg-3", "Running"),
             pod("old", "Succeeded"),
         ];
         let mut gone = replica("sg-1", None);
         gone.coverage = "Unknown";
         gone.coverage_reason = Some(AGENT_DISCONNECTED);
+        // Planned, but its agent has not resynced since the controller started.
+        let mut unreported = replica("sg-3", None);
+        unreported.coverage = "Unknown";
+        unreported.coverage_reason = Some(ic_shared::kv::coverage::NOT_REPORTED);
         // A finished pod's reading, another namespace's and an unmatched pod's do not count.
         let mut other_ns = replica("sg-0", Some((5, 5)));
         other_ns.tenant = "other".into();
@@ -417,6 +427,7 @@ mod tests {
             &Ok(vec![
                 replica("sg-0", None),
                 gone,
+                unreported,
                 replica("old", Some((5, 5))),
                 other_ns,
             ]),
@@ -434,7 +445,8 @@ mod tests {
                 "{ENABLE_METRICS_HINT} (no current host-tier reading from sg-0: no host-tier \
                  counters on its /metrics, sg-1: its node agent is disconnected, sg-2: no \
                  KV-event stream (the agent scrapes /metrics only of engines whose KV events it \
-                 follows))."
+                 follows), sg-3: its node agent has not reported its KV-event stream (since the \
+                 controller started, or at all))."
             )
         );
         let none = verdict(&backend(), Some(&[]), &Ok(vec![]));

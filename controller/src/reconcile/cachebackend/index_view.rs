@@ -75,7 +75,25 @@ pub trait IndexView: Send + Sync {
     }
 }
 
+/// Every replica the index holds, then every stream the node plans expect that it holds
+/// nothing of (after a controller restart until its agent resyncs, on a node without a working
+/// agent, after expiry): `Unknown` / `NotReported` with no entries, so a backend's status does
+/// not read exact while its engines are missing from the index.
 fn from_index(index: &PrefixIndex, host: Option<&HostTierReadings>) -> Vec<ReplicaObservation> {
+    let absent: Vec<ReplicaObservation> = index
+        .planned_streams_without_replica()
+        .into_iter()
+        .filter_map(|(id, scope)| {
+            let (_, replica) = ic_shared::plan::EnginePlan::replica_of_stream_id(id)?;
+            Some(ReplicaObservation {
+                tenant: scope.0.clone(),
+                replica,
+                coverage: ic_shared::kv::coverage::CoverageState::Unknown.as_str(),
+                coverage_reason: Some(ic_shared::kv::coverage::NOT_REPORTED),
+                ..ReplicaObservation::default()
+            })
+        })
+        .collect();
     index
         .snapshot()
         .replicas
@@ -95,6 +113,7 @@ fn from_index(index: &PrefixIndex, host: Option<&HostTierReadings>) -> Vec<Repli
             coverage: r.coverage,
             coverage_reason: r.coverage_reason,
         })
+        .chain(absent)
         .collect()
 }
 
@@ -335,6 +354,86 @@ mod tests {
             let v: f64 = format_rate(h, q).parse().unwrap();
             assert!(v > 0.0 && v < 1.0, "{h}/{q} -> {v}");
         }
+    }
+
+    /// After a controller restart the plans expect two engine streams of a backend and only
+    /// one agent has resynced: the other is listed Unknown / NotReported, so the status does
+    /// not read exact; once its agent reports it, the listing is the index's own.
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn planned_streams_the_index_holds_nothing_of_are_listed_not_reported() {
+        use ic_shared::proto;
+        let desc = |pod: &str, rank: u32| proto::StreamDescriptor {
+            stream_id: format!("ns/{pod}#{rank}"),
+            replica: if rank == 0 {
+                pod.to_string()
+            } else {
+                format!("{pod}#{rank}")
+            },
+            dp_rank: rank,
+            tenant: "ns".into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            backend: "b".into(),
+            node: "n1".into(),
+        };
+        let snapshot = |pod: &str, rank: u32| proto::StreamSnapshot {
+            coverage: proto::Coverage::Exact as i32,
+            coverage_reason: String::new(),
+            stream: Some(desc(pod, rank)),
+            seq: 0,
+            entries: vec![],
+            last_event_unix_ms: 0,
+            stale: false,
+        };
+        let index = RwLock::new(PrefixIndex::new());
+        let scope = ("ns".to_string(), "m".to_string(), "vllm".to_string());
+        index.write().set_planned_streams(HashMap::from([
+            ("ns/engine-a#0".to_string(), scope.clone()),
+            ("ns/engine-b#1".to_string(), scope),
+        ]));
+        index.write().resync_node("n1", &[snapshot("engine-a", 0)]);
+        let pod = |name: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "ns",
+                    "annotations": {INJECTED_BY: "ns/b"}}}))
+            .unwrap()
+        };
+        let pods = [pod("engine-a"), pod("engine-b")];
+        let backend: CacheBackend = serde_json::from_value(serde_json::json!({
+            "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+            "metadata": {"name": "b", "namespace": "ns"}, "spec": {"runtime": "VLLM"}}))
+        .unwrap();
+        let backends = [backend];
+        let p = participation(
+            None,
+            "ns",
+            "b",
+            &index.replicas(),
+            Some(&pods),
+            Some(&backends),
+        )
+        .unwrap();
+        assert_eq!(
+            p.inexact_replicas,
+            vec![ReplicaCoverage {
+                replica: "engine-b#1".into(),
+                coverage: "Unknown".into(),
+                reason: Some("NotReported".into()),
+            }]
+        );
+        // Its agent resyncs: nothing is missing any more.
+        index.write().resync_node("n2", &[snapshot("engine-b", 1)]);
+        let p = participation(
+            None,
+            "ns",
+            "b",
+            &index.replicas(),
+            Some(&pods),
+            Some(&backends),
+        )
+        .unwrap();
+        assert_eq!(p.inexact_replicas, vec![]);
     }
 
     #[test]
