@@ -238,7 +238,12 @@ impl Coverage {
             reason: if reason.is_empty() {
                 None
             } else {
-                REASONS.iter().copied().find(|r| *r == reason)
+                // `NotReported` is the controller's word for a stream nobody reported: no
+                // report can carry it.
+                REASONS
+                    .iter()
+                    .copied()
+                    .find(|r| *r == reason && *r != NOT_REPORTED)
             },
         }
     }
@@ -274,6 +279,11 @@ mod tests {
         );
         assert_eq!(c.to_string(), "Partial/BootstrapIncomplete");
         assert_eq!(Coverage::from_proto(1, "Forged").reason, None);
+        assert_eq!(
+            Coverage::from_proto(CoverageState::Unknown.to_proto() as i32, NOT_REPORTED).reason,
+            None,
+            "a report cannot claim the controller's NotReported"
+        );
         for r in REASONS {
             assert!(describe(r).is_some(), "{r} has a description");
         }

@@ -76,10 +76,12 @@ fn missing_why(replicas: &[&ReplicaObservation]) -> &'static str {
         .all(|r| r.coverage_reason == Some(AGENT_DISCONNECTED))
     {
         "its node agent is disconnected"
-    } else if replicas
-        .iter()
-        .all(|r| r.coverage_reason == Some(ic_shared::kv::coverage::NOT_REPORTED))
-    {
+    } else if replicas.iter().all(|r| {
+        matches!(
+            r.coverage_reason,
+            Some(AGENT_DISCONNECTED | ic_shared::kv::coverage::NOT_REPORTED)
+        )
+    }) {
         "its node agent has not reported its KV-event stream (since the controller started, or at all)"
     } else {
         "no host-tier counters on its /metrics"

@@ -124,7 +124,19 @@ impl IndexView for RwLock<PrefixIndex> {
 }
 
 impl IndexView for crate::state::Shared {
+    /// `IndexUnavailable` until this replica first derived the node plans
+    /// ([`crate::state::Shared::plans_pending`]): before that the index does not know which
+    /// streams to expect, and a backend whose agents have not resynced would read empty and
+    /// exact — the status keeps its previous `indexParticipation` instead.
     fn replicas(&self) -> Result<Vec<ReplicaObservation>, IndexUnavailable> {
+        if self
+            .plans_pending
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(IndexUnavailable(
+                "node plans not derived yet since the controller started".into(),
+            ));
+        }
         let index = self.index.read();
         Ok(from_index(&index, Some(&self.host_tier.read())))
     }
@@ -239,7 +251,11 @@ pub fn format_rate(hits: u64, queries: u64) -> String {
 ///
 /// - `replicas` failed, or `pods` / `backends` unavailable → `prior` unchanged (soft state).
 /// - No replica attributed → `prior` absent stays absent; a present `prior` resets to
-///   `prefixCount: 0` without `lastEventAt` (drain), keeping `t2HitRate` and `hitRate`.
+///   `prefixCount: 0` without `lastEventAt` (drain), keeping `t2HitRate` and `hitRate`. A
+///   planned stream the index holds nothing of (`Unknown` / `NotReported`) is attributed like
+///   a replica: the backend then reads `prefixCount: 0` with it in `inexactReplicas`.
+/// - `inexactReplicas` lists replicas the index holds first, then `NotReported` ones, each
+///   group by replica id, at most 32.
 /// - Otherwise the sum of prefix counts, the newest event time, the query-weighted tier-2 hit
 ///   rate when any replica reported tier-2 lookups (else the prior `t2HitRate`), and the
 ///   query-weighted prefix-cache `hitRate` (issue 19: Σ hits / Σ queries of
@@ -323,7 +339,10 @@ pub fn participation(
         },
         t2_hit_rate,
         inexact_replicas: {
-            inexact.sort_by(|a, b| a.replica.cmp(&b.replica));
+            let unreported = |c: &ReplicaCoverage| {
+                c.reason.as_deref() == Some(ic_shared::kv::coverage::NOT_REPORTED)
+            };
+            inexact.sort_by(|a, b| (unreported(a), &a.replica).cmp(&(unreported(b), &b.replica)));
             inexact.truncate(32);
             inexact
         },
@@ -434,6 +453,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.inexact_replicas, vec![]);
+    }
+
+    /// Until this replica first derived the plans, the index cannot say which streams are
+    /// missing: the status keeps its previous participation.
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn before_the_first_plan_derivation_the_index_reads_unavailable() {
+        let shared = crate::state::Shared::new(crate::state::LookupPolicy::default())
+            .unwrap()
+            .await_plans();
+        assert!(IndexView::replicas(&shared).is_err());
+        shared
+            .plans_pending
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(IndexView::replicas(&shared).unwrap(), vec![]);
     }
 
     #[test]
