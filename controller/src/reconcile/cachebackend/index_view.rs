@@ -424,17 +424,20 @@ mod tests {
             "metadata": {"name": "b", "namespace": "ns"}, "spec": {"runtime": "VLLM"}}))
         .unwrap();
         let backends = [backend];
-        let p = participation(
-            None,
-            "ns",
-            "b",
-            &index.replicas(),
-            Some(&pods),
-            Some(&backends),
-        )
-        .unwrap();
+        let inexact = || {
+            participation(
+                None,
+                "ns",
+                "b",
+                &index.replicas(),
+                Some(&pods),
+                Some(&backends),
+            )
+            .unwrap()
+            .inexact_replicas
+        };
         assert_eq!(
-            p.inexact_replicas,
+            inexact(),
             vec![ReplicaCoverage {
                 replica: "engine-b#1".into(),
                 coverage: "Unknown".into(),
@@ -443,16 +446,7 @@ mod tests {
         );
         // Its agent resyncs: nothing is missing any more.
         index.write().resync_node("n2", &[snapshot("engine-b", 1)]);
-        let p = participation(
-            None,
-            "ns",
-            "b",
-            &index.replicas(),
-            Some(&pods),
-            Some(&backends),
-        )
-        .unwrap();
-        assert_eq!(p.inexact_replicas, vec![]);
+        assert_eq!(inexact(), vec![]);
     }
 
     /// Until this replica first derived the plans, the index cannot say which streams are
