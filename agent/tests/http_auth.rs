@@ -57,7 +57,12 @@ fn metrics_and_report_need_the_token_probes_do_not_and_rotation_applies() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&http).is_err() || get(&http, "/readyz", None).0 != 200 {
+    // Both listeners: the metrics one may come up after the HTTP one reads ready (a 2-core CI
+    // machine under load refused the first metrics connection once).
+    while std::net::TcpStream::connect(&http).is_err()
+        || std::net::TcpStream::connect(&metrics).is_err()
+        || get(&http, "/readyz", None).0 != 200
+    {
         assert!(Instant::now() < deadline, "ic-agent never became ready");
         std::thread::sleep(Duration::from_millis(50));
     }
