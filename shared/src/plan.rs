@@ -323,23 +323,12 @@ impl EnginePlan {
         if namespace.is_empty() || pod.is_empty() {
             return None;
         }
-        Some((
-            namespace,
-            if rank == 0 {
-                pod.to_string()
-            } else {
-                format!("{pod}#{rank}")
-            },
-        ))
+        Some((namespace, replica_id_of(pod, rank)))
     }
 
     /// Replica id used in routing answers: the pod name, plus `#rank` for ranks above 0.
     pub fn replica_id(&self, dp_rank: u32) -> String {
-        if dp_rank == 0 {
-            self.pod.clone()
-        } else {
-            format!("{}#{}", self.pod, dp_rank)
-        }
+        replica_id_of(&self.pod, dp_rank)
     }
 
     /// The descriptor the node agent reports this pod's stream at `dp_rank` with (`node`
@@ -356,6 +345,16 @@ impl EnginePlan {
             backend: self.backend.clone(),
             node: String::new(),
         }
+    }
+}
+
+/// Replica id of `pod`'s stream at `dp_rank`: the pod name, plus `#rank` above rank 0
+/// ([`EnginePlan::replica_id`], [`EnginePlan::replica_of_stream_id`]).
+fn replica_id_of(pod: &str, dp_rank: u32) -> String {
+    if dp_rank == 0 {
+        pod.to_string()
+    } else {
+        format!("{pod}#{dp_rank}")
     }
 }
 

@@ -942,18 +942,15 @@ impl PrefixIndex {
         self.coverage_tally.planned_absent
     }
 
-    /// The planned streams the index has no replica for, as (stream id, scope), sorted by
-    /// stream id: the replicas a status lists as `Unknown` / `NotReported`. O(planned streams).
-    pub fn planned_streams_without_replica(&self) -> Vec<(&str, &StreamScope)> {
-        let mut out: Vec<(&str, &StreamScope)> = self
-            .coverage_tally
+    /// The planned streams the index has no replica for, as (stream id, scope), in no
+    /// particular order: the replicas a status lists as `Unknown` / `NotReported`.
+    /// O(planned streams).
+    pub fn planned_streams_without_replica(&self) -> impl Iterator<Item = (&str, &StreamScope)> {
+        self.coverage_tally
             .planned
             .iter()
             .filter(|(id, _)| !self.slot_by_stream.contains_key(id.as_str()))
             .map(|(id, scope)| (id.as_str(), scope))
-            .collect();
-        out.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        out
     }
 
     /// [`Self::coverage_counts`] by walking every replica (what the tally must equal).

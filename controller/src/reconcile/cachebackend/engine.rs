@@ -194,13 +194,7 @@ pub fn engine_pods<'a>(cb: &CacheBackend, pods: &'a [Pod]) -> Vec<&'a Pod> {
 /// spec's: the one the adapters wire ([`select_engine_by_command`]); `None` when none or
 /// several qualify.
 pub fn engine_container_name<'a>(cb: &CacheBackend, pod: &'a Pod) -> Option<&'a str> {
-    let runtime = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(crate::reconcile::annotations::WIRED_SPEC))
-        .and_then(|v| ic_shared::crd::WiredSpec::from_annotation(v).ok())
-        .map_or(cb.spec.runtime, |w| w.runtime);
+    let runtime = crate::reconcile::nodes::plans::wired_spec(pod, cb, &mut |_, _| {}).runtime;
     let i = select_engine_by_command(pod, runtime).ok()?;
     pod.spec
         .as_ref()?

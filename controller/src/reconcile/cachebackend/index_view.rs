@@ -82,7 +82,6 @@ pub trait IndexView: Send + Sync {
 fn from_index(index: &PrefixIndex, host: Option<&HostTierReadings>) -> Vec<ReplicaObservation> {
     let absent: Vec<ReplicaObservation> = index
         .planned_streams_without_replica()
-        .into_iter()
         .filter_map(|(id, scope)| {
             let (_, replica) = ic_shared::plan::EnginePlan::replica_of_stream_id(id)?;
             Some(ReplicaObservation {
