@@ -18,7 +18,9 @@
 # Beside each row, stderr gets the controller's own side of the lookups (its
 # lookup_duration_seconds between two scrapes: read-lock wait + walk, no transport) and the
 # storm's index write-lock holds (index_write_hold_seconds), so a round-trip tail can be told
-# apart from a slow index.
+# apart from a slow index; and the controller's CPU of the cold start and the storm split into
+# user and system time (on a VM that backs guest memory on first touch, page zeroing shows as
+# system time: docs/scaling.md "Why the cold start is slower than the storm").
 #
 # Each agent holds one connection (the controller gets --max-connections agents + 64) and the
 # generator one more descriptor per agent, so the script raises `ulimit -n`. Both binaries are

@@ -167,17 +167,52 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// CPU time a process used so far (user + system), seconds.
-pub fn cpu_seconds(pid: u32) -> f64 {
+/// CPU time a process used so far, seconds: `utime` and `stime` of `/proc/<pid>/stat`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CpuTimes {
+    /// In user mode.
+    pub user: f64,
+    /// In the kernel on the process's behalf: system calls, and page faults — on a VM whose
+    /// host backs guest memory on first touch, zeroing fresh pages dominates it
+    /// (docs/scaling.md "Why the cold start is slower than the storm").
+    pub system: f64,
+}
+
+impl CpuTimes {
+    /// User + system.
+    pub fn total(&self) -> f64 {
+        self.user + self.system
+    }
+
+    /// What was used since `earlier`.
+    pub fn since(&self, earlier: CpuTimes) -> CpuTimes {
+        CpuTimes {
+            user: self.user - earlier.user,
+            system: self.system - earlier.system,
+        }
+    }
+}
+
+/// The CPU times of `pid` (zero when it cannot be read).
+pub fn cpu_times(pid: u32) -> CpuTimes {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start at ") ".
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    parse_cpu_times(&stat, hz)
+}
+
+/// `utime` and `stime` (fields 14 and 15 of stat(5), clock ticks) of a `/proc/<pid>/stat` line,
+/// in seconds at `hz` ticks per second.
+fn parse_cpu_times(stat: &str, hz: f64) -> CpuTimes {
+    // Fields after the command name (which may hold spaces and parentheses) start at the last
+    // ") "; utime and stime are then the 12th and 13th.
     let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after the name.
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(11) + ticks(12)) / hz
+    CpuTimes {
+        user: ticks(11) / hz,
+        system: ticks(12) / hz,
+    }
 }
 
 /// The kernel's count of connections dropped because a listener's accept queue was full
@@ -225,4 +260,50 @@ pub fn default_bin() -> PathBuf {
         .and_then(|p| p.parent().map(Path::to_path_buf))
         .unwrap_or_default()
         .join("ic-controller")
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_times_read_utime_and_stime_after_any_command_name() {
+        // A stat(5) line whose command name holds ") " and spaces: utime 250, stime 1000 ticks.
+        let line =
+            "4242 (ic ) (x) y) S 1 4242 4242 0 -1 4194560 5304 0 0 0 250 1000 0 0 20 0 9 0 100 0 0";
+        let t = parse_cpu_times(line, 100.0);
+        assert_eq!(
+            t,
+            CpuTimes {
+                user: 2.5,
+                system: 10.0
+            }
+        );
+        assert_eq!(t.total(), 12.5);
+        assert_eq!(
+            t.since(CpuTimes {
+                user: 0.5,
+                system: 4.0
+            }),
+            CpuTimes {
+                user: 2.0,
+                system: 6.0
+            }
+        );
+        assert_eq!(parse_cpu_times("garbage", 100.0), CpuTimes::default());
+    }
+
+    #[test]
+    fn cpu_times_of_this_process_count_user_time_spent() {
+        let before = cpu_times(std::process::id());
+        let t0 = std::time::Instant::now();
+        let mut x = 0u64;
+        while t0.elapsed() < std::time::Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let spent = cpu_times(std::process::id()).since(before);
+        assert!(spent.user > 0.0, "{spent:?}");
+        assert!(spent.total() >= spent.user);
+    }
 }

@@ -15,6 +15,10 @@
 //! it derives no plans), so a simulated agent is admitted exactly as a real agent without a
 //! token is; in cluster each would need a TokenReview-valid token bound to its node.
 
+// The run's JSON line (`--json`) is one `serde_json::json!` with more keys than the default
+// macro recursion limit allows.
+#![recursion_limit = "256"]
+
 mod agents;
 mod controller;
 mod lookups;
@@ -30,7 +34,9 @@ use clap::Parser;
 use parking_lot::Mutex;
 
 use agents::Fleet;
-use controller::{cpu_seconds, listen_overflows, load_average, rss_kib, Controller, ControllerCmd};
+use controller::{
+    cpu_times, listen_overflows, load_average, rss_kib, Controller, ControllerCmd, CpuTimes,
+};
 use spec::FleetSpec;
 
 /// `ic_controller::ingest::MAX_RESYNC_ENTRIES` (not a dependency: the controller crate would
@@ -116,7 +122,7 @@ struct Report {
     entries: u64,
     empty_rss_kib: u64,
     cold_converge_s: f64,
-    cold_cpu_s: f64,
+    cold_cpu: CpuTimes,
     steady_rss_kib: u64,
     cold_hwm_kib: u64,
     quiet: lookups::Window,
@@ -126,7 +132,7 @@ struct Report {
     down_s: f64,
     ready_s: f64,
     storm_converge_s: f64,
-    storm_cpu_s: f64,
+    storm_cpu: CpuTimes,
     storm_hwm_kib: u64,
     storm: lookups::Window,
     dropped: u64,
@@ -390,7 +396,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
 
     // Cold start: every agent connects to an empty controller.
     let url = format!("http://{grpc}");
-    let cpu0 = cpu_seconds(ctl.pid);
+    let cpu0 = cpu_times(ctl.pid);
     let lo0 = listen_overflows();
     let cold = Instant::now();
     for a in 0..fleet.spec.agents {
@@ -399,7 +405,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
     r.cold_converge_s = converge(&cmd, &mut ctl, &fleet, cold, limit)
         .await?
         .as_secs_f64();
-    r.cold_cpu_s = cpu_seconds(ctl.pid) - cpu0;
+    r.cold_cpu = cpu_times(ctl.pid).since(cpu0);
     r.cold_listen_overflows = listen_overflows()
         .zip(lo0)
         .map(|(a, b)| a.saturating_sub(b));
@@ -454,7 +460,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
 
     if args.churn_every_ms > 0 {
         let m0 = cmd.metrics().await?;
-        let c0 = cpu_seconds(ctl.pid);
+        let c0 = cpu_times(ctl.pid);
         let w0 = t0.elapsed();
         let started = Instant::now();
         fleet
@@ -472,7 +478,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
         // Each delta removes one prompt and stores one: 2 × seq_blocks block ops.
         r.churn_ops_per_s =
             (applied(&m1) - applied(&m0)) * 2.0 * fleet.spec.seq_blocks as f64 / secs;
-        r.churn_cpu_frac = (cpu_seconds(ctl.pid) - c0) / secs;
+        r.churn_cpu_frac = cpu_times(ctl.pid).since(c0).total() / secs;
         r.churn_lookups = lookups::window(&samples.lock(), w0, t0.elapsed());
         // Let the last batches land before the restart counts entries.
         converge(&cmd, &mut ctl, &fleet, Instant::now(), limit).await?;
@@ -499,7 +505,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
         let lo0 = listen_overflows();
         let mut ctl2 = cmd.spawn()?;
         let spawned = ctl2.started;
-        let cpu0 = cpu_seconds(ctl2.pid);
+        let cpu0 = cpu_times(ctl2.pid);
         r.ready_s = cmd.wait_ready(Duration::from_secs(30)).await?.as_secs_f64();
         let ready_at = t0.elapsed();
         let fails0 = fleet.stats.connect_failures.load(Ordering::Relaxed);
@@ -507,7 +513,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
             .await?
             .as_secs_f64();
         let conv_at = t0.elapsed();
-        r.storm_cpu_s = cpu_seconds(ctl2.pid) - cpu0;
+        r.storm_cpu = cpu_times(ctl2.pid).since(cpu0);
         r.storm_listen_overflows = listen_overflows()
             .zip(lo0)
             .map(|(a, b)| a.saturating_sub(b));
@@ -554,12 +560,14 @@ fn json(args: &Args, r: &Report, fleet: &Fleet) -> String {
     serde_json::json!({
         "agents": args.agents, "streams_per_agent": args.streams_per_agent,
         "entries": r.entries, "empty_rss_kib": r.empty_rss_kib,
-        "cold_converge_s": r.cold_converge_s, "cold_cpu_s": r.cold_cpu_s,
+        "cold_converge_s": r.cold_converge_s, "cold_cpu_s": r.cold_cpu.total(),
+        "cold_cpu_user_s": r.cold_cpu.user, "cold_cpu_system_s": r.cold_cpu.system,
         "steady_rss_kib": r.steady_rss_kib, "cold_hwm_kib": r.cold_hwm_kib,
         "quiet": w(&r.quiet), "churn_ops_per_s": r.churn_ops_per_s,
         "churn_cpu_frac": r.churn_cpu_frac, "churn_lookups": w(&r.churn_lookups),
         "down_s": r.down_s, "ready_s": r.ready_s, "storm_converge_s": r.storm_converge_s,
-        "storm_cpu_s": r.storm_cpu_s, "storm_hwm_kib": r.storm_hwm_kib, "storm": w(&r.storm),
+        "storm_cpu_s": r.storm_cpu.total(), "storm_cpu_user_s": r.storm_cpu.user,
+        "storm_cpu_system_s": r.storm_cpu.system, "storm_hwm_kib": r.storm_hwm_kib, "storm": w(&r.storm),
         "dropped": r.dropped, "connect_failures_after_ready": r.connect_failures_after_ready,
         "resync_requests": r.resync_requests,
         "batches_sent": fleet.stats.batches_sent.load(Ordering::Relaxed),
@@ -610,7 +618,7 @@ fn print_row(args: &Args, r: &Report) {
         r.entries as f64 / 1e6,
         r.empty_rss_kib as f64 / 1024.0,
         r.cold_converge_s,
-        r.cold_cpu_s,
+        r.cold_cpu.total(),
         gib(r.steady_rss_kib),
         (r.steady_rss_kib.saturating_sub(r.empty_rss_kib) * 1024) as f64 / r.entries.max(1) as f64,
         gib(r.cold_hwm_kib),
@@ -620,7 +628,7 @@ fn print_row(args: &Args, r: &Report) {
         churn.1,
         storm(format!("{:.2}", r.ready_s)),
         storm(format!("{:.1}", r.storm_converge_s)),
-        storm(format!("{:.1}", r.storm_cpu_s)),
+        storm(format!("{:.1}", r.storm_cpu.total())),
         storm(format!("{:.2}", gib(r.storm_hwm_kib))),
         storm(format!("{}/{}/{}", r.storm.p50_us, r.storm.p99_us, r.storm.max_us)),
         storm(format!(
@@ -631,6 +639,23 @@ fn print_row(args: &Args, r: &Report) {
         overflows,
         r.load_cold,
         if r.load_storm.is_empty() { "–" } else { r.load_storm.as_str() },
+    );
+    // Beside the row (stderr): the controller's CPU split. System time is system calls and
+    // page faults; on a VM that backs guest memory on first touch it dominates the cold start
+    // (docs/scaling.md "Why the cold start is slower than the storm").
+    eprintln!(
+        "ic-fleet: {} agents, controller CPU user / system: cold {:.1} / {:.1} s{}",
+        args.agents,
+        r.cold_cpu.user,
+        r.cold_cpu.system,
+        if args.no_restart {
+            String::new()
+        } else {
+            format!(
+                ", storm {:.1} / {:.1} s",
+                r.storm_cpu.user, r.storm_cpu.system
+            )
+        }
     );
     // Beside the row (stderr): the controller's own share of the round trips.
     for (what, s) in [
