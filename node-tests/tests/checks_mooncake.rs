@@ -77,7 +77,12 @@ impl Drop for Master {
 }
 
 fn check(plan: Vec<PortExpectation>) -> Vec<CheckResult> {
-    let r = PortsCheck::new(&ChecksConfig::default()).run(&NodePlan {
+    // The test's private network namespace stands for the host's.
+    let r = PortsCheck::new(&ChecksConfig {
+        host_netns: Some("/proc/self/ns/net".into()),
+        ..ChecksConfig::default()
+    })
+    .run(&NodePlan {
         ports: plan,
         ..NodePlan::default()
     });

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use ic_agent::checks::ports::PortsCheck;
+use ic_agent::checks::ports::{self, PortsCheck};
 use ic_agent::checks::{Check, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{NodePlan, PortExpect, PortExpectation, PortOwner};
@@ -88,8 +88,20 @@ impl Drop for FakeEngine {
     }
 }
 
+/// The check as this namespace's agent: the test's private network namespace stands for the
+/// host's (the default reference, PID 1's, is the real host's and is tested apart below).
 fn run(ports: Vec<PortExpectation>) -> Vec<CheckResult> {
-    let r = PortsCheck::new(&ChecksConfig::default()).run(&NodePlan {
+    run_with(
+        &ChecksConfig {
+            host_netns: Some("/proc/self/ns/net".into()),
+            ..ChecksConfig::default()
+        },
+        ports,
+    )
+}
+
+fn run_with(cfg: &ChecksConfig, ports: Vec<PortExpectation>) -> Vec<CheckResult> {
+    let r = PortsCheck::new(cfg).run(&NodePlan {
         ports,
         ..NodePlan::default()
     });
@@ -200,6 +212,28 @@ fn ports_in_a_private_network_namespace() {
         .status()
         .unwrap();
     assert!(st.success(), "ip link set lo up");
+
+    // An agent outside the host's network namespace (no hostNetwork) reads its own sockets.
+    // The outer test process (our parent, in the namespace this one was unshared from) stands
+    // for the host: against it every verdict is Unknown / NotHostNetwork, instead of `Free`
+    // ports read Ok and `Held` ones Critical from a namespace where nothing listens. (The
+    // default reference, PID 1's namespace, may be unreadable here: then the verdicts stand,
+    // marked unverified — the unit tests cover that.)
+    let host = format!("/proc/{}/ns/net", std::os::unix::process::parent_id());
+    let outside = ChecksConfig {
+        host_netns: Some(host.into()),
+        ..ChecksConfig::default()
+    };
+    let r = run_with(&outside, vec![free(22), held_by(80, None, None)]);
+    assert_eq!(r.len(), 3, "{r:?}");
+    for x in &r {
+        assert_eq!(
+            (x.status, x.reason.as_str()),
+            (CheckStatus::Unknown, ports::NOT_HOST_NETWORK),
+            "{x:?}"
+        );
+    }
+    assert!(r[0].message.contains("hostNetwork"), "{}", r[0].message);
 
     // a fresh namespace: nothing listens
     let r = run(vec![]);

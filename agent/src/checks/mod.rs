@@ -88,6 +88,12 @@ pub struct ChecksConfig {
     pub cuda_interval: Duration,
     /// Longest wait for a CUDA probe that has no earlier result to fall back on (default 60 s).
     pub cuda_timeout: Duration,
+    /// The host's network namespace, as a `/proc/<pid>/ns/net` link, that the `ports` check
+    /// verifies its socket tables belong to (`<proc_root>/net/tcp` is the reader's own
+    /// namespace). `None` (the default) means `<proc_root>/1/ns/net`: PID 1 of a hostPID agent is
+    /// the host's init. `IC_HOST_NETNS` sets it; tests that run the check in a namespace of
+    /// their own point it at that namespace.
+    pub host_netns: Option<PathBuf>,
 }
 
 impl Default for ChecksConfig {
@@ -102,6 +108,7 @@ impl Default for ChecksConfig {
             cuda_library: None,
             cuda_interval: Duration::from_secs(600),
             cuda_timeout: Duration::from_secs(60),
+            host_netns: None,
         }
     }
 }
@@ -128,8 +135,12 @@ pub enum ChecksConfigError {
 }
 
 /// Environment variables [`ChecksConfig::from_env`] reads (name, meaning).
-pub const ENV_VARS: [(&str, &str); 12] = [
+pub const ENV_VARS: [(&str, &str); 13] = [
     ("IC_PROC_ROOT", "procfs root (default /proc)"),
+    (
+        "IC_HOST_NETNS",
+        "the host's network namespace link the ports check compares its own with (default <proc root>/1/ns/net)",
+    ),
     ("IC_SHM_PATH", "host /dev/shm path (default /dev/shm)"),
     (
         "IC_NVML_LIBRARY",
@@ -195,6 +206,9 @@ impl ChecksConfig {
         let mut c = ChecksConfig::default();
         if let Some(v) = get("IC_PROC_ROOT") {
             c.proc_root = PathBuf::from(v);
+        }
+        if let Some(v) = get("IC_HOST_NETNS") {
+            c.host_netns = Some(PathBuf::from(v));
         }
         if let Some(v) = get("IC_SHM_PATH") {
             c.shm_path = PathBuf::from(v);

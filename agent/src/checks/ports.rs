@@ -10,7 +10,11 @@
 //! Results: one `host` summary (`ListeningPorts`) and one `tcp/<port>` result per plan
 //! expectation (`PortOk`, `PortConflict`, `PortNotListening`, `PortOwnerNotListening`,
 //! `PortOwnerMismatch`, `PortOwnerUnknown`; `ProcNetUnavailable` when the socket tables cannot
-//! be read). Each carries the issue's verdict in `observed.verdict`: `Free`, `HeldByExpected`,
+//! be read; `NotHostNetwork` when they are not the host's: the check first compares
+//! `<proc_root>/self/ns/net` with the host's, `<proc_root>/1/ns/net` for a hostPID agent, and an
+//! agent without hostNetwork would otherwise read its pod's sockets and report every `Free` port
+//! Ok and every `Held` one Critical. When either link cannot be read the verdicts stand and the
+//! host summary carries `observed.hostNetworkUnverified` with the cause). Each carries the issue's verdict in `observed.verdict`: `Free`, `HeldByExpected`,
 //! `Conflict`, `Ghost` (the expected owner runs but does not listen), `NotListening`,
 //! `OwnerMismatch`, `OwnerUnknown`. Command lines are never read (they carry API keys): only
 //! executables and pod UIDs.
@@ -29,18 +33,69 @@ use super::{Check, ChecksConfig};
 /// Check name.
 pub const NAME: &str = "ports";
 
+/// Reason of every result when the socket tables are not the host's ([`host_netns_verdict`]).
+pub const NOT_HOST_NETWORK: &str = "NotHostNetwork";
+
 /// The `ports` check.
 #[derive(Debug, Clone)]
 pub struct PortsCheck {
     proc_root: PathBuf,
+    host_netns: PathBuf,
 }
 
 impl PortsCheck {
-    /// Reads `cfg.proc_root`.
+    /// Reads `cfg.proc_root`; verifies against `cfg.host_netns` (default
+    /// `<proc_root>/1/ns/net`).
     pub fn new(cfg: &ChecksConfig) -> Self {
         PortsCheck {
             proc_root: cfg.proc_root.clone(),
+            host_netns: cfg
+                .host_netns
+                .clone()
+                .unwrap_or_else(|| cfg.proc_root.join("1").join("ns").join("net")),
         }
+    }
+}
+
+/// Whether the socket tables the check reads (`<proc_root>/net/tcp`, the reading process's
+/// network namespace) are the host's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NetnsVerdict {
+    /// The reader's network namespace is the host's.
+    Host,
+    /// It is another one (an agent without hostNetwork): every listener read is its pod's, so
+    /// a host port's verdict would be made up. Inodes of the two namespaces.
+    NotHost {
+        /// The reader's (`<proc_root>/self/ns/net`).
+        reader: u64,
+        /// The host's (the reference link).
+        host: u64,
+    },
+    /// One of the two links could not be read (no `CAP_SYS_PTRACE` for PID 1's, a fixture
+    /// tree without them): the check goes on, saying so.
+    Unverified(String),
+}
+
+/// Compares the network namespace of `<proc_root>/self` with the one `host_netns` links to.
+pub fn host_netns_verdict(proc_root: &Path, host_netns: &Path) -> NetnsVerdict {
+    let read = |p: &Path| -> Result<u64, String> {
+        let target = std::fs::read_link(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        target
+            .to_str()
+            .and_then(super::pods::ns_inode)
+            .ok_or_else(|| {
+                format!(
+                    "{}: not a namespace link ({})",
+                    p.display(),
+                    target.display()
+                )
+            })
+    };
+    let reader = proc_root.join("self").join("ns").join("net");
+    match (read(&reader), read(host_netns)) {
+        (Ok(r), Ok(h)) if r == h => NetnsVerdict::Host,
+        (Ok(reader), Ok(host)) => NetnsVerdict::NotHost { reader, host },
+        (Err(e), _) | (_, Err(e)) => NetnsVerdict::Unverified(e),
     }
 }
 
@@ -651,6 +706,33 @@ impl Check for PortsCheck {
     }
 
     fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
+        let netns = host_netns_verdict(&self.proc_root, &self.host_netns);
+        if let NetnsVerdict::NotHost { reader, host } = netns {
+            let msg = format!(
+                "the agent is not in the host's network namespace (its own is net:[{reader}], the \
+                 host's net:[{host}]): the socket tables it reads are its pod's, so no host port \
+                 can be checked; run the agent with hostNetwork (chart agent.hostNetwork: true)."
+            );
+            let mut out = vec![CheckResult::new(
+                NAME,
+                "host",
+                CheckStatus::Unknown,
+                NOT_HOST_NETWORK,
+                msg.clone(),
+            )];
+            out.extend(plan.ports.iter().map(|p| {
+                CheckResult::new(
+                    NAME,
+                    format!("tcp/{}", p.port),
+                    CheckStatus::Unknown,
+                    NOT_HOST_NETWORK,
+                    msg.clone(),
+                )
+                .with("port", p.port)
+                .with("expect", expect_label(p.expect))
+            }));
+            return out;
+        }
         let listeners = match read_listeners(&self.proc_root) {
             Ok(l) => l,
             Err(e) => {
@@ -718,7 +800,13 @@ impl Check for PortsCheck {
             }
         }
 
-        let mut out = vec![summarize(&ports, listeners.len())];
+        let mut summary = summarize(&ports, listeners.len());
+        if let NetnsVerdict::Unverified(why) = &netns {
+            // Not proof of a wrong namespace, so the verdicts stand; the reader sees why they
+            // could not be vouched for.
+            summary = summary.with("hostNetworkUnverified", why);
+        }
+        let mut out = vec![summary];
         out.extend(plan.ports.iter().map(|exp| {
             let state = ports.get(&exp.port);
             // A held port nobody listens on: is its owner running at all (a ghost)?
@@ -736,6 +824,105 @@ impl Check for PortsCheck {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+
+    /// `<root>/self/ns/net` and `<root>/1/ns/net` as namespace links with the given inodes
+    /// (`None`: absent); link targets are read, never followed.
+    fn netns_tree(reader: Option<u64>, host: Option<u64>) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for (pid, ino) in [("self", reader), ("1", host)] {
+            let dir = root.path().join(pid).join("ns");
+            std::fs::create_dir_all(&dir).unwrap();
+            if let Some(ino) = ino {
+                std::os::unix::fs::symlink(format!("net:[{ino}]"), dir.join("net")).unwrap();
+            }
+        }
+        root
+    }
+
+    #[test]
+    fn the_socket_tables_are_vouched_for_only_in_the_hosts_network_namespace() {
+        let check = |reader, host| {
+            let root = netns_tree(reader, host);
+            host_netns_verdict(root.path(), &root.path().join("1/ns/net"))
+        };
+        assert_eq!(
+            check(Some(4026531840), Some(4026531840)),
+            NetnsVerdict::Host
+        );
+        assert_eq!(
+            check(Some(4026532301), Some(4026531840)),
+            NetnsVerdict::NotHost {
+                reader: 4026532301,
+                host: 4026531840
+            }
+        );
+        assert!(
+            matches!(check(Some(1), None), NetnsVerdict::Unverified(e) if e.contains("1/ns/net"))
+        );
+        assert!(
+            matches!(check(None, Some(1)), NetnsVerdict::Unverified(e) if e.contains("self/ns/net"))
+        );
+
+        // Outside the host's namespace every verdict is Unknown: nothing read there says
+        // anything about the host's ports.
+        let root = netns_tree(Some(4026532301), Some(4026531840));
+        std::fs::create_dir_all(root.path().join("net")).unwrap();
+        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
+        let cfg = ChecksConfig {
+            proc_root: root.path().to_path_buf(),
+            ..ChecksConfig::default()
+        };
+        let plan = NodePlan {
+            ports: vec![
+                PortExpectation {
+                    port: 8080,
+                    expect: PortExpect::Free,
+                    purpose: "x".into(),
+                    owner: None,
+                },
+                PortExpectation {
+                    port: 9999,
+                    expect: PortExpect::Held,
+                    purpose: "y".into(),
+                    owner: None,
+                },
+            ],
+            ..NodePlan::default()
+        };
+        let r = PortsCheck::new(&cfg).run(&plan);
+        let got: Vec<_> = r
+            .iter()
+            .map(|x| (x.subject.as_str(), x.status, x.reason.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("host", CheckStatus::Unknown, NOT_HOST_NETWORK),
+                ("tcp/8080", CheckStatus::Unknown, NOT_HOST_NETWORK),
+                ("tcp/9999", CheckStatus::Unknown, NOT_HOST_NETWORK),
+            ]
+        );
+        assert!(
+            r[0].message.contains("net:[4026532301]") && r[0].message.contains("net:[4026531840]")
+        );
+
+        // Unverifiable: the verdicts stand and the summary says why they are not vouched for.
+        let root = netns_tree(Some(4026532301), None);
+        std::fs::create_dir_all(root.path().join("net")).unwrap();
+        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
+        let cfg = ChecksConfig {
+            proc_root: root.path().to_path_buf(),
+            ..ChecksConfig::default()
+        };
+        let r = PortsCheck::new(&cfg).run(&plan);
+        assert_eq!(r[0].reason, "ListeningPorts");
+        assert!(
+            r[0].observed["hostNetworkUnverified"].contains("1/ns/net"),
+            "{:?}",
+            r[0]
+        );
+        assert_eq!(r[1].reason, "PortConflict", "{:?}", r[1]);
+    }
 
     const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1001 1 0000000000000000 100 0 0 10 0
