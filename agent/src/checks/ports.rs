@@ -700,6 +700,30 @@ pub fn summarize(ports: &BTreeMap<u16, PortState>, sockets: usize) -> CheckResul
     .with("loopbackPorts", join(loopback))
 }
 
+/// The host summary and every expectation of `plan`, Unknown for `reason`: the socket tables
+/// say nothing about the host's ports.
+fn all_unknown(plan: &NodePlan, reason: &str, msg: &str) -> Vec<CheckResult> {
+    let mut out = vec![CheckResult::new(
+        NAME,
+        "host",
+        CheckStatus::Unknown,
+        reason,
+        msg,
+    )];
+    out.extend(plan.ports.iter().map(|p| {
+        CheckResult::new(
+            NAME,
+            format!("tcp/{}", p.port),
+            CheckStatus::Unknown,
+            reason,
+            msg,
+        )
+        .with("port", p.port)
+        .with("expect", expect_label(p.expect))
+    }));
+    out
+}
+
 impl Check for PortsCheck {
     fn name(&self) -> &'static str {
         NAME
@@ -713,25 +737,7 @@ impl Check for PortsCheck {
                  host's net:[{host}]): the socket tables it reads are its pod's, so no host port \
                  can be checked; run the agent with hostNetwork (chart agent.hostNetwork: true)."
             );
-            let mut out = vec![CheckResult::new(
-                NAME,
-                "host",
-                CheckStatus::Unknown,
-                NOT_HOST_NETWORK,
-                msg.clone(),
-            )];
-            out.extend(plan.ports.iter().map(|p| {
-                CheckResult::new(
-                    NAME,
-                    format!("tcp/{}", p.port),
-                    CheckStatus::Unknown,
-                    NOT_HOST_NETWORK,
-                    msg.clone(),
-                )
-                .with("port", p.port)
-                .with("expect", expect_label(p.expect))
-            }));
-            return out;
+            return all_unknown(plan, NOT_HOST_NETWORK, &msg);
         }
         let listeners = match read_listeners(&self.proc_root) {
             Ok(l) => l,
@@ -742,25 +748,7 @@ impl Check for PortsCheck {
                      unknown.",
                     tables.display()
                 );
-                let mut out = vec![CheckResult::new(
-                    NAME,
-                    "host",
-                    CheckStatus::Unknown,
-                    "ProcNetUnavailable",
-                    msg.clone(),
-                )];
-                out.extend(plan.ports.iter().map(|p| {
-                    CheckResult::new(
-                        NAME,
-                        format!("tcp/{}", p.port),
-                        CheckStatus::Unknown,
-                        "ProcNetUnavailable",
-                        msg.clone(),
-                    )
-                    .with("port", p.port)
-                    .with("expect", expect_label(p.expect))
-                }));
-                return out;
+                return all_unknown(plan, "ProcNetUnavailable", &msg);
             }
         };
 
