@@ -34,6 +34,10 @@ if [ -z "${FOOTPRINT_INNER:-}" ]; then
   fi
 fi
 BIN=$PWD/target/release/ic-agent
+# Under `unshare -n` this private network namespace stands for the host's: the ports check
+# compares its socket tables with PID 1's otherwise (the real host's) and would report every
+# port NotHostNetwork without reading the tables or scanning for owners.
+[ -n "${FOOTPRINT_INNER:-}" ] && export IC_HOST_NETNS=/proc/self/net
 WORK=$(mktemp -d)
 PIDS=()
 CGROUPS=()

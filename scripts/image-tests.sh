@@ -269,6 +269,11 @@ for key, (status, reason) in want.items():
         errors.append(f"{key}: the message does not name CAP_{dropped}: {r['message']}")
 for key in set(got) - set(want):
     errors.append(f"{key}: unexpected result {got[key]['status']}/{got[key]['reason']}")
+# The ports check compares its socket tables with the host's by stat(2), which needs no
+# capability: in every run it must have vouched that they are the host's (hostNetwork).
+unverified = (got.get(("ports", "host"), {}).get("observed") or {}).get("hostNetworkUnverified")
+if unverified:
+    errors.append(f"('ports', 'host'): the host network namespace was not verified: {unverified}")
 if errors:
     print(f"{label}:\n  " + "\n  ".join(errors), file=sys.stderr)
     sys.exit(1)

@@ -110,13 +110,13 @@ fn config_from_environment_names_the_bad_variable() {
         ("IC_MP_WORKER_TIMEOUT_MS", "750"),
         ("IC_SHM_NEARLY_FULL_PERCENT", "80"),
         ("IC_PROC_ROOT", "/host/proc"),
-        ("IC_HOST_NETNS", "/host/proc/1/ns/net"),
+        ("IC_HOST_NETNS", "/host/proc/1/net"),
         ("IC_SHM_PATH", ""),
     ]))
     .unwrap();
     assert_eq!(
         c.host_netns.as_deref(),
-        Some(std::path::Path::new("/host/proc/1/ns/net"))
+        Some(std::path::Path::new("/host/proc/1/net"))
     );
     assert_eq!(c.xid_policy.action(13), XidAction::Critical);
     assert_eq!(c.xid_policy.action(79), XidAction::Ignore);

@@ -79,7 +79,7 @@ impl Drop for Master {
 fn check(plan: Vec<PortExpectation>) -> Vec<CheckResult> {
     // The test's private network namespace stands for the host's.
     let r = PortsCheck::new(&ChecksConfig {
-        host_netns: Some("/proc/self/ns/net".into()),
+        host_netns: Some("/proc/self/net".into()),
         ..ChecksConfig::default()
     })
     .run(&NodePlan {

@@ -89,11 +89,11 @@ impl Drop for FakeEngine {
 }
 
 /// The check as this namespace's agent: the test's private network namespace stands for the
-/// host's (the default reference, PID 1's, is the real host's and is tested apart below).
+/// host's (the default reference, PID 1's table, is the real host's; tested apart below).
 fn run(ports: Vec<PortExpectation>) -> Vec<CheckResult> {
     run_with(
         &ChecksConfig {
-            host_netns: Some("/proc/self/ns/net".into()),
+            host_netns: Some("/proc/self/net".into()),
             ..ChecksConfig::default()
         },
         ports,
@@ -214,26 +214,27 @@ fn ports_in_a_private_network_namespace() {
     assert!(st.success(), "ip link set lo up");
 
     // An agent outside the host's network namespace (no hostNetwork) reads its own sockets.
-    // The outer test process (our parent, in the namespace this one was unshared from) stands
-    // for the host: against it every verdict is Unknown / NotHostNetwork, instead of `Free`
-    // ports read Ok and `Held` ones Critical from a namespace where nothing listens. (The
-    // default reference, PID 1's namespace, may be unreadable here: then the verdicts stand,
-    // marked unverified — the unit tests cover that.)
-    let host = format!("/proc/{}/ns/net", std::os::unix::process::parent_id());
-    let outside = ChecksConfig {
-        host_netns: Some(host.into()),
-        ..ChecksConfig::default()
-    };
-    let r = run_with(&outside, vec![free(22), held_by(80, None, None)]);
-    assert_eq!(r.len(), 3, "{r:?}");
-    for x in &r {
-        assert_eq!(
-            (x.status, x.reason.as_str()),
-            (CheckStatus::Unknown, ports::NOT_HOST_NETWORK),
-            "{x:?}"
-        );
+    // Against the real host's table — PID 1's, the default, and the outer test process's (our
+    // parent, in the namespace this one was unshared from) — every verdict is Unknown /
+    // NotHostNetwork, instead of `Free` ports read Ok and `Held` ones Critical from a namespace
+    // where nothing listens.
+    let parent = format!("/proc/{}/net", std::os::unix::process::parent_id());
+    for host in [None, Some(parent.into())] {
+        let outside = ChecksConfig {
+            host_netns: host,
+            ..ChecksConfig::default()
+        };
+        let r = run_with(&outside, vec![free(22), held_by(80, None, None)]);
+        assert_eq!(r.len(), 3, "{r:?}");
+        for x in &r {
+            assert_eq!(
+                (x.status, x.reason.as_str()),
+                (CheckStatus::Unknown, ports::NOT_HOST_NETWORK),
+                "{x:?}"
+            );
+        }
+        assert!(r[0].message.contains("hostNetwork"), "{}", r[0].message);
     }
-    assert!(r[0].message.contains("hostNetwork"), "{}", r[0].message);
 
     // a fresh namespace: nothing listens
     let r = run(vec![]);

@@ -88,11 +88,11 @@ pub struct ChecksConfig {
     pub cuda_interval: Duration,
     /// Longest wait for a CUDA probe that has no earlier result to fall back on (default 60 s).
     pub cuda_timeout: Duration,
-    /// The host's network namespace, as a `/proc/<pid>/ns/net` link, that the `ports` check
-    /// verifies its socket tables belong to (`<proc_root>/net/tcp` is the reader's own
-    /// namespace). `None` (the default) means `<proc_root>/1/ns/net`: PID 1 of a hostPID agent is
-    /// the host's init. `IC_HOST_NETNS` sets it; tests that run the check in a namespace of
-    /// their own point it at that namespace.
+    /// The host's network namespace, as the `/proc/<pid>/net` directory of a process in it,
+    /// that the `ports` check verifies its socket tables belong to (`<proc_root>/net/tcp` is the
+    /// reader's own namespace). `None` (the default) means `<proc_root>/1/net`: PID 1 of a
+    /// hostPID agent is the host's init. `IC_HOST_NETNS` sets it; tests that run the check in a
+    /// namespace of their own point it at that namespace.
     pub host_netns: Option<PathBuf>,
 }
 
@@ -139,7 +139,7 @@ pub const ENV_VARS: [(&str, &str); 13] = [
     ("IC_PROC_ROOT", "procfs root (default /proc)"),
     (
         "IC_HOST_NETNS",
-        "the host's network namespace link the ports check compares its own with (default <proc root>/1/ns/net)",
+        "/proc/<pid>/net of a process in the host's network namespace, which the ports check compares its own with (default <proc root>/1/net)",
     ),
     ("IC_SHM_PATH", "host /dev/shm path (default /dev/shm)"),
     (

@@ -10,11 +10,12 @@
 //! Results: one `host` summary (`ListeningPorts`) and one `tcp/<port>` result per plan
 //! expectation (`PortOk`, `PortConflict`, `PortNotListening`, `PortOwnerNotListening`,
 //! `PortOwnerMismatch`, `PortOwnerUnknown`; `ProcNetUnavailable` when the socket tables cannot
-//! be read; `NotHostNetwork` when they are not the host's: the check first compares
-//! `<proc_root>/self/ns/net` with the host's, `<proc_root>/1/ns/net` for a hostPID agent, and an
-//! agent without hostNetwork would otherwise read its pod's sockets and report every `Free` port
-//! Ok and every `Held` one Critical. When either link cannot be read the verdicts stand and the
-//! host summary carries `observed.hostNetworkUnverified` with the cause). Each carries the issue's verdict in `observed.verdict`: `Free`, `HeldByExpected`,
+//! be read; `NotHostNetwork` when they are not the host's: the check first compares the
+//! network namespace of `<proc_root>/self` with the host's, `<proc_root>/1/net` for a hostPID
+//! agent ([`host_netns_verdict`]), since an agent without hostNetwork would otherwise read its
+//! pod's sockets and report every `Free` port Ok and every `Held` one Critical. When either side
+//! cannot be examined the verdicts stand and the host summary carries
+//! `observed.hostNetworkUnverified` with the cause). Each carries the issue's verdict in `observed.verdict`: `Free`, `HeldByExpected`,
 //! `Conflict`, `Ghost` (the expected owner runs but does not listen), `NotListening`,
 //! `OwnerMismatch`, `OwnerUnknown`. Command lines are never read (they carry API keys): only
 //! executables and pod UIDs.
@@ -44,15 +45,14 @@ pub struct PortsCheck {
 }
 
 impl PortsCheck {
-    /// Reads `cfg.proc_root`; verifies against `cfg.host_netns` (default
-    /// `<proc_root>/1/ns/net`).
+    /// Reads `cfg.proc_root`; verifies against `cfg.host_netns` (default `<proc_root>/1/net`).
     pub fn new(cfg: &ChecksConfig) -> Self {
         PortsCheck {
             proc_root: cfg.proc_root.clone(),
             host_netns: cfg
                 .host_netns
                 .clone()
-                .unwrap_or_else(|| cfg.proc_root.join("1").join("ns").join("net")),
+                .unwrap_or_else(|| cfg.proc_root.join("1").join("net")),
         }
     }
 }
@@ -64,37 +64,35 @@ pub enum NetnsVerdict {
     /// The reader's network namespace is the host's.
     Host,
     /// It is another one (an agent without hostNetwork): every listener read is its pod's, so
-    /// a host port's verdict would be made up. Inodes of the two namespaces.
+    /// a host port's verdict would be made up. Inode numbers of the two `tcp` tables (one per
+    /// network namespace).
     NotHost {
-        /// The reader's (`<proc_root>/self/ns/net`).
+        /// The reader's (`<proc_root>/self/net/tcp`).
         reader: u64,
-        /// The host's (the reference link).
+        /// The host's (`<host_net>/tcp`).
         host: u64,
     },
-    /// One of the two links could not be read (no `CAP_SYS_PTRACE` for PID 1's, a fixture
-    /// tree without them): the check goes on, saying so.
+    /// One of the two tables could not be examined: the check goes on, saying so.
     Unverified(String),
 }
 
-/// Compares the network namespace of `<proc_root>/self` with the one `host_netns` links to.
-pub fn host_netns_verdict(proc_root: &Path, host_netns: &Path) -> NetnsVerdict {
-    let read = |p: &Path| -> Result<u64, String> {
-        let target = std::fs::read_link(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        target
-            .to_str()
-            .and_then(super::pods::ns_inode)
-            .ok_or_else(|| {
-                format!(
-                    "{}: not a namespace link ({})",
-                    p.display(),
-                    target.display()
-                )
-            })
+/// Compares the network namespace of `<proc_root>/self` with the one `host_net` (a
+/// `/proc/<pid>/net` directory of a process in the host's namespace) shows, by the identity
+/// (device, inode) of their `tcp` tables: procfs gives each network namespace its own entries,
+/// and a `stat` needs no ptrace access to the other process, which reading its `ns/net` link
+/// would (and which container runtimes' AppArmor profiles refuse for the host's init even with
+/// `CAP_SYS_PTRACE`).
+pub fn host_netns_verdict(proc_root: &Path, host_net: &Path) -> NetnsVerdict {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|e| format!("{}: {e}", p.display()))
     };
-    let reader = proc_root.join("self").join("ns").join("net");
-    match (read(&reader), read(host_netns)) {
+    let reader = proc_root.join("self").join("net").join("tcp");
+    match (id(&reader), id(&host_net.join("tcp"))) {
         (Ok(r), Ok(h)) if r == h => NetnsVerdict::Host,
-        (Ok(reader), Ok(host)) => NetnsVerdict::NotHost { reader, host },
+        (Ok((_, reader)), Ok((_, host))) => NetnsVerdict::NotHost { reader, host },
         (Err(e), _) | (_, Err(e)) => NetnsVerdict::Unverified(e),
     }
 }
@@ -733,9 +731,10 @@ impl Check for PortsCheck {
         let netns = host_netns_verdict(&self.proc_root, &self.host_netns);
         if let NetnsVerdict::NotHost { reader, host } = netns {
             let msg = format!(
-                "the agent is not in the host's network namespace (its own is net:[{reader}], the \
-                 host's net:[{host}]): the socket tables it reads are its pod's, so no host port \
-                 can be checked; run the agent with hostNetwork (chart agent.hostNetwork: true)."
+                "the agent is not in the host's network namespace (its TCP table is inode \
+                 {reader}, the host's inode {host}): the socket tables it reads are its pod's, so \
+                 no host port can be checked; run the agent with hostNetwork (chart \
+                 agent.hostNetwork: true)."
             );
             return all_unknown(plan, NOT_HOST_NETWORK, &msg);
         }
@@ -813,53 +812,51 @@ impl Check for PortsCheck {
 mod tests {
     use super::*;
 
-    /// `<root>/self/ns/net` and `<root>/1/ns/net` as namespace links with the given inodes
-    /// (`None`: absent); link targets are read, never followed.
-    fn netns_tree(reader: Option<u64>, host: Option<u64>) -> tempfile::TempDir {
+    /// `<root>/self/net/tcp` and `<root>/1/net/tcp` with `TCP`: one file seen twice (a hard
+    /// link, as procfs shows one namespace's table under every process in it), two files (two
+    /// namespaces), or either absent.
+    fn netns_tree(reader: bool, host: bool, same: bool) -> tempfile::TempDir {
         let root = tempfile::tempdir().unwrap();
-        for (pid, ino) in [("self", reader), ("1", host)] {
-            let dir = root.path().join(pid).join("ns");
-            std::fs::create_dir_all(&dir).unwrap();
-            if let Some(ino) = ino {
-                std::os::unix::fs::symlink(format!("net:[{ino}]"), dir.join("net")).unwrap();
+        for pid in ["self", "1"] {
+            std::fs::create_dir_all(root.path().join(pid).join("net")).unwrap();
+        }
+        let r = root.path().join("self/net/tcp");
+        let h = root.path().join("1/net/tcp");
+        if reader {
+            std::fs::write(&r, TCP).unwrap();
+        }
+        if host {
+            if same && reader {
+                std::fs::hard_link(&r, &h).unwrap();
+            } else {
+                std::fs::write(&h, TCP).unwrap();
             }
         }
+        // The check reads `<proc_root>/net/tcp`: the reader's table.
+        std::fs::create_dir_all(root.path().join("net")).unwrap();
+        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
         root
     }
 
     #[test]
     fn the_socket_tables_are_vouched_for_only_in_the_hosts_network_namespace() {
-        let check = |reader, host| {
-            let root = netns_tree(reader, host);
-            host_netns_verdict(root.path(), &root.path().join("1/ns/net"))
+        let check = |reader, host, same| {
+            let root = netns_tree(reader, host, same);
+            host_netns_verdict(root.path(), &root.path().join("1/net"))
         };
-        assert_eq!(
-            check(Some(4026531840), Some(4026531840)),
-            NetnsVerdict::Host
-        );
-        assert_eq!(
-            check(Some(4026532301), Some(4026531840)),
-            NetnsVerdict::NotHost {
-                reader: 4026532301,
-                host: 4026531840
-            }
+        assert_eq!(check(true, true, true), NetnsVerdict::Host);
+        assert!(
+            matches!(check(true, true, false), NetnsVerdict::NotHost { reader, host } if reader != host)
         );
         assert!(
-            matches!(check(Some(1), None), NetnsVerdict::Unverified(e) if e.contains("1/ns/net"))
+            matches!(check(true, false, false), NetnsVerdict::Unverified(e) if e.contains("1/net/tcp"))
         );
         assert!(
-            matches!(check(None, Some(1)), NetnsVerdict::Unverified(e) if e.contains("self/ns/net"))
+            matches!(check(false, true, false), NetnsVerdict::Unverified(e) if e.contains("self/net/tcp"))
         );
 
         // Outside the host's namespace every verdict is Unknown: nothing read there says
         // anything about the host's ports.
-        let root = netns_tree(Some(4026532301), Some(4026531840));
-        std::fs::create_dir_all(root.path().join("net")).unwrap();
-        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
-        let cfg = ChecksConfig {
-            proc_root: root.path().to_path_buf(),
-            ..ChecksConfig::default()
-        };
         let plan = NodePlan {
             ports: vec![
                 PortExpectation {
@@ -877,7 +874,14 @@ mod tests {
             ],
             ..NodePlan::default()
         };
-        let r = PortsCheck::new(&cfg).run(&plan);
+        let run_in = |root: &tempfile::TempDir| {
+            let cfg = ChecksConfig {
+                proc_root: root.path().to_path_buf(),
+                ..ChecksConfig::default()
+            };
+            PortsCheck::new(&cfg).run(&plan)
+        };
+        let r = run_in(&netns_tree(true, true, false));
         let got: Vec<_> = r
             .iter()
             .map(|x| (x.subject.as_str(), x.status, x.reason.as_str()))
@@ -890,22 +894,23 @@ mod tests {
                 ("tcp/9999", CheckStatus::Unknown, NOT_HOST_NETWORK),
             ]
         );
-        assert!(
-            r[0].message.contains("net:[4026532301]") && r[0].message.contains("net:[4026531840]")
-        );
+        assert!(r[0].message.contains("hostNetwork"), "{}", r[0].message);
 
-        // Unverifiable: the verdicts stand and the summary says why they are not vouched for.
-        let root = netns_tree(Some(4026532301), None);
-        std::fs::create_dir_all(root.path().join("net")).unwrap();
-        std::fs::write(root.path().join("net/tcp"), TCP).unwrap();
-        let cfg = ChecksConfig {
-            proc_root: root.path().to_path_buf(),
-            ..ChecksConfig::default()
-        };
-        let r = PortsCheck::new(&cfg).run(&plan);
+        // The same table: the verdicts as the tables say.
+        let r = run_in(&netns_tree(true, true, true));
         assert_eq!(r[0].reason, "ListeningPorts");
         assert!(
-            r[0].observed["hostNetworkUnverified"].contains("1/ns/net"),
+            !r[0].observed.contains_key("hostNetworkUnverified"),
+            "{:?}",
+            r[0]
+        );
+        assert_eq!(r[1].reason, "PortConflict", "{:?}", r[1]);
+
+        // Unverifiable: the verdicts stand and the summary says why they are not vouched for.
+        let r = run_in(&netns_tree(true, false, false));
+        assert_eq!(r[0].reason, "ListeningPorts");
+        assert!(
+            r[0].observed["hostNetworkUnverified"].contains("1/net/tcp"),
             "{:?}",
             r[0]
         );
