@@ -15,10 +15,10 @@
 //! agent ([`host_netns_verdict`]), since an agent without hostNetwork would otherwise read its
 //! pod's sockets and report every `Free` port Ok and every `Held` one Critical. When either side
 //! cannot be examined the verdicts stand and the host summary carries
-//! `observed.hostNetworkUnverified` with the cause). Each carries the verdict in `observed.verdict`: `Free`, `HeldByExpected`,
-//! `Conflict`, `Ghost` (the expected owner runs but does not listen), `NotListening`,
-//! `OwnerMismatch`, `OwnerUnknown`. Command lines are never read (they carry API keys): only
-//! executables and pod UIDs.
+//! `observed.hostNetworkUnverified` with the cause). Each carries the verdict in
+//! `observed.verdict`: `Free`, `HeldByExpected`, `Conflict`, `Ghost` (the expected owner runs but
+//! does not listen), `NotListening`, `OwnerMismatch`, `OwnerUnknown`. Command lines are never
+//! read (they carry API keys): only executables and pod UIDs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
