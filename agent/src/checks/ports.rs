@@ -41,7 +41,7 @@ pub const NOT_HOST_NETWORK: &str = "NotHostNetwork";
 #[derive(Debug, Clone)]
 pub struct PortsCheck {
     proc_root: PathBuf,
-    host_netns: PathBuf,
+    host_net: PathBuf,
 }
 
 impl PortsCheck {
@@ -49,7 +49,7 @@ impl PortsCheck {
     pub fn new(cfg: &ChecksConfig) -> Self {
         PortsCheck {
             proc_root: cfg.proc_root.clone(),
-            host_netns: cfg
+            host_net: cfg
                 .host_netns
                 .clone()
                 .unwrap_or_else(|| cfg.proc_root.join("1").join("net")),
@@ -728,7 +728,7 @@ impl Check for PortsCheck {
     }
 
     fn run(&self, plan: &NodePlan) -> Vec<CheckResult> {
-        let netns = host_netns_verdict(&self.proc_root, &self.host_netns);
+        let netns = host_netns_verdict(&self.proc_root, &self.host_net);
         if let NetnsVerdict::NotHost { reader, host } = netns {
             let msg = format!(
                 "the agent is not in the host's network namespace (its TCP table is inode \
