@@ -4,7 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
+# Every test binary and both product binaries first: the real control plane below runs
+# target/debug/ic-controller.
+cargo test --workspace --locked --no-run
+# A real control plane for controller/tests/real_apiserver*.rs (docs/real-cluster.md): etcd,
+# kube-apiserver, kube-controller-manager and kube-scheduler built from their Go modules (cached
+# under target/cluster/bin; ~cold build in docs/real-cluster.md), the chart's CRDs, RBAC,
+# admission policies and webhooks, the controller running as the chart's ServiceAccount. Started
+# afresh (a running one is stopped first: its controller may be an older build, its audit log
+# holds other runs' requests) and stopped at the end.
+bash scripts/cluster.sh down >/dev/null
+trap 'bash scripts/cluster.sh down >/dev/null 2>&1 || true' EXIT
+bash scripts/cluster.sh up || status=$?
 cargo test --workspace --locked --no-fail-fast || status=$?
+# Least privilege from the apiserver's audit log of the run above: every request the chart's
+# identities made was allowed, and every grant was used (cluster/audit_check.py).
+.venv/chart-tests/bin/python cluster/audit_check.py "$(dirname "$(bash scripts/cluster.sh env)")" || status=$?
 # The chart tests run every argument the chart passes through the real ic-controller and ic-agent
 # (chart-tests/test_binary_args.py). `cargo test` has already built both binaries into
 # target/debug (their packages have integration tests that run them). A separate

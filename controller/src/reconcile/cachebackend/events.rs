@@ -153,6 +153,22 @@ pub fn once_event_name(object: &ObjectReference, reason: &str) -> String {
     )
 }
 
+/// The most bytes an `events.k8s.io/v1` Event's `note` may hold (the API server's validation
+/// counts UTF-8 bytes, not characters: a longer note is refused with 422).
+pub const NOTE_LIMIT_BYTES: usize = 1024;
+
+/// `note` cut to at most [`NOTE_LIMIT_BYTES`] bytes on a character boundary.
+pub fn note_within_limit(note: &str) -> String {
+    if note.len() <= NOTE_LIMIT_BYTES {
+        return note.to_string();
+    }
+    let mut end = NOTE_LIMIT_BYTES;
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note[..end].to_string()
+}
+
 /// An [`EventSink`] backed by kube-runtime's `Recorder` (`events.k8s.io/v1`, with its
 /// client-side series aggregation).
 pub struct KubeEventSink {
@@ -190,7 +206,7 @@ impl EventSink for KubeEventSink {
                     EventKind::Warning => EventType::Warning,
                 },
                 reason: event.reason.clone(),
-                note: Some(event.note.chars().take(1024).collect()),
+                note: Some(note_within_limit(&event.note)),
                 action: event.action.clone(),
                 secondary: None,
             };
@@ -219,7 +235,7 @@ impl EventSink for KubeEventSink {
                 },
                 action: Some(event.action.clone()),
                 reason: Some(event.reason.clone()),
-                note: Some(event.note.chars().take(1024).collect()),
+                note: Some(note_within_limit(&event.note)),
                 event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
                 regarding: Some(object.clone()),
                 reporting_controller: Some(self.reporter.controller.clone()),

@@ -348,8 +348,64 @@ pub fn is_subset(desired: &Value, live: &Value) -> bool {
     }
 }
 
-/// Server-side applies `obj` unless the live object of the same name (among `live`) already
-/// carries every desired field; returns the live object either way.
+/// Annotation on every child the reconciler applies: the SHA-256 (hex) of the object it applied.
+/// A field dropped from the desired object (a removed `spec.template` override) leaves the
+/// desired object a subset of the live one, so [`ensure`] could not see the change from the
+/// fields alone; the digest changes with it and forces the apply that removes the field.
+pub const ANNOTATION_APPLIED: &str = "inferencecache.io/applied-digest";
+
+/// Field manager of the one-off apply that hands `spec.replicas` of a cache-server workload to
+/// its HorizontalPodAutoscaler (see [`needs_replicas_handover`]).
+pub const HPA_HANDOVER_MANAGER: &str = "inference-cache-hpa-handover";
+
+/// `obj` with [`ANNOTATION_APPLIED`] set to the digest of `obj` as serialized (without that
+/// annotation).
+///
+/// # Errors
+/// When `obj` does not serialize.
+pub fn with_applied_digest<K: Resource + Serialize + Clone>(
+    obj: &K,
+) -> Result<K, serde_json::Error> {
+    let mut out = obj.clone();
+    out.meta_mut()
+        .annotations
+        .get_or_insert_with(Default::default)
+        .remove(ANNOTATION_APPLIED);
+    let bytes = serde_json::to_vec(&out)?;
+    let digest = ring::digest::digest(&ring::digest::SHA256, &bytes);
+    out.meta_mut()
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(ANNOTATION_APPLIED.to_string(), hex::encode(digest.as_ref()));
+    Ok(out)
+}
+
+/// Whether applying `desired` (no `spec.replicas`: autoscaling is on) over `live` would drop a
+/// `spec.replicas` that [`FIELD_MANAGER`] owns. Server-side apply removes a field its manager
+/// stops applying, and the workload's default (1) would replace it before the HPA acts: a
+/// 3-replica cache server would lose two pods (and the engines behind them would be
+/// cascade-restarted). Kubernetes' documented remedy ("Transferring ownership" in the
+/// server-side apply docs) is to let a second manager apply the current value first.
+pub fn needs_replicas_handover(desired: &Value, live: &Value) -> bool {
+    if desired.pointer("/spec/replicas").is_some() || live.pointer("/spec/replicas").is_none() {
+        return false;
+    }
+    live.pointer("/metadata/managedFields")
+        .and_then(Value::as_array)
+        .is_some_and(|entries| {
+            entries.iter().any(|e| {
+                e.get("manager").and_then(Value::as_str) == Some(FIELD_MANAGER)
+                    && e.get("operation").and_then(Value::as_str) == Some("Apply")
+                    && e.pointer("/fieldsV1/f:spec/f:replicas").is_some()
+            })
+        })
+}
+
+/// Server-side applies `obj` (with its [`ANNOTATION_APPLIED`] digest) unless the live object of
+/// the same name (among `live`) already carries every desired field and the same digest;
+/// returns the live object either way. When autoscaling takes `spec.replicas` out of a
+/// workload this manager owned, the current count is first applied by [`HPA_HANDOVER_MANAGER`]
+/// so that it stays until the HPA changes it.
 async fn ensure<K>(
     client: &Client,
     ns: &str,
@@ -365,27 +421,52 @@ where
         + Debug,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
+    let obj = with_applied_digest(obj)?;
+    let desired = serde_json::to_value(&obj)?;
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let apply_error = |source| Error::Apply {
+        kind,
+        namespace: ns.to_string(),
+        name: name.clone(),
+        source,
+    };
     if let Some(current) = live
         .iter()
         .find(|o| o.meta().name.as_deref() == Some(name.as_str()))
     {
-        if is_subset(&serde_json::to_value(obj)?, &serde_json::to_value(current)?) {
+        let current_value = serde_json::to_value(current)?;
+        if is_subset(&desired, &current_value) {
             return Ok(current.clone());
         }
+        if needs_replicas_handover(&desired, &current_value) {
+            let handover = json!({
+                "apiVersion": desired["apiVersion"],
+                "kind": desired["kind"],
+                "metadata": { "name": name, "namespace": ns },
+                "spec": { "replicas": current_value.pointer("/spec/replicas") },
+            });
+            api.patch(
+                &name,
+                &PatchParams::apply(HPA_HANDOVER_MANAGER).force(),
+                &Patch::Apply(&handover),
+            )
+            .await
+            .map_err(apply_error)?;
+            tracing::info!(
+                kind,
+                namespace = ns,
+                name,
+                "spec.replicas handed over to the HorizontalPodAutoscaler"
+            );
+        }
     }
-    let api: Api<K> = Api::namespaced(client.clone(), ns);
     api.patch(
         &name,
         &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(obj),
+        &Patch::Apply(&obj),
     )
     .await
-    .map_err(|source| Error::Apply {
-        kind,
-        namespace: ns.to_string(),
-        name,
-        source,
-    })
+    .map_err(apply_error)
 }
 
 async fn delete_stale<K>(

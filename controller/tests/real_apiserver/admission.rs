@@ -1,0 +1,227 @@
+//! The admission chain as the apiserver runs it: the CacheBackend defaulting and validating
+//! webhooks (called over HTTPS by `url` + `caBundle`), the CRDs' CEL rules, and the Pod
+//! webhook on real pod creates.
+
+use std::time::Duration;
+
+use ic_controller::admission::pod::ANNOTATION_INJECTED_BY;
+use ic_shared::crd::CacheBackend;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{json, Value};
+
+use crate::support::{wait_for, Cluster};
+
+fn backend(name: &str, spec: Value) -> CacheBackend {
+    serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// The API error of a refused create (panics when it was admitted).
+async fn refused(api: &Api<CacheBackend>, cb: &CacheBackend) -> kube::core::ErrorResponse {
+    match api.create(&PostParams::default(), cb).await {
+        Err(kube::Error::Api(e)) => e,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// The mutating webhook materialises `spec.integration` and `spec.observation`; the apiserver
+/// applies the schema's own defaults (`spec.type`, `spec.replicas`).
+#[tokio::test]
+async fn cachebackend_is_defaulted_through_the_apiserver() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("defaulting").await;
+    let api = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
+    let created = api
+        .create(
+            &PostParams::default(),
+            &backend(
+                "plain",
+                json!({"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "x"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let spec = serde_json::to_value(&created.spec).unwrap();
+    assert_eq!(spec["integration"]["mode"], "Offload", "{spec}");
+    assert_eq!(spec["integration"]["role"], "ReadWrite", "{spec}");
+    assert_eq!(spec["integration"]["failOpen"], true, "{spec}");
+    assert_eq!(spec["observation"]["firstEventTimeout"], "5m", "{spec}");
+    assert_eq!(spec["replicas"], 1, "schema default: {spec}");
+
+    // minReplicas is copied from replicas on CREATE only.
+    let scaled = api
+        .create(
+            &PostParams::default(),
+            &backend(
+                "scaled",
+                json!({"runtime": "VLLM", "replicas": 2, "autoscaling": {"maxReplicas": 4},
+                       "engineSelector": {"matchLabels": {"app": "y"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(scaled.spec.autoscaling.unwrap().min_replicas, Some(2));
+    c.drop_namespace(&ns).await;
+}
+
+/// The validating webhook refuses with a field-scoped message, and the CRD's CEL rule refuses
+/// what it covers, before any webhook sees it.
+#[tokio::test]
+async fn invalid_cachebackends_are_refused_with_the_field() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("validation").await;
+    let api = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
+
+    // Webhook rule: replicas 0 with autoscaling needs minReplicas.
+    let e = refused(
+        &api,
+        &backend(
+            "zero",
+            json!({"runtime": "VLLM", "replicas": 0, "autoscaling": {"maxReplicas": 3},
+                   "engineSelector": {"matchLabels": {"app": "x"}}}),
+        ),
+    )
+    .await;
+    assert!(
+        e.message.contains("vcachebackend.inferencecache.io")
+            && e.message.contains("spec.autoscaling.minReplicas"),
+        "{e:?}"
+    );
+
+    // CEL (x-kubernetes-validations) on spec.autoscaling.
+    let e = refused(
+        &api,
+        &backend(
+            "inverted",
+            json!({"runtime": "VLLM", "autoscaling": {"minReplicas": 5, "maxReplicas": 2},
+                   "engineSelector": {"matchLabels": {"app": "x"}}}),
+        ),
+    )
+    .await;
+    assert_eq!(e.code, 422, "{e:?}");
+    assert!(
+        e.message.contains("spec.autoscaling")
+            && e.message
+                .contains("minReplicas must not exceed maxReplicas"),
+        "{e:?}"
+    );
+
+    // Schema: an unknown runtime is refused by the enum.
+    let e = refused(
+        &api,
+        &backend(
+            "unknown",
+            json!({"runtime": "TGI", "engineSelector": {"matchLabels": {"app": "x"}}}),
+        ),
+    )
+    .await;
+    assert_eq!(e.code, 422, "{e:?}");
+    assert!(e.message.contains("spec.runtime"), "{e:?}");
+
+    // An update is validated too: the stored object stays as it was.
+    api.create(
+        &PostParams::default(),
+        &backend(
+            "ok",
+            json!({"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "x"}}}),
+        ),
+    )
+    .await
+    .unwrap();
+    let err = api
+        .patch(
+            "ok",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"autoscaling": {"minReplicas": 9, "maxReplicas": 1}}})),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, kube::Error::Api(ref e) if e.code == 422),
+        "{err:?}"
+    );
+    assert!(api.get("ok").await.unwrap().spec.autoscaling.is_none());
+    c.drop_namespace(&ns).await;
+}
+
+/// A vLLM engine pod created through the apiserver comes back wired by the Pod webhook; a pod
+/// no CacheBackend selects is admitted untouched.
+#[tokio::test]
+async fn engine_pod_is_wired_on_a_real_create() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("podwiring").await;
+    let backends = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
+    backends
+        .create(
+            &PostParams::default(),
+            &backend(
+                "hostcache",
+                json!({"runtime": "VLLM", "type": "LMCache",
+                       "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
+                       "engineSelector": {"matchLabels": {"app": "llm"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(c.admin.clone(), &ns);
+    let pod = |name: &str, app: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": app}},
+            "spec": {"containers": [{
+                "name": "vllm", "image": "vllm/vllm-openai:v0.11.2",
+                "command": ["vllm", "serve", "Qwen/Qwen3-8B"], "args": ["--port", "8000"]
+            }]}
+        }))
+        .unwrap()
+    };
+    // The webhook reads CacheBackends from a watch-backed store: the first pods may be created
+    // before the new backend reaches it. Each try is a new pod.
+    let mut n = 0;
+    let wired = wait_for("a wired engine pod", Duration::from_secs(30), || {
+        n += 1;
+        let p = pod(&format!("engine-{n}"), "llm");
+        let pods = pods.clone();
+        async move {
+            let created = pods.create(&PostParams::default(), &p).await.unwrap();
+            created
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_INJECTED_BY))
+                .is_some()
+                .then_some(created)
+        }
+    })
+    .await;
+    assert_eq!(
+        wired.metadata.annotations.as_ref().unwrap()[ANNOTATION_INJECTED_BY],
+        "hostcache"
+    );
+    let containers = &wired.spec.as_ref().unwrap().containers;
+    let engine = containers.iter().find(|c| c.name == "vllm").unwrap();
+    let env: Vec<&str> = engine
+        .env
+        .iter()
+        .flatten()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert!(env.iter().any(|e| e.starts_with("LMCACHE_")), "{env:?}");
+
+    let other = pods
+        .create(&PostParams::default(), &pod("unselected", "other"))
+        .await
+        .unwrap();
+    assert!(other
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .get(ANNOTATION_INJECTED_BY)
+        .is_none());
+    c.drop_namespace(&ns).await;
+}

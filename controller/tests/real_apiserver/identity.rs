@@ -1,0 +1,126 @@
+//! Agent identity with real ServiceAccount tokens: a TokenRequest bound to a Pod on a node,
+//! checked by the controller's TokenReview client running **as the chart's controller
+//! ServiceAccount** (so the chart's RBAC must allow the review), with the node the apiserver
+//! puts into the token.
+
+use std::sync::Arc;
+
+use ic_controller::ingest::auth::{AgentAuthenticator, AuthError, KubeTokenVerifier};
+use ic_shared::proto::Hello;
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::json;
+
+use crate::support::Cluster;
+
+const AUDIENCE: &str = "inference-cache";
+
+async fn ensure_node(c: &Cluster, name: &str) {
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    match Api::<Node>::all(c.admin.clone())
+        .create(&PostParams::default(), &node)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A pod of the agent's ServiceAccount on `node` and a token bound to it.
+async fn pod_token(c: &Cluster, ns: &str, pod: &str, node: &str, seconds: i64) -> String {
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": pod},
+        "spec": {"serviceAccountName": "inference-cache-agent", "nodeName": node,
+                 "containers": [{"name": "agent", "image": "ic-agent:test"}]}
+    }))
+    .unwrap();
+    let created = Api::<Pod>::namespaced(c.admin.clone(), ns)
+        .create(&PostParams::default(), &p)
+        .await
+        .unwrap();
+    let req: TokenRequest = serde_json::from_value(json!({
+        "spec": {"audiences": [AUDIENCE], "expirationSeconds": seconds,
+                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod,
+                                    "uid": created.metadata.uid}}
+    }))
+    .unwrap();
+    Api::<ServiceAccount>::namespaced(c.admin.clone(), ns)
+        .create_token_request("inference-cache-agent", &PostParams::default(), &req)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+}
+
+fn hello(node: &str, token: &str) -> Hello {
+    Hello {
+        node: node.to_string(),
+        token: token.to_string(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn agent_tokens_are_bound_to_their_node_and_pod() {
+    let c = Cluster::get().await;
+    let ns = c.env["IC_CLUSTER_NAMESPACE"].clone();
+    ensure_node(&c, "identity-node-a").await;
+    ensure_node(&c, "identity-node-b").await;
+    let suffix = std::process::id();
+    let pod_a = format!("agent-a-{suffix}");
+    let token_a = pod_token(&c, &ns, &pod_a, "identity-node-a", 3600).await;
+
+    // The TokenReview is sent with the controller's own credentials (the chart's RBAC).
+    let controller = c.client("IC_CLUSTER_CONTROLLER_KUBECONFIG").await;
+    let auth = AgentAuthenticator::new(
+        Arc::new(KubeTokenVerifier::new(controller)),
+        AUDIENCE,
+        format!("{ns}:inference-cache-agent").parse().unwrap(),
+    );
+    let id = auth
+        .authenticate(&hello("identity-node-a", &token_a))
+        .await
+        .unwrap();
+    assert_eq!(id.node, "identity-node-a");
+    assert_eq!(
+        id.username,
+        format!("system:serviceaccount:{ns}:inference-cache-agent")
+    );
+
+    // Node A's token cannot speak for node B.
+    let err = auth
+        .authenticate(&hello("identity-node-b", &token_a))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AuthError::NodeMismatch { .. }), "{err:?}");
+
+    // A string the apiserver never issued is refused by the review.
+    let err = auth
+        .authenticate(&hello("identity-node-a", "not-a-token"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AuthError::Rejected(_)), "{err:?}");
+
+    // Once its pod is gone, the bound token is refused.
+    Api::<Pod>::namespaced(c.admin.clone(), &ns)
+        .delete(&pod_a, &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let mut refused = None;
+    for _ in 0..50 {
+        match auth.authenticate(&hello("identity-node-a", &token_a)).await {
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+            Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+        }
+    }
+    assert!(
+        matches!(refused, Some(AuthError::Rejected(_))),
+        "a deleted pod's token: {refused:?}"
+    );
+}

@@ -1,0 +1,114 @@
+//! The real control plane of `scripts/cluster.sh up` (etcd + kube-apiserver +
+//! kube-controller-manager + kube-scheduler built from their Go modules, the chart's CRDs, RBAC,
+//! admission policies and webhooks installed, ic-controller running as the chart's
+//! ServiceAccount). These tests never skip: without a running cluster they fail and say how to
+//! start one.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use serde_json::json;
+
+/// What `scripts/cluster.sh up` wrote to `cluster.env`.
+pub struct Cluster {
+    /// `IC_CLUSTER_*` values.
+    pub env: HashMap<String, String>,
+    /// A client with the admin kubeconfig (`system:masters`).
+    pub admin: Client,
+}
+
+/// The state directory's `cluster.env`: `$IC_CLUSTER_DIR/cluster.env`, else
+/// `<workspace>/target/cluster/run/cluster.env`.
+pub fn env_file() -> PathBuf {
+    match std::env::var_os("IC_CLUSTER_DIR") {
+        Some(d) => PathBuf::from(d).join("cluster.env"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cluster/run/cluster.env"),
+    }
+}
+
+impl Cluster {
+    /// The running cluster. Panics (the test fails, it never skips) when there is none.
+    pub async fn get() -> Cluster {
+        let path = env_file();
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!(
+                "no real control plane: {} ({e}). Start one with `scripts/cluster.sh up` \
+                 (scripts/test.sh does this itself).",
+                path.display()
+            )
+        });
+        let env: HashMap<String, String> = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let admin = client_from(&env["IC_CLUSTER_KUBECONFIG"]).await;
+        Cluster { env, admin }
+    }
+
+    /// A client with the kubeconfig at `IC_CLUSTER_<key>`.
+    pub async fn client(&self, key: &str) -> Client {
+        client_from(&self.env[key]).await
+    }
+
+    /// A fresh namespace `<prefix>-<pid>-<n>` labelled `inferencecache.io/test=real-apiserver`
+    /// (deleted by [`Cluster::drop_namespace`]).
+    pub async fn namespace(&self, prefix: &str) -> String {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        let ns: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"inferencecache.io/test": "real-apiserver"}}
+        }))
+        .unwrap();
+        Api::<Namespace>::all(self.admin.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+        name
+    }
+
+    /// Deletes a test namespace (the controller-manager's namespace controller empties it).
+    pub async fn drop_namespace(&self, name: &str) {
+        let _ = Api::<Namespace>::all(self.admin.clone())
+            .delete(name, &DeleteParams::background())
+            .await;
+    }
+}
+
+async fn client_from(path: &str) -> Client {
+    let kc = Kubeconfig::read_from(path).unwrap();
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+/// Polls `f` every 200 ms until it returns `Some`, for at most `timeout`; panics naming `what`
+/// and the last value seen otherwise.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

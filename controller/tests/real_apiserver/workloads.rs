@@ -1,0 +1,229 @@
+//! The CacheBackend reconciler's children on a real apiserver: server-side apply that removes
+//! what the controller stopped applying, the replica count handed to an HPA without a dip, and
+//! garbage collection of the children when the CacheBackend goes.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use ic_controller::reconcile::cachebackend::{FIELD_MANAGER, HPA_HANDOVER_MANAGER};
+use ic_controller::reconcile::render::{label_value, LABEL_BACKEND};
+use ic_shared::crd::CacheBackend;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Client;
+use serde_json::{json, Value};
+
+use crate::support::{wait_for, Cluster};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A CacheBackend with a controller-managed Redis tier (a Deployment + Service per backend).
+fn managed_redis(name: &str, extra: Value) -> CacheBackend {
+    let mut v = json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name},
+        "spec": {
+            "runtime": "SGLang",
+            "type": "LMCache",
+            "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
+            "remoteStorage": {
+                "provider": "Redis",
+                "ownership": "Managed",
+                "redis": {"image": "docker.io/library/redis:7.4-alpine"}
+            },
+            "engineSelector": {"matchLabels": {"app": name}}
+        }
+    });
+    for (k, val) in extra.as_object().unwrap() {
+        v["spec"][k] = val.clone();
+    }
+    serde_json::from_value(v).unwrap()
+}
+
+async fn create(client: &Client, ns: &str, cb: &CacheBackend) {
+    Api::<CacheBackend>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), cb)
+        .await
+        .unwrap();
+}
+
+async fn backend_deployment(client: &Client, ns: &str, backend: &str) -> Option<Deployment> {
+    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(backend)));
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .list(&lp)
+        .await
+        .ok()?
+        .items
+        .into_iter()
+        .next()
+}
+
+fn node_selector(d: &Deployment) -> Option<Value> {
+    let spec = d.spec.as_ref()?.template.spec.as_ref()?;
+    spec.node_selector
+        .as_ref()
+        .map(|s| serde_json::to_value(s).unwrap())
+}
+
+/// Defect 1 of the real-control-plane issue: removing a `spec.template` override must reach the
+/// Deployment. Before the applied-digest annotation, `ensure()` saw the desired object as a
+/// subset of the live one and sent nothing: the pods stayed pinned.
+#[tokio::test]
+async fn removing_a_template_override_reaches_the_deployment() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("override").await;
+    let cb = managed_redis(
+        "pinned",
+        json!({"template": {
+            "nodeSelector": {"disktype": "ssd"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "cache", "effect": "NoSchedule"}]
+        }}),
+    );
+    create(&c.admin, &ns, &cb).await;
+    wait_for("the Deployment with the override", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "pinned").await?;
+        (node_selector(&d) == Some(json!({"disktype": "ssd"}))).then_some(())
+    })
+    .await;
+
+    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
+        .patch(
+            "pinned",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"template": null}})),
+        )
+        .await
+        .unwrap();
+    let d = wait_for("the override removed from the Deployment", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "pinned").await?;
+        node_selector(&d).is_none().then_some(d)
+    })
+    .await;
+    let pod = d.spec.unwrap().template.spec.unwrap();
+    assert!(
+        pod.tolerations.unwrap_or_default().is_empty(),
+        "tolerations removed with the override"
+    );
+    c.drop_namespace(&ns).await;
+}
+
+/// Defect 2 of the real-control-plane issue: turning autoscaling on for a 3-replica cache server
+/// must not pass through 1 replica. Server-side apply drops a field its manager stops applying;
+/// the handover manager keeps the count until the HPA owns it.
+#[tokio::test]
+async fn enabling_autoscaling_keeps_the_replica_count() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("autoscale").await;
+    create(
+        &c.admin,
+        &ns,
+        &managed_redis("scaled", json!({"replicas": 3})),
+    )
+    .await;
+    wait_for("3 replicas", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "scaled").await?;
+        (d.spec?.replicas == Some(3)).then_some(())
+    })
+    .await;
+
+    // Every replica count the Deployment passes through, from a real watch.
+    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let seen_w = seen.clone();
+    let api = Api::<Deployment>::namespaced(c.admin.clone(), &ns);
+    let watch = tokio::spawn(async move {
+        let mut s = watcher(api, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        while let Some(Ok(d)) = s.next().await {
+            if let Some(r) = d.spec.and_then(|s| s.replicas) {
+                seen_w.lock().unwrap().push(r);
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
+        .patch(
+            "scaled",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"autoscaling": {"maxReplicas": 6}}})),
+        )
+        .await
+        .unwrap();
+    let hpas = Api::<HorizontalPodAutoscaler>::namespaced(c.admin.clone(), &ns);
+    let hpa = wait_for("the HPA", WAIT, || async {
+        hpas.list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
+    })
+    .await;
+    assert_eq!(hpa.spec.as_ref().unwrap().min_replicas, Some(3));
+    // A few more reconciles (the HPA's own write triggers one) before judging.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    watch.abort();
+
+    let d = backend_deployment(&c.admin, &ns, "scaled").await.unwrap();
+    assert_eq!(d.spec.as_ref().unwrap().replicas, Some(3));
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter().all(|&r| r == 3),
+        "the replica count dipped: {seen:?}"
+    );
+    // The controller no longer owns spec.replicas; the handover manager (then the HPA) does.
+    let owners: Vec<String> = d
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| {
+            m.fields_v1
+                .as_ref()
+                .is_some_and(|f| f.0.pointer("/f:spec/f:replicas").is_some())
+        })
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(!owners.iter().any(|m| m == FIELD_MANAGER), "{owners:?}");
+    assert!(
+        owners
+            .iter()
+            .any(|m| m == HPA_HANDOVER_MANAGER || m == "kube-controller-manager"),
+        "{owners:?}"
+    );
+    c.drop_namespace(&ns).await;
+}
+
+/// The children carry owner references the real garbage collector (kube-controller-manager)
+/// follows: deleting the CacheBackend removes its Deployment and Service.
+#[tokio::test]
+async fn deleting_a_backend_collects_its_children() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("gc").await;
+    create(&c.admin, &ns, &managed_redis("owned", json!({}))).await;
+    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}=owned"));
+    let services = Api::<Service>::namespaced(c.admin.clone(), &ns);
+    wait_for("the Deployment and Service", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "owned").await;
+        let s = services.list(&lp).await.ok()?.items;
+        (d.is_some() && !s.is_empty()).then_some(())
+    })
+    .await;
+    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
+        .delete("owned", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    wait_for("the children collected", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "owned").await;
+        let s = services.list(&lp).await.ok()?.items;
+        (d.is_none() && s.is_empty()).then_some(())
+    })
+    .await;
+    c.drop_namespace(&ns).await;
+}

@@ -1,0 +1,309 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane on loopback, with the chart's CRDs, RBAC, admission policies and
+# webhooks installed and ic-controller answering them (docs/real-cluster.md).
+#
+#   scripts/cluster.sh up      build (cached) and start: etcd, kube-apiserver, kube-controller-manager,
+#                              kube-scheduler, then install the chart's objects and start the
+#                              controller as the chart's ServiceAccount; prints
+#                              `export KUBECONFIG=<admin kubeconfig>` as its last line
+#   scripts/cluster.sh down    stop everything `up` started and remove its state
+#   scripts/cluster.sh status  say what runs (exit 0 only when all of it does)
+#   scripts/cluster.sh env     print the file the tests read (see below)
+#
+# Both `up` and `down` are idempotent: `up` on a running cluster only prints the export line.
+# Binaries are built from their Go modules by cluster/build.sh into target/cluster/bin (versions
+# in cluster/versions.env; a matching stamp skips the build). Everything listens on 127.0.0.1.
+#
+# State lives in $IC_CLUSTER_DIR (default target/cluster/run): pki/, etcd data, logs/ (one per
+# component), audit.log (every request with its user, verb and response code), admin.kubeconfig,
+# controller.kubeconfig (a TokenRequest token of the chart's controller ServiceAccount: the
+# controller gets exactly the chart's RBAC) and cluster.env (ports and paths, read by the
+# real-apiserver tests: controller/tests/real_apiserver*.rs).
+#
+# Ports (environment): IC_CLUSTER_ETCD_PORT (23791; peer = +1), IC_CLUSTER_API_PORT (16443),
+# IC_CLUSTER_WEBHOOK_PORT (19443), IC_CLUSTER_GRPC_PORT (15051), IC_CLUSTER_HTTP_PORT (18080).
+# IC_CONTROLLER_BIN: the ic-controller to run (default target/debug/ic-controller; built with
+# `cargo build -p ic-controller` when missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+state="${IC_CLUSTER_DIR:-$root/target/cluster/run}"
+bin="$root/target/cluster/bin"
+etcd_port="${IC_CLUSTER_ETCD_PORT:-23791}"
+etcd_peer_port=$((etcd_port + 1))
+api_port="${IC_CLUSTER_API_PORT:-16443}"
+webhook_port="${IC_CLUSTER_WEBHOOK_PORT:-19443}"
+grpc_port="${IC_CLUSTER_GRPC_PORT:-15051}"
+http_port="${IC_CLUSTER_HTTP_PORT:-18080}"
+controller_bin="${IC_CONTROLLER_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-controller}"
+namespace=inference-cache
+components=(etcd kube-apiserver kube-controller-manager kube-scheduler ic-controller)
+
+log() { echo "cluster: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+alive() { # component
+  local f="$state/pids/$1"
+  [[ -f "$f" ]] && kill -0 "$(cat "$f")" 2>/dev/null
+}
+
+kubectl_admin() { "$bin/kubectl" --kubeconfig "$state/admin.kubeconfig" "$@"; }
+
+wait_for() { # what seconds command...
+  local what=$1 secs=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS >= deadline)); then
+      die "$what not ready after ${secs}s (logs: $state/logs/)"
+    fi
+    sleep 0.5
+  done
+}
+
+start() { # component command...
+  local name=$1; shift
+  if alive "$name"; then return; fi
+  mkdir -p "$state/pids" "$state/logs"
+  setsid "$@" >"$state/logs/$name.log" 2>&1 < /dev/null &
+  echo $! > "$state/pids/$name"
+}
+
+cert() { # name subject san(or "") [ca-prefix] [eku]
+  local name=$1 subj=$2 san=$3 ca=${4:-ca} eku=${5:-clientAuth}
+  local d="$state/pki"
+  [[ -f "$d/$name.crt" ]] && return
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$d/$name.key" 2>/dev/null
+  openssl req -new -key "$d/$name.key" -subj "$subj" -out "$d/$name.csr" 2>/dev/null
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=$eku"
+    [[ -n "$san" ]] && echo "subjectAltName=$san"
+  } > "$d/$name.ext"
+  openssl x509 -req -in "$d/$name.csr" -CA "$d/$ca.crt" -CAkey "$d/$ca.key" -CAcreateserial \
+    -days 365 -sha256 -extfile "$d/$name.ext" -out "$d/$name.crt" 2>/dev/null
+  rm -f "$d/$name.csr" "$d/$name.ext"
+}
+
+ca() { # name cn
+  local d="$state/pki"
+  [[ -f "$d/$1.crt" ]] && return
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$d/$1.key" 2>/dev/null
+  openssl req -x509 -new -key "$d/$1.key" -subj "/CN=$2" -days 365 -sha256 \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    -out "$d/$1.crt" 2>/dev/null
+}
+
+kubeconfig() { # file user cert-name | file user token-file
+  local file=$1 user=$2 cred=$3 kind=${4:-cert}
+  {
+    echo "apiVersion: v1"
+    echo "kind: Config"
+    echo "clusters:"
+    echo "- name: local"
+    echo "  cluster:"
+    echo "    server: https://127.0.0.1:$api_port"
+    echo "    certificate-authority-data: $(base64 -w0 "$state/pki/ca.crt")"
+    echo "users:"
+    echo "- name: $user"
+    echo "  user:"
+    if [[ $kind == cert ]]; then
+      echo "    client-certificate-data: $(base64 -w0 "$state/pki/$cred.crt")"
+      echo "    client-key-data: $(base64 -w0 "$state/pki/$cred.key")"
+    else
+      echo "    token: $(cat "$cred")"
+    fi
+    echo "contexts:"
+    echo "- name: local"
+    echo "  context: {cluster: local, user: $user}"
+    echo "current-context: local"
+  } > "$file"
+  chmod 600 "$file"
+}
+
+pki() {
+  mkdir -p "$state/pki"
+  ca ca inference-cache-local-ca
+  ca webhook-ca inference-cache-local-webhook-ca
+  cert apiserver "/CN=kube-apiserver" \
+    "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local" \
+    ca serverAuth
+  cert admin "/O=system:masters/CN=kubernetes-admin" ""
+  cert kcm "/CN=system:kube-controller-manager" ""
+  cert scheduler "/CN=system:kube-scheduler" ""
+  # The controller's webhook serving certificate: the loopback address the webhook
+  # configurations name, and the chart Service's names.
+  local svc=inference-cache-webhook
+  cert webhook "/CN=$svc.$namespace.svc" \
+    "IP:127.0.0.1,DNS:$svc,DNS:$svc.$namespace,DNS:$svc.$namespace.svc,DNS:$svc.$namespace.svc.cluster.local" \
+    webhook-ca serverAuth
+  mkdir -p "$state/webhook-certs"
+  cp "$state/pki/webhook.crt" "$state/webhook-certs/tls.crt"
+  cp "$state/pki/webhook.key" "$state/webhook-certs/tls.key"
+  [[ -f "$state/pki/sa.key" ]] || {
+    openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$state/pki/sa.key" 2>/dev/null
+    openssl pkey -in "$state/pki/sa.key" -pubout -out "$state/pki/sa.pub" 2>/dev/null
+  }
+  kubeconfig "$state/admin.kubeconfig" kubernetes-admin admin
+  kubeconfig "$state/kcm.kubeconfig" system:kube-controller-manager kcm
+  kubeconfig "$state/scheduler.kubeconfig" system:kube-scheduler scheduler
+}
+
+audit_policy() {
+  # Every request, with its user and response code (Metadata level: no bodies). The
+  # least-privilege tests read this log (controller/tests/real_apiserver_rbac.rs).
+  cat > "$state/audit-policy.yaml" <<'EOF'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+EOF
+}
+
+up() {
+  local t0=$SECONDS
+  command -v openssl >/dev/null || die "needs openssl"
+  log "building the control plane (cached in $bin; versions in cluster/versions.env)"
+  OUT_DIR="$bin" cluster/build.sh
+  log "binaries ready after $((SECONDS - t0)) s"
+  if [[ ! -x "$controller_bin" ]]; then
+    log "building ic-controller ($controller_bin)"
+    cargo build -p ic-controller --bin ic-controller --locked
+  fi
+  mkdir -p "$state"
+  pki
+  audit_policy
+
+  start etcd "$bin/etcd" --name local --data-dir "$state/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer_port" \
+    --initial-cluster "local=http://127.0.0.1:$etcd_peer_port" --listen-metrics-urls "" \
+    --unsafe-no-fsync --log-level warn
+  wait_for etcd 60 curl -sf "http://127.0.0.1:$etcd_port/health"
+
+  start kube-apiserver "$bin/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$etcd_port" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
+    --tls-cert-file "$state/pki/apiserver.crt" --tls-private-key-file "$state/pki/apiserver.key" \
+    --client-ca-file "$state/pki/ca.crt" \
+    --service-account-key-file "$state/pki/sa.pub" --service-account-signing-key-file "$state/pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --authorization-mode RBAC --enable-admission-plugins NodeRestriction \
+    --service-cluster-ip-range 10.96.0.0/12 --allow-privileged=true \
+    --audit-policy-file "$state/audit-policy.yaml" --audit-log-path "$state/audit.log" \
+    --audit-log-maxsize 0 --audit-log-mode batch --audit-log-batch-max-wait 1s \
+    --etcd-compaction-interval 1m --profiling=false
+  wait_for kube-apiserver 120 curl -sf --cacert "$state/pki/ca.crt" \
+    --cert "$state/pki/admin.crt" --key "$state/pki/admin.key" "https://127.0.0.1:$api_port/readyz"
+
+  start kube-controller-manager "$bin/kube-controller-manager" \
+    --kubeconfig "$state/kcm.kubeconfig" --authentication-kubeconfig "$state/kcm.kubeconfig" \
+    --authorization-kubeconfig "$state/kcm.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port $((api_port + 1)) --leader-elect=false \
+    --service-account-private-key-file "$state/pki/sa.key" --root-ca-file "$state/pki/ca.crt" \
+    --cluster-signing-cert-file "$state/pki/ca.crt" --cluster-signing-key-file "$state/pki/ca.key" \
+    --use-service-account-credentials --profiling=false
+  start kube-scheduler "$bin/kube-scheduler" \
+    --kubeconfig "$state/scheduler.kubeconfig" --authentication-kubeconfig "$state/scheduler.kubeconfig" \
+    --authorization-kubeconfig "$state/scheduler.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port $((api_port + 2)) --leader-elect=false --profiling=false
+
+  # The chart's objects (rendered by Helm's Go SDK) and CRDs.
+  bash scripts/chart-venv.sh
+  .venv/chart-tests/bin/python cluster/chart_objects.py "$state" "$state/pki/webhook-ca.crt" \
+    "$webhook_port" "$grpc_port" "$http_port" "$state/webhook-certs"
+  kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f chart/crds/ >/dev/null
+  kubectl_admin wait --for condition=Established --timeout=60s crd --all >/dev/null
+  # The webhook configurations go in once the controller answers (below): a CacheBackend
+  # webhook that fails closed would otherwise refuse writes while it starts.
+  .venv/chart-tests/bin/python - "$state" <<'EOF'
+import sys, yaml
+from pathlib import Path
+state = Path(sys.argv[1])
+docs = list(yaml.safe_load_all((state / "objects.yaml").read_text()))
+hooks = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
+rest = [d for d in docs if not d["kind"].endswith("WebhookConfiguration")]
+(state / "objects-base.yaml").write_text(yaml.safe_dump_all(rest, sort_keys=False))
+(state / "objects-webhooks.yaml").write_text(yaml.safe_dump_all(hooks, sort_keys=False))
+EOF
+  kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f "$state/objects-base.yaml" >/dev/null
+
+  # The controller as the chart's ServiceAccount: a bound token of that account, nothing else.
+  local sa
+  sa="$(kubectl_admin get sa -n "$namespace" -o name | sed -n 's#serviceaccount/\(.*-controller\)$#\1#p' | head -1)"
+  [[ -n "$sa" ]] || die "the chart rendered no controller ServiceAccount in $namespace"
+  kubectl_admin create token "$sa" -n "$namespace" --duration 48h > "$state/controller.token"
+  kubeconfig "$state/controller.kubeconfig" "system:serviceaccount:$namespace:$sa" "$state/controller.token" token
+  mapfile -t args < "$state/controller-args"
+  POD_NAMESPACE=$namespace POD_NAME=ic-controller-local IC_LEADER_ELECTION_IDENTITY=ic-controller-local \
+    start ic-controller "$controller_bin" "${args[@]}" --kubeconfig "$state/controller.kubeconfig"
+  wait_for ic-controller 60 curl -sf "http://127.0.0.1:$http_port/readyz"
+  kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f "$state/objects-webhooks.yaml" >/dev/null
+
+  # The webhooks answer the apiserver: a server-side dry run of a CacheBackend goes through both.
+  wait_for "the CacheBackend webhooks" 60 kubectl_admin create --dry-run=server -n default -f - <<'EOF'
+apiVersion: inferencecache.io/v1alpha1
+kind: CacheBackend
+metadata: {name: webhook-ready}
+spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
+EOF
+
+  cat > "$state/cluster.env" <<EOF
+IC_CLUSTER_KUBECONFIG=$state/admin.kubeconfig
+IC_CLUSTER_CONTROLLER_KUBECONFIG=$state/controller.kubeconfig
+IC_CLUSTER_AUDIT_LOG=$state/audit.log
+IC_CLUSTER_API=https://127.0.0.1:$api_port
+IC_CLUSTER_CA=$state/pki/ca.crt
+IC_CLUSTER_WEBHOOK_PORT=$webhook_port
+IC_CLUSTER_GRPC_PORT=$grpc_port
+IC_CLUSTER_HTTP_PORT=$http_port
+IC_CLUSTER_NAMESPACE=$namespace
+IC_CLUSTER_CONTROLLER_PID=$(cat "$state/pids/ic-controller")
+IC_CLUSTER_CONTROLLER_BIN=$controller_bin
+IC_CLUSTER_BIN=$bin
+IC_CLUSTER_STATE=$state
+EOF
+  log "up in $((SECONDS - t0)) s: kube-apiserver https://127.0.0.1:$api_port, controller webhooks https://127.0.0.1:$webhook_port (logs: $state/logs/)"
+  echo "export KUBECONFIG=$state/admin.kubeconfig"
+}
+
+down() {
+  local c pid
+  for ((i = ${#components[@]} - 1; i >= 0; i--)); do
+    c=${components[$i]}
+    if alive "$c"; then
+      pid=$(cat "$state/pids/$c")
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+  done
+  rm -rf "$state"
+  log "down"
+}
+
+status() {
+  local ok=0 c
+  for c in "${components[@]}"; do
+    if alive "$c"; then echo "$c: running (pid $(cat "$state/pids/$c"))"; else echo "$c: not running"; ok=1; fi
+  done
+  return $ok
+}
+
+case "${1:-}" in
+  up)
+    if status >/dev/null 2>&1 && [[ -f "$state/cluster.env" ]]; then
+      log "already up"
+      echo "export KUBECONFIG=$state/admin.kubeconfig"
+    else
+      # A partial earlier start (a component died) is cleared first.
+      down 2>/dev/null
+      up
+    fi
+    ;;
+  down) down ;;
+  status) status ;;
+  env) echo "$state/cluster.env" ;;
+  *) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
