@@ -565,6 +565,11 @@ fn parse_tokens(spec: &str) -> anyhow::Result<Vec<u32>> {
 }
 
 fn main() -> std::process::ExitCode {
+    // One TLS provider for the whole process (the webhook server, the kube client): rustls picks
+    // one by itself only when exactly one is compiled in, and a build that unifies features with
+    // another crate's (the test build does) has two — it then panics at the first handshake.
+    // Err means one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     telemetry::exit_code(run_main())
 }
 

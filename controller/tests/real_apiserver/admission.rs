@@ -23,9 +23,9 @@ fn backend(name: &str, spec: Value) -> CacheBackend {
 }
 
 /// The API error of a refused create (panics when it was admitted).
-async fn refused(api: &Api<CacheBackend>, cb: &CacheBackend) -> kube::core::ErrorResponse {
+async fn refused(api: &Api<CacheBackend>, cb: &CacheBackend) -> kube::core::Status {
     match api.create(&PostParams::default(), cb).await {
-        Err(kube::Error::Api(e)) => e,
+        Err(kube::Error::Api(e)) => *e,
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
@@ -60,7 +60,11 @@ async fn cachebackend_is_defaulted_through_the_apiserver() {
             &PostParams::default(),
             &backend(
                 "scaled",
-                json!({"runtime": "VLLM", "replicas": 2, "autoscaling": {"maxReplicas": 4},
+                json!({"runtime": "SGLang", "type": "LMCache", "replicas": 2,
+                       "autoscaling": {"maxReplicas": 4},
+                       "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
+                       "remoteStorage": {"provider": "Redis", "ownership": "Managed",
+                                         "redis": {"image": "redis:7.4-alpine"}},
                        "engineSelector": {"matchLabels": {"app": "y"}}}),
             ),
         )
@@ -112,15 +116,24 @@ async fn invalid_cachebackends_are_refused_with_the_field() {
         "{e:?}"
     );
 
-    // Schema: an unknown runtime is refused by the enum.
-    let e = refused(
-        &api,
-        &backend(
+    // Schema: an unknown runtime is refused by the enum (sent as raw JSON: our own type
+    // cannot even hold it).
+    let raw = json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+        "metadata": {"name": "unknown"},
+        "spec": {"runtime": "TGI", "engineSelector": {"matchLabels": {"app": "x"}}}
+    });
+    let e = match api
+        .patch(
             "unknown",
-            json!({"runtime": "TGI", "engineSelector": {"matchLabels": {"app": "x"}}}),
-        ),
-    )
-    .await;
+            &PatchParams::apply("real-apiserver-test"),
+            &Patch::Apply(raw),
+        )
+        .await
+    {
+        Err(kube::Error::Api(e)) => *e,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
     assert_eq!(e.code, 422, "{e:?}");
     assert!(e.message.contains("spec.runtime"), "{e:?}");
 
@@ -201,7 +214,7 @@ async fn engine_pod_is_wired_on_a_real_create() {
     .await;
     assert_eq!(
         wired.metadata.annotations.as_ref().unwrap()[ANNOTATION_INJECTED_BY],
-        "hostcache"
+        format!("{ns}/hostcache")
     );
     let containers = &wired.spec.as_ref().unwrap().containers;
     let engine = containers.iter().find(|c| c.name == "vllm").unwrap();

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
@@ -36,6 +36,8 @@ pub fn env_file() -> PathBuf {
 impl Cluster {
     /// The running cluster. Panics (the test fails, it never skips) when there is none.
     pub async fn get() -> Cluster {
+        // The test build has two rustls providers (features unified with dev-dependencies).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let path = env_file();
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
             panic!(
@@ -75,6 +77,15 @@ impl Cluster {
             .create(&PostParams::default(), &ns)
             .await
             .unwrap();
+        // Pods need the namespace's `default` ServiceAccount, which the controller-manager
+        // creates a moment later.
+        let sas = Api::<ServiceAccount>::namespaced(self.admin.clone(), &name);
+        wait_for(
+            "the default ServiceAccount",
+            Duration::from_secs(30),
+            || async { sas.get_opt("default").await.ok().flatten() },
+        )
+        .await;
         name
     }
 
