@@ -189,7 +189,7 @@ up() {
     --client-ca-file "$state/pki/ca.crt" \
     --service-account-key-file "$state/pki/sa.pub" --service-account-signing-key-file "$state/pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
-    --authorization-mode RBAC --enable-admission-plugins NodeRestriction \
+    --authorization-mode RBAC --enable-admission-plugins NodeRestriction,OwnerReferencesPermissionEnforcement \
     --service-cluster-ip-range 10.96.0.0/12 --allow-privileged=true \
     --audit-policy-file "$state/audit-policy.yaml" --audit-log-path "$state/audit.log" \
     --audit-log-maxsize 0 --audit-log-mode batch --audit-log-batch-max-wait 1s \

@@ -7,53 +7,10 @@ use std::sync::Arc;
 
 use ic_controller::ingest::auth::{AgentAuthenticator, AuthError, KubeTokenVerifier};
 use ic_shared::proto::Hello;
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
-use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams};
 
-use crate::support::Cluster;
-
-const AUDIENCE: &str = "inference-cache";
-
-async fn ensure_node(c: &Cluster, name: &str) {
-    let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
-    match Api::<Node>::all(c.admin.clone())
-        .create(&PostParams::default(), &node)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("{e}"),
-    }
-}
-
-/// A pod of the agent's ServiceAccount on `node` and a token bound to it.
-async fn pod_token(c: &Cluster, ns: &str, pod: &str, node: &str, seconds: i64) -> String {
-    let p: Pod = serde_json::from_value(json!({
-        "metadata": {"name": pod},
-        "spec": {"serviceAccountName": "inference-cache-agent", "nodeName": node,
-                 "containers": [{"name": "agent", "image": "ic-agent:test"}]}
-    }))
-    .unwrap();
-    let created = Api::<Pod>::namespaced(c.admin.clone(), ns)
-        .create(&PostParams::default(), &p)
-        .await
-        .unwrap();
-    let req: TokenRequest = serde_json::from_value(json!({
-        "spec": {"audiences": [AUDIENCE], "expirationSeconds": seconds,
-                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod,
-                                    "uid": created.metadata.uid}}
-    }))
-    .unwrap();
-    Api::<ServiceAccount>::namespaced(c.admin.clone(), ns)
-        .create_token_request("inference-cache-agent", &PostParams::default(), &req)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .token
-}
+use crate::support::{ensure_node, pod_token, Cluster, AUDIENCE};
 
 fn hello(node: &str, token: &str) -> Hello {
     Hello {
@@ -67,11 +24,11 @@ fn hello(node: &str, token: &str) -> Hello {
 async fn agent_tokens_are_bound_to_their_node_and_pod() {
     let c = Cluster::get().await;
     let ns = c.env["IC_CLUSTER_NAMESPACE"].clone();
-    ensure_node(&c, "identity-node-a").await;
-    ensure_node(&c, "identity-node-b").await;
+    ensure_node(&c.admin, "identity-node-a").await;
+    ensure_node(&c.admin, "identity-node-b").await;
     let suffix = std::process::id();
     let pod_a = format!("agent-a-{suffix}");
-    let token_a = pod_token(&c, &ns, &pod_a, "identity-node-a", 3600).await;
+    let token_a = pod_token(&c.admin, &ns, &pod_a, "identity-node-a", 3600).await;
 
     // The TokenReview is sent with the controller's own credentials (the chart's RBAC).
     let controller = c.client("IC_CLUSTER_CONTROLLER_KUBECONFIG").await;

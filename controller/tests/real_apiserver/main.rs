@@ -14,7 +14,10 @@
 mod support;
 
 mod admission;
+mod data_plane;
 mod events;
+mod followers;
 mod identity;
 mod leader;
+mod nodes;
 mod workloads;

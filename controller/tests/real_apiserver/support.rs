@@ -10,11 +10,15 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde_json::json;
+
+/// The audience agents' tokens carry (the chart's `auth.tokenAudience`).
+pub const AUDIENCE: &str = "inference-cache";
 
 /// What `scripts/cluster.sh up` wrote to `cluster.env`.
 pub struct Cluster {
@@ -122,4 +126,59 @@ where
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Creates Node `name` (no kubelet behind it) unless it exists.
+pub async fn ensure_node(admin: &Client, name: &str) {
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    match Api::<Node>::all(admin.clone())
+        .create(&PostParams::default(), &node)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A pod of the agent's ServiceAccount on `node` in `ns` and a token for [`AUDIENCE`] bound to
+/// it, valid for `seconds`.
+pub async fn pod_token(admin: &Client, ns: &str, pod: &str, node: &str, seconds: i64) -> String {
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": pod},
+        "spec": {"serviceAccountName": "inference-cache-agent", "nodeName": node,
+                 "containers": [{"name": "agent", "image": "ic-agent:test"}]}
+    }))
+    .unwrap();
+    let created = Api::<Pod>::namespaced(admin.clone(), ns)
+        .create(&PostParams::default(), &p)
+        .await
+        .unwrap();
+    let req: TokenRequest = serde_json::from_value(json!({
+        "spec": {"audiences": [AUDIENCE], "expirationSeconds": seconds,
+                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod,
+                                    "uid": created.metadata.uid}}
+    }))
+    .unwrap();
+    Api::<ServiceAccount>::namespaced(admin.clone(), ns)
+        .create_token_request("inference-cache-agent", &PostParams::default(), &req)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+}
+
+/// A binary of this workspace's debug build (`scripts/test.sh` builds them all first).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let path = target.join("debug").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo build -p {name}` (scripts/test.sh builds every binary first)",
+        path.display()
+    );
+    path
 }

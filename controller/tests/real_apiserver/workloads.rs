@@ -9,7 +9,7 @@ use futures::StreamExt;
 use ic_controller::reconcile::cachebackend::{FIELD_MANAGER, HPA_HANDOVER_MANAGER};
 use ic_controller::reconcile::render::{label_value, LABEL_BACKEND};
 use ic_shared::crd::CacheBackend;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -225,5 +225,86 @@ async fn deleting_a_backend_collects_its_children() {
         (d.is_none() && s.is_empty()).then_some(())
     })
     .await;
+    c.drop_namespace(&ns).await;
+}
+
+async fn count_children(client: &Client, ns: &str, backend: &str) -> (usize, usize, usize, usize) {
+    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(backend)));
+    let n = |r: Result<usize, kube::Error>| r.unwrap_or(usize::MAX);
+    (
+        n(Api::<Deployment>::namespaced(client.clone(), ns)
+            .list(&lp)
+            .await
+            .map(|l| l.items.len())),
+        n(Api::<StatefulSet>::namespaced(client.clone(), ns)
+            .list(&lp)
+            .await
+            .map(|l| l.items.len())),
+        n(Api::<Service>::namespaced(client.clone(), ns)
+            .list(&lp)
+            .await
+            .map(|l| l.items.len())),
+        n(
+            Api::<HorizontalPodAutoscaler>::namespaced(client.clone(), ns)
+                .list(&lp)
+                .await
+                .map(|l| l.items.len()),
+        ),
+    )
+}
+
+/// A backend walked through its modes: the controller creates what each mode needs and deletes
+/// what the previous one left (Deployment → StatefulSet, autoscaling on → off, managed remote
+/// storage → host-only), every write as the chart's ServiceAccount under its admission policy.
+#[tokio::test]
+async fn mode_changes_shed_what_the_previous_mode_owned() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("modes").await;
+    let api = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
+    create(
+        &c.admin,
+        &ns,
+        &managed_redis("walk", json!({"autoscaling": {"maxReplicas": 3}})),
+    )
+    .await;
+    let expect = |want: (usize, usize, usize, usize), what: &'static str| {
+        let (client, ns) = (c.admin.clone(), ns.clone());
+        async move {
+            wait_for(what, WAIT, || {
+                let (client, ns) = (client.clone(), ns.clone());
+                async move {
+                    let got = count_children(&client, &ns, "walk").await;
+                    (got == want).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    expect((1, 0, 1, 1), "Deployment + Service + HPA").await;
+    let merge = |v: Value| Patch::Merge(v);
+    api.patch(
+        "walk",
+        &PatchParams::default(),
+        &merge(json!({"spec": {"deploymentKind": "StatefulSet"}})),
+    )
+    .await
+    .unwrap();
+    expect((0, 1, 1, 1), "StatefulSet in place of the Deployment").await;
+    api.patch(
+        "walk",
+        &PatchParams::default(),
+        &merge(json!({"spec": {"autoscaling": null}})),
+    )
+    .await
+    .unwrap();
+    expect((0, 1, 1, 0), "the HPA removed").await;
+    api.patch(
+        "walk",
+        &PatchParams::default(),
+        &merge(json!({"spec": {"remoteStorage": null}})),
+    )
+    .await
+    .unwrap();
+    expect((0, 0, 0, 0), "nothing left for host-only").await;
     c.drop_namespace(&ns).await;
 }
