@@ -349,3 +349,59 @@ fn decisions_and_truthiness() {
         }
     );
 }
+
+/// A pod a CacheBackend selects that carries no decision annotation was admitted without the
+/// webhook (fail-open): it gets the reason; decided, opted-out and unselected pods do not.
+#[test]
+fn selected_pods_the_webhook_never_saw_are_named() {
+    use ic_controller::reconcile::engine_pods::admitted_without_webhook;
+    let cb: CacheBackend = serde_json::from_value(serde_json::json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+        "metadata": {"name": "kv", "namespace": "ml", "uid": "u1"},
+        "spec": {"runtime": "VLLM", "engineSelector": {"matchLabels": {"app": "llm"}}}
+    }))
+    .unwrap();
+    let backends = vec![Arc::new(cb)];
+    let pod = |labels: serde_json::Value, annotations: serde_json::Value| -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml", "labels": labels, "annotations": annotations},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}
+        }))
+        .unwrap()
+    };
+    let why = admitted_without_webhook(
+        &pod(serde_json::json!({"app": "llm"}), serde_json::json!({})),
+        &backends,
+    )
+    .unwrap();
+    assert!(why.starts_with("CacheBackend ml/kv: "), "{why}");
+    for (labels, annotations) in [
+        (
+            serde_json::json!({"app": "llm"}),
+            serde_json::json!({BY: "ml/kv"}),
+        ),
+        (
+            serde_json::json!({"app": "llm"}),
+            serde_json::json!({"inferencecache.io/not-injected": "x"}),
+        ),
+        (
+            serde_json::json!({"app": "llm"}),
+            serde_json::json!({SKIPPED: "skip-inject-annotation"}),
+        ),
+        (
+            serde_json::json!({"app": "llm", "inferencecache.io/webhook": "disabled"}),
+            serde_json::json!({}),
+        ),
+        (serde_json::json!({"app": "other"}), serde_json::json!({})),
+    ] {
+        assert_eq!(
+            admitted_without_webhook(&pod(labels.clone(), annotations.clone()), &backends),
+            None,
+            "{labels} {annotations}"
+        );
+    }
+    let elsewhere = pod(serde_json::json!({"app": "llm"}), serde_json::json!({}));
+    let mut other_ns = elsewhere.clone();
+    other_ns.metadata.namespace = Some("other".into());
+    assert_eq!(admitted_without_webhook(&other_ns, &backends), None);
+}

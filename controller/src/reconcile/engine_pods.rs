@@ -14,6 +14,7 @@
 //! | truthy `skip-inject` + `inject-skipped: skip-inject-annotation` | — | Normal `SkippedByOperator` |
 //! | `not-injected: CacheBackend ns/name: reason` (a selected pod the webhook admitted unwired) | — | Warning `NotInjected` with the reason |
 //! | only one of the two skip annotations | — | none |
+//! | no decision annotation at all, but a CacheBackend of the namespace selects the pod (the webhook never saw it: unreachable, timed out, or the pod predates the backend) | — | Warning `NotInjected` saying so ([`admitted_without_webhook`]) |
 //!
 //! Each (pod UID, reason) is recorded once, ever: the Event's name is derived from the pod UID
 //! and the reason ([`super::cachebackend::events::once_event_name`]), so after a controller
@@ -36,9 +37,11 @@ use kube::{Client, Resource};
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use kube::runtime::reflector::Store;
+
 use super::annotations::{
     INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, NOT_INJECTED,
-    SKIP_INJECT,
+    SKIP_INJECT, WEBHOOK_OPT_OUT,
 };
 use super::cachebackend::events::{reason, EventSink, EventSpec, Recorded};
 
@@ -107,6 +110,33 @@ pub fn decide(pod: &Pod) -> PodDecision {
     }
 }
 
+/// Why `pod` is not wired although a CacheBackend of its namespace selects it, when the Pod
+/// webhook never decided about it: no decision annotation at all (the webhook writes one on every
+/// pod it selects). That happens when the API server admitted the pod without the webhook — the
+/// webhook unreachable or past its timeout (it fails open, spec 000 "Fail-open") — or when the
+/// pod was created before the CacheBackend. `None` for a pod with a decision, one no backend
+/// selects, or one labelled [`WEBHOOK_OPT_OUT`]`=disabled` (pure).
+pub fn admitted_without_webhook(pod: &Pod, backends: &[Arc<CacheBackend>]) -> Option<String> {
+    let annotations = pod.metadata.annotations.as_ref();
+    let decided = [INJECTED_BY, NOT_INJECTED, INJECT_SKIPPED]
+        .iter()
+        .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    if decided || labels.get(WEBHOOK_OPT_OUT).map(String::as_str) == Some("disabled") {
+        return None;
+    }
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+    let cb = crate::admission::pod::selecting_backends(backends, namespace, &labels)
+        .first()
+        .copied()?;
+    Some(format!(
+        "CacheBackend {namespace}/{}: selects this pod, but the Pod webhook did not see it \
+         (unreachable or past its timeout when the pod was created, or the pod predates the \
+         CacheBackend)",
+        cb.metadata.name.as_deref().unwrap_or_default()
+    ))
+}
+
 /// A failure of the engine-pod Events controller.
 #[derive(Debug, Error)]
 pub enum PodEventsError {
@@ -131,6 +161,9 @@ pub struct PodEventsContext {
     pub events: Arc<dyn EventSink>,
     /// True while this replica holds the Lease (only the holder records Events).
     pub leader: Arc<std::sync::atomic::AtomicBool>,
+    /// Every CacheBackend (a watch-backed store), to find selected pods the webhook never saw
+    /// ([`admitted_without_webhook`]); `None` leaves them without an Event.
+    pub backends: Option<Store<CacheBackend>>,
     recorded: Mutex<HashSet<(String, &'static str)>>,
 }
 
@@ -145,8 +178,16 @@ impl PodEventsContext {
             client,
             events,
             leader,
+            backends: None,
             recorded: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Also records `NotInjected` on selected pods the webhook never saw, reading CacheBackends
+    /// from `backends`.
+    pub fn with_backends(mut self, backends: Store<CacheBackend>) -> Self {
+        self.backends = Some(backends);
+        self
     }
 
     /// True (and remembered) the first time `(uid, reason)` is seen.
@@ -186,7 +227,12 @@ pub async fn reconcile_engine_pod(
     let Some(pod_uid) = pod.metadata.uid.clone() else {
         return Ok(Action::await_change());
     };
-    let decision = decide(&pod);
+    let mut decision = decide(&pod);
+    if let (PodDecision::Skip(_), Some(store)) = (&decision, &ctx.backends) {
+        if let Some(why) = admitted_without_webhook(&pod, &store.state()) {
+            decision = PodDecision::NotInjected(why);
+        }
+    }
     if let PodDecision::Skip(why) = decision {
         tracing::trace!(why, "no engine-pod event");
         return Ok(Action::await_change());

@@ -44,6 +44,9 @@ pub mod annotations {
     pub const SKIP_INJECT: &str = "inferencecache.io/skip-inject";
     /// On engine pods: the webhook's skip marker.
     pub const INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
+    /// Pod (and namespace) label that keeps the Pod webhook away when `disabled` (the chart's
+    /// default `webhook.pod.optOutLabel` / `namespaceLabel`).
+    pub const WEBHOOK_OPT_OUT: &str = "inferencecache.io/webhook";
     /// On engine pods a CacheBackend selects but the webhook admitted unwired:
     /// `CacheBackend <ns>/<name>: <reason>` (the Pod webhook's fail-open, kept on the pod).
     pub const NOT_INJECTED: &str = "inferencecache.io/not-injected";

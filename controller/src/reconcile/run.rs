@@ -75,7 +75,11 @@ pub async fn run_controllers(c: Controllers, shutdown: watch::Receiver<bool>) {
     if let Some(p) = c.prober {
         ctx = ctx.with_prober(p);
     }
-    let backends = cachebackend::controller(c.client.clone())
+    let backends = cachebackend::controller(c.client.clone());
+    // The CacheBackend controller's own watch-backed store: the Pod controller finds selected
+    // pods the webhook never saw in it.
+    let backend_store = backends.store();
+    let backends = backends
         .graceful_shutdown_on(until_true(shutdown.clone()))
         .run(
             cachebackend::reconcile,
@@ -87,7 +91,9 @@ pub async fn run_controllers(c: Controllers, shutdown: watch::Receiver<bool>) {
                 tracing::debug!(error = %e, "CacheBackend controller");
             }
         });
-    let pods_ctx = Arc::new(PodEventsContext::new(c.client.clone(), sink, c.leader));
+    let pods_ctx = Arc::new(
+        PodEventsContext::new(c.client.clone(), sink, c.leader).with_backends(backend_store),
+    );
     let pods = engine_pods::controller(c.client)
         .graceful_shutdown_on(until_true(shutdown))
         .run(

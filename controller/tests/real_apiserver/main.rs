@@ -16,6 +16,7 @@ mod support;
 mod admission;
 mod data_plane;
 mod events;
+mod fail_open;
 mod followers;
 mod identity;
 mod leader;
