@@ -58,7 +58,7 @@ where
     let (reader, writer) = reflector::store::<K>();
     let api: Api<K> = Api::all(client);
     let stream = watcher(api, watcher::Config::default())
-        .default_backoff()
+        .backoff(crate::reconcile::backoff::watch_backoff())
         .reflect(writer);
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);

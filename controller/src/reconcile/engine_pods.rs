@@ -209,6 +209,7 @@ impl PodEventsContext {
 /// annotations in process).
 pub fn controller(client: Client) -> Controller<Pod> {
     Controller::new(Api::<Pod>::all(client), watcher::Config::default())
+        .trigger_backoff(super::backoff::watch_backoff())
 }
 
 /// Requeue policy after a failed lookup: 30 s.

@@ -28,7 +28,7 @@ pub async fn follow_all<K, F, Fut>(
 {
     let (reader, writer) = reflector::store::<K>();
     let stream = watcher(Api::<K>::all(client), watcher::Config::default())
-        .default_backoff()
+        .backoff(super::backoff::watch_backoff())
         .reflect(writer);
     let mut stream = std::pin::pin!(stream);
     loop {

@@ -16,6 +16,7 @@
 //! and, for [`engine_pods`], Pods ([`engine_pods::controller`]). Engine pods are listed by the
 //! CacheBackend reconciler at its requeue cadence, not watched.
 
+pub mod backoff;
 pub mod cache_index;
 pub mod cachebackend;
 pub mod clock;

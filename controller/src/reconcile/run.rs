@@ -57,6 +57,22 @@ async fn until_true(mut rx: watch::Receiver<bool>) {
     }
 }
 
+/// Logs what a Controller's output stream says went wrong: a watch failure (the controller is
+/// blind until it re-lists) at WARN, a failed reconcile (already logged with its reason by the
+/// error policy) at DEBUG.
+fn log_stream_error<E: std::fmt::Display + std::error::Error + 'static>(
+    what: &'static str,
+    err: Option<kube::runtime::controller::Error<E, kube::runtime::watcher::Error>>,
+) {
+    match err {
+        Some(e @ kube::runtime::controller::Error::QueueError(_)) => {
+            tracing::warn!(error = %e, "{what}: watch failed; re-listing with back-off")
+        }
+        Some(e) => tracing::debug!(error = %e, "{what}"),
+        None => {}
+    }
+}
+
 /// Runs both controllers until `shutdown` turns true (or its sender goes away), then lets
 /// in-flight reconciles finish.
 pub async fn run_controllers(c: Controllers, shutdown: watch::Receiver<bool>) {
@@ -87,9 +103,7 @@ pub async fn run_controllers(c: Controllers, shutdown: watch::Receiver<bool>) {
             Arc::new(ctx),
         )
         .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "CacheBackend controller");
-            }
+            log_stream_error("CacheBackend controller", r.err());
         });
     let pods_ctx = Arc::new(
         PodEventsContext::new(c.client.clone(), sink, c.leader).with_backends(backend_store),
@@ -102,9 +116,7 @@ pub async fn run_controllers(c: Controllers, shutdown: watch::Receiver<bool>) {
             pods_ctx,
         )
         .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "engine-pod Events controller");
-            }
+            log_stream_error("engine-pod Events controller", r.err());
         });
     futures::join!(backends, pods);
 }

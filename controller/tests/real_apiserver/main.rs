@@ -20,5 +20,6 @@ mod fail_open;
 mod followers;
 mod identity;
 mod leader;
+mod model_cache;
 mod nodes;
 mod workloads;

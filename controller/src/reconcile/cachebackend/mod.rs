@@ -276,7 +276,8 @@ impl Context {
 /// The Controller for CacheBackends: watches CacheBackends and the objects they own
 /// (Deployments, StatefulSets, Services, HPAs carrying the `inferencecache.io/cachebackend`
 /// label). Run it with [`reconcile`] and [`error_policy`]. Engine pods are listed inside
-/// [`reconcile`] at its requeue cadence rather than watched.
+/// [`reconcile`] at its requeue cadence rather than watched. Watch errors back off with
+/// [`super::backoff::watch_backoff`].
 pub fn controller(client: Client) -> Controller<CacheBackend> {
     let owned = || watcher::Config::default().labels(LABEL_BACKEND);
     Controller::new(
@@ -287,6 +288,7 @@ pub fn controller(client: Client) -> Controller<CacheBackend> {
     .owns(Api::<StatefulSet>::all(client.clone()), owned())
     .owns(Api::<Service>::all(client.clone()), owned())
     .owns(Api::<HorizontalPodAutoscaler>::all(client), owned())
+    .trigger_backoff(super::backoff::watch_backoff())
 }
 
 /// Requeue policy after a failed reconcile: 15 s (a 409 on the status write retries sooner

@@ -246,9 +246,11 @@ pub async fn run(ctx: Arc<Context>) {
     let bindings: Api<ModelCacheBinding> =
         Api::namespaced(ctx.client.clone(), &ctx.config.control_namespace);
     let a = Controller::new(requests, watcher::Config::default())
+        .trigger_backoff(crate::reconcile::backoff::watch_backoff())
         .run(reconcile_request, error_policy, ctx.clone())
         .for_each(|_| async {});
     let b = Controller::new(bindings, watcher::Config::default())
+        .trigger_backoff(crate::reconcile::backoff::watch_backoff())
         .run(reconcile_binding, error_policy, ctx)
         .for_each(|_| async {});
     futures::join!(a, b);
