@@ -8,7 +8,8 @@ cluster/chart_objects.py):
 1. every request the identity made was authorized (the audit event's
    `authorization.k8s.io/decision` is never `forbid`: no missing grant) and passed the chart's
    ValidatingAdmissionPolicies (no `validation.policy.admission.k8s.io/validation_failure`);
-   other refusals (a write into a namespace being deleted) are listed, not failed, and so are
+   any other 403 fails too (an admission plugin refusing for want of a grant), except a write
+   into a namespace being deleted, which is listed, and so are
    refusals in the first STARTUP_GRACE after a kube-apiserver restart (`cluster.sh restart`
    records them in `apiserver-restarts`): its RBAC caches fill a moment after it is ready;
 2. every (apiGroup, resource, verb) the chart grants it was used by some request: a grant
@@ -34,8 +35,24 @@ IDENTITIES = {
     "agent": f"system:serviceaccount:{NAMESPACE}:inference-cache-agent",
 }
 STARTUP_GRACE = timedelta(seconds=20)
-# (identity, apiGroup, resource, verb) -> why no scenario on this control plane uses it.
-ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {}
+# (identity, apiGroup, resource, verb) -> why no request in the audit log shows it used.
+ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
+    ("controller", "inferencecache.io", "cachebackends/finalizers", "update"):
+        "checked by the OwnerReferencesPermissionEnforcement admission plugin (on here) when the "
+        "controller applies a child with blockOwnerDeletion, which is no request of its own; "
+        "without it every workload apply is refused and the workloads tests fail (tried)",
+    ("controller", "", "pods", "get"):
+        "agent-token fallback for apiservers whose pod-bound tokens carry no node name "
+        "(before ServiceAccountTokenPodNodeInfo, the chart's 1.29 floor); v1.36 tokens carry it",
+    ("controller", "", "secrets", "get"):
+        "key Secrets of encrypted caches (ModelCacheEncryption, off in the chart's defaults and "
+        "here), read when their binding releases; create is granted only with the gate on",
+    ("controller", "", "secrets", "delete"):
+        "key Secrets of encrypted caches, deleted when their binding releases (the gate is off here)",
+    ("controller", "storage.k8s.io", "storageclasses", "delete"):
+        "encrypted caches' derived StorageClasses, deleted when their binding releases "
+        "(the gate is off here); create is granted only with the gate on",
+}
 
 
 def grants(objects: list[dict], username: str) -> dict[tuple[str, str, str], set[str]]:
@@ -129,6 +146,11 @@ def main() -> int:
                   if any(k.startswith("validation.policy.admission.k8s.io/validation_failure") for k in a)]
         other = [e for e in made if e.get("responseStatus", {}).get("code") == 403
                  and e not in refused and e not in denied]
+        # A write into a namespace being deleted is the one refusal that is not the chart's
+        # fault; any other 403 (an admission plugin such as OwnerReferencesPermissionEnforcement
+        # refusing for want of a grant) fails the check.
+        benign = [e for e in other if "NamespaceTerminating" in json.dumps(e["responseStatus"])]
+        other_refused = [e for e in other if e not in benign]
         used = {k for e in made for k in keys(e)}
         print(f"{who} ({username}): {len(made)} requests, {len(forbidden)} not authorized, "
               f"{len(denied)} denied by an admission policy, {len(granted)} granted (group, resource, verb)")
@@ -138,8 +160,11 @@ def main() -> int:
         for e in denied:
             failed = True
             print(f"  DENIED BY POLICY {e['verb']} {e.get('requestURI')}: {e['responseStatus'].get('message')}")
-        for e in other:
-            print(f"  refused (not RBAC): {e['verb']} {e.get('requestURI')}: {e['responseStatus'].get('message')}")
+        for e in benign:
+            print(f"  refused (namespace terminating): {e['verb']} {e.get('requestURI')}")
+        for e in other_refused:
+            failed = True
+            print(f"  REFUSED {e['verb']} {e.get('requestURI')}: {e['responseStatus'].get('message')}")
         if not made:
             continue
         for g, r, v in sorted(granted):

@@ -152,6 +152,17 @@ catalog.json
 
 {{/* Model cache: --model-cache-feature-gates from a map (gate: bool, sorted) or the flag's own
 string form. */}}
+{{- /* "true" when the ModelCacheEncryption gate is on (featureGates as a map or as the
+"Name=bool,…" string the flag takes). */ -}}
+{{- define "ic.modelCache.encryption" -}}
+{{- $g := .Values.modelCache.featureGates -}}
+{{- if kindIs "string" $g -}}
+{{- has "ModelCacheEncryption=true" (splitList "," (nospace $g)) -}}
+{{- else -}}
+{{- and (hasKey $g "ModelCacheEncryption") (index $g "ModelCacheEncryption") | toString -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ic.modelCache.featureGates" -}}
 {{- $g := .Values.modelCache.featureGates -}}
 {{- if kindIs "string" $g -}}
