@@ -416,7 +416,7 @@ async fn a_model_cache_is_filled_read_and_released() {
     ];
     want.sort();
     assert_eq!(claims_named, want);
-    assert_eq!(res.persistent_volumes, [rpv.clone()]);
+    assert_eq!(res.persistent_volumes, std::slice::from_ref(&rpv));
     assert!(res.secrets.is_empty() && res.storage_classes.is_empty());
 
     let jobs = Api::<Job>::namespaced(c.admin.clone(), &ns);
@@ -599,7 +599,7 @@ async fn a_model_cache_is_filled_read_and_released() {
     .await;
     let st = mc.status.clone().unwrap();
     assert_eq!(st.reader_claim.as_deref(), Some(rclaim.as_str()));
-    assert_eq!(st.reader_namespaces, [ns.clone()]);
+    assert_eq!(st.reader_namespaces, std::slice::from_ref(&ns));
     assert_eq!(st.mode, Some(CacheMode::Durable));
     let binding = bindings.get(&bname).await.unwrap();
     assert_eq!(
