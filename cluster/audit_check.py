@@ -34,6 +34,10 @@ IDENTITIES = {
     "controller": f"system:serviceaccount:{NAMESPACE}:inference-cache-controller",
     "agent": f"system:serviceaccount:{NAMESPACE}:inference-cache-agent",
 }
+# Only the product's own requests count: its binaries send `User-Agent: <program>/<version>`.
+# The tests borrow the controller's credentials to show what they are refused (the admission
+# policy test) with a client that sends no such User-Agent.
+PROGRAMS = {"controller": "ic-controller/", "agent": "ic-agent/"}
 STARTUP_GRACE = timedelta(seconds=20)
 # (identity, apiGroup, resource, verb) -> why no request in the audit log shows it used.
 ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
@@ -82,7 +86,7 @@ def grants(objects: list[dict], username: str) -> dict[tuple[str, str, str], set
     return out
 
 
-def requests(audit_log: Path, username: str) -> list[dict]:
+def requests(audit_log: Path, username: str, program: str) -> list[dict]:
     out = []
     seen: set[str] = set()
     for line in audit_log.read_text().splitlines():
@@ -91,6 +95,8 @@ def requests(audit_log: Path, username: str) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if e.get("user", {}).get("username") != username:
+            continue
+        if not (e.get("userAgent") or "").startswith(program):
             continue
         # A watch logs ResponseStarted when it opens and ResponseComplete only when it ends
         # (the controller's watches are still open when this runs): one event per request.
@@ -134,7 +140,7 @@ def main() -> int:
     failed = False
     for who, username in IDENTITIES.items():
         granted = grants(objects, username)
-        made = requests(state / "audit.log", username)
+        made = requests(state / "audit.log", username, PROGRAMS[who])
         annotations = [e.get("annotations") or {} for e in made]
         refused = [e for e, a in zip(made, annotations)
                    if a.get("authorization.k8s.io/decision") == "forbid"]

@@ -361,21 +361,29 @@ fn pod_namespace() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// The `User-Agent` of every request to the Kubernetes API: `ic-controller/<version>`, as the
+/// apiserver's audit log and `kubectl get --raw /metrics` (apiserver_request_total by client)
+/// show it (kube-rs sends none by default).
+const KUBE_USER_AGENT: &str = concat!("ic-controller/", env!("CARGO_PKG_VERSION"));
+
 async fn kube_client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
-    let client = match kubeconfig {
+    let mut cfg = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
                 .await
-                .with_context(|| format!("loading kubeconfig {}", path.display()))?;
-            kube::Client::try_from(cfg).context("building the Kubernetes client")?
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
         }
-        None => kube::Client::try_default().await.context(
+        None => kube::Config::infer().await.context(
             "no Kubernetes configuration: set --kubeconfig or KUBECONFIG, or run in a pod",
         )?,
     };
-    Ok(client)
+    cfg.headers.push((
+        hyper::header::USER_AGENT,
+        hyper::header::HeaderValue::from_static(KUBE_USER_AGENT),
+    ));
+    kube::Client::try_from(cfg).context("building the Kubernetes client")
 }
 
 async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {

@@ -237,3 +237,53 @@ async fn engine_pod_is_wired_on_a_real_create() {
         .contains_key(ANNOTATION_INJECTED_BY));
     c.drop_namespace(&ns).await;
 }
+
+/// The chart's ValidatingAdmissionPolicy on the controller's own writes: as the chart's
+/// ServiceAccount, a Deployment the controller does not own cannot be changed (its RBAC alone
+/// would allow it), while the admin's identical write goes through.
+#[tokio::test]
+async fn the_admission_policy_keeps_the_controller_to_its_own_objects() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let c = Cluster::get().await;
+    let ns = c.namespace("policy").await;
+    let d: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "someone-elses", "labels": {"app": "web"}},
+        "spec": {"selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}},
+                              "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(c.admin.clone(), &ns)
+        .create(&PostParams::default(), &d)
+        .await
+        .unwrap();
+    let scale = json!({"spec": {"replicas": 0}});
+    let controller = c.client("IC_CLUSTER_CONTROLLER_KUBECONFIG").await;
+    let err = Api::<Deployment>::namespaced(controller, &ns)
+        .patch(
+            "someone-elses",
+            &PatchParams::default(),
+            &Patch::Merge(&scale),
+        )
+        .await
+        .unwrap_err();
+    let kube::Error::Api(status) = err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        status.message.contains("ValidatingAdmissionPolicy")
+            && status
+                .message
+                .contains("inference-cache-controller-owned-workloads"),
+        "{status:?}"
+    );
+    Api::<Deployment>::namespaced(c.admin.clone(), &ns)
+        .patch(
+            "someone-elses",
+            &PatchParams::default(),
+            &Patch::Merge(&scale),
+        )
+        .await
+        .unwrap();
+    c.drop_namespace(&ns).await;
+}

@@ -1,24 +1,24 @@
 //! The model cache (docs/model-cache.md, spec 004) through its whole lifecycle on a real
 //! apiserver, acting only through the API: as a user (the cache StorageClass, the `ModelCache`,
-//! a reader pod), as the CSI provisioner (the writer's PersistentVolume, pre-bound to the writer
-//! claim so the real PV controller binds them) and as the kubelet (the writer pod's
-//! `pods/status`: `Succeeded`, so the real Job controller completes the Job). The running
+//! reader pods), as the CSI provisioner (the writer's PersistentVolume, pre-bound to the writer
+//! claim so that the real PV controller binds them) and as the kubelet (the writer pod's
+//! `pods/status`: `Succeeded`, so that the real Job controller completes the Job). The running
 //! controller (the chart's ServiceAccount, RBAC and admission policies) does everything else:
-//! binding, writer election, claim and Job, reader PV and claim, the Pod webhook's wiring, and —
-//! once the request is gone and the idle period has passed — release: every named object
-//! deleted with preconditions (the real `pvc-protection` / `pv-protection` finalizers and
+//! binding, writer election, writer claim and Job, reader PVs and claims, the Pod webhook's
+//! wiring, and — once the request is gone and the idle period has passed — release: every named
+//! object deleted with preconditions (the real `pvc-protection` / `pv-protection` finalizers and
 //! garbage collector finishing the job), `Released=True`, the finalizer dropped, the binding
 //! deleted, and the writer's own volume kept (`Retain`) for the storage administrator.
 //!
 //! Two stand-ins for time (the chart runs the controller with `--model-cache-idle-seconds=3600`
-//! and a 5-minute steady resync, far beyond a test's bounded waits):
+//! and the binding controller resyncs every 5 minutes, far beyond a test's bounded waits):
 //!
 //! - the binding controller watches bindings, not requests, so a deleted request is pruned from
-//!   its binding at the binding's next resync; the test touches an annotation of the binding
-//!   (a watch event) instead of waiting for that resync;
+//!   its binding only at the binding's next resync (measured here: 4.5 min after the delete);
+//!   the test touches an annotation of the binding (a watch event) instead of waiting for it;
 //! - the idle period is measured from the binding's own `status.idleSince`; the test moves it
-//!   back past the idle period (as an administrator, through `…/status`) instead of waiting
-//!   an hour.
+//!   back past the idle period (as an administrator, through `…/status`) instead of waiting an
+//!   hour.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,28 +28,28 @@ use ic_controller::catalog::{derive_flow, required_modes, Catalog, DriverEntry};
 use ic_controller::reconcile::model_cache::names;
 use ic_controller::reconcile::model_cache::request::writer_template_digest;
 use ic_shared::crd::{
-    annotations, find_condition, BindingPhase, CacheMode, Flow, ModelCache, ModelCacheBinding,
-    NamespacedName, RequestReference,
+    annotations, find_condition, AccessMode, BindingPhase, CacheMode, Flow, ModelCache,
+    ModelCacheBinding, NamespacedName, RequestReference,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
-use kube::Client;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::support::{wait_for, Cluster};
 
-/// Every wait of this scenario (the controller requeues a pending request every 15 s).
+/// Every wait of these scenarios (the controller requeues a pending request every 15 s, and a
+/// status write that raced another one after 15 s).
 const WAIT: Duration = Duration::from_secs(90);
-const REQUEST: &str = "llama";
 const SIZE: &str = "40Gi";
 const URI: &str = "hf://meta-llama/Llama-3.1-8B-Instruct";
 const IMAGE: &str = "ghcr.io/example/hf-fetch:1";
+const CONTAINER: &str = "fetch";
 
 /// The `--model-cache-*` values the cluster's controller runs with (`controller-args`).
 struct Settings {
@@ -59,6 +59,7 @@ struct Settings {
     catalog_config_map: String,
     catalog_key: String,
     idle_seconds: i64,
+    writer_service_account: String,
 }
 
 fn settings(c: &Cluster) -> Settings {
@@ -82,16 +83,80 @@ fn settings(c: &Cluster) -> Settings {
         catalog_config_map: arg("--model-cache-catalog-config-map"),
         catalog_key: arg("--model-cache-catalog-key"),
         idle_seconds: arg("--model-cache-idle-seconds").parse().unwrap(),
+        writer_service_account: arg("--model-cache-writer-service-account"),
     }
 }
 
-/// The catalog the chart installed (the ConfigMap the controller reads).
-async fn installed_catalog(c: &Cluster, s: &Settings) -> Catalog {
-    let cm = Api::<ConfigMap>::namespaced(c.admin.clone(), &s.catalog_namespace)
-        .get(&s.catalog_config_map)
-        .await
-        .unwrap();
-    Catalog::from_config_map(&cm, &s.catalog_key).unwrap()
+/// The cluster, the controller's settings, the cache class and what the installed catalog says
+/// of its provisioner.
+struct Env {
+    c: Cluster,
+    s: Settings,
+    class: StorageClass,
+    entry: DriverEntry,
+    flow: Flow,
+    modes: Vec<AccessMode>,
+}
+
+impl Env {
+    /// Step 1 of every scenario: the cache StorageClass, for a catalog driver with a durable
+    /// flow.
+    async fn get() -> Env {
+        let c = Cluster::get().await;
+        let s = settings(&c);
+        let cm = Api::<ConfigMap>::namespaced(c.admin.clone(), &s.catalog_namespace)
+            .get(&s.catalog_config_map)
+            .await
+            .unwrap();
+        let catalog = Catalog::from_config_map(&cm, &s.catalog_key).unwrap();
+        let class = ensure_cache_class(&c, &s, &catalog).await;
+        let entry = catalog.driver(&class.provisioner).unwrap().clone();
+        let flow = derive_flow(&entry.access_modes).unwrap();
+        Env {
+            c,
+            s,
+            class,
+            entry,
+            flow,
+            modes: required_modes(flow),
+        }
+    }
+
+    fn provisioner(&self) -> &str {
+        &self.class.provisioner
+    }
+
+    fn writer_mode(&self) -> String {
+        self.modes.first().unwrap().as_str().to_string()
+    }
+
+    fn reader_mode(&self) -> String {
+        self.modes.last().unwrap().as_str().to_string()
+    }
+
+    fn bindings(&self) -> Api<ModelCacheBinding> {
+        Api::namespaced(self.c.admin.clone(), &self.s.control_namespace)
+    }
+
+    fn pvs(&self) -> Api<PersistentVolume> {
+        Api::all(self.c.admin.clone())
+    }
+
+    fn claims(&self, ns: &str) -> Api<PersistentVolumeClaim> {
+        Api::namespaced(self.c.admin.clone(), ns)
+    }
+
+    fn jobs(&self, ns: &str) -> Api<Job> {
+        Api::namespaced(self.c.admin.clone(), ns)
+    }
+
+    fn pods(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.c.admin.clone(), ns)
+    }
+
+    fn leases(&self) -> Api<Lease> {
+        Api::namespaced(self.c.admin.clone(), &self.s.control_namespace)
+    }
 }
 
 /// The cache StorageClass: created (reclaim `Retain`, the first catalog driver with a durable
@@ -146,26 +211,27 @@ async fn ensure_cache_class(c: &Cluster, s: &Settings, catalog: &Catalog) -> Sto
     class
 }
 
-fn request(ns: &str, revision: &str) -> ModelCache {
-    serde_json::from_value(json!({
+/// A `ModelCache` `name` in `ns` for revision `revision`; `extra` is merged into `spec`.
+fn request(ns: &str, name: &str, revision: &str, extra: Value) -> ModelCache {
+    let mut v = json!({
         "apiVersion": "inferencecache.io/v1alpha1", "kind": "ModelCache",
-        "metadata": {"name": REQUEST, "namespace": ns},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {
             "source": {"uri": URI, "revision": revision},
             "size": SIZE,
             "workflow": "regularModelCache",
             "writer": {"template": {"spec": {"containers": [{
-                "name": "fetch", "image": IMAGE, "args": ["--to", "$(MODEL_CACHE_PATH)"]}]}}}
+                "name": CONTAINER, "image": IMAGE, "args": ["--to", "$(MODEL_CACHE_PATH)"]}]}}}
         }
-    }))
-    .unwrap()
+    });
+    for (k, val) in extra.as_object().unwrap() {
+        v["spec"][k] = val.clone();
+    }
+    serde_json::from_value(v).unwrap()
 }
 
 /// A condition's `(status, reason)`.
-fn cond(
-    conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
-    t: &str,
-) -> Option<(String, String)> {
+fn cond(conditions: &[Condition], t: &str) -> Option<(String, String)> {
     find_condition(conditions, t).map(|c| (c.status.clone(), c.reason.clone()))
 }
 
@@ -179,12 +245,12 @@ fn is(status: &str, reason: &str) -> Option<(String, String)> {
 
 /// Asserts that `meta` carries the binding's label, UID annotation and managed-by label (what
 /// release checks before it deletes anything).
-fn assert_owned(what: &str, meta: &ObjectMeta, binding: &str, uid: &str) {
+fn assert_owned(what: &str, meta: &ObjectMeta, b: &ModelCacheBinding) {
     let labels = meta.labels.clone().unwrap_or_default();
     let annots = meta.annotations.clone().unwrap_or_default();
     assert_eq!(
-        labels.get(annotations::BINDING_LABEL).map(String::as_str),
-        Some(binding),
+        labels.get(annotations::BINDING_LABEL),
+        b.metadata.name.as_ref(),
         "{what}: binding label ({labels:?})"
     );
     assert_eq!(
@@ -195,10 +261,8 @@ fn assert_owned(what: &str, meta: &ObjectMeta, binding: &str, uid: &str) {
         "{what}: managed-by label"
     );
     assert_eq!(
-        annots
-            .get(annotations::BINDING_UID_ANNOTATION)
-            .map(String::as_str),
-        Some(uid),
+        annots.get(annotations::BINDING_UID_ANNOTATION),
+        b.metadata.uid.as_ref(),
         "{what}: binding UID annotation ({annots:?})"
     );
 }
@@ -212,9 +276,9 @@ fn has_binding_finalizer(b: &ModelCacheBinding) -> bool {
         .any(|f| f == annotations::BINDING_FINALIZER)
 }
 
-/// A volume handle as the driver would make it: where the catalog says the handle encodes the
-/// consuming namespace (NVMesh: four `:`-separated elements, the namespace last), `ns` sits at
-/// that segment.
+/// A volume handle as the driver makes it for a volume consumed in `ns`: where the catalog says
+/// the handle encodes the consuming namespace (NVMesh: four `:`-separated elements, the
+/// namespace last), `ns` sits at that segment; otherwise the handle does not name it.
 fn volume_handle(entry: &DriverEntry, ns: &str, volume: &str) -> String {
     match &entry.volume_handle_namespace {
         Some(rule) => {
@@ -240,20 +304,24 @@ fn storage_request(c: &PersistentVolumeClaim) -> Option<String> {
         .map(|q| q.0.clone())
 }
 
-fn phase_of_claim(c: &PersistentVolumeClaim) -> Option<String> {
+fn claim_phase(c: &PersistentVolumeClaim) -> Option<String> {
     c.status.as_ref()?.phase.clone()
 }
 
-fn phase_of_volume(pv: &PersistentVolume) -> Option<String> {
+fn volume_phase(pv: &PersistentVolume) -> Option<String> {
     pv.status.as_ref()?.phase.clone()
 }
 
-/// A server-side dry run of a reader pod asking for the cache: what the Pod webhook makes of it
-/// (nothing is stored).
-async fn dry_run_reader_pod(admin: &Client, ns: &str, n: usize) -> Pod {
+fn one(mode: String) -> Option<Vec<String>> {
+    Some(vec![mode])
+}
+
+/// A server-side dry run of a reader pod in `ns` asking for `cache` (`name` or
+/// `namespace/name`): what the Pod webhook makes of it (nothing is stored).
+async fn dry_run_reader_pod(env: &Env, ns: &str, cache: &str, n: usize) -> Pod {
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": format!("reader-{n}"),
-                     "annotations": {annotations::MODEL_CACHE: REQUEST}},
+                     "annotations": {annotations::MODEL_CACHE: cache}},
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.2"}]}
     }))
     .unwrap();
@@ -261,10 +329,7 @@ async fn dry_run_reader_pod(admin: &Client, ns: &str, n: usize) -> Pod {
         dry_run: true,
         ..PostParams::default()
     };
-    Api::<Pod>::namespaced(admin.clone(), ns)
-        .create(&pp, &pod)
-        .await
-        .unwrap()
+    env.pods(ns).create(&pp, &pod).await.unwrap()
 }
 
 /// `Some(claim)` when the pod mounts volume `model-data` from a claim, read-only, and its
@@ -291,45 +356,40 @@ fn wired_claim(pod: &Pod) -> Option<String> {
     Some(claim.claim_name.clone())
 }
 
-/// One observation of the binding by a watch.
-#[derive(Debug, Clone)]
-struct Seen {
-    phase: BindingPhase,
-    /// The `Released` condition's (status, reason).
-    released: Option<(String, String)>,
-    /// `status.releaseSkipped` as (object, reason).
-    skipped: Vec<(String, String)>,
-    finalizer: bool,
-    deleted: bool,
+/// Waits until a reader pod in `ns` asking for `cache` is wired (`want` = the claim) or left
+/// alone (`want` = `None`); the webhook's store of requests catches up within seconds.
+async fn wait_wiring(env: &Env, ns: &str, cache: &str, want: Option<&str>) {
+    let mut n = 0;
+    let what = match want {
+        Some(claim) => format!("a reader pod in {ns} wired to {claim}"),
+        None => format!("a reader pod in {ns} left unwired"),
+    };
+    wait_for(&what, WAIT, || {
+        n += 1;
+        let n = n;
+        async move {
+            let got = wired_claim(&dry_run_reader_pod(env, ns, cache, n).await);
+            (got.as_deref() == want).then_some(())
+        }
+    })
+    .await;
 }
 
-#[tokio::test]
-async fn a_model_cache_is_filled_read_and_released() {
-    let c = Cluster::get().await;
-    let s = settings(&c);
-    let catalog = installed_catalog(&c, &s).await;
-
-    // ---- 1. The cache StorageClass, for a catalog driver with a durable flow.
-    let class = ensure_cache_class(&c, &s, &catalog).await;
-    let provisioner = class.provisioner.clone();
-    let entry = catalog.driver(&provisioner).unwrap().clone();
-    let flow = derive_flow(&entry.access_modes).unwrap();
-    let modes = required_modes(flow);
-    let writer_mode = modes.first().unwrap().as_str();
-    let reader_mode = modes.last().unwrap().as_str();
-
-    // ---- 2. The request; the binding, the writer Lease, claim and Job.
-    let ns = c.namespace("model-cache").await;
-    let revision = format!("rev-{}", std::process::id());
-    let mcs = Api::<ModelCache>::namespaced(c.admin.clone(), &ns);
-    let created = mcs
-        .create(&PostParams::default(), &request(&ns, &revision))
-        .await
-        .unwrap();
-    let mc_uid = created.metadata.uid.clone().unwrap();
-
+/// Step 2: the request is bound. Checks the recorded selection and the binding: one per
+/// identity, generation 1, its finalizer, `Active`, this request as its only reference, the
+/// catalog's decision, the class's UID, and the names of everything it will own (writer claim,
+/// Job and Lease; a reader claim and PV per reader namespace).
+async fn bound(
+    env: &Env,
+    mc: &ModelCache,
+    writer_ns: &str,
+    readers: &[String],
+) -> (ModelCache, ModelCacheBinding) {
+    let ns = mc.metadata.namespace.clone().unwrap();
+    let name = mc.metadata.name.clone().unwrap();
+    let mcs = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns);
     let mc = wait_for("the request bound to a binding", WAIT, || async {
-        let mc = mcs.get(REQUEST).await.ok()?;
+        let mc = mcs.get(&name).await.ok()?;
         mc.status.as_ref()?.binding.as_ref()?;
         Some(mc)
     })
@@ -342,12 +402,12 @@ async fn a_model_cache_is_filled_read_and_released() {
         "{st:#?}"
     );
     let selection = st.selection.clone().expect("the selection is recorded");
-    assert_eq!(selection.provisioner, provisioner);
-    assert_eq!(selection.flow, flow);
-    assert_eq!(selection.storage_class_name, s.storage_class);
+    assert_eq!(selection.provisioner, env.provisioner());
+    assert_eq!(selection.flow, env.flow);
+    assert_eq!(selection.storage_class_name, env.s.storage_class);
     assert_eq!(
-        Some(selection.storage_class_uid.as_str()),
-        class.metadata.uid.as_deref()
+        Some(&selection.storage_class_uid),
+        env.class.metadata.uid.as_ref()
     );
     // The digest of the writer template as the apiserver stored it, recorded before any side
     // effect.
@@ -357,212 +417,245 @@ async fn a_model_cache_is_filled_read_and_released() {
     );
 
     let identity = names::identity_for(&mc);
-    let bindings = Api::<ModelCacheBinding>::namespaced(c.admin.clone(), &s.control_namespace);
-    let same_identity = bindings
-        .list(&ListParams::default().labels(&format!(
-            "{}={}",
-            annotations::IDENTITY_LABEL,
-            names::identity_label(&identity)
-        )))
-        .await
-        .unwrap()
-        .items;
+    let lp = ListParams::default().labels(&format!(
+        "{}={}",
+        annotations::IDENTITY_LABEL,
+        names::identity_label(&identity)
+    ));
+    let mut same_identity = env.bindings().list(&lp).await.unwrap().items;
     assert_eq!(same_identity.len(), 1, "one binding per identity");
-    let binding = same_identity.into_iter().next().unwrap();
-    let bname = binding.metadata.name.clone().unwrap();
-    let buid = binding.metadata.uid.clone().unwrap();
+    let b = same_identity.remove(0);
+    let bname = b.metadata.name.clone().unwrap();
     let recorded = st.binding.clone().unwrap();
-    assert_eq!(
-        (recorded.name.as_str(), recorded.uid.as_str()),
-        (bname.as_str(), buid.as_str())
-    );
+    assert_eq!(Some(&recorded.name), b.metadata.name.as_ref());
+    assert_eq!(Some(&recorded.uid), b.metadata.uid.as_ref());
     assert_eq!(bname, names::binding_name(&identity, 1));
-    assert!(has_binding_finalizer(&binding), "{:?}", binding.metadata);
-    assert_eq!(binding.phase(), BindingPhase::Active);
+    assert!(has_binding_finalizer(&b), "{:?}", b.metadata);
+    assert_eq!(b.phase(), BindingPhase::Active);
     assert_eq!(
-        binding.references(),
+        b.references(),
         [RequestReference {
             namespace: ns.clone(),
-            name: REQUEST.to_string(),
-            uid: mc_uid.clone()
+            name: name.clone(),
+            uid: mc.metadata.uid.clone().unwrap()
         }]
     );
-    let d = &binding.spec.decision;
-    assert_eq!(d.provisioner, provisioner);
-    assert_eq!(d.flow, flow);
-    assert_eq!(d.access_modes, modes);
-    assert_eq!(d.reader_mount_options, entry.reader_mount_options);
-    assert_eq!(d.volume_handle_namespace, entry.volume_handle_namespace);
+    let d = &b.spec.decision;
+    assert_eq!(d.provisioner, env.provisioner());
+    assert_eq!(d.flow, env.flow);
+    assert_eq!(d.access_modes, env.modes);
+    assert_eq!(d.reader_mount_options, env.entry.reader_mount_options);
+    assert_eq!(d.volume_handle_namespace, env.entry.volume_handle_namespace);
     assert!(!d.encrypted, "the chart leaves ModelCacheEncryption off");
-    assert_eq!(binding.spec.storage_class.name, s.storage_class);
+    assert_eq!(b.spec.storage_class.name, env.s.storage_class);
     assert_eq!(
-        Some(binding.spec.storage_class.uid.as_str()),
-        class.metadata.uid.as_deref()
+        Some(&b.spec.storage_class.uid),
+        env.class.metadata.uid.as_ref()
     );
     let wname = names::writer_name(&bname);
-    let rclaim = names::reader_claim(&bname);
-    let rpv = names::reader_pv(&bname, &ns);
-    let res = &binding.spec.resources;
-    assert_eq!(res.jobs, [NamespacedName::new(&ns, &wname)]);
+    let res = &b.spec.resources;
+    assert_eq!(res.jobs, [NamespacedName::new(writer_ns, &wname)]);
     assert_eq!(
         res.lease,
-        Some(NamespacedName::new(&s.control_namespace, &wname))
+        Some(NamespacedName::new(&env.s.control_namespace, &wname))
     );
-    let mut claims_named = res.persistent_volume_claims.clone();
-    claims_named.sort();
-    let mut want = vec![
-        NamespacedName::new(&ns, &rclaim),
-        NamespacedName::new(&ns, &wname),
-    ];
+    let mut claims = res.persistent_volume_claims.clone();
+    claims.sort();
+    let mut want: Vec<NamespacedName> = readers
+        .iter()
+        .map(|r| NamespacedName::new(r, names::reader_claim(&bname)))
+        .chain([NamespacedName::new(writer_ns, &wname)])
+        .collect();
     want.sort();
-    assert_eq!(claims_named, want);
-    assert_eq!(res.persistent_volumes, std::slice::from_ref(&rpv));
+    assert_eq!(claims, want);
+    let mut pvs = res.persistent_volumes.clone();
+    pvs.sort();
+    let mut want: Vec<String> = readers
+        .iter()
+        .map(|r| names::reader_pv(&bname, r))
+        .collect();
+    want.sort();
+    assert_eq!(pvs, want);
     assert!(res.secrets.is_empty() && res.storage_classes.is_empty());
+    (mc, b)
+}
 
-    let jobs = Api::<Job>::namespaced(c.admin.clone(), &ns);
-    let claims = Api::<PersistentVolumeClaim>::namespaced(c.admin.clone(), &ns);
-    let leases = Api::<Lease>::namespaced(c.admin.clone(), &s.control_namespace);
-    let pvs = Api::<PersistentVolume>::all(c.admin.clone());
-    let pods = Api::<Pod>::namespaced(c.admin.clone(), &ns);
-
+/// Step 2, continued: the writer Lease names the request, the writer claim asks the cache class
+/// for the flow's writer mode and the request's size, and the writer Job runs the request's
+/// template with volume `model-data` on that claim. The request reads `WriterRunning`.
+async fn writer_started(env: &Env, mc: &ModelCache, b: &ModelCacheBinding, writer_ns: &str) -> Job {
+    let bname = b.metadata.name.clone().unwrap();
+    let wname = names::writer_name(&bname);
     let job = wait_for("the writer Job", WAIT, || async {
-        jobs.get_opt(&wname).await.ok()?
+        env.jobs(writer_ns).get_opt(&wname).await.ok()?
     })
     .await;
-    // The writer election: the Lease names this request.
-    let lease = leases.get(&wname).await.unwrap();
-    assert_owned("writer Lease", &lease.metadata, &bname, &buid);
+    let lease = env.leases().get(&wname).await.unwrap();
+    assert_owned("writer Lease", &lease.metadata, b);
     assert_eq!(
-        lease.spec.as_ref().unwrap().holder_identity.as_deref(),
-        Some(mc_uid.as_str())
+        lease.spec.as_ref().unwrap().holder_identity,
+        mc.metadata.uid,
+        "the writer election names the request"
     );
-    // The writer claim: the flow's writer mode, the request's size, from the cache class.
-    let wclaim = claims.get(&wname).await.unwrap();
-    assert_owned("writer claim", &wclaim.metadata, &bname, &buid);
-    let spec = wclaim.spec.as_ref().unwrap();
-    assert_eq!(
-        spec.access_modes.as_deref(),
-        Some(&[writer_mode.to_string()][..])
-    );
+    let claim = env.claims(writer_ns).get(&wname).await.unwrap();
+    assert_owned("writer claim", &claim.metadata, b);
+    let spec = claim.spec.as_ref().unwrap();
+    assert_eq!(spec.access_modes, one(env.writer_mode()));
     assert_eq!(
         spec.storage_class_name.as_deref(),
-        Some(s.storage_class.as_str())
+        Some(env.s.storage_class.as_str())
     );
-    assert_eq!(storage_request(&wclaim).as_deref(), Some(SIZE));
-    assert_eq!(phase_of_claim(&wclaim).as_deref(), Some("Pending"));
-    // The writer Job: the request's template, volume model-data on the writer claim.
-    assert_owned("writer Job", &job.metadata, &bname, &buid);
+    assert_eq!(storage_request(&claim).as_deref(), Some(SIZE));
+    // No provisioner runs here: pending until the stand-in provisions it.
+    assert_eq!(claim_phase(&claim).as_deref(), Some("Pending"));
+
+    assert_owned("writer Job", &job.metadata, b);
     let tpl = &job.spec.as_ref().unwrap().template;
     assert_eq!(
         tpl.metadata
             .as_ref()
             .and_then(|m| m.labels.as_ref())
-            .and_then(|l| l.get(annotations::BINDING_LABEL))
-            .map(String::as_str),
-        Some(bname.as_str())
+            .and_then(|l| l.get(annotations::BINDING_LABEL)),
+        Some(&bname)
     );
-    let pod_spec = tpl.spec.as_ref().unwrap();
-    assert_eq!(pod_spec.restart_policy.as_deref(), Some("Never"));
-    let vol = pod_spec
+    let pod = tpl.spec.as_ref().unwrap();
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+    let vol = pod
         .volumes
         .as_deref()
         .unwrap_or_default()
         .iter()
         .find(|v| v.name == "model-data")
         .expect("volume model-data");
-    let pvc_src = vol.persistent_volume_claim.as_ref().unwrap();
-    assert_eq!(pvc_src.claim_name, wname);
-    assert_ne!(
-        pvc_src.read_only,
-        Some(true),
-        "the writer mounts read-write"
-    );
-    let container = &pod_spec.containers[0];
+    let src = vol.persistent_volume_claim.as_ref().unwrap();
+    assert_eq!(src.claim_name, wname);
+    assert_ne!(src.read_only, Some(true), "the writer mounts read-write");
+    let container = &pod.containers[0];
     assert_eq!(container.image.as_deref(), Some(IMAGE));
-    let env: Vec<(String, String)> = container
+    let mount = container
+        .volume_mounts
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|m| m.name == "model-data")
+        .expect("the writer mounts model-data");
+    assert_eq!(mount.mount_path, "/model-data");
+    assert_ne!(mount.read_only, Some(true));
+    let env_vars: Vec<(String, String)> = container
         .env
         .as_deref()
         .unwrap_or_default()
         .iter()
         .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
         .collect();
+    let source = &mc.spec.source;
     for (k, v) in [
         ("MODEL_CACHE_PATH", "/model-data"),
-        ("MODEL_SOURCE_URI", URI),
-        ("MODEL_SOURCE_REVISION", revision.as_str()),
+        ("MODEL_SOURCE_URI", source.uri.as_str()),
+        ("MODEL_SOURCE_REVISION", source.revision.as_str()),
     ] {
         assert!(
-            env.contains(&(k.to_string(), v.to_string())),
-            "{k}={v} in {env:?}"
+            env_vars.contains(&(k.to_string(), v.to_string())),
+            "{k}={v} in {env_vars:?}"
         );
     }
+    let ns = mc.metadata.namespace.clone().unwrap();
+    let name = mc.metadata.name.clone().unwrap();
+    let mcs = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns);
     wait_for("Ready=False WriterRunning", WAIT, || async {
-        let mc = mcs.get(REQUEST).await.ok()?;
+        let mc = mcs.get(&name).await.ok()?;
         (mc_cond(&mc, "Ready") == is("False", "WriterRunning")).then_some(())
     })
     .await;
-    // Not ready: the Pod webhook leaves a reader pod alone.
-    assert_eq!(
-        wired_claim(&dry_run_reader_pod(&c.admin, &ns, 0).await),
-        None
-    );
+    job
+}
 
-    // ---- 3a. The provisioner's part: a PV for the writer claim, pre-bound to it; the real PV
-    // controller binds the pair.
-    let wclaim_uid = wclaim.metadata.uid.clone().unwrap();
-    let wpv_name = format!("pvc-{wclaim_uid}");
-    let handle = volume_handle(&entry, &ns, &wpv_name);
-    let wpv: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": wpv_name,
+/// Step 3a, the CSI provisioner's part: a PV for the writer claim (named and annotated as
+/// external-provisioner names them, a handle for the writer's namespace), pre-bound to it by
+/// `claimRef`; the real PV controller binds the pair. Returns the PV's name and handle.
+async fn provision_writer_volume(env: &Env, writer_ns: &str, claim: &str) -> (String, String) {
+    let claims = env.claims(writer_ns);
+    let uid = claims
+        .get(claim)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .clone()
+        .unwrap();
+    let name = format!("pvc-{uid}");
+    let handle = volume_handle(&env.entry, writer_ns, &name);
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": name,
                      "labels": {"inferencecache.io/test": "real-apiserver"},
-                     "annotations": {"pv.kubernetes.io/provisioned-by": provisioner}},
+                     "annotations": {"pv.kubernetes.io/provisioned-by": env.provisioner()}},
         "spec": {
-            "accessModes": [writer_mode],
+            "accessModes": [env.writer_mode()],
             "capacity": {"storage": SIZE},
             "persistentVolumeReclaimPolicy": "Retain",
-            "storageClassName": s.storage_class,
+            "storageClassName": env.s.storage_class,
             "volumeMode": "Filesystem",
             "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                         "namespace": ns, "name": wname, "uid": wclaim_uid},
-            "csi": {"driver": provisioner, "volumeHandle": handle, "fsType": "xfs",
+                         "namespace": writer_ns, "name": claim, "uid": uid},
+            "csi": {"driver": env.provisioner(), "volumeHandle": handle, "fsType": "xfs",
                     "volumeAttributes": {"pool": "cache-pool"}}
         }
     }))
     .unwrap();
-    pvs.create(&PostParams::default(), &wpv).await.unwrap();
+    let pvs = env.pvs();
+    pvs.create(&PostParams::default(), &pv).await.unwrap();
     wait_for(
         "the writer claim bound by the PV controller",
         WAIT,
         || async {
-            let cl = claims.get(&wname).await.ok()?;
-            let bound = phase_of_claim(&cl).as_deref() == Some("Bound")
-                && cl.spec.as_ref()?.volume_name.as_deref() == Some(wpv_name.as_str());
-            let pv = pvs.get(&wpv_name).await.ok()?;
-            (bound && phase_of_volume(&pv).as_deref() == Some("Bound")).then_some(())
+            let c = claims.get(claim).await.ok()?;
+            let bound = claim_phase(&c).as_deref() == Some("Bound")
+                && c.spec.as_ref()?.volume_name.as_deref() == Some(name.as_str());
+            let pv = pvs.get(&name).await.ok()?;
+            (bound && volume_phase(&pv).as_deref() == Some("Bound")).then_some(())
         },
     )
     .await;
-    // Job done only when the claim is bound and the Job complete: still running.
-    let mc = mcs.get(REQUEST).await.unwrap();
-    assert_eq!(mc_cond(&mc, "Ready"), is("False", "WriterRunning"));
+    (name, handle)
+}
 
-    // ---- 3b. The kubelet's part: the writer pod ran and exited 0; the real Job controller
-    // completes the Job.
-    let job_pods = ListParams::default().labels(&format!("batch.kubernetes.io/job-name={wname}"));
+fn job_pods(job: &str) -> ListParams {
+    ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}"))
+}
+
+/// Step 3b, the kubelet's part: the writer pod (created by the real Job controller, with the
+/// writer claim as its volume) ran and exited 0 (`pods/status`); the real Job controller
+/// completes the Job.
+async fn writer_pod_succeeds(env: &Env, writer_ns: &str, job: &str) {
+    let pods = env.pods(writer_ns);
     let pod = wait_for("the writer pod", WAIT, || async {
-        pods.list(&job_pods).await.ok()?.items.into_iter().next()
+        pods.list(&job_pods(job))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
     })
     .await;
-    let pod_name = pod.metadata.name.clone().unwrap();
-    let ps = pod.spec.as_ref().unwrap();
-    assert!(ps.volumes.as_deref().unwrap_or_default().iter().any(|v| v
-        .persistent_volume_claim
+    let claims: Vec<String> = pod
+        .spec
         .as_ref()
-        .map(|p| p.claim_name.as_str())
-        == Some(wname.as_str())));
+        .unwrap()
+        .volumes
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|v| v.persistent_volume_claim.as_ref())
+        .map(|p| p.claim_name.clone())
+        .collect();
+    assert_eq!(
+        claims,
+        [job.to_string()],
+        "the writer pod mounts the writer claim"
+    );
     let now = Time(Timestamp::now());
     pods.patch_status(
-        &pod_name,
+        pod.metadata.name.as_deref().unwrap(),
         &PatchParams::default(),
         &Patch::Merge(json!({"status": {
             "phase": "Succeeded",
@@ -570,7 +663,7 @@ async fn a_model_cache_is_filled_read_and_released() {
             "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted",
                             "lastTransitionTime": now}],
             "containerStatuses": [{
-                "name": "fetch", "image": IMAGE, "imageID": "", "ready": false,
+                "name": CONTAINER, "image": IMAGE, "imageID": "", "ready": false,
                 "restartCount": 0, "started": false,
                 "state": {"terminated": {"exitCode": 0, "reason": "Completed",
                                          "startedAt": now, "finishedAt": now}}
@@ -579,9 +672,9 @@ async fn a_model_cache_is_filled_read_and_released() {
     )
     .await
     .unwrap();
+    let jobs = env.jobs(writer_ns);
     wait_for("the writer Job Complete", WAIT, || async {
-        let j = jobs.get(&wname).await.ok()?;
-        let st = j.status?;
+        let st = jobs.get(job).await.ok()?.status?;
         let complete = st
             .conditions
             .unwrap_or_default()
@@ -590,103 +683,118 @@ async fn a_model_cache_is_filled_read_and_released() {
         (complete && st.succeeded == Some(1)).then_some(())
     })
     .await;
+}
 
-    // ---- 4. Readers: a reader PV derived from the writer's, a claim pre-bound to it; Ready.
+/// Step 4: `Ready=True ReadersReady`; the binding records the writer's volume; each reader
+/// namespace has a reader PV derived from it (same driver, the handle for that namespace,
+/// `csi.readOnly`, the catalog's mount options, no class, `Retain`, the reader mode, pre-bound
+/// to the reader claim) and a reader claim (`storageClassName: ""`, naming the PV), bound by the
+/// real PV controller.
+async fn readers_ready(
+    env: &Env,
+    mc: &ModelCache,
+    b: &ModelCacheBinding,
+    readers: &[String],
+    writer_volume: &str,
+) {
+    let ns = mc.metadata.namespace.clone().unwrap();
+    let name = mc.metadata.name.clone().unwrap();
+    let bname = b.metadata.name.clone().unwrap();
+    let rclaim = names::reader_claim(&bname);
+    let mcs = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns);
     let mc = wait_for("Ready=True ReadersReady", WAIT, || async {
-        let mc = mcs.get(REQUEST).await.ok()?;
+        let mc = mcs.get(&name).await.ok()?;
         (mc_cond(&mc, "Ready") == is("True", "ReadersReady")).then_some(mc)
     })
     .await;
     let st = mc.status.clone().unwrap();
-    assert_eq!(st.reader_claim.as_deref(), Some(rclaim.as_str()));
-    assert_eq!(st.reader_namespaces, std::slice::from_ref(&ns));
+    assert_eq!(st.reader_claim.as_ref(), Some(&rclaim));
+    assert_eq!(st.reader_namespaces, readers);
     assert_eq!(st.mode, Some(CacheMode::Durable));
-    let binding = bindings.get(&bname).await.unwrap();
+    let b = env.bindings().get(&bname).await.unwrap();
     assert_eq!(
-        binding
-            .status
-            .as_ref()
-            .unwrap()
-            .writer_volume_name
-            .as_deref(),
-        Some(wpv_name.as_str()),
+        b.status.as_ref().unwrap().writer_volume_name.as_deref(),
+        Some(writer_volume),
         "the binding records the writer's volume"
     );
-    let reader = pvs.get(&rpv).await.unwrap();
-    assert_owned("reader PV", &reader.metadata, &bname, &buid);
-    let rs = reader.spec.as_ref().unwrap();
-    let csi = rs.csi.as_ref().unwrap();
-    assert_eq!(csi.driver, provisioner);
-    // Same namespace as the writer: the handle is the writer's, unchanged.
-    assert_eq!(csi.volume_handle, handle);
-    assert_eq!(csi.read_only, Some(true));
-    assert_eq!(
-        rs.mount_options.clone().unwrap_or_default(),
-        entry.reader_mount_options
-    );
-    assert_eq!(rs.storage_class_name.as_deref().unwrap_or(""), "");
-    assert_eq!(
-        rs.persistent_volume_reclaim_policy.as_deref(),
-        Some("Retain")
-    );
-    assert_eq!(
-        rs.access_modes.as_deref(),
-        Some(&[reader_mode.to_string()][..])
-    );
-    assert_eq!(
-        rs.capacity
-            .as_ref()
-            .and_then(|c| c.get("storage"))
-            .map(|q| q.0.as_str()),
-        Some(SIZE)
-    );
-    let cref = rs.claim_ref.as_ref().unwrap();
-    assert_eq!(
-        (cref.namespace.as_deref(), cref.name.as_deref()),
-        (Some(ns.as_str()), Some(rclaim.as_str()))
-    );
-    assert_eq!(phase_of_volume(&reader).as_deref(), Some("Bound"));
-    let rc = claims.get(&rclaim).await.unwrap();
-    assert_owned("reader claim", &rc.metadata, &bname, &buid);
-    let rcs = rc.spec.as_ref().unwrap();
-    assert_eq!(rcs.storage_class_name.as_deref(), Some(""));
-    assert_eq!(rcs.volume_name.as_deref(), Some(rpv.as_str()));
-    assert_eq!(
-        rcs.access_modes.as_deref(),
-        Some(&[reader_mode.to_string()][..])
-    );
-    assert_eq!(phase_of_claim(&rc).as_deref(), Some("Bound"));
+    for r in readers {
+        let pv = env.pvs().get(&names::reader_pv(&bname, r)).await.unwrap();
+        assert_owned("reader PV", &pv.metadata, &b);
+        let spec = pv.spec.as_ref().unwrap();
+        let csi = spec.csi.as_ref().unwrap();
+        assert_eq!(csi.driver, env.provisioner());
+        assert_eq!(
+            csi.volume_handle,
+            volume_handle(&env.entry, r, writer_volume),
+            "the writer's handle, for reader namespace {r}"
+        );
+        assert_eq!(csi.read_only, Some(true));
+        assert_eq!(
+            spec.mount_options.clone().unwrap_or_default(),
+            env.entry.reader_mount_options
+        );
+        assert_eq!(spec.storage_class_name.as_deref().unwrap_or(""), "");
+        assert_eq!(
+            spec.persistent_volume_reclaim_policy.as_deref(),
+            Some("Retain")
+        );
+        assert_eq!(spec.access_modes, one(env.reader_mode()));
+        assert_eq!(
+            spec.capacity
+                .as_ref()
+                .and_then(|c| c.get("storage"))
+                .map(|q| q.0.as_str()),
+            Some(SIZE)
+        );
+        let cref = spec.claim_ref.as_ref().unwrap();
+        assert_eq!(cref.namespace.as_ref(), Some(r));
+        assert_eq!(cref.name.as_ref(), Some(&rclaim));
+        assert_eq!(volume_phase(&pv).as_deref(), Some("Bound"));
+        let claim = env.claims(r).get(&rclaim).await.unwrap();
+        assert_owned("reader claim", &claim.metadata, &b);
+        let cs = claim.spec.as_ref().unwrap();
+        assert_eq!(cs.storage_class_name.as_deref(), Some(""));
+        assert_eq!(cs.volume_name, pv.metadata.name);
+        assert_eq!(cs.access_modes, one(env.reader_mode()));
+        assert_eq!(claim_phase(&claim).as_deref(), Some("Bound"));
+    }
+}
 
-    // A reader pod asking for the cache is wired to the reader claim, read-only (the Pod
-    // webhook as the apiserver calls it; its store of requests catches up within seconds).
-    let mut n = 0;
-    let wired = wait_for("a reader pod wired to the reader claim", WAIT, || {
-        n += 1;
-        let (admin, ns) = (c.admin.clone(), ns.clone());
-        async move { wired_claim(&dry_run_reader_pod(&admin, &ns, n).await) }
-    })
-    .await;
-    assert_eq!(wired, rclaim);
-
-    // ---- 5. The request goes: the binding keeps everything through the idle period, then
-    // retires and releases exactly what it names.
-    mcs.delete(REQUEST, &DeleteParams::default()).await.unwrap();
+/// Deletes the request and waits until it is gone (it carries no finalizer).
+async fn delete_request(env: &Env, mc: &ModelCache) {
+    let ns = mc.metadata.namespace.clone().unwrap();
+    let name = mc.metadata.name.clone().unwrap();
+    let mcs = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns);
+    mcs.delete(&name, &DeleteParams::default()).await.unwrap();
     wait_for("the request gone", WAIT, || async {
-        mcs.get_opt(REQUEST).await.ok()?.is_none().then_some(())
+        mcs.get_opt(&name).await.ok()?.is_none().then_some(())
     })
     .await;
-    // The webhook no longer wires pods to it.
-    let mut n = 100;
-    wait_for("a reader pod left unwired", WAIT, || {
-        n += 1;
-        let (admin, ns) = (c.admin.clone(), ns.clone());
-        async move {
-            wired_claim(&dry_run_reader_pod(&admin, &ns, n).await)
-                .is_none()
-                .then_some(())
-        }
-    })
-    .await;
+}
+
+/// One observation of the binding by a watch.
+#[derive(Debug, Clone)]
+struct Seen {
+    phase: BindingPhase,
+    /// The `Released` condition's (status, reason).
+    released: Option<(String, String)>,
+    /// `status.releaseSkipped` as (object, reason).
+    skipped: Vec<(String, String)>,
+    finalizer: bool,
+    deleted: bool,
+}
+
+/// Step 5, after the request was deleted: the binding prunes the reference and starts the idle
+/// period, keeping everything; past it, it retires, releases exactly what it names (watched:
+/// `Retiring` before anything is released, never back to `Active`, `Released=True` written while
+/// the finalizer still protects, then the finalizer dropped and the binding deleted); the real
+/// controller-manager clears the claims' and PVs' protection finalizers and collects the writer
+/// pod with its Job. The writer's own volume, which the binding does not name, stays `Released`
+/// (`Retain`) until the storage administrator (the test) deletes it.
+async fn released_after_idle(env: &Env, b: &ModelCacheBinding, writer_volume: &str) {
+    let bname = b.metadata.name.clone().unwrap();
+    let bindings = env.bindings();
+    let res = b.all_resources();
 
     // Stand-in for the binding's 5-minute resync: any watch event makes it look again.
     bindings
@@ -698,7 +806,7 @@ async fn a_model_cache_is_filled_read_and_released() {
         )
         .await
         .unwrap();
-    let idle = wait_for(
+    let (idle, since) = wait_for(
         "the reference pruned and the idle period started",
         WAIT,
         || async {
@@ -708,29 +816,38 @@ async fn a_model_cache_is_filled_read_and_released() {
         },
     )
     .await;
-    let (b, since) = idle;
-    assert_eq!(b.phase(), BindingPhase::Active, "idle, not yet retiring");
-    assert!(has_binding_finalizer(&b));
+    assert_eq!(idle.phase(), BindingPhase::Active, "idle, not yet retiring");
+    assert!(has_binding_finalizer(&idle));
     let age = Timestamp::now().duration_since(since.0);
     assert!(
-        age >= SignedDuration::ZERO - SignedDuration::from_secs(5)
-            && age < SignedDuration::from_secs(120),
-        "idleSince {since:?} is the pruning time"
+        age > SignedDuration::from_secs(-5) && age < SignedDuration::from_secs(120),
+        "idleSince {since:?} is when the reference was pruned"
     );
     // Within the idle period nothing is released.
-    assert!(jobs.get_opt(&wname).await.unwrap().is_some());
-    assert!(claims.get_opt(&wname).await.unwrap().is_some());
-    assert!(claims.get_opt(&rclaim).await.unwrap().is_some());
-    assert!(pvs.get_opt(&rpv).await.unwrap().is_some());
-    assert!(leases.get_opt(&wname).await.unwrap().is_some());
+    for j in &res.jobs {
+        assert!(env
+            .jobs(&j.namespace)
+            .get_opt(&j.name)
+            .await
+            .unwrap()
+            .is_some());
+    }
+    for c in &res.persistent_volume_claims {
+        let claim = env.claims(&c.namespace).get_opt(&c.name).await.unwrap();
+        assert!(claim.is_some_and(|c| c.metadata.deletion_timestamp.is_none()));
+    }
+    for pv in &res.persistent_volumes {
+        assert!(env.pvs().get_opt(pv).await.unwrap().is_some());
+    }
+    let lease = res.lease.clone().unwrap();
+    assert!(env.leases().get_opt(&lease.name).await.unwrap().is_some());
 
     // Every state of the binding from here on, as a watch sees it.
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let seen_w = seen.clone();
-    let wapi = bindings.clone();
     let field = format!("metadata.name={bname}");
     let watch = tokio::spawn(async move {
-        let mut s = watcher(wapi, watcher::Config::default().fields(&field)).boxed();
+        let mut s = watcher(bindings, watcher::Config::default().fields(&field)).boxed();
         while let Some(ev) = s.next().await {
             let (b, deleted) = match ev {
                 Ok(watcher::Event::Apply(b) | watcher::Event::InitApply(b)) => (b, false),
@@ -757,8 +874,9 @@ async fn a_model_cache_is_filled_read_and_released() {
     .await;
 
     // Stand-in for the idle period (an hour in the chart): idleSince moved back past it.
-    let past = Timestamp::now() - SignedDuration::from_secs(s.idle_seconds + 60);
+    let past = Timestamp::now() - SignedDuration::from_secs(env.s.idle_seconds + 60);
     let past = Time(Timestamp::from_second(past.as_second()).unwrap());
+    let bindings = env.bindings();
     bindings
         .patch_status(
             &bname,
@@ -791,11 +909,16 @@ async fn a_model_cache_is_filled_read_and_released() {
         seen[..retiring].iter().all(|s| s.released.is_none()),
         "nothing is released before the binding is Retiring: {seen:#?}"
     );
-    // A release pass may race the real PV binder: deleting the reader claim makes it update
-    // the reader PV's status (Bound → Released) between the controller's read of the PV and
-    // its preconditioned delete, which the apiserver refuses (409): the PV is kept as
+    // A release pass may race the real PV binder: deleting a reader claim makes it update the
+    // reader PV's status (Bound → Released) between the controller's read of the PV and its
+    // preconditioned delete, which the apiserver refuses (409): the PV is kept as
     // ChangedSinceRead, with the finalizer, and read again on the next pass. Nothing is ever
     // kept for another reason here (every named object is the binding's, every volume Retains).
+    let reader_pvs: Vec<String> = res
+        .persistent_volumes
+        .iter()
+        .map(|pv| format!("PersistentVolume {pv}"))
+        .collect();
     for s in &seen {
         if s.released == is("False", "ObjectsKept") {
             assert!(
@@ -806,9 +929,8 @@ async fn a_model_cache_is_filled_read_and_released() {
                 !s.skipped.is_empty()
                     && s.skipped
                         .iter()
-                        .all(|(o, r)| r == "ChangedSinceRead"
-                            && o == &format!("PersistentVolume {rpv}")),
-                "only the reader PV's race with the PV binder keeps anything: {seen:#?}"
+                        .all(|(o, r)| r == "ChangedSinceRead" && reader_pvs.contains(o)),
+                "only a reader PV's race with the PV binder keeps anything: {seen:#?}"
             );
         }
     }
@@ -830,23 +952,56 @@ async fn a_model_cache_is_filled_read_and_released() {
         "deleted, released, without its finalizer: {seen:#?}"
     );
 
-    // What the binding named is gone (the protection finalizers cleared by the real
-    // controller-manager, the writer pod collected with its Job).
-    wait_for("the named objects gone", WAIT, || async {
-        let gone = jobs.get_opt(&wname).await.ok()?.is_none()
-            && pods.list(&job_pods).await.ok()?.items.is_empty()
-            && claims.get_opt(&wname).await.ok()?.is_none()
-            && claims.get_opt(&rclaim).await.ok()?.is_none()
-            && pvs.get_opt(&rpv).await.ok()?.is_none()
-            && leases.get_opt(&wname).await.ok()?.is_none();
-        gone.then_some(())
+    // What the binding named is gone: the protection finalizers cleared by the real
+    // controller-manager, the writer pod collected with its Job.
+    wait_for("every named object gone", WAIT, || async {
+        for j in &res.jobs {
+            if env
+                .jobs(&j.namespace)
+                .get_opt(&j.name)
+                .await
+                .ok()?
+                .is_some()
+                || !env
+                    .pods(&j.namespace)
+                    .list(&job_pods(&j.name))
+                    .await
+                    .ok()?
+                    .items
+                    .is_empty()
+            {
+                return None;
+            }
+        }
+        for c in &res.persistent_volume_claims {
+            if env
+                .claims(&c.namespace)
+                .get_opt(&c.name)
+                .await
+                .ok()?
+                .is_some()
+            {
+                return None;
+            }
+        }
+        for pv in &res.persistent_volumes {
+            if env.pvs().get_opt(pv).await.ok()?.is_some() {
+                return None;
+            }
+        }
+        env.leases()
+            .get_opt(&lease.name)
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
     })
     .await;
     // The writer's volume is not named: under Retain it stays, Released, for the storage
-    // administrator — the cache's data is never deleted by the controller.
+    // administrator — the controller never deletes the cache's data.
     let kept = wait_for("the writer volume Released", WAIT, || async {
-        let pv = pvs.get_opt(&wpv_name).await.ok()??;
-        (phase_of_volume(&pv).as_deref() == Some("Released")).then_some(pv)
+        let pv = env.pvs().get_opt(writer_volume).await.ok()??;
+        (volume_phase(&pv).as_deref() == Some("Released")).then_some(pv)
     })
     .await;
     assert!(kept.metadata.deletion_timestamp.is_none());
@@ -858,10 +1013,110 @@ async fn a_model_cache_is_filled_read_and_released() {
             .as_deref(),
         Some("Retain")
     );
-
-    // The storage administrator reclaims it; the namespace goes.
-    pvs.delete(&wpv_name, &DeleteParams::default())
+    // The storage administrator reclaims it.
+    env.pvs()
+        .delete(writer_volume, &DeleteParams::default())
         .await
         .unwrap();
-    c.drop_namespace(&ns).await;
+}
+
+/// `regularModelCache`: writer and reader in the request's namespace.
+#[tokio::test]
+async fn a_model_cache_is_filled_read_and_released() {
+    let env = Env::get().await;
+    let ns = env.c.namespace("model-cache").await;
+    let readers = vec![ns.clone()];
+    let revision = format!("rev-{}", std::process::id());
+    let created = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &request(&ns, "llama", &revision, json!({})),
+        )
+        .await
+        .unwrap();
+
+    let (mc, b) = bound(&env, &created, &ns, &readers).await;
+    let job = writer_started(&env, &mc, &b, &ns).await;
+    let wname = job.metadata.name.clone().unwrap();
+    // Not ready: the Pod webhook leaves a reader pod alone.
+    assert_eq!(
+        wired_claim(&dry_run_reader_pod(&env, &ns, "llama", 0).await),
+        None
+    );
+
+    let (volume, _) = provision_writer_volume(&env, &ns, &wname).await;
+    // Done only when the claim is bound and the Job complete: still running.
+    let now = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns)
+        .get("llama")
+        .await
+        .unwrap();
+    assert_eq!(mc_cond(&now, "Ready"), is("False", "WriterRunning"));
+    writer_pod_succeeds(&env, &ns, &wname).await;
+
+    readers_ready(&env, &mc, &b, &readers, &volume).await;
+    // A reader pod asking for the cache is wired to the reader claim, read-only (the Pod
+    // webhook as the apiserver calls it).
+    let rclaim = names::reader_claim(b.metadata.name.as_deref().unwrap());
+    wait_wiring(&env, &ns, "llama", Some(&rclaim)).await;
+
+    delete_request(&env, &mc).await;
+    // The webhook no longer wires pods to it.
+    wait_wiring(&env, &ns, "llama", None).await;
+    released_after_idle(&env, &b, &volume).await;
+    env.c.drop_namespace(&ns).await;
+}
+
+/// `helmModelCache`: the writer runs in the control namespace as the writer service account
+/// (no API token; the chart's admission policy checks it), and two other namespaces read it,
+/// each through a reader PV whose handle names that namespace where the driver's does.
+#[tokio::test]
+async fn a_helm_model_cache_is_read_in_other_namespaces_and_released() {
+    let env = Env::get().await;
+    let ns = env.c.namespace("model-cache-helm").await;
+    let mut readers = vec![
+        env.c.namespace("model-cache-reader").await,
+        env.c.namespace("model-cache-reader").await,
+    ];
+    readers.sort();
+    let control = env.s.control_namespace.clone();
+    let revision = format!("rev-helm-{}", std::process::id());
+    let created = Api::<ModelCache>::namespaced(env.c.admin.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &request(
+                &ns,
+                "shared",
+                &revision,
+                json!({"workflow": "helmModelCache", "readerNamespaces": readers}),
+            ),
+        )
+        .await
+        .unwrap();
+
+    let (mc, b) = bound(&env, &created, &control, &readers).await;
+    let job = writer_started(&env, &mc, &b, &control).await;
+    let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(
+        pod.service_account_name.as_ref(),
+        Some(&env.s.writer_service_account)
+    );
+    assert_eq!(pod.automount_service_account_token, Some(false));
+    let wname = job.metadata.name.clone().unwrap();
+
+    let (volume, _) = provision_writer_volume(&env, &control, &wname).await;
+    writer_pod_succeeds(&env, &control, &wname).await;
+    readers_ready(&env, &mc, &b, &readers, &volume).await;
+    // Reader pods in the reader namespaces ask for it by namespace/name.
+    let rclaim = names::reader_claim(b.metadata.name.as_deref().unwrap());
+    let cache = format!("{ns}/shared");
+    for r in &readers {
+        wait_wiring(&env, r, &cache, Some(&rclaim)).await;
+    }
+
+    delete_request(&env, &mc).await;
+    released_after_idle(&env, &b, &volume).await;
+    env.c.drop_namespace(&ns).await;
+    for r in &readers {
+        env.c.drop_namespace(r).await;
+    }
 }

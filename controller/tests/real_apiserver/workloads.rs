@@ -308,3 +308,118 @@ async fn mode_changes_shed_what_the_previous_mode_owned() {
     expect((0, 0, 0, 0), "nothing left for host-only").await;
     c.drop_namespace(&ns).await;
 }
+
+/// Server-side apply with another field manager on the same Deployment: a label another
+/// manager adds stays (the controller never applied it), a field the controller owns that the
+/// other manager changed is taken back on the next reconcile (forced apply), and the other
+/// manager's field survives that apply.
+#[tokio::test]
+async fn another_managers_fields_stay_and_ours_are_restored() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("managers").await;
+    create(&c.admin, &ns, &managed_redis("shared", json!({}))).await;
+    let d = wait_for("the Deployment", WAIT, || {
+        backend_deployment(&c.admin, &ns, "shared")
+    })
+    .await;
+    let name = d.metadata.name.clone().unwrap();
+    let image = d
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .image
+        .clone()
+        .unwrap();
+    let container = d
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .name
+        .clone();
+    // Another manager: its own label, and (forced) the controller's container image.
+    let other = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "labels": {"team.example/owner": "platform"}},
+        "spec": {"template": {"spec": {"containers": [{"name": container, "image": "registry.example/redis:patched"}]}}}
+    });
+    let deployments = Api::<Deployment>::namespaced(c.admin.clone(), &ns);
+    deployments
+        .patch(
+            &name,
+            &PatchParams::apply("platform-team").force(),
+            &Patch::Apply(&other),
+        )
+        .await
+        .unwrap();
+    // The owned-object watch brings the controller back, which re-applies its image.
+    wait_for("the controller's image restored", WAIT, || async {
+        let d = deployments.get(&name).await.ok()?;
+        let img = d.spec?.template.spec?.containers[0].image.clone()?;
+        (img == image).then_some(())
+    })
+    .await;
+    let d = deployments.get(&name).await.unwrap();
+    assert_eq!(
+        d.metadata
+            .labels
+            .unwrap()
+            .get("team.example/owner")
+            .map(String::as_str),
+        Some("platform"),
+        "the other manager's label stays"
+    );
+    c.drop_namespace(&ns).await;
+}
+
+/// The status write is guarded by the resourceVersion it was computed from: against the real
+/// API a stale one is a 409 (the reconciler then retries from a fresh read) and nothing is
+/// written.
+#[tokio::test]
+async fn a_status_write_from_a_stale_read_is_a_conflict() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("conflict").await;
+    create(&c.admin, &ns, &managed_redis("raced", json!({}))).await;
+    let api = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
+    let read = api.get("raced").await.unwrap();
+    let stale_rv = read.metadata.resource_version.clone().unwrap();
+    // Someone else writes in between (a label: a new resourceVersion).
+    api.patch(
+        "raced",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+    )
+    .await
+    .unwrap();
+    let mut next = read.status.clone().unwrap_or_default();
+    next.endpoint = Some("written-from-a-stale-read".into());
+    let patch = ic_controller::reconcile::cachebackend::status_patch(
+        read.status.as_ref(),
+        &next,
+        Some(&stale_rv),
+    )
+    .unwrap();
+    let err = api
+        .patch_status("raced", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, kube::Error::Api(ref s) if s.code == 409),
+        "{err:?}"
+    );
+    let now = api.get("raced").await.unwrap();
+    assert_ne!(
+        now.status.and_then(|s| s.endpoint).as_deref(),
+        Some("written-from-a-stale-read")
+    );
+    c.drop_namespace(&ns).await;
+}
