@@ -45,9 +45,6 @@ ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
         "checked by the OwnerReferencesPermissionEnforcement admission plugin (on here) when the "
         "controller applies a child with blockOwnerDeletion, which is no request of its own; "
         "without it every workload apply is refused and the workloads tests fail (tried)",
-    ("controller", "", "pods", "get"):
-        "agent-token fallback for apiservers whose pod-bound tokens carry no node name "
-        "(before ServiceAccountTokenPodNodeInfo, the chart's 1.29 floor); v1.36 tokens carry it",
     ("controller", "", "secrets", "get"):
         "key Secrets of encrypted caches (ModelCacheEncryption, off in the chart's defaults and "
         "here), read when their binding releases; create is granted only with the gate on",

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -86,6 +86,34 @@ async fn callers_are_reviewed_by_the_real_apiserver() {
     )
     .await;
     assert_eq!(get(&c, "/snapshot", Some(&reader)).await, 200);
+
+    // A token bound to a pod that is on no node carries the pod but no node name, so the
+    // controller reads the pod to find one (the path apiservers without node info in tokens
+    // take for every pod-bound token); the caller needs no node and is allowed.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "dashboard-pod"},
+        "spec": {"serviceAccountName": "dashboard", "schedulerName": "none",
+                 "containers": [{"name": "d", "image": "dashboard:test"}]}
+    }))
+    .unwrap();
+    let pod = Api::<Pod>::namespaced(c.admin.clone(), &ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    let req: TokenRequest = serde_json::from_value(json!({
+        "spec": {"audiences": ["inference-cache"], "expirationSeconds": 600,
+                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "dashboard-pod",
+                                    "uid": pod.metadata.uid}}
+    }))
+    .unwrap();
+    let pod_bound = Api::<ServiceAccount>::namespaced(c.admin.clone(), &ns)
+        .create_token_request("dashboard", &PostParams::default(), &req)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token;
+    assert_eq!(get(&c, "/v1/nodes", Some(&pod_bound)).await, 200);
     assert_ne!(get(&c, "/probe", Some(&reader)).await, 403);
 
     bindings
