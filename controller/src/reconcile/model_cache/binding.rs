@@ -113,6 +113,17 @@ pub async fn reconcile_binding(
             // binding stays (Retiring, never joined) with the list until they are gone.
             remove_finalizer(&api, &binding).await?;
         }
+        // An object that changed between the ownership read and its delete (the PV binder
+        // moving a reader PV from Bound to Released races every release on a real cluster) is
+        // read again soon; anything else waits for the steady pass.
+        if released
+            .kept
+            .iter()
+            .all(|k| k.reason == reason::CHANGED_SINCE_READ)
+        {
+            tracing::info!(binding = %name, kept = ?released.kept, "release: objects changed since read; re-reading");
+            return Ok(Action::requeue(cfg.pending_requeue));
+        }
         tracing::warn!(binding = %name, kept = ?released.kept, "release kept named objects; retrying later");
         return Ok(Action::requeue(cfg.steady_requeue));
     }
