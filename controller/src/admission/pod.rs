@@ -241,34 +241,6 @@ const ALL_MARKERS: [&str; 5] = [
     ANNOTATION_NOT_INJECTED,
 ];
 
-/// The CacheBackends of `namespace` whose `engineSelector` selects a pod with `labels`, by name
-/// order (the first one wires the pod; spec 000 "Mutating Pod webhook" → Selection). An empty
-/// selector claims nothing. Shared by the webhook and the engine-pod Events controller, which
-/// marks selected pods that were admitted without the webhook.
-pub fn selecting_backends<'a, B: Borrow<CacheBackend>>(
-    backends: &'a [B],
-    namespace: &str,
-    labels: &std::collections::BTreeMap<String, String>,
-) -> Vec<&'a CacheBackend> {
-    let mut matching: Vec<&CacheBackend> = backends
-        .iter()
-        .map(Borrow::borrow)
-        .filter(|cb| {
-            cb.metadata
-                .namespace
-                .as_deref()
-                .is_none_or(|ns| ns.is_empty() || ns == namespace)
-        })
-        .filter(|cb| {
-            cb.spec
-                .match_labels()
-                .is_some_and(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
-        })
-        .collect();
-    matching.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    matching
-}
-
 fn decide<B: Borrow<CacheBackend>>(
     raw: &Value,
     namespace: &str,
@@ -336,7 +308,7 @@ fn decide<B: Borrow<CacheBackend>>(
 
     // Selection: first match by name order; empty selectors claim nothing.
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    let matching = selecting_backends(backends, &namespace, &labels);
+    let matching = ic_shared::crd::selecting_backends(backends, &namespace, &labels);
     let mut selection_warnings = Vec::new();
     if let [first, rest @ ..] = matching.as_slice() {
         if !rest.is_empty() {

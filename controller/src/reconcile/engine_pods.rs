@@ -126,7 +126,7 @@ pub fn admitted_without_webhook(pod: &Pod, backends: &[Arc<CacheBackend>]) -> Op
         return None;
     }
     let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
-    let cb = crate::admission::pod::selecting_backends(backends, namespace, &labels)
+    let cb = ic_shared::crd::selecting_backends(backends, namespace, &labels)
         .first()
         .copied()?;
     Some(format!(

@@ -868,6 +868,35 @@ impl CacheBackendSpec {
     }
 }
 
+/// The CacheBackends of `namespace` whose `engineSelector` selects a pod with `labels`, by name
+/// (the first one wires the pod; spec 000 "Mutating Pod webhook" → Selection). An empty
+/// selector claims nothing; a backend without a namespace counts as the pod's. The Pod webhook
+/// selects with it, and the engine-pod Events controller finds with it the selected pods that
+/// were admitted without the webhook.
+pub fn selecting_backends<'a, B: std::borrow::Borrow<CacheBackend>>(
+    backends: &'a [B],
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> Vec<&'a CacheBackend> {
+    let mut matching: Vec<&CacheBackend> = backends
+        .iter()
+        .map(std::borrow::Borrow::borrow)
+        .filter(|cb| {
+            cb.metadata
+                .namespace
+                .as_deref()
+                .is_none_or(|ns| ns.is_empty() || ns == namespace)
+        })
+        .filter(|cb| {
+            cb.spec
+                .match_labels()
+                .is_some_and(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
+        })
+        .collect();
+    matching.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    matching
+}
+
 impl LmCacheSpec {
     /// `chunkSizeTokens`, or 256.
     pub fn effective_chunk_size_tokens(&self) -> i32 {
