@@ -15,51 +15,12 @@ mod support;
 use std::process::Command;
 use std::time::Duration;
 
-use ic_controller::reconcile::render::{label_value, LABEL_BACKEND};
 use ic_shared::crd::CacheBackend;
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
-use support::{wait_for, Cluster};
-
-fn managed_redis(name: &str) -> CacheBackend {
-    serde_json::from_value(json!({
-        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
-        "metadata": {"name": name},
-        "spec": {
-            "runtime": "SGLang", "type": "LMCache",
-            "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
-            "remoteStorage": {"provider": "Redis", "ownership": "Managed",
-                              "redis": {"image": "docker.io/library/redis:7.4-alpine"}},
-            "engineSelector": {"matchLabels": {"app": name}}
-        }
-    }))
-    .unwrap()
-}
-
-async fn deployment(c: &Cluster, ns: &str, backend: &str) -> Option<Deployment> {
-    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(backend)));
-    Api::<Deployment>::namespaced(c.admin.clone(), ns)
-        .list(&lp)
-        .await
-        .ok()?
-        .items
-        .into_iter()
-        .next()
-}
-
-fn node_selector(d: &Deployment) -> Option<Value> {
-    d.spec
-        .as_ref()?
-        .template
-        .spec
-        .as_ref()?
-        .node_selector
-        .as_ref()
-        .map(|s| serde_json::to_value(s).unwrap())
-}
+use support::{backend_deployment, managed_redis, node_selector, wait_for, Cluster};
 
 /// Compacts etcd at its current revision (etcd's JSON gateway), so every older
 /// resourceVersion is gone.
@@ -113,11 +74,11 @@ async fn the_controller_recovers_from_an_apiserver_restart_and_a_compaction() {
     let ns = c.namespace("restart").await;
     let backends = Api::<CacheBackend>::namespaced(c.admin.clone(), &ns);
     backends
-        .create(&PostParams::default(), &managed_redis("before"))
+        .create(&PostParams::default(), &managed_redis("before", json!({})))
         .await
         .unwrap();
     wait_for("the first Deployment", Duration::from_secs(60), || {
-        deployment(&c, &ns, "before")
+        backend_deployment(&c.admin, &ns, "before")
     })
     .await;
 
@@ -138,20 +99,20 @@ async fn the_controller_recovers_from_an_apiserver_restart_and_a_compaction() {
         .await
         .unwrap();
     backends
-        .create(&PostParams::default(), &managed_redis("after"))
+        .create(&PostParams::default(), &managed_redis("after", json!({})))
         .await
         .unwrap();
     wait_for(
         "the new backend's Deployment",
         Duration::from_secs(120),
-        || deployment(&c, &ns, "after"),
+        || backend_deployment(&c.admin, &ns, "after"),
     )
     .await;
     wait_for(
         "the changed backend's Deployment",
         Duration::from_secs(120),
         || async {
-            let d = deployment(&c, &ns, "before").await?;
+            let d = backend_deployment(&c.admin, &ns, "before").await?;
             (node_selector(&d) == Some(json!({"zone": "a"}))).then_some(())
         },
     )

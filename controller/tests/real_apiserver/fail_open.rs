@@ -8,14 +8,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ic_controller::admission::pod::ANNOTATION_INJECTED_BY;
-use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
-use crate::support::{wait_for, Cluster};
+use crate::support::{create_host_backend, wait_for, Cluster};
 
 struct Replica(Child);
 
@@ -133,18 +132,7 @@ async fn pods_are_admitted_unwired_and_marked_when_the_webhook_is_gone() {
         )
         .await
         .unwrap();
-    let backend: CacheBackend = serde_json::from_value(json!({
-        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
-        "metadata": {"name": "hostcache"},
-        "spec": {"runtime": "VLLM", "type": "LMCache",
-                 "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
-                 "engineSelector": {"matchLabels": {"app": "llm"}}}
-    }))
-    .unwrap();
-    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
-        .create(&PostParams::default(), &backend)
-        .await
-        .unwrap();
+    create_host_backend(&c.admin, &ns, "hostcache", "llm").await;
 
     let port = free_port();
     let replica = second_replica(&c, port);

@@ -12,7 +12,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 
-use crate::support::{ensure_node, pod_token, wait_for, workspace_bin, Cluster};
+use crate::support::{
+    create_host_backend, ensure_node, pod_token, wait_for, workspace_bin, Cluster,
+};
 
 struct Agent(Child);
 
@@ -29,18 +31,7 @@ async fn an_agent_reports_its_node_into_cachenode_and_backend_status() {
     let node = format!("agent-node-{}", std::process::id());
     ensure_node(&c.admin, &node).await;
     let ns = c.namespace("nodes").await;
-    let backend: CacheBackend = serde_json::from_value(json!({
-        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
-        "metadata": {"name": "hosted"},
-        "spec": {"runtime": "VLLM", "type": "LMCache",
-                 "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
-                 "engineSelector": {"matchLabels": {"app": "engine"}}}
-    }))
-    .unwrap();
-    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
-        .create(&PostParams::default(), &backend)
-        .await
-        .unwrap();
+    create_host_backend(&c.admin, &ns, "hosted", "engine").await;
     // An engine pod on the node, wired by the webhook (retried until the webhook's
     // CacheBackend store has the new backend).
     let pods = Api::<Pod>::namespaced(c.admin.clone(), &ns);

@@ -10,9 +10,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use ic_controller::reconcile::render::{label_value, LABEL_BACKEND};
+use ic_shared::crd::CacheBackend;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde_json::json;
@@ -181,4 +184,66 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A CacheBackend with a controller-managed Redis tier (a Deployment + Service per backend),
+/// selecting pods labelled `app: <name>`; `extra` is merged into `spec`.
+pub fn managed_redis(name: &str, extra: serde_json::Value) -> CacheBackend {
+    let mut v = json!({
+        "apiVersion": "inferencecache.io/v1alpha1",
+        "kind": "CacheBackend",
+        "metadata": {"name": name},
+        "spec": {
+            "runtime": "SGLang",
+            "type": "LMCache",
+            "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
+            "remoteStorage": {
+                "provider": "Redis",
+                "ownership": "Managed",
+                "redis": {"image": "docker.io/library/redis:7.4-alpine"}
+            },
+            "engineSelector": {"matchLabels": {"app": name}}
+        }
+    });
+    for (k, val) in extra.as_object().into_iter().flatten() {
+        v["spec"][k] = val.clone();
+    }
+    serde_json::from_value(v).unwrap()
+}
+
+/// A host-only vLLM + LMCache CacheBackend `name` selecting pods labelled `app: <app>`, created
+/// in `ns`.
+pub async fn create_host_backend(admin: &Client, ns: &str, name: &str, app: &str) {
+    let backend: CacheBackend = serde_json::from_value(json!({
+        "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
+        "metadata": {"name": name},
+        "spec": {"runtime": "VLLM", "type": "LMCache",
+                 "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
+                 "engineSelector": {"matchLabels": {"app": app}}}
+    }))
+    .unwrap();
+    Api::<CacheBackend>::namespaced(admin.clone(), ns)
+        .create(&PostParams::default(), &backend)
+        .await
+        .unwrap();
+}
+
+/// The Deployment the controller renders for `backend` in `ns`, found by its label.
+pub async fn backend_deployment(admin: &Client, ns: &str, backend: &str) -> Option<Deployment> {
+    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(backend)));
+    Api::<Deployment>::namespaced(admin.clone(), ns)
+        .list(&lp)
+        .await
+        .ok()?
+        .items
+        .into_iter()
+        .next()
+}
+
+/// The pod template's `nodeSelector` of `d`, as JSON.
+pub fn node_selector(d: &Deployment) -> Option<serde_json::Value> {
+    let spec = d.spec.as_ref()?.template.spec.as_ref()?;
+    spec.node_selector
+        .as_ref()
+        .map(|s| serde_json::to_value(s).unwrap())
 }

@@ -17,57 +17,15 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::Client;
 use serde_json::{json, Value};
 
-use crate::support::{wait_for, Cluster};
+use crate::support::{backend_deployment, managed_redis, node_selector, wait_for, Cluster};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// A CacheBackend with a controller-managed Redis tier (a Deployment + Service per backend).
-fn managed_redis(name: &str, extra: Value) -> CacheBackend {
-    let mut v = json!({
-        "apiVersion": "inferencecache.io/v1alpha1",
-        "kind": "CacheBackend",
-        "metadata": {"name": name},
-        "spec": {
-            "runtime": "SGLang",
-            "type": "LMCache",
-            "lmCache": {"chunkSizeTokens": 256, "hostMemory": {"capacity": "1Gi"}},
-            "remoteStorage": {
-                "provider": "Redis",
-                "ownership": "Managed",
-                "redis": {"image": "docker.io/library/redis:7.4-alpine"}
-            },
-            "engineSelector": {"matchLabels": {"app": name}}
-        }
-    });
-    for (k, val) in extra.as_object().unwrap() {
-        v["spec"][k] = val.clone();
-    }
-    serde_json::from_value(v).unwrap()
-}
 
 async fn create(client: &Client, ns: &str, cb: &CacheBackend) {
     Api::<CacheBackend>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), cb)
         .await
         .unwrap();
-}
-
-async fn backend_deployment(client: &Client, ns: &str, backend: &str) -> Option<Deployment> {
-    let lp = ListParams::default().labels(&format!("{LABEL_BACKEND}={}", label_value(backend)));
-    Api::<Deployment>::namespaced(client.clone(), ns)
-        .list(&lp)
-        .await
-        .ok()?
-        .items
-        .into_iter()
-        .next()
-}
-
-fn node_selector(d: &Deployment) -> Option<Value> {
-    let spec = d.spec.as_ref()?.template.spec.as_ref()?;
-    spec.node_selector
-        .as_ref()
-        .map(|s| serde_json::to_value(s).unwrap())
 }
 
 /// Defect 1 of the real-control-plane issue: removing a `spec.template` override must reach the
