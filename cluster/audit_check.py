@@ -45,14 +45,6 @@ ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
         "checked by the OwnerReferencesPermissionEnforcement admission plugin (on here) when the "
         "controller applies a child with blockOwnerDeletion, which is no request of its own; "
         "without it every workload apply is refused and the workloads tests fail (tried)",
-    ("controller", "", "secrets", "get"):
-        "key Secrets of encrypted caches (ModelCacheEncryption, off in the chart's defaults and "
-        "here), read when their binding releases; create is granted only with the gate on",
-    ("controller", "", "secrets", "delete"):
-        "key Secrets of encrypted caches, deleted when their binding releases (the gate is off here)",
-    ("controller", "storage.k8s.io", "storageclasses", "delete"):
-        "encrypted caches' derived StorageClasses, deleted when their binding releases "
-        "(the gate is off here); create is granted only with the gate on",
 }
 
 

@@ -14,6 +14,25 @@ Left out: Deployments, DaemonSets, Jobs and Helm hooks (no kubelet runs their po
 cert-manager's Certificate/Issuer (no cert-manager: the certificate comes from cluster.sh's PKI).
 The CRDs are applied from chart/crds/ directly, as Helm installs them.
 
+Values beyond the chart's defaults (VALUES), both so that every grant the chart gives the
+controller is exercised here and cluster/audit_check.py can hold it to least privilege:
+
+  controller.admissionPolicy.enabled      the ValidatingAdmissionPolicies that keep the
+                                          controller's workload writes to objects it owns are
+                                          enforced on its own writes
+  modelCache.featureGates.ModelCacheEncryption
+                                          on (merged over the chart's featureGates map, so
+                                          CachingSupport and HelmModelCaching keep their default
+                                          `true`): new model caches on the shipped catalog's
+                                          NVMesh entry (encryptionSupported) are encrypted, so the
+                                          controller creates, reads and deletes key Secrets and
+                                          derived StorageClasses. With the gate off the chart
+                                          still grants Secret and StorageClass get/delete (the
+                                          release of an encrypted cache made while it was on),
+                                          which nothing here would use; with it on every Secret
+                                          and StorageClass grant, `create` included, is exercised
+                                          by the real-apiserver model-cache tests.
+
 usage: chart_objects.py OUT CA_FILE WEBHOOK_PORT GRPC_PORT HTTP_PORT CERT_DIR
 """
 
@@ -29,9 +48,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = "inference-cache"
 NAMESPACE = "inference-cache"
-# What the local control plane installs beyond the defaults: the admission policies that limit
-# the controller's workload writes to objects it owns are enforced on its own writes.
-VALUES = {"controller": {"admissionPolicy": {"enabled": True}}}
+# What the local control plane installs beyond the defaults (see the docstring): the admission
+# policies on, and the model cache's encryption gate on (Helm merges the featureGates map over
+# the chart's, so CachingSupport and HelmModelCaching stay true).
+VALUES = {
+    "controller": {"admissionPolicy": {"enabled": True}},
+    "modelCache": {"featureGates": {"ModelCacheEncryption": True}},
+}
 APPLIED_KINDS = {
     "Namespace",
     "ServiceAccount",

@@ -10,6 +10,17 @@
 //! garbage collector finishing the job), `Released=True`, the finalizer dropped, the binding
 //! deleted, and the writer's own volume kept (`Retain`) for the storage administrator.
 //!
+//! Encryption follows the controller's `ModelCacheEncryption` gate (read from `controller-args`;
+//! the local cluster turns it on, cluster/chart_objects.py): with it on, the binding's decision
+//! says encrypted and it names a key Secret (`<binding>-key`, control namespace) and a derived
+//! StorageClass (`<binding>-enc`) that the elected writer creates before its claim — the derived
+//! class hands the Secret to the driver through the standard CSI secret parameters, `Retain` —
+//! the writer claim asks for the derived class, and release deletes both with the rest. Only the
+//! shipped catalog's NVMesh entry can be encrypted (`encryptionSupported`, `roxReadOnly`). The
+//! CSI provisioner's stand-in does what external-provisioner does with such a class: the PV gets
+//! the derived class's name and `csi.nodeStageSecretRef` = the key Secret, which every reader PV
+//! derived from it keeps.
+//!
 //! One stand-in for time: the chart runs the controller with `--model-cache-idle-seconds=3600`,
 //! and the idle period is measured from the binding's own `status.idleSince`; the test moves it
 //! back past the idle period (as an administrator, through `…/status`) instead of waiting an
@@ -24,13 +35,16 @@ use futures::StreamExt;
 use ic_controller::catalog::{derive_flow, required_modes, Catalog, DriverEntry};
 use ic_controller::reconcile::model_cache::names;
 use ic_controller::reconcile::model_cache::request::writer_template_digest;
+use ic_controller::reconcile::model_cache::FeatureFlags;
 use ic_shared::crd::{
     annotations, find_condition, AccessMode, BindingPhase, CacheMode, Flow, ModelCache,
     ModelCacheBinding, NamespacedName, RequestReference,
 };
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, PersistentVolume, PersistentVolumeClaim, Pod, Secret, SecretReference,
+};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -47,6 +61,18 @@ const SIZE: &str = "40Gi";
 const URI: &str = "hf://meta-llama/Llama-3.1-8B-Instruct";
 const IMAGE: &str = "ghcr.io/example/hf-fetch:1";
 const CONTAINER: &str = "fetch";
+/// The standard CSI parameters through which a StorageClass names the Secret external-provisioner
+/// passes to `CreateVolume` and the kubelet to `NodeStageVolume` (name key, namespace key).
+const CSI_SECRET_PARAMETERS: [(&str, &str); 2] = [
+    (
+        "csi.storage.k8s.io/provisioner-secret-name",
+        "csi.storage.k8s.io/provisioner-secret-namespace",
+    ),
+    (
+        "csi.storage.k8s.io/node-stage-secret-name",
+        "csi.storage.k8s.io/node-stage-secret-namespace",
+    ),
+];
 
 /// The `--model-cache-*` values the cluster's controller runs with (`controller-args`).
 struct Settings {
@@ -57,6 +83,8 @@ struct Settings {
     catalog_key: String,
     idle_seconds: i64,
     writer_service_account: String,
+    /// `ModelCacheEncryption` in `--model-cache-feature-gates`: new caches are encrypted.
+    encryption: bool,
 }
 
 fn settings(c: &Cluster) -> Settings {
@@ -73,6 +101,11 @@ fn settings(c: &Cluster) -> Settings {
         "true",
         "the chart's model cache is off"
     );
+    let gates = FeatureFlags::parse(&arg("--model-cache-feature-gates")).unwrap();
+    assert!(
+        gates.caching_support && gates.helm_model_caching,
+        "both scenarios need CachingSupport and HelmModelCaching: {gates:?}"
+    );
     Settings {
         storage_class: arg("--model-cache-storage-class"),
         control_namespace: arg("--model-cache-control-namespace"),
@@ -81,6 +114,7 @@ fn settings(c: &Cluster) -> Settings {
         catalog_key: arg("--model-cache-catalog-key"),
         idle_seconds: arg("--model-cache-idle-seconds").parse().unwrap(),
         writer_service_account: arg("--model-cache-writer-service-account"),
+        encryption: gates.model_cache_encryption,
     }
 }
 
@@ -97,7 +131,7 @@ struct Env {
 
 impl Env {
     /// Step 1 of every scenario: the cache StorageClass, for a catalog driver with a durable
-    /// flow.
+    /// flow (one that can encrypt when the gate is on).
     async fn get() -> Env {
         let c = Cluster::get().await;
         let s = settings(&c);
@@ -121,6 +155,11 @@ impl Env {
 
     fn provisioner(&self) -> &str {
         &self.class.provisioner
+    }
+
+    /// Whether new caches are encrypted (the controller's `ModelCacheEncryption` gate).
+    fn encrypted(&self) -> bool {
+        self.s.encryption
     }
 
     fn writer_mode(&self) -> String {
@@ -154,27 +193,48 @@ impl Env {
     fn leases(&self) -> Api<Lease> {
         Api::namespaced(self.c.admin.clone(), &self.s.control_namespace)
     }
+
+    fn secrets(&self, ns: &str) -> Api<Secret> {
+        Api::namespaced(self.c.admin.clone(), ns)
+    }
+
+    fn classes(&self) -> Api<StorageClass> {
+        Api::all(self.c.admin.clone())
+    }
+}
+
+/// Whether a driver can give the cache these scenarios need: a durable flow, and with the
+/// encryption gate on, encryption (listed as supported, and the `roxReadOnly` shape — the only
+/// one that implements it).
+fn fits(entry: &DriverEntry, encryption: bool) -> bool {
+    match derive_flow(&entry.access_modes) {
+        None => false,
+        Some(flow) => !encryption || (entry.encryption_supported && flow == Flow::RoxReadOnly),
+    }
 }
 
 /// The cache StorageClass: created (reclaim `Retain`, the first catalog driver with a durable
-/// flow, rwxReadOnly preferred) unless another test made it first; either way it must `Retain`
-/// and its provisioner must derive a durable flow. Never deleted: bindings record its UID.
+/// flow — one that can encrypt when the gate is on —, rwxReadOnly preferred) unless another test
+/// made it first; either way it must `Retain` and its provisioner must fit. Never deleted:
+/// bindings record its UID.
 async fn ensure_cache_class(c: &Cluster, s: &Settings, catalog: &Catalog) -> StorageClass {
     let classes = Api::<StorageClass>::all(c.admin.clone());
     if classes.get_opt(&s.storage_class).await.unwrap().is_none() {
         let durable: Vec<&DriverEntry> = catalog
             .drivers()
-            .filter(|d| derive_flow(&d.access_modes).is_some())
+            .filter(|d| fits(d, s.encryption))
             .collect();
         let driver = durable
             .iter()
             .find(|d| derive_flow(&d.access_modes) == Some(Flow::RwxReadOnly))
             .or_else(|| durable.first())
-            .expect("the chart's catalog has no driver with a durable flow");
+            .expect("the chart's catalog has no driver that fits (durable; encrypting if gated)");
+        // A parameter of the administrator's own: a derived (encrypted) class keeps it.
         let class: StorageClass = serde_json::from_value(json!({
             "metadata": {"name": s.storage_class,
                          "labels": {"inferencecache.io/test": "real-apiserver"}},
             "provisioner": driver.name,
+            "parameters": {"pool": "cache-pool"},
             "reclaimPolicy": "Retain",
             "volumeBindingMode": "Immediate"
         }))
@@ -200,10 +260,15 @@ async fn ensure_cache_class(c: &Cluster, s: &Settings, catalog: &Catalog) -> Sto
         )
     });
     assert!(
-        derive_flow(&entry.access_modes).is_some(),
-        "StorageClass {} exists with provisioner {}, which derives no durable flow",
+        fits(entry, s.encryption),
+        "StorageClass {} exists with provisioner {}, which derives no durable flow{}",
         s.storage_class,
-        class.provisioner
+        class.provisioner,
+        if s.encryption {
+            " that can encrypt"
+        } else {
+            ""
+        }
     );
     class
 }
@@ -443,7 +508,12 @@ async fn bound(
     assert_eq!(d.access_modes, env.modes);
     assert_eq!(d.reader_mount_options, env.entry.reader_mount_options);
     assert_eq!(d.volume_handle_namespace, env.entry.volume_handle_namespace);
-    assert!(!d.encrypted, "the chart leaves ModelCacheEncryption off");
+    assert_eq!(
+        d.encrypted,
+        env.encrypted(),
+        "the decision follows the ModelCacheEncryption gate ({:?})",
+        env.s.encryption
+    );
     assert_eq!(b.spec.storage_class.name, env.s.storage_class);
     assert_eq!(
         Some(&b.spec.storage_class.uid),
@@ -473,7 +543,19 @@ async fn bound(
         .collect();
     want.sort();
     assert_eq!(pvs, want);
-    assert!(res.secrets.is_empty() && res.storage_classes.is_empty());
+    if env.encrypted() {
+        // The key Secret and the derived class, named before anything is created.
+        assert_eq!(
+            res.secrets,
+            [NamespacedName::new(
+                &env.s.control_namespace,
+                names::key_secret(&bname)
+            )]
+        );
+        assert_eq!(res.storage_classes, [names::encrypted_class(&bname)]);
+    } else {
+        assert!(res.secrets.is_empty() && res.storage_classes.is_empty());
+    }
     (mc, b)
 }
 
@@ -494,13 +576,20 @@ async fn writer_started(env: &Env, mc: &ModelCache, b: &ModelCacheBinding, write
         mc.metadata.uid,
         "the writer election names the request"
     );
+    // The elected writer makes the encryption objects before its claim.
+    let writer_class = if env.encrypted() {
+        encryption_objects(env, b).await
+    } else {
+        env.s.storage_class.clone()
+    };
     let claim = env.claims(writer_ns).get(&wname).await.unwrap();
     assert_owned("writer claim", &claim.metadata, b);
     let spec = claim.spec.as_ref().unwrap();
     assert_eq!(spec.access_modes, one(env.writer_mode()));
     assert_eq!(
         spec.storage_class_name.as_deref(),
-        Some(env.s.storage_class.as_str())
+        Some(writer_class.as_str()),
+        "the writer claim asks for the derived class when encrypted, else the cache class"
     );
     assert_eq!(storage_request(&claim).as_deref(), Some(SIZE));
     // No provisioner runs here: pending until the stand-in provisions it.
@@ -567,19 +656,72 @@ async fn writer_started(env: &Env, mc: &ModelCache, b: &ModelCacheBinding, write
     job
 }
 
+/// Step 2, encrypted: the key Secret in the control namespace (the binding's label, UID
+/// annotation and managed-by label; `Opaque`, `data.key` = 32 random bytes as hex) and the
+/// derived StorageClass (the same, cluster-scoped): the cache class's provisioner, parameters
+/// and binding mode, plus the CSI provisioner and node-stage secret parameters naming the key
+/// Secret and `encrypted: "true"`, reclaim `Retain`. Returns the derived class's name.
+async fn encryption_objects(env: &Env, b: &ModelCacheBinding) -> String {
+    let bname = b.metadata.name.clone().unwrap();
+    let control = &env.s.control_namespace;
+    let key = names::key_secret(&bname);
+    let secret = env.secrets(control).get(&key).await.unwrap();
+    assert_owned("key Secret", &secret.metadata, b);
+    assert_eq!(secret.type_.as_deref(), Some("Opaque"));
+    let data = secret.data.clone().unwrap_or_default();
+    assert_eq!(
+        data.keys().collect::<Vec<_>>(),
+        ["key"],
+        "the key Secret holds the key only"
+    );
+    let hex = &data["key"].0;
+    assert!(
+        hex.len() == 64 && hex.iter().all(|c| c.is_ascii_hexdigit()),
+        "data.key is 32 bytes as hex ({} characters)",
+        hex.len()
+    );
+
+    let derived_name = names::encrypted_class(&bname);
+    let derived = env.classes().get(&derived_name).await.unwrap();
+    assert_owned("derived StorageClass", &derived.metadata, b);
+    assert_eq!(derived.provisioner, env.provisioner());
+    assert_eq!(derived.reclaim_policy.as_deref(), Some("Retain"));
+    assert_eq!(derived.volume_binding_mode, env.class.volume_binding_mode);
+    assert_eq!(derived.mount_options, env.class.mount_options);
+    let params = derived.parameters.clone().unwrap_or_default();
+    let mut want = env.class.parameters.clone().unwrap_or_default();
+    for (name, namespace) in CSI_SECRET_PARAMETERS {
+        want.insert(name.to_string(), key.clone());
+        want.insert(namespace.to_string(), control.clone());
+    }
+    want.insert("encrypted".to_string(), "true".to_string());
+    assert_eq!(
+        params, want,
+        "the cache class's parameters, the key Secret for the driver, encrypted"
+    );
+    derived_name
+}
+
 /// Step 3a, the CSI provisioner's part: a PV for the writer claim (named and annotated as
-/// external-provisioner names them, a handle for the writer's namespace), pre-bound to it by
-/// `claimRef`; the real PV controller binds the pair. Returns the PV's name and handle.
+/// external-provisioner names them, a handle for the writer's namespace, the claim's class),
+/// pre-bound to it by `claimRef`; the real PV controller binds the pair. Where the class names a
+/// node-stage secret (an encrypted cache's derived class), the PV carries it as
+/// `csi.nodeStageSecretRef`, as external-provisioner sets it. Returns the PV's name and handle.
 async fn provision_writer_volume(env: &Env, writer_ns: &str, claim: &str) -> (String, String) {
     let claims = env.claims(writer_ns);
-    let uid = claims
-        .get(claim)
-        .await
-        .unwrap()
-        .metadata
-        .uid
-        .clone()
+    let pvc = claims.get(claim).await.unwrap();
+    let uid = pvc.metadata.uid.clone().unwrap();
+    let class_name = pvc
+        .spec
+        .as_ref()
+        .and_then(|s| s.storage_class_name.clone())
         .unwrap();
+    let class = env.classes().get(&class_name).await.unwrap();
+    let params = class.parameters.clone().unwrap_or_default();
+    let (stage_name, stage_ns) = CSI_SECRET_PARAMETERS[1];
+    let stage_secret = params.get(stage_name).map(
+        |n| json!({"name": n, "namespace": params.get(stage_ns).cloned().unwrap_or_default()}),
+    );
     let name = format!("pvc-{uid}");
     let handle = volume_handle(&env.entry, writer_ns, &name);
     let pv: PersistentVolume = serde_json::from_value(json!({
@@ -590,12 +732,13 @@ async fn provision_writer_volume(env: &Env, writer_ns: &str, claim: &str) -> (St
             "accessModes": [env.writer_mode()],
             "capacity": {"storage": SIZE},
             "persistentVolumeReclaimPolicy": "Retain",
-            "storageClassName": env.s.storage_class,
+            "storageClassName": class_name,
             "volumeMode": "Filesystem",
             "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                          "namespace": writer_ns, "name": claim, "uid": uid},
             "csi": {"driver": env.provisioner(), "volumeHandle": handle, "fsType": "xfs",
-                    "volumeAttributes": {"pool": "cache-pool"}}
+                    "volumeAttributes": {"pool": "cache-pool"},
+                    "nodeStageSecretRef": stage_secret}
         }
     }))
     .unwrap();
@@ -726,6 +869,15 @@ async fn readers_ready(
             "the writer's handle, for reader namespace {r}"
         );
         assert_eq!(csi.read_only, Some(true));
+        // Readers of an encrypted cache stage the volume with the same key.
+        let key = env.encrypted().then(|| SecretReference {
+            name: Some(names::key_secret(&bname)),
+            namespace: Some(env.s.control_namespace.clone()),
+        });
+        assert_eq!(
+            csi.node_stage_secret_ref, key,
+            "the reader PV keeps the writer PV's node-stage secret"
+        );
         assert_eq!(
             spec.mount_options.clone().unwrap_or_default(),
             env.entry.reader_mount_options
@@ -786,8 +938,10 @@ struct Seen {
 /// `Retiring` before anything is released, never back to `Active`, `Released=True` written while
 /// the finalizer still protects, then the finalizer dropped and the binding deleted); the real
 /// controller-manager clears the claims' and PVs' protection finalizers and collects the writer
-/// pod with its Job. The writer's own volume, which the binding does not name, stays `Released`
-/// (`Retain`) until the storage administrator (the test) deletes it.
+/// pod with its Job; an encrypted cache's key Secret and derived StorageClass are deleted with
+/// the rest. The writer's own volume, which the binding does not name, stays `Released`
+/// (`Retain`, still naming the derived class when encrypted) until the storage administrator
+/// (the test) deletes it.
 async fn released_after_idle(env: &Env, b: &ModelCacheBinding, writer_volume: &str) {
     let bname = b.metadata.name.clone().unwrap();
     let bindings = env.bindings();
@@ -828,6 +982,22 @@ async fn released_after_idle(env: &Env, b: &ModelCacheBinding, writer_volume: &s
     for pv in &res.persistent_volumes {
         assert!(env.pvs().get_opt(pv).await.unwrap().is_some());
     }
+    for s in &res.secrets {
+        assert!(env
+            .secrets(&s.namespace)
+            .get_opt(&s.name)
+            .await
+            .unwrap()
+            .is_some());
+    }
+    for sc in &res.storage_classes {
+        assert!(env.classes().get_opt(sc).await.unwrap().is_some());
+    }
+    assert_eq!(
+        (res.secrets.len(), res.storage_classes.len()),
+        if env.encrypted() { (1, 1) } else { (0, 0) },
+        "an encrypted cache names its key Secret and derived class"
+    );
     let lease = res.lease.clone().unwrap();
     assert!(env.leases().get_opt(&lease.name).await.unwrap().is_some());
 
@@ -978,6 +1148,23 @@ async fn released_after_idle(env: &Env, b: &ModelCacheBinding, writer_volume: &s
                 return None;
             }
         }
+        // An encrypted cache's key Secret and derived class, deleted by the controller.
+        for s in &res.secrets {
+            if env
+                .secrets(&s.namespace)
+                .get_opt(&s.name)
+                .await
+                .ok()?
+                .is_some()
+            {
+                return None;
+            }
+        }
+        for sc in &res.storage_classes {
+            if env.classes().get_opt(sc).await.ok()?.is_some() {
+                return None;
+            }
+        }
         env.leases()
             .get_opt(&lease.name)
             .await
@@ -994,13 +1181,20 @@ async fn released_after_idle(env: &Env, b: &ModelCacheBinding, writer_volume: &s
     })
     .await;
     assert!(kept.metadata.deletion_timestamp.is_none());
+    let kept_spec = kept.spec.as_ref().unwrap();
     assert_eq!(
-        kept.spec
-            .as_ref()
-            .unwrap()
-            .persistent_volume_reclaim_policy
-            .as_deref(),
+        kept_spec.persistent_volume_reclaim_policy.as_deref(),
         Some("Retain")
+    );
+    assert_eq!(
+        kept_spec.storage_class_name.as_deref(),
+        Some(
+            res.storage_classes
+                .first()
+                .unwrap_or(&env.s.storage_class)
+                .as_str()
+        ),
+        "the writer volume came from the derived class when encrypted"
     );
     // The storage administrator reclaims it.
     env.pvs()
