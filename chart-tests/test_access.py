@@ -160,7 +160,8 @@ def test_admission_policies_cover_every_kind_the_controller_writes() -> None:
     workloads = {("apps", "deployments"), ("apps", "statefulsets"), ("", "services"), ("autoscaling", "horizontalpodautoscalers")}
     assert workloads <= written("inference-cache-controller")
     assert _matched(pols["inference-cache-controller-owned-workloads"]["spec"]) == workloads
-    mc = {("batch", "jobs"), ("", "persistentvolumeclaims"), ("", "persistentvolumes"), ("storage.k8s.io", "storageclasses")}
+    mc = {("batch", "jobs"), ("", "persistentvolumeclaims"), ("", "persistentvolumes"), ("storage.k8s.io", "storageclasses"),
+          ("", "secrets")}  # key Secrets: deleted always, created with ModelCacheEncryption
     assert mc <= written("inference-cache-controller-model-cache")
     assert _matched(pols["inference-cache-controller-model-cache-writes"]["spec"]) == mc
     # Without the model cache only the workload policy is rendered; Warn/Audit reaches bindings.

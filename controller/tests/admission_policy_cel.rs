@@ -97,6 +97,7 @@ fn resource_of(kind: &str) -> (&'static str, &'static str) {
         "PersistentVolumeClaim" => ("", "persistentvolumeclaims"),
         "PersistentVolume" => ("", "persistentvolumes"),
         "StorageClass" => ("storage.k8s.io", "storageclasses"),
+        "Secret" => ("", "secrets"),
         other => panic!("no resource for {other}"),
     }
 }
@@ -446,7 +447,8 @@ fn the_model_cache_writes_only_labelled_objects_and_its_writer_runs_as_the_write
         CONTROL_NS,
     ))
     .unwrap();
-    for o in [&claim, &job, &team_job, &class] {
+    let key = serde_json::to_value(mc_render::key_secret("k", CONTROL_NS, owner, "00")).unwrap();
+    for o in [&claim, &job, &team_job, &class, &key] {
         let mut o = o.clone();
         o["apiVersion"] = json!(match o["kind"].as_str().unwrap() {
             "Job" => "batch/v1",
@@ -464,7 +466,7 @@ fn the_model_cache_writes_only_labelled_objects_and_its_writer_runs_as_the_write
         v["metadata"].as_object_mut().unwrap().remove("labels");
         v
     };
-    for o in [&claim, &job, &class] {
+    for o in [&claim, &job, &class, &key] {
         let errs = denied(&p, "CREATE", &unlabel(o), &Value::Null);
         assert!(errs[0].contains("it labels"), "{errs:?}");
         denied(&p, "DELETE", &Value::Null, &unlabel(o));
@@ -483,6 +485,11 @@ fn the_model_cache_writes_only_labelled_objects_and_its_writer_runs_as_the_write
         .unwrap()
         .remove("serviceAccountName");
     denied(&p, "CREATE", &no_sa, &Value::Null);
+    // A Secret outside the control namespace is not the model cache's to judge (the self-signed
+    // webhook bundle in the release namespace): allowed here, limited by RBAC.
+    let mut webhook_bundle = unlabel(&key);
+    webhook_bundle["metadata"]["namespace"] = json!("inference-cache");
+    allowed(&p, "CREATE", &webhook_bundle, &Value::Null);
     let mut deprecated = job.clone();
     deprecated["spec"]["template"]["spec"]["serviceAccount"] = json!("cluster-admin-sa");
     denied(&p, "CREATE", &deprecated, &Value::Null);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ic_controller::admission::pod::ANNOTATION_INJECTED_BY;
 use ic_shared::crd::CacheBackend;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
@@ -238,9 +238,10 @@ async fn engine_pod_is_wired_on_a_real_create() {
     c.drop_namespace(&ns).await;
 }
 
-/// The chart's ValidatingAdmissionPolicy on the controller's own writes: as the chart's
+/// The chart's ValidatingAdmissionPolicies on the controller's own writes: as the chart's
 /// ServiceAccount, a Deployment the controller does not own cannot be changed (its RBAC alone
-/// would allow it), while the admin's identical write goes through.
+/// would allow it), while the admin's identical write goes through; nor can an unlabelled
+/// Secret be created in the model cache's control namespace.
 #[tokio::test]
 async fn the_admission_policy_keeps_the_controller_to_its_own_objects() {
     use k8s_openapi::api::apps::v1::Deployment;
@@ -285,5 +286,27 @@ async fn the_admission_policy_keeps_the_controller_to_its_own_objects() {
         )
         .await
         .unwrap();
+
+    // The model cache's policy: in its control namespace the controller may create only the
+    // key Secrets it labels (RBAC alone would let it create any Secret there).
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": format!("unlabelled-{}", std::process::id())},
+        "stringData": {"k": "v"}
+    }))
+    .unwrap();
+    let controller = c.client("IC_CLUSTER_CONTROLLER_KUBECONFIG").await;
+    let err = Api::<Secret>::namespaced(controller, "inference-cache-model-cache")
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_err();
+    let kube::Error::Api(status) = err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        status
+            .message
+            .contains("inference-cache-controller-model-cache-writes"),
+        "{status:?}"
+    );
     c.drop_namespace(&ns).await;
 }
