@@ -786,3 +786,67 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
     ctx.remember(&key, &uid, mem);
     Ok(Action::requeue(eval.requeue_after))
 }
+
+#[cfg(test)]
+mod apply_tests {
+    use super::*;
+    use k8s_openapi::api::apps::v1::Deployment;
+
+    fn deployment(v: Value) -> Deployment {
+        serde_json::from_value(v).unwrap_or_default()
+    }
+
+    #[test]
+    fn the_applied_digest_changes_when_a_field_is_removed() {
+        let with = deployment(json!({"metadata": {"name": "d"},
+            "spec": {"template": {"spec": {"nodeSelector": {"disk": "ssd"}, "containers": []}}}}));
+        let without = deployment(json!({"metadata": {"name": "d"},
+            "spec": {"template": {"spec": {"containers": []}}}}));
+        let a = with_applied_digest(&with).unwrap_or_default();
+        let b = with_applied_digest(&without).unwrap_or_default();
+        let digest = |d: &Deployment| {
+            d.metadata
+                .annotations
+                .as_ref()
+                .and_then(|m| m.get(ANNOTATION_APPLIED).cloned())
+        };
+        assert!(digest(&a).is_some_and(|d| d.len() == 64));
+        assert_ne!(digest(&a), digest(&b));
+        // Without the annotation the removal is invisible to the subset test …
+        let live = serde_json::to_value(&with).unwrap_or_default();
+        assert!(is_subset(
+            &serde_json::to_value(&without).unwrap_or_default(),
+            &live
+        ));
+        // … with it, the desired object is no longer a subset of what was applied before.
+        let live = serde_json::to_value(&a).unwrap_or_default();
+        assert!(!is_subset(
+            &serde_json::to_value(&b).unwrap_or_default(),
+            &live
+        ));
+        // Stable: digesting an already-digested object gives the same digest.
+        assert_eq!(
+            digest(&with_applied_digest(&a).unwrap_or_default()),
+            digest(&a)
+        );
+    }
+
+    #[test]
+    fn replicas_are_handed_over_only_when_our_manager_owns_them() {
+        let desired = json!({"spec": {"template": {}}});
+        let live = |manager: &str| {
+            json!({"metadata": {"managedFields": [{"manager": manager, "operation": "Apply",
+                "fieldsV1": {"f:spec": {"f:replicas": {}}}}]}, "spec": {"replicas": 3}})
+        };
+        assert!(needs_replicas_handover(&desired, &live(FIELD_MANAGER)));
+        assert!(!needs_replicas_handover(
+            &desired,
+            &live(HPA_HANDOVER_MANAGER)
+        ));
+        assert!(!needs_replicas_handover(
+            &json!({"spec": {"replicas": 3}}),
+            &live(FIELD_MANAGER)
+        ));
+        assert!(!needs_replicas_handover(&desired, &json!({"spec": {}})));
+    }
+}
