@@ -192,9 +192,28 @@ rules:
 EOF
 }
 
+# Refuses to start when one of our ports is already taken (by something `up` did not start),
+# naming the port and the variable that moves it.
+ports_free() {
+  local pair port var
+  for pair in "$etcd_port:IC_CLUSTER_ETCD_PORT" "$etcd_peer_port:IC_CLUSTER_ETCD_PORT (peer = +1)" \
+    "$api_port:IC_CLUSTER_API_PORT" "$((api_port + 1)):IC_CLUSTER_API_PORT (controller-manager = +1)" \
+    "$((api_port + 2)):IC_CLUSTER_API_PORT (scheduler = +2)" "$webhook_port:IC_CLUSTER_WEBHOOK_PORT" \
+    "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT"; do
+    port=${pair%%:*}; var=${pair#*:}
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      die "127.0.0.1:$port is already in use (another cluster.sh state dir, or another program); set $var to move it"
+    fi
+  done
+}
+
 up() {
   local t0=$SECONDS
   command -v openssl >/dev/null || die "needs openssl"
+  for tool in curl flock setsid python3; do
+    command -v "$tool" >/dev/null || die "needs $tool"
+  done
+  ports_free
   log "building the control plane (cached in $bin; versions in cluster/versions.env)"
   OUT_DIR="$bin" cluster/build.sh
   log "binaries ready after $((SECONDS - t0)) s"
