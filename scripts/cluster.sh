@@ -350,5 +350,10 @@ case "${1:-}" in
   status) status ;;
   restart) restart "${2:?restart needs a component}" ;;
   env) echo "$state/cluster.env" ;;
-  *) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help | help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; [[ -n "${1:-}" ]] && exit 0; exit 2 ;;
+  *)
+    log "unknown command ${1:-}: use up, down, status, restart COMPONENT or env"
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+    ;;
 esac

@@ -381,3 +381,65 @@ async fn a_status_write_from_a_stale_read_is_a_conflict() {
     );
     c.drop_namespace(&ns).await;
 }
+
+/// A cache server created with autoscaling starts at the HPA's floor, not at the Deployment
+/// default of 1 (which it ran for ~15 s, until the HPA first acted), and the count is not left
+/// owned by the controller, whose next apply would drop it.
+#[tokio::test]
+async fn a_backend_created_with_autoscaling_starts_at_its_floor() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("autocreate").await;
+    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let seen_w = seen.clone();
+    let api = Api::<Deployment>::namespaced(c.admin.clone(), &ns);
+    let watch = tokio::spawn(async move {
+        let mut s = watcher(api, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        while let Some(Ok(d)) = s.next().await {
+            if let Some(r) = d.spec.and_then(|s| s.replicas) {
+                seen_w.lock().unwrap().push(r);
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    create(
+        &c.admin,
+        &ns,
+        &managed_redis(
+            "floor",
+            json!({"replicas": 3, "autoscaling": {"maxReplicas": 6}}),
+        ),
+    )
+    .await;
+    let d = wait_for("the Deployment", WAIT, || {
+        backend_deployment(&c.admin, &ns, "floor")
+    })
+    .await;
+    // A spec change makes the controller apply again: the count must survive it.
+    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
+        .patch(
+            "floor",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"template": {"nodeSelector": {"zone": "b"}}}})),
+        )
+        .await
+        .unwrap();
+    wait_for("the re-applied Deployment", WAIT, || async {
+        let d = backend_deployment(&c.admin, &ns, "floor").await?;
+        node_selector(&d).is_some().then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    watch.abort();
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        !seen.is_empty() && seen.iter().all(|&r| r == 3),
+        "replica counts seen: {seen:?}"
+    );
+    let d = backend_deployment(&c.admin, &ns, "floor")
+        .await
+        .unwrap_or(d);
+    assert_eq!(d.spec.unwrap().replicas, Some(3));
+    c.drop_namespace(&ns).await;
+}

@@ -408,12 +408,18 @@ pub fn needs_replicas_handover(desired: &Value, live: &Value) -> bool {
 /// returns the live object either way. When autoscaling takes `spec.replicas` out of a
 /// workload this manager owned, the current count is first applied by [`HPA_HANDOVER_MANAGER`]
 /// so that it stays until the HPA changes it.
+///
+/// `initial_replicas` (a workload under autoscaling: the HPA's `minReplicas`) is the count a
+/// workload that does not exist yet is created with: the object is created with it, then it is
+/// handed over like any other count. Created without one, the workload would run the default 1
+/// replica until the HPA first acted (seen on a real cluster: ~15 s at 1 of 3).
 async fn ensure<K>(
     client: &Client,
     ns: &str,
     kind: &'static str,
     obj: &K,
     live: &[K],
+    initial_replicas: Option<i32>,
 ) -> Result<K, Error>
 where
     K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>
@@ -432,12 +438,33 @@ where
         name: name.clone(),
         source,
     };
-    if let Some(current) = live
+    let existing = live
         .iter()
         .find(|o| o.meta().name.as_deref() == Some(name.as_str()))
-    {
+        .cloned();
+    // Created here with its initial count: the count is handed over at once (below), not
+    // left owned by this manager, whose next apply would otherwise drop it.
+    let mut created_with_replicas = false;
+    let existing = match (existing, initial_replicas) {
+        (None, Some(n)) if desired.pointer("/spec/replicas").is_none() => {
+            created_with_replicas = true;
+            let mut first = desired.clone();
+            first["spec"]["replicas"] = json!(n);
+            let created = api
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&first),
+                )
+                .await
+                .map_err(apply_error)?;
+            Some(created)
+        }
+        (existing, _) => existing,
+    };
+    if let Some(current) = existing.as_ref() {
         let current_value = serde_json::to_value(current)?;
-        if is_subset(&desired, &current_value) {
+        if !created_with_replicas && is_subset(&desired, &current_value) {
             return Ok(current.clone());
         }
         if needs_replicas_handover(&desired, &current_value) {
@@ -598,22 +625,39 @@ pub async fn reconcile(cb: Arc<CacheBackend>, ctx: Arc<Context>) -> Result<Actio
     });
     if leader {
         if let Some(r) = rendered.as_ref() {
+            // Under autoscaling the workload is created at the HPA's floor (see `ensure`).
+            let initial_replicas = r.hpa.as_ref().map(|_| render::hpa_min_replicas(&live.spec));
             match &r.workload {
                 Workload::Deployment(d) => {
-                    let live_d =
-                        ensure(client, &ns, "Deployment", d.as_ref(), &owned.deployments).await?;
+                    let live_d = ensure(
+                        client,
+                        &ns,
+                        "Deployment",
+                        d.as_ref(),
+                        &owned.deployments,
+                        initial_replicas,
+                    )
+                    .await?;
                     workload = Some(WorkloadState::from_deployment(&live_d));
                 }
                 Workload::StatefulSet(s) => {
-                    let live_s =
-                        ensure(client, &ns, "StatefulSet", s.as_ref(), &owned.statefulsets).await?;
+                    let live_s = ensure(
+                        client,
+                        &ns,
+                        "StatefulSet",
+                        s.as_ref(),
+                        &owned.statefulsets,
+                        initial_replicas,
+                    )
+                    .await?;
                     workload = Some(WorkloadState::from_statefulset(&live_s));
                 }
             }
-            let live_svc = ensure(client, &ns, "Service", &r.service, &owned.services).await?;
+            let live_svc =
+                ensure(client, &ns, "Service", &r.service, &owned.services, None).await?;
             service_endpoint = render::service_endpoint(&live_svc);
             if let Some(h) = r.hpa.as_ref() {
-                ensure(client, &ns, "HorizontalPodAutoscaler", h, &owned.hpas).await?;
+                ensure(client, &ns, "HorizontalPodAutoscaler", h, &owned.hpas, None).await?;
             }
         }
         let keep_name = |o: Option<&str>| o.map(str::to_string);
