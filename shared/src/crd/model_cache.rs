@@ -328,7 +328,9 @@ pub struct VolumeHandleNamespace {
     #[schemars(length(min = 1))]
     pub separator: String,
     /// 0-based index of the namespace segment.
-    #[schemars(range(min = 0))]
+    // `format: int32`: schemars writes `uint32` for a u32, which Kubernetes does not know (the
+    // apiserver warns `unrecognized format "uint32"` on every CRD apply).
+    #[schemars(range(min = 0), extend("format" = "int32"))]
     pub segment: u32,
 }
 
