@@ -60,7 +60,7 @@ async fn until_true(mut rx: watch::Receiver<bool>) {
 /// Logs what a Controller's output stream says went wrong: a watch failure (the controller is
 /// blind until it re-lists) at WARN, a failed reconcile (already logged with its reason by the
 /// error policy) at DEBUG.
-fn log_stream_error<E: std::fmt::Display + std::error::Error + 'static>(
+fn log_stream_error<E: std::error::Error + 'static>(
     what: &'static str,
     err: Option<kube::runtime::controller::Error<E, kube::runtime::watcher::Error>>,
 ) {

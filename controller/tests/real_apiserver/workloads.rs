@@ -28,6 +28,29 @@ async fn create(client: &Client, ns: &str, cb: &CacheBackend) {
         .unwrap();
 }
 
+/// Every `spec.replicas` the Deployments of `ns` pass through, collected from a real watch
+/// (started, and given half a second to open, before this returns); abort the handle to stop.
+async fn replica_counts(
+    client: &Client,
+    ns: &str,
+) -> (Arc<Mutex<Vec<i32>>>, tokio::task::JoinHandle<()>) {
+    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let seen_w = seen.clone();
+    let api = Api::<Deployment>::namespaced(client.clone(), ns);
+    let watch = tokio::spawn(async move {
+        let mut s = watcher(api, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        while let Some(Ok(d)) = s.next().await {
+            if let Some(r) = d.spec.and_then(|s| s.replicas) {
+                seen_w.lock().unwrap().push(r);
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    (seen, watch)
+}
+
 /// Defect 1 of the real-control-plane issue: removing a `spec.template` override must reach the
 /// Deployment. Before the applied-digest annotation, `ensure()` saw the desired object as a
 /// subset of the live one and sent nothing: the pods stayed pinned.
@@ -90,20 +113,7 @@ async fn enabling_autoscaling_keeps_the_replica_count() {
     .await;
 
     // Every replica count the Deployment passes through, from a real watch.
-    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
-    let seen_w = seen.clone();
-    let api = Api::<Deployment>::namespaced(c.admin.clone(), &ns);
-    let watch = tokio::spawn(async move {
-        let mut s = watcher(api, watcher::Config::default())
-            .applied_objects()
-            .boxed();
-        while let Some(Ok(d)) = s.next().await {
-            if let Some(r) = d.spec.and_then(|s| s.replicas) {
-                seen_w.lock().unwrap().push(r);
-            }
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (seen, watch) = replica_counts(&c.admin, &ns).await;
 
     Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
         .patch(
@@ -389,20 +399,7 @@ async fn a_status_write_from_a_stale_read_is_a_conflict() {
 async fn a_backend_created_with_autoscaling_starts_at_its_floor() {
     let c = Cluster::get().await;
     let ns = c.namespace("autocreate").await;
-    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
-    let seen_w = seen.clone();
-    let api = Api::<Deployment>::namespaced(c.admin.clone(), &ns);
-    let watch = tokio::spawn(async move {
-        let mut s = watcher(api, watcher::Config::default())
-            .applied_objects()
-            .boxed();
-        while let Some(Ok(d)) = s.next().await {
-            if let Some(r) = d.spec.and_then(|s| s.replicas) {
-                seen_w.lock().unwrap().push(r);
-            }
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (seen, watch) = replica_counts(&c.admin, &ns).await;
     create(
         &c.admin,
         &ns,
