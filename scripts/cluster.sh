@@ -6,6 +6,13 @@
 #                              kube-scheduler, then install the chart's objects and start the
 #                              controller as the chart's ServiceAccount; prints
 #                              `export KUBECONFIG=<admin kubeconfig>` as its last line
+#   scripts/cluster.sh up --bare
+#                              etcd and kube-apiserver only, with the chart's CRDs, RBAC and
+#                              admission policies: no controller-manager, scheduler, controller or
+#                              webhooks. The API under tests that call the reconcilers themselves
+#                              and play the Deployment controller and kubelet by writing status
+#                              (controller/tests/bare_apiserver_support/). scripts/test.sh runs one
+#                              in target/cluster/bare beside the full one.
 #   scripts/cluster.sh down    stop everything `up` started and remove its state
 #   scripts/cluster.sh status  say what runs (exit 0 only when all of it does)
 #   scripts/cluster.sh restart COMPONENT
@@ -41,6 +48,11 @@ http_port="${IC_CLUSTER_HTTP_PORT:-18080}"
 controller_bin="${IC_CONTROLLER_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-controller}"
 namespace=inference-cache
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler ic-controller)
+# `up --bare` (recorded in $state/mode, so that status/down/restart know it).
+bare=0
+[[ -f "$state/mode" && "$(cat "$state/mode")" == bare ]] && bare=1
+if [[ "${1:-}" == up && "${2:-}" == --bare ]]; then bare=1; fi
+if ((bare)); then components=(etcd kube-apiserver); fi
 
 log() { echo "cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -196,15 +208,36 @@ EOF
 # naming the port and the variable that moves it.
 ports_free() {
   local pair port var
-  for pair in "$etcd_port:IC_CLUSTER_ETCD_PORT" "$etcd_peer_port:IC_CLUSTER_ETCD_PORT (peer = +1)" \
-    "$api_port:IC_CLUSTER_API_PORT" "$((api_port + 1)):IC_CLUSTER_API_PORT (controller-manager = +1)" \
-    "$((api_port + 2)):IC_CLUSTER_API_PORT (scheduler = +2)" "$webhook_port:IC_CLUSTER_WEBHOOK_PORT" \
-    "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT"; do
+  local pairs=("$etcd_port:IC_CLUSTER_ETCD_PORT" "$etcd_peer_port:IC_CLUSTER_ETCD_PORT (peer = +1)"
+    "$api_port:IC_CLUSTER_API_PORT")
+  ((bare)) || pairs+=("$((api_port + 1)):IC_CLUSTER_API_PORT (controller-manager = +1)"
+    "$((api_port + 2)):IC_CLUSTER_API_PORT (scheduler = +2)" "$webhook_port:IC_CLUSTER_WEBHOOK_PORT"
+    "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT")
+  for pair in "${pairs[@]}"; do
     port=${pair%%:*}; var=${pair#*:}
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
       die "127.0.0.1:$port is already in use (another cluster.sh state dir, or another program); set $var to move it"
     fi
   done
+}
+
+write_env() { # cluster.env, read by the tests
+  cat > "$state/cluster.env" <<EOF
+IC_CLUSTER_KUBECONFIG=$state/admin.kubeconfig
+IC_CLUSTER_CONTROLLER_KUBECONFIG=$state/controller.kubeconfig
+IC_CLUSTER_AUDIT_LOG=$state/audit.log
+IC_CLUSTER_API=https://127.0.0.1:$api_port
+IC_CLUSTER_CA=$state/pki/ca.crt
+IC_CLUSTER_WEBHOOK_PORT=$webhook_port
+IC_CLUSTER_GRPC_PORT=$grpc_port
+IC_CLUSTER_HTTP_PORT=$http_port
+IC_CLUSTER_NAMESPACE=$namespace
+IC_CLUSTER_ETCD=http://127.0.0.1:$etcd_port
+IC_CLUSTER_CONTROLLER_BIN=$controller_bin
+IC_CLUSTER_BIN=$bin
+IC_CLUSTER_STATE=$state
+IC_CLUSTER_MODE=$( ((bare)) && echo bare || echo full)
+EOF
 }
 
 up() {
@@ -217,11 +250,12 @@ up() {
   log "building the control plane (cached in $bin; versions in cluster/versions.env)"
   OUT_DIR="$bin" cluster/build.sh
   log "binaries ready after $((SECONDS - t0)) s"
-  if [[ ! -x "$controller_bin" ]]; then
+  if ((!bare)) && [[ ! -x "$controller_bin" ]]; then
     log "building ic-controller ($controller_bin)"
     cargo build -p ic-controller --bin ic-controller --locked
   fi
   mkdir -p "$state"
+  ((bare)) && echo bare > "$state/mode"
   pki
   audit_policy
 
@@ -247,17 +281,19 @@ up() {
   wait_for kube-apiserver 120 curl -sf --cacert "$state/pki/ca.crt" \
     --cert "$state/pki/admin.crt" --key "$state/pki/admin.key" "https://127.0.0.1:$api_port/readyz"
 
-  start kube-controller-manager "$bin/kube-controller-manager" \
-    --kubeconfig "$state/kcm.kubeconfig" --authentication-kubeconfig "$state/kcm.kubeconfig" \
-    --authorization-kubeconfig "$state/kcm.kubeconfig" \
-    --bind-address 127.0.0.1 --secure-port $((api_port + 1)) --leader-elect=false \
-    --service-account-private-key-file "$state/pki/sa.key" --root-ca-file "$state/pki/ca.crt" \
-    --cluster-signing-cert-file "$state/pki/ca.crt" --cluster-signing-key-file "$state/pki/ca.key" \
-    --use-service-account-credentials --profiling=false
-  start kube-scheduler "$bin/kube-scheduler" \
-    --kubeconfig "$state/scheduler.kubeconfig" --authentication-kubeconfig "$state/scheduler.kubeconfig" \
-    --authorization-kubeconfig "$state/scheduler.kubeconfig" \
-    --bind-address 127.0.0.1 --secure-port $((api_port + 2)) --leader-elect=false --profiling=false
+  if ((!bare)); then
+    start kube-controller-manager "$bin/kube-controller-manager" \
+      --kubeconfig "$state/kcm.kubeconfig" --authentication-kubeconfig "$state/kcm.kubeconfig" \
+      --authorization-kubeconfig "$state/kcm.kubeconfig" \
+      --bind-address 127.0.0.1 --secure-port $((api_port + 1)) --leader-elect=false \
+      --service-account-private-key-file "$state/pki/sa.key" --root-ca-file "$state/pki/ca.crt" \
+      --cluster-signing-cert-file "$state/pki/ca.crt" --cluster-signing-key-file "$state/pki/ca.key" \
+      --use-service-account-credentials --profiling=false
+    start kube-scheduler "$bin/kube-scheduler" \
+      --kubeconfig "$state/scheduler.kubeconfig" --authentication-kubeconfig "$state/scheduler.kubeconfig" \
+      --authorization-kubeconfig "$state/scheduler.kubeconfig" \
+      --bind-address 127.0.0.1 --secure-port $((api_port + 2)) --leader-elect=false --profiling=false
+  fi
 
   # The chart's objects (rendered by Helm's Go SDK) and CRDs.
   bash scripts/chart-venv.sh
@@ -278,6 +314,12 @@ rest = [d for d in docs if not d["kind"].endswith("WebhookConfiguration")]
 (state / "objects-webhooks.yaml").write_text(yaml.safe_dump_all(hooks, sort_keys=False))
 EOF
   kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f "$state/objects-base.yaml" >/dev/null
+  if ((bare)); then
+    write_env
+    log "up (bare) in $((SECONDS - t0)) s: kube-apiserver https://127.0.0.1:$api_port (logs: $state/logs/)"
+    echo "export KUBECONFIG=$state/admin.kubeconfig"
+    return
+  fi
 
   # The controller as the chart's ServiceAccount: a bound token of that account, nothing else.
   local sa
@@ -300,21 +342,7 @@ metadata: {name: webhook-ready}
 spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
 EOF
 
-  cat > "$state/cluster.env" <<EOF
-IC_CLUSTER_KUBECONFIG=$state/admin.kubeconfig
-IC_CLUSTER_CONTROLLER_KUBECONFIG=$state/controller.kubeconfig
-IC_CLUSTER_AUDIT_LOG=$state/audit.log
-IC_CLUSTER_API=https://127.0.0.1:$api_port
-IC_CLUSTER_CA=$state/pki/ca.crt
-IC_CLUSTER_WEBHOOK_PORT=$webhook_port
-IC_CLUSTER_GRPC_PORT=$grpc_port
-IC_CLUSTER_HTTP_PORT=$http_port
-IC_CLUSTER_NAMESPACE=$namespace
-IC_CLUSTER_ETCD=http://127.0.0.1:$etcd_port
-IC_CLUSTER_CONTROLLER_BIN=$controller_bin
-IC_CLUSTER_BIN=$bin
-IC_CLUSTER_STATE=$state
-EOF
+  write_env
   log "up in $((SECONDS - t0)) s: kube-apiserver https://127.0.0.1:$api_port, controller webhooks https://127.0.0.1:$webhook_port (logs: $state/logs/)"
   echo "export KUBECONFIG=$state/admin.kubeconfig"
 }
@@ -350,10 +378,10 @@ case "${1:-}" in
   status) status ;;
   restart) restart "${2:?restart needs a component}" ;;
   env) echo "$state/cluster.env" ;;
-  "" | -h | --help | help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; [[ -n "${1:-}" ]] && exit 0; exit 2 ;;
+  "" | -h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; [[ -n "${1:-}" ]] && exit 0; exit 2 ;;
   *)
     log "unknown command ${1:-}: use up, down, status, restart COMPONENT or env"
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

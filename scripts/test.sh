@@ -13,9 +13,16 @@ cargo test --workspace --locked --no-run
 # admission policies and webhooks, the controller running as the chart's ServiceAccount. Started
 # afresh (a running one is stopped first: its controller may be an older build, its audit log
 # holds other runs' requests) and stopped at the end.
+# Beside it, a bare one (etcd + kube-apiserver with the chart's CRDs, RBAC and policies; nothing
+# else writes to it) for the tests that call the reconcilers themselves
+# (controller/tests/bare_apiserver_support/), on its own ports and state directory.
+bare() { IC_CLUSTER_DIR="$PWD/target/cluster/bare" IC_CLUSTER_ETCD_PORT=23801 IC_CLUSTER_API_PORT=16453 \
+  bash scripts/cluster.sh "$@"; }
 bash scripts/cluster.sh down >/dev/null
-trap 'bash scripts/cluster.sh down >/dev/null 2>&1 || true' EXIT
+bare down >/dev/null
+trap 'bash scripts/cluster.sh down >/dev/null 2>&1 || true; bare down >/dev/null 2>&1 || true' EXIT
 bash scripts/cluster.sh up || status=$?
+bare up --bare || status=$?
 cargo test --workspace --locked --no-fail-fast || status=$?
 # Least privilege from the apiserver's audit log of the run above: every request the chart's
 # identities made was allowed, and every grant was used (cluster/audit_check.py).
