@@ -2,16 +2,20 @@
 //! Participation"): one cluster-scoped `default` object, from the controller's own index and
 //! what the engines report through the agents' `CounterReport` (the wire message, as the agent
 //! builds it from LMCache's `lmcache:local_cache_usage` and vLLM's prefix-cache counters),
-//! written by the leader only, rate-limited, validated against the generated CRD schema.
+//! written by the leader only, rate-limited, validated against the generated CRD schema — pure,
+//! and against the bare real apiserver (`bare_apiserver_support`: the chart's CRDs, status
+//! subresource, resourceVersion preconditions). The CacheIndex name is fixed, so the tests
+//! that write it take turns (`SERIAL`) and start by deleting what a previous one left.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod cluster_scope_support;
+mod bare_apiserver_support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_scope_support::cluster_scoped;
+use bare_apiserver_support::{BareCluster, Faults, Step};
 use ic_controller::crdgen;
 use ic_controller::index::{EngineReport, PrefixIndex};
 use ic_controller::leader::LeaderHandle;
@@ -24,8 +28,7 @@ use ic_shared::crd::{find_condition, CacheIndex, CACHE_INDEX_NAME};
 use ic_shared::kv::content_key::chain;
 use ic_shared::proto::{self, kv_op::Op, KvOp, StoreOp, StreamCounters, StreamDelta};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::Api;
-use kube_fake_client::{interceptor, ClientBuilder};
+use kube::api::{Api, DeleteParams, PostParams};
 
 fn desc(tenant: &str, replica: &str, rank: u32) -> proto::StreamDescriptor {
     proto::StreamDescriptor {
@@ -54,12 +57,17 @@ fn store(tier: proto::Tier, tokens: std::ops::Range<u32>) -> KvOp {
 /// team-a: pod a-0 holds blocks 0..4 at T1, a-1 the same 4 plus 4 more offloaded (T2 only);
 /// team-b: b-0 holds 2 blocks, and its stream is Partial (a sequence gap).
 fn populated() -> PrefixIndex {
+    populated_for("team-a", "team-b")
+}
+
+/// [`populated`] with tenants (engine pod namespaces) `team_a` and `team_b`.
+fn populated_for(team_a: &str, team_b: &str) -> PrefixIndex {
     let mut ix = PrefixIndex::new();
     let streams = [
-        (desc("team-a", "a-0", 0), proto::Coverage::Exact, ""),
-        (desc("team-a", "a-1", 0), proto::Coverage::Exact, ""),
+        (desc(team_a, "a-0", 0), proto::Coverage::Exact, ""),
+        (desc(team_a, "a-1", 0), proto::Coverage::Exact, ""),
         (
-            desc("team-b", "b-0", 0),
+            desc(team_b, "b-0", 0),
             proto::Coverage::Partial,
             "SequenceGap",
         ),
@@ -121,8 +129,8 @@ fn populated() -> PrefixIndex {
         observed_at_unix_ms: 1,
         ..Default::default()
     };
-    ix.set_engine_counters("team-a/a-0#0", EngineReport::from_counters(&a0));
-    ix.set_engine_counters("team-a/a-1#0", EngineReport::from_counters(&a1));
+    ix.set_engine_counters(&format!("{team_a}/a-0#0"), EngineReport::from_counters(&a0));
+    ix.set_engine_counters(&format!("{team_a}/a-1#0"), EngineReport::from_counters(&a1));
     ix
 }
 
@@ -254,18 +262,27 @@ fn too_many_replicas_are_truncated_loudly() {
     assert!(c.message.contains(&n.to_string()), "{}", c.message);
 }
 
-async fn fake() -> kube::Client {
-    fake_with(None).await
-}
+/// The CacheIndex is a singleton with a fixed name ([`CACHE_INDEX_NAME`], not configurable): the
+/// tests that write it (and the CacheTenant statuses the leader's loop writes beside it) run one
+/// at a time in this binary, each from no stored CacheIndex.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn fake_with(funcs: Option<interceptor::Funcs>) -> kube::Client {
-    let mut b = ClientBuilder::new()
-        .with_resource::<CacheIndex>()
-        .with_status_subresource::<CacheIndex>();
-    if let Some(f) = funcs {
-        b = b.with_interceptor_funcs(f);
+/// Deletes the stored CacheIndex (a previous test's or run's) and waits until it is gone.
+async fn no_cache_index(bare: &BareCluster) {
+    let api = Api::<CacheIndex>::all(bare.admin.clone());
+    match api.delete(CACHE_INDEX_NAME, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => panic!("deleting the CacheIndex: {e}"),
     }
-    cluster_scoped(b.build().await.unwrap())
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while api.get_opt(CACHE_INDEX_NAME).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the CacheIndex is not gone"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn stored(client: &kube::Client) -> Option<CacheIndex> {
@@ -277,7 +294,10 @@ async fn stored(client: &kube::Client) -> Option<CacheIndex> {
 
 #[tokio::test]
 async fn the_writer_creates_writes_on_change_and_is_rate_limited() {
-    let client = fake().await;
+    let _serial = SERIAL.lock().await;
+    let bare = BareCluster::get().await;
+    no_cache_index(&bare).await;
+    let client = bare.admin.clone();
     let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
     let mut ix = populated();
     let t0 = Timestamp::from_second(1_800_000_000).unwrap();
@@ -343,7 +363,10 @@ async fn the_writer_creates_writes_on_change_and_is_rate_limited() {
 /// on the next pass and corrected, although this writer's own index did not change.
 #[tokio::test]
 async fn a_status_overwritten_by_another_writer_is_corrected() {
-    let client = fake().await;
+    let _serial = SERIAL.lock().await;
+    let bare = BareCluster::get().await;
+    no_cache_index(&bare).await;
+    let client = bare.admin.clone();
     let ix = populated();
     let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
     let t0 = Timestamp::from_second(1_800_000_000).unwrap();
@@ -374,25 +397,37 @@ async fn a_status_overwritten_by_another_writer_is_corrected() {
 }
 
 /// A write computed from a read that another writer overtook is refused by the resourceVersion
-/// precondition (409): the newer object stays, the outcome says so, the next pass writes.
+/// precondition (409 from the apiserver): the newer object stays, the outcome says so, the next
+/// pass writes.
 #[tokio::test]
 async fn a_write_from_an_overtaken_read_is_refused() {
-    let interfered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _serial = SERIAL.lock().await;
+    let bare = BareCluster::get().await;
+    no_cache_index(&bare).await;
+    let interfered = Arc::new(AtomicBool::new(false));
     let flag = interfered.clone();
-    let funcs = interceptor::Funcs::new().patch_status(move |ctx| {
-        if !flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            // Between the writer's GET and its PATCH, another writer's update lands.
-            let mut o: CacheIndex = ctx.client.get(ctx.namespace, ctx.name).unwrap();
-            let mut st = o.status.clone().unwrap_or_default();
-            st.replica_count = 4242;
-            o.status = Some(st);
-            ctx.client
-                .update_status(ctx.namespace, &o, &Default::default())
-                .unwrap();
+    let other_writer = bare.admin.clone();
+    let faults = Faults::new();
+    faults.rule(move |c| {
+        if c.is("PATCH", &format!("/cacheindexes/{CACHE_INDEX_NAME}/status"))
+            && !flag.swap(true, Ordering::SeqCst)
+        {
+            // Between the writer's read and its PATCH, another writer's update lands.
+            let api = Api::<CacheIndex>::all(other_writer.clone());
+            Step::Before(Box::pin(async move {
+                let mut o = api.get(CACHE_INDEX_NAME).await.unwrap();
+                let mut st = o.status.clone().unwrap_or_default();
+                st.replica_count = 4242;
+                o.status = Some(st);
+                api.replace_status(CACHE_INDEX_NAME, &PostParams::default(), &o)
+                    .await
+                    .unwrap();
+            }))
+        } else {
+            Step::Pass
         }
-        Ok(None)
     });
-    let client = fake_with(Some(funcs)).await;
+    let client = bare.client_with(faults.clone());
     let ix = populated();
     let mut w = CacheIndexWriter::new(client.clone(), Duration::from_secs(15));
     let t0 = Timestamp::from_second(1_800_000_000).unwrap();
@@ -400,7 +435,14 @@ async fn a_write_from_an_overtaken_read_is_refused() {
         w.sync(&IndexAggregate::of(&ix), t0).await.unwrap(),
         SyncOutcome::Conflict
     );
-    assert!(interfered.load(std::sync::atomic::Ordering::SeqCst));
+    assert!(interfered.load(Ordering::SeqCst));
+    // The refusal is the apiserver's: the writer's PATCH was sent (after the other write).
+    let patches: Vec<_> = faults
+        .calls()
+        .into_iter()
+        .filter(|c| c.is("PATCH", "/status") && c.has("cacheindexes"))
+        .collect();
+    assert_eq!(patches.len(), 1, "{patches:?}");
     assert_eq!(
         stored(&client).await.unwrap().status.unwrap().replica_count,
         4242,
@@ -426,7 +468,10 @@ async fn a_write_from_an_overtaken_read_is_refused() {
 
 #[tokio::test]
 async fn only_the_leader_writes() {
-    let client = fake().await;
+    let _serial = SERIAL.lock().await;
+    let bare = BareCluster::get().await;
+    no_cache_index(&bare).await;
+    let client = bare.admin.clone();
     let shared = Arc::new(Shared::new(Default::default()).unwrap());
     *shared.index.write() = populated();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -454,7 +499,7 @@ async fn only_the_leader_writes() {
         Duration::ZERO,
         stop_rx,
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while stored(&client).await.and_then(|o| o.status).is_none() {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -470,7 +515,7 @@ async fn only_the_leader_writes() {
 fn tenant(ns: &str, name: &str, spec: serde_json::Value) -> ic_shared::crd::CacheTenant {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheTenant",
-        "metadata": {"name": name, "namespace": ns, "generation": 3},
+        "metadata": {"name": name, "namespace": ns},
         "spec": spec,
     }))
     .unwrap()
@@ -479,54 +524,67 @@ fn tenant(ns: &str, name: &str, spec: serde_json::Value) -> ic_shared::crd::Cach
 /// CacheTenant (spec 000 carve-out: no memory quota; issue 15: the entry quota is enforced):
 /// every replica gives its index the quotas of the stored CacheTenants; the index evicts the
 /// tenant's oldest prefixes; the leader writes `indexEntries`, `evictedEntries` and
-/// `WithinQuota`.
+/// `WithinQuota`. The tenants are this test's namespaces; `sync_tenants` writes every
+/// CacheTenant of the cluster, so what it wrote of this test's is read from the requests sent.
 #[tokio::test]
 async fn cache_tenants_quotas_are_enforced_and_reported() {
     use ic_controller::reconcile::tenants::{quotas, sync_tenants};
     use ic_shared::crd::CacheTenant;
-    let objects = vec![
+    // The leader loop of `only_the_leader_writes` writes every CacheTenant too.
+    let _serial = SERIAL.lock().await;
+    let bare = BareCluster::get().await;
+    let team_a = bare.namespace("tenant-a").await;
+    let team_b = bare.namespace("tenant-b").await;
+    let ops = bare.namespace("tenant-ops").await;
+    let idle = bare.namespace("tenant-idle").await;
+    let fixtures = vec![
         tenant(
-            "team-a",
+            &team_a,
             "quota",
             serde_json::json!({"quota": {"maxIndexEntries": 6}}),
         ),
         tenant(
-            "team-b",
+            &team_b,
             "roomy",
             serde_json::json!({"quota": {"maxIndexEntries": 5}}),
         ),
         // A second CacheTenant of team-a: the smaller quota applies.
         tenant(
-            "team-a",
+            &team_a,
             "tighter",
             serde_json::json!({"quota": {"maxIndexEntries": 5}}),
         ),
         // Another namespace naming team-a: never enforced (it could evict team-a's entries).
         tenant(
-            "ops",
+            &ops,
             "names-team-a",
-            serde_json::json!({"tenantID": "team-a", "quota": {"maxIndexEntries": 0}}),
+            serde_json::json!({"tenantID": team_a, "quota": {"maxIndexEntries": 0}}),
         ),
-        tenant("idle", "nothing", serde_json::json!({})),
+        tenant(&idle, "nothing", serde_json::json!({})),
     ];
-    let mut b = ClientBuilder::new()
-        .with_resource::<CacheTenant>()
-        .with_status_subresource::<CacheTenant>();
-    for o in objects.clone() {
-        b = b.with_object(o);
+    let mut objects = Vec::new();
+    for o in fixtures {
+        let ns = o.metadata.namespace.clone().unwrap();
+        objects.push(
+            Api::<CacheTenant>::namespaced(bare.admin.clone(), &ns)
+                .create(&PostParams::default(), &o)
+                .await
+                .unwrap(),
+        );
     }
-    let client = b.build().await.unwrap();
+    let faults = Faults::new();
+    let client = bare.client_with(faults.clone());
     let q = quotas(&objects);
-    assert_eq!(q.get("team-a"), Some(&5));
-    assert_eq!(q.get("team-b"), Some(&5));
+    assert_eq!(q.get(team_a.as_str()), Some(&5));
+    assert_eq!(q.get(team_b.as_str()), Some(&5));
     assert_eq!(q.len(), 2);
 
-    let mut ix = populated();
+    let mut ix = populated_for(&team_a, &team_b);
     ix.set_tenant_quotas(q);
     let agg = IndexAggregate::of(&ix);
     // team-a held 8 distinct prefixes: the 3 oldest went.
-    assert_eq!(agg.blocks_by_tenant.get("team-a"), Some(&5));
-    assert_eq!(agg.quota_evictions.get("team-a"), Some(&3));
+    assert_eq!(agg.blocks_by_tenant.get(team_a.as_str()), Some(&5));
+    assert_eq!(agg.quota_evictions.get(team_a.as_str()), Some(&3));
     let s = desired_status(
         &agg,
         None,
@@ -535,42 +593,56 @@ async fn cache_tenants_quotas_are_enforced_and_reported() {
     assert!(s
         .replicas
         .iter()
-        .filter(|r| r.tenant == "team-a")
+        .filter(|r| r.tenant == team_a)
         .all(|r| r.coverage.as_deref() == Some("Partial")
             && r.coverage_reason.as_deref() == Some("TenantQuotaExceeded")));
 
+    // This test's CacheTenants whose status was written by the requests since `from`.
+    let ours = [&team_a, &team_b, &ops, &idle];
+    let written_of_ours = |from: usize| -> Vec<String> {
+        faults.calls()[from..]
+            .iter()
+            .filter(|c| c.is("PATCH", "/status") && c.has("cachetenants"))
+            .filter(|c| ours.iter().any(|ns| c.has(ns)))
+            .map(|c| c.path.clone())
+            .collect()
+    };
     let now = ic_controller::reconcile::clock::to_time(Timestamp::now());
     let written = sync_tenants(&client, &agg, now.clone()).await.unwrap();
-    assert_eq!(written, 5);
+    assert_eq!(written_of_ours(0).len(), 5, "{:?}", written_of_ours(0));
+    assert!(written >= 5, "{written}");
     // Nothing changed: nothing written.
-    assert_eq!(sync_tenants(&client, &agg, now).await.unwrap(), 0);
-    let get = |ns: &'static str, name: &'static str| {
+    let before = faults.calls().len();
+    sync_tenants(&client, &agg, now).await.unwrap();
+    assert_eq!(written_of_ours(before), Vec::<String>::new());
+    let get = |ns: &str, name: &'static str| {
         let api: Api<CacheTenant> = Api::namespaced(client.clone(), ns);
-        async move { api.get(name).await.unwrap().status.unwrap() }
+        async move { api.get(name).await.unwrap() }
     };
-    let a = get("team-a", "quota").await;
+    let quota = get(&team_a, "quota").await;
+    let a = quota.status.unwrap();
     assert_eq!((a.index_entries, a.evicted_entries), (Some(5), Some(3)));
-    assert_eq!(a.observed_generation, Some(3));
+    assert_eq!(a.observed_generation, quota.metadata.generation);
     let c = find_condition(&a.conditions, "WithinQuota").unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("False", "QuotaExceeded")
     );
     assert!(c.message.contains("evicted 3"), "{}", c.message);
-    let b = get("team-b", "roomy").await;
+    let b = get(&team_b, "roomy").await.status.unwrap();
     assert_eq!((b.index_entries, b.evicted_entries), (Some(2), Some(0)));
     let c = find_condition(&b.conditions, "WithinQuota").unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("True", "WithinQuota")
     );
-    let named = get("ops", "names-team-a").await;
+    let named = get(&ops, "names-team-a").await.status.unwrap();
     assert_eq!(
         named.index_entries,
         Some(5),
         "spec.tenantID names the tenant"
     );
-    let idle = get("idle", "nothing").await;
+    let idle = get(&idle, "nothing").await.status.unwrap();
     assert_eq!((idle.index_entries, idle.evicted_entries), (Some(0), None));
     let c = find_condition(&idle.conditions, "WithinQuota").unwrap();
     assert_eq!(c.reason, "NoQuota");
