@@ -26,7 +26,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run continuously: checks on a schedule, KV-event subscribers, the controller link, and
-    /// the HTTP endpoints /healthz, /readyz, /metrics, /v1/report.
+    /// the HTTP endpoints /healthz, /readyz, /metrics, /v1/report. Needs --controller or
+    /// --plan (or --checks-only): exit 2 otherwise.
     Run(RunArgs),
     /// Run every check once on this host and print a verdict table (or JSON).
     /// Exit status: 0 ok (or unknown), 1 warning, 2 critical, 3 the plan could not be read.
@@ -199,6 +200,12 @@ struct RunArgs {
     /// longer hold). In cluster the chart mounts a hostPath here. Unset: nothing is kept.
     #[arg(long, env = "IC_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// Run with neither a controller (--controller) nor a node plan (--plan): the host checks
+    /// and the HTTP endpoints only, reporting nowhere (a troubleshooting run). Without it, `run`
+    /// with neither refuses to start (exit 2) rather than run silently with nothing to report
+    /// to and no plan.
+    #[arg(long, env = "IC_CHECKS_ONLY")]
+    checks_only: bool,
 }
 
 #[derive(Args)]
@@ -391,6 +398,15 @@ fn run_main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run(a) => {
+            if a.controller.is_none() && a.common.plan.is_none() && !a.checks_only {
+                eprintln!(
+                    "ic-agent run: neither --controller (IC_CONTROLLER) nor --plan (IC_PLAN) is \
+                     set: this agent would report to no controller and check no planned engine. \
+                     Set one of them, or pass --checks-only to run the host checks and endpoints \
+                     alone."
+                );
+                std::process::exit(2);
+            }
             // Every runtime thread drops its capabilities; only the checks thread, which
             // `runtime::start_with` spawns from this (main) thread, keeps them.
             let rt = ic_agent::runtime::build_runtime()?;

@@ -51,6 +51,7 @@ fn only_the_checks_thread_holds_capabilities() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ic-agent"))
         .args([
             "run",
+            "--checks-only",
             "--http-addr",
             "127.0.0.1:0",
             "--check-interval-seconds",
