@@ -1,7 +1,9 @@
-//! The CacheBackend reconciler against the in-memory API (kube-fake-client 0.3.0): provisioning,
-//! shedding, status persistence, Events, cascade restarts, the leader flag. The harness plays
-//! the Deployment controller by patching Deployment status (the fake has no controllers and no
-//! watch, so `reconcile` is called directly).
+//! The CacheBackend reconciler against the bare real apiserver (`bare_apiserver_support`, through
+//! `reconcile_support::Harness`: a namespace per test): provisioning, shedding, status
+//! persistence, Events, cascade restarts, the leader flag. No controller runs there, so
+//! `reconcile` is called directly and the harness plays the Deployment controller and the
+//! kubelet by writing status through the status subresource; injected faults and another
+//! writer's update landing between a read and a write go through `bare::Faults`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod reconcile_support;
@@ -13,20 +15,20 @@ use ic_controller::reconcile::cachebackend::events::{EventSpec, KubeEventSink};
 use ic_controller::reconcile::cachebackend::probe::{
     FakeProber, ProbeOutcome, ProbeStages, StageResult,
 };
-use ic_controller::reconcile::{error_policy, reconcile, Context, Error};
+use ic_controller::reconcile::{error_policy, Error};
 use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::Resource;
-use kube_fake_client::{interceptor, ClientBuilder};
+use reconcile_support::bare::{Faults, Step};
 use reconcile_support::*;
 use serde_json::json;
 
 const TRIGGER: &str = "inferencecache.io/cache-server-restart-trigger";
 
 async fn restart_trigger(h: &Harness, deploy: &str) -> Option<String> {
-    Api::<Deployment>::namespaced(h.client.clone(), NS)
+    h.api::<Deployment>()
         .get(deploy)
         .await
         .unwrap()
@@ -37,6 +39,32 @@ async fn restart_trigger(h: &Harness, deploy: &str) -> Option<String> {
         .and_then(|m| m.annotations)
         .and_then(|a| a.get(TRIGGER).cloned())
 }
+/// The server instance a cache-server pod stands for in `observedServerInstance`:
+/// `<uid>:<restarts>` (the uid the apiserver assigned).
+fn instance(p: &Pod, restarts: i32) -> String {
+    format!("{}:{restarts}", p.metadata.uid.as_deref().unwrap())
+}
+
+/// A step that lands another writer's update on CacheBackend `name` (an annotation: a new
+/// resourceVersion, no spec change) before the request it runs ahead of.
+fn another_writer(h: &Harness, name: &str) -> Step {
+    let api = h.api::<CacheBackend>();
+    let name = name.to_string();
+    Step::Before(Box::pin(async move {
+        let n = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            .to_string();
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"example.com/touched": n}}})),
+        )
+        .await
+        .unwrap();
+    }))
+}
 
 #[tokio::test]
 async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
@@ -46,15 +74,19 @@ async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
 
     let d = h.deployment("kv-redis").await.expect("Deployment rendered");
     let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+    let uid = h.cb("kv").await.metadata.uid.unwrap();
     assert_eq!(
         (owner.kind.as_str(), owner.uid.as_str()),
-        ("CacheBackend", "uid-kv")
+        ("CacheBackend", uid.as_str())
     );
     assert!(h.service("kv-redis").await.is_some());
     assert!(h.hpa("kv-redis").await.is_none());
     let st = h.status("kv").await;
     assert_eq!(sr(&st, "Ready"), is("False", "RolloutInProgress"));
-    assert_eq!(st.endpoint.as_deref(), Some("kv-redis.ml.svc:6379"));
+    assert_eq!(
+        st.endpoint.as_deref(),
+        Some(format!("kv-redis.{}.svc:6379", h.ns).as_str())
+    );
     assert_eq!(st.matched_engine_pods, Some(1));
     assert_eq!(st.fail_open, Some(true));
     assert_eq!(st.observed_generation, h.cb("kv").await.metadata.generation);
@@ -67,7 +99,7 @@ async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
     assert!(st.first_available_at.is_some());
     assert_eq!(h.events.reasons(), vec!["AwaitingFirstKVEvent"]);
 
-    h.index.set(vec![replica("engine-0", 42, h.now_ms())]);
+    h.index.set(vec![h.replica("engine-0", 42, h.now_ms())]);
     h.advance(10);
     h.reconcile("kv").await;
     let st = h.status("kv").await;
@@ -78,7 +110,7 @@ async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
         vec!["AwaitingFirstKVEvent", "KVEventsObserved"]
     );
     let ev = h.events.events();
-    assert_eq!(ev[1].object, "ml/kv");
+    assert_eq!(ev[1].object, h.key("kv"));
     assert_eq!(ev[1].object_kind, "CacheBackend");
 
     // Steady state: no write-through churn, no events.
@@ -93,7 +125,7 @@ async fn drained_backend_stays_ready_through_the_latch() {
     h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
     h.reconcile("kv").await;
     h.settle_deployment("kv-redis", 1).await;
-    h.index.set(vec![replica("engine-0", 5, h.now_ms())]);
+    h.index.set(vec![h.replica("engine-0", 5, h.now_ms())]);
     h.reconcile("kv").await;
     assert_eq!(
         sr(&h.status("kv").await, "Ready"),
@@ -151,7 +183,8 @@ async fn availability_flap_does_not_restart_the_first_event_window() {
 #[tokio::test]
 async fn offload_to_events_only_reanchors_and_sheds_the_workload() {
     let h = Harness::new(vec![managed_redis("kv")], true).await;
-    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+    let a = h
+        .add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
         .await;
     h.reconcile("kv").await;
     h.settle_deployment("kv-redis", 1).await;
@@ -160,7 +193,7 @@ async fn offload_to_events_only_reanchors_and_sheds_the_workload() {
     h.reconcile("kv").await;
     let st = h.status("kv").await;
     assert_eq!(sr(&st, "Degraded"), is("True", "NoKVEventsObserved"));
-    assert_eq!(st.observed_server_instance.as_deref(), Some("u1:0"));
+    assert_eq!(st.observed_server_instance, Some(instance(&a, 0)));
     let old_anchor = st.first_available_at.clone();
 
     h.patch_cb(
@@ -197,7 +230,7 @@ async fn probe_transport_error_keeps_a_prior_stage_failure() {
     h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
     h.reconcile("kv").await;
     h.settle_deployment("kv-redis", 1).await;
-    h.index.set(vec![replica("engine-0", 5, h.now_ms())]);
+    h.index.set(vec![h.replica("engine-0", 5, h.now_ms())]);
     h.prober
         .push(stage_failure("synthesized event not in index"));
     h.reconcile("kv").await;
@@ -231,62 +264,73 @@ async fn probe_transport_error_keeps_a_prior_stage_failure() {
     assert!(!h.events.reasons().contains(&"BackendRecovered".to_string()));
 }
 
-async fn cascade_fixture() -> Harness {
-    let cb = managed_redis("kv");
-    let h = Harness::new(vec![cb.clone()], false).await;
+/// A managed-Redis backend `kv` whose Deployment is Available, an injected engine Deployment
+/// `vllm` with its pod, and the Ready cache-server pod `kv-redis-a` (returned) as the baseline.
+async fn cascade_fixture() -> (Harness, Pod) {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     h.add_deployment(engine_deployment("vllm", &[("app", "vllm")], 1))
         .await;
     h.add_pod(injected_engine("vllm-abc123-x", &cb, "vllm"))
         .await;
     h.reconcile("kv").await;
     h.settle_deployment("kv-redis", 1).await;
-    h.add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
+    let a = h
+        .add_pod(server_pod("kv-redis-a", "u1", "kv", "redis", 0))
         .await;
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u1:0"),
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&a, 0)),
         "first observation is a baseline"
     );
     assert!(
         restart_trigger(&h, "vllm").await.is_none(),
         "empty→set never cascades"
     );
-    h
+    (h, a)
 }
 
-/// Every trigger value the API was asked to write is recorded: one replacement must roll the
-/// engines once, however often its cascade is retried.
+/// One replacement must roll the engines once, however often its cascade is retried: the
+/// cascade's status write meets a real 409 (another writer's update lands between the
+/// reconciler's read and its resourceVersion-guarded status patch), the retry and a restarted
+/// controller cascade again, and the engine Deployment's template changed exactly once (its
+/// `generation`, which the apiserver bumps on spec changes only, went from 1 to 2).
 #[tokio::test]
 async fn a_cascade_whose_status_write_conflicts_restarts_the_engines_once() {
     use std::sync::atomic::AtomicUsize;
-    let cb = managed_redis("kv");
+    let faults = Faults::new();
+    let mut h = Harness::with_faults(vec![managed_redis("kv")], false, faults.clone()).await;
     let fail_next = Arc::new(AtomicUsize::new(0));
-    let triggers = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let (f, t) = (fail_next.clone(), triggers.clone());
-    let funcs = interceptor::Funcs::new()
-        .patch_status(move |_ctx| {
-            if f.load(Ordering::SeqCst) > 0 {
-                f.fetch_sub(1, Ordering::SeqCst);
-                return Err(kube_fake_client::Error::Conflict(
-                    "the object has been modified".into(),
-                ));
-            }
-            Ok(None)
-        })
-        .patch(move |ctx| {
-            if let Some(v) = ctx
-                .patch
-                .pointer("/spec/template/metadata/annotations/inferencecache.io~1cache-server-restart-trigger")
-                .and_then(|v| v.as_str())
+    {
+        let f = fail_next.clone();
+        let writer = h.api::<CacheBackend>();
+        faults.rule(move |c| {
+            if c.is("PATCH", "/cachebackends/kv/status")
+                && f.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
             {
-                t.lock().unwrap().push(v.to_string());
+                let api = writer.clone();
+                return Step::Before(Box::pin(async move {
+                    api.patch(
+                        "kv",
+                        &PatchParams::default(),
+                        &Patch::Merge(
+                            &json!({"metadata": {"annotations": {"example.com/touched": "1"}}}),
+                        ),
+                    )
+                    .await
+                    .unwrap();
+                }));
             }
-            Ok(None)
+            Step::Pass
         });
-    let mut h = Harness::with_interceptors(vec![cb.clone()], false, Some(funcs)).await;
-    h.add_deployment(engine_deployment("vllm", &[("app", "vllm")], 1))
+    }
+    let cb = h.cb("kv").await;
+    let engine = h
+        .add_deployment(engine_deployment("vllm", &[("app", "vllm")], 1))
         .await;
+    assert_eq!(engine.metadata.generation, Some(1));
     h.add_pod(injected_engine("vllm-abc123-x", &cb, "vllm"))
         .await;
     h.reconcile("kv").await;
@@ -296,35 +340,54 @@ async fn a_cascade_whose_status_write_conflicts_restarts_the_engines_once() {
     h.reconcile("kv").await;
     // The server is replaced; the cascade's status write then meets a concurrent writer.
     h.delete_pod("kv-redis-a").await;
-    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+    let b = h
+        .add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
         .await;
     h.advance(5);
     fail_next.store(1, Ordering::SeqCst);
-    assert!(
-        h.try_reconcile("kv").await.is_err(),
-        "the status write conflicted"
+    let err = h.try_reconcile("kv").await.unwrap_err();
+    assert_eq!(
+        err.metric_label(),
+        "status",
+        "the status write conflicted: {err}"
     );
+    assert!(
+        matches!(std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<kube::Error>()),
+            Some(kube::Error::Api(s)) if s.code == 409),
+        "the apiserver's 409: {err:?}"
+    );
+    assert_eq!(fail_next.load(Ordering::SeqCst), 0);
     let first = restart_trigger(&h, "vllm").await.expect("restarted");
     // The retry (after the rate-limit window), and a controller restart (fresh memory) that
     // reconciles again: the same replacement, so the same trigger — no second roll.
     h.advance(31);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u2:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&b, 0))
     );
     h.restart_controller();
     h.advance(31);
     h.reconcile("kv").await;
-    assert_eq!(restart_trigger(&h, "vllm").await, Some(first.clone()));
-    let mut seen = triggers.lock().unwrap().clone();
-    seen.dedup();
-    assert_eq!(seen, vec![first], "one distinct template change");
+    assert_eq!(restart_trigger(&h, "vllm").await, Some(first));
+    let engine = h.deployment("vllm").await.unwrap();
+    assert_eq!(
+        engine.metadata.generation,
+        Some(2),
+        "one distinct template change"
+    );
+    let cascades = faults
+        .calls()
+        .iter()
+        .filter(|c| c.is("PATCH", "/deployments/vllm"))
+        .count();
+    assert!(cascades >= 1, "the cascade patched the engine Deployment");
 }
 
 #[tokio::test]
 async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
-    let h = cascade_fixture().await;
+    let (h, a) = cascade_fixture().await;
     // Rolling update midpoint: the new pod is Ready next to the old one; Deployment not
     // converged (1 desired, 2 ready pods).
     h.deployment_status("kv-redis", Some(1), 1, false).await;
@@ -333,8 +396,8 @@ async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
     h.advance(5);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u1:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&a, 0))
     );
     assert!(restart_trigger(&h, "vllm").await.is_none());
     // Rollback: the new pod dies, the original is alone again → same as the baseline.
@@ -342,8 +405,8 @@ async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
     h.advance(5);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u1:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&a, 0))
     );
     assert!(
         restart_trigger(&h, "vllm").await.is_none(),
@@ -353,16 +416,17 @@ async fn cascade_skips_a_rolling_update_midpoint_and_its_rollback() {
 
 #[tokio::test]
 async fn cascade_fires_on_replacement_and_is_rate_limited() {
-    let h = cascade_fixture().await;
+    let (h, _) = cascade_fixture().await;
     // Replacement: the old pod is gone, a new one is Ready.
     h.delete_pod("kv-redis-a").await;
-    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+    let b = h
+        .add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
         .await;
     h.advance(5);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u2:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&b, 0))
     );
     let first = restart_trigger(&h, "vllm")
         .await
@@ -370,13 +434,14 @@ async fn cascade_fires_on_replacement_and_is_rate_limited() {
 
     // Another replacement within 30 s: deferred, baseline kept.
     h.delete_pod("kv-redis-b").await;
-    h.add_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 0))
+    let c = h
+        .add_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 0))
         .await;
     h.advance(10);
     let action = h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u2:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&b, 0))
     );
     assert_eq!(
         restart_trigger(&h, "vllm").await.as_deref(),
@@ -387,34 +452,39 @@ async fn cascade_fires_on_replacement_and_is_rate_limited() {
     h.advance(21);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u3:0")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&c, 0))
     );
     assert_ne!(restart_trigger(&h, "vllm").await, Some(first));
 
-    // An in-place restart of the cache-server container advances it too.
-    h.replace_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 1))
+    // An in-place restart of the cache-server container (the kubelet's status write on the
+    // same pod) advances it too.
+    let restarted = h
+        .replace_pod(server_pod("kv-redis-c", "u3", "kv", "redis", 1))
         .await;
+    assert_eq!(restarted.metadata.uid, c.metadata.uid, "the same pod");
     h.advance(31);
     h.reconcile("kv").await;
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u3:1")
+        h.status("kv").await.observed_server_instance,
+        Some(instance(&c, 1))
     );
 }
 
 #[tokio::test]
 async fn converged_scale_up_widens_the_baseline() {
-    let h = cascade_fixture().await;
+    let (h, a) = cascade_fixture().await;
     h.patch_cb("kv", json!({"spec": {"replicas": 2}})).await;
     h.reconcile("kv").await;
     h.settle_deployment("kv-redis", 2).await;
-    h.add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
+    let b = h
+        .add_pod(server_pod("kv-redis-b", "u2", "kv", "redis", 0))
         .await;
     h.reconcile("kv").await;
+    // Sorted by pod name: kv-redis-a, kv-redis-b.
     assert_eq!(
-        h.status("kv").await.observed_server_instance.as_deref(),
-        Some("u1:0,u2:0")
+        h.status("kv").await.observed_server_instance,
+        Some(format!("{},{}", instance(&a, 0), instance(&b, 0)))
     );
     assert!(restart_trigger(&h, "vllm").await.is_none());
 }
@@ -527,8 +597,8 @@ async fn follower_writes_nothing() {
 
 #[tokio::test]
 async fn injected_engine_crash_loop_is_reported_once() {
-    let cb = managed_redis("kv");
-    let h = Harness::new(vec![cb.clone()], false).await;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     h.add_pod(crash_looping(injected_engine("vllm-abc123-x", &cb, "vllm")))
         .await;
     h.reconcile("kv").await;
@@ -545,7 +615,7 @@ async fn injected_engine_crash_loop_is_reported_once() {
         .into_iter()
         .find(|e| e.event.reason == "InjectedEngineCrashLooping")
         .unwrap();
-    assert_eq!(ev.object, "ml/kv", "recorded on the CacheBackend");
+    assert_eq!(ev.object, h.key("kv"), "recorded on the CacheBackend");
 }
 
 /// `p` with one container status, `status`.
@@ -558,8 +628,8 @@ fn engine_status(mut p: Pod, status: serde_json::Value) -> Pod {
 
 #[tokio::test]
 async fn a_crash_loop_reads_as_one_episode_across_its_back_off_cycle() {
-    let cb = managed_redis("kv");
-    let h = Harness::new(vec![cb.clone()], false).await;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     let base = injected_engine("vllm-abc123-x", &cb, "vllm");
     let started = |secs_ago: i64| {
         let t =
@@ -608,8 +678,8 @@ async fn a_crash_loop_reads_as_one_episode_across_its_back_off_cycle() {
 async fn the_engine_container_is_the_one_the_adapter_wires_not_the_first() {
     // `[log-shipper, server]`: `server` launches vLLM. A crash-looping log shipper is not the
     // engine's problem; a crash-looping server is.
-    let cb = managed_redis("kv");
-    let h = Harness::new(vec![cb.clone()], false).await;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     let mut p = injected_engine("vllm-abc123-y", &cb, "vllm");
     p.spec.as_mut().unwrap().containers = serde_json::from_value(json!([
         {"name": "log-shipper", "image": "fluent/fluent-bit:3.0", "command": ["/fluent-bit/bin/fluent-bit"]},
@@ -667,42 +737,34 @@ async fn cleared_fields_are_removed_from_the_stored_status() {
 async fn failed_pod_list_is_soft() {
     // Plain (unselected) lists fail: pods, engine Deployments, sibling CacheBackends. Owned
     // objects are listed by label and still work.
-    let cb = managed_redis("kv");
-    let client = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_status_subresource::<CacheBackend>()
-        .with_status_subresource::<Deployment>()
-        .with_object(cb.clone())
-        .with_object(crash_looping(injected_engine("vllm-abc123-x", &cb, "vllm")))
-        .with_interceptor_funcs(interceptor::Funcs::new().list(|ctx| {
-            if ctx.params.label_selector.is_none() && FAIL.load(Ordering::SeqCst) {
-                return Err(kube_fake_client::Error::Internal("etcd timeout".into()));
-            }
-            Ok(None)
-        }))
-        .build()
-        .await
-        .unwrap();
     static FAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let h = Harness::new(vec![], false).await;
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        h.index.clone(),
-        h.events.clone(),
-        h.clock.clone(),
-        h.leader.clone(),
-    ));
-    let api = Api::<CacheBackend>::namespaced(client.clone(), NS);
-    reconcile(Arc::new(cb.clone()), ctx.clone()).await.unwrap();
-    let before = api.get("kv").await.unwrap().status.unwrap();
+    let faults = Faults::new();
+    faults.rule(|c| {
+        let plain_list = c.method == "GET"
+            && !c.query.contains("labelSelector")
+            && ["/pods", "/deployments", "/cachebackends"]
+                .iter()
+                .any(|p| c.path.ends_with(p));
+        if plain_list && FAIL.load(Ordering::SeqCst) {
+            Step::internal("etcd timeout")
+        } else {
+            Step::Pass
+        }
+    });
+    let h = Harness::with_faults(vec![managed_redis("kv")], false, faults.clone()).await;
+    let cb = h.cb("kv").await;
+    h.add_pod(crash_looping(injected_engine("vllm-abc123-x", &cb, "vllm")))
+        .await;
+    h.reconcile("kv").await;
+    let before = h.status("kv").await;
     assert_eq!(before.matched_engine_pods, Some(1));
     assert_eq!(
         sr(&before, "EngineCompatibility"),
         is("False", "InjectedEngineCrashLooping")
     );
     FAIL.store(true, Ordering::SeqCst);
-    reconcile(Arc::new(cb.clone()), ctx.clone()).await.unwrap();
-    let after = api.get("kv").await.unwrap().status.unwrap();
+    h.reconcile("kv").await;
+    let after = h.status("kv").await;
     assert_eq!(after.matched_engine_pods, Some(1));
     assert_eq!(
         sr(&after, "EngineCompatibility"),
@@ -712,6 +774,16 @@ async fn failed_pod_list_is_soft() {
         h.events.count("InjectedEngineCrashLooping"),
         1,
         "not re-fired"
+    );
+    let failed: Vec<_> = faults
+        .calls()
+        .into_iter()
+        .filter(|c| c.method == "GET" && !c.query.contains("labelSelector"))
+        .filter(|c| c.path.ends_with("/pods") || c.path.ends_with("/cachebackends"))
+        .collect();
+    assert!(
+        failed.len() >= 4,
+        "both reconciles listed pods and backends: {failed:?}"
     );
 }
 
@@ -731,57 +803,50 @@ async fn missing_backend_awaits_change_and_errors_map_to_a_requeue() {
 
 #[tokio::test]
 async fn kube_event_sink_publishes_events_k8s_io() {
-    use k8s_openapi::api::events::v1::Event;
-    let client = ClientBuilder::new()
-        .with_resource::<Event>()
-        .build()
-        .await
-        .unwrap();
-    let sink = KubeEventSink::new(client.clone(), "inference-cache-controller", None);
-    let cb = managed_redis("kv");
-    let oref = cb.object_ref(&());
     use ic_controller::reconcile::cachebackend::events::EventSink;
+    use k8s_openapi::api::events::v1::Event;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let sink = KubeEventSink::new(h.admin.clone(), "inference-cache-controller", None);
+    let oref = h.cb("kv").await.object_ref(&());
     sink.publish(
         &oref,
         &EventSpec::warning("FailClosedEnabled", "fail-closed"),
     )
     .await
     .unwrap();
-    let evs = Api::<Event>::namespaced(client, NS)
-        .list(&ListParams::default())
-        .await
-        .unwrap();
+    let evs = h.api::<Event>().list(&ListParams::default()).await.unwrap();
     assert_eq!(evs.items.len(), 1);
     assert_eq!(evs.items[0].reason.as_deref(), Some("FailClosedEnabled"));
     assert_eq!(evs.items[0].type_.as_deref(), Some("Warning"));
+    let regarding = evs.items[0].regarding.as_ref().unwrap();
+    assert_eq!(regarding.uid, oref.uid);
 }
 
+/// A concurrent writer bumps the resourceVersion between the reconciler's read and its status
+/// write: the apiserver answers the guarded patch with 409, the reconcile fails with a status
+/// error, nothing is written and no Event goes out.
 #[tokio::test]
 async fn status_write_conflict_is_an_error() {
-    // A concurrent writer bumps the resourceVersion between read and write: 409.
-    let cb = host_only("h");
-    let client = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_status_subresource::<CacheBackend>()
-        .with_object(cb.clone())
-        .with_interceptor_funcs(interceptor::Funcs::new().patch_status(|_ctx| {
-            Err(kube_fake_client::Error::Conflict(
-                "the object has been modified".into(),
-            ))
-        }))
-        .build()
-        .await
-        .unwrap();
-    let h = Harness::new(vec![], false).await;
-    let ctx = Arc::new(Context::new(
-        client,
-        h.index.clone(),
-        h.events.clone(),
-        h.clock.clone(),
-        h.leader.clone(),
-    ));
-    let err = reconcile(Arc::new(cb), ctx).await.unwrap_err();
+    let faults = Faults::new();
+    let h = Harness::with_faults(vec![host_only("h")], false, faults.clone()).await;
+    let step = std::sync::Mutex::new(Some(another_writer(&h, "h")));
+    faults.rule(move |c| {
+        if c.is("PATCH", "/cachebackends/h/status") {
+            if let Some(s) = step.lock().unwrap().take() {
+                return s;
+            }
+        }
+        Step::Pass
+    });
+    let err = h.try_reconcile("h").await.unwrap_err();
     assert_eq!(err.metric_label(), "status");
+    assert!(
+        matches!(std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<kube::Error>()),
+            Some(kube::Error::Api(s)) if s.code == 409),
+        "the apiserver's 409: {err:?}"
+    );
+    assert!(h.cb("h").await.status.is_none(), "nothing written");
     assert!(
         h.events.events().is_empty(),
         "no events without a status write"

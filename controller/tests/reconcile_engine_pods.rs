@@ -1,6 +1,10 @@
-//! The engine-pod Events controller against the in-memory API (spec 000 "Mutating Pod webhook"
+//! The engine-pod Events controller against the bare real apiserver (`bare_apiserver_support`,
+//! through `reconcile_support::Harness`: a namespace per test; spec 000 "Mutating Pod webhook"
 //! Events row, "Contract Notes"): InjectedByCacheBackend only when the UID annotation matches
-//! the live CR; SkippedByOperator only with both skip annotations.
+//! the live CR; SkippedByOperator only with both skip annotations. Pods and CacheBackends are
+//! created through the API (server-assigned uids); the pod reconciler is called with the stored
+//! pod, as its watch would deliver it. Events go to a recording sink, or to the API's
+//! `events.k8s.io/v1` where what is stored is the point.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod reconcile_support;
@@ -15,7 +19,7 @@ use ic_controller::reconcile::engine_pods::{
 use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use kube_fake_client::{interceptor, ClientBuilder};
+use reconcile_support::bare::{Faults, Step};
 use reconcile_support::*;
 
 const BY: &str = "inferencecache.io/injected-by";
@@ -23,15 +27,19 @@ const BY_UID: &str = "inferencecache.io/injected-by-uid";
 const SKIP: &str = "inferencecache.io/skip-inject";
 const SKIPPED: &str = "inferencecache.io/inject-skipped";
 
-async fn ctx_with(cbs: Vec<CacheBackend>) -> (Arc<PodEventsContext>, Arc<RecordingEventSink>) {
-    let client = fake_client(cbs).await;
+/// A namespace holding `cbs` (the harness), and a leading pod-events context over it recording
+/// into a [`RecordingEventSink`].
+async fn ctx_with(
+    cbs: Vec<CacheBackend>,
+) -> (Harness, Arc<PodEventsContext>, Arc<RecordingEventSink>) {
+    let h = Harness::new(cbs, false).await;
     let events = Arc::new(RecordingEventSink::new());
     let ctx = Arc::new(PodEventsContext::new(
-        client,
+        h.client.clone(),
         events.clone(),
         Arc::new(AtomicBool::new(true)),
     ));
-    (ctx, events)
+    (h, ctx, events)
 }
 
 async fn run(ctx: &Arc<PodEventsContext>, p: Pod) {
@@ -42,92 +50,95 @@ async fn run(ctx: &Arc<PodEventsContext>, p: Pod) {
 
 #[tokio::test]
 async fn injected_by_cache_backend_when_the_uid_matches() {
-    let cb = managed_redis("kv");
-    let (ctx, events) = ctx_with(vec![cb.clone()]).await;
-    let p = injected_engine("engine-0", &cb, "vllm");
+    let (h, ctx, events) = ctx_with(vec![managed_redis("kv")]).await;
+    let cb = h.cb("kv").await;
+    let p = h.add_pod(injected_engine("engine-0", &cb, "vllm")).await;
     run(&ctx, p.clone()).await;
-    run(&ctx, p).await;
+    run(&ctx, p.clone()).await;
     let ev = events.events();
     assert_eq!(ev.len(), 1, "recorded once per pod");
     assert_eq!(ev[0].event.reason, "InjectedByCacheBackend");
     assert_eq!(ev[0].object_kind, "Pod");
-    assert_eq!(ev[0].object, "ml/engine-0");
-    assert_eq!(ev[0].object_uid, "uid-engine-0");
+    assert_eq!(ev[0].object, h.key("engine-0"));
+    assert_eq!(Some(&ev[0].object_uid), p.metadata.uid.as_ref());
 }
 
 #[tokio::test]
 async fn no_injection_event_on_forgery_shapes_or_missing_cr() {
-    let cb = managed_redis("kv");
-    let (ctx, events) = ctx_with(vec![cb.clone()]).await;
+    let (h, ctx, events) = ctx_with(vec![managed_redis("kv")]).await;
+    let kv = h.key("kv");
     // UID mismatch (forged or CR recreated).
-    run(
-        &ctx,
-        pod("a", &[], &[(BY, "ml/kv"), (BY_UID, "someone-else")]),
-    )
-    .await;
+    let p = h
+        .add_pod(pod("a", &[], &[(BY, &kv), (BY_UID, "someone-else")]))
+        .await;
+    run(&ctx, p).await;
     // UID annotation absent.
-    run(&ctx, pod("b", &[], &[(BY, "ml/kv")])).await;
+    run(&ctx, h.add_pod(pod("b", &[], &[(BY, &kv)])).await).await;
     // Named CR missing.
-    run(
-        &ctx,
-        pod("c", &[], &[(BY, "ml/gone"), (BY_UID, "uid-gone")]),
-    )
-    .await;
+    let gone = h.key("gone");
+    let p = h
+        .add_pod(pod("c", &[], &[(BY, &gone), (BY_UID, "uid-gone")]))
+        .await;
+    run(&ctx, p).await;
     // Malformed.
-    run(&ctx, pod("d", &[], &[(BY, "kv"), (BY_UID, "uid-kv")])).await;
+    let p = h
+        .add_pod(pod("d", &[], &[(BY, "kv"), (BY_UID, "uid-kv")]))
+        .await;
+    run(&ctx, p).await;
     assert!(events.events().is_empty());
 }
 
 #[tokio::test]
 async fn lookup_errors_are_reconcile_errors() {
-    let client = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_interceptor_funcs(interceptor::Funcs::new().get(|_ctx| {
-            Err(kube_fake_client::Error::Internal(
-                "apiserver unavailable".into(),
-            ))
-        }))
-        .build()
-        .await
-        .unwrap();
+    let faults = Faults::new();
+    faults.rule(|c| {
+        if c.method == "GET" && c.has("cachebackends") {
+            Step::internal("apiserver unavailable")
+        } else {
+            Step::Pass
+        }
+    });
+    let h = Harness::with_faults(vec![managed_redis("kv")], false, faults.clone()).await;
     let events = Arc::new(RecordingEventSink::new());
     let ctx = Arc::new(PodEventsContext::new(
-        client,
+        h.client.clone(),
         events.clone(),
         Arc::new(AtomicBool::new(true)),
     ));
-    let p = pod("a", &[], &[(BY, "ml/kv"), (BY_UID, "uid-kv")]);
+    let cb = h.cb("kv").await;
+    let p = h.add_pod(injected_engine("a", &cb, "vllm")).await;
     assert!(reconcile_engine_pod(Arc::new(p), ctx).await.is_err());
     assert!(events.events().is_empty());
+    let calls = faults.calls();
+    assert!(
+        calls.len() == 1 && calls[0].is("GET", "/cachebackends/kv"),
+        "{calls:?}"
+    );
 }
 
 #[tokio::test]
 async fn skipped_by_operator_needs_both_annotations() {
-    let (ctx, events) = ctx_with(vec![]).await;
-    run(
-        &ctx,
+    let (h, ctx, events) = ctx_with(vec![]).await;
+    for p in [
         pod(
             "a",
             &[],
             &[(SKIP, "true"), (SKIPPED, "skip-inject-annotation")],
         ),
-    )
-    .await;
-    run(&ctx, pod("b", &[], &[(SKIP, "true")])).await;
-    run(&ctx, pod("c", &[], &[(SKIPPED, "skip-inject-annotation")])).await;
-    run(
-        &ctx,
+        pod("b", &[], &[(SKIP, "true")]),
+        pod("c", &[], &[(SKIPPED, "skip-inject-annotation")]),
         pod(
             "d",
             &[],
             &[(SKIP, "false"), (SKIPPED, "skip-inject-annotation")],
         ),
-    )
-    .await;
+    ] {
+        run(&ctx, h.add_pod(p).await).await;
+    }
     let ev = events.events();
     assert_eq!(ev.len(), 1);
     assert_eq!(ev[0].event.reason, "SkippedByOperator");
-    assert_eq!(ev[0].object, "ml/a");
+    assert_eq!(ev[0].object, h.key("a"));
 }
 
 /// A pod the webhook admitted unwired although a CacheBackend selects it carries the reason in
@@ -137,9 +148,16 @@ async fn skipped_by_operator_needs_both_annotations() {
 async fn a_selected_pod_admitted_unwired_gets_a_warning_with_the_reason() {
     use ic_controller::admission::pod::ANNOTATION_NOT_INJECTED;
     use ic_controller::reconcile::cachebackend::events::EventKind;
-    let (ctx, events) = ctx_with(vec![]).await;
-    let why = "CacheBackend ml/kv: Managed LMCacheServer backend has not published status.endpoint yet (roll the engine workload once the backend is Ready)";
-    let p = pod("a", &[], &[(ANNOTATION_NOT_INJECTED, why)]);
+    let (h, ctx, events) = ctx_with(vec![]).await;
+    let why = format!(
+        "CacheBackend {}: Managed LMCacheServer backend has not published status.endpoint yet \
+         (roll the engine workload once the backend is Ready)",
+        h.key("kv")
+    );
+    let why = why.as_str();
+    let p = h
+        .add_pod(pod("a", &[], &[(ANNOTATION_NOT_INJECTED, why)]))
+        .await;
     assert_eq!(decide(&p), PodDecision::NotInjected(why.to_string()));
     run(&ctx, p.clone()).await;
     run(&ctx, p).await;
@@ -150,12 +168,12 @@ async fn a_selected_pod_admitted_unwired_gets_a_warning_with_the_reason() {
         (EventKind::Warning, "NotInjected")
     );
     assert!(ev[0].event.note.contains(why), "{}", ev[0].event.note);
-    assert_eq!(ev[0].object, "ml/a");
+    assert_eq!(ev[0].object, h.key("a"));
 }
 
-/// The Events the in-memory API server holds, as (regarding name, reason).
-async fn stored_events(client: &kube::Client) -> Vec<(String, String)> {
-    let api: kube::Api<Event> = kube::Api::namespaced(client.clone(), NS);
+/// The Events the API server holds in the harness's namespace, as (regarding name, reason).
+async fn stored_events(h: &Harness) -> Vec<(String, String)> {
+    let api = h.api::<Event>();
     let mut out: Vec<(String, String)> = api
         .list(&Default::default())
         .await
@@ -179,20 +197,17 @@ async fn stored_events(client: &kube::Client) -> Vec<(String, String)> {
 /// restarts). A recreated pod of the same name is a different object and gets its own.
 #[tokio::test]
 async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
-    let cb = managed_redis("kv");
-    let client = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_resource::<Event>()
-        .with_object(cb.clone())
-        .build()
-        .await
-        .unwrap();
-    let injected = injected_engine("engine-0", &cb, "vllm");
-    let skipped = pod(
-        "opted-out",
-        &[],
-        &[(SKIP, "yes"), (SKIPPED, "skip-inject-annotation")],
-    );
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let client = h.client.clone();
+    let cb = h.cb("kv").await;
+    let injected = h.add_pod(injected_engine("engine-0", &cb, "vllm")).await;
+    let skipped = h
+        .add_pod(pod(
+            "opted-out",
+            &[],
+            &[(SKIP, "yes"), (SKIPPED, "skip-inject-annotation")],
+        ))
+        .await;
     for _process in 0..3 {
         let sink = Arc::new(KubeEventSink::new(
             client.clone(),
@@ -209,7 +224,7 @@ async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
         run(&ctx, injected.clone()).await;
     }
     assert_eq!(
-        stored_events(&client).await,
+        stored_events(&h).await,
         vec![
             ("engine-0".to_string(), "InjectedByCacheBackend".to_string()),
             ("opted-out".to_string(), "SkippedByOperator".to_string()),
@@ -229,8 +244,9 @@ async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
         Recorded::AlreadyRecorded
     );
     // The same name, a new UID: a new pod, a new Event.
-    let mut recreated = injected.clone();
-    recreated.metadata.uid = Some("uid-engine-0-second".into());
+    h.delete_pod("engine-0").await;
+    let recreated = h.add_pod(injected_engine("engine-0", &cb, "vllm")).await;
+    assert_ne!(recreated.metadata.uid, injected.metadata.uid);
     let sink = Arc::new(KubeEventSink::new(
         client.clone(),
         "inference-cache-controller",
@@ -243,7 +259,7 @@ async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
     ));
     run(&ctx, recreated).await;
     assert_eq!(
-        stored_events(&client)
+        stored_events(&h)
             .await
             .iter()
             .filter(|(_, r)| r == "InjectedByCacheBackend")
@@ -254,15 +270,19 @@ async fn engine_pod_events_are_not_recreated_by_a_restarted_controller() {
 
 #[tokio::test]
 async fn followers_record_nothing() {
-    let cb = managed_redis("kv");
-    let client = fake_client(vec![cb.clone()]).await;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     let events = Arc::new(RecordingEventSink::new());
     let ctx = Arc::new(PodEventsContext::new(
-        client,
+        h.client.clone(),
         events.clone(),
         Arc::new(AtomicBool::new(false)),
     ));
-    run(&ctx, injected_engine("engine-0", &cb, "vllm")).await;
+    run(
+        &ctx,
+        h.add_pod(injected_engine("engine-0", &cb, "vllm")).await,
+    )
+    .await;
     assert!(events.events().is_empty());
 }
 
@@ -273,21 +293,21 @@ async fn followers_record_nothing() {
 async fn a_new_leader_records_what_it_saw_as_a_follower() {
     use ic_controller::reconcile::engine_pods::FOLLOWER_RECHECK;
     use kube::runtime::controller::Action;
-    let cb = managed_redis("kv");
-    let client = fake_client(vec![cb.clone()]).await;
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
     let events = Arc::new(RecordingEventSink::new());
     let leader = Arc::new(AtomicBool::new(false));
     let ctx = Arc::new(PodEventsContext::new(
-        client,
+        h.client.clone(),
         events.clone(),
         leader.clone(),
     ));
-    let engine = Arc::new(injected_engine("engine-0", &cb, "vllm"));
+    let engine = Arc::new(h.add_pod(injected_engine("engine-0", &cb, "vllm")).await);
     let a = reconcile_engine_pod(engine.clone(), ctx.clone())
         .await
         .unwrap();
     assert_eq!(a, Action::requeue(FOLLOWER_RECHECK));
-    let plain = Arc::new(pod("web-0", &[("app", "web")], &[]));
+    let plain = Arc::new(h.add_pod(pod("web-0", &[("app", "web")], &[])).await);
     assert_eq!(
         reconcile_engine_pod(plain, ctx.clone()).await.unwrap(),
         Action::await_change()

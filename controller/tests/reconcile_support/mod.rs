@@ -1,7 +1,11 @@
 //! Shared fixtures of the `reconcile_*` integration tests: CacheBackends, engine and server
-//! pods, index replicas, and a harness around the in-memory API (kube-fake-client 0.3.0, which
-//! has no watch: tests call `reconcile` directly and play the Deployment controller by
-//! patching Deployment status).
+//! pods, index replicas (pure values in namespace [`NS`]), and [`Harness`]: the CacheBackend
+//! reconciler over the bare real apiserver of `bare_apiserver_support` (etcd + kube-apiserver,
+//! the chart's CRDs, RBAC and admission policies; no controller-manager, kubelet, controller or
+//! webhook). Each harness works in a fresh namespace of its own ([`Harness::ns`]): fixtures are
+//! moved into it when the harness creates them. Nothing else writes to that API, so tests call
+//! `reconcile` directly and play the Deployment controller and the kubelet by writing `status`
+//! through the status subresource.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -20,13 +24,21 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
-use kube::Client;
-use kube_fake_client::ClientBuilder;
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::{json, Value};
 
-/// Namespace of every fixture.
+/// The bare real apiserver harness (`tests/bare_apiserver_support/`): [`bare::BareCluster`],
+/// [`bare::Faults`] and [`bare::Step`] for injected faults and the request record.
+#[path = "../bare_apiserver_support/mod.rs"]
+pub mod bare;
+
+use bare::{create_with_status, BareCluster, Faults};
+
+/// Namespace of every fixture (a [`Harness`] moves what it creates into its own namespace).
 pub const NS: &str = "ml";
 /// Start of the fake clock (2026-01-01T00:00:00Z).
 pub const T0: i64 = 1_767_225_600;
@@ -123,10 +135,15 @@ pub fn pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) ->
     .unwrap()
 }
 
-/// An engine pod `name` (label `app=vllm`) injected by `cb`, owned by the ReplicaSet of engine
-/// Deployment `deploy` (`<deploy>-abc123`, pod-template-hash `abc123`).
+/// An engine pod `name` (label `app=vllm`) injected by `cb` (its namespace, [`NS`] when it has
+/// none, and its uid), owned by the ReplicaSet of engine Deployment `deploy` (`<deploy>-abc123`,
+/// pod-template-hash `abc123`).
 pub fn injected_engine(name: &str, cb: &CacheBackend, deploy: &str) -> Pod {
-    let by = format!("{NS}/{}", cb.metadata.name.as_deref().unwrap());
+    let by = format!(
+        "{}/{}",
+        cb.metadata.namespace.as_deref().unwrap_or(NS),
+        cb.metadata.name.as_deref().unwrap()
+    );
     let uid = cb.metadata.uid.clone().unwrap();
     let mut p = pod(
         name,
@@ -257,8 +274,13 @@ pub fn engine_deployment(name: &str, labels: &[(&str, &str)], replicas: i32) -> 
 
 /// An index replica of pod `pod` in [`NS`] holding `prefixes` blocks, last event at `ms`.
 pub fn replica(pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservation {
+    replica_in(NS, pod, prefixes, last_event_ms)
+}
+
+/// [`replica`] in namespace `ns`.
+pub fn replica_in(ns: &str, pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservation {
     ReplicaObservation {
-        tenant: NS.to_string(),
+        tenant: ns.to_string(),
         replica: pod.to_string(),
         prefix_count: prefixes,
         last_event_unix_ms: last_event_ms,
@@ -282,10 +304,27 @@ pub fn is(status: &str, reason: &str) -> Option<(String, String)> {
     Some((status.to_string(), reason.to_string()))
 }
 
-/// A reconcile harness over the in-memory API.
+/// `obj` made ready to be created in namespace `ns`: the namespace set, and what the apiserver
+/// assigns itself (uid, resourceVersion, creationTimestamp, generation) cleared.
+pub fn in_namespace<K: Resource>(mut obj: K, ns: &str) -> K {
+    let m = obj.meta_mut();
+    m.namespace = Some(ns.to_string());
+    m.uid = None;
+    m.resource_version = None;
+    m.creation_timestamp = None;
+    m.generation = None;
+    obj
+}
+
+/// A reconcile harness over the bare real apiserver, in a namespace of its own.
 pub struct Harness {
-    /// The fake client.
+    /// This harness's namespace: every object it creates lives there.
+    pub ns: String,
+    /// The reconciler's client (through [`Faults`] when built with
+    /// [`with_faults`](Self::with_faults)).
     pub client: Client,
+    /// The admin client the harness itself reads and writes with (never faulted).
+    pub admin: Client,
     /// The reconciler context.
     pub ctx: Arc<Context>,
     /// The clock.
@@ -300,57 +339,28 @@ pub struct Harness {
     pub leader: Arc<AtomicBool>,
 }
 
-/// A fake client holding `cbs`, with the status subresources the reconciler uses.
-pub async fn fake_client(cbs: Vec<CacheBackend>) -> Client {
-    fake_client_with(cbs, None).await
-}
-
-/// [`fake_client`] with interceptors (injected errors).
-pub async fn fake_client_with(
-    cbs: Vec<CacheBackend>,
-    funcs: Option<kube_fake_client::interceptor::Funcs>,
-) -> Client {
-    let mut b = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_status_subresource::<CacheBackend>()
-        .with_status_subresource::<Deployment>()
-        .with_status_subresource::<StatefulSet>();
-    for cb in cbs {
-        b = b.with_object(cb);
-    }
-    if let Some(f) = funcs {
-        b = b.with_interceptor_funcs(f);
-    }
-    b.build().await.unwrap()
-}
-
 impl Harness {
-    /// A harness over `cbs`; `probe` wires the scripted prober (the probe gate on).
+    /// A harness over `cbs` (created in a fresh namespace, their `status`, if any, written
+    /// through the subresource); `probe` wires the scripted prober (the probe gate on).
     pub async fn new(cbs: Vec<CacheBackend>, probe: bool) -> Self {
-        Self::with_interceptors(cbs, probe, None).await
+        Self::build(cbs, probe, None).await
     }
 
-    /// A controller restart: the same API and clock, fresh in-process memory.
-    pub fn restart_controller(&mut self) {
-        self.ctx = Arc::new(
-            Context::new(
-                self.client.clone(),
-                self.index.clone(),
-                self.events.clone(),
-                self.clock.clone(),
-                self.leader.clone(),
-            )
-            .with_settings(Settings::default()),
-        );
+    /// [`new`](Self::new) whose reconciler client passes every request through `faults` first
+    /// (injected errors, another writer landing before a request, the request record). The
+    /// harness's own reads and writes use the admin client and are neither faulted nor recorded.
+    pub async fn with_faults(cbs: Vec<CacheBackend>, probe: bool, faults: Arc<Faults>) -> Self {
+        Self::build(cbs, probe, Some(faults)).await
     }
 
-    /// [`new`](Self::new) over an API with interceptors.
-    pub async fn with_interceptors(
-        cbs: Vec<CacheBackend>,
-        probe: bool,
-        funcs: Option<kube_fake_client::interceptor::Funcs>,
-    ) -> Self {
-        let client = fake_client_with(cbs, funcs).await;
+    async fn build(cbs: Vec<CacheBackend>, probe: bool, faults: Option<Arc<Faults>>) -> Self {
+        let bare = BareCluster::get().await;
+        let ns = bare.namespace("reconcile").await;
+        let admin = bare.admin.clone();
+        let client = match faults {
+            Some(f) => bare.client_with(f),
+            None => admin.clone(),
+        };
         let clock = Arc::new(FakeClock::new(Timestamp::from_second(T0).unwrap()));
         let events = Arc::new(RecordingEventSink::new());
         let index = Arc::new(FakeIndex::new());
@@ -367,15 +377,72 @@ impl Harness {
         if probe {
             ctx = ctx.with_prober(prober.clone());
         }
-        Harness {
+        let h = Harness {
+            ns,
             client,
+            admin,
             ctx: Arc::new(ctx),
             clock,
             events,
             index,
             prober,
             leader,
+        };
+        for cb in cbs {
+            h.add_cb(cb).await;
         }
+        h
+    }
+
+    /// A controller restart: the same API and clock, fresh in-process memory.
+    pub fn restart_controller(&mut self) {
+        self.ctx = Arc::new(
+            Context::new(
+                self.client.clone(),
+                self.index.clone(),
+                self.events.clone(),
+                self.clock.clone(),
+                self.leader.clone(),
+            )
+            .with_settings(Settings::default()),
+        );
+    }
+
+    /// An API of this harness's namespace over the admin client.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.admin.clone(), &self.ns)
+    }
+
+    /// `<ns>/<name>` in this harness's namespace.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}/{name}", self.ns)
+    }
+
+    /// [`replica`] in this harness's namespace.
+    pub fn replica(&self, pod: &str, prefixes: u64, last_event_ms: i64) -> ReplicaObservation {
+        replica_in(&self.ns, pod, prefixes, last_event_ms)
+    }
+
+    /// Creates `obj` in this namespace (then its `status` through the subresource, when it has
+    /// one); returns the stored object.
+    pub async fn create<K>(&self, obj: K) -> K
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + std::fmt::Debug,
+    {
+        create_with_status(&self.api::<K>(), &in_namespace(obj, &self.ns)).await
+    }
+
+    /// Creates a CacheBackend through the API (its CRD schema and CEL rules); returns the stored
+    /// object (server-assigned uid).
+    pub async fn add_cb(&self, cb: CacheBackend) -> CacheBackend {
+        self.create(cb).await
     }
 
     /// Runs one reconcile of backend `name`.
@@ -388,16 +455,14 @@ impl Harness {
         &self,
         name: &str,
     ) -> Result<Action, ic_controller::reconcile::Error> {
-        let stub = backend(name, json!({"runtime": "VLLM"}));
+        let mut stub = backend(name, json!({"runtime": "VLLM"}));
+        stub.metadata.namespace = Some(self.ns.clone());
         reconcile(Arc::new(stub), self.ctx.clone()).await
     }
 
     /// The live CacheBackend.
     pub async fn cb(&self, name: &str) -> CacheBackend {
-        Api::<CacheBackend>::namespaced(self.client.clone(), NS)
-            .get(name)
-            .await
-            .unwrap()
+        self.api::<CacheBackend>().get(name).await.unwrap()
     }
 
     /// The live status (default when unset).
@@ -407,42 +472,54 @@ impl Harness {
 
     /// Merge-patches the CacheBackend (spec or metadata).
     pub async fn patch_cb(&self, name: &str, patch: Value) {
-        Api::<CacheBackend>::namespaced(self.client.clone(), NS)
+        self.api::<CacheBackend>()
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .unwrap();
     }
 
-    /// Creates a pod.
-    pub async fn add_pod(&self, p: Pod) {
-        Api::<Pod>::namespaced(self.client.clone(), NS)
-            .create(&PostParams::default(), &p)
-            .await
-            .unwrap();
+    /// Creates a pod (then writes its `status`, as the kubelet would); returns the stored pod
+    /// (server-assigned uid).
+    pub async fn add_pod(&self, p: Pod) -> Pod {
+        self.create(p).await
     }
 
-    /// Replaces a pod (delete then create).
-    pub async fn replace_pod(&self, p: Pod) {
-        let api = Api::<Pod>::namespaced(self.client.clone(), NS);
+    /// Plays the kubelet: writes `p`'s status onto the live pod of the same name through the
+    /// status subresource (a container restarted in place: same pod, same uid), or creates the
+    /// pod when there is none. Returns the stored pod.
+    pub async fn replace_pod(&self, p: Pod) -> Pod {
+        let api = self.api::<Pod>();
         let name = p.metadata.name.clone().unwrap();
-        let _ = api.delete(&name, &Default::default()).await;
-        api.create(&PostParams::default(), &p).await.unwrap();
+        let Some(mut live) = api.get_opt(&name).await.unwrap() else {
+            return self.add_pod(p).await;
+        };
+        let mut status = p.status.unwrap_or_default();
+        let old = live.status.take().unwrap_or_default();
+        // Set by the apiserver at create; not the kubelet's to change.
+        status.qos_class = status.qos_class.or(old.qos_class);
+        live.status = Some(status);
+        api.replace_status(&name, &PostParams::default(), &live)
+            .await
+            .unwrap()
     }
 
-    /// Deletes a pod.
+    /// Deletes a pod at once (grace period 0: no kubelet is there to confirm a graceful stop).
     pub async fn delete_pod(&self, name: &str) {
-        Api::<Pod>::namespaced(self.client.clone(), NS)
-            .delete(name, &Default::default())
+        self.api::<Pod>()
+            .delete(
+                name,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                },
+            )
             .await
             .unwrap();
     }
 
-    /// Creates a Deployment.
-    pub async fn add_deployment(&self, d: Deployment) {
-        Api::<Deployment>::namespaced(self.client.clone(), NS)
-            .create(&PostParams::default(), &d)
-            .await
-            .unwrap();
+    /// Creates a Deployment; returns the stored one.
+    pub async fn add_deployment(&self, d: Deployment) -> Deployment {
+        self.create(d).await
     }
 
     /// Plays the Deployment controller for `name`: `available` of the desired replicas
@@ -451,8 +528,8 @@ impl Harness {
         self.deployment_status(name, None, available, true).await;
     }
 
-    /// Sets a Deployment's status: `updated` (default: desired) updated replicas, `available`
-    /// available and ready, rollout-complete marker `complete`.
+    /// Sets a Deployment's status through the status subresource: `updated` (default: desired)
+    /// updated replicas, `available` available and ready, rollout-complete marker `complete`.
     pub async fn deployment_status(
         &self,
         name: &str,
@@ -460,7 +537,7 @@ impl Harness {
         available: i32,
         complete: bool,
     ) {
-        let api = Api::<Deployment>::namespaced(self.client.clone(), NS);
+        let api = self.api::<Deployment>();
         let d = api.get(name).await.unwrap();
         let desired = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
         let updated = updated.unwrap_or(desired);
@@ -471,7 +548,7 @@ impl Harness {
         };
         let patch = json!({"status": {
             "observedGeneration": d.metadata.generation,
-            "replicas": desired.max(updated),
+            "replicas": desired.max(updated).max(available),
             "updatedReplicas": updated,
             "readyReplicas": available,
             "availableReplicas": available,
@@ -484,31 +561,22 @@ impl Harness {
 
     /// The owned Deployment, if any.
     pub async fn deployment(&self, name: &str) -> Option<Deployment> {
-        Api::<Deployment>::namespaced(self.client.clone(), NS)
-            .get_opt(name)
-            .await
-            .unwrap()
+        self.api::<Deployment>().get_opt(name).await.unwrap()
     }
 
     /// The owned StatefulSet, if any.
     pub async fn statefulset(&self, name: &str) -> Option<StatefulSet> {
-        Api::<StatefulSet>::namespaced(self.client.clone(), NS)
-            .get_opt(name)
-            .await
-            .unwrap()
+        self.api::<StatefulSet>().get_opt(name).await.unwrap()
     }
 
     /// The owned Service, if any.
     pub async fn service(&self, name: &str) -> Option<Service> {
-        Api::<Service>::namespaced(self.client.clone(), NS)
-            .get_opt(name)
-            .await
-            .unwrap()
+        self.api::<Service>().get_opt(name).await.unwrap()
     }
 
     /// The owned HPA, if any.
     pub async fn hpa(&self, name: &str) -> Option<HorizontalPodAutoscaler> {
-        Api::<HorizontalPodAutoscaler>::namespaced(self.client.clone(), NS)
+        self.api::<HorizontalPodAutoscaler>()
             .get_opt(name)
             .await
             .unwrap()
