@@ -1,8 +1,10 @@
 //! CacheNode status from agent reports (conditions per check, aggregate Ready, gpus, engines,
 //! transition-only timestamps, the write rate limit) and the CacheBackend `NodeHealthy`
-//! advisory — pure, and end to end against the in-memory API: a report fed through the real
-//! ingest path (loopback gRPC) shows up as a CacheNode condition and as the advisory condition
-//! on the affected CacheBackend.
+//! advisory — pure, and end to end against the bare real apiserver (`bare_apiserver_support`:
+//! the chart's CRDs with their status subresources, resourceVersion conflicts): a report fed
+//! through the real ingest path (loopback gRPC) shows up as a CacheNode condition (a
+//! cluster-scoped object named after the test's own unique node) and as the advisory condition
+//! on the affected CacheBackend (in the test's own namespace).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -28,12 +30,11 @@ use ic_shared::proto::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
-use kube_fake_client::ClientBuilder;
 use serde_json::json;
-
-mod cluster_scope_support;
-use cluster_scope_support::cluster_scoped;
 use tokio_stream::wrappers::ReceiverStream;
+
+mod bare_apiserver_support;
+use bare_apiserver_support::{create_with_status, unique, BareCluster};
 
 fn at(s: i64) -> Time {
     to_time(Timestamp::from_second(s).unwrap())
@@ -613,25 +614,13 @@ fn cache_backend(ns: &str, name: &str) -> CacheBackend {
     serde_json::from_value(json!({
         "apiVersion": "inferencecache.io/v1alpha1",
         "kind": "CacheBackend",
-        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "generation": 2, "resourceVersion": "1"},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {"runtime": "VLLM", "observation": {"modelID": "m"}},
         "status": {"conditions": [
             {"type": "Ready", "status": "True", "reason": "KVEventsObserved", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}
         ]},
     }))
     .unwrap()
-}
-
-async fn fake_client(objects: Vec<CacheBackend>) -> kube::Client {
-    let mut b = ClientBuilder::new()
-        .with_resource::<CacheNode>()
-        .with_status_subresource::<CacheNode>()
-        .with_resource::<CacheBackend>()
-        .with_status_subresource::<CacheBackend>();
-    for o in objects {
-        b = b.with_object(o);
-    }
-    cluster_scoped(b.build().await.unwrap())
 }
 
 fn check(
@@ -655,6 +644,11 @@ fn check(
 /// pass (no rate-limit wait: a condition status change is written at once).
 #[tokio::test]
 async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
+    let bare = BareCluster::get().await;
+    let ns = bare.namespace("nodes").await;
+    // CacheNodes are cluster-scoped and named after the node: a node of this test only.
+    let node = unique("gpu");
+    let cb_key = format!("{ns}/cb");
     let stack = standalone::start(
         StandaloneConfig {
             grpc_addr: "127.0.0.1:0".parse().unwrap(),
@@ -670,20 +664,17 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     .await
     .unwrap();
     let shared = stack.shared.clone();
-    // The plan book says backend ns/cb runs pod vllm-0 on gpu-1 (as the publisher derives it).
+    // The plan book says backend <ns>/cb runs pod vllm-0 on the node (as the publisher derives
+    // it).
     shared.nodes.lock().publish_plans(
-        BTreeMap::from([(
-            "gpu-1".to_string(),
-            plan(vec![engine("ns", "vllm-0", "ns/cb")]),
-        )]),
+        BTreeMap::from([(node.clone(), plan(vec![engine(&ns, "vllm-0", &cb_key)]))]),
         1,
     );
 
-    let client = fake_client(vec![
-        cache_backend("ns", "cb"),
-        cache_backend("ns", "other"),
-    ])
-    .await;
+    let client = bare.admin.clone();
+    let backends = Api::<CacheBackend>::namespaced(client.clone(), &ns);
+    let cb_created = create_with_status(&backends, &cache_backend(&ns, "cb")).await;
+    create_with_status(&backends, &cache_backend(&ns, "other")).await;
     let clock = FakeClock::at_unix_seconds(1_800_000_000);
     let mut writer = CacheNodeWriter::new(client.clone(), Duration::from_secs(30));
 
@@ -698,7 +689,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let send = |m: Msg| AgentMessage { msg: Some(m) };
     tx.send(send(Msg::Hello(proto::Hello {
-        node: "gpu-1".into(),
+        node: node.clone(),
         version: "0.1.0".into(),
         boot_id: "b".into(),
         ..Default::default()
@@ -735,13 +726,13 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     .await
     .unwrap();
     // Wait until the ingest path stored the report.
-    tokio::time::timeout(Duration::from_secs(5), async {
+    tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             changes.changed().await.unwrap();
             if shared
                 .nodes
                 .lock()
-                .get("gpu-1")
+                .get(&node)
                 .is_some_and(|r| !r.checks.is_empty())
             {
                 break;
@@ -754,17 +745,20 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     // One writer pass (what the leader's status loop runs on every report).
     let snap = NodeSnapshot::take(&shared);
     let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
-    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("first")));
+    assert_eq!(decisions[&node], Ok(WriteDecision::Write("first")));
     let report = write_advisories(&client, &snap, &clock, None)
         .await
         .unwrap();
-    assert_eq!(report.written, vec!["ns/cb".to_string()]);
+    // The writer sees every CacheBackend of the cluster (it removes a stale advisory from
+    // another test's backend too): of this test's, only cb's is written.
+    assert_eq!(of_ns(&report.written, &ns), vec![cb_key.clone()]);
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
 
     let cn = Api::<CacheNode>::all(client.clone())
-        .get("gpu-1")
+        .get(&node)
         .await
         .unwrap();
-    assert_eq!(cn.spec.node_name.as_deref(), Some("gpu-1"));
+    assert_eq!(cn.spec.node_name.as_deref(), Some(node.as_str()));
     let st = cn.status.unwrap();
     let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
     assert_eq!(
@@ -779,10 +773,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     assert_eq!(st.agent_version.as_deref(), Some("0.1.0"));
     assert_eq!(st.observed_plan_generation, Some(1));
 
-    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns")
-        .get("cb")
-        .await
-        .unwrap();
+    let cb = backends.get("cb").await.unwrap();
     let conds = cb.status.unwrap().conditions;
     let adv = find_condition(&conds, "NodeHealthy").unwrap();
     assert_eq!(
@@ -790,27 +781,26 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         ("False", "NodeCheckFailing")
     );
     assert!(
-        adv.message.contains("gpu-1: shm Critical (ShmUndersized)"),
+        adv.message
+            .contains(&format!("{node}: shm Critical (ShmUndersized)")),
         "{}",
         adv.message
     );
-    assert_eq!(adv.observed_generation, Some(2));
+    assert_eq!(adv.observed_generation, cb_created.metadata.generation);
+    assert!(adv.observed_generation.is_some());
     assert_eq!(
         find_condition(&conds, "Ready").map(|c| c.reason.as_str()),
         Some("KVEventsObserved"),
         "the reconciler's conditions are left alone"
     );
     // A backend without engine pods on the node gets no advisory.
-    let other = Api::<CacheBackend>::namespaced(client.clone(), "ns")
-        .get("other")
-        .await
-        .unwrap();
+    let other = backends.get("other").await.unwrap();
     assert!(find_condition(&other.status.unwrap().conditions, "NodeHealthy").is_none());
 
     // The next identical pass writes nothing; only lastReportTime moving is rate-limited.
     clock.advance(Duration::from_secs(5));
     let decisions = write_cachenodes(&mut writer, &NodeSnapshot::take(&shared), &clock, None).await;
-    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Unchanged));
+    assert_eq!(decisions[&node], Ok(WriteDecision::Unchanged));
     tx.send(send(Msg::Checks(proto::CheckReport {
         observed_at_unix_ms: 1_800_000_005_000,
         plan_generation: 1,
@@ -829,9 +819,9 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     })))
     .await
     .unwrap();
-    wait_for_report(&shared, 1_800_000_005_000).await;
+    wait_for_report(&shared, &node, 1_800_000_005_000).await;
     let decisions = write_cachenodes(&mut writer, &NodeSnapshot::take(&shared), &clock, None).await;
-    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::RateLimited));
+    assert_eq!(decisions[&node], Ok(WriteDecision::RateLimited));
 
     // The check recovers: written at once, the advisory turns True.
     tx.send(send(Msg::Checks(proto::CheckReport {
@@ -847,16 +837,16 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     })))
     .await
     .unwrap();
-    wait_for_report(&shared, 1_800_000_010_000).await;
+    wait_for_report(&shared, &node, 1_800_000_010_000).await;
     clock.advance(Duration::from_secs(5));
     let snap = NodeSnapshot::take(&shared);
     let decisions = write_cachenodes(&mut writer, &snap, &clock, None).await;
-    assert_eq!(decisions["gpu-1"], Ok(WriteDecision::Write("condition")));
+    assert_eq!(decisions[&node], Ok(WriteDecision::Write("condition")));
     write_advisories(&client, &snap, &clock, None)
         .await
         .unwrap();
     let st = Api::<CacheNode>::all(client.clone())
-        .get("gpu-1")
+        .get(&node)
         .await
         .unwrap()
         .status
@@ -864,10 +854,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     let shm_c = find_condition(&st.conditions, "ShmHealthy").unwrap();
     assert_eq!(shm_c.status, "True");
     assert_eq!(shm_c.last_transition_time, to_time(clock.now()));
-    let cb = Api::<CacheBackend>::namespaced(client.clone(), "ns")
-        .get("cb")
-        .await
-        .unwrap();
+    let cb = backends.get("cb").await.unwrap();
     let adv = find_condition(&cb.status.as_ref().unwrap().conditions, "NodeHealthy")
         .unwrap()
         .clone();
@@ -877,8 +864,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     );
 
     // A concurrent write by the reconciler (another resourceVersion) is not lost: the advisory
-    // write re-reads on 409 and keeps the reconciler's condition.
-    let api = Api::<CacheBackend>::namespaced(client.clone(), "ns");
+    // write gets 409 from the apiserver, re-reads and keeps the reconciler's condition.
+    let api = backends.clone();
     let mut stale = cb.clone();
     let mut fresh = cb.clone();
     fresh
@@ -904,7 +891,7 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         .conditions
         .retain(|c| c.type_ != "NodeHealthy");
     let desired = BTreeMap::from([(
-        "ns/cb".to_string(),
+        cb_key.clone(),
         advisory::NodeAdvisory {
             status: ConditionStatus::False,
             reason: adv_reason::NODE_CHECK_FAILING,
@@ -912,7 +899,8 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
         },
     )]);
     let r = advisory::sync_advisories(&client, &[stale], &desired, at(10)).await;
-    assert_eq!(r.written, vec!["ns/cb".to_string()]);
+    assert_eq!(r.written, vec![cb_key.clone()]);
+    assert!(r.failed.is_empty(), "{:?}", r.failed);
     let conds = api.get("cb").await.unwrap().status.unwrap().conditions;
     assert!(find_condition(&conds, "Degraded").is_some());
     assert_eq!(
@@ -921,13 +909,21 @@ async fn a_failing_check_reaches_the_cachenode_and_the_backends_advisory() {
     );
 }
 
-async fn wait_for_report(shared: &ic_controller::state::Shared, ms: i64) {
-    tokio::time::timeout(Duration::from_secs(5), async {
+/// `namespace/name` keys of `keys` in namespace `ns`.
+fn of_ns(keys: &[String], ns: &str) -> Vec<String> {
+    keys.iter()
+        .filter(|k| k.split_once('/').is_some_and(|(n, _)| n == ns))
+        .cloned()
+        .collect()
+}
+
+async fn wait_for_report(shared: &ic_controller::state::Shared, node: &str, ms: i64) {
+    tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             if shared
                 .nodes
                 .lock()
-                .get("gpu-1")
+                .get(node)
                 .is_some_and(|r| r.last_report_unix_ms == ms)
             {
                 break;
