@@ -2,8 +2,10 @@
 //! condition `HiCacheHostTier`; `docs/kv-events.md` "SGLang HiCache readiness"): a node agent
 //! over real loopback gRPC reports its SGLang streams' host-tier counters (`CounterReport`,
 //! `StreamCounters.host_tier_*`), and a CacheBackend reconcile of an `(SGLang, SGLangHiCache)`
-//! backend over the controller's real in-process state (against the in-memory API) publishes
-//! the advisory condition.
+//! backend over the controller's real in-process state publishes the advisory condition. The
+//! CacheBackend and the engine pods live on the bare real apiserver (`bare_apiserver_support`,
+//! through `reconcile_support::Harness`: a namespace per test); the reconciler is called
+//! directly.
 //!
 //! The numbers are what the agent reads from SGLang 0.5.23's own `/metrics` pages
 //! (`testdata/metrics/sglang-0.5.23-{idle,written,roundtrip}.metrics`, parsed in
@@ -19,9 +21,7 @@ use std::sync::Arc;
 use agent_stream_support::*;
 use ic_controller::reconcile::Context;
 use ic_controller::state::{LookupPolicy, Shared};
-use ic_shared::proto::{
-    agent_message::Msg, AgentMessage, CounterReport, StreamCounters, StreamDescriptor,
-};
+use ic_shared::proto::{agent_message::Msg, AgentMessage, CounterReport, StreamCounters};
 use k8s_openapi::api::core::v1::Pod;
 use reconcile_support::*;
 use serde_json::json;
@@ -47,33 +47,28 @@ fn sglang_pod(name: &str) -> Pod {
     .unwrap()
 }
 
-/// The SGLang engines of `hc` (64-token pages).
-const ENGINES: Engines = Engines {
-    namespace: NS,
-    model: "Qwen/Qwen3-8B",
-    hash_scheme: "sglang",
-    backend: "ml/hc",
-    block_size: 64,
-    key_base: 0x5a00,
-};
-
-fn descriptor(pod: &str) -> StreamDescriptor {
-    ENGINES.descriptor(pod)
-}
-
-fn resync(pods: &[&str], now_ms: i64) -> AgentMessage {
-    ENGINES.resync(pods, now_ms)
+/// The SGLang engines of `hc` in namespace `ns` (64-token pages).
+fn engines(ns: &str) -> Engines {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    Engines {
+        namespace: leak(ns.to_string()),
+        model: "Qwen/Qwen3-8B",
+        hash_scheme: "sglang",
+        backend: leak(format!("{ns}/hc")),
+        block_size: 64,
+        key_base: 0x5a00,
+    }
 }
 
 /// A report of `(pod, host-tier pair)`: `None` is what the agent sends when SGLang exports no
 /// host tier or its last scrape failed.
-fn host(c: &[(&str, Option<(u64, u64)>)]) -> AgentMessage {
+fn host(e: &Engines, c: &[(&str, Option<(u64, u64)>)]) -> AgentMessage {
     AgentMessage {
         msg: Some(Msg::Counters(CounterReport {
             streams: c
                 .iter()
                 .map(|(pod, h)| StreamCounters {
-                    stream: Some(descriptor(pod)),
+                    stream: Some(e.descriptor(pod)),
                     t2_absent: true,
                     host_tier_written_tokens: h.map(|h| h.0),
                     host_tier_served_tokens: h.map(|h| h.1),
@@ -85,13 +80,19 @@ fn host(c: &[(&str, Option<(u64, u64)>)]) -> AgentMessage {
     }
 }
 
-/// Sends a host-tier report and waits until the controller holds exactly those readings.
-async fn report(agent: &AgentStream, shared: &Shared, c: &[(&str, Option<(u64, u64)>)]) {
-    agent.tx.send(host(c)).await.unwrap();
+/// Sends a host-tier report of `e`'s engines and waits until the controller holds exactly those
+/// readings.
+async fn report(
+    e: &Engines,
+    agent: &AgentStream,
+    shared: &Shared,
+    c: &[(&str, Option<(u64, u64)>)],
+) {
+    agent.tx.send(host(e, c)).await.unwrap();
     until("the readings", || {
         let held = shared.host_tier.read();
         c.iter().all(|(pod, h)| {
-            held.get(&format!("{NS}/{pod}#0"))
+            held.get(&format!("{}/{pod}#0", e.namespace))
                 .map(|r| (r.written_tokens, r.served_tokens))
                 == *h
         })
@@ -143,6 +144,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     for p in ["sglang-0", "sglang-1"] {
         h.add_pod(sglang_pod(p)).await;
     }
+    let e = engines(&h.ns);
 
     // No agent yet: no stream, no reading.
     let (s, r, m, _) = host_tier(&h).await;
@@ -158,11 +160,17 @@ async fn host_tier_condition_follows_current_readings_only() {
     let agent = connect(
         &grpc,
         "gpu-1",
-        resync(&["sglang-0", "sglang-1"], h.now_ms()),
+        e.resync(&["sglang-0", "sglang-1"], h.now_ms()),
     )
     .await;
     until("the resync", || shared.index.read().replica_count() == 2).await;
-    report(&agent, &shared, &[("sglang-0", None), ("sglang-1", None)]).await;
+    report(
+        &e,
+        &agent,
+        &shared,
+        &[("sglang-0", None), ("sglang-1", None)],
+    )
+    .await;
     let (s, r, m, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
@@ -177,7 +185,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The idle page: the host tier is there, nothing written or served.
-    report(&agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
     let (s, r, m, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -189,7 +197,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The written page: backups, every hit from the GPU — a write is no round trip.
-    report(&agent, &shared, &[("sglang-0", Some((3072, 0)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((3072, 0)))]).await;
     let (s, r, m, unknown_since) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -201,7 +209,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The round-trip page.
-    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     let (s, r, m, true_since) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str(), m.as_str()),
@@ -224,14 +232,14 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // The engine restarts: the agent's scrape fails and it drops the pair — Unknown, not True.
-    report(&agent, &shared, &[("sglang-0", None)]).await;
+    report(&e, &agent, &shared, &[("sglang-0", None)]).await;
     let (s, r, _, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
         ("Unknown", "HostTierSignalUnavailable")
     );
     // The restarted engine counts from 0.
-    report(&agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((0, 0)))]).await;
     let (s, r, _, _) = host_tier(&h).await;
     assert_eq!(
         (s.as_str(), r.as_str()),
@@ -239,7 +247,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     );
 
     // A round trip again; then the agent goes away: no reading outlives its connection.
-    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     assert_eq!(host_tier(&h).await.1, "HostTierRoundTrip");
     drop(agent);
     until("the disconnect", || shared.host_tier.read().is_empty()).await;
@@ -257,7 +265,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     let agent = connect(
         &grpc,
         "gpu-1",
-        resync(&["sglang-0", "sglang-1"], h.now_ms()),
+        e.resync(&["sglang-0", "sglang-1"], h.now_ms()),
     )
     .await;
     until("the second resync", || {
@@ -272,6 +280,7 @@ async fn host_tier_condition_follows_current_readings_only() {
     .await;
     assert_eq!(host_tier(&h).await.1, "HostTierSignalUnavailable");
     report(
+        &e,
         &agent,
         &shared,
         &[
@@ -286,12 +295,12 @@ async fn host_tier_condition_follows_current_readings_only() {
     // the agent resends them.
     agent
         .tx
-        .send(resync(&["sglang-0", "sglang-1"], h.now_ms()))
+        .send(e.resync(&["sglang-0", "sglang-1"], h.now_ms()))
         .await
         .unwrap();
     until("the reset", || shared.host_tier.read().is_empty()).await;
     assert_eq!(host_tier(&h).await.1, "HostTierSignalUnavailable");
-    report(&agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
+    report(&e, &agent, &shared, &[("sglang-0", Some((3072, 2048)))]).await;
     assert_eq!(host_tier(&h).await.1, "HostTierRoundTrip");
 
     // The pod that did the round trip is deleted: its reading no longer counts.

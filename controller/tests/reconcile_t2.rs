@@ -1,9 +1,11 @@
 //! Tier-2 counters end to end on the controller side (spec 000 `indexParticipation.t2HitRate`,
 //! condition `T2Degraded`): an agent stream over real loopback gRPC reports its streams'
 //! engine counters (`CounterReport`), `/snapshot` shows them as `t2Hits` / `t2Queries`, and a
-//! CacheBackend reconcile over the real in-process index (against the in-memory API) publishes
-//! the query-weighted `t2HitRate`, `T2Degraded`, and the `inferencecache_backend_t2_hit_rate`
-//! gauge on the controller's `/metrics`.
+//! CacheBackend reconcile over the real in-process index publishes the query-weighted
+//! `t2HitRate`, `T2Degraded`, and the `inferencecache_backend_t2_hit_rate` gauge on the
+//! controller's `/metrics`. The CacheBackend, its children and the engine pods live on the bare
+//! real apiserver (`bare_apiserver_support`, through `reconcile_support::Harness`: a namespace
+//! per test); the reconciler is called directly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod agent_stream_support;
@@ -18,9 +20,7 @@ use http_support::http_get;
 use ic_controller::http::{router, HttpState};
 use ic_controller::reconcile::Context;
 use ic_controller::state::{LookupPolicy, Shared};
-use ic_shared::proto::{
-    agent_message::Msg, AgentMessage, CounterReport, StreamCounters, StreamDescriptor,
-};
+use ic_shared::proto::{agent_message::Msg, AgentMessage, CounterReport, StreamCounters};
 use reconcile_support::*;
 
 /// A controller's gRPC ingest and HTTP endpoints on loopback; returns (gRPC URL, HTTP address).
@@ -37,31 +37,26 @@ async fn serve(shared: Arc<Shared>) -> (String, String) {
     (grpc, http_addr.to_string())
 }
 
-/// The vLLM engines of `kv` (16-token blocks).
-const ENGINES: Engines = Engines {
-    namespace: NS,
-    model: "m",
-    hash_scheme: "vllm",
-    backend: "ml/kv",
-    block_size: 16,
-    key_base: 0xabc0,
-};
-
-fn descriptor(pod: &str) -> StreamDescriptor {
-    ENGINES.descriptor(pod)
+/// The vLLM engines of `kv` in namespace `ns` (16-token blocks).
+fn engines(ns: &str) -> Engines {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    Engines {
+        namespace: leak(ns.to_string()),
+        model: "m",
+        hash_scheme: "vllm",
+        backend: leak(format!("{ns}/kv")),
+        block_size: 16,
+        key_base: 0xabc0,
+    }
 }
 
-fn resync(pods: &[&str], last_event_ms: i64) -> AgentMessage {
-    ENGINES.resync(pods, last_event_ms)
-}
-
-fn counters(c: &[(&str, u64, u64)]) -> AgentMessage {
+fn counters(e: &Engines, c: &[(&str, u64, u64)]) -> AgentMessage {
     AgentMessage {
         msg: Some(Msg::Counters(CounterReport {
             streams: c
                 .iter()
                 .map(|(pod, hits, queries)| StreamCounters {
-                    stream: Some(descriptor(pod)),
+                    stream: Some(e.descriptor(pod)),
                     t2_hits: *hits,
                     t2_queries: *queries,
                     observed_at_unix_ms: 1,
@@ -98,6 +93,7 @@ struct Setup {
     http: String,
     h: Harness,
     agent: AgentStream,
+    engines: Engines,
 }
 
 async fn setup() -> Setup {
@@ -120,10 +116,11 @@ async fn setup() -> Setup {
     h.settle_deployment("kv-redis", 1).await;
 
     // A node agent: Hello, Resync of its two engine streams.
+    let engines = engines(&h.ns);
     let agent = connect(
         &grpc,
         "gpu-1",
-        resync(&["engine-0", "engine-1"], h.now_ms()),
+        engines.resync(&["engine-0", "engine-1"], h.now_ms()),
     )
     .await;
     until("the resync", || shared.index.read().replica_count() == 2).await;
@@ -132,17 +129,31 @@ async fn setup() -> Setup {
         http,
         h,
         agent,
+        engines,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
-    let Setup { http, h, agent, .. } = setup().await;
+    let Setup {
+        http,
+        h,
+        agent,
+        engines,
+        ..
+    } = setup().await;
     let tx = agent.tx.clone();
+    let stream = |pod: &str| format!("{}/{pod}#0", h.ns);
+    let gauge = |rate: &str| {
+        format!(
+            r#"inferencecache_backend_t2_hit_rate{{backend="{}"}} {rate}"#,
+            h.key("kv")
+        )
+    };
 
     // Before any counters: tier 2 not exercised — no t2HitRate, no T2Degraded, no gauge series.
     assert_eq!(
-        snapshot_t2(&http, "ml/engine-0#0"),
+        snapshot_t2(&http, &stream("engine-0")),
         Some((None, None)),
         "absent, never 0"
     );
@@ -159,15 +170,18 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
     assert_eq!(gauge_line(&http), None);
 
     // Counters: 20 of 60 and 5 of 40 → query-weighted 25 / 100.
-    tx.send(counters(&[("engine-0", 20, 60), ("engine-1", 5, 40)]))
-        .await
-        .unwrap();
+    tx.send(counters(
+        &engines,
+        &[("engine-0", 20, 60), ("engine-1", 5, 40)],
+    ))
+    .await
+    .unwrap();
     until("the counters in /snapshot", || {
-        snapshot_t2(&http, "ml/engine-1#0") == Some((Some(5), Some(40)))
+        snapshot_t2(&http, &stream("engine-1")) == Some((Some(5), Some(40)))
     })
     .await;
     assert_eq!(
-        snapshot_t2(&http, "ml/engine-0#0"),
+        snapshot_t2(&http, &stream("engine-0")),
         Some((Some(20), Some(60)))
     );
     h.advance(30);
@@ -182,18 +196,21 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
         Some("0.25")
     );
     assert_eq!(sr(&st, "T2Degraded"), is("False", "T2Serving"));
+    assert_eq!(gauge_line(&http).as_deref(), Some(gauge("0.25").as_str()));
     assert_eq!(
-        gauge_line(&http).as_deref(),
-        Some(r#"inferencecache_backend_t2_hit_rate{backend="ml/kv"} 0.25"#)
+        h.ctx.metrics().unwrap().t2_hit_rate(&h.key("kv")),
+        Some(0.25)
     );
-    assert_eq!(h.ctx.metrics().unwrap().t2_hit_rate("ml/kv"), Some(0.25));
 
     // A tier that is queried but never hits (the engines restarted, the store is broken).
-    tx.send(counters(&[("engine-0", 0, 80), ("engine-1", 0, 20)]))
-        .await
-        .unwrap();
+    tx.send(counters(
+        &engines,
+        &[("engine-0", 0, 80), ("engine-1", 0, 20)],
+    ))
+    .await
+    .unwrap();
     until("the zero-hit counters", || {
-        snapshot_t2(&http, "ml/engine-1#0") == Some((Some(0), Some(20)))
+        snapshot_t2(&http, &stream("engine-1")) == Some((Some(0), Some(20)))
     })
     .await;
     h.advance(30);
@@ -213,18 +230,15 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
         is("True", "KVEventsObserved"),
         "never gates Ready"
     );
-    assert_eq!(
-        gauge_line(&http).as_deref(),
-        Some(r#"inferencecache_backend_t2_hit_rate{backend="ml/kv"} 0"#)
-    );
+    assert_eq!(gauge_line(&http).as_deref(), Some(gauge("0").as_str()));
 
     // A resync resets the index's counters until the agent resends them: the status keeps its
     // last rate (presence is load-bearing; it never falls back to "not exercised").
-    tx.send(resync(&["engine-0", "engine-1"], h.now_ms()))
+    tx.send(engines.resync(&["engine-0", "engine-1"], h.now_ms()))
         .await
         .unwrap();
     until("the reset", || {
-        snapshot_t2(&http, "ml/engine-0#0") == Some((None, None))
+        snapshot_t2(&http, &stream("engine-0")) == Some((None, None))
     })
     .await;
     h.advance(30);
@@ -241,7 +255,7 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
     assert_eq!(sr(&st, "T2Degraded"), is("True", "T2ZeroHitRate"));
 
     // The backend is deleted: its gauge series goes.
-    kube::Api::<ic_shared::crd::CacheBackend>::namespaced(h.client.clone(), NS)
+    h.api::<ic_shared::crd::CacheBackend>()
         .delete("kv", &Default::default())
         .await
         .unwrap();
@@ -256,7 +270,11 @@ async fn reported_counters_reach_snapshot_status_conditions_and_the_gauge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_cache_counters_set_the_backends_hit_rate() {
     let Setup {
-        shared, h, agent, ..
+        shared,
+        h,
+        agent,
+        engines,
+        ..
     } = setup().await;
     let tx = agent.tx.clone();
     h.reconcile("kv").await;
@@ -269,7 +287,7 @@ async fn prefix_cache_counters_set_the_backends_hit_rate() {
             streams: [("engine-0", 900, 1000), ("engine-1", 0, 3000)]
                 .iter()
                 .map(|(pod, hits, queries)| StreamCounters {
-                    stream: Some(descriptor(pod)),
+                    stream: Some(engines.descriptor(pod)),
                     t2_absent: true,
                     prefix_cache_hits: Some(*hits),
                     prefix_cache_queries: Some(*queries),

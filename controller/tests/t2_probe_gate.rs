@@ -1,14 +1,16 @@
 //! `ProbeT2Failed` through the CacheBackend reconciler (issue 19 item 2; spec 000
 //! "Functional-probe gate"): the controller's in-process prober with the real tier-2 prober
-//! against a real `redis-server` and LMCache's own server, driven by reconciles over the
-//! in-memory API. A tier that breaks turns `FunctionalProbeOK` and `Ready` to
+//! against a real `redis-server` and LMCache's own server, driven by reconciles of a
+//! CacheBackend on the bare real apiserver (`bare_apiserver_support`, through
+//! `reconcile_support::Harness`: a namespace per test; the harness plays the Deployment
+//! controller). A tier that breaks turns `FunctionalProbeOK` and `Ready` to
 //! False/`ProbeT2Failed` with the tier's own error in the message; the next probe after it heals
 //! turns both back; a transport-free in-process probe never reports `ProbeError`.
 //!
 //! One stand-in: cluster DNS. The reconciler publishes `status.endpoint` as the rendered
-//! Service's name (`kv-redis.ml.svc:6379`), which resolves only in a cluster, so the prober
-//! under test is wrapped to dial the local server's address instead; everything else (gate,
-//! stages, messages, conditions) is the product's.
+//! Service's name (`kv-redis.<namespace>.svc:6379`), which resolves only in a cluster, so the
+//! prober under test is wrapped to dial the local server's address instead; everything else
+//! (gate, stages, messages, conditions) is the product's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -80,7 +82,7 @@ async fn gate(cb: CacheBackend, deployment: &str, addr: String) -> Harness {
     h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
     h.reconcile("kv").await;
     h.settle_deployment(deployment, 1).await;
-    h.index.set(vec![replica("engine-0", 5, h.now_ms())]);
+    h.index.set(vec![h.replica("engine-0", 5, h.now_ms())]);
     h
 }
 
