@@ -1,5 +1,7 @@
 //! The model-cache runtime flow (spec 004 "Runtime flow" steps 1–6), one or more tests per step,
-//! against the in-memory API.
+//! against the bare real apiserver (tests/bare_apiserver_support through
+//! tests/model_cache_support): each test has its own namespaces and cache StorageClass, calls
+//! the reconcilers directly and plays the Job controller and the PV binder.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod model_cache_support;
@@ -33,23 +35,24 @@ async fn only_binding(h: &Harness) -> ModelCacheBinding {
 #[tokio::test]
 async fn step1_caching_support_off_records_none_and_no_binding() {
     let h = Setup::nvmesh()
-        .with(&regular("a", NS, "r1"))
         .flags(FeatureFlags {
             caching_support: false,
             ..FeatureFlags::default()
         })
         .build()
         .await;
-    h.ok(NS, "a").await;
-    let s = h.status(NS, "a").await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
+    let s = h.status(&ns, "a").await;
     assert_eq!(s.mode, Some(CacheMode::None));
     assert!(s.binding.is_none() && s.selection.is_none());
     assert_eq!(
-        h.cond(NS, "a", SELECTED).await,
+        h.cond(&ns, "a", SELECTED).await,
         is("True", "CachingSupportDisabled")
     );
     assert_eq!(
-        h.cond(NS, "a", READY).await,
+        h.cond(&ns, "a", READY).await,
         is("True", "NothingToProvision")
     );
     assert!(h.bindings().await.is_empty());
@@ -59,34 +62,37 @@ async fn step1_caching_support_off_records_none_and_no_binding() {
 #[tokio::test]
 async fn step1_helm_model_caching_off_gates_only_helm_requests() {
     let h = Setup::rwx()
-        .with(&helm("h", NS, &["b"]))
-        .with(&regular("r", NS, "r1"))
         .flags(FeatureFlags {
             helm_model_caching: false,
             ..FeatureFlags::default()
         })
         .build()
         .await;
-    h.ok(NS, "h").await;
-    h.ok(NS, "r").await;
-    assert_eq!(h.status(NS, "h").await.mode, Some(CacheMode::None));
+    let ns = h.ns.clone();
+    h.create_request(&helm("h", &ns, &[&h.ns_of("b")])).await;
+    h.create_request(&regular("r", &ns, "r1")).await;
+    h.ok(&ns, "h").await;
+    h.ok(&ns, "r").await;
+    assert_eq!(h.status(&ns, "h").await.mode, Some(CacheMode::None));
     assert_eq!(
-        h.cond(NS, "h", SELECTED).await,
+        h.cond(&ns, "h", SELECTED).await,
         is("True", "HelmModelCachingDisabled")
     );
-    assert_eq!(h.status(NS, "r").await.mode, Some(CacheMode::Durable));
+    assert_eq!(h.status(&ns, "r").await.mode, Some(CacheMode::Durable));
     assert_eq!(h.bindings().await.len(), 1);
 }
 
 #[tokio::test]
 async fn step1_ephemeral_requested_records_ephemeral() {
-    let mut mc = regular("e", NS, "r1");
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    let mut mc = regular("e", &ns, "r1");
     mc.spec.durability = Some(ic_shared::crd::Durability::Ephemeral);
-    let h = Setup::nvmesh().with(&mc).build().await;
-    h.ok(NS, "e").await;
-    assert_eq!(h.status(NS, "e").await.mode, Some(CacheMode::Ephemeral));
+    h.create_request(&mc).await;
+    h.ok(&ns, "e").await;
+    assert_eq!(h.status(&ns, "e").await.mode, Some(CacheMode::Ephemeral));
     assert_eq!(
-        h.cond(NS, "e", SELECTED).await,
+        h.cond(&ns, "e", SELECTED).await,
         is("True", "EphemeralRequested")
     );
     assert_eq!(h.side_effects().await, 0);
@@ -98,24 +104,25 @@ async fn step1_ephemeral_requested_records_ephemeral() {
 async fn step2_the_class_must_exist_and_retain() {
     for (class, reason) in [
         (None, "StorageClassNotFound"),
-        (
-            Some(storage_class(NVMESH, Some("Delete"))),
-            "ReclaimPolicyNotRetain",
-        ),
+        (Some(Some("Delete")), "ReclaimPolicyNotRetain"),
         // An unset reclaim policy is the API server's default, Delete.
-        (Some(storage_class(NVMESH, None)), "ReclaimPolicyNotRetain"),
+        (Some(None), "ReclaimPolicyNotRetain"),
     ] {
-        let mut setup = Setup::default()
-            .with(&catalog_cm(&catalog_text()))
-            .with(&regular("a", NS, "r1"));
-        if let Some(c) = &class {
-            setup = setup.with(c);
+        let mut setup = Setup::default().catalog(&catalog_text());
+        if let Some(reclaim) = class {
+            setup = setup.class(NVMESH, reclaim);
         }
         let h = setup.build().await;
-        h.ok(NS, "a").await;
-        let s = h.status(NS, "a").await;
+        if class == Some(None) {
+            // The apiserver defaulted it.
+            assert_eq!(h.class().await.reclaim_policy.as_deref(), Some("Delete"));
+        }
+        let ns = h.ns.clone();
+        h.create_request(&regular("a", &ns, "r1")).await;
+        h.ok(&ns, "a").await;
+        let s = h.status(&ns, "a").await;
         assert_eq!(s.mode, Some(CacheMode::Ephemeral), "{reason}");
-        assert_eq!(h.cond(NS, "a", SELECTED).await, is("True", reason));
+        assert_eq!(h.cond(&ns, "a", SELECTED).await, is("True", reason));
         assert!(h.bindings().await.is_empty());
         assert_eq!(h.side_effects().await, 0);
     }
@@ -127,32 +134,33 @@ async fn step2_no_derivable_flow_means_no_durable_cache_and_says_why() {
         {"name": NVMESH, "provider": "nvmesh", "accessModes": ["ReadWriteOnce", "ReadOnlyMany"],
          "readerMountOptions": ["ro"]}]})
     .to_string();
-    let cases: Vec<(&str, String, ic_shared::crd::ModelCache, FeatureFlags, &str)> = vec![
+    // (provisioner, catalog, helm request?, flags, reason)
+    let cases: Vec<(&str, String, bool, FeatureFlags, &str)> = vec![
         (
             "csi.weka.io",
             catalog_text(),
-            regular("a", NS, "r1"),
+            false,
             FeatureFlags::default(),
             "NoQualifiedModes",
         ),
         (
             "ebs.csi.aws.com",
             catalog_text(),
-            regular("a", NS, "r1"),
+            false,
             FeatureFlags::default(),
             "ProvisionerNotInCatalog",
         ),
         (
             NVMESH,
             no_rule,
-            helm("a", NS, &["b"]),
+            true,
             FeatureFlags::default(),
             "CrossNamespaceUnsupported",
         ),
         (
             FSS,
             catalog_text(),
-            regular("a", NS, "r1"),
+            false,
             FeatureFlags {
                 model_cache_encryption: true,
                 ..FeatureFlags::default()
@@ -160,18 +168,24 @@ async fn step2_no_derivable_flow_means_no_durable_cache_and_says_why() {
             "EncryptionUnsupported",
         ),
     ];
-    for (provisioner, catalog, mc, flags, reason) in cases {
+    for (provisioner, catalog, is_helm, flags, reason) in cases {
         let h = Setup::default()
-            .with(&catalog_cm(&catalog))
-            .with(&storage_class(provisioner, Some("Retain")))
-            .with(&mc)
+            .catalog(&catalog)
+            .class(provisioner, Some("Retain"))
             .flags(flags)
             .build()
             .await;
-        h.ok(NS, "a").await;
-        let s = h.status(NS, "a").await;
+        let ns = h.ns.clone();
+        let mc = if is_helm {
+            helm("a", &ns, &[&h.ns_of("b")])
+        } else {
+            regular("a", &ns, "r1")
+        };
+        h.create_request(&mc).await;
+        h.ok(&ns, "a").await;
+        let s = h.status(&ns, "a").await;
         assert_eq!(s.mode, Some(CacheMode::Ephemeral), "{reason}");
-        assert_eq!(h.cond(NS, "a", SELECTED).await, is("True", reason));
+        assert_eq!(h.cond(&ns, "a", SELECTED).await, is("True", reason));
         let msg = ic_shared::crd::find_condition(&s.conditions, SELECTED)
             .unwrap()
             .message
@@ -190,34 +204,29 @@ async fn step2_a_missing_or_invalid_catalog_records_nothing_and_retries() {
             r#"{"drivers": [{"name": "x", "provider": "p", "accessModes": ["ReadOnlyMany"], "readerMountOptions": []}]}"#,
         ),
     ] {
-        let mut setup = Setup::default()
-            .with(&storage_class(NVMESH, Some("Retain")))
-            .with(&regular("a", NS, "r1"));
+        let mut setup = Setup::default().class(NVMESH, Some("Retain"));
         if let Some(text) = catalog {
-            setup = setup.with(&catalog_cm(text));
+            setup = setup.catalog(text);
         }
         let h = setup.build().await;
-        let action = h.ok(NS, "a").await;
+        let ns = h.ns.clone();
+        h.create_request(&regular("a", &ns, "r1")).await;
+        let action = h.ok(&ns, "a").await;
         assert_ne!(action, kube::runtime::controller::Action::await_change());
-        let s = h.status(NS, "a").await;
+        let s = h.status(&ns, "a").await;
         assert_eq!(s.mode, None, "nothing is recorded on a broken catalog");
         assert_eq!(
-            h.cond(NS, "a", SELECTED).await,
+            h.cond(&ns, "a", SELECTED).await,
             is("False", "CatalogInvalid")
         );
         assert!(h.bindings().await.is_empty());
         // Fixing the catalog lets the same request go on.
         match catalog {
-            None => {
-                Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(h.client.clone(), CAT_NS)
-                    .create(&Default::default(), &catalog_cm(&catalog_text()))
-                    .await
-                    .unwrap();
-            }
+            None => h.create_catalog(&catalog_text()).await,
             Some(_) => h.set_catalog(&catalog_text()).await,
         }
-        h.ok(NS, "a").await;
-        assert_eq!(h.status(NS, "a").await.mode, Some(CacheMode::Durable));
+        h.ok(&ns, "a").await;
+        assert_eq!(h.status(&ns, "a").await.mode, Some(CacheMode::Durable));
     }
 }
 
@@ -225,14 +234,13 @@ async fn step2_a_missing_or_invalid_catalog_records_nothing_and_retries() {
 
 #[tokio::test]
 async fn step3_one_binding_per_identity_joined_by_every_request() {
-    let h = Setup::nvmesh()
-        .with(&regular("a", NS, "r1"))
-        .with(&regular("b", NS, "r1"))
-        .with(&regular("c", NS, "r2"))
-        .build()
-        .await;
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    for (n, rev) in [("a", "r1"), ("b", "r1"), ("c", "r2")] {
+        h.create_request(&regular(n, &ns, rev)).await;
+    }
     for n in ["a", "b", "c"] {
-        h.ok(NS, n).await;
+        h.ok(&ns, n).await;
     }
     let all = h.bindings().await;
     assert_eq!(
@@ -240,9 +248,9 @@ async fn step3_one_binding_per_identity_joined_by_every_request() {
         2,
         "same source+revision share, another revision does not"
     );
-    let a = h.status(NS, "a").await.binding.unwrap();
-    let b = h.status(NS, "b").await.binding.unwrap();
-    let c = h.status(NS, "c").await.binding.unwrap();
+    let a = h.status(&ns, "a").await.binding.unwrap();
+    let b = h.status(&ns, "b").await.binding.unwrap();
+    let c = h.status(&ns, "c").await.binding.unwrap();
     assert_eq!(a, b);
     assert_ne!(a.name, c.name);
     let shared = h.binding(&a.name).await.unwrap();
@@ -253,9 +261,9 @@ async fn step3_one_binding_per_identity_joined_by_every_request() {
         .map(|r| r.name.as_str())
         .collect();
     assert_eq!(refs, vec!["a", "b"]);
-    assert_eq!(shared.references()[0].uid, format!("uid-{NS}-a"));
+    assert_eq!(shared.references()[0].uid, h.uid(&ns, "a").await);
     // Identity, finalizer, label, decision, class.
-    let mc = h.request(NS, "a").await;
+    let mc = h.request(&ns, "a").await;
     let identity = names::identity_for(&mc);
     assert_eq!(shared.spec.identity, identity);
     assert_eq!(a.name, names::binding_name(&identity, 1));
@@ -273,34 +281,41 @@ async fn step3_one_binding_per_identity_joined_by_every_request() {
         shared.spec.decision.access_modes,
         vec![AccessMode::ReadWriteOnce, AccessMode::ReadOnlyMany]
     );
-    assert_eq!(shared.spec.storage_class.name, SC);
-    assert_eq!(shared.spec.storage_class.uid, "sc-uid-1");
+    assert_eq!(shared.spec.storage_class.name, h.sc);
+    assert_eq!(
+        Some(shared.spec.storage_class.uid.clone()),
+        h.class().await.metadata.uid
+    );
     assert_eq!(shared.phase(), BindingPhase::Active);
 }
 
 #[tokio::test]
 async fn step3_a_retiring_binding_is_never_joined() {
-    let mc = regular("a", NS, "r1");
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    let mc = regular("a", &ns, "r1");
     let identity = names::identity_for(&mc);
     let old_name = names::binding_name(&identity, 1);
+    let sc_uid = h.class().await.metadata.uid.unwrap();
     let retiring: ModelCacheBinding = serde_json::from_value(json!({
         "apiVersion": "inferencecache.io/v1alpha1", "kind": "ModelCacheBinding",
-        "metadata": {"name": old_name, "namespace": CTL, "uid": "old-uid",
+        "metadata": {"name": old_name, "namespace": h.ctl,
                      "labels": {annotations::IDENTITY_LABEL: names::identity_label(&identity)},
                      "finalizers": [annotations::BINDING_FINALIZER]},
         "spec": {"identity": identity, "decision": {"provider": "nvmesh", "provisioner": NVMESH,
                  "flow": "roxReadOnly", "accessModes": ["ReadWriteOnce", "ReadOnlyMany"],
                  "catalogProfileDigest": "x"},
-                 "storageClass": {"name": SC, "uid": "sc-uid-1", "reclaimPolicy": "Retain", "configurationDigest": "y"},
+                 "storageClass": {"name": h.sc, "uid": sc_uid, "reclaimPolicy": "Retain", "configurationDigest": "y"},
                  "resources": {}},
         "status": {"phase": "Retiring"}
     }))
     .unwrap();
-    let h = Setup::nvmesh().with(&mc).with(&retiring).build().await;
-    h.ok(NS, "a").await;
-    let bound = h.status(NS, "a").await.binding.unwrap();
+    let old_uid = h.create(&retiring).await.metadata.uid.unwrap();
+    h.create_request(&mc).await;
+    h.ok(&ns, "a").await;
+    let bound = h.status(&ns, "a").await.binding.unwrap();
     assert_eq!(bound.name, names::binding_name(&identity, 2));
-    assert_ne!(bound.uid, "old-uid");
+    assert_ne!(bound.uid, old_uid);
     let old = h.binding(&old_name).await.unwrap();
     assert!(
         old.references().is_empty(),
@@ -313,30 +328,39 @@ async fn step3_a_retiring_binding_is_never_joined() {
 
 #[tokio::test]
 async fn step4_reference_and_binding_are_persisted_before_any_storage_side_effect() {
-    let h = Setup::nvmesh().with(&regular("a", NS, "r1")).build().await;
-    h.ok(NS, "a").await;
-    let log = h.calls.log();
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
+    let log = h.faults.calls();
     let first_storage = log
         .iter()
-        .position(|l| {
-            [
-                "create Lease",
-                "create PersistentVolumeClaim",
-                "create Job",
-                "create PersistentVolume",
-                "create Secret",
-                "create StorageClass",
-            ]
-            .iter()
-            .any(|p| l.starts_with(p))
+        .position(|c| {
+            c.method == "POST"
+                && [
+                    "leases",
+                    "persistentvolumeclaims",
+                    "jobs",
+                    "persistentvolumes",
+                    "secrets",
+                    "storageclasses",
+                ]
+                .iter()
+                .any(|r| c.path.ends_with(&format!("/{r}")))
         })
         .unwrap_or_else(|| panic!("no storage side effect in {log:#?}"));
-    let created = h.calls.first("create ModelCacheBinding").unwrap();
-    let referenced = h.calls.first("status ModelCacheBinding").unwrap();
+    let created = log
+        .iter()
+        .position(|c| c.is("POST", "/modelcachebindings"))
+        .unwrap();
+    let referenced = log
+        .iter()
+        .position(|c| c.method == "PUT" && c.has("modelcachebindings") && c.path.ends_with("/status"))
+        .unwrap();
     let recorded = log
         .iter()
         .enumerate()
-        .filter(|(_, l)| l.as_str() == "status a")
+        .filter(|(_, c)| c.is("PATCH", "/modelcaches/a/status"))
         .map(|(i, _)| i)
         .find(|i| *i > referenced)
         .unwrap_or_else(|| panic!("request status not written after the reference: {log:#?}"));
@@ -346,7 +370,7 @@ async fn step4_reference_and_binding_are_persisted_before_any_storage_side_effec
     );
     // The request's record is exactly the binding's name and UID.
     let b = only_binding(&h).await;
-    let s = h.status(NS, "a").await;
+    let s = h.status(&ns, "a").await;
     assert_eq!(
         s.binding.as_ref().unwrap().name,
         b.metadata.name.clone().unwrap()
@@ -363,46 +387,45 @@ async fn step4_reference_and_binding_are_persisted_before_any_storage_side_effec
 
 #[tokio::test]
 async fn step5_one_writer_then_readers_derived_from_its_volume() {
-    let h = Setup::nvmesh()
-        .with(&regular("a", NS, "r1"))
-        .with(&regular("b", NS, "r1"))
-        .build()
-        .await;
-    h.ok(NS, "a").await;
-    h.ok(NS, "b").await;
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    h.create_request(&regular("b", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
+    h.ok(&ns, "b").await;
     let b = only_binding(&h).await;
     let bname = b.metadata.name.clone().unwrap();
     let wname = names::writer_name(&bname);
     // One Lease held by the first request, one writer claim and Job, in the request namespace.
-    let lease = Api::<Lease>::namespaced(h.client.clone(), CTL)
+    let lease = Api::<Lease>::namespaced(h.client.clone(), &h.ctl)
         .get(&wname)
         .await
         .unwrap();
     assert_eq!(
-        lease.spec.unwrap().holder_identity.as_deref(),
-        Some(format!("uid-{NS}-a").as_str())
+        lease.spec.unwrap().holder_identity,
+        Some(h.uid(&ns, "a").await)
     );
     assert_eq!(h.names::<Job>(None).await, vec![wname.clone()]);
-    assert_eq!(h.cond(NS, "a", READY).await, is("False", "WriterRunning"));
+    assert_eq!(h.cond(&ns, "a", READY).await, is("False", "WriterRunning"));
     assert_eq!(
-        h.cond(NS, "b", READY).await,
+        h.cond(&ns, "b", READY).await,
         is("False", "WriterRunning"),
         "b waits for the Job a's election created"
     );
-    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
+    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &ns)
         .get(&wname)
         .await
         .unwrap();
     let cs = claim.spec.clone().unwrap();
     assert_eq!(cs.access_modes, Some(vec!["ReadWriteOnce".to_string()]));
-    assert_eq!(cs.storage_class_name.as_deref(), Some(SC));
+    assert_eq!(cs.storage_class_name.as_deref(), Some(h.sc.as_str()));
     assert_eq!(cs.resources.unwrap().requests.unwrap()["storage"].0, "40Gi");
     assert_eq!(
         labels_of(&claim.metadata).get(annotations::BINDING_LABEL),
         Some(&bname)
     );
     // The writer Job mounts the claim read-write and knows what to fetch.
-    let job = Api::<Job>::namespaced(h.client.clone(), NS)
+    let job = Api::<Job>::namespaced(h.client.clone(), &ns)
         .get(&wname)
         .await
         .unwrap();
@@ -431,17 +454,17 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     // No reader before the writer finished.
     assert!(h.names::<PersistentVolume>(None).await.is_empty());
 
-    h.complete_writer(&b, NVMESH, &format!("nvmesh/{NS}/vol-1"))
+    h.complete_writer(&b, NVMESH, &format!("nvmesh/{ns}/vol-1"))
         .await;
-    h.ok(NS, "a").await;
-    h.ok(NS, "b").await;
+    h.ok_binding_readers(&ns, "a").await;
+    h.ok_binding_readers(&ns, "b").await;
     let b = only_binding(&h).await;
     assert_eq!(
-        b.status.as_ref().unwrap().writer_volume_name.as_deref(),
-        Some(format!("pvc-{bname}").as_str())
+        b.status.as_ref().unwrap().writer_volume_name,
+        Some(h.writer_pv(&bname))
     );
     // Reader PV: a static copy of the writer's PV.
-    let pv_name = names::reader_pv(&bname, NS);
+    let pv_name = names::reader_pv(&bname, &ns);
     let pv = Api::<PersistentVolume>::all(h.client.clone())
         .get(&pv_name)
         .await
@@ -452,7 +475,7 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     assert_eq!(csi.read_only, Some(true));
     assert_eq!(
         csi.volume_handle,
-        format!("nvmesh/{NS}/vol-1"),
+        format!("nvmesh/{ns}/vol-1"),
         "same namespace: handle unchanged"
     );
     assert_eq!(csi.fs_type.as_deref(), Some("xfs"));
@@ -468,7 +491,7 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     let cref = spec.claim_ref.unwrap();
     assert_eq!(
         (cref.namespace.as_deref(), cref.name.as_deref()),
-        (Some(NS), Some(names::reader_claim(&bname).as_str()))
+        (Some(ns.as_str()), Some(names::reader_claim(&bname).as_str()))
     );
     assert!(!pv
         .metadata
@@ -476,7 +499,7 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
         .unwrap()
         .contains_key("pv.kubernetes.io/provisioned-by"));
     // Reader claim pre-bound by name.
-    let rc = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
+    let rc = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &ns)
         .get(&names::reader_claim(&bname))
         .await
         .unwrap()
@@ -486,13 +509,13 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     assert_eq!(rc.storage_class_name.as_deref(), Some(""));
     assert_eq!(rc.access_modes, Some(vec!["ReadOnlyMany".to_string()]));
     for n in ["a", "b"] {
-        let s = h.status(NS, n).await;
-        assert_eq!(h.cond(NS, n, READY).await, is("True", "ReadersReady"));
+        let s = h.status(&ns, n).await;
+        assert_eq!(h.cond(&ns, n, READY).await, is("True", "ReadersReady"));
         assert_eq!(
             s.reader_claim.as_deref(),
             Some(names::reader_claim(&bname).as_str())
         );
-        assert_eq!(s.reader_namespaces, vec![NS.to_string()]);
+        assert_eq!(s.reader_namespaces, vec![ns.clone()]);
     }
     // Still one writer Job, one reader PV for the namespace.
     assert_eq!(h.names::<Job>(None).await.len(), 1);
@@ -501,54 +524,55 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
 
 #[tokio::test]
 async fn step5_the_lease_passes_on_when_an_elected_writer_never_starts() {
-    let mut broken = regular("a", NS, "r1");
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    let mut broken = regular("a", &ns, "r1");
     broken.spec.writer.template = json!({"spec": {"containers": []}});
-    let h = Setup::nvmesh()
-        .with(&broken)
-        .with(&regular("b", NS, "r1"))
-        .build()
-        .await;
-    h.ok(NS, "a").await;
+    h.create_request(&broken).await;
+    h.create_request(&regular("b", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
     assert_eq!(
-        h.cond(NS, "a", READY).await,
+        h.cond(&ns, "a", READY).await,
         is("False", "WriterTemplateInvalid")
     );
-    h.ok(NS, "b").await;
+    h.ok(&ns, "b").await;
     assert_eq!(
-        h.cond(NS, "b", READY).await,
+        h.cond(&ns, "b", READY).await,
         is("False", "WriterElectedElsewhere")
     );
     assert!(h.names::<Job>(None).await.is_empty());
     h.clock.advance(Duration::from_secs(601));
-    h.ok(NS, "b").await;
-    assert_eq!(h.cond(NS, "b", READY).await, is("False", "WriterRunning"));
+    h.ok(&ns, "b").await;
+    assert_eq!(h.cond(&ns, "b", READY).await, is("False", "WriterRunning"));
     let bname = only_binding(&h).await.metadata.name.unwrap();
-    let lease = Api::<Lease>::namespaced(h.client.clone(), CTL)
+    let lease = Api::<Lease>::namespaced(h.client.clone(), &h.ctl)
         .get(&names::writer_name(&bname))
         .await
         .unwrap()
         .spec
         .unwrap();
-    assert_eq!(
-        lease.holder_identity.as_deref(),
-        Some(format!("uid-{NS}-b").as_str())
-    );
+    assert_eq!(lease.holder_identity, Some(h.uid(&ns, "b").await));
     assert_eq!(lease.lease_transitions, Some(1));
-    assert_eq!(h.names::<Job>(Some(NS)).await.len(), 1);
+    assert_eq!(h.names::<Job>(Some(&ns)).await.len(), 1);
 }
 
 #[tokio::test]
 async fn step5_helm_readers_in_other_namespaces_get_rewritten_handles() {
-    let h = Setup::nvmesh()
-        .with(&helm("h1", NS, &["ns-b", "ns-c"]))
-        .with(&helm("h2", "team-z", &["ns-c", "ns-d"]))
-        .build()
-        .await;
-    h.ok(NS, "h1").await;
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    let (z, nb, nc, nd) = (
+        h.ns_of("team-z"),
+        h.ns_of("ns-b"),
+        h.ns_of("ns-c"),
+        h.ns_of("ns-d"),
+    );
+    h.create_request(&helm("h1", &ns, &[&nb, &nc])).await;
+    h.create_request(&helm("h2", &z, &[&nc, &nd])).await;
+    h.ok(&ns, "h1").await;
     let b = only_binding(&h).await;
     let bname = b.metadata.name.clone().unwrap();
     // The writer runs in the control namespace with the writer service account.
-    let job = Api::<Job>::namespaced(h.client.clone(), CTL)
+    let job = Api::<Job>::namespaced(h.client.clone(), &h.ctl)
         .get(&names::writer_name(&bname))
         .await
         .unwrap();
@@ -560,10 +584,10 @@ async fn step5_helm_readers_in_other_namespaces_get_rewritten_handles() {
         .spec
         .resources
         .persistent_volumes
-        .contains(&names::reader_pv(&bname, "ns-b")));
+        .contains(&names::reader_pv(&bname, &nb)));
     // The second request (same sharing domain "org", another namespace) joins; its new reader
     // namespace is recorded on the binding before anything is created there.
-    h.ok("team-z", "h2").await;
+    h.ok(&z, "h2").await;
     let b = only_binding(&h).await;
     assert_eq!(b.references().len(), 2);
     let extra = b
@@ -573,47 +597,48 @@ async fn step5_helm_readers_in_other_namespaces_get_rewritten_handles() {
         .additional_resources
         .clone()
         .unwrap();
-    assert_eq!(
-        extra.persistent_volumes,
-        vec![names::reader_pv(&bname, "ns-d")]
-    );
+    assert_eq!(extra.persistent_volumes, vec![names::reader_pv(&bname, &nd)]);
     assert_eq!(
         extra.persistent_volume_claims,
-        vec![NamespacedName::new("ns-d", names::reader_claim(&bname))]
+        vec![NamespacedName::new(nd.as_str(), names::reader_claim(&bname))]
     );
-    h.complete_writer(&b, NVMESH, &format!("nvmesh/{CTL}/vol-7"))
+    h.complete_writer(&b, NVMESH, &format!("nvmesh/{}/vol-7", h.ctl))
         .await;
-    h.ok(NS, "h1").await;
-    h.ok("team-z", "h2").await;
-    for ns in ["ns-b", "ns-c", "ns-d"] {
+    h.ok_binding_readers(&ns, "h1").await;
+    h.ok_binding_readers(&z, "h2").await;
+    for rns in [&nb, &nc, &nd] {
         let pv = Api::<PersistentVolume>::all(h.client.clone())
-            .get(&names::reader_pv(&bname, ns))
+            .get(&names::reader_pv(&bname, rns))
             .await
             .unwrap();
         assert_eq!(
             pv.spec.unwrap().csi.unwrap().volume_handle,
-            format!("nvmesh/{ns}/vol-7")
+            format!("nvmesh/{rns}/vol-7")
         );
-        Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), ns)
+        Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), rns)
             .get(&names::reader_claim(&bname))
             .await
             .unwrap();
     }
     assert_eq!(
-        h.status("team-z", "h2").await.reader_namespaces,
-        vec!["ns-c", "ns-d"]
+        h.status(&z, "h2").await.reader_namespaces,
+        vec![nc.clone(), nd.clone()]
     );
-    assert_eq!(h.cond(NS, "h1", READY).await, is("True", "ReadersReady"));
+    assert_eq!(h.cond(&ns, "h1", READY).await, is("True", "ReadersReady"));
+    assert_eq!(h.cond(&z, "h2", READY).await, is("True", "ReadersReady"));
 }
 
 #[tokio::test]
 async fn step5_rwx_flow_shares_the_handle_across_namespaces() {
-    let h = Setup::rwx().with(&helm("h", NS, &["ns-b"])).build().await;
-    h.ok(NS, "h").await;
+    let h = Setup::rwx().build().await;
+    let ns = h.ns.clone();
+    let nb = h.ns_of("ns-b");
+    h.create_request(&helm("h", &ns, &[&nb])).await;
+    h.ok(&ns, "h").await;
     let b = only_binding(&h).await;
     let bname = b.metadata.name.clone().unwrap();
     assert_eq!(b.spec.decision.flow, Flow::RwxReadOnly);
-    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), CTL)
+    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &h.ctl)
         .get(&names::writer_name(&bname))
         .await
         .unwrap();
@@ -623,9 +648,10 @@ async fn step5_rwx_flow_shares_the_handle_across_namespaces() {
     );
     h.complete_writer(&b, FSS, "ocid1.filesystem.oc1..x:10.0.0.5:/export")
         .await;
-    h.ok(NS, "h").await;
+    h.ok_binding_readers(&ns, "h").await;
+    assert_eq!(h.cond(&ns, "h", READY).await, is("True", "ReadersReady"));
     let pv = Api::<PersistentVolume>::all(h.client.clone())
-        .get(&names::reader_pv(&bname, "ns-b"))
+        .get(&names::reader_pv(&bname, &nb))
         .await
         .unwrap()
         .spec
@@ -642,26 +668,27 @@ async fn step5_rwx_flow_shares_the_handle_across_namespaces() {
 #[tokio::test]
 async fn step5_an_encrypted_cache_owns_its_key_and_class() {
     let h = Setup::nvmesh()
-        .with(&regular("a", NS, "r1"))
         .flags(FeatureFlags {
             model_cache_encryption: true,
             ..FeatureFlags::default()
         })
         .build()
         .await;
-    h.ok(NS, "a").await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
     let b = only_binding(&h).await;
     let bname = b.metadata.name.clone().unwrap();
     assert!(b.spec.decision.encrypted);
     assert_eq!(
         b.spec.resources.secrets,
-        vec![NamespacedName::new(CTL, names::key_secret(&bname))]
+        vec![NamespacedName::new(h.ctl.as_str(), names::key_secret(&bname))]
     );
     assert_eq!(
         b.spec.resources.storage_classes,
         vec![names::encrypted_class(&bname)]
     );
-    let secret = Api::<Secret>::namespaced(h.client.clone(), CTL)
+    let secret = Api::<Secret>::namespaced(h.client.clone(), &h.ctl)
         .get(&names::key_secret(&bname))
         .await
         .unwrap();
@@ -680,7 +707,7 @@ async fn step5_an_encrypted_cache_owns_its_key_and_class() {
         "the base class's parameters are kept"
     );
     assert_eq!(sc.reclaim_policy.as_deref(), Some("Retain"));
-    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), NS)
+    let claim = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &ns)
         .get(&names::writer_name(&bname))
         .await
         .unwrap();
@@ -694,44 +721,32 @@ async fn step5_an_encrypted_cache_owns_its_key_and_class() {
 
 #[tokio::test]
 async fn step6_catalog_flag_and_class_changes_after_binding_never_alter_it() {
-    let h = Setup::nvmesh().with(&regular("a", NS, "r1")).build().await;
-    h.ok(NS, "a").await;
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    h.ok(&ns, "a").await;
     let before = only_binding(&h).await;
-    h.complete_writer(&before, NVMESH, &format!("nvmesh/{NS}/vol-1"))
+    h.complete_writer(&before, NVMESH, &format!("nvmesh/{ns}/vol-1"))
         .await;
     // Everything changes after the binding exists: the catalog drops NVMesh's options and
     // qualifies another driver, the class is replaced, caching is switched off.
     h.set_catalog(&json!({"drivers": [{"name": FSS, "provider": "oci-fss", "accessModes": ["ReadWriteMany"], "readerMountOptions": []}]}).to_string()).await;
     h.replace_class(FSS, "Retain").await;
-    let h2 = {
-        // Same API, flags now off.
-        let mut cfg = h.ctx.config.clone();
-        cfg.flags = FeatureFlags {
-            caching_support: false,
-            helm_model_caching: false,
-            model_cache_encryption: true,
-        };
-        model_cache_support::Harness {
-            client: h.client.clone(),
-            ctx: std::sync::Arc::new(ic_controller::reconcile::model_cache::Context::new(
-                h.client.clone(),
-                cfg,
-                h.clock.clone(),
-                std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
-            )),
-            clock: h.clock.clone(),
-            calls: h.calls.clone(),
-        }
-    };
-    h2.ok(NS, "a").await;
+    // Same API, flags now off.
+    let h2 = h.with_flags(FeatureFlags {
+        caching_support: false,
+        helm_model_caching: false,
+        model_cache_encryption: true,
+    });
+    h2.ok_binding_readers(&ns, "a").await;
     let after = only_binding(&h2).await;
     assert_eq!(after.spec, before.spec, "the binding's spec never changes");
-    assert_eq!(h2.status(NS, "a").await.mode, Some(CacheMode::Durable));
-    assert_eq!(h2.cond(NS, "a", READY).await, is("True", "ReadersReady"));
+    assert_eq!(h2.status(&ns, "a").await.mode, Some(CacheMode::Durable));
+    assert_eq!(h2.cond(&ns, "a", READY).await, is("True", "ReadersReady"));
     // Readers follow the recorded decision, not the edited catalog.
     let bname = after.metadata.name.clone().unwrap();
     let pv = Api::<PersistentVolume>::all(h.client.clone())
-        .get(&names::reader_pv(&bname, NS))
+        .get(&names::reader_pv(&bname, &ns))
         .await
         .unwrap();
     assert_eq!(
@@ -742,36 +757,29 @@ async fn step6_catalog_flag_and_class_changes_after_binding_never_alter_it() {
 
 #[tokio::test]
 async fn step6_a_replaced_class_stops_provisioning_instead_of_switching() {
-    // The binding exists and references the request, but no writer claim yet; then the class
-    // is replaced (new UID, another provisioner).
-    let h = Setup::nvmesh()
-        .with(&regular("a", NS, "r1"))
-        .intercept(|calls| {
-            let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-            model_cache_support::recording(calls).create(move |ctx| {
-                let kind = ctx
-                    .object
-                    .get("kind")
-                    .and_then(|k| k.as_str())
-                    .unwrap_or("");
-                if kind == "Lease" && fail.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                    return Err(server_error());
-                }
-                Ok(None)
-            })
-        })
-        .build()
-        .await;
+    // The binding exists and references the request, but no writer claim yet (the Lease create
+    // failed transiently); then the class is replaced (new UID, another provisioner).
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    h.faults.rule(move |c| {
+        if c.is("POST", "/leases") && fail.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            server_error()
+        } else {
+            Step::Pass
+        }
+    });
     assert!(
-        h.reconcile(NS, "a").await.is_err(),
+        h.reconcile(&ns, "a").await.is_err(),
         "the Lease create failed transiently"
     );
     let before = only_binding(&h).await;
-    assert_eq!(h.status(NS, "a").await.mode, Some(CacheMode::Durable));
+    assert_eq!(h.status(&ns, "a").await.mode, Some(CacheMode::Durable));
     h.replace_class(FSS, "Retain").await;
-    h.ok(NS, "a").await;
+    h.ok(&ns, "a").await;
     assert_eq!(
-        h.cond(NS, "a", READY).await,
+        h.cond(&ns, "a", READY).await,
         is("False", "StorageClassChanged")
     );
     assert!(
@@ -794,28 +802,30 @@ async fn step5_the_shipped_catalog_crosses_namespaces_on_nvmesh() {
     )
     .unwrap();
     let h = Setup::default()
-        .with(&catalog_cm(&shipped))
-        .with(&storage_class(NVMESH, Some("Retain")))
-        .with(&helm("h", NS, &["ns-b", "ns-c"]))
+        .catalog(&shipped)
+        .class(NVMESH, Some("Retain"))
         .build()
         .await;
-    h.ok(NS, "h").await;
-    assert_eq!(h.status(NS, "h").await.mode, Some(CacheMode::Durable));
+    let ns = h.ns.clone();
+    let (nb, nc) = (h.ns_of("ns-b"), h.ns_of("ns-c"));
+    h.create_request(&helm("h", &ns, &[&nb, &nc])).await;
+    h.ok(&ns, "h").await;
+    assert_eq!(h.status(&ns, "h").await.mode, Some(CacheMode::Durable));
     let b = only_binding(&h).await;
     assert_eq!(b.spec.decision.flow, Flow::RoxReadOnly);
     let bname = b.metadata.name.clone().unwrap();
-    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{CTL}"))
+    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{}", h.ctl))
         .await;
-    h.ok(NS, "h").await;
-    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
-    for ns in ["ns-b", "ns-c"] {
+    h.ok_binding_readers(&ns, "h").await;
+    assert_eq!(h.cond(&ns, "h", READY).await, is("True", "ReadersReady"));
+    for rns in [&nb, &nc] {
         let pv = Api::<PersistentVolume>::all(h.client.clone())
-            .get(&names::reader_pv(&bname, ns))
+            .get(&names::reader_pv(&bname, rns))
             .await
             .unwrap();
         assert_eq!(
             pv.spec.unwrap().csi.unwrap().volume_handle,
-            format!("zone-a:csi-0d3f9a:xfs:{ns}")
+            format!("zone-a:csi-0d3f9a:xfs:{rns}")
         );
     }
 }
@@ -823,7 +833,8 @@ async fn step5_the_shipped_catalog_crosses_namespaces_on_nvmesh() {
 /// A reader claim that is not Bound (recreated while its Retain reader volume still names the
 /// deleted claim, so the binder never binds it) makes Ready False / ReaderClaimPending: pods are
 /// wired by Ready, and a claim that never binds would leave them Pending with nothing pointing
-/// at the cache. Bound again, Ready is True again.
+/// at the cache. Bound again, Ready is True again. On the real apiserver every new claim reads
+/// `Pending` until the binder binds it: the first pass after the writer finished already waits.
 #[tokio::test]
 async fn a_reader_claim_that_is_not_bound_holds_ready() {
     let shipped = std::fs::read_to_string(
@@ -831,19 +842,28 @@ async fn a_reader_claim_that_is_not_bound_holds_ready() {
     )
     .unwrap();
     let h = Setup::default()
-        .with(&catalog_cm(&shipped))
-        .with(&storage_class(NVMESH, Some("Retain")))
-        .with(&helm("h", NS, &["ns-b"]))
+        .catalog(&shipped)
+        .class(NVMESH, Some("Retain"))
         .build()
         .await;
-    h.ok(NS, "h").await;
+    let ns = h.ns.clone();
+    let nb = h.ns_of("ns-b");
+    h.create_request(&helm("h", &ns, &[&nb])).await;
+    h.ok(&ns, "h").await;
     let b = only_binding(&h).await;
     let bname = b.metadata.name.clone().unwrap();
-    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{CTL}"))
+    h.complete_writer(&b, NVMESH, &format!("zone-a:csi-0d3f9a:xfs:{}", h.ctl))
         .await;
-    h.ok(NS, "h").await;
-    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
-    let claims = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), "ns-b");
+    // The claim just created reads Pending (the apiserver's default phase).
+    h.ok(&ns, "h").await;
+    assert_eq!(
+        h.cond(&ns, "h", READY).await,
+        is("False", "ReaderClaimPending")
+    );
+    assert_eq!(h.bind_readers().await, 1);
+    h.ok(&ns, "h").await;
+    assert_eq!(h.cond(&ns, "h", READY).await, is("True", "ReadersReady"));
+    let claims = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &nb);
     let set_phase = |phase: &'static str| {
         let claims = claims.clone();
         let name = names::reader_claim(&bname);
@@ -859,12 +879,12 @@ async fn a_reader_claim_that_is_not_bound_holds_ready() {
         }
     };
     set_phase("Pending").await;
-    h.ok(NS, "h").await;
+    h.ok(&ns, "h").await;
     assert_eq!(
-        h.cond(NS, "h", READY).await,
+        h.cond(&ns, "h", READY).await,
         is("False", "ReaderClaimPending")
     );
     set_phase("Bound").await;
-    h.ok(NS, "h").await;
-    assert_eq!(h.cond(NS, "h", READY).await, is("True", "ReadersReady"));
+    h.ok(&ns, "h").await;
+    assert_eq!(h.cond(&ns, "h", READY).await, is("True", "ReadersReady"));
 }
