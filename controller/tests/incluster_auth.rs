@@ -1,16 +1,20 @@
 //! Agent authentication: over a real loopback gRPC connection with the fake verifier (a token
 //! for node A cannot open a stream as node B; missing, unknown and foreign tokens are refused
-//! with a clear status), the TokenReview cache, and the TokenReview verifier against the
-//! in-memory API (an interceptor answers `tokenreviews` create as an API server would).
+//! with a clear status), the TokenReview cache, and the TokenReview verifier against the bare
+//! real apiserver (tests/bare_apiserver_support/): TokenRequest tokens bound to real pods on
+//! real Nodes, reviewed by the apiserver's own TokenReview.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod bare_apiserver_support;
+mod incluster_support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use bare_apiserver_support::{unique, BareCluster, Faults};
 use ic_controller::ingest::auth::{
     AgentAuthenticator, CachingVerifier, FakeTokenVerifier, KubeTokenVerifier, ServiceAccountRef,
-    TokenVerifier, VerifyError,
+    TokenVerifier, VerifyError, EXTRA_NODE_NAME, EXTRA_POD_NAME,
 };
 use ic_controller::ingest::AgentIngest;
 use ic_controller::state::{LookupPolicy, Shared};
@@ -18,8 +22,9 @@ use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient,
     agent_service_server::AgentServiceServer, AgentMessage,
 };
+use incluster_support::{node, pod, service_account, token, AUDIENCE};
 use k8s_openapi::api::core::v1::Pod;
-use kube_fake_client::{interceptor, ClientBuilder};
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -217,108 +222,118 @@ async fn token_reviews_are_cached_for_their_ttl() {
     assert!(cache.verify("token-b", "inference-cache").await.is_ok());
 }
 
-/// An API server's TokenReview answers, keyed by token.
-fn review_answer(token: &str) -> serde_json::Value {
-    let sa_user = |extra: serde_json::Value| {
-        json!({
-            "username": "system:serviceaccount:inference-cache:inference-cache-agent",
-            "uid": "sa-uid",
-            "groups": ["system:serviceaccounts", "system:serviceaccounts:inference-cache"],
-            "extra": extra,
-        })
-    };
-    match token {
-        "bound-a" => json!({
-            "authenticated": true,
-            "audiences": ["inference-cache"],
-            "user": sa_user(json!({
-                "authentication.kubernetes.io/node-name": ["node-a"],
-                "authentication.kubernetes.io/pod-name": ["agent-xyz"],
-            })),
-        }),
-        "no-node-extra" => json!({
-            "authenticated": true,
-            "audiences": ["inference-cache"],
-            "user": sa_user(json!({
-                "authentication.kubernetes.io/pod-name": ["agent-old"],
-                "authentication.kubernetes.io/pod-uid": ["pod-uid-old"],
-            })),
-        }),
-        "api-audience" => json!({"authenticated": true, "user": sa_user(json!({}))}),
-        _ => {
-            json!({"authenticated": false, "error": "[invalid bearer token, square/go-jose: error in cryptographic primitive]"})
-        }
-    }
-}
-
 #[tokio::test]
-async fn token_review_verifier_against_the_in_memory_api() {
-    let reviews = Arc::new(AtomicUsize::new(0));
-    let seen = reviews.clone();
-    let agent_pod: Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "agent-old", "namespace": "inference-cache", "uid": "pod-uid-old"},
-        "spec": {"nodeName": "node-c", "containers": [{"name": "agent", "image": "ic-agent"}]},
-    }))
-    .unwrap();
-    let client = ClientBuilder::new()
-        .with_object(agent_pod)
-        .with_interceptor_funcs(interceptor::Funcs::new().create(move |ctx| {
-            if ctx.object.get("kind").and_then(|k| k.as_str()) != Some("TokenReview") {
-                return Ok(None);
-            }
-            seen.fetch_add(1, Ordering::SeqCst);
-            // The controller asks for our audience.
-            assert_eq!(ctx.object["spec"]["audiences"], json!(["inference-cache"]));
-            let token = ctx.object["spec"]["token"].as_str().unwrap_or_default();
-            let mut out = ctx.object.clone();
-            out["status"] = review_answer(token);
-            Ok(Some(out))
-        }))
-        .build()
+async fn token_review_verifier_against_the_real_apiserver() {
+    let bare = BareCluster::get().await;
+    let ns = bare.namespace("agent-auth").await;
+    let agent = "inference-cache-agent";
+    service_account(&bare, &ns, agent).await;
+    let node_a = unique("node-a");
+    let node_b = unique("node-b");
+    let node_c = unique("node-c");
+    node(&bare, &node_a).await;
+
+    // A token bound to an agent pod on node A: the apiserver puts the node into the token.
+    let agent_pod = pod(&bare, &ns, "agent-xyz", agent, Some(&node_a)).await;
+    let bound_a = token(&bare, &ns, agent, Some(&[AUDIENCE]), Some(&agent_pod)).await;
+    // A token bound to a pod before it had a node (no node-name extra, as from apiservers before
+    // 1.30), then scheduled onto node C (the binding subresource, as the scheduler does).
+    let old_pod = pod(&bare, &ns, "agent-old", agent, None).await;
+    let no_node_extra = token(&bare, &ns, agent, Some(&[AUDIENCE]), Some(&old_pod)).await;
+    let pods = Api::<Pod>::namespaced(bare.admin.clone(), &ns);
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "agent-old"},
+                         "target": {"apiVersion": "v1", "kind": "Node", "name": node_c}});
+    let _: serde_json::Value = pods
+        .create_subresource("binding", "agent-old", &PostParams::default(), &binding)
         .await
         .unwrap();
-    let v = KubeTokenVerifier::new(client);
+    // A valid token for the API server's own audience only.
+    let api_audience = token(&bare, &ns, agent, None, Some(&agent_pod)).await;
 
-    let id = v.verify("bound-a", "inference-cache").await.unwrap();
+    let faults = Faults::new();
+    let v = KubeTokenVerifier::new(bare.client_with(faults.clone()));
+    let reviews = || {
+        faults
+            .calls()
+            .iter()
+            .filter(|c| c.is("POST", "/tokenreviews"))
+            .count()
+    };
+    let pod_reads = |name: &str| {
+        faults
+            .calls()
+            .iter()
+            .filter(|c| c.is("GET", &format!("/pods/{name}")))
+            .count()
+    };
+
+    let id = v.verify(&bound_a, AUDIENCE).await.unwrap();
     assert_eq!(
         id.username,
-        "system:serviceaccount:inference-cache:inference-cache-agent"
+        format!("system:serviceaccount:{ns}:inference-cache-agent")
     );
-    assert_eq!(id.node.as_deref(), Some("node-a"));
+    assert_eq!(id.node.as_deref(), Some(node_a.as_str()));
+    assert_eq!(id.extra_value(EXTRA_NODE_NAME), Some(node_a.as_str()));
+    assert_eq!(pod_reads("agent-xyz"), 0, "the node came from the token");
 
-    // Without the node-name extra (Kubernetes < 1.30) the bound pod's node is used.
-    let id = v.verify("no-node-extra", "inference-cache").await.unwrap();
-    assert_eq!(id.node.as_deref(), Some("node-c"));
+    // Without the node-name extra the bound pod's node is used.
+    let id = v.verify(&no_node_extra, AUDIENCE).await.unwrap();
+    assert_eq!(id.extra_value(EXTRA_NODE_NAME), None, "{:?}", id.extra);
+    assert_eq!(id.extra_value(EXTRA_POD_NAME), Some("agent-old"));
+    assert_eq!(id.node.as_deref(), Some(node_c.as_str()));
+    assert_eq!(pod_reads("agent-old"), 1);
 
     // A token only valid for the API server's own audience is not ours.
-    match v.verify("api-audience", "inference-cache").await {
+    match v.verify(&api_audience, AUDIENCE).await {
         Err(VerifyError::Rejected(m)) => assert!(m.contains("audience"), "{m}"),
         other => panic!("{other:?}"),
     }
-    match v.verify("garbage", "inference-cache").await {
+    match v.verify("garbage", AUDIENCE).await {
         Err(VerifyError::Rejected(m)) => assert!(m.contains("invalid bearer token"), "{m}"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(reviews.load(Ordering::SeqCst), 4);
+    assert_eq!(reviews(), 4);
 
     // End to end through the authenticator: node binding from the review.
-    let auth = AgentAuthenticator::new(Arc::new(v), "inference-cache", agent_sa());
+    let auth = AgentAuthenticator::new(
+        Arc::new(v.clone()),
+        AUDIENCE,
+        format!("{ns}:{agent}").parse().unwrap(),
+    );
     let hello = |node: &str, token: &str| proto::Hello {
         node: node.into(),
         token: token.into(),
         ..Default::default()
     };
     assert_eq!(
-        auth.authenticate(&hello("node-a", "bound-a"))
+        auth.authenticate(&hello(&node_a, &bound_a))
             .await
             .unwrap()
             .node,
-        "node-a"
+        node_a
     );
     let err = auth
-        .authenticate(&hello("node-b", "bound-a"))
+        .authenticate(&hello(&node_b, &bound_a))
         .await
         .unwrap_err();
     assert_eq!(err.to_status().code(), Code::PermissionDenied);
+    assert_eq!(
+        auth.authenticate(&hello(&node_c, &no_node_extra))
+            .await
+            .unwrap()
+            .node,
+        node_c
+    );
+
+    // Once its pod is gone, a token is refused: the verifier finds the pod missing, or the
+    // apiserver refuses the token itself (once its cache of the last review runs out).
+    pods.delete("agent-old", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    match v.verify(&no_node_extra, AUDIENCE).await {
+        Err(VerifyError::Rejected(m)) => {
+            assert!(m.contains("agent-old") || m.contains("not found"), "{m}")
+        }
+        other => panic!("a deleted pod's token: {other:?}"),
+    }
 }
