@@ -1,4 +1,7 @@
-//! Shared by the node-loop and run-mode tests: kube-fake-client cluster-scope shim.
+//! The kube-fake-client cluster-scope shim, left only for `incluster_run.rs` while it still runs
+//! against the in-memory fake (the node-loop and CacheIndex tests run against the bare real
+//! apiserver, whose CacheNode and CacheIndex are cluster-scoped). Delete this module with that
+//! file's port.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 /// kube-fake-client 0.3.0 registers every custom resource as namespaced, but CacheNode and
