@@ -1,16 +1,22 @@
 //! The authenticated, tenant-scoped data plane (docs/security.md "Authenticated data plane"):
 //! the real gRPC `RouterService` and the real HTTP router on loopback, with the real
-//! TokenReview verifier and SubjectAccessReview reviewer against the in-memory API (its
-//! interceptors answer `tokenreviews` and `subjectaccessreviews` create as an API server with
-//! RBAC would). No token, a wrong audience, another tenant's namespace, a granted namespace, the
-//! API server down, and a flood of distinct tokens.
+//! TokenReview verifier and SubjectAccessReview reviewer against the bare real apiserver
+//! (tests/bare_apiserver_support/): gateways' TokenRequest tokens, reviewed by the apiserver's
+//! TokenReview, and RBAC grants (a Role in one tenant's namespace, the chart's
+//! `inference-cache-data-plane-reader` ClusterRole) that its SubjectAccessReview answers from.
+//! No token, a wrong audience, another tenant's namespace, a granted namespace, the API server
+//! down (a fault layer answers the reviews with an error), and a flood of distinct tokens.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod bare_apiserver_support;
+mod incluster_support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bare_apiserver_support::{BareCluster, Faults, Step};
 use ic_controller::access::{CallerAuth, CallerAuthSettings, KubeAccessReviewer, ReviewLimiter};
 use ic_controller::http::{router as http_router, HttpState};
 use ic_controller::ingest::auth::{
@@ -24,93 +30,130 @@ use ic_shared::proto::{
     router_service_server::RouterServiceServer, KvOp, LookupRouteRequest, StoreOp, StreamDelta,
     StreamDescriptor,
 };
-use kube_fake_client::{interceptor, ClientBuilder};
+use incluster_support::{
+    bind_cluster_role, bind_in_namespace, client_with_token, role, sa_user, service_account, token,
+    wait_allowed, AUDIENCE, CHART_CONTROLLER_ROLE,
+};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::Code;
 
-const AUDIENCE: &str = "inference-cache";
-const GW_A: &str = "system:serviceaccount:gateways:gateway-a";
-const GW_ALL: &str = "system:serviceaccount:gateways:gateway-all";
-
-/// A TokenReview answer for `token`, as an audience-aware API server gives it.
-fn token_review(token: &str) -> Value {
-    let user = |name: &str| {
-        json!({"username": name, "uid": format!("uid-{name}"),
-               "groups": ["system:serviceaccounts", "system:serviceaccounts:gateways", "system:authenticated"]})
-    };
-    match token {
-        "tok-gw-a" => json!({"authenticated": true, "audiences": [AUDIENCE], "user": user(GW_A)}),
-        "tok-gw-all" => {
-            json!({"authenticated": true, "audiences": [AUDIENCE], "user": user(GW_ALL)})
-        }
-        // A valid token, but for the API server's own audience.
-        "tok-api-audience" => json!({"authenticated": true,
-            "audiences": ["https://kubernetes.default.svc.cluster.local"], "user": user(GW_A)}),
-        _ => {
-            json!({"authenticated": false, "error": "[invalid bearer token, token lookup failed]"})
-        }
-    }
-}
-
-/// What RBAC grants: gateway-a `get`/`list` cacheroutes in `team-a` only; gateway-all a
-/// ClusterRole with `get`/`list` cacheroutes everywhere, `list`/`get` cachenodes and
+/// The chart's ClusterRole for data-plane readers: `get`/`list` cacheroutes and cachenodes,
 /// `get`/`post` on `/probe`.
-fn access_review(spec: &Value) -> Value {
-    let user = spec["user"].as_str().unwrap_or_default();
-    let allowed = if let Some(ra) = spec.get("resourceAttributes") {
-        assert_eq!(ra["group"], "inferencecache.io");
-        let ns = ra["namespace"].as_str().unwrap_or_default();
-        let verb = ra["verb"].as_str().unwrap_or_default();
-        match (user, ra["resource"].as_str().unwrap_or_default()) {
-            (GW_A, "cacheroutes") => ns == "team-a" && (verb == "get" || verb == "list"),
-            (GW_ALL, "cacheroutes" | "cachenodes") => true,
-            _ => false,
-        }
-    } else {
-        let nra = &spec["nonResourceAttributes"];
-        user == GW_ALL && nra["path"] == "/probe"
-    };
-    if allowed {
-        json!({"allowed": true, "reason": format!("RBAC: allowed by ClusterRoleBinding \"gw\" of ClusterRole \"inference-cache-gateway\" to User \"{user}\"")})
-    } else {
-        json!({"allowed": false, "reason": ""})
+const READER_ROLE: &str = "inference-cache-data-plane-reader";
+
+/// One test's tenants, gateways and tokens.
+struct World {
+    bare: BareCluster,
+    /// Tenant namespaces: team A's replica holds 16 tokens of the prompt, team B's 32.
+    team_a: String,
+    team_b: String,
+    /// `system:serviceaccount:<gateways>:gateway-a`: `get`/`list` cacheroutes in team A only
+    /// (a Role there).
+    gw_a: String,
+    /// gateway-a's token for our audience.
+    tok_gw_a: String,
+    /// gateway-all's token (the chart's reader ClusterRole, bound cluster-wide).
+    tok_gw_all: String,
+    /// A valid token of gateway-a, but for the API server's own audience.
+    tok_api_audience: String,
+    /// A client as the controller's ServiceAccount: the chart's controller ClusterRole (it
+    /// creates TokenReviews and SubjectAccessReviews).
+    controller: kube::Client,
+}
+
+/// Namespaces, ServiceAccounts, RBAC and tokens of one test; returns once RBAC allows what it
+/// grants (a verdict is cached: a denial seen too early would stay).
+async fn world() -> World {
+    let bare = BareCluster::get().await;
+    let gateways = bare.namespace("gateways").await;
+    let team_a = bare.namespace("team-a").await;
+    let team_b = bare.namespace("team-b").await;
+    for sa in ["gateway-a", "gateway-all", "ic-controller"] {
+        service_account(&bare, &gateways, sa).await;
+    }
+    role(
+        &bare,
+        &team_a,
+        "route-reader",
+        json!([{"apiGroups": ["inferencecache.io"], "resources": ["cacheroutes"],
+                "verbs": ["get", "list"]}]),
+    )
+    .await;
+    bind_in_namespace(
+        &bare,
+        &team_a,
+        "Role",
+        "route-reader",
+        &gateways,
+        "gateway-a",
+    )
+    .await;
+    bind_cluster_role(&bare, READER_ROLE, &gateways, "gateway-all").await;
+    bind_cluster_role(&bare, CHART_CONTROLLER_ROLE, &gateways, "ic-controller").await;
+    let gw_a = sa_user(&gateways, "gateway-a");
+    wait_allowed(
+        &bare,
+        &gw_a,
+        json!({"resourceAttributes": {"group": "inferencecache.io", "resource": "cacheroutes",
+               "verb": "list", "namespace": team_a}}),
+    )
+    .await;
+    wait_allowed(
+        &bare,
+        &sa_user(&gateways, "gateway-all"),
+        json!({"nonResourceAttributes": {"path": "/probe", "verb": "post"}}),
+    )
+    .await;
+    wait_allowed(
+        &bare,
+        &sa_user(&gateways, "ic-controller"),
+        json!({"resourceAttributes": {"group": "authorization.k8s.io",
+               "resource": "subjectaccessreviews", "verb": "create"}}),
+    )
+    .await;
+    let tok_gw_a = token(&bare, &gateways, "gateway-a", Some(&[AUDIENCE]), None).await;
+    let tok_gw_all = token(&bare, &gateways, "gateway-all", Some(&[AUDIENCE]), None).await;
+    let tok_api_audience = token(&bare, &gateways, "gateway-a", None, None).await;
+    let controller_token = token(&bare, &gateways, "ic-controller", None, None).await;
+    let controller = client_with_token(&bare, &controller_token).await;
+    World {
+        bare,
+        team_a,
+        team_b,
+        gw_a,
+        tok_gw_a,
+        tok_gw_all,
+        tok_api_audience,
+        controller,
     }
 }
 
-/// An in-memory API answering TokenReviews and SubjectAccessReviews; `down` makes both fail as
-/// an unreachable API server does. Counts reviews.
-async fn api(down: Arc<AtomicBool>, reviews: Arc<AtomicUsize>) -> kube::Client {
-    ClientBuilder::new()
-        .with_interceptor_funcs(interceptor::Funcs::new().create(move |ctx| {
-            let kind = ctx
-                .object
-                .get("kind")
-                .and_then(|k| k.as_str())
-                .unwrap_or("");
-            if kind != "TokenReview" && kind != "SubjectAccessReview" {
-                return Ok(None);
-            }
-            if down.load(Ordering::SeqCst) {
-                return Err(kube_fake_client::Error::Internal(
-                    "dial tcp 10.96.0.1:443: connect: connection refused".into(),
-                ));
-            }
-            reviews.fetch_add(1, Ordering::SeqCst);
-            let mut out = ctx.object.clone();
-            out["status"] = if kind == "TokenReview" {
-                assert_eq!(ctx.object["spec"]["audiences"], json!([AUDIENCE]));
-                token_review(ctx.object["spec"]["token"].as_str().unwrap_or_default())
-            } else {
-                access_review(&ctx.object["spec"])
-            };
-            Ok(Some(out))
-        }))
-        .build()
-        .await
-        .unwrap()
+/// The controller's client with a fault layer (admin credentials): while `down` is set, every
+/// TokenReview and SubjectAccessReview is answered as an unreachable API server behind a proxy
+/// would. Counts reviews that reached the apiserver.
+fn faulty(bare: &BareCluster, down: Arc<AtomicBool>) -> (kube::Client, Arc<Faults>) {
+    let faults = Faults::new();
+    faults.rule(move |c| {
+        let review = c.is("POST", "/tokenreviews") || c.is("POST", "/subjectaccessreviews");
+        if review && down.load(Ordering::SeqCst) {
+            Step::internal("dial tcp 10.96.0.1:443: connect: connection refused")
+        } else {
+            Step::Pass
+        }
+    });
+    (bare.client_with(faults.clone()), faults)
+}
+
+/// Reviews (TokenReview and SubjectAccessReview) that reached the apiserver.
+fn reviews(faults: &Faults) -> usize {
+    faults
+        .calls()
+        .iter()
+        .filter(|c| c.is("POST", "/tokenreviews") || c.is("POST", "/subjectaccessreviews"))
+        .count()
 }
 
 fn stream(tenant: &str, pod: &str) -> StreamDescriptor {
@@ -124,14 +167,14 @@ fn stream(tenant: &str, pod: &str) -> StreamDescriptor {
     }
 }
 
-/// team-a's replica holds the first 16 tokens of the prompt, team-b's the first 32: a lookup
-/// across tenants that saw both would name team-b's.
-fn index() -> Arc<Shared> {
+/// Team A's replica holds the first 16 tokens of the prompt, team B's the first 32: a lookup
+/// across tenants that saw both would name team B's.
+fn index(w: &World) -> Arc<Shared> {
     let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
     let mut ix = shared.index.write();
     let descs = [
-        (stream("team-a", "vllm-a"), 16),
-        (stream("team-b", "vllm-b"), 32),
+        (stream(&w.team_a, "vllm-a"), 16),
+        (stream(&w.team_b, "vllm-b"), 32),
     ];
     ix.resync_node(
         "node-1",
@@ -195,9 +238,8 @@ async fn serve(shared: Arc<Shared>, access: Arc<CallerAuth>) -> Plane {
 }
 
 /// The production wiring: TokenReview and SubjectAccessReview through one limiter, tokens
-/// cached by the agent path's cache.
-async fn plane(down: Arc<AtomicBool>, reviews: Arc<AtomicUsize>) -> Plane {
-    let client = api(down, reviews).await;
+/// cached by the agent path's cache, sent with `client`.
+async fn plane(w: &World, client: kube::Client) -> Plane {
     let limiter = ReviewLimiter::new(4, Duration::from_secs(2));
     let verifier: Arc<dyn TokenVerifier> = Arc::new(CachingVerifier::new(
         limiter.verifier(KubeTokenVerifier::new(client.clone())),
@@ -208,7 +250,7 @@ async fn plane(down: Arc<AtomicBool>, reviews: Arc<AtomicUsize>) -> Plane {
         limiter,
         CallerAuthSettings::default(),
     ));
-    serve(index(), access).await
+    serve(index(w), access).await
 }
 
 async fn lookup(
@@ -271,9 +313,10 @@ fn replicas(a: &proto::LookupRouteResponse) -> Vec<(String, u32)> {
 
 #[tokio::test]
 async fn callers_without_a_valid_token_for_our_audience_are_refused() {
-    let p = plane(Default::default(), Default::default()).await;
-    for token in [None, Some("garbage"), Some("tok-api-audience")] {
-        let st = lookup(&p, token, "team-a").await.unwrap_err();
+    let w = world().await;
+    let p = plane(&w, w.controller.clone()).await;
+    for token in [None, Some("garbage"), Some(w.tok_api_audience.as_str())] {
+        let st = lookup(&p, token, &w.team_a).await.unwrap_err();
         assert_eq!(st.code(), Code::Unauthenticated, "{token:?}: {st:?}");
         for (method, path) in [
             ("GET", "/snapshot"),
@@ -288,13 +331,13 @@ async fn callers_without_a_valid_token_for_our_audience_are_refused() {
             assert!(body.contains("\"error\""), "{body}");
         }
     }
-    let st = lookup(&p, None, "team-a").await.unwrap_err();
+    let st = lookup(&p, None, &w.team_a).await.unwrap_err();
     assert!(
         st.message().contains("no bearer token") && st.message().contains("\"inference-cache\""),
         "{}",
         st.message()
     );
-    let st = lookup(&p, Some("tok-api-audience"), "team-a")
+    let st = lookup(&p, Some(&w.tok_api_audience), &w.team_a)
         .await
         .unwrap_err();
     assert!(st.message().contains("audience"), "{}", st.message());
@@ -305,37 +348,43 @@ async fn callers_without_a_valid_token_for_our_audience_are_refused() {
 
 #[tokio::test]
 async fn a_gateway_reads_only_the_namespaces_it_is_granted() {
-    let p = plane(Default::default(), Default::default()).await;
+    let w = world().await;
+    let p = plane(&w, w.controller.clone()).await;
+    let (a_id, b_id) = (
+        format!("{}/vllm-a#0", w.team_a),
+        format!("{}/vllm-b#0", w.team_b),
+    );
 
     // Its own namespace: answered in full.
-    let a = lookup(&p, Some("tok-gw-a"), "team-a").await.unwrap();
+    let a = lookup(&p, Some(&w.tok_gw_a), &w.team_a).await.unwrap();
     assert_eq!(a.decision, proto::Decision::PrefixMatch as i32);
-    assert_eq!(replicas(&a), vec![("team-a/vllm-a#0".to_string(), 16)]);
+    assert_eq!(replicas(&a), vec![(a_id.clone(), 16)]);
     assert!(!a.narrowed);
 
     // Another tenant's namespace: refused, with what was asked.
-    let st = lookup(&p, Some("tok-gw-a"), "team-b").await.unwrap_err();
+    let st = lookup(&p, Some(&w.tok_gw_a), &w.team_b).await.unwrap_err();
     assert_eq!(st.code(), Code::PermissionDenied);
     assert!(
-        st.message().contains(GW_A)
-            && st
-                .message()
-                .contains("get cacheroutes.inferencecache.io in namespace \"team-b\""),
+        st.message().contains(&w.gw_a)
+            && st.message().contains(&format!(
+                "get cacheroutes.inferencecache.io in namespace \"{}\"",
+                w.team_b
+            )),
         "{}",
         st.message()
     );
 
-    // No tenant: only team-a's replica, although team-b's holds a longer prefix; it says so.
-    let a = lookup(&p, Some("tok-gw-a"), "").await.unwrap();
-    assert_eq!(replicas(&a), vec![("team-a/vllm-a#0".to_string(), 16)]);
+    // No tenant: only team A's replica, although team B's holds a longer prefix; it says so.
+    let a = lookup(&p, Some(&w.tok_gw_a), "").await.unwrap();
+    assert_eq!(replicas(&a), vec![(a_id.clone(), 16)]);
     assert!(a.narrowed);
     // A cluster-wide grant sees the deepest match, not narrowed.
-    let a = lookup(&p, Some("tok-gw-all"), "").await.unwrap();
-    assert_eq!(replicas(&a), vec![("team-b/vllm-b#0".to_string(), 32)]);
+    let a = lookup(&p, Some(&w.tok_gw_all), "").await.unwrap();
+    assert_eq!(replicas(&a), vec![(b_id.clone(), 32)]);
     assert!(!a.narrowed);
 
-    // /snapshot: gateway-a sees team-a only, with team-a's totals, and the document says so.
-    let (status, _, body) = http(p.http, "GET", "/snapshot", Some("tok-gw-a")).await;
+    // /snapshot: gateway-a sees team A only, with team A's totals, and the document says so.
+    let (status, _, body) = http(p.http, "GET", "/snapshot", Some(&w.tok_gw_a)).await;
     assert_eq!(status, 200, "{body}");
     let doc: Value = serde_json::from_str(&body).unwrap();
     let ids: Vec<&str> = doc["replicas"]
@@ -344,12 +393,12 @@ async fn a_gateway_reads_only_the_namespaces_it_is_granted() {
         .iter()
         .map(|r| r["streamId"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["team-a/vllm-a#0"]);
+    assert_eq!(ids, [a_id.as_str()]);
     assert_eq!(doc["narrowed"], true);
-    assert_eq!(doc["blocks"], 4, "team-a's 4 blocks, not team-b's 8");
+    assert_eq!(doc["blocks"], 4, "team A's 4 blocks, not team B's 8");
     assert_eq!(doc["entries"], 4);
-    assert!(!body.contains("team-b"), "{body}");
-    let (status, _, body) = http(p.http, "GET", "/snapshot", Some("tok-gw-all")).await;
+    assert!(!body.contains(&w.team_b), "{body}");
+    let (status, _, body) = http(p.http, "GET", "/snapshot", Some(&w.tok_gw_all)).await;
     assert_eq!(status, 200);
     let doc: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(doc["replicas"].as_array().unwrap().len(), 2);
@@ -367,22 +416,24 @@ async fn a_gateway_reads_only_the_namespaces_it_is_granted() {
         ("GET", "/probe", "get /probe"),
         ("POST", "/probe", "post /probe"),
     ] {
-        let (status, _, body) = http(p.http, method, path, Some("tok-gw-a")).await;
+        let (status, _, body) = http(p.http, method, path, Some(&w.tok_gw_a)).await;
         assert_eq!(status, 403, "{path}: {body}");
         assert!(
             body.contains(asked) && body.contains("no RBAC rule allows it"),
             "{path}: {body}"
         );
-        let (status, _, body) = http(p.http, method, path, Some("tok-gw-all")).await;
+        let (status, _, body) = http(p.http, method, path, Some(&w.tok_gw_all)).await;
         assert!(status == 200 || status == 404, "{path}: {status} {body}");
     }
 }
 
 #[tokio::test]
 async fn the_api_server_down_fails_closed_with_unavailable() {
+    let w = world().await;
     let down = Arc::new(AtomicBool::new(true));
-    let p = plane(down.clone(), Default::default()).await;
-    let st = lookup(&p, Some("tok-gw-a"), "team-a").await.unwrap_err();
+    let (client, faults) = faulty(&w.bare, down.clone());
+    let p = plane(&w, client).await;
+    let st = lookup(&p, Some(&w.tok_gw_a), &w.team_a).await.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable);
     assert!(
         st.message().contains("refused") && st.message().contains("connection refused"),
@@ -390,17 +441,22 @@ async fn the_api_server_down_fails_closed_with_unavailable() {
         st.message()
     );
     for path in ["/snapshot", "/v1/nodes", "/probe"] {
-        let (status, _, body) = http(p.http, "GET", path, Some("tok-gw-a")).await;
+        let (status, _, body) = http(p.http, "GET", path, Some(&w.tok_gw_a)).await;
         assert_eq!(status, 503, "{path}: {body}");
         assert!(!body.contains("replicas"), "{body}");
     }
     // Unavailable is never cached: the API server back, the same caller is answered.
     down.store(false, Ordering::SeqCst);
-    let a = lookup(&p, Some("tok-gw-a"), "team-a").await.unwrap();
+    let a = lookup(&p, Some(&w.tok_gw_a), &w.team_a).await.unwrap();
     assert_eq!(a.replicas.len(), 1);
+    assert_eq!(
+        reviews(&faults),
+        6,
+        "4 TokenReviews refused (none cached), then one TokenReview and one SubjectAccessReview"
+    );
     // The token is verified but the review cannot run: still refused, not answered.
     down.store(true, Ordering::SeqCst);
-    let st = lookup(&p, Some("tok-gw-a"), "").await.unwrap_err();
+    let st = lookup(&p, Some(&w.tok_gw_a), "").await.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
 }
 
@@ -426,8 +482,8 @@ impl TokenVerifier for SlowVerifier {
 
 #[tokio::test]
 async fn a_flood_of_distinct_tokens_is_bounded_in_memory_and_in_reviews() {
-    let reviews = Arc::new(AtomicUsize::new(0));
-    let client = api(Default::default(), reviews.clone()).await;
+    let w = world().await;
+    let (client, faults) = faulty(&w.bare, Default::default());
     let slow = Arc::new(SlowVerifier::default());
     let limiter = ReviewLimiter::new(4, Duration::from_millis(300));
     let cache = Arc::new(CachingVerifier::with_ttls(
@@ -442,7 +498,7 @@ async fn a_flood_of_distinct_tokens_is_bounded_in_memory_and_in_reviews() {
         limiter,
         CallerAuthSettings::default(),
     ));
-    let p = serve(index(), access).await;
+    let p = serve(index(&w), access).await;
     let mut tasks = Vec::new();
     for i in 0..400 {
         let addr = p.http;
@@ -481,7 +537,7 @@ async fn a_flood_of_distinct_tokens_is_bounded_in_memory_and_in_reviews() {
         0,
         "no SubjectAccessReview for an unauthenticated caller"
     );
-    assert_eq!(reviews.load(Ordering::SeqCst), 0);
+    assert_eq!(reviews(&faults), 0);
     // A repeated token is answered from the cache (no new review).
     let before = slow.calls.load(Ordering::SeqCst);
     http(p.http, "GET", "/snapshot", Some("flood-399")).await;
