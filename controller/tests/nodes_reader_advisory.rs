@@ -162,7 +162,12 @@ async fn wait_for(
 fn status_writes(calls: &[bare_apiserver_support::Call], ns: &str, name: &str) -> usize {
     calls
         .iter()
-        .filter(|c| c.is("PATCH", &format!("/namespaces/{ns}/modelcaches/{name}/status")))
+        .filter(|c| {
+            c.is(
+                "PATCH",
+                &format!("/namespaces/{ns}/modelcaches/{name}/status"),
+            )
+        })
         .count()
 }
 
@@ -197,7 +202,13 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
     let pods = Api::<Pod>::namespaced(bare.admin.clone(), &ns);
     let pod = create_with_status(
         &pods,
-        &reader_pod(&ns, &node, "reader-0", "llama", &format!("{binding}-reader")),
+        &reader_pod(
+            &ns,
+            &node,
+            "reader-0",
+            "llama",
+            &format!("{binding}-reader"),
+        ),
     )
     .await;
     let pod_uid = pod.metadata.uid.clone().unwrap();
@@ -332,8 +343,9 @@ async fn a_writable_reader_reported_by_the_agent_reaches_the_request_and_clears(
     let took = reported.elapsed();
     assert!(took < STATUS_INTERVAL, "took {took:?}");
     assert!(
-        bad.message
-            .contains(&format!("{node}: {ns}/reader-0 at /models (ReaderVolumeWritable)")),
+        bad.message.contains(&format!(
+            "{node}: {ns}/reader-0 at /models (ReaderVolumeWritable)"
+        )),
         "{}",
         bad.message
     );
