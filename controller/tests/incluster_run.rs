@@ -1,17 +1,26 @@
-//! `ic-controller run` end to end against the in-memory API: leader election, an authenticated
-//! agent over loopback gRPC receiving its node plan, a failing check appearing as a CacheNode
-//! condition and as the CacheBackend's advisory condition within one report interval, a node
-//! with engine pods but no agent, a refused cross-node stream, and the Lease released at
-//! shutdown.
+//! `ic-controller run` end to end against the bare real apiserver
+//! (tests/bare_apiserver_support/): leader election on a real Lease, an agent authenticated by
+//! the apiserver's TokenReview (a TokenRequest token bound to its pod on its Node) over loopback
+//! gRPC receiving its node plan, a failing check appearing as a CacheNode condition and as the
+//! CacheBackend's advisory condition within one report interval, a node with engine pods but no
+//! agent, a refused cross-node stream, and the Lease released at shutdown.
+//!
+//! The controller runs as a ServiceAccount of the test's namespace with the chart's controller
+//! RBAC in that namespace, its lists and watches confined to it (tests/incluster_support/): the
+//! cluster is shared with other tests, whose objects a leading controller would otherwise
+//! reconcile.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Arc;
+mod bare_apiserver_support;
+mod incluster_support;
+
 use std::time::{Duration, Instant};
 
+use bare_apiserver_support::{create_with_status, unique, BareCluster};
 use ic_controller::incluster::{
     self, InClusterConfig, LeaderElectionSettings, Overrides, WebhookSettings,
 };
-use ic_controller::ingest::auth::{FakeTokenVerifier, ServiceAccountRef};
+use ic_controller::ingest::auth::ServiceAccountRef;
 use ic_controller::leader::{ElectionConfig, LeaseLock};
 use ic_controller::reconcile::nodes::NodeLoopConfig;
 use ic_controller::state::LookupPolicy;
@@ -22,23 +31,25 @@ use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient, controller_message,
     AgentMessage,
 };
+use incluster_support::{
+    controller_client, node, pod, service_account, token, ControllerGrants, AUDIENCE,
+};
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
-use kube_fake_client::ClientBuilder;
+use kube::api::{Api, PostParams};
 use serde_json::json;
-
-mod cluster_scope_support;
-use cluster_scope_support::cluster_scoped;
 use tokio_stream::wrappers::ReceiverStream;
 
-fn engine_pod(name: &str, node: &str, ip: &str) -> Pod {
+const LEASE: &str = "inference-cache-controller";
+
+fn engine_pod(name: &str, node: &str, ip: &str, backend: &CacheBackend) -> Pod {
+    let ns = backend.metadata.namespace.clone().unwrap();
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
-            "name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+            "name": name,
             "annotations": {
-                "inferencecache.io/injected-by": "ns/cb",
-                "inferencecache.io/injected-by-uid": "uid-cb",
+                "inferencecache.io/injected-by": format!("{ns}/cb"),
+                "inferencecache.io/injected-by-uid": backend.metadata.uid,
             },
         },
         "spec": {
@@ -57,14 +68,10 @@ fn engine_pod(name: &str, node: &str, ip: &str) -> Pod {
 fn backend() -> CacheBackend {
     serde_json::from_value(json!({
         "apiVersion": "inferencecache.io/v1alpha1", "kind": "CacheBackend",
-        "metadata": {"name": "cb", "namespace": "ns", "uid": "uid-cb", "generation": 1},
+        "metadata": {"name": "cb"},
         "spec": {"runtime": "VLLM", "observation": {"modelID": "m"}},
     }))
     .unwrap()
-}
-
-fn agent_sa() -> ServiceAccountRef {
-    "ic:ic-agent".parse().unwrap()
 }
 
 async fn client_for(url: &str) -> AgentServiceClient<tonic::transport::Channel> {
@@ -85,28 +92,48 @@ where
     let start = Instant::now();
     while !f().await {
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn run_mode_end_to_end() {
-    let client = ClientBuilder::new()
-        .with_resource::<CacheBackend>()
-        .with_status_subresource::<CacheBackend>()
-        .with_resource::<CacheNode>()
-        .with_status_subresource::<CacheNode>()
-        .with_object(backend())
-        .with_object(engine_pod("vllm-0", "gpu-1", "10.0.0.5"))
-        .with_object(engine_pod("vllm-1", "gpu-2", "10.0.0.6"))
-        .build()
+    let bare = BareCluster::get().await;
+    let ns = bare.namespace("run").await;
+    let gpu1 = unique("gpu-1");
+    let gpu2 = unique("gpu-2");
+    let backends: Api<CacheBackend> = Api::namespaced(bare.admin.clone(), &ns);
+    let cb = backends
+        .create(&PostParams::default(), &backend())
         .await
         .unwrap();
-    let client = cluster_scoped(client);
-    let verifier =
-        Arc::new(FakeTokenVerifier::new().with_token("tok-gpu-1", &agent_sa(), Some("gpu-1")));
+    let pods: Api<Pod> = Api::namespaced(bare.admin.clone(), &ns);
+    create_with_status(&pods, &engine_pod("vllm-0", &gpu1, "10.0.0.5", &cb)).await;
+    create_with_status(&pods, &engine_pod("vllm-1", &gpu2, "10.0.0.6", &cb)).await;
+
+    // The agent of gpu-1: its ServiceAccount, its pod on its Node, a token bound to that pod.
+    service_account(&bare, &ns, "ic-agent").await;
+    node(&bare, &gpu1).await;
+    let agent_pod = pod(&bare, &ns, "ic-agent-gpu-1", "ic-agent", Some(&gpu1)).await;
+    let agent_token = token(&bare, &ns, "ic-agent", Some(&[AUDIENCE]), Some(&agent_pod)).await;
+    let agent_sa = ServiceAccountRef {
+        namespace: ns.clone(),
+        name: "ic-agent".into(),
+    };
+
+    let client = controller_client(
+        &bare,
+        &ns,
+        ControllerGrants {
+            cache_nodes: vec![gpu1.clone(), gpu2.clone()],
+            ..Default::default()
+        },
+    )
+    .await;
     let mut election = ElectionConfig::new("replica-1");
     election.retry_period = Duration::from_millis(100);
+    // The agent's check interval: a report is stale after a few of them, far beyond this test.
+    let report_interval = Duration::from_secs(30);
     let cfg = InClusterConfig {
         grpc_addr: "127.0.0.1:0".parse().unwrap(),
         http_addr: "127.0.0.1:0".parse().unwrap(),
@@ -118,18 +145,19 @@ async fn run_mode_end_to_end() {
             ..Default::default()
         },
         leader_election: LeaderElectionSettings {
-            namespace: "ic".into(),
-            lease_name: "inference-cache-controller".into(),
+            namespace: ns.clone(),
+            lease_name: LEASE.into(),
             election,
         },
-        agent_service_account: agent_sa(),
-        token_audience: "inference-cache".into(),
+        agent_service_account: agent_sa,
+        token_audience: AUDIENCE.into(),
         token_cache_ttl: Duration::from_secs(60),
         data_plane_auth: Some(Default::default()),
         nodes: NodeLoopConfig {
             plan_interval: Duration::from_millis(200),
             status_interval: Duration::from_millis(500),
-            cachenode_min_write_interval: Duration::from_secs(30),
+            // Only a changed condition can be written within the report interval.
+            cachenode_min_write_interval: Duration::from_secs(600),
             advisory_resync: Duration::from_secs(60),
             ..Default::default()
         },
@@ -139,23 +167,15 @@ async fn run_mode_end_to_end() {
         tokenizers: Default::default(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let running = incluster::start(
-        client.clone(),
-        cfg,
-        Overrides {
-            token_verifier: Some(verifier),
-            access_reviewer: None,
-            clock: None,
-        },
-        async {
-            let _ = stop_rx.await;
-        },
-    )
+    // No overrides: agents' tokens are checked by the apiserver's TokenReview.
+    let running = incluster::start(client.clone(), cfg, Overrides::default(), async {
+        let _ = stop_rx.await;
+    })
     .await
     .unwrap();
     let shared = running.shared.clone();
     let leader = running.leader.clone();
-    wait_until("leadership", Duration::from_secs(5), || {
+    wait_until("leadership", Duration::from_secs(60), || {
         let l = leader.is_leader();
         async move { l }
     })
@@ -173,13 +193,13 @@ async fn run_mode_end_to_end() {
             ..Default::default()
         })),
     };
-    tx.send(hello("gpu-1", "tok-gpu-1")).await.unwrap();
+    tx.send(hello(&gpu1, &agent_token)).await.unwrap();
     let mut down = agent
         .connect(ReceiverStream::new(rx))
         .await
         .unwrap()
         .into_inner();
-    let plan = tokio::time::timeout(Duration::from_secs(5), async {
+    let plan = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
             if let Some(controller_message::Msg::Plan(p)) =
                 down.message().await.unwrap().unwrap().msg
@@ -197,7 +217,7 @@ async fn run_mode_end_to_end() {
     let e = &plan.1.engines[0];
     assert_eq!(
         (e.pod.as_str(), e.backend.as_str(), e.model.as_str()),
-        ("vllm-0", "ns/cb", "m")
+        ("vllm-0", format!("{ns}/cb").as_str(), "m")
     );
     assert_eq!(e.kv_events[0].endpoint, "tcp://10.0.0.5:5557");
     assert_eq!(
@@ -208,7 +228,7 @@ async fn run_mode_end_to_end() {
     // gpu-1's token cannot report for gpu-2.
     let mut intruder = client_for(&url).await;
     let (itx, irx) = tokio::sync::mpsc::channel(1);
-    itx.send(hello("gpu-2", "tok-gpu-1")).await.unwrap();
+    itx.send(hello(&gpu2, &agent_token)).await.unwrap();
     let refused = intruder
         .connect(ReceiverStream::new(irx))
         .await
@@ -222,7 +242,7 @@ async fn run_mode_end_to_end() {
         msg: Some(Msg::Checks(proto::CheckReport {
             observed_at_unix_ms: ic_shared::now_unix_ms(),
             plan_generation: plan.0,
-            interval_seconds: 5,
+            interval_seconds: report_interval.as_secs(),
             age_ms: 0,
             results: vec![proto::CheckResult {
                 name: "shm".into(),
@@ -236,17 +256,16 @@ async fn run_mode_end_to_end() {
     })
     .await
     .unwrap();
-    let nodes: Api<CacheNode> = Api::all(client.clone());
-    let backends: Api<CacheBackend> = Api::namespaced(client.clone(), "ns");
-    let report_interval = Duration::from_secs(5);
+    let nodes: Api<CacheNode> = Api::all(bare.admin.clone());
     wait_until(
         "ShmHealthy=False on CacheNode gpu-1",
         report_interval,
         || {
             let nodes = nodes.clone();
+            let gpu1 = gpu1.clone();
             async move {
                 nodes
-                    .get_opt("gpu-1")
+                    .get_opt(&gpu1)
                     .await
                     .unwrap()
                     .and_then(|n| n.status)
@@ -259,7 +278,7 @@ async fn run_mode_end_to_end() {
     )
     .await;
     wait_until(
-        "NodeHealthy=False on CacheBackend ns/cb",
+        "NodeHealthy=False on CacheBackend cb",
         report_interval,
         || {
             let backends = backends.clone();
@@ -279,24 +298,26 @@ async fn run_mode_end_to_end() {
         .clone();
     assert_eq!(adv.reason, "NodeCheckFailing");
     assert!(
-        adv.message.contains("gpu-1: shm Critical (ShmUndersized)"),
+        adv.message
+            .contains(&format!("{gpu1}: shm Critical (ShmUndersized)")),
         "{}",
         adv.message
     );
     assert!(
-        adv.message.contains("No node agent is connected on gpu-2"),
+        adv.message
+            .contains(&format!("No node agent is connected on {gpu2}")),
         "{}",
         adv.message
     );
 
     // gpu-2 runs an engine pod but has no agent: it is reported, on its CacheNode and in metrics.
-    let gpu2 = nodes.get("gpu-2").await.unwrap().status.unwrap();
-    let c = find_condition(&gpu2.conditions, "AgentConnected").unwrap();
+    let gpu2_status = nodes.get(&gpu2).await.unwrap().status.unwrap();
+    let c = find_condition(&gpu2_status.conditions, "AgentConnected").unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("False", "AgentNotConnected")
     );
-    assert_eq!(gpu2.engine_count, 1);
+    assert_eq!(gpu2_status.engine_count, 1);
     let metrics = shared.metrics.render();
     assert!(
         metrics.contains("inferencecache_controller_nodes_without_agent 1"),
@@ -307,10 +328,10 @@ async fn run_mode_end_to_end() {
     // Shutdown releases the Lease.
     drop(tx);
     stop_tx.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), running.wait())
+    tokio::time::timeout(Duration::from_secs(60), running.wait())
         .await
         .unwrap()
         .unwrap();
-    let lock = LeaseLock::new(client, "ic", "inference-cache-controller");
+    let lock = LeaseLock::new(bare.admin.clone(), &ns, LEASE);
     assert_eq!(lock.read().await.unwrap().unwrap().0.holder(), None);
 }
