@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from their Go modules (no binary download: the Go
 # module proxy serves the sources). Output: $OUT_DIR/{etcd,kube-apiserver,kube-controller-manager,
-# kube-scheduler,kubectl}, and $OUT_DIR/.stamp holding the versions it was built from; a matching stamp
-# skips the build. Used by scripts/cluster.sh; see docs/real-cluster.md.
+# kube-scheduler,kubectl,helm,kwok}, and one stamp per component ($OUT_DIR/.stamp-<component>)
+# holding the version it was built from; a matching stamp skips that component. Used by
+# scripts/cluster.sh; see docs/real-cluster.md.
 #
 # kubernetes: `go install k8s.io/kubernetes/cmd/...@v` fails because its go.mod requires every
 # staging module at v0.0.0 and replaces them with ./staging. A generated wrapper module requires
@@ -12,17 +13,28 @@ here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 OUT_DIR="${OUT_DIR:?OUT_DIR must name the output folder}"
-stamp="kubernetes=$KUBERNETES_VERSION etcd=$ETCD_VERSION bins=etcd,kube-apiserver,kube-controller-manager,kube-scheduler,kubectl"
-if [[ -f "$OUT_DIR/.stamp" && "$(cat "$OUT_DIR/.stamp")" == "$stamp" ]]; then
-    exit 0
-fi
+stamp_of() { # component version
+    echo "$1=$2 bins=$(bins_of "$1")"
+}
+bins_of() {
+    case $1 in
+        kubernetes) echo kube-apiserver,kube-controller-manager,kube-scheduler,kubectl ;;
+        *) echo "$1" ;;
+    esac
+}
+fresh() { # component version: its stamp matches
+    [[ -f "$OUT_DIR/.stamp-$1" && "$(cat "$OUT_DIR/.stamp-$1")" == "$(stamp_of "$1" "$2")" ]]
+}
+all_fresh() {
+    fresh etcd "$ETCD_VERSION" && fresh kubernetes "$KUBERNETES_VERSION" &&
+        fresh helm "$HELM_VERSION" && fresh kwok "$KWOK_VERSION"
+}
+all_fresh && exit 0
 mkdir -p "$OUT_DIR"
 # One build at a time (.ci/run starts one early in the background; cluster.sh up waits for it).
 exec 9>"$OUT_DIR/.lock"
 flock 9
-if [[ -f "$OUT_DIR/.stamp" && "$(cat "$OUT_DIR/.stamp")" == "$stamp" ]]; then
-    exit 0
-fi
+all_fresh && exit 0
 work="$OUT_DIR/.work"
 rm -rf "$work"; mkdir -p "$work/k8s" "$work/etcd"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
@@ -58,11 +70,32 @@ build_etcd() {
     go build -trimpath -ldflags "-s -w" -o "$OUT_DIR/etcd" go.etcd.io/etcd/server/v3
 }
 
-t0=$SECONDS
-build_etcd
-echo "cluster/build.sh: etcd $ETCD_VERSION built in $((SECONDS - t0)) s" >&2
-t1=$SECONDS
-build_kubernetes
-echo "cluster/build.sh: kubernetes $KUBERNETES_VERSION built in $((SECONDS - t1)) s" >&2
+# A tool module's command, built in a wrapper module that requires it: `go build` of a
+# package path resolves the module's own requirements (no replace lines in these two).
+build_tool() { # module version package ldflags library-package
+    local dir="$work/$(basename "$3")"
+    mkdir -p "$dir"; cd "$dir"
+    go mod init "ic.local/cluster-$(basename "$3")" >/dev/null 2>&1
+    go mod edit -require="$1@$2"
+    # A blank import of a library package of the module keeps `go mod tidy` from dropping it.
+    printf 'package main\nimport _ "%s"\nfunc main() {}\n' "$5" > tools.go
+    go mod tidy >/dev/null
+    go build -trimpath -ldflags "-s -w $4" -o "$OUT_DIR/" "$3"
+}
+
+component() { # name version builder...
+    local name=$1 version=$2 t=$SECONDS; shift 2
+    fresh "$name" "$version" && return 0
+    "$@"
+    stamp_of "$name" "$version" > "$OUT_DIR/.stamp-$name"
+    echo "cluster/build.sh: $name $version built in $((SECONDS - t)) s" >&2
+}
+
+component etcd "$ETCD_VERSION" build_etcd
+component kubernetes "$KUBERNETES_VERSION" build_kubernetes
+component helm "$HELM_VERSION" build_tool helm.sh/helm/v4 "$HELM_VERSION" helm.sh/helm/v4/cmd/helm \
+    "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm.sh/helm/v4/pkg/action
+component kwok "$KWOK_VERSION" build_tool sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok \
+    "" sigs.k8s.io/kwok/pkg/kwok/cmd
 rm -rf "$work"
-echo "$stamp" > "$OUT_DIR/.stamp"
+rm -f "$OUT_DIR/.stamp"
