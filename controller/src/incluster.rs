@@ -20,7 +20,7 @@
 //!
 //! [`start`] takes a ready `kube::Client` (the binary builds it from `--kubeconfig`, `KUBECONFIG`
 //! or the in-cluster service account via `kube::Client::try_default`), so tests run the whole
-//! stack against `kube-fake-client` with a fake token verifier ([`Overrides`]).
+//! stack against the bare real apiserver (`controller/tests/incluster_*.rs`; seams: [`Overrides`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
