@@ -168,7 +168,7 @@ pub struct Harness {
     pub clock: Arc<FakeClock>,
     /// Injected errors and the record of every call the reconcilers made.
     pub faults: Arc<Faults>,
-    /// Request namespace (the fake's `team-a`).
+    /// Request namespace (`team-a-<tag>`).
     pub ns: String,
     /// Control namespace of bindings, Leases, helm writers, key Secrets.
     pub ctl: String,
