@@ -68,7 +68,8 @@ fn another_writer(h: &Harness, name: &str) -> Step {
 
 #[tokio::test]
 async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
-    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let faults = Faults::new();
+    let h = Harness::with_faults(vec![managed_redis("kv")], false, faults.clone()).await;
     h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
     h.reconcile("kv").await;
 
@@ -113,10 +114,19 @@ async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
     assert_eq!(ev[1].object, h.key("kv"));
     assert_eq!(ev[1].object_kind, "CacheBackend");
 
-    // Steady state: no write-through churn, no events.
+    // Steady state: no write-through churn, no events. What the apiserver defaulted in the
+    // children (Deployment strategy, Service clusterIP, …) does not make them differ from what
+    // the reconciler applies: it reads, and writes nothing.
     h.advance(30);
+    let seen = faults.calls().len();
     h.reconcile("kv").await;
     assert_eq!(h.events.events().len(), 2);
+    let writes: Vec<_> = faults.calls()[seen..]
+        .iter()
+        .filter(|c| c.method != "GET")
+        .cloned()
+        .collect();
+    assert!(writes.is_empty(), "{writes:?}");
 }
 
 #[tokio::test]
@@ -851,4 +861,69 @@ async fn status_write_conflict_is_an_error() {
         h.events.events().is_empty(),
         "no events without a status write"
     );
+}
+
+/// The writes (anything but GET) among `faults`' calls from the `seen`-th on.
+fn writes_since(faults: &Faults, seen: usize) -> Vec<reconcile_support::bare::Call> {
+    faults.calls()[seen..]
+        .iter()
+        .filter(|c| c.method != "GET")
+        .cloned()
+        .collect()
+}
+
+/// What the real apiserver stores differs in form from what the reconciler applies: it
+/// canonicalizes quantities (`0.5` → `500m`, `1024Mi` → `1Gi`) and omits empty lists of the
+/// built-in kinds (`securityContext.sysctls: []`). The children still equal what was applied,
+/// so a steady reconcile writes nothing; a real change of a value is still applied. (Before
+/// `is_subset` compared resource quantities by value and an absent field with an empty one, every
+/// reconcile re-applied such a workload.)
+#[tokio::test]
+async fn canonicalized_quantities_and_omitted_empty_lists_are_not_reapplied() {
+    let faults = Faults::new();
+    let spec = json!({
+        "runtime": "VLLM",
+        "remoteStorage": {"provider": "Redis", "ownership": "Managed",
+            "redis": {"resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"},
+                                    "limits": {"cpu": "1.5", "memory": "2048Mi"}}}},
+        "template": {"securityContext": {"runAsUser": 1000, "sysctls": []}, "tolerations": []}
+    });
+    let h = Harness::with_faults(vec![backend("kv", spec)], false, faults.clone()).await;
+    h.reconcile("kv").await;
+    let d = h.deployment("kv-redis").await.unwrap();
+    let pod = d.spec.unwrap().template.spec.unwrap();
+    let r = pod.containers[0].resources.clone().unwrap();
+    assert_eq!(
+        r.requests.as_ref().unwrap()["cpu"].0,
+        "500m",
+        "canonicalized"
+    );
+    assert_eq!(
+        r.limits.as_ref().unwrap()["memory"].0,
+        "2Gi",
+        "canonicalized"
+    );
+    assert!(pod.security_context.unwrap().sysctls.is_none(), "omitted");
+    h.settle_deployment("kv-redis", 1).await;
+    h.reconcile("kv").await;
+
+    h.advance(30);
+    let seen = faults.calls().len();
+    h.reconcile("kv").await;
+    let writes = writes_since(&faults, seen);
+    assert!(writes.is_empty(), "a steady reconcile wrote: {writes:?}");
+
+    // Another value is applied.
+    h.patch_cb(
+        "kv",
+        json!({"spec": {"remoteStorage": {"redis": {"resources": {"requests": {"cpu": "0.75"}}}}}}),
+    )
+    .await;
+    h.reconcile("kv").await;
+    let d = h.deployment("kv-redis").await.unwrap();
+    let r = d.spec.unwrap().template.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap();
+    assert_eq!(r.requests.as_ref().unwrap()["cpu"].0, "750m");
 }

@@ -338,13 +338,32 @@ where
 /// True when every field of `desired` is present with the same value in `live` (arrays
 /// element-wise with equal length; nulls in `desired` ignored): applying would change nothing
 /// the controller manages.
+///
+/// "The same" as the apiserver stores it: the quantities of a `limits` / `requests` map compare
+/// by value (it stores `0.5` as `500m`, `1024Mi` as `1Gi`), and an empty list or map in
+/// `desired` matches an absent field (built-in kinds omit them: `sysctls: []` is not stored).
+/// Compared as written, such a child never matched and was re-applied on every reconcile.
 pub fn is_subset(desired: &Value, live: &Value) -> bool {
+    subset(desired, live, false)
+}
+
+/// [`is_subset`]; `quantities`: `desired` is a `limits` / `requests` map.
+fn subset(desired: &Value, live: &Value, quantities: bool) -> bool {
     match (desired, live) {
-        (Value::Object(d), Value::Object(l)) => d
-            .iter()
-            .all(|(k, dv)| dv.is_null() || l.get(k).is_some_and(|lv| is_subset(dv, lv))),
+        (Value::Object(d), Value::Object(l)) => d.iter().all(|(k, dv)| match (l.get(k), dv) {
+            (_, Value::Null) => true,
+            (None, Value::Array(a)) => a.is_empty(),
+            (None, Value::Object(o)) => o.is_empty(),
+            (None, _) => false,
+            (Some(Value::String(lq)), Value::String(dq)) if quantities => {
+                dq == lq
+                    || render::resources::parse_quantity(dq)
+                        .is_some_and(|v| Some(v) == render::resources::parse_quantity(lq))
+            }
+            (Some(lv), _) => subset(dv, lv, k == "limits" || k == "requests"),
+        }),
         (Value::Array(d), Value::Array(l)) => {
-            d.len() == l.len() && d.iter().zip(l).all(|(a, b)| is_subset(a, b))
+            d.len() == l.len() && d.iter().zip(l).all(|(a, b)| subset(a, b, false))
         }
         _ => desired == live,
     }
@@ -873,6 +892,27 @@ mod apply_tests {
             digest(&with_applied_digest(&a).unwrap_or_default()),
             digest(&a)
         );
+    }
+
+    #[test]
+    fn the_subset_test_reads_values_as_the_apiserver_stores_them() {
+        let desired = json!({"resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"}},
+            "securityContext": {"sysctls": [], "seLinuxOptions": {}}, "args": ["0.5"]});
+        let stored = json!({"resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+            "securityContext": {}, "args": ["0.5"]});
+        assert!(is_subset(&desired, &stored));
+        // Another value, a quantity outside a resource map, a non-empty list: not the same.
+        let other = json!({"resources": {"requests": {"cpu": "750m", "memory": "1Gi"}}});
+        assert!(!is_subset(&desired, &other));
+        assert!(!is_subset(
+            &json!({"args": ["0.5"]}),
+            &json!({"args": ["500m"]})
+        ));
+        assert!(!is_subset(&json!({"sysctls": [{"name": "a"}]}), &json!({})));
+        assert!(!is_subset(
+            &json!({"tolerations": []}),
+            &json!({"tolerations": [{"key": "k"}]})
+        ));
     }
 
     #[test]
