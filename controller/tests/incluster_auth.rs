@@ -1,17 +1,20 @@
-//! Agent authentication: over a real loopback gRPC connection with the fake verifier (a token
-//! for node A cannot open a stream as node B; missing, unknown and foreign tokens are refused
-//! with a clear status), the TokenReview cache, and the TokenReview verifier against the bare
-//! real apiserver (tests/bare_apiserver_support/): TokenRequest tokens bound to real pods on
-//! real Nodes, reviewed by the apiserver's own TokenReview.
+//! Agent authentication against the bare real apiserver (tests/bare_apiserver_support/):
+//! TokenRequest tokens bound to real pods on real Nodes, reviewed by the apiserver's own
+//! TokenReview. Over a real loopback gRPC connection, a token for node A cannot open a stream as
+//! node B, and missing, unknown, foreign and unbound tokens are refused with a clear status (an
+//! unreachable apiserver is a fault layer's error); the TokenReview verifier reads the node from
+//! the token, or from the bound pod when the token has none. The TokenReview cache's TTLs are
+//! tested with the fake verifier and an injected clock (no apiserver).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod bare_apiserver_support;
 mod incluster_support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bare_apiserver_support::{unique, BareCluster, Faults};
+use bare_apiserver_support::{unique, BareCluster, Faults, Step};
 use ic_controller::ingest::auth::{
     AgentAuthenticator, CachingVerifier, FakeTokenVerifier, KubeTokenVerifier, ServiceAccountRef,
     TokenVerifier, VerifyError, EXTRA_NODE_NAME, EXTRA_POD_NAME,
@@ -30,15 +33,69 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::Code;
 
-fn agent_sa() -> ServiceAccountRef {
-    "inference-cache:inference-cache-agent".parse().unwrap()
+/// Tokens of one test's namespace: the agent ServiceAccount's, bound to its pods on nodes A and
+/// B and unbound, and another ServiceAccount's bound to a pod on node A.
+struct Tokens {
+    agent_sa: ServiceAccountRef,
+    node_a: String,
+    node_b: String,
+    token_a: String,
+    token_b: String,
+    token_unbound: String,
+    token_app: String,
+    app_user: String,
+}
+
+async fn tokens(bare: &BareCluster) -> Tokens {
+    let ns = bare.namespace("agent-auth").await;
+    let agent = "inference-cache-agent";
+    service_account(bare, &ns, agent).await;
+    service_account(bare, &ns, "some-app").await;
+    let node_a = unique("node-a");
+    let node_b = unique("node-b");
+    node(bare, &node_a).await;
+    node(bare, &node_b).await;
+    let pod_a = pod(bare, &ns, "agent-a", agent, Some(&node_a)).await;
+    let pod_b = pod(bare, &ns, "agent-b", agent, Some(&node_b)).await;
+    let app = pod(bare, &ns, "app", "some-app", Some(&node_a)).await;
+    Tokens {
+        agent_sa: format!("{ns}:{agent}").parse().unwrap(),
+        token_a: token(bare, &ns, agent, Some(&[AUDIENCE]), Some(&pod_a)).await,
+        token_b: token(bare, &ns, agent, Some(&[AUDIENCE]), Some(&pod_b)).await,
+        token_unbound: token(bare, &ns, agent, Some(&[AUDIENCE]), None).await,
+        token_app: token(bare, &ns, "some-app", Some(&[AUDIENCE]), Some(&app)).await,
+        app_user: format!("system:serviceaccount:{ns}:some-app"),
+        node_a,
+        node_b,
+    }
+}
+
+/// The TokenReview verifier with a fault layer: while `down` is set, TokenReviews are answered
+/// `503` as by an apiserver that cannot serve them.
+fn kube_verifier(bare: &BareCluster, down: Arc<AtomicBool>) -> Arc<KubeTokenVerifier> {
+    let faults = Faults::new();
+    faults.rule(move |c| {
+        if c.is("POST", "/tokenreviews") && down.load(Ordering::SeqCst) {
+            Step::Fail {
+                code: 503,
+                reason: "ServiceUnavailable",
+                message: "apiserver down".into(),
+            }
+        } else {
+            Step::Pass
+        }
+    });
+    Arc::new(KubeTokenVerifier::new(bare.client_with(faults)))
 }
 
 /// Serves AgentService with authentication on a loopback port.
-async fn serve(verifier: Arc<dyn TokenVerifier>) -> (String, Arc<Shared>) {
+async fn serve(
+    verifier: Arc<dyn TokenVerifier>,
+    agent_sa: ServiceAccountRef,
+) -> (String, Arc<Shared>) {
     let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
     let auth = Arc::new(
-        AgentAuthenticator::new(verifier, "inference-cache", agent_sa())
+        AgentAuthenticator::new(verifier, "inference-cache", agent_sa)
             .with_metrics(&shared.metrics.registry)
             .unwrap(),
     );
@@ -86,42 +143,34 @@ async fn open(
     (resp, tx)
 }
 
-fn fake() -> Arc<FakeTokenVerifier> {
-    let other: ServiceAccountRef = "default:some-app".parse().unwrap();
-    Arc::new(
-        FakeTokenVerifier::new()
-            .with_token("token-a", &agent_sa(), Some("node-a"))
-            .with_token("token-b", &agent_sa(), Some("node-b"))
-            .with_token("token-unbound", &agent_sa(), None)
-            .with_token("token-app", &other, Some("node-a")),
-    )
-}
-
 #[tokio::test]
 async fn a_token_for_node_a_cannot_open_a_stream_as_node_b() {
-    let (url, shared) = serve(fake()).await;
+    let bare = BareCluster::get().await;
+    let t = tokens(&bare).await;
+    let (url, shared) = serve(kube_verifier(&bare, Default::default()), t.agent_sa.clone()).await;
 
-    let (refused, _tx) = open(&url, "node-b", "token-a").await;
+    let (refused, _tx) = open(&url, &t.node_b, &t.token_a).await;
     let Err(status) = refused else {
         panic!("node B with node A's token must be refused");
     };
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(
-        status.message().contains("\"node-a\"") && status.message().contains("\"node-b\""),
+        status.message().contains(&format!("\"{}\"", t.node_a))
+            && status.message().contains(&format!("\"{}\"", t.node_b)),
         "{}",
         status.message()
     );
     assert!(
-        shared.nodes.lock().get("node-b").is_none(),
+        shared.nodes.lock().get(&t.node_b).is_none(),
         "a refused stream leaves no trace"
     );
 
-    let (accepted, _tx) = open(&url, "node-a", "token-a").await;
+    let (accepted, _tx) = open(&url, &t.node_a, &t.token_a).await;
     accepted.expect("node A with its own token is accepted");
-    assert!(shared.nodes.lock().get("node-a").unwrap().connected);
+    assert!(shared.nodes.lock().get(&t.node_a).unwrap().connected);
 
     // And node B's own token opens node B.
-    let (accepted, _tx2) = open(&url, "node-b", "token-b").await;
+    let (accepted, _tx2) = open(&url, &t.node_b, &t.token_b).await;
     accepted.unwrap();
     let metrics = shared.metrics.render();
     assert!(
@@ -133,24 +182,26 @@ async fn a_token_for_node_a_cannot_open_a_stream_as_node_b() {
 
 #[tokio::test]
 async fn missing_unknown_foreign_and_unbound_tokens_are_refused_clearly() {
-    let verifier = fake();
-    let (url, shared) = serve(verifier.clone()).await;
+    let bare = BareCluster::get().await;
+    let t = tokens(&bare).await;
+    let down = Arc::new(AtomicBool::new(false));
+    let (url, shared) = serve(kube_verifier(&bare, down.clone()), t.agent_sa.clone()).await;
     let cases = [
         ("", Code::Unauthenticated, "Hello.token is empty"),
         ("forged", Code::Unauthenticated, "rejected"),
         (
-            "token-app",
+            t.token_app.as_str(),
             Code::PermissionDenied,
-            "system:serviceaccount:default:some-app",
+            t.app_user.as_str(),
         ),
         (
-            "token-unbound",
+            t.token_unbound.as_str(),
             Code::PermissionDenied,
             "not bound to a node",
         ),
     ];
     for (token, code, text) in cases {
-        let (res, _tx) = open(&url, "node-a", token).await;
+        let (res, _tx) = open(&url, &t.node_a, token).await;
         let st = res
             .err()
             .unwrap_or_else(|| panic!("token {token:?} must be refused"));
@@ -161,14 +212,24 @@ async fn missing_unknown_foreign_and_unbound_tokens_are_refused_clearly() {
             st.message()
         );
     }
-    verifier.set_unavailable(Some("apiserver down"));
-    let (res, _tx) = open(&url, "node-a", "token-a").await;
+    down.store(true, Ordering::SeqCst);
+    let (res, _tx) = open(&url, &t.node_a, &t.token_a).await;
     assert_eq!(
         res.err().unwrap().code(),
         Code::Unavailable,
         "the agent retries later"
     );
     assert_eq!(shared.nodes.lock().connected_count(), 0);
+}
+
+/// A fake verifier of two node-bound agent tokens (counts its reviews).
+fn fake() -> Arc<FakeTokenVerifier> {
+    let agent: ServiceAccountRef = "inference-cache:inference-cache-agent".parse().unwrap();
+    Arc::new(
+        FakeTokenVerifier::new()
+            .with_token("token-a", &agent, Some("node-a"))
+            .with_token("token-b", &agent, Some("node-b")),
+    )
 }
 
 #[tokio::test]
