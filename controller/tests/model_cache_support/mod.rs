@@ -17,6 +17,8 @@
 //! through [`Faults`] ([`Harness::faults`]): injected errors and the record of their calls.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// admission_policy_cel.rs also loads reconcile_support, which loads it too (as its own copy).
+#[allow(clippy::duplicate_mod)]
 #[path = "../bare_apiserver_support/mod.rs"]
 pub mod bare_apiserver_support;
 
