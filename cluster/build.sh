@@ -19,6 +19,7 @@ stamp_of() { # component version
 bins_of() {
     case $1 in
         kubernetes) echo kube-apiserver,kube-controller-manager,kube-scheduler,kubectl ;;
+        kwok) echo kwok,kwok-stages.yaml ;;
         *) echo "$1" ;;
     esac
 }
@@ -83,6 +84,18 @@ build_tool() { # module version package ldflags library-package
     go build -trimpath -ldflags "-s -w $4" -o "$OUT_DIR/" "$3"
 }
 
+# kwok and the stages it plays for nodes (initialize, heartbeat with a Lease) and pods (ready,
+# complete, delete): the module's own "fast" stage set, concatenated into kwok-stages.yaml.
+build_kwok() {
+    build_tool sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "" sigs.k8s.io/kwok/pkg/kwok/cmd
+    local src
+    src="$(go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)/kustomize/stage"
+    for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+        pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+        cat "$src/$f"; echo "---"
+    done > "$OUT_DIR/kwok-stages.yaml"
+}
+
 component() { # name version builder...
     local name=$1 version=$2 t=$SECONDS; shift 2
     fresh "$name" "$version" && return 0
@@ -95,7 +108,6 @@ component etcd "$ETCD_VERSION" build_etcd
 component kubernetes "$KUBERNETES_VERSION" build_kubernetes
 component helm "$HELM_VERSION" build_tool helm.sh/helm/v4 "$HELM_VERSION" helm.sh/helm/v4/cmd/helm \
     "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm.sh/helm/v4/pkg/action
-component kwok "$KWOK_VERSION" build_tool sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok \
-    "" sigs.k8s.io/kwok/pkg/kwok/cmd
+component kwok "$KWOK_VERSION" build_kwok
 rm -rf "$work"
 rm -f "$OUT_DIR/.stamp"

@@ -34,6 +34,9 @@ controller is exercised here and cluster/audit_check.py can hold it to least pri
                                           by the real-apiserver model-cache tests.
 
 usage: chart_objects.py OUT CA_FILE WEBHOOK_PORT GRPC_PORT HTTP_PORT CERT_DIR
+       chart_objects.py --controller-args-from MANIFEST OUT WEBHOOK_PORT GRPC_PORT HTTP_PORT
+           (`cluster.sh up --with-chart`: only OUT/controller-args, from the controller
+           Deployment of an installed release's manifest, `helm get manifest`)
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ APPLIED_KINDS = {
 
 
 def main() -> None:
+    if sys.argv[1] == "--controller-args-from":
+        manifest, out, webhook_port, grpc_port, http_port = sys.argv[2:7]
+        for doc in yaml.safe_load_all(Path(manifest).read_text()):
+            if doc and doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("controller"):
+                container = doc["spec"]["template"]["spec"]["containers"][0]
+                args = controller_args(container["args"], webhook_port, grpc_port, http_port, None)
+                (Path(out) / "controller-args").write_text("\n".join(args) + "\n")
+                return
+        sys.exit(f"chart_objects.py: {manifest} holds no controller Deployment")
     out, ca_file, webhook_port, grpc_port, http_port, cert_dir = sys.argv[1:7]
     out_dir = Path(out)
     ca_bundle = base64.b64encode(Path(ca_file).read_bytes()).decode()
@@ -126,16 +138,18 @@ CLUSTER_SCOPED = {
 }
 
 
-def controller_args(chart_args: list[str], webhook_port: str, grpc_port: str, http_port: str, cert_dir: str) -> list[str]:
-    """The chart's controller arguments with the listeners on loopback and this run's
-    certificate directory; `$(POD_NAMESPACE)` becomes the release namespace (what the kubelet
-    substitutes)."""
+def controller_args(chart_args: list[str], webhook_port: str, grpc_port: str, http_port: str,
+                    cert_dir: str | None) -> list[str]:
+    """The chart's controller arguments with the listeners on loopback and (when given) this
+    run's certificate directory; `$(POD_NAMESPACE)` becomes the release namespace (what the
+    kubelet substitutes)."""
     moved = {
         "--grpc-addr": f"127.0.0.1:{grpc_port}",
         "--http-addr": f"127.0.0.1:{http_port}",
         "--webhook-addr": f"127.0.0.1:{webhook_port}",
-        "--webhook-cert-dir": cert_dir,
     }
+    if cert_dir is not None:
+        moved["--webhook-cert-dir"] = cert_dir
     args = []
     for a in chart_args:
         key = a.split("=", 1)[0]

@@ -13,6 +13,16 @@
 #                              and play the Deployment controller and kubelet by writing status
 #                              (controller/tests/bare_apiserver_support/). scripts/test.sh runs one
 #                              in target/cluster/bare beside the full one.
+#   scripts/cluster.sh up --with-chart
+#                              what a user tries first: the full control plane plus kwok fake
+#                              nodes (two GPU nodes, one CPU node) that take pods to Running, and
+#                              the chart installed by `helm install` (Helm v4 built from its Go
+#                              module) in self-signed certificate mode; the controller runs on this
+#                              host as the chart's ServiceAccount with the chart's arguments, and
+#                              the apiserver reaches its webhooks through the chart's own Service
+#                              (one iptables DNAT rule from the Service's ClusterIP to the
+#                              controller's loopback listener: kube-proxy's job for that Service;
+#                              needs root and iptables). Prints what to try next.
 #   scripts/cluster.sh down    stop everything `up` started and remove its state
 #   scripts/cluster.sh status  say what runs (exit 0 only when all of it does)
 #   scripts/cluster.sh restart COMPONENT
@@ -48,11 +58,25 @@ http_port="${IC_CLUSTER_HTTP_PORT:-18080}"
 controller_bin="${IC_CONTROLLER_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-controller}"
 namespace=inference-cache
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler ic-controller)
-# `up --bare` (recorded in $state/mode, so that status/down/restart know it).
+# full, bare (`up --bare`) or chart (`up --with-chart`); recorded in $state/mode, so that
+# status/down/restart know it.
+mode=full
+[[ -f "$state/mode" ]] && mode="$(cat "$state/mode")"
+if [[ "${1:-}" == up ]]; then
+  case "${2:-}" in
+    --bare) mode=bare ;;
+    --with-chart) mode=chart ;;
+    "") ;;
+    *) echo "cluster: unknown option ${2}: up takes --bare or --with-chart" >&2; exit 2 ;;
+  esac
+fi
 bare=0
-[[ -f "$state/mode" && "$(cat "$state/mode")" == bare ]] && bare=1
-if [[ "${1:-}" == up && "${2:-}" == --bare ]]; then bare=1; fi
-if ((bare)); then components=(etcd kube-apiserver); fi
+[[ $mode == bare ]] && bare=1
+case $mode in
+  bare) components=(etcd kube-apiserver) ;;
+  chart) components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok ic-controller) ;;
+esac
+release=inference-cache
 
 log() { echo "cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -236,7 +260,93 @@ IC_CLUSTER_ETCD=http://127.0.0.1:$etcd_port
 IC_CLUSTER_CONTROLLER_BIN=$controller_bin
 IC_CLUSTER_BIN=$bin
 IC_CLUSTER_STATE=$state
-IC_CLUSTER_MODE=$( ((bare)) && echo bare || echo full)
+IC_CLUSTER_MODE=$mode
+IC_CLUSTER_RELEASE=$release
+EOF
+}
+
+# The controller on this host as the chart's ServiceAccount (a bound token of that account,
+# nothing else) with the arguments in $state/controller-args.
+start_controller() {
+  local sa
+  sa="$(kubectl_admin get sa -n "$namespace" -o name | sed -n 's#serviceaccount/\(.*-controller\)$#\1#p' | head -1)"
+  [[ -n "$sa" ]] || die "the chart rendered no controller ServiceAccount in $namespace"
+  kubectl_admin create token "$sa" -n "$namespace" --duration 48h > "$state/controller.token"
+  kubeconfig "$state/controller.kubeconfig" "system:serviceaccount:$namespace:$sa" "$state/controller.token" token
+  mapfile -t args < "$state/controller-args"
+  start ic-controller env POD_NAMESPACE=$namespace POD_NAME=ic-controller-local \
+    IC_LEADER_ELECTION_IDENTITY=ic-controller-local \
+    "$controller_bin" "${args[@]}" --kubeconfig "$state/controller.kubeconfig"
+  wait_for ic-controller 60 curl -sf "http://127.0.0.1:$http_port/readyz"
+}
+
+# kube-proxy's job for one Service port: connections from this host to the Service's
+# ClusterIP:port go to a loopback port (an iptables DNAT rule in the nat table's OUTPUT chain,
+# tagged with this state directory and removed by `down`).
+dnat_add() { # service port loopback-port
+  local ip
+  ip="$(kubectl_admin get svc "$1" -n "$namespace" -o jsonpath='{.spec.clusterIP}')"
+  [[ -n "$ip" ]] || die "Service $namespace/$1 has no ClusterIP"
+  ip route get "$ip" >/dev/null 2>&1 || die "no route to the Service network ($ip): iptables DNAT needs one (a default route)"
+  local rule=(-d "$ip/32" -p tcp --dport "$2" -m comment --comment "ic-cluster:$state" -j DNAT --to-destination "127.0.0.1:$3")
+  iptables -t nat -A OUTPUT "${rule[@]}"
+  printf '%q ' "${rule[@]}" >> "$state/dnat-rules"; echo >> "$state/dnat-rules"
+}
+
+dnat_clear() {
+  [[ -f "$state/dnat-rules" ]] || return 0
+  local line
+  while read -r line; do
+    [[ -n "$line" ]] && { eval "iptables -t nat -D OUTPUT $line" 2>/dev/null || true; }
+  done < "$state/dnat-rules"
+  rm -f "$state/dnat-rules"
+}
+
+# `up --with-chart` after the controller-manager and scheduler: kwok and its nodes, `helm
+# install`, the controller on this host, the webhook Service's DNAT rule.
+up_chart() {
+  command -v iptables >/dev/null || die "--with-chart needs iptables (and root): the webhook Service's ClusterIP is routed to the controller with one DNAT rule"
+  start kwok "$bin/kwok" --kubeconfig "$state/admin.kubeconfig" --config "$bin/kwok-stages.yaml" \
+    --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 \
+    --server-address "127.0.0.1:$((api_port + 3))"
+  kubectl_admin apply --server-side --field-manager=cluster.sh -f cluster/kwok-nodes.yaml >/dev/null
+  wait_for "kwok nodes" 60 kubectl_admin wait --for condition=Ready node -l type=kwok --timeout 5s
+  log "helm install $release (chart/, values cluster/chart-values.yaml)"
+  "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" chart \
+    --namespace "$namespace" --create-namespace --values cluster/chart-values.yaml \
+    --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1 \
+    || die "helm install failed: $(tail -5 "$state/logs/helm-install.log")"
+  "$bin/helm" --kubeconfig "$state/admin.kubeconfig" get manifest "$release" -n "$namespace" > "$state/manifest.yaml"
+  bash scripts/chart-venv.sh
+  .venv/chart-tests/bin/python cluster/chart_objects.py --controller-args-from "$state/manifest.yaml" \
+    "$state" "$webhook_port" "$grpc_port" "$http_port"
+  start_controller
+  local svc
+  svc="$(kubectl_admin get svc -n "$namespace" -o name | sed -n 's#service/\(.*-webhook\)$#\1#p' | head -1)"
+  [[ -n "$svc" ]] || die "the chart installed no webhook Service in $namespace"
+  dnat_add "$svc" 443 "$webhook_port"
+  # The webhooks answer the apiserver through the Service (self-signed mode: the controller put
+  # its CA into the configurations' caBundle).
+  wait_for "the CacheBackend webhooks through Service $svc" 90 kubectl_admin create --dry-run=server -n default -f - <<'EOF'
+apiVersion: inferencecache.io/v1alpha1
+kind: CacheBackend
+metadata: {name: webhook-ready}
+spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
+EOF
+  write_env
+}
+
+next_steps() {
+  cat >&2 <<EOF
+cluster: try next (KUBECONFIG below):
+  kubectl get nodes                      # kwok nodes: kwok-gpu-0, kwok-gpu-1 (GPU), kwok-cpu-0
+  kubectl get pods -n $namespace         # the chart's pods (kwok runs them; the controller serving
+                                         # the webhooks is the host process, logs in $state/logs/)
+  kubectl apply -f examples/quickstart/cachebackend.yaml
+  kubectl apply -f examples/quickstart/engine-pod.yaml
+  kubectl get pod vllm-quickstart -o jsonpath='{.metadata.annotations}'   # wired by the Pod webhook
+  kubectl describe cachebackend quickstart   # conditions and Events
+  $bin/helm --kubeconfig $state/admin.kubeconfig list -A
 EOF
 }
 
@@ -255,7 +365,7 @@ up() {
     cargo build -p ic-controller --bin ic-controller --locked
   fi
   mkdir -p "$state"
-  ((bare)) && echo bare > "$state/mode"
+  echo "$mode" > "$state/mode"
   pki
   audit_policy
 
@@ -295,6 +405,14 @@ up() {
       --bind-address 127.0.0.1 --secure-port $((api_port + 2)) --leader-elect=false --profiling=false
   fi
 
+  if [[ $mode == chart ]]; then
+    up_chart
+    log "up (with the chart) in $((SECONDS - t0)) s: kube-apiserver https://127.0.0.1:$api_port, nodes and pods by kwok, controller on this host (logs: $state/logs/)"
+    next_steps
+    echo "export KUBECONFIG=$state/admin.kubeconfig"
+    return
+  fi
+
   # The chart's objects (rendered by Helm's Go SDK) and CRDs.
   bash scripts/chart-venv.sh
   .venv/chart-tests/bin/python cluster/chart_objects.py "$state" "$state/pki/webhook-ca.crt" \
@@ -321,17 +439,7 @@ EOF
     return
   fi
 
-  # The controller as the chart's ServiceAccount: a bound token of that account, nothing else.
-  local sa
-  sa="$(kubectl_admin get sa -n "$namespace" -o name | sed -n 's#serviceaccount/\(.*-controller\)$#\1#p' | head -1)"
-  [[ -n "$sa" ]] || die "the chart rendered no controller ServiceAccount in $namespace"
-  kubectl_admin create token "$sa" -n "$namespace" --duration 48h > "$state/controller.token"
-  kubeconfig "$state/controller.kubeconfig" "system:serviceaccount:$namespace:$sa" "$state/controller.token" token
-  mapfile -t args < "$state/controller-args"
-  start ic-controller env POD_NAMESPACE=$namespace POD_NAME=ic-controller-local \
-    IC_LEADER_ELECTION_IDENTITY=ic-controller-local \
-    "$controller_bin" "${args[@]}" --kubeconfig "$state/controller.kubeconfig"
-  wait_for ic-controller 60 curl -sf "http://127.0.0.1:$http_port/readyz"
+  start_controller
   kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f "$state/objects-webhooks.yaml" >/dev/null
 
   # The webhooks answer the apiserver: a server-side dry run of a CacheBackend goes through both.
@@ -348,6 +456,7 @@ EOF
 }
 
 down() {
+  dnat_clear
   for ((i = ${#components[@]} - 1; i >= 0; i--)); do
     stop "${components[$i]}"
   done
