@@ -28,6 +28,9 @@
 #   scripts/cluster.sh restart COMPONENT
 #                              stop one component and start it with the same command line (the
 #                              restart tests: controller/tests/real_apiserver_restart.rs)
+#   scripts/cluster.sh stop COMPONENT
+#                              stop one component (e.g. ic-controller after `helm uninstall`, as
+#                              its pods would go: scripts/install-tests.sh)
 #   scripts/cluster.sh env     print the file the tests read (see below)
 #
 # Both `up` and `down` are idempotent: `up` on a running cluster only prints the export line.
@@ -56,6 +59,12 @@ webhook_port="${IC_CLUSTER_WEBHOOK_PORT:-19443}"
 grpc_port="${IC_CLUSTER_GRPC_PORT:-15051}"
 http_port="${IC_CLUSTER_HTTP_PORT:-18080}"
 controller_bin="${IC_CONTROLLER_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-controller}"
+# A running cluster's ports are what `up` recorded (restart, stop and status of a cluster
+# started with other IC_CLUSTER_*_PORT values work without them).
+if [[ "${1:-}" != up && -f "$state/ports" ]]; then
+  # shellcheck source=/dev/null
+  source "$state/ports"
+fi
 namespace=inference-cache
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler ic-controller)
 # full, bare (`up --bare`) or chart (`up --with-chart`); recorded in $state/mode, so that
@@ -366,6 +375,7 @@ up() {
   fi
   mkdir -p "$state"
   echo "$mode" > "$state/mode"
+  declare -p etcd_port etcd_peer_port api_port webhook_port grpc_port http_port | sed 's/^declare -- //' > "$state/ports"
   pki
   audit_policy
 
@@ -486,10 +496,13 @@ case "${1:-}" in
   down) down ;;
   status) status ;;
   restart) restart "${2:?restart needs a component}" ;;
+  stop)
+    [[ " ${components[*]} " == *" ${2:?stop needs a component} "* ]] || die "stop: unknown component $2 (one of: ${components[*]})"
+    stop "$2"; log "stopped $2" ;;
   env) echo "$state/cluster.env" ;;
   "" | -h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; [[ -n "${1:-}" ]] && exit 0; exit 2 ;;
   *)
-    log "unknown command ${1:-}: use up, down, status, restart COMPONENT or env"
+    log "unknown command ${1:-}: use up, down, status, restart COMPONENT, stop COMPONENT or env"
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;

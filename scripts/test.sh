@@ -27,6 +27,10 @@ cargo test --workspace --locked --no-fail-fast || status=$?
 # Least privilege from the apiserver's audit log of the run above: every request the chart's
 # identities made was allowed, and every grant was used (cluster/audit_check.py).
 .venv/chart-tests/bin/python cluster/audit_check.py "$(dirname "$(bash scripts/cluster.sh env)")" || status=$?
+# The chart installed for real: `helm install` on a control plane with kwok nodes, the webhooks
+# through the chart's Service, `helm upgrade`, `helm uninstall` and namespace deletion
+# (scripts/install-tests.sh; its own state directory and ports; needs root and iptables).
+bash scripts/install-tests.sh || status=$?
 # The chart tests run every argument the chart passes through the real ic-controller and ic-agent
 # (chart-tests/test_binary_args.py). `cargo test` has already built both binaries into
 # target/debug (their packages have integration tests that run them). A separate

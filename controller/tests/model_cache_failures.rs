@@ -433,7 +433,9 @@ async fn row6_transient_errors_requeue_without_changing_state() {
             "add reference",
             Box::new(|_: &Harness| {
                 Box::new(|c: &Call| {
-                    if c.method == "PUT" && c.has("modelcachebindings") && c.path.ends_with("/status")
+                    if c.method == "PUT"
+                        && c.has("modelcachebindings")
+                        && c.path.ends_with("/status")
                     {
                         server_error()
                     } else {
@@ -448,7 +450,8 @@ async fn row6_transient_errors_requeue_without_changing_state() {
                 let n = AtomicUsize::new(0);
                 Box::new(move |c: &Call| {
                     // The first request status write (the selection) passes, the second fails.
-                    if c.is("PATCH", "/modelcaches/a/status") && n.fetch_add(1, Ordering::SeqCst) == 1
+                    if c.is("PATCH", "/modelcaches/a/status")
+                        && n.fetch_add(1, Ordering::SeqCst) == 1
                     {
                         server_error()
                     } else {

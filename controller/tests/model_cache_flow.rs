@@ -355,7 +355,9 @@ async fn step4_reference_and_binding_are_persisted_before_any_storage_side_effec
         .unwrap();
     let referenced = log
         .iter()
-        .position(|c| c.method == "PUT" && c.has("modelcachebindings") && c.path.ends_with("/status"))
+        .position(|c| {
+            c.method == "PUT" && c.has("modelcachebindings") && c.path.ends_with("/status")
+        })
         .unwrap();
     let recorded = log
         .iter()
@@ -491,7 +493,10 @@ async fn step5_one_writer_then_readers_derived_from_its_volume() {
     let cref = spec.claim_ref.unwrap();
     assert_eq!(
         (cref.namespace.as_deref(), cref.name.as_deref()),
-        (Some(ns.as_str()), Some(names::reader_claim(&bname).as_str()))
+        (
+            Some(ns.as_str()),
+            Some(names::reader_claim(&bname).as_str())
+        )
     );
     assert!(!pv
         .metadata
@@ -597,10 +602,16 @@ async fn step5_helm_readers_in_other_namespaces_get_rewritten_handles() {
         .additional_resources
         .clone()
         .unwrap();
-    assert_eq!(extra.persistent_volumes, vec![names::reader_pv(&bname, &nd)]);
+    assert_eq!(
+        extra.persistent_volumes,
+        vec![names::reader_pv(&bname, &nd)]
+    );
     assert_eq!(
         extra.persistent_volume_claims,
-        vec![NamespacedName::new(nd.as_str(), names::reader_claim(&bname))]
+        vec![NamespacedName::new(
+            nd.as_str(),
+            names::reader_claim(&bname)
+        )]
     );
     h.complete_writer(&b, NVMESH, &format!("nvmesh/{}/vol-7", h.ctl))
         .await;
@@ -682,7 +693,10 @@ async fn step5_an_encrypted_cache_owns_its_key_and_class() {
     assert!(b.spec.decision.encrypted);
     assert_eq!(
         b.spec.resources.secrets,
-        vec![NamespacedName::new(h.ctl.as_str(), names::key_secret(&bname))]
+        vec![NamespacedName::new(
+            h.ctl.as_str(),
+            names::key_secret(&bname)
+        )]
     );
     assert_eq!(
         b.spec.resources.storage_classes,

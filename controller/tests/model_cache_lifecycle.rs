@@ -294,7 +294,11 @@ async fn a_binding_deleted_while_referenced_releases_nothing_until_idle() {
     h.settle().await;
     assert!(h.names::<Job>(None).await.is_empty());
     // Released=True was recorded before the finalizer went.
-    let last = last.lock().unwrap().clone().expect("the finalizer was patched");
+    let last = last
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the finalizer was patched");
     let released = ic_shared::crd::find_condition(&last.conditions, "Released").unwrap();
     assert_eq!(released.status, "True");
     assert_eq!(released.reason, "Released");
@@ -324,7 +328,8 @@ async fn release_never_deletes_an_object_replaced_after_the_ownership_read() {
     // Right before the release's delete of the (owned, read) reader claim, someone deletes
     // it and creates their own claim under the same name.
     let armed = Arc::new(AtomicBool::new(false));
-    let (arm, client, ns_in, claim_in) = (armed.clone(), h.client.clone(), ns.clone(), claim.clone());
+    let (arm, client, ns_in, claim_in) =
+        (armed.clone(), h.client.clone(), ns.clone(), claim.clone());
     h.faults.rule(move |c| {
         if !(c.method == "DELETE"
             && c.has("persistentvolumeclaims")
@@ -367,7 +372,10 @@ async fn release_never_deletes_an_object_replaced_after_the_ownership_read() {
     h.clock.advance(Duration::from_secs(3600));
     armed.store(true, Ordering::SeqCst);
     h.reconcile_binding(&name).await.unwrap();
-    assert!(!armed.load(Ordering::SeqCst), "the release deleted the claim");
+    assert!(
+        !armed.load(Ordering::SeqCst),
+        "the release deleted the claim"
+    );
     h.settle().await;
     let claims = Api::<PersistentVolumeClaim>::namespaced(h.client.clone(), &ns);
     let theirs = claims
@@ -394,7 +402,10 @@ async fn release_never_deletes_an_object_replaced_after_the_ownership_read() {
     );
     // Everything else it owned is gone.
     assert!(h.names::<Job>(None).await.is_empty());
-    assert_eq!(h.names::<PersistentVolumeClaim>(Some(&ns)).await, vec![claim.clone()]);
+    assert_eq!(
+        h.names::<PersistentVolumeClaim>(Some(&ns)).await,
+        vec![claim.clone()]
+    );
     // Next pass: the object is read as foreign now; still never deleted; only foreign objects
     // are left, so the finalizer goes while the binding keeps the record.
     h.reconcile_binding(&name).await.unwrap();
@@ -443,7 +454,10 @@ async fn release_keeps_a_claim_whose_volume_no_longer_retains() {
         .get(&wname)
         .await
         .unwrap();
-    assert!(writer_claim.metadata.deletion_timestamp.is_none(), "never deleted");
+    assert!(
+        writer_claim.metadata.deletion_timestamp.is_none(),
+        "never deleted"
+    );
     let b = h.binding(&name).await.expect("the binding stays");
     assert_eq!(
         b.status.as_ref().unwrap().release_skipped,
@@ -453,7 +467,10 @@ async fn release_keeps_a_claim_whose_volume_no_longer_retains() {
         }]
     );
     assert_eq!(released_condition(&b).1, "ObjectsKept");
-    assert!(has_binding_finalizer(&b), "an owned object is still protected");
+    assert!(
+        has_binding_finalizer(&b),
+        "an owned object is still protected"
+    );
     // Retain again: the next pass releases it and the binding goes.
     set_policy("Retain").await;
     h.reconcile_binding(&name).await.unwrap();
@@ -487,7 +504,9 @@ async fn uninstall_strips_only_our_finalizer_and_deletes_nothing() {
     h.create(&binding_with_finalizer(&h, "b2")).await;
     h.create(&job).await;
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         2
     );
     let all = h.bindings().await;
@@ -502,7 +521,9 @@ async fn uninstall_strips_only_our_finalizer_and_deletes_nothing() {
     assert!(!h.faults.calls().iter().any(|c| c.method == "DELETE"));
     // Idempotent.
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         0
     );
 }
@@ -570,7 +591,9 @@ async fn uninstall_stops_new_bindings_before_it_strips() {
     h.create(&binding_with_finalizer(&h, "b1")).await;
     h.create_request(&regular("a", &ns, "r1")).await;
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         1
     );
     assert!(marker_exists_in(&h).await);
@@ -636,7 +659,8 @@ async fn uninstall_strips_bindings_that_appear_while_it_strips() {
     let once = AtomicBool::new(false);
     let (client, b2) = (h.client.clone(), binding_with_finalizer(&h, "b2"));
     h.faults.rule(move |c| {
-        if !(c.method == "PATCH" && c.has("modelcachebindings")) || once.swap(true, Ordering::SeqCst)
+        if !(c.method == "PATCH" && c.has("modelcachebindings"))
+            || once.swap(true, Ordering::SeqCst)
         {
             return Step::Pass;
         }
@@ -654,7 +678,9 @@ async fn uninstall_strips_bindings_that_appear_while_it_strips() {
         )
     });
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         2
     );
     let all = h.bindings().await;
@@ -679,7 +705,9 @@ async fn uninstall_with_no_crd_has_nothing_to_strip() {
         }
     });
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         0
     );
 }
@@ -694,7 +722,8 @@ async fn uninstall_keeps_a_finalizer_added_concurrently() {
     let once = AtomicBool::new(false);
     let (client, ctl) = (h.client.clone(), h.ctl.clone());
     h.faults.rule(move |c| {
-        if !(c.method == "PATCH" && c.has("modelcachebindings")) || once.swap(true, Ordering::SeqCst)
+        if !(c.method == "PATCH" && c.has("modelcachebindings"))
+            || once.swap(true, Ordering::SeqCst)
         {
             return Step::Pass;
         }
@@ -713,7 +742,9 @@ async fn uninstall_keeps_a_finalizer_added_concurrently() {
         )
     });
     assert_eq!(
-        strip_binding_finalizers(&h.ctx.client, &h.ctl).await.unwrap(),
+        strip_binding_finalizers(&h.ctx.client, &h.ctl)
+            .await
+            .unwrap(),
         1
     );
     let b = h.binding("b1").await.unwrap();

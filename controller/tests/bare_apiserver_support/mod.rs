@@ -174,7 +174,9 @@ impl Call {
 
     /// A watch request (`watch=true` in the query).
     pub fn is_watch(&self) -> bool {
-        self.query.split('&').any(|p| p == "watch=true" || p == "watch=1")
+        self.query
+            .split('&')
+            .any(|p| p == "watch=true" || p == "watch=1")
     }
 
     /// The path has `segment` as one of its `/`-separated parts (a resource plural such as
@@ -318,7 +320,9 @@ where
             let send = |req| async move {
                 let fut = {
                     let mut svc = inner.lock().await;
-                    tower::ServiceExt::ready(&mut *svc).await.map_err(Into::into)?;
+                    tower::ServiceExt::ready(&mut *svc)
+                        .await
+                        .map_err(Into::into)?;
                     svc.call(req)
                 };
                 let resp = fut.await.map_err(Into::into)?;

@@ -32,7 +32,9 @@ use ic_controller::reconcile::model_cache::{
     names, reconcile_binding, reconcile_request, Context, Error, FeatureFlags, ModelCacheConfig,
     DEFAULT_STORAGE_CLASS,
 };
-use ic_shared::crd::{annotations, find_condition, ModelCache, ModelCacheBinding, ModelCacheStatus};
+use ic_shared::crd::{
+    annotations, find_condition, ModelCache, ModelCacheBinding, ModelCacheStatus,
+};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
@@ -292,7 +294,9 @@ impl Setup {
             ctx,
             clock,
             faults,
-            namespaces: Arc::new(Mutex::new([&ns, &ctl, &cat_ns].into_iter().cloned().collect())),
+            namespaces: Arc::new(Mutex::new(
+                [&ns, &ctl, &cat_ns].into_iter().cloned().collect(),
+            )),
             ns,
             ctl,
             cat_ns,
@@ -467,7 +471,8 @@ impl Harness {
         for ns in lists {
             let api: Api<K> = K::Scope::api(self.client.clone(), ns.as_deref());
             for o in api.list(&ListParams::default()).await.unwrap().items {
-                if !K::Scope::NAMESPACED && !self.owns_cluster_object(&serde_json::to_value(&o).unwrap())
+                if !K::Scope::NAMESPACED
+                    && !self.owns_cluster_object(&serde_json::to_value(&o).unwrap())
                 {
                     continue;
                 }
@@ -600,10 +605,17 @@ impl Harness {
                 let Some(pv) = pvs.get_opt(&volume).await.unwrap() else {
                     continue;
                 };
-                let cref = pv.spec.as_ref().and_then(|s| s.claim_ref.clone()).unwrap_or_default();
+                let cref = pv
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.claim_ref.clone())
+                    .unwrap_or_default();
                 if cref.namespace.as_deref() != Some(ns.as_str())
                     || cref.name != c.metadata.name
-                    || cref.uid.as_ref().is_some_and(|u| Some(u) != c.metadata.uid.as_ref())
+                    || cref
+                        .uid
+                        .as_ref()
+                        .is_some_and(|u| Some(u) != c.metadata.uid.as_ref())
                 {
                     continue;
                 }
@@ -638,7 +650,11 @@ impl Harness {
                 }
                 if let Some(p) = drop_finalizer(c.metadata.finalizers.clone(), PVC_PROTECTION) {
                     let name = c.metadata.name.clone().unwrap();
-                    ignore_gone(claims.patch(&name, &PatchParams::default(), &Patch::Merge(p)).await);
+                    ignore_gone(
+                        claims
+                            .patch(&name, &PatchParams::default(), &Patch::Merge(p))
+                            .await,
+                    );
                 }
             }
         }
@@ -651,7 +667,10 @@ impl Harness {
             }
             if let Some(p) = drop_finalizer(pv.metadata.finalizers.clone(), PV_PROTECTION) {
                 let name = pv.metadata.name.clone().unwrap();
-                ignore_gone(pvs.patch(&name, &PatchParams::default(), &Patch::Merge(p)).await);
+                ignore_gone(
+                    pvs.patch(&name, &PatchParams::default(), &Patch::Merge(p))
+                        .await,
+                );
             }
         }
     }
@@ -660,9 +679,17 @@ impl Harness {
     /// the job: gone when this returns.
     pub async fn delete_claim(&self, ns: &str, name: &str) {
         let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), ns);
-        ignore_gone(claims.delete(name, &DeleteParams::default()).await.map(|_| ()));
+        ignore_gone(
+            claims
+                .delete(name, &DeleteParams::default())
+                .await
+                .map(|_| ()),
+        );
         self.settle().await;
-        assert!(claims.get_opt(name).await.unwrap().is_none(), "{ns}/{name} still there");
+        assert!(
+            claims.get_opt(name).await.unwrap().is_none(),
+            "{ns}/{name} still there"
+        );
     }
 
     /// Deletes request `ns/name` (no finalizer: gone at once).

@@ -25,9 +25,10 @@
 //!             args: ["--to", "/model-data"]
 //! ```
 //!
-//! What the API server enforces (CEL, `x-kubernetes-validations`): `spec` is immutable (except
-//! inside `spec.writer.template`, whose fields CEL cannot see: the controller records
-//! `status.writerTemplateDigest` and refuses a changed template with `SpecChanged`); a recorded
+//! What the API server enforces (CEL, `x-kubernetes-validations`): `spec` is immutable, the
+//! writer template included (the real apiserver compares it whole; the controller also records
+//! `status.writerTemplateDigest` and refuses a changed template with `SpecChanged`, a second
+//! guard where the CRD's rules are not enforced); a recorded
 //! `status.mode`, `status.selection`, `status.binding` and `status.writerTemplateDigest` never change (a request is
 //! never rebound — recreate it to start over); `helmModelCache` needs `readerNamespaces`,
 //! `regularModelCache` takes neither `readerNamespaces` nor `sharingDomain`.
@@ -132,7 +133,8 @@ pub mod model_cache_reason {
     /// Ready=False: an object the binding names exists but belongs to someone else.
     pub const FOREIGN_OBJECT: &str = "ForeignObject";
     /// Ready=False: `spec.writer.template` differs from what the controller first read
-    /// (`status.writerTemplateDigest`), an edit the API server's immutability rule cannot see.
+    /// (`status.writerTemplateDigest`): an edit the CRD's immutability rule refuses, seen where
+    /// that rule is not enforced (e.g. older CRDs installed).
     /// Nothing is provisioned from the changed spec; recreate the ModelCache.
     pub const SPEC_CHANGED: &str = "SpecChanged";
     /// Not ready: an uninstall is in progress (the uninstall marker exists in the control
@@ -502,10 +504,9 @@ pub struct ModelCacheStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// SHA-256 (64 lower-case hex) of `spec.writer.template` (JSON) as the controller first
-    /// read it, recorded before any side effect; final. The API server's `self == oldSelf`
-    /// cannot see inside the template (fields kept by `x-kubernetes-preserve-unknown-fields`
-    /// are not accessible to CEL), so the controller compares every pass and refuses a changed
-    /// template (`Ready=False SpecChanged`). The rest of `spec` is immutable by CEL.
+    /// read it, recorded before any side effect; final. `spec` (the template included) is
+    /// immutable by CEL; the controller also compares every pass and refuses a changed template
+    /// (`Ready=False SpecChanged`), a second guard where the CRD's rules are not enforced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(pattern(r"^[0-9a-f]{64}$"))]
     pub writer_template_digest: Option<String>,

@@ -179,7 +179,7 @@ impl Pass<'_> {
                     ConditionStatus::False,
                     reason::SPEC_CHANGED,
                     format!(
-                        "spec.writer.template changed after it was recorded (sha256 {recorded}, now {digest}); the API server's immutability rule cannot see inside the template; nothing is provisioned from the changed spec — recreate the ModelCache"
+                        "spec.writer.template changed after it was recorded (sha256 {recorded}, now {digest}); spec is immutable; nothing is provisioned from the changed spec — recreate the ModelCache"
                     ),
                 );
                 self.flush().await?;

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The chart installed, upgraded and uninstalled for real (docs/real-cluster.md "With the chart"):
+# `scripts/cluster.sh up --with-chart` in its own state directory and ports (kube-apiserver,
+# controller-manager, scheduler, kwok nodes, `helm install --wait` in self-signed mode, the
+# controller on this host behind the chart's webhook Service), then, through the apiserver as a
+# user would:
+#
+#   1. install: the release is deployed; every chart pod is Running on a kwok node and the agents
+#      only on the GPU nodes; both webhook configurations point at the chart's Service (no url)
+#      with the controller's CA in every caBundle;
+#   2. the webhooks through the Service: the quickstart CacheBackend (examples/quickstart) is
+#      defaulted by the mutating webhook, an invalid one is refused naming its field, and the
+#      quickstart engine pod is wired by the Pod webhook;
+#   3. upgrade: `helm upgrade` with a changed value re-applies the webhook configurations with an
+#      empty caBundle; the controller puts its CA back and the webhooks answer again;
+#   4. uninstall: `helm uninstall`, the controller stopped (its pods are gone); no webhook
+#      configuration, policy or ClusterRole of the release is left, a pod is created at once in
+#      another namespace (nothing blocks pod creation), deleting the release namespace completes
+#      (nothing blocks namespace deletion), and what is deliberately kept (the CRDs) is there.
+#
+# Needs root and iptables (the Service's ClusterIP is routed to the controller with one DNAT
+# rule). Exit 0 only when every step passed; each failure names the step and what was seen.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export IC_CLUSTER_DIR="${IC_INSTALL_CLUSTER_DIR:-$PWD/target/cluster/chart}"
+export IC_CLUSTER_ETCD_PORT=23811 IC_CLUSTER_API_PORT=16463 IC_CLUSTER_WEBHOOK_PORT=19463 \
+  IC_CLUSTER_GRPC_PORT=15071 IC_CLUSTER_HTTP_PORT=18100
+bin="$PWD/target/cluster/bin"
+state="$IC_CLUSTER_DIR"
+release=inference-cache
+ns=inference-cache
+failures=0
+
+say() { echo "install-tests: $*" >&2; }
+fail() { say "FAIL: $*"; failures=$((failures + 1)); }
+k() { "$bin/kubectl" --kubeconfig "$state/admin.kubeconfig" "$@"; }
+helm() { "$bin/helm" --kubeconfig "$state/admin.kubeconfig" "$@"; }
+# Polls a command until it succeeds (seconds, command...); 1 when it never did.
+eventually() {
+  local secs=$1; shift
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || return 1
+    sleep 1
+  done
+}
+
+bash scripts/cluster.sh down >/dev/null 2>&1 || true
+# On the way out the cluster goes; its logs stay in target/cluster/chart-logs when a step failed.
+cleanup() {
+  if ((failures)) && [[ -d $state/logs ]]; then
+    rm -rf "$state-logs"; cp -r "$state/logs" "$state-logs"; say "logs kept in $state-logs"
+  fi
+  bash scripts/cluster.sh down >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+t0=$SECONDS
+bash scripts/cluster.sh up --with-chart >/dev/null || { failures=1; say "FAIL: cluster.sh up --with-chart"; exit 1; }
+say "up --with-chart (helm install --wait included) in $((SECONDS - t0)) s"
+
+# --- 1. install -----------------------------------------------------------------------------------
+status="$(helm status "$release" -n "$ns" -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["info"]["status"])')"
+[[ $status == deployed ]] || fail "install: release status $status, not deployed"
+not_running="$(k get pods -n "$ns" -o jsonpath='{range .items[?(@.status.phase!="Running")]}{.metadata.name} {end}')"
+[[ -z $not_running ]] || fail "install: chart pods not Running: $not_running"
+agent_nodes="$(k get pods -n "$ns" -l app.kubernetes.io/component=agent -o jsonpath='{range .items[*]}{.spec.nodeName}{"\n"}{end}' | sort | tr '\n' ' ')"
+[[ $agent_nodes == "kwok-gpu-0 kwok-gpu-1 " ]] || fail "install: agents on '$agent_nodes', expected the two GPU nodes only"
+for kind in mutatingwebhookconfigurations validatingwebhookconfigurations; do
+  for hook in $(k get "$kind" -l "app.kubernetes.io/instance=$release" -o name); do
+    urls="$(k get "$hook" -o jsonpath='{range .webhooks[*]}{.clientConfig.url}{end}')"
+    svcs="$(k get "$hook" -o jsonpath='{range .webhooks[*]}{.clientConfig.service.name} {end}')"
+    empty_ca="$(k get "$hook" -o jsonpath='{range .webhooks[?(@.clientConfig.caBundle=="")]}{.name} {end}')"
+    [[ -z $urls && -n $svcs ]] || fail "install: $hook does not go through the chart's Service (url '$urls', service '$svcs')"
+    [[ -z $empty_ca ]] || fail "install: $hook has webhooks without the controller's CA: $empty_ca"
+  done
+done
+
+# --- 2. the webhooks through the Service ------------------------------------------------------------
+k apply -f examples/quickstart/cachebackend.yaml >/dev/null || fail "webhooks: the quickstart CacheBackend was refused"
+mode="$(k get cachebackend quickstart -n default -o jsonpath='{.spec.integration.mode}')"
+[[ $mode == Offload ]] || fail "webhooks: spec.integration.mode '$mode', not defaulted to Offload by the mutating webhook"
+# Through the apiserver's REST API (a dry run), so that the Status message is read as the
+# apiserver wrote it (kubectl rewrites refusals with field causes).
+api="$(sed -n 's/^IC_CLUSTER_API=//p' "$state/cluster.env")"
+refusal="$(curl -s --cacert "$state/pki/ca.crt" --cert "$state/pki/admin.crt" --key "$state/pki/admin.key" \
+  -H 'Content-Type: application/yaml' --data-binary @- \
+  "$api/apis/inferencecache.io/v1alpha1/namespaces/default/cachebackends?dryRun=All" <<'EOF'
+apiVersion: inferencecache.io/v1alpha1
+kind: CacheBackend
+metadata: {name: zero-replicas, namespace: default}
+spec: {runtime: VLLM, replicas: 0, autoscaling: {maxReplicas: 3}, engineSelector: {matchLabels: {app: x}}}
+EOF
+)"
+[[ $refusal == *vcachebackend.inferencecache.io* && $refusal == *spec.autoscaling.minReplicas* ]] \
+  || fail "webhooks: the validating webhook did not refuse replicas 0 with autoscaling, naming the field: $refusal"
+k apply -f examples/quickstart/engine-pod.yaml >/dev/null
+injected="$(k get pod vllm-quickstart -n default -o jsonpath='{.metadata.annotations.inferencecache\.io/injected-by}')"
+[[ $injected == default/quickstart ]] || fail "webhooks: the quickstart engine pod was not wired (injected-by '$injected')"
+eventually 60 bash -c "[[ \$('$bin/kubectl' --kubeconfig '$state/admin.kubeconfig' get pod vllm-quickstart -n default -o jsonpath='{.status.phase}') == Running ]]" \
+  || fail "webhooks: the wired engine pod never reached Running on a kwok node"
+
+# --- 3. upgrade -----------------------------------------------------------------------------------
+helm upgrade "$release" chart -n "$ns" --reuse-values --set-string controller.podAnnotations.upgraded=true --wait --timeout 5m \
+  >"$state/logs/helm-upgrade.log" 2>&1 || fail "upgrade: helm upgrade failed: $(tail -3 "$state/logs/helm-upgrade.log")"
+revision="$(helm status "$release" -n "$ns" -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')"
+[[ $revision == 2 ]] || fail "upgrade: release revision $revision, not 2"
+ca_back() {
+  local hook
+  for hook in $(k get mutatingwebhookconfigurations,validatingwebhookconfigurations -l "app.kubernetes.io/instance=$release" -o name); do
+    [[ -z "$(k get "$hook" -o jsonpath='{range .webhooks[?(@.clientConfig.caBundle=="")]}{.name}{end}')" ]] || return 1
+  done
+}
+eventually 120 ca_back || fail "upgrade: the controller did not put its CA back into the webhook configurations"
+after_upgrade() { sed 's/name: quickstart/name: after-upgrade/' examples/quickstart/cachebackend.yaml | k create --dry-run=server -f -; }
+eventually 60 after_upgrade || fail "upgrade: the CacheBackend webhooks do not answer after the upgrade"
+
+# --- 4. uninstall ---------------------------------------------------------------------------------
+k delete -f examples/quickstart/engine-pod.yaml --wait=false >/dev/null 2>&1 || true
+k delete -f examples/quickstart/cachebackend.yaml --timeout 60s >/dev/null || fail "uninstall: the quickstart CacheBackend was not deleted (its finalizer stayed)"
+helm uninstall "$release" -n "$ns" --wait --timeout 5m >"$state/logs/helm-uninstall.log" 2>&1 \
+  || fail "uninstall: helm uninstall failed: $(tail -3 "$state/logs/helm-uninstall.log")"
+bash scripts/cluster.sh stop ic-controller >/dev/null 2>&1
+left="$(k get mutatingwebhookconfigurations,validatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings,clusterroles,clusterrolebindings \
+  -l "app.kubernetes.io/instance=$release" -o name 2>/dev/null | tr '\n' ' ')"
+[[ -z $left ]] || fail "uninstall: left behind: $left"
+pod_t=$SECONDS
+k run after-uninstall -n default --image=busybox --restart=Never --labels app=vllm-quickstart >/dev/null \
+  || fail "uninstall: a pod could not be created after uninstall"
+((SECONDS - pod_t <= 5)) || fail "uninstall: creating a pod took $((SECONDS - pod_t)) s (a webhook left behind?)"
+k delete namespace "$ns" --wait=false >/dev/null
+eventually 180 bash -c "! '$bin/kubectl' --kubeconfig '$state/admin.kubeconfig' get namespace '$ns' >/dev/null 2>&1" \
+  || fail "uninstall: namespace $ns still there 180 s after its deletion: $(k get namespace "$ns" -o jsonpath='{.status.conditions}')"
+crds="$(k get crd -o name | grep -c inferencecache.io || true)"
+((crds > 0)) || fail "uninstall: the CRDs are gone (they are kept on purpose: docs/install.md)"
+say "kept after uninstall: $crds CustomResourceDefinitions (inferencecache.io)"
+
+if ((failures)); then
+  say "$failures step(s) failed (logs: $state/logs/)"
+  exit 1
+fi
+say "ok: install, webhooks through the Service, upgrade, uninstall ($((SECONDS - t0)) s)"
