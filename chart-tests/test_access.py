@@ -99,9 +99,14 @@ def _policies(r) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in r.of_kind("ValidatingAdmissionPolicy")}
 
 
-def test_admission_policies_are_opt_in() -> None:
+def test_admission_policies_are_on_by_default_and_can_be_turned_off() -> None:
+    """On by default (rendered where the cluster serves v1 ValidatingAdmissionPolicy: an offline
+    render always does; scripts/install-tests.sh proves them on a real install)."""
     r = render({})
-    assert not r.of_kind("ValidatingAdmissionPolicy") and not r.of_kind("ValidatingAdmissionPolicyBinding")
+    assert set(_policies(r)) == {"inference-cache-controller-owned-workloads", "inference-cache-controller-model-cache-writes"}
+    assert len(r.of_kind("ValidatingAdmissionPolicyBinding")) == 2
+    off = render({"controller": {"admissionPolicy": {"enabled": False}}})
+    assert not off.of_kind("ValidatingAdmissionPolicy") and not off.of_kind("ValidatingAdmissionPolicyBinding")
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.33"])

@@ -14,12 +14,11 @@ Left out: Deployments, DaemonSets, Jobs and Helm hooks (no kubelet runs their po
 cert-manager's Certificate/Issuer (no cert-manager: the certificate comes from cluster.sh's PKI).
 The CRDs are applied from chart/crds/ directly, as Helm installs them.
 
-Values beyond the chart's defaults (VALUES), both so that every grant the chart gives the
-controller is exercised here and cluster/audit_check.py can hold it to least privilege:
+Values beyond the chart's defaults (VALUES), so that every grant the chart gives the
+controller is exercised here and cluster/audit_check.py can hold it to least privilege (the
+ValidatingAdmissionPolicies that keep the controller's workload writes to objects it owns are on
+by default, so they are enforced on its own writes here too):
 
-  controller.admissionPolicy.enabled      the ValidatingAdmissionPolicies that keep the
-                                          controller's workload writes to objects it owns are
-                                          enforced on its own writes
   modelCache.featureGates.ModelCacheEncryption
                                           on (merged over the chart's featureGates map, so
                                           CachingSupport and HelmModelCaching keep their default
@@ -51,11 +50,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = "inference-cache"
 NAMESPACE = "inference-cache"
-# What the local control plane installs beyond the defaults (see the docstring): the admission
-# policies on, and the model cache's encryption gate on (Helm merges the featureGates map over
-# the chart's, so CachingSupport and HelmModelCaching stay true).
+# What the local control plane installs beyond the defaults (see the docstring): the model
+# cache's encryption gate on (Helm merges the featureGates map over the chart's, so
+# CachingSupport and HelmModelCaching stay true).
 VALUES = {
-    "controller": {"admissionPolicy": {"enabled": True}},
     "modelCache": {"featureGates": {"ModelCacheEncryption": True}},
 }
 APPLIED_KINDS = {
