@@ -185,8 +185,11 @@ def test_controller_replicas_and_leader_election(default: Rendered) -> None:
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     role = default.one("Role", CONTROLLER)
     g = grants(role["rules"])
-    assert g[("coordination.k8s.io", "leases", ())] == {"create"}
+    assert ("coordination.k8s.io", "leases", ()) not in g
     assert g[("coordination.k8s.io", "leases", ("inference-cache-controller",))] == {"get", "update"}
+    # The chart creates the Lease (helm uninstall deletes it): empty spec, a free Lease.
+    lease = default.one("Lease", "inference-cache-controller")
+    assert lease["metadata"]["namespace"] == NAMESPACE and lease["spec"] == {}
 
 
 def test_controller_flags(default: Rendered) -> None:
@@ -597,12 +600,12 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
 
 
 def test_controller_role_is_namespaced(variant: Rendered) -> None:
-    """The release-namespace Role: the leader Lease; the self-signed webhook Secret (get by name,
-    create); the catalog ConfigMap (get by name) while the model cache is on."""
+    """The release-namespace Role: the leader Lease (get and update by name; the chart creates
+    it); the self-signed webhook Secret (get by name, create); the catalog ConfigMap (get by
+    name) while the model cache is on."""
     role = variant.one("Role", CONTROLLER)
     assert role["metadata"]["namespace"] == NAMESPACE
     expected = {
-        ("coordination.k8s.io", "leases", ()): {"create"},
         ("coordination.k8s.io", "leases", ("inference-cache-controller",)): {"get", "update"},
     }
     if variant.values.get("webhook", {}).get("certMode") == "selfSigned":

@@ -2,7 +2,8 @@
 control plane that scripts/cluster.sh starts, and writes what `up` applies and runs:
 
   OUT/objects.yaml        the chart's cluster objects: namespaces, ServiceAccounts, RBAC,
-                          ConfigMaps, Services, ValidatingAdmissionPolicies and the webhook
+                          ConfigMaps, the controller's Lease, Services,
+                          ValidatingAdmissionPolicies and the webhook
                           configurations; each webhook's clientConfig points at the controller's
                           loopback HTTPS listener by `url` with the local webhook CA as `caBundle`
                           (no pod backs the chart's Service here)
@@ -64,6 +65,7 @@ APPLIED_KINDS = {
     "Role",
     "RoleBinding",
     "ConfigMap",
+    "Lease",
     "Service",
     "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",

@@ -7,14 +7,14 @@
 #
 #   1. install: the release is deployed; every chart pod is Running on a kwok node and the agents
 #      only on the GPU nodes; both webhook configurations point at the chart's Service (no url)
-#      with the controller's CA in every caBundle;
+#      with the controller's CA in every caBundle; the controller holds the chart's Lease;
 #   2. the webhooks through the Service: the quickstart CacheBackend (examples/quickstart) is
 #      defaulted by the mutating webhook, an invalid one is refused naming its field, and the
 #      quickstart engine pod is wired by the Pod webhook;
 #   3. upgrade: `helm upgrade` with a changed value re-applies the webhook configurations with an
 #      empty caBundle; the controller puts its CA back and the webhooks answer again;
 #   4. uninstall: `helm uninstall`, the controller stopped (its pods are gone); no webhook
-#      configuration, policy or ClusterRole of the release is left, a pod is created at once in
+#      configuration, policy, ClusterRole or leader Lease of the release is left, a pod is created at once in
 #      another namespace (nothing blocks pod creation), deleting the release namespace completes
 #      (nothing blocks namespace deletion), and what is deliberately kept (the CRDs) is there.
 #
@@ -23,8 +23,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IC_CLUSTER_DIR="${IC_INSTALL_CLUSTER_DIR:-$PWD/target/cluster/chart}"
-export IC_CLUSTER_ETCD_PORT=23811 IC_CLUSTER_API_PORT=16463 IC_CLUSTER_WEBHOOK_PORT=19463 \
-  IC_CLUSTER_GRPC_PORT=15071 IC_CLUSTER_HTTP_PORT=18100
+# Its own ports (IC_INSTALL_*_PORT move them), beside scripts/test.sh's two other control planes.
+export IC_CLUSTER_ETCD_PORT="${IC_INSTALL_ETCD_PORT:-23811}" IC_CLUSTER_API_PORT="${IC_INSTALL_API_PORT:-16463}" \
+  IC_CLUSTER_WEBHOOK_PORT="${IC_INSTALL_WEBHOOK_PORT:-19463}" IC_CLUSTER_GRPC_PORT="${IC_INSTALL_GRPC_PORT:-15071}" \
+  IC_CLUSTER_HTTP_PORT="${IC_INSTALL_HTTP_PORT:-18100}"
 bin="$PWD/target/cluster/bin"
 state="$IC_CLUSTER_DIR"
 release=inference-cache
@@ -75,6 +77,10 @@ for kind in mutatingwebhookconfigurations validatingwebhookconfigurations; do
   done
 done
 
+# The controller leads through the Lease the chart created (its RBAC has no Lease create).
+holder() { [[ -n "$(k get lease -n "$ns" inference-cache-controller -o jsonpath='{.spec.holderIdentity}')" ]]; }
+eventually 60 holder || fail "install: the controller never took the chart's Lease"
+
 # --- 2. the webhooks through the Service ------------------------------------------------------------
 k apply -f examples/quickstart/cachebackend.yaml >/dev/null || fail "webhooks: the quickstart CacheBackend was refused"
 mode="$(k get cachebackend quickstart -n default -o jsonpath='{.spec.integration.mode}')"
@@ -123,6 +129,10 @@ bash scripts/cluster.sh stop ic-controller >/dev/null 2>&1
 left="$(k get mutatingwebhookconfigurations,validatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings,clusterroles,clusterrolebindings \
   -l "app.kubernetes.io/instance=$release" -o name 2>/dev/null | tr '\n' ' ')"
 [[ -z $left ]] || fail "uninstall: left behind: $left"
+# The release namespace is kept (helm.sh/resource-policy: keep); the controller's Lease goes with
+# the release (the chart creates it).
+leases="$(k get leases -n "$ns" -o name | tr '\n' ' ')"
+[[ -z $leases ]] || fail "uninstall: leases left in $ns: $leases"
 pod_t=$SECONDS
 k run after-uninstall -n default --image=busybox --restart=Never --labels app=vllm-quickstart >/dev/null \
   || fail "uninstall: a pod could not be created after uninstall"

@@ -16,7 +16,9 @@
 //!   stops acting as leader ([`Elector::is_leader`]) before anyone else may take over
 //!   (`renew_deadline` < `lease_duration`).
 //! - [`LeaseLock`] is the thin kube layer: read, create, and replace with the observed
-//!   `resourceVersion` (a concurrent writer gets 409 and simply loses this round).
+//!   `resourceVersion` (a concurrent writer gets 409 and simply loses this round). A replace
+//!   keeps the labels, annotations and owner references it read: the chart creates the Lease
+//!   (so that `helm uninstall` deletes it) and Helm's ownership metadata must survive renewals.
 //! - [`spawn`] runs attempts every `retry_period`, publishes leadership through a
 //!   [`LeaderHandle`], and releases the Lease on shutdown so a successor need not wait.
 
@@ -295,6 +297,8 @@ pub struct LeaseLock {
     api: Api<Lease>,
     namespace: String,
     name: String,
+    /// Labels, annotations and owner references of the last read, written back by `replace`.
+    kept: Arc<std::sync::Mutex<ObjectMeta>>,
 }
 
 fn is_conflict(e: &kube::Error) -> bool {
@@ -308,6 +312,7 @@ impl LeaseLock {
             api: Api::namespaced(client, namespace),
             namespace: namespace.to_string(),
             name: name.to_string(),
+            kept: Arc::default(),
         }
     }
 
@@ -326,6 +331,17 @@ impl LeaseLock {
             .get_opt(&self.name)
             .await
             .map_err(|e| self.err(e))?;
+        if let Some(l) = &lease {
+            let meta = ObjectMeta {
+                labels: l.metadata.labels.clone(),
+                annotations: l.metadata.annotations.clone(),
+                owner_references: l.metadata.owner_references.clone(),
+                ..Default::default()
+            };
+            if let Ok(mut kept) = self.kept.lock() {
+                *kept = meta;
+            }
+        }
         Ok(lease.map(|l| {
             (
                 LeaseRecord::from_spec(l.spec.as_ref()),
@@ -335,12 +351,16 @@ impl LeaseLock {
     }
 
     fn object(&self, rec: &LeaseRecord, resource_version: Option<String>) -> Lease {
+        let kept = match (&resource_version, self.kept.lock()) {
+            (Some(_), Ok(k)) => k.clone(),
+            _ => ObjectMeta::default(),
+        };
         Lease {
             metadata: ObjectMeta {
                 name: Some(self.name.clone()),
                 namespace: Some(self.namespace.clone()),
                 resource_version,
-                ..Default::default()
+                ..kept
             },
             spec: Some(rec.to_spec()),
         }

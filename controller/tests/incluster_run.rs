@@ -334,4 +334,19 @@ async fn run_mode_end_to_end() {
         .unwrap();
     let lock = LeaseLock::new(bare.admin.clone(), &ns, LEASE);
     assert_eq!(lock.read().await.unwrap().unwrap().0.holder(), None);
+    // The chart created the Lease; every renewal and the release kept its labels (Helm's
+    // ownership metadata lives there too).
+    let lease =
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(bare.admin.clone(), &ns)
+            .get(LEASE)
+            .await
+            .unwrap();
+    let labels = lease.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("app.kubernetes.io/component")
+            .map(String::as_str),
+        Some("controller"),
+        "{labels:?}"
+    );
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, PostParams};
@@ -33,6 +34,8 @@ pub const AUDIENCE: &str = "inference-cache";
 
 /// The chart's controller ClusterRole (installed on the bare cluster with the chart's RBAC).
 pub const CHART_CONTROLLER_ROLE: &str = "inference-cache-controller";
+/// The chart's leader-election Lease (controller-lease.yaml; `--leader-election-lease-name`).
+pub const CHART_LEASE: &str = "inference-cache-controller";
 
 /// Polls `f` every 100 ms until it returns `Some`, for at most `limit`; panics naming `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
@@ -231,7 +234,8 @@ pub struct ControllerGrants {
 /// `ns` with
 ///
 /// - the chart's controller ClusterRole bound in `ns` (a RoleBinding: its namespaced rules, in
-///   `ns` only), and the chart's controller Role's rules (its Lease) copied into `ns`;
+///   `ns` only), and the chart's controller Role's rules (its Lease) copied into `ns`, with the
+///   Lease itself (the chart creates it; the controller may only read and update it);
 /// - the cluster-scoped part of the chart's ClusterRole: TokenReviews, SubjectAccessReviews and
 ///   `grants.cache_nodes`; not the cluster's one CacheIndex, which other tests write;
 /// - `grants`' extra rules.
@@ -254,6 +258,20 @@ pub async fn controller_client(bare: &BareCluster, ns: &str, grants: ControllerG
         .extend(grants.namespaced.iter().cloned());
     role(bare, ns, sa, rules).await;
     bind_in_namespace(bare, ns, "Role", sa, ns, sa).await;
+    // The chart's Lease, as `helm install` creates it (controller-lease.yaml).
+    let chart_lease = Api::<Lease>::namespaced(bare.admin.clone(), "inference-cache")
+        .get(CHART_LEASE)
+        .await
+        .unwrap();
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": {"name": CHART_LEASE, "labels": chart_lease.metadata.labels},
+        "spec": {}
+    }))
+    .unwrap();
+    Api::<Lease>::namespaced(bare.admin.clone(), ns)
+        .create(&PostParams::default(), &lease)
+        .await
+        .unwrap();
     let mut cluster_rules = vec![
         json!({"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
                "verbs": ["create"]}),
@@ -284,7 +302,7 @@ pub async fn controller_client(bare: &BareCluster, ns: &str, grants: ControllerG
         bare,
         &user,
         json!({"resourceAttributes": {"group": "coordination.k8s.io", "resource": "leases",
-               "verb": "create", "namespace": ns}}),
+               "verb": "update", "namespace": ns, "name": CHART_LEASE}}),
     )
     .await;
     wait_allowed(
