@@ -35,15 +35,27 @@ Generated from `values.yaml` by `chart-tests/gen_chart_readme.py` (`scripts/char
 
 ## Install
 
+On a cluster without cert-manager (the controller then makes its own webhook CA):
+
 ```sh
-helm install inference-cache ./chart --namespace inference-cache --create-namespace
+kubectl create namespace inference-cache
+kubectl label namespace inference-cache pod-security.kubernetes.io/enforce=privileged
+helm install inference-cache ./chart --namespace inference-cache --set webhook.certMode=selfSigned
 ```
 
-Kubernetes {kubeVersion}. Prerequisites, the privileged agent namespace, cert-manager or the
-self-signed webhook certificate, and upgrades (Helm never upgrades `crds/`: apply them first) are in
-[docs/install.md](../docs/install.md); operating it (metrics, dashboards, the opt-in
-PrometheusRule and its runbooks) in [docs/operations.md](../docs/operations.md) and
-[docs/troubleshooting.md](../docs/troubleshooting.md).
+With cert-manager, leave out `--set webhook.certMode=selfSigned` (the default, `certManager`,
+needs its `cert-manager.io/v1` API). The namespace label is for the agent DaemonSet: it reads the
+host's `/proc` with added capabilities, which the Pod Security `baseline` level forbids. These
+three commands are what `scripts/install-tests.sh` runs on a local control plane (kwok nodes), with
+`helm upgrade` and `helm uninstall` after them; `scripts/cluster.sh up --with-chart` leaves such
+an install running to try.
+
+Kubernetes {kubeVersion}. Helm installs `crds/` on the first install only; on `helm upgrade`
+this chart's pre-upgrade hook (`crds.upgradeHook`) applies them first. Prerequisites,
+certificates and upgrades are in [docs/install.md]({docs}/install.md); operating it (metrics,
+dashboards, the opt-in PrometheusRule and its runbooks) in
+[docs/operations.md]({docs}/operations.md) and
+[docs/troubleshooting.md]({docs}/troubleshooting.md).
 
 ## Sizing the controller
 
@@ -51,7 +63,7 @@ Each controller replica holds the whole KV-prefix index in memory: about **35–
 (block, replica) entry** in the index itself at 10–30 M entries (it depends on the block
 tables' load; `inferencecache_controller_index_heap_bytes` shows it), **73–86 bytes per entry
 all-in** for the whole process with thousands of agents and replicas (measured at 10–30 M
-entries, [docs/scaling.md](../docs/scaling.md); `inferencecache_controller_index_entries` is the
+entries, [docs/scaling.md]({docs}/scaling.md); `inferencecache_controller_index_entries` is the
 live count) on top of its idle footprint (`process_resident_memory_bytes` of an idle controller,
 about 21 MiB). Allow headroom for table growth and a reconnect storm:
 
@@ -116,6 +128,8 @@ def generate() -> str:
         appVersion=chart["appVersion"],
         description=" ".join(chart["description"].split()),
         kubeVersion=chart.get("kubeVersion", ""),
+        # Absolute: the chart is read packaged (Artifact Hub, `helm show readme`), away from docs/.
+        docs=chart["home"] + "/blob/main/docs",
     )
     return head + "\n".join(rows()) + "\n"
 

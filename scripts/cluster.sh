@@ -320,9 +320,12 @@ up_chart() {
     --server-address "127.0.0.1:$((api_port + 3))"
   kubectl_admin apply --server-side --field-manager=cluster.sh -f cluster/kwok-nodes.yaml >/dev/null
   wait_for "kwok nodes" 60 kubectl_admin wait --for condition=Ready node -l type=kwok --timeout 5s
-  log "helm install $release (chart/, values cluster/chart-values.yaml)"
-  "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" chart \
-    --namespace "$namespace" --create-namespace --values cluster/chart-values.yaml \
+  # chart/README.md's install commands (plus cluster/chart-values.yaml: agents on GPU nodes).
+  log "helm install $release (chart/README.md's commands, values cluster/chart-values.yaml)"
+  kubectl_admin create namespace "$namespace" >/dev/null
+  kubectl_admin label namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
+  "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" ./chart \
+    --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
     --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1 \
     || die "helm install failed: $(tail -5 "$state/logs/helm-install.log")"
   "$bin/helm" --kubeconfig "$state/admin.kubeconfig" get manifest "$release" -n "$namespace" > "$state/manifest.yaml"
