@@ -324,10 +324,22 @@ up_chart() {
   log "helm install $release (chart/README.md's commands, values cluster/chart-values.yaml)"
   kubectl_admin create namespace "$namespace" >/dev/null
   kubectl_admin label namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
-  "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" ./chart \
-    --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
-    --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1 \
-    || die "helm install failed: $(tail -5 "$state/logs/helm-install.log")"
+  # Helm v4's wait for the CRDs of crds/ can fail at once ("CustomResourceDefinition … not ready.
+  # status: InProgress") on an apiserver seconds old; the release is not recorded then, and a
+  # second try goes through.
+  local try
+  for try in 1 2 3; do
+    if "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" ./chart \
+      --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
+      --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1; then
+      break
+    fi
+    grep -q "CustomResourceDefinition.*not ready" "$state/logs/helm-install.log" && ((try < 3)) \
+      && ! "$bin/helm" --kubeconfig "$state/admin.kubeconfig" status "$release" -n "$namespace" >/dev/null 2>&1 \
+      || die "helm install failed: $(tail -5 "$state/logs/helm-install.log")"
+    log "helm install: $(tail -1 "$state/logs/helm-install.log"); trying again"
+    sleep 2
+  done
   "$bin/helm" --kubeconfig "$state/admin.kubeconfig" get manifest "$release" -n "$namespace" > "$state/manifest.yaml"
   bash scripts/chart-venv.sh
   .venv/chart-tests/bin/python cluster/chart_objects.py --controller-args-from "$state/manifest.yaml" \
