@@ -787,7 +787,10 @@ def test_cert_manager_mode_has_no_self_signed_flags(default: Rendered) -> None:
 
 
 def _rendered_text(r: Rendered) -> str:
-    return "\n".join(v for k, v in r.manifests.items() if not k.endswith(".txt"))
+    """The rendered templates, less the CRD upgrade hook's copy of crds/ (CRD text, whose
+    examples name default ports, is not configuration)."""
+    return "\n".join(v for k, v in r.manifests.items()
+                     if not k.endswith(".txt") and not k.endswith("crd-upgrade-hook.yaml"))
 
 
 def test_every_port_is_configurable() -> None:
@@ -911,20 +914,31 @@ def test_helm_test_hooks(default: Rendered) -> None:
 
 
 def test_crd_upgrade_hook(default: Rendered) -> None:
-    """helm upgrade applies the new CRDs first (Helm never upgrades crds/): the new image's
-    `ic-controller upgrade-crds`, allowed to read and apply exactly the chart's CRDs by name."""
+    """helm upgrade applies the new CRDs first (Helm never upgrades crds/): `ic-controller
+    upgrade-crds --crds-dir` over this chart's own crds/ files (a hook ConfigMap, byte for byte),
+    allowed to read and apply exactly the chart's CRDs by name."""
     name = "inference-cache-upgrade-crds"
     hook = [o for o in default.objects if hook_of(o) == "pre-upgrade"]
     assert {(o["kind"], o["metadata"]["name"]) for o in hook} == {
-        ("ServiceAccount", name), ("ClusterRole", name), ("ClusterRoleBinding", name), ("Job", name),
+        ("ServiceAccount", name), ("ClusterRole", name), ("ClusterRoleBinding", name), ("ConfigMap", name),
+        ("Job", name),
     }
     weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hook}
-    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job"), "RBAC must exist before the Job"
+    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job"), "RBAC and CRDs must exist before the Job"
     job = default.one("Job", name)
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == name and pod["restartPolicy"] == "Never"
     (c,) = pod["containers"]
-    assert c["args"] == ["upgrade-crds", "--log-format=json"]
+    assert c["args"] == ["upgrade-crds", "--crds-dir=/etc/inference-cache/crds", "--log-format=json"]
+    # The CRDs are the chart's files, not the image's: whatever controller.image.tag is pinned.
+    cm = default.one("ConfigMap", name)
+    files = {p.name: p.read_text() for p in (CHART_DIR / "crds").glob("*.yaml")}
+    assert {k: v.rstrip("\n") for k, v in cm["data"].items()} == {k: v.rstrip("\n") for k, v in files.items()}
+    assert len(json.dumps(cm["data"])) < 1024 * 1024 * 0.8, "near the 1 MiB ConfigMap limit"
+    (mount,) = c["volumeMounts"]
+    assert mount["mountPath"] == "/etc/inference-cache/crds" and mount["readOnly"] is True
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["configMap"]["name"] == name
     # The new release's controller image: its CRDs are the ones it serves.
     ctrl = default.one("Deployment", CONTROLLER)["spec"]["template"]["spec"]["containers"]
     assert c["image"] in {x["image"] for x in ctrl}

@@ -31,6 +31,13 @@
 #   scripts/cluster.sh stop COMPONENT
 #                              stop one component (e.g. ic-controller after `helm uninstall`, as
 #                              its pods would go: scripts/install-tests.sh)
+#   scripts/cluster.sh install-chart CHART
+#                              (--with-chart) chart/README.md's install of CHART (e.g. an older
+#                              packaged chart: scripts/install-tests.sh upgrades from one), then
+#                              the controller as that release says
+#   scripts/cluster.sh chart-controller
+#                              (--with-chart) restart the controller as the installed release
+#                              says (after `helm upgrade`, as the Deployment's rollout would)
 #   scripts/cluster.sh env     print the file the tests read (see below)
 #
 # Both `up` and `down` are idempotent: `up` on a running cluster only prints the export line.
@@ -83,7 +90,7 @@ bare=0
 [[ $mode == bare ]] && bare=1
 case $mode in
   bare) components=(etcd kube-apiserver) ;;
-  chart) components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok ic-controller) ;;
+  chart) components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok host-kubelet ic-controller) ;;
 esac
 release=inference-cache
 
@@ -311,17 +318,10 @@ dnat_clear() {
   rm -f "$state/dnat-rules"
 }
 
-# `up --with-chart` after the controller-manager and scheduler: kwok and its nodes, `helm
-# install`, the controller on this host, the webhook Service's DNAT rule.
-up_chart() {
-  command -v iptables >/dev/null || die "--with-chart needs iptables (and root): the webhook Service's ClusterIP is routed to the controller with one DNAT rule"
-  start kwok "$bin/kwok" --kubeconfig "$state/admin.kubeconfig" --config "$bin/kwok-stages.yaml" \
-    --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 \
-    --server-address "127.0.0.1:$((api_port + 3))"
-  kubectl_admin apply --server-side --field-manager=cluster.sh -f cluster/kwok-nodes.yaml >/dev/null
-  wait_for "kwok nodes" 60 kubectl_admin wait --for condition=Ready node -l type=kwok --timeout 5s
+# chart/README.md's install of CHART (a directory or a packaged chart), then the controller.
+chart_install() { # chart
   # chart/README.md's install commands (plus cluster/chart-values.yaml: agents on GPU nodes).
-  log "helm install $release (chart/README.md's commands, values cluster/chart-values.yaml)"
+  log "helm install $release $1 (chart/README.md's commands, values cluster/chart-values.yaml)"
   kubectl_admin create namespace "$namespace" >/dev/null
   kubectl_admin label namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
   # Helm v4's wait for the CRDs of crds/ can fail at once ("CustomResourceDefinition … not ready.
@@ -329,7 +329,7 @@ up_chart() {
   # second try goes through.
   local try
   for try in 1 2 3; do
-    if "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" ./chart \
+    if "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" "$1" \
       --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
       --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1; then
       break
@@ -340,8 +340,16 @@ up_chart() {
     log "helm install: $(tail -1 "$state/logs/helm-install.log"); trying again"
     sleep 2
   done
+  chart_controller
+}
+
+# The controller on this host as the installed release's controller Deployment says (its args,
+# its ServiceAccount), reached through the release's webhook Service: what a rollout of the
+# Deployment does in a cluster. Run again after `helm upgrade` (`cluster.sh chart-controller`).
+chart_controller() {
+  stop ic-controller
+  dnat_clear
   "$bin/helm" --kubeconfig "$state/admin.kubeconfig" get manifest "$release" -n "$namespace" > "$state/manifest.yaml"
-  bash scripts/chart-venv.sh
   .venv/chart-tests/bin/python cluster/chart_objects.py --controller-args-from "$state/manifest.yaml" \
     "$state" "$webhook_port" "$grpc_port" "$http_port"
   start_controller
@@ -357,6 +365,25 @@ kind: CacheBackend
 metadata: {name: webhook-ready}
 spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
 EOF
+}
+
+# `up --with-chart` after the controller-manager and scheduler: kwok and its nodes, `helm
+# install`, the controller on this host, the webhook Service's DNAT rule.
+up_chart() {
+  command -v iptables >/dev/null || die "--with-chart needs iptables (and root): the webhook Service's ClusterIP is routed to the controller with one DNAT rule"
+  # kwok plays every kubelet except for the chart's hook Jobs, which cluster/host_kubelet.py
+  # runs on this host for real (so helm upgrade's CRD upgrade and uninstall's finalizer strip
+  # happen, or fail, as they would in a cluster).
+  bash scripts/chart-venv.sh
+  .venv/chart-tests/bin/python cluster/host_kubelet.py --kwok-stages "$bin/kwok-stages.yaml" "$state/kwok-stages.yaml"
+  start host-kubelet env IC_KUBECTL="$bin/kubectl" .venv/chart-tests/bin/python -u cluster/host_kubelet.py \
+    "$state" "$controller_bin"
+  start kwok "$bin/kwok" --kubeconfig "$state/admin.kubeconfig" --config "$state/kwok-stages.yaml" \
+    --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 \
+    --server-address "127.0.0.1:$((api_port + 3))"
+  kubectl_admin apply --server-side --field-manager=cluster.sh -f cluster/kwok-nodes.yaml >/dev/null
+  wait_for "kwok nodes" 60 kubectl_admin wait --for condition=Ready node -l type=kwok --timeout 5s
+  chart_install ./chart
   write_env
 }
 
@@ -511,6 +538,12 @@ case "${1:-}" in
   down) down ;;
   status) status ;;
   restart) restart "${2:?restart needs a component}" ;;
+  install-chart)
+    [[ $mode == chart ]] || die "install-chart: only on a cluster started with up --with-chart"
+    chart_install "${2:?install-chart needs a chart (directory or .tgz)}" ;;
+  chart-controller)
+    [[ $mode == chart ]] || die "chart-controller: only on a cluster started with up --with-chart"
+    chart_controller ;;
   stop)
     [[ " ${components[*]} " == *" ${2:?stop needs a component} "* ]] || die "stop: unknown component $2 (one of: ${components[*]})"
     stop "$2"; log "stopped $2" ;;

@@ -11,12 +11,18 @@
 #   2. the webhooks through the Service: the quickstart CacheBackend (examples/quickstart) is
 #      defaulted by the mutating webhook, an invalid one is refused naming its field, and the
 #      quickstart engine pod is wired by the Pod webhook;
-#   3. upgrade: `helm upgrade` with a changed value re-applies the webhook configurations with an
-#      empty caBundle; the controller puts its CA back and the webhooks answer again;
+#   3. upgrade: `helm upgrade` with a changed value: the pre-upgrade hook Job runs for real (on
+#      this host: cluster/host_kubelet.py) and applies the chart's CRDs; the controller rolled
+#      (`cluster.sh chart-controller`) keeps its CA in the webhook configurations and they answer;
 #   4. uninstall: `helm uninstall`, the controller stopped (its pods are gone); no webhook
 #      configuration, policy, ClusterRole or leader Lease of the release is left, a pod is created at once in
 #      another namespace (nothing blocks pod creation), deleting the release namespace completes
-#      (nothing blocks namespace deletion), and what is deliberately kept (the CRDs) is there.
+#      (nothing blocks namespace deletion), and what is deliberately kept (the CRDs) is there; the
+#      pre-delete hook (the model cache's finalizer strip) ran for real;
+#   5. upgrade from the previous chart (testdata/chart/, packaged from an earlier commit, whose
+#      CRDs differ): on a cluster without our CRDs it installs its own; `helm upgrade` to ./chart
+#      ends with every CRD applied by the hook (field manager inference-cache-crd-upgrade) and
+#      the changed one as chart/crds has it; the webhooks answer; then uninstall.
 #
 # Needs root and iptables (the Service's ClusterIP is routed to the controller with one DNAT
 # rule). Exit 0 only when every step passed; each failure names the step and what was seen.
@@ -116,7 +122,10 @@ ca_back() {
     [[ -z "$(k get "$hook" -o jsonpath='{range .webhooks[?(@.clientConfig.caBundle=="")]}{.name}{end}')" ]] || return 1
   done
 }
+bash scripts/cluster.sh chart-controller >/dev/null 2>&1 || fail "upgrade: the controller did not come back as the upgraded release says"
 eventually 120 ca_back || fail "upgrade: the controller did not put its CA back into the webhook configurations"
+grep -q "upgrade-crds --crds-dir=.* exit 0\|: exit 0" "$state/logs/host-kubelet.log" \
+  || fail "upgrade: the pre-upgrade hook Job did not run to success: $(tail -5 "$state/logs/host-kubelet.log")"
 after_upgrade() { sed 's/name: quickstart/name: after-upgrade/' examples/quickstart/cachebackend.yaml | k create --dry-run=server -f -; }
 eventually 60 after_upgrade || fail "upgrade: the CacheBackend webhooks do not answer after the upgrade"
 
@@ -140,12 +149,34 @@ k run after-uninstall -n default --image=busybox --restart=Never --labels app=vl
 k delete namespace "$ns" --wait=false >/dev/null
 eventually 180 bash -c "! '$bin/kubectl' --kubeconfig '$state/admin.kubeconfig' get namespace '$ns' >/dev/null 2>&1" \
   || fail "uninstall: namespace $ns still there 180 s after its deletion: $(k get namespace "$ns" -o jsonpath='{.status.conditions}')"
+grep -q "strip-finalizers" "$state/logs/host-kubelet.log" \
+  || fail "uninstall: the pre-delete hook (strip-finalizers) never ran"
 crds="$(k get crd -o name | grep -c inferencecache.io || true)"
 ((crds > 0)) || fail "uninstall: the CRDs are gone (they are kept on purpose: docs/install.md)"
 say "kept after uninstall: $crds CustomResourceDefinitions (inferencecache.io)"
+
+# --- 5. upgrade from the previous chart, CRDs changed -----------------------------------------------
+prev="$(ls testdata/chart/inference-cache-*.tgz | head -1)"
+mapfile -t crd_names < <(ls chart/crds | sed 's/\.yaml$//')
+k delete crd "${crd_names[@]}" --wait --timeout 120s >/dev/null || fail "previous: the CRDs could not be deleted"
+bash scripts/cluster.sh install-chart "$prev" >/dev/null || fail "previous: $prev did not install"
+mc_crd() { k get crd modelcaches.inferencecache.io -o json; }
+old_text="cannot see inside the template"
+mc_crd | grep -q "$old_text" || fail "previous: $prev did not install its own CRDs"
+helm upgrade "$release" ./chart -n "$ns" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
+  --wait --timeout 5m >"$state/logs/helm-upgrade-from-previous.log" 2>&1 \
+  || fail "previous: helm upgrade from $prev failed: $(tail -3 "$state/logs/helm-upgrade-from-previous.log")"
+! mc_crd | grep -q "$old_text" || fail "previous: the changed CRD was not upgraded (modelcaches still the old one)"
+for crd in "${crd_names[@]}"; do
+  managers="$(k get crd "$crd" -o jsonpath='{.metadata.managedFields[*].manager}')"
+  [[ $managers == *inference-cache-crd-upgrade* ]] || fail "previous: $crd not applied by the upgrade hook (managers: $managers)"
+done
+bash scripts/cluster.sh chart-controller >/dev/null 2>&1 || fail "previous: the upgraded controller's webhooks do not answer"
+helm uninstall "$release" -n "$ns" --wait --timeout 5m >/dev/null 2>&1 || fail "previous: helm uninstall failed"
+bash scripts/cluster.sh stop ic-controller >/dev/null 2>&1
 
 if ((failures)); then
   say "$failures step(s) failed (logs: $state/logs/)"
   exit 1
 fi
-say "ok: install, webhooks through the Service, upgrade, uninstall ($((SECONDS - t0)) s)"
+say "ok: install, webhooks through the Service, upgrade, uninstall, upgrade from $(basename "$prev") ($((SECONDS - t0)) s)"

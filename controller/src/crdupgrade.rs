@@ -9,6 +9,10 @@
 //! fails on drift) — with the field manager [`FIELD_MANAGER`], forcing ownership away from
 //! whoever applied them before (Helm's install, `kubectl apply`).
 //!
+//! The chart runs it with `--crds-dir`: the CRDs then come from the chart's own `crds/` (a hook
+//! ConfigMap mounted into the Job, read by [`load_dir`]), not from the image, so that a release
+//! pinned to an older `controller.image.tag` still upgrades the CRDs to its chart's.
+//!
 //! It refuses, before writing anything, when an upgrade would make stored objects unreadable:
 //! a version in a CRD's `status.storedVersions` that the new CRD no longer serves (a downgrade
 //! across a version removal, or a removal without a storage migration). Exit 1 then names the
@@ -47,6 +51,14 @@ pub enum CrdUpgradeError {
         /// The versions the new CRD serves, comma-separated.
         served: String,
     },
+    /// A file of `--crds-dir` could not be read or is not one CustomResourceDefinition.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// What was wrong.
+        reason: String,
+    },
     /// Reading or applying failed.
     #[error("CRD {crd}: {source}")]
     Api {
@@ -55,6 +67,40 @@ pub enum CrdUpgradeError {
         /// The API error (boxed: `kube::Error` is large).
         source: Box<kube::Error>,
     },
+}
+
+/// The CustomResourceDefinitions in `dir`: every `*.yaml` file (sorted by name), one CRD each (the
+/// layout of the chart's `crds/`). Hidden files (a mounted ConfigMap's `..data` links) are
+/// skipped.
+///
+/// Errors: [`CrdUpgradeError::File`] naming the file that cannot be read, does not parse as a
+/// CustomResourceDefinition, or when `dir` holds none.
+pub fn load_dir(dir: &std::path::Path) -> Result<Vec<CustomResourceDefinition>, CrdUpgradeError> {
+    let file_err = |path: &std::path::Path, reason: String| CrdUpgradeError::File {
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| file_err(dir, e.to_string()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            !name.starts_with('.') && name.ends_with(".yaml")
+        })
+        .collect();
+    paths.sort();
+    if paths.is_empty() {
+        return Err(file_err(dir, "no *.yaml CustomResourceDefinition here".into()));
+    }
+    paths
+        .iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(p).map_err(|e| file_err(p, e.to_string()))?;
+            let crd: CustomResourceDefinition = serde_yaml::from_str(&text)
+                .map_err(|e| file_err(p, format!("not a CustomResourceDefinition: {e}")))?;
+            Ok(crd)
+        })
+        .collect()
 }
 
 /// Decides the action for one CRD from what the cluster has (`current`, `None` when absent).
@@ -166,5 +212,37 @@ mod tests {
         let mut not_served = desired.clone();
         not_served.spec.versions[0].served = false;
         assert!(plan(Some(&current), &not_served).is_err());
+    }
+
+    #[test]
+    fn the_charts_crds_dir_loads_as_the_crds_this_binary_serves() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../chart/crds");
+        let loaded = load_dir(&dir).unwrap();
+        let mut built = crate::crdgen::all_crds();
+        built.sort_by_key(|c| c.metadata.name.clone());
+        let names = |v: &[CustomResourceDefinition]| {
+            v.iter().map(|c| c.metadata.name.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(names(&loaded), names(&built));
+        for (l, b) in loaded.iter().zip(&built) {
+            assert_eq!(
+                serde_json::to_value(&l.spec).unwrap(),
+                serde_json::to_value(&b.spec).unwrap(),
+                "{:?}",
+                l.metadata.name
+            );
+        }
+    }
+
+    #[test]
+    fn a_crds_dir_without_crds_or_with_a_stranger_is_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = load_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("no *.yaml"), "{err}");
+        // A mounted ConfigMap's hidden entries are skipped; a non-CRD file is named.
+        std::fs::write(dir.path().join("..data"), "not read").unwrap();
+        std::fs::write(dir.path().join("a.yaml"), "kind: ConfigMap\nmetadata: {name: x}\n").unwrap();
+        let err = load_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("a.yaml") && err.contains("not a CustomResourceDefinition"), "{err}");
     }
 }

@@ -55,8 +55,9 @@ enum Command {
     /// naming the binding, when one cannot be stripped — the uninstall must then stop.
     StripFinalizers(StripFinalizersArgs),
     /// Upgrade step (the chart's pre-upgrade hook): server-side apply this release's
-    /// CustomResourceDefinitions (Helm never upgrades `crds/`). Refuses, writing nothing, when a
-    /// stored version would no longer be served (exit 1 naming it).
+    /// CustomResourceDefinitions (Helm never upgrades `crds/`): those in --crds-dir (the chart
+    /// mounts its own crds/ there), else the ones built into this binary. Refuses, writing
+    /// nothing, when a stored version would no longer be served (exit 1 naming it).
     UpgradeCrds(UpgradeCrdsArgs),
 }
 
@@ -65,6 +66,11 @@ struct UpgradeCrdsArgs {
     /// Kubeconfig file; unset: $KUBECONFIG, ~/.kube/config, then the in-cluster service account.
     #[arg(long, env = "IC_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Directory of CustomResourceDefinitions to apply (`*.yaml`, one CRD each: the chart's
+    /// crds/, which its hook mounts here). Unset: the CRDs built into this binary. A file that is
+    /// not a CRD stops the upgrade (exit 1 naming it) before anything is written.
+    #[arg(long, env = "IC_CRDS_DIR")]
+    crds_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -650,8 +656,17 @@ async fn run_main() -> anyhow::Result<()> {
             }
         }
         Command::UpgradeCrds(a) => {
+            let crds = match &a.crds_dir {
+                Some(dir) => match ic_controller::crdupgrade::load_dir(dir) {
+                    Ok(crds) => crds,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        std::process::exit(1);
+                    }
+                },
+                None => ic_controller::crdgen::all_crds(),
+            };
             let client = kube_client(a.kubeconfig.as_ref()).await?;
-            let crds = ic_controller::crdgen::all_crds();
             match ic_controller::crdupgrade::upgrade(&client, &crds).await {
                 Ok(done) => {
                     for (name, action) in done {
