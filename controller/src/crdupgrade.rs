@@ -90,7 +90,10 @@ pub fn load_dir(dir: &std::path::Path) -> Result<Vec<CustomResourceDefinition>, 
         .collect();
     paths.sort();
     if paths.is_empty() {
-        return Err(file_err(dir, "no *.yaml CustomResourceDefinition here".into()));
+        return Err(file_err(
+            dir,
+            "no *.yaml CustomResourceDefinition here".into(),
+        ));
     }
     paths
         .iter()
@@ -221,7 +224,9 @@ mod tests {
         let mut built = crate::crdgen::all_crds();
         built.sort_by_key(|c| c.metadata.name.clone());
         let names = |v: &[CustomResourceDefinition]| {
-            v.iter().map(|c| c.metadata.name.clone()).collect::<Vec<_>>()
+            v.iter()
+                .map(|c| c.metadata.name.clone())
+                .collect::<Vec<_>>()
         };
         assert_eq!(names(&loaded), names(&built));
         for (l, b) in loaded.iter().zip(&built) {
@@ -241,8 +246,15 @@ mod tests {
         assert!(err.contains("no *.yaml"), "{err}");
         // A mounted ConfigMap's hidden entries are skipped; a non-CRD file is named.
         std::fs::write(dir.path().join("..data"), "not read").unwrap();
-        std::fs::write(dir.path().join("a.yaml"), "kind: ConfigMap\nmetadata: {name: x}\n").unwrap();
+        std::fs::write(
+            dir.path().join("a.yaml"),
+            "kind: ConfigMap\nmetadata: {name: x}\n",
+        )
+        .unwrap();
         let err = load_dir(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("a.yaml") && err.contains("not a CustomResourceDefinition"), "{err}");
+        assert!(
+            err.contains("a.yaml") && err.contains("not a CustomResourceDefinition"),
+            "{err}"
+        );
     }
 }
