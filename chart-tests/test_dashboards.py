@@ -110,3 +110,17 @@ def test_cache_index_covers_lookups() -> None:
     exprs = " ".join(t["expr"] for p in panels(d) for t in p.get("targets", []))
     for needle in ('decision="prefix_match"', "inferencecache_controller_index_entries", "lookup_duration_seconds_bucket", "by (stream)"):
         assert needle in exprs
+
+
+def test_panels_scope_memory_to_our_processes_and_drop_dead_streams() -> None:
+    """Memory panels join on the job and instance of a metric only our binaries export (the live
+    test shows another process excluded); the stream-lag panel keeps only connected streams, so a
+    dead stream's last lag is not drawn on."""
+    node = json.loads((CHART_DIR / "dashboards" / "node-health.json").read_text())
+    index = json.loads((CHART_DIR / "dashboards" / "cache-index.json").read_text())
+    by = {p["title"]: p["targets"][0]["expr"] for d in (node, index) for p in panels(d) if p.get("targets")}
+    assert "and on (job, instance) inferencecache_agent_" in by["Agent memory"]
+    assert "and on (job, instance) inferencecache_controller_" in by["Controller memory"]
+    assert '".*controller.*"' not in by["Controller memory"]
+    assert re.search(r"and on \(node, stream\) \(max by \(node, stream\) \(inferencecache_agent_kv_connected\{[^}]*\}\) == 1\)",
+                     by["KV stream lag"]), by["KV stream lag"]

@@ -136,6 +136,16 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     {"targets": [f"127.0.0.1:{http}"], "labels": {"namespace": "inference-cache", "pod": "ctrl-0"}}
                 ],
             },
+            # A process that is not ours on the same node and namespace, in a job whose name
+            # has "controller" in it (as kube-controller-manager's does): the memory panels must
+            # not draw it.
+            {
+                "job_name": "kube-controller-manager",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{prom_port}"],
+                     "labels": {"namespace": "inference-cache", "pod": "other-0", "node": NODE}}
+                ],
+            },
             {
                 "job_name": "inference-cache/inference-cache-agent",
                 "static_configs": [
@@ -174,8 +184,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     try:
         wait_for(
-            "both targets up",
-            lambda: len([r for r in query("up == 1")["data"]["result"]]) == 2,
+            "the three targets up",
+            lambda: len([r for r in query("up == 1")["data"]["result"]]) == 3,
             procs=procs,
         )
         wait_for(
@@ -231,6 +241,33 @@ def test_what_means_zero_answers_with_a_series(live: dict[str, Any]) -> None:
     # One agent, linked to the one controller: counted once, not once per replica.
     (v,) = live["query"]('count(inferencecache_agent_link_connected > 0) or vector(0)')["data"]["result"]
     assert v["value"][1] == "1"
+
+
+def test_panels_draw_only_our_processes_and_zero_and_live_streams(live: dict[str, Any]) -> None:
+    """Agent memory and Controller memory draw the agent's and the controller's process only
+    (not the other process scraped on the same node, namespace and a *controller* job);
+    Critical results per node answers a number per node (0 rather than No data); the node x check panel
+    answers a state for every check of the agent."""
+    exprs = dict(dashboard_exprs())
+    procs = wait_for("process metrics", lambda: live["query"]("process_resident_memory_bytes")["data"]["result"]
+                     if len(live["query"]("process_resident_memory_bytes")["data"]["result"]) >= 3 else None)
+    assert {r["metric"]["job"] for r in procs} >= {"kube-controller-manager"}
+    for title, job in (("node-health.json: Agent memory", "inference-cache/inference-cache-agent"),
+                       ("cache-index.json: Controller memory", "inference-cache-controller-metrics")):
+        (series,) = live["query"](exprs[title])["data"]["result"]
+        (ours,) = [r for r in procs if r["metric"]["job"] == job]
+        assert series["value"][1] == ours["value"][1] or abs(float(series["value"][1]) - float(ours["value"][1])) < 64 << 20, title
+    crit = live["query"](exprs["node-health.json: Critical results per node"])["data"]["result"]
+    raw = live["query"]('inferencecache_agent_check_results{status="critical"}')["data"]["result"]
+    expected = str(sum(int(r["value"][1]) for r in raw))  # "0" when nothing is critical here
+    assert [(r["metric"].get("node"), r["value"][1]) for r in crit] == [(NODE, expected)], crit
+    # With nothing critical (a status no result has), the panel draws 0, not No data.
+    none = exprs["node-health.json: Critical results per node"].replace('status="critical"', 'status="none-such"')
+    assert [(r["metric"].get("node"), r["value"][1]) for r in live["query"](none)["data"]["result"]] == [(NODE, "0")]
+    states = live["query"](exprs["node-health.json: Node × check state"])["data"]["result"]
+    checks = {r["metric"]["check"] for r in live["query"]("inferencecache_agent_check_results")["data"]["result"]}
+    assert {r["metric"]["check"] for r in states} == checks
+    assert all(r["value"][1] in {"0", "1", "2", "3"} for r in states), states
 
 
 def test_the_chart_rules_load_and_evaluate_healthy(live: dict[str, Any]) -> None:
