@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
+failed=()
+# step NAME COMMAND...: run one part of the suite; a failure is recorded for the verdict line.
+step() {
+  local name=$1; shift
+  if ! "$@"; then status=1; failed+=("$name"); fi
+}
 # Every test binary and both product binaries first: the real control plane below runs
 # target/debug/ic-controller.
 cargo test --workspace --locked --no-run
@@ -21,16 +27,19 @@ bare() { IC_CLUSTER_DIR="$PWD/target/cluster/bare" IC_CLUSTER_ETCD_PORT=23801 IC
 bash scripts/cluster.sh down >/dev/null
 bare down >/dev/null
 trap 'bash scripts/cluster.sh down >/dev/null 2>&1 || true; bare down >/dev/null 2>&1 || true' EXIT
-bash scripts/cluster.sh up || status=$?
-bare up --bare || status=$?
-cargo test --workspace --locked --no-fail-fast || status=$?
+step "cluster.sh up" bash scripts/cluster.sh up
+step "cluster.sh up --bare" bare up --bare
+# Its output is kept (target/test-output.log) for the verdict line's counts.
+mkdir -p target
+step "cargo test" bash -c 'set -o pipefail; cargo test --workspace --locked --no-fail-fast 2>&1 | tee target/test-output.log'
+
 # Least privilege from the apiserver's audit log of the run above: every request the chart's
 # identities made was allowed, and every grant was used (cluster/audit_check.py).
-.venv/chart-tests/bin/python cluster/audit_check.py "$(dirname "$(bash scripts/cluster.sh env)")" || status=$?
+step "audit check" .venv/chart-tests/bin/python cluster/audit_check.py "$(dirname "$(bash scripts/cluster.sh env)")"
 # The chart installed for real: `helm install` on a control plane with kwok nodes, the webhooks
 # through the chart's Service, `helm upgrade`, `helm uninstall` and namespace deletion
 # (scripts/install-tests.sh; its own state directory and ports; needs root and iptables).
-bash scripts/install-tests.sh || status=$?
+step "install-tests" bash scripts/install-tests.sh
 # The chart tests run every argument the chart passes through the real ic-controller and ic-agent
 # (chart-tests/test_binary_args.py). `cargo test` has already built both binaries into
 # target/debug (their packages have integration tests that run them). A separate
@@ -39,16 +48,16 @@ bash scripts/install-tests.sh || status=$?
 export IC_BIN_DIR="${IC_BIN_DIR:-${CARGO_TARGET_DIR:-$PWD/target}/debug}"
 # Helm chart: render with Helm's Go SDK, lint, validate against Kubernetes 1.29 and 1.33 schemas,
 # and check the binaries accept the rendered arguments.
-bash scripts/chart-tests.sh || status=$?
+step "chart-tests" bash scripts/chart-tests.sh
 # scripts/standalone.sh (the README's first command) against the same binaries: it fails fast and
 # loudly when a part does not come up or dies, and stops cleanly on SIGTERM.
-bash scripts/standalone-tests.sh || status=$?
+step "standalone-tests" bash scripts/standalone-tests.sh
 # Both images built from the same binaries (Dockerfile BIN_SOURCE=prebuilt) on a local Debian base,
 # run in Docker: the controller non-root on a read-only root answering /healthz; the agent under
 # the chart's own securityContext next to engine "pods" — every check passes with only the granted
 # capabilities, each dropped capability turns the checks that need it Unknown naming it, and only
 # the checks thread holds capabilities. Needs root and Docker; fails (never skips) without them.
-bash scripts/image-tests.sh || status=$?
+step "image-tests" bash scripts/image-tests.sh
 # The benchmarks (bench/: its own workspace and Cargo.lock, since dynamo-kv-router pins tokio) are
 # outside `cargo test --workspace`, yet they call the index's API and build with --locked: a
 # dependency added to a workspace crate without refreshing bench/Cargo.lock once broke
@@ -57,6 +66,15 @@ bash scripts/image-tests.sh || status=$?
 if ! CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/bench-check" \
     cargo check --locked --quiet --manifest-path bench/Cargo.toml; then
   echo "bench/ does not build: fix it, or refresh its lock with 'cargo update --workspace --manifest-path bench/Cargo.toml'" >&2
-  status=1
+  status=1; failed+=("bench check")
+fi
+# One verdict line: the cargo tests counted from their "test result:" lines, and every part that
+# failed by name.
+counts="$(awk '/^test result:/ {p+=$4; f+=$6; i+=$8} END {printf "%d passed, %d failed, %d ignored", p, f, i}' \
+  target/test-output.log 2>/dev/null || echo "no cargo test output")"
+if ((status)); then
+  echo "test.sh: FAILED — cargo tests: $counts; failed: $(IFS=,; echo "${failed[*]:-?}" | sed 's/,/, /g')"
+else
+  echo "test.sh: passed — cargo tests: $counts; cluster, audit, install, chart, standalone, image and bench checks passed"
 fi
 exit $status
