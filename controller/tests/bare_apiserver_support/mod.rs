@@ -172,13 +172,6 @@ impl Call {
         self.method == method && self.path.ends_with(suffix)
     }
 
-    /// A watch request (`watch=true` in the query).
-    pub fn is_watch(&self) -> bool {
-        self.query
-            .split('&')
-            .any(|p| p == "watch=true" || p == "watch=1")
-    }
-
     /// The path has `segment` as one of its `/`-separated parts (a resource plural such as
     /// `storageclasses`, or an object name).
     pub fn has(&self, segment: &str) -> bool {
@@ -244,11 +237,6 @@ impl Faults {
     /// Adds a rule; the first rule that answers other than [`Step::Pass`] decides.
     pub fn rule(&self, rule: impl Fn(&Call) -> Step + Send + Sync + 'static) {
         self.rules.lock().unwrap().push(Box::new(rule));
-    }
-
-    /// Drops every rule.
-    pub fn clear(&self) {
-        self.rules.lock().unwrap().clear();
     }
 
     /// Every request so far, in order (watches included).
