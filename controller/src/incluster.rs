@@ -482,6 +482,10 @@ pub async fn start_reconcilers(
     Ok(parts)
 }
 
+/// How long [`Running::wait`] lets the parts (reconcilers, model-cache controllers, admission)
+/// finish in-flight work after the stop signal before it aborts them.
+pub const PART_DRAIN: Duration = Duration::from_secs(10);
+
 /// A started in-cluster controller.
 pub struct Running {
     /// Bound gRPC address.
@@ -514,8 +518,24 @@ impl Running {
             l.abort();
         }
         let mut first_err = None;
-        for p in self.parts {
-            match p.task.await {
+        // The parts saw the stop signal with the servers; each gets until one drain deadline to
+        // finish what is in flight (a reconcile, a webhook review). One that is still running then
+        // is aborted, not waited for: a stuck call must not keep the process from exiting.
+        let deadline = tokio::time::Instant::now() + PART_DRAIN;
+        for mut p in self.parts {
+            let joined = match tokio::time::timeout_at(deadline, &mut p.task).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    warn!(
+                        part = p.name,
+                        drain_seconds = PART_DRAIN.as_secs(),
+                        "still running after the shutdown drain; aborted"
+                    );
+                    p.task.abort();
+                    continue;
+                }
+            };
+            match joined {
                 Ok(Ok(())) => {}
                 Ok(Err(message)) => {
                     first_err.get_or_insert(RunError::Part {
