@@ -322,8 +322,9 @@ dnat_clear() {
 chart_install() { # chart
   # chart/README.md's install commands (plus cluster/chart-values.yaml: agents on GPU nodes).
   log "helm install $release $1 (chart/README.md's commands, values cluster/chart-values.yaml)"
-  kubectl_admin create namespace "$namespace" >/dev/null
-  kubectl_admin label namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
+  # (Kept by an earlier `helm uninstall`: created only when absent.)
+  kubectl_admin get namespace "$namespace" >/dev/null 2>&1 || kubectl_admin create namespace "$namespace" >/dev/null
+  kubectl_admin label --overwrite namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
   # Helm v4's wait for the CRDs of crds/ can fail at once ("CustomResourceDefinition … not ready.
   # status: InProgress") on an apiserver seconds old; the release is not recorded then, and a
   # second try goes through.
@@ -380,7 +381,10 @@ up_chart() {
     "$state" "$controller_bin"
   start kwok "$bin/kwok" --kubeconfig "$state/admin.kubeconfig" --config "$state/kwok-stages.yaml" \
     --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 \
-    --server-address "127.0.0.1:$((api_port + 3))"
+    --node-lease-duration-seconds 40 --server-address "127.0.0.1:$((api_port + 3))"
+  # (Node Leases renewed: without them kwok's status heartbeats come further apart than the
+  # controller-manager's grace period, every node flaps NotReady and every pod goes Ready=False
+  # about 50 s after start.)
   kubectl_admin apply --server-side --field-manager=cluster.sh -f cluster/kwok-nodes.yaml >/dev/null
   wait_for "kwok nodes" 60 kubectl_admin wait --for condition=Ready node -l type=kwok --timeout 5s
   chart_install ./chart
@@ -389,7 +393,8 @@ up_chart() {
 
 next_steps() {
   cat >&2 <<EOF
-cluster: try next (KUBECONFIG below):
+cluster: try next (export the KUBECONFIG below; kubectl and helm of the cluster's version are in
+  $bin: export PATH=$bin:\$PATH):
   kubectl get nodes                      # kwok nodes: kwok-gpu-0, kwok-gpu-1 (GPU), kwok-cpu-0
   kubectl get pods -n $namespace         # the chart's pods (kwok runs them; the controller serving
                                          # the webhooks is the host process, logs in $state/logs/)
@@ -397,7 +402,10 @@ cluster: try next (KUBECONFIG below):
   kubectl apply -f examples/quickstart/engine-pod.yaml
   kubectl get pod vllm-quickstart -o jsonpath='{.metadata.annotations}'   # wired by the Pod webhook
   kubectl describe cachebackend quickstart   # conditions and Events
-  $bin/helm --kubeconfig $state/admin.kubeconfig list -A
+  helm list -A
+On kwok no container runs: the agents never connect (CacheNodes say so), and kubectl exec,
+port-forward and helm test do not work; the webhooks and the controller are real. After
+helm uninstall: scripts/cluster.sh stop ic-controller (its ServiceAccount is gone).
 EOF
 }
 

@@ -83,6 +83,10 @@ for kind in mutatingwebhookconfigurations validatingwebhookconfigurations; do
   done
 done
 
+# kwok renews the nodes' Leases (else the controller-manager marks them NotReady within a minute
+# and every pod with them).
+node_leases="$(k get leases -n kube-node-lease -o name | grep -c kwok- || true)"
+((node_leases == 3)) || fail "install: $node_leases node Leases in kube-node-lease, expected one per kwok node"
 # The controller leads through the Lease the chart created (its RBAC has no Lease create).
 holder() { [[ -n "$(k get lease -n "$ns" inference-cache-controller -o jsonpath='{.spec.holderIdentity}')" ]]; }
 eventually 60 holder || fail "install: the controller never took the chart's Lease"
