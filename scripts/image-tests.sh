@@ -317,8 +317,11 @@ curl -fsS --max-time 5 "http://127.0.0.1:$AGENT_PORT/v1/report" >"$WORK/report.j
 apid=$($DOCKER inspect -f '{{.State.Pid}}' "$aid")
 : >"$WORK/threads.txt"
 for t in /proc/"$apid"/task/*; do
-  printf '%s %s %s %s\n' "${t##*/}" "$(cat "$t/comm")" "$(awk '$1 == "CapEff:" { print $2 }' "$t/status")" \
-    "$(awk '$1 == "CapPrm:" { print $2 }' "$t/status")" >>"$WORK/threads.txt"
+  # A short-lived thread (the MP-worker probe's, checked through the report below) may end
+  # between the listing and these reads: it is skipped, not read half.
+  comm=$(cat "$t/comm" 2>/dev/null) && status=$(cat "$t/status" 2>/dev/null) || continue
+  printf '%s %s %s %s\n' "${t##*/}" "$comm" "$(awk '$1 == "CapEff:" { print $2 }' <<<"$status")" \
+    "$(awk '$1 == "CapPrm:" { print $2 }' <<<"$status")" >>"$WORK/threads.txt"
 done
 "$PY" - "$WORK/threads.txt" "$WORK/report.json" "$(status_field "$apid" CapBnd)" <<'PYEOF' || fail "thread capabilities of ic-agent run"
 import json, sys
