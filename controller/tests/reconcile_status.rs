@@ -1681,3 +1681,37 @@ fn status_participation_reset_keeps_t2() {
     assert_eq!(ip.prefix_count, 0);
     assert_eq!(ip.t2_hit_rate.as_deref(), Some("0.5"));
 }
+
+/// A backend without `spec.observation.modelID` has its engines' KV events never subscribed:
+/// when no event comes, the condition says so instead of sending the user to the engines.
+#[test]
+fn no_event_without_a_model_id_names_the_missing_field() {
+    let mut cb = managed_redis("kv");
+    cb.spec.observation.as_mut().unwrap().model_id = None;
+    let mut s = Sim::new(cb);
+    s.workload = Some(available(1));
+    s.step();
+    s.advance(301);
+    let e = s.step();
+    let degraded = cond(&e.status, "Degraded").unwrap();
+    assert_eq!(degraded.reason, "NoKVEventsObserved");
+    assert!(
+        degraded
+            .message
+            .contains("spec.observation.modelID is not set"),
+        "{}",
+        degraded.message
+    );
+    // With a model id the message points at the engines, as before.
+    let mut s = Sim::new(managed_redis("kv"));
+    s.workload = Some(available(1));
+    s.step();
+    s.advance(301);
+    let e = s.step();
+    let degraded = cond(&e.status, "Degraded").unwrap();
+    assert!(
+        degraded.message.contains("status.matchedEnginePods"),
+        "{}",
+        degraded.message
+    );
+}

@@ -682,11 +682,20 @@ pub fn evaluate(
                     )
                 }
                 Verdict::NoKv => {
-                    let m = format!(
-                        "No KV event observed within firstEventTimeout ({timeout_s}). Check that \
-                         engine pods are wired to this backend (status.matchedEnginePods), then \
-                         the engines' --kv-events-config and that their ZMQ publisher bound."
-                    );
+                    let m = if spec.model_id().is_none() {
+                        format!(
+                            "No KV event observed within firstEventTimeout ({timeout_s}): \
+                             spec.observation.modelID is not set, so the engines' KV events are \
+                             not subscribed. Set it to the model the engines serve."
+                        )
+                    } else {
+                        format!(
+                            "No KV event observed within firstEventTimeout ({timeout_s}). Check \
+                             that engine pods are wired to this backend \
+                             (status.matchedEnginePods), then the engines' --kv-events-config \
+                             and that their ZMQ publisher bound."
+                        )
+                    };
                     (
                         c(
                             ConditionStatus::False,
