@@ -281,6 +281,18 @@ IC_CLUSTER_RELEASE=$release
 EOF
 }
 
+# A server-side dry run of a CacheBackend: it goes through both CacheBackend webhooks. The object
+# is given anew on each call (wait_for retries it; a heredoc on wait_for itself would be read by
+# the first try only).
+webhooks_answer() {
+  kubectl_admin create --dry-run=server -n default -f - <<'EOF'
+apiVersion: inferencecache.io/v1alpha1
+kind: CacheBackend
+metadata: {name: webhook-ready}
+spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
+EOF
+}
+
 # The controller on this host as the chart's ServiceAccount (a bound token of that account,
 # nothing else) with the arguments in $state/controller-args.
 start_controller() {
@@ -360,12 +372,7 @@ chart_controller() {
   dnat_add "$svc" 443 "$webhook_port"
   # The webhooks answer the apiserver through the Service (self-signed mode: the controller put
   # its CA into the configurations' caBundle).
-  wait_for "the CacheBackend webhooks through Service $svc" 90 kubectl_admin create --dry-run=server -n default -f - <<'EOF'
-apiVersion: inferencecache.io/v1alpha1
-kind: CacheBackend
-metadata: {name: webhook-ready}
-spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
-EOF
+  wait_for "the CacheBackend webhooks through Service $svc" 90 webhooks_answer
 }
 
 # `up --with-chart` after the controller-manager and scheduler: kwok and its nodes, `helm
@@ -503,12 +510,7 @@ EOF
   kubectl_admin apply --server-side --force-conflicts --field-manager=cluster.sh -f "$state/objects-webhooks.yaml" >/dev/null
 
   # The webhooks answer the apiserver: a server-side dry run of a CacheBackend goes through both.
-  wait_for "the CacheBackend webhooks" 60 kubectl_admin create --dry-run=server -n default -f - <<'EOF'
-apiVersion: inferencecache.io/v1alpha1
-kind: CacheBackend
-metadata: {name: webhook-ready}
-spec: {runtime: VLLM, engineSelector: {matchLabels: {app: webhook-ready}}}
-EOF
+  wait_for "the CacheBackend webhooks" 60 webhooks_answer
 
   write_env
   log "up in $((SECONDS - t0)) s: kube-apiserver https://127.0.0.1:$api_port, controller webhooks https://127.0.0.1:$webhook_port (logs: $state/logs/)"
