@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from their Go modules (no binary download: the Go
 # module proxy serves the sources). Output: $OUT_DIR/{etcd,kube-apiserver,kube-controller-manager,
-# kube-scheduler,kubectl,helm,kwok}, and one stamp per component ($OUT_DIR/.stamp-<component>)
+# kube-scheduler,kubectl,helm,kwok,grpc-health-probe}, and one stamp per component ($OUT_DIR/.stamp-<component>)
 # holding the version it was built from; a matching stamp skips that component. Used by
 # scripts/cluster.sh; see docs/real-cluster.md.
 #
@@ -28,7 +28,8 @@ fresh() { # component version: its stamp matches
 }
 all_fresh() {
     fresh etcd "$ETCD_VERSION" && fresh kubernetes "$KUBERNETES_VERSION" &&
-        fresh helm "$HELM_VERSION" && fresh kwok "$KWOK_VERSION"
+        fresh helm "$HELM_VERSION" && fresh kwok "$KWOK_VERSION" &&
+        fresh grpc-health-probe "$GRPC_HEALTH_PROBE_VERSION"
 }
 all_fresh && exit 0
 mkdir -p "$OUT_DIR"
@@ -96,6 +97,16 @@ build_kwok() {
     done > "$OUT_DIR/kwok-stages.yaml"
 }
 
+# grpc-health-probe, the chart's controller `helm test` (chart/templates/tests/): its command is
+# the module's root package, which no wrapper module can import, so `go install module@version`
+# (the module has no replace lines) with the release's version stamped in as its own build does.
+build_grpc_health_probe() {
+    cd "$work"
+    GOFLAGS= GOBIN="$OUT_DIR" go install -trimpath \
+        -ldflags "-s -w -X main.versionTag=$GRPC_HEALTH_PROBE_VERSION" \
+        "github.com/grpc-ecosystem/grpc-health-probe@$GRPC_HEALTH_PROBE_VERSION"
+}
+
 component() { # name version builder...
     local name=$1 version=$2 t=$SECONDS; shift 2
     fresh "$name" "$version" && return 0
@@ -109,5 +120,6 @@ component kubernetes "$KUBERNETES_VERSION" build_kubernetes
 component helm "$HELM_VERSION" build_tool helm.sh/helm/v4 "$HELM_VERSION" helm.sh/helm/v4/cmd/helm \
     "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm.sh/helm/v4/pkg/action
 component kwok "$KWOK_VERSION" build_kwok
+component grpc-health-probe "$GRPC_HEALTH_PROBE_VERSION" build_grpc_health_probe
 rm -rf "$work"
 rm -f "$OUT_DIR/.stamp"
