@@ -540,6 +540,70 @@ fn host_network_collisions_fail_open_with_reason_and_warning() {
 
 // ---- 2. outward publishers, 3. PYTHONHASHSEED ---------------------------------------------
 
+/// Field case (issue 39 item 1): the engine's own KV-event publisher binds the port the MP
+/// worker would take (SGLang `--kv-events-config` on `tcp://*:5555`, nothing declared). The
+/// subscriber's port check saw the collision and dropped only the subscriber; the worker was
+/// still injected on 5555, so one of the two could never bind. The webhook must leave such a
+/// pod unwired with the reason, with a subscriber image or without one, and for the replay port
+/// too; a config that does not publish binds nothing and is wired.
+#[test]
+fn an_engine_kv_listener_on_the_worker_port_leaves_the_pod_unwired() {
+    let with_events = |config: &str| {
+        let mut pod = load_repo_pod(HOST_NET);
+        pod["spec"]["hostNetwork"] = json!(false);
+        edit_script(
+            &mut pod,
+            "sglang-container",
+            "--enable-metrics",
+            &format!("--enable-metrics --kv-events-config '{config}'"),
+        );
+        pod
+    };
+    let publisher = with_events(r#"{"publisher":"zmq","endpoint":"tcp://*:5555"}"#);
+    for config in [cfg(), PodWebhookConfig::default()] {
+        let outcome = admit(&publisher, &[backend(SGLANG_LMCACHE)], &config);
+        assert_eq!(
+            outcome.reason,
+            "CacheBackend default/sglang-lmcache: the LMCache MP worker would listen on port 5555, which is the KV-event publisher of data-parallel rank 0 (container \"sglang-container\"); set spec.lmCache.workerPort to a free port; pod admitted unwired"
+        );
+        assert_fail_open_marked(&publisher, &outcome);
+        assert!(outcome
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("pod admitted unwired: the LMCache MP worker would listen on port 5555")));
+        let out = apply(&publisher, &outcome);
+        assert!(init_container(&out, "lmcache-mp-worker").is_none());
+    }
+
+    // The replay ROUTER always binds, whatever its host.
+    let replay = with_events(
+        r#"{"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5555"}"#,
+    );
+    let outcome = admit(&replay, &[backend(SGLANG_LMCACHE)], &cfg());
+    assert!(
+        outcome.reason.contains("port 5555, which is the KV-event replay endpoint of data-parallel rank 0 (container \"sglang-container\")"),
+        "{}",
+        outcome.reason
+    );
+    assert_fail_open_marked(&replay, &outcome);
+
+    // Moved to a free port, the same pod is wired: worker on 5600, publisher followed on 5555.
+    let mut cb = backend(SGLANG_LMCACHE);
+    cb.spec.lm_cache = Some(ic_shared::crd::LmCacheSpec {
+        worker_port: Some(5600),
+        ..Default::default()
+    });
+    let (outcome, wired) = admit_converged(&publisher, &[cb], &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+    assert!(init_container(&wired, "lmcache-mp-worker").is_some());
+    assert_eq!(subscriber_names(&wired), vec!["kvevent-subscriber".to_string()]);
+
+    // A config that does not publish binds nothing: the worker keeps 5555.
+    let silent = with_events(r#"{"publisher":"null","endpoint":"tcp://*:5555"}"#);
+    let outcome = admit(&silent, &[backend(SGLANG_LMCACHE)], &PodWebhookConfig::default());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+}
+
 #[test]
 fn outward_publisher_is_not_followed_and_never_rendered_literally() {
     // As published: the endpoint comes from the engine's shell (${NAMESPACE}).

@@ -63,6 +63,10 @@ pub struct SubscriberTopology {
     pub engine_listeners: Vec<Listener>,
     /// Notes for the admission warnings.
     pub warnings: Vec<String>,
+    /// True when the streams come from the engine's own `--kv-events-config` and that config
+    /// publishes ([`KvEventsConfig::active`]); false for the assumed default endpoint, which
+    /// the engine binds only if it publishes at all.
+    pub from_engine_config: bool,
 }
 
 /// Why the subscriber cannot follow the engine: the precise reason, used as the fail-open
@@ -96,6 +100,7 @@ fn default_topology(warning: String) -> SubscriberTopology {
             engine_owned: true,
         }],
         warnings: vec![warning],
+        from_engine_config: false,
     }
 }
 
@@ -464,7 +469,28 @@ pub fn subscriber_topology(
         streams,
         engine_listeners,
         warnings,
+        from_engine_config: config.active(runtime),
     })
+}
+
+/// The TCP ports the engine container `engine` itself binds for KV events, read from its
+/// literal, publishing `--kv-events-config` (spec 000 "Events-only mode"; `kv-event-wire.md`):
+/// each data-parallel rank's PUB port when the endpoint is a wildcard, and each rank's ROUTER
+/// replay port. The Pod webhook checks the LMCache MP worker's port against them whether or not
+/// a kvevent-subscriber is added: the engine binds them either way, so a worker on one of them
+/// keeps one of the two from starting.
+///
+/// Empty when the engine has no readable, publishing config, or when its ports are unknowable
+/// at admission (shell expansion, ephemeral port; [`subscriber_topology`]'s reasons).
+pub fn engine_kv_listeners(pod: &Pod, engine: usize, runtime: Runtime) -> Vec<Listener> {
+    match subscriber_topology(pod, Some(engine), runtime, &OtherListeners::new()) {
+        Ok(t) if t.from_engine_config => t
+            .engine_listeners
+            .into_iter()
+            .filter(|l| l.engine_owned)
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 #[cfg(test)]

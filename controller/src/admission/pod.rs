@@ -50,7 +50,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::Value;
 
 use super::host_ports::{declare_host_ports, declared_ports, Listener};
-use super::kv_topology::{subscriber_topology, OtherListeners};
+use super::kv_topology::{engine_kv_listeners, subscriber_topology, OtherListeners};
 use crate::adapters::converge::converge_rendered;
 use crate::adapters::overrides::{apply_overrides, snapshot};
 use crate::adapters::sglang_lmcache_mp::WORKER_CONTAINER;
@@ -602,7 +602,21 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
     let mp_worker = mp_worker_port(pod, cb);
     if let Some(p) = mp_worker {
         // Every declared port counts here, the engine's own too: none of them is the worker.
-        let taken = other_listeners(pod, Some(engine), runtime, None);
+        // So do the KV-event ports the engine binds, declared or not, subscriber or not: a
+        // worker on one of them keeps the engine (or the worker) from starting, so the pod is
+        // left unwired with the reason rather than wired into a pod that cannot run.
+        let mut taken = other_listeners(pod, Some(engine), runtime, None);
+        let engine_name = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.get(engine))
+            .map(|c| c.name.clone())
+            .unwrap_or_default();
+        for l in engine_kv_listeners(pod, engine, runtime) {
+            taken
+                .entry(l.port)
+                .or_insert_with(|| format!("{} (container {engine_name:?})", l.what));
+        }
         let declared = declared_ports(pod);
         if let Some(what) = taken.get(&p).or_else(|| declared.get(&p)) {
             return Err(Unwired::loud(format!(
