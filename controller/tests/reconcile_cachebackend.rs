@@ -684,6 +684,75 @@ async fn a_crash_loop_reads_as_one_episode_across_its_back_off_cycle() {
     assert_eq!(sr(&h.status("kv").await, "EngineCompatibility"), None);
 }
 
+/// Field case (issue 39 item 7): restarts that are not a back-off loop. The kubelet restarts
+/// an engine OOM-killed once a day at once (its back-off for the container expired long ago),
+/// and a node reboot restarts every container with `Unknown`/255: both read `running` with a
+/// failed `lastState` and a growing `restartCount`, never `CrashLoopBackOff`. Only a container
+/// the kubelet holds in `CrashLoopBackOff` is crash-looping (spec 000 "EngineCompatibility");
+/// the shapes below are the kubelet's, written through the status subresource.
+#[tokio::test]
+async fn a_benign_restart_is_not_a_crash_loop_only_the_kubelets_back_off_is() {
+    let h = Harness::new(vec![managed_redis("kv")], false).await;
+    let cb = h.cb("kv").await;
+    let base = injected_engine("vllm-abc123-z", &cb, "vllm");
+    let at = |secs_ago: i64| {
+        k8s_openapi::jiff::Timestamp::from_millisecond(h.now_ms() - secs_ago * 1000)
+            .unwrap()
+            .to_string()
+    };
+    let day = 24 * 3600;
+    let id = "containerd://4f1c0d2b9e8a7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d";
+    // Third daily OOM kill: ran a day, killed 20 s ago, restarted at once 19 s ago.
+    let oom_daily = json!({"name": "vllm", "ready": false, "started": true, "restartCount": 3,
+        "image": "vllm/vllm-openai:v0.11.2", "imageID": "", "containerID": id,
+        "state": {"running": {"startedAt": at(19)}},
+        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+            "startedAt": at(day + 20), "finishedAt": at(20), "containerID": id}}});
+    h.add_pod(engine_status(base.clone(), oom_daily)).await;
+    h.reconcile("kv").await;
+    assert_eq!(sr(&h.status("kv").await, "EngineCompatibility"), None);
+
+    // After a node reboot: the kubelet records the old container as Unknown, exit 255.
+    let rebooted = json!({"name": "vllm", "ready": false, "started": true, "restartCount": 4,
+        "image": "vllm/vllm-openai:v0.11.2", "imageID": "", "containerID": id,
+        "state": {"running": {"startedAt": at(30)}},
+        "lastState": {"terminated": {"exitCode": 255, "reason": "Unknown",
+            "startedAt": at(3 * day), "finishedAt": at(120), "containerID": id}}});
+    h.replace_pod(engine_status(base.clone(), rebooted)).await;
+    h.reconcile("kv").await;
+    assert_eq!(sr(&h.status("kv").await, "EngineCompatibility"), None);
+    assert_eq!(h.events.count("InjectedEngineCrashLooping"), 0);
+
+    // Now it fails again within seconds and the kubelet backs off: that is a crash loop, and
+    // the message carries the kubelet's last termination.
+    let backing_off = json!({"name": "vllm", "ready": false, "started": false, "restartCount": 6,
+        "image": "vllm/vllm-openai:v0.11.2", "imageID": "", "containerID": id,
+        "state": {"waiting": {"reason": "CrashLoopBackOff",
+            "message": "back-off 20s restarting failed container=vllm pod=vllm-abc123-z_ns(uid)"}},
+        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+            "startedAt": at(12), "finishedAt": at(4), "containerID": id}}});
+    h.replace_pod(engine_status(base.clone(), backing_off)).await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(
+        sr(&st, "EngineCompatibility"),
+        is("False", "InjectedEngineCrashLooping")
+    );
+    let message = st
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "EngineCompatibility")
+        .unwrap()
+        .message
+        .clone();
+    assert!(
+        message.starts_with("Injected engine pod(s) vllm-abc123-z are crash-looping")
+            && message.contains("vllm-abc123-z: exit code 137 (OOMKilled)"),
+        "{message}"
+    );
+    assert_eq!(h.events.count("InjectedEngineCrashLooping"), 1);
+}
+
 #[tokio::test]
 async fn the_engine_container_is_the_one_the_adapter_wires_not_the_first() {
     // `[log-shipper, server]`: `server` launches vLLM. A crash-looping log shipper is not the

@@ -18,12 +18,20 @@
 //! # Engine container and crash loops
 //!
 //! The engine container is the one the adapters wire ([`select_engine_by_command`]: the
-//! container whose command launches the runtime), never a guess by name. It is crash-looping
-//! across its whole back-off cycle: while waiting in `CrashLoopBackOff`, and also between
-//! back-offs — waiting in another reason, or running for less than [`CRASH_LOOP_WINDOW_SECS`] —
-//! whenever it restarted at least [`CRASH_LOOP_MIN_RESTARTS`] times and its last run ended in
-//! failure (non-zero exit). The kubelet resets its back-off after 10 minutes of running, and so
-//! does this rule.
+//! container whose command launches the runtime), never a guess by name. A crash loop is what
+//! the kubelet says it is (spec 000 "EngineCompatibility": "only when an injected engine
+//! container is in CrashLoopBackOff"): the container's `state.waiting.reason` is
+//! `CrashLoopBackOff`, which the kubelet writes while it holds a failed container in restart
+//! back-off. A restart count alone is not a crash loop: an engine OOM-killed once a day, or
+//! restarted by a node reboot, restarts at once (the kubelet's back-off for it has expired) and
+//! is never in `CrashLoopBackOff`.
+//!
+//! An episode that has been observed (the pod is named by the prior
+//! `EngineCompatibility=False/InjectedEngineCrashLooping`) continues between back-offs —
+//! waiting in another reason, running for less than [`CRASH_LOOP_WINDOW_SECS`], or terminated
+//! again — while its last run ended in failure (`lastState.terminated` non-zero), so one crash
+//! loop is one condition and one Event, not one per back-off. The kubelet resets its back-off
+//! after 10 minutes of running, and so does this rule.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -39,11 +47,11 @@ use crate::adapters::vllm_lmcache::{
 use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID};
 use crate::reconcile::render::LABEL_BACKEND;
 
-/// Restarts before a failing container counts as crash-looping between back-offs.
-pub const CRASH_LOOP_MIN_RESTARTS: i32 = 2;
-/// A container running this long after a failed restart no longer counts as crash-looping (the
-/// kubelet's back-off reset).
+/// A container running this long after a failed restart no longer continues a crash-loop
+/// episode (the kubelet's back-off reset), seconds.
 pub const CRASH_LOOP_WINDOW_SECS: i64 = 600;
+/// The kubelet's `state.waiting.reason` for a container held in restart back-off.
+pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
 
 /// `matchedEnginePods` / `engineSelectorMessage` and the requeue hint they imply.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -203,12 +211,22 @@ pub fn engine_container_name<'a>(cb: &CacheBackend, pod: &'a Pod) -> Option<&'a 
         .map(|c| c.name.as_str())
 }
 
-/// True when a container status shows a crash loop at `now_s` (unix seconds; see the module
-/// docs).
-pub fn is_crash_looping(c: &k8s_openapi::api::core::v1::ContainerStatus, now_s: i64) -> bool {
-    let state = c.state.as_ref();
-    let waiting = state.and_then(|s| s.waiting.as_ref());
-    if waiting.and_then(|w| w.reason.as_deref()) == Some("CrashLoopBackOff") {
+/// True when the kubelet holds the container in restart back-off: `state.waiting.reason` is
+/// [`CRASH_LOOP_BACK_OFF`] (see the module docs).
+pub fn is_crash_looping(c: &k8s_openapi::api::core::v1::ContainerStatus) -> bool {
+    c.state
+        .as_ref()
+        .and_then(|s| s.waiting.as_ref())
+        .and_then(|w| w.reason.as_deref())
+        == Some(CRASH_LOOP_BACK_OFF)
+}
+
+/// True when an observed crash-loop episode goes on at `now_s` (unix seconds) between two
+/// back-offs: the container restarted, its last run ended in failure (`lastState.terminated`
+/// with a non-zero exit code), and it is not yet past the kubelet's back-off reset — waiting,
+/// terminated again with a failure, or running for less than [`CRASH_LOOP_WINDOW_SECS`].
+pub fn continues_crash_loop(c: &k8s_openapi::api::core::v1::ContainerStatus, now_s: i64) -> bool {
+    if is_crash_looping(c) {
         return true;
     }
     let last_failed = c
@@ -216,10 +234,11 @@ pub fn is_crash_looping(c: &k8s_openapi::api::core::v1::ContainerStatus, now_s: 
         .as_ref()
         .and_then(|s| s.terminated.as_ref())
         .is_some_and(|t| t.exit_code != 0);
-    if c.restart_count < CRASH_LOOP_MIN_RESTARTS || !last_failed {
+    if c.restart_count < 1 || !last_failed {
         return false;
     }
-    if waiting.is_some() {
+    let state = c.state.as_ref();
+    if state.and_then(|s| s.waiting.as_ref()).is_some() {
         return true;
     }
     match state.and_then(|s| s.running.as_ref()) {
@@ -227,34 +246,96 @@ pub fn is_crash_looping(c: &k8s_openapi::api::core::v1::ContainerStatus, now_s: 
             .started_at
             .as_ref()
             .is_some_and(|t| now_s - t.0.as_second() < CRASH_LOOP_WINDOW_SECS),
-        // Terminated again (failed) and not yet restarted: still in the loop.
         None => state
             .and_then(|s| s.terminated.as_ref())
             .is_some_and(|t| t.exit_code != 0),
     }
 }
 
-/// Names (sorted) of pods injected by `cb` whose engine container is crash-looping at `now_s`
-/// (unix seconds).
-pub fn crash_looping_injected(cb: &CacheBackend, pods: &[Pod], now_s: i64) -> Vec<String> {
-    let mut out: Vec<String> = pods
+/// An injected engine pod whose engine container is crash-looping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrashLoop {
+    /// Pod name.
+    pub pod: String,
+    /// The engine container's last termination as the kubelet recorded it
+    /// (`lastState.terminated`): `exit code 137 (OOMKilled)`; `None` when absent.
+    pub last_termination: Option<String>,
+}
+
+/// Start of the `EngineCompatibility=False/InjectedEngineCrashLooping` message, followed by the
+/// pod names ([`crash_loop_message`]).
+const CRASH_LOOP_MESSAGE_HEAD: &str = "Injected engine pod(s) ";
+/// What follows the pod names in that message.
+const CRASH_LOOP_MESSAGE_TAIL: &str = " are crash-looping after KV-connector injection";
+
+/// The `EngineCompatibility=False/InjectedEngineCrashLooping` message for `loops` (non-empty):
+/// the pod names, each engine's last termination, and what to do.
+pub fn crash_loop_message(loops: &[CrashLoop]) -> String {
+    let names: Vec<&str> = loops.iter().map(|l| l.pod.as_str()).collect();
+    let lasts: Vec<String> = loops
+        .iter()
+        .filter_map(|l| l.last_termination.as_ref().map(|t| format!("{}: {t}", l.pod)))
+        .collect();
+    let last = if lasts.is_empty() {
+        String::new()
+    } else {
+        format!(" Last termination: {}.", lasts.join("; "))
+    };
+    format!(
+        "{CRASH_LOOP_MESSAGE_HEAD}{}{CRASH_LOOP_MESSAGE_TAIL} (the kubelet holds the engine container in {CRASH_LOOP_BACK_OFF}).{last} Check the engine logs; if the model is hybrid-attention, set spec.integration.mode: EventsOnly.",
+        names.join(", ")
+    )
+}
+
+/// The pod names a [`crash_loop_message`] lists (empty for any other text).
+pub fn crash_loop_pods(message: &str) -> Vec<String> {
+    message
+        .strip_prefix(CRASH_LOOP_MESSAGE_HEAD)
+        .and_then(|rest| rest.split_once(CRASH_LOOP_MESSAGE_TAIL))
+        .map(|(names, _)| names.split(", ").map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// Pods injected by `cb` whose engine container is crash-looping at `now_s` (unix seconds),
+/// sorted by name: in [`CRASH_LOOP_BACK_OFF`] now ([`is_crash_looping`]), or named in `episode`
+/// (the pods of the prior condition) and still between back-offs ([`continues_crash_loop`]).
+pub fn crash_looping_injected(
+    cb: &CacheBackend,
+    pods: &[Pod],
+    now_s: i64,
+    episode: &[String],
+) -> Vec<CrashLoop> {
+    let mut out: Vec<CrashLoop> = pods
         .iter()
         .filter(|p| injected_by(p, cb))
-        .filter(|p| {
-            let Some(engine) = engine_container_name(cb, p) else {
-                return false;
-            };
-            p.status
+        .filter_map(|p| {
+            let name = p.metadata.name.clone()?;
+            let engine = engine_container_name(cb, p)?;
+            let c = p
+                .status
                 .as_ref()
-                .and_then(|s| s.container_statuses.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.name == engine && is_crash_looping(c, now_s))
-                })
+                .and_then(|s| s.container_statuses.as_ref())?
+                .iter()
+                .find(|c| c.name == engine)?;
+            let looping = if episode.contains(&name) {
+                continues_crash_loop(c, now_s)
+            } else {
+                is_crash_looping(c)
+            };
+            looping.then(|| CrashLoop {
+                pod: name,
+                last_termination: c
+                    .last_state
+                    .as_ref()
+                    .and_then(|s| s.terminated.as_ref())
+                    .map(|t| match t.reason.as_deref().filter(|r| !r.is_empty()) {
+                        Some(r) => format!("exit code {} ({r})", t.exit_code),
+                        None => format!("exit code {}", t.exit_code),
+                    }),
+            })
         })
-        .filter_map(|p| p.metadata.name.clone())
         .collect();
-    out.sort();
+    out.sort_by(|a, b| a.pod.cmp(&b.pod));
     out
 }
 

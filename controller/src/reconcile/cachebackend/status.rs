@@ -982,7 +982,17 @@ pub fn evaluate(
                             );
                         }
 
-                        let looping = engine::crash_looping_injected(cb, pods, obs.now.as_second());
+                        // An episode observed before goes on between back-offs.
+                        let episode = find_condition(&prior.conditions, cond::ENGINE_COMPATIBILITY)
+                            .filter(|p| p.reason == reason::INJECTED_ENGINE_CRASH_LOOPING)
+                            .map(|p| engine::crash_loop_pods(&p.message))
+                            .unwrap_or_default();
+                        let looping = engine::crash_looping_injected(
+                            cb,
+                            pods,
+                            obs.now.as_second(),
+                            &episode,
+                        );
                         if looping.is_empty() {
                             w.remove(cond::ENGINE_COMPATIBILITY);
                         } else {
@@ -991,12 +1001,7 @@ pub fn evaluate(
                                 c(
                                     ConditionStatus::False,
                                     reason::INJECTED_ENGINE_CRASH_LOOPING,
-                                    format!(
-                                        "Injected engine pod(s) {} are crash-looping after \
-                                         KV-connector injection. Check the engine logs; if the model \
-                                         is hybrid-attention, set spec.integration.mode: EventsOnly.",
-                                        looping.join(", ")
-                                    ),
+                                    engine::crash_loop_message(&looping),
                                 ),
                             );
                         }
