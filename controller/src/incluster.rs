@@ -344,6 +344,7 @@ pub async fn start_admission(
         Arc::new(pods),
     ));
 
+    let mut shared_keeper: Option<ca_bundle::CertKeeper> = None;
     let tls_source = if let Some(dir) = &settings.cert_dir {
         tls::TlsSource::Files {
             cert: dir.join("tls.crt"),
@@ -358,10 +359,33 @@ pub async fn start_admission(
         let sans = tls::service_dns_names(&service, &ctx.namespace);
         match &settings.tls_secret {
             Some(secret) => {
-                let bundle =
-                    ca_bundle::shared_self_signed(&ctx.client, &ctx.namespace, secret, &sans)
-                        .await
-                        .map_err(|e| part(e.to_string()))?;
+                // Read (or create) the shared Secret, repair or rotate what is due, and serve
+                // its pair; the keeper re-reads it every resync (admission/ca_bundle.rs).
+                let metrics = ca_bundle::CertMetrics::register(&ctx.shared.metrics.registry)
+                    .map_err(|e| part(e.to_string()))?;
+                let mut keeper = ca_bundle::CertKeeper::new(
+                    ctx.client.clone(),
+                    ca_bundle::SelfSignedSecret {
+                        namespace: ctx.namespace.clone(),
+                        name: secret.clone(),
+                        subject_alt_names: sans,
+                        webhook_config: settings.config_name.clone(),
+                        policy: ca_bundle::RotationPolicy {
+                            overlap: (settings.ca_bundle_resync * 5)
+                                .max(ca_bundle::RotationPolicy::default().overlap),
+                            ..Default::default()
+                        },
+                    },
+                )
+                .with_metrics(metrics);
+                keeper
+                    .tick(ca_bundle::unix_now())
+                    .await
+                    .map_err(|e| part(e.to_string()))?;
+                let bundle = keeper.served().cloned().ok_or_else(|| {
+                    part("the self-signed webhook Secret holds no servable certificate".to_string())
+                })?;
+                shared_keeper = Some(keeper);
                 tls::TlsSource::Pem {
                     cert_pem: bundle.cert_pem,
                     key_pem: bundle.key_pem,
@@ -392,11 +416,24 @@ pub async fn start_admission(
         .registry
         .register(Box::new(cert_expiry.clone()))
         .map_err(|e| part(e.to_string()))?;
+    let server_config_expiry = Some(cert_expiry.clone());
     server_config.cert_expiry = Some(cert_expiry);
     let running = server::start(admission, server_config)
         .await
         .map_err(|e| part(e.to_string()))?;
-    if settings.self_signed {
+    if let Some(mut keeper) = shared_keeper {
+        // Every replica, leader or not: renews when due (writes are serialized by the Secret's
+        // resourceVersion), keeps the caBundle, and reloads the Secret's pair when it changes.
+        keeper.serve_into(running.rustls.clone(), server_config_expiry);
+        tasks.push(ca_bundle::spawn_cert_keeper(
+            keeper,
+            settings.ca_bundle_resync,
+            ctx.shutdown.clone(),
+        ));
+        if settings.config_name.is_none() {
+            warn!("self-signed webhook certificate without --webhook-config-name: set the caBundle yourself");
+        }
+    } else if settings.self_signed {
         match (&settings.config_name, &running.ca_pem) {
             (Some(name), Some(ca)) => tasks.push(ca_bundle::spawn_ca_bundle_keeper(
                 ctx.client.clone(),

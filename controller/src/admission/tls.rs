@@ -134,23 +134,99 @@ pub fn service_dns_names(service: &str, namespace: &str) -> Vec<String> {
     ]
 }
 
-/// Generates a CA and a serving certificate for `subject_alt_names` (DNS names or IP literals),
-/// valid from yesterday for ten years. Errors: [`TlsError::Generate`].
-pub fn generate_self_signed(subject_alt_names: &[String]) -> Result<SelfSignedBundle, TlsError> {
-    let ca_key = rcgen::KeyPair::generate()?;
+/// Common name prefix of the CAs this module generates (the issue time in Unix seconds follows,
+/// so two CAs of one installation, old and new during a rotation, tell apart in `openssl x509`).
+pub const CA_COMMON_NAME: &str = "inference-cache webhook CA";
+
+/// How far back `notBefore` is set from the issue time (clock skew between the controller and
+/// the apiserver that verifies the certificate).
+pub const BACKDATE: Duration = Duration::from_secs(3600);
+
+/// A CA certificate and its private key, PEM (PKCS#8 key).
+#[derive(Debug, Clone)]
+pub struct CaPair {
+    /// The CA certificate.
+    pub cert_pem: String,
+    /// Its private key.
+    pub key_pem: String,
+}
+
+/// A serving (leaf) certificate and its private key, PEM (PKCS#8 key).
+#[derive(Debug, Clone)]
+pub struct LeafPair {
+    /// The serving certificate, signed by a [`CaPair`].
+    pub cert_pem: String,
+    /// Its private key.
+    pub key_pem: String,
+}
+
+fn secs(d: Duration) -> i64 {
+    i64::try_from(d.as_secs()).unwrap_or(i64::MAX)
+}
+
+/// Sets `params`' validity to [`BACKDATE`] before `now_unix` until `not_after_unix` (whole
+/// Unix seconds; negative values clamp to the epoch).
+fn set_validity(params: &mut rcgen::CertificateParams, now_unix: i64, not_after_unix: i64) {
+    let at = |unix: i64| {
+        rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(u64::try_from(unix).unwrap_or(0))
+    };
+    params.not_before = at(now_unix.saturating_sub(secs(BACKDATE)));
+    params.not_after = at(not_after_unix);
+}
+
+fn ca_params(common_name: &str) -> Result<rcgen::CertificateParams, TlsError> {
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params
         .distinguished_name
-        .push(rcgen::DnType::CommonName, "inference-cache webhook CA");
+        .push(rcgen::DnType::CommonName, common_name);
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
     ca_params.key_usages = vec![
         rcgen::KeyUsagePurpose::KeyCertSign,
         rcgen::KeyUsagePurpose::CrlSign,
         rcgen::KeyUsagePurpose::DigitalSignature,
     ];
-    set_validity(&mut ca_params);
-    let ca_cert = ca_params.self_signed(&ca_key)?;
-    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    Ok(ca_params)
+}
+
+/// Generates a CA (ECDSA P-256) valid from `now_unix` − [`BACKDATE`] to `now_unix + lifetime`
+/// (Unix seconds), common name `inference-cache webhook CA <now_unix>`.
+/// Errors: [`TlsError::Generate`].
+pub fn generate_ca(now_unix: i64, lifetime: Duration) -> Result<CaPair, TlsError> {
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = ca_params(&format!("{CA_COMMON_NAME} {now_unix}"))?;
+    set_validity(&mut params, now_unix, now_unix.saturating_add(secs(lifetime)));
+    let cert = params.self_signed(&key)?;
+    Ok(CaPair {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Issues a serving certificate for `subject_alt_names` (DNS names or IP literals; the first is
+/// the common name), signed by `ca`, valid from `now_unix` − [`BACKDATE`] to `now_unix +
+/// lifetime` but never past the CA's own `notAfter` (Unix seconds). It carries an authority key
+/// identifier, which [`CertInfo::issued_by`] matches against the CA's subject key identifier.
+///
+/// Errors: [`TlsError::CertPem`] (the CA certificate does not parse), [`TlsError::KeyPem`] (the
+/// CA key does not parse or is not the certificate's), [`TlsError::Generate`].
+pub fn issue_serving(
+    ca: &CaPair,
+    subject_alt_names: &[String],
+    now_unix: i64,
+    lifetime: Duration,
+) -> Result<LeafPair, TlsError> {
+    let ca_info = parse_certs(ca.cert_pem.as_bytes())?
+        .into_iter()
+        .next()
+        .ok_or_else(|| TlsError::CertPem("no CA certificate found".to_string()))?;
+    let ca_key =
+        rcgen::KeyPair::from_pem(&ca.key_pem).map_err(|e| TlsError::KeyPem(e.to_string()))?;
+    if !ca_info.has_public_key(&ca_key) {
+        return Err(TlsError::KeyPem(
+            "the CA key is not the CA certificate's key".to_string(),
+        ));
+    }
+    let issuer = rcgen::Issuer::new(ca_params(&ca_info.common_name)?, ca_key);
 
     let key = rcgen::KeyPair::generate()?;
     let mut params = rcgen::CertificateParams::new(subject_alt_names.to_vec())?;
@@ -168,43 +244,115 @@ pub fn generate_self_signed(subject_alt_names: &[String]) -> Result<SelfSignedBu
     ];
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
     params.use_authority_key_identifier_extension = true;
-    set_validity(&mut params);
+    set_validity(
+        &mut params,
+        now_unix,
+        now_unix
+            .saturating_add(secs(lifetime))
+            .min(ca_info.not_after),
+    );
     let cert = params.signed_by(&key, &issuer)?;
-
-    Ok(SelfSignedBundle {
-        ca_pem: ca_cert.pem(),
+    Ok(LeafPair {
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
     })
 }
 
-/// Validity from yesterday to ten years on, computed from the system clock.
-fn set_validity(params: &mut rcgen::CertificateParams) {
-    let days = SystemTime::now()
+/// Generates a CA and a serving certificate for `subject_alt_names` (DNS names or IP literals),
+/// both valid from an hour ago for ten years: the single-replica mode without a Secret, which
+/// generates anew on every start and never rotates. Errors: [`TlsError::Generate`].
+pub fn generate_self_signed(subject_alt_names: &[String]) -> Result<SelfSignedBundle, TlsError> {
+    let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs() / 86_400)
+        .map(secs)
         .unwrap_or(0);
-    let (y, m, d) = civil_from_days(i64::try_from(days).unwrap_or(0) - 1);
-    params.not_before = rcgen::date_time_ymd(y, m, d);
-    params.not_after = rcgen::date_time_ymd(y + 10, m, d.min(28));
+    let ten_years = Duration::from_secs(10 * 365 * 86_400);
+    let ca = generate_ca(now, ten_years)?;
+    let leaf = issue_serving(&ca, subject_alt_names, now, ten_years)?;
+    Ok(SelfSignedBundle {
+        ca_pem: ca.cert_pem,
+        cert_pem: leaf.cert_pem,
+        key_pem: leaf.key_pem,
+    })
 }
 
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i32, u8, u8) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (
-        i32::try_from(y).unwrap_or(1970),
-        u8::try_from(m).unwrap_or(1),
-        u8::try_from(d).unwrap_or(1),
-    )
+/// What the rotation needs to know of one certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertInfo {
+    /// `notBefore`, Unix seconds.
+    pub not_before: i64,
+    /// `notAfter`, Unix seconds.
+    pub not_after: i64,
+    /// The subject's first common name (empty when none).
+    pub common_name: String,
+    /// basicConstraints CA flag.
+    pub is_ca: bool,
+    /// The SubjectPublicKeyInfo, DER.
+    pub public_key_der: Vec<u8>,
+    /// The subjectKeyIdentifier extension, when present.
+    pub subject_key_id: Option<Vec<u8>>,
+    /// The authorityKeyIdentifier's key identifier, when present.
+    pub authority_key_id: Option<Vec<u8>>,
+}
+
+impl CertInfo {
+    /// Whether `key` is this certificate's key (same SubjectPublicKeyInfo).
+    pub fn has_public_key(&self, key: &rcgen::KeyPair) -> bool {
+        use rcgen::PublicKeyData as _;
+        key.subject_public_key_info() == self.public_key_der
+    }
+
+    /// Whether `ca` issued this certificate (its authority key identifier is the CA's subject
+    /// key identifier; the signature itself is not verified: whoever can write the Secret can
+    /// write any certificate into it).
+    pub fn issued_by(&self, ca: &CertInfo) -> bool {
+        matches!((&self.authority_key_id, &ca.subject_key_id), (Some(a), Some(s)) if a == s)
+    }
+}
+
+/// Every certificate of a PEM text, in order.
+///
+/// Errors: [`TlsError::CertPem`] when the text holds no certificate, or a PEM block or its DER
+/// does not parse.
+pub fn parse_certs(pem: &[u8]) -> Result<Vec<CertInfo>, TlsError> {
+    use x509_parser::extensions::ParsedExtension;
+    let mut out = Vec::new();
+    for der in CertificateDer::pem_slice_iter(pem) {
+        let der = der.map_err(|e| TlsError::CertPem(e.to_string()))?;
+        let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref())
+            .map_err(|e| TlsError::CertPem(format!("certificate {}: {e}", out.len() + 1)))?;
+        let mut info = CertInfo {
+            not_before: cert.validity().not_before.timestamp(),
+            not_after: cert.validity().not_after.timestamp(),
+            common_name: cert
+                .subject()
+                .iter_common_name()
+                .next()
+                .and_then(|cn| cn.as_str().ok())
+                .unwrap_or_default()
+                .to_string(),
+            is_ca: cert.is_ca(),
+            public_key_der: cert.public_key().raw.to_vec(),
+            subject_key_id: None,
+            authority_key_id: None,
+        };
+        for ext in cert.extensions() {
+            match ext.parsed_extension() {
+                ParsedExtension::SubjectKeyIdentifier(k) => {
+                    info.subject_key_id = Some(k.0.to_vec())
+                }
+                ParsedExtension::AuthorityKeyIdentifier(a) => {
+                    info.authority_key_id = a.key_identifier.as_ref().map(|k| k.0.to_vec())
+                }
+                _ => {}
+            }
+        }
+        out.push(info);
+    }
+    if out.is_empty() {
+        return Err(TlsError::CertPem("no certificate found".to_string()));
+    }
+    Ok(out)
 }
 
 /// Paths of a written bundle.
@@ -403,13 +551,6 @@ pub fn spawn_reloader(
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn civil_dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
-        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
-    }
 
     #[test]
     fn leaf_expiry_is_read_from_the_first_certificate_and_junk_is_an_error() {
