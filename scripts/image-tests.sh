@@ -239,9 +239,10 @@ ok = {
     ("ports", "host"): ("Ok", "ListeningPorts"),
     ("ports", f"tcp/{port}"): ("Ok", "PortOk"),
     ("mounts", "team-a/reader-0:/models"): ("Ok", "ReaderVolumeReadOnly"),
-    # No NVIDIA driver on this machine: unrelated to capabilities, and says so.
-    ("gpu", "host"): ("Unknown", "NvmlUnavailable"),
-    ("cuda", "host"): ("Unknown", "CudaUnavailable"),
+    # No NVIDIA driver on this machine and the plan expects no GPU: Ok as expected, unrelated
+    # to capabilities.
+    ("gpu", "host"): ("Ok", "GpuNotExpected"),
+    ("cuda", "host"): ("Ok", "CudaNotExpected"),
 }
 # What each capability's absence turns Unknown (docs/checks.md "Capabilities").
 affected = {

@@ -391,16 +391,17 @@ fn init_failures_and_no_devices() {
         r[0].observed["cudaError"],
         "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH"
     );
-    // no device: Unknown, or Warning where the plan expects GPUs
+    // no device: Ok as expected on a node planned without GPUs, Warning where the plan
+    // expects GPUs
     let Some(lib) = fake_cuda(dir.path(), "nodevice", &["FAKE_INIT_RC=100"]) else {
         return;
     };
-    for (gpu_node, status) in [(false, CheckStatus::Unknown), (true, CheckStatus::Warning)] {
+    for (gpu_node, status, reason) in [
+        (false, CheckStatus::Ok, "CudaNotExpected"),
+        (true, CheckStatus::Warning, "CudaUnavailable"),
+    ] {
         let r = &run_child(&lib, &plan(gpu_node, None), 1)[0];
-        assert_eq!(
-            (r[0].status, r[0].reason.as_str()),
-            (status, "CudaUnavailable")
-        );
+        assert_eq!((r[0].status, r[0].reason.as_str()), (status, reason));
         assert_eq!(r[0].observed["cause"], "NoDevice");
     }
 }
@@ -479,17 +480,17 @@ fn a_library_without_a_needed_symbol_is_refused_before_cudarc_panics() {
 
 #[test]
 fn absent_library_is_unavailable_in_process() {
-    for (gpu_node, status) in [(false, CheckStatus::Unknown), (true, CheckStatus::Warning)] {
+    for (gpu_node, status, reason) in [
+        (false, CheckStatus::Ok, "CudaNotExpected"),
+        (true, CheckStatus::Warning, "CudaUnavailable"),
+    ] {
         let check = CudaCheck::new(&ChecksConfig {
             cuda_library: Some(PathBuf::from("/nonexistent/libcuda.so.1")),
             ..ChecksConfig::default()
         });
         let r = check.run(&plan(gpu_node, None));
         assert_eq!(r.len(), 1);
-        assert_eq!(
-            (r[0].status, r[0].reason.as_str()),
-            (status, "CudaUnavailable")
-        );
+        assert_eq!((r[0].status, r[0].reason.as_str()), (status, reason));
         assert_eq!(r[0].observed["cause"], "LibraryNotFound");
         assert!(
             r[0].message.contains("/nonexistent/libcuda.so.1"),
@@ -499,7 +500,8 @@ fn absent_library_is_unavailable_in_process() {
     }
     // the default search on this host (no driver here): never a panic
     let r = CudaCheck::new(&ChecksConfig::default()).run(&plan(false, None));
-    if r[0].reason == "CudaUnavailable" {
+    if r[0].reason == "CudaNotExpected" {
+        assert_eq!(r[0].status, CheckStatus::Ok);
         assert_eq!(r[0].observed["cause"], "LibraryNotFound", "{:?}", r[0]);
         assert!(r[0].message.contains("libcuda.so.1"), "{}", r[0].message);
     } else {

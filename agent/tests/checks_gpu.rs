@@ -34,7 +34,7 @@ fn with_library(path: &Path) -> ChecksConfig {
 /// True when this host can load the real NVML (a GPU machine): the "absent" tests then
 /// have nothing to test.
 fn host_has_nvml() -> bool {
-    let r = gpu_results(&ChecksConfig::default(), false);
+    let r = gpu_results(&ChecksConfig::default(), true);
     !(r.len() == 1 && r[0].reason == "NvmlUnavailable")
 }
 
@@ -49,8 +49,9 @@ fn default_registry_reports_nvml_unavailable_on_a_host_without_it() {
     assert_eq!(gpu.len(), 1, "{results:#?}");
     let g = gpu[0];
     assert_eq!(g.subject, "host");
-    assert_eq!(g.status, CheckStatus::Unknown);
-    assert_eq!(g.reason, "NvmlUnavailable");
+    // the default plan is not a GPU node: no NVML is what such a node looks like
+    assert_eq!(g.status, CheckStatus::Ok);
+    assert_eq!(g.reason, "GpuNotExpected");
     assert!(
         g.message.contains("libnvidia-ml.so.1") && g.message.contains("could not be loaded"),
         "{}",
@@ -93,14 +94,11 @@ fn bogus_libraries_give_nvml_unavailable() {
             let r = gpu_results(&with_library(&lib), gpu_node);
             assert_eq!(r.len(), 1, "{r:#?}");
             let want = if gpu_node {
-                CheckStatus::Warning
+                (CheckStatus::Warning, "NvmlUnavailable")
             } else {
-                CheckStatus::Unknown
+                (CheckStatus::Ok, "GpuNotExpected")
             };
-            assert_eq!(
-                (r[0].status, r[0].reason.as_str()),
-                (want, "NvmlUnavailable")
-            );
+            assert_eq!((r[0].status, r[0].reason.as_str()), want);
             assert_eq!(r[0].observed["cause"], cause, "{:?}", r[0]);
             assert!(
                 r[0].message.contains(&lib.display().to_string()),
@@ -432,15 +430,14 @@ fn fake_nvml_init_errors_and_no_devices() {
         for gpu_node in [false, true] {
             let r = gpu_results(&with_library(&lib), gpu_node);
             assert_eq!(r.len(), 1);
-            let want = if gpu_node {
-                CheckStatus::Warning
-            } else {
-                CheckStatus::Unknown
+            // no kernel driver on a node planned without GPUs is expected; no permission
+            // could hide GPUs, so it stays Unknown
+            let want = match (gpu_node, cause) {
+                (true, _) => (CheckStatus::Warning, "NvmlUnavailable"),
+                (false, "DriverNotLoaded") => (CheckStatus::Ok, "GpuNotExpected"),
+                (false, _) => (CheckStatus::Unknown, "NvmlUnavailable"),
             };
-            assert_eq!(
-                (r[0].status, r[0].reason.as_str()),
-                (want, "NvmlUnavailable")
-            );
+            assert_eq!((r[0].status, r[0].reason.as_str()), want);
             assert_eq!(r[0].observed["cause"], cause);
             assert!(r[0].message.contains(needle), "{}", r[0].message);
         }
@@ -702,4 +699,195 @@ fn mig_attribution_and_a_gpu_without_events() {
         g.observed["lastXidMigUuid"],
         "MIG-00000000-0000-0000-0000-000000000002"
     );
+}
+
+// ---- a node planned without GPUs (issue 36 item 5) and GPU identity labels (issue 40 item 8) --
+
+/// On a node whose plan says `gpuNode: false`, no NVML (or NVML without its kernel driver) is
+/// what a CPU node looks like: Ok `GpuNotExpected`, so the node does not read Unknown for it.
+/// What could hide GPUs (a library that is not NVML, no permission) stays Unknown.
+#[test]
+fn a_cpu_node_without_nvml_reads_ok_as_expected() {
+    let r = gpu_results(
+        &with_library(Path::new("/nonexistent/libnvidia-ml.so.1")),
+        false,
+    );
+    assert_eq!(r.len(), 1, "{r:#?}");
+    assert_eq!(
+        (r[0].subject.as_str(), r[0].status, r[0].reason.as_str()),
+        ("host", CheckStatus::Ok, "GpuNotExpected")
+    );
+    assert!(
+        r[0].message.starts_with(
+            "not a GPU node (plan gpuNode=false): NVML not loaded, as expected (the NVML \
+             library /nonexistent/libnvidia-ml.so.1 could not be loaded"
+        ),
+        "{}",
+        r[0].message
+    );
+    assert_eq!(r[0].observed["cause"], "LibraryNotFound");
+    assert_eq!(r[0].observed["planGpuNode"], "false");
+
+    let dir = tempfile::tempdir().unwrap();
+    // NVML_ERROR_DRIVER_NOT_LOADED = 9: the user-space library without the kernel driver
+    let Some(nodriver) = fake_nvml(dir.path(), "cpu-nodriver", &["FAKE_INIT_RC=9"]) else {
+        return;
+    };
+    let r = gpu_results(&with_library(&nodriver), false);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Ok, "GpuNotExpected")
+    );
+    assert!(
+        r[0].message.contains("no NVIDIA kernel driver, as expected"),
+        "{}",
+        r[0].message
+    );
+    // NVML_ERROR_NO_PERMISSION = 4: GPUs may be there, unseen
+    let Some(noperm) = fake_nvml(dir.path(), "cpu-noperm", &["FAKE_INIT_RC=4"]) else {
+        return;
+    };
+    let r = gpu_results(&with_library(&noperm), false);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Unknown, "NvmlUnavailable")
+    );
+    // a GPU node without NVML is still not healthy
+    let r = gpu_results(&with_library(&nodriver), true);
+    assert_eq!(
+        (r[0].status, r[0].reason.as_str()),
+        (CheckStatus::Warning, "NvmlUnavailable")
+    );
+}
+
+/// NVML shows GPUs on a node whose plan says `gpuNode: false` (no engine there requests one):
+/// a `host` result says so with its own reason, and each GPU is still judged — a broken GPU is
+/// not hidden behind the plan.
+#[test]
+fn gpus_on_a_node_planned_without_them_are_said_and_still_judged() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = fake_nvml(dir.path(), "unplanned", &[]) else {
+        return;
+    };
+    let r = gpu_results(&with_library(&lib), false);
+    assert_eq!(r.len(), 3, "{r:#?}");
+    let host = r.iter().find(|g| g.subject == "host").unwrap();
+    assert_eq!(
+        (host.status, host.reason.as_str()),
+        (CheckStatus::Ok, "GpusNotPlanned")
+    );
+    assert!(
+        host.message
+            .starts_with("NVML shows 2 GPU(s) (NVIDIA H200) on this node, but its plan expects none"),
+        "{}",
+        host.message
+    );
+    assert_eq!(host.observed["deviceCount"], "2");
+    assert_eq!(host.observed["models"], "NVIDIA H200");
+    assert_eq!(host.observed["driverVersion"], "550.54.15");
+    for i in 0..2 {
+        let g = r.iter().find(|g| g.subject == format!("gpu{i}")).unwrap();
+        assert_eq!((g.status, g.reason.as_str()), (CheckStatus::Ok, "GpuOk"));
+    }
+    // the plan's GPU node gets no such result
+    let r = gpu_results(&with_library(&lib), true);
+    assert!(r.iter().all(|g| g.reason != "GpusNotPlanned"), "{r:#?}");
+
+    let Some(dbe) = fake_nvml(dir.path(), "unplanned-dbe", &["FAKE_DBE=2"]) else {
+        return;
+    };
+    let r = gpu_results(&with_library(&dbe), false);
+    let g = r.iter().find(|g| g.subject == "gpu0").unwrap();
+    assert_eq!(
+        (g.status, g.reason.as_str()),
+        (CheckStatus::Critical, "GpuEccErrors")
+    );
+    assert_eq!(
+        CheckStatus::worst(r.iter().map(|g| g.status)),
+        CheckStatus::Critical
+    );
+}
+
+/// GET `path` from `addr` over HTTP/1.1; `(status line, body)`.
+fn http_get(addr: &str, path: &str) -> Option<(String, String)> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    Some((head.lines().next()?.to_string(), body.to_string()))
+}
+
+/// The real `ic-agent run` with the fake NVML: every per-GPU series on `/metrics` carries the
+/// GPU's `uuid` and `model` as NVML reports them (what dcgm-exporter calls `UUID` and
+/// `modelName`), and the node planned without GPUs reports `GpusNotPlanned`.
+#[test]
+fn the_agent_exports_gpu_series_with_uuid_and_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = fake_nvml(dir.path(), "binary", &["FAKE_TEMP=52"]) else {
+        return;
+    };
+    let plan = dir.path().join("plan.yaml");
+    std::fs::write(&plan, "gpuNode: false\n").unwrap();
+    let http = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ic-agent"))
+        .args(["run", "--checks-only", "--plan"])
+        .arg(&plan)
+        .arg("--nvml-library")
+        .arg(&lib)
+        .args(["--http-addr", &http, "--check-interval-seconds", "1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        if let Some((status, body)) = http_get(&http, "/metrics") {
+            if status.contains(" 200") && body.contains("inferencecache_agent_gpu_status{") {
+                break body;
+            }
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("ic-agent exited with {st}");
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("no GPU series on http://{http}/metrics after 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    for i in 0..2 {
+        let labels = format!(
+            "gpu=\"{i}\",model=\"NVIDIA H200\",uuid=\"GPU-00000000-0000-0000-0000-00000000000{i}\""
+        );
+        for line in [
+            format!("inferencecache_agent_gpu_status{{{labels}}} 0"),
+            format!("inferencecache_agent_gpu_temperature_celsius{{{labels}}} 52"),
+            format!("inferencecache_agent_gpu_last_xid{{{labels}}} 0"),
+            format!("inferencecache_agent_gpu_xid_events_total{{{labels}}} 0"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+        }
+    }
+    // one series per GPU: no other label combination
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("inferencecache_agent_gpu_status{"))
+            .count(),
+        2,
+        "{text}"
+    );
+    let reason = "inferencecache_agent_check_reasons{check=\"gpu\",reason=\"GpusNotPlanned\",status=\"ok\"} 1";
+    assert!(text.lines().any(|l| l == reason), "no `{reason}` in:\n{text}");
 }

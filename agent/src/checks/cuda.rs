@@ -28,8 +28,8 @@
 //!
 //! Results: `host` when the driver cannot be used at all, else one per CUDA device, subject
 //! `cuda<ordinal>` (CUDA's ordinal; `uuid` ties it to NVML's `gpu<N>`). Reasons (see
-//! `docs/checks.md`): `CudaOk`, `CudaUnavailable`, `CudaInitFailed`, `CudaDeviceBusy`,
-//! `CudaLaunchFailed`, `CudaResultMismatch`.
+//! `docs/checks.md`): `CudaOk`, `CudaNotExpected`, `CudaUnavailable`, `CudaInitFailed`,
+//! `CudaDeviceBusy`, `CudaLaunchFailed`, `CudaResultMismatch`.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void, CString};
@@ -51,6 +51,15 @@ pub const NAME: &str = "cuda";
 
 /// The library searched for when no path is configured (cudarc's candidates include it).
 pub const DEFAULT_CUDA_LIBRARY: &str = "libcuda.so.1";
+
+/// Reason (`Ok`, subject `host`) on a node whose plan says `gpuNode: false` when there is no
+/// libcuda (`cause` `LibraryNotFound`) or no CUDA device (`NoDevice`): what a CPU node looks
+/// like (`docs/checks.md`).
+pub const CUDA_NOT_EXPECTED: &str = "CudaNotExpected";
+
+/// [`CudaProbe::Unavailable`] causes that on a node planned without GPUs mean "no CUDA here",
+/// not "cannot tell".
+pub const EXPECTED_ON_CPU_NODES: [&str; 2] = ["LibraryNotFound", "NoDevice"];
 
 /// Entry point of the probe kernel.
 pub const KERNEL_NAME: &str = "ic_probe";
@@ -527,6 +536,10 @@ fn probe_inner(library: Option<&Path>, required_ptx: Option<(u32, u32)>) -> Cuda
 }
 
 /// The pure decision from a probe. `required` is the plan's runtime version as written.
+///
+/// `Unavailable` reads `Warning` `CudaUnavailable` on a planned GPU node; elsewhere `Ok`
+/// [`CUDA_NOT_EXPECTED`] for the causes in [`EXPECTED_ON_CPU_NODES`], else `Unknown`
+/// `CudaUnavailable`.
 pub fn evaluate(
     probe: &CudaProbe,
     gpu_node: bool,
@@ -547,6 +560,22 @@ pub fn evaluate(
         r
     };
     match probe {
+        CudaProbe::Unavailable(cause, why)
+            if !gpu_node && EXPECTED_ON_CPU_NODES.contains(cause) =>
+        {
+            let what = if *cause == "NoDevice" {
+                "no CUDA device"
+            } else {
+                "no CUDA driver library"
+            };
+            vec![host(
+                CheckStatus::Ok,
+                CUDA_NOT_EXPECTED,
+                format!("not a GPU node (plan gpuNode=false): {what}, as expected ({why})."),
+            )
+            .with("cause", *cause)
+            .with("planGpuNode", false)]
+        }
         CudaProbe::Unavailable(cause, why) => {
             let tail = if gpu_node {
                 "the plan expects GPUs on this node, so whether they can run kernels is unknown"
@@ -986,6 +1015,30 @@ mod tests {
             (
                 CudaProbe::Unavailable("LibraryNotFound", "no lib".into()),
                 false,
+                Ok,
+                "CudaNotExpected",
+            ),
+            (
+                CudaProbe::Unavailable("NoDevice", "no device".into()),
+                false,
+                Ok,
+                "CudaNotExpected",
+            ),
+            (
+                CudaProbe::Unavailable("NoDevice", "no device".into()),
+                true,
+                Warning,
+                "CudaUnavailable",
+            ),
+            (
+                CudaProbe::Unavailable("NotLibcuda", "missing cuLaunchKernel".into()),
+                false,
+                Unknown,
+                "CudaUnavailable",
+            ),
+            (
+                CudaProbe::Unavailable("Panicked", "boom".into()),
+                false,
                 Unknown,
                 "CudaUnavailable",
             ),
@@ -1045,6 +1098,24 @@ mod tests {
         let ok = evaluate(&devices(dev(None, Some(0))), true, "l", None);
         assert_eq!(ok[0].observed["computeCapability"], "9.0");
         assert_eq!(ok[0].observed["uuid"], "GPU-1");
+    }
+
+    #[test]
+    fn a_cpu_node_without_cuda_says_so() {
+        let r = evaluate(
+            &CudaProbe::Unavailable("LibraryNotFound", "no libcuda.so.1 here".into()),
+            false,
+            "libcuda.so.1",
+            None,
+        );
+        assert_eq!(
+            r[0].message,
+            "not a GPU node (plan gpuNode=false): no CUDA driver library, as expected (no \
+             libcuda.so.1 here)."
+        );
+        assert_eq!(r[0].observed["cause"], "LibraryNotFound");
+        assert_eq!(r[0].observed["planGpuNode"], "false");
+        assert_eq!(r[0].observed["library"], "libcuda.so.1");
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! [`ChecksConfig::nvml_library`] or `libnvidia-ml.so.1` on the loader path; that thread keeps it
 //! open and waits on an event set for XID events. When NVML cannot be loaded or initialised the
 //! check returns one `host` result, `NvmlUnavailable`, `Unknown` — or `Warning` when the plan
-//! says the node should have GPUs — and never panics (the thread retries every minute).
+//! says the node should have GPUs — and never panics (the thread retries every minute). On a
+//! node whose plan says `gpuNode: false`, a missing library or kernel driver is what a CPU node
+//! looks like: `GpuNotExpected`, `Ok` ([`unavailable`]).
 //! Otherwise one result per device (`gpu<N>`) judged by [`evaluate_device`] from a
 //! [`GpuSnapshot`]: XID events under the [`XidPolicy`] (fatal XIDs, other XIDs, a quiet period
 //! after which the GPU recovers; MIG instance of each event), ECC double-bit (uncorrectable)
@@ -32,6 +34,20 @@ pub const NAME: &str = "gpu";
 
 /// The library name loaded when no path is configured.
 pub const DEFAULT_NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// Reason (`Ok`, subject `host`) on a node whose plan says `gpuNode: false` when NVML is absent
+/// (`cause` `LibraryNotFound`) or its kernel driver is not loaded (`DriverNotLoaded`): what a
+/// CPU node looks like, so the node's verdict is not `Unknown` for it (`docs/checks.md`).
+pub const GPU_NOT_EXPECTED: &str = "GpuNotExpected";
+
+/// Reason (`Ok`, subject `host`, next to the per-GPU results) when NVML shows GPUs on a node
+/// whose plan says `gpuNode: false` (no engine there requests a GPU: an idle GPU node, or a
+/// plan that forgot `gpuNode`). The GPUs' own health is still judged per GPU.
+pub const GPUS_NOT_PLANNED: &str = "GpusNotPlanned";
+
+/// Initialisation causes that on a node planned without GPUs mean "no NVIDIA stack here", not
+/// "cannot tell": the library is absent, or present without its kernel driver.
+pub const EXPECTED_ON_CPU_NODES: [&str; 2] = ["LibraryNotFound", "DriverNotLoaded"];
 
 /// NVML clock-throttle reason bits (`nvmlClocksThrottleReason*` in `nvml.h`) and their names.
 pub const THROTTLE_REASONS: [(u64, &str); 9] = [
@@ -179,14 +195,35 @@ fn classify_parts(e: &NvmlError, library: &str) -> (&'static str, String) {
     }
 }
 
-/// The result when NVML cannot be used: `Warning` on a planned GPU node, else `Unknown`.
+/// The result when NVML cannot be used: `Warning` `NvmlUnavailable` on a planned GPU node;
+/// on any other node `Ok` [`GPU_NOT_EXPECTED`] when the cause is one of
+/// [`EXPECTED_ON_CPU_NODES`], else `Unknown` `NvmlUnavailable`.
 pub fn nvml_unavailable(gpu_node: bool, library: &str, error: &NvmlError) -> CheckResult {
     unavailable(gpu_node, library, &classify_init_error(error, library))
 }
 
-/// [`nvml_unavailable`] from an already classified failure.
+/// [`nvml_unavailable`] from an already classified failure. Observed keys: `cause`, `library`,
+/// `error`; for [`GPU_NOT_EXPECTED`] also `planGpuNode` (`false`).
 pub fn unavailable(gpu_node: bool, library: &str, failure: &InitFailure) -> CheckResult {
     let InitFailure { cause, why, error } = failure;
+    if !gpu_node && EXPECTED_ON_CPU_NODES.contains(cause) {
+        let what = if *cause == "DriverNotLoaded" {
+            "no NVIDIA kernel driver"
+        } else {
+            "NVML not loaded"
+        };
+        return CheckResult::new(
+            NAME,
+            "host",
+            CheckStatus::Ok,
+            GPU_NOT_EXPECTED,
+            format!("not a GPU node (plan gpuNode=false): {what}, as expected ({why})."),
+        )
+        .with("cause", *cause)
+        .with("library", library)
+        .with("error", error)
+        .with("planGpuNode", false);
+    }
     let (status, tail) = if gpu_node {
         (
             CheckStatus::Warning,
@@ -834,7 +871,7 @@ impl Check for GpuCheck {
             xids.get(&i)
                 .map(|(log, support)| XidStatus::judge(log, support, &self.policy, now))
         };
-        (0..count)
+        let mut results: Vec<CheckResult> = (0..count)
             .map(|i| match snapshot(&nvml, i, driver.clone(), cuda.clone()) {
                 Ok(mut s) => {
                     s.xid = xid_status(i);
@@ -858,8 +895,55 @@ impl Check for GpuCheck {
                 .with("index", i)
                 .with("error", e.to_string()),
             })
-            .collect()
+            .collect();
+        if !plan.gpu_node {
+            results.push(gpus_not_planned(&results, &library, driver.as_deref()));
+        }
+        results
     }
+}
+
+/// The `host` result [`GPUS_NOT_PLANNED`] (`Ok`) that goes with the per-GPU `results` on a node
+/// whose plan says `gpuNode: false`. Observed keys: `deviceCount`, `models` (the distinct NVML
+/// device names, `, `-joined, when known), `library`, `driverVersion`, `planGpuNode`.
+pub fn gpus_not_planned(
+    results: &[CheckResult],
+    library: &str,
+    driver: Option<&str>,
+) -> CheckResult {
+    let mut models: Vec<&str> = results
+        .iter()
+        .filter_map(|r| r.observed.get("name").map(String::as_str))
+        .collect();
+    models.sort_unstable();
+    models.dedup();
+    let n = results.len();
+    let what = if models.is_empty() {
+        format!("{n} GPU(s)")
+    } else {
+        format!("{n} GPU(s) ({})", models.join(", "))
+    };
+    let mut r = CheckResult::new(
+        NAME,
+        "host",
+        CheckStatus::Ok,
+        GPUS_NOT_PLANNED,
+        format!(
+            "NVML shows {what} on this node, but its plan expects none (gpuNode=false: no engine \
+             here requests a GPU); each GPU's health is reported on its own. If GPU engines \
+             should run here, check that their pods request nvidia.com/gpu."
+        ),
+    )
+    .with("deviceCount", n)
+    .with("library", library)
+    .with("planGpuNode", false);
+    if !models.is_empty() {
+        r = r.with("models", models.join(", "));
+    }
+    if let Some(d) = driver {
+        r = r.with("driverVersion", d);
+    }
+    r
 }
 
 #[cfg(test)]
@@ -1098,13 +1182,87 @@ mod tests {
 
     #[test]
     fn unavailable_is_unknown_or_warning() {
-        let r = nvml_unavailable(false, "libnvidia-ml.so.1", &NvmlError::DriverNotLoaded);
+        let r = nvml_unavailable(false, "libnvidia-ml.so.1", &NvmlError::NoPermission);
         assert_eq!(r.status, CheckStatus::Unknown);
         assert_eq!(r.reason, "NvmlUnavailable");
-        assert!(r.message.contains("driver is not loaded"), "{}", r.message);
-        assert_eq!(r.observed["cause"], "DriverNotLoaded");
+        assert!(r.message.contains("no permission"), "{}", r.message);
+        assert_eq!(r.observed["cause"], "NoPermission");
         let r = nvml_unavailable(true, "x.so", &NvmlError::NoPermission);
         assert_eq!(r.status, CheckStatus::Warning);
         assert_eq!(r.observed["cause"], "NoPermission");
+        let r = nvml_unavailable(true, "x.so", &NvmlError::DriverNotLoaded);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Warning, "NvmlUnavailable")
+        );
+    }
+
+    /// A CPU node (plan gpuNode=false) without NVML, or with NVML but no kernel driver, is
+    /// healthy as planned; what cannot be told apart from a hidden GPU stays Unknown.
+    #[test]
+    fn a_cpu_node_without_nvml_is_ok_as_expected() {
+        let r = nvml_unavailable(false, "libnvidia-ml.so.1", &NvmlError::DriverNotLoaded);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Ok, GPU_NOT_EXPECTED)
+        );
+        assert!(
+            r.message.starts_with("not a GPU node (plan gpuNode=false): no NVIDIA kernel driver"),
+            "{}",
+            r.message
+        );
+        assert_eq!(r.observed["cause"], "DriverNotLoaded");
+        assert_eq!(r.observed["planGpuNode"], "false");
+        let absent = InitFailure {
+            cause: "LibraryNotFound",
+            why: "the NVML library libnvidia-ml.so.1 could not be loaded (gone)".into(),
+            error: "gone".into(),
+        };
+        let r = unavailable(false, "libnvidia-ml.so.1", &absent);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Ok, GPU_NOT_EXPECTED)
+        );
+        assert!(
+            r.message
+                .starts_with("not a GPU node (plan gpuNode=false): NVML not loaded, as expected"),
+            "{}",
+            r.message
+        );
+        assert_eq!(unavailable(true, "l", &absent).status, CheckStatus::Warning);
+        for cause in ["NotNvml", "NoPermission", "InitFailed"] {
+            let f = InitFailure {
+                cause,
+                why: "w".into(),
+                error: "e".into(),
+            };
+            assert_eq!(
+                (unavailable(false, "l", &f).status, cause),
+                (CheckStatus::Unknown, cause)
+            );
+        }
+    }
+
+    #[test]
+    fn gpus_on_a_node_planned_without_them_are_said() {
+        let gpus = vec![evaluate_device(&healthy()), {
+            let mut s = healthy();
+            s.index = 1;
+            s.name = Some("NVIDIA H100 80GB HBM3".into());
+            evaluate_device(&s)
+        }];
+        let r = gpus_not_planned(&gpus, "libnvidia-ml.so.1", Some("550.54.15"));
+        assert_eq!(
+            (r.subject.as_str(), r.status, r.reason.as_str()),
+            ("host", CheckStatus::Ok, GPUS_NOT_PLANNED)
+        );
+        assert_eq!(r.observed["deviceCount"], "2");
+        assert_eq!(r.observed["models"], "NVIDIA H100 80GB HBM3, NVIDIA H200");
+        assert!(
+            r.message
+                .starts_with("NVML shows 2 GPU(s) (NVIDIA H100 80GB HBM3, NVIDIA H200) on this node"),
+            "{}",
+            r.message
+        );
     }
 }

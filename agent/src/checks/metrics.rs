@@ -7,13 +7,19 @@
 //! | metric | labels | value |
 //! |---|---|---|
 //! | `inferencecache_agent_check_reasons` | `check`, `status`, `reason` | results of the latest pass (reasons are a fixed set per check) |
-//! | `inferencecache_agent_gpu_status` | `gpu` (NVML index) | 0 ok, 1 unknown, 2 warning, 3 critical |
-//! | `inferencecache_agent_gpu_temperature_celsius` | `gpu` | die temperature |
-//! | `inferencecache_agent_gpu_last_xid` | `gpu` | the GPU's most recent XID (0: none) |
-//! | `inferencecache_agent_gpu_xid_events_total` | `gpu` | XID events received |
-//! | `inferencecache_agent_cuda_status` | `device` (CUDA ordinal) | 0 ok, 1 unknown, 2 warning, 3 critical |
+//! | `inferencecache_agent_gpu_status` | `gpu` (NVML index), `uuid`, `model` | 0 ok, 1 unknown, 2 warning, 3 critical |
+//! | `inferencecache_agent_gpu_temperature_celsius` | `gpu`, `uuid`, `model` | die temperature |
+//! | `inferencecache_agent_gpu_last_xid` | `gpu`, `uuid`, `model` | the GPU's most recent XID (0: none) |
+//! | `inferencecache_agent_gpu_xid_events_total` | `gpu`, `uuid`, `model` | XID events received |
+//! | `inferencecache_agent_cuda_status` | `device` (CUDA ordinal), `uuid`, `model` | 0 ok, 1 unknown, 2 warning, 3 critical |
 //! | `inferencecache_agent_shm_host_size_bytes` / `_used_bytes` | — | the host's `/dev/shm` |
 //! | `inferencecache_agent_mp_workers` | `verdict` (`Live`, `NotListening`, `Hung`, `BadReply`) | MP workers per verdict |
+//!
+//! `uuid` is the GPU's `GPU-…` UUID and `model` its NVML (or CUDA) device name, e.g. `NVIDIA H100
+//! 80GB HBM3`, as the result's `observed.uuid` / `observed.name` give them: one value each per
+//! GPU, so the series stay one per GPU. They are what dcgm-exporter's `DCGM_FI_*` series carry as
+//! `UUID` and `modelName`, to join the two (`docs/operations.md`). A pass in which a GPU's
+//! queries fail (a lost GPU) keeps the values last seen for that index; never seen: `""`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,7 +43,12 @@ pub struct CheckMetrics {
     shm_used: IntGauge,
     mp_workers: IntGaugeVec,
     xid_seen: Arc<Mutex<HashMap<String, u64>>>,
+    /// Last `(uuid, model)` seen per `gpu` index (`gpu`) or CUDA ordinal (`cuda`).
+    identity: Arc<Mutex<HashMap<(&'static str, String), (String, String)>>>,
 }
+
+/// The labels every per-GPU series carries besides its index.
+const GPU_LABELS: [&str; 3] = ["gpu", "uuid", "model"];
 
 impl std::fmt::Debug for CheckMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -61,30 +72,30 @@ impl CheckMetrics {
             gpu_status: gauge_vec(
                 "gpu_status",
                 "Verdict of the gpu check per GPU: 0 ok, 1 unknown, 2 warning, 3 critical.",
-                &["gpu"],
+                &GPU_LABELS,
             )?,
             gpu_temperature: gauge_vec(
                 "gpu_temperature_celsius",
                 "GPU die temperature in degrees Celsius.",
-                &["gpu"],
+                &GPU_LABELS,
             )?,
             gpu_last_xid: gauge_vec(
                 "gpu_last_xid",
                 "Most recent XID reported for the GPU (0 when none since the agent started).",
-                &["gpu"],
+                &GPU_LABELS,
             )?,
             gpu_xid_events: IntCounterVec::new(
                 Opts::new(
                     format!("{P}gpu_xid_events_total"),
                     "XID events received from NVML per GPU.",
                 ),
-                &["gpu"],
+                &GPU_LABELS,
             )?,
             cuda_status: gauge_vec(
                 "cuda_status",
                 "Verdict of the cuda check per CUDA device: 0 ok, 1 unknown, 2 warning, 3 \
                  critical.",
-                &["device"],
+                &["device", "uuid", "model"],
             )?,
             shm_size: IntGauge::new(
                 format!("{P}shm_host_size_bytes"),
@@ -100,6 +111,7 @@ impl CheckMetrics {
                 &["verdict"],
             )?,
             xid_seen: Arc::new(Mutex::new(HashMap::new())),
+            identity: Arc::new(Mutex::new(HashMap::new())),
         };
         registry.register(Box::new(m.reasons.clone()))?;
         registry.register(Box::new(m.gpu_status.clone()))?;
@@ -136,16 +148,18 @@ impl CheckMetrics {
                     let Some(gpu) = r.subject.strip_prefix("gpu") else {
                         continue;
                     };
-                    self.gpu_status.with_label_values(&[gpu]).set(severity);
+                    let (uuid, model) = self.identity_of("gpu", gpu, r);
+                    let labels = [gpu, uuid.as_str(), model.as_str()];
+                    self.gpu_status.with_label_values(&labels).set(severity);
                     if let Some(t) = num(r, "temperatureCelsius") {
-                        self.gpu_temperature.with_label_values(&[gpu]).set(t);
+                        self.gpu_temperature.with_label_values(&labels).set(t);
                     }
                     self.gpu_last_xid
-                        .with_label_values(&[gpu])
+                        .with_label_values(&labels)
                         .set(num(r, "lastXid").unwrap_or(0));
                     // The series exists at 0 from the GPU's first pass: `increase()` sees the
                     // first XID only as a step up from an earlier sample.
-                    let xid_events = self.gpu_xid_events.with_label_values(&[gpu]);
+                    let xid_events = self.gpu_xid_events.with_label_values(&labels);
                     if let Some(total) = r
                         .observed
                         .get("xidEventsTotal")
@@ -161,7 +175,10 @@ impl CheckMetrics {
                 }
                 "cuda" => {
                     if let Some(dev) = r.subject.strip_prefix("cuda") {
-                        self.cuda_status.with_label_values(&[dev]).set(severity);
+                        let (uuid, model) = self.identity_of("cuda", dev, r);
+                        self.cuda_status
+                            .with_label_values(&[dev, uuid.as_str(), model.as_str()])
+                            .set(severity);
                     }
                 }
                 "shm" if r.subject == "host" => {
@@ -176,6 +193,26 @@ impl CheckMetrics {
                 _ => {}
             }
         }
+    }
+
+    /// `(uuid, model)` of device `index` of `check` from the result's `observed.uuid` and
+    /// `observed.name`, falling back to the values last seen for that index (`""` when never
+    /// seen). When a GPU's UUID changes under the same index, the XID counter of the old
+    /// identity is removed (it would never move again).
+    fn identity_of(&self, check: &'static str, index: &str, r: &CheckResult) -> (String, String) {
+        let mut ids = self.identity.lock();
+        let key = (check, index.to_string());
+        let known = ids.get(&key).cloned().unwrap_or_default();
+        let uuid = r.observed.get("uuid").cloned().unwrap_or(known.0.clone());
+        let model = r.observed.get("name").cloned().unwrap_or(known.1.clone());
+        let id = (uuid, model);
+        if check == "gpu" && known != id && ids.contains_key(&key) {
+            let _ = self
+                .gpu_xid_events
+                .remove_label_values(&[index, known.0.as_str(), known.1.as_str()]);
+        }
+        ids.insert(key, id.clone());
+        id
     }
 }
 
@@ -200,7 +237,9 @@ mod tests {
             .unwrap();
         let text = String::from_utf8(buf).unwrap();
         assert!(
-            text.contains("inferencecache_agent_gpu_xid_events_total{gpu=\"1\"} 0"),
+            text.contains(
+                "inferencecache_agent_gpu_xid_events_total{gpu=\"1\",model=\"\",uuid=\"\"} 0"
+            ),
             "{text}"
         );
     }
@@ -239,12 +278,12 @@ mod tests {
             .unwrap();
         let text = String::from_utf8(buf).unwrap();
         for line in [
-            "inferencecache_agent_gpu_status{gpu=\"0\"} 3",
-            "inferencecache_agent_gpu_temperature_celsius{gpu=\"0\"} 61",
-            "inferencecache_agent_gpu_last_xid{gpu=\"0\"} 79",
+            "inferencecache_agent_gpu_status{gpu=\"0\",model=\"\",uuid=\"\"} 3",
+            "inferencecache_agent_gpu_temperature_celsius{gpu=\"0\",model=\"\",uuid=\"\"} 61",
+            "inferencecache_agent_gpu_last_xid{gpu=\"0\",model=\"\",uuid=\"\"} 79",
             // 2, then 3 (+1), then a pass without the GPU, then 2 again: no decrease
-            "inferencecache_agent_gpu_xid_events_total{gpu=\"0\"} 3",
-            "inferencecache_agent_cuda_status{device=\"0\"} 0",
+            "inferencecache_agent_gpu_xid_events_total{gpu=\"0\",model=\"\",uuid=\"\"} 3",
+            "inferencecache_agent_cuda_status{device=\"0\",model=\"\",uuid=\"\"} 0",
             "inferencecache_agent_shm_host_size_bytes 1024",
             "inferencecache_agent_mp_workers{verdict=\"Hung\"} 1",
             "inferencecache_agent_mp_workers{verdict=\"Live\"} 0",
@@ -252,5 +291,71 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} not in\n{text}");
         }
+    }
+
+    fn encode(reg: &Registry) -> String {
+        let mut buf = Vec::new();
+        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &reg.gather(), &mut buf)
+            .unwrap();
+        String::from_utf8(buf).unwrap()
+    }
+
+    /// Every per-GPU series carries the GPU's UUID and model (dcgm-exporter's `UUID` and
+    /// `modelName`) from the result; a pass that cannot read them (a lost GPU) keeps the
+    /// last-seen values, so the series (and the XID counter) stay one per GPU.
+    #[test]
+    fn gpu_series_carry_uuid_and_model() {
+        let reg = Registry::new();
+        let m = CheckMetrics::register(&reg).unwrap();
+        let uuid = "GPU-8f6c0e3a-1b2c-4d5e-8f90-0123456789ab";
+        let model = "NVIDIA H100 80GB HBM3";
+        let healthy = CheckResult::new("gpu", "gpu0", CheckStatus::Ok, "GpuOk", "m")
+            .with("uuid", uuid)
+            .with("name", model)
+            .with("temperatureCelsius", 40)
+            .with("xidEventsTotal", 0);
+        let cuda = CheckResult::new("cuda", "cuda0", CheckStatus::Ok, "CudaOk", "m")
+            .with("uuid", uuid)
+            .with("name", model);
+        m.record(&[healthy.clone(), cuda]);
+        let labels = format!("gpu=\"0\",model=\"{model}\",uuid=\"{uuid}\"");
+        let text = encode(&reg);
+        for line in [
+            format!("inferencecache_agent_gpu_status{{{labels}}} 0"),
+            format!("inferencecache_agent_gpu_temperature_celsius{{{labels}}} 40"),
+            format!("inferencecache_agent_gpu_last_xid{{{labels}}} 0"),
+            format!("inferencecache_agent_gpu_xid_events_total{{{labels}}} 0"),
+            format!(
+                "inferencecache_agent_cuda_status{{device=\"0\",model=\"{model}\",uuid=\"{uuid}\"}} 0"
+            ),
+        ] {
+            assert!(text.contains(&line), "{line} not in\n{text}");
+        }
+        // the GPU falls off the bus: no name or UUID in the result, same series
+        m.record(&[
+            CheckResult::new("gpu", "gpu0", CheckStatus::Critical, "GpuLost", "m")
+                .with("xidEventsTotal", 1),
+        ]);
+        let text = encode(&reg);
+        assert!(
+            text.contains(&format!("inferencecache_agent_gpu_status{{{labels}}} 3")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "inferencecache_agent_gpu_xid_events_total{{{labels}}} 1"
+            )),
+            "{text}"
+        );
+        assert_eq!(text.matches("inferencecache_agent_gpu_status{").count(), 1, "{text}");
+        // another GPU under the same index (replaced): the old identity's counter goes
+        let other = CheckResult::new("gpu", "gpu0", CheckStatus::Ok, "GpuOk", "m")
+            .with("uuid", "GPU-other")
+            .with("name", model)
+            .with("xidEventsTotal", 1);
+        m.record(&[other]);
+        let text = encode(&reg);
+        assert!(!text.contains(uuid), "{text}");
+        assert!(text.contains("uuid=\"GPU-other\""), "{text}");
     }
 }
