@@ -36,7 +36,7 @@ PROMQL_FUNCS = {
 
 def promtool() -> str:
     path = shutil.which("promtool")
-    assert path, "promtool not found: install Debian's `prometheus` package (.ci/run does)"
+    assert path, "promtool not found: install Debian's `prometheus` package (scripts/setup.sh does)"
     return path
 
 

@@ -119,7 +119,7 @@ def dashboard_exprs() -> Iterator[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     prom = shutil.which("prometheus")
-    assert prom, "prometheus not found: install Debian's `prometheus` package (.ci/run does)"
+    assert prom, "prometheus not found: install Debian's `prometheus` package (scripts/setup.sh does)"
     for b in ("ic-controller", "ic-agent"):
         assert (BIN_DIR / b).is_file(), f"{BIN_DIR / b} missing: build the binaries (cargo test) or set IC_BIN_DIR"
     tmp = tmp_path_factory.mktemp("live")

@@ -121,5 +121,41 @@ if [ -n "$agent" ]; then
   else fail "SIGTERM: exit $st"; sed 's/^/  /' "$WORK/5.out" >&2; fi
 else fail "stack did not come up"; sed 's/^/  /' "$WORK/5.out" >&2; kill "$script" 2>/dev/null || true; fi
 
+# 6. A gRPC port other than 50051 with the default plan: the plan the agent checks follows it (the
+#    node's ports check finds the controller's port held, no PortNotListening on 50051); a
+#    relative IC_PLAN is taken from the caller's directory (here: a missing one is named as such).
+new_ports
+bash scripts/standalone.sh >"$WORK/6.out" 2>&1 &
+script=$!
+BG+=($script)
+for _ in $(seq 300); do grep -q "stack is up" "$WORK/6.out" && break; sleep 0.1; done
+ok6=""
+for _ in $(seq 150); do
+  nodes=$(curl -fs "http://127.0.0.1:$IC_HTTP_PORT/v1/nodes" || true)
+  if grep -q "port $IC_GRPC_PORT (ic-controller gRPC) is listening" <<<"$nodes"; then ok6=1; break; fi
+  sleep 0.2
+done
+if [ -n "$ok6" ] && ! grep -q PortNotListening <<<"$nodes"; then
+  pass "IC_GRPC_PORT=$IC_GRPC_PORT: the plan's controller port follows it"
+else fail "IC_GRPC_PORT=$IC_GRPC_PORT: the node's checks do not show that port held"; sed 's/^/  /' "$WORK/6.out" >&2
+  printf '  %s\n' "$nodes" >&2; fi
+kill -TERM "$script" 2>/dev/null || true
+wait "$script" 2>/dev/null || true
+new_ports
+st=0; (cd "$WORK" && IC_PLAN=no-such-plan.yaml timeout 30 bash "$OLDPWD/scripts/standalone.sh") >"$WORK/6b.out" 2>&1 || st=$?
+if [ "$st" = 1 ] && grep -q "IC_PLAN=no-such-plan.yaml: no such file (from $WORK)" "$WORK/6b.out"; then
+  pass "a relative IC_PLAN is read from the caller's directory"
+else fail "relative IC_PLAN: exit $st"; sed 's/^/  /' "$WORK/6b.out" >&2; fi
+
+# 7. No curl: said up front, before anything starts (not "command not found" every 0.2 s).
+mkdir -p "$WORK/nocurl"
+for t in bash dirname mktemp sed grep find cat tail sleep kill timeout; do
+  p=$(command -v "$t" 2>/dev/null) && [ "${p#/}" != "$p" ] && ln -sf "$p" "$WORK/nocurl/$t"
+done
+st=0; PATH="$WORK/nocurl" timeout 30 bash scripts/standalone.sh >"$WORK/7.out" 2>&1 || st=$?
+if [ "$st" = 1 ] && grep -q "curl is not installed" "$WORK/7.out" && ! grep -q "command not found" "$WORK/7.out"; then
+  pass "no curl: named before starting"
+else fail "no curl: exit $st"; sed 's/^/  /' "$WORK/7.out" >&2; fi
+
 [ "$failures" = 0 ] || { echo "standalone-tests: $failures failed" >&2; exit 1; }
 echo "standalone-tests: all passed"

@@ -13,13 +13,27 @@
 #
 # Binaries: $IC_BIN_DIR if set, else ${CARGO_TARGET_DIR:-target}/debug. Ones that are newer than
 # every source file (e.g. what ./scripts/test.sh just built) are used as they are; otherwise
-# `cargo build` runs with its progress shown.
+# `cargo build` runs with its progress shown — with the workspace's dev-dependency features
+# (`--workspace --bins --examples`), exactly the dependency build `./scripts/test.sh` uses, so
+# running one after the other compiles every dependency once.
 #
-# Environment: IC_PLAN (node plan), IC_GRPC_PORT (50051), IC_HTTP_PORT (8080),
-# IC_AGENT_HTTP_PORT (9090), IC_LOG_DIR (where the two logs go; default a fresh temporary
-# directory), IC_UP_TIMEOUT (seconds each part has to become ready; 60).
+# Environment: IC_PLAN (node plan; a relative path is taken from the directory the script is run
+# from; default config/standalone/plan.yaml with its controller port set to IC_GRPC_PORT),
+# IC_GRPC_PORT (50051), IC_HTTP_PORT (8080), IC_AGENT_HTTP_PORT (9090), IC_LOG_DIR (where the
+# two logs go; default a fresh temporary directory), IC_UP_TIMEOUT (seconds each part has to
+# become ready; 60). Needs curl (the readiness probes).
 set -euo pipefail
+say() { printf 'standalone: %s\n' "$*" >&2; }
+# A relative IC_PLAN names a file from where the user stands, not from the repository root.
+if [ -n "${IC_PLAN:-}" ] && [ "${IC_PLAN#/}" = "$IC_PLAN" ]; then
+  [ -e "$IC_PLAN" ] || { say "FAILED: IC_PLAN=$IC_PLAN: no such file (from $PWD)"; exit 1; }
+  IC_PLAN="$(cd "$(dirname "$IC_PLAN")" && pwd)/$(basename "$IC_PLAN")"
+fi
 cd "$(dirname "$0")/.."
+command -v curl >/dev/null 2>&1 || {
+  say "FAILED: curl is not installed (the readiness probes and the commands below use it): apt-get install curl"
+  exit 1
+}
 PLAN=${IC_PLAN:-config/standalone/plan.yaml}
 GRPC_PORT=${IC_GRPC_PORT:-50051}
 HTTP_PORT=${IC_HTTP_PORT:-8080}
@@ -30,8 +44,13 @@ LOG_DIR=${IC_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/ic-standalone.XXXXXX")}
 mkdir -p "$LOG_DIR"
 CTRL_LOG=$LOG_DIR/controller.log
 AGENT_LOG=$LOG_DIR/agent.log
-
-say() { printf 'standalone: %s\n' "$*" >&2; }
+# The demo plan says the controller's gRPC port must be held: the port this stack uses.
+if [ -z "${IC_PLAN:-}" ] && [ "$GRPC_PORT" != 50051 ]; then
+  sed "s/^  - port: 50051\$/  - port: $GRPC_PORT/" "$PLAN" >"$LOG_DIR/plan.yaml"
+  grep -q "^  - port: $GRPC_PORT\$" "$LOG_DIR/plan.yaml" ||
+    { say "FAILED: $PLAN has no '  - port: 50051' line to set to $GRPC_PORT"; exit 1; }
+  PLAN=$LOG_DIR/plan.yaml
+fi
 
 # --- binaries: reuse a fresh build, else build with progress ------------------------------------
 # fresh BINARY PACKAGE_DIR: the binary exists and no input of it (the workspace manifests,
@@ -49,7 +68,10 @@ if fresh "$BIN/ic-controller" controller && fresh "$BIN/ic-agent" agent; then
 else
   [ -n "${IC_BIN_DIR:-}" ] && { say "IC_BIN_DIR=$IC_BIN_DIR has no up-to-date ic-controller and ic-agent"; exit 1; }
   say "building ic-controller and ic-agent into $BIN (first build: several minutes)"
-  cargo build --locked -p ic-controller -p ic-agent --bins
+  # --workspace --examples: the dependencies get the features `cargo test --workspace` gives
+  # them (dev-dependencies unify features only when a target that uses them is built), so
+  # ./scripts/test.sh afterwards reuses every dependency instead of recompiling ~60 of them.
+  cargo build --locked --workspace --bins --examples
 fi
 
 # --- ports: refuse to start next to something that already listens -------------------------------
@@ -123,6 +145,7 @@ inference-cache standalone stack is up (controller pid $CTRL, agent pid $AGENT).
   Agent report:             curl -s http://127.0.0.1:$AGENT_PORT/v1/report
   Replay an engine stream:  $BIN/ic-agent kv publish --fixture testdata/kv-events/vllm-0.24.0.json --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558 --until-seq 8
   Ask the router:           $BIN/ic-controller lookup --controller http://127.0.0.1:$GRPC_PORT --tokens 0..32
+  Plan:                     $PLAN
   Logs:                     tail -f $CTRL_LOG $AGENT_LOG
 Ctrl-C stops both. If either part dies, this script stops the other and exits non-zero.
 TXT

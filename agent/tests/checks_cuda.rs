@@ -144,8 +144,9 @@ CUresult cuGetErrorName(CUresult e, const char **s) { (void)e; *s = "CUDA_ERROR_
 CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "fake error"; return 0; }
 "#;
 
-/// Compiles the fake into `dir/name/libcuda.so.1` (SONAME `libcuda.so`); `None` (skipped)
-/// without a C compiler.
+/// Compiles the fake into `dir/name/libcuda.so.1` (SONAME `libcuda.so`). Always `Some`:
+/// without a C compiler it panics naming the setup command (a check it did not make never
+/// passes).
 fn fake_cuda(dir: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
     let src = dir.join("fake_cuda.c");
     std::fs::write(&src, FAKE_CUDA_C).unwrap();
@@ -162,10 +163,10 @@ fn fake_cuda(dir: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
     match cmd.status() {
         Ok(s) if s.success() => Some(lib),
         Ok(s) => panic!("cc failed ({s}) for the fake libcuda"),
-        Err(e) => {
-            eprintln!("skipped: no C compiler to build the fake libcuda ({e})");
-            None
-        }
+        Err(e) => panic!(
+            "no C compiler (cc) to build the fake libcuda ({e}): run \
+             scripts/setup.sh (./scripts/test.sh runs it first)"
+        ),
     }
 }
 

@@ -16,6 +16,9 @@ use ic_agent::checks::{Check, Checks, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
 
+#[path = "support/skip.rs"]
+mod skip;
+
 fn gpu_results(cfg: &ChecksConfig, gpu_node: bool) -> Vec<CheckResult> {
     let plan = NodePlan {
         gpu_node,
@@ -41,7 +44,10 @@ fn host_has_nvml() -> bool {
 #[test]
 fn default_registry_reports_nvml_unavailable_on_a_host_without_it() {
     if host_has_nvml() {
-        eprintln!("skipped: this host loads libnvidia-ml.so.1 (a GPU host)");
+        skip::skip(
+            "checks_gpu::default_registry_reports_nvml_unavailable_on_a_host_without_it",
+            "this host loads libnvidia-ml.so.1 (a GPU host)",
+        );
         return;
     }
     let results = Checks::new(&ChecksConfig::default()).run_all(&NodePlan::default());
@@ -254,8 +260,8 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t d, unsigned 
 }
 "#;
 
-/// Compiles the fake with `-D` overrides into its own directory; `None` (test skipped with a
-/// printed reason) when no C compiler is installed.
+/// Compiles the fake with `-D` overrides into its own directory. Always `Some`: without a C
+/// compiler it panics naming the setup command (a check it did not make never passes).
 fn fake_nvml(dir: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
     let src = dir.join("fake_nvml.c");
     std::fs::write(&src, FAKE_NVML_C).unwrap();
@@ -272,10 +278,10 @@ fn fake_nvml(dir: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
     match cmd.status() {
         Ok(s) if s.success() => Some(lib),
         Ok(s) => panic!("cc failed ({s}) for the fake NVML"),
-        Err(e) => {
-            eprintln!("skipped: no C compiler to build the fake NVML ({e})");
-            None
-        }
+        Err(e) => panic!(
+            "no C compiler (cc) to build the fake NVML ({e}): run {}",
+            skip::SETUP
+        ),
     }
 }
 
@@ -470,7 +476,10 @@ fn a_real_library_that_is_not_nvml() {
     .map(PathBuf::from)
     .find(|p| p.exists());
     let Some(libc) = libc else {
-        eprintln!("skipped: no libc.so.6 at a known path");
+        skip::skip(
+            "checks_gpu::a_real_library_that_is_not_nvml",
+            "no libc.so.6 at a known path",
+        );
         return;
     };
     let r = gpu_results(&with_library(&libc), false);
@@ -739,7 +748,8 @@ fn a_cpu_node_without_nvml_reads_ok_as_expected() {
         (CheckStatus::Ok, "GpuNotExpected")
     );
     assert!(
-        r[0].message.contains("no NVIDIA kernel driver, as expected"),
+        r[0].message
+            .contains("no NVIDIA kernel driver, as expected"),
         "{}",
         r[0].message
     );
@@ -777,8 +787,9 @@ fn gpus_on_a_node_planned_without_them_are_said_and_still_judged() {
         (CheckStatus::Ok, "GpusNotPlanned")
     );
     assert!(
-        host.message
-            .starts_with("NVML shows 2 GPU(s) (NVIDIA H200) on this node, but its plan expects none"),
+        host.message.starts_with(
+            "NVML shows 2 GPU(s) (NVIDIA H200) on this node, but its plan expects none"
+        ),
         "{}",
         host.message
     );
@@ -889,5 +900,8 @@ fn the_agent_exports_gpu_series_with_uuid_and_model() {
         "{text}"
     );
     let reason = "inferencecache_agent_check_reasons{check=\"gpu\",reason=\"GpusNotPlanned\",status=\"ok\"} 1";
-    assert!(text.lines().any(|l| l == reason), "no `{reason}` in:\n{text}");
+    assert!(
+        text.lines().any(|l| l == reason),
+        "no `{reason}` in:\n{text}"
+    );
 }

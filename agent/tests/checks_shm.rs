@@ -11,6 +11,9 @@ use ic_agent::checks::{Check, ChecksConfig};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{NodePlan, ShmRequirement};
 
+#[path = "support/skip.rs"]
+mod skip;
+
 fn run(cfg: &ChecksConfig, required: Option<u64>) -> CheckResult {
     let plan = NodePlan {
         shm: required.map(|required_bytes| ShmRequirement { required_bytes }),
@@ -25,7 +28,10 @@ fn run(cfg: &ChecksConfig, required: Option<u64>) -> CheckResult {
 fn real_dev_shm_undersized_names_both_sizes() {
     let cfg = ChecksConfig::default();
     if !cfg.shm_path.exists() {
-        eprintln!("skipped: this host has no /dev/shm");
+        skip::skip(
+            "checks_shm::real_dev_shm_undersized_names_both_sizes",
+            "this host has no /dev/shm",
+        );
         return;
     }
     let size = statvfs_usage(&cfg.shm_path).unwrap().size_bytes;
@@ -60,7 +66,10 @@ fn real_dev_shm_undersized_names_both_sizes() {
 fn real_dev_shm_tiny_requirement_is_ok() {
     let cfg = ChecksConfig::default();
     if !cfg.shm_path.exists() {
-        eprintln!("skipped: this host has no /dev/shm");
+        skip::skip(
+            "checks_shm::real_dev_shm_tiny_requirement_is_ok",
+            "this host has no /dev/shm",
+        );
         return;
     }
     for required in [Some(1), None] {

@@ -3,7 +3,7 @@
 //!
 //! The pages (`testdata/metrics/sglang-0.5.23-*.metrics`) are rendered by SGLang 0.5.23's own metrics
 //! collectors (`scripts/sglang-metrics-page.py`); the first test renders them again from the
-//! wheel (`scripts/fetch-sglang.sh`, which `.ci/run` runs) and requires the same samples, so
+//! wheel (`scripts/fetch-sglang.sh`, which `scripts/setup.sh` runs) and requires the same samples, so
 //! the committed pages stay what SGLang serves. The second runs an agent whose plan names an
 //! SGLang engine, serves the pages in turn on a loopback `/metrics` and records what reaches a
 //! stand-in controller: nothing while the engine exports no host tier, then each change of the
@@ -72,8 +72,8 @@ fn sglang_dir() -> PathBuf {
         base.join("0.5.23/sglang/srt/observability/metrics_collector.py")
             .is_file()
             && base.join("venv/bin/python").is_file(),
-        "SGLang 0.5.23 metrics files not found under {}: run scripts/fetch-sglang.sh (.ci/run \
-         does) or set IC_SGLANG_DIR",
+        "SGLang 0.5.23 metrics files not found under {}: run scripts/setup.sh \
+         (or scripts/fetch-sglang.sh) or set IC_SGLANG_DIR",
         base.display()
     );
     base

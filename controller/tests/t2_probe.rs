@@ -2,7 +2,7 @@
 //! "Functional-probe gate" Stage C): a put / get (/ delete) through a managed Redis tier
 //! (`redis-server`) and through LMCache's own standalone server (`lm://`, its code from the
 //! wheel), failing with the server's own error when the tier refuses writes, hangs or is gone.
-//! CI installs `redis-server` and fetches the LMCache files (`.ci/run`). Mooncake:
+//! `scripts/setup.sh` installs `redis-server` and fetches the LMCache files. Mooncake:
 //! `t2_probe_mooncake.rs`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

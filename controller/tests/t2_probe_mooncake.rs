@@ -11,8 +11,8 @@
 //! proved (and leaves no metadata key behind); a stopped master fails at the health check within
 //! the timeout; a killed one fails at the RPC port.
 //!
-//! `IC_MOONCAKE_MASTER` names `<unzipped wheel>/mooncake/mooncake_master` (`.ci/run` fetches
-//! it); without it the test fails with that instruction.
+//! `IC_MOONCAKE_MASTER` names `<unzipped wheel>/mooncake/mooncake_master` (`scripts/setup.sh`
+//! fetches it; `scripts/test.sh` sets it); without it the test fails with that instruction.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -35,7 +35,7 @@ fn master_exe() -> PathBuf {
     let p = std::env::var(MASTER).unwrap_or_else(|_| {
         panic!(
             "set {MASTER} to an unzipped mooncake-transfer-engine==0.3.11.post1 wheel's \
-             mooncake/mooncake_master (.ci/run downloads it)"
+             mooncake/mooncake_master (scripts/setup.sh downloads it)"
         )
     });
     std::fs::canonicalize(&p).unwrap_or_else(|e| panic!("{MASTER}={p}: {e}"))

@@ -90,7 +90,7 @@ fn prompt_text_ids_equal_the_python_tokenizers_reference() {
     assert!(specials_differ >= 1);
 }
 
-/// The Python interpreter with `tokenizers` (scripts/fetch-tokenizers.sh; .ci/run sets
+/// The Python interpreter with `tokenizers` (scripts/fetch-tokenizers.sh, run by scripts/setup.sh; scripts/test.sh sets
 /// IC_TOKENIZERS_PYTHON).
 fn reference_python() -> PathBuf {
     let python = std::env::var_os("IC_TOKENIZERS_PYTHON")

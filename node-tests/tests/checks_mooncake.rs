@@ -7,8 +7,9 @@
 //! where 8080 is already taken: the master then runs without its metadata server and still
 //! reports healthy, so only the port check shows that 8080 belongs to someone else.
 //!
-//! The binary is found through `IC_MOONCAKE_MASTER`; without it (or without root) the test is
-//! skipped with the reason printed. `.ci/run` downloads the wheel.
+//! The binary is found through `IC_MOONCAKE_MASTER`, else where `scripts/setup.sh` unzips the
+//! wheel (`target/ci-cache/mooncake-0.3.11.post1/mooncake/mooncake_master`); without it the test
+//! fails naming that script. Without root it is recorded as skipped (`support::skip`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -135,20 +136,34 @@ fn http_get(port: u16, path: &str) -> String {
     out
 }
 
-fn master_exe() -> Option<PathBuf> {
-    let p = PathBuf::from(std::env::var(MASTER).ok()?);
-    std::fs::canonicalize(p).ok()
+/// `IC_MOONCAKE_MASTER`, else scripts/setup.sh's copy; panics naming the setup script when
+/// neither exists.
+fn master_exe() -> PathBuf {
+    let p = std::env::var_os(MASTER)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/ci-cache/mooncake-0.3.11.post1/mooncake/mooncake_master")
+        });
+    std::fs::canonicalize(&p).unwrap_or_else(|e| {
+        panic!(
+            "no mooncake_master at {} ({e}): run {} (or set {MASTER} to an unzipped \
+             mooncake-transfer-engine==0.3.11.post1 wheel's mooncake/mooncake_master)",
+            p.display(),
+            support::SETUP
+        )
+    })
 }
 
 #[test]
 fn mooncake_master_ports() {
     if std::env::var(INNER).as_deref() != Ok("mooncake_master_ports") {
-        let Some(exe) = master_exe() else {
-            eprintln!("skipped: set {MASTER} to an unzipped wheel's mooncake/mooncake_master");
-            return;
-        };
+        let exe = master_exe();
         if !is_root() {
-            eprintln!("skipped: needs root for a network namespace (CI runs as root)");
+            support::skip(
+                "checks_mooncake::mooncake_master_ports",
+                "needs root for a network namespace (CI runs as root)",
+            );
             return;
         }
         let out = Command::new("unshare")
@@ -184,7 +199,7 @@ fn mooncake_master_ports() {
         }
         return;
     }
-    let exe = master_exe().unwrap();
+    let exe = master_exe();
     support::sh("ip", &["link", "set", "lo", "up"]);
     let dir = tempfile::tempdir().unwrap();
 

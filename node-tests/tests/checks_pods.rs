@@ -9,7 +9,9 @@
 //! ZMQ ROUTER answering the LMCache MP worker's exact frames on 127.0.0.1. The agent's checks
 //! then find it by UID and look through `/proc/<pid>/…`. When the pod ends, its mounts, loop
 //! devices and namespaces go with it; the test verifies that nothing is left behind.
-//! Skipped, with the reason printed, when not root; CI runs as root.
+//! Recorded as skipped (`support::skip`) when not root, and the loop volumes when the machine
+//! has no loop devices; fails, naming scripts/setup.sh, when unshare, losetup, mkfs.ext4 or
+//! mkfs.xfs is missing. CI runs as root.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -166,14 +168,19 @@ fn loop_devices_of(img: &Path) -> String {
 
 #[test]
 fn engine_pod_shm_mp_worker_and_reader_volumes() {
+    const TEST: &str = "checks_pods::engine_pod_shm_mp_worker_and_reader_volumes";
     if !is_root() {
-        eprintln!("skipped: needs root for namespaces, mounts and cgroups (CI runs as root)");
+        support::skip(
+            TEST,
+            "needs root for namespaces, mounts and cgroups (CI runs as root)",
+        );
         return;
     }
-    if !have("unshare") {
-        eprintln!("skipped: unshare (util-linux) is missing");
-        return;
-    }
+    assert!(
+        have("unshare"),
+        "unshare (util-linux) is missing: run {}",
+        support::SETUP
+    );
     const MIB: u64 = 1 << 20;
     let dir = tempfile::tempdir().unwrap();
     let base = std::fs::canonicalize(dir.path()).unwrap();
@@ -195,8 +202,16 @@ fn engine_pod_shm_mp_worker_and_reader_volumes() {
         ("ext4", "mkfs.ext4", "16M", vec!["-q", "-F"]),
         ("xfs", "mkfs.xfs", "320M", vec!["-q", "-f"]),
     ] {
-        if !loop_ok || !have(mkfs) {
-            eprintln!("note: skipping the loop {fs} volume ({mkfs} or loop devices missing)");
+        assert!(
+            have(mkfs) && have("losetup"),
+            "{mkfs} or losetup is missing (for the loop {fs} volume): run {}",
+            support::SETUP
+        );
+        if !loop_ok {
+            support::skip(
+                TEST,
+                &format!("the loop {fs} volume: this machine has no /dev/loop-control"),
+            );
             continue;
         }
         let img = base.join(format!("{fs}.img"));

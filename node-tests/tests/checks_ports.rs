@@ -4,8 +4,8 @@
 //! inner run brings `lo` up, so its socket tables start empty and the counts are exact. Another
 //! process (a copy of this binary under another name, `fake-engine`) holds a port, and is moved
 //! into kubepods cgroups (cgroupfs and systemd forms) where the host's cgroup file systems allow
-//! it, to read its pod UID from the real `/proc/<pid>/cgroup`. Skipped, with the reason
-//! printed, when not root or when `unshare` is missing; CI runs as root.
+//! it, to read its pod UID from the real `/proc/<pid>/cgroup`. Recorded as skipped
+//! (`support::skip`) when not root; fails when `unshare` is missing; CI runs as root.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -377,7 +377,10 @@ fn ports_in_a_private_network_namespace() {
         println!("pod UID read through {kind} at {}", root.display());
     }
     if tried == 0 {
-        eprintln!("skipped the pod-UID part: no writable cgroup hierarchy on this host");
+        support::skip(
+            "checks_ports::ports_in_a_private_network_namespace",
+            "the pod-UID part: no writable cgroup hierarchy on this host",
+        );
     }
 
     drop(engine);

@@ -3,8 +3,8 @@
 //! The outer test re-runs this test binary under `unshare -m --propagation private` with
 //! `IC_NODE_TESTS_INNER=checks_shm`; the inner run mounts small tmpfs (and ramfs) file systems
 //! in a temp dir, points `shm_path` at them and checks what the agent reports. Nothing leaks
-//! to the host's mount table. Skipped, with the reason printed, when not root or when
-//! `unshare` is missing; CI runs as root.
+//! to the host's mount table. Recorded as skipped (`support::skip`) when not root; fails
+//! when `unshare` is missing; CI runs as root.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 

@@ -7,7 +7,7 @@
 //! no key more — or the replica must say, in every surface, that it is not exact (and then hold
 //! a subset of the truth, never a block the engine does not have).
 //!
-//! Needs the fetched files (`scripts/fetch-vllm.sh`, which `.ci/run` runs); without them the
+//! Needs the fetched files (`scripts/fetch-vllm.sh`, which `scripts/setup.sh` runs); without them the
 //! tests fail naming the script — they never skip.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -9,8 +9,9 @@
 //!
 //! The outer test re-runs this binary under `unshare -m --propagation private` with
 //! `IC_NODE_TESTS_INNER=<test>`; mounts vanish with the namespace, loop devices are detached
-//! (autoclear) and the temp dirs removed, so nothing is left behind. Skipped, with the reason
-//! printed, when not root or `unshare` is missing; the ext4 part is skipped without mkfs.ext4.
+//! (autoclear) and the temp dirs removed, so nothing is left behind. Recorded as
+//! skipped (`support::skip`) when not root; fails, naming scripts/setup.sh, when `unshare` or
+//! mkfs.ext4 is missing.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -266,10 +267,11 @@ fn qualify_on_loop_ext4() {
         );
         return;
     }
-    if Command::new("mkfs.ext4").arg("-V").output().is_err() {
-        eprintln!("skipped the ext4 part: mkfs.ext4 is not installed");
-        return;
-    }
+    assert!(
+        Command::new("mkfs.ext4").arg("-V").output().is_ok(),
+        "mkfs.ext4 (e2fsprogs) is missing: run {}",
+        support::SETUP
+    );
     let dir = tempfile::tempdir().unwrap();
     let base = std::fs::canonicalize(dir.path()).unwrap();
     let img = base.join("cache.img");

@@ -1,4 +1,4 @@
-//! Real tier-2 servers for the tier-2 probe tests: `redis-server` (apt; `.ci/run` installs it)
+//! Real tier-2 servers for the tier-2 probe tests: `redis-server` (apt; `scripts/setup.sh` installs it)
 //! and LMCache's own standalone server from its wheel (`scripts/fetch-lmcache.sh`; run by
 //! `lmcache_server.py` without torch). Each listens on 127.0.0.1 on a free port and is killed
 //! on drop.
@@ -66,7 +66,7 @@ impl Redis {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("redis-server must be installed (apt-get install redis-server; .ci/run does)");
+            .expect("redis-server must be installed (apt-get install redis-server; scripts/setup.sh does)");
         wait_listening(&mut child, port, "redis-server");
         Redis { child, port }
     }
@@ -110,7 +110,7 @@ pub fn lmcache_dir() -> PathBuf {
     assert!(
         dir.join("lmcache/v1/server/__main__.py").is_file(),
         "LMCache {LMCACHE_VERSION} server files not found under {}: run scripts/fetch-lmcache.sh \
-         (.ci/run does) or set IC_LMCACHE_DIR",
+         (scripts/setup.sh does) or set IC_LMCACHE_DIR",
         base.display()
     );
     dir

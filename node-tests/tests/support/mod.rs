@@ -26,6 +26,31 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// The command that installs every prerequisite of the node tests (util-linux, mount,
+/// e2fsprogs, xfsprogs, the mooncake_master wheel, ...); a test that fails for want of one names it.
+pub const SETUP: &str = "scripts/setup.sh (./scripts/test.sh runs it first)";
+
+/// Records that `test` could not make its check, or part of it, because of `reason` — a
+/// condition a machine may legitimately have (not root, no loop devices, no writable cgroup
+/// hierarchy), never a missing tool that [`SETUP`] installs (that fails the test). Prints the
+/// reason and appends one line `<test>: <reason>` to the file `$IC_TEST_SKIP_LOG` names
+/// (scripts/test.sh sets it, counts each test with such a line as skipped rather than passed,
+/// and lists them before its verdict line). The inner run of [`rerun_in_unshare`] inherits it.
+pub fn skip(test: &str, reason: &str) {
+    use std::io::Write;
+    eprintln!("skipped {test}: {reason}");
+    if let Some(path) = std::env::var_os("IC_TEST_SKIP_LOG") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("IC_TEST_SKIP_LOG={}: {e}", path.to_string_lossy()));
+        // one write per line: concurrent tests append whole lines
+        f.write_all(format!("{test}: {reason}\n").as_bytes())
+            .unwrap_or_else(|e| panic!("IC_TEST_SKIP_LOG={}: {e}", path.to_string_lossy()));
+    }
+}
+
 /// Environment variable that marks the inner run of a test re-executed by [`rerun_in_unshare`];
 /// its value is the test's name.
 pub const INNER: &str = "IC_NODE_TESTS_INNER";
@@ -36,12 +61,21 @@ pub fn is_inner(test: &str) -> bool {
 }
 
 /// Runs `test` (this binary's test of that name) again inside `unshare <flags>`, with [`INNER`]
-/// set, and asserts that the inner run passed exactly that test. Returns false (skipped, with a
-/// line saying so) when that is impossible here: not root (`needs` says what for) or no
-/// `unshare`.
+/// set, and asserts that the inner run passed exactly that test. Returns false (recorded as
+/// skipped by [`skip`]) when not root (`needs` says what for); panics, naming [`SETUP`], when
+/// `unshare` cannot run.
 pub fn rerun_in_unshare(test: &str, flags: &[&str], needs: &str) -> bool {
     if !is_root() {
-        eprintln!("skipped {test}: needs root for {needs} (CI runs as root)");
+        // "<test binary>::<test>", as cargo names the binary (its file name without the hash)
+        let bin = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.file_stem().map(|s| s.to_string_lossy().into_owned()))
+            .map(|s| s.split('-').next().unwrap_or_default().to_string())
+            .unwrap_or_default();
+        skip(
+            &format!("{bin}::{test}"),
+            &format!("needs root for {needs} (CI runs as root)"),
+        );
         return false;
     }
     let exe = std::env::current_exe().unwrap();
@@ -54,10 +88,7 @@ pub fn rerun_in_unshare(test: &str, flags: &[&str], needs: &str) -> bool {
         .output()
     {
         Ok(o) => o,
-        Err(e) => {
-            eprintln!("skipped {test}: cannot run unshare ({e})");
-            return false;
-        }
+        Err(e) => panic!("{test}: cannot run unshare (util-linux: {e}): run {SETUP}"),
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
