@@ -19,10 +19,13 @@
 #                              the chart installed by `helm install` (Helm v4 built from its Go
 #                              module) in self-signed certificate mode; the controller runs on this
 #                              host as the chart's ServiceAccount with the chart's arguments, and
-#                              the apiserver reaches its webhooks through the chart's own Service
-#                              (one iptables DNAT rule from the Service's ClusterIP to the
-#                              controller's loopback listener: kube-proxy's job for that Service;
-#                              needs root and iptables). Prints what to try next.
+#                              the apiserver and pods reach it through the chart's own Services
+#                              (iptables DNAT rules from each controller Service's ClusterIP:port
+#                              to the controller's loopback listener: kube-proxy's job; needs root
+#                              and iptables). cluster/host_kubelet.py runs for real, on this host:
+#                              the chart's hook Jobs, its `helm test` pods, and the agent
+#                              DaemonSet's pod on kwok-gpu-0 (a real ic-agent reporting to the
+#                              controller). Prints what to try next.
 #   scripts/cluster.sh down    stop everything `up` started and remove its state
 #   scripts/cluster.sh status  say what runs (exit 0 only when all of it does)
 #   scripts/cluster.sh restart COMPONENT
@@ -50,10 +53,13 @@
 # controller gets exactly the chart's RBAC) and cluster.env (ports and paths, read by the
 # real-apiserver tests: controller/tests/real_apiserver*.rs).
 #
-# Ports (environment): IC_CLUSTER_ETCD_PORT (23791; peer = +1), IC_CLUSTER_API_PORT (16443),
-# IC_CLUSTER_WEBHOOK_PORT (19443), IC_CLUSTER_GRPC_PORT (15051), IC_CLUSTER_HTTP_PORT (18080).
-# IC_CONTROLLER_BIN: the ic-controller to run (default target/debug/ic-controller; built with
-# `cargo build -p ic-controller` when missing).
+# Ports (environment): IC_CLUSTER_ETCD_PORT (23791; peer = +1), IC_CLUSTER_API_PORT (16443;
+# controller-manager +1, scheduler +2, kwok +3, host_kubelet's log server +4),
+# IC_CLUSTER_WEBHOOK_PORT (19443), IC_CLUSTER_GRPC_PORT (15051), IC_CLUSTER_HTTP_PORT (18080),
+# IC_CLUSTER_AGENT_PORT (--with-chart: the real agent's /readyz port, the chart's
+# agent.ports.http, 19090; its metrics port = +1).
+# IC_CONTROLLER_BIN, IC_AGENT_BIN: the ic-controller and ic-agent to run (default
+# target/debug/ic-{controller,agent}; built with `cargo build` when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -65,7 +71,9 @@ api_port="${IC_CLUSTER_API_PORT:-16443}"
 webhook_port="${IC_CLUSTER_WEBHOOK_PORT:-19443}"
 grpc_port="${IC_CLUSTER_GRPC_PORT:-15051}"
 http_port="${IC_CLUSTER_HTTP_PORT:-18080}"
+agent_port="${IC_CLUSTER_AGENT_PORT:-19090}"
 controller_bin="${IC_CONTROLLER_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-controller}"
+agent_bin="${IC_AGENT_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/ic-agent}"
 # A running cluster's ports are what `up` recorded (restart, stop and status of a cluster
 # started with other IC_CLUSTER_*_PORT values work without them).
 if [[ "${1:-}" != up && -f "$state/ports" ]]; then
@@ -214,6 +222,9 @@ pki() {
   cert admin "/O=system:masters/CN=kubernetes-admin" ""
   cert kcm "/CN=system:kube-controller-manager" ""
   cert scheduler "/CN=system:kube-scheduler" ""
+  # host_kubelet.py's kubelet API (container logs) on loopback, which the apiserver reaches at
+  # the nodes' address (kwok --node-ip 127.0.0.1, --node-port).
+  cert kubelet "/CN=host-kubelet" "IP:127.0.0.1" ca serverAuth
   # The controller's webhook serving certificate: the loopback address the webhook
   # configurations name, and the chart Service's names.
   local svc=inference-cache-webhook
@@ -253,6 +264,9 @@ ports_free() {
   ((bare)) || pairs+=("$((api_port + 1)):IC_CLUSTER_API_PORT (controller-manager = +1)"
     "$((api_port + 2)):IC_CLUSTER_API_PORT (scheduler = +2)" "$webhook_port:IC_CLUSTER_WEBHOOK_PORT"
     "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT")
+  [[ $mode == chart ]] && pairs+=("$((api_port + 3)):IC_CLUSTER_API_PORT (kwok = +3)"
+    "$((api_port + 4)):IC_CLUSTER_API_PORT (host_kubelet's logs = +4)" "$agent_port:IC_CLUSTER_AGENT_PORT"
+    "$((agent_port + 1)):IC_CLUSTER_AGENT_PORT (agent metrics = +1)")
   for pair in "${pairs[@]}"; do
     port=${pair%%:*}; var=${pair#*:}
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
@@ -278,6 +292,8 @@ IC_CLUSTER_BIN=$bin
 IC_CLUSTER_STATE=$state
 IC_CLUSTER_MODE=$mode
 IC_CLUSTER_RELEASE=$release
+IC_CLUSTER_AGENT_PORT=$agent_port
+IC_CLUSTER_CHART_VALUES=$state/chart-values.yaml
 EOF
 }
 
@@ -308,17 +324,32 @@ start_controller() {
   wait_for ic-controller 60 curl -sf "http://127.0.0.1:$http_port/readyz"
 }
 
-# kube-proxy's job for one Service port: connections from this host to the Service's
-# ClusterIP:port go to a loopback port (an iptables DNAT rule in the nat table's OUTPUT chain,
-# tagged with this state directory and removed by `down`).
-dnat_add() { # service port loopback-port
-  local ip
-  ip="$(kubectl_admin get svc "$1" -n "$namespace" -o jsonpath='{.spec.clusterIP}')"
-  [[ -n "$ip" ]] || die "Service $namespace/$1 has no ClusterIP"
-  ip route get "$ip" >/dev/null 2>&1 || die "no route to the Service network ($ip): iptables DNAT needs one (a default route)"
-  local rule=(-d "$ip/32" -p tcp --dport "$2" -m comment --comment "ic-cluster:$state" -j DNAT --to-destination "127.0.0.1:$3")
-  iptables -t nat -A OUTPUT "${rule[@]}"
-  printf '%q ' "${rule[@]}" >> "$state/dnat-rules"; echo >> "$state/dnat-rules"
+# kube-proxy's job for the controller's Services: connections from this host (the apiserver, the
+# pods host_kubelet.py runs) to a Service's ClusterIP:port go to the controller's loopback
+# listener for that port's targetPort (the container port it names: webhook, grpc, http). One
+# iptables DNAT rule per port in the nat table's OUTPUT chain, tagged with this state directory
+# and removed by `down`; what was routed is listed in $state/dnat-services. (Headless Services
+# have no ClusterIP: their names resolve to pod IPs, which lead nowhere here.)
+dnat_controller_services() {
+  local name ip port target loopback
+  while read -r name ip port target; do
+    case $target in
+      webhook) loopback=$webhook_port ;;
+      grpc) loopback=$grpc_port ;;
+      http) loopback=$http_port ;;
+      *) continue ;;
+    esac
+    [[ $ip != None ]] || continue
+    ip route get "$ip" >/dev/null 2>&1 || die "no route to the Service network ($ip): iptables DNAT needs one (a default route)"
+    local rule=(-d "$ip/32" -p tcp --dport "$port" -m comment --comment "ic-cluster:$state" -j DNAT --to-destination "127.0.0.1:$loopback")
+    iptables -t nat -A OUTPUT "${rule[@]}"
+    printf '%q ' "${rule[@]}" >> "$state/dnat-rules"; echo >> "$state/dnat-rules"
+    echo "$name $ip:$port -> 127.0.0.1:$loopback" >> "$state/dnat-services"
+  done < <(kubectl_admin get svc -n "$namespace" -l app.kubernetes.io/component=controller -o json |
+    python3 -c 'import json, sys
+for s in json.load(sys.stdin)["items"]:
+    for p in s["spec"].get("ports", []):
+        print(s["metadata"]["name"], s["spec"].get("clusterIP") or "None", p["port"], p.get("targetPort", p["port"]))')
 }
 
 dnat_clear() {
@@ -327,7 +358,7 @@ dnat_clear() {
   while read -r line; do
     [[ -n "$line" ]] && { eval "iptables -t nat -D OUTPUT $line" 2>/dev/null || true; }
   done < "$state/dnat-rules"
-  rm -f "$state/dnat-rules"
+  rm -f "$state/dnat-rules" "$state/dnat-services"
 }
 
 # chart/README.md's install of CHART (a directory or a packaged chart), then the controller.
@@ -344,7 +375,7 @@ chart_install() { # chart
   for try in 1 2 3; do
     if "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" "$1" \
       --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
-      --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1; then
+      --values "$state/chart-values.yaml" --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1; then
       break
     fi
     grep -q "CustomResourceDefinition.*not ready" "$state/logs/helm-install.log" && ((try < 3)) \
@@ -354,6 +385,20 @@ chart_install() { # chart
     sleep 2
   done
   chart_controller
+}
+
+# This cluster's values beside cluster/chart-values.yaml: the real agent's ports on this host
+# (IC_CLUSTER_AGENT_PORT), so that clusters side by side do not collide. `helm upgrade` without
+# --reuse-values passes this file too (scripts/install-tests.sh: IC_CLUSTER_CHART_VALUES).
+chart_values() {
+  cat > "$state/chart-values.yaml" <<EOF
+# Written by scripts/cluster.sh (IC_CLUSTER_AGENT_PORT): the agent on kwok-gpu-0 is a real
+# process on this host, listening on these ports of its loopback.
+agent:
+  ports:
+    http: $agent_port
+    metrics: $((agent_port + 1))
+EOF
 }
 
 # The controller on this host as the installed release's controller Deployment says (its args,
@@ -366,28 +411,36 @@ chart_controller() {
   .venv/chart-tests/bin/python cluster/chart_objects.py --controller-args-from "$state/manifest.yaml" \
     "$state" "$webhook_port" "$grpc_port" "$http_port"
   start_controller
-  local svc
-  svc="$(kubectl_admin get svc -n "$namespace" -o name | sed -n 's#service/\(.*-webhook\)$#\1#p' | head -1)"
-  [[ -n "$svc" ]] || die "the chart installed no webhook Service in $namespace"
-  dnat_add "$svc" 443 "$webhook_port"
+  dnat_controller_services
+  grep -q -- '-webhook ' "$state/dnat-services" 2>/dev/null || die "the chart installed no webhook Service in $namespace"
   # The webhooks answer the apiserver through the Service (self-signed mode: the controller put
   # its CA into the configurations' caBundle).
-  wait_for "the CacheBackend webhooks through Service $svc" 90 webhooks_answer
+  wait_for "the CacheBackend webhooks through the webhook Service" 90 webhooks_answer
 }
 
 # `up --with-chart` after the controller-manager and scheduler: kwok and its nodes, `helm
 # install`, the controller on this host, the webhook Service's DNAT rule.
 up_chart() {
-  command -v iptables >/dev/null || die "--with-chart needs iptables (and root): the webhook Service's ClusterIP is routed to the controller with one DNAT rule"
-  # kwok plays every kubelet except for the chart's hook Jobs, which cluster/host_kubelet.py
-  # runs on this host for real (so helm upgrade's CRD upgrade and uninstall's finalizer strip
-  # happen, or fail, as they would in a cluster).
+  command -v iptables >/dev/null || die "--with-chart needs iptables (and root): the controller Services' ClusterIPs are routed to the controller with DNAT rules"
+  local tool
+  for tool in unshare setpriv wget; do
+    command -v "$tool" >/dev/null || die "--with-chart needs $tool: cluster/host_kubelet.py runs the chart's hook, test and agent pods on this host (unshare, setpriv: util-linux; wget: the agent test pod's command)"
+  done
+  # kwok plays every kubelet except for the pods cluster/host_kubelet.py runs on this host for
+  # real: the chart's hook Jobs (so helm upgrade's CRD upgrade and uninstall's finalizer strip
+  # happen, or fail, as they would in a cluster), its `helm test` pods, and the agent on
+  # kwok-gpu-0.
   bash scripts/chart-venv.sh
   .venv/chart-tests/bin/python cluster/host_kubelet.py --kwok-stages "$bin/kwok-stages.yaml" "$state/kwok-stages.yaml"
+  chart_values
   start host-kubelet env IC_KUBECTL="$bin/kubectl" .venv/chart-tests/bin/python -u cluster/host_kubelet.py \
-    "$state" "$controller_bin"
+    "$state" "$controller_bin" "$agent_bin" "$bin" --logs-port $((api_port + 4)) \
+    --tls-cert "$state/pki/kubelet.crt" --tls-key "$state/pki/kubelet.key"
+  # Every node's address is 127.0.0.1 and its kubelet port host_kubelet.py's log server (the
+  # apiserver asks it for `kubectl logs`, `helm test --logs`).
   start kwok "$bin/kwok" --kubeconfig "$state/admin.kubeconfig" --config "$state/kwok-stages.yaml" \
     --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 \
+    --node-ip 127.0.0.1 --node-port $((api_port + 4)) \
     --node-lease-duration-seconds 40 --server-address "127.0.0.1:$((api_port + 3))"
   # (Node Leases renewed: without them kwok's status heartbeats come further apart than the
   # controller-manager's grace period, every node flaps NotReady and every pod goes Ready=False
@@ -430,9 +483,13 @@ up() {
     log "building ic-controller ($controller_bin)"
     cargo build -p ic-controller --bin ic-controller --locked
   fi
+  if [[ $mode == chart && ! -x "$agent_bin" ]]; then
+    log "building ic-agent ($agent_bin)"
+    cargo build -p ic-agent --bin ic-agent --locked
+  fi
   mkdir -p "$state"
   echo "$mode" > "$state/mode"
-  declare -p etcd_port etcd_peer_port api_port webhook_port grpc_port http_port | sed 's/^declare -- //' > "$state/ports"
+  declare -p etcd_port etcd_peer_port api_port webhook_port grpc_port http_port agent_port | sed 's/^declare -- //' > "$state/ports"
   pki
   audit_policy
 
