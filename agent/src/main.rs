@@ -163,9 +163,10 @@ struct CommonArgs {
 struct RunArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Controller gRPC URL; without it the agent runs checks and endpoints only. The host is
-    /// resolved every 10 s and one stream is kept per address (point it at a headless Service so
-    /// every controller replica gets every node's state); several URLs may be comma-separated.
+    /// Controller gRPC URL (`http://HOST:PORT`; a bare `HOST:PORT` means `http://`); without it
+    /// the agent runs checks and endpoints only. The host is resolved every 10 s and one stream
+    /// is kept per address (point it at a headless Service so every controller replica gets every
+    /// node's state); several URLs may be comma-separated.
     #[arg(long, env = "IC_CONTROLLER")]
     controller: Option<String>,
     /// HTTP listen address for /healthz, /readyz, /metrics, /v1/report.
@@ -428,7 +429,10 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
     let state = ic_agent::state::AgentState::with_state_dir(node, plan, state_dir)?;
     let link = match &a.controller {
         Some(url) => {
-            let mut cfg = ic_agent::link::LinkConfig::new(url.clone());
+            // A bare HOST:PORT means http://HOST:PORT, as for `subscribe` and `lookup`.
+            let url = ic_agent::subscribe::controller_urls(url)
+                .with_context(|| format!("--controller {url:?} names no controller"))?;
+            let mut cfg = ic_agent::link::LinkConfig::new(url);
             if let Some(f) = &a.token_file {
                 // Fail fast on a missing file; the link re-reads it on every connect, since the
                 // kubelet rotates projected tokens.

@@ -84,15 +84,16 @@ impl LinkConfig {
 #[derive(Debug, Error)]
 pub enum LinkError {
     /// The URL is not a valid endpoint.
-    #[error("invalid controller URL {url:?}: {source}")]
+    #[error("invalid controller URL {url:?}: {}", error_chain(source))]
     Url {
         /// URL.
         url: String,
         /// Parser error.
         source: tonic::transport::Error,
     },
-    /// TCP/HTTP2 connection failed.
-    #[error("cannot connect to {url}: {source}")]
+    /// TCP/HTTP2 connection failed. The message carries the cause under tonic's "transport
+    /// error" (e.g. "connection refused at 127.0.0.1:50051: nothing listens there").
+    #[error("cannot connect to {url}: {}", connect_cause(url, source))]
     Connect {
         /// URL.
         url: String,
@@ -133,6 +134,42 @@ pub enum LinkError {
         /// How long it waited.
         waited_ms: u64,
     },
+}
+
+/// `e` and each of its sources, joined with ": " (tonic's own message is only "transport
+/// error"; the cause — refused, timed out, DNS — is in its sources).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let m = s.to_string();
+        if !out.ends_with(&m) {
+            out.push_str(": ");
+            out.push_str(&m);
+        }
+        next = s.source();
+    }
+    out
+}
+
+/// A connect failure in words: a refused connection says that nothing listens at the address
+/// (the usual mistakes: the controller is not running, or this is not its gRPC port); other
+/// causes are the error's whole chain.
+fn connect_cause(url: &str, e: &tonic::transport::Error) -> String {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = next {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                let at = url.split_once("://").map_or(url, |(_, rest)| rest);
+                return format!(
+                    "connection refused at {at}: nothing listens there (is the controller \
+                     running, and is this its gRPC port, 50051 by default?)"
+                );
+            }
+        }
+        next = s.source();
+    }
+    error_chain(e)
 }
 
 /// Signals that a new check pass is available (its value is a counter).
