@@ -131,7 +131,10 @@ fn nothing_listening_says_connection_refused_there() {
         &format!("127.0.0.1:{port}"),
         &format!("connection refused at 127.0.0.1:{port}"),
     );
-    assert!(report.contains(&format!("http://127.0.0.1:{port}")), "{report}");
+    assert!(
+        report.contains(&format!("http://127.0.0.1:{port}")),
+        "{report}"
+    );
     assert!(
         lines
             .iter()
