@@ -407,7 +407,8 @@ class Kubelet:
         components = ",".join((*HOOK_COMPONENTS, TEST_COMPONENT, *HOST_NODE_COMPONENTS))
         pods = json.loads(self.kubectl("get", "pods", "-A", "-l", f"app.kubernetes.io/component in ({components})",
                                        "-o", "json"))["items"]
-        live = {}
+        live: dict[str, dict] = {}
+        new: list[tuple[dict, str]] = []
         for pod in pods:
             meta, spec = pod["metadata"], pod["spec"]
             component = meta.get("labels", {}).get("app.kubernetes.io/component", "")
@@ -422,7 +423,16 @@ class Kubelet:
             # (A Running pod of this node not run by this process: its kubelet restarted.)
             if phase != "Pending" and not (phase == "Running" and component in HOST_NODE_COMPONENTS):
                 continue
-            self.done.add(uid)
+            new.append((pod, component))
+        # Containers of deleted pods stop first: a rollout's new agent takes the old one's ports.
+        for uid, r in list(self.running.items()):
+            if uid not in live:
+                grace = float(r.pod["spec"].get("terminationGracePeriodSeconds", 30))
+                self.stop(r, grace)
+                del self.running[uid]
+        for pod, component in new:
+            meta = pod["metadata"]
+            self.done.add(meta["uid"])
             if component in HOST_NODE_COMPONENTS:
                 r = Running(pod, component)
                 try:
@@ -430,15 +440,10 @@ class Kubelet:
                 except (PodError, subprocess.SubprocessError, OSError) as e:
                     log(f"{meta['namespace']}/{meta['name']}: cannot start: {e}")
                     continue
-                self.running[uid] = r
+                self.running[meta["uid"]] = r
             else:
                 threading.Thread(target=self.complete_safely, args=(pod,), daemon=True).start()
-        for uid, r in list(self.running.items()):
-            if uid not in live:
-                grace = float(r.pod["spec"].get("terminationGracePeriodSeconds", 30))
-                self.stop(r, grace)
-                del self.running[uid]
-                continue
+        for r in self.running.values():
             try:
                 self.tend(r)
             except (subprocess.SubprocessError, OSError) as e:

@@ -8,13 +8,22 @@
 #   1. install: the release is deployed; every chart pod is Running on a kwok node and the agents
 #      only on the GPU nodes; both webhook configurations point at the chart's Service (no url)
 #      with the controller's CA in every caBundle; the controller holds the chart's Lease;
+#   1b. `helm test --logs` passes for real: its pods run on this host (cluster/host_kubelet.py):
+#      grpc-health-probe gets SERVING from the controller through its gRPC Service, and the agent
+#      test pod (on kwok-gpu-0, the only node it can land on) gets 200 from /readyz of the real
+#      ic-agent that runs there, which reports to the controller (CacheNode kwok-gpu-0 says
+#      AgentConnected). It must be able to fail: with the controller stopped it fails (the
+#      probe cannot connect) and passes once it is back; with the agent frozen (SIGSTOP) it
+#      fails (/readyz times out) and passes once it runs again;
 #   2. the webhooks through the Service: the quickstart CacheBackend (examples/quickstart) is
 #      defaulted by the mutating webhook, an invalid one is refused naming its field, and the
 #      quickstart engine pod is wired by the Pod webhook;
 #   3. upgrade: `helm upgrade` with a changed value: the pre-upgrade hook Job runs for real (on
 #      this host: cluster/host_kubelet.py) and applies the chart's CRDs; the controller rolled
 #      (`cluster.sh chart-controller`) keeps its CA in the webhook configurations and they answer;
-#   4. uninstall: `helm uninstall`, the controller stopped (its pods are gone); no webhook
+#      `helm test --logs` passes;
+#   4. uninstall: `helm uninstall`, the controller stopped (its pods are gone), the real agent
+#      stopped by host_kubelet.py (its pod is gone); no webhook
 #      configuration, policy, ClusterRole or leader Lease of the release is left, a pod is created at once in
 #      another namespace (nothing blocks pod creation), deleting the release namespace completes
 #      (nothing blocks namespace deletion), and what is deliberately kept (the CRDs) is there; the
@@ -29,10 +38,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IC_CLUSTER_DIR="${IC_INSTALL_CLUSTER_DIR:-$PWD/target/cluster/chart}"
-# Its own ports (IC_INSTALL_*_PORT move them), beside scripts/test.sh's two other control planes.
+# Its own ports (IC_INSTALL_*_PORT move them), beside scripts/test.sh's two other control planes
+# (the API port's +1..+4 are taken too: controller-manager, scheduler, kwok, host_kubelet's logs;
+# the agent's metrics port is the agent port +1).
 export IC_CLUSTER_ETCD_PORT="${IC_INSTALL_ETCD_PORT:-23811}" IC_CLUSTER_API_PORT="${IC_INSTALL_API_PORT:-16463}" \
   IC_CLUSTER_WEBHOOK_PORT="${IC_INSTALL_WEBHOOK_PORT:-19463}" IC_CLUSTER_GRPC_PORT="${IC_INSTALL_GRPC_PORT:-15071}" \
-  IC_CLUSTER_HTTP_PORT="${IC_INSTALL_HTTP_PORT:-18100}"
+  IC_CLUSTER_HTTP_PORT="${IC_INSTALL_HTTP_PORT:-18100}" IC_CLUSTER_AGENT_PORT="${IC_INSTALL_AGENT_PORT:-19110}"
 bin="$PWD/target/cluster/bin"
 state="$IC_CLUSTER_DIR"
 release=inference-cache
@@ -91,6 +102,49 @@ node_leases="$(k get leases -n kube-node-lease -o name | grep -c kwok- || true)"
 holder() { [[ -n "$(k get lease -n "$ns" inference-cache-controller -o jsonpath='{.spec.holderIdentity}')" ]]; }
 eventually 60 holder || fail "install: the controller never took the chart's Lease"
 
+# --- 1b. helm test, for real ----------------------------------------------------------------------
+# `helm test --logs` into $state/logs/helm-test-<what>.log; its exit status.
+helm_test() { # what
+  helm test "$release" -n "$ns" --logs --timeout 2m >"$state/logs/helm-test-$1.log" 2>&1
+}
+# The agent of kwok-gpu-0 is a real process on this host (host_kubelet.py), connected to the
+# controller through the gRPC Service.
+agent_pid() { cat "$state/host-pods/agent.pid" 2>/dev/null; }
+agent_connected() {
+  [[ "$(k get cachenode kwok-gpu-0 -o jsonpath='{.status.conditions[?(@.type=="AgentConnected")].status}')" == True ]]
+}
+[[ -n "$(agent_pid)" ]] && kill -0 "$(agent_pid)" 2>/dev/null || fail "helm test: no real agent runs for kwok-gpu-0"
+eventually 90 agent_connected || fail "helm test: CacheNode kwok-gpu-0 never said AgentConnected (the real agent did not reach the controller through the gRPC Service)"
+# Whatever the agent test pod's node, it must be the real agent's (kwok-gpu-1 is cordoned).
+if helm_test install; then
+  grep -q "status: SERVING" "$state/logs/helm-test-install.log" && grep -q "^ready" "$state/logs/helm-test-install.log" \
+    || fail "helm test: passed without the probes' answers in its logs: $(tail -8 "$state/logs/helm-test-install.log")"
+else
+  fail "helm test: failed after install: $(tail -8 "$state/logs/helm-test-install.log")"
+fi
+# A stopped controller fails it (the gRPC probe cannot connect through the Service) ...
+bash scripts/cluster.sh stop ic-controller >/dev/null 2>&1
+if helm_test controller-stopped; then
+  fail "helm test: passed with the controller stopped"
+else
+  grep -q "test-controller-grpc" "$state/logs/helm-test-controller-stopped.log" \
+    || fail "helm test: with the controller stopped it failed, but not on the gRPC test: $(tail -5 "$state/logs/helm-test-controller-stopped.log")"
+fi
+# ... and it passes again once the controller is back (the same command line: `restart`).
+bash scripts/cluster.sh restart ic-controller >/dev/null 2>&1
+eventually 60 helm_test controller-back || fail "helm test: still failing after the controller came back: $(tail -5 "$state/logs/helm-test-controller-back.log")"
+# A frozen agent (SIGSTOP: it accepts connections but answers nothing) fails it ...
+kill -STOP "$(agent_pid)"
+if helm_test agent-stopped; then
+  fail "helm test: passed with the agent stopped"
+else
+  grep -q "test-agent-readyz.*failed" "$state/logs/helm-test-agent-stopped.log" \
+    || fail "helm test: with the agent stopped it failed, but not on the agent test: $(tail -5 "$state/logs/helm-test-agent-stopped.log")"
+fi
+# ... and it passes once the agent runs again.
+kill -CONT "$(agent_pid)"
+eventually 60 helm_test agent-back || fail "helm test: still failing after the agent was resumed: $(tail -5 "$state/logs/helm-test-agent-back.log")"
+
 # --- 2. the webhooks through the Service ------------------------------------------------------------
 k apply -f examples/quickstart/cachebackend.yaml >/dev/null || fail "webhooks: the quickstart CacheBackend was refused"
 mode="$(k get cachebackend quickstart -n default -o jsonpath='{.spec.integration.mode}')"
@@ -132,6 +186,7 @@ grep -q "upgrade-crds --crds-dir=.* exit 0\|: exit 0" "$state/logs/host-kubelet.
   || fail "upgrade: the pre-upgrade hook Job did not run to success: $(tail -5 "$state/logs/host-kubelet.log")"
 after_upgrade() { sed 's/name: quickstart/name: after-upgrade/' examples/quickstart/cachebackend.yaml | k create --dry-run=server -f -; }
 eventually 60 after_upgrade || fail "upgrade: the CacheBackend webhooks do not answer after the upgrade"
+eventually 60 helm_test upgrade || fail "upgrade: helm test fails after the upgrade: $(tail -8 "$state/logs/helm-test-upgrade.log")"
 
 # --- 4. uninstall ---------------------------------------------------------------------------------
 k delete -f examples/quickstart/engine-pod.yaml --wait=false >/dev/null 2>&1 || true
@@ -139,6 +194,9 @@ k delete -f examples/quickstart/cachebackend.yaml --timeout 60s >/dev/null || fa
 helm uninstall "$release" -n "$ns" --wait --timeout 5m >"$state/logs/helm-uninstall.log" 2>&1 \
   || fail "uninstall: helm uninstall failed: $(tail -3 "$state/logs/helm-uninstall.log")"
 bash scripts/cluster.sh stop ic-controller >/dev/null 2>&1
+# The agent's pod went with the DaemonSet: host_kubelet.py stopped the process.
+agent_gone() { [[ -z "$(agent_pid)" ]]; }
+eventually 60 agent_gone || fail "uninstall: the real agent (pid $(agent_pid)) still runs after its pod was deleted"
 left="$(k get mutatingwebhookconfigurations,validatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings,clusterroles,clusterrolebindings \
   -l "app.kubernetes.io/instance=$release" -o name 2>/dev/null | tr '\n' ' ')"
 [[ -z $left ]] || fail "uninstall: left behind: $left"
@@ -167,8 +225,9 @@ bash scripts/cluster.sh install-chart "$prev" >/dev/null || fail "previous: $pre
 mc_crd() { k get crd modelcaches.inferencecache.io -o json; }
 old_text="cannot see inside the template"
 mc_crd | grep -q "$old_text" || fail "previous: $prev did not install its own CRDs"
+chart_values="$(sed -n 's/^IC_CLUSTER_CHART_VALUES=//p' "$state/cluster.env")"
 helm upgrade "$release" ./chart -n "$ns" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
-  --wait --timeout 5m >"$state/logs/helm-upgrade-from-previous.log" 2>&1 \
+  --values "$chart_values" --wait --timeout 5m >"$state/logs/helm-upgrade-from-previous.log" 2>&1 \
   || fail "previous: helm upgrade from $prev failed: $(tail -3 "$state/logs/helm-upgrade-from-previous.log")"
 ! mc_crd | grep -q "$old_text" || fail "previous: the changed CRD was not upgraded (modelcaches still the old one)"
 for crd in "${crd_names[@]}"; do
@@ -183,4 +242,4 @@ if ((failures)); then
   say "$failures step(s) failed (logs: $state/logs/)"
   exit 1
 fi
-say "ok: install, webhooks through the Service, upgrade, uninstall, upgrade from $(basename "$prev") ($((SECONDS - t0)) s)"
+say "ok: install, helm test (and its failures with the controller or agent stopped), webhooks through the Service, upgrade, uninstall, upgrade from $(basename "$prev") ($((SECONDS - t0)) s)"
