@@ -23,6 +23,11 @@ use super::{PartitionId, PrefixIndex, ReplicaSlot, Tier};
 /// NO_HINT reason when the lookup ran past its budget.
 pub const LOOKUP_TIMEOUT: &str = "LookupTimeout";
 
+/// NO_HINT reason: no routable replica holds the request's first block, but one the index may
+/// not route to does — its engine's publisher is gone (coverage `Disconnected`) or its engine
+/// is down (`EngineDown`); `/snapshot` shows it with `routable: false`. Not a cold prefix.
+pub const HOLDER_NOT_ROUTABLE: &str = "HolderNotRoutable";
+
 /// Chain levels whose slots are loaded together (their cache misses overlap) before they are
 /// intersected; also the deadline check interval.
 const CHUNK: usize = 32;
@@ -276,6 +281,8 @@ impl PrefixIndex {
         if !prefix_match {
             let reason = if scores.request_blocks == 0 {
                 "RequestShorterThanOneBlock"
+            } else if deepest == 0 && self.first_block_held_unroutable(q) {
+                HOLDER_NOT_ROUTABLE
             } else if deepest == 0 {
                 "NoReplicaHoldsPrefix"
             } else {
@@ -294,6 +301,45 @@ impl PrefixIndex {
             reason: String::new(),
             inexact_replicas: 0,
         }
+    }
+
+    /// True when a replica the lookup may not route to (coverage Disconnected or EngineDown)
+    /// holds the request's first block in a partition the query matches: the miss is then
+    /// not a cold prefix. Only asked on a miss while some replica is unroutable (O(partitions)).
+    fn first_block_held_unroutable(&self, q: &LookupQuery) -> bool {
+        if self.unroutable_count == 0 {
+            return false;
+        }
+        let mut buf: [Holder; 1] = [0; 1];
+        self.partitions.iter().any(|p| {
+            let k = &p.key;
+            let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
+                && q.visible_tenants
+                    .as_ref()
+                    .is_none_or(|v| v.contains(&k.tenant))
+                && (q.model.is_empty() || k.model == q.model)
+                && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
+                && k.adapter == q.adapter
+                && q.block_size.is_none_or(|b| b == k.block_size);
+            if !matches || p.blocks.is_empty() {
+                return false;
+            }
+            let first = if q.token_ids.is_empty() {
+                q.content_keys.first().copied()
+            } else {
+                content_key::chain(
+                    &q.token_ids[..q.token_ids.len().min(k.block_size as usize)],
+                    k.block_size as usize,
+                )
+                .first()
+                .copied()
+            };
+            first.and_then(|key| p.blocks.get(key)).is_some_and(|b| {
+                b.holders(&self.arena, &mut buf)
+                    .iter()
+                    .any(|&h| !self.routable(slot_of(h)))
+            })
+        })
     }
 
     /// The scoring pass alone: per replica, matched blocks in the deepest candidate partition

@@ -894,6 +894,40 @@ fn disconnected_replicas_are_not_matched_and_come_back_with_their_entries() {
     );
 }
 
+/// A NO_HINT whose only holders are unroutable (publisher gone) says so — `HolderNotRoutable`,
+/// not `NoReplicaHoldsPrefix` ("a cold prefix"); an unrelated prompt is still a cold prefix, and
+/// the holder back reads PREFIX_MATCH again.
+#[test]
+fn a_miss_whose_holder_is_disconnected_says_the_holder_is_not_routable() {
+    let mut ix = PrefixIndex::new();
+    ix.resync_node("n1", &[empty_snapshot("a")]);
+    let keys = chain(&tokens(0..16), 4);
+    ix.apply_delta(
+        "n1",
+        &delta("a", 1, vec![store(&keys, proto::Tier::T1, "")]),
+    )
+    .unwrap();
+    assert!(ix.lookup(&query(&tokens(0..16))).prefix_match);
+    let mut d = delta("a", 2, vec![]);
+    d.coverage = proto::Coverage::Disconnected as i32;
+    d.coverage_reason = coverage::PUBLISHER_DISCONNECTED.into();
+    ix.apply_delta("n1", &d).unwrap();
+    let miss = ix.lookup(&query(&tokens(0..16)));
+    assert!(!miss.prefix_match);
+    assert_eq!(miss.reason, "HolderNotRoutable");
+    assert!(miss.replicas.is_empty());
+    // a shorter prompt still starts with the held block
+    assert_eq!(ix.lookup(&query(&tokens(0..5))).reason, "HolderNotRoutable");
+    assert_eq!(
+        ix.lookup(&query(&tokens(100..116))).reason,
+        "NoReplicaHoldsPrefix"
+    );
+    let mut d = delta("a", 3, vec![]);
+    d.coverage = proto::Coverage::Exact as i32;
+    ix.apply_delta("n1", &d).unwrap();
+    assert!(ix.lookup(&query(&tokens(0..16))).prefix_match);
+}
+
 /// A CacheTenant quota (issue 15: one pod-bound token must not grow the index without bound):
 /// the tenant holds at most `max` distinct blocks; storing beyond evicts its oldest first, from
 /// every replica holding them, and those replicas say so (Partial / TenantQuotaExceeded) in the
