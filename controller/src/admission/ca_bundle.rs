@@ -28,8 +28,10 @@
 //!   `inferencecache_controller_webhook_cert_secret_problem{problem}`, and repaired: a bad leaf
 //!   is re-issued by the signing CA; an unusable `ca.crt` means a new CA and leaf (every replica
 //!   serving the old leaf fails the apiserver's TLS check until it re-reads the Secret, within
-//!   one resync interval). The Secret is labelled as the controller's own
-//!   (`app.kubernetes.io/managed-by`): its content is not an operator's to keep.
+//!   one resync interval). Only a Secret labelled as the controller's ([`MANAGED_BY`], set on
+//!   the Secret it creates) is ever written: one without the label is the operator's, served
+//!   while it holds a usable pair and never renewed or repaired ([`SecretProblem::NotManaged`]
+//!   when a step is due; a start on such a Secret without a usable pair fails, naming it).
 //! - [`sync_ca_bundles`] / [`spawn_ca_bundle_keeper`]: set `webhooks[*].clientConfig.caBundle`
 //!   on the MutatingWebhookConfiguration and the ValidatingWebhookConfiguration of that name,
 //!   and keep doing so periodically — a `helm upgrade` re-applies the templates with an empty
@@ -70,6 +72,10 @@ pub const KEY_KEY: &str = "tls.key";
 /// Annotation on the Secret: RFC 3339 time of the rotation's last write (the overlap of a CA
 /// rotation is counted from it).
 pub const UPDATED_AT_ANNOTATION: &str = "inferencecache.io/webhook-cert-updated-at";
+/// The label (key, value) that makes the Secret the controller's to write: it sets it on the
+/// Secret it creates. A Secret of that name without it is the operator's: served when usable,
+/// never written ([`SecretProblem::NotManaged`] when a step is due).
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "inference-cache-controller");
 
 /// Errors of the in-cluster certificate handling.
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +92,7 @@ pub enum CaBundleError {
         source: Box<kube::Error>,
     },
     /// The Secret holds no usable serving certificate and none could be written.
-    #[error("Secret {namespace}/{name} holds no usable serving certificate ({problem}) and a new one could not be stored")]
+    #[error("Secret {namespace}/{name} holds no usable serving certificate and none could be stored: {problem}")]
     BadSecret {
         /// Secret namespace.
         namespace: String,
@@ -150,15 +156,19 @@ pub enum SecretProblem {
     LeafInvalid,
     /// Reading or writing the Secret failed (API error, RBAC).
     ApiError,
+    /// A step is due but the Secret is not labelled as the controller's
+    /// ([`MANAGED_BY`]): it is the operator's, served as it is and never written.
+    NotManaged,
 }
 
 impl SecretProblem {
     /// Every problem, in label order.
-    pub const ALL: [SecretProblem; 4] = [
+    pub const ALL: [SecretProblem; 5] = [
         SecretProblem::CaCertInvalid,
         SecretProblem::CaKeyInvalid,
         SecretProblem::LeafInvalid,
         SecretProblem::ApiError,
+        SecretProblem::NotManaged,
     ];
 
     /// The metric label.
@@ -168,6 +178,7 @@ impl SecretProblem {
             SecretProblem::CaKeyInvalid => "CaKeyInvalid",
             SecretProblem::LeafInvalid => "LeafInvalid",
             SecretProblem::ApiError => "ApiError",
+            SecretProblem::NotManaged => "NotManaged",
         }
     }
 }
@@ -239,14 +250,16 @@ impl StoredBundle {
         }
     }
 
-    fn to_secret(&self, namespace: &str, name: &str) -> Secret {
+    /// A `kubernetes.io/tls` Secret `namespace/name` holding the values, labelled as the
+    /// controller's.
+    pub fn to_secret(&self, namespace: &str, name: &str) -> Secret {
         let mut secret = Secret {
             metadata: ObjectMeta {
                 name: Some(name.to_string()),
                 namespace: Some(namespace.to_string()),
                 labels: Some(BTreeMap::from([(
-                    "app.kubernetes.io/managed-by".to_string(),
-                    "inference-cache-controller".to_string(),
+                    MANAGED_BY.0.to_string(),
+                    MANAGED_BY.1.to_string(),
                 )])),
                 ..Default::default()
             },
@@ -304,7 +317,7 @@ pub fn assess(stored: &StoredBundle, now: i64) -> Assessment {
     match stored.ca_pem.as_deref().map(|p| tls::parse_certs(p.as_bytes())) {
         None => a.problems.push((
             SecretProblem::CaCertInvalid,
-            format!("{CA_KEY} is missing"),
+            format!("it has no {CA_KEY}"),
         )),
         Some(Err(e)) => a.problems.push((
             SecretProblem::CaCertInvalid,
@@ -818,7 +831,21 @@ impl CertKeeper {
                     Some(ca) if a.trust.iter().any(|c| c.is_ca) => self.publish(ca).await,
                     _ => false,
                 };
-                let step = plan(&a, stored.updated_at, now, &self.cfg.policy, published);
+                let mut step = plan(&a, stored.updated_at, now, &self.cfg.policy, published);
+                let ours = secret
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(MANAGED_BY.0))
+                    .is_some_and(|v| v == MANAGED_BY.1);
+                if !ours && step.action().is_some() {
+                    let why = format!(
+                        "it is not labelled {}={}, so the controller does not write it ({step:?} is due): fix or delete it",
+                        MANAGED_BY.0, MANAGED_BY.1
+                    );
+                    problems.push((SecretProblem::NotManaged, why.clone()));
+                    step = Plan::Wait(why);
+                }
                 if let Plan::Wait(why) = &step {
                     report.waiting = Some(why.clone());
                 }
@@ -881,7 +908,15 @@ impl CertKeeper {
             None => Err(CaBundleError::BadSecret {
                 namespace: self.cfg.namespace.clone(),
                 name,
-                problem: after.describe(),
+                problem: after
+                    .problems
+                    .iter()
+                    .chain(problems.iter().filter(|(p, _)| {
+                        matches!(p, SecretProblem::ApiError | SecretProblem::NotManaged)
+                    }))
+                    .map(|(_, m)| m.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; "),
             }),
         }
     }
