@@ -677,6 +677,17 @@ def main() -> None:
             link.symlink_to(found)
     programs["busybox"] = str(applets)
     kubelet = Kubelet(a.state, programs)
+    # A container left by an earlier host_kubelet.py that was killed (its own session outlived
+    # it): stopped, as a restarted kubelet's runtime would find and replace it.
+    for pid_file in kubelet.pods_dir.glob("*.pid"):
+        pid = int(pid_file.read_text().strip() or 0)
+        try:
+            if pid and b"ic-agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                log(f"stopped pid {pid}, left by an earlier host_kubelet.py")
+        except OSError:
+            pass
+        pid_file.unlink()
     serve_logs(kubelet.logs_dir, a.logs_port, a.tls_cert, a.tls_key)
 
     def on_term(*_: object) -> None:

@@ -455,17 +455,21 @@ next_steps() {
   cat >&2 <<EOF
 cluster: try next (export the KUBECONFIG below; kubectl and helm of the cluster's version are in
   $bin: export PATH=$bin:\$PATH):
-  kubectl get nodes                      # kwok nodes: kwok-gpu-0, kwok-gpu-1 (GPU), kwok-cpu-0
-  kubectl get pods -n $namespace         # the chart's pods (kwok runs them; the controller serving
-                                         # the webhooks is the host process, logs in $state/logs/)
+  kubectl get nodes                      # kwok nodes: kwok-gpu-0 (this host), kwok-gpu-1 (GPU,
+                                         # cordoned), kwok-cpu-0
+  kubectl get pods -n $namespace -o wide # the chart's pods: kwok plays them, except the agent on
+                                         # kwok-gpu-0 (a real ic-agent on this host)
+  kubectl get cachenodes                 # kwok-gpu-0, reported by that agent
+  helm test $release -n $namespace --logs   # runs for real: gRPC health through the Service, the agent's /readyz
   kubectl apply -f examples/quickstart/cachebackend.yaml
   kubectl apply -f examples/quickstart/engine-pod.yaml
   kubectl get pod vllm-quickstart -o jsonpath='{.metadata.annotations}'   # wired by the Pod webhook
   kubectl describe cachebackend quickstart   # conditions and Events
   helm list -A
-On kwok no container runs: the agents never connect (CacheNodes say so), and kubectl exec,
-port-forward and helm test do not work; the webhooks and the controller are real. After
-helm uninstall: scripts/cluster.sh stop ic-controller (its ServiceAccount is gone).
+The controller serving the webhooks and gRPC is the host process (logs in $state/logs/); the
+pods run here (hooks, tests, the kwok-gpu-0 agent) have logs (kubectl logs). kwok's pods run
+nothing: no logs, and kubectl exec and port-forward do not work. After helm uninstall:
+scripts/cluster.sh stop ic-controller (its ServiceAccount is gone).
 EOF
 }
 
@@ -576,9 +580,14 @@ EOF
 
 down() {
   dnat_clear
+  # The real agent runs in a session of its own; host_kubelet.py stops it on TERM, and this
+  # catches one left by a host_kubelet.py that was killed.
+  local pid
+  pid="$(cat "$state/host-pods/agent.pid" 2>/dev/null || true)"
   for ((i = ${#components[@]} - 1; i >= 0; i--)); do
     stop "${components[$i]}"
   done
+  [[ -n "$pid" ]] && grep -qs ic-agent "/proc/$pid/cmdline" && kill -KILL "$pid" 2>/dev/null
   rm -rf "$state"
   log "down"
 }
