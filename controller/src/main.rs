@@ -516,12 +516,14 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("prompt").required(true).args(["tokens", "text"])))]
 struct LookupArgs {
     /// Controller gRPC URL (`http://HOST:PORT`; a bare `HOST:PORT` means `http://`).
     #[arg(long, env = "IC_CONTROLLER", default_value = "http://127.0.0.1:50051")]
     controller: String,
-    /// Prompt token ids: a comma list ("1,2,3") and/or ranges ("0..32" = 0 to 31).
-    #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+    /// Prompt token ids: a comma list ("1,2,3") and/or ranges ("0..32" = 0 to 31). One of
+    /// --tokens and --text is needed.
+    #[arg(long, conflicts_with = "text")]
     tokens: Option<String>,
     /// Prompt text instead of token ids: the controller tokenizes it with --model's tokenizer.
     #[arg(long)]
@@ -566,10 +568,16 @@ fn parse_tokens(spec: &str) -> anyhow::Result<Vec<u32>> {
                 .with_context(|| format!("bad range end in {part:?}"))?;
             out.extend(a..b);
         } else {
-            out.push(
-                part.parse()
-                    .with_context(|| format!("bad token id {part:?}"))?,
-            );
+            out.push(part.parse().with_context(|| {
+                let hint = match part.split_once('-') {
+                    Some((a, b)) if !a.is_empty() => format!(" (a range is {a}..{b})"),
+                    _ => String::new(),
+                };
+                format!(
+                    "bad token id {part:?}{hint}: --tokens takes comma-separated ids and \
+                     START..END ranges, e.g. 0..32 or 1,2,3"
+                )
+            })?);
         }
     }
     if out.is_empty() {
@@ -720,11 +728,30 @@ async fn run_main() -> anyhow::Result<()> {
                     })?;
                 request.metadata_mut().insert("authorization", value);
             }
-            let resp = client.lookup_route(request).await?.into_inner();
+            let resp = client
+                .lookup_route(request)
+                .await
+                .map_err(|s| lookup_status_error(&a.controller, s))?
+                .into_inner();
             println!("{}", serde_json::to_string_pretty(&lookup_json(&resp))?);
         }
     }
     Ok(())
+}
+
+/// A failed LookupRoute in words. A server that answers plain HTTP (tonic maps its status to
+/// "grpc-status header missing, mapped from HTTP status code 404") is not the controller's gRPC
+/// port: most often its HTTP port (8080 in the standalone stack).
+fn lookup_status_error(controller: &str, s: tonic::Status) -> anyhow::Error {
+    if s.message().contains("mapped from HTTP status code") {
+        anyhow::anyhow!(
+            "{controller} answered plain HTTP, not gRPC ({}): is it the controller's HTTP port? \
+             RouterService is on its gRPC port (--grpc-addr, 50051 by default)",
+            s.message()
+        )
+    } else {
+        anyhow::anyhow!("LookupRoute failed: {:?}: {}", s.code(), s.message())
+    }
 }
 
 fn lookup_json(r: &ic_shared::proto::LookupRouteResponse) -> serde_json::Value {

@@ -53,6 +53,27 @@ async fn lookup_reaches_the_router_by_url_or_bare_address() {
     // Ids and text together are refused by the CLI itself.
     let out = lookup_with(grpc.to_string(), &["--text", "Hello", "--tokens", "1"]).await;
     assert_eq!(out.status.code(), Some(2), "{out:?}");
+    // Neither: the message names both ways, not --tokens alone.
+    let out = lookup_with(grpc.to_string(), &[]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr.contains("--tokens") && stderr.contains("--text"),
+        "{stderr}"
+    );
+    // A range written with a dash: the error shows the range syntax.
+    let out = lookup_with(grpc.to_string(), &["--tokens", "0-32"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(stderr.contains("a range is 0..32"), "{stderr}");
+    // The HTTP port instead of the gRPC port: said so, with the port to use.
+    let out = lookup(running.http_addr.to_string()).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        stderr.contains("answered plain HTTP, not gRPC") && stderr.contains("gRPC port"),
+        "{stderr}"
+    );
     let _ = stop.send(());
     running.wait().await.unwrap();
 }
