@@ -62,7 +62,8 @@ fn a_real_loopback_listener_is_held_by_this_process() {
             expect(port, PortExpect::Free, None),
         ],
     );
-    assert_eq!(r.len(), 3, "{r:#?}");
+    // host, the two expectations, the ephemeral-range result
+    assert_eq!(r.len(), 4, "{r:#?}");
     let host = by_subject(&r, "host");
     assert_eq!(
         (host.status, host.reason.as_str()),
@@ -200,6 +201,10 @@ fn fixture() -> tempfile::TempDir {
     std::fs::create_dir_all(p.join("net")).unwrap();
     std::fs::write(p.join("net/tcp"), TCP).unwrap();
     std::fs::write(p.join("net/tcp6"), TCP6).unwrap();
+    // the kernel's defaults: 50051 lies in the ephemeral range, nothing is reserved
+    std::fs::create_dir_all(p.join("sys/net/ipv4")).unwrap();
+    std::fs::write(p.join("sys/net/ipv4/ip_local_port_range"), "32768\t60999\n").unwrap();
+    std::fs::write(p.join("sys/net/ipv4/ip_local_reserved_ports"), "\n").unwrap();
     // mooncake master (systemd cgroup driver, in a pod) holds 50051 on 0.0.0.0 and ::
     process(
         p,
@@ -299,8 +304,19 @@ fn fixture_owners_pods_and_scopes() {
             ("tcp/8080", CheckStatus::Unknown, "PortOwnerUnknown"),
             ("tcp/8080", CheckStatus::Critical, "PortConflict"),
             ("tcp/9000", CheckStatus::Ok, "PortOk"),
+            (
+                "ephemeral-range",
+                CheckStatus::Warning,
+                "PortsInEphemeralRange"
+            ),
         ]
     );
+    // 50051 (the Mooncake master's RPC port) can be taken as a source port: said on the port
+    // and in the node's range result.
+    assert_eq!(r[1].observed["ephemeralRange"], "32768-60999");
+    assert!(!r[3].observed.contains_key("ephemeralRange"));
+    assert_eq!(r[8].observed["atRiskPorts"], "50051");
+    assert!(r[8].message.contains("32768-60999"), "{}", r[8].message);
     let conflict = &r[1];
     for needle in [
         "port 50051",

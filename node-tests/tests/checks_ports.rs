@@ -386,3 +386,110 @@ fn ports_in_a_private_network_namespace() {
     drop(engine);
     drop((all4, lo4, all6, lo6));
 }
+
+/// Field case (issue 39 item 2): Mooncake's master cannot bind 50051 because an outgoing
+/// connection of the node took 50051 as its ephemeral source port. In a private network
+/// namespace the kernel is made to pick exactly 50051 (`ip_local_port_range` is per namespace),
+/// a real connection is made from it, and the check must read the port as held — the same bind
+/// the owner would make fails with EADDRINUSE — not free; and 50051 inside the range is flagged
+/// until it is reserved in `ip_local_reserved_ports`.
+#[test]
+fn a_port_an_outgoing_connection_holds_is_not_free() {
+    if !is_inner("a_port_an_outgoing_connection_holds_is_not_free") {
+        rerun_in_unshare(
+            "a_port_an_outgoing_connection_holds_is_not_free",
+            &["-n"],
+            "network namespaces",
+        );
+        return;
+    }
+    let st = Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .unwrap();
+    assert!(st.success(), "ip link set lo up");
+    let sysctl = |name: &str, value: &str| {
+        std::fs::write(format!("/proc/sys/net/ipv4/{name}"), value)
+            .unwrap_or_else(|e| panic!("{name}={value}: {e}"));
+    };
+    const RPC: u16 = 50051;
+    let server = TcpListener::bind("127.0.0.1:7070").unwrap();
+    sysctl("ip_local_port_range", &format!("{RPC} {RPC}"));
+    let client = std::net::TcpStream::connect("127.0.0.1:7070").unwrap();
+    assert_eq!(client.local_addr().unwrap().port(), RPC);
+    let (accepted, _) = server.accept().unwrap();
+    // What the master meets: its bind fails (std sets SO_REUSEADDR; it does not help).
+    let err = TcpListener::bind(("0.0.0.0", RPC)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
+
+    let own = std::fs::read_link("/proc/self/exe").unwrap();
+    let r = run(vec![free(RPC), held_by(RPC, Some(&own), None)]);
+    let pid = std::process::id().to_string();
+    for x in &r[1..3] {
+        assert_eq!(
+            (x.status, x.reason.as_str()),
+            (CheckStatus::Critical, "PortHeldByConnection"),
+            "{x:?}"
+        );
+        assert_eq!(x.observed["verdict"], "HeldByConnection");
+        assert_eq!(x.observed["listening"], "false");
+        assert_eq!(x.observed["connectionStates"], "ESTABLISHED");
+        assert_eq!(
+            x.observed["connections"],
+            format!("127.0.0.1:{RPC}->127.0.0.1:7070")
+        );
+        assert_eq!(x.observed["connectionPids"], pid);
+        assert!(x.message.contains("EADDRINUSE"), "{}", x.message);
+    }
+    // The range: 50051 is the whole range here, and not reserved.
+    let range = &r[3];
+    assert_eq!(range.subject, ports::EPHEMERAL_SUBJECT);
+    assert_eq!(
+        (range.status, range.reason.as_str()),
+        (CheckStatus::Warning, "PortsInEphemeralRange")
+    );
+    assert!(
+        range
+            .message
+            .contains(&format!("{RPC} (mooncake master, engine)"))
+            && range.message.contains(&format!("{RPC}-{RPC}")),
+        "{}",
+        range.message
+    );
+    assert_eq!(r[1].observed["ephemeralRange"], format!("{RPC}-{RPC}"));
+
+    // The connection closes: its TIME_WAIT remnant still blocks the bind, for up to 60 s.
+    drop(client);
+    drop(accepted);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let r = loop {
+        let r = run(vec![free(RPC)]);
+        if r[1].observed.get("connectionStates").map(String::as_str) == Some("TIME_WAIT") {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no TIME_WAIT: {r:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        (r[1].status, r[1].reason.as_str()),
+        (CheckStatus::Warning, "PortHeldByConnection")
+    );
+    assert_eq!(
+        TcpListener::bind(("0.0.0.0", RPC)).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+
+    // Reserved: the kernel no longer picks it as a source port, and the range result clears.
+    sysctl("ip_local_port_range", "32768 60999");
+    sysctl("ip_local_reserved_ports", &RPC.to_string());
+    let r = run(vec![free(RPC)]);
+    assert_eq!(
+        (r[2].status, r[2].reason.as_str()),
+        (CheckStatus::Ok, "EphemeralRangeClear"),
+        "{:?}",
+        r[2]
+    );
+    assert_eq!(r[2].observed["reservedPorts"], RPC.to_string());
+    assert!(!r[1].observed.contains_key("ephemeralRange"));
+    drop(server);
+}

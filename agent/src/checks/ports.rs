@@ -23,7 +23,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, SocketAddr};
+
+use procfs::net::TcpState;
 use std::path::{Path, PathBuf};
 
 use ic_shared::check::{CheckResult, CheckStatus};
@@ -148,43 +150,85 @@ pub struct Listener {
     pub inode: u64,
 }
 
+/// One socket of `/proc/net/tcp` or `/proc/net/tcp6`, in any TCP state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSocket {
+    /// Bound local address.
+    pub addr: IpAddr,
+    /// Bound local TCP port.
+    pub port: u16,
+    /// Peer address and port (`0.0.0.0:0` or `[::]:0` for a listener).
+    pub remote: SocketAddr,
+    /// The kernel's TCP state (`st` column).
+    pub state: TcpState,
+    /// Socket inode (0 for a TIME_WAIT socket, which belongs to no process any more).
+    pub inode: u64,
+}
+
+impl TcpSocket {
+    /// True for a LISTEN socket (state `0A`).
+    pub fn is_listening(&self) -> bool {
+        self.state == TcpState::Listen
+    }
+}
+
+/// The kernel's name of a TCP state, as `ss` prints it: `ESTABLISHED`, `TIME_WAIT`, ….
+pub fn tcp_state_name(state: &TcpState) -> &'static str {
+    match state {
+        TcpState::Established => "ESTABLISHED",
+        TcpState::SynSent => "SYN_SENT",
+        TcpState::SynRecv => "SYN_RECV",
+        TcpState::FinWait1 => "FIN_WAIT1",
+        TcpState::FinWait2 => "FIN_WAIT2",
+        TcpState::TimeWait => "TIME_WAIT",
+        TcpState::Close => "CLOSE",
+        TcpState::CloseWait => "CLOSE_WAIT",
+        TcpState::LastAck => "LAST_ACK",
+        TcpState::Listen => "LISTEN",
+        TcpState::Closing => "CLOSING",
+        TcpState::NewSynRecv => "NEW_SYN_RECV",
+    }
+}
+
+/// Parses the text of `/proc/net/tcp` or `/proc/net/tcp6` into every socket, whatever its
+/// state, with the `procfs` crate's parser (addresses are the kernel's hex dump of 32-bit words
+/// in host byte order: `0100007F:1F90` is 127.0.0.1:8080 on little-endian hosts). Parsed line by
+/// line, so the header and a malformed line are skipped rather than losing the table.
+pub fn parse_proc_net_tcp_sockets(text: &str) -> Vec<TcpSocket> {
+    use procfs::FromBufReadSI;
+    let si = procfs::current_system_info();
+    text.lines()
+        .filter_map(|line| {
+            // `from_buf_read` skips a first (header) line.
+            let one = format!("\n{line}");
+            procfs::net::TcpNetEntries::from_buf_read(one.as_bytes(), si)
+                .ok()?
+                .0
+                .into_iter()
+                .next()
+        })
+        .map(|e| TcpSocket {
+            addr: e.local_address.ip(),
+            port: e.local_address.port(),
+            remote: e.remote_address,
+            state: e.state,
+            inode: e.inode,
+        })
+        .collect()
+}
+
 /// Parses the text of `/proc/net/tcp` or `/proc/net/tcp6` and keeps LISTEN sockets (state
-/// `0A`). The header and malformed lines are skipped. Addresses are the kernel's hex dump of
-/// 32-bit words in host byte order (`0100007F:1F90` is 127.0.0.1:8080 on little-endian hosts).
+/// `0A`); see [`parse_proc_net_tcp_sockets`].
 pub fn parse_proc_net_tcp(text: &str) -> Vec<Listener> {
-    text.lines().filter_map(parse_tcp_line).collect()
-}
-
-fn parse_tcp_line(line: &str) -> Option<Listener> {
-    let fields: Vec<&str> = line.split_whitespace().collect();
-    // sl local rem st tx:rx tr:when retrnsmt uid timeout inode …
-    if fields.len() < 10 || !fields[0].ends_with(':') {
-        return None;
-    }
-    if fields[3] != "0A" {
-        return None;
-    }
-    let (addr_hex, port_hex) = fields[1].split_once(':')?;
-    let port = u16::from_str_radix(port_hex, 16).ok()?;
-    let addr = parse_hex_addr(addr_hex)?;
-    let inode = fields[9].parse().ok()?;
-    Some(Listener { addr, port, inode })
-}
-
-fn parse_hex_addr(hex: &str) -> Option<IpAddr> {
-    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_ne_bytes);
-    match hex.len() {
-        8 => Some(IpAddr::V4(Ipv4Addr::from(word(hex)?))),
-        32 => {
-            let mut bytes = [0u8; 16];
-            for i in 0..4 {
-                let w = word(hex.get(i * 8..i * 8 + 8)?)?;
-                bytes[i * 4..i * 4 + 4].copy_from_slice(&w);
-            }
-            Some(IpAddr::V6(Ipv6Addr::from(bytes)))
-        }
-        _ => None,
-    }
+    parse_proc_net_tcp_sockets(text)
+        .into_iter()
+        .filter(TcpSocket::is_listening)
+        .map(|s| Listener {
+            addr: s.addr,
+            port: s.port,
+            inode: s.inode,
+        })
+        .collect()
 }
 
 /// The Kubernetes pod UID in a `/proc/<pid>/cgroup` text, normalised to lower case with
@@ -345,9 +389,9 @@ impl PortState {
     }
 }
 
-/// Reads the LISTEN sockets of `<proc_root>/net/tcp` and `tcp6`. A missing `tcp6` (IPv6
+/// Reads every socket of `<proc_root>/net/tcp` and `tcp6`, any state. A missing `tcp6` (IPv6
 /// disabled) is fine; the error is returned only when neither table can be read.
-pub fn read_listeners(proc_root: &Path) -> io::Result<Vec<Listener>> {
+pub fn read_sockets(proc_root: &Path) -> io::Result<Vec<TcpSocket>> {
     let mut out = Vec::new();
     let mut first_err = None;
     let mut any = false;
@@ -355,7 +399,7 @@ pub fn read_listeners(proc_root: &Path) -> io::Result<Vec<Listener>> {
         match std::fs::read_to_string(proc_root.join("net").join(table)) {
             Ok(text) => {
                 any = true;
-                out.extend(parse_proc_net_tcp(&text));
+                out.extend(parse_proc_net_tcp_sockets(&text));
             }
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -366,6 +410,258 @@ pub fn read_listeners(proc_root: &Path) -> io::Result<Vec<Listener>> {
         (false, Some(e)) => Err(e),
         _ => Ok(out),
     }
+}
+
+/// Reads the LISTEN sockets of `<proc_root>/net/tcp` and `tcp6` ([`read_sockets`]).
+pub fn read_listeners(proc_root: &Path) -> io::Result<Vec<Listener>> {
+    Ok(read_sockets(proc_root)?
+        .into_iter()
+        .filter(TcpSocket::is_listening)
+        .map(|s| Listener {
+            addr: s.addr,
+            port: s.port,
+            inode: s.inode,
+        })
+        .collect())
+}
+
+/// The sockets that hold a port nothing listens on: outgoing connections whose (ephemeral)
+/// source port it is, or the leftovers of closed ones. Any of them makes a later `bind` of the
+/// port fail with `EADDRINUSE` — a connection made by `connect` without `SO_REUSEADDR` blocks
+/// it even for a binder that sets `SO_REUSEADDR`, and so does its TIME_WAIT remnant for up to
+/// 60 s. (A socket bound but neither listening nor connected is not in the tables.)
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeldPort {
+    /// The sockets, as read.
+    pub sockets: Vec<TcpSocket>,
+    /// Their resolved owners (none for TIME_WAIT sockets, which have no inode).
+    pub owners: Vec<SocketOwner>,
+}
+
+impl HeldPort {
+    /// True when every socket is in TIME_WAIT (the hold ends within 60 s by itself).
+    pub fn only_time_wait(&self) -> bool {
+        self.sockets.iter().all(|s| s.state == TcpState::TimeWait)
+    }
+
+    fn describe_sockets(&self, limit: usize) -> String {
+        let mut parts: Vec<String> = self
+            .sockets
+            .iter()
+            .take(limit)
+            .map(|s| {
+                format!(
+                    "{} {} -> {}",
+                    tcp_state_name(&s.state),
+                    SocketAddr::new(s.addr, s.port),
+                    s.remote
+                )
+            })
+            .collect();
+        if self.sockets.len() > limit {
+            parts.push(format!("{} more", self.sockets.len() - limit));
+        }
+        parts.join(", ")
+    }
+}
+
+/// The node's ephemeral port range (`net.ipv4.ip_local_port_range`, which IPv6 uses too) and
+/// the ports excluded from it (`net.ipv4.ip_local_reserved_ports`): the source ports the kernel
+/// picks for outgoing connections. A fixed port inside the range and not reserved can be taken
+/// by any outgoing connection, and its owner's `bind` then fails with `EADDRINUSE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EphemeralRange {
+    /// Lowest port of the range (inclusive).
+    pub low: u16,
+    /// Highest port of the range (inclusive).
+    pub high: u16,
+    /// Reserved ranges, inclusive (a single port is `(p, p)`).
+    pub reserved: Vec<(u16, u16)>,
+}
+
+impl EphemeralRange {
+    /// True when `port` lies in `low..=high`.
+    pub fn contains(&self, port: u16) -> bool {
+        (self.low..=self.high).contains(&port)
+    }
+
+    /// True when `port` is in `ip_local_reserved_ports`.
+    pub fn is_reserved(&self, port: u16) -> bool {
+        self.reserved.iter().any(|(a, b)| (*a..=*b).contains(&port))
+    }
+
+    /// True when an outgoing connection can take `port` as its source port.
+    pub fn at_risk(&self, port: u16) -> bool {
+        self.contains(port) && !self.is_reserved(port)
+    }
+
+    /// `low-high`, e.g. `32768-60999`.
+    pub fn range_text(&self) -> String {
+        format!("{}-{}", self.low, self.high)
+    }
+}
+
+/// Parses `ip_local_port_range` (`"32768\t60999\n"`). `None` unless two ports, low ≤ high.
+pub fn parse_port_range(text: &str) -> Option<(u16, u16)> {
+    let mut it = text.split_whitespace().map(|w| w.parse::<u16>());
+    match (it.next(), it.next(), it.next()) {
+        (Some(Ok(low)), Some(Ok(high)), None) if low <= high => Some((low, high)),
+        _ => None,
+    }
+}
+
+/// Parses `ip_local_reserved_ports` (`"8000-8010,50051\n"`, empty when none). `None` on an
+/// entry that is not a port or an ascending `a-b` range.
+pub fn parse_reserved_ports(text: &str) -> Option<Vec<(u16, u16)>> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(',')
+        .map(|entry| {
+            let entry = entry.trim();
+            match entry.split_once('-') {
+                Some((a, b)) => {
+                    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+                    (a <= b).then_some((a, b))
+                }
+                None => entry.parse().ok().map(|p| (p, p)),
+            }
+        })
+        .collect()
+}
+
+/// Reads `<proc_root>/sys/net/ipv4/ip_local_port_range` and `ip_local_reserved_ports` (both
+/// per network namespace: the reading process's, the host's for a hostNetwork agent). Errors:
+/// the file and cause, when either cannot be read or parsed.
+pub fn read_ephemeral_range(proc_root: &Path) -> Result<EphemeralRange, String> {
+    let dir = proc_root.join("sys").join("net").join("ipv4");
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let range = read("ip_local_port_range")?;
+    let (low, high) = parse_port_range(&range).ok_or_else(|| {
+        format!(
+            "{}: unreadable value {:?}",
+            dir.join("ip_local_port_range").display(),
+            range.trim()
+        )
+    })?;
+    let reserved = read("ip_local_reserved_ports")?;
+    let reserved = parse_reserved_ports(&reserved).ok_or_else(|| {
+        format!(
+            "{}: unreadable value {:?}",
+            dir.join("ip_local_reserved_ports").display(),
+            reserved.trim()
+        )
+    })?;
+    Ok(EphemeralRange {
+        low,
+        high,
+        reserved,
+    })
+}
+
+/// Subject of the [`evaluate_ephemeral_range`] result.
+pub const EPHEMERAL_SUBJECT: &str = "ephemeral-range";
+
+/// The `ephemeral-range` result for the plan's expectations (one per distinct port):
+/// `PortsInEphemeralRange` (Warning) naming each planned port an outgoing connection can take
+/// and the range, `EphemeralRangeClear` (Ok) when none (reserved ones named), or
+/// `EphemeralRangeUnknown` (Unknown) with the cause when the range cannot be read.
+pub fn evaluate_ephemeral_range(
+    ports: &[PortExpectation],
+    range: Result<&EphemeralRange, &str>,
+) -> CheckResult {
+    let mut planned: BTreeMap<u16, Vec<&str>> = BTreeMap::new();
+    for p in ports {
+        let purposes = planned.entry(p.port).or_default();
+        if !p.purpose.is_empty() && !purposes.contains(&p.purpose.as_str()) {
+            purposes.push(&p.purpose);
+        }
+    }
+    let range = match range {
+        Ok(r) => r,
+        Err(e) => {
+            return CheckResult::new(
+                NAME,
+                EPHEMERAL_SUBJECT,
+                CheckStatus::Unknown,
+                "EphemeralRangeUnknown",
+                format!(
+                    "cannot read the node's ephemeral port range ({e}); whether an outgoing \
+                     connection can take a planned port is unknown."
+                ),
+            )
+        }
+    };
+    let label = |port: &u16| {
+        let purposes = &planned[port];
+        if purposes.is_empty() {
+            port.to_string()
+        } else {
+            format!("{port} ({})", purposes.join(", "))
+        }
+    };
+    let at_risk: Vec<u16> = planned
+        .keys()
+        .copied()
+        .filter(|p| range.at_risk(*p))
+        .collect();
+    let reserved: Vec<u16> = planned
+        .keys()
+        .copied()
+        .filter(|p| range.contains(*p) && range.is_reserved(*p))
+        .collect();
+    let text = range.range_text();
+    let result = if at_risk.is_empty() {
+        CheckResult::new(
+            NAME,
+            EPHEMERAL_SUBJECT,
+            CheckStatus::Ok,
+            "EphemeralRangeClear",
+            format!(
+                "no planned port can be taken as an outgoing connection's source port: none lies \
+                 in the ephemeral range {text} (net.ipv4.ip_local_port_range){}.",
+                if reserved.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " unreserved; {} reserved in net.ipv4.ip_local_reserved_ports",
+                        reserved.iter().map(label).collect::<Vec<_>>().join(", ")
+                    )
+                }
+            ),
+        )
+    } else {
+        CheckResult::new(
+            NAME,
+            EPHEMERAL_SUBJECT,
+            CheckStatus::Warning,
+            "PortsInEphemeralRange",
+            format!(
+                "planned port{} {} lie{} in the node's ephemeral port range {text} \
+                 (net.ipv4.ip_local_port_range): any outgoing connection may take {} as its \
+                 source port, and the owner's bind then fails with EADDRINUSE until that \
+                 connection closes. Reserve {} (sysctl net.ipv4.ip_local_reserved_ports={}) or \
+                 move {} out of the range.",
+                if at_risk.len() == 1 { "" } else { "s" },
+                at_risk.iter().map(label).collect::<Vec<_>>().join(", "),
+                if at_risk.len() == 1 { "s" } else { "" },
+                if at_risk.len() == 1 { "it" } else { "one" },
+                if at_risk.len() == 1 { "it" } else { "them" },
+                join(&at_risk),
+                if at_risk.len() == 1 { "it" } else { "them" },
+            ),
+        )
+        .with("atRiskPorts", join(&at_risk))
+    };
+    let mut result = result.with("ephemeralRange", text);
+    if !reserved.is_empty() {
+        result = result.with("reservedPorts", join(&reserved));
+    }
+    result
 }
 
 fn join<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
@@ -442,6 +738,19 @@ pub fn evaluate_expectation_with(
     state: Option<&PortState>,
     running: &[SocketOwner],
 ) -> CheckResult {
+    evaluate_expectation_held(exp, state, None, running)
+}
+
+/// [`evaluate_expectation_with`] knowing the non-listening sockets that hold the port when
+/// nothing listens on it (`held`): then the port is not free — its owner's `bind` fails with
+/// `EADDRINUSE` — and the result is `PortHeldByConnection` (verdict `HeldByConnection`):
+/// Critical, or Warning when every such socket is in TIME_WAIT (gone within 60 s).
+pub fn evaluate_expectation_held(
+    exp: &PortExpectation,
+    state: Option<&PortState>,
+    held: Option<&HeldPort>,
+    running: &[SocketOwner],
+) -> CheckResult {
     let port = exp.port;
     let label = if exp.purpose.is_empty() {
         format!("port {port}")
@@ -453,8 +762,72 @@ pub fn evaluate_expectation_with(
             .with("port", port)
             .with("expect", expect_label(exp.expect))
     };
-    let result =
-        match (exp.expect, state) {
+    let held = held.filter(|h| state.is_none() && !h.sockets.is_empty());
+    let result = match (state, held) {
+        (None, Some(h)) => {
+            let by = if h.owners.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (held by {})",
+                    h.owners
+                        .iter()
+                        .map(SocketOwner::describe)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            let (status, lasts) = if h.only_time_wait() {
+                (
+                    CheckStatus::Warning,
+                    "the TIME_WAIT remnant of a closed connection, which the kernel keeps for \
+                         up to 60 s",
+                )
+            } else {
+                (
+                    CheckStatus::Critical,
+                    "a connection, which lasts until it closes",
+                )
+            };
+            let whose = match exp.expect {
+                PortExpect::Free => "its planned owner cannot start while it lasts",
+                PortExpect::Held => "this is why the planned owner is not listening",
+            };
+            r(
+                status,
+                "PortHeldByConnection",
+                format!(
+                    "{label}: nothing listens, but the port is held by {} socket{} that {} not \
+                         listening: {}{by}. A bind of the port fails with EADDRINUSE while it is \
+                         held by {lasts} (an outgoing connection took the port as its ephemeral \
+                         source port); {whose}. Reserve the port (sysctl \
+                         net.ipv4.ip_local_reserved_ports) so the kernel never picks it as a \
+                         source port, or move it out of net.ipv4.ip_local_port_range.",
+                    h.sockets.len(),
+                    if h.sockets.len() == 1 { "" } else { "s" },
+                    if h.sockets.len() == 1 { "is" } else { "are" },
+                    h.describe_sockets(5),
+                ),
+            )
+            .with(
+                "connectionStates",
+                join(h.sockets.iter().map(|s| tcp_state_name(&s.state))),
+            )
+            .with(
+                "connections",
+                join(
+                    h.sockets
+                        .iter()
+                        .map(|s| format!("{}->{}", SocketAddr::new(s.addr, s.port), s.remote)),
+                ),
+            )
+            .with("connectionPids", join(h.owners.iter().map(|o| o.pid)))
+            .with(
+                "connectionExes",
+                join(h.owners.iter().map(|o| o.exe.clone().unwrap_or_default())),
+            )
+        }
+        _ => match (exp.expect, state) {
             (PortExpect::Free, None) => r(
                 CheckStatus::Ok,
                 "PortOk",
@@ -607,7 +980,8 @@ pub fn evaluate_expectation_with(
                     }
                 }
             },
-        };
+        },
+    };
     let verdict = match (result.reason.as_str(), exp.expect) {
         ("PortOk", PortExpect::Free) if state.is_some() => "HeldByExpected",
         ("PortOk", PortExpect::Free) => "Free",
@@ -616,6 +990,7 @@ pub fn evaluate_expectation_with(
         ("PortOwnerNotListening", _) => "Ghost",
         ("PortNotListening", _) => "NotListening",
         ("PortOwnerMismatch", _) => "OwnerMismatch",
+        ("PortHeldByConnection", _) => "HeldByConnection",
         _ => "OwnerUnknown",
     };
     let mut result = result
@@ -738,7 +1113,7 @@ impl Check for PortsCheck {
             );
             return all_unknown(plan, NOT_HOST_NETWORK, &msg);
         }
-        let listeners = match read_listeners(&self.proc_root) {
+        let sockets = match read_sockets(&self.proc_root) {
             Ok(l) => l,
             Err(e) => {
                 let tables = self.proc_root.join("net").join("tcp");
@@ -752,7 +1127,9 @@ impl Check for PortsCheck {
         };
 
         let mut ports: BTreeMap<u16, PortState> = BTreeMap::new();
-        for l in &listeners {
+        let mut listening_sockets = 0;
+        for l in sockets.iter().filter(|s| s.is_listening()) {
+            listening_sockets += 1;
             let st = ports.entry(l.port).or_default();
             st.addrs.push(l.addr);
             if !st.inodes.contains(&l.inode) {
@@ -762,13 +1139,40 @@ impl Check for PortsCheck {
 
         // Resolve owners only for ports the plan names: a full fd scan is the expensive part.
         let planned: HashSet<u16> = plan.ports.iter().map(|p| p.port).collect();
+        // A planned port nothing listens on may still be held by other sockets (an outgoing
+        // connection's source port): a later bind of it fails.
+        let mut held: BTreeMap<u16, HeldPort> = BTreeMap::new();
+        for s in sockets.iter().filter(|s| {
+            !s.is_listening() && planned.contains(&s.port) && !ports.contains_key(&s.port)
+        }) {
+            held.entry(s.port).or_default().sockets.push(s.clone());
+        }
         let wanted: HashSet<u64> = ports
             .iter()
             .filter(|(p, _)| planned.contains(p))
             .flat_map(|(_, st)| st.inodes.iter().copied())
+            .chain(
+                held.values()
+                    .flat_map(|h| h.sockets.iter().map(|s| s.inode)),
+            )
+            .filter(|i| *i != 0)
             .collect();
         let pids = socket_pids(&self.proc_root, &wanted);
         let mut owner_cache: HashMap<u32, SocketOwner> = HashMap::new();
+        for h in held.values_mut() {
+            let mut seen = BTreeSet::new();
+            for s in &h.sockets {
+                for pid in pids.get(&s.inode).into_iter().flatten() {
+                    if seen.insert(*pid) {
+                        let owner = owner_cache
+                            .entry(*pid)
+                            .or_insert_with(|| read_owner(&self.proc_root, *pid))
+                            .clone();
+                        h.owners.push(owner);
+                    }
+                }
+            }
+        }
         for (port, st) in ports.iter_mut() {
             if !planned.contains(port) {
                 continue;
@@ -787,22 +1191,36 @@ impl Check for PortsCheck {
             }
         }
 
-        let mut summary = summarize(&ports, listeners.len());
+        let mut summary = summarize(&ports, listening_sockets);
         if let NetnsVerdict::Unverified(why) = &netns {
             // Not proof of a wrong namespace, so the verdicts stand; the reader sees why they
             // could not be vouched for.
             summary = summary.with("hostNetworkUnverified", why);
         }
         let mut out = vec![summary];
+        let range = read_ephemeral_range(&self.proc_root);
         out.extend(plan.ports.iter().map(|exp| {
             let state = ports.get(&exp.port);
             // A held port nobody listens on: is its owner running at all (a ghost)?
-            let running = match (exp.expect, state, &exp.owner) {
-                (PortExpect::Held, None, Some(want)) => find_owners(&self.proc_root, want, 8),
+            let held = held.get(&exp.port);
+            let running = match (exp.expect, state, &exp.owner, held) {
+                (PortExpect::Held, None, Some(want), None) => find_owners(&self.proc_root, want, 8),
                 _ => Vec::new(),
             };
-            evaluate_expectation_with(exp, state, &running)
+            let mut result = evaluate_expectation_held(exp, state, held, &running);
+            if let Ok(range) = &range {
+                if range.at_risk(exp.port) {
+                    result = result.with("ephemeralRange", range.range_text());
+                }
+            }
+            result
         }));
+        if !plan.ports.is_empty() {
+            out.push(evaluate_ephemeral_range(
+                &plan.ports,
+                range.as_ref().map_err(String::as_str),
+            ));
+        }
         out
     }
 }
@@ -928,6 +1346,144 @@ mod tests {
    1: 00000000000000000000000001000000:1F92 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2002 1 0000000000000000 100 0 0 10 0
    2: 0000000000000000FFFF00000100007F:1F93 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2003 1 0000000000000000 100 0 0 10 0
 ";
+
+    /// Lines as the kernel writes them (captured in a private network namespace): an outgoing
+    /// connection from 127.0.0.1:50051, then its TIME_WAIT remnant (inode 0, short line), and a
+    /// malformed line.
+    #[test]
+    #[cfg(target_endian = "little")]
+    fn parses_sockets_of_every_state() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1B9E 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1180817 1 00000000f162ac4e 100 0 0 10 0
+   1: 0100007F:C383 0100007F:1B9E 01 00000000:00000000 00:00000000 00000000     0        0 1180818 2 000000000ed02435 20 0 0 10 -1
+   2: 0100007F:C383 0100007F:1B9E 06 00000000:00000000 03:0000175C 00000000     0        0 0 3 000000009a6d2810
+   3: garbage
+";
+        let all = parse_proc_net_tcp_sockets(text);
+        let got: Vec<(u16, &str, String, u64)> = all
+            .iter()
+            .map(|s| {
+                (
+                    s.port,
+                    tcp_state_name(&s.state),
+                    s.remote.to_string(),
+                    s.inode,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (7070, "LISTEN", "0.0.0.0:0".to_string(), 1180817),
+                (50051, "ESTABLISHED", "127.0.0.1:7070".to_string(), 1180818),
+                (50051, "TIME_WAIT", "127.0.0.1:7070".to_string(), 0),
+            ]
+        );
+        assert_eq!(parse_proc_net_tcp(text).len(), 1);
+    }
+
+    #[test]
+    fn ephemeral_range_and_reserved_ports() {
+        assert_eq!(parse_port_range("32768\t60999\n"), Some((32768, 60999)));
+        assert_eq!(parse_port_range("50051 50051"), Some((50051, 50051)));
+        assert_eq!(parse_port_range("60999 32768"), None);
+        assert_eq!(parse_port_range("1 2 3"), None);
+        assert_eq!(parse_reserved_ports("\n"), Some(vec![]));
+        assert_eq!(
+            parse_reserved_ports("8000-8010,50051\n"),
+            Some(vec![(8000, 8010), (50051, 50051)])
+        );
+        assert_eq!(parse_reserved_ports("9-1"), None);
+        assert_eq!(parse_reserved_ports("x"), None);
+
+        let range = EphemeralRange {
+            low: 32768,
+            high: 60999,
+            reserved: vec![(50051, 50051)],
+        };
+        let exp = |port, purpose: &str| PortExpectation {
+            port,
+            expect: PortExpect::Free,
+            owner: None,
+            purpose: purpose.into(),
+        };
+        // 50051 is reserved: clear, and says so.
+        let r = evaluate_ephemeral_range(&[exp(50051, "rpc"), exp(8080, "http")], Ok(&range));
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Ok, "EphemeralRangeClear")
+        );
+        assert_eq!(r.observed["reservedPorts"], "50051");
+        // Unreserved: a Warning naming the port, its purpose and the range.
+        let open = EphemeralRange {
+            reserved: vec![],
+            ..range.clone()
+        };
+        let r = evaluate_ephemeral_range(
+            &[exp(50051, "rpc"), exp(50051, "rpc"), exp(8080, "http")],
+            Ok(&open),
+        );
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Warning, "PortsInEphemeralRange")
+        );
+        assert!(r.message.contains("50051 (rpc)"), "{}", r.message);
+        assert!(r.message.contains("32768-60999"), "{}", r.message);
+        assert!(!r.message.contains("8080"), "{}", r.message);
+        assert_eq!(r.observed["atRiskPorts"], "50051");
+        let r = evaluate_ephemeral_range(&[exp(1, "")], Err("no file"));
+        assert_eq!(r.reason, "EphemeralRangeUnknown");
+    }
+
+    #[test]
+    fn a_port_held_by_a_connection_is_not_free() {
+        let sock = |state| TcpSocket {
+            addr: "127.0.0.1".parse().unwrap(),
+            port: 50051,
+            remote: "127.0.0.1:7070".parse().unwrap(),
+            state,
+            inode: 9,
+        };
+        let exp = |expect| PortExpectation {
+            port: 50051,
+            expect,
+            owner: None,
+            purpose: "mooncake master rpc".into(),
+        };
+        let conn = HeldPort {
+            sockets: vec![sock(TcpState::Established)],
+            owners: vec![owner(77, "/usr/bin/curl", None)],
+        };
+        for expect in [PortExpect::Free, PortExpect::Held] {
+            let r = evaluate_expectation_held(&exp(expect), None, Some(&conn), &[]);
+            assert_eq!(
+                (r.status, r.reason.as_str()),
+                (CheckStatus::Critical, "PortHeldByConnection"),
+                "{r:?}"
+            );
+            assert_eq!(r.observed["verdict"], "HeldByConnection");
+            assert_eq!(r.observed["connectionStates"], "ESTABLISHED");
+            assert_eq!(r.observed["connections"], "127.0.0.1:50051->127.0.0.1:7070");
+            assert_eq!(r.observed["connectionPids"], "77");
+            for needle in ["EADDRINUSE", "pid 77 (/usr/bin/curl)", "ESTABLISHED"] {
+                assert!(r.message.contains(needle), "{needle}: {}", r.message);
+            }
+        }
+        let tw = HeldPort {
+            sockets: vec![sock(TcpState::TimeWait)],
+            owners: vec![],
+        };
+        let r = evaluate_expectation_held(&exp(PortExpect::Free), None, Some(&tw), &[]);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (CheckStatus::Warning, "PortHeldByConnection")
+        );
+        assert!(r.message.contains("60 s"), "{}", r.message);
+        // A listener's accepted connections share its port: the listener is judged, as before.
+        let st = held("0.0.0.0", vec![]);
+        let r = evaluate_expectation_held(&exp(PortExpect::Held), Some(&st), Some(&conn), &[]);
+        assert_eq!(r.reason, "PortOk");
+    }
 
     #[test]
     #[cfg(target_endian = "little")]
