@@ -601,7 +601,7 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
 
 def test_controller_role_is_namespaced(variant: Rendered) -> None:
     """The release-namespace Role: the leader Lease (get and update by name; the chart creates
-    it); the self-signed webhook Secret (get by name, create); the catalog ConfigMap (get by
+    it); the self-signed webhook Secret (get and update by name, create); the catalog ConfigMap (get by
     name) while the model cache is on."""
     role = variant.one("Role", CONTROLLER)
     assert role["metadata"]["namespace"] == NAMESPACE
@@ -609,7 +609,7 @@ def test_controller_role_is_namespaced(variant: Rendered) -> None:
         ("coordination.k8s.io", "leases", ("inference-cache-controller",)): {"get", "update"},
     }
     if variant.values.get("webhook", {}).get("certMode") == "selfSigned":
-        expected[("", "secrets", ("inference-cache-webhook-self-signed",))] = {"get"}
+        expected[("", "secrets", ("inference-cache-webhook-self-signed",))] = {"get", "update"}
         expected[("", "secrets", ())] = {"create"}
     mc = variant.values.get("modelCache", {})
     if mc.get("enabled", True):
@@ -623,7 +623,8 @@ def test_controller_role_is_namespaced(variant: Rendered) -> None:
 
 def test_secrets_access_is_scoped(variant: Rendered) -> None:
     """No ClusterRole touches Secrets, nothing lists or watches them, and no rule uses `*`. Secrets
-    appear only in the release-namespace Role (self-signed webhook mode: get by name, create) and
+    appear only in the release-namespace Role (self-signed webhook mode: get and update by name
+    (certificate rotation), create) and
     in the model-cache control-namespace Role (key Secrets: get, delete; create with encryption)."""
     mc = variant.values.get("modelCache", {})
     control_ns = mc.get("controlNamespace") or "inference-cache-model-cache"
@@ -634,14 +635,16 @@ def test_secrets_access_is_scoped(variant: Rendered) -> None:
             if "secrets" not in rule.get("resources", []):
                 continue
             where = (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"])
-            assert not set(rule["verbs"]) & {"list", "watch", "update", "patch", "deletecollection"}, where
+            assert not set(rule["verbs"]) & {"list", "watch", "patch", "deletecollection"}, where
             if where == ("Role", NAMESPACE, CONTROLLER):
                 assert variant.values.get("webhook", {}).get("certMode") == "selfSigned"
+                # update only by name: the rotation's write of the one webhook Secret.
                 assert (rule["verbs"], rule.get("resourceNames")) in (
-                    (["get"], ["inference-cache-webhook-self-signed"]),
+                    (["get", "update"], ["inference-cache-webhook-self-signed"]),
                     (["create"], None),
                 )
             else:
+                assert "update" not in rule["verbs"], where
                 assert where == ("Role", control_ns, f"{CONTROLLER}-model-cache"), where
                 # create only with the ModelCacheEncryption gate (key Secrets); get and delete
                 # release what an encrypted cache owned, also after the gate was turned off.
@@ -768,11 +771,12 @@ def test_self_signed_mode() -> None:
     svc = r.one("Service", args["--webhook-service"])
     for w in _webhooks(r).values():
         assert w["clientConfig"]["service"]["name"] == svc["metadata"]["name"]
-    # The replicas share one CA + serving pair through this Secret: get by name, create.
+    # The replicas share one CA + serving pair through this Secret: get and update (rotation) by
+    # name, create.
     secret = args["--webhook-tls-secret"]
     assert secret == "inference-cache-webhook-self-signed"
     role = grants(r.one("Role", CONTROLLER)["rules"])
-    assert role[("", "secrets", (secret,))] == {"get"}
+    assert role[("", "secrets", (secret,))] == {"get", "update"}
     assert role[("", "secrets", ())] == {"create"}
     assert "webhook-cert" not in {m["name"] for m in c["volumeMounts"]}
 

@@ -58,6 +58,8 @@ IN_CLUSTER_ONLY = {
     "inferencecache_controller_node_plans_sent_total",
     "inferencecache_controller_node_plan_issues",
     "inferencecache_controller_webhook_cert_expiry_timestamp_seconds",
+    # Only where the self-signed webhook Secret is kept (--webhook-self-signed --webhook-tls-secret).
+    "inferencecache_controller_webhook_cert_secret_problem",
 }
 # Expressions that must return a series on the idle stack (0 is an answer, "No data" is not).
 MUST_ANSWER = [

@@ -87,8 +87,9 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     ("coordination.k8s.io", "leases", "create"): ("leader.rs", [r"\.create\(&PostParams::default\(\), &self\.object\(rec, None\)\)"]),
     ("coordination.k8s.io", "leases", "get"): ("leader.rs", [r"\.get_opt\(&self\.name\)"]),
     ("coordination.k8s.io", "leases", "update"): ("leader.rs", [r"\.replace\("]),
-    ("", "secrets", "get"): ("admission/ca_bundle.rs", [r"Api<Secret>", r"\.get_opt\(name\)"]),
-    ("", "secrets", "create"): ("admission/ca_bundle.rs", [r"Api<Secret>", r"\.create\(&"]),
+    ("", "secrets", "get"): ("admission/ca_bundle.rs", [r"Api<Secret>", r"api\.get_opt\(&name\)"]),
+    ("", "secrets", "create"): ("admission/ca_bundle.rs", [r"Api<Secret>", r"\.create\(\s*&PostParams::default\(\),\s*&fresh"]),
+    ("", "secrets", "update"): ("admission/ca_bundle.rs", [r"Api<Secret>", r"api\.replace\(&name"]),
     ("", "configmaps", "get"): (MC_REQ, [r"Api<ConfigMap>", r"\.get_opt\(&cfg\.catalog_config_map\)"]),
 }
 

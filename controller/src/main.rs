@@ -259,8 +259,10 @@ struct RunArgs {
     )]
     webhook_service: String,
     /// Self-signed mode: Secret in the controller's namespace through which the replicas share
-    /// one CA and serving pair (created by the first replica). Unset: each replica generates
-    /// its own, which is only sound with one replica.
+    /// one CA and serving pair (created by the first replica; every replica re-reads it every
+    /// 60 s, renews the one-year certificate and rotates the CA before they expire, and reloads
+    /// a renewed pair). Unset: each replica generates its own, never rotated, which is only
+    /// sound with one replica.
     #[arg(long, env = "IC_WEBHOOK_TLS_SECRET")]
     webhook_tls_secret: Option<String>,
     /// Image of the SGLang LMCache MP worker sidecar when spec.lmCache.workerImage is unset
