@@ -55,9 +55,11 @@ async fn env() -> Env {
     let hooks = |names: &[&str]| {
         names
             .iter()
-            .map(|n| json!({"name": n, "admissionReviewVersions": ["v1"], "sideEffects": "None",
+            .map(|n| {
+                json!({"name": n, "admissionReviewVersions": ["v1"], "sideEffects": "None",
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
-                "clientConfig": {"service": {"name": SERVICE, "namespace": ns, "path": "/x"}}}))
+                "clientConfig": {"service": {"name": SERVICE, "namespace": ns, "path": "/x"}}})
+            })
             .collect::<Vec<_>>()
     };
     let m: MutatingWebhookConfiguration = serde_json::from_value(json!({
@@ -131,8 +133,16 @@ async fn ca_bundles(env: &Env) -> Vec<String> {
     let admin = env.bare.admin.clone();
     let m: MutatingWebhookConfiguration = Api::all(admin.clone()).get(&env.config).await.unwrap();
     let v: ValidatingWebhookConfiguration = Api::all(admin).get(&env.config).await.unwrap();
-    let m = m.webhooks.unwrap_or_default().into_iter().map(|w| w.client_config);
-    let v = v.webhooks.unwrap_or_default().into_iter().map(|w| w.client_config);
+    let m = m
+        .webhooks
+        .unwrap_or_default()
+        .into_iter()
+        .map(|w| w.client_config);
+    let v = v
+        .webhooks
+        .unwrap_or_default()
+        .into_iter()
+        .map(|w| w.client_config);
     m.chain(v)
         .map(|c| String::from_utf8(c.ca_bundle.map(|b| b.0).unwrap_or_default()).unwrap())
         .collect()
@@ -223,7 +233,11 @@ async fn a_leaf_within_the_renewal_window_is_renewed_by_the_same_ca_and_served_w
     assert_ne!(new.cert_pem, old.cert_pem);
     assert_eq!(new.ca_pem, old.ca_pem, "same CA");
     assert_eq!(new.ca_key_pem, old.ca_key_pem);
-    assert_eq!(ca_bundles(&env).await, vec![ca.clone(); 3], "caBundle: the one CA");
+    assert_eq!(
+        ca_bundles(&env).await,
+        vec![ca.clone(); 3],
+        "caBundle: the one CA"
+    );
     // The running server serves the new leaf, to a client trusting the unchanged caBundle.
     let served = served_leaf(running.local_addr, &ca, &env.ns).await.unwrap();
     assert_eq!(served, certs(new.cert_pem.as_ref().unwrap())[0]);
@@ -253,9 +267,15 @@ async fn a_fresh_leaf_is_left_alone() {
         .iter()
         .any(|c| c.is("GET", &format!("/secrets/{SECRET}"))));
     assert_eq!(stored(&env).await.0, fresh);
-    assert_eq!(keeper.served().unwrap().cert_pem, fresh.cert_pem.clone().unwrap());
+    assert_eq!(
+        keeper.served().unwrap().cert_pem,
+        fresh.cert_pem.clone().unwrap()
+    );
     // Its CA was put into the webhook configurations all the same.
-    assert_eq!(ca_bundles(&env).await, vec![fresh.ca_pem.clone().unwrap(); 3]);
+    assert_eq!(
+        ca_bundles(&env).await,
+        vec![fresh.ca_pem.clone().unwrap(); 3]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,7 +319,10 @@ async fn two_replicas_racing_a_renewal_end_with_one_bundle() {
         .with_metrics(metrics.clone());
     let report = a.tick(now()).await.unwrap();
     assert!(fired.load(Ordering::SeqCst), "B ran before A's write");
-    assert!(report.conflict, "A's write was refused with 409: {report:?}");
+    assert!(
+        report.conflict,
+        "A's write was refused with 409: {report:?}"
+    );
     assert_eq!(report.action, None);
     assert_eq!(
         metrics
@@ -318,7 +341,12 @@ async fn two_replicas_racing_a_renewal_end_with_one_bundle() {
     assert_eq!(now_stored.ca_pem, old.ca_pem);
     assert_ne!(rv_after, rv_before);
     // Exactly one write landed (B's): A sent one PUT, refused, and did not retry.
-    assert_eq!(secret_writes(&faults).len(), 1, "{:?}", secret_writes(&faults));
+    assert_eq!(
+        secret_writes(&faults).len(),
+        1,
+        "{:?}",
+        secret_writes(&faults)
+    );
     assert_eq!(a.tick(now()).await.unwrap().action, None);
 }
 
@@ -359,7 +387,11 @@ async fn a_ca_near_expiry_goes_through_the_overlap_under_the_charts_grants() {
     let (s1, _) = stored(&env).await;
     let both = s1.ca_pem.clone().unwrap();
     assert_eq!(certs(&both).len(), 2);
-    assert_eq!(certs(&both)[1], certs(&old_ca)[0], "the old CA kept after the new");
+    assert_eq!(
+        certs(&both)[1],
+        certs(&old_ca)[0],
+        "the old CA kept after the new"
+    );
     let new_ca = tls::parse_certs(both.as_bytes()).unwrap();
     let new_ca_pem = {
         let der = &certs(&both)[0];
@@ -372,7 +404,9 @@ async fn a_ca_near_expiry_goes_through_the_overlap_under_the_charts_grants() {
     assert_eq!(ca_bundles(&env).await, vec![both.clone(); 3]);
     assert_eq!(s1.cert_pem, old.cert_pem);
     assert_eq!(
-        served_leaf(running.local_addr, &both, &env.ns).await.unwrap(),
+        served_leaf(running.local_addr, &both, &env.ns)
+            .await
+            .unwrap(),
         certs(old.cert_pem.as_ref().unwrap())[0]
     );
 
@@ -390,11 +424,15 @@ async fn a_ca_near_expiry_goes_through_the_overlap_under_the_charts_grants() {
     assert_eq!(s2.ca_pem.as_deref(), Some(both.as_str()));
     assert_eq!(ca_bundles(&env).await, vec![both.clone(); 3]);
     assert_eq!(
-        served_leaf(running.local_addr, &new_ca_pem, &env.ns).await.unwrap(),
+        served_leaf(running.local_addr, &new_ca_pem, &env.ns)
+            .await
+            .unwrap(),
         certs(s2.cert_pem.as_ref().unwrap())[0],
         "a client trusting only the new CA accepts the served leaf"
     );
-    assert!(served_leaf(running.local_addr, &old_ca, &env.ns).await.is_err());
+    assert!(served_leaf(running.local_addr, &old_ca, &env.ns)
+        .await
+        .is_err());
 
     // Step 4: an overlap later the old CA is dropped.
     let r = keeper.tick(t1 + 2 * overlap - 60).await.unwrap();
@@ -402,7 +440,10 @@ async fn a_ca_near_expiry_goes_through_the_overlap_under_the_charts_grants() {
     let r = keeper.tick(t1 + 2 * overlap).await.unwrap();
     assert_eq!(r.action, Some("drop_old_cas"), "{r:?}");
     let (s3, _) = stored(&env).await;
-    assert_eq!(certs(s3.ca_pem.as_ref().unwrap()), vec![certs(&both)[0].clone()]);
+    assert_eq!(
+        certs(s3.ca_pem.as_ref().unwrap()),
+        vec![certs(&both)[0].clone()]
+    );
     assert_eq!(ca_bundles(&env).await, vec![s3.ca_pem.clone().unwrap(); 3]);
     assert_eq!(s3.cert_pem, s2.cert_pem);
     assert_eq!(keeper.tick(t1 + 2 * overlap).await.unwrap().action, None);
@@ -524,7 +565,10 @@ async fn a_secret_written_before_rotation_gets_a_ca_key_through_the_overlap() {
     assert_eq!(certs(s.ca_pem.as_ref().unwrap()).len(), 2);
     // The old leaf keeps serving until the overlap has passed.
     assert_eq!(s.cert_pem, legacy.cert_pem);
-    assert_eq!(keeper.served().unwrap().cert_pem, legacy.cert_pem.clone().unwrap());
+    assert_eq!(
+        keeper.served().unwrap().cert_pem,
+        legacy.cert_pem.clone().unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -546,6 +590,9 @@ async fn a_secret_not_labelled_as_the_controllers_is_served_but_never_written() 
     assert_eq!(r.action, None, "{r:?}");
     assert!(r.waiting.unwrap().contains("not labelled"));
     assert_eq!(secret_writes(&faults), Vec::<String>::new());
-    assert_eq!(keeper.served().unwrap().cert_pem, due.cert_pem.clone().unwrap());
+    assert_eq!(
+        keeper.served().unwrap().cert_pem,
+        due.cert_pem.clone().unwrap()
+    );
     assert_eq!(metrics.problem.with_label_values(&["NotManaged"]).get(), 1);
 }

@@ -314,11 +314,14 @@ impl Assessment {
 /// Checks the stored values at `now` (Unix seconds). Pure: parses, never writes.
 pub fn assess(stored: &StoredBundle, now: i64) -> Assessment {
     let mut a = Assessment::default();
-    match stored.ca_pem.as_deref().map(|p| tls::parse_certs(p.as_bytes())) {
-        None => a.problems.push((
-            SecretProblem::CaCertInvalid,
-            format!("it has no {CA_KEY}"),
-        )),
+    match stored
+        .ca_pem
+        .as_deref()
+        .map(|p| tls::parse_certs(p.as_bytes()))
+    {
+        None => a
+            .problems
+            .push((SecretProblem::CaCertInvalid, format!("it has no {CA_KEY}"))),
         Some(Err(e)) => a.problems.push((
             SecretProblem::CaCertInvalid,
             format!("{CA_KEY} does not parse ({e})"),
@@ -472,9 +475,7 @@ pub fn plan(
             );
         }
         if !policy.overlap_over(updated_at, now) {
-            return Plan::Wait(
-                "the overlap since the new CA was added has not passed".to_string(),
-            );
+            return Plan::Wait("the overlap since the new CA was added has not passed".to_string());
         }
         return Plan::IssueLeaf(LeafReason::NewCa);
     }
@@ -889,7 +890,10 @@ impl CertKeeper {
                                 self.count_write(action, "failed");
                                 tracing::warn!(secret = %format!("{}/{name}", self.cfg.namespace), step = ?step, error = %e,
                                     "cannot update the self-signed webhook certificate Secret; retrying on the next check");
-                                problems.push((SecretProblem::ApiError, format!("updating it failed: {e}")));
+                                problems.push((
+                                    SecretProblem::ApiError,
+                                    format!("updating it failed: {e}"),
+                                ));
                                 stored
                             }
                         }
@@ -1138,7 +1142,11 @@ mod tests {
         let s1 = s1.unwrap();
         assert_eq!(cas(&s1), 2);
         assert_eq!(s1.cert_pem, s.cert_pem);
-        assert!(s1.ca_pem.as_ref().unwrap().ends_with(s.ca_pem.as_ref().unwrap().as_str()));
+        assert!(s1
+            .ca_pem
+            .as_ref()
+            .unwrap()
+            .ends_with(s.ca_pem.as_ref().unwrap().as_str()));
         // The new CA is not in caBundle yet, then the overlap has not passed.
         assert!(matches!(step(&s1, t1 + overlap, false).0, Plan::Wait(_)));
         assert!(matches!(step(&s1, t1 + overlap - 1, true).0, Plan::Wait(_)));
@@ -1154,7 +1162,11 @@ mod tests {
         assert_eq!(p, Plan::DropOldCas);
         let s3 = s3.unwrap();
         assert_eq!(cas(&s3), 1);
-        assert!(s1.ca_pem.as_ref().unwrap().starts_with(s3.ca_pem.as_ref().unwrap().as_str()));
+        assert!(s1
+            .ca_pem
+            .as_ref()
+            .unwrap()
+            .starts_with(s3.ca_pem.as_ref().unwrap().as_str()));
         assert_eq!(step(&s3, t2 + overlap, true).0, Plan::Keep);
     }
 
@@ -1182,7 +1194,8 @@ mod tests {
         assert_eq!(next.unwrap().ca_pem, s.ca_pem);
 
         let mut bad_ca = s.clone();
-        bad_ca.ca_pem = Some("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into());
+        bad_ca.ca_pem =
+            Some("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".into());
         let a = assess(&bad_ca, T0);
         assert!(a.has(SecretProblem::CaCertInvalid), "{}", a.describe());
         let (p, next) = step(&bad_ca, T0, true);
@@ -1195,7 +1208,10 @@ mod tests {
         foreign_key.ca_key_pem = bundle(T0, 10, 10).ca_key_pem;
         let a = assess(&foreign_key, T0);
         assert!(a.has(SecretProblem::CaKeyInvalid), "{}", a.describe());
-        assert_eq!(step(&foreign_key, T0, true).0, Plan::AddCa(CaReason::CaKeyInvalid));
+        assert_eq!(
+            step(&foreign_key, T0, true).0,
+            Plan::AddCa(CaReason::CaKeyInvalid)
+        );
 
         let expired = bundle(T0, 3650, 10);
         let a = assess(&expired, T0 + 11 * DAY);

@@ -194,7 +194,11 @@ fn ca_params(common_name: &str) -> Result<rcgen::CertificateParams, TlsError> {
 pub fn generate_ca(now_unix: i64, lifetime: Duration) -> Result<CaPair, TlsError> {
     let key = rcgen::KeyPair::generate()?;
     let mut params = ca_params(&format!("{CA_COMMON_NAME} {now_unix}"))?;
-    set_validity(&mut params, now_unix, now_unix.saturating_add(secs(lifetime)));
+    set_validity(
+        &mut params,
+        now_unix,
+        now_unix.saturating_add(secs(lifetime)),
+    );
     let cert = params.self_signed(&key)?;
     Ok(CaPair {
         cert_pem: cert.pem(),
