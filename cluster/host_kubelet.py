@@ -37,7 +37,7 @@ What a container gets, as from a kubelet:
 - cluster DNS: the Services of the cluster (`<svc>.<ns>.svc[.cluster.local]`, and `<svc>`,
   `<svc>.<ns>` in the pod's namespace) resolve to their ClusterIP through an /etc/hosts of the
   pod, bind-mounted over /etc/hosts in a mount namespace of its own (`unshare`) and rewritten
-  in place every few seconds; cluster.sh's DNAT rules take the ClusterIPs of the controller's
+  in place every 10 s; cluster.sh's DNAT rules take the ClusterIPs of the controller's
   Services to the controller on this host (kube-proxy's job);
 - its user: runAsUser/runAsGroup (container, else pod) through `setpriv`.
 
@@ -135,9 +135,12 @@ class Kubelet:
         return self.kubectl(*args).strip()
 
     # --- cluster DNS ---------------------------------------------------------------------------
-    def hosts_text(self, namespace: str) -> str:
+    def services(self) -> list[dict]:
+        return json.loads(self.kubectl("get", "services", "-A", "-o", "json"))["items"]
+
+    @staticmethod
+    def hosts_text(namespace: str, services: list[dict]) -> str:
         lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        services = json.loads(self.kubectl("get", "services", "-A", "-o", "json"))["items"]
         for svc in services:
             ip = svc["spec"].get("clusterIP")
             if not ip or ip == "None":
@@ -150,15 +153,18 @@ class Kubelet:
         return "\n".join(lines) + "\n"
 
     def refresh_hosts(self) -> None:
-        for path in list(self.hosts_files):
-            if not path.exists():
-                self.hosts_files.remove(path)
-                continue
-            try:
-                text = self.hosts_text(path.parent.name.split("@", 1)[0])
-            except subprocess.SubprocessError:
-                continue
-            if path.read_text() != text:
+        """The /etc/hosts of every running container, rewritten when the Services changed."""
+        with self.lock:
+            paths = list(self.hosts_files)
+        if not paths:
+            return
+        try:
+            services = self.services()
+        except subprocess.SubprocessError:
+            return
+        for path in paths:
+            text = self.hosts_text(path.parent.name.split("@", 1)[0], services)
+            if path.exists() and path.read_text() != text:
                 with open(path, "r+") as f:  # in place: the bind mount holds this inode
                     f.seek(0)
                     f.write(text)
@@ -258,7 +264,7 @@ class Kubelet:
             (work / "kubeconfig").write_text(json.dumps(kubeconfig))
             env["KUBECONFIG"] = str(work / "kubeconfig")
         hosts = work / "hosts"
-        hosts.write_text(self.hosts_text(ns))
+        hosts.write_text(self.hosts_text(ns, self.services()))
         with self.lock:
             self.hosts_files.append(hosts)
         sc = {**(spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
@@ -286,10 +292,15 @@ class Kubelet:
         try:
             prepared = self.prepare(pod)
             log(f"{ns}/{name}: {prepared.shown}")
-            with open(prepared.log_file, "wb") as out:
-                proc = subprocess.run(prepared.argv, env=prepared.env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                with open(prepared.log_file, "wb") as out:
+                    proc = subprocess.run(prepared.argv, env=prepared.env, stdout=out, stderr=subprocess.STDOUT)
+            finally:
+                self.forget_hosts(prepared)
             output = prepared.log_file.read_text(errors="replace")
-            code, message = proc.returncode, output[-1024:]
+            # (Killed by a signal: 128 + its number, as a container runtime reports it.)
+            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+            message = output[-1024:]
         except PodError as e:
             output, code, message = f"host-kubelet: {e}\n", 1, str(e)
             (self.logs_dir / f"{ns}_{name}_{container['name']}.log").write_text(output)
@@ -306,6 +317,11 @@ class Kubelet:
                                          "startedAt": started, "finishedAt": now(), "message": message}},
             }],
         })
+
+    def forget_hosts(self, prepared: Prepared) -> None:
+        with self.lock:
+            if prepared.work / "hosts" in self.hosts_files:
+                self.hosts_files.remove(prepared.work / "hosts")
 
     # --- long-running pods: the agent on HOST_NODE ---------------------------------------------
     def start(self, r: Running) -> None:
@@ -400,6 +416,8 @@ class Kubelet:
                 os.killpg(r.proc.pid, signal.SIGKILL)
                 r.proc.wait()
             log(f"{meta['namespace']}/{meta['name']}: stopped (exit {r.proc.returncode})")
+        if r.prepared is not None:
+            self.forget_hosts(r.prepared)
         (self.pods_dir / f"{r.component}.pid").unlink(missing_ok=True)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -458,21 +476,26 @@ class Kubelet:
             self.run_to_completion(pod)
         except PodError as e:
             self.fail(pod, str(e))
-        except subprocess.CalledProcessError as e:
-            log(f"{meta['namespace']}/{meta['name']}: {e} {e.stderr}")
         except (subprocess.SubprocessError, OSError) as e:
-            log(f"{meta['namespace']}/{meta['name']}: {e}")
+            # Setting the pod up failed (an API call, a file): it fails, saying so, rather than
+            # stay Pending until Helm's timeout.
+            why = f"{e} {getattr(e, 'stderr', '') or ''}".strip()
+            log(f"{meta['namespace']}/{meta['name']}: {why}")
+            try:
+                self.fail(pod, f"host-kubelet could not run it: {why}", reason="HostKubeletError")
+            except (subprocess.SubprocessError, OSError) as e2:
+                log(f"{meta['namespace']}/{meta['name']}: cannot write its failure: {e2}")
 
-    def fail(self, pod: dict, message: str) -> None:
+    def fail(self, pod: dict, message: str, reason: str = "NotOnThisHost") -> None:
         meta = pod["metadata"]
         (container,) = pod["spec"]["containers"]
         (self.logs_dir / f"{meta['namespace']}_{meta['name']}_{container['name']}.log").write_text(f"host-kubelet: {message}\n")
         log(f"{meta['namespace']}/{meta['name']}: {message}; exit 1")
-        self.patch_status(pod, {"phase": "Failed", "reason": "NotOnThisHost", "message": message,
+        self.patch_status(pod, {"phase": "Failed", "reason": reason, "message": message,
                                 "containerStatuses": [{
                                     "name": container["name"], "image": container["image"], "imageID": "",
                                     "ready": False, "restartCount": 0, "started": False,
-                                    "state": {"terminated": {"exitCode": 1, "reason": "NotOnThisHost",
+                                    "state": {"terminated": {"exitCode": 1, "reason": reason,
                                                              "message": message, "finishedAt": now()}}}]})
 
     def loop(self) -> None:
@@ -482,7 +505,7 @@ class Kubelet:
                 self.sync()
             except subprocess.SubprocessError as e:
                 log(f"listing pods: {getattr(e, 'stderr', '') or e}")
-            if time.monotonic() - last_hosts >= 5:
+            if time.monotonic() - last_hosts >= 10:
                 last_hosts = time.monotonic()
                 self.refresh_hosts()
             time.sleep(1)

@@ -103,6 +103,7 @@ holder() { [[ -n "$(k get lease -n "$ns" inference-cache-controller -o jsonpath=
 eventually 60 holder || fail "install: the controller never took the chart's Lease"
 
 # --- 1b. helm test, for real ----------------------------------------------------------------------
+t_test=$SECONDS
 # `helm test --logs` into $state/logs/helm-test-<what>.log; its exit status.
 helm_test() { # what
   helm test "$release" -n "$ns" --logs --timeout 2m >"$state/logs/helm-test-$1.log" 2>&1
@@ -128,6 +129,7 @@ if helm_test controller-stopped; then
   fail "helm test: passed with the controller stopped"
 else
   grep -q "test-controller-grpc" "$state/logs/helm-test-controller-stopped.log" \
+    && grep -q "failed to connect service" "$state/logs/helm-test-controller-stopped.log" \
     || fail "helm test: with the controller stopped it failed, but not on the gRPC test: $(tail -5 "$state/logs/helm-test-controller-stopped.log")"
 fi
 # ... and it passes again once the controller is back (the same command line: `restart`).
@@ -139,11 +141,13 @@ if helm_test agent-stopped; then
   fail "helm test: passed with the agent stopped"
 else
   grep -q "test-agent-readyz.*failed" "$state/logs/helm-test-agent-stopped.log" \
+    && grep -q "did not answer 200" "$state/logs/helm-test-agent-stopped.log" \
     || fail "helm test: with the agent stopped it failed, but not on the agent test: $(tail -5 "$state/logs/helm-test-agent-stopped.log")"
 fi
 # ... and it passes once the agent runs again.
 kill -CONT "$(agent_pid)"
 eventually 60 helm_test agent-back || fail "helm test: still failing after the agent was resumed: $(tail -5 "$state/logs/helm-test-agent-back.log")"
+say "helm test: passed, failed with the controller stopped and with the agent frozen, passed again ($((SECONDS - t_test)) s)"
 
 # --- 2. the webhooks through the Service ------------------------------------------------------------
 k apply -f examples/quickstart/cachebackend.yaml >/dev/null || fail "webhooks: the quickstart CacheBackend was refused"
