@@ -19,6 +19,7 @@
 //! | `inferencecache_agent_kv_blocks` | stream | index entries held |
 //! | `inferencecache_agent_kv_connected` | stream | 1 while the SUB socket is connected |
 //! | `inferencecache_agent_kv_stream_lag_seconds` | stream | agent time − engine `ts` of the newest live batch applied |
+//! | `inferencecache_agent_kv_peers_dropped_total` | stream, socket, reason | engine connections dropped by the ZMTP guard ([`super::zmtp_guard`]): `socket` `events` (publisher) or `replay`; `reason` `frame_too_large`, `message_too_large`, `too_many_frames`, `command_too_large`, `bad_flags`, `bad_greeting` |
 
 use ic_shared::kv::decode::DecodeError;
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
@@ -29,11 +30,14 @@ use super::stream::{
     CLEAR_ALL_BLOCKS, CLEAR_ENGINE_RESTARTED, CLEAR_RANK_MISMATCH, CLEAR_REPLAY_TRUNCATED,
     CLEAR_SEQUENCE_GAP, DROP_REASONS, IGNORE_REASONS,
 };
+use super::zmtp_guard::Violation;
 
 /// Batch-level drop reasons of the subscriber itself (besides the decoder's and the state
 /// machine's).
 pub const SUBSCRIBER_DROP_REASONS: &[&str] = &["queue_full", "bad_frames", "bad_seq", "forged_seq"];
 
+/// `socket` label values of `peers_dropped_total`.
+const PEER_SOCKETS: &[&str] = &["events", "replay"];
 const EVENT_TYPES: &[&str] = &["BlockStored", "BlockRemoved", "AllBlocksCleared"];
 const SOURCES: &[&str] = &["live", "replay"];
 /// `result` label values of `replays_total`.
@@ -71,6 +75,7 @@ pub struct KvMetrics {
     pub(crate) lag: GaugeVec,
     pub(crate) coverage: IntGaugeVec,
     pub(crate) coverage_transitions: IntCounterVec,
+    pub(crate) peers_dropped: IntCounterVec,
 }
 
 fn counter(
@@ -183,6 +188,12 @@ impl KvMetrics {
                 "Transitions of a stream's coverage into each state.",
                 &["stream", "state"],
             )?,
+            peers_dropped: counter(
+                reg,
+                &format!("{P}peers_dropped_total"),
+                "Engine connections dropped for breaking the ZMTP frame and message limits, by socket (events or replay) and reason.",
+                &["stream", "socket", "reason"],
+            )?,
         })
     }
 
@@ -236,6 +247,11 @@ impl KvMetrics {
         }
         for st in CoverageState::ALL {
             f(&self.coverage_transitions, &[stream, st.as_str()]);
+        }
+        for socket in PEER_SOCKETS {
+            for r in Violation::REASONS {
+                f(&self.peers_dropped, &[stream, socket, r]);
+            }
         }
     }
 
@@ -313,6 +329,7 @@ mod tests {
             "inferencecache_agent_kv_coverage_transitions_total",
             "inferencecache_agent_kv_blocks",
             "inferencecache_agent_kv_connected",
+            "inferencecache_agent_kv_peers_dropped_total",
         ] {
             assert!(
                 families.contains(want),

@@ -11,6 +11,8 @@
 //!   (`ic-agent kv decode`).
 //! - [`persist`]: stream state kept on the node across agent restarts.
 //! - [`metrics`]: the `inferencecache_agent_kv_*` metric families.
+//! - [`zmtp_guard`]: the bounded ZMTP transport every engine connection goes through (frame and
+//!   message size limits the `zeromq` crate does not enforce).
 
 pub mod hub;
 pub mod inspect;
@@ -20,6 +22,7 @@ pub mod publish;
 pub mod stream;
 pub mod subscriber;
 pub mod tail;
+pub mod zmtp_guard;
 
 pub use hub::{KvHub, StreamStatus};
 pub use publish::{

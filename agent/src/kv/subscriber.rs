@@ -60,11 +60,14 @@ use zeromq::{
     DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
 };
 
+use std::sync::atomic::AtomicUsize;
+
 use super::metrics::KvMetrics;
 use super::stream::{
     ApplyReport, LinkState, SeqCheck, StreamConfig, StreamState, CLEAR_ENGINE_RESTARTED,
     CLEAR_REPLAY_TRUNCATED, CLEAR_SEQUENCE_GAP,
 };
+use super::zmtp_guard::{self, Dropped, GuardListener, Guarded, OnDrop, ZmtpLimits};
 
 /// Everything that identifies one planned stream; a change of any field restarts it.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +117,19 @@ pub struct SubscriberOptions {
     /// Without a replay endpoint, a forward jump larger than this is held back as suspicious
     /// instead of clearing the replica (default 1 000 000 batches, 100× the engine's buffer).
     pub suspicious_seq_jump: u64,
+    /// Ceiling of the longest ZMQ message (all frames) accepted from an engine's publisher or
+    /// replay socket, bytes (default and maximum [`zmtp_guard::HARD_MAX_MESSAGE_BYTES`], 16 MiB);
+    /// each stream takes the smaller of this and its engine's limit
+    /// ([`StreamConfig::max_message_bytes`]). A peer that announces more is dropped before
+    /// anything of that size is allocated ([`zmtp_guard`]).
+    pub max_message_bytes: usize,
+    /// Payload bytes buffered between the socket and the processor before messages are
+    /// dropped as `queue_full` (default 32 MiB): bounds memory while the processor is busy
+    /// (a replay) however large the messages are.
+    pub queue_max_bytes: usize,
+    /// Most payload bytes accepted from one replay (default 64 MiB): beyond it the replay
+    /// fails ([`ReplayError::TooLarge`]) like one with too many batches.
+    pub replay_max_bytes: usize,
 }
 
 impl Default for SubscriberOptions {
@@ -131,6 +147,9 @@ impl Default for SubscriberOptions {
             idle_verify_interval: Duration::from_secs(5),
             disconnect_grace: Duration::from_secs(1),
             suspicious_seq_jump: 1_000_000,
+            max_message_bytes: zmtp_guard::HARD_MAX_MESSAGE_BYTES,
+            queue_max_bytes: 32 << 20,
+            replay_max_bytes: 64 << 20,
         }
     }
 }
@@ -230,11 +249,24 @@ pub(crate) fn spawn(
     rt: &tokio::runtime::Handle,
     shared: Arc<StreamShared>,
     sink: Sink,
-    opts: SubscriberOptions,
+    mut opts: SubscriberOptions,
 ) -> Running {
+    opts.max_message_bytes = opts
+        .max_message_bytes
+        .min(shared.spec.config.max_message_bytes)
+        .min(zmtp_guard::HARD_MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
-    let reader = rt.spawn(read_loop(shared.clone(), sink.clone(), opts.clone(), tx));
-    let processor = rt.spawn(process_loop(shared, sink, opts, rx));
+    let queued = Arc::new(AtomicUsize::new(0));
+    let reader = rt.spawn(read_loop(
+        shared.clone(),
+        sink.clone(),
+        opts.clone(),
+        Queue {
+            tx,
+            bytes: queued.clone(),
+        },
+    ));
+    let processor = rt.spawn(process_loop(shared, sink, opts, rx, queued));
     Running {
         tasks: vec![reader, processor],
     }
@@ -274,56 +306,98 @@ pub fn bound_endpoint(endpoint: &str) -> Option<&str> {
     endpoint.strip_prefix('@')
 }
 
-/// Binds `sock` at `endpoint` and waits for the first publisher to connect; `Err` with the
-/// reason when the bind fails.
-async fn bind_and_accept(
-    sock: &mut SubSocket,
-    monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
-    endpoint: &str,
-) -> Result<(), String> {
-    sock.bind(&super::publish::bind_endpoint(endpoint))
-        .await
-        .map_err(|e| format!("bind {endpoint}: {e}"))?;
-    loop {
-        match monitor.next().await {
-            Some(SocketEvent::Accepted(..)) => return Ok(()),
-            Some(_) => {}
-            None => return Err(format!("bind {endpoint}: the socket monitor closed")),
-        }
+/// The limits of one stream's sockets (see [`zmtp_guard`]).
+fn limits(opts: &SubscriberOptions) -> ZmtpLimits {
+    ZmtpLimits {
+        max_message_bytes: opts.max_message_bytes,
+        ..ZmtpLimits::default()
     }
+    .clamped()
 }
 
-/// Connects a SUB socket (subscribed first) with capped exponential backoff; for an `@…`
-/// endpoint ([`bound_endpoint`]) binds it instead and returns once a publisher has connected.
+/// Counts and logs an engine peer dropped by the guard: `socket` is `events` (the publisher)
+/// or `replay`.
+fn record_peer_drop(shared: &StreamShared, sink: &Sink, socket: &'static str, d: Dropped) {
+    let id = shared.id();
+    sink.metrics
+        .peers_dropped
+        .with_label_values(&[id, socket, d.violation.reason()])
+        .inc();
+    let endpoint = match socket {
+        "replay" => shared.spec.replay_endpoint.as_deref().unwrap_or(""),
+        _ => shared.spec.endpoint.as_str(),
+    };
+    tracing::warn!(
+        stream = %id,
+        socket,
+        endpoint,
+        reason = d.violation.reason(),
+        announced = d.announced,
+        limit = d.limit,
+        "kv events: engine connection dropped: {d}"
+    );
+    shared.lock().stats.last_error = Some(format!(
+        "{socket} socket {endpoint}: connection dropped: {d}"
+    ));
+}
+
+/// Connects a SUB socket (subscribed first) through the guard ([`zmtp_guard`]) with capped
+/// exponential backoff; for an `@…` endpoint ([`bound_endpoint`]) binds the guard's listener
+/// there instead and returns once a publisher has connected. The returned [`Guarded`] relay
+/// must live as long as the socket.
 async fn connect_sub(
-    shared: &StreamShared,
+    shared: &Arc<StreamShared>,
+    sink: &Sink,
     opts: &SubscriberOptions,
-) -> (SubSocket, futures::channel::mpsc::Receiver<SocketEvent>) {
+) -> (
+    SubSocket,
+    futures::channel::mpsc::Receiver<SocketEvent>,
+    Guarded,
+) {
     let id = shared.id();
     let mut backoff = opts.reconnect_initial;
+    let on_drop: OnDrop = {
+        let (shared, sink) = (shared.clone(), sink.clone());
+        Arc::new(move |d| record_peer_drop(&shared, &sink, "events", d))
+    };
     loop {
-        let mut zopts = SocketOptions::default();
-        zopts.connect_timeout(opts.connect_timeout);
-        let mut sock = SubSocket::with_options(zopts);
-        let mut monitor = sock.monitor();
-        if let Err(e) = sock.subscribe(&shared.spec.topic).await {
-            shared.lock().stats.last_error = Some(format!("subscribe: {e}"));
-        }
-        let error = if let Some(ep) = bound_endpoint(&shared.spec.endpoint) {
-            match bind_and_accept(&mut sock, &mut monitor, ep).await {
-                Ok(()) => return (sock, monitor),
-                Err(e) => e,
+        let guarded = if let Some(ep) = bound_endpoint(&shared.spec.endpoint) {
+            match GuardListener::bind(&super::publish::bind_endpoint(ep)).await {
+                Ok(l) => {
+                    l.accept(limits(opts), opts.connect_timeout, on_drop.clone())
+                        .await
+                }
+                Err(e) => Err(e),
             }
         } else {
-            let attempt = tokio::time::timeout(
-                opts.connect_timeout + Duration::from_secs(1),
-                sock.connect(&shared.spec.endpoint),
+            zmtp_guard::connect(
+                &shared.spec.endpoint,
+                limits(opts),
+                opts.connect_timeout,
+                on_drop.clone(),
             )
-            .await;
-            match attempt {
-                Ok(Ok(())) => return (sock, monitor),
-                Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
-                Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
+            .await
+        };
+        let error = match guarded {
+            Err(e) => e,
+            Ok(guarded) => {
+                let mut zopts = SocketOptions::default();
+                zopts.connect_timeout(opts.connect_timeout);
+                let mut sock = SubSocket::with_options(zopts);
+                let monitor = sock.monitor();
+                if let Err(e) = sock.subscribe(&shared.spec.topic).await {
+                    shared.lock().stats.last_error = Some(format!("subscribe: {e}"));
+                }
+                let attempt = tokio::time::timeout(
+                    opts.connect_timeout + Duration::from_secs(1),
+                    sock.connect(guarded.endpoint()),
+                )
+                .await;
+                match attempt {
+                    Ok(Ok(())) => return (sock, monitor, guarded),
+                    Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
+                    Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
+                }
             }
         };
         tracing::debug!(stream = %id, "kv events: {error}");
@@ -333,16 +407,23 @@ async fn connect_sub(
     }
 }
 
-async fn read_loop(
-    shared: Arc<StreamShared>,
-    sink: Sink,
-    opts: SubscriberOptions,
+/// The reader's end of the queue: messages and the payload bytes they hold.
+struct Queue {
     tx: mpsc::Sender<(u64, ZmqMessage)>,
-) {
+    bytes: Arc<AtomicUsize>,
+}
+
+/// Bytes of a message's frames.
+fn message_bytes(m: &ZmqMessage) -> usize {
+    m.iter().map(|f| f.len()).sum()
+}
+
+async fn read_loop(shared: Arc<StreamShared>, sink: Sink, opts: SubscriberOptions, queue: Queue) {
     let id = shared.id().to_string();
     set_connected(&shared, &sink, false);
     loop {
-        let (mut sock, mut monitor) = connect_sub(&shared, &opts).await;
+        // `_relay` carries the engine's bytes to `sock`; dropping it closes the connection.
+        let (mut sock, mut monitor, _relay) = connect_sub(&shared, &sink, &opts).await;
         let epoch = shared.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, epoch, "kv events: connected");
         // The connect errors before this connection are history: /v1/report's lastError shows
@@ -365,9 +446,16 @@ async fn read_loop(
                 g.stats.batches_received += 1;
                 g.stats.last_message_unix_ms = Some(now_unix_ms());
             }
-            match tx.try_send((epoch, m)) {
+            let size = message_bytes(&m);
+            if queue.bytes.load(Ordering::Relaxed).saturating_add(size) > opts.queue_max_bytes {
+                record_drop(&shared, &sink, "queue_full", 1);
+                return true;
+            }
+            queue.bytes.fetch_add(size, Ordering::Relaxed);
+            match queue.tx.try_send((epoch, m)) {
                 Ok(()) => true,
                 Err(mpsc::error::TrySendError::Full(_)) => {
+                    queue.bytes.fetch_sub(size, Ordering::Relaxed);
                     record_drop(&shared, &sink, "queue_full", 1);
                     true
                 }
@@ -522,6 +610,7 @@ async fn process_loop(
     sink: Sink,
     opts: SubscriberOptions,
     mut rx: mpsc::Receiver<(u64, ZmqMessage)>,
+    queued: Arc<AtomicUsize>,
 ) {
     let mut p = Processor {
         replay_ep: shared.spec.replay_endpoint.clone(),
@@ -544,7 +633,10 @@ async fn process_loop(
     loop {
         tokio::select! {
             m = rx.recv() => match m {
-                Some((epoch, msg)) => p.on_message(epoch, msg).await,
+                Some((epoch, msg)) => {
+                    queued.fetch_sub(message_bytes(&msg), Ordering::Relaxed);
+                    p.on_message(epoch, msg).await
+                }
                 None => return,
             },
             _ = p.shared.link_changed.notified() => p.on_tick(rx.is_empty()).await,
@@ -875,6 +967,22 @@ impl Processor {
         }
     }
 
+    /// [`request_replay`] with this stream's options; a replay peer dropped by the guard is
+    /// counted and logged.
+    async fn replay(
+        &self,
+        ep: &str,
+        start: u64,
+        upto: u64,
+        topic: &str,
+    ) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+        let r = request_replay(ep, start, upto, topic, &self.opts).await;
+        if let Err(ReplayError::PeerDropped(d)) = &r {
+            record_peer_drop(&self.shared, &self.sink, "replay", *d);
+        }
+        r
+    }
+
     /// Replays from our last applied seq and checks the anchor (see [`Anchored`]).
     async fn anchored_replay(
         &self,
@@ -885,13 +993,14 @@ impl Processor {
             return Ok((0, Anchored::Unverifiable));
         };
         let topic = &self.shared.spec.topic;
-        let mut replies =
-            request_replay(ep, last, upto.unwrap_or(u64::MAX), topic, &self.opts).await?;
+        let mut replies = self
+            .replay(ep, last, upto.unwrap_or(u64::MAX), topic)
+            .await?;
         let anchored = match replies.first() {
             // Nothing at or after our last seq. The engine keeps its newest batches, so if it
             // holds any at all it has restarted (all of them are older than ours); if it holds
             // none, its replay buffer is off or empty and tells nothing.
-            None => match request_replay(ep, 0, last, topic, &self.opts).await {
+            None => match self.replay(ep, 0, last, topic).await {
                 Ok(older) if !older.is_empty() => Anchored::Other,
                 Ok(_) => Anchored::Silent,
                 Err(e) => return Err(e),
@@ -1043,14 +1152,9 @@ impl Processor {
 
     /// Whether the engine's replay holds batch `seq` with this digest.
     async fn engine_sent(&self, ep: &str, seq: u64, digest: u64) -> bool {
-        match request_replay(
-            ep,
-            seq,
-            seq.saturating_add(1),
-            &self.shared.spec.topic,
-            &self.opts,
-        )
-        .await
+        match self
+            .replay(ep, seq, seq.saturating_add(1), &self.shared.spec.topic)
+            .await
         {
             Ok(r) => r
                 .first()
@@ -1131,14 +1235,9 @@ impl Processor {
             before
         };
         for attempt in 0..2 {
-            let replies = match request_replay(
-                &ep,
-                0,
-                upto.unwrap_or(u64::MAX),
-                &self.shared.spec.topic,
-                &self.opts,
-            )
-            .await
+            let replies = match self
+                .replay(&ep, 0, upto.unwrap_or(u64::MAX), &self.shared.spec.topic)
+                .await
             {
                 Ok(r) => r,
                 Err(e) => {
@@ -1301,6 +1400,12 @@ pub enum ReplayError {
     /// More batches than [`SubscriberOptions::replay_max_batches`].
     #[error("more than {0} batches")]
     TooMany(usize),
+    /// More payload bytes than [`SubscriberOptions::replay_max_bytes`].
+    #[error("more than {0} bytes of batches")]
+    TooLarge(usize),
+    /// The replay socket's peer broke the ZMTP limits and was dropped ([`zmtp_guard`]).
+    #[error("connection dropped: {0}")]
+    PeerDropped(Dropped),
     /// The engine's replies carry a topic the subscription's prefix does not match: its live
     /// messages never pass this SUB socket's filter.
     #[error("the engine publishes under topic {engine:?}, which the subscription to {subscribed:?} filters out")]
@@ -1312,12 +1417,19 @@ pub enum ReplayError {
     },
 }
 
-/// Requests a replay from `start` on a fresh DEALER connected to `endpoint` and collects
+/// Requests a replay from `start` on a fresh DEALER connected to `endpoint` (through the guard,
+/// [`zmtp_guard`], at [`SubscriberOptions::max_message_bytes`]) and collects
 /// `(seq, payload)` pairs up to the end marker. Replies at or past `upto` are not needed, so
 /// collection stops at the first one (the engine keeps sending; the socket is then closed).
 /// Replies that carry a topic (vLLM ≥ 0.26, SGLang ≥ 0.5.22: `["", topic, seq, payload]`) must
 /// start with `topic`, the live subscription's prefix: otherwise the live messages are being
-/// filtered out, and the replay is refused with [`ReplayError::TopicMismatch`].
+/// filtered out, and the replay is refused with [`ReplayError::TopicMismatch`]. At most
+/// [`SubscriberOptions::replay_max_batches`] batches and
+/// [`SubscriberOptions::replay_max_bytes`] payload bytes are collected.
+///
+/// # Errors
+/// [`ReplayError`]; [`ReplayError::PeerDropped`] when the endpoint sent a frame or message over
+/// the limit (or not ZMTP at all).
 pub async fn request_replay(
     endpoint: &str,
     start: u64,
@@ -1325,18 +1437,42 @@ pub async fn request_replay(
     topic: &str,
     opts: &SubscriberOptions,
 ) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+    let dropped = Arc::new(Mutex::new(None::<Dropped>));
+    let wake = Arc::new(Notify::new());
+    let on_drop: OnDrop = {
+        let (dropped, wake) = (dropped.clone(), wake.clone());
+        Arc::new(move |d| {
+            *dropped.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
+            wake.notify_one();
+        })
+    };
+    let guarded = zmtp_guard::connect(
+        endpoint,
+        limits(opts),
+        opts.replay_timeout + Duration::from_millis(500),
+        on_drop,
+    )
+    .await
+    .map_err(ReplayError::Connect)?;
+    let peer_dropped = || {
+        dropped
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(ReplayError::PeerDropped)
+    };
     let mut zopts = SocketOptions::default();
     zopts.connect_timeout(opts.replay_timeout);
     let mut sock = DealerSocket::with_options(zopts);
     match tokio::time::timeout(
         opts.replay_timeout + Duration::from_millis(500),
-        sock.connect(endpoint),
+        sock.connect(guarded.endpoint()),
     )
     .await
     {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(ReplayError::Connect(e.to_string())),
-        Err(_) => return Err(ReplayError::Connect("timed out".into())),
+        // The guard may have dropped the peer during the handshake.
+        Ok(Err(e)) => return Err(peer_dropped().unwrap_or(ReplayError::Connect(e.to_string()))),
+        Err(_) => return Err(peer_dropped().unwrap_or(ReplayError::Connect("timed out".into()))),
     }
     let mut req = ZmqMessage::from(Vec::<u8>::new());
     req.push_back(start.to_be_bytes().to_vec().into());
@@ -1344,13 +1480,21 @@ pub async fn request_replay(
         .await
         .map_err(|e| ReplayError::Socket(e.to_string()))?;
     let mut out = Vec::new();
+    let mut bytes = 0usize;
     let deadline = tokio::time::Instant::now() + opts.replay_deadline;
     loop {
         let wait = (tokio::time::Instant::now() + opts.replay_timeout).min(deadline);
-        let msg = tokio::time::timeout_at(wait, sock.recv())
-            .await
-            .map_err(|_| ReplayError::Timeout)?
-            .map_err(|e| ReplayError::Socket(e.to_string()))?;
+        let msg = tokio::select! {
+            m = tokio::time::timeout_at(wait, sock.recv()) => m,
+            () = wake.notified() => {
+                return Err(peer_dropped().unwrap_or(ReplayError::Timeout));
+            }
+        };
+        let msg = match msg {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => return Err(peer_dropped().unwrap_or(ReplayError::Socket(e.to_string()))),
+            Err(_) => return Err(peer_dropped().unwrap_or(ReplayError::Timeout)),
+        };
         let frames = msg.into_vec();
         let n = frames.len();
         if n < 2 {
@@ -1369,6 +1513,10 @@ pub async fn request_replay(
                 engine: String::from_utf8_lossy(&frames[n - 3]).into_owned(),
                 subscribed: topic.to_string(),
             });
+        }
+        bytes = bytes.saturating_add(frames[n - 1].len());
+        if bytes > opts.replay_max_bytes {
+            return Err(ReplayError::TooLarge(opts.replay_max_bytes));
         }
         out.push((seq, frames[n - 1].to_vec()));
         if seq.saturating_add(1) >= upto {

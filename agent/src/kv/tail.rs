@@ -21,6 +21,7 @@
 //! reads back.
 
 use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ic_shared::kv::decode::{decode_batch, KvEvent};
@@ -30,6 +31,7 @@ use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket};
 
 use super::inspect::{message_json, topic_text, write_zmtp, RawMessage};
 use super::subscriber::{request_replay, SubscriberOptions};
+use super::zmtp_guard::{self, Dropped, OnDrop, ZmtpLimits};
 
 /// What to follow and how to print it.
 #[derive(Debug, Clone)]
@@ -94,6 +96,15 @@ pub enum TailError {
     /// Receiving failed.
     #[error("receive: {0}")]
     Recv(String),
+    /// The publisher broke the ZMTP frame or message limits and was dropped
+    /// ([`super::zmtp_guard`]).
+    #[error("publisher {endpoint}: connection dropped: {dropped}")]
+    PeerDropped {
+        /// Endpoint.
+        endpoint: String,
+        /// What it announced.
+        dropped: Dropped,
+    },
     /// Writing the output failed.
     #[error("output: {0}")]
     Output(#[from] std::io::Error),
@@ -283,21 +294,53 @@ pub async fn tail<W: Write, S: Write>(
 ) -> Result<TailSummary, TailError> {
     // A fresh socket per attempt, retried until the timeout: the publisher may not be
     // listening yet.
+    // The publisher's bytes reach the socket through the guard (frames and messages at most
+    // the hard cap); a peer it drops ends the tail.
     let started = std::time::Instant::now();
-    let mut sock = loop {
-        let mut zopts = SocketOptions::default();
-        zopts.connect_timeout(opts.timeout);
-        let mut sock = SubSocket::with_options(zopts);
-        let message = match sock.subscribe(&opts.topic).await {
-            Err(e) => e.to_string(),
-            Ok(()) => {
-                match tokio::time::timeout(opts.timeout, sock.connect(&opts.endpoint)).await {
-                    Ok(Ok(())) => break sock,
-                    Ok(Err(e)) => e.to_string(),
-                    Err(_) => "timed out".to_string(),
+    let dropped = Arc::new(Mutex::new(None::<Dropped>));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let on_drop: OnDrop = {
+        let (dropped, wake) = (dropped.clone(), wake.clone());
+        Arc::new(move |d| {
+            *dropped.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
+            wake.notify_one();
+        })
+    };
+    let (mut sock, _relay) = loop {
+        let message = match zmtp_guard::connect(
+            &opts.endpoint,
+            ZmtpLimits::default(),
+            opts.timeout,
+            on_drop.clone(),
+        )
+        .await
+        {
+            Err(e) => e,
+            Ok(relay) => {
+                let mut zopts = SocketOptions::default();
+                zopts.connect_timeout(opts.timeout);
+                let mut sock = SubSocket::with_options(zopts);
+                match sock.subscribe(&opts.topic).await {
+                    Err(e) => e.to_string(),
+                    Ok(()) => {
+                        match tokio::time::timeout(opts.timeout, sock.connect(relay.endpoint()))
+                            .await
+                        {
+                            Ok(Ok(())) => break (sock, relay),
+                            Ok(Err(e)) => e.to_string(),
+                            Err(_) => "timed out".to_string(),
+                        }
+                    }
                 }
             }
         };
+        // The guard may have dropped the publisher during the handshake.
+        if let Some(d) = *dropped.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Err(TailError::PeerDropped {
+                endpoint: opts.endpoint.clone(),
+                dropped: d,
+            });
+        }
         if started.elapsed() >= opts.timeout {
             return Err(TailError::Connect {
                 endpoint: opts.endpoint.clone(),
@@ -322,10 +365,19 @@ pub async fn tail<W: Write, S: Write>(
             .or(last);
     }
     while opts.count.is_none_or(|c| summary.live < c) {
-        let msg = sock
-            .recv()
-            .await
-            .map_err(|e| TailError::Recv(e.to_string()))?;
+        let msg = tokio::select! {
+            m = sock.recv() => m.map_err(|e| TailError::Recv(e.to_string()))?,
+            () = wake.notified() => {
+                let d = *dropped.lock().unwrap_or_else(|p| p.into_inner());
+                return Err(match d {
+                    Some(dropped) => TailError::PeerDropped {
+                        endpoint: opts.endpoint.clone(),
+                        dropped,
+                    },
+                    None => TailError::Recv("the publisher's connection was dropped".into()),
+                });
+            }
+        };
         let frames: Vec<Vec<u8>> = msg.into_vec().into_iter().map(|f| f.to_vec()).collect();
         if let Some(s) = save.as_deref_mut() {
             let mut buf = Vec::new();
