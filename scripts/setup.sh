@@ -34,10 +34,11 @@ mkdir -p "$cache" target/cluster
 # dockerd (docker.io), debootstrap, objcopy (binutils): scripts/image-tests.sh builds and runs
 #   both images on a debootstrap base (no registry is reachable);
 #   (scripts/image-tests.sh starts dockerd itself when none answers);
-# iptables: scripts/install-tests.sh routes the chart's webhook Service to the controller (DNAT).
+# iptables: scripts/install-tests.sh routes the chart's Services to the controller (DNAT);
+# wget: the chart's agent `helm test` pod's command, run on this host by cluster/host_kubelet.py.
 pairs=(cc:gcc unshare:util-linux flock:util-linux losetup:mount mkfs.ext4:e2fsprogs mkfs.xfs:xfsprogs
   ip:iproute2 kill:procps openssl:openssl curl:curl promtool:prometheus redis-server:redis-server
-  dockerd:docker.io debootstrap:debootstrap objcopy:binutils iptables:iptables)
+  dockerd:docker.io debootstrap:debootstrap objcopy:binutils iptables:iptables wget:wget)
 missing=()   # "what (package)" for the message
 pkgs=()      # Debian packages to install
 for pair in "${pairs[@]}"; do
