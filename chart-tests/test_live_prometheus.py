@@ -287,3 +287,23 @@ def test_the_chart_rules_load_and_evaluate_healthy(live: dict[str, Any]) -> None
     # election in standalone mode is not "no leader": that alert needs the leader metric).
     firing = {r["name"] for r in rules if r["state"] == "firing"}
     assert "InferenceCacheControllerDown" not in firing and "InferenceCacheAgentUnlinked" not in firing
+
+
+def test_a_healthy_cpu_node_is_not_listed_as_not_ok(live: dict[str, Any]) -> None:
+    """The standalone plan says `gpuNode: false`: on a machine without an NVIDIA stack the gpu and
+    cuda checks read Ok (GpuNotExpected, CudaNotExpected), so the dashboard's two "not Ok" tables
+    list no GPU or CUDA row for it (they listed both as Unknown before)."""
+    exprs = dict(dashboard_exprs())
+    q = live["query"]
+    reasons = {(r["metric"]["check"], r["metric"]["status"], r["metric"]["reason"])
+               for r in q('inferencecache_agent_check_reasons{check=~"gpu|cuda"} > 0')["data"]["result"]}
+    assert reasons, "no gpu or cuda result on the stack"
+    if not q('inferencecache_agent_gpu_status')["data"]["result"]:  # no GPU on this machine
+        assert ("gpu", "ok", "GpuNotExpected") in reasons, reasons
+        assert ("cuda", "ok", "CudaNotExpected") in reasons, reasons
+    not_ok = q(exprs["node-health.json: Results that are not Ok"])["data"]["result"]
+    assert not [r["metric"] for r in not_ok if r["metric"].get("check") in ("gpu", "cuda")], not_ok
+    assert q(exprs["node-health.json: GPU results that are not Ok"])["data"]["result"] == []
+    states = q(exprs["node-health.json: Node × check state"])["data"]["result"]
+    assert {(r["metric"]["check"], r["value"][1]) for r in states if r["metric"]["check"] in ("gpu", "cuda")} \
+        == {("gpu", "0"), ("cuda", "0")}, states

@@ -157,5 +157,48 @@ if [ "$st" = 1 ] && grep -q "curl is not installed" "$WORK/7.out" && ! grep -q "
   pass "no curl: named before starting"
 else fail "no curl: exit $st"; sed 's/^/  /' "$WORK/7.out" >&2; fi
 
+# 8. The demo on a healthy machine without an NVIDIA stack (the plan's gpuNode: false) reads Ok,
+#    not Unknown: the gpu and cuda checks say GpuNotExpected / CudaNotExpected (they read Unknown
+#    before), in the agent's report and in the controller's /v1/nodes. The gRPC port (which the
+#    default plan follows) is taken below the ephemeral port range: the ports check warns about a
+#    planned port inside it, as 50051 is in Linux's default range.
+new_ports
+IC_GRPC_PORT=$(python3 -c 'import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for p in random.sample(range(20000, min(low, 32768)), 200):
+    try:
+        s = socket.socket(); s.bind(("127.0.0.1", p)); s.close(); print(p); break
+    except OSError: pass')
+export IC_GRPC_PORT
+bash scripts/standalone.sh >"$WORK/8.out" 2>&1 &
+script=$!
+BG+=($script)
+for _ in $(seq 300); do grep -q "stack is up" "$WORK/8.out" && break; sleep 0.1; done
+verdict=none
+for _ in $(seq 150); do
+  verdict=$(python3 - "$IC_AGENT_HTTP_PORT" "$IC_HTTP_PORT" <<'PYEOF' 2>/dev/null || echo unreachable
+import json, sys, urllib.request
+get = lambda port, path: json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5))
+report = get(sys.argv[1], "/v1/report")
+if not {"gpu", "cuda"} <= {c["name"] for c in report["checks"]}:
+    print("pending"); sys.exit()
+nodes = [n["status"] for n in get(sys.argv[2], "/v1/nodes")["nodes"]]
+bad = [f'{c["name"]}/{c["subject"]}: {c["status"]} {c["reason"]}' for c in report["checks"] if c["status"] != "Ok"]
+if report["status"] != "Ok" or nodes != ["Ok"]:
+    print(f'report {report["status"]}, /v1/nodes {nodes}: {bad}'); sys.exit()
+host = [c["reason"] for c in report["checks"] if c["name"] in ("gpu", "cuda") and c["subject"] == "host"]
+# without an NVIDIA stack; on a GPU machine gpu adds GpusNotPlanned next to its GpuOk results
+print("ok" if host in (["GpuNotExpected", "CudaNotExpected"], ["GpusNotPlanned"]) else f"gpu/cuda host results {host}")
+PYEOF
+)
+  [ "$verdict" = ok ] && break
+  case $verdict in pending|unreachable) sleep 0.2 ;; *) break ;; esac
+done
+kill -TERM "$script" 2>/dev/null || true
+timeout 20 tail --pid="$script" -f /dev/null || true
+if [ "$verdict" = ok ]; then
+  pass "a healthy machine without GPUs (plan gpuNode: false) reads Ok in the report and /v1/nodes"
+else fail "a healthy machine without GPUs reads: $verdict"; sed 's/^/  /' "$WORK/8.out" >&2; fi
+
 [ "$failures" = 0 ] || { echo "standalone-tests: $failures failed" >&2; exit 1; }
 echo "standalone-tests: all passed"
