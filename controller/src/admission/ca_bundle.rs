@@ -662,6 +662,7 @@ pub struct CertKeeper {
     rustls: Option<RustlsConfig>,
     expiry: Option<prometheus::IntGauge>,
     last_problems: Vec<SecretProblem>,
+    last_waiting: Option<String>,
 }
 
 impl CertKeeper {
@@ -675,6 +676,7 @@ impl CertKeeper {
             rustls: None,
             expiry: None,
             last_problems: Vec::new(),
+            last_waiting: None,
         }
     }
 
@@ -849,6 +851,13 @@ impl CertKeeper {
                 }
                 if let Plan::Wait(why) = &step {
                     report.waiting = Some(why.clone());
+                }
+                if report.waiting != self.last_waiting {
+                    if let Some(why) = &report.waiting {
+                        tracing::info!(secret = %format!("{}/{name}", self.cfg.namespace), waiting = %why,
+                            "a step of the self-signed webhook certificate rotation is due and waits");
+                    }
+                    self.last_waiting = report.waiting.clone();
                 }
                 match apply(
                     &step,

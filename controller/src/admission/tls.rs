@@ -15,6 +15,9 @@
 //!   put it into the MutatingWebhookConfiguration / ValidatingWebhookConfiguration:
 //!   [`set_ca_bundle`] sets `webhooks[].clientConfig.caBundle` on a configuration object, ready
 //!   to be applied. Writing it into the cluster is the in-cluster controller's job.
+//!   [`generate_ca`] and [`issue_serving`] take the issue time and lifetime explicitly (the
+//!   rotation of `super::ca_bundle` and its tests inject time), and [`parse_certs`] reads what
+//!   the rotation decides on ([`CertInfo`]: validity, key identifiers, public key).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
