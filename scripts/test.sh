@@ -52,6 +52,11 @@ step "cluster.sh up --bare" bare up --bare
 # Its output is kept (target/test-output.log) for the verdict line's counts.
 step "cargo test" bash -c 'set -o pipefail; cargo test --workspace --locked --no-fail-fast 2>&1 | tee target/test-output.log'
 
+# Every relative link and repository path in README.md, docs/ and chart/README.md, and in the
+# binaries' --help texts, resolves inside this repository; cited specs and issues are in
+# docs/glossary.md (scripts/check-docs.py, a second).
+step "docs check" python3 scripts/check-docs.py
+
 # Least privilege from the apiserver's audit log of the run above: every request the chart's
 # identities made was allowed, and every grant was used (cluster/audit_check.py).
 step "audit check" .venv/chart-tests/bin/python cluster/audit_check.py "$(dirname "$(bash scripts/cluster.sh env)")"

@@ -35,10 +35,10 @@ enum Command {
     /// Engine KV-event tools.
     #[command(subcommand)]
     Kv(KvCommand),
-    /// Qualify a storage provider for the model cache (spec 004 "Qualification"): a writer
-    /// process fills the writer volume and exits, the reader must see identical bytes (SHA-256)
-    /// and refuse every write with EROFS, the reclaim policy must be Retain. Prints a report to
-    /// cite. Exit status: 0 qualified, 1 not qualified, 2 the run could not be made.
+    /// Qualify a storage provider for the model cache (docs/model-cache.md "Enabling a
+    /// provider"): a writer process fills the writer volume and exits, the reader must see
+    /// identical bytes (SHA-256) and refuse every write with EROFS, the reclaim policy must be
+    /// Retain. Prints a report to cite. Exit status: 0 qualified, 1 not qualified, 2 the run could not be made.
     Qualify(ic_agent::qualify::QualifyArgs),
     /// Per-pod KV-event subscriber (the kvevent-subscriber sidecar the Pod webhook appends when
     /// the controller runs with --kvevent-subscriber-image): follow ONE engine publisher and

@@ -272,7 +272,9 @@ impl QualifyReport {
     /// The human report to paste into a commit that enables a provider.
     pub fn render_text(&self) -> String {
         let mut s = String::new();
-        s.push_str("ic-agent qualify: storage qualification (spec 004 \"Qualification\")\n");
+        s.push_str(
+            "ic-agent qualify: storage qualification (docs/model-cache.md \"Enabling a provider\")\n",
+        );
         s.push_str(&format!("writer path:  {}\n", self.writer_path));
         s.push_str(&format!("reader path:  {}\n", self.reader_path));
         let or_unknown =

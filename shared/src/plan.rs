@@ -423,7 +423,9 @@ impl NodePlan {
         })?;
         let mut ignored = Vec::new();
         let plan = serde_ignored::deserialize(serde_yaml::Deserializer::from_str(text), |path| {
-            ignored.push(path.to_string())
+            // serde_ignored writes an optional field's value as a `?` segment
+            // (`shm.?.requiredByte`); the plan's own path is `shm.requiredByte`.
+            ignored.push(path.to_string().replace(".?.", ".").replace("?.", ""))
         })
         .map_err(|e| PlanError::Parse {
             origin: origin.to_string(),
@@ -508,6 +510,16 @@ mod tests {
         );
         let (_, none) = NodePlan::parse_pushed("engines: [{pod: p}]", "c").unwrap();
         assert!(none.is_empty());
+        // A misspelt field of an optional section is named by its path, without serde's `?`.
+        match NodePlan::parse("shm:\n  requiredBytes: 1\n  requiredByte: 1\n", "file") {
+            Err(PlanError::Parse { message, .. }) => {
+                assert!(
+                    message.contains("unknown field(s): shm.requiredByte"),
+                    "{message}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

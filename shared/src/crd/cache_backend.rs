@@ -80,8 +80,8 @@ pub mod backend_condition {
     pub const T2_DEGRADED: &str = "T2Degraded";
     /// Advisory engine↔connector observation (Offload-managed only).
     pub const ENGINE_COMPATIBILITY: &str = "EngineCompatibility";
-    /// Advisory roll-up of node-agent checks on nodes running matched engine pods (DESIGN.md
-    /// "Status"); never gates Ready.
+    /// Advisory roll-up of node-agent checks on nodes running matched engine pods
+    /// (`docs/crds.md` "status"); never gates Ready.
     pub const NODE_HEALTHY: &str = "NodeHealthy";
     /// Advisory SGLang HiCache host-tier write/read round trip of the matched engine pods
     /// (`(SGLang, SGLangHiCache)` backends only; issue 19 item 4, `docs/kv-events.md` "SGLang

@@ -116,7 +116,7 @@ impl From<CheckStatus> for NodeHealth {
     status = "CacheNodeStatus",
     derive = "Default",
     derive = "PartialEq",
-    doc = "CacheNode reports one node's agent checks, GPUs and KV-event streams (DESIGN.md \"Status\").",
+    doc = "CacheNode reports one node's agent checks, GPUs and KV-event streams (docs/crds.md \"CacheNode\").",
     printcolumn = r#"{"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name": "GPUs", "type": "integer", "jsonPath": ".status.gpuCount"}"#,
     printcolumn = r#"{"name": "Engines", "type": "integer", "jsonPath": ".status.engineCount"}"#,
