@@ -14,7 +14,7 @@
 # Binaries: $IC_BIN_DIR if set, else ${CARGO_TARGET_DIR:-target}/debug. Ones that are newer than
 # every source file (e.g. what ./scripts/test.sh just built) are used as they are; otherwise
 # `cargo build` runs with its progress shown — with the workspace's dev-dependency features
-# (`--workspace --bins --examples`), exactly the dependency build `./scripts/test.sh` uses, so
+# (`--workspace --examples`), exactly the dependency build `./scripts/test.sh` uses, so
 # running one after the other compiles every dependency once.
 #
 # Environment: IC_PLAN (node plan; a relative path is taken from the directory the script is run
@@ -70,8 +70,10 @@ else
   say "building ic-controller and ic-agent into $BIN (first build: several minutes)"
   # --workspace --examples: the dependencies get the features `cargo test --workspace` gives
   # them (dev-dependencies unify features only when a target that uses them is built), so
-  # ./scripts/test.sh afterwards reuses every dependency instead of recompiling ~60 of them.
-  cargo build --locked --workspace --bins --examples
+  # ./scripts/test.sh afterwards reuses every unit built here instead of recompiling ~60 crates
+  # (checked with `cargo +nightly build -Z unstable-options --unit-graph`: all 445 units of this
+  # command are units of `cargo test --workspace --no-run`).
+  cargo build --locked --workspace --bin ic-controller --bin ic-agent --examples
 fi
 
 # --- ports: refuse to start next to something that already listens -------------------------------
