@@ -610,9 +610,10 @@ class LogsHandler(http.server.BaseHTTPRequestHandler):
                 return
             body = (f"container {parts[3]} of pod {parts[1]}/{parts[2]} did not run on this host: kwok "
                     "plays that pod (nothing runs), or it has not started\n").encode()
+            status = 400  # as the kubelet (and kwok) answer a container without logs: its message shown
         else:
-            body = b"only /containerLogs/ is served here\n"
-        self.send_response(404)
+            body, status = b"only /containerLogs/ is served here\n", 404
+        self.send_response(status)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
