@@ -1207,7 +1207,8 @@ mod tests {
             (CheckStatus::Ok, GPU_NOT_EXPECTED)
         );
         assert!(
-            r.message.starts_with("not a GPU node (plan gpuNode=false): no NVIDIA kernel driver"),
+            r.message
+                .starts_with("not a GPU node (plan gpuNode=false): no NVIDIA kernel driver"),
             "{}",
             r.message
         );
@@ -1259,8 +1260,9 @@ mod tests {
         assert_eq!(r.observed["deviceCount"], "2");
         assert_eq!(r.observed["models"], "NVIDIA H100 80GB HBM3, NVIDIA H200");
         assert!(
-            r.message
-                .starts_with("NVML shows 2 GPU(s) (NVIDIA H100 80GB HBM3, NVIDIA H200) on this node"),
+            r.message.starts_with(
+                "NVML shows 2 GPU(s) (NVIDIA H100 80GB HBM3, NVIDIA H200) on this node"
+            ),
             "{}",
             r.message
         );

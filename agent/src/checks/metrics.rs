@@ -44,8 +44,11 @@ pub struct CheckMetrics {
     mp_workers: IntGaugeVec,
     xid_seen: Arc<Mutex<HashMap<String, u64>>>,
     /// Last `(uuid, model)` seen per `gpu` index (`gpu`) or CUDA ordinal (`cuda`).
-    identity: Arc<Mutex<HashMap<(&'static str, String), (String, String)>>>,
+    identity: Arc<Mutex<Identities>>,
 }
+
+/// `(check, index) → (uuid, model)`.
+type Identities = HashMap<(&'static str, String), (String, String)>;
 
 /// The labels every per-GPU series carries besides its index.
 const GPU_LABELS: [&str; 3] = ["gpu", "uuid", "model"];
@@ -207,9 +210,11 @@ impl CheckMetrics {
         let model = r.observed.get("name").cloned().unwrap_or(known.1.clone());
         let id = (uuid, model);
         if check == "gpu" && known != id && ids.contains_key(&key) {
-            let _ = self
-                .gpu_xid_events
-                .remove_label_values(&[index, known.0.as_str(), known.1.as_str()]);
+            let _ = self.gpu_xid_events.remove_label_values(&[
+                index,
+                known.0.as_str(),
+                known.1.as_str(),
+            ]);
         }
         ids.insert(key, id.clone());
         id
@@ -347,7 +352,11 @@ mod tests {
             )),
             "{text}"
         );
-        assert_eq!(text.matches("inferencecache_agent_gpu_status{").count(), 1, "{text}");
+        assert_eq!(
+            text.matches("inferencecache_agent_gpu_status{").count(),
+            1,
+            "{text}"
+        );
         // another GPU under the same index (replaced): the old identity's counter goes
         let other = CheckResult::new("gpu", "gpu0", CheckStatus::Ok, "GpuOk", "m")
             .with("uuid", "GPU-other")
