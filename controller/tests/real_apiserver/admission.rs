@@ -7,7 +7,8 @@ use std::time::Duration;
 use ic_controller::admission::pod::ANNOTATION_INJECTED_BY;
 use ic_shared::crd::CacheBackend;
 use k8s_openapi::api::core::v1::{Pod, Secret};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
 use crate::support::{wait_for, Cluster};
@@ -235,6 +236,106 @@ async fn engine_pod_is_wired_on_a_real_create() {
         .annotations
         .unwrap_or_default()
         .contains_key(ANNOTATION_INJECTED_BY));
+    c.drop_namespace(&ns).await;
+}
+
+/// Field case (issue 39 item 1), through the apiserver's own admission chain: an SGLang engine
+/// whose KV-event publisher binds `tcp://*:5555`, the port the LMCache MP worker takes by
+/// default. The Pod webhook used to drop only the subscriber and still inject the worker on
+/// 5555, so the engine or the worker could never bind. The stored pod must come back unwired —
+/// no worker, no `injected-by` — with the reason in `not-injected`, and the running controller
+/// records a Warning `NotInjected` Event on it. The same engine publishing on 5557 is wired
+/// (the webhook is called and wires this backend's pods).
+#[tokio::test]
+async fn an_engine_listener_on_the_mp_worker_port_leaves_the_pod_unwired_with_an_event() {
+    let c = Cluster::get().await;
+    let ns = c.namespace("mpport").await;
+    Api::<CacheBackend>::namespaced(c.admin.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &backend(
+                "sglang-host",
+                json!({"runtime": "SGLang", "type": "LMCache",
+                       "engineSelector": {"matchLabels": {"app": "sglang"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(c.admin.clone(), &ns);
+    let pod = |name: &str, publisher_port: u16| -> Pod {
+        let config = format!(r#"{{"publisher":"zmq","endpoint":"tcp://*:{publisher_port}"}}"#);
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": "sglang"}},
+            "spec": {"containers": [{
+                "name": "sglang", "image": "lmsysorg/sglang:v0.5.5",
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "args": ["--model-path", "Qwen/Qwen3-8B", "--port", "30000",
+                         "--kv-events-config", config]
+            }]}
+        }))
+        .unwrap()
+    };
+    let worker = |p: &Pod| {
+        p.spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_ref())
+            .is_some_and(|ics| ics.iter().any(|c| c.name == "lmcache-mp-worker"))
+    };
+    // The webhook's backend store is watch-fed: retry with new pods until this backend wires.
+    let mut n = 0;
+    let wired = wait_for("a wired SGLang pod", Duration::from_secs(30), || {
+        n += 1;
+        let p = pod(&format!("engine-5557-{n}"), 5557);
+        let pods = pods.clone();
+        async move {
+            let created = pods.create(&PostParams::default(), &p).await.unwrap();
+            created
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_INJECTED_BY))
+                .is_some()
+                .then_some(created)
+        }
+    })
+    .await;
+    assert!(worker(&wired), "{:?}", wired.spec);
+
+    let created = pods
+        .create(&PostParams::default(), &pod("engine-5555", 5555))
+        .await
+        .unwrap();
+    let annotations = created.metadata.annotations.clone().unwrap_or_default();
+    assert!(
+        !annotations.contains_key(ANNOTATION_INJECTED_BY),
+        "{annotations:?}"
+    );
+    assert!(!worker(&created), "{:?}", created.spec);
+    let reason = annotations
+        .get("inferencecache.io/not-injected")
+        .unwrap_or_else(|| panic!("no not-injected annotation: {annotations:?}"));
+    assert!(
+        reason.contains(&format!("CacheBackend {ns}/sglang-host: the LMCache MP worker would listen on port 5555, which is the KV-event publisher of data-parallel rank 0 (container \"sglang\"); set spec.lmCache.workerPort to a free port")),
+        "{reason}"
+    );
+    let event = wait_for("a NotInjected Event", Duration::from_secs(60), || async {
+        Api::<Event>::namespaced(c.admin.clone(), &ns)
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("NotInjected")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("engine-5555")
+            })
+    })
+    .await;
+    assert_eq!(event.type_.as_deref(), Some("Warning"));
+    assert!(
+        event.note.as_deref().unwrap_or("").contains("port 5555"),
+        "{event:?}"
+    );
     c.drop_namespace(&ns).await;
 }
 
