@@ -72,7 +72,7 @@ typedef unsigned long long CUdeviceptr;
 typedef struct { char bytes[16]; } CUuuid;
 static int ctx_token, module_token, function_token;
 
-static void logf(const char *what) {
+static void fake_log(const char *what) {
     FILE *f;
     if (!FAKE_LOG[0]) return;
     f = fopen(FAKE_LOG, "a");
@@ -80,7 +80,7 @@ static void logf(const char *what) {
 }
 
 CUresult cuInit(unsigned flags) {
-    (void)flags; logf("cuInit");
+    (void)flags; fake_log("cuInit");
     if (FAKE_INIT_SLEEP_US && (!FAKE_INIT_SLEEP_FILE[0] || access(FAKE_INIT_SLEEP_FILE, F_OK) == 0))
         usleep(FAKE_INIT_SLEEP_US);
     return FAKE_INIT_RC;
@@ -103,9 +103,9 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
     if (d == 1 && FAKE_CTX_RC_DEV1) return FAKE_CTX_RC_DEV1;
-    logf("retain"); *c = &ctx_token; return 0;
+    fake_log("retain"); *c = &ctx_token; return 0;
 }
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; logf("release"); return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; fake_log("release"); return 0; }
 CUresult cuCtxSetCurrent(CUcontext c) { (void)c; return 0; }
 CUresult cuCtxSynchronize(void) { return 0; }
 CUresult cuModuleLoadData(CUmodule *m, const void *image) {
@@ -114,16 +114,16 @@ CUresult cuModuleLoadData(CUmodule *m, const void *image) {
     if (!v || sscanf(v, ".version %d.%d", &major, &minor) != 2) return 218; /* INVALID_PTX */
     if (major * 10 + minor > FAKE_MAX_PTX) return 222;   /* UNSUPPORTED_PTX_VERSION */
     if (!strstr(ptx, ".entry ic_probe(") || !strstr(ptx, ".target sm_")) return 218;
-    logf("load"); *m = &module_token; return 0;
+    fake_log("load"); *m = &module_token; return 0;
 }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
     (void)m;
     if (strcmp(name, "ic_probe") != 0) return 500; /* NOT_FOUND */
     *f = &function_token; return 0;
 }
-CUresult cuModuleUnload(CUmodule m) { (void)m; logf("unload"); return 0; }
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { void *m = malloc(n); if (!m) return 2; logf("alloc"); *p = (CUdeviceptr)(size_t)m; return 0; }
-CUresult cuMemFree_v2(CUdeviceptr p) { free((void *)(size_t)p); logf("free"); return 0; }
+CUresult cuModuleUnload(CUmodule m) { (void)m; fake_log("unload"); return 0; }
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { void *m = malloc(n); if (!m) return 2; fake_log("alloc"); *p = (CUdeviceptr)(size_t)m; return 0; }
+CUresult cuMemFree_v2(CUdeviceptr p) { free((void *)(size_t)p); fake_log("free"); return 0; }
 #ifndef FAKE_NO_LAUNCH_SYMBOL
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         unsigned by, unsigned bz, unsigned shmem, void *stream, void **params,
@@ -135,7 +135,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     n = *(unsigned *)params[1];
     for (i = 0; i < gx * bx && i < n; i++) out[i] = i * 3 + 7;
     if (FAKE_CORRUPT) out[3] = 0;
-    logf("launch");
+    fake_log("launch");
     return 0;
 }
 #endif
