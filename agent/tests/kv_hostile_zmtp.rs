@@ -14,7 +14,8 @@
 //! - `ic-agent kv tail` ends with an error naming the drop (not an abort), and a hostile replay
 //!   socket is reported as a failed replay while the live stream is still printed;
 //! - in process, a hub with the 256 MiB publisher and replay socket beside a genuine stream:
-//!   the process's peak RSS does not grow by the frame, and the genuine stream flows.
+//!   the process's peak RSS does not grow by the frame, and the genuine stream flows;
+//! - the same over `ipc://` endpoints.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -78,12 +79,11 @@ fn ready(socket_type: &str) -> Vec<u8> {
 }
 
 fn attack(
-    mut s: TcpStream,
+    mut s: impl Read + Write,
     socket_type: &'static str,
     attack: Attack,
     delivered: &AtomicUsize,
 ) -> std::io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
     s.write_all(&greeting())?;
     let mut peer = [0u8; 64];
     s.read_exact(&mut peer)?;
@@ -132,12 +132,37 @@ fn hostile(socket_type: &'static str, what: Attack) -> Hostile {
             let (count, whole) = (count.clone(), whole.clone());
             std::thread::spawn(move || {
                 count.fetch_add(1, Ordering::SeqCst);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
                 let _ = attack(s, socket_type, what, &whole);
             });
         }
     });
     Hostile {
         port,
+        attacked,
+        delivered,
+    }
+}
+
+/// The same peer on a Unix socket at `path` (an `ipc://` endpoint); `port` is 0.
+fn hostile_ipc(path: &Path, socket_type: &'static str, what: Attack) -> Hostile {
+    let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+    let attacked = Arc::new(AtomicUsize::new(0));
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let (count, whole) = (attacked.clone(), delivered.clone());
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(s) = s else { continue };
+            let (count, whole) = (count.clone(), whole.clone());
+            std::thread::spawn(move || {
+                count.fetch_add(1, Ordering::SeqCst);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+                let _ = attack(s, socket_type, what, &whole);
+            });
+        }
+    });
+    Hostile {
+        port: 0,
         attacked,
         delivered,
     }
@@ -157,13 +182,17 @@ fn fixture() -> PathBuf {
 
 /// A genuine publisher (vLLM 0.24.0's golden frames) repeating its frames until aborted.
 fn genuine(port: u16) -> tokio::task::JoinHandle<()> {
+    genuine_at(format!("tcp://127.0.0.1:{port}"))
+}
+
+/// The same at any endpoint (`ipc://…`).
+fn genuine_at(endpoint: String) -> tokio::task::JoinHandle<()> {
     let opts = PublishOptions {
         connect_wait: Duration::from_millis(300),
         interval: Duration::from_millis(20),
         repeat: 0,
         ..PublishOptions::default()
     };
-    let endpoint = format!("tcp://127.0.0.1:{port}");
     tokio::spawn(async move {
         let _ = publish_fixture(&fixture(), &endpoint, None, &opts).await;
     })
@@ -502,4 +531,48 @@ async fn in_process_a_256_mib_frame_is_never_buffered_and_the_genuine_stream_flo
     assert_eq!(big_replay.delivered.load(Ordering::SeqCst), 0);
     assert!(counter("team-a/big#0", "events") >= 1);
     assert!(counter("team-a/good#0", "replay") >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipc_publishers_go_through_the_same_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad_path = dir.path().join("bad.sock");
+    let big = hostile_ipc(&bad_path, "PUB", Attack::Frame(BIG));
+    let good = format!("ipc://{}", dir.path().join("good.sock").display());
+    let publisher = genuine_at(good.clone());
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    hub.apply_plan(&NodePlan {
+        engines: vec![
+            engine("ipc-bad", format!("ipc://{}", bad_path.display()), None),
+            engine("ipc-good", good, None),
+        ],
+        ..NodePlan::default()
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = hub.take_deltas();
+        let status = hub.status();
+        let decoded = status
+            .iter()
+            .find(|s| s.stream_id == "team-a/ipc-good#0")
+            .map_or(0, |s| s.batches_decoded);
+        let dropped = sample(
+            &prometheus::TextEncoder::new()
+                .encode_to_string(&reg.gather())
+                .unwrap(),
+            "inferencecache_agent_kv_peers_dropped_total",
+            &["stream=\"team-a/ipc-bad#0\"", "reason=\"frame_too_large\""],
+        );
+        if dropped >= 2.0 && decoded >= 20 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ipc: dropped {dropped}, decoded {decoded}: {status:#?}"
+        );
+    }
+    publisher.abort();
+    assert_eq!(big.delivered.load(Ordering::SeqCst), 0);
 }

@@ -4,7 +4,11 @@
 //! Two tasks per stream:
 //!
 //! - the **reader** owns the SUB socket (subscribed to the topic prefix before it connects, and
-//!   polled from the moment it exists, so the subscription always reaches the publisher). It
+//!   polled from the moment it exists, so the subscription always reaches the publisher). The
+//!   socket never talks to the engine directly: it connects to a one-shot loopback relay
+//!   ([`zmtp_guard`]) that drops an engine announcing a frame or message over the stream's
+//!   limit ([`SubscriberOptions::max_message_bytes`], [`StreamConfig::max_message_bytes`]);
+//!   replay DEALERs go through the same relay. It
 //!   connects with exponential backoff ([`SubscriberOptions::reconnect_initial`] doubling up to
 //!   [`SubscriberOptions::reconnect_max`], 1 s by default, so a restarted local engine is
 //!   re-attached within about a second). When the publisher goes away it drops the socket and
@@ -344,18 +348,20 @@ fn record_peer_drop(shared: &StreamShared, sink: &Sink, socket: &'static str, d:
 /// Connects a SUB socket (subscribed first) through the guard ([`zmtp_guard`]) with capped
 /// exponential backoff; for an `@…` endpoint ([`bound_endpoint`]) binds the guard's listener
 /// there instead and returns once a publisher has connected. The returned [`Guarded`] relay
-/// must live as long as the socket.
+/// must live as long as the socket. `backoff` is the wait after the next failure; the caller
+/// resets it once a connection delivered a message, so a publisher that is dropped before its
+/// first message (a hostile one) is retried at most every [`SubscriberOptions::reconnect_max`].
 async fn connect_sub(
     shared: &Arc<StreamShared>,
     sink: &Sink,
     opts: &SubscriberOptions,
+    backoff: &mut Duration,
 ) -> (
     SubSocket,
     futures::channel::mpsc::Receiver<SocketEvent>,
     Guarded,
 ) {
     let id = shared.id();
-    let mut backoff = opts.reconnect_initial;
     let on_drop: OnDrop = {
         let (shared, sink) = (shared.clone(), sink.clone());
         Arc::new(move |d| record_peer_drop(&shared, &sink, "events", d))
@@ -402,9 +408,13 @@ async fn connect_sub(
         };
         tracing::debug!(stream = %id, "kv events: {error}");
         shared.lock().stats.last_error = Some(error);
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(opts.reconnect_max.max(opts.reconnect_initial));
+        tokio::time::sleep(*backoff).await;
+        *backoff = next_backoff(*backoff, opts);
     }
+}
+
+fn next_backoff(backoff: Duration, opts: &SubscriberOptions) -> Duration {
+    (backoff * 2).min(opts.reconnect_max.max(opts.reconnect_initial))
 }
 
 /// The reader's end of the queue: messages and the payload bytes they hold.
@@ -421,9 +431,12 @@ fn message_bytes(m: &ZmqMessage) -> usize {
 async fn read_loop(shared: Arc<StreamShared>, sink: Sink, opts: SubscriberOptions, queue: Queue) {
     let id = shared.id().to_string();
     set_connected(&shared, &sink, false);
+    let mut backoff = opts.reconnect_initial;
     loop {
         // `_relay` carries the engine's bytes to `sock`; dropping it closes the connection.
-        let (mut sock, mut monitor, _relay) = connect_sub(&shared, &sink, &opts).await;
+        let (mut sock, mut monitor, _relay) =
+            connect_sub(&shared, &sink, &opts, &mut backoff).await;
+        let received_before = shared.lock().stats.batches_received;
         let epoch = shared.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, epoch, "kv events: connected");
         // The connect errors before this connection are history: /v1/report's lastError shows
@@ -496,6 +509,14 @@ async fn read_loop(shared: Arc<StreamShared>, sink: Sink, opts: SubscriberOption
         set_connected(&shared, &sink, false);
         shared.link_changed.notify_one();
         tracing::info!(stream = %id, endpoint = %shared.spec.endpoint, "kv events: publisher gone; reconnecting");
+        if shared.lock().stats.batches_received > received_before {
+            backoff = opts.reconnect_initial;
+        } else {
+            // Nothing came on that connection (an engine dropped by the guard at its first
+            // header, or one that keeps going away): wait before the next one, longer each time.
+            tokio::time::sleep(backoff).await;
+            backoff = next_backoff(backoff, &opts);
+        }
     }
 }
 
