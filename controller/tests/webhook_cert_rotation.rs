@@ -596,3 +596,21 @@ async fn a_secret_not_labelled_as_the_controllers_is_served_but_never_written() 
     );
     assert_eq!(metrics.problem.with_label_values(&["NotManaged"]).get(), 1);
 }
+
+/// A fresh install: the first check creates the Secret and puts its CA into the webhook
+/// configurations in the same round (the CacheBackend webhook fails closed: before this, every
+/// CacheBackend write was refused until the next check, a minute later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_check_creates_the_secret_and_publishes_its_ca_at_once() {
+    let env = env().await;
+    let mut keeper = CertKeeper::new(env.bare.admin.clone(), settings(&env));
+    let report = keeper.tick(now()).await.unwrap();
+    assert_eq!(report.action, Some("create"), "{report:?}");
+    let (created, _) = stored(&env).await;
+    let ca = created
+        .ca_pem
+        .clone()
+        .expect("the created Secret holds ca.crt");
+    assert_eq!(ca_bundles(&env).await, vec![ca; 3]);
+    assert_eq!(keeper.served().unwrap().cert_pem, created.cert_pem.unwrap());
+}

@@ -759,6 +759,60 @@ impl CertKeeper {
         }
     }
 
+    /// Generates a CA and serving certificate and creates the Secret with them; on a 409
+    /// (another replica created it first) returns that replica's bundle instead.
+    ///
+    /// Errors: generation fails; the create fails otherwise; the winner's Secret cannot be read.
+    async fn create_secret(
+        &mut self,
+        api: &Api<Secret>,
+        name: &str,
+        now: i64,
+        report: &mut TickReport,
+    ) -> Result<StoredBundle, CaBundleError> {
+        let ca = tls::generate_ca(now, self.cfg.policy.ca_lifetime)?;
+        let leaf = tls::issue_serving(
+            &ca,
+            &self.cfg.subject_alt_names,
+            now,
+            self.cfg.policy.leaf_lifetime,
+        )?;
+        let fresh = StoredBundle {
+            ca_pem: Some(ca.cert_pem),
+            ca_key_pem: Some(ca.key_pem),
+            cert_pem: Some(leaf.cert_pem),
+            key_pem: Some(leaf.key_pem),
+            updated_at: Some(now),
+        };
+        match api
+            .create(
+                &PostParams::default(),
+                &fresh.to_secret(&self.cfg.namespace, name),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.count_write("create", "written");
+                report.action = Some("create");
+                tracing::info!(secret = %format!("{}/{name}", self.cfg.namespace),
+                    "generated the self-signed webhook CA and serving certificate and stored them for the other replicas");
+                Ok(fresh)
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                // Another replica created it first: serve its bundle.
+                self.count_write("create", "conflict");
+                report.conflict = true;
+                let s = api.get(name).await.map_err(self.kube_err("reading"))?;
+                Ok(StoredBundle::from_secret(&s))
+            }
+            Err(e) => {
+                self.count_write("create", "failed");
+                self.set_problems(&[(SecretProblem::ApiError, format!("creating it failed: {e}"))]);
+                Err(self.kube_err("creating")(e))
+            }
+        }
+    }
+
     /// One round at `now` (Unix seconds): read the Secret (create it when absent), publish its
     /// CAs, write the rotation's next step if due, and serve the Secret's serving certificate.
     ///
@@ -780,50 +834,14 @@ impl CertKeeper {
         let mut problems = Vec::new();
         let stored = match read {
             None => {
-                let ca = tls::generate_ca(now, self.cfg.policy.ca_lifetime)?;
-                let leaf = tls::issue_serving(
-                    &ca,
-                    &self.cfg.subject_alt_names,
-                    now,
-                    self.cfg.policy.leaf_lifetime,
-                )?;
-                let fresh = StoredBundle {
-                    ca_pem: Some(ca.cert_pem),
-                    ca_key_pem: Some(ca.key_pem),
-                    cert_pem: Some(leaf.cert_pem),
-                    key_pem: Some(leaf.key_pem),
-                    updated_at: Some(now),
-                };
-                match api
-                    .create(
-                        &PostParams::default(),
-                        &fresh.to_secret(&self.cfg.namespace, &name),
-                    )
-                    .await
-                {
-                    Ok(_) => {
-                        self.count_write("create", "written");
-                        report.action = Some("create");
-                        tracing::info!(secret = %format!("{}/{name}", self.cfg.namespace),
-                            "generated the self-signed webhook CA and serving certificate and stored them for the other replicas");
-                        fresh
-                    }
-                    Err(kube::Error::Api(s)) if s.code == 409 => {
-                        // Another replica created it first: serve its bundle.
-                        self.count_write("create", "conflict");
-                        report.conflict = true;
-                        let s = api.get(&name).await.map_err(self.kube_err("reading"))?;
-                        StoredBundle::from_secret(&s)
-                    }
-                    Err(e) => {
-                        self.count_write("create", "failed");
-                        self.set_problems(&[(
-                            SecretProblem::ApiError,
-                            format!("creating it failed: {e}"),
-                        )]);
-                        return Err(self.kube_err("creating")(e));
-                    }
+                let created = self.create_secret(&api, &name, now, &mut report).await?;
+                // Publish at once: the CacheBackend webhook fails closed, so until caBundle
+                // carries this CA every CacheBackend write is refused (and engine pods go
+                // unwired) — a fresh install must not wait for the next check.
+                if let Some(ca) = &created.ca_pem {
+                    self.publish(ca).await;
                 }
+                created
             }
             Some(secret) => {
                 let stored = StoredBundle::from_secret(&secret);
