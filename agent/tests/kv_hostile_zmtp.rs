@@ -15,7 +15,9 @@
 //!   socket is reported as a failed replay while the live stream is still printed;
 //! - in process, a hub with the 256 MiB publisher and replay socket beside a genuine stream:
 //!   the process's peak RSS does not grow by the frame, and the genuine stream flows;
-//! - the same over `ipc://` endpoints.
+//! - the same over `ipc://` endpoints;
+//! - the limit is the plan's engine family's: an 8 MiB frame is refused on a vLLM stream (4 MiB)
+//!   and taken on an SGLang stream (16 MiB).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -575,4 +577,61 @@ async fn ipc_publishers_go_through_the_same_bounds() {
     }
     publisher.abort();
     assert_eq!(big.delivered.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limit_follows_the_plans_engine_family() {
+    // 8 MiB: over vLLM's 4 MiB, within SGLang's 16 MiB.
+    let to_vllm = hostile("PUB", Attack::Frame(8 << 20));
+    let to_sglang = hostile("PUB", Attack::Frame(8 << 20));
+    let reg = prometheus::Registry::new();
+    let hub = KvHub::new(&reg).unwrap();
+    let mut sglang = engine(
+        "sglang",
+        format!("tcp://127.0.0.1:{}", to_sglang.port),
+        None,
+    );
+    sglang.hash_scheme = HashScheme::Sglang;
+    hub.apply_plan(&NodePlan {
+        engines: vec![
+            engine("vllm", format!("tcp://127.0.0.1:{}", to_vllm.port), None),
+            sglang,
+        ],
+        ..NodePlan::default()
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&reg.gather())
+            .unwrap();
+        let received = hub
+            .status()
+            .iter()
+            .find(|s| s.stream_id == "team-a/sglang#0")
+            .map_or(0, |s| s.events_received);
+        let vllm_dropped = sample(
+            &text,
+            "inferencecache_agent_kv_peers_dropped_total",
+            &["stream=\"team-a/vllm#0\"", "reason=\"frame_too_large\""],
+        );
+        if vllm_dropped >= 1.0 && received >= 1 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "vLLM dropped {vllm_dropped}, SGLang received {received}"
+        );
+    };
+    // SGLang's stream took the frame whole (and dropped it as a malformed message, one frame).
+    assert_eq!(
+        sample(
+            &text,
+            "inferencecache_agent_kv_peers_dropped_total",
+            &["stream=\"team-a/sglang#0\""],
+        ),
+        0.0
+    );
+    assert!(to_sglang.delivered.load(Ordering::SeqCst) >= 1);
+    assert_eq!(to_vllm.delivered.load(Ordering::SeqCst), 0);
 }

@@ -25,7 +25,6 @@ use super::stream::{LinkState, StreamConfig};
 use super::subscriber::{
     self, Running, Sink, StreamInner, StreamShared, StreamSpec, SubscriberOptions,
 };
-use super::zmtp_guard::ZmtpLimits;
 
 /// The agent's KV-event hub. Cheap to clone (an `Arc` inside); all methods are thread-safe.
 #[derive(Clone)]
@@ -313,9 +312,6 @@ impl KvHub {
                         keeps_l2: e.keeps_l2,
                         block_size: e.block_size,
                         dp_rank: Some(src.dp_rank),
-                        max_message_bytes: ZmtpLimits::for_scheme(e.hash_scheme)
-                            .max_message_bytes
-                            .min(self.inner.stream_defaults.max_message_bytes),
                         ..self.inner.stream_defaults.clone()
                     },
                 };

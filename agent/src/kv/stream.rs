@@ -167,10 +167,6 @@ pub struct StreamConfig {
     /// The plan's data-parallel rank: a batch that reports another rank is not indexed
     /// ([`coverage::RANK_MISMATCH`]). `None` accepts any rank.
     pub dp_rank: Option<u32>,
-    /// Longest ZMQ message accepted from this engine's publisher and replay sockets, bytes:
-    /// the engine family's limit ([`super::zmtp_guard::ZmtpLimits::for_scheme`]: vLLM 4 MiB,
-    /// SGLang 16 MiB); default and ceiling [`super::zmtp_guard::HARD_MAX_MESSAGE_BYTES`].
-    pub max_message_bytes: usize,
 }
 
 impl Default for StreamConfig {
@@ -182,7 +178,6 @@ impl Default for StreamConfig {
             max_tombstones: 65_536,
             max_pending_keys: 1_000_000,
             dp_rank: None,
-            max_message_bytes: super::zmtp_guard::HARD_MAX_MESSAGE_BYTES,
         }
     }
 }

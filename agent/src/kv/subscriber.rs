@@ -7,7 +7,7 @@
 //!   polled from the moment it exists, so the subscription always reaches the publisher). The
 //!   socket never talks to the engine directly: it connects to a one-shot loopback relay
 //!   ([`zmtp_guard`]) that drops an engine announcing a frame or message over the stream's
-//!   limit ([`SubscriberOptions::max_message_bytes`], [`StreamConfig::max_message_bytes`]);
+//!   limit ([`stream_max_message_bytes`]);
 //!   replay DEALERs go through the same relay. It
 //!   connects with exponential backoff ([`SubscriberOptions::reconnect_initial`] doubling up to
 //!   [`SubscriberOptions::reconnect_max`], 1 s by default, so a restarted local engine is
@@ -55,6 +55,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::StreamExt;
 use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::decode_batch;
+use ic_shared::plan::HashScheme;
 use ic_shared::proto::StreamDescriptor;
 use ic_shared::timing::{self, Stage};
 use thiserror::Error;
@@ -124,7 +125,7 @@ pub struct SubscriberOptions {
     /// Ceiling of the longest ZMQ message (all frames) accepted from an engine's publisher or
     /// replay socket, bytes (default and maximum [`zmtp_guard::HARD_MAX_MESSAGE_BYTES`], 16 MiB);
     /// each stream takes the smaller of this and its engine's limit
-    /// ([`StreamConfig::max_message_bytes`]). A peer that announces more is dropped before
+    /// ([`stream_max_message_bytes`]). A peer that announces more is dropped before
     /// anything of that size is allocated ([`zmtp_guard`]).
     pub max_message_bytes: usize,
     /// Payload bytes buffered between the socket and the processor before messages are
@@ -248,6 +249,20 @@ impl Drop for Running {
     }
 }
 
+/// The longest message one stream's sockets accept, bytes: the engine family's limit
+/// ([`ZmtpLimits::for_scheme`] of the descriptor's `hash_scheme`: vLLM 4 MiB, SGLang 16 MiB;
+/// the hard cap for an unknown scheme), at most [`SubscriberOptions::max_message_bytes`]. It is
+/// not part of [`StreamConfig`], so the kept-state fingerprint of a stream stays as it was.
+pub fn stream_max_message_bytes(spec: &StreamSpec, opts: &SubscriberOptions) -> usize {
+    let engine = HashScheme::parse(&spec.descriptor.hash_scheme)
+        .map_or(zmtp_guard::HARD_MAX_MESSAGE_BYTES, |s| {
+            ZmtpLimits::for_scheme(s).max_message_bytes
+        });
+    engine
+        .min(opts.max_message_bytes)
+        .min(zmtp_guard::HARD_MAX_MESSAGE_BYTES)
+}
+
 /// Starts the reader and processor of one stream on `rt`.
 pub(crate) fn spawn(
     rt: &tokio::runtime::Handle,
@@ -255,10 +270,7 @@ pub(crate) fn spawn(
     sink: Sink,
     mut opts: SubscriberOptions,
 ) -> Running {
-    opts.max_message_bytes = opts
-        .max_message_bytes
-        .min(shared.spec.config.max_message_bytes)
-        .min(zmtp_guard::HARD_MAX_MESSAGE_BYTES);
+    opts.max_message_bytes = stream_max_message_bytes(&shared.spec, &opts);
     let (tx, rx) = mpsc::channel(opts.queue_capacity.max(1));
     let queued = Arc::new(AtomicUsize::new(0));
     let reader = rt.spawn(read_loop(
@@ -1548,4 +1560,52 @@ pub async fn request_replay(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(scheme: &str) -> StreamSpec {
+        StreamSpec {
+            descriptor: StreamDescriptor {
+                hash_scheme: scheme.into(),
+                ..StreamDescriptor::default()
+            },
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            config: StreamConfig::default(),
+        }
+    }
+
+    #[test]
+    fn each_engine_family_has_its_message_limit_within_the_hard_cap() {
+        let opts = SubscriberOptions::default();
+        assert_eq!(
+            stream_max_message_bytes(&spec("vllm"), &opts),
+            zmtp_guard::VLLM_MAX_MESSAGE_BYTES
+        );
+        assert_eq!(
+            stream_max_message_bytes(&spec("sglang"), &opts),
+            zmtp_guard::SGLANG_MAX_MESSAGE_BYTES
+        );
+        assert_eq!(
+            stream_max_message_bytes(&spec("trtllm"), &opts),
+            zmtp_guard::HARD_MAX_MESSAGE_BYTES
+        );
+        let lower = SubscriberOptions {
+            max_message_bytes: 1 << 20,
+            ..SubscriberOptions::default()
+        };
+        assert_eq!(stream_max_message_bytes(&spec("sglang"), &lower), 1 << 20);
+        let higher = SubscriberOptions {
+            max_message_bytes: usize::MAX,
+            ..SubscriberOptions::default()
+        };
+        assert_eq!(
+            stream_max_message_bytes(&spec("sglang"), &higher),
+            zmtp_guard::HARD_MAX_MESSAGE_BYTES
+        );
+    }
 }
