@@ -9,7 +9,8 @@ Scanned: README.md, docs/*.md, chart/README.md, and — when the binaries are fo
   2. every repository path quoted in backticks (`scripts/test.sh`, `agent/src/main.rs`, …)
      exists; placeholders (<…>, *, $, {…}) are not checked;
   3. no doc cites a file this repository does not have (DESIGN.md), and every "spec NNN" or
-     "issue N" it cites is listed in docs/glossary.md, which says what each stands for.
+     "issue N" it cites is listed in docs/glossary.md, which says what each stands for;
+  4. docs/README.md (the index) links every page in docs/.
 
 Exit 0 when all hold; else 1 with one line per broken reference (file:line: what). Needs only
 Python 3; takes well under a second plus the --help runs.
@@ -150,6 +151,12 @@ def main():
     for name in files:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
             check_text(name, f.read(), os.path.dirname(os.path.join(ROOT, name)), problems, cites)
+    # Every page is one hop from the index.
+    with open(os.path.join(ROOT, "docs/README.md"), encoding="utf-8") as f:
+        index = set(m.group(1).partition("#")[0] for m in LINK.finditer(f.read()))
+    for name in files:
+        if name.startswith("docs/") and name != "docs/README.md" and os.path.basename(name) not in index:
+            problems.append(f"docs/README.md: does not link {name} (every page is one hop from the index)")
     for name, text in help_texts():
         check_text(name, text, ROOT, problems, cites, links=False)
     for p in problems:
