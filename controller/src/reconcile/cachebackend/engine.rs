@@ -274,7 +274,11 @@ pub fn crash_loop_message(loops: &[CrashLoop]) -> String {
     let names: Vec<&str> = loops.iter().map(|l| l.pod.as_str()).collect();
     let lasts: Vec<String> = loops
         .iter()
-        .filter_map(|l| l.last_termination.as_ref().map(|t| format!("{}: {t}", l.pod)))
+        .filter_map(|l| {
+            l.last_termination
+                .as_ref()
+                .map(|t| format!("{}: {t}", l.pod))
+        })
         .collect();
     let last = if lasts.is_empty() {
         String::new()
@@ -511,6 +515,28 @@ pub fn injected_engine_deployments(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The episode's pods are read back from the message the condition carries.
+    #[test]
+    fn crash_loop_message_round_trips_its_pods() {
+        let loops = [
+            CrashLoop {
+                pod: "vllm-a".into(),
+                last_termination: Some("exit code 137 (OOMKilled)".into()),
+            },
+            CrashLoop {
+                pod: "vllm-b".into(),
+                last_termination: None,
+            },
+        ];
+        let m = crash_loop_message(&loops);
+        assert!(
+            m.contains("Last termination: vllm-a: exit code 137 (OOMKilled)."),
+            "{m}"
+        );
+        assert_eq!(crash_loop_pods(&m), vec!["vllm-a", "vllm-b"]);
+        assert!(crash_loop_pods("something else").is_empty());
+    }
 
     #[test]
     fn kernel_messages_are_the_adapters_verdicts() {
