@@ -567,10 +567,8 @@ fn an_engine_kv_listener_on_the_worker_port_leaves_the_pod_unwired() {
             "CacheBackend default/sglang-lmcache: the LMCache MP worker would listen on port 5555, which is the KV-event publisher of data-parallel rank 0 (container \"sglang-container\"); set spec.lmCache.workerPort to a free port; pod admitted unwired"
         );
         assert_fail_open_marked(&publisher, &outcome);
-        assert!(outcome
-            .warnings
-            .iter()
-            .any(|w| w.starts_with("pod admitted unwired: the LMCache MP worker would listen on port 5555")));
+        assert!(outcome.warnings.iter().any(|w| w
+            .starts_with("pod admitted unwired: the LMCache MP worker would listen on port 5555")));
         let out = apply(&publisher, &outcome);
         assert!(init_container(&out, "lmcache-mp-worker").is_none());
     }
@@ -596,11 +594,18 @@ fn an_engine_kv_listener_on_the_worker_port_leaves_the_pod_unwired() {
     let (outcome, wired) = admit_converged(&publisher, &[cb], &cfg());
     assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
     assert!(init_container(&wired, "lmcache-mp-worker").is_some());
-    assert_eq!(subscriber_names(&wired), vec!["kvevent-subscriber".to_string()]);
+    assert_eq!(
+        subscriber_names(&wired),
+        vec!["kvevent-subscriber".to_string()]
+    );
 
     // A config that does not publish binds nothing: the worker keeps 5555.
     let silent = with_events(r#"{"publisher":"null","endpoint":"tcp://*:5555"}"#);
-    let outcome = admit(&silent, &[backend(SGLANG_LMCACHE)], &PodWebhookConfig::default());
+    let outcome = admit(
+        &silent,
+        &[backend(SGLANG_LMCACHE)],
+        &PodWebhookConfig::default(),
+    );
     assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
 }
 

@@ -731,7 +731,8 @@ async fn a_benign_restart_is_not_a_crash_loop_only_the_kubelets_back_off_is() {
             "message": "back-off 20s restarting failed container=vllm pod=vllm-abc123-z_ns(uid)"}},
         "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
             "startedAt": at(12), "finishedAt": at(4), "containerID": id}}});
-    h.replace_pod(engine_status(base.clone(), backing_off)).await;
+    h.replace_pod(engine_status(base.clone(), backing_off))
+        .await;
     h.reconcile("kv").await;
     let st = h.status("kv").await;
     assert_eq!(
