@@ -531,6 +531,8 @@ pub struct Running {
     pub http_addr: SocketAddr,
     /// Bound HTTPS address of the admission webhooks (`None` when disabled).
     pub webhook_addr: Option<SocketAddr>,
+    /// Bound address of the separate health listener (`limits.health_addr`), if any.
+    pub health_addr: Option<SocketAddr>,
     /// Shared state (tests read the index and registry directly).
     pub shared: Arc<Shared>,
     /// Leadership of this replica.
@@ -627,6 +629,10 @@ where
     let clock: Arc<dyn Clock> = overrides.clock.unwrap_or_else(|| Arc::new(SystemClock));
     let (grpc_listener, grpc_addr) = bind(cfg.grpc_addr, &cfg.limits)?;
     let (http_listener, http_addr) = bind(cfg.http_addr, &cfg.limits)?;
+    let health_listener = match cfg.limits.health_addr {
+        Some(addr) => Some(bind(addr, &cfg.limits.health())?),
+        None => None,
+    };
 
     // One shutdown signal fans out to everything.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -775,7 +781,11 @@ where
         cfg.limits
             .grpc_server()
             .add_service(health_service)
-            .add_service(AgentIngest::with_auth(shared.clone(), auth).into_server())
+            .add_service(
+                AgentIngest::with_auth(shared.clone(), auth)
+                    .with_limits(&cfg.limits)
+                    .into_server(),
+            )
             .add_service(RouterServiceServer::new(match &access {
                 Some(a) => Router::new(shared.clone()).with_access(a.clone()),
                 None => Router::new(shared.clone()),
@@ -810,6 +820,35 @@ where
         Duration::from_secs(5),
     ));
 
+    // Probes get their own listener and slots: data clients that fill the HTTP listener's
+    // cannot fail the kubelet's probes (docs/security.md "Streams, handshakes and idle
+    // connections").
+    let mut health_addr = None;
+    let mut health_task = None;
+    if let Some((listener, addr)) = health_listener {
+        let mut health_stop = stop_rx.clone();
+        let app = http::health_router(ready.clone());
+        let limits = cfg.limits.health();
+        health_addr = Some(addr);
+        health_task = Some(tokio::spawn(async move {
+            if let Err(e) = serve::serve_http(
+                listener,
+                app,
+                limits,
+                Arc::new(ListenerStats::default()),
+                serve::plain,
+                async move {
+                    let _ = health_stop.wait_for(|s| *s).await;
+                },
+                Duration::from_secs(1),
+            )
+            .await
+            {
+                warn!(error = %e, "health listener failed");
+            }
+        }));
+    }
+
     // Parts owned by other modules.
     let ctx = RunContext {
         client,
@@ -834,6 +873,7 @@ where
         grpc_addr,
         http_addr,
         webhook_addr,
+        health_addr,
         shared,
         leader: leader_handle,
         grpc,
@@ -848,7 +888,10 @@ where
             tokenizer_watch,
             mirror,
             policies,
-        ],
+        ]
+        .into_iter()
+        .chain(health_task)
+        .collect(),
         parts,
     })
 }

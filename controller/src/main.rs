@@ -117,6 +117,8 @@ struct StandaloneArgs {
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
     keepalive: ic_shared::serve::GrpcKeepaliveArgs,
+    #[command(flatten)]
+    streams: ic_shared::serve::StreamLimitArgs,
     /// Listen on addresses beyond loopback although standalone mode authenticates nobody
     /// (agent streams, LookupRoute, /snapshot, /v1/nodes); without it such an address is refused.
     #[arg(long, env = "IC_ALLOW_UNAUTHENTICATED_NON_LOOPBACK")]
@@ -342,6 +344,8 @@ struct RunArgs {
     #[command(flatten)]
     keepalive: ic_shared::serve::GrpcKeepaliveArgs,
     #[command(flatten)]
+    streams: ic_shared::serve::StreamLimitArgs,
+    #[command(flatten)]
     tokenizers: ic_controller::tokenize::TokenizerArgs,
 }
 
@@ -425,7 +429,10 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             .map_err(|e: String| anyhow::anyhow!(e))?,
     };
     let control_namespace = a.model_cache_control_namespace.clone();
-    let limits = a.limits.with_keepalive(&a.keepalive);
+    let limits = a
+        .limits
+        .with_keepalive(&a.keepalive)
+        .with_streams(&a.streams);
     let model_cache = if a.model_cache_enabled {
         use ic_controller::reconcile::model_cache::{FeatureFlags, ModelCacheConfig};
         Some(ModelCacheConfig {
@@ -613,7 +620,10 @@ async fn run_main() -> anyhow::Result<()> {
                         .then_some(a.max_blocks_per_stream),
                     resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
                 },
-                limits: a.limits.with_keepalive(&a.keepalive),
+                limits: a
+                    .limits
+                    .with_keepalive(&a.keepalive)
+                    .with_streams(&a.streams),
                 allow_unauthenticated_non_loopback: a.allow_unauthenticated_non_loopback,
                 tokenizers: a.tokenizers.config(),
             };

@@ -103,10 +103,13 @@ pub struct Running {
     pub grpc_stats: Arc<ListenerStats>,
     /// The same for the HTTP listener.
     pub http_stats: Arc<ListenerStats>,
+    /// Bound address of the separate health listener (`limits.health_addr`), if any.
+    pub health_addr: Option<SocketAddr>,
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: JoinHandle<Result<(), std::io::Error>>,
     expiry: JoinHandle<()>,
     tokenizers: JoinHandle<()>,
+    health: Option<JoinHandle<Result<(), std::io::Error>>>,
 }
 
 impl Running {
@@ -114,6 +117,9 @@ impl Running {
     pub async fn wait(self) -> Result<(), ServeError> {
         let grpc = self.grpc.await;
         let http = self.http.await;
+        if let Some(h) = self.health {
+            h.await?.map_err(ServeError::Http)?;
+        }
         self.expiry.abort();
         self.tokenizers.abort();
         grpc??;
@@ -129,7 +135,10 @@ pub async fn start<F>(cfg: StandaloneConfig, shutdown: F) -> Result<Running, Ser
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    for addr in [cfg.grpc_addr, cfg.http_addr] {
+    for addr in [cfg.grpc_addr, cfg.http_addr]
+        .into_iter()
+        .chain(cfg.limits.health_addr)
+    {
         if !addr.ip().is_loopback() && !cfg.allow_unauthenticated_non_loopback {
             return Err(ServeError::Unauthenticated { addr });
         }
@@ -148,6 +157,15 @@ where
             addr: cfg.http_addr,
             source,
         })?;
+    let health_listener = match cfg.limits.health_addr {
+        Some(addr) => {
+            let bind = |source| ServeError::Bind { addr, source };
+            let l = serve::listen(addr, &cfg.limits.health()).map_err(bind)?;
+            let local = l.local_addr().map_err(bind)?;
+            Some((l, local))
+        }
+        None => None,
+    };
     let grpc_addr = grpc_listener
         .local_addr()
         .map_err(|source| ServeError::Bind {
@@ -177,7 +195,8 @@ where
         let _ = stop_tx.send(true);
     });
     let mut grpc_stop = stop_rx.clone();
-    let mut http_stop = stop_rx;
+    let mut http_stop = stop_rx.clone();
+    let mut health_stop = stop_rx;
 
     if !cfg.grpc_addr.ip().is_loopback() {
         warn!(addr = %grpc_addr, "standalone mode accepts agent streams WITHOUT authentication on a non-loopback address");
@@ -191,7 +210,11 @@ where
         cfg.limits
             .grpc_server()
             .add_service(health_service)
-            .add_service(AgentIngest::new(shared.clone()).into_server())
+            .add_service(
+                AgentIngest::new(shared.clone())
+                    .with_limits(&cfg.limits)
+                    .into_server(),
+            )
             .add_service(RouterServiceServer::new(Router::new(shared.clone())))
             .serve_with_incoming_shutdown(
                 serve::grpc_incoming(grpc_listener, cfg.limits, grpc_stats.clone()),
@@ -217,6 +240,26 @@ where
         },
         Duration::from_secs(5),
     ));
+    // Probes get their own listener and slots: data clients that fill the HTTP listener's
+    // cannot fail them (docs/security.md "Streams, handshakes and idle connections").
+    let (health_task, health_addr) = match health_listener {
+        Some((listener, addr)) => {
+            let limits = cfg.limits.health();
+            let task = tokio::spawn(serve::serve_http(
+                listener,
+                http::health_router(ready.clone()),
+                limits,
+                Arc::new(ListenerStats::default()),
+                serve::plain,
+                async move {
+                    let _ = health_stop.wait_for(|s| *s).await;
+                },
+                Duration::from_secs(1),
+            ));
+            (Some(task), Some(addr))
+        }
+        None => (None, None),
+    };
     let expiry = tokio::spawn(ingest::expire_nodes(shared.clone(), cfg.agent_expiry));
     let tokenizers = tokenize::load_and_watch(
         tokenizers,
@@ -232,9 +275,11 @@ where
         shared,
         grpc_stats,
         http_stats,
+        health_addr,
         grpc,
         http,
         expiry,
         tokenizers,
+        health: health_task,
     })
 }

@@ -27,7 +27,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -47,6 +47,26 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// Default time a gRPC peer has to answer a keep-alive ping before its connection is closed.
 pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Default cap on concurrent HTTP/2 streams per connection (`SETTINGS_MAX_CONCURRENT_STREAMS`;
+/// one more is reset with `REFUSED_STREAM`).
+pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 128;
+/// Default time a connection may have no request in flight before it is closed (HTTP/2
+/// keep-alive pings and other control frames do not count as requests).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default time an `AgentService.Connect` stream has to send a valid `Hello` (and, in cluster,
+/// be authenticated) once it is open.
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default bound on the bytes an `AgentService.Connect` stream may send before its `Hello` is
+/// accepted (the `Hello` itself included: a 1–2 KiB service-account token and a few names).
+pub const DEFAULT_PRE_AUTH_BYTES: usize = 64 * 1024;
+/// Default cap on connections of the separate health listener (`--health-addr`).
+pub const DEFAULT_HEALTH_MAX_CONNECTIONS: usize = 32;
+/// Longest header-read, request and idle bound of the health listener
+/// ([`ConnectionLimits::health`]).
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default cap on `AgentService.Connect` streams awaiting their `Hello` or its authentication
+/// at once, over all connections.
+pub const DEFAULT_MAX_PENDING_HELLOS: usize = 1024;
 
 /// The limits of one listener (`--*-max-connections`, `--*-header-read-timeout-seconds`, …;
 /// chart `values.yaml` `connectionLimits`).
@@ -65,6 +85,30 @@ pub struct ConnectionLimits {
     pub keepalive_interval: Duration,
     /// gRPC: time to answer a ping before the connection is closed.
     pub keepalive_timeout: Duration,
+    /// HTTP/2: concurrent streams per connection (`SETTINGS_MAX_CONCURRENT_STREAMS`); a client
+    /// that opens one more gets `RST_STREAM(REFUSED_STREAM)` for it.
+    pub max_concurrent_streams: u32,
+    /// Time a connection may have no request in flight (HTTP/1.1 and HTTP/2; keep-alive pings
+    /// and other control frames are not requests) before it is closed. Before its first
+    /// request a connection has [`Self::header_read_timeout`] instead, counted from accept: a
+    /// half-sent HTTP/2 preface, or a preface and no request, is cut then.
+    pub idle_timeout: Duration,
+    /// gRPC `AgentService.Connect`: time from the stream's start to an accepted `Hello`
+    /// (authentication included); the stream then ends with `DEADLINE_EXCEEDED`.
+    pub hello_timeout: Duration,
+    /// gRPC `AgentService.Connect`: bytes a stream may send before its `Hello` is accepted; a
+    /// first message announcing more, or more bytes before acceptance, ends the stream with
+    /// `RESOURCE_EXHAUSTED` (the full message limit applies once the `Hello` is accepted).
+    pub pre_auth_bytes: usize,
+    /// gRPC `AgentService.Connect`: streams awaiting their `Hello` or its authentication at
+    /// once (all connections together); one more ends at once with `RESOURCE_EXHAUSTED`.
+    pub max_pending_hellos: usize,
+    /// Controller HTTP: a separate listener serving only `/healthz` and `/readyz` under its own
+    /// connection budget, so the kubelet's probes are answered while data clients hold every
+    /// slot of the HTTP listener; `None`: no such listener.
+    pub health_addr: Option<SocketAddr>,
+    /// Concurrent connections of the [`Self::health_addr`] listener.
+    pub health_max_connections: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -75,6 +119,13 @@ impl Default for ConnectionLimits {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             keepalive_interval: DEFAULT_KEEPALIVE_INTERVAL,
             keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
+            max_concurrent_streams: DEFAULT_MAX_CONCURRENT_STREAMS,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
+            pre_auth_bytes: DEFAULT_PRE_AUTH_BYTES,
+            max_pending_hellos: DEFAULT_MAX_PENDING_HELLOS,
+            health_addr: None,
+            health_max_connections: DEFAULT_HEALTH_MAX_CONNECTIONS,
         }
     }
 }
@@ -149,6 +200,77 @@ pub struct GrpcKeepaliveArgs {
     pub grpc_keepalive_timeout_seconds: u64,
 }
 
+/// The controller's bounds on HTTP/2 streams, idle connections, agent handshakes and the
+/// health listener (docs/security.md "Streams, handshakes and idle connections"; flattened
+/// next to [`ConnectionLimitArgs`]; [`ConnectionLimits::with_streams`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamLimitArgs {
+    /// Concurrent HTTP/2 streams per connection on every listener; a client that opens one
+    /// more gets it reset with REFUSED_STREAM.
+    #[arg(long, env = "IC_MAX_CONCURRENT_STREAMS", default_value_t = DEFAULT_MAX_CONCURRENT_STREAMS)]
+    pub max_concurrent_streams: u32,
+    /// Seconds a connection may have no request in flight before it is closed (HTTP/2
+    /// keep-alive pings do not count); before its first request a connection has
+    /// --header-read-timeout-seconds from accept.
+    #[arg(long, env = "IC_IDLE_TIMEOUT_SECONDS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
+    pub idle_timeout_seconds: u64,
+    /// Seconds an AgentService.Connect stream has to send a valid Hello and be authenticated;
+    /// it then ends with DEADLINE_EXCEEDED.
+    #[arg(long, env = "IC_AGENT_HELLO_TIMEOUT_SECONDS", default_value_t = DEFAULT_HELLO_TIMEOUT.as_secs())]
+    pub agent_hello_timeout_seconds: u64,
+    /// Bytes an AgentService.Connect stream may send before its Hello is accepted (the Hello
+    /// included); more ends it with RESOURCE_EXHAUSTED before they are buffered.
+    #[arg(long, env = "IC_AGENT_PRE_AUTH_BYTES", default_value_t = DEFAULT_PRE_AUTH_BYTES)]
+    pub agent_pre_auth_bytes: usize,
+    /// AgentService.Connect streams awaiting their Hello or its authentication at once (all
+    /// connections together); one more ends at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "IC_AGENT_MAX_PENDING_HELLOS", default_value_t = DEFAULT_MAX_PENDING_HELLOS)]
+    pub agent_max_pending_hellos: usize,
+    /// Listen address of a separate listener serving only /healthz and /readyz under its own
+    /// connection budget (the kubelet's probes answer while data clients fill the HTTP
+    /// listener's slots); unset: none.
+    #[arg(long, env = "IC_HEALTH_ADDR")]
+    pub health_addr: Option<SocketAddr>,
+    /// Concurrent connections of the --health-addr listener.
+    #[arg(long, env = "IC_HEALTH_MAX_CONNECTIONS", default_value_t = DEFAULT_HEALTH_MAX_CONNECTIONS)]
+    pub health_max_connections: usize,
+}
+
+impl ConnectionLimits {
+    /// These limits with the stream, idle, handshake and health-listener bounds of `args` (a 0
+    /// count or duration is raised to 1).
+    pub fn with_streams(self, args: &StreamLimitArgs) -> ConnectionLimits {
+        let secs = |s: u64| Duration::from_secs(s.max(1));
+        ConnectionLimits {
+            max_concurrent_streams: args.max_concurrent_streams.max(1),
+            idle_timeout: secs(args.idle_timeout_seconds),
+            hello_timeout: secs(args.agent_hello_timeout_seconds),
+            pre_auth_bytes: args.agent_pre_auth_bytes.max(1),
+            max_pending_hellos: args.agent_max_pending_hellos.max(1),
+            health_addr: args.health_addr,
+            health_max_connections: args.health_max_connections.max(1),
+            ..self
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// The limits of the separate health listener ([`Self::health_addr`]): its own
+    /// [`Self::health_max_connections`] slots, and header-read, request and idle bounds of at
+    /// most [`HEALTH_TIMEOUT`] (a probe is one short request), at most 8 streams per
+    /// connection.
+    pub fn health(&self) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: self.health_max_connections.max(1),
+            header_read_timeout: self.header_read_timeout.min(HEALTH_TIMEOUT),
+            request_timeout: self.request_timeout.min(HEALTH_TIMEOUT),
+            idle_timeout: self.idle_timeout.min(HEALTH_TIMEOUT),
+            max_concurrent_streams: self.max_concurrent_streams.clamp(1, 8),
+            ..*self
+        }
+    }
+}
+
 impl ConnectionLimitArgs {
     /// The limits these flags name, with the default keep-alive (a 0 count or duration is
     /// raised to 1).
@@ -178,8 +300,11 @@ impl ConnectionLimitArgs {
 pub struct ListenerStats {
     /// Connections closed at accept because the cap was reached.
     pub refused: AtomicU64,
-    /// Connections closed because the header-read (or first-byte, or handshake) deadline passed.
+    /// Connections closed because the header-read (or first-byte, or handshake, or
+    /// first-request) deadline passed.
     pub timed_out: AtomicU64,
+    /// Connections closed after [`ConnectionLimits::idle_timeout`] with no request in flight.
+    pub idle_closed: AtomicU64,
 }
 
 impl ListenerStats {
@@ -187,23 +312,191 @@ impl ListenerStats {
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
-    /// Connections closed for a missed header/first-byte/handshake deadline so far.
+    /// Connections closed for a missed header/first-byte/handshake/first-request deadline so
+    /// far.
     pub fn timed_out(&self) -> u64 {
         self.timed_out.load(Ordering::Relaxed)
     }
+    /// Connections closed for having no request in flight for the idle timeout so far.
+    pub fn idle_closed(&self) -> u64 {
+        self.idle_closed.load(Ordering::Relaxed)
+    }
 }
 
-/// A connection that holds one of its listener's permits until it is dropped.
+/// What one connection has in flight: requests (HTTP/1.1 requests, HTTP/2 streams the service
+/// was called for) from the call until their response body is done or dropped. Control frames
+/// (pings, settings, window updates) never reach the service, so they do not count.
 #[derive(Debug)]
+pub struct Activity {
+    in_flight: AtomicU64,
+    served_any: AtomicBool,
+    /// Milliseconds from `accepted` to when the last request ended.
+    idle_since_ms: AtomicU64,
+    accepted: Instant,
+}
+
+impl Activity {
+    fn new() -> Arc<Self> {
+        Arc::new(Activity {
+            in_flight: AtomicU64::new(0),
+            served_any: AtomicBool::new(false),
+            idle_since_ms: AtomicU64::new(0),
+            accepted: Instant::now(),
+        })
+    }
+
+    /// Counts one request in flight until the returned guard is dropped.
+    pub fn begin(self: &Arc<Self>) -> InFlight {
+        self.served_any.store(true, Ordering::Release);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(self.clone())
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// When the connection is due to be closed: `None` while a request is in flight; before
+    /// the first request, `first_request` after accept; after it, `idle` after the last
+    /// request ended. The `bool` is whether a request was ever served.
+    fn deadline(&self, first_request: Duration, idle: Duration) -> Option<(Instant, bool)> {
+        if self.in_flight() > 0 {
+            return None;
+        }
+        if !self.served_any.load(Ordering::Acquire) {
+            return Some((self.accepted + first_request, false));
+        }
+        let since = Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire));
+        Some((self.accepted + since + idle, true))
+    }
+}
+
+/// One request in flight on its connection ([`Activity::begin`]); dropping it ends it.
+#[derive(Debug)]
+pub struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let ms = u64::try_from(self.0.accepted.elapsed().as_millis()).unwrap_or(u64::MAX);
+        // The idle clock starts when the last request ends (set before the count drops, so
+        // the reader never sees 0 in flight with an old idle start).
+        self.0.idle_since_ms.fetch_max(ms, Ordering::AcqRel);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request counted in flight until it is done or dropped.
+pub struct GuardedBody<B> {
+    inner: Pin<Box<B>>,
+    guard: Option<InFlight>,
+}
+
+impl<B> GuardedBody<B> {
+    /// `inner`, counted in flight by `guard` until its end.
+    pub fn new(inner: B, guard: InFlight) -> Self {
+        GuardedBody {
+            inner: Box::pin(inner),
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<B: hyper::body::Body> hyper::body::Body for GuardedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let r = self.inner.as_mut().poll_frame(cx);
+        if let Poll::Ready(None) = r {
+            self.guard = None;
+        }
+        r
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A connection that holds one of its listener's permits until it is dropped, and ends itself
+/// (reads end of stream) when its [`Activity`] says it is due: no request by
+/// `header_read_timeout` after accept (a silent client, a half-sent HTTP/2 preface, a preface
+/// and nothing after), or no request in flight for `idle_timeout`.
 pub struct Limited<T> {
     inner: T,
     _permit: OwnedSemaphorePermit,
+    activity: Arc<Activity>,
+    first_request: Duration,
+    idle: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    cut: bool,
+    stats: Arc<ListenerStats>,
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Limited<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limited")
+            .field("inner", &self.inner)
+            .field("activity", &self.activity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<T> Limited<T> {
     /// The wrapped connection.
     pub fn get_ref(&self) -> &T {
         &self.inner
+    }
+
+    /// This connection's requests in flight ([`Activity::begin`] counts one).
+    pub fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
+    }
+
+    /// Whether the connection is due to be closed; arms the timer for the next check
+    /// otherwise.
+    fn poll_due(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.cut {
+            return true;
+        }
+        loop {
+            let now = Instant::now();
+            match self.activity.deadline(self.first_request, self.idle) {
+                Some((due, served)) if due <= now => {
+                    self.cut = true;
+                    if served {
+                        self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+                        debug!("connection had no request in flight for its idle timeout; closed");
+                    } else {
+                        self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                        debug!(
+                            "connection sent no request before its header-read deadline; closed"
+                        );
+                    }
+                    return true;
+                }
+                Some((due, _)) => {
+                    if self.timer.deadline().into_std() != due {
+                        self.timer.as_mut().reset(due.into());
+                    }
+                }
+                None => {
+                    // In flight: look again one idle period from now.
+                    if self.timer.deadline().into_std() <= now {
+                        self.timer.as_mut().reset((now + self.idle).into());
+                    }
+                }
+            }
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+        }
     }
 }
 
@@ -213,6 +506,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.poll_due(cx) {
+            // End of stream: the HTTP connection ends as if the client had closed it.
+            return Poll::Ready(Ok(()));
+        }
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
@@ -243,10 +540,75 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Limited<T> {
     }
 }
 
+/// What a gRPC request learns of its connection (tonic puts it in the request's extensions):
+/// the addresses, and the connection's [`Activity`] that [`InFlightLayer`] counts requests in.
+#[derive(Debug, Clone)]
+pub struct LimitedConnectInfo {
+    /// The TCP addresses (also put in the request as tonic's own `TcpConnectInfo` by
+    /// [`InFlightLayer`], so `Request::remote_addr` works).
+    pub tcp: tonic::transport::server::TcpConnectInfo,
+    /// The connection's requests in flight.
+    pub activity: Arc<Activity>,
+}
+
 impl tonic::transport::server::Connected for Limited<TcpStream> {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = LimitedConnectInfo;
     fn connect_info(&self) -> Self::ConnectInfo {
-        tonic::transport::server::Connected::connect_info(&self.inner)
+        LimitedConnectInfo {
+            tcp: tonic::transport::server::Connected::connect_info(&self.inner),
+            activity: self.activity.clone(),
+        }
+    }
+}
+
+/// The tonic layer that counts each gRPC request in flight on its connection
+/// ([`LimitedConnectInfo`]) until its response ends, so [`ConnectionLimits::idle_timeout`]
+/// sees long-lived streams as activity and keep-alive pings as none.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InFlightLayer;
+
+impl<S> tower::Layer<S> for InFlightLayer {
+    type Service = InFlightService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        InFlightService { inner }
+    }
+}
+
+/// The service of [`InFlightLayer`].
+#[derive(Debug, Clone)]
+pub struct InFlightService<S> {
+    inner: S,
+}
+
+impl<S, ReqB, ResB> tower::Service<axum::http::Request<ReqB>> for InFlightService<S>
+where
+    S: tower::Service<axum::http::Request<ReqB>, Response = axum::http::Response<ResB>>,
+    S::Future: Send + 'static,
+    ResB: hyper::body::Body,
+{
+    type Response = axum::http::Response<GuardedBody<ResB>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: axum::http::Request<ReqB>) -> Self::Future {
+        let info = req.extensions().get::<LimitedConnectInfo>().cloned();
+        let guard = info.map(|i| {
+            req.extensions_mut().insert(i.tcp.clone());
+            i.activity.begin()
+        });
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            Ok(match guard {
+                Some(g) => resp.map(|b| GuardedBody::new(b, g)),
+                // Not served by this module's listener: count nothing (a detached guard).
+                None => resp.map(|b| GuardedBody::new(b, Activity::new().begin())),
+            })
+        })
     }
 }
 
@@ -256,17 +618,26 @@ impl tonic::transport::server::Connected for Limited<TcpStream> {
 async fn accept_limited(
     listener: &TcpListener,
     permits: &Arc<Semaphore>,
-    stats: &ListenerStats,
+    stats: &Arc<ListenerStats>,
+    limits: &ConnectionLimits,
 ) -> (Limited<TcpStream>, SocketAddr) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => match permits.clone().try_acquire_owned() {
                 Ok(permit) => {
                     let _ = stream.set_nodelay(true);
+                    let activity = Activity::new();
+                    let first = activity.accepted + limits.header_read_timeout;
                     return (
                         Limited {
                             inner: stream,
                             _permit: permit,
+                            activity,
+                            first_request: limits.header_read_timeout,
+                            idle: limits.idle_timeout,
+                            timer: Box::pin(tokio::time::sleep_until(first.into())),
+                            cut: false,
+                            stats: stats.clone(),
                         },
                         peer,
                     );
@@ -315,13 +686,14 @@ where
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_concurrent_streams.max(1))
         .keep_alive_interval(limits.keepalive_interval)
         .keep_alive_timeout(limits.keepalive_timeout);
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
-            c = accept_limited(&listener, &permits, &stats) => c,
+            c = accept_limited(&listener, &permits, &stats, &limits) => c,
             _ = &mut shutdown => break,
         };
         let handshake = handshake.clone();
@@ -332,6 +704,7 @@ where
         let request_timeout = limits.request_timeout;
         let header_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
+            let activity = stream.activity();
             let io = match tokio::time::timeout(header_timeout, handshake(stream)).await {
                 Ok(Ok(io)) => io,
                 Ok(Err(e)) => {
@@ -344,39 +717,33 @@ where
                     return;
                 }
             };
-            let (io, read_any) = FirstRead::new(io);
             let service =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let app = app.clone();
+                    // Counted in flight until its response body ends (the idle timeout).
+                    let guard = activity.begin();
                     async move {
-                        match tokio::time::timeout(
+                        let resp = match tokio::time::timeout(
                             request_timeout,
                             app.oneshot(req.map(axum::body::Body::new)),
                         )
                         .await
                         {
-                            Ok(r) => r,
-                            Err(_) => Ok(request_timed_out(request_timeout)),
-                        }
+                            Ok(Ok(r)) => r,
+                            Ok(Err(never)) => match never {},
+                            Err(_) => request_timed_out(request_timeout),
+                        };
+                        Ok::<_, std::convert::Infallible>(
+                            resp.map(|b| axum::body::Body::new(GuardedBody::new(b, guard))),
+                        )
                     }
                 });
+            // The connection ends itself (Limited) when no request starts within the
+            // header-read deadline — a silent client, a half-sent HTTP/2 preface — or none is
+            // in flight for the idle timeout (HTTP/2 pings do not count).
             let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
-            // hyper's header-read timer starts once the HTTP version is known; a connection
-            // that sends nothing at all is closed here.
-            let silent = async {
-                tokio::time::sleep(header_timeout).await;
-                if read_any.load(Ordering::Acquire) {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                r = conn => if let Err(e) = r {
-                    debug!(%peer, error = %e, "HTTP connection ended with an error");
-                },
-                _ = silent => {
-                    stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                    debug!(%peer, "connection sent nothing before its header-read deadline; closed");
-                }
+            if let Err(e) = conn.await {
+                debug!(%peer, error = %e, "HTTP connection ended with an error");
             }
         });
     }
@@ -398,66 +765,6 @@ fn request_timed_out(limit: Duration) -> axum::response::Response {
     resp
 }
 
-/// A stream that records whether any byte was read from it.
-struct FirstRead<T> {
-    inner: T,
-    read_any: Arc<AtomicBool>,
-}
-
-impl<T> FirstRead<T> {
-    fn new(inner: T) -> (Self, Arc<AtomicBool>) {
-        let read_any = Arc::new(AtomicBool::new(false));
-        (
-            FirstRead {
-                inner,
-                read_any: read_any.clone(),
-            },
-            read_any,
-        )
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for FirstRead<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.read_any.store(true, Ordering::Release);
-        }
-        r
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for FirstRead<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
-
 /// The incoming-connection stream of a gRPC listener under `limits`: at most
 /// `limits.max_connections` open at once (one more is closed at accept), and a connection that
 /// sends nothing within `limits.header_read_timeout` is closed before tonic sees it. Pair with
@@ -472,7 +779,7 @@ pub fn grpc_incoming(
         let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
         loop {
             let (stream, peer) = tokio::select! {
-                c = accept_limited(&listener, &permits, &stats) => c,
+                c = accept_limited(&listener, &permits, &stats, &limits) => c,
                 _ = tx.closed() => break,
             };
             let tx = tx.clone();
@@ -498,11 +805,20 @@ pub fn grpc_incoming(
 
 impl ConnectionLimits {
     /// A tonic server builder with this listener's HTTP/2 keep-alive pings (a peer that does
-    /// not answer within `keepalive_timeout` is disconnected).
-    pub fn grpc_server(&self) -> tonic::transport::Server {
+    /// not answer within `keepalive_timeout` is disconnected), its cap on concurrent streams
+    /// per connection (`max_concurrent_streams`), and [`InFlightLayer`], which counts each
+    /// request on its connection so a connection served from [`grpc_incoming`] closes after
+    /// `idle_timeout` with none in flight.
+    pub fn grpc_server(
+        &self,
+    ) -> tonic::transport::Server<
+        tower::layer::util::Stack<InFlightLayer, tower::layer::util::Identity>,
+    > {
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
+            .max_concurrent_streams(Some(self.max_concurrent_streams.max(1)))
+            .layer(InFlightLayer)
     }
 }
 

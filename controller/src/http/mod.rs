@@ -15,6 +15,10 @@
 //!   [`MAX_PROBE_BODY_BYTES`]) is a 400 with `{"error": …}` and nothing is allocated for it.
 //! - `/v1/nodes`: `{"nodes":[NodeRecord…]}` — each agent that connected, with its latest checks.
 //!
+//! [`health_router`] serves `/healthz` and `/readyz` alone on the separate health listener
+//! (`--health-addr`, its own connection budget: docs/security.md "Streams, handshakes and idle
+//! connections"), so the kubelet's probes answer while data clients hold every slot here.
+//!
 //! With [`HttpState::access`] set (in cluster), `/snapshot`, `/probe`, `/v1/nodes` and
 //! `/v1/nodes/{node}` require `authorization: Bearer TOKEN` and the grant [`crate::access`]
 //! names (`list cacheroutes` — narrowed to the granted namespaces without a cluster-wide grant —,
@@ -97,6 +101,26 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}", get(node))
         .with_state(state)
+}
+
+/// The separate health listener's router (`--health-addr`): only `/healthz` and `/readyz`,
+/// answering as on the main HTTP listener; anything else is 404.
+pub fn health_router(ready: Arc<AtomicBool>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(ready): State<Arc<AtomicBool>>| async move { ready_answer(&ready) }),
+        )
+        .with_state(ready)
+}
+
+fn ready_answer(ready: &AtomicBool) -> Response {
+    if ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response()
+    }
 }
 
 async fn readyz(State(s): State<HttpState>) -> Response {

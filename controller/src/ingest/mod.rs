@@ -59,6 +59,7 @@
 //! Unknown / `ResyncRequested` meanwhile: their entries are as last applied.
 
 pub mod auth;
+pub mod handshake;
 pub mod host_tier;
 pub mod registry;
 pub mod scope;
@@ -106,19 +107,39 @@ pub const MAX_AGENT_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
 pub struct AgentIngest {
     shared: Arc<Shared>,
     auth: Option<Arc<auth::AgentAuthenticator>>,
+    handshake: handshake::HandshakeLimits,
 }
 
 impl AgentIngest {
-    /// A service over the shared state that accepts every Hello (standalone mode).
+    /// A service over the shared state that accepts every Hello (standalone mode), with the
+    /// default handshake bounds ([`Self::with_limits`]).
     pub fn new(shared: Arc<Shared>) -> Self {
-        AgentIngest { shared, auth: None }
+        AgentIngest {
+            shared,
+            auth: None,
+            handshake: handshake::HandshakeLimits::default(),
+        }
+    }
+
+    /// This service with the handshake bounds of `limits` (`hello_timeout`, `pre_auth_bytes`,
+    /// `max_pending_hellos`; [`handshake`]).
+    pub fn with_limits(mut self, limits: &ic_shared::serve::ConnectionLimits) -> Self {
+        self.handshake = handshake::HandshakeLimits::new(limits);
+        self
     }
 
     /// The tonic server for this service, with the inbound limit [`MAX_AGENT_MESSAGE_BYTES`]
-    /// (resyncs above it arrive as chunks).
-    pub fn into_server(self) -> agent_service_server::AgentServiceServer<Self> {
-        agent_service_server::AgentServiceServer::new(self)
-            .max_decoding_message_size(MAX_AGENT_MESSAGE_BYTES)
+    /// (resyncs above it arrive as chunks) once a stream's Hello is accepted, and
+    /// `pre_auth_bytes` before ([`handshake::PreAuthGated`]).
+    pub fn into_server(
+        self,
+    ) -> handshake::PreAuthGated<agent_service_server::AgentServiceServer<Self>> {
+        let cap = self.handshake.pre_auth_bytes;
+        handshake::PreAuthGated::new(
+            agent_service_server::AgentServiceServer::new(self)
+                .max_decoding_message_size(MAX_AGENT_MESSAGE_BYTES),
+            cap,
+        )
     }
 
     /// A service that authenticates every Hello with `auth` (in-cluster mode).
@@ -126,7 +147,17 @@ impl AgentIngest {
         AgentIngest {
             shared,
             auth: Some(auth),
+            handshake: handshake::HandshakeLimits::default(),
         }
+    }
+
+    fn reject(&self, status: Status) -> Status {
+        self.shared
+            .metrics
+            .agent_streams_total
+            .with_label_values(&["rejected"])
+            .inc();
+        status
     }
 }
 
@@ -140,10 +171,38 @@ impl AgentService for AgentIngest {
         &self,
         request: Request<Streaming<proto::AgentMessage>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
+        // Until the Hello is accepted the stream holds one of the pending-Hello permits, may
+        // have sent at most `pre_auth_bytes` (the gate) and has `hello_timeout` to send it.
+        let gate = request
+            .extensions()
+            .get::<handshake::PreAuthGate>()
+            .cloned();
+        let pending = self
+            .handshake
+            .pending
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                self.reject(Status::resource_exhausted(format!(
+                    "{} AgentService.Connect streams are awaiting their Hello or its \
+                     authentication (--agent-max-pending-hellos); retry shortly",
+                    self.handshake.max_pending
+                )))
+            })?;
         let mut inbound = request.into_inner();
-        let first = inbound.message().await?;
+        let first = handshake::first_message(self.handshake.hello_timeout, inbound.message())
+            .await
+            .map_err(|s| {
+                if s.code() == tonic::Code::DeadlineExceeded {
+                    warn!("an agent stream sent no Hello within its deadline; closed");
+                }
+                self.reject(s)
+            })?;
         let hello = match first.and_then(|m| m.msg) {
-            Some(Msg::Hello(h)) if !h.node.trim().is_empty() => h,
+            Some(Msg::Hello(h)) if !h.node.trim().is_empty() => {
+                handshake::check_hello_sizes(&h).map_err(|s| self.reject(s))?;
+                h
+            }
             Some(Msg::Hello(_)) => {
                 self.shared
                     .metrics
@@ -176,6 +235,11 @@ impl AgentService for AgentIngest {
         if let Some(auth) = &self.auth {
             auth.authenticate(&hello).await.map_err(refuse)?;
         }
+        // Accepted: full-size messages from here on.
+        if let Some(gate) = gate {
+            gate.open();
+        }
+        drop(pending);
         let (tx, rx) = mpsc::channel(OUTBOUND_DEPTH);
         let (ticket, plan_generation) = {
             let mut nodes = self.shared.nodes.lock();
