@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from their Go modules (no binary download: the Go
 # module proxy serves the sources). Output: $OUT_DIR/{etcd,kube-apiserver,kube-controller-manager,
-# kube-scheduler,kubectl,helm,kwok,grpc-health-probe}, and one stamp per component ($OUT_DIR/.stamp-<component>)
+# kube-scheduler,kubectl,helm,kwok,grpc-health-probe,cert-manager-local,cert-manager-crds.yaml}, and one stamp per component ($OUT_DIR/.stamp-<component>)
 # holding the version it was built from; a matching stamp skips that component. Used by
 # scripts/cluster.sh; see docs/real-cluster.md.
 #
@@ -20,6 +20,7 @@ bins_of() {
     case $1 in
         kubernetes) echo kube-apiserver,kube-controller-manager,kube-scheduler,kubectl ;;
         kwok) echo kwok,kwok-stages.yaml ;;
+        cert-manager) echo cert-manager-local,cert-manager-crds.yaml ;;
         *) echo "$1" ;;
     esac
 }
@@ -29,7 +30,12 @@ fresh() { # component version: its stamp matches
 all_fresh() {
     fresh etcd "$ETCD_VERSION" && fresh kubernetes "$KUBERNETES_VERSION" &&
         fresh helm "$HELM_VERSION" && fresh kwok "$KWOK_VERSION" &&
-        fresh grpc-health-probe "$GRPC_HEALTH_PROBE_VERSION"
+        fresh grpc-health-probe "$GRPC_HEALTH_PROBE_VERSION" &&
+        fresh cert-manager "$(cert_manager_version)"
+}
+# cert-manager's stamp: its version and the wiring's sources (an edit of main.go rebuilds it).
+cert_manager_version() {
+    echo "$CERT_MANAGER_VERSION+$(cat "$here"/cert-manager/{main.go,go.mod,go.sum} | sha256sum | cut -c1-12)"
 }
 all_fresh && exit 0
 mkdir -p "$OUT_DIR"
@@ -107,6 +113,21 @@ build_grpc_health_probe() {
         "github.com/grpc-ecosystem/grpc-health-probe@$GRPC_HEALTH_PROBE_VERSION"
 }
 
+# cert-manager: cluster/cert-manager/main.go wires cert-manager's library packages (its command
+# modules are not on the Go proxy; see that file), built as cert-manager-local; its CRDs from the
+# module's deploy/crds as cert-manager-crds.yaml.
+build_cert_manager() {
+    grep -q "github.com/cert-manager/cert-manager $CERT_MANAGER_VERSION\$" "$here/cert-manager/go.mod" ||
+        { echo "cluster/build.sh: cluster/cert-manager/go.mod does not require cert-manager $CERT_MANAGER_VERSION (versions.env)" >&2; exit 1; }
+    (cd "$here/cert-manager" && GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w" -o "$OUT_DIR/cert-manager-local" .)
+    local src
+    src="$(cd "$here/cert-manager" && go list -m -f '{{.Dir}}' github.com/cert-manager/cert-manager)"
+    local f
+    for f in "$src"/deploy/crds/*.yaml; do
+        echo "---"; cat "$f"
+    done > "$OUT_DIR/cert-manager-crds.yaml"
+}
+
 component() { # name version builder...
     local name=$1 version=$2 t=$SECONDS; shift 2
     fresh "$name" "$version" && return 0
@@ -121,5 +142,6 @@ component helm "$HELM_VERSION" build_tool helm.sh/helm/v4 "$HELM_VERSION" helm.s
     "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" helm.sh/helm/v4/pkg/action
 component kwok "$KWOK_VERSION" build_kwok
 component grpc-health-probe "$GRPC_HEALTH_PROBE_VERSION" build_grpc_health_probe
+component cert-manager "$(cert_manager_version)" build_cert_manager
 rm -rf "$work"
 rm -f "$OUT_DIR/.stamp"

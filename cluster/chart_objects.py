@@ -34,9 +34,13 @@ by default, so they are enforced on its own writes here too):
                                           by the real-apiserver model-cache tests.
 
 usage: chart_objects.py OUT CA_FILE WEBHOOK_PORT GRPC_PORT HTTP_PORT CERT_DIR
-       chart_objects.py --controller-args-from MANIFEST OUT WEBHOOK_PORT GRPC_PORT HTTP_PORT
+       chart_objects.py --controller-args-from MANIFEST OUT WEBHOOK_PORT GRPC_PORT HTTP_PORT [CERT_DIR]
            (`cluster.sh up --with-chart`: only OUT/controller-args, from the controller
-           Deployment of an installed release's manifest, `helm get manifest`)
+           Deployment of an installed release's manifest, `helm get manifest`; CERT_DIR, in
+           cert-manager mode, replaces the Deployment's --webhook-cert-dir)
+       chart_objects.py --certificate-secret-from MANIFEST
+           (prints the Secret of the manifest's cert-manager Certificate; nothing in
+           self-signed mode)
 """
 
 from __future__ import annotations
@@ -75,12 +79,18 @@ APPLIED_KINDS = {
 
 
 def main() -> None:
+    if sys.argv[1] == "--certificate-secret-from":
+        for doc in yaml.safe_load_all(Path(sys.argv[2]).read_text()):
+            if doc and doc["kind"] == "Certificate" and doc["apiVersion"].startswith("cert-manager.io/"):
+                print(doc["spec"]["secretName"])
+        return
     if sys.argv[1] == "--controller-args-from":
         manifest, out, webhook_port, grpc_port, http_port = sys.argv[2:7]
+        cert_dir = sys.argv[7] if len(sys.argv) > 7 else None
         for doc in yaml.safe_load_all(Path(manifest).read_text()):
             if doc and doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("controller"):
                 container = doc["spec"]["template"]["spec"]["containers"][0]
-                args = controller_args(container["args"], webhook_port, grpc_port, http_port, None)
+                args = controller_args(container["args"], webhook_port, grpc_port, http_port, cert_dir)
                 (Path(out) / "controller-args").write_text("\n".join(args) + "\n")
                 return
         sys.exit(f"chart_objects.py: {manifest} holds no controller Deployment")

@@ -26,6 +26,13 @@
 #                              the chart's hook Jobs, its `helm test` pods, and the agent
 #                              DaemonSet's pod on kwok-gpu-0 (a real ic-agent reporting to the
 #                              controller). Prints what to try next.
+#   scripts/cluster.sh up --with-chart --cert-manager
+#                              the same with cert-manager (its own controllers and CA injector,
+#                              built from its Go module: cluster/cert-manager/) and the chart
+#                              installed with its default values (webhook.certMode=certManager):
+#                              cert-manager issues the webhook certificate and injects its CA;
+#                              the controller reads the Secret from a directory kept current as a
+#                              kubelet's Secret volume is (component cert-sync)
 #   scripts/cluster.sh down    stop everything `up` started and remove its state
 #   scripts/cluster.sh status  say what runs (exit 0 only when all of it does)
 #   scripts/cluster.sh restart COMPONENT
@@ -34,10 +41,12 @@
 #   scripts/cluster.sh stop COMPONENT
 #                              stop one component (e.g. ic-controller after `helm uninstall`, as
 #                              its pods would go: scripts/install-tests.sh)
-#   scripts/cluster.sh install-chart CHART
+#   scripts/cluster.sh install-chart CHART [--cert-manager]
 #                              (--with-chart) chart/README.md's install of CHART (e.g. an older
 #                              packaged chart: scripts/install-tests.sh upgrades from one), then
-#                              the controller as that release says
+#                              the controller as that release says; with --cert-manager (or on a
+#                              cluster started with it) cert-manager runs and the chart's default
+#                              certificate mode is kept
 #   scripts/cluster.sh chart-controller
 #                              (--with-chart) restart the controller as the installed release
 #                              says (after `helm upgrade`, as the Deployment's rollout would)
@@ -86,19 +95,31 @@ components=(etcd kube-apiserver kube-controller-manager kube-scheduler ic-contro
 # status/down/restart know it.
 mode=full
 [[ -f "$state/mode" ]] && mode="$(cat "$state/mode")"
+# Webhook certificates of the chart's release (--with-chart): selfSigned (chart/README.md's
+# command) or certManager (--cert-manager: the chart's default, cert-manager running here);
+# recorded in $state/cert-mode.
+cert_mode=selfSigned
+[[ -f "$state/cert-mode" ]] && cert_mode="$(cat "$state/cert-mode")"
 if [[ "${1:-}" == up ]]; then
   case "${2:-}" in
     --bare) mode=bare ;;
     --with-chart) mode=chart ;;
     "") ;;
-    *) echo "cluster: unknown option ${2}: up takes --bare or --with-chart" >&2; exit 2 ;;
+    *) echo "cluster: unknown option ${2}: up takes --bare or --with-chart [--cert-manager]" >&2; exit 2 ;;
+  esac
+  cert_mode=selfSigned
+  case "${3:-}" in
+    --cert-manager) [[ $mode == chart ]] || { echo "cluster: --cert-manager goes with --with-chart" >&2; exit 2; }
+      cert_mode=certManager ;;
+    "") ;;
+    *) echo "cluster: unknown option ${3}: up --with-chart takes --cert-manager" >&2; exit 2 ;;
   esac
 fi
 bare=0
 [[ $mode == bare ]] && bare=1
 case $mode in
   bare) components=(etcd kube-apiserver) ;;
-  chart) components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok host-kubelet ic-controller) ;;
+  chart) components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok host-kubelet cert-manager cert-sync ic-controller) ;;
 esac
 release=inference-cache
 
@@ -362,9 +383,19 @@ dnat_clear() {
 }
 
 # chart/README.md's install of CHART (a directory or a packaged chart), then the controller.
-chart_install() { # chart
-  # chart/README.md's install commands (plus cluster/chart-values.yaml: agents on GPU nodes).
-  log "helm install $release $1 (chart/README.md's commands, values cluster/chart-values.yaml)"
+chart_install() { # chart [--cert-manager]
+  if [[ ${2:-} == --cert-manager ]]; then
+    cert_mode=certManager
+  fi
+  echo "$cert_mode" > "$state/cert-mode"
+  # chart/README.md's install commands (plus cluster/chart-values.yaml: agents on GPU nodes);
+  # with cert-manager its default values (no --set webhook.certMode).
+  local cert_args=(--set webhook.certMode=selfSigned)
+  if [[ $cert_mode == certManager ]]; then
+    cert_manager_up
+    cert_args=()
+  fi
+  log "helm install $release $1 (chart/README.md's commands, webhook.certMode=$cert_mode, values cluster/chart-values.yaml)"
   # (Kept by an earlier `helm uninstall`: created only when absent.)
   kubectl_admin get namespace "$namespace" >/dev/null 2>&1 || kubectl_admin create namespace "$namespace" >/dev/null
   kubectl_admin label --overwrite namespace "$namespace" pod-security.kubernetes.io/enforce=privileged >/dev/null
@@ -374,7 +405,7 @@ chart_install() { # chart
   local try
   for try in 1 2 3; do
     if "$bin/helm" --kubeconfig "$state/admin.kubeconfig" install "$release" "$1" \
-      --namespace "$namespace" --set webhook.certMode=selfSigned --values cluster/chart-values.yaml \
+      --namespace "$namespace" "${cert_args[@]}" --values cluster/chart-values.yaml \
       --values "$state/chart-values.yaml" --wait --timeout 5m >"$state/logs/helm-install.log" 2>&1; then
       break
     fi
@@ -385,6 +416,39 @@ chart_install() { # chart
     sleep 2
   done
   chart_controller
+}
+
+# cert-manager on this host (once per cluster): its CRDs, its namespace (ClusterIssuer Secrets),
+# and cluster/cert-manager/'s process, which runs cert-manager's controllers and CA injector. It
+# runs as the cluster admin (its own chart's RBAC is not installed here: docs/real-cluster.md).
+cert_manager_up() {
+  alive cert-manager && return 0
+  kubectl_admin apply --server-side --field-manager=cluster.sh -f "$bin/cert-manager-crds.yaml" >/dev/null
+  kubectl_admin wait --for condition=Established crd/certificates.cert-manager.io crd/issuers.cert-manager.io \
+    crd/certificaterequests.cert-manager.io --timeout 60s >/dev/null
+  kubectl_admin get namespace cert-manager >/dev/null 2>&1 || kubectl_admin create namespace cert-manager >/dev/null
+  start cert-manager "$bin/cert-manager-local" --kubeconfig "$state/admin.kubeconfig" \
+    --cluster-resource-namespace cert-manager
+  log "cert-manager: running (logs: $state/logs/cert-manager.log)"
+}
+
+# The kubelet's part for the controller's webhook-cert Secret volume (certManager mode): the
+# Secret's tls.crt and tls.key written into DIR, each replaced by a rename when the Secret
+# changes (cert-manager renews it in place; the controller hot-reloads the directory).
+secret_sync() { # secret dir
+  mkdir -p "$2"
+  local key tmp
+  while true; do
+    for key in tls.crt tls.key; do
+      tmp="$2/.$key.new"
+      if kubectl_admin get secret "$1" -n "$namespace" -o "go-template={{index .data \"$key\" | base64decode}}" > "$tmp" 2>/dev/null \
+        && [[ -s $tmp ]] && ! cmp -s "$tmp" "$2/$key"; then
+        mv -f "$tmp" "$2/$key"
+      fi
+      rm -f "$tmp"
+    done
+    sleep 5
+  done
 }
 
 # This cluster's values beside cluster/chart-values.yaml: the real agent's ports on this host
@@ -407,14 +471,26 @@ EOF
 chart_controller() {
   stop ic-controller
   dnat_clear
+  stop cert-sync
   "$bin/helm" --kubeconfig "$state/admin.kubeconfig" get manifest "$release" -n "$namespace" > "$state/manifest.yaml"
+  local cert_dir=()
+  local secret
+  secret="$(.venv/chart-tests/bin/python cluster/chart_objects.py --certificate-secret-from "$state/manifest.yaml")"
+  if [[ -n $secret ]]; then
+    # cert-manager issues the serving certificate into this Secret; the Deployment's volume
+    # is played by cert-sync.
+    wait_for "cert-manager's webhook certificate Secret $namespace/$secret" 120 kubectl_admin get secret "$secret" -n "$namespace"
+    start cert-sync bash "$root/scripts/cluster.sh" _secret-sync "$secret" "$state/webhook-cert-manager"
+    wait_for "the webhook certificate files" 30 test -s "$state/webhook-cert-manager/tls.key"
+    cert_dir=("$state/webhook-cert-manager")
+  fi
   .venv/chart-tests/bin/python cluster/chart_objects.py --controller-args-from "$state/manifest.yaml" \
-    "$state" "$webhook_port" "$grpc_port" "$http_port"
+    "$state" "$webhook_port" "$grpc_port" "$http_port" "${cert_dir[@]}"
   start_controller
   dnat_controller_services
   grep -q -- '-webhook ' "$state/dnat-services" 2>/dev/null || die "the chart installed no webhook Service in $namespace"
   # The webhooks answer the apiserver through the Service (self-signed mode: the controller put
-  # its CA into the configurations' caBundle).
+  # its CA into the configurations' caBundle; cert-manager mode: its CA injector did).
   wait_for "the CacheBackend webhooks through the webhook Service" 90 webhooks_answer
 }
 
@@ -493,6 +569,7 @@ up() {
   fi
   mkdir -p "$state"
   echo "$mode" > "$state/mode"
+  echo "$cert_mode" > "$state/cert-mode"
   declare -p etcd_port etcd_peer_port api_port webhook_port grpc_port http_port agent_port | sed 's/^declare -- //' > "$state/ports"
   pki
   audit_policy
@@ -595,7 +672,10 @@ down() {
 status() {
   local ok=0 c
   for c in "${components[@]}"; do
-    if alive "$c"; then echo "$c: running (pid $(cat "$state/pids/$c"))"; else echo "$c: not running"; ok=1; fi
+    if alive "$c"; then echo "$c: running (pid $(cat "$state/pids/$c"))"
+    elif [[ $c == cert-manager || $c == cert-sync ]] && [[ $cert_mode != certManager ]]; then
+      echo "$c: not used (webhook.certMode=$cert_mode)"
+    else echo "$c: not running"; ok=1; fi
   done
   return $ok
 }
@@ -616,7 +696,8 @@ case "${1:-}" in
   restart) restart "${2:?restart needs a component}" ;;
   install-chart)
     [[ $mode == chart ]] || die "install-chart: only on a cluster started with up --with-chart"
-    chart_install "${2:?install-chart needs a chart (directory or .tgz)}" ;;
+    chart_install "${2:?install-chart needs a chart (directory or .tgz)}" "${3:-}" ;;
+  _secret-sync) secret_sync "$2" "$3" ;;
   chart-controller)
     [[ $mode == chart ]] || die "chart-controller: only on a cluster started with up --with-chart"
     chart_controller ;;
