@@ -987,12 +987,8 @@ pub fn evaluate(
                             .filter(|p| p.reason == reason::INJECTED_ENGINE_CRASH_LOOPING)
                             .map(|p| engine::crash_loop_pods(&p.message))
                             .unwrap_or_default();
-                        let looping = engine::crash_looping_injected(
-                            cb,
-                            pods,
-                            obs.now.as_second(),
-                            &episode,
-                        );
+                        let looping =
+                            engine::crash_looping_injected(cb, pods, obs.now.as_second(), &episode);
                         if looping.is_empty() {
                             w.remove(cond::ENGINE_COMPATIBILITY);
                         } else {
