@@ -142,12 +142,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # Every port set away from its default (for the "every port is configurable" test).
 CUSTOM_PORTS: dict[str, Any] = {
     "controller": {
-        "ports": {"grpc": 15051, "http": 18080, "webhook": 19443},
+        "ports": {"grpc": 15051, "http": 18080, "health": 18081, "webhook": 19443},
         "service": {"grpc": {"port": 25051}, "metrics": {"port": 28080}, "webhook": {"port": 28443}},
     },
     "agent": {"ports": {"http": 19090, "metrics": 19091}},
 }
-DEFAULT_PORTS = (50051, 8080, 9443, 443, 9090, 9091)
+DEFAULT_PORTS = (50051, 8080, 8081, 9443, 443, 9090, 9091)
 
 
 @dataclass

@@ -805,7 +805,12 @@ def test_every_port_is_configurable() -> None:
     for port in DEFAULT_PORTS:
         assert not re.search(rf"(?<![\d.]){port}(?![\d.])", text), f"port {port} is hard-coded"
     c = the_container(controller_deployment(r))
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 15051, "http": 18080, "webhook": 19443}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "grpc": 15051,
+        "http": 18080,
+        "health": 18081,
+        "webhook": 19443,
+    }
     a = the_container(agent_daemonset(r))
     assert args_of(a)["--http-addr"] == "127.0.0.1:19090"
     assert args_of(a)["--metrics-addr"] == "$(POD_IP):19091"

@@ -54,6 +54,15 @@ def test_connection_limits_reach_both_binaries() -> None:
     assert (c["--max-connections"], c["--header-read-timeout-seconds"]) == ("77", "9")
     assert c["--request-timeout-seconds"] == "60"
     assert (c["--grpc-keepalive-seconds"], c["--grpc-keepalive-timeout-seconds"]) == ("30", "20")
+    # The stream, idle, handshake and health-listener bounds (docs/security.md "Streams,
+    # handshakes and idle connections"), and the probes on their own listener.
+    assert (c["--max-concurrent-streams"], c["--idle-timeout-seconds"]) == ("128", "60")
+    assert (c["--agent-hello-timeout-seconds"], c["--agent-pre-auth-bytes"]) == ("10", "65536")
+    assert (c["--agent-max-pending-hellos"], c["--health-max-connections"]) == ("1024", "32")
+    assert c["--health-addr"] == "0.0.0.0:8081"
+    the = the_container(controller_deployment(r))
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert the[probe]["httpGet"]["port"] == "health"
     a = args_of(the_container(agent_daemonset(r)))
     assert (a["--max-connections"], a["--request-timeout-seconds"]) == ("33", "8")
     assert a["--header-read-timeout-seconds"] == "30"
