@@ -786,10 +786,13 @@ where
                     .with_limits(&cfg.limits)
                     .into_server(),
             )
-            .add_service(RouterServiceServer::new(match &access {
-                Some(a) => Router::new(shared.clone()).with_access(a.clone()),
-                None => Router::new(shared.clone()),
-            }))
+            .add_service(crate::ingest::handshake::TokenFirst::new(
+                RouterServiceServer::new(match &access {
+                    Some(a) => Router::new(shared.clone()).with_access(a.clone()),
+                    None => Router::new(shared.clone()),
+                }),
+                access.clone(),
+            ))
             .serve_with_incoming_shutdown(
                 serve::grpc_incoming(
                     grpc_listener,

@@ -650,3 +650,94 @@ async fn the_binary_stays_small_under_a_stream_flood_and_half_sent_messages() {
     assert_eq!(get(http, "/healthz").await, 200);
     drop(held);
 }
+
+// ---- LookupRoute: the token before the body ------------------------------------------------
+
+/// Serves `RouterService` as in cluster (data-plane authentication on), behind
+/// [`TokenFirst`](ic_controller::ingest::handshake::TokenFirst) when `gated`. The TokenReview
+/// client points at a closed port: a request without a token never needs it.
+async fn router_plane(gated: bool) -> SocketAddr {
+    use ic_controller::access::{
+        CallerAuth, CallerAuthSettings, KubeAccessReviewer, ReviewLimiter,
+    };
+    use ic_controller::ingest::auth::KubeTokenVerifier;
+    use ic_shared::proto::router_service_server::RouterServiceServer;
+    use std::sync::Arc;
+    let client =
+        kube::Client::try_from(kube::Config::new("https://127.0.0.1:1".parse().unwrap())).unwrap();
+    let access = Arc::new(CallerAuth::new(
+        Arc::new(KubeTokenVerifier::new(client.clone())),
+        Arc::new(KubeAccessReviewer::new(client)),
+        ReviewLimiter::new(4, Duration::from_secs(5)),
+        CallerAuthSettings {
+            audience: "inference-cache".into(),
+            review_ttl: Duration::from_secs(10),
+            max_cached_reviews: 100,
+        },
+    ));
+    let shared = Arc::new(ic_controller::state::Shared::new(Default::default()).unwrap());
+    let router = RouterServiceServer::new(
+        ic_controller::router::Router::new(shared).with_access(access.clone()),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+    let mut server = tonic::transport::Server::builder();
+    if gated {
+        let gated = ic_controller::ingest::handshake::TokenFirst::new(router, Some(access));
+        tokio::spawn(server.add_service(gated).serve_with_incoming(incoming));
+    } else {
+        tokio::spawn(server.add_service(router).serve_with_incoming(incoming));
+    }
+    addr
+}
+
+/// A LookupRoute that announces 4 MiB and sends 64 KiB of it, with no token.
+async fn half_sent_lookup(
+    addr: SocketAddr,
+) -> (
+    tokio::task::JoinHandle<()>,
+    impl std::future::Future<Output = (String, String)>,
+) {
+    let (mut send, _conn) = h2_client(addr).await;
+    let (tx, body) = fed_body();
+    let feeder = tokio::spawn(async move {
+        let mut first = vec![0u8];
+        first.extend_from_slice(&(4u32 * 1024 * 1024 - 16).to_be_bytes());
+        first.extend(vec![0x0a; 64 * 1024]);
+        let _ = tx.send(Ok(Frame::data(Bytes::from(first)))).await;
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        drop(tx);
+    });
+    let answer = async move {
+        let resp = send
+            .send_request(grpc_request(
+                "/inferencecache.v1alpha1.RouterService/LookupRoute",
+                body,
+            ))
+            .await
+            .unwrap();
+        grpc_status(resp).await
+    };
+    (feeder, answer)
+}
+
+#[tokio::test]
+async fn a_lookup_without_a_token_is_refused_before_its_body_is_read() {
+    // Without the gate (the old wiring) the half-sent request is buffered and never answered.
+    let (feeder, answer) = half_sent_lookup(router_plane(false).await).await;
+    assert!(
+        tokio::time::timeout(Duration::from_secs(3), answer)
+            .await
+            .is_err(),
+        "the ungated service answered a half-sent request"
+    );
+    feeder.abort();
+    // With it, the missing token is refused at the headers: UNAUTHENTICATED.
+    let (feeder, answer) = half_sent_lookup(router_plane(true).await).await;
+    let (code, message) = tokio::time::timeout(GUARD, answer)
+        .await
+        .expect("a half-sent lookup without a token was held, not refused");
+    assert_eq!(code, "16", "{message}");
+    feeder.abort();
+}

@@ -4,7 +4,8 @@
 //! ([`HandshakeLimits::pre_auth_bytes`], enforced on the request body by [`PreAuthGated`]
 //! before tonic's decoder reserves or buffers anything), a cap on streams awaiting their
 //! `Hello` or its authentication at once ([`HandshakeLimits::pending`]), and bounds on the
-//! `Hello`'s strings ([`check_hello_sizes`]).
+//! `Hello`'s strings ([`check_hello_sizes`]). [`TokenFirst`] checks a `LookupRoute` caller's token
+//! before its body is read.
 //!
 //! Without these, one client could open streams that never speak (≈ 12 KiB each: 100 000 on
 //! one connection took the controller from 53 to 1 237 MB) or announce an 8 MiB first message
@@ -260,4 +261,67 @@ pub fn check_hello_sizes(hello: &proto::Hello) -> Result<(), Status> {
         }
     }
     Ok(())
+}
+
+/// `RouterService` (or any unary gRPC service) behind a bearer-token check that runs on the
+/// request's headers, before tonic decodes its body: a `LookupRoute` without a token our
+/// TokenReview accepts is answered (`UNAUTHENTICATED`, or `UNAVAILABLE` when no review can be
+/// had) without a byte of its body being read, so an unauthenticated caller cannot make the
+/// controller buffer up to the 4 MiB message limit per stream. The handler checks the token
+/// again (a cache hit) and its grants as before. `None`: no check (standalone).
+#[derive(Clone)]
+pub struct TokenFirst<S> {
+    inner: S,
+    auth: Option<Arc<crate::access::CallerAuth>>,
+}
+
+impl<S> TokenFirst<S> {
+    /// `inner`, its callers authenticated by `auth` first.
+    pub fn new(inner: S, auth: Option<Arc<crate::access::CallerAuth>>) -> Self {
+        TokenFirst { inner, auth }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for TokenFirst<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<http::Request<tonic::body::Body>> for TokenFirst<S>
+where
+    S: tonic::codegen::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future =
+        Pin<Box<dyn Future<Output = Result<Self::Response, std::convert::Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        // The ready service goes with this call; a fresh clone waits for the next.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let auth = self.auth.clone();
+        Box::pin(async move {
+            if let Some(auth) = auth {
+                let authorization = req
+                    .headers()
+                    .get(http::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                if let Err(e) = auth.authenticate(authorization).await {
+                    return Ok(e.to_status().into_http());
+                }
+            }
+            inner.call(req).await
+        })
+    }
 }
