@@ -285,3 +285,54 @@ fn the_probe_alone_and_no_workers_planned() {
         (CheckStatus::Unknown, "PodNotFound")
     );
 }
+
+/// A worker (tenant code in an engine pod) whose reply announces a 1 TiB frame: the probe's
+/// frame bound drops it and the check reads BadReply naming the bound — the ZMQ library alone
+/// would reserve the announced length and abort the agent.
+#[test]
+fn a_worker_announcing_a_huge_frame_is_dropped_not_allocated() {
+    use std::io::Write;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                // ZMTP 3.0 greeting, NULL mechanism, then READY as a ROUTER.
+                let mut g = [0u8; 64];
+                g[0] = 0xFF;
+                g[9] = 0x7F;
+                g[10] = 3;
+                g[12..16].copy_from_slice(b"NULL");
+                let _ = s.write_all(&g);
+                let mut peer = [0u8; 64];
+                if s.read_exact(&mut peer).is_err() {
+                    return;
+                }
+                let mut body = vec![5u8];
+                body.extend_from_slice(b"READY");
+                body.push(11);
+                body.extend_from_slice(b"Socket-Type");
+                body.extend_from_slice(&6u32.to_be_bytes());
+                body.extend_from_slice(b"ROUTER");
+                let mut frame = vec![0b100, body.len() as u8];
+                frame.extend(body);
+                let _ = s.write_all(&frame);
+                // A long-frame header announcing 1 TiB, then hold the connection.
+                let mut h = vec![0b10u8];
+                h.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                let _ = s.write_all(&h);
+                let mut sink = [0u8; 4096];
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    let verdict = probe(None, port, 7, Duration::from_secs(3)).unwrap();
+    match verdict {
+        MpVerdict::BadReply { why } => assert!(
+            why.contains("frame bound") && why.contains("1099511627776"),
+            "{why}"
+        ),
+        other => panic!("expected BadReply from the frame bound, got {other:?}"),
+    }
+}

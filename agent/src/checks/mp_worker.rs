@@ -24,7 +24,7 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ic_shared::check::{CheckResult, CheckStatus};
@@ -35,7 +35,13 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::pods::{own_ns, PodFinder};
 use super::{Check, ChecksConfig};
+use crate::kv::zmtp_guard::{self, OnDrop, ZmtpLimits};
 use crate::privilege::Capability;
+
+/// Longest reply the probe accepts from an MP worker, bytes: its answer to a no-op request is a
+/// few dozen bytes; a worker announcing more is dropped before anything is allocated
+/// (docs/security.md "Engine connections are bounded").
+pub const MAX_REPLY_BYTES: usize = 64 << 10;
 
 /// Check name.
 pub const NAME: &str = "mp_worker";
@@ -224,10 +230,37 @@ fn probe_on_this_thread(
         .build()
         .map_err(|e| ProbeError::Runtime(e.to_string()))?;
     rt.block_on(async move {
-        let mut sock = DealerSocket::new();
+        // The worker's bytes go through the frame-bounding relay (crate::kv::zmtp_guard): the
+        // ZMQ library would reserve whatever frame length a worker announces.
+        let dropped: Arc<Mutex<Option<String>>> = Arc::default();
+        let record = dropped.clone();
+        let on_drop: OnDrop = Arc::new(move |d| {
+            if let Ok(mut g) = record.lock() {
+                *g = Some(d.to_string());
+            }
+        });
+        let limits = ZmtpLimits {
+            max_message_bytes: MAX_REPLY_BYTES,
+            ..ZmtpLimits::default()
+        };
         let endpoint = format!("tcp://127.0.0.1:{port}");
-        match tokio::time::timeout(timeout, sock.connect(&endpoint)).await {
-            Err(_) => return Ok(MpVerdict::Hung { stage: "greeting" }),
+        let guarded = match zmtp_guard::connect(&endpoint, limits, timeout, on_drop).await {
+            Ok(g) => g,
+            Err(why) => {
+                return Ok(MpVerdict::BadReply {
+                    why: format!("connecting through the frame bound failed: {why}"),
+                })
+            }
+        };
+        // A verdict that the bound dropped the worker (its reason), whatever the socket saw.
+        let refused = || {
+            dropped.lock().ok().and_then(|g| g.clone()).map(|d| MpVerdict::BadReply {
+                why: format!("the worker was dropped by the frame bound: {d}"),
+            })
+        };
+        let mut sock = DealerSocket::new();
+        match tokio::time::timeout(timeout, sock.connect(guarded.endpoint())).await {
+            Err(_) => return Ok(refused().unwrap_or(MpVerdict::Hung { stage: "greeting" })),
             Ok(Err(e)) => {
                 return Ok(MpVerdict::BadReply {
                     why: format!("ZMTP handshake failed: {e}"),
@@ -247,11 +280,11 @@ fn probe_on_this_thread(
             Ok(Ok(())) => {}
         }
         let reply = match tokio::time::timeout(timeout, sock.recv()).await {
-            Err(_) => return Ok(MpVerdict::Hung { stage: "reply" }),
+            Err(_) => return Ok(refused().unwrap_or(MpVerdict::Hung { stage: "reply" })),
             Ok(Err(e)) => {
-                return Ok(MpVerdict::BadReply {
+                return Ok(refused().unwrap_or(MpVerdict::BadReply {
                     why: format!("receive failed: {e}"),
-                })
+                }))
             }
             Ok(Ok(m)) => m,
         };
