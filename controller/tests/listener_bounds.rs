@@ -741,3 +741,92 @@ async fn a_lookup_without_a_token_is_refused_before_its_body_is_read() {
     assert_eq!(code, "16", "{message}");
     feeder.abort();
 }
+
+// ---- the webhook listener (HTTPS, HTTP/2 by ALPN) ------------------------------------------
+
+#[tokio::test]
+async fn idle_http2_and_half_prefaces_on_the_webhook_listener_are_closed() {
+    use ic_controller::adapters::Registry;
+    use ic_controller::admission::server::{self, ServerConfig};
+    use ic_controller::admission::tls::{SelfSignedOptions, TlsSource};
+    use ic_controller::admission::{Admission, StaticBackends, UnwiredPods};
+    use rustls::pki_types::pem::PemObject;
+    use std::sync::Arc;
+    let admission = Arc::new(Admission::new(
+        Arc::new(Registry::builtin()),
+        Arc::new(StaticBackends::default()),
+        Arc::new(UnwiredPods),
+    ));
+    let mut cfg = ServerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        TlsSource::SelfSigned(SelfSignedOptions {
+            subject_alt_names: vec!["127.0.0.1".into()],
+            write_dir: None,
+        }),
+    );
+    cfg.limits = limits();
+    let running = server::start(admission, cfg).await.unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(
+        running.ca_pem.as_ref().unwrap().as_bytes(),
+    ) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(tls));
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let connect = || async {
+        let tcp = TcpStream::connect(running.local_addr).await.unwrap();
+        connector.connect(name.clone(), tcp).await.unwrap()
+    };
+
+    // HTTP/2 over TLS: one request, then idle while hyper's client answers the pings.
+    let stream = connect().await;
+    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let (tx, body) = fed_body();
+    drop(tx);
+    let resp = send
+        .send_request(
+            http::Request::get("https://127.0.0.1/healthz")
+                .body(body)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    tokio::time::timeout(GUARD, conn)
+        .await
+        .expect("an idle HTTP/2 webhook connection answering pings was kept open")
+        .unwrap();
+    assert!(running.stats.idle_closed() >= 1);
+
+    // Half a preface after the TLS handshake: cut at the header-read deadline.
+    let mut stream = connect().await;
+    stream.write_all(&PREFACE[..12]).await.unwrap();
+    stream.flush().await.unwrap();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(GUARD, stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("a half-sent preface over TLS was held past {GUARD:?}"),
+        }
+    }
+    assert!(running.stats.timed_out() >= 1);
+}
