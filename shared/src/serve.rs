@@ -53,8 +53,7 @@ pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 128;
 /// Default time a connection may have no request in flight before it is closed (HTTP/2
 /// keep-alive pings and other control frames do not count as requests).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Default time an `AgentService.Connect` stream has to send a valid `Hello` (and, in cluster,
-/// be authenticated) once it is open.
+/// Default time an `AgentService.Connect` stream has to send its `Hello` once it is open.
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default bound on the bytes an `AgentService.Connect` stream may send before its `Hello` is
 /// accepted (the `Hello` itself included: a 1–2 KiB service-account token and a few names).
@@ -93,8 +92,9 @@ pub struct ConnectionLimits {
     /// request a connection has [`Self::header_read_timeout`] instead, counted from accept: a
     /// half-sent HTTP/2 preface, or a preface and no request, is cut then.
     pub idle_timeout: Duration,
-    /// gRPC `AgentService.Connect`: time from the stream's start to an accepted `Hello`
-    /// (authentication included); the stream then ends with `DEADLINE_EXCEEDED`.
+    /// gRPC `AgentService.Connect`: time from the stream's start to its first message (the
+    /// `Hello`; its TokenReview is bounded by the review limiter, not by this); the stream then
+    /// ends with `DEADLINE_EXCEEDED`.
     pub hello_timeout: Duration,
     /// gRPC `AgentService.Connect`: bytes a stream may send before its `Hello` is accepted; a
     /// first message announcing more, or more bytes before acceptance, ends the stream with
@@ -214,8 +214,8 @@ pub struct StreamLimitArgs {
     /// --header-read-timeout-seconds from accept.
     #[arg(long, env = "IC_IDLE_TIMEOUT_SECONDS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub idle_timeout_seconds: u64,
-    /// Seconds an AgentService.Connect stream has to send a valid Hello and be authenticated;
-    /// it then ends with DEADLINE_EXCEEDED.
+    /// Seconds an AgentService.Connect stream has to send its Hello; it then ends with
+    /// DEADLINE_EXCEEDED.
     #[arg(long, env = "IC_AGENT_HELLO_TIMEOUT_SECONDS", default_value_t = DEFAULT_HELLO_TIMEOUT.as_secs())]
     pub agent_hello_timeout_seconds: u64,
     /// Bytes an AgentService.Connect stream may send before its Hello is accepted (the Hello

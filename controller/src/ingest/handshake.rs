@@ -209,7 +209,8 @@ where
     }
 }
 
-/// The first message of `inbound`, or `DEADLINE_EXCEEDED` when none arrives within
+/// What `message` (a stream's first `Streaming::message()`) resolves to, or
+/// `DEADLINE_EXCEEDED` naming `--agent-hello-timeout-seconds` when it does not resolve within
 /// `timeout`.
 pub async fn first_message<F>(
     timeout: Duration,

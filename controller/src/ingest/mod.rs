@@ -1,7 +1,10 @@
 //! `AgentService.Connect`: the agents' single stream into the controller (DESIGN.md "Contracts").
 //!
 //! Protocol, per stream:
-//! 1. the agent sends `Hello` first (anything else → `InvalidArgument`);
+//! 1. the agent sends `Hello` first (anything else → `InvalidArgument`), within the handshake
+//!    bounds of [`handshake`]: `--agent-hello-timeout-seconds` (`DeadlineExceeded`), at most
+//!    `--agent-pre-auth-bytes` before it is accepted and `--agent-max-pending-hellos` streams
+//!    waiting at once (`ResourceExhausted`);
 //! 2. the agent sends a full `Resync` (or, when it is larger than one message may be, a series
 //!    of `ResyncChunk`s applied together when the last arrives — `ic_shared::resync`); the index
 //!    replaces every stream of that node;
