@@ -157,6 +157,9 @@ def controller_args(chart_args: list[str], webhook_port: str, grpc_port: str, ht
         "--grpc-addr": f"127.0.0.1:{grpc_port}",
         "--http-addr": f"127.0.0.1:{http_port}",
         "--webhook-addr": f"127.0.0.1:{webhook_port}",
+        # The separate health listener (chart `controller.ports.health`): beside the HTTP port,
+        # so that clusters side by side on this host do not collide on the chart's 8081.
+        "--health-addr": f"127.0.0.1:{int(http_port) + 1}",
     }
     if cert_dir is not None:
         moved["--webhook-cert-dir"] = cert_dir

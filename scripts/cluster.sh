@@ -64,7 +64,7 @@
 #
 # Ports (environment): IC_CLUSTER_ETCD_PORT (23791; peer = +1), IC_CLUSTER_API_PORT (16443;
 # controller-manager +1, scheduler +2, kwok +3, host_kubelet's log server +4),
-# IC_CLUSTER_WEBHOOK_PORT (19443), IC_CLUSTER_GRPC_PORT (15051), IC_CLUSTER_HTTP_PORT (18080),
+# IC_CLUSTER_WEBHOOK_PORT (19443), IC_CLUSTER_GRPC_PORT (15051), IC_CLUSTER_HTTP_PORT (18080; the controller's health listener +1),
 # IC_CLUSTER_AGENT_PORT (--with-chart: the real agent's /readyz port, the chart's
 # agent.ports.http, 19090; its metrics port = +1).
 # IC_CONTROLLER_BIN, IC_AGENT_BIN: the ic-controller and ic-agent to run (default
@@ -284,7 +284,8 @@ ports_free() {
     "$api_port:IC_CLUSTER_API_PORT")
   ((bare)) || pairs+=("$((api_port + 1)):IC_CLUSTER_API_PORT (controller-manager = +1)"
     "$((api_port + 2)):IC_CLUSTER_API_PORT (scheduler = +2)" "$webhook_port:IC_CLUSTER_WEBHOOK_PORT"
-    "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT")
+    "$grpc_port:IC_CLUSTER_GRPC_PORT" "$http_port:IC_CLUSTER_HTTP_PORT"
+    "$((http_port + 1)):IC_CLUSTER_HTTP_PORT (the controller's health listener = +1)")
   [[ $mode == chart ]] && pairs+=("$((api_port + 3)):IC_CLUSTER_API_PORT (kwok = +3)"
     "$((api_port + 4)):IC_CLUSTER_API_PORT (host_kubelet's logs = +4)" "$agent_port:IC_CLUSTER_AGENT_PORT"
     "$((agent_port + 1)):IC_CLUSTER_AGENT_PORT (agent metrics = +1)")

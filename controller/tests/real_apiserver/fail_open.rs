@@ -44,6 +44,7 @@ fn second_replica(c: &Cluster, port: u16) -> Replica {
             Some(("--webhook-addr", _)) => format!("--webhook-addr=127.0.0.1:{port}"),
             Some(("--grpc-addr", _)) => "--grpc-addr=127.0.0.1:0".to_string(),
             Some(("--http-addr", _)) => "--http-addr=127.0.0.1:0".to_string(),
+            Some(("--health-addr", _)) => "--health-addr=127.0.0.1:0".to_string(),
             _ => a.to_string(),
         })
         .collect();
