@@ -254,9 +254,13 @@ fn probe_on_this_thread(
         };
         // A verdict that the bound dropped the worker (its reason), whatever the socket saw.
         let refused = || {
-            dropped.lock().ok().and_then(|g| g.clone()).map(|d| MpVerdict::BadReply {
-                why: format!("the worker was dropped by the frame bound: {d}"),
-            })
+            dropped
+                .lock()
+                .ok()
+                .and_then(|g| g.clone())
+                .map(|d| MpVerdict::BadReply {
+                    why: format!("the worker was dropped by the frame bound: {d}"),
+                })
         };
         let mut sock = DealerSocket::new();
         match tokio::time::timeout(timeout, sock.connect(guarded.endpoint())).await {
