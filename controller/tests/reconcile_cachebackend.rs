@@ -70,7 +70,14 @@ fn another_writer(h: &Harness, name: &str) -> Step {
 async fn managed_redis_provisions_rolls_out_and_passes_the_kv_gate() {
     let faults = Faults::new();
     let h = Harness::with_faults(vec![managed_redis("kv")], false, faults.clone()).await;
-    h.add_pod(pod("engine-0", &[("app", "vllm")], &[])).await;
+    // Wired by the webhook (its decision marker): a matched engine pod.
+    let by = h.key("kv");
+    h.add_pod(pod(
+        "engine-0",
+        &[("app", "vllm")],
+        &[("inferencecache.io/injected-by", by.as_str())],
+    ))
+    .await;
     h.reconcile("kv").await;
 
     let d = h.deployment("kv-redis").await.expect("Deployment rendered");
@@ -996,4 +1003,80 @@ async fn canonicalized_quantities_and_omitted_empty_lists_are_not_reapplied() {
         .clone()
         .unwrap();
     assert_eq!(r.requests.as_ref().unwrap()["cpu"].0, "750m");
+}
+
+/// Issue 39 item 6: engine pods the apiserver admitted without the Pod webhook (it was down, or
+/// past its timeout — the bare apiserver has no mutating webhook, so a pod created here is
+/// exactly that: no `injected-by`, no `not-injected`, no `inject-skipped`) are counted in
+/// `status.unwiredEnginePods`, not in `matchedEnginePods`, and the CacheBackend gets a Warning
+/// `EnginePodsUnwired` naming them each time their number rises — not on every reconcile.
+#[tokio::test]
+async fn pods_admitted_without_the_webhook_are_unwired_not_matched() {
+    let h = Harness::new(vec![host_only("kv")], false).await;
+    let cb = h.cb("kv").await;
+    h.add_pod(injected_engine("vllm-abc123-wired", &cb, "vllm"))
+        .await;
+    h.add_pod(pod("vllm-abc123-raw", &[("app", "vllm")], &[]))
+        .await;
+    // Decided by the webhook (admitted unwired with a reason; opted out): matched, not unwired.
+    h.add_pod(pod(
+        "vllm-abc123-failopen",
+        &[("app", "vllm")],
+        &[(
+            "inferencecache.io/not-injected",
+            "CacheBackend x/kv: no engine container found",
+        )],
+    ))
+    .await;
+    h.add_pod(pod(
+        "vllm-abc123-optout",
+        &[("app", "vllm"), ("inferencecache.io/webhook", "disabled")],
+        &[],
+    ))
+    .await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(st.unwired_engine_pods, Some(1), "{st:?}");
+    assert_eq!(st.matched_engine_pods, Some(3), "{st:?}");
+    assert!(st.engine_selector_message.is_none());
+    let unwired: Vec<EventSpec> = h
+        .events
+        .events()
+        .into_iter()
+        .filter(|e| e.event.reason == "EnginePodsUnwired")
+        .map(|e| e.event)
+        .collect();
+    assert_eq!(unwired.len(), 1, "{unwired:?}");
+    assert_eq!(
+        unwired[0].kind,
+        ic_controller::reconcile::cachebackend::events::EventKind::Warning
+    );
+    assert!(unwired[0].note.contains("vllm-abc123-raw"), "{unwired:?}");
+    assert!(unwired[0].note.contains("rollout restart"), "{unwired:?}");
+    // The persisted field round-trips through the CRD schema (not pruned).
+    let raw: serde_json::Value = serde_json::to_value(h.cb("kv").await).unwrap();
+    assert_eq!(raw["status"]["unwiredEnginePods"], json!(1));
+
+    // Steady: no second Event, also after a controller restart (the count is persisted).
+    h.reconcile("kv").await;
+    assert_eq!(h.events.count("EnginePodsUnwired"), 1);
+
+    // Another pod admitted while the webhook is down: the number rises, one more Event.
+    h.add_pod(pod("vllm-abc123-raw2", &[("app", "vllm")], &[]))
+        .await;
+    h.reconcile("kv").await;
+    assert_eq!(h.status("kv").await.unwired_engine_pods, Some(2));
+    assert_eq!(h.events.count("EnginePodsUnwired"), 2);
+
+    // Re-wired by re-creation (the webhook back): the unwired pods are gone, the wired
+    // replacement counts as matched.
+    h.delete_pod("vllm-abc123-raw").await;
+    h.delete_pod("vllm-abc123-raw2").await;
+    h.add_pod(injected_engine("vllm-abc123-rewired", &cb, "vllm"))
+        .await;
+    h.reconcile("kv").await;
+    let st = h.status("kv").await;
+    assert_eq!(st.unwired_engine_pods, Some(0));
+    assert_eq!(st.matched_engine_pods, Some(4));
+    assert_eq!(h.events.count("EnginePodsUnwired"), 2);
 }

@@ -122,9 +122,19 @@ impl Sim {
     fn event_at(&mut self) {
         let ms = self.now * 1000;
         self.replicas = Ok(vec![replica("engine-0", 10, ms)]);
-        let p = pod("engine-0", &[("app", "vllm")], &[]);
+        let p = decided_pod("engine-0", &[("app", "vllm")]);
         self.pods = Some(vec![p]);
     }
+}
+
+/// An engine pod the Pod webhook decided on (its `injected-by` marker): counted in
+/// `matchedEnginePods` (a pod without any marker is counted in `unwiredEnginePods`).
+fn decided_pod(name: &str, labels: &[(&str, &str)]) -> Pod {
+    pod(
+        name,
+        labels,
+        &[("inferencecache.io/injected-by", "default/kv")],
+    )
 }
 
 fn all_ok() -> ProbeOutcome {
@@ -1409,7 +1419,7 @@ fn matched_engine_pods_and_selector_message() {
     let e = s.step();
     assert!(!reasons(&e).contains(&"EngineSelectorUnmatched".to_string()));
     // Matched → cleared.
-    s.pods = Some(vec![pod("engine-0", &[("app", "vllm")], &[])]);
+    s.pods = Some(vec![decided_pod("engine-0", &[("app", "vllm")])]);
     let e = s.step();
     assert_eq!(e.status.matched_engine_pods, Some(1));
     assert!(e.status.engine_selector_message.is_none());
@@ -1440,7 +1450,7 @@ fn matched_engine_pods_and_selector_message() {
 fn a_failed_pod_list_after_a_spec_change_does_not_show_the_old_selectors_count() {
     let mut s = Sim::new(host_only("h"));
     s.cb.metadata.generation = Some(1);
-    s.pods = Some(vec![pod("engine-0", &[("app", "vllm")], &[])]);
+    s.pods = Some(vec![decided_pod("engine-0", &[("app", "vllm")])]);
     assert_eq!(s.step().status.matched_engine_pods, Some(1));
     // Same spec, list fails: the last count stands.
     s.pods = None;
@@ -1460,7 +1470,7 @@ fn a_failed_pod_list_after_a_spec_change_does_not_show_the_old_selectors_count()
     assert!(msg.contains("could not be listed"), "{msg}");
     assert!(!msg.contains("app=vllm"), "{msg}");
     // The list works again: the new selector's count.
-    s.pods = Some(vec![pod("engine-1", &[("app", "sglang")], &[])]);
+    s.pods = Some(vec![decided_pod("engine-1", &[("app", "sglang")])]);
     let e = s.step();
     assert_eq!(e.status.matched_engine_pods, Some(1));
     assert!(e.status.engine_selector_message.is_none());

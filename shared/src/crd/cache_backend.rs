@@ -685,11 +685,22 @@ pub struct CacheBackendStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
 
-    /// Pods in the namespace matching `spec.engineSelector` at the last reconcile. Absent =
-    /// not computed (or no claim-capable selector); 0 = computed, none match.
+    /// Pods in the namespace matching `spec.engineSelector` at the last reconcile that the Pod
+    /// webhook decided on (wired, admitted unwired with a `not-injected` reason, or opted out);
+    /// pods it never saw are counted in `unwiredEnginePods` instead. Absent = not computed (or
+    /// no claim-capable selector); 0 = computed, none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub matched_engine_pods: Option<i32>,
+
+    /// Pods in the namespace matching `spec.engineSelector` at the last reconcile that carry no
+    /// decision of the Pod webhook at all (created while it was unreachable or past its
+    /// timeout, or before this CacheBackend existed): they run without the cache. Delete them
+    /// (or roll their workload) to have them re-admitted and wired. Absent = not computed;
+    /// 0 = computed, none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub unwired_engine_pods: Option<i32>,
 
     /// Selector-drift diagnosis, set while engine pods are expected but none match.
     #[serde(default, skip_serializing_if = "Option::is_none")]

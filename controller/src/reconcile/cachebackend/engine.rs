@@ -44,7 +44,9 @@ use crate::adapters::select_engine_by_command;
 use crate::adapters::vllm_lmcache::{
     KernelCheckVerdict, ENV_KERNEL_CHECK_MODE, KERNEL_CHECK_CONTAINER, KERNEL_CHECK_STRICT,
 };
-use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID};
+use crate::reconcile::annotations::{
+    INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, NOT_INJECTED, WEBHOOK_OPT_OUT,
+};
 use crate::reconcile::render::LABEL_BACKEND;
 
 /// A container running this long after a failed restart no longer continues a crash-loop
@@ -56,8 +58,13 @@ pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
 /// `matchedEnginePods` / `engineSelectorMessage` and the requeue hint they imply.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SelectorObservation {
-    /// `status.matchedEnginePods`.
+    /// `status.matchedEnginePods`: selected pods the Pod webhook decided on.
     pub matched: Option<i32>,
+    /// `status.unwiredEnginePods`: selected pods the Pod webhook never saw
+    /// ([`admitted_without_webhook`]).
+    pub unwired: Option<i32>,
+    /// Names of those pods, sorted (for the Event's note).
+    pub unwired_pods: Vec<String>,
     /// `status.engineSelectorMessage`.
     pub message: Option<String>,
     /// True when the pods were actually counted this reconcile (false: no selector, or the
@@ -81,15 +88,40 @@ fn is_owned_cache_server(d: &Deployment) -> bool {
         .is_some_and(|l| l.contains_key(LABEL_BACKEND))
 }
 
-/// Computes `matchedEnginePods` and `engineSelectorMessage` (spec "Status").
+/// True when the Pod webhook never decided about `pod`: it carries none of the webhook's
+/// decision annotations (`injected-by`, `not-injected`, `inject-skipped`; the webhook writes one
+/// on every pod a CacheBackend selects) and is not labelled `inferencecache.io/webhook=disabled`
+/// (the operator's opt-out of the webhook). Such a pod was created while the webhook was
+/// unreachable or past its timeout (it fails open), or before the CacheBackend existed, and runs
+/// without the cache until it is re-created (pure).
+pub fn admitted_without_webhook(pod: &Pod) -> bool {
+    let decided = pod.metadata.annotations.as_ref().is_some_and(|a| {
+        [INJECTED_BY, NOT_INJECTED, INJECT_SKIPPED]
+            .iter()
+            .any(|k| a.contains_key(*k))
+    });
+    let opted_out = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(WEBHOOK_OPT_OUT))
+        .map(String::as_str)
+        == Some("disabled");
+    !decided && !opted_out
+}
+
+/// Computes `matchedEnginePods`, `unwiredEnginePods` and `engineSelectorMessage` (spec
+/// "Status"; issue 39 item 6).
 ///
 /// - No claim-capable selector (absent or empty `matchLabels`): both cleared.
 /// - `pods` unavailable (list failed): the prior values are kept while the spec is the one they
 ///   were computed for; with `spec_changed` (the generation moved since the last status) the
 ///   count is unset and the message says no count is known for the current selector.
-/// - Otherwise the count of namespace pods whose labels satisfy the selector; the message is
-///   set when the count is 0 and engine pods are expected — i.e. unless the selector matches at
-///   least one Deployment (by pod-template labels) and all of them are scaled to zero.
+/// - Otherwise the namespace pods whose labels satisfy the selector, split into those the Pod
+///   webhook decided on (`matched`) and those it never saw (`unwired`,
+///   [`admitted_without_webhook`]); the message is set when no pod is selected at all and
+///   engine pods are expected — i.e. unless the selector matches at least one Deployment (by
+///   pod-template labels) and all of them are scaled to zero.
 pub fn selector_status(
     spec: &CacheBackendSpec,
     namespace: &str,
@@ -107,6 +139,8 @@ pub fn selector_status(
         if spec_changed {
             return SelectorObservation {
                 matched: None,
+                unwired: None,
+                unwired_pods: Vec::new(),
                 message: Some(
                     "The pods of this namespace could not be listed since the spec changed, so \
                      no engine pod count is known for the current selector yet (see the \
@@ -119,17 +153,26 @@ pub fn selector_status(
         }
         return SelectorObservation {
             matched: prior.matched_engine_pods,
+            unwired: prior.unwired_engine_pods,
+            unwired_pods: Vec::new(),
             message: prior.engine_selector_message.clone(),
             observed: false,
             churn: false,
         };
     };
-    let count = pods
+    let selected: Vec<&Pod> = pods
         .iter()
         .filter(|p| p.metadata.namespace.as_deref().unwrap_or_default() == namespace)
         .filter(|p| selector_matches(sel, p))
-        .count();
-    let count = i32::try_from(count).unwrap_or(i32::MAX);
+        .collect();
+    let mut unwired_pods: Vec<String> = selected
+        .iter()
+        .filter(|p| admitted_without_webhook(p))
+        .map(|p| p.metadata.name.clone().unwrap_or_default())
+        .collect();
+    unwired_pods.sort();
+    let count = i32::try_from(selected.len()).unwrap_or(i32::MAX);
+    let unwired = i32::try_from(unwired_pods.len()).unwrap_or(i32::MAX);
     let matching: Option<Vec<&Deployment>> = deployments.map(|ds| {
         ds.iter()
             .filter(|d| !is_owned_cache_server(d))
@@ -158,7 +201,9 @@ pub fn selector_status(
         )
     });
     SelectorObservation {
-        matched: Some(count),
+        matched: Some(count - unwired),
+        unwired: Some(unwired),
+        unwired_pods,
         message,
         observed: true,
         churn: desired.is_some_and(|d| d != count),

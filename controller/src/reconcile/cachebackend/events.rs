@@ -33,6 +33,9 @@ pub mod reason {
     pub const NO_KV_EVENTS_OBSERVED: &str = "NoKVEventsObserved";
     /// Normal on a CacheBackend: the engine selector matches no pods while some are expected.
     pub const ENGINE_SELECTOR_UNMATCHED: &str = "EngineSelectorUnmatched";
+    /// Warning on a CacheBackend: more selected engine pods than before run without the cache,
+    /// admitted without the Pod webhook (`status.unwiredEnginePods` rose).
+    pub const ENGINE_PODS_UNWIRED: &str = "EnginePodsUnwired";
     /// Warning on a CacheBackend: an injected engine container entered CrashLoopBackOff.
     pub const INJECTED_ENGINE_CRASH_LOOPING: &str = "InjectedEngineCrashLooping";
     /// Normal on an engine Pod: the webhook's injection claim matches the live CacheBackend.

@@ -391,6 +391,18 @@ impl Writer<'_> {
     }
 }
 
+/// The note of an [`ev::ENGINE_PODS_UNWIRED`] Event: the count, at most 5 pod names, and the
+/// re-wire by re-creation (`docs/troubleshooting.md`).
+fn unwired_note(n: i32, pods: &[String]) -> String {
+    let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();
+    let more = pods.len().saturating_sub(shown.len());
+    format!(
+        "{n} engine pod(s) selected by spec.engineSelector run without the cache: the Pod webhook          never saw them (unreachable or past its timeout when they were created, or they predate          this CacheBackend): {}{}. Re-create them to have them wired (kubectl rollout restart of          their workload, or delete the pods); each carries a Warning NotInjected Event.",
+        shown.join(", "),
+        if more > 0 { format!(" and {more} more") } else { String::new() }
+    )
+}
+
 /// Computes the new status, events, cascade decision and requeue (see the module docs).
 pub fn evaluate(
     obs: &Observed,
@@ -441,6 +453,7 @@ pub fn evaluate(
         prior.observed_generation != generation,
     );
     st.matched_engine_pods = sel.matched;
+    st.unwired_engine_pods = sel.unwired;
     st.engine_selector_message = sel.message.clone();
     if sel.churn {
         requeue = requeue.min(settings.churn_requeue);
@@ -1121,6 +1134,16 @@ pub fn evaluate(
             events.push(EventSpec::normal(
                 ev::ENGINE_SELECTOR_UNMATCHED,
                 msg.clone(),
+            ));
+        }
+    }
+    // Engine pods the webhook never saw: one Warning each time their number rises (a steady
+    // or falling count is no news; the persisted status keeps a restarted leader quiet).
+    if let (true, Some(n)) = (sel.observed, sel.unwired) {
+        if n > prior.unwired_engine_pods.unwrap_or(0) {
+            events.push(EventSpec::warning(
+                ev::ENGINE_PODS_UNWIRED,
+                unwired_note(n, &sel.unwired_pods),
             ));
         }
     }
