@@ -454,7 +454,10 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             http_bearer_token_file: a.http_bearer_token_file.clone(),
         },
         state,
-        Checks::new(&a.common.checks_config()?),
+        Checks::new(&ChecksConfig {
+            state_dir: a.state_dir.clone(),
+            ..a.common.checks_config()?
+        }),
         ic_agent::engine_metrics::ScrapeConfig {
             interval: Duration::from_secs(a.t2_scrape_interval_seconds),
             timeout: Duration::from_millis(a.t2_scrape_timeout_ms.max(1)),

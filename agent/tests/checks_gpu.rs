@@ -159,9 +159,16 @@ const FAKE_NVML_C: &str = r#"
 #ifndef FAKE_MIG
 #define FAKE_MIG 0 /* gpu0 in MIG mode with two GPU instances (GI 1 and 2) */
 #endif
+#ifndef FAKE_GONE_FILE
+#define FAKE_GONE_FILE "" /* when set: the physical GPU numbered in it is not enumerated */
+#endif
+#ifndef FAKE_RECOVERY_FILE
+#define FAKE_RECOVERY_FILE "" /* when set: lines "<gpu> <action>" give recovery actions; unset:
+                                 the field is not supported (a driver before R550) */
+#endif
 #include <unistd.h>
 typedef int nvmlReturn_t;
-struct fake_dev { unsigned idx; int is_mig; unsigned gi; };
+struct fake_dev { unsigned idx; int is_mig; unsigned gi; unsigned phys; };
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 typedef struct {
@@ -178,16 +185,45 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags) { (void)flags; return FAKE_INIT_R
 nvmlReturn_t nvmlShutdown(void) { return 0; }
 nvmlReturn_t nvmlSystemGetDriverVersion(char *v, unsigned n) { snprintf(v, n, "550.54.15"); return 0; }
 nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { *v = 12040; return 0; }
-nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *c) { *c = FAKE_COUNT; return 0; }
+/* the physical GPU hidden from enumeration (-1: none), read from FAKE_GONE_FILE on each call */
+static int gone(void) {
+    int g = -1; FILE *f;
+    if (!FAKE_GONE_FILE[0] || !(f = fopen(FAKE_GONE_FILE, "r"))) return -1;
+    if (fscanf(f, "%d", &g) != 1) g = -1;
+    fclose(f); return g;
+}
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *c) {
+    int g = gone(); *c = FAKE_COUNT - (g >= 0 && g < FAKE_COUNT); return 0;
+}
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned i, nvmlDevice_t *d) {
-    if (i >= FAKE_COUNT || i >= 16) return 2;
+    int g = gone(); unsigned n = FAKE_COUNT - (g >= 0 && g < FAKE_COUNT);
+    if (i >= n || i >= 16) return 2;
     if ((int)i == FAKE_LOST_INDEX) return 15;
-    devs[i].idx = i; *d = &devs[i]; return 0;
+    devs[i].idx = i; devs[i].phys = (g >= 0 && (int)i >= g) ? i + 1 : i; *d = &devs[i]; return 0;
+}
+typedef struct {
+    unsigned fieldId, scopeId; long long timestamp, latencyUsec; int valueType; int nvmlReturn;
+    union { double d; unsigned ui; unsigned long ul; unsigned long long ull; long long sll; int si; unsigned short us; } value;
+} nvmlFieldValue_t;
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int count, nvmlFieldValue_t *v) {
+    int k;
+    for (k = 0; k < count; k++) {
+        FILE *f; char line[64]; unsigned dev, action = 0;
+        v[k].valueType = 1; /* NVML_VALUE_TYPE_UNSIGNED_INT */
+        v[k].nvmlReturn = 3; /* NOT_SUPPORTED */
+        if (v[k].fieldId != 230 || !FAKE_RECOVERY_FILE[0]) continue;
+        v[k].nvmlReturn = 0; v[k].value.ui = 0;
+        if (!(f = fopen(FAKE_RECOVERY_FILE, "r"))) continue;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "%u %u", &dev, &action) == 2 && dev == d->phys) v[k].value.ui = action;
+        fclose(f);
+    }
+    return 0;
 }
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *n, unsigned len) { (void)d; snprintf(n, len, "NVIDIA H200"); return 0; }
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *u, unsigned len) {
     if (d->is_mig) snprintf(u, len, "MIG-00000000-0000-0000-0000-0000000000%02u", d->gi);
-    else snprintf(u, len, "GPU-00000000-0000-0000-0000-00000000000%u", d->idx);
+    else snprintf(u, len, "GPU-00000000-0000-0000-0000-00000000000%u", d->phys);
     return 0;
 }
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned *i) { *i = d->idx; return 0; }
@@ -533,14 +569,14 @@ fn gpu_plan() -> NodePlan {
     }
 }
 
-/// Runs the check until `pred` holds for the result of `subject` (up to 10 s).
+/// Runs the check until `pred` holds for the result of `subject` (up to 60 s).
 fn wait_for(
     check: &GpuCheck,
     subject: &str,
     what: &str,
     pred: impl Fn(&CheckResult) -> bool,
 ) -> CheckResult {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = check.run(&gpu_plan());
         let g = r.iter().find(|g| g.subject == subject).cloned().unwrap();
@@ -636,12 +672,27 @@ fn xid_events_under_the_default_policy_and_recovery() {
     let g = wait_for(&check, "gpu1", "XID 92", |g| g.reason == "GpuXidError");
     assert_eq!(g.status, CheckStatus::Warning);
 
-    // quiet for the quiet period: both GPUs read healthy again, with their history
-    let g = wait_for(&check, "gpu0", "recovery", |g| g.reason == "GpuOk");
-    assert_eq!(g.observed["xidRecovered"], "true");
-    assert_eq!(g.observed["lastXid"], "79");
+    // quiet for the quiet period: the GPU with a warning reads healthy again, with its
+    // history; the fatal XID does not expire (only a reset or a reboot clears it)
     let g = wait_for(&check, "gpu1", "recovery", |g| g.reason == "GpuOk");
     assert_eq!(g.observed["xidEventsTotal"], "2");
+    assert_eq!(g.observed["xidRecovered"], "true");
+    assert_eq!(g.observed["lastXid"], "92");
+    let g = check
+        .run(&gpu_plan())
+        .into_iter()
+        .find(|g| g.subject == "gpu0")
+        .unwrap();
+    assert_eq!(
+        (g.status, g.reason.as_str()),
+        (CheckStatus::Critical, "GpuXidFatal"),
+        "a fatal XID expired with the quiet period: {g:?}"
+    );
+    assert!(
+        g.message.contains("until the GPU is reset"),
+        "{}",
+        g.message
+    );
 }
 
 #[test]
@@ -904,4 +955,222 @@ fn the_agent_exports_gpu_series_with_uuid_and_model() {
         text.lines().any(|l| l == reason),
         "no `{reason}` in:\n{text}"
     );
+}
+
+// ---- field truth (issue 39 items 3, 4, 12): latched XIDs, missing GPUs, recovery actions -----
+
+/// GET `/metrics` until `line_prefix` has a sample; returns that sample's value.
+fn metric_value(addr: &str, line_prefix: &str, child: &mut std::process::Child) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some((status, body)) = http_get(addr, "/metrics") {
+            if status.contains(" 200") {
+                if let Some(l) = body.lines().find(|l| l.starts_with(line_prefix)) {
+                    return l.rsplit(' ').next().unwrap_or_default().to_string();
+                }
+            }
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("ic-agent exited with {st}");
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("no `{line_prefix}` on http://{addr}/metrics after 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn spawn_agent(lib: &Path, plan: &Path, state_dir: &Path, http: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_ic-agent"))
+        .args(["run", "--checks-only", "--plan"])
+        .arg(plan)
+        .arg("--nvml-library")
+        .arg(lib)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .args(["--http-addr", http, "--check-interval-seconds", "1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// XID 79 ("GPU has fallen off the bus") seen by one agent process is still Critical after the
+/// agent restarts (a DaemonSet upgrade) with the same `--state-dir`: the real `ic-agent run`,
+/// killed and started again, the second one never receiving the event.
+#[test]
+fn a_fatal_xid_survives_an_agent_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "restart", &[]) else {
+        return;
+    };
+    let plan = dir.path().join("plan.yaml");
+    std::fs::write(&plan, "gpuNode: true\n").unwrap();
+    let state = dir.path().join("state");
+    let http = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let gpu0 = "inferencecache_agent_gpu_status{gpu=\"0\",";
+    let mut child = spawn_agent(&fake.lib, &plan, &state, &http);
+    assert_eq!(metric_value(&http, gpu0, &mut child), "0");
+    fake.inject("0 79");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric_value(&http, gpu0, &mut child) != "3" {
+        assert!(Instant::now() < deadline, "XID 79 never read Critical");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    // the new process's NVML never delivers the event again
+    std::fs::write(&fake.xids, "").unwrap();
+    let mut child = spawn_agent(&fake.lib, &plan, &state, &http);
+    let after = metric_value(&http, gpu0, &mut child);
+    let (_, report) = http_get(&http, "/v1/report").unwrap_or_default();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(after, "3", "gpu0 forgot XID 79 across the restart");
+    assert!(report.contains("GpuXidFatal"), "{report}");
+    assert!(report.contains("XID 79"), "{report}");
+    assert!(state.join("gpu-state.json").exists());
+}
+
+/// One of eight GPUs drops out of NVML's enumeration: the node does not read "7 GPUs, all
+/// Ok" but Critical `GpuMissing` naming the vanished GPU's UUID — also after an agent restart
+/// (the inventory is in the state directory).
+#[test]
+fn a_gpu_that_vanishes_from_enumeration_is_critical_with_its_uuid() {
+    let dir = tempfile::tempdir().unwrap();
+    let gone = dir.path().join("gone");
+    let define = format!("FAKE_GONE_FILE=\"{}\"", gone.display());
+    let Some(lib) = fake_nvml(dir.path(), "eight", &["FAKE_COUNT=8", &define]) else {
+        return;
+    };
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let cfg = ChecksConfig {
+        nvml_library: Some(lib),
+        state_dir: Some(state.clone()),
+        ..ChecksConfig::default()
+    };
+    let check = GpuCheck::new(&cfg);
+    let r = check.run(&gpu_plan());
+    assert_eq!(r.len(), 8, "{r:#?}");
+    assert!(r.iter().all(|g| g.reason == "GpuOk"), "{r:#?}");
+    std::fs::write(&gone, "5").unwrap();
+    let uuid = "GPU-00000000-0000-0000-0000-000000000005";
+    for check in [check, GpuCheck::new(&cfg)] {
+        let r = check.run(&gpu_plan());
+        assert_eq!(r.iter().filter(|g| g.subject.starts_with("gpu")).count(), 7);
+        let m = r
+            .iter()
+            .find(|g| g.reason == "GpuMissing")
+            .unwrap_or_else(|| panic!("7 of 8 GPUs read as healthy: {r:#?}"));
+        assert_eq!(
+            (m.subject.as_str(), m.status),
+            (uuid, CheckStatus::Critical)
+        );
+        assert_eq!(m.observed["uuid"], uuid);
+        assert_eq!(m.observed["lastIndex"], "5");
+        assert_eq!(m.observed["deviceCount"], "7");
+        assert_eq!(m.observed["expectedCount"], "8");
+        assert_eq!(m.observed["inventory"], "stateDir");
+        assert!(m.message.contains(uuid), "{}", m.message);
+        assert!(m.message.contains("7 of 8"), "{}", m.message);
+        // the GPUs after it moved up one index and kept their UUIDs
+        let g5 = r.iter().find(|g| g.subject == "gpu5").unwrap();
+        assert_eq!(
+            g5.observed["uuid"],
+            "GPU-00000000-0000-0000-0000-000000000006"
+        );
+    }
+    // it comes back: no longer missing
+    std::fs::write(&gone, "-1").unwrap();
+    let r = GpuCheck::new(&cfg).run(&gpu_plan());
+    assert_eq!(r.len(), 8, "{r:#?}");
+    assert!(r.iter().all(|g| g.reason == "GpuOk"), "{r:#?}");
+}
+
+/// Where the driver exposes NVML's recovery action, severity follows it: an XID 149 variant
+/// that needs a GPU reset is Critical for as long as the driver asks for the reset (not a
+/// Warning that expires with the quiet period); draining P2P is a Warning; once the driver
+/// reports `None` again (the GPU was reset), a latched fatal XID is cleared too.
+#[test]
+fn severity_follows_the_recovery_action_and_a_reset_clears_the_latch() {
+    let dir = tempfile::tempdir().unwrap();
+    let recovery = dir.path().join("recovery-actions");
+    std::fs::write(&recovery, "").unwrap();
+    let define = format!("FAKE_RECOVERY_FILE=\"{}\"", recovery.display());
+    let Some(fake) = XidFake::build(dir.path(), "recovery", &[&define]) else {
+        return;
+    };
+    let check = fake.check(quiet(1));
+    let r = check.run(&gpu_plan());
+    assert_eq!(r[1].observed["recoveryAction"], "None", "{:?}", r[1]);
+    fake.inject("1 149");
+    std::fs::write(&recovery, "1 1\n").unwrap();
+    let g = wait_for(&check, "gpu1", "149 seen", |g| {
+        g.observed["xidEventsTotal"] == "1"
+    });
+    assert_eq!(
+        (g.status, g.reason.as_str()),
+        (CheckStatus::Critical, "GpuRecoveryRequired"),
+        "{g:?}"
+    );
+    assert_eq!(g.observed["recoveryAction"], "GpuReset");
+    assert!(g.message.contains("XID 149"), "{}", g.message);
+    // past the quiet period: still Critical while the driver asks for the reset
+    std::thread::sleep(Duration::from_millis(1500));
+    let g = wait_for(&check, "gpu1", "149 quiet", |g| {
+        g.observed.contains_key("xidRecovered")
+    });
+    assert_eq!(g.status, CheckStatus::Critical, "{g:?}");
+    std::fs::write(&recovery, "1 3\n").unwrap();
+    let g = wait_for(&check, "gpu1", "drain p2p", |g| {
+        g.observed["recoveryAction"] == "DrainP2P"
+    });
+    assert_eq!(
+        (g.status, g.reason.as_str()),
+        (CheckStatus::Warning, "GpuRecoveryRequired")
+    );
+    std::fs::write(&recovery, "1 0\n").unwrap();
+    wait_for(&check, "gpu1", "reset", |g| g.reason == "GpuOk");
+
+    // a fatal XID latches; the driver's reset (an action, then None) clears it
+    fake.inject("0 79");
+    wait_for(&check, "gpu0", "79", |g| g.reason == "GpuXidFatal");
+    std::fs::write(&recovery, "0 2\n").unwrap();
+    let g = wait_for(&check, "gpu0", "79 reboot", |g| {
+        g.observed["recoveryAction"] == "NodeReboot"
+    });
+    assert_eq!(g.status, CheckStatus::Critical);
+    std::fs::write(&recovery, "0 0\n").unwrap();
+    let g = wait_for(&check, "gpu0", "79 reset", |g| g.reason == "GpuOk");
+    assert_eq!(g.observed["xidEventsTotal"], "1");
+}
+
+/// `xidIgnored` counts every ignored XID since the agent started, not those still in the
+/// bounded log.
+#[test]
+fn xid_ignored_is_a_count_not_a_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "ignored", &[]) else {
+        return;
+    };
+    let check = fake.check(XidPolicy::default());
+    check.run(&gpu_plan());
+    let n = ic_agent::checks::xid::LOG_CAPACITY + 20;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&fake.xids)
+        .unwrap();
+    for _ in 0..n {
+        writeln!(f, "0 13").unwrap();
+    }
+    drop(f);
+    let g = wait_for(&check, "gpu0", "all seen", |g| {
+        g.observed["xidEventsTotal"] == n.to_string()
+    });
+    assert_eq!(g.observed["xidIgnored"], n.to_string(), "{g:?}");
 }

@@ -20,11 +20,14 @@ use std::time::{Duration, SystemTime};
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::NodePlan;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
+use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, Nvml};
 use parking_lot::Mutex;
 
 use super::gpu_monitor::{EventSupport, InitFailure, InitState, NvmlMonitor};
+use super::gpu_state::{GpuMemory, KnownGpu};
 use super::units::bytes_both;
 use super::xid::{evaluate_xids, xid_description, XidAction, XidLog, XidPolicy, XidVerdict};
 use super::{Check, ChecksConfig};
@@ -70,11 +73,14 @@ pub const HW_SLOWDOWN_MASK: u64 = 0x8 | 0x80;
 /// How long a run waits for the NVML thread's first initialisation attempt.
 pub const INIT_WAIT: Duration = Duration::from_secs(10);
 
-/// The `gpu` check. Owns the NVML thread (started on the first run, stopped on drop).
+/// The `gpu` check. Owns the NVML thread (started on the first run, stopped on drop) and the
+/// node's GPU memory ([`GpuMemory`]: expected-GPU inventory and latched fatal XIDs, kept in the
+/// state directory when there is one).
 pub struct GpuCheck {
     nvml_library: Option<PathBuf>,
     policy: XidPolicy,
     monitor: Mutex<Option<NvmlMonitor>>,
+    memory: Mutex<GpuMemory>,
 }
 
 impl std::fmt::Debug for GpuCheck {
@@ -88,12 +94,17 @@ impl std::fmt::Debug for GpuCheck {
 }
 
 impl GpuCheck {
-    /// Reads `cfg.nvml_library` and `cfg.xid_policy`.
+    /// Reads `cfg.nvml_library`, `cfg.xid_policy` and `cfg.state_dir` (loads
+    /// [`GPU_STATE_FILE`] from it; the boot id from `<cfg.proc_root>/sys/kernel/random/boot_id`).
     pub fn new(cfg: &ChecksConfig) -> Self {
         GpuCheck {
             nvml_library: cfg.nvml_library.clone(),
             policy: cfg.xid_policy.clone(),
             monitor: Mutex::new(None),
+            memory: Mutex::new(GpuMemory::load(
+                cfg.state_dir.as_deref(),
+                &cfg.proc_root.join("sys/kernel/random/boot_id"),
+            )),
         }
     }
 
@@ -300,7 +311,41 @@ pub struct GpuSnapshot {
     pub query_errors: Vec<String>,
     /// A query answered `NVML_ERROR_RESET_REQUIRED`: the GPU needs a reset.
     pub reset_required: bool,
+    /// NVML's recovery action for the GPU (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`, R550+
+    /// drivers; [`RECOVERY_ACTIONS`]); `None` where the driver does not expose it.
+    pub recovery_action: Option<u32>,
 }
+
+/// NVML field id of the GPU's recovery action (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`).
+pub const FI_GPU_RECOVERY_ACTION: u32 = 230;
+
+/// `nvmlDeviceGpuRecoveryAction_t` values, their names and the status each gives the GPU
+/// (`GpuRecoveryRequired`): a reset or reboot is `Critical` (the GPU cannot serve until then),
+/// draining peer-to-peer traffic is `Warning`.
+pub const RECOVERY_ACTIONS: [(u32, &str, CheckStatus); 5] = [
+    (0, "None", CheckStatus::Ok),
+    (1, "GpuReset", CheckStatus::Critical),
+    (2, "NodeReboot", CheckStatus::Critical),
+    (3, "DrainP2P", CheckStatus::Warning),
+    (4, "DrainAndReset", CheckStatus::Critical),
+];
+
+/// The name and status of a recovery action value (an unknown value: `Unknown(<n>)`,
+/// `Warning`).
+pub fn recovery_action_of(v: u32) -> (String, CheckStatus) {
+    RECOVERY_ACTIONS
+        .iter()
+        .find(|(n, _, _)| *n == v)
+        .map(|(_, name, st)| (name.to_string(), *st))
+        .unwrap_or_else(|| (format!("Unknown({v})"), CheckStatus::Warning))
+}
+
+/// Reason (`Critical`, subject = the GPU's UUID) for a GPU of the expected inventory
+/// ([`super::gpu_state`]) that NVML no longer enumerates.
+pub const GPU_MISSING: &str = "GpuMissing";
+
+/// Reason for a GPU whose NVML recovery action is not `None` ([`RECOVERY_ACTIONS`]).
+pub const GPU_RECOVERY_REQUIRED: &str = "GpuRecoveryRequired";
 
 /// The queries whose answers decide the verdict ([`evaluate_device`]); when one fails the GPU's
 /// health is not known, and the result says so instead of `GpuOk`.
@@ -429,19 +474,47 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
             String::new()
         };
         let rule = x.verdict.rule.map(|r| r.as_str()).unwrap_or("policy");
+        let until = if x.verdict.action == XidAction::Critical {
+            "it stays critical until the GPU is reset or the node reboots (kept across agent \
+             restarts in the state directory)"
+                .to_string()
+        } else {
+            format!(
+                "it reads healthy again after {} s without such XIDs",
+                x.quiet_period.as_secs()
+            )
+        };
         Some((
             x.verdict.action,
             format!(
                 "{label} reported {xid}{} {age} s ago{others}, which the XID policy ({rule}) \
-             treats as {}; it reads healthy again after {} s without such XIDs.",
+             treats as {}; {until}.",
                 culprit.mig_label(),
                 x.verdict.action.as_str(),
-                x.quiet_period.as_secs()
             ),
         ))
     });
     if let Some((XidAction::Critical, m)) = &xid_finding {
         findings.push((CheckStatus::Critical, "GpuXidFatal", m.clone()));
+    }
+    if let Some(a) = s.recovery_action.filter(|a| *a != 0) {
+        let (name, status) = recovery_action_of(a);
+        let last = s
+            .xid
+            .as_ref()
+            .and_then(|x| x.verdict.last.as_ref())
+            .and_then(|e| e.xid)
+            .map(|x| format!(" after XID {x} ({})", xid_description(x)))
+            .unwrap_or_default();
+        findings.push((
+            status,
+            GPU_RECOVERY_REQUIRED,
+            format!(
+                "{label}'s driver asks for recovery action {name}{last} (NVML \
+                 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION); it reads healthy once the driver \
+                 reports None."
+            ),
+        ));
     }
     if let Some(rr) = s.remapped_rows {
         if rr.pending {
@@ -596,6 +669,11 @@ pub fn evaluate_device(s: &GpuSnapshot) -> CheckResult {
         r = r.with("migMode", if m { "enabled" } else { "disabled" });
     }
     r = opt(r, "migDevices", s.mig_devices.map(|v| v.to_string()));
+    r = opt(
+        r,
+        "recoveryAction",
+        s.recovery_action.map(|a| recovery_action_of(a).0),
+    );
     if let Some(x) = &s.xid {
         r = r
             .with(
@@ -753,7 +831,24 @@ fn snapshot(
     s.throttle_reasons = throttle;
     s.mig_enabled = mig;
     s.mig_devices = mig_count;
+    s.recovery_action = recovery_action(&device);
     Ok(s)
+}
+
+/// The GPU's recovery action through `nvmlDeviceGetFieldValues`
+/// ([`FI_GPU_RECOVERY_ACTION`]); `None` when the library lacks the function or the driver
+/// does not support the field (before R550) or answers with an error.
+fn recovery_action(device: &Device<'_>) -> Option<u32> {
+    let values = device
+        .field_values_for(&[FieldId(FI_GPU_RECOVERY_ACTION)])
+        .ok()?;
+    let sample = values.into_iter().next()?.ok()?;
+    match sample.value.ok()? {
+        SampleValue::U32(v) => Some(v),
+        SampleValue::U64(v) => u32::try_from(v).ok(),
+        SampleValue::I64(v) => u32::try_from(v).ok(),
+        SampleValue::F64(_) => None,
+    }
 }
 
 /// `nvmlDeviceGetRemappedRows`, which `nvml-wrapper` 0.13 does not wrap.
@@ -844,6 +939,18 @@ impl Check for GpuCheck {
             }
         };
         if count == 0 {
+            // Every GPU of the inventory gone is not "no GPUs": each one is missing.
+            let mut memory = self.memory.lock();
+            let missing = memory.enumerate(&[], false);
+            if !missing.is_empty() {
+                let persisted = memory.path.is_some();
+                let expected = missing.len();
+                return missing
+                    .iter()
+                    .map(|(uuid, known)| gpu_missing(uuid, known, 0, expected, persisted))
+                    .collect();
+            }
+            drop(memory);
             let (status, tail) = if plan.gpu_node {
                 (
                     CheckStatus::Warning,
@@ -871,10 +978,44 @@ impl Check for GpuCheck {
             xids.get(&i)
                 .map(|(log, support)| XidStatus::judge(log, support, &self.policy, now))
         };
-        let mut results: Vec<CheckResult> = (0..count)
-            .map(|i| match snapshot(&nvml, i, driver.clone(), cuda.clone()) {
+        let snaps: Vec<(u32, Result<GpuSnapshot, NvmlError>)> = (0..count)
+            .map(|i| (i, snapshot(&nvml, i, driver.clone(), cuda.clone())))
+            .collect();
+        let seen: Vec<(u32, String, Option<String>)> = snaps
+            .iter()
+            .filter_map(|(i, s)| {
+                let s = s.as_ref().ok()?;
+                Some((*i, s.uuid.clone()?, s.name.clone()))
+            })
+            .collect();
+        let healthy = seen.len() == snaps.len();
+        let mut memory = self.memory.lock();
+        let missing = memory.enumerate(&seen, healthy);
+        let persisted = memory.path.is_some();
+        let mut results: Vec<CheckResult> = snaps
+            .into_iter()
+            .map(|(i, snap)| match snap {
                 Ok(mut s) => {
-                    s.xid = xid_status(i);
+                    if let Some(uuid) = s.uuid.clone() {
+                        memory.recovery_action(&uuid, s.recovery_action, now);
+                        s.xid = xids.get(&i).map(|(log, support)| {
+                            let events = memory.latch(&uuid, &log.events, |e| {
+                                let action = match e.xid {
+                                    Some(x) => self.policy.action(x),
+                                    None => self.policy.unlisted,
+                                };
+                                action == XidAction::Critical
+                            });
+                            let merged = XidLog {
+                                events,
+                                total: log.total,
+                                dropped: log.dropped.clone(),
+                            };
+                            XidStatus::judge(&merged, support, &self.policy, now)
+                        });
+                    } else {
+                        s.xid = xid_status(i);
+                    }
                     evaluate_device(&s)
                 }
                 Err(NvmlError::GpuLost) => evaluate_device(&GpuSnapshot {
@@ -896,11 +1037,76 @@ impl Check for GpuCheck {
                 .with("error", e.to_string()),
             })
             .collect();
+        let expected = count as usize + missing.len();
+        for (uuid, known) in &missing {
+            results.push(gpu_missing(uuid, known, count, expected, persisted));
+        }
+        memory.save();
+        drop(memory);
         if !plan.gpu_node {
             results.push(gpus_not_planned(&results, &library, driver.as_deref()));
         }
         results
     }
+}
+
+/// The result [`GPU_MISSING`] (`Critical`, subject = `uuid`) for a GPU of the expected inventory
+/// that NVML no longer enumerates. Observed keys: `uuid`, `name` (when known), `lastIndex`,
+/// `deviceCount` (GPUs NVML lists now), `expectedCount`, `inventory` (`stateDir` or
+/// `memory`), `fatalXids` (latched fatal XIDs of that GPU, comma-separated, when any).
+pub fn gpu_missing(
+    uuid: &str,
+    known: &KnownGpu,
+    count: u32,
+    expected: usize,
+    persisted: bool,
+) -> CheckResult {
+    let name = known
+        .name
+        .as_ref()
+        .map(|n| format!(" ({n})"))
+        .unwrap_or_default();
+    let fatal: Vec<String> = known
+        .fatal_xids
+        .iter()
+        .map(|l| {
+            l.xid
+                .map(|x| x.to_string())
+                .unwrap_or_else(|| "unknown".into())
+        })
+        .collect();
+    let after = if fatal.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " It reported fatal XID(s) {} before it vanished.",
+            fatal.join(", ")
+        )
+    };
+    let mut r = CheckResult::new(
+        NAME,
+        uuid,
+        CheckStatus::Critical,
+        GPU_MISSING,
+        format!(
+            "GPU {uuid}{name}, gpu{} when last seen, is no longer enumerated by NVML: {count} \
+             of {expected} expected GPU(s) are listed. It has fallen off the bus or its driver \
+             lost it; drain the node and check dmesg for XID 79, then reset the GPU or reboot.{after}",
+            known.index
+        ),
+    )
+    .with("uuid", uuid)
+    .with("lastIndex", known.index)
+    .with("deviceCount", count)
+    .with("expectedCount", expected)
+    .with("inventory", if persisted { "stateDir" } else { "memory" });
+    if let Some(n) = &known.name {
+        r = r.with("name", n);
+    }
+    if !fatal.is_empty() {
+        r = r.with("fatalXids", fatal.join(","));
+    }
+    r
 }
 
 /// The `host` result [`GPUS_NOT_PLANNED`] (`Ok`) that goes with the per-GPU `results` on a node
@@ -971,6 +1177,7 @@ mod tests {
             xid: None,
             query_errors: vec![],
             reset_required: false,
+            recovery_action: None,
         }
     }
 
@@ -1109,7 +1316,9 @@ mod tests {
         let cases: Vec<(XidStatus, CheckStatus, &str)> = vec![
             (xid_status(79, 10, None), Critical, "GpuXidFatal"),
             (xid_status(48, 299, None), Critical, "GpuXidFatal"),
-            (xid_status(48, 300, None), Ok, "GpuOk"),
+            // fatal XIDs do not expire with the quiet period (a reset or reboot clears them)
+            (xid_status(48, 300, None), Critical, "GpuXidFatal"),
+            (xid_status(92, 300, None), Ok, "GpuOk"),
             (xid_status(92, 1, None), Warning, "GpuXidError"),
             (xid_status(13, 1, None), Ok, "GpuOk"),
             (xid_status(43, 1, Some(2)), Ok, "GpuOk"),
@@ -1134,16 +1343,37 @@ mod tests {
             "{}",
             r.message
         );
-        assert!(r.message.contains("after 300 s"), "{}", r.message);
+        assert!(
+            r.message
+                .contains("until the GPU is reset or the node reboots"),
+            "{}",
+            r.message
+        );
         assert_eq!(r.observed["lastXid"], "79");
         assert_eq!(r.observed["activeXids"], "79");
         assert_eq!(r.observed["lastXidAgeSeconds"], "10");
-        // recovered: healthy, with the history shown
-        s.xid = Some(xid_status(79, 400, None));
+        // a warning past the quiet period: healthy, with the history shown
+        s.xid = Some(xid_status(92, 400, None));
         let r = evaluate_device(&s);
         assert_eq!(r.reason, "GpuOk");
         assert_eq!(r.observed["xidRecovered"], "true");
-        assert_eq!(r.observed["lastXid"], "79");
+        assert_eq!(r.observed["lastXid"], "92");
+        s.xid = Some(xid_status(92, 10, None));
+        assert!(evaluate_device(&s).message.contains("after 300 s"));
+        // the driver's recovery action: a reset is Critical, draining P2P a Warning
+        s.xid = Some(xid_status(149, 10, None));
+        s.recovery_action = Some(1);
+        let r = evaluate_device(&s);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            (Critical, GPU_RECOVERY_REQUIRED)
+        );
+        assert_eq!(r.observed["recoveryAction"], "GpuReset");
+        s.recovery_action = Some(3);
+        assert_eq!(evaluate_device(&s).status, Warning);
+        s.recovery_action = Some(0);
+        assert_eq!(evaluate_device(&s).reason, "GpuXidError");
+        s.recovery_action = None;
         // MIG attribution in the message and observed values
         s.xid = Some(xid_status(94, 5, Some(3)));
         let r = evaluate_device(&s);

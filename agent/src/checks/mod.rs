@@ -36,6 +36,7 @@ pub mod cuda;
 pub mod fake;
 pub mod gpu;
 pub mod gpu_monitor;
+pub mod gpu_state;
 pub mod metrics;
 pub mod mounts;
 pub mod mp_worker;
@@ -94,6 +95,9 @@ pub struct ChecksConfig {
     /// hostPID agent is the host's init. `IC_HOST_NETNS` sets it; tests that run the check in a
     /// namespace of their own point it at that namespace.
     pub host_netns: Option<PathBuf>,
+    /// The agent's state directory (`--state-dir`): the `gpu` check keeps its expected-GPU
+    /// inventory and latched fatal XIDs there ([`gpu_state`]). `None`: in memory only.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl Default for ChecksConfig {
@@ -109,6 +113,7 @@ impl Default for ChecksConfig {
             cuda_interval: Duration::from_secs(600),
             cuda_timeout: Duration::from_secs(60),
             host_netns: None,
+            state_dir: None,
         }
     }
 }

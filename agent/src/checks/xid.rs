@@ -11,14 +11,17 @@
 //!   exception, context-switch timeout); the device plugin ignores them, so do we
 //!   ([`XidAction::Ignore`], counted and shown);
 //! - **fatal** — DCGM's set 48, 74, 79, 94, 95, 119, 120, 140 (double-bit ECC, NVLink, fallen
-//!   off the bus, contained/uncontained ECC, GSP timeout/error, unrecovered ECC) — make the
-//!   GPU `Critical` ([`XidAction::Critical`]);
+//!   off the bus, contained/uncontained ECC, GSP timeout/error, unrecovered ECC) and the NVLink
+//!   errors the catalog resolves with a GPU reset (144–148, 150) — make the GPU `Critical`
+//!   ([`XidAction::Critical`]) **until the GPU is reset or the node reboots** (they do not
+//!   expire with the quiet period; the `gpu` check keeps them in the state directory across
+//!   agent restarts);
 //! - **every other XID** reads `Warning` by default ([`XidPolicy::unlisted`]; the device plugin
 //!   treats them as fatal — set `unlisted` to `Critical` for that behaviour);
 //! - explicit configuration: `enabled` XIDs are `Critical` whatever else says, `disabled` ones
 //!   (or all, with `disable_all`) are ignored; **enable beats disable**.
 //!
-//! An XID is an event, not a state: a GPU whose last XID that matters is older than the
+//! A `Warning` XID is an event, not a state: a GPU whose last such XID is older than the
 //! **quiet period** reads healthy again (the persistent damage, such as ECC counters or
 //! pending row remaps, is judged from NVML's state queries, not from the events).
 
@@ -30,8 +33,13 @@ use thiserror::Error;
 
 /// NVIDIA's application-error XIDs (device plugin defaults, 109 in newer releases).
 pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
-/// DCGM's XIDs that fail a GPU.
-pub const FATAL_XIDS: [u64; 8] = [48, 74, 79, 94, 95, 119, 120, 140];
+/// XIDs that fail a GPU: DCGM's set (48, 74, 79, 94, 95, 119, 120, 140) and the NVLink errors
+/// whose immediate resolution in NVIDIA's XID catalog is a GPU reset (144–148, 150: SAW, RLW,
+/// TLW, TREX, NVLPW_CTRL, MSE). XID 149 (NETIR) is fatal in some variants only: NVML's recovery
+/// action tells them apart where the driver exposes it (`gpu` check, `GpuRecoveryRequired`).
+pub const FATAL_XIDS: [u64; 14] = [
+    48, 74, 79, 94, 95, 119, 120, 140, 144, 145, 146, 147, 148, 150,
+];
 /// Default quiet period after which a GPU recovers from its XIDs.
 pub const DEFAULT_QUIET_PERIOD: Duration = Duration::from_secs(600);
 /// Events kept per GPU (oldest dropped first); counters keep counting.
@@ -296,6 +304,9 @@ pub struct XidLog {
     pub events: Vec<XidEvent>,
     /// Every event received since the agent started.
     pub total: u64,
+    /// Events dropped from `events` (beyond [`LOG_CAPACITY`]), counted per XID value (`None`:
+    /// unknown value), so that counts over the whole history stay exact.
+    pub dropped: std::collections::BTreeMap<Option<u64>, u64>,
 }
 
 impl XidLog {
@@ -305,7 +316,9 @@ impl XidLog {
         self.events.push(e);
         if self.events.len() > LOG_CAPACITY {
             let extra = self.events.len() - LOG_CAPACITY;
-            self.events.drain(..extra);
+            for old in self.events.drain(..extra) {
+                *self.dropped.entry(old.xid).or_default() += 1;
+            }
         }
     }
 }
@@ -321,16 +334,19 @@ pub struct XidVerdict {
     pub rule: Option<XidRule>,
     /// Distinct XIDs inside the quiet period that matter, ascending.
     pub active: Vec<u64>,
-    /// Events that were ignored by policy (application errors, disabled), in the whole log.
+    /// Events ignored by policy (application errors, disabled) since the agent started: a
+    /// count over the whole history, including events dropped from the bounded log.
     pub ignored: u64,
     /// The most recent event of any kind.
     pub last: Option<XidEvent>,
-    /// True when an XID that mattered is in the log but older than the quiet period.
+    /// True when a `Warning` XID is in the log but older than the quiet period.
     pub recovered: bool,
 }
 
 /// The pure decision over a GPU's XID log at time `now` (tests pass any clock).
-/// An event without a value (`XidError::Unknown`) counts as an unlisted XID.
+/// An event without a value (`XidError::Unknown`) counts as an unlisted XID. `Critical` events
+/// never age out (only a GPU reset or a reboot clears them: the caller drops them from the
+/// log); `Warning` events count for the policy's quiet period.
 pub fn evaluate_xids(log: &XidLog, policy: &XidPolicy, now: SystemTime) -> XidVerdict {
     let mut v = XidVerdict {
         action: XidAction::Ignore,
@@ -353,7 +369,7 @@ pub fn evaluate_xids(log: &XidLog, policy: &XidPolicy, now: SystemTime) -> XidVe
         }
         // an event from the future (clock stepped back) counts as just now
         let age = now.duration_since(e.at).unwrap_or(Duration::ZERO);
-        if age >= policy.quiet_period {
+        if action == XidAction::Warning && age >= policy.quiet_period {
             v.recovered = true;
             continue;
         }
@@ -368,6 +384,15 @@ pub fn evaluate_xids(log: &XidLog, policy: &XidPolicy, now: SystemTime) -> XidVe
     }
     if v.action != XidAction::Ignore {
         v.recovered = false;
+    }
+    for (xid, n) in &log.dropped {
+        let action = match xid {
+            Some(x) => policy.action(*x),
+            None => policy.unlisted,
+        };
+        if action == XidAction::Ignore {
+            v.ignored += n;
+        }
     }
     v.active = active.into_iter().collect();
     v
@@ -457,12 +482,17 @@ mod tests {
         assert_eq!(v.rule, Some(XidRule::Fatal));
         assert_eq!(v.active, vec![79, 92]);
         assert_eq!(v.last.as_ref().and_then(|e| e.xid), Some(92));
-        // 79 ages out first; 92 keeps a warning
-        let v = evaluate_xids(&log, &p, t0 + Duration::from_secs(62));
-        assert_eq!(v.action, XidAction::Warning);
-        assert_eq!(v.active, vec![92]);
-        // everything quiet: recovered
-        let v = evaluate_xids(&log, &p, t0 + Duration::from_secs(63));
+        // the warnings age out; the fatal 79 does not (only a reset or a reboot clears it)
+        let v = evaluate_xids(&log, &p, t0 + Duration::from_secs(3600));
+        assert_eq!(v.action, XidAction::Critical);
+        assert_eq!(v.active, vec![79]);
+        // without the fatal one, everything quiet: recovered
+        let mut warn = XidLog::default();
+        warn.push(ev(92, t0 + Duration::from_secs(1)));
+        warn.push(ev(92, t0 + Duration::from_secs(3)));
+        let v = evaluate_xids(&warn, &p, t0 + Duration::from_secs(62));
+        assert_eq!((v.action, v.active.clone()), (XidAction::Warning, vec![92]));
+        let v = evaluate_xids(&warn, &p, t0 + Duration::from_secs(63));
         assert_eq!((v.action, v.recovered), (XidAction::Ignore, true));
         assert!(v.culprit.is_none());
         // an event without a value is unlisted
@@ -482,6 +512,13 @@ mod tests {
             log.push(ev(i, t0));
         }
         assert_eq!(log.events.len(), LOG_CAPACITY);
+        // xidIgnored is a count over the whole history, not over the bounded window
+        let mut apps = XidLog::default();
+        for _ in 0..(LOG_CAPACITY as u64 + 36) {
+            apps.push(ev(13, t0));
+        }
+        let v = evaluate_xids(&apps, &XidPolicy::default(), t0);
+        assert_eq!(v.ignored, LOG_CAPACITY as u64 + 36);
         assert_eq!(log.total, LOG_CAPACITY as u64 + 10);
         assert_eq!(log.events[0].xid, Some(10));
         let mut e = ev(43, t0);
