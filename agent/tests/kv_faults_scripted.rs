@@ -65,6 +65,9 @@ enum Mode {
     Hang,
     /// Only the end marker (a replay buffer that holds nothing).
     Empty,
+    /// The first reply comes after this wait (a replay socket answering in seconds), then the
+    /// rest at once.
+    Slow(Duration),
 }
 
 type Rule = Arc<Mutex<Box<dyn Fn(u64, usize) -> Mode + Send>>>;
@@ -81,53 +84,73 @@ struct Engine {
     _replay: Option<tokio::task::JoinHandle<()>>,
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // The engine exits: its replay socket with it.
+        if let Some(h) = self._replay.take() {
+            h.abort();
+        }
+    }
+}
+
+/// The engine's replay ROUTER on `port`, answering from `buffer` as `modes` says.
+async fn serve_replay(port: u16, buffer: Buffer, modes: Rule) -> tokio::task::JoinHandle<()> {
+    let mut r = RouterSocket::new();
+    // A replay ROUTER just stopped on this port may still be letting it go.
+    let mut tries = 0;
+    while let Err(e) = r.bind(&format!("tcp://127.0.0.1:{port}")).await {
+        tries += 1;
+        assert!(tries < 100, "bind the replay port {port}: {e}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let buf = buffer;
+    let n = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        loop {
+            let Ok(req) = r.recv().await else { continue };
+            let parts = req.into_vec();
+            let id = parts[0].clone();
+            let start = u64::from_be_bytes(parts.last().unwrap().as_ref().try_into().unwrap());
+            let i = n.fetch_add(1, Ordering::SeqCst);
+            let mode = (modes.lock().unwrap())(start, i);
+            eprintln!("replay request #{i} from {start}: {mode:?}");
+            if let Mode::Hang = mode {
+                continue;
+            }
+            if let Mode::Slow(d) = mode {
+                tokio::time::sleep(d).await;
+            }
+            let items: Vec<_> = if let Mode::Empty = mode {
+                vec![]
+            } else {
+                buf.lock().unwrap().clone()
+            };
+            for (s, p) in items.into_iter().filter(|(s, _)| *s >= start) {
+                if let Mode::OmitSeq(o) = mode {
+                    if o == s {
+                        continue;
+                    }
+                }
+                let mut m = ZmqMessage::from(id.clone());
+                m.push_back(Vec::<u8>::new().into());
+                m.push_back(s.to_be_bytes().to_vec().into());
+                m.push_back(p.into());
+                let _ = r.send(m).await;
+            }
+            let mut m = ZmqMessage::from(id.clone());
+            m.push_back(Vec::<u8>::new().into());
+            m.push_back(u64::MAX.to_be_bytes().to_vec().into());
+            m.push_back(Vec::<u8>::new().into());
+            let _ = r.send(m).await;
+        }
+    })
+}
+
 impl Engine {
     async fn start(pub_port: u16, replay_port: Option<u16>, modes: Rule) -> Engine {
         let buffer: Buffer = Arc::default();
         let replay = match replay_port {
-            Some(p) => {
-                let mut r = RouterSocket::new();
-                r.bind(&format!("tcp://127.0.0.1:{p}")).await.unwrap();
-                let buf = buffer.clone();
-                let n = Arc::new(AtomicUsize::new(0));
-                Some(tokio::spawn(async move {
-                    loop {
-                        let Ok(req) = r.recv().await else { continue };
-                        let parts = req.into_vec();
-                        let id = parts[0].clone();
-                        let start =
-                            u64::from_be_bytes(parts.last().unwrap().as_ref().try_into().unwrap());
-                        let i = n.fetch_add(1, Ordering::SeqCst);
-                        let mode = (modes.lock().unwrap())(start, i);
-                        eprintln!("replay request #{i} from {start}: {mode:?}");
-                        if let Mode::Hang = mode {
-                            continue;
-                        }
-                        let items: Vec<_> = if let Mode::Empty = mode {
-                            vec![]
-                        } else {
-                            buf.lock().unwrap().clone()
-                        };
-                        for (s, p) in items.into_iter().filter(|(s, _)| *s >= start) {
-                            if let Mode::OmitSeq(o) = mode {
-                                if o == s {
-                                    continue;
-                                }
-                            }
-                            let mut m = ZmqMessage::from(id.clone());
-                            m.push_back(Vec::<u8>::new().into());
-                            m.push_back(s.to_be_bytes().to_vec().into());
-                            m.push_back(p.into());
-                            let _ = r.send(m).await;
-                        }
-                        let mut m = ZmqMessage::from(id.clone());
-                        m.push_back(Vec::<u8>::new().into());
-                        m.push_back(u64::MAX.to_be_bytes().to_vec().into());
-                        m.push_back(Vec::<u8>::new().into());
-                        let _ = r.send(m).await;
-                    }
-                }))
-            }
+            Some(p) => Some(serve_replay(p, buffer.clone(), modes).await),
             None => None,
         };
         let mut pub_sock = PubSocket::new();
@@ -409,4 +432,183 @@ async fn a_failed_attach_verification_is_retried_and_unrouted_meanwhile() {
         s.coverage, s.coverage_reason, s.replays, s.replays_failed
     );
     assert_eq!(s.coverage, "Exact", "never re-checked");
+}
+
+/// The content key of [`store`]'s block `h`.
+fn key(h: u64) -> u64 {
+    ic_shared::kv::content_key::chain(&[h as u32, 1, 2, 3], 4)[0]
+}
+
+fn snapshot_keys(hub: &KvHub) -> std::collections::BTreeSet<u64> {
+    hub.take_deltas_and_snapshot().1[0]
+        .entries
+        .iter()
+        .map(|e| e.content_key)
+        .collect()
+}
+
+/// How the replay socket misbehaves while the agent re-attaches (issue 37 item 1).
+#[derive(Clone, Copy, Debug)]
+enum ReplayFault {
+    /// Its first reply comes after 4 s (the agent waits 3 s per reply).
+    Slow,
+    /// Nothing listens on it.
+    Unreachable,
+}
+
+/// The engine restarts while the agent is down (its own restart, from kept state) and the new
+/// incarnation has published exactly as far as the old one (seqs 0..=2); the agent re-attaches
+/// while the replay socket is slow or unreachable, then the new engine publishes seq 3 — the
+/// old last seq + 1. That frame proves nothing: the stream stays unrouted (Disconnected
+/// `AttachUnverified`), applies nothing of it, retries, and once the replay answers finds the
+/// other incarnation and reads Exact with the new engine's blocks only.
+async fn restart_during_agent_restart_with_replay(fault: ReplayFault) {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, r) = (free_port(), free_port());
+    let mut eng = Engine::start(p, Some(r), rule(|_, _| Mode::Normal)).await;
+    let hub1 = hub();
+    hub1.set_state_dir(StateDir::open(dir.path()).unwrap());
+    hub1.apply_plan(&plan(p, Some(r)));
+    until(&hub1, "connected", |s| {
+        s.connected && s.coverage != "Disconnected"
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3u64 {
+        eng.publish(i, store(100 + i, 1.0 + i as f64), true).await;
+    }
+    let s = until(&hub1, "seq 2", |s| s.last_seq == Some(2)).await;
+    assert_eq!((s.coverage, s.blocks_held), ("Exact", 3));
+    hub1.shutdown(); // saves the kept state at seq 2
+    drop(eng);
+    // The engine restarts (another cache) and publishes seqs 0..=2 while the agent is away.
+    let modes = rule(move |_, _| match fault {
+        ReplayFault::Slow => Mode::Slow(Duration::from_secs(4)),
+        ReplayFault::Unreachable => Mode::Normal,
+    });
+    let replay_port = match fault {
+        ReplayFault::Slow => Some(r),
+        ReplayFault::Unreachable => None,
+    };
+    let mut eng = Engine::start(p, replay_port, modes.clone()).await;
+    for i in 0..3u64 {
+        eng.publish(i, store(200 + i, 10.0 + i as f64), true).await;
+    }
+    let hub2 = hub();
+    hub2.set_state_dir(StateDir::open(dir.path()).unwrap());
+    hub2.apply_plan(&plan(p, Some(r)));
+    let s = until(&hub2, "the attach verification to fail", |s| {
+        s.connected && s.replays_failed >= 1
+    })
+    .await;
+    eprintln!(
+        "{fault:?}: after the failed attach verification: {}/{:?} blocks={}",
+        s.coverage, s.coverage_reason, s.blocks_held
+    );
+    assert_eq!(
+        s.coverage, "Disconnected",
+        "an unverified attach is not routed"
+    );
+    // The new incarnation's next frame carries the old last seq + 1.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    eng.publish(3, store(203, 13.0), true).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let s = st(&hub2);
+    eprintln!(
+        "{fault:?}: after seq 3 (old last + 1): {}/{:?} blocks={} last_seq={:?} failed={}",
+        s.coverage, s.coverage_reason, s.blocks_held, s.last_seq, s.replays_failed
+    );
+    assert_eq!(
+        (s.coverage, s.coverage_reason),
+        ("Disconnected", Some("AttachUnverified")),
+        "an in-order seq is no proof of the engine's incarnation"
+    );
+    assert_eq!(
+        s.last_seq,
+        Some(2),
+        "nothing of an unverified engine is applied"
+    );
+    // The replay socket answers again: the retry finds the other incarnation.
+    match fault {
+        ReplayFault::Slow => *modes.lock().unwrap() = Box::new(|_, _| Mode::Normal),
+        ReplayFault::Unreachable => {
+            eng._replay = Some(serve_replay(r, eng.buffer.clone(), modes.clone()).await);
+        }
+    }
+    let s = until(&hub2, "Exact after the replay answers", |s| {
+        s.coverage == "Exact" && s.last_seq == Some(3)
+    })
+    .await;
+    let want: std::collections::BTreeSet<u64> = (200..204).map(key).collect();
+    assert_eq!(
+        snapshot_keys(&hub2),
+        want,
+        "{fault:?}: Exact with the old incarnation's blocks: {s:#?}"
+    );
+    assert!(s.resyncs >= 1, "the old incarnation was cleared: {s:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_order_seq_after_a_slow_attach_replay_is_no_proof_of_incarnation() {
+    restart_during_agent_restart_with_replay(ReplayFault::Slow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_order_seq_after_an_unreachable_attach_replay_is_no_proof_of_incarnation() {
+    restart_during_agent_restart_with_replay(ReplayFault::Unreachable).await;
+}
+
+/// The same engine, idle, reconnected while its replay socket is unreachable: nothing is
+/// routed until the retried verification succeeds, then the entries are kept (not rebuilt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verified_reattach_after_an_unreachable_replay_keeps_the_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, r) = (free_port(), free_port());
+    let mut eng = Engine::start(p, Some(r), rule(|_, _| Mode::Normal)).await;
+    let hub1 = hub();
+    hub1.set_state_dir(StateDir::open(dir.path()).unwrap());
+    hub1.apply_plan(&plan(p, Some(r)));
+    until(&hub1, "connected", |s| {
+        s.connected && s.coverage != "Disconnected"
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3u64 {
+        eng.publish(i, store(100 + i, 1.0 + i as f64), true).await;
+    }
+    until(&hub1, "seq 2", |s| s.last_seq == Some(2)).await;
+    hub1.shutdown();
+    // The replay ROUTER goes away; the engine (same incarnation) goes on.
+    let buffer = eng.buffer.clone();
+    if let Some(h) = eng._replay.take() {
+        h.abort();
+        let _ = h.await;
+    }
+    let hub2 = hub();
+    hub2.set_state_dir(StateDir::open(dir.path()).unwrap());
+    hub2.apply_plan(&plan(p, Some(r)));
+    until(&hub2, "the attach verification to fail", |s| {
+        s.connected && s.replays_failed >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    eng.publish(3, store(103, 4.0), true).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let s = st(&hub2);
+    assert_eq!(
+        (s.coverage, s.coverage_reason),
+        ("Disconnected", Some("AttachUnverified")),
+        "{s:#?}"
+    );
+    eng._replay = Some(serve_replay(r, buffer, rule(|_, _| Mode::Normal)).await);
+    let s = until(&hub2, "Exact after the replay answers", |s| {
+        s.coverage == "Exact" && s.last_seq == Some(3)
+    })
+    .await;
+    let want: std::collections::BTreeSet<u64> = (100..104).map(key).collect();
+    assert_eq!(snapshot_keys(&hub2), want);
+    assert_eq!(
+        s.resyncs, 0,
+        "the kept entries were verified, not rebuilt: {s:#?}"
+    );
 }

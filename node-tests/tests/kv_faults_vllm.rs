@@ -630,3 +630,212 @@ async fn a_long_024_bootstrap_is_exact_or_says_it_is_not() {
     agent.kill9();
     controller.stop().await;
 }
+
+/// What a TCP relay in front of the engine's replay ROUTER does to new connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReplayPath {
+    /// Relays both ways.
+    Pass,
+    /// Every chunk the engine sends reaches the agent 4 s late (the agent waits 3 s per reply).
+    Slow,
+    /// Accepts and closes at once: the replay socket cannot be reached.
+    Unreachable,
+}
+
+/// A loopback TCP relay planned as the stream's replay endpoint, forwarding to the engine's
+/// replay port; its mode applies to each new connection.
+struct ReplayRelay {
+    port: u16,
+    mode: std::sync::Arc<std::sync::Mutex<ReplayPath>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReplayRelay {
+    async fn start(upstream: u16) -> ReplayRelay {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mode = std::sync::Arc::new(std::sync::Mutex::new(ReplayPath::Pass));
+        let m = mode.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let mode = *m.lock().unwrap();
+                if mode == ReplayPath::Unreachable {
+                    drop(client);
+                    continue;
+                }
+                tokio::spawn(async move {
+                    let Ok(engine) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut er, mut ew) = engine.into_split();
+                    let up = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut cr, &mut ew).await;
+                    });
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match er.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if mode == ReplayPath::Slow {
+                            tokio::time::sleep(Duration::from_secs(4)).await;
+                        }
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    up.abort();
+                });
+            }
+        });
+        ReplayRelay { port, mode, task }
+    }
+
+    fn set(&self, mode: ReplayPath) {
+        *self.mode.lock().unwrap() = mode;
+    }
+}
+
+impl Drop for ReplayRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 37 item 1: the engine restarts while the agent itself restarts (kill -9, kept state),
+/// and the new incarnation has published exactly as far as the old one (seq `L`) when the agent
+/// re-attaches through a slow or unreachable replay socket. Its next batch is `L + 1`: in order,
+/// and no proof of anything. The replica must not be routed while the attach is unverified (no
+/// dead block answers a lookup), and once the replay answers the index must hold exactly the new
+/// engine's blocks and read Exact.
+async fn restart_during_agent_restart(version: &'static str, fault: ReplayPath) {
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let controller = start_controller(grpc).await;
+    let ps = ports(1);
+    let relay = ReplayRelay::start(ps[0].1).await;
+    let plan = plan(&[(ps[0].0, relay.port)]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = Engine::start(&opts(version, 10_000, 5), ps[0].0, ps[0].1);
+    let agent = start_agent(grpc, &plan, Some(dir.path()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    engine.steps(300, 2, false);
+    let old = engine.truth();
+    converge(&controller, 0, &old, Duration::from_secs(10)).await;
+    wait_until(
+        "the kept state to reach the last seq",
+        Duration::from_secs(15),
+        || {
+            let st = &agent.state().hub.status()[0];
+            st.last_seq.is_some() && st.kept_seq == st.last_seq
+        },
+    )
+    .await;
+    let last = agent.state().hub.status()[0].last_seq.unwrap() as i64;
+    agent.kill9();
+    engine.kill();
+    // The new incarnation publishes seqs 0..=last while no agent listens.
+    let mut engine = Engine::start(&opts(version, 10_000, 77), ps[0].0, ps[0].1);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut seq = -1;
+    while seq < last {
+        seq = engine.steps((last - seq) as u32, 2, false);
+    }
+    assert_eq!(
+        seq, last,
+        "the new engine stops exactly at the old last seq"
+    );
+    relay.set(fault);
+    let agent = start_agent(grpc, &plan, Some(dir.path()));
+    wait_until(
+        "the attach verification to fail",
+        Duration::from_secs(30),
+        || {
+            let st = &agent.state().hub.status()[0];
+            st.connected && st.replays_failed >= 1
+        },
+    )
+    .await;
+    // The new engine's next batches: last + 1, last + 2, …
+    engine.steps(50, 2, false);
+    let new = engine.truth();
+    let dead: BTreeSet<u64> = old.difference(&new).copied().collect();
+    assert!(!dead.is_empty());
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let st = agent.state().hub.status()[0].clone();
+    eprintln!(
+        "{version} {fault:?}: after the in-order batch: agent {}/{:?} last_seq {:?} (old last {last}); index {:?}",
+        st.coverage,
+        st.coverage_reason,
+        st.last_seq,
+        coverage(&controller, 0)
+    );
+    {
+        let ix = controller.shared.index.read();
+        let routed = dead
+            .iter()
+            .filter(|k| {
+                ix.lookup(&LookupQuery {
+                    content_keys: vec![**k],
+                    block_size: Some(BS),
+                    ..Default::default()
+                })
+                .replicas
+                .iter()
+                .any(|m| m.replica() == "vllm-0")
+            })
+            .count();
+        assert_eq!(
+            routed,
+            0,
+            "{version} {fault:?}: {routed} of {} dead blocks routed ({:?})",
+            dead.len(),
+            coverage(&controller, 0)
+        );
+    }
+    assert_eq!(
+        (st.coverage, st.coverage_reason),
+        ("Disconnected", Some("AttachUnverified"))
+    );
+    // The replay socket answers again: the retried verification finds the new incarnation.
+    let back = Instant::now();
+    relay.set(ReplayPath::Pass);
+    let took = converge(&controller, 0, &new, Duration::from_secs(30)).await;
+    eprintln!(
+        "{version} {fault:?}: Exact with the new engine's blocks {:?} after the replay answered again",
+        back.elapsed().max(took)
+    );
+    let keys = index_keys(&controller, 0).unwrap();
+    assert!(dead.iter().all(|k| !keys.contains(k)), "dead blocks stayed");
+    agent.kill9();
+    controller.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_during_an_agent_restart_with_a_slow_replay_is_never_routed_as_the_old_one_033(
+) {
+    restart_during_agent_restart("0.33.0", ReplayPath::Slow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_during_an_agent_restart_with_a_slow_replay_is_never_routed_as_the_old_one_024(
+) {
+    restart_during_agent_restart("0.24.0", ReplayPath::Slow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_during_an_agent_restart_with_an_unreachable_replay_is_never_routed_as_the_old_one_033(
+) {
+    restart_during_agent_restart("0.33.0", ReplayPath::Unreachable).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_during_an_agent_restart_with_an_unreachable_replay_is_never_routed_as_the_old_one_024(
+) {
+    restart_during_agent_restart("0.24.0", ReplayPath::Unreachable).await;
+}

@@ -86,6 +86,10 @@ pub enum LinkState {
     Healing,
     /// The SUB socket lost its publisher past the grace period.
     Disconnected,
+    /// Connected, but the attach verification (an anchored replay proving the engine is the
+    /// incarnation whose state is held) has not succeeded yet: not routed
+    /// ([`coverage::ATTACH_UNVERIFIED`]), whatever the live sequence numbers say.
+    Unverified,
     /// The engine process is known to be gone.
     EngineDown,
 }
@@ -254,6 +258,9 @@ pub const IGNORE_REASONS: &[&str] = &[
     "unknown_hash",
     "unknown_parent",
     "orphan_resolved",
+    // A live frame that arrived while the attach was not yet verified (applied, if it belongs
+    // to the incarnation held, by the verifying replay).
+    "unverified",
 ];
 
 /// An index entry: what the controller keys a replica's block by (within the stream's tenant,
@@ -449,7 +456,8 @@ impl StreamState {
         }
     }
 
-    /// The stream's coverage now, by precedence: EngineDown, Disconnected, Healing, then Partial
+    /// The stream's coverage now, by precedence: EngineDown, Disconnected (the publisher gone, or
+    /// the attach not yet verified: [`LinkState::Unverified`]), Healing, then Partial
     /// (RankMismatch, the incomplete-history reason, EventsDropped, HashCollision,
     /// SequenceUnverified, TailUnverified, ParentUnknown while blocks are parked), else Exact.
     pub fn coverage(&self) -> Coverage {
@@ -462,6 +470,9 @@ impl StreamState {
                     CoverageState::Disconnected,
                     coverage::PUBLISHER_DISCONNECTED,
                 )
+            }
+            LinkState::Unverified => {
+                return Coverage::new(CoverageState::Disconnected, coverage::ATTACH_UNVERIFIED)
             }
             LinkState::Healing => {
                 return Coverage::new(CoverageState::Healing, coverage::REPLAYING)
@@ -1628,6 +1639,13 @@ mod tests {
         assert_eq!(st.coverage().state, CoverageState::Healing);
         st.set_link(LinkState::Disconnected);
         assert_eq!(st.coverage().state, CoverageState::Disconnected);
+        // An attach not yet verified is never routed, whatever else is known.
+        st.set_link(LinkState::Unverified);
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Disconnected, coverage::ATTACH_UNVERIFIED)
+        );
+        assert!(!st.coverage().state.routable());
         st.set_link(LinkState::Up);
         let (_, ops, _) = st.take_delta().unwrap();
         assert!(ops.is_empty());

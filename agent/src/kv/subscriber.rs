@@ -32,6 +32,14 @@
 //!   - **first message** of an incarnation with seq > 0: *bootstrap* replay from 0; if the
 //!     engine's buffer no longer holds seq 0 (or there is no replay endpoint) the replica is
 //!     Partial `BootstrapIncomplete` until the engine's state is known again.
+//!   - **attach** (a new epoch of a stream that holds state: a reconnect, or the first
+//!     connection after a restart from kept state): the stream reads Disconnected
+//!     `AttachUnverified` (not routed) until its anchored replay succeeds; live frames are not
+//!     applied meanwhile — a restarted engine's sequence can pass through `L + 1`, so sequence
+//!     order proves nothing — and a failed check (slow or unreachable replay socket, each attempt
+//!     bounded by [`SubscriberOptions::attach_verify_deadline`]) is retried with capped
+//!     exponential back-off and jitter until it succeeds. An empty replay buffer cannot vouch
+//!     for anything: the replica is cleared (Partial `SequenceGap`).
 //!   - **reconnect** (a new epoch), **idle** ([`SubscriberOptions::idle_verify_after`] after the
 //!     last live message, then every [`SubscriberOptions::idle_verify_interval`]): an anchored
 //!     replay from `L` applies a lost tail and detects an engine that restarted while we were
@@ -135,6 +143,19 @@ pub struct SubscriberOptions {
     /// Most payload bytes accepted from one replay (default 64 MiB): beyond it the replay
     /// fails ([`ReplayError::TooLarge`]) like one with too many batches.
     pub replay_max_bytes: usize,
+    /// Longest one attach verification may take, however its replies trickle in (default
+    /// 30 s): the anchored replay that proves, on every (re)connection of a stream that holds
+    /// state, that the engine is still the incarnation followed. Until one succeeds the stream
+    /// reads Disconnected [`coverage::ATTACH_UNVERIFIED`] (not routed) and its live batches are
+    /// not applied.
+    pub attach_verify_deadline: Duration,
+    /// First wait before a failed attach verification is tried again (default 250 ms); the
+    /// waits double, with jitter (the `backon` crate), up to
+    /// [`SubscriberOptions::attach_retry_max`], and never give up.
+    pub attach_retry_initial: Duration,
+    /// Longest wait between attach verification attempts (default 2 s; jitter adds up to as
+    /// much again).
+    pub attach_retry_max: Duration,
 }
 
 impl Default for SubscriberOptions {
@@ -155,6 +176,9 @@ impl Default for SubscriberOptions {
             max_message_bytes: zmtp_guard::HARD_MAX_MESSAGE_BYTES,
             queue_max_bytes: 32 << 20,
             replay_max_bytes: 64 << 20,
+            attach_verify_deadline: Duration::from_secs(30),
+            attach_retry_initial: Duration::from_millis(250),
+            attach_retry_max: Duration::from_secs(2),
         }
     }
 }
@@ -633,8 +657,9 @@ struct Processor {
     drops_at_last_live: u64,
     /// Without a replay endpoint: a held-back frame with an implausible seq.
     suspect: Option<u64>,
-    /// The attach verification failed: retried every second (and settled by an in-order frame).
-    unverified: bool,
+    /// The attach verification of the current connection has not succeeded: the retry
+    /// schedule. Only an anchored replay ends it — never a live frame's sequence number.
+    unverified: Option<AttachRetry>,
     coverage: Option<Coverage>,
 }
 
@@ -657,7 +682,7 @@ async fn process_loop(
         tail_checked: false,
         drops_at_last_live: 0,
         suspect: None,
-        unverified: false,
+        unverified: None,
         coverage: None,
     };
     p.observe();
@@ -733,30 +758,56 @@ impl Processor {
         }
     }
 
-    /// A replay begins: Healing (a stream still Disconnected stays so until verified).
+    /// A replay begins: Healing (a stream Disconnected or not yet verified stays so: only a
+    /// verified attach makes it routable, [`Processor::attach_done`]).
     fn begin_healing(&mut self) {
         {
             let mut g = self.shared.lock();
-            if g.state.link() != LinkState::Disconnected {
+            if g.state.link() == LinkState::Up {
                 g.state.set_link(LinkState::Healing);
             }
         }
         self.observe();
     }
 
-    fn set_link_disconnected(&self) {
-        self.shared.lock().state.set_link(LinkState::Disconnected);
+    /// A replay ended: Up again after Healing. A stream Disconnected or not yet verified is
+    /// left so: the attach decides ([`Processor::attach_done`]).
+    fn end_healing(&self) {
+        let mut g = self.shared.lock();
+        if g.state.link() == LinkState::Healing {
+            g.state.set_link(LinkState::Up);
+        }
     }
 
-    /// A replay ended: Up again while the socket is connected.
-    fn end_healing(&self) {
+    /// The attach of the current connection is settled (verified, rebuilt, or nothing held to
+    /// verify): routable again while the socket is connected.
+    fn attach_done(&mut self) {
+        self.unverified = None;
         let connected = self.shared.connected.load(Ordering::Relaxed);
         let mut g = self.shared.lock();
-        match g.state.link() {
-            LinkState::Healing => g.state.set_link(LinkState::Up),
-            LinkState::Disconnected if connected => g.state.set_link(LinkState::Up),
-            _ => {}
+        if matches!(
+            g.state.link(),
+            LinkState::Unverified | LinkState::Disconnected | LinkState::Healing
+        ) {
+            g.state.set_link(if connected {
+                LinkState::Up
+            } else {
+                LinkState::Disconnected
+            });
         }
+    }
+
+    /// The attach verification failed (or timed out): the stream stays unrouted and the next
+    /// attempt is scheduled by the back-off.
+    fn attach_failed(&mut self) {
+        let retry = self
+            .unverified
+            .get_or_insert_with(|| AttachRetry::new(&self.opts));
+        retry.schedule();
+        let wait = retry.next_at.saturating_duration_since(Instant::now());
+        let attempts = retry.attempts;
+        self.shared.lock().state.set_link(LinkState::Unverified);
+        tracing::warn!(stream = %self.id(), retry_in = ?wait, attempts, "kv events: attach verification failed; the replica is not routed until it succeeds");
     }
 
     fn count_replay(&self, result: &'static str) {
@@ -851,6 +902,17 @@ impl Processor {
     }
 
     async fn on_live(&mut self, seq: u64, payload: Vec<u8>) {
+        if self.unverified.is_some() {
+            // Nothing proves yet which incarnation sent this frame, and a restarted engine's
+            // sequence can pass through our last seq + 1: it is not applied. The replay that
+            // verifies the attach brings it (or shows another incarnation).
+            self.sink
+                .metrics
+                .ignored
+                .with_label_values(&[self.id(), "unverified"])
+                .inc();
+            return;
+        }
         let digest = xxh3_64(&payload);
         for verified in [false, true] {
             if self.replayed.get(&seq) == Some(&digest) {
@@ -864,12 +926,6 @@ impl Processor {
             let check = self.shared.lock().state.check_seq(seq);
             match check {
                 SeqCheck::InOrder => {
-                    if self.unverified {
-                        // The engine continued right after our last batch: the same stream.
-                        self.unverified = false;
-                        self.shared.lock().state.set_tail_unverified(false);
-                        self.end_healing();
-                    }
                     self.apply(seq, &payload, true);
                     return;
                 }
@@ -889,7 +945,7 @@ impl Processor {
                 }
                 SeqCheck::Restarted if !verified && self.replay_ep.is_some() => {
                     // Behind what we applied, and not a replayed batch: ask the engine.
-                    if self.verify(false).await == Verdict::Same {
+                    if self.verify(Check::Behind).await == Verdict::Same {
                         record_drop(&self.shared, &self.sink, "forged_seq", 1);
                         self.count_replay("forged");
                         tracing::warn!(stream = %self.id(), seq, "kv events: a frame behind the engine's own sequence was dropped (the engine still holds the batches we applied)");
@@ -911,9 +967,12 @@ impl Processor {
         }
     }
 
-    /// A new connection epoch: verify what we hold, or learn what the engine holds.
+    /// A new connection epoch: verify what we hold, or learn what the engine holds. A stream
+    /// holding state reads Disconnected [`coverage::ATTACH_UNVERIFIED`] from here until its
+    /// anchored replay succeeds (retried by [`Processor::on_tick`] with back-off).
     async fn on_attach(&mut self, epoch: u64) {
         self.handled_epoch = epoch;
+        self.unverified = None;
         let last = self.shared.lock().state.last_digest();
         if let (Some((seq, _)), None) = (last, &self.replay_ep) {
             // Nothing can tell whether the engine restarted while the socket was away: what we
@@ -923,12 +982,12 @@ impl Processor {
             self.count_clear(CLEAR_SEQUENCE_GAP);
             self.replayed.clear();
         } else if last.is_some() {
-            if self.verify(false).await == Verdict::Failed {
-                // Unverified: the stream stays unrouted until a retry or an in-order frame
-                // proves the engine is the one we followed.
-                self.unverified = true;
-                self.last_check = Some(Instant::now());
-                self.set_link_disconnected();
+            // Not routed while the engine's incarnation is unproved (a quick reconnect within
+            // the disconnect grace included).
+            self.shared.lock().state.set_link(LinkState::Unverified);
+            self.observe();
+            if self.verify(Check::Attach).await == Verdict::Failed {
+                self.attach_failed();
                 return;
             }
         } else if self.replay_ep.is_some() {
@@ -941,7 +1000,7 @@ impl Processor {
                 .state
                 .set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
         }
-        self.end_healing();
+        self.attach_done();
     }
 
     async fn on_tick(&mut self, queue_empty: bool) {
@@ -951,7 +1010,10 @@ impl Processor {
             let grace = self.opts.disconnect_grace.as_millis() as i64;
             if since > 0 && now_unix_ms() - since >= grace {
                 let mut g = self.shared.lock();
-                if matches!(g.state.link(), LinkState::Up | LinkState::Healing) {
+                if matches!(
+                    g.state.link(),
+                    LinkState::Up | LinkState::Healing | LinkState::Unverified
+                ) {
                     g.state.set_link(LinkState::Disconnected);
                 }
             }
@@ -962,17 +1024,16 @@ impl Processor {
             self.on_attach(epoch).await;
             return;
         }
-        if self.unverified && queue_empty {
-            if self
-                .last_check
-                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-            {
+        if let Some(retry) = &self.unverified {
+            // Live frames are not applied meanwhile, so the queue drains: no need to wait for
+            // it to be empty.
+            if Instant::now() >= retry.next_at {
                 self.last_check = Some(Instant::now());
-                if self.verify(false).await != Verdict::Failed {
-                    self.unverified = false;
-                    self.end_healing();
+                if self.verify(Check::Attach).await == Verdict::Failed {
+                    self.attach_failed();
                 } else {
-                    self.set_link_disconnected();
+                    tracing::info!(stream = %self.id(), "kv events: attach verified after a retry");
+                    self.attach_done();
                 }
             }
             return;
@@ -993,7 +1054,7 @@ impl Processor {
         self.tail_checked = true;
         self.last_check = Some(Instant::now());
         if self.replay_ep.is_some() {
-            self.verify(true).await;
+            self.verify(Check::Routine).await;
         } else if self.queue_drops() > self.drops_at_last_live {
             // We dropped messages after the last one we applied and cannot ask for them.
             self.shared.lock().state.set_tail_unverified(true);
@@ -1048,16 +1109,31 @@ impl Processor {
         Ok((last, anchored))
     }
 
-    /// Checks the engine's tail (and incarnation) by an anchored replay. `routine` (idle checks)
-    /// does not show Healing. Returns what it found.
-    async fn verify(&mut self, routine: bool) -> Verdict {
+    /// Checks the engine's tail (and incarnation) by an anchored replay. A
+    /// [`Check::Routine`] (idle check) does not show Healing; a [`Check::Attach`] is bounded by
+    /// [`SubscriberOptions::attach_verify_deadline`] and leaves the link as it is (the caller
+    /// decides). Returns what it found.
+    async fn verify(&mut self, check: Check) -> Verdict {
         let Some(ep) = self.replay_ep.clone() else {
             return Verdict::Failed;
         };
-        if !routine {
+        if check != Check::Routine {
             self.begin_healing();
         }
-        let verdict = match self.anchored_replay(&ep, None).await {
+        let anchored = if check == Check::Attach {
+            match tokio::time::timeout(
+                self.opts.attach_verify_deadline,
+                self.anchored_replay(&ep, None),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(ReplayError::Timeout),
+            }
+        } else {
+            self.anchored_replay(&ep, None).await
+        };
+        let verdict = match anchored {
             Ok((last, Anchored::Same(rest))) => match classify_run(last + 1, &rest, None) {
                 Run::Holes => {
                     tracing::warn!(stream = %self.id(), from = last + 1, "kv events: replay came back with holes; rebuilding the replica");
@@ -1091,10 +1167,29 @@ impl Processor {
                 self.bootstrap(None, coverage::SEQUENCE_GAP).await;
                 Verdict::Reset
             }
+            Ok((last, Anchored::Silent)) if check == Check::Attach => {
+                // The engine's replay holds nothing at all: a restarted engine that has published
+                // nothing yet, or a buffer that is off. Neither can vouch for what we hold, and
+                // waiting proves nothing: forget it, as without a replay endpoint.
+                self.count_replay("failed");
+                self.set_error(
+                    "attach: the engine's replay buffer is empty; the replica is cleared".into(),
+                );
+                tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine's replay buffer is empty on attach: nothing can verify the replica; it is cleared");
+                self.shared.lock().state.mark_gap(last);
+                self.count_clear(CLEAR_SEQUENCE_GAP);
+                self.replayed.clear();
+                Verdict::Reset
+            }
             Ok((_, Anchored::Silent)) => {
                 self.count_replay("failed");
                 self.set_error("tail check: the engine's replay buffer is empty".into());
                 self.shared.lock().state.set_tail_unverified(true);
+                Verdict::Failed
+            }
+            Err(e) if check == Check::Attach => {
+                self.count_replay("failed");
+                self.set_error(format!("attach verification: {e}"));
                 Verdict::Failed
             }
             Err(e) => {
@@ -1330,6 +1425,55 @@ impl Processor {
             break;
         }
         self.end_healing();
+    }
+}
+
+/// Why [`Processor::verify`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// A new connection of a stream holding state: nothing is routed until it succeeds.
+    Attach,
+    /// A live frame behind the last applied seq that is not a replayed batch.
+    Behind,
+    /// The idle tail check.
+    Routine,
+}
+
+/// The retry schedule of a failed attach verification: capped exponential back-off with
+/// jitter ([`SubscriberOptions::attach_retry_initial`] doubling to
+/// [`SubscriberOptions::attach_retry_max`]), never exhausted.
+struct AttachRetry {
+    delays: backon::ExponentialBackoff,
+    /// When the next attempt is due.
+    next_at: Instant,
+    /// Failed attempts so far.
+    attempts: u32,
+    max: Duration,
+}
+
+impl AttachRetry {
+    fn new(opts: &SubscriberOptions) -> Self {
+        use backon::BackoffBuilder;
+        let max = opts.attach_retry_max.max(opts.attach_retry_initial);
+        AttachRetry {
+            delays: backon::ExponentialBuilder::default()
+                .with_min_delay(opts.attach_retry_initial)
+                .with_max_delay(max)
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build(),
+            next_at: Instant::now(),
+            attempts: 0,
+            max,
+        }
+    }
+
+    /// Records a failed attempt and schedules the next.
+    fn schedule(&mut self) {
+        self.attempts = self.attempts.saturating_add(1);
+        let wait = self.delays.next().unwrap_or(self.max);
+        self.next_at = Instant::now() + wait;
     }
 }
 

@@ -4,8 +4,9 @@
 //! replica and routes by it) and every surface that shows it (`/v1/report`, `/snapshot`,
 //! `LookupRoute`, metrics, CacheNode and CacheBackend status).
 //!
-//! The invariant behind every state but [`CoverageState::Exact`]: a replica's entries are a
-//! **subset** of the blocks its engine holds. The agent never guesses a key and never keeps an
+//! The invariant behind every *routed* state but [`CoverageState::Exact`]: a replica's entries
+//! are a **subset** of the blocks its engine holds (each state's doc says what may be missing and
+//! what may be extra). The agent never guesses a key and never keeps an
 //! entry whose removal it may have missed; where it cannot know, it forgets and says so here.
 //! One exception says so in its name: [`EVENTS_DROPPED`] (an event that could not be read may
 //! have been a removal).
@@ -18,12 +19,26 @@ use crate::proto;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum CoverageState {
     /// Every block the engine holds is indexed, and nothing else is.
+    ///
+    /// Invariant: missing none, extra none. Only a stream whose engine incarnation was proved
+    /// (an anchored replay: the engine's batch at the last applied seq is byte-identical to the
+    /// one applied, or a bootstrap that saw the incarnation from seq 0) is Exact; sequence
+    /// order alone never makes it so (numbers restart at 0 and carry no epoch).
     Exact,
     /// A replay is in flight (a gap, a reconnect, an idle check).
+    ///
+    /// Invariant: entries of an incarnation already verified; blocks may be missing. An attach
+    /// whose incarnation is not yet verified is never Healing: it is
+    /// [`CoverageState::Disconnected`] with [`ATTACH_UNVERIFIED`].
     Healing,
     /// Some of the engine's blocks are known to be missing; the reason says why.
     Partial,
-    /// The publisher socket is gone past the grace period: no PREFIX_MATCH for this replica.
+    /// The publisher socket is gone past the grace period ([`PUBLISHER_DISCONNECTED`]), or the
+    /// agent (re)attached and has not yet proved that the engine is the incarnation whose entries
+    /// it holds ([`ATTACH_UNVERIFIED`]): no PREFIX_MATCH for this replica.
+    ///
+    /// Invariant: none; the entries may be missing blocks and may hold blocks the engine no
+    /// longer has (a restarted engine), so nothing of it is routed.
     Disconnected,
     /// The engine process is known to be gone: no PREFIX_MATCH for this replica.
     EngineDown,
@@ -134,6 +149,12 @@ pub const RESYNC_APPLYING: &str = "ResyncApplying";
 pub const REPLAYING: &str = "Replaying";
 /// Disconnected: the publisher socket is down.
 pub const PUBLISHER_DISCONNECTED: &str = "PublisherDisconnected";
+/// Disconnected: the agent (re)attached to the engine's publisher (a reconnect, its own
+/// restart from kept state) and its anchored replay has not yet succeeded — the replay socket is
+/// slow or unreachable — so nothing proves the engine is still the
+/// incarnation whose entries are held. Not routed; the check is retried with back-off until it
+/// succeeds. Live batches are not applied meanwhile (the replay that verifies brings them).
+pub const ATTACH_UNVERIFIED: &str = "AttachUnverified";
 /// Unknown (controller side): the agent stream that reported the replica ended (the agent
 /// disconnected, or a newer stream of its node took over and has not resynced yet).
 pub const AGENT_DISCONNECTED: &str = "AgentDisconnected";
@@ -169,6 +190,7 @@ pub const REASONS: &[&str] = &[
     RESYNC_APPLYING,
     REPLAYING,
     PUBLISHER_DISCONNECTED,
+    ATTACH_UNVERIFIED,
     AGENT_DISCONNECTED,
     RESYNC_REQUESTED,
     BLOCK_SIZE_CAP_EXCEEDED,
@@ -192,6 +214,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
         RESYNC_APPLYING => "the controller is applying the node's resync in slices: entries are incomplete until the last slice (milliseconds to seconds)",
         PUBLISHER_DISCONNECTED => "the engine's publisher is unreachable; its replica is not routed",
+        ATTACH_UNVERIFIED => "the agent re-attached to the engine but its replay socket has not yet confirmed that the engine is the one whose blocks it holds (slow or unreachable); its replica is not routed until the check, retried with back-off, succeeds",
         AGENT_DISCONNECTED => "the agent stream that reported this replica ended (the agent disconnected, or a newer stream of its node has not resynced yet); entries are as last reported",
         RESYNC_REQUESTED => "the controller refused one of the node's deltas (a sequence gap or an unknown stream) and asked its agent for a resync; entries are as last applied until it arrives",
         BLOCK_SIZE_CAP_EXCEEDED => "blocks of a size above the cap (4096), or one size too many for the hash scheme (64 sizes), were dropped at ingest: they are not routed to this replica",
