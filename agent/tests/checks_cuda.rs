@@ -27,6 +27,10 @@ const CHILD_PAUSE: &str = "IC_TEST_CUDA_PAUSE_MS";
 const CHILD_INTERVAL: &str = "IC_TEST_CUDA_INTERVAL_MS";
 /// A file the child creates after its first pass (the fake's `FAKE_INIT_SLEEP_FILE`).
 const CHILD_WEDGE: &str = "IC_TEST_CUDA_WEDGE_AFTER_FIRST";
+/// A file the child removes after its first pass (the fake's `FAKE_FAIL_FILE`).
+const CHILD_HEAL: &str = "IC_TEST_CUDA_HEAL_AFTER_FIRST";
+/// First re-probe delay after a failed probe, ms (default: the config's).
+const CHILD_RETRY: &str = "IC_TEST_CUDA_RETRY_MS";
 
 const FAKE_CUDA_C: &str = r#"
 #include <stdio.h>
@@ -62,6 +66,9 @@ const FAKE_CUDA_C: &str = r#"
 #ifndef FAKE_INIT_SLEEP_FILE
 #define FAKE_INIT_SLEEP_FILE "" /* when set: cuInit sleeps only while this file exists */
 #endif
+#ifndef FAKE_FAIL_FILE
+#define FAKE_FAIL_FILE "" /* when set: cuInit fails (CUDA_ERROR_UNKNOWN) while this file exists */
+#endif
 #include <unistd.h>
 typedef int CUresult;
 typedef int CUdevice;
@@ -83,6 +90,7 @@ CUresult cuInit(unsigned flags) {
     (void)flags; fake_log("cuInit");
     if (FAKE_INIT_SLEEP_US && (!FAKE_INIT_SLEEP_FILE[0] || access(FAKE_INIT_SLEEP_FILE, F_OK) == 0))
         usleep(FAKE_INIT_SLEEP_US);
+    if (FAKE_FAIL_FILE[0] && access(FAKE_FAIL_FILE, F_OK) == 0) return 999;
     return FAKE_INIT_RC;
 }
 CUresult cuDriverGetVersion(int *v) { *v = FAKE_DRIVER; return 0; }
@@ -197,9 +205,15 @@ fn cuda_child() {
         .and_then(|t| t.parse().ok())
         .map(Duration::from_millis)
         .unwrap_or(Duration::from_secs(3600));
+    let retry = std::env::var(CHILD_RETRY)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(ChecksConfig::default().cuda_failure_retry);
     let check = CudaCheck::new(&ChecksConfig {
         cuda_library: Some(PathBuf::from(lib)),
         cuda_interval: interval,
+        cuda_failure_retry: retry,
         cuda_timeout: timeout,
         ..ChecksConfig::default()
     });
@@ -207,6 +221,9 @@ fn cuda_child() {
         if i == 1 {
             if let Ok(wedge) = std::env::var(CHILD_WEDGE) {
                 std::fs::write(wedge, b"").unwrap();
+            }
+            if let Ok(heal) = std::env::var(CHILD_HEAL) {
+                std::fs::remove_file(heal).unwrap();
             }
         }
         if i > 0 {
@@ -578,4 +595,44 @@ fn a_re_probe_stuck_in_the_driver_is_not_hidden_behind_the_last_good_result() {
     );
     assert_eq!(r3[0].observed["stage"], "timeout");
     assert!(*t3 < 500, "the pass did not wait again: {t3} ms");
+}
+
+/// A CUDA failure that clears (the driver recovered) is re-probed soon — after a short,
+/// doubling back-off — not only after the hour-long interval this child runs with: the node does
+/// not stay Critical for the rest of the interval (issue 39 item 10).
+#[test]
+fn a_cleared_failure_is_re_probed_before_the_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let fail = dir.path().join("fail");
+    std::fs::write(&fail, b"").unwrap();
+    let fail_define = format!("FAKE_FAIL_FILE=\"{}\"", fail.display());
+    let Some(lib) = fake_cuda(dir.path(), "recovers", &[&fail_define]) else {
+        return;
+    };
+    let fail_env = fail.display().to_string();
+    let passes = run_child(&lib, &plan(true, None), 1);
+    assert_ne!(passes[0][0].status, CheckStatus::Ok, "{:#?}", passes[0]);
+    std::fs::write(&fail, b"").unwrap();
+    // interval 1 h (the child's default); first retry after 1 s; a pass every 1.5 s
+    let passes = run_child_timed(
+        &lib,
+        &plan(true, None),
+        4,
+        &[
+            (CHILD_RETRY, "1000"),
+            (CHILD_PAUSE, "1500"),
+            (CHILD_HEAL, &fail_env),
+        ],
+    );
+    let (_, first) = &passes[0];
+    assert_eq!(
+        (first[0].status, first[0].reason.as_str()),
+        (CheckStatus::Critical, "CudaInitFailed"),
+        "{first:#?}"
+    );
+    let (_, last) = &passes[3];
+    assert!(
+        last.iter().all(|c| c.reason == "CudaOk"),
+        "still failing 4.5 s after the driver recovered: {last:#?}"
+    );
 }

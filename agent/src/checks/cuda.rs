@@ -24,7 +24,11 @@
 //!
 //! A probe creates a context on every GPU (some hundred MiB of GPU memory for a moment), so it
 //! runs on its own thread at most once per [`ChecksConfig::cuda_interval`] (and when the plan's
-//! CUDA requirement changes); passes in between return the last results.
+//! CUDA requirement changes); passes in between return the last results. After a probe that
+//! found a problem (any result not `Ok`) the next one is due sooner, so that a node whose driver
+//! recovered does not read Critical for the rest of the interval: after
+//! [`ChecksConfig::cuda_failure_retry`] (15 s), doubling with each further failed probe, never
+//! later than the interval ([`reprobe_after`]).
 //!
 //! Results: `host` when the driver cannot be used at all, else one per CUDA device, subject
 //! `cuda<ordinal>` (CUDA's ordinal; `uuid` ties it to NVML's `gpu<N>`). Reasons (see
@@ -738,6 +742,20 @@ struct Cache {
     last: Option<(Instant, String, Vec<CheckResult>)>,
     /// A probe thread is running: `(started at, plan key)`.
     running: Option<(Instant, String)>,
+    /// Probes in a row whose results were not all `Ok`.
+    failures: u32,
+}
+
+/// How long the last results stand before the next probe: `interval` after a clean probe;
+/// after `failures` (≥ 1) failed probes in a row `retry · 2^(failures-1)`, at most `interval`.
+pub fn reprobe_after(interval: Duration, retry: Duration, failures: u32) -> Duration {
+    if failures == 0 {
+        return interval;
+    }
+    let factor = 1u32
+        .checked_shl(failures.saturating_sub(1).min(20))
+        .unwrap_or(u32::MAX);
+    retry.saturating_mul(factor).min(interval)
 }
 
 #[derive(Debug, Default)]
@@ -751,16 +769,19 @@ struct Shared {
 pub struct CudaCheck {
     library: Option<PathBuf>,
     interval: Duration,
+    retry: Duration,
     timeout: Duration,
     shared: Arc<Shared>,
 }
 
 impl CudaCheck {
-    /// Reads `cfg.cuda_library`, `cfg.cuda_interval` and `cfg.cuda_timeout`.
+    /// Reads `cfg.cuda_library`, `cfg.cuda_interval`, `cfg.cuda_failure_retry` and
+    /// `cfg.cuda_timeout`.
     pub fn new(cfg: &ChecksConfig) -> Self {
         CudaCheck {
             library: cfg.cuda_library.clone(),
             interval: cfg.cuda_interval,
+            retry: cfg.cuda_failure_retry,
             timeout: cfg.cuda_timeout,
             shared: Arc::new(Shared::default()),
         }
@@ -787,6 +808,11 @@ impl CudaCheck {
                 let p = probe(library.as_deref(), ptx);
                 let results = evaluate(&p, gpu_node, &label, required.as_deref());
                 let mut c = shared.cache.lock();
+                if results.iter().all(|r| r.status == CheckStatus::Ok) {
+                    c.failures = 0;
+                } else {
+                    c.failures = c.failures.saturating_add(1);
+                }
                 c.last = Some((Instant::now(), key, results));
                 c.running = None;
                 shared.done.notify_all();
@@ -808,8 +834,8 @@ impl Check for CudaCheck {
             .filter(|s| !s.trim().is_empty());
         let key = format!("{}|{}", plan.gpu_node, required.as_deref().unwrap_or(""));
         let mut c = self.shared.cache.lock();
-        let fresh =
-            matches!(&c.last, Some((at, k, _)) if *k == key && at.elapsed() < self.interval);
+        let due = reprobe_after(self.interval, self.retry, c.failures);
+        let fresh = matches!(&c.last, Some((at, k, _)) if *k == key && at.elapsed() < due);
         if fresh {
             if let Some((at, _, r)) = &c.last {
                 return with_age(r, at.elapsed());
@@ -907,6 +933,16 @@ fn with_age(results: &[CheckResult], age: Duration) -> Vec<CheckResult> {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_probe_is_repeated_sooner_with_back_off() {
+        let (i, r) = (Duration::from_secs(600), Duration::from_secs(15));
+        let after: Vec<u64> = (0..8).map(|f| reprobe_after(i, r, f).as_secs()).collect();
+        assert_eq!(after, vec![600, 15, 30, 60, 120, 240, 480, 600]);
+        assert_eq!(reprobe_after(i, r, u32::MAX), i);
+        // a retry longer than the interval never delays the regular re-probe
+        assert_eq!(reprobe_after(Duration::from_secs(5), r, 1).as_secs(), 5);
+    }
 
     #[test]
     fn ptx_versions() {

@@ -89,6 +89,9 @@ pub struct ChecksConfig {
     pub cuda_interval: Duration,
     /// Longest wait for a CUDA probe that has no earlier result to fall back on (default 60 s).
     pub cuda_timeout: Duration,
+    /// First re-probe delay after a CUDA probe that found a problem (default 15 s); it doubles
+    /// with each further failed probe, up to `cuda_interval` (`cuda::reprobe_after`).
+    pub cuda_failure_retry: Duration,
     /// The host's network namespace, as the `/proc/<pid>/net` directory of a process in it,
     /// that the `ports` check verifies its socket tables belong to (`<proc_root>/net/tcp` is the
     /// reader's own namespace). `None` (the default) means `<proc_root>/1/net`: PID 1 of a
@@ -112,6 +115,7 @@ impl Default for ChecksConfig {
             cuda_library: None,
             cuda_interval: Duration::from_secs(600),
             cuda_timeout: Duration::from_secs(60),
+            cuda_failure_retry: Duration::from_secs(15),
             host_netns: None,
             state_dir: None,
         }
@@ -140,7 +144,7 @@ pub enum ChecksConfigError {
 }
 
 /// Environment variables [`ChecksConfig::from_env`] reads (name, meaning).
-pub const ENV_VARS: [(&str, &str); 13] = [
+pub const ENV_VARS: [(&str, &str); 14] = [
     ("IC_PROC_ROOT", "procfs root (default /proc)"),
     (
         "IC_HOST_NETNS",
@@ -186,6 +190,10 @@ pub const ENV_VARS: [(&str, &str); 13] = [
     (
         "IC_CUDA_TIMEOUT_SECONDS",
         "longest wait for a first CUDA probe, seconds (default 60)",
+    ),
+    (
+        "IC_CUDA_RETRY_SECONDS",
+        "first re-probe delay after a failed CUDA probe, doubling up to the interval (default 15)",
     ),
 ];
 
@@ -259,6 +267,9 @@ impl ChecksConfig {
         }
         if let Some(v) = num("IC_CUDA_TIMEOUT_SECONDS")? {
             c.cuda_timeout = Duration::from_secs(v.max(1));
+        }
+        if let Some(v) = num("IC_CUDA_RETRY_SECONDS")? {
+            c.cuda_failure_retry = Duration::from_secs(v.max(1));
         }
         Ok(c)
     }
