@@ -1174,3 +1174,38 @@ fn xid_ignored_is_a_count_not_a_window() {
     });
     assert_eq!(g.observed["xidIgnored"], n.to_string(), "{g:?}");
 }
+
+/// The latch is cleared by a reboot: a new kernel boot id (read under the configured procfs
+/// root) means every GPU was reset. The same boot id (an agent restart) keeps it.
+#[test]
+fn a_reboot_clears_latched_xids_and_an_agent_restart_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fake) = XidFake::build(dir.path(), "reboot", &[]) else {
+        return;
+    };
+    let proc_root = dir.path().join("proc");
+    let boot_id = proc_root.join("sys/kernel/random/boot_id");
+    std::fs::create_dir_all(boot_id.parent().unwrap()).unwrap();
+    std::fs::write(&boot_id, "6f1c0d2e-0000-4000-8000-000000000001\n").unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let cfg = ChecksConfig {
+        nvml_library: Some(fake.lib.clone()),
+        state_dir: Some(state.clone()),
+        proc_root: proc_root.clone(),
+        ..ChecksConfig::default()
+    };
+    let check = GpuCheck::new(&cfg);
+    check.run(&gpu_plan());
+    fake.inject("1 95");
+    wait_for(&check, "gpu1", "XID 95", |g| g.reason == "GpuXidFatal");
+    drop(check);
+    // XIDs already delivered are not delivered again by the fake's next reader
+    std::fs::write(&fake.xids, "").unwrap();
+    let g = GpuCheck::new(&cfg).run(&gpu_plan());
+    assert_eq!(g[1].reason, "GpuXidFatal", "restart, same boot: {:?}", g[1]);
+    assert!(g[1].message.contains("XID 95"), "{}", g[1].message);
+    std::fs::write(&boot_id, "6f1c0d2e-0000-4000-8000-000000000002\n").unwrap();
+    let g = GpuCheck::new(&cfg).run(&gpu_plan());
+    assert_eq!(g[1].reason, "GpuOk", "after a reboot: {:?}", g[1]);
+}

@@ -259,6 +259,13 @@ pub fn xid_description(xid: u64) -> &'static str {
         121 => "C2C link error",
         140 => "unrecovered ECC error",
         143 => "GPU initialization failure",
+        144 => "NVLink SAW error",
+        145 => "NVLink RLW error",
+        146 => "NVLink TLW error",
+        147 => "NVLink TREX error",
+        148 => "NVLink NVLPW_CTRL error",
+        149 => "NVLink NETIR error (fatal in some variants: see the recovery action)",
+        150 => "NVLink MSE error",
         154 => "GPU recovery action changed",
         _ => "see NVIDIA's XID catalog",
     }
