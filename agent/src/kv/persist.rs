@@ -11,11 +11,15 @@
 //! - One file per stream, `<xxh3 of the stream id, hex>.kvstate`: CBOR of [`StateFile`]
 //!   (format [`FORMAT_VERSION`]), written to a temporary file, fsynced, then renamed over the
 //!   old one (a crash leaves the old or the new file, never half of one).
-//! - A file is used only if its format, stream id and *spec fingerprint* (endpoint, replay
-//!   endpoint, topic, identity and plan facts) match the planned stream; anything else — a
-//!   changed plan, another version, a corrupt or oversized file — is discarded with a WARN and
-//!   the stream starts fresh (Partial `BootstrapIncomplete` if the engine is older than its
-//!   buffer).
+//! - A file is used only if its stream id and *identity* ([`StreamIdentity`], versioned and
+//!   explicit: the descriptor's identity fields, endpoint, replay endpoint, topic and the plan
+//!   facts that change what is indexed) match the planned stream; anything else — a changed plan,
+//!   an unknown format, a corrupt or oversized file — is discarded with a WARN naming what
+//!   differs, and the stream starts fresh (Partial `BootstrapIncomplete` if the engine is older
+//!   than its buffer). Fields of the spec outside the identity (limits, the backend name, fields a
+//!   later build adds) do not discard a kept state. Files of format 1 (agents before the
+//!   identity: a hash of the spec's debug text) are still read, checked against that hash, and
+//!   written back as format 2.
 //! - Files are written every [`SAVE_INTERVAL`] for streams that changed (so `kill -9` loses at
 //!   most that much, which the replay from the kept seq recovers), and for every stream on
 //!   shutdown (SIGTERM). A stream the plan drops has its file deleted.
@@ -31,8 +35,15 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::stream::{PersistedState, StreamState};
 use super::subscriber::StreamSpec;
 
-/// Version of [`StateFile`]; files of another version are discarded.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of [`StateFile`] written: 2, with an explicit [`StreamIdentity`]. Format 1 files
+/// ([`LEGACY_FORMAT`]) are read too; any other version is discarded.
+pub const FORMAT_VERSION: u32 = 2;
+/// The format of agents before [`StreamIdentity`]: the spec was identified by
+/// [`legacy_fingerprint`].
+pub const LEGACY_FORMAT: u32 = 1;
+/// Version of [`StreamIdentity`]'s meaning; a file kept under another is discarded. Bump it only
+/// when a field's meaning changes (a new field with a serde default does not need it).
+pub const IDENTITY_VERSION: u32 = 1;
 /// Most bytes a state file may have (1 GiB; a 1 M-block stream is ≈ 60 MB).
 pub const MAX_FILE_BYTES: u64 = 1 << 30;
 /// How often changed streams are saved.
@@ -45,8 +56,12 @@ pub struct StateFile {
     pub format: u32,
     /// The stream id (`<namespace>/<pod>#<rank>`).
     pub stream_id: String,
-    /// [`fingerprint`] of the spec the state belongs to.
+    /// Format 1 only: [`legacy_fingerprint`] of the spec the state belongs to (0 in format 2).
+    #[serde(default)]
     pub fingerprint: u64,
+    /// Format 2: the identity of the stream the state belongs to.
+    #[serde(default)]
+    pub identity: Option<StreamIdentity>,
     /// Unix ms of the save.
     pub saved_unix_ms: i64,
     /// The state.
@@ -90,9 +105,97 @@ pub enum PersistError {
     },
 }
 
-/// A fingerprint of everything that makes a stream what it is: a kept state is valid only for
-/// the same spec.
-pub fn fingerprint(spec: &StreamSpec) -> u64 {
+/// What makes a kept state valid for a planned stream: the same engine publisher followed the
+/// same way. Explicit fields (never a debug rendering), so a field added to [`StreamSpec`] does
+/// not discard every node's kept state at the next upgrade; a field added here needs a serde
+/// default that reads an older file as it was meant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamIdentity {
+    /// [`IDENTITY_VERSION`] when written.
+    pub version: u32,
+    /// `<namespace>/<pod>#<rank>`.
+    pub stream_id: String,
+    /// Replica id in routing answers.
+    pub replica: String,
+    /// Tenant (the pod's namespace).
+    pub tenant: String,
+    /// Model of the index partition.
+    pub model: String,
+    /// `vllm` or `sglang`: how engine hashes and events are read.
+    pub hash_scheme: String,
+    /// The descriptor's data-parallel rank.
+    pub dp_rank: u32,
+    /// PUB endpoint.
+    pub endpoint: String,
+    /// Replay ROUTER endpoint.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix subscribed to.
+    pub topic: String,
+    /// GPU removals demote to T2 (plan `keepsL2`): changes the tiers held.
+    pub keeps_l2: bool,
+    /// The plan's block size, tokens: changes what is indexed.
+    pub block_size: u32,
+    /// The plan's rank batches are checked against.
+    pub plan_dp_rank: Option<u32>,
+}
+
+impl StreamIdentity {
+    /// The identity of `spec` (version [`IDENTITY_VERSION`]).
+    pub fn of(spec: &StreamSpec) -> Self {
+        let d = &spec.descriptor;
+        StreamIdentity {
+            version: IDENTITY_VERSION,
+            stream_id: d.stream_id.clone(),
+            replica: d.replica.clone(),
+            tenant: d.tenant.clone(),
+            model: d.model.clone(),
+            hash_scheme: d.hash_scheme.clone(),
+            dp_rank: d.dp_rank,
+            endpoint: spec.endpoint.clone(),
+            replay_endpoint: spec.replay_endpoint.clone(),
+            topic: spec.topic.clone(),
+            keeps_l2: spec.config.keeps_l2,
+            block_size: spec.config.block_size,
+            plan_dp_rank: spec.config.dp_rank,
+        }
+    }
+
+    /// The first field in which `self` (kept) differs from `planned`, with both values.
+    pub fn differs(&self, planned: &StreamIdentity) -> Option<String> {
+        macro_rules! field {
+            ($($f:ident),*) => {
+                $(if self.$f != planned.$f {
+                    return Some(format!(
+                        "{} kept as {:?}, planned as {:?}",
+                        stringify!($f),
+                        self.$f,
+                        planned.$f
+                    ));
+                })*
+            };
+        }
+        field!(
+            version,
+            stream_id,
+            replica,
+            tenant,
+            model,
+            hash_scheme,
+            dp_rank,
+            endpoint,
+            replay_endpoint,
+            topic,
+            keeps_l2,
+            block_size,
+            plan_dp_rank
+        );
+        None
+    }
+}
+
+/// How agents before [`StreamIdentity`] (format 1) identified a spec: xxh3 of its debug text.
+/// Read only to resume their files; it matches only while the spec's debug text is unchanged.
+pub fn legacy_fingerprint(spec: &StreamSpec) -> u64 {
     xxh3_64(format!("{spec:?}").as_bytes())
 }
 
@@ -159,20 +262,26 @@ impl StateDir {
                 path: path.clone(),
                 message: e.to_string(),
             })?;
-        let why = if file.format != FORMAT_VERSION {
+        let why = if file.stream_id != spec.descriptor.stream_id {
+            Some(format!("belongs to stream {}", file.stream_id))
+        } else if file.format == LEGACY_FORMAT {
+            (file.fingerprint != legacy_fingerprint(spec)).then(|| {
+                "kept by an older agent (format 1) for another plan of this stream, or one whose \
+                 spec it rendered differently"
+                    .to_string()
+            })
+        } else if file.format == FORMAT_VERSION {
+            match &file.identity {
+                None => Some("format 2 without an identity".into()),
+                Some(kept) => kept
+                    .differs(&StreamIdentity::of(spec))
+                    .map(|d| format!("kept for another plan of this stream: {d}")),
+            }
+        } else {
             Some(format!(
-                "format {} (this agent reads {FORMAT_VERSION})",
+                "format {} (this agent reads {LEGACY_FORMAT} and {FORMAT_VERSION})",
                 file.format
             ))
-        } else if file.stream_id != spec.descriptor.stream_id {
-            Some(format!("belongs to stream {}", file.stream_id))
-        } else if file.fingerprint != fingerprint(spec) {
-            Some(
-                "kept for another plan of this stream (endpoint, topic or plan facts changed)"
-                    .into(),
-            )
-        } else {
-            None
         };
         if let Some(why) = why {
             return Err(PersistError::Mismatch { path, why });
@@ -194,7 +303,8 @@ impl StateDir {
         let file = StateFile {
             format: FORMAT_VERSION,
             stream_id: spec.descriptor.stream_id.clone(),
-            fingerprint: fingerprint(spec),
+            fingerprint: 0,
+            identity: Some(StreamIdentity::of(spec)),
             saved_unix_ms: ic_shared::now_unix_ms(),
             state,
         };
@@ -315,10 +425,10 @@ mod tests {
         assert_eq!(back.orphans(), 0);
 
         // Another endpoint: another stream as far as the kept state goes.
-        assert!(matches!(
-            sd.load(&spec("tcp://127.0.0.1:9")),
-            Err(PersistError::Mismatch { .. })
-        ));
+        match sd.load(&spec("tcp://127.0.0.1:9")) {
+            Err(PersistError::Mismatch { why, .. }) => assert!(why.contains("endpoint"), "{why}"),
+            other => panic!("{other:?}"),
+        }
         // A state whose anchor is not its last seq would replay what it holds: refused.
         let mut torn = st.to_persisted();
         torn.last_digest = Some((40, 0xabc));
@@ -329,5 +439,140 @@ mod tests {
         assert!(matches!(sd.load(&sp), Err(PersistError::Corrupt { .. })));
         sd.remove("ns/pod#0");
         assert!(sd.load(&sp).unwrap().is_none());
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod identity_tests {
+    use super::*;
+    use crate::kv::stream::StreamConfig;
+    use ic_shared::proto::StreamDescriptor;
+
+    /// The spec `testdata/kv-state/format-1.kvstate` was written for (by the agent of commit
+    /// 7a5d494, format 1): blocks 1, 2 (tokens 0..32) indexed, block 9 (adapter `sql`) parked
+    /// under the unknown parent 77, last seq 41 with digest 0xabc.
+    fn fixture_spec() -> StreamSpec {
+        StreamSpec {
+            descriptor: StreamDescriptor {
+                stream_id: "default/vllm-0#0".into(),
+                replica: "vllm-0".into(),
+                dp_rank: 0,
+                tenant: "default".into(),
+                model: "m".into(),
+                hash_scheme: "vllm".into(),
+                backend: "default/cb".into(),
+                node: String::new(),
+            },
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:5558".into()),
+            topic: String::new(),
+            config: StreamConfig {
+                keeps_l2: false,
+                block_size: 16,
+                dp_rank: Some(0),
+                ..StreamConfig::default()
+            },
+        }
+    }
+
+    fn fixture_dir() -> (tempfile::TempDir, StateDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let sd = StateDir::open(dir.path()).unwrap();
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/kv-state/format-1.kvstate");
+        std::fs::copy(&fixture, sd.file_of("default/vllm-0#0")).unwrap();
+        (dir, sd)
+    }
+
+    #[test]
+    fn an_older_agents_state_file_is_resumed_and_rewritten_with_its_identity() {
+        let (_dir, sd) = fixture_dir();
+        let sp = fixture_spec();
+        let st = sd.load(&sp).unwrap().expect("the format 1 file resumes");
+        assert_eq!(st.last_digest(), Some((41, 0xabc)));
+        assert_eq!(st.blocks_held(), 2);
+        assert_eq!(st.orphans(), 1);
+        // Saved again, it carries the explicit identity (format 2) and still resumes.
+        sd.save(&sp, st.to_persisted()).unwrap();
+        let bytes = std::fs::read(sd.file_of("default/vllm-0#0")).unwrap();
+        let file: StateFile = ciborium::from_reader(bytes.as_slice()).unwrap();
+        assert_eq!(file.format, FORMAT_VERSION);
+        assert_eq!(file.identity, Some(StreamIdentity::of(&sp)));
+        let back = sd.load(&sp).unwrap().unwrap();
+        assert_eq!(back.to_persisted(), st.to_persisted());
+        // An older agent's file for another plan is refused.
+        let (_dir2, sd2) = fixture_dir();
+        let mut moved = fixture_spec();
+        moved.endpoint = "tcp://127.0.0.1:6000".into();
+        assert!(matches!(
+            sd2.load(&moved),
+            Err(PersistError::Mismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_kept_state_survives_changes_outside_the_streams_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let sd = StateDir::open(dir.path()).unwrap();
+        let sp = fixture_spec();
+        let mut st = StreamState::new(sp.config.clone());
+        let empty = ic_shared::kv::decode::EventBatch {
+            ts: 1.0,
+            events: vec![],
+            data_parallel_rank: None,
+            skipped: vec![],
+        };
+        st.apply(7, &empty, 0);
+        st.record_digest(7, 0x77);
+        sd.save(&sp, st.to_persisted()).unwrap();
+        // A later build: other limits, another backend name — the same engine stream.
+        let mut next = fixture_spec();
+        next.config.max_orphans = 1024;
+        next.config.max_pending_keys = 10;
+        next.descriptor.backend = "default/other".into();
+        let back = sd.load(&next).unwrap().expect("resumed");
+        assert_eq!(back.last_digest(), Some((7, 0x77)));
+        // What changes what the state means is refused, naming the field.
+        for (field, change) in [
+            (
+                "block_size",
+                Box::new(|s: &mut StreamSpec| s.config.block_size = 32)
+                    as Box<dyn Fn(&mut StreamSpec)>,
+            ),
+            (
+                "keeps_l2",
+                Box::new(|s: &mut StreamSpec| s.config.keeps_l2 = true),
+            ),
+            (
+                "topic",
+                Box::new(|s: &mut StreamSpec| s.topic = "kv@x".into()),
+            ),
+            (
+                "replay_endpoint",
+                Box::new(|s: &mut StreamSpec| s.replay_endpoint = None),
+            ),
+            (
+                "hash_scheme",
+                Box::new(|s: &mut StreamSpec| s.descriptor.hash_scheme = "sglang".into()),
+            ),
+        ] {
+            let mut other = fixture_spec();
+            change(&mut other);
+            match sd.load(&other) {
+                Err(PersistError::Mismatch { why, .. }) => {
+                    assert!(why.contains(field), "{field}: {why}")
+                }
+                r => panic!("{field}: {r:?}"),
+            }
+        }
+        // An unknown format is refused.
+        let bytes = std::fs::read(sd.file_of("default/vllm-0#0")).unwrap();
+        let mut file: StateFile = ciborium::from_reader(bytes.as_slice()).unwrap();
+        file.format = 9;
+        let mut out = Vec::new();
+        ciborium::into_writer(&file, &mut out).unwrap();
+        std::fs::write(sd.file_of("default/vllm-0#0"), out).unwrap();
+        assert!(matches!(sd.load(&sp), Err(PersistError::Mismatch { .. })));
     }
 }
