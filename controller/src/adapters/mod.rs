@@ -19,6 +19,7 @@
 
 pub mod command;
 pub mod converge;
+pub mod engine_release;
 pub mod overrides;
 pub mod providers;
 pub mod sglang_hicache;
@@ -239,6 +240,16 @@ pub enum InjectError {
         adapter: &'static str,
         /// Binding (`lm`, `resp`, `mooncakestore`, `host-only`).
         binding: String,
+    },
+    /// The engine's release (image tag or recorded `--version`) predates a flag the adapter
+    /// would inject ([`engine_release`] has the table).
+    #[error("container {container:?} runs {detail}")]
+    UnsupportedRelease {
+        /// Container name.
+        container: String,
+        /// `<engine> <version> (from <where>), which has no <flag> (added in <engine>
+        /// <since>): <effect>; upgrade …`.
+        detail: String,
     },
     /// The engine container index is out of range (an internal error).
     #[error("internal error: engine container index {0} out of range")]

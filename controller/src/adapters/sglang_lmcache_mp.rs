@@ -481,6 +481,10 @@ impl RuntimeAdapter for SglangLmCacheMp {
         }
         let mut report = InjectReport::default();
         let original = engine_ref(pod, engine)?.clone();
+        // A release without --lmcache-config-file exits on it: left unwired with the reason.
+        if let Some(w) = super::engine_release::sglang_lmcache_gate(pod, &original)? {
+            report.warnings.push(w);
+        }
         let (shm, worker_at) = Self::preflight(pod, &original)?;
         let cmd = EngineCommand::parse(&original, Runtime::SgLang)?;
         if let Some((variable, flag)) = cmd.hidden_flag(

@@ -456,6 +456,11 @@ impl RuntimeAdapter for VllmLmCache {
                 file.value.as_deref().unwrap_or_default()
             ));
         }
+        report
+            .warnings
+            .extend(super::engine_release::vllm_sliding_window_warning(
+                &original,
+            ));
         let cmd = EngineCommand::parse(&original, Runtime::Vllm)?;
         if let Some((variable, flag)) = cmd.hidden_flag(&original, &["--kv-transfer-config"]) {
             return Err(InjectError::HiddenFlag {

@@ -474,6 +474,13 @@ fn env_from_shadowed(
     out
 }
 
+/// The engine-release warning for a vLLM `--kv-events-config` without a publisher (see
+/// [`crate::adapters::engine_release`]); `None` when there is no engine container.
+fn publisher_release_warning(pod: &Pod, engine: Option<usize>, runtime: Runtime) -> Option<String> {
+    let c = engine.and_then(|i| pod.spec.as_ref()?.containers.get(i))?;
+    crate::adapters::engine_release::vllm_kv_events_publisher_warning(pod, c, runtime)
+}
+
 /// Wires `pod` for `cb`; returns warnings.
 fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<String>, Unwired> {
     let spec = &cb.spec;
@@ -492,6 +499,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
             ));
         };
         let engine = select_engine_by_command(pod, runtime).ok();
+        warnings.extend(publisher_release_warning(pod, engine, runtime));
         let others = other_listeners(pod, engine, runtime, None);
         let listeners = add_subscribers(
             pod,
@@ -529,6 +537,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         )));
     }
     let engine = adapter.select_engine(pod)?;
+    warnings.extend(publisher_release_warning(pod, Some(engine), runtime));
     if let Some(previous) =
         previous_wiring_by_another(pod, cb).filter(|_| !adapter.backend_env().is_empty())
     {
