@@ -14,7 +14,7 @@
 //! | SGLang `--lmcache-config-file` (MP wire) | 0.5.13 | unwired with the reason: SGLang's argparse exits on the unknown flag | `sglang` wheels: `server_args.py` adds `--lmcache-config-file` in 0.5.13 (absent in 0.5.12, whose LMCache path reads `LMCACHE_CONFIG_FILE`) |
 //! | SGLang `--enable-lmcache` | 0.5.2 | (covered by the row above) | `sglang` wheels: `server_args.py` 0.5.2 (absent in 0.5.1) |
 //! | vLLM `--kv-events-config` without `"publisher"` | 0.11.1 | warning: the publisher defaults to `null` and sends nothing | `vllm` wheels: `vllm/config/kv_events.py` 0.11.0 `publisher: str = "null"`; 0.11.1 sets `"zmq"` when `enable_kv_cache_events` |
-//! | vLLM `--kv-transfer-config` (LMCacheConnectorV1) on a sliding-window model | every release | warning: a KV connector turns the hybrid KV-cache manager off, so sliding-window layers keep full-length KV (less cache, more memory) | spec 000 "Supported-model matrix"; `vllm/config/vllm.py` disables the hybrid manager when `kv_transfer_config` is set |
+//! | vLLM `--kv-transfer-config` (LMCacheConnectorV1) on a sliding-window model | every release | warning: a KV connector turns the hybrid KV-cache manager off, so sliding-window layers keep full-length KV (less cache, more memory) | `vllm` wheels 0.24.0/0.33.0: `vllm/config/vllm.py` turns the hybrid manager off for a connector without `SupportsHMA` ("models with sliding window attention will run with reduced performance"); `LMCacheConnectorV1` does not implement it; 0.11.0: off for any connector |
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 
