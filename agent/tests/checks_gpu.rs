@@ -1209,3 +1209,38 @@ fn a_reboot_clears_latched_xids_and_an_agent_restart_does_not() {
     let g = GpuCheck::new(&cfg).run(&gpu_plan());
     assert_eq!(g[1].reason, "GpuOk", "after a reboot: {:?}", g[1]);
 }
+
+/// NVML's indexes shift when a GPU drops out of enumeration: an XID is kept for the GPU that
+/// reported it (by UUID), not for whichever GPU now has its old index.
+#[test]
+fn an_xid_stays_with_its_gpu_when_indexes_shift() {
+    let dir = tempfile::tempdir().unwrap();
+    let gone = dir.path().join("gone");
+    let define = format!("FAKE_GONE_FILE=\"{}\"", gone.display());
+    let Some(fake) = XidFake::build(dir.path(), "shift", &["FAKE_COUNT=8", &define]) else {
+        return;
+    };
+    let check = fake.check(XidPolicy::default());
+    check.run(&gpu_plan());
+    fake.inject("6 79");
+    wait_for(&check, "gpu6", "XID 79", |g| g.reason == "GpuXidFatal");
+    std::fs::write(&gone, "5").unwrap();
+    let r = check.run(&gpu_plan());
+    let by_uuid = |u: &str| {
+        r.iter()
+            .find(|g| g.observed.get("uuid").map(String::as_str) == Some(u))
+            .unwrap()
+    };
+    let reporter = by_uuid("GPU-00000000-0000-0000-0000-000000000006");
+    assert_eq!(
+        (reporter.subject.as_str(), reporter.reason.as_str()),
+        ("gpu5", "GpuXidFatal"),
+        "{reporter:?}"
+    );
+    let next = by_uuid("GPU-00000000-0000-0000-0000-000000000007");
+    assert_eq!(
+        (next.subject.as_str(), next.reason.as_str()),
+        ("gpu6", "GpuOk"),
+        "the XID moved to the GPU that took its index: {next:?}"
+    );
+}

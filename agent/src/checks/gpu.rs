@@ -136,7 +136,11 @@ impl GpuCheck {
             for (i, support) in &st.events {
                 out.insert(
                     *i,
-                    (st.xids.get(i).cloned().unwrap_or_default(), support.clone()),
+                    (
+                        st.xids.get(i).cloned().unwrap_or_default(),
+                        support.clone(),
+                        st.uuids.get(i).cloned(),
+                    ),
                 );
             }
             out
@@ -156,7 +160,8 @@ impl GpuCheck {
     }
 }
 
-type HashMapXids = std::collections::HashMap<u32, (XidLog, EventSupport)>;
+/// Per NVML index at registration: the GPU's XID log, its event support and its UUID then.
+type HashMapXids = std::collections::HashMap<u32, (XidLog, EventSupport, Option<String>)>;
 
 /// Why NVML could not be used, from its initialisation error.
 pub fn classify_init_error(e: &NvmlError, library: &str) -> InitFailure {
@@ -976,7 +981,14 @@ impl Check for GpuCheck {
         let now = SystemTime::now();
         let xid_status = |i: u32| {
             xids.get(&i)
-                .map(|(log, support)| XidStatus::judge(log, support, &self.policy, now))
+                .map(|(log, support, _)| XidStatus::judge(log, support, &self.policy, now))
+        };
+        // The NVML thread's log of a GPU: by UUID (indexes shift when a GPU drops out of
+        // enumeration), by index when the thread did not learn the UUID.
+        let log_of = |i: u32, uuid: &str| {
+            xids.values()
+                .find(|(_, _, u)| u.as_deref() == Some(uuid))
+                .or_else(|| xids.get(&i).filter(|(_, _, u)| u.is_none()))
         };
         let snaps: Vec<(u32, Result<GpuSnapshot, NvmlError>)> = (0..count)
             .map(|i| (i, snapshot(&nvml, i, driver.clone(), cuda.clone())))
@@ -998,7 +1010,7 @@ impl Check for GpuCheck {
                 Ok(mut s) => {
                     if let Some(uuid) = s.uuid.clone() {
                         memory.recovery_action(&uuid, s.recovery_action, now);
-                        s.xid = xids.get(&i).map(|(log, support)| {
+                        s.xid = log_of(i, &uuid).map(|(log, support, _)| {
                             let events = memory.latch(&uuid, &log.events, |e| {
                                 let action = match e.xid {
                                     Some(x) => self.policy.action(x),

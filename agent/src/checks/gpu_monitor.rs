@@ -84,6 +84,9 @@ pub struct MonitorState {
     pub xids: HashMap<u32, XidLog>,
     /// Event registration per NVML device index.
     pub events: HashMap<u32, EventSupport>,
+    /// The UUID of each NVML device index when it was registered: NVML's indexes shift when a
+    /// GPU drops out of enumeration, so the check matches logs to GPUs by UUID.
+    pub uuids: HashMap<u32, String>,
     /// The last error of `nvmlEventSetWait` other than a timeout.
     pub last_wait_error: Option<String>,
 }
@@ -122,6 +125,7 @@ impl NvmlMonitor {
                 init: InitState::Pending,
                 xids: HashMap::new(),
                 events: HashMap::new(),
+                uuids: HashMap::new(),
                 last_wait_error: None,
             }),
             changed: Condvar::new(),
@@ -356,6 +360,9 @@ fn register<'n>(shared: &Shared, nvml: &'n Nvml) -> Option<Registered<'n>> {
     let mut handles = HashMap::new();
     let mut migs = HashMap::new();
     for i in 0..count {
+        if let Ok(uuid) = nvml.device_by_index(i).and_then(|d| d.uuid()) {
+            shared.state.lock().uuids.insert(i, uuid);
+        }
         let support = match (nvml.device_by_index(i), reg) {
             (Err(e), _) => EventSupport::Unavailable(e.to_string()),
             (Ok(_), None) => {
