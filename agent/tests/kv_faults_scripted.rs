@@ -612,3 +612,48 @@ async fn a_verified_reattach_after_an_unreachable_replay_keeps_the_entries() {
         "the kept entries were verified, not rebuilt: {s:#?}"
     );
 }
+
+/// Issue 37 item 8: an engine whose clock is 6 h ahead of the agent's. The stream lag must read
+/// the real delay (under a minute here), not -21 600 s, and the skew is exported and reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_clock_six_hours_ahead_is_flagged_and_not_read_as_lag() {
+    let (p, r) = (free_port(), free_port());
+    let mut eng = Engine::start(p, Some(r), rule(|_, _| Mode::Normal)).await;
+    let reg = prometheus::Registry::new();
+    let hub =
+        KvHub::with_options(&reg, SubscriberOptions::default(), StreamConfig::default()).unwrap();
+    hub.apply_plan(&plan(p, Some(r)));
+    until(&hub, "connected", |s| {
+        s.connected && s.coverage != "Disconnected"
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ahead = 21_600.0;
+    for i in 0..5u64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        eng.publish(i, store(100 + i, now + ahead), true).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = until(&hub, "seq 4", |s| s.last_seq == Some(4)).await;
+    let gauge = |name: &str| -> f64 {
+        reg.gather()
+            .iter()
+            .find(|f| f.name() == name)
+            .and_then(|f| f.get_metric().first().map(|m| m.get_gauge().get_value()))
+            .unwrap_or_else(|| panic!("{name} has no series"))
+    };
+    let lag = gauge("inferencecache_agent_kv_stream_lag_seconds");
+    eprintln!(
+        "engine 6 h ahead: lag {lag} s, skew {:?}",
+        s.engine_clock_skew_seconds
+    );
+    assert!(lag.abs() < 60.0, "skew read as lag: {lag} s");
+    let skew = gauge("inferencecache_agent_kv_engine_clock_skew_seconds");
+    assert!((skew - ahead).abs() < 60.0, "skew gauge {skew}");
+    assert!(s
+        .engine_clock_skew_seconds
+        .is_some_and(|k| (k - ahead).abs() < 60.0));
+}

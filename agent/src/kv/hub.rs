@@ -86,6 +86,10 @@ pub struct StreamStatus {
     pub last_event_unix_ms: Option<i64>,
     /// Agent time the last live message arrived, unix ms.
     pub last_message_unix_ms: Option<i64>,
+    /// Estimated engine clock minus agent clock, seconds (positive: the engine's clock is ahead),
+    /// from live batches' timestamps over the last 10 minutes; `None` before one. Beyond ±2 s it
+    /// is flagged (a WARN) and taken out of the stream lag.
+    pub engine_clock_skew_seconds: Option<f64>,
     /// Live messages received.
     pub events_received: u64,
     /// Batches obtained by replay.
@@ -455,6 +459,7 @@ impl KvHub {
                     kept_seq: entry.saved.and_then(|m| m.key.0),
                     last_event_unix_ms: (ts > 0).then_some(ts),
                     last_message_unix_ms: g.stats.last_message_unix_ms,
+                    engine_clock_skew_seconds: g.stats.clock.estimate(),
                     events_received: g.stats.batches_received,
                     batches_replayed: g.stats.batches_replayed,
                     batches_decoded: g.stats.batches_decoded,

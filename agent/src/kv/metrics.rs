@@ -18,7 +18,8 @@
 //! | `inferencecache_agent_kv_coverage_transitions_total` | stream, state | transitions into each coverage state |
 //! | `inferencecache_agent_kv_blocks` | stream | index entries held |
 //! | `inferencecache_agent_kv_connected` | stream | 1 while the SUB socket is connected |
-//! | `inferencecache_agent_kv_stream_lag_seconds` | stream | agent time − engine `ts` of the newest live batch applied |
+//! | `inferencecache_agent_kv_stream_lag_seconds` | stream | agent time − engine `ts` of the newest live batch applied, plus the engine's clock skew when that is flagged (beyond ±2 s), so skew does not read as lag |
+//! | `inferencecache_agent_kv_engine_clock_skew_seconds` | stream | estimated engine clock − agent clock (positive: the engine is ahead): the largest `ts − arrival` of the live batches of the last 10 minutes |
 //! | `inferencecache_agent_kv_peers_dropped_total` | stream, socket, reason | engine connections dropped by the ZMTP guard ([`super::zmtp_guard`]): `socket` `events` (publisher) or `replay`; `reason` `frame_too_large`, `message_too_large`, `too_many_frames`, `command_too_large`, `bad_flags`, `bad_greeting` |
 
 use ic_shared::kv::decode::DecodeError;
@@ -73,6 +74,7 @@ pub struct KvMetrics {
     pub(crate) blocks: IntGaugeVec,
     pub(crate) connected: IntGaugeVec,
     pub(crate) lag: GaugeVec,
+    pub(crate) clock_skew: GaugeVec,
     pub(crate) coverage: IntGaugeVec,
     pub(crate) coverage_transitions: IntCounterVec,
     pub(crate) peers_dropped: IntCounterVec,
@@ -170,6 +172,17 @@ impl KvMetrics {
                     Opts::new(
                         format!("{P}stream_lag_seconds"),
                         "Agent time minus the engine timestamp of the newest live batch applied, in seconds.",
+                    ),
+                    &["stream"],
+                )?;
+                reg.register(Box::new(g.clone()))?;
+                g
+            },
+            clock_skew: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{P}engine_clock_skew_seconds"),
+                        "Estimated engine clock minus agent clock in seconds (positive: the engine's clock is ahead), from the live batches of the last 10 minutes.",
                     ),
                     &["stream"],
                 )?;
@@ -277,6 +290,7 @@ impl KvMetrics {
             let _ = g.remove_label_values(&[stream]);
         }
         let _ = self.lag.remove_label_values(&[stream]);
+        let _ = self.clock_skew.remove_label_values(&[stream]);
         for st in CoverageState::ALL {
             for r in COVERAGE_REASONS.iter().chain(std::iter::once(&"")) {
                 let _ = self.coverage.remove_label_values(&[stream, st.as_str(), r]);
@@ -355,6 +369,7 @@ mod tests {
             },
         );
         m.lag.with_label_values(&["ns/pod#0"]).set(0.5);
+        m.clock_skew.with_label_values(&["ns/pod#0"]).set(-0.001);
         m.init_stream("other/pod#0");
         m.remove_stream("ns/pod#0");
         assert_eq!(series_of(&reg, "ns/pod#0"), vec![]);
