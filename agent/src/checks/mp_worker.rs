@@ -266,9 +266,11 @@ fn probe_on_this_thread(
         match tokio::time::timeout(timeout, sock.connect(guarded.endpoint())).await {
             Err(_) => return Ok(refused().unwrap_or(MpVerdict::Hung { stage: "greeting" })),
             Ok(Err(e)) => {
-                return Ok(MpVerdict::BadReply {
+                // The bound may drop the worker before the library's handshake completes (a
+                // greeting, READY and an oversize header can arrive in one read).
+                return Ok(refused().unwrap_or(MpVerdict::BadReply {
                     why: format!("ZMTP handshake failed: {e}"),
-                })
+                }));
             }
             Ok(Ok(())) => {}
         }
