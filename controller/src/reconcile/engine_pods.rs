@@ -41,7 +41,7 @@ use kube::runtime::reflector::Store;
 
 use super::annotations::{
     INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, INJECT_SKIPPED_BY_ANNOTATION, NOT_INJECTED,
-    SKIP_INJECT, WEBHOOK_OPT_OUT,
+    SKIP_INJECT,
 };
 use super::cachebackend::events::{reason, EventSink, EventSpec, Recorded};
 
@@ -117,14 +117,12 @@ pub fn decide(pod: &Pod) -> PodDecision {
 /// pod was created before the CacheBackend. `None` for a pod with a decision, one no backend
 /// selects, or one labelled [`WEBHOOK_OPT_OUT`]`=disabled` (pure).
 pub fn admitted_without_webhook(pod: &Pod, backends: &[Arc<CacheBackend>]) -> Option<String> {
-    let annotations = pod.metadata.annotations.as_ref();
-    let decided = [INJECTED_BY, NOT_INJECTED, INJECT_SKIPPED]
-        .iter()
-        .any(|k| annotations.is_some_and(|a| a.contains_key(*k)));
-    let labels = pod.metadata.labels.clone().unwrap_or_default();
-    if decided || labels.get(WEBHOOK_OPT_OUT).map(String::as_str) == Some("disabled") {
+    // One predicate for "the Pod webhook never decided on this pod": the one
+    // `unwiredEnginePods` counts with.
+    if !crate::reconcile::cachebackend::engine::admitted_without_webhook(pod) {
         return None;
     }
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
     let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
     let cb = ic_shared::crd::selecting_backends(backends, namespace, &labels)
         .first()
