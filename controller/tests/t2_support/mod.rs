@@ -22,17 +22,70 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn wait_listening(child: &mut Child, port: u16, what: &str) {
+/// Whether process `pid` holds a listening TCP socket on 127.0.0.1/any `port` (its
+/// `/proc/<pid>/fd` links to the LISTEN socket's inode in `/proc/net/tcp{,6}`).
+fn listens(pid: u32, port: u16) -> bool {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != "0A" {
+                continue;
+            }
+            let local_port = f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|h| u16::from_str_radix(h, 16).ok());
+            if local_port == Some(port) {
+                inodes.push(format!("socket:[{}]", f[9]));
+            }
+        }
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .map(|l| inodes.iter().any(|i| l.to_string_lossy() == *i))
+            .unwrap_or(false)
+    })
+}
+
+/// Waits until `child` itself listens on `port`: a port taken by another test's server between
+/// [`free_port`] and the child's bind makes the child exit (an error: the caller tries another
+/// port), never a test talking to someone else's server.
+fn wait_listening(child: &mut Child, port: u16, what: &str) -> Result<(), String> {
     for _ in 0..500 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
+        if listens(child.id(), port) {
+            return Ok(());
         }
         if let Ok(Some(st)) = child.try_wait() {
-            panic!("{what} exited before listening on {port}: {st}");
+            return Err(format!("{what} exited before listening on {port}: {st}"));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("{what} did not listen on {port}");
+    Err(format!("{what} did not listen on {port}"))
+}
+
+/// Runs `spawn(port)` on fresh free ports until its child listens there itself (5 tries).
+fn start_on_a_free_port(what: &str, spawn: impl Fn(u16) -> Child) -> (Child, u16) {
+    let mut last = String::new();
+    for _ in 0..5 {
+        let port = free_port();
+        let mut child = spawn(port);
+        match wait_listening(&mut child, port, what) {
+            Ok(()) => return (child, port),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                last = e;
+            }
+        }
+    }
+    panic!("{last} (5 ports tried)");
 }
 
 /// A `redis-server` on 127.0.0.1.
@@ -50,24 +103,24 @@ impl Redis {
 
     /// Starts one with extra command-line arguments.
     pub fn start_with(extra: &[&str]) -> Redis {
-        let port = free_port();
-        let mut child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (apt-get install redis-server; scripts/setup.sh does)");
-        wait_listening(&mut child, port, "redis-server");
+        let (child, port) = start_on_a_free_port("redis-server", |port| {
+            Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed (apt-get install redis-server; scripts/setup.sh does)")
+        });
         Redis { child, port }
     }
 
@@ -126,23 +179,30 @@ pub struct LmCacheServer {
 impl LmCacheServer {
     /// Starts one (`python3 lmcache_server.py <dir> 127.0.0.1 <port>`).
     pub fn start() -> LmCacheServer {
-        LmCacheServer::start_on(free_port())
+        let (child, port) = start_on_a_free_port("the LMCache server", LmCacheServer::spawn);
+        LmCacheServer { child, port }
     }
 
     /// Starts one on `port` (a restart where the last one listened).
     pub fn start_on(port: u16) -> LmCacheServer {
+        let mut child = LmCacheServer::spawn(port);
+        if let Err(e) = wait_listening(&mut child, port, "the LMCache server") {
+            panic!("{e}");
+        }
+        LmCacheServer { child, port }
+    }
+
+    fn spawn(port: u16) -> Child {
         let script =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/t2_support/lmcache_server.py");
-        let mut child = Command::new("python3")
+        Command::new("python3")
             .arg(script)
             .arg(lmcache_dir())
             .args(["127.0.0.1", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("python3 (>= 3.10) runs the LMCache server");
-        wait_listening(&mut child, port, "the LMCache server");
-        LmCacheServer { child, port }
+            .expect("python3 (>= 3.10) runs the LMCache server")
     }
 
     /// `127.0.0.1:<port>`.
