@@ -255,6 +255,19 @@ affected = {
         ("ports", f"tcp/{port}"): "PortOwnerUnknown",
     },
 }
+# The ports check's ephemeral-range result follows this host's sysctls (the agent reads the
+# host's /proc): the engine port inside net.ipv4.ip_local_port_range and not reserved is a
+# Warning, else Clear.
+def reserved(p: int) -> bool:
+    text = open("/proc/sys/net/ipv4/ip_local_reserved_ports").read().strip()
+    for part in filter(None, text.split(",")):
+        a, _, b = part.partition("-")
+        if int(a) <= p <= int(b or a):
+            return True
+    return False
+lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+at_risk = lo <= int(port) <= hi and not reserved(int(port))
+ok[("ports", "ephemeral-range")] = ("Warning", "PortsInEphemeralRange") if at_risk else ("Ok", "EphemeralRangeClear")
 want = dict(ok)
 for key, reason in affected.get(dropped, {}).items():
     want[key] = ("Unknown", reason)
