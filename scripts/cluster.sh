@@ -547,6 +547,13 @@ The controller serving the webhooks and gRPC is the host process (logs in $state
 pods run here (hooks, tests, the kwok-gpu-0 agent) have logs (kubectl logs). kwok's pods run
 nothing: no logs, and kubectl exec and port-forward do not work. After helm uninstall:
 scripts/cluster.sh stop ic-controller (its ServiceAccount is gone).
+What the quickstart backend then says, and why (no engine runs on kwok, and this host has no GPU):
+  Ready False AwaitingFirstKVEvent     nothing publishes KV events (see README "Attach a replayed
+                                       engine stream" for a publisher)
+  NodeHealthy False on kwok-gpu-0      the real agent checks this host: gpu NvmlUnavailable and
+                                       cuda CudaUnavailable once a GPU engine pod is planned there
+  EngineKernelsHealthy Unknown         kwok "ran" the kernel-check init container without running it
+  an EngineSelectorUnmatched Event     when the backend was applied before the engine pod
 EOF
 }
 
@@ -708,7 +715,7 @@ case "${1:-}" in
   env) echo "$state/cluster.env" ;;
   "" | -h | --help | help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; [[ -n "${1:-}" ]] && exit 0; exit 2 ;;
   *)
-    log "unknown command ${1:-}: use up, down, status, restart COMPONENT, stop COMPONENT or env"
+    log "unknown command ${1:-}: use up, down, status, restart COMPONENT, stop COMPONENT, install-chart CHART, chart-controller or env"
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
