@@ -267,7 +267,7 @@ async fn an_engine_listener_on_the_mp_worker_port_leaves_the_pod_unwired_with_an
         serde_json::from_value(json!({
             "metadata": {"name": name, "labels": {"app": "sglang"}},
             "spec": {"containers": [{
-                "name": "sglang", "image": "lmsysorg/sglang:v0.5.5",
+                "name": "sglang", "image": "lmsysorg/sglang:v0.5.13",
                 "command": ["python3", "-m", "sglang.launch_server"],
                 "args": ["--model-path", "Qwen/Qwen3-8B", "--port", "30000",
                          "--kv-events-config", config]
