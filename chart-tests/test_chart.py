@@ -586,7 +586,7 @@ def test_controller_cluster_role_is_exact(variant: Rendered) -> None:
         ("apps", "statefulsets", ()): owned,
         ("", "services", ()): owned,
         ("autoscaling", "horizontalpodautoscalers", ()): owned,
-        ("events.k8s.io", "events", ()): {"create"},
+        ("events.k8s.io", "events", ()): {"create", "patch"},
         ("authentication.k8s.io", "tokenreviews", ()): {"create"},
         ("authorization.k8s.io", "subjectaccessreviews", ()): {"create"},
     }
