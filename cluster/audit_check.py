@@ -45,6 +45,11 @@ ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
         "checked by the OwnerReferencesPermissionEnforcement admission plugin (on here) when the "
         "controller applies a child with blockOwnerDeletion, which is no request of its own; "
         "without it every workload apply is refused and the workloads tests fail (tried)",
+    ("controller", "events.k8s.io", "events", "patch"):
+        "kube-runtime's Recorder patches an Event's series only when the same Event repeats within "
+        "its cache window, which the suite's timing makes happen in some runs and not others; a run "
+        "where it happened without the grant showed the refusal (chart-tests/test_rbac_usage.py "
+        "ties the grant to the Recorder)",
 }
 
 
