@@ -26,30 +26,14 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// The command that installs every prerequisite of the node tests (util-linux, mount,
-/// e2fsprogs, xfsprogs, the mooncake_master wheel, ...); a test that fails for want of one names it.
-pub const SETUP: &str = "scripts/setup.sh (./scripts/test.sh runs it first)";
-
-/// Records that `test` could not make its check, or part of it, because of `reason` — a
-/// condition a machine may legitimately have (not root, no loop devices, no writable cgroup
-/// hierarchy), never a missing tool that [`SETUP`] installs (that fails the test). Prints the
-/// reason and appends one line `<test>: <reason>` to the file `$IC_TEST_SKIP_LOG` names
-/// (scripts/test.sh sets it, counts each test with such a line as skipped rather than passed,
-/// and lists them before its verdict line). The inner run of [`rerun_in_unshare`] inherits it.
-pub fn skip(test: &str, reason: &str) {
-    use std::io::Write;
-    eprintln!("skipped {test}: {reason}");
-    if let Some(path) = std::env::var_os("IC_TEST_SKIP_LOG") {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .unwrap_or_else(|e| panic!("IC_TEST_SKIP_LOG={}: {e}", path.to_string_lossy()));
-        // one write per line: concurrent tests append whole lines
-        f.write_all(format!("{test}: {reason}\n").as_bytes())
-            .unwrap_or_else(|e| panic!("IC_TEST_SKIP_LOG={}: {e}", path.to_string_lossy()));
-    }
-}
+// `skip` and `SETUP`: one home for the skip log's writer, shared with the agent's tests
+// (agent/tests/support/skip.rs). A skip is only for a condition a machine may legitimately have
+// (not root, no loop devices, no writable cgroup hierarchy), never a missing tool that `SETUP`
+// installs (that fails the test); the inner run of [`rerun_in_unshare`] inherits
+// `IC_TEST_SKIP_LOG`.
+#[path = "../../../agent/tests/support/skip.rs"]
+mod skip_log;
+pub use skip_log::{skip, SETUP};
 
 /// Environment variable that marks the inner run of a test re-executed by [`rerun_in_unshare`];
 /// its value is the test's name.
