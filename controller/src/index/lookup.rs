@@ -182,6 +182,19 @@ pub struct Scores {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TimedOut;
 
+/// Whether partition `k` can answer `q`: its tenant (when named, and visible to the caller),
+/// model, hash scheme, adapter and block size (when named) are the query's.
+fn partition_matches(q: &LookupQuery, k: &super::Partition) -> bool {
+    (q.tenant.is_empty() || k.tenant == q.tenant)
+        && q.visible_tenants
+            .as_ref()
+            .is_none_or(|v| v.contains(&k.tenant))
+        && (q.model.is_empty() || k.model == q.model)
+        && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
+        && k.adapter == q.adapter
+        && q.block_size.is_none_or(|b| b == k.block_size)
+}
+
 fn past(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|d| Instant::now() >= d)
 }
@@ -313,14 +326,7 @@ impl PrefixIndex {
         let mut buf: [Holder; 1] = [0; 1];
         self.partitions.iter().any(|p| {
             let k = &p.key;
-            let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
-                && q.visible_tenants
-                    .as_ref()
-                    .is_none_or(|v| v.contains(&k.tenant))
-                && (q.model.is_empty() || k.model == q.model)
-                && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
-                && k.adapter == q.adapter
-                && q.block_size.is_none_or(|b| b == k.block_size);
+            let matches = partition_matches(q, k);
             if !matches || p.blocks.is_empty() {
                 return false;
             }
@@ -364,14 +370,7 @@ impl PrefixIndex {
                 continue;
             }
             let k = &p.key;
-            let matches = (q.tenant.is_empty() || k.tenant == q.tenant)
-                && q.visible_tenants
-                    .as_ref()
-                    .is_none_or(|v| v.contains(&k.tenant))
-                && (q.model.is_empty() || k.model == q.model)
-                && (q.hash_scheme.is_empty() || k.hash_scheme == q.hash_scheme)
-                && k.adapter == q.adapter
-                && q.block_size.is_none_or(|b| b == k.block_size);
+            let matches = partition_matches(q, k);
             if !matches {
                 continue;
             }
