@@ -695,3 +695,98 @@ async fn a_writer_template_edit_is_refused() {
         Some(recorded)
     );
 }
+
+// ------------------------------------------------- row 6: a lost `status.binding` write
+
+/// Request `a` whose pass added its reference to the binding and then lost the write that
+/// records the binding on the request (`status.binding`, mode `durable`): a 500 on its second
+/// status write (the first records the selection). Returns the binding holding the reference.
+async fn referenced_but_unrecorded() -> (Harness, ModelCacheBinding) {
+    let h = Setup::nvmesh().build().await;
+    let ns = h.ns.clone();
+    h.create_request(&regular("a", &ns, "r1")).await;
+    let n = Arc::new(AtomicUsize::new(0));
+    h.faults.rule(move |c| {
+        if c.is("PATCH", "/modelcaches/a/status") && n.fetch_add(1, Ordering::SeqCst) == 1 {
+            server_error()
+        } else {
+            Step::Pass
+        }
+    });
+    assert!(h.reconcile(&ns, "a").await.is_err());
+    let s = h.status(&ns, "a").await;
+    assert!(s.binding.is_none() && s.mode.is_none(), "{s:?}");
+    let b = h.bindings().await.remove(0);
+    let uid = h.uid(&ns, "a").await;
+    assert!(b.references().iter().any(|r| r.uid == uid));
+    (h, b)
+}
+
+/// The request binds to the binding that holds its reference, as recorded there.
+async fn assert_bound_to(h: &Harness, b: &ModelCacheBinding) {
+    let s = h.status(&h.ns, "a").await;
+    assert_eq!(s.mode, Some(CacheMode::Durable), "{s:?}");
+    let recorded = s.binding.expect("status.binding");
+    assert_eq!(Some(&recorded.name), b.metadata.name.as_ref());
+    assert_eq!(Some(&recorded.uid), b.metadata.uid.as_ref());
+    assert_eq!(h.bindings().await.len(), 1, "no second binding");
+}
+
+#[tokio::test]
+async fn a_lost_binding_record_then_a_gate_change_binds_to_the_held_binding() {
+    let (h, b) = referenced_but_unrecorded().await;
+    let ns = h.ns.clone();
+    // CachingSupport switched off before the retry: the binding already holds the request's
+    // reference (step 4), so the gate no longer decides (step 6).
+    let off = h.with_flags(ic_controller::reconcile::model_cache::FeatureFlags {
+        caching_support: false,
+        ..Default::default()
+    });
+    off.ok(&ns, "a").await;
+    assert_bound_to(&h, &b).await;
+    // The binding keeps a live reference, so it does not idle.
+    h.reconcile_binding(b.metadata.name.as_deref().unwrap())
+        .await
+        .unwrap();
+    let after = h.binding(b.metadata.name.as_deref().unwrap()).await.unwrap();
+    assert_eq!(after.references().len(), 1);
+}
+
+#[tokio::test]
+async fn a_lost_binding_record_then_a_catalog_change_binds_to_the_held_binding() {
+    let (h, b) = referenced_but_unrecorded().await;
+    let ns = h.ns.clone();
+    h.set_catalog(
+        &json!({"drivers": [{"name": NVMESH, "provider": "nvmesh",
+        "accessModes": ["ReadWriteOnce", "ReadOnlyMany"], "readerMountOptions": ["ro"]}]})
+        .to_string(),
+    )
+    .await;
+    h.ok(&ns, "a").await;
+    assert_ne!(
+        h.cond(&ns, "a", READY).await,
+        is("False", "ConfigurationDrifted")
+    );
+    assert_bound_to(&h, &b).await;
+}
+
+/// A request already left final without the binding (mode `none`, as a pass before the fix
+/// wrote it) no longer keeps the binding's reference alive: the binding prunes it and idles.
+#[tokio::test]
+async fn a_reference_of_a_request_that_ended_without_the_binding_is_released() {
+    let (h, b) = referenced_but_unrecorded().await;
+    let ns = h.ns.clone();
+    let api: Api<ic_shared::crd::ModelCache> = Api::namespaced(h.client.clone(), &ns);
+    api.patch_status(
+        "a",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"status": {"mode": "none"}})),
+    )
+    .await
+    .unwrap();
+    let name = b.metadata.name.clone().unwrap();
+    h.reconcile_binding(&name).await.unwrap();
+    let after = h.binding(&name).await.unwrap();
+    assert!(after.references().is_empty(), "{:?}", after.status);
+    assert!(after.status.as_ref().unwrap().idle_since.is_some());
+}

@@ -73,7 +73,11 @@ pub async fn reconcile_binding(
             requests.get_opt(&r.name).await?,
         );
     }
-    let live = live_references(binding.references(), &found);
+    let live = live_references(
+        binding.references(),
+        &found,
+        binding.metadata.uid.as_deref().unwrap_or_default(),
+    );
     let now = ctx.clock.now();
     match lifecycle(
         &binding,

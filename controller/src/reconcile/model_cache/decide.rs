@@ -524,11 +524,16 @@ pub fn lease_step(lease: Option<&Lease>, me: &str, job_exists: bool, now: Timest
     }
 }
 
-/// Selects, from a namespace → request map, the references that are live: the request exists
-/// with the recorded UID and is not being deleted.
+/// Selects, from a namespace → request map, the references of binding `binding_uid` that are
+/// live: the request exists with the recorded UID, is not being deleted, and has not recorded
+/// something else as final — a mode other than `durable` (`none`, `ephemeral`) or another
+/// binding's UID in `status.binding`. Those last two are references a pass added before its
+/// `status.binding` write failed and a later pass decided otherwise: the request will never
+/// use this binding, so the reference must not keep it from idling.
 pub fn live_references(
     references: &[RequestReference],
     found: &BTreeMap<(String, String), Option<ModelCache>>,
+    binding_uid: &str,
 ) -> Vec<RequestReference> {
     references
         .iter()
@@ -537,8 +542,14 @@ pub fn live_references(
                 .get(&(r.namespace.clone(), r.name.clone()))
                 .and_then(|m| m.as_ref())
                 .is_some_and(|m| {
+                    let status = m.status.as_ref();
+                    let decided_otherwise = status.is_some_and(|s| {
+                        matches!(s.mode, Some(CacheMode::None) | Some(CacheMode::Ephemeral))
+                            || s.binding.as_ref().is_some_and(|b| b.uid != binding_uid)
+                    });
                     m.metadata.uid.as_deref() == Some(r.uid.as_str())
                         && m.metadata.deletion_timestamp.is_none()
+                        && !decided_otherwise
                 })
         })
         .cloned()

@@ -22,7 +22,10 @@
 //!    never joined (a new generation is created).
 //! 4. The request reference (namespace, name, UID) is added to the binding — with the names of
 //!    reader objects for namespaces the binding does not name yet — and then the binding's name
-//!    and UID are persisted on the request (`status.binding`, mode `durable`). Only then:
+//!    and UID are persisted on the request (`status.binding`, mode `durable`). A request with
+//!    no recorded binding whose UID an `Active` binding of its identity already holds (that
+//!    write failed) finishes this step with that binding before steps 1–3, whatever the gates
+//!    or the catalog say now (step 6). Only then:
 //! 5. The flow, from the binding's recorded decision only: the writer Lease elects one request;
 //!    its writer claim and Job fill the volume; when the Job succeeded and the claim is bound,
 //!    each reader namespace gets a reader PV derived from the writer's PV and a claim pre-bound
@@ -33,7 +36,8 @@
 //!
 //! # Binding lifecycle
 //!
-//! References whose request is gone (or recreated with another UID) are pruned; zero references
+//! References whose request is gone (or recreated with another UID), or recorded something else
+//! as final (mode `none`/`ephemeral`, another binding), are pruned; zero references
 //! past [`ModelCacheConfig::idle_period`] → `Retiring` → every object the binding names is
 //! deleted if it still carries the binding's label and UID annotation (anything else is foreign:
 //! never adopted, never deleted), each delete preconditioned on the UID and resourceVersion that

@@ -203,6 +203,16 @@ impl Pass<'_> {
             None if self.status.binding.is_some() => return self.bound().await,
             None => {}
         }
+        // Step 4 added this request's reference to a binding, and the status write that
+        // records it here failed: that binding is this request's whatever the gates, the class
+        // or the catalog say now (step 6), so the pass finishes step 4 with it rather than
+        // deciding again (a fresh decision would end `none` or ConfigurationDrifted while the
+        // binding kept the reference and never idled).
+        if let Some(held) = self.held_binding().await? {
+            let bindings = self.bindings();
+            let binding = self.ensure_reference(&bindings, held).await?;
+            return self.record_binding(binding).await;
+        }
         let ctx = self.ctx;
         let cfg = &ctx.config;
         // Step 1: gates.
@@ -317,6 +327,34 @@ impl Pass<'_> {
         };
         // Step 4: reference on the binding, then binding name + UID on the request.
         let binding = self.ensure_reference(&bindings, binding).await?;
+        self.record_binding(binding).await
+    }
+
+    /// The `Active` binding of this request's identity that already holds its reference
+    /// (request UID): left by a pass whose `status.binding` write failed after step 4. `None`
+    /// when there is none (a binding being deleted or `Retiring` is never joined; the
+    /// reference it holds is released once the request records another binding, see
+    /// [`super::decide::live_references`]).
+    async fn held_binding(&self) -> Result<Option<ModelCacheBinding>, Error> {
+        let uid = self.uid();
+        let identity = identity_for(&self.mc);
+        let lp = ListParams::default().labels(&format!(
+            "{}={}",
+            annotations::IDENTITY_LABEL,
+            identity_label(&identity)
+        ));
+        let existing = self.bindings().list(&lp).await?.items;
+        Ok(existing.into_iter().find(|b| {
+            b.spec.identity == identity
+                && b.phase() == ic_shared::crd::BindingPhase::Active
+                && b.metadata.deletion_timestamp.is_none()
+                && b.references().iter().any(|r| r.uid == uid)
+        }))
+    }
+
+    /// Step 4's second half: records `binding` (which holds this request's reference) on the
+    /// request (`status.binding`, mode `durable`, reader claim), then runs the flow.
+    async fn record_binding(&mut self, binding: ModelCacheBinding) -> Result<Action, Error> {
         let bname = binding
             .metadata
             .name
