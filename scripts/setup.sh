@@ -120,6 +120,7 @@ fi
 bash scripts/fetch-lmcache.sh "$cache/lmcache" >/dev/null
 bash scripts/fetch-vllm.sh "$cache/vllm" >/dev/null
 bash scripts/fetch-sglang.sh "$cache/sglang" >/dev/null
+bash scripts/fetch-sglang-radix.sh "$cache/sglang" >/dev/null
 bash scripts/fetch-tokenizers.sh "$cache/tokenizers" >/dev/null
 # The chart tests' venv (.venv/chart-tests: Helm's Go SDK, kubernetes-validate, pytest).
 bash scripts/chart-venv.sh >/dev/null

@@ -32,6 +32,13 @@
 //!   replay); descendants of orphans are parked too. Parked blocks are bounded
 //!   ([`StreamConfig::max_orphans`], oldest evicted first). So a subscriber that starts late loses
 //!   only what it cannot know, and never poisons the index.
+//! - **Content-hashed pages** (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`]: one hash per page
+//!   content wherever it sits, and no parent on any radix node's first page): a parentless page
+//!   is a prompt's first page only while the engine's cache is provably empty (followed from
+//!   empty, nothing held); otherwise it and the pages chained to it are not indexed (Partial
+//!   `ParentUnknown` until a clear). A parent hash is followed only to the page the event before
+//!   stored. A page repeated at another depth is recorded under an alias id of its own; removing
+//!   a hash held at several depths removes all of them (Partial `HashCollision`).
 //! - **Placeholder BlockStored** (empty `token_ids`, offload connectors): a medium update of blocks
 //!   already known; unknown hashes are ignored.
 //! - **BlockRemoved**: GPU medium (or none) drops the GPU copy and, when the plan says the pod
@@ -62,7 +69,7 @@ use std::sync::Arc;
 
 use ic_shared::kv::content_key::{block_key, ROOT};
 use ic_shared::kv::coverage::{self, Coverage, CoverageState};
-use ic_shared::kv::decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use ic_shared::kv::decode::{sglang, BlockRemoved, BlockStored, EventBatch, KvEvent};
 use ic_shared::proto::{kv_op, BlockEntry, ClearOp, KvOp, RemoveOp, StoreOp, Tier};
 
 /// Clear reason for an engine `AllBlocksCleared` event.
@@ -122,6 +129,13 @@ pub struct PersistedState {
     /// An event or batch could not be read.
     #[serde(default)]
     pub events_lost: bool,
+    /// The engine's whole cache has been followed from empty (content-hashed pages may be
+    /// placed as prompt roots; see [`StreamState`]'s content-hashed rules).
+    #[serde(default)]
+    pub tree_known: bool,
+    /// Content-hashed pages the engine holds could not be placed (not indexed).
+    #[serde(default)]
+    pub unplaced: bool,
     /// Adapter names; blocks refer to them by index.
     pub adapters: Vec<String>,
     /// `(group, engine hash, content key, adapter index or u32::MAX for a partial block, block
@@ -318,6 +332,16 @@ struct Orphan {
 
 type BlockId = (u32, u64);
 
+/// Most extra depths one content-hashed page is recorded at ([`alias_id`]).
+const MAX_ALIASES: u32 = 64;
+
+/// The record id of the `n`-th (≥ 1) extra depth at which a content-hashed page (SGLang ≤ 0.5.5:
+/// one engine hash for one page content wherever it sits) is held: same group, a hash derived
+/// from the engine hash and `n`.
+fn alias_id((g, h): BlockId, n: u32) -> BlockId {
+    (g, block_key(h, &[n, 0x616c_6961]))
+}
+
 /// Parent of the next block of a run.
 #[derive(Clone, Copy)]
 enum ParentRef {
@@ -422,6 +446,17 @@ pub struct StreamState {
     /// `(seq, xxh3 of the payload)` of the last batch applied: proves on a replay that the
     /// engine is still the incarnation we followed.
     last_digest: Option<(u64, u64)>,
+    /// Content-hashed pages (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`]): the engine's whole
+    /// cache has been followed from empty (its first batch, or `AllBlocksCleared`), so while
+    /// nothing is held a parentless page is provably a prompt's first page.
+    tree_known: bool,
+    /// Content-hashed pages the engine holds that could not be placed (a parentless page while
+    /// other pages are held, and its followers): not indexed, Partial `ParentUnknown` until the
+    /// cache is cleared.
+    unplaced: bool,
+    /// The content-hashed page stored by the event just before (engine id, its key when placed):
+    /// the only parent such a page's link can name.
+    prev_page: Option<(BlockId, Option<u64>)>,
 }
 
 impl StreamState {
@@ -453,6 +488,9 @@ impl StreamState {
             link: LinkState::Up,
             reported: Coverage::EXACT,
             last_digest: None,
+            tree_known: false,
+            unplaced: false,
+            prev_page: None,
         }
     }
 
@@ -492,7 +530,7 @@ impl StreamState {
             partial(coverage::SEQUENCE_UNVERIFIED)
         } else if self.tail_unverified {
             partial(coverage::TAIL_UNVERIFIED)
-        } else if !self.orphans.is_empty() {
+        } else if !self.orphans.is_empty() || self.unplaced {
             partial(coverage::PARENT_UNKNOWN)
         } else {
             Coverage::EXACT
@@ -603,6 +641,8 @@ impl StreamState {
             rank_mismatch: self.rank_mismatch,
             collision: self.collision,
             events_lost: self.events_lost,
+            tree_known: self.tree_known,
+            unplaced: self.unplaced,
             adapters,
             blocks,
             tombstones,
@@ -694,6 +734,8 @@ impl StreamState {
         st.rank_mismatch = p.rank_mismatch;
         st.collision = p.collision;
         st.events_lost = p.events_lost;
+        st.tree_known = p.tree_known;
+        st.unplaced = p.unplaced;
         Some(st)
     }
 
@@ -786,6 +828,10 @@ impl StreamState {
         self.collision = false;
         self.events_lost = false;
         self.tail_unverified = false;
+        // Only an engine's own reset says its cache is empty; other clears say we do not know it.
+        self.tree_known = reason == CLEAR_ALL_BLOCKS;
+        self.unplaced = false;
+        self.prev_page = None;
     }
 
     /// The engine restarted with an empty cache: clear (`EngineRestarted`) and forget the
@@ -810,6 +856,11 @@ impl StreamState {
     /// Applies batch `seq`. `now_unix_ms` stands in for a missing or absurd engine timestamp.
     pub fn apply(&mut self, seq: u64, batch: &EventBatch, now_unix_ms: i64) -> ApplyReport {
         let mut report = ApplyReport::default();
+        if self.last_seq.is_none() && seq == 0 {
+            // A fresh engine's first batch: its cache starts empty.
+            self.tree_known = true;
+        }
+        self.prev_page = None;
         self.last_seq = Some(seq);
         self.last_event_unix_ms = if batch.ts.is_finite() && batch.ts > 0.0 && batch.ts < 1.0e11 {
             (batch.ts * 1000.0) as i64
@@ -835,7 +886,10 @@ impl StreamState {
             report.events.add(ev.tag(), 1);
             match ev {
                 KvEvent::BlockStored(s) => self.on_stored(s, &mut report),
-                KvEvent::BlockRemoved(r) => self.on_removed(r, &mut report),
+                KvEvent::BlockRemoved(r) => {
+                    self.prev_page = None;
+                    self.on_removed(r, &mut report)
+                }
                 KvEvent::AllBlocksCleared => self.clear(CLEAR_ALL_BLOCKS),
             }
         }
@@ -982,7 +1036,21 @@ impl StreamState {
             return;
         };
         let adapter = self.adapter(s);
+        let content_hashed = sglang::is_content_hashed(s);
+        let placed = if content_hashed {
+            let Some(k) = self.content_hashed_parent(g, s.parent_block_hash) else {
+                // Its position is unknowable: never a prompt root, never under a guessed parent.
+                self.unplaced = true;
+                self.prev_page = s.block_hashes.last().map(|h| ((g, *h), None));
+                report.ignored.add("unknown_parent", s.block_hashes.len() as u64);
+                return;
+            };
+            Some(k)
+        } else {
+            None
+        };
         let mut parent = match s.parent_block_hash {
+            _ if placed.is_some() => ParentRef::Known(placed.unwrap_or(ROOT)),
             None => ParentRef::Known(ROOT),
             Some(p) => {
                 if let Some(b) = self.blocks.get(&(g, p)) {
@@ -1014,8 +1082,16 @@ impl StreamState {
                         block_size: bs,
                         key,
                     });
-                    self.store_block(id, key, entry, gpu, offload, report);
-                    self.resolve_waiting(id, key, report);
+                    if content_hashed {
+                        // The same page content at another depth has the same engine hash: each
+                        // position gets its own record, the link names the page just stored.
+                        let at = self.position_id(id, key);
+                        self.store_block(at, key, entry, gpu, offload, report);
+                        self.prev_page = Some((id, Some(key)));
+                    } else {
+                        self.store_block(id, key, entry, gpu, offload, report);
+                        self.resolve_waiting(id, key, report);
+                    }
                     parent = ParentRef::Known(key);
                 }
                 ParentRef::Pending(ph) => {
@@ -1054,8 +1130,13 @@ impl StreamState {
         for h in &r.block_hashes {
             let mut found = false;
             for g in self.groups_for(r.group_idx) {
-                let id = (g, *h);
-                if self.blocks.contains_key(&id) || self.orphans.contains_key(&id) {
+                // A content-hashed page held at several depths: which one went is unknowable,
+                // so every position goes (a subset, never a guess) and the stream says so.
+                let ids = self.positions_of((g, *h));
+                if ids.len() > 1 {
+                    self.collision = true;
+                }
+                for id in ids {
                     found = true;
                     // One physical copy goes per removal (the engine's pool counts copies).
                     self.update_media(id, report, |gpu, off| {
@@ -1076,6 +1157,58 @@ impl StreamState {
                 report.ignored.add(self.miss_reason(r.group_idx), 1);
             }
         }
+    }
+
+    /// The content key a content-hashed page (SGLang ≤ 0.5.5) chains from, or `None` when its
+    /// position cannot be known: a `None` parent is a prompt's first page only while the engine's
+    /// cache is provably empty (followed from empty, nothing held, nothing unplaced or lost);
+    /// a parent hash counts only when it names the page the event before stored (the engine
+    /// sends a node's pages in order, and the same hash may name that content at other depths).
+    fn content_hashed_parent(&self, g: u32, parent: Option<u64>) -> Option<u64> {
+        match parent {
+            None => (self.tree_known
+                && !self.unplaced
+                && !self.events_lost
+                && self.incomplete.is_none()
+                && self.stale.is_none()
+                && self.blocks.is_empty()
+                && self.orphans.is_empty())
+            .then_some(ROOT),
+            Some(p) => match self.prev_page {
+                Some((id, key)) if id == (g, p) => key,
+                _ => None,
+            },
+        }
+    }
+
+    /// Where a content-hashed page with engine id `id` and content key `key` is recorded: `id`
+    /// itself unless that holds another content, else the first alias id
+    /// ([`alias_id`]) that is free or holds `key`.
+    fn position_id(&self, id: BlockId, key: u64) -> BlockId {
+        let mut at = id;
+        let mut n = 0u32;
+        while let Some(b) = self.blocks.get(&at) {
+            if b.key == key || n >= MAX_ALIASES {
+                break;
+            }
+            n += 1;
+            at = alias_id(id, n);
+        }
+        at
+    }
+
+    /// The records of engine id `id`: itself (when known) and its alias ids in use.
+    fn positions_of(&self, id: BlockId) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        if self.blocks.contains_key(&id) || self.orphans.contains_key(&id) {
+            out.push(id);
+        }
+        let mut n = 1u32;
+        while n <= MAX_ALIASES && self.blocks.contains_key(&alias_id(id, n)) {
+            out.push(alias_id(id, n));
+            n += 1;
+        }
+        out
     }
 
     /// Inserts or replaces a keyed block, moving its holder counts. A store of a hash already

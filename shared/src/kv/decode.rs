@@ -42,6 +42,7 @@
 use rmpv::Value;
 use thiserror::Error;
 
+pub mod sglang;
 mod stream;
 
 #[cfg(test)]
