@@ -281,7 +281,7 @@ impl PodFinder {
     ) -> CheckResult {
         let pids = self.pids(pod_uid);
         if pids.is_empty() {
-            return super::shm::pod_not_found(check, subject, pod_uid, what);
+            return pod_not_found(check, subject, pod_uid, what);
         }
         let needed = [crate::privilege::Capability::CAP_SYS_PTRACE];
         let lacking = crate::privilege::missing(&needed);
@@ -311,6 +311,22 @@ impl PodFinder {
             r.with("missingCapabilities", crate::privilege::names(&lacking))
         }
     }
+}
+
+/// The `Unknown` result for a planned pod none of whose processes runs on this node
+/// (`PodNotFound`); `what` completes "so … cannot be inspected" (`its /dev/shm`).
+pub fn pod_not_found(check: &str, subject: &str, uid: &str, what: &str) -> CheckResult {
+    CheckResult::new(
+        check,
+        subject,
+        CheckStatus::Unknown,
+        "PodNotFound",
+        format!(
+            "no process of pod {subject} (UID {uid}) runs on this node, so {what} cannot be \
+             inspected; the pod may not have started yet, or the agent lacks hostPID."
+        ),
+    )
+    .with("podUid", uid)
 }
 
 #[cfg(test)]

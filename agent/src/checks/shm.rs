@@ -30,7 +30,7 @@ use std::sync::Arc;
 use ic_shared::check::{CheckResult, CheckStatus};
 use ic_shared::plan::{EnginePlan, NodePlan, PlannedContainer};
 
-use super::pods::{short_id, PodContainer, PodFinder};
+use super::pods::{pod_not_found, short_id, PodContainer, PodFinder};
 use super::units::{bytes_both, human_bytes, parse_size_option};
 use super::{Check, ChecksConfig};
 
@@ -228,21 +228,6 @@ type ContainerView<'a> = (
     io::Result<FsUsage>,
     Result<Option<MountEntry>, String>,
 );
-
-/// The `Unknown` result for a planned pod none of whose processes runs on this node.
-pub fn pod_not_found(check: &str, subject: &str, uid: &str, what: &str) -> CheckResult {
-    CheckResult::new(
-        check,
-        subject,
-        CheckStatus::Unknown,
-        "PodNotFound",
-        format!(
-            "no process of pod {subject} (UID {uid}) runs on this node, so {what} cannot be \
-             inspected; the pod may not have started yet, or the agent lacks hostPID."
-        ),
-    )
-    .with("podUid", uid)
-}
 
 impl Check for ShmCheck {
     fn name(&self) -> &'static str {
