@@ -265,7 +265,11 @@ pub async fn start_with(
         }));
     }
     if !scrape.interval.is_zero() {
-        tasks.push(tokio::spawn(engine_metrics::run(state.clone(), scrape)));
+        let state = state.clone();
+        tasks.push(tokio::spawn(async move {
+            let plan = || state.plan.read().clone();
+            engine_metrics::run(plan, &state.engine_counters, scrape).await;
+        }));
     }
     {
         // Keep changed KV stream state on disk (a no-op without `--state-dir`).

@@ -33,17 +33,15 @@ pub mod http;
 pub mod prom;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
+use ic_shared::now_unix_ms;
 use ic_shared::plan::{EnginePlan, NodePlan};
 use ic_shared::proto::{CounterReport, StreamCounters};
 use parking_lot::RwLock;
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use tokio::sync::watch;
 use tracing::debug;
-
-use crate::state::{now_unix_ms, AgentState};
 
 /// Default time between scrapes.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(15);
@@ -333,15 +331,16 @@ pub async fn scrape_once(plan: &NodePlan, counters: &EngineCounters, cfg: &Scrap
     counters.replace(next);
 }
 
-/// Scrapes the plan's engines every `cfg.interval` (the first at once) until the task is
-/// dropped. Does nothing when the interval is zero.
-pub async fn run(state: Arc<AgentState>, cfg: ScrapeConfig) {
+/// Scrapes the engines of the current plan (`plan()`, read before each scrape: the agent's
+/// `AgentState::plan`) into `counters` every `cfg.interval` (the first at once) until the task
+/// is dropped. Does nothing when the interval is zero.
+pub async fn run(plan: impl Fn() -> NodePlan, counters: &EngineCounters, cfg: ScrapeConfig) {
     if cfg.interval.is_zero() {
         return;
     }
     loop {
-        let plan = state.plan.read().clone();
-        scrape_once(&plan, &state.engine_counters, &cfg).await;
+        let plan = plan();
+        scrape_once(&plan, counters, &cfg).await;
         tokio::time::sleep(cfg.interval).await;
     }
 }
