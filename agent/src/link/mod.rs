@@ -10,7 +10,8 @@
 //! index) and the latest check pass; afterwards KV delta batches, every new check pass and the
 //! counters whenever a scrape changed them ([`crate::engine_metrics`]). The controller may answer with a node plan (applied at once), acks, and resync
 //! requests (answered with a fresh Resync). On any error the stream reconnects with capped
-//! exponential backoff.
+//! exponential backoff with jitter ([`reconnect_delays`]): after a controller restart thousands
+//! of agents must not retry in lockstep.
 //!
 //! One *pump* task owns the hub's delta queue: it takes deltas as soon as the hub signals (the
 //! subscribers signal on idle and on size, never on a timer) and broadcasts each batch to every
@@ -48,9 +49,10 @@ pub struct LinkConfig {
     /// File holding the projected service-account token (audience `inference-cache`); re-read
     /// on every connect because the kubelet rotates it. `None` in standalone mode.
     pub token_file: Option<std::path::PathBuf>,
-    /// First reconnect delay; doubles per failure.
+    /// First reconnect delay; doubles per failure. Jitter adds up to as much again to each
+    /// delay ([`reconnect_delays`]).
     pub backoff_initial: Duration,
-    /// Reconnect delay cap.
+    /// Reconnect delay cap before jitter (a delay is at most twice this).
     pub backoff_max: Duration,
     /// How often the controller host is re-resolved to find replicas.
     pub rediscover_interval: Duration,
@@ -66,7 +68,7 @@ pub struct LinkConfig {
 }
 
 impl LinkConfig {
-    /// Defaults: 250 ms → 5 s backoff, re-resolve every 10 s.
+    /// Defaults: 250 ms → 5 s backoff (plus jitter), re-resolve every 10 s.
     pub fn new(controller: impl Into<String>) -> Self {
         LinkConfig {
             controller: controller.into(),
@@ -356,7 +358,7 @@ async fn endpoint_loop(
     mut passes: PassSignal,
     plan_applied: Arc<Notify>,
 ) {
-    let mut delay = cfg.backoff_initial;
+    let mut delays = reconnect_delays(&cfg);
     loop {
         let result = session(&url, &cfg, &state, &pump, &mut passes, &plan_applied).await;
         let was_up = {
@@ -372,18 +374,37 @@ async fn endpoint_loop(
             .metrics
             .link_connected
             .set(state.link.read().connected_count() as i64);
+        if was_up {
+            delays = reconnect_delays(&cfg);
+        }
+        let delay = delays
+            .next()
+            .unwrap_or_else(|| cfg.backoff_max.max(cfg.backoff_initial));
         match result {
             Ok(()) => info!(controller = %url, "controller closed the stream; reconnecting"),
             Err(e) => {
                 warn!(controller = %url, error = %e, retry_in_ms = delay.as_millis() as u64, "controller link down")
             }
         }
-        if was_up {
-            delay = cfg.backoff_initial;
-        }
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(cfg.backoff_max);
     }
+}
+
+/// The waits between one replica stream's reconnect attempts, afresh after a stream that was
+/// up: [`LinkConfig::backoff_initial`] doubling per failure up to [`LinkConfig::backoff_max`]
+/// (at least the initial delay), each plus a random jitter of up to the same again (the
+/// `backon` crate, seeded per schedule), never exhausted. The jitter spreads the reconnects of
+/// every agent of a cluster after a controller restart over the window instead of sending them
+/// all at once each doubling (issue 42 item 4).
+pub fn reconnect_delays(cfg: &LinkConfig) -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(cfg.backoff_initial)
+        .with_max_delay(cfg.backoff_max.max(cfg.backoff_initial))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }
 
 fn hello(
@@ -707,6 +728,30 @@ fn instance_id() -> &'static str {
 mod tests {
     use super::*;
     use ic_shared::proto::{StreamDelta, StreamDescriptor};
+
+    /// The reconnect schedule starts at the initial delay, doubles up to the cap, never gives
+    /// up, and adds to each delay a jitter of up to as much again — drawn afresh per schedule:
+    /// two agents (two schedules) must not wait alike, or a controller restart brings every
+    /// agent back in the same instant at each doubling. (Without its `std` feature, `backon`
+    /// seeds every schedule with one constant: all agents jittered identically.)
+    #[test]
+    fn reconnect_delays_double_to_the_cap_with_jitter_drawn_per_schedule() {
+        let mut cfg = LinkConfig::new("http://127.0.0.1:1");
+        cfg.backoff_initial = Duration::from_millis(250);
+        cfg.backoff_max = Duration::from_secs(5);
+        let a: Vec<Duration> = reconnect_delays(&cfg).take(40).collect();
+        assert_eq!(a.len(), 40, "never exhausted");
+        for (i, d) in a.iter().enumerate() {
+            // Without jitter: 250 ms, 500 ms, 1 s, 2 s, 4 s, then 5 s.
+            let base = (cfg.backoff_initial * 2u32.pow(i.min(10) as u32)).min(cfg.backoff_max);
+            assert!(
+                *d >= base && *d <= 2 * base,
+                "delay {i} is {d:?}, outside [{base:?}, 2 × {base:?}]: {a:?}"
+            );
+        }
+        let b: Vec<Duration> = reconnect_delays(&cfg).take(40).collect();
+        assert_ne!(a, b, "two schedules drew the same jitter");
+    }
 
     fn delta(stream: &str, seq: u64) -> StreamDelta {
         StreamDelta {
