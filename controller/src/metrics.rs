@@ -1,9 +1,13 @@
 //! The controller's Prometheus registry (`inferencecache_controller_…`, base units, bounded labels).
 
+pub mod labels;
+
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
+
+use labels::{PromptRefusal, WriteHold};
 
 /// Bucket bounds of the controller's sub-second latency histograms, seconds (10 µs – 100 ms);
 /// the lock-wait histogram adds 1 µs below, the write-hold histogram 0.25 s and 1 s above.
@@ -72,13 +76,13 @@ pub struct ControllerMetrics {
     /// queued for it), seconds; a lookup that gives up at its budget counts its whole wait.
     pub lookup_lock_wait_seconds: Histogram,
     /// How long the index's write lock was held at a time, seconds, by `what`
-    /// ([`crate::state::WriteHold`]; taken through [`crate::state::Shared::index_write`], which
+    /// ([`WriteHold`]; taken through [`crate::state::Shared::index_write`], which
     /// observes it). A lookup arriving during a hold waits for the rest of it, and longer when
     /// writers queue or readers drain before a writer.
     pub index_write_hold_seconds: HistogramVec,
     /// LookupRoute prompt texts answered NO_HINT without a lookup, by reason (`too_large`,
     /// `no_model`, `no_tokenizer`, `tokenizer_unavailable`, `tokenization_failed`;
-    /// [`crate::tokenize::PromptRefusal`]).
+    /// [`PromptRefusal`]).
     pub prompt_text_refusals_total: IntCounterVec,
     /// Tokenizer file loads, by model (one per `--tokenizer`) and outcome (`loaded`, `failed`).
     pub tokenizer_loads_total: IntCounterVec,
@@ -283,7 +287,7 @@ impl ControllerMetrics {
             (&lookups_total, &["prefix_match", "no_hint"][..]),
             (
                 &prompt_text_refusals_total,
-                &crate::tokenize::PromptRefusal::ALL.map(|r| r.label())[..],
+                &PromptRefusal::ALL.map(|r| r.label())[..],
             ),
         ] {
             for v in values {
@@ -293,7 +297,7 @@ impl ControllerMetrics {
         for v in ["waiting", "applying"] {
             resyncs_pending.with_label_values(&[v]);
         }
-        for w in crate::state::WriteHold::ALL {
+        for w in WriteHold::ALL {
             index_write_hold_seconds.with_label_values(&[w.as_str()]);
         }
         Ok(ControllerMetrics {

@@ -174,59 +174,7 @@ impl Shared {
 
 pub use ic_shared::now_unix_ms;
 
-/// What one hold of the index write lock applies: the `what` label of
-/// `inferencecache_controller_index_write_hold_seconds` (docs/operations.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteHold {
-    /// One agent `KvDeltaBatch`.
-    Deltas,
-    /// The start of an agent resync (its streams registered, the node's old ones dropped).
-    ResyncBegin,
-    /// One slice of an agent resync's entries.
-    ResyncSlice,
-    /// One agent `EngineCounters` report.
-    Counters,
-    /// An agent's stream opened: what an older stream of its node reported marked unreported.
-    Connect,
-    /// An agent's stream ended: its node marked unreported.
-    Disconnect,
-    /// Nodes past `--node-expiry` dropped.
-    Expire,
-    /// The CacheTenant quotas replaced (`reconcile::tenants`).
-    TenantQuotas,
-    /// The routing gate's synthetic probe stream added or removed (`probe`).
-    Probe,
-}
-
-impl WriteHold {
-    /// Every value, in label order.
-    pub const ALL: [WriteHold; 9] = [
-        WriteHold::Deltas,
-        WriteHold::ResyncBegin,
-        WriteHold::ResyncSlice,
-        WriteHold::Counters,
-        WriteHold::Connect,
-        WriteHold::Disconnect,
-        WriteHold::Expire,
-        WriteHold::TenantQuotas,
-        WriteHold::Probe,
-    ];
-
-    /// The metric label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WriteHold::Deltas => "deltas",
-            WriteHold::ResyncBegin => "resync_begin",
-            WriteHold::ResyncSlice => "resync_slice",
-            WriteHold::Counters => "counters",
-            WriteHold::Connect => "connect",
-            WriteHold::Disconnect => "disconnect",
-            WriteHold::Expire => "expire",
-            WriteHold::TenantQuotas => "tenant_quotas",
-            WriteHold::Probe => "probe",
-        }
-    }
-}
+pub use crate::metrics::labels::WriteHold;
 
 /// The index write lock, held for one [`WriteHold`]. Dereferences to the index; when it drops,
 /// the time since the lock was granted is observed into `index_write_hold_seconds{what}` and

@@ -45,6 +45,7 @@ use thiserror::Error;
 use tokenizers::Tokenizer;
 use tracing::{error, info, warn};
 
+pub use crate::metrics::labels::PromptRefusal;
 use crate::metrics::ControllerMetrics;
 
 /// Warning on a LookupRoute answer whose prompt text was tokenized with the last good
@@ -137,57 +138,6 @@ impl TokenizerArgs {
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("--tokenizer names model {0:?} twice")]
 pub struct DuplicateModel(pub String);
-
-/// Why a request's prompt text got no lookup: the NO_HINT reason of the answer
-/// (`LookupRouteResponse.reason`), never a gRPC error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PromptRefusal {
-    /// The text is longer than [`MAX_PROMPT_TEXT_BYTES`] bytes, or tokenizes to more than
-    /// [`MAX_LOOKUP_TOKENS`] ids.
-    TooLarge,
-    /// The request names no model, so no tokenizer can be chosen.
-    NoModel,
-    /// No `--tokenizer` names the request's model.
-    NoTokenizer,
-    /// The model's tokenizer file has never loaded (the log and
-    /// `tokenizer_load_failing{model}` say why).
-    TokenizerUnavailable,
-    /// The tokenizer refused the text (logged).
-    TokenizationFailed,
-}
-
-impl PromptRefusal {
-    /// Every refusal, for metric initialisation.
-    pub const ALL: [PromptRefusal; 5] = [
-        PromptRefusal::TooLarge,
-        PromptRefusal::NoModel,
-        PromptRefusal::NoTokenizer,
-        PromptRefusal::TokenizerUnavailable,
-        PromptRefusal::TokenizationFailed,
-    ];
-
-    /// The CamelCase NO_HINT reason.
-    pub fn reason(self) -> &'static str {
-        match self {
-            PromptRefusal::TooLarge => "PromptTextTooLarge",
-            PromptRefusal::NoModel => "PromptTextWithoutModel",
-            PromptRefusal::NoTokenizer => "NoTokenizerForModel",
-            PromptRefusal::TokenizerUnavailable => "TokenizerUnavailable",
-            PromptRefusal::TokenizationFailed => "TokenizationFailed",
-        }
-    }
-
-    /// The `reason` label of `inferencecache_controller_prompt_text_refusals_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            PromptRefusal::TooLarge => "too_large",
-            PromptRefusal::NoModel => "no_model",
-            PromptRefusal::NoTokenizer => "no_tokenizer",
-            PromptRefusal::TokenizerUnavailable => "tokenizer_unavailable",
-            PromptRefusal::TokenizationFailed => "tokenization_failed",
-        }
-    }
-}
 
 /// Token ids of one prompt text.
 #[derive(Debug, Clone, PartialEq, Eq)]
