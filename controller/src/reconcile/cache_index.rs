@@ -43,7 +43,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use crate::index::{IndexSnapshot, PrefixIndex, ReplicaSnapshot};
+use crate::index::ReplicaSnapshot;
 use crate::leader::LeaderHandle;
 use crate::reconcile::cachebackend::index_view::format_rate;
 use crate::reconcile::clock::{to_time, Clock};
@@ -59,8 +59,7 @@ pub const MAX_REPLICA_BYTES: usize = 512 * 1024;
 /// `status.observedServer` for the controller's own index.
 pub const OBSERVED_IN_PROCESS: &str = "in-process";
 
-/// Field manager of the writes.
-pub const FIELD_MANAGER: &str = "inference-cache-controller";
+pub use super::index_aggregate::{IndexAggregate, FIELD_MANAGER};
 
 /// Condition reasons.
 pub mod reason {
@@ -72,34 +71,6 @@ pub mod reason {
     pub const ALL_REPLICAS_EXACT: &str = "AllReplicasExact";
     /// Exact=False.
     pub const INEXACT_REPLICAS: &str = "InexactReplicas";
-}
-
-/// What the writer reads from the index, copied under one read lock.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IndexAggregate {
-    /// The per-replica snapshot.
-    pub snapshot: IndexSnapshot,
-    /// Distinct blocks per tenant.
-    pub blocks_by_tenant: BTreeMap<String, usize>,
-    /// Distinct blocks held at T1 by some replica, and held only at T2.
-    pub blocks_by_tier: (usize, usize),
-    /// Blocks evicted by tenant quotas, per tenant.
-    pub quota_evictions: std::collections::HashMap<String, u64>,
-    /// The tenant quotas the index enforces.
-    pub quotas: std::collections::HashMap<String, usize>,
-}
-
-impl IndexAggregate {
-    /// Reads `index`.
-    pub fn of(index: &PrefixIndex) -> Self {
-        IndexAggregate {
-            snapshot: index.snapshot(),
-            blocks_by_tenant: index.blocks_by_tenant(),
-            blocks_by_tier: index.blocks_by_tier(),
-            quota_evictions: index.quota_evictions().clone(),
-            quotas: index.tenant_quotas().clone(),
-        }
-    }
 }
 
 fn count(n: usize) -> i64 {

@@ -22,6 +22,7 @@ pub mod cachebackend;
 pub mod clock;
 pub mod engine_pods;
 pub mod follow;
+pub mod index_aggregate;
 pub mod model_cache;
 pub mod nodes;
 pub mod policy;

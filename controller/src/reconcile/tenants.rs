@@ -33,7 +33,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::Client;
 
-use super::cache_index::IndexAggregate;
+use super::index_aggregate::{IndexAggregate, FIELD_MANAGER};
 
 /// Condition type on a CacheTenant.
 pub const CONDITION_WITHIN_QUOTA: &str = "WithinQuota";
@@ -197,7 +197,7 @@ pub async fn sync_tenants(
         };
         let api: Api<CacheTenant> = Api::namespaced(client.clone(), ns);
         let params = PatchParams {
-            field_manager: Some(super::cache_index::FIELD_MANAGER.to_string()),
+            field_manager: Some(FIELD_MANAGER.to_string()),
             ..Default::default()
         };
         let patch = serde_json::json!({ "status": desired });
