@@ -41,7 +41,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine as _;
@@ -977,12 +977,9 @@ impl CertKeeper {
     }
 }
 
-/// The current time in Unix seconds.
+/// The current time in Unix seconds (jiff's clock; before the epoch it is negative).
 pub fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+    Timestamp::now().as_second()
 }
 
 /// Runs [`CertKeeper::tick`] every `interval` (first after one interval: the caller ran the

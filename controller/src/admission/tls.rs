@@ -25,6 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine as _;
+use k8s_openapi::jiff::{tz::TimeZone, Timestamp};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::Value;
@@ -71,6 +72,10 @@ pub enum TlsError {
     /// Certificate generation failed.
     #[error("generating the self-signed certificate: {0}")]
     Generate(#[from] rcgen::Error),
+    /// A certificate's `notBefore` or `notAfter` (Unix seconds) is past what a certificate
+    /// can carry (the year 9999, RFC 5280 §4.1.2.5): a lifetime too long.
+    #[error("certificate validity: {0}")]
+    Validity(String),
 }
 
 /// Where the serving certificate comes from.
@@ -168,13 +173,33 @@ fn secs(d: Duration) -> i64 {
 }
 
 /// Sets `params`' validity to [`BACKDATE`] before `now_unix` until `not_after_unix` (whole
-/// Unix seconds; negative values clamp to the epoch).
-fn set_validity(params: &mut rcgen::CertificateParams, now_unix: i64, not_after_unix: i64) {
+/// Unix seconds; negative values clamp to the epoch). The UTC calendar date and time of day of
+/// each instant come from jiff.
+///
+/// Errors: [`TlsError::Validity`] for an instant past jiff's range (the year 9999, beyond
+/// which X.509 has no date either).
+fn set_validity(
+    params: &mut rcgen::CertificateParams,
+    now_unix: i64,
+    not_after_unix: i64,
+) -> Result<(), TlsError> {
     let at = |unix: i64| {
-        rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(u64::try_from(unix).unwrap_or(0))
+        let t = Timestamp::from_second(unix.max(0))
+            .map_err(|e| TlsError::Validity(format!("{unix} Unix seconds: {e}")))?;
+        let dt = TimeZone::UTC.to_datetime(t);
+        let day = rcgen::date_time_ymd(
+            i32::from(dt.year()),
+            dt.month().unsigned_abs(),
+            dt.day().unsigned_abs(),
+        );
+        let time_of_day = i64::from(dt.hour()) * 3600
+            + i64::from(dt.minute()) * 60
+            + i64::from(dt.second());
+        Ok::<_, TlsError>(day + Duration::from_secs(time_of_day.unsigned_abs()))
     };
-    params.not_before = at(now_unix.saturating_sub(secs(BACKDATE)));
-    params.not_after = at(not_after_unix);
+    params.not_before = at(now_unix.saturating_sub(secs(BACKDATE)))?;
+    params.not_after = at(not_after_unix)?;
+    Ok(())
 }
 
 fn ca_params(common_name: &str) -> Result<rcgen::CertificateParams, TlsError> {
@@ -193,7 +218,7 @@ fn ca_params(common_name: &str) -> Result<rcgen::CertificateParams, TlsError> {
 
 /// Generates a CA (ECDSA P-256) valid from `now_unix` − [`BACKDATE`] to `now_unix + lifetime`
 /// (Unix seconds), common name `inference-cache webhook CA <now_unix>`.
-/// Errors: [`TlsError::Generate`].
+/// Errors: [`TlsError::Generate`], [`TlsError::Validity`] (a lifetime past the year 9999).
 pub fn generate_ca(now_unix: i64, lifetime: Duration) -> Result<CaPair, TlsError> {
     let key = rcgen::KeyPair::generate()?;
     let mut params = ca_params(&format!("{CA_COMMON_NAME} {now_unix}"))?;
@@ -201,7 +226,7 @@ pub fn generate_ca(now_unix: i64, lifetime: Duration) -> Result<CaPair, TlsError
         &mut params,
         now_unix,
         now_unix.saturating_add(secs(lifetime)),
-    );
+    )?;
     let cert = params.self_signed(&key)?;
     Ok(CaPair {
         cert_pem: cert.pem(),
@@ -215,7 +240,8 @@ pub fn generate_ca(now_unix: i64, lifetime: Duration) -> Result<CaPair, TlsError
 /// identifier, which [`CertInfo::issued_by`] matches against the CA's subject key identifier.
 ///
 /// Errors: [`TlsError::CertPem`] (the CA certificate does not parse), [`TlsError::KeyPem`] (the
-/// CA key does not parse or is not the certificate's), [`TlsError::Generate`].
+/// CA key does not parse or is not the certificate's), [`TlsError::Generate`],
+/// [`TlsError::Validity`] (a lifetime past the year 9999).
 pub fn issue_serving(
     ca: &CaPair,
     subject_alt_names: &[String],
@@ -257,7 +283,7 @@ pub fn issue_serving(
         now_unix
             .saturating_add(secs(lifetime))
             .min(ca_info.not_after),
-    );
+    )?;
     let cert = params.signed_by(&key, &issuer)?;
     Ok(LeafPair {
         cert_pem: cert.pem(),
@@ -269,10 +295,7 @@ pub fn issue_serving(
 /// both valid from an hour ago for ten years: the single-replica mode without a Secret, which
 /// generates anew on every start and never rotates. Errors: [`TlsError::Generate`].
 pub fn generate_self_signed(subject_alt_names: &[String]) -> Result<SelfSignedBundle, TlsError> {
-    let now = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(secs)
-        .unwrap_or(0);
+    let now = Timestamp::now().as_second();
     let ten_years = Duration::from_secs(10 * 365 * 86_400);
     let ca = generate_ca(now, ten_years)?;
     let leaf = issue_serving(&ca, subject_alt_names, now, ten_years)?;
@@ -558,6 +581,30 @@ pub fn spawn_reloader(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The validity written is the instants asked for, to the second (the calendar date and
+    /// time of day from jiff): `notBefore` an hour back, `notAfter` the lifetime on, across a
+    /// leap day; a lifetime past the year 9999 is an error, not a panic.
+    #[test]
+    fn validity_is_written_to_the_second_and_a_lifetime_past_year_9999_is_an_error() {
+        // 2028-02-28T23:59:30Z: the lifetime runs over 2028-02-29.
+        let now = 1_835_395_170;
+        let lifetime = Duration::from_secs(2 * 86_400 + 45);
+        let ca = generate_ca(now, lifetime).unwrap();
+        let info = &parse_certs(ca.cert_pem.as_bytes()).unwrap()[0];
+        assert_eq!(info.not_before, now - secs(BACKDATE));
+        assert_eq!(info.not_after, now + 2 * 86_400 + 45);
+        let leaf = issue_serving(&ca, &["localhost".to_string()], now, lifetime).unwrap();
+        let leaf_info = &parse_certs(leaf.cert_pem.as_bytes()).unwrap()[0];
+        assert_eq!(leaf_info.not_after, info.not_after, "capped at the CA's notAfter");
+        // Before the epoch: clamped to it, as before.
+        let early = generate_ca(-10 * 86_400, lifetime).unwrap();
+        assert_eq!(parse_certs(early.cert_pem.as_bytes()).unwrap()[0].not_before, 0);
+        match generate_ca(now, Duration::MAX) {
+            Err(TlsError::Validity(msg)) => assert!(msg.contains("Unix seconds"), "{msg}"),
+            other => panic!("want a Validity error, got {other:?}"),
+        }
+    }
 
     #[test]
     fn leaf_expiry_is_read_from_the_first_certificate_and_junk_is_an_error() {
