@@ -81,6 +81,7 @@ async fn next_counters(
             Some(Msg::Resync(_)) | Some(Msg::ResyncChunk(_)) => skipped.push("resync"),
             Some(Msg::Checks(_)) => skipped.push("checks"),
             Some(Msg::KvDeltas(_)) => skipped.push("deltas"),
+            Some(Msg::Heartbeat(_)) => skipped.push("heartbeat"),
             None => skipped.push("empty"),
         }
     }

@@ -113,6 +113,13 @@ struct StandaloneArgs {
     /// other cores stay free for lookups and connections).
     #[arg(long, env = "IC_RESYNC_TURNS", default_value_t = 0)]
     resync_turns: usize,
+    /// Milliseconds an agent that sends coverage heartbeats (one a second) may stay unheard
+    /// before its replicas read Unknown/HeartbeatMissed and are not routed, as a Disconnected
+    /// replica is not (docs/kv-events.md "Coverage age"). Must exceed three heartbeat
+    /// intervals (3000), so a live agent running late does not flap.
+    #[arg(long, env = "IC_COVERAGE_HEARTBEAT_BOUND_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(3001..))]
+    coverage_heartbeat_bound_ms: u64,
     #[command(flatten)]
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
@@ -230,6 +237,13 @@ struct RunArgs {
     /// other cores stay free for lookups and connections).
     #[arg(long, env = "IC_RESYNC_TURNS", default_value_t = 0)]
     resync_turns: usize,
+    /// Milliseconds an agent that sends coverage heartbeats (one a second) may stay unheard
+    /// before its replicas read Unknown/HeartbeatMissed and are not routed, as a Disconnected
+    /// replica is not (docs/kv-events.md "Coverage age"). Must exceed three heartbeat
+    /// intervals (3000), so a live agent running late does not flap.
+    #[arg(long, env = "IC_COVERAGE_HEARTBEAT_BOUND_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(3001..))]
+    coverage_heartbeat_bound_ms: u64,
     /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
     #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
     node_plan_interval_seconds: u64,
@@ -460,6 +474,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             minimum_prefix_tokens: a.minimum_prefix_tokens,
             max_blocks_per_stream: (a.max_blocks_per_stream > 0).then_some(a.max_blocks_per_stream),
             resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
+            coverage_heartbeat_bound: Some(Duration::from_millis(a.coverage_heartbeat_bound_ms)),
         },
         webhook: WebhookSettings {
             enabled: a.webhooks,
@@ -619,6 +634,9 @@ async fn run_main() -> anyhow::Result<()> {
                     max_blocks_per_stream: (a.max_blocks_per_stream > 0)
                         .then_some(a.max_blocks_per_stream),
                     resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
+                    coverage_heartbeat_bound: Some(Duration::from_millis(
+                        a.coverage_heartbeat_bound_ms,
+                    )),
                 },
                 limits: a
                     .limits

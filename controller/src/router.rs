@@ -250,6 +250,7 @@ impl Router {
 }
 
 fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
+    let now_ms = crate::index::mono_ms();
     proto::LookupRouteResponse {
         decision: if r.prefix_match {
             proto::Decision::PrefixMatch
@@ -271,6 +272,7 @@ fn to_proto(r: LookupResult) -> proto::LookupRouteResponse {
                 backend: m.names.backend.clone(),
                 coverage: m.coverage.state.to_proto() as i32,
                 coverage_reason: m.coverage.reason_str().to_string(),
+                coverage_age_ms: m.coverage_age_ms(now_ms),
             })
             .collect(),
         block_size: r.block_size,

@@ -22,6 +22,18 @@ pub struct LookupPolicy {
     /// Agent resyncs read and applied at once (`--resync-turns`, `ingest::turns`); `None`:
     /// [`crate::ingest::turns::ResyncTurns::for_this_machine`].
     pub resync_turns: Option<usize>,
+    /// How long an agent that sends coverage heartbeats may stay unheard before its replicas
+    /// read Unknown / `HeartbeatMissed` and are not routed (`--coverage-heartbeat-bound-ms`,
+    /// `ingest::heartbeat`); `None`: [`crate::ingest::heartbeat::DEFAULT_BOUND`] (5 s).
+    pub coverage_heartbeat_bound: Option<std::time::Duration>,
+}
+
+impl LookupPolicy {
+    /// [`Self::coverage_heartbeat_bound`] or its default.
+    pub fn heartbeat_bound(&self) -> std::time::Duration {
+        self.coverage_heartbeat_bound
+            .unwrap_or(crate::ingest::heartbeat::DEFAULT_BOUND)
+    }
 }
 
 /// Everything the gRPC and HTTP services share. Cheap to share behind an `Arc`.
@@ -246,6 +258,7 @@ mod tests {
             minimum_prefix_tokens: 0,
             max_blocks_per_stream: Some(3),
             resync_turns: None,
+            ..Default::default()
         })
         .unwrap();
         let mut ix = shared.index.write();

@@ -16,6 +16,17 @@ pub const NODE_AGENT_CAPABILITIES: [&str; 3] = ["checks", "kv-events", PLAN_ADDI
 /// sends it the plan without the fields added since ([`crate::plan::NodePlan::for_strict_agent`]).
 pub const PLAN_ADDITIVE: &str = "plan-additive";
 
+/// Capability of an agent that sends a `CoverageHeartbeat` every
+/// [`COVERAGE_HEARTBEAT_INTERVAL`] on each stream (issue 37 item 2; docs/kv-events.md "Coverage
+/// age"): the controller holds only such an agent to its heartbeat bound. `ic-agent` adds it to
+/// its Hello; a generator that sends no heartbeats must not.
+pub const COVERAGE_HEARTBEAT: &str = "coverage-heartbeat";
+
+/// How often an agent with [`COVERAGE_HEARTBEAT`] sends a `CoverageHeartbeat` (1 s). The
+/// controller's bound (`--coverage-heartbeat-bound-ms`, 5 s by default) must exceed three of
+/// these, so that a live agent running late does not flap.
+pub const COVERAGE_HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Capabilities a per-pod subscriber (`ic-agent subscribe`) announces.
 pub const POD_SUBSCRIBER_CAPABILITIES: [&str; 2] = ["kv-events", "pod-subscriber"];
 

@@ -21,6 +21,12 @@
 //! when engine batches land while it is taken. A stream subscribes to the broadcast before it asks
 //! for its snapshot and drops broadcast deltas the snapshot already covers (per-stream seq ≤ the
 //! snapshot's), so each controller replica sees a gap-free sequence.
+//!
+//! Every stream also sends a `CoverageHeartbeat` every
+//! [`ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL`] (1 s; Hello announces
+//! `coverage-heartbeat`): coverage travels only when it changes, so the heartbeat is what tells
+//! the controller this agent still vouches for its replicas — one that hears nothing for its
+//! bound (5 s by default) stops routing them (docs/kv-events.md "Coverage age").
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -412,14 +418,30 @@ fn hello(
     token: &str,
     pod_subscriber: Option<&proto::PodSubscriber>,
 ) -> AgentMessage {
-    ic_shared::link::hello(ic_shared::link::HelloFields {
+    let mut m = ic_shared::link::hello(ic_shared::link::HelloFields {
         node: &state.node,
         boot_id: &read_boot_id(),
         version: env!("CARGO_PKG_VERSION"),
         token,
         agent_instance: instance_id(),
         pod_subscriber,
-    })
+    });
+    // This link sends a heartbeat every second (`session`): the controller may hold us to it.
+    if let Some(Msg::Hello(h)) = m.msg.as_mut() {
+        h.capabilities
+            .push(ic_shared::link::COVERAGE_HEARTBEAT.to_string());
+    }
+    m
+}
+
+/// The `CoverageHeartbeat` sent every [`ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL`].
+fn heartbeat() -> AgentMessage {
+    AgentMessage {
+        msg: Some(Msg::Heartbeat(proto::CoverageHeartbeat {
+            interval_ms: u32::try_from(ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL.as_millis())
+                .unwrap_or(u32::MAX),
+        })),
+    }
 }
 
 /// The engines' latest tier-2 counters; `None` when no engine exposes them.
@@ -576,6 +598,10 @@ async fn session(
     let mut last_sent_batch = 0u64;
     let mut ack_tick = tokio::time::interval(Duration::from_millis(500));
     ack_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Heartbeats at a fixed cadence, whatever else is sent: the controller's clock of this
+    // stream's liveness. A late tick is sent once, not in a burst.
+    let mut heartbeat_tick = tokio::time::interval(ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL);
+    heartbeat_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             msg = inbound.message() => {
@@ -644,6 +670,13 @@ async fn session(
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(LinkError::Closed),
             },
+            _ = heartbeat_tick.tick() => {
+                // try_send: a full outbound queue means the stream is busy sending (the
+                // controller hears those messages); a heartbeat behind them adds nothing.
+                if let Err(mpsc::error::TrySendError::Closed(_)) = tx.try_send(heartbeat()) {
+                    return Err(LinkError::Closed);
+                }
+            }
             _ = ack_tick.tick() => {
                 if let Some((batch_id, since)) = unacked {
                     if since.elapsed() >= cfg.ack_timeout {

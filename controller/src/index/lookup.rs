@@ -101,6 +101,18 @@ pub struct ReplicaMatch {
     pub tier: Tier,
     /// What the agent says of the replica's entries (never Disconnected or EngineDown here).
     pub coverage: Coverage,
+    /// When the controller last heard from the replica's reporter, in [`super::mono_ms`]
+    /// (`None`: not since it started). The answer's coverage age is `mono_ms() −` this
+    /// (`ReplicaMatch.coverage_age_ms`, issue 37 item 2); kept as an instant so that two
+    /// lookups of an unchanged index compare equal.
+    pub heard_at_ms: Option<u64>,
+}
+
+impl ReplicaMatch {
+    /// Milliseconds since the reporter was last heard at `now_ms` ([`super::mono_ms`]).
+    pub fn coverage_age_ms(&self, now_ms: u64) -> Option<u64> {
+        self.heard_at_ms.map(|t| now_ms.saturating_sub(t))
+    }
 }
 
 impl ReplicaMatch {
@@ -585,6 +597,7 @@ impl PrefixIndex {
                 block_size: s.block_size,
                 tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                 coverage: r.effective_coverage(),
+                heard_at_ms: self.heard_at_ms(&r.node),
             });
         }
         out

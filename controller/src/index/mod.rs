@@ -36,6 +36,7 @@
 //! `ic-controller`'s benchmark (`controller/benches/index.rs`, `bench/`) measures this layout on
 //! the Mooncake FAST'25 trace; `docs/benchmarks.md` has the numbers.
 
+mod heard;
 mod holders;
 mod lookup;
 mod mem;
@@ -56,6 +57,7 @@ use holders::{holder, is_t2, pos_of, HolderArena, Holders, SetOutcome, MAX_SLOT}
 use order::StreamOrder;
 use table::BlockTable;
 
+pub use heard::{mono_ms, Heard, HEARTBEAT_CAPABILITY, HEARTBEAT_MISSED};
 pub use lookup::{
     LookupQuery, LookupResult, ReplicaMatch, ReplicaNames, ReplicaScore, Scores, TimedOut,
     LOOKUP_TIMEOUT,
@@ -205,12 +207,19 @@ struct Replica {
     /// The [`PrefixIndex::begin_resync`] that registered it (a sliced apply touches only
     /// replicas of its own generation).
     resync: u64,
+    /// Its reporter has not been heard within the heartbeat bound ([`heard`]): it reads
+    /// Unknown / `HeartbeatMissed` and is not routed, whatever its agent last said.
+    silent: bool,
 }
 
 impl Replica {
     /// The coverage answers show: the agent's, overlaid with [`Replica::limited`] (an Exact or
-    /// Healing replica whose blocks the index dropped is Partial).
+    /// Healing replica whose blocks the index dropped is Partial) and [`Replica::silent`]
+    /// (Unknown / `HeartbeatMissed`, over anything the agent said).
     fn effective_coverage(&self) -> Coverage {
+        if self.silent {
+            return Coverage::new(CoverageState::Unknown, coverage::HEARTBEAT_MISSED);
+        }
         match self.limited {
             Some(reason)
                 if matches!(
@@ -222,6 +231,12 @@ impl Replica {
             }
             _ => self.coverage,
         }
+    }
+
+    /// Whether lookups may match it: its agent's coverage is routable and its reporter is not
+    /// silent.
+    fn routable_now(&self) -> bool {
+        self.coverage.state.routable() && !self.silent
     }
 }
 
@@ -569,6 +584,9 @@ pub struct PrefixIndex {
     stream_cap_refusals: u64,
     /// Resyncs begun so far (each stamps its replicas with its number).
     resync_generation: u64,
+    /// When each reporter (node, or subscriber `<node>/<ns>/<pod>`) was last heard, and
+    /// whether its replicas read silent ([`heard`]).
+    heard: HashMap<String, heard::NodeHeard>,
 }
 
 impl Default for PrefixIndex {
@@ -603,6 +621,7 @@ impl PrefixIndex {
             quota_evictions: HashMap::new(),
             stream_cap_refusals: 0,
             resync_generation: 0,
+            heard: HashMap::new(),
         }
     }
 
@@ -771,11 +790,13 @@ impl PrefixIndex {
 
     /// Records a replica's coverage and whether lookups may match it.
     fn set_coverage(&mut self, slot: ReplicaSlot, cov: Coverage) {
+        let mut silent = false;
         if let Some(r) = self
             .replicas
             .get_mut(slot as usize)
             .and_then(Option::as_mut)
         {
+            silent = r.silent;
             if r.coverage == cov {
                 // Unchanged (nearly every delta): the tally and `unroutable` already agree.
                 return;
@@ -785,7 +806,33 @@ impl PrefixIndex {
             self.coverage_tally
                 .moved(&r.desc, Some(before), Some(r.effective_coverage().state));
         }
-        let block = !cov.state.routable();
+        self.set_unroutable(slot, !cov.state.routable() || silent);
+    }
+
+    /// Reads the replica in `slot` silent or not ([`Replica::silent`]), keeping the tally and
+    /// `unroutable`. True when that changed.
+    fn set_silent(&mut self, slot: ReplicaSlot, silent: bool) -> bool {
+        let Some(r) = self
+            .replicas
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+        else {
+            return false;
+        };
+        if r.silent == silent {
+            return false;
+        }
+        let before = r.effective_coverage().state;
+        r.silent = silent;
+        self.coverage_tally
+            .moved(&r.desc, Some(before), Some(r.effective_coverage().state));
+        let block = !r.routable_now();
+        self.set_unroutable(slot, block);
+        true
+    }
+
+    /// Sets whether lookups skip `slot`, keeping `unroutable_count`.
+    fn set_unroutable(&mut self, slot: ReplicaSlot, block: bool) {
         let i = slot as usize;
         if self.unroutable.len() <= i {
             self.unroutable.resize(i + 1, false);
@@ -1212,6 +1259,7 @@ impl PrefixIndex {
                     prefix_cache: None,
                     limited: None,
                     resync: generation,
+                    silent: false,
                 });
                 if let Some(r) = self.replicas.get(slot as usize).and_then(Option::as_ref) {
                     self.coverage_tally
@@ -1222,6 +1270,9 @@ impl PrefixIndex {
                 slot,
                 Coverage::new(CoverageState::Partial, coverage::RESYNC_APPLYING),
             );
+            if self.node_silent(node) {
+                self.set_silent(slot, true);
+            }
             if !snap.stale {
                 self.reserve_parts(slot, &snap.entries);
             }
@@ -1428,9 +1479,10 @@ impl PrefixIndex {
         replaced
     }
 
-    /// Drops every stream reported by `node`.
+    /// Drops every stream reported by `node`, and when it was last heard.
     pub fn remove_node(&mut self, node: &str) {
         self.remove_node_streams(node);
+        self.forget_heard(node);
     }
 
     fn remove_node_streams(&mut self, node: &str) {
@@ -1463,6 +1515,7 @@ impl PrefixIndex {
             }
         }
         self.clear_replica(slot);
+        self.set_silent(slot, false);
         self.set_coverage(slot, Coverage::EXACT);
         if let Some(cell) = self.replicas.get_mut(slot as usize) {
             if let Some(r) = cell.take() {

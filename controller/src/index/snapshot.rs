@@ -67,8 +67,15 @@ pub struct ReplicaSnapshot {
     /// Why it is not Exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub coverage_reason: Option<&'static str>,
-    /// False while lookups skip the replica (Disconnected, EngineDown).
+    /// False while lookups skip the replica (Disconnected, EngineDown, or Unknown /
+    /// `HeartbeatMissed`).
     pub routable: bool,
+    /// Age of the coverage: milliseconds since the controller last heard from the agent stream
+    /// that reports the replica (any message; agents send a heartbeat every second), on the
+    /// controller's monotonic clock (docs/kv-events.md "Coverage age"). Absent when it has not
+    /// heard from it since it started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coverage_age_ms: Option<u64>,
 }
 
 /// The whole `/snapshot` document.
@@ -110,6 +117,7 @@ impl PrefixIndex {
     /// document neither names nor counts what the caller may not read.
     pub fn snapshot_of(&self, visible: &dyn Fn(&str) -> bool) -> IndexSnapshot {
         let narrowed = self.tenants().iter().any(|t| !visible(t));
+        let now_ms = super::mono_ms();
         let mut replicas: Vec<ReplicaSnapshot> = self
             .live_replicas()
             .filter(|(_, r)| visible(&r.desc.tenant))
@@ -146,7 +154,8 @@ impl PrefixIndex {
                     stale: r.stale,
                     coverage: r.effective_coverage().state.as_str(),
                     coverage_reason: r.effective_coverage().reason,
-                    routable: r.coverage.state.routable(),
+                    routable: r.routable_now(),
+                    coverage_age_ms: self.heard_at_ms(&r.node).map(|t| now_ms.saturating_sub(t)),
                 }
             })
             .collect();

@@ -63,6 +63,7 @@
 
 pub mod auth;
 pub mod handshake;
+pub mod heartbeat;
 pub mod host_tier;
 pub mod registry;
 pub mod scope;
@@ -111,6 +112,8 @@ pub struct AgentIngest {
     shared: Arc<Shared>,
     auth: Option<Arc<auth::AgentAuthenticator>>,
     handshake: handshake::HandshakeLimits,
+    /// Set once [`heartbeat::watch`] runs for `shared` (started by the first accepted stream).
+    heartbeat_watch: Arc<std::sync::OnceLock<()>>,
 }
 
 impl AgentIngest {
@@ -121,6 +124,7 @@ impl AgentIngest {
             shared,
             auth: None,
             handshake: handshake::HandshakeLimits::default(),
+            heartbeat_watch: Arc::default(),
         }
     }
 
@@ -151,6 +155,7 @@ impl AgentIngest {
             shared,
             auth: Some(auth),
             handshake: handshake::HandshakeLimits::default(),
+            heartbeat_watch: Arc::default(),
         }
     }
 
@@ -244,7 +249,13 @@ impl AgentService for AgentIngest {
         }
         drop(pending);
         let (tx, rx) = mpsc::channel(OUTBOUND_DEPTH);
-        let (ticket, plan_generation) = {
+        let bound = self.shared.policy.heartbeat_bound();
+        heartbeat::start_once(&self.heartbeat_watch, &self.shared, bound);
+        let heard_capable = hello
+            .capabilities
+            .iter()
+            .any(|c| c == crate::index::HEARTBEAT_CAPABILITY);
+        let (ticket, plan_generation, heard) = {
             let mut nodes = self.shared.nodes.lock();
             let (ticket, plan_generation) = match &scope {
                 Some(scope) => (
@@ -261,16 +272,21 @@ impl AgentService for AgentIngest {
             // is as last reported until this one resyncs, and a resync of it still being
             // applied stops (under the registry lock, so the old stream's end, which checks
             // it, cannot race this).
-            {
+            // The Hello is a message: the reporter is heard now, silent no more.
+            let heard = {
                 let mut ix = self.shared.index_write(WriteHold::Connect);
                 ix.supersede_node(&ticket.node);
+                let heard = ix.heard_cell(&ticket.node);
+                heard.open(heard_capable);
+                ix.set_node_silent(&ticket.node, false, crate::index::mono_ms(), bound);
                 self.shared.update_index_gauges(&ix);
-            }
+                heard
+            };
             self.shared
                 .metrics
                 .agents_connected
                 .set(nodes.connected_count() as i64);
-            (ticket, plan_generation)
+            (ticket, plan_generation, heard)
         };
         self.shared
             .metrics
@@ -298,9 +314,15 @@ impl AgentService for AgentIngest {
                 chunks: ic_shared::resync::ResyncAssembler::new(MAX_RESYNC_ENTRIES),
                 turn: None,
                 opening_pending: true,
+                heard,
+                heard_paused: false,
+                heartbeat_warned: false,
             };
             let mut stopping = shared.stopping.subscribe();
             let end = loop {
+                if session.turn.is_none() {
+                    session.resume_heard();
+                }
                 // The opening resync follows Hello: wait for a turn before reading it, so a
                 // waiting agent's resync stays in its connection's flow-control window.
                 if session.opening_pending && session.turn.is_none() {
@@ -418,9 +440,24 @@ struct Session {
     turn: Option<turns::Turn>,
     /// The opening resync (which follows Hello) has not been applied yet.
     opening_pending: bool,
+    /// When the reporter was last heard ([`heartbeat`]): stamped by every message.
+    heard: Arc<crate::index::Heard>,
+    /// The bound is suspended while the session waits for or holds a resync turn.
+    heard_paused: bool,
+    /// The agent's heartbeat interval was found too long for the bound (warned once).
+    heartbeat_warned: bool,
 }
 
 impl Session {
+    /// The session reads its stream again after a resync turn: the heartbeat bound runs from
+    /// now ([`crate::index::Heard::resume`]).
+    fn resume_heard(&mut self) {
+        if self.heard_paused {
+            self.heard.resume();
+            self.heard_paused = false;
+        }
+    }
+
     /// Ends the stream for `e` (its final status to the agent); returns why, for the log.
     async fn finish(&self, e: SessionEnd) -> &'static str {
         match e {
@@ -467,6 +504,9 @@ impl Session {
         if self.turn.is_some() {
             return Ok(());
         }
+        // Nothing of the stream is read until the resync is applied: not the agent's silence.
+        self.heard.pause();
+        self.heard_paused = true;
         let shared = self.shared.clone();
         let take = shared.resync_turns.take(&shared.metrics.resyncs_pending);
         tokio::pin!(take);
@@ -518,9 +558,22 @@ impl Session {
             return Err(SessionEnd::Superseded);
         }
         self.shared.nodes.lock().touch(&self.ticket, now);
+        self.heard.touch();
+        heartbeat::lift_silence(
+            &self.shared,
+            &self.ticket.node,
+            &self.heard,
+            self.shared.policy.heartbeat_bound(),
+        );
         let m = &self.shared.metrics;
         match msg.msg {
             Some(Msg::Hello(_)) | None => {}
+            Some(Msg::Heartbeat(h)) => heartbeat::check_interval(
+                &self.ticket.node,
+                h.interval_ms,
+                self.shared.policy.heartbeat_bound(),
+                &mut self.heartbeat_warned,
+            ),
             Some(Msg::Resync(r)) => {
                 self.chunks.reset();
                 self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;

@@ -162,6 +162,11 @@ pub const AGENT_DISCONNECTED: &str = "AgentDisconnected";
 /// an unknown stream) and asked its agent for a resync; it applies none of the node's deltas
 /// until then.
 pub const RESYNC_REQUESTED: &str = "ResyncRequested";
+/// Unknown (controller side), not routed: the agent that reports the replica sends a heartbeat
+/// every second, and the controller has heard nothing from it for longer than its bound
+/// (`--coverage-heartbeat-bound-ms`): the agent is hung, cut off or restarting, so nothing
+/// vouches for the entries. Lifted by its next message.
+pub const HEARTBEAT_MISSED: &str = "HeartbeatMissed";
 /// Partial (controller side): entries or ops of the stream were dropped at ingest because
 /// their block size is above the cap or would register one size too many for its hash scheme
 /// (docs/security.md "Input bounds").
@@ -193,6 +198,7 @@ pub const REASONS: &[&str] = &[
     ATTACH_UNVERIFIED,
     AGENT_DISCONNECTED,
     RESYNC_REQUESTED,
+    HEARTBEAT_MISSED,
     BLOCK_SIZE_CAP_EXCEEDED,
     NOT_REPORTED,
 ];
@@ -217,6 +223,7 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         ATTACH_UNVERIFIED => "the agent re-attached to the engine but its replay socket has not yet confirmed that the engine is the one whose blocks it holds (slow or unreachable); its replica is not routed until the check, retried with back-off, succeeds",
         AGENT_DISCONNECTED => "the agent stream that reported this replica ended (the agent disconnected, or a newer stream of its node has not resynced yet); entries are as last reported",
         RESYNC_REQUESTED => "the controller refused one of the node's deltas (a sequence gap or an unknown stream) and asked its agent for a resync; entries are as last applied until it arrives",
+        HEARTBEAT_MISSED => "the agent that reports this replica has sent nothing (not even its once-a-second heartbeat) for longer than the controller's --coverage-heartbeat-bound-ms: it is hung, cut off or restarting; the replica is not routed until the agent is heard again",
         BLOCK_SIZE_CAP_EXCEEDED => "blocks of a size above the cap (4096), or one size too many for the hash scheme (64 sizes), were dropped at ingest: they are not routed to this replica",
         REPLAYING => "a replay is in flight",
         NOT_REPORTED => "a node plan expects this engine stream but the index holds nothing of it: its agent has not resynced since the controller started, the node has no working agent, or the replica expired; it is not routed until its agent reports it",
