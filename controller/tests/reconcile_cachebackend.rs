@@ -1080,3 +1080,118 @@ async fn pods_admitted_without_the_webhook_are_unwired_not_matched() {
     assert_eq!(st.matched_engine_pods, Some(4));
     assert_eq!(h.events.count("EnginePodsUnwired"), 2);
 }
+
+/// The condition types of `status`, sorted.
+fn condition_types(status: &ic_shared::crd::CacheBackendStatus) -> Vec<String> {
+    let mut t: Vec<String> = status.conditions.iter().map(|c| c.type_.clone()).collect();
+    t.sort();
+    t
+}
+
+/// `status.nodeHealth` as the apiserver stores it (`(status, reason)`), read as JSON.
+async fn node_health(h: &Harness, name: &str) -> Option<(String, String)> {
+    let v = serde_json::to_value(h.cb(name).await).unwrap();
+    let nh = v.pointer("/status/nodeHealth")?;
+    Some((
+        nh["status"].as_str()?.to_string(),
+        nh["reason"].as_str()?.to_string(),
+    ))
+}
+
+/// Spec 000 "Conditions": an events-only backend publishes exactly Ready, Degraded and
+/// Progressing, External ownership Ready and Progressing only. The node roll-up on backends
+/// with engine pods on a failing node keeps its information in `status.nodeHealth` there (and
+/// as the `NodeHealthy` condition on a host-only backend); a stale `NodeHealthy` left on an
+/// events-only or External backend by an earlier release goes on the next reconcile.
+#[tokio::test]
+async fn node_roll_up_keeps_the_spec_condition_sets() {
+    use ic_controller::reconcile::nodes::advisory::{self, reason as adv_reason, NodeAdvisory};
+    use ic_shared::crd::{new_condition, ConditionStatus};
+    use k8s_openapi::jiff::Timestamp;
+
+    let stale = |mut cb: CacheBackend| {
+        cb.status = Some(ic_shared::crd::CacheBackendStatus {
+            conditions: vec![new_condition(
+                "NodeHealthy",
+                ConditionStatus::False,
+                "NodeCheckFailing",
+                "node-1: shm Critical (ShmUndersized)",
+                None,
+                ic_controller::reconcile::clock::to_time(Timestamp::from_second(T0).unwrap()),
+            )],
+            ..Default::default()
+        });
+        cb
+    };
+    let h = Harness::new(
+        vec![
+            stale(events_only("eo")),
+            stale(external("ext", "Redis", "redis.ext:6379")),
+            stale(host_only("ho")),
+        ],
+        false,
+    )
+    .await;
+    let three = vec!["Degraded", "Progressing", "Ready"];
+    let two = vec!["Progressing", "Ready"];
+
+    // The next reconcile sheds the stale condition where the spec fixes the set.
+    for n in ["eo", "ext", "ho"] {
+        h.reconcile(n).await;
+    }
+    assert_eq!(condition_types(&h.status("eo").await), three);
+    assert_eq!(condition_types(&h.status("ext").await), two);
+    assert!(cond(&h.status("ho").await, "NodeHealthy").is_some());
+
+    // The node status loop's pass: every backend's engine pods run on a failing node.
+    let failing = NodeAdvisory {
+        status: ConditionStatus::False,
+        reason: adv_reason::NODE_CHECK_FAILING,
+        message: "Engine pods of this backend run on nodes with failing checks: node-1: shm \
+                  Critical (ShmUndersized)."
+            .into(),
+    };
+    let desired: std::collections::BTreeMap<String, NodeAdvisory> = ["eo", "ext", "ho"]
+        .iter()
+        .map(|n| (h.key(n), failing.clone()))
+        .collect();
+    let mut cbs: Vec<CacheBackend> = Vec::new();
+    for n in ["eo", "ext", "ho"] {
+        cbs.push(h.cb(n).await);
+    }
+    let now = ic_controller::reconcile::clock::to_time(Timestamp::from_second(T0 + 10).unwrap());
+    let r = advisory::sync_advisories(&h.admin, &cbs, &desired, now).await;
+    assert!(r.failed.is_empty(), "{:?}", r.failed);
+    for _ in 0..2 {
+        assert_eq!(condition_types(&h.status("eo").await), three);
+        assert_eq!(condition_types(&h.status("ext").await), two);
+        let failing = Some(("False".to_string(), "NodeCheckFailing".to_string()));
+        for n in ["eo", "ext", "ho"] {
+            assert_eq!(node_health(&h, n).await, failing, "{n}: status.nodeHealth");
+        }
+        assert_eq!(
+            sr(&h.status("ho").await, "NodeHealthy"),
+            is("False", "NodeCheckFailing")
+        );
+        // The reconciler keeps the roll-up and the sets.
+        for n in ["eo", "ext", "ho"] {
+            h.reconcile(n).await;
+        }
+    }
+
+    // An events-only backend flipped to a host-only one gets the condition at its next
+    // reconcile, from status.nodeHealth.
+    h.api::<CacheBackend>()
+        .patch(
+            "eo",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"integration": null}})),
+        )
+        .await
+        .unwrap();
+    h.reconcile("eo").await;
+    assert_eq!(
+        sr(&h.status("eo").await, "NodeHealthy"),
+        is("False", "NodeCheckFailing")
+    );
+}

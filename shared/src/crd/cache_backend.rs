@@ -743,11 +743,40 @@ pub struct CacheBackendStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
+    /// Roll-up of the node agents' checks on the nodes running this backend's engine pods:
+    /// written by the node status loop on every backend with scheduled engine pods, absent
+    /// otherwise; never gates Ready. The advisory `NodeHealthy` condition carries the same
+    /// verdict only where spec 000 "Conditions" leaves room for it: never on an events-only
+    /// backend (exactly Ready, Degraded, Progressing) nor on External ownership (Ready and
+    /// Progressing only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_health: Option<BackendNodeHealth>,
+
     /// Conditions keyed by type: Ready, Degraded, Progressing, FunctionalProbeOK,
-    /// EngineKernelsHealthy, T2Degraded, EngineCompatibility, NodeHealthy, HiCacheHostTier.
+    /// EngineKernelsHealthy, T2Degraded, EngineCompatibility, NodeHealthy (not on events-only
+    /// or External backends), HiCacheHostTier.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+}
+
+/// `status.nodeHealth`: the node agents' verdict on the nodes running a backend's engine pods
+/// (`docs/in-cluster.md` "The node roll-up on CacheBackends"), shaped like a condition.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendNodeHealth {
+    /// `True` (every node passes its checks), `False` (a check at Warning or Critical) or
+    /// `Unknown` (no connected agent, no report yet, or a stale report).
+    #[schemars(extend("enum" = ["True", "False", "Unknown"]))]
+    pub status: String,
+    /// CamelCase reason: `NodesHealthy`, `NodeCheckFailing`, `NodeAgentNotConnected`,
+    /// `NodeReportPending`, `NodeReportStale`.
+    pub reason: String,
+    /// Names the nodes and the failing checks (at most 10 of each, then a count).
+    #[serde(default)]
+    pub message: String,
+    /// When `status` last changed.
+    pub last_transition_time: Time,
 }
 
 /// `status.indexParticipation` (spec 000 "Index Participation").

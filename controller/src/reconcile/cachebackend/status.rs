@@ -9,7 +9,10 @@
 //! events-only base) → KV-event gate → functional-probe gate → strict kernel-check downgrade.
 //! Conditions are merged with `set_condition`, so `lastTransitionTime` moves only when a
 //! condition's status changes. `(SGLang, SGLangHiCache)` backends get the advisory
-//! `HiCacheHostTier` ([`super::host_tier`]) and no readiness condition.
+//! `HiCacheHostTier` ([`super::host_tier`]) and no readiness condition. The node roll-up's
+//! `NodeHealthy` mirrors `status.nodeHealth` where the spec's condition set leaves room for it
+//! and is removed on events-only and External backends
+//! ([`crate::reconcile::nodes::advisory::publishes_condition`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,6 +37,7 @@ use super::path::{classify, BackendPath, PathKind};
 use super::probe::{ProbeInput, ProbeOutcome, StageResult};
 use crate::reconcile::annotations::{REQUIRE_KV_EVENTS, SKIP_FUNCTIONAL_PROBE};
 use crate::reconcile::clock::{add, elapsed, to_time};
+use crate::reconcile::nodes::advisory;
 
 /// Cadences and rate limits of the status machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1074,6 +1078,18 @@ pub fn evaluate(
         w.set(cond::HICACHE_HOST_TIER, c(v.status, v.reason, v.message));
     } else {
         w.remove(cond::HICACHE_HOST_TIER);
+    }
+
+    // NodeHealthy: the node roll-up (written into status.nodeHealth by the node status loop,
+    // `nodes::advisory`) as a condition only where spec 000 "Conditions" leaves room for it;
+    // an events-only or External backend sheds it (a stale one from an earlier release, or
+    // one from before a mode flip) and keeps the roll-up in status.nodeHealth alone.
+    if advisory::publishes_condition(spec) {
+        if let Some(h) = st.node_health.as_ref() {
+            set_condition(w.conditions, advisory::mirror_condition(h, generation));
+        }
+    } else {
+        w.remove(cond::NODE_HEALTHY);
     }
 
     // observedServerInstance and the cascade (managed only).

@@ -16,13 +16,21 @@
 //! that name does not count); host-wide results (`host`, `gpuN`, `tcp/N`) count for every
 //! backend on the node.
 //!
-//! Ownership: the CacheBackend reconciler owns the rest of `status` and keeps this condition
-//! when it writes its own (it carries over condition types it does not manage). This module
-//! writes only this condition: it reads the backend, merges the condition into the existing
-//! list ([`apply_advisory`], transition-only timestamps) and replaces the status with the read
-//! `resourceVersion`, so a concurrent write by the reconciler is never lost (409 → read and
-//! retry once; otherwise the next pass). The pure [`advisories`] / [`advisory_condition`] pair
-//! is public so the reconciler could compute the same condition in its own write instead.
+//! Where: the verdict goes to `status.nodeHealth` on every backend with scheduled engine pods
+//! (status, reason, message, transition-only `lastTransitionTime`), and as the `NodeHealthy`
+//! condition only where spec 000 "Conditions" leaves room for an advisory condition
+//! ([`publishes_condition`]): events-only backends publish exactly Ready, Degraded and
+//! Progressing, External ownership Ready and Progressing only, so there the condition is
+//! removed (a stale one from an earlier release included) and `status.nodeHealth` alone
+//! carries the roll-up.
+//!
+//! Ownership: the CacheBackend reconciler owns the rest of `status`; it keeps
+//! `status.nodeHealth`, removes `NodeHealthy` where the spec fixes the set and mirrors
+//! `status.nodeHealth` into it elsewhere ([`mirror_condition`]: a mode flip gets a coherent
+//! set at once). This module writes only these two: it reads the backend, merges them into the
+//! existing status ([`apply_advisory`], transition-only timestamps) and replaces the status
+//! with the read `resourceVersion`, so a concurrent write by the reconciler is never lost (409
+//! → read and retry once; otherwise the next pass).
 
 use std::collections::BTreeMap;
 
@@ -30,13 +38,15 @@ use ic_shared::check::CheckStatus;
 use ic_shared::crd::conditions::{
     find_condition, new_condition, remove_condition, set_condition, ConditionStatus,
 };
-use ic_shared::crd::{backend_condition, CacheBackend};
+use ic_shared::crd::{backend_condition, BackendNodeHealth, CacheBackend, CacheBackendSpec};
 use ic_shared::plan::NodePlan;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 
 use crate::ingest::registry::NodeRecord;
+
+use crate::reconcile::cachebackend::path::{classify, BackendPath};
 
 use super::cachenode::vouches_for_nothing;
 use super::plans::backend_key;
@@ -276,6 +286,50 @@ pub fn advisory_condition(
     )
 }
 
+/// Whether a backend of `spec` publishes the `NodeHealthy` condition (spec 000 "Conditions"):
+/// false for an events-only backend (exactly Ready, Degraded, Progressing) and for External
+/// ownership (Ready and Progressing only); true for Offload-managed, host-only and the other
+/// paths. Where false, `status.nodeHealth` alone carries the roll-up.
+pub fn publishes_condition(spec: &CacheBackendSpec) -> bool {
+    !matches!(
+        classify(spec),
+        BackendPath::EventsOnly | BackendPath::External(_)
+    )
+}
+
+/// `status.nodeHealth` for an advisory, stamped `at` unless `prior` has the same status (then
+/// its `lastTransitionTime` is kept).
+pub fn node_health(
+    adv: &NodeAdvisory,
+    prior: Option<&BackendNodeHealth>,
+    at: Time,
+) -> BackendNodeHealth {
+    let status = adv.status.as_str().to_string();
+    let last_transition_time = match prior {
+        Some(p) if p.status == status => p.last_transition_time.clone(),
+        _ => at,
+    };
+    BackendNodeHealth {
+        status,
+        reason: adv.reason.to_string(),
+        message: adv.message.clone(),
+        last_transition_time,
+    }
+}
+
+/// The `NodeHealthy` condition that mirrors `health` (its transition time included), for a
+/// backend at `observed_generation`.
+pub fn mirror_condition(health: &BackendNodeHealth, observed_generation: Option<i64>) -> Condition {
+    Condition {
+        type_: CONDITION_TYPE.to_string(),
+        status: health.status.clone(),
+        reason: health.reason.clone(),
+        message: health.message.clone(),
+        observed_generation,
+        last_transition_time: health.last_transition_time.clone(),
+    }
+}
+
 /// Sets (`Some`) or removes (`None`) the advisory condition in `conditions`, leaving every
 /// other condition alone. Returns true when the list changed.
 pub fn apply_advisory(conditions: &mut Vec<Condition>, desired: Option<Condition>) -> bool {
@@ -283,6 +337,47 @@ pub fn apply_advisory(conditions: &mut Vec<Condition>, desired: Option<Condition
         Some(c) => set_condition(conditions, c),
         None => remove_condition(conditions, CONDITION_TYPE),
     }
+}
+
+/// Sets the roll-up of `cb` at `now` (`desired` `None`: the backend has no scheduled engine
+/// pod): `status.nodeHealth`, and the `NodeHealthy` condition where [`publishes_condition`]
+/// (removed elsewhere). Returns the new status when it differs from the current one.
+pub fn desired_status(
+    cb: &CacheBackend,
+    desired: Option<&NodeAdvisory>,
+    now: Time,
+) -> Option<ic_shared::crd::CacheBackendStatus> {
+    let current = cb.status.clone().unwrap_or_default();
+    let mut next = current.clone();
+    // A status from before `nodeHealth` existed: its condition's transition time stands.
+    let prior = current.node_health.clone().or_else(|| {
+        find_condition(&current.conditions, CONDITION_TYPE).map(|c| BackendNodeHealth {
+            status: c.status.clone(),
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+            last_transition_time: c.last_transition_time.clone(),
+        })
+    });
+    next.node_health = desired.map(|a| node_health(a, prior.as_ref(), now));
+    let condition = match (&next.node_health, publishes_condition(&cb.spec)) {
+        (Some(h), true) => Some(mirror_condition(h, cb.metadata.generation)),
+        _ => None,
+    };
+    match (
+        &condition,
+        find_condition(&current.conditions, CONDITION_TYPE),
+    ) {
+        (None, None) => {}
+        (Some(w), Some(c))
+            if w.status == c.status
+                && w.reason == c.reason
+                && w.message == c.message
+                && w.observed_generation == c.observed_generation => {}
+        _ => {
+            apply_advisory(&mut next.conditions, condition);
+        }
+    }
+    (next != current).then_some(next)
 }
 
 /// What one pass of an advisory-condition writer did ([`sync_advisories`] on CacheBackends,
@@ -334,8 +429,9 @@ impl AdvisoryReport {
     }
 }
 
-/// Writes the advisory condition on every backend in `backends` whose condition differs from
-/// `desired` (absent from `desired` → the condition is removed). Only the status subresource is
+/// Writes the roll-up ([`desired_status`]: `status.nodeHealth`, and the condition where the
+/// spec leaves room for it) on every backend in `backends` where it differs from `desired`
+/// (absent from `desired` → both are removed). Only the status subresource is
 /// replaced, with the backend's `resourceVersion`; a conflict re-reads and retries once.
 pub async fn sync_advisories(
     client: &Client,
@@ -350,23 +446,9 @@ pub async fn sync_advisories(
         let api: Api<CacheBackend> = Api::namespaced(client.clone(), &ns);
         let mut obj = cb.clone();
         for attempt in 0..2 {
-            let want = desired
-                .get(&key)
-                .map(|a| advisory_condition(a, obj.metadata.generation, now.clone()));
-            let mut status = obj.status.clone().unwrap_or_default();
-            let unchanged = match (&want, find_condition(&status.conditions, CONDITION_TYPE)) {
-                (None, None) => true,
-                (Some(w), Some(c)) => {
-                    w.status == c.status
-                        && w.reason == c.reason
-                        && w.message == c.message
-                        && w.observed_generation == c.observed_generation
-                }
-                _ => false,
-            };
-            if unchanged || !apply_advisory(&mut status.conditions, want) {
+            let Some(status) = desired_status(&obj, desired.get(&key), now.clone()) else {
                 break;
-            }
+            };
             obj.status = Some(status);
             let name = obj.name_any();
             let result = api
