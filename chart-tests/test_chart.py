@@ -370,14 +370,16 @@ def test_agent_host_mounts_are_read_only(variant: Rendered) -> None:
     assert state == "/var/lib/inference-cache/agent"
     driver = host_paths.pop("nvidia-driver", None)
     assert driver == variant.values.get("agent", {}).get("gpu", {}).get("driverRoot")
-    assert set(host_paths.values()) == {"/proc", "/sys", "/dev/shm", "/var/lib/kubelet/pods"}
+    pods_dir = variant.values.get("agent", {}).get("hostPaths", {}).get("kubeletPodsDir")
+    assert set(host_paths.values()) == {"/proc", "/sys", "/dev/shm"} | ({pods_dir} if pods_dir else set())
     mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
     for name in host_paths:
         assert mounts[name].get("readOnly") is True, name
     assert mounts["kv-state"]["mountPath"] == state and not mounts["kv-state"].get("readOnly")
     assert args_of(the_container(ds))["--state-dir"] == state
     assert mounts["host-proc"]["mountPath"] == "/host/proc"
-    assert mounts["kubelet-pods"]["mountPropagation"] == "HostToContainer"
+    if pods_dir:
+        assert mounts["kubelet-pods"]["mountPropagation"] == "HostToContainer"
 
 
 def test_agent_projected_token(variant: Rendered) -> None:

@@ -106,6 +106,28 @@ def test_network_policy_peers_from_values() -> None:
     assert agent["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}] + peers
 
 
+def test_agent_mounts_no_kubelet_pod_directory_unless_asked() -> None:
+    """Issue 38 item 7: the kubelet's pods directory holds every pod's Secrets and projected
+    service-account tokens, and no check reads it (docs/security.md "The agent mounts only what
+    its checks read"). By default the agent mounts the host's /proc, /sys and /dev/shm read-only,
+    its state dir, and nothing under /var/lib/kubelet; `agent.hostPaths.kubeletPodsDir` mounts it
+    read-only for `ic-agent qualify` only when an operator sets it."""
+    ds = agent_daemonset(render({}))
+    spec = ds["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert not [p for p in host_paths.values() if "kubelet" in p], host_paths
+    assert sorted(host_paths) == ["host-dev-shm", "host-proc", "host-sys", "kv-state"]
+    mounted = {m["mountPath"] for m in the_container(ds)["volumeMounts"]}
+    assert not [p for p in mounted if "kubelet" in p], mounted
+
+    ds = agent_daemonset(render({"agent": {"hostPaths": {"kubeletPodsDir": "/var/lib/kubelet/pods"}}}))
+    vols = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert vols["kubelet-pods"]["hostPath"]["path"] == "/var/lib/kubelet/pods"
+    mounts = {m["name"]: m for m in the_container(ds)["volumeMounts"]}
+    assert mounts["kubelet-pods"]["readOnly"] is True
+    assert mounts["kubelet-pods"]["mountPath"] == "/var/lib/kubelet/pods"
+
+
 def test_agent_is_not_privileged_and_holds_only_the_measured_capabilities() -> None:
     """Issue 15 item 6: the agent drops every capability but the three its checks need
     (docs/checks.md "Capabilities"; proven in Docker by scripts/image-tests.sh), on a read-only
