@@ -465,9 +465,10 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
-    // The checks thread has inherited this thread's capabilities; this one needs none from now on
-    // (a failure is logged, as for the runtime's threads: the agent keeps running).
-    ic_agent::privilege::drop_all_or_warn();
+    // The checks thread has inherited this thread's capabilities (and no Landlock domain); this
+    // one needs neither from now on (a failure is logged, as for the runtime's threads: the agent
+    // keeps running).
+    ic_agent::privilege::drop_all_and_confine_or_warn();
     telemetry::shutdown_signal().await;
     running.abort();
     Ok(())

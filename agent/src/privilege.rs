@@ -12,11 +12,29 @@
 //! ([`drop_all`]). A cleared permitted set cannot be raised again without `execve` of a file
 //! with capabilities, which the agent never does. The MP-worker probe thread drops them too,
 //! right after `setns`, before it reads a byte from the worker.
+//!
+//! The threads without capabilities are also confined with Landlock to the agent's own mount
+//! tree ([`confine_to_own_mount_tree`], [`drop_all_and_confine_or_warn`]): as uid 0 without
+//! capabilities they could still open `/proc/<pid>/root/…` of a pod that runs as root with every
+//! capability dropped (the kernel's ptrace read check passes for the same uid when the target's
+//! permitted set, empty, is a subset of the caller's), and with it that pod's projected
+//! service-account token and Secrets (docs/security.md "The agent mounts only what its checks
+//! read"). A Landlock domain refuses the ptrace check on every process outside it and every file
+//! outside its rules: the rule allows everything beneath the agent's own `/`, so the agent's own
+//! files, `/host/proc` text, sockets and devices work as before. The checks thread is not
+//! confined: its `/proc/<pid>` reads of engine and reader pods are the ptrace check.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::LazyLock;
 
 use caps::CapSet;
 pub use caps::Capability;
+use landlock::{
+    Access, AccessFs, LandlockStatus, PathBeneath, PathFd, Ruleset, RulesetAttr,
+    RulesetCreatedAttr, RulesetStatus, ABI,
+};
+use prometheus::IntGauge;
 
 /// The capabilities the agent's checks use, each with what needs it (the table in
 /// docs/checks.md "Capabilities").
@@ -54,11 +72,184 @@ pub fn drop_all() -> Result<(), Error> {
     Ok(())
 }
 
+/// Lowers the calling thread's effective and permitted sets to `keep` (what it holds of them)
+/// and clears its inheritable and ambient sets: the thread then holds what the DaemonSet's
+/// `capabilities: {drop: [ALL], add: [...]}` gives the agent. Tests run checks under the
+/// chart's securityContext with it.
+///
+/// # Errors
+/// `capget(2)`/`capset(2)` failed.
+pub fn keep_only(keep: &[Capability]) -> Result<(), Error> {
+    let permitted = caps::read(None, CapSet::Permitted)?;
+    let kept: HashSet<Capability> = keep
+        .iter()
+        .filter(|c| permitted.contains(c))
+        .copied()
+        .collect();
+    caps::clear(None, CapSet::Ambient)?;
+    caps::clear(None, CapSet::Inheritable)?;
+    caps::set(None, CapSet::Effective, &kept)?;
+    caps::set(None, CapSet::Permitted, &kept)?;
+    Ok(())
+}
+
 /// [`drop_all`] for a thread that must not run with capabilities at all (a tokio runtime's
 /// `on_thread_start`): a failure is logged, as nothing else can be done from there.
 pub fn drop_all_or_warn() {
     if let Err(e) = drop_all() {
         tracing::warn!(error = %e, "cannot drop this thread's capabilities");
+    }
+}
+
+/// The Landlock ABI whose file-system access rights [`confine_to_own_mount_tree`] handles
+/// (V5: every right up to `IOCTL_DEV`). All of them are allowed beneath `/`; a kernel with an
+/// older ABI enforces the rights it knows ([`Confinement::Partial`]).
+pub const LANDLOCK_ABI: ABI = ABI::V5;
+
+/// What Landlock made of a thread's confinement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Confinement {
+    /// Every access right of [`LANDLOCK_ABI`] is enforced.
+    Enforced,
+    /// The kernel enforces an older Landlock ABI: opening files outside the rule and the ptrace
+    /// check on other processes are refused; some newer rights (truncate, device ioctls) are
+    /// not handled.
+    Partial,
+    /// Not confined, with the reason (a kernel without Landlock, or with Landlock left out of
+    /// its `lsm=` list).
+    Off(String),
+}
+
+impl Confinement {
+    /// True when Landlock restricts the thread (fully or partially).
+    pub fn is_confined(&self) -> bool {
+        !matches!(self, Confinement::Off(_))
+    }
+}
+
+/// Why a thread could not be confined.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    /// `/` could not be opened for the rule.
+    #[error("cannot open / for the Landlock rule: {0}")]
+    Root(#[from] landlock::PathFdError),
+    /// A Landlock call failed (other than for missing kernel support, which is
+    /// [`Confinement::Off`]).
+    #[error("Landlock: {0}")]
+    Ruleset(#[from] landlock::RulesetError),
+}
+
+impl ConfineError {
+    /// True when `landlock_restrict_self(2)` refused another layer (`E2BIG`: 16 nested
+    /// domains): the thread is then confined by the domains it inherited.
+    pub fn is_layer_limit(&self) -> bool {
+        matches!(
+            self,
+            ConfineError::Ruleset(landlock::RulesetError::RestrictSelf(
+                landlock::RestrictSelfError::RestrictSelfCall { source, .. }
+            )) if source.raw_os_error() == Some(libc::E2BIG)
+        )
+    }
+}
+
+/// Confines the calling thread, and the threads it starts afterwards, with Landlock to files
+/// beneath its own root `/` (every access right of [`LANDLOCK_ABI`] there). Files reached
+/// through `/proc/<pid>/root` of a process in another mount namespace (a pod) are beneath no
+/// rule, and a confined thread fails the ptrace access check on every process outside its
+/// domain: both are refused with `EACCES`. The calling thread's own `/proc/self`, sockets,
+/// pipes and `/host/proc` text are unaffected. Sets the thread's `no_new_privs` (the agent
+/// never executes a program). Cannot be undone.
+///
+/// # Errors
+/// `/` could not be opened, or a Landlock call failed; a kernel without Landlock is
+/// `Ok(`[`Confinement::Off`]`)`.
+pub fn confine_to_own_mount_tree() -> Result<Confinement, ConfineError> {
+    let access = AccessFs::from_all(LANDLOCK_ABI);
+    let status = Ruleset::default()
+        .handle_access(access)?
+        .create()?
+        .add_rule(PathBeneath::new(PathFd::new("/")?, access))?
+        .restrict_self()?;
+    Ok(match status.ruleset {
+        RulesetStatus::FullyEnforced => Confinement::Enforced,
+        RulesetStatus::PartiallyEnforced => Confinement::Partial,
+        RulesetStatus::NotEnforced => Confinement::Off(match status.landlock {
+            LandlockStatus::NotEnabled => {
+                "Landlock is built into the kernel but not enabled (the lsm= boot parameter)"
+                    .to_string()
+            }
+            LandlockStatus::NotImplemented => {
+                "the kernel has no Landlock (Linux 5.13 or later with CONFIG_SECURITY_LANDLOCK)"
+                    .to_string()
+            }
+            _ => "the kernel did not enforce the ruleset".to_string(),
+        }),
+    })
+}
+
+/// `inferencecache_agent_threads_confined`: 1 once a thread without capabilities has been
+/// confined by Landlock, 0 when one could not be (the log says why). One process-wide handle;
+/// [`register_metrics`] adds it to a registry.
+static THREADS_CONFINED: LazyLock<Option<IntGauge>> = LazyLock::new(|| {
+    IntGauge::new(
+        "inferencecache_agent_threads_confined",
+        "1 when the agent's threads without capabilities run under Landlock (no file of another \
+         pod's mount tree can be opened from them), 0 when the kernel has no Landlock.",
+    )
+    .ok()
+});
+
+/// What the threads' confinement came to: 0 not tried yet, 1 confined, 2 not confined.
+static CONFINED_STATE: AtomicU8 = AtomicU8::new(0);
+
+/// Registers `inferencecache_agent_threads_confined` in `registry` (a registry that holds it
+/// already is left as it is).
+pub fn register_metrics(registry: &prometheus::Registry) {
+    if let Some(g) = THREADS_CONFINED.as_ref() {
+        match registry.register(Box::new(g.clone())) {
+            Ok(()) | Err(prometheus::Error::AlreadyReg) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot register the confinement gauge"),
+        }
+    }
+}
+
+/// [`drop_all`], then [`confine_to_own_mount_tree`], for a thread that must not run with
+/// capabilities nor reach other pods' files (a tokio runtime's `on_thread_start`, the main
+/// thread once the agent is up). Failures are logged (the first one at WARN, saying the
+/// agent runs unconfined) and set `inferencecache_agent_threads_confined` to 0; the agent
+/// keeps running.
+pub fn drop_all_and_confine_or_warn() {
+    drop_all_or_warn();
+    let outcome = confine_to_own_mount_tree();
+    // A thread started by a confined one inherits its domain; the layer limit is no failure.
+    let confined = match &outcome {
+        Ok(c) => c.is_confined(),
+        Err(e) => e.is_layer_limit(),
+    };
+    let before = CONFINED_STATE.swap(if confined { 1 } else { 2 }, Ordering::Relaxed);
+    if let Some(g) = THREADS_CONFINED.as_ref() {
+        g.set(i64::from(confined));
+    }
+    if confined {
+        if before == 0 {
+            tracing::info!(
+                "threads without capabilities confined with Landlock to the agent's own mount \
+                 tree"
+            );
+        }
+        return;
+    }
+    let why = match outcome {
+        Ok(Confinement::Off(why)) => why,
+        Ok(c) => format!("{c:?}"),
+        Err(e) => e.to_string(),
+    };
+    if before != 2 {
+        tracing::warn!(
+            reason = %why,
+            "running without the Landlock confinement: threads without capabilities can open \
+             files of pods that run as root with no capability (inferencecache_agent_threads_confined 0)"
+        );
     }
 }
 

@@ -164,9 +164,10 @@ pub async fn check_pass(
 }
 
 /// The multi-threaded tokio runtime of `ic-agent run`: two workers, every thread of which
-/// (workers and the blocking pool) drops all capabilities before it runs anything, so the
-/// code that parses engine KV-event frames, engine `/metrics`, controller replies and HTTP
-/// requests holds none ([`crate::privilege`]).
+/// (workers and the blocking pool) drops all capabilities and is confined with Landlock to the
+/// agent's own mount tree before it runs anything, so the code that parses engine KV-event
+/// frames, engine `/metrics`, controller replies and HTTP requests holds no capability and
+/// cannot open another pod's files ([`crate::privilege::drop_all_and_confine_or_warn`]).
 ///
 /// # Errors
 /// The runtime could not be built.
@@ -174,7 +175,7 @@ pub fn build_runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .on_thread_start(crate::privilege::drop_all_or_warn)
+        .on_thread_start(crate::privilege::drop_all_and_confine_or_warn)
         .build()
 }
 
@@ -240,6 +241,7 @@ pub async fn start_with(
         ),
         None => None,
     };
+    crate::privilege::register_metrics(&state.metrics.registry);
     let checks = CheckRunner::spawn(checks).map_err(RunError::ChecksThread)?;
     let (pass_tx, pass_rx) = watch::channel(0u64);
     let plan_applied = Arc::new(Notify::new());
