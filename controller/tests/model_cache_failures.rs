@@ -748,7 +748,10 @@ async fn a_lost_binding_record_then_a_gate_change_binds_to_the_held_binding() {
     h.reconcile_binding(b.metadata.name.as_deref().unwrap())
         .await
         .unwrap();
-    let after = h.binding(b.metadata.name.as_deref().unwrap()).await.unwrap();
+    let after = h
+        .binding(b.metadata.name.as_deref().unwrap())
+        .await
+        .unwrap();
     assert_eq!(after.references().len(), 1);
 }
 
