@@ -24,7 +24,7 @@ pub struct LookupPolicy {
     pub resync_turns: Option<usize>,
     /// How long an agent that sends coverage heartbeats may stay unheard before its replicas
     /// read Unknown / `HeartbeatMissed` and are not routed (`--coverage-heartbeat-bound-ms`,
-    /// `ingest::heartbeat`); `None`: [`crate::ingest::heartbeat::DEFAULT_BOUND`] (5 s).
+    /// the agent ingest's heartbeat watcher); `None`: [`DEFAULT_COVERAGE_HEARTBEAT_BOUND`].
     pub coverage_heartbeat_bound: Option<std::time::Duration>,
 }
 
@@ -32,9 +32,13 @@ impl LookupPolicy {
     /// [`Self::coverage_heartbeat_bound`] or its default.
     pub fn heartbeat_bound(&self) -> std::time::Duration {
         self.coverage_heartbeat_bound
-            .unwrap_or(crate::ingest::heartbeat::DEFAULT_BOUND)
+            .unwrap_or(DEFAULT_COVERAGE_HEARTBEAT_BOUND)
     }
 }
+
+/// Default of `--coverage-heartbeat-bound-ms`: 5 s, five agent heartbeat intervals
+/// (docs/kv-events.md "Coverage age").
+pub const DEFAULT_COVERAGE_HEARTBEAT_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Everything the gRPC and HTTP services share. Cheap to share behind an `Arc`.
 pub struct Shared {

@@ -22,7 +22,7 @@ use crate::index::{mono_ms, Heard};
 use crate::state::{Shared, WriteHold};
 
 /// Default of `--coverage-heartbeat-bound-ms`: 5 s, five heartbeat intervals.
-pub const DEFAULT_BOUND: Duration = Duration::from_secs(5);
+pub const DEFAULT_BOUND: Duration = crate::state::DEFAULT_COVERAGE_HEARTBEAT_BOUND;
 
 /// The least bound `--coverage-heartbeat-bound-ms` accepts: more than three heartbeat intervals
 /// (a live agent whose heartbeats run late by up to two intervals does not flap).
