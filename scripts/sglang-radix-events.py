@@ -12,7 +12,7 @@ them runs: values are plain lists, the allocator's `free` is a no-op).
 
 DIR holds the wheel's files (`scripts/fetch-sglang-radix.sh` puts them in
 target/ci-cache/sglang/0.5.5); OUT defaults to stdout. The committed output is
-testdata/kv-events/sglang-0.5.5-radix.json, read by agent/tests/kv_sglang_radix.rs.
+testdata/kv-events/radix/sglang-0.5.5.json, read by agent/tests/kv_sglang_radix.rs.
 
 What 0.5.5 does on the wire (read in radix_cache.py): every radix node's first page is sent
 with parent_block_hash None (`node.parent is None or node != self.root_node` is always true),

@@ -1,6 +1,6 @@
 //! SGLang 0.5.5's radix cache through the agent's stream state (issue 39 item 9).
 //!
-//! `testdata/kv-events/sglang-0.5.5-radix.json` holds the batches SGLang 0.5.5's own
+//! `testdata/kv-events/radix/sglang-0.5.5.json` holds the batches SGLang 0.5.5's own
 //! `RadixCache` emits (`scripts/sglang-radix-events.py` runs the wheel's `radix_cache.py` and
 //! encodes each step with its `KVEventBatch`): every radix node's first page is parentless and
 //! page hashes are `hash(tuple(page_tokens))`. The index the stream builds must hold only keys of
@@ -22,7 +22,7 @@ use ic_shared::proto::kv_op::Op;
 const PAGE: u32 = 16;
 
 fn fixture_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events/sglang-0.5.5-radix.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events/radix/sglang-0.5.5.json")
 }
 
 fn fixture() -> serde_json::Value {

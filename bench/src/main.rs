@@ -613,7 +613,7 @@ fn bench_decode(dir: &Path, seconds: f64) -> Result<(f64, usize, usize), String>
                 .map(|e| match e {
                     KvEvent::BlockStored(s) => s.block_hashes.len(),
                     KvEvent::BlockRemoved(r) => r.block_hashes.len(),
-                    KvEvent::AllBlocksCleared => 1,
+                    KvEvent::AllBlocksCleared { .. } => 1,
                 })
                 .sum(),
             Err(_) => 0,

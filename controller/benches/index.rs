@@ -225,7 +225,7 @@ fn main() {
                     .map(|e| match e {
                         KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
                         KvEvent::BlockRemoved(r) => r.block_hashes.len() as u64,
-                        KvEvent::AllBlocksCleared => 1,
+                        KvEvent::AllBlocksCleared { .. } => 1,
                     })
                     .sum::<u64>()
             })

@@ -28,7 +28,7 @@ fn identity(e: &KvEvent) -> (u8, Vec<u64>, Option<u64>, Vec<u32>, u32, Option<u3
             s.group_idx,
         ),
         KvEvent::BlockRemoved(r) => (1, r.block_hashes.clone(), None, Vec::new(), 0, r.group_idx),
-        KvEvent::AllBlocksCleared => (2, Vec::new(), None, Vec::new(), 0, None),
+        KvEvent::AllBlocksCleared { .. } => (2, Vec::new(), None, Vec::new(), 0, None),
     }
 }
 

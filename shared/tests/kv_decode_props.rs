@@ -122,7 +122,7 @@ fn event() -> impl Strategy<Value = KvEvent> {
     prop_oneof![
         stored().prop_map(KvEvent::BlockStored),
         removed().prop_map(KvEvent::BlockRemoved),
-        Just(KvEvent::AllBlocksCleared),
+        Just(KvEvent::AllBlocksCleared { medium: None }),
     ]
 }
 
@@ -256,7 +256,7 @@ fn identity(e: &KvEvent) -> (u8, Vec<u64>, Option<u64>, Vec<u32>, u32, Option<u3
             s.group_idx,
         ),
         KvEvent::BlockRemoved(r) => (1, r.block_hashes.clone(), None, Vec::new(), 0, r.group_idx),
-        KvEvent::AllBlocksCleared => (2, Vec::new(), None, Vec::new(), 0, None),
+        KvEvent::AllBlocksCleared { .. } => (2, Vec::new(), None, Vec::new(), 0, None),
     }
 }
 

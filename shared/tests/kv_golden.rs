@@ -165,7 +165,7 @@ fn check_event(ctx: &str, got: &KvEvent, want: &Json) {
                 "ownership" => assert_eq!(opt_str(&r.ownership), *exp, "{ctx}"),
                 other => panic!("{ctx}: expected field {other} is not decoded"),
             },
-            KvEvent::AllBlocksCleared => panic!("{ctx}: AllBlocksCleared has no fields"),
+            KvEvent::AllBlocksCleared { .. } => panic!("{ctx}: AllBlocksCleared has no fields"),
         }
     }
 }
@@ -297,7 +297,7 @@ fn chaining_along_engine_events_equals_chain_over_the_tokens() {
                 let payload = unhex(live["frames_hex"][2].as_str().unwrap());
                 for ev in decode_batch(&payload).unwrap().events {
                     let s = match ev {
-                        KvEvent::AllBlocksCleared => {
+                        KvEvent::AllBlocksCleared { .. } => {
                             known.clear();
                             continue;
                         }

@@ -363,7 +363,10 @@ pub fn event_json(e: &KvEvent) -> Value {
     match e {
         KvEvent::BlockStored(s) => stored_json(s),
         KvEvent::BlockRemoved(r) => removed_json(r),
-        KvEvent::AllBlocksCleared => json!({ "type": "AllBlocksCleared" }),
+        KvEvent::AllBlocksCleared { medium: None } => json!({ "type": "AllBlocksCleared" }),
+        KvEvent::AllBlocksCleared { medium: Some(m) } => {
+            json!({ "type": "AllBlocksCleared", "medium": m })
+        }
     }
 }
 
@@ -428,7 +431,7 @@ pub fn block_events(b: &EventBatch) -> usize {
         .map(|e| match e {
             KvEvent::BlockStored(s) => s.block_hashes.len(),
             KvEvent::BlockRemoved(r) => r.block_hashes.len(),
-            KvEvent::AllBlocksCleared => 1,
+            KvEvent::AllBlocksCleared { .. } => 1,
         })
         .sum()
 }

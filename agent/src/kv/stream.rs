@@ -46,7 +46,11 @@
 //!   medium drops the offload copy. A block with no copy left is forgotten (its key is kept in a
 //!   bounded tombstone list so a child stored later can still chain from it). Removal of an
 //!   unknown hash is ignored.
-//! - **AllBlocksCleared**: clear the replica (one `Clear` op, reason `AllBlocksCleared`).
+//! - **AllBlocksCleared** is tier-scoped: unscoped or `GPU`, the GPU copies go (with `keeps_l2`
+//!   the block stays at T2) and offload copies stay, unless the engine keeps them in its own host
+//!   memory (`CPU_PINNED`, SGLang HiCache: a full clear); another medium drops only the offload
+//!   copies. When nothing is left, the replica is cleared (one `Clear` op, reason
+//!   `AllBlocksCleared`).
 //! - **Hybrid models**: only full-prefix groups are indexed — events whose
 //!   `kv_cache_spec_kind` is `full_attention`, `mla_attention` or `sink_full_attention`, or, when
 //!   the kind is absent, group 0 (or no group). Sliding-window, Mamba, cross-attention groups are
@@ -71,6 +75,10 @@ use ic_shared::kv::content_key::{block_key, ROOT};
 use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::{sglang, BlockRemoved, BlockStored, EventBatch, KvEvent};
 use ic_shared::proto::{kv_op, BlockEntry, ClearOp, KvOp, RemoveOp, StoreOp, Tier};
+
+/// The medium of SGLang HiCache's host pool (`BlockStored` of a write to host memory): offload
+/// copies the engine keeps in its own memory.
+pub const MEDIUM_CPU_PINNED: &str = "CPU_PINNED";
 
 /// Clear reason for an engine `AllBlocksCleared` event.
 pub const CLEAR_ALL_BLOCKS: &str = "AllBlocksCleared";
@@ -136,6 +144,10 @@ pub struct PersistedState {
     /// Content-hashed pages the engine holds could not be placed (not indexed).
     #[serde(default)]
     pub unplaced: bool,
+    /// The engine keeps offload copies in its own host memory (`CPU_PINNED`, SGLang HiCache),
+    /// which its cache reset wipes with the GPU tier.
+    #[serde(default)]
+    pub in_process_host_tier: bool,
     /// Adapter names; blocks refer to them by index.
     pub adapters: Vec<String>,
     /// `(group, engine hash, content key, adapter index or u32::MAX for a partial block, block
@@ -457,6 +469,9 @@ pub struct StreamState {
     /// The content-hashed page stored by the event just before (engine id, its key when placed):
     /// the only parent such a page's link can name.
     prev_page: Option<(BlockId, Option<u64>)>,
+    /// Offload copies live in the engine's own host memory (a `CPU_PINNED` store was seen:
+    /// SGLang HiCache), so an unscoped `AllBlocksCleared` wipes them too.
+    in_process_host_tier: bool,
 }
 
 impl StreamState {
@@ -491,6 +506,7 @@ impl StreamState {
             tree_known: false,
             unplaced: false,
             prev_page: None,
+            in_process_host_tier: false,
         }
     }
 
@@ -643,6 +659,7 @@ impl StreamState {
             events_lost: self.events_lost,
             tree_known: self.tree_known,
             unplaced: self.unplaced,
+            in_process_host_tier: self.in_process_host_tier,
             adapters,
             blocks,
             tombstones,
@@ -736,6 +753,7 @@ impl StreamState {
         st.events_lost = p.events_lost;
         st.tree_known = p.tree_known;
         st.unplaced = p.unplaced;
+        st.in_process_host_tier = p.in_process_host_tier;
         Some(st)
     }
 
@@ -890,7 +908,9 @@ impl StreamState {
                     self.prev_page = None;
                     self.on_removed(r, &mut report)
                 }
-                KvEvent::AllBlocksCleared => self.clear(CLEAR_ALL_BLOCKS),
+                KvEvent::AllBlocksCleared { medium } => {
+                    self.on_cleared(medium.as_deref(), &mut report)
+                }
             }
         }
         if let Some(gap_seq) = self.stale {
@@ -995,6 +1015,9 @@ impl StreamState {
 
     fn on_stored(&mut self, s: &BlockStored, report: &mut ApplyReport) {
         let gpu_medium = is_gpu(s.medium.as_deref());
+        if s.medium.as_deref() == Some(MEDIUM_CPU_PINNED) {
+            self.in_process_host_tier = true;
+        }
         if s.token_ids.is_empty() {
             // Placeholder: medium update of known blocks (of any indexed group; placeholders
             // may lack the kind).
@@ -1121,6 +1144,45 @@ impl StreamState {
                     }
                 }
             }
+        }
+    }
+
+    /// `AllBlocksCleared`, scoped to the tier `medium` names (issue 39 item 12):
+    ///
+    /// - unscoped or `GPU`: the engine's GPU cache was reset. Every GPU copy goes; with the
+    ///   plan's `keeps_l2` the block keeps an offload copy (the L2 still holds it, as for a GPU
+    ///   `BlockRemoved`); offload copies from events stay (the reset does not reach an offload
+    ///   tier) — except when the engine keeps them in its own host memory
+    ///   ([`MEDIUM_CPU_PINNED`], SGLang HiCache, whose reset clears it too): a full clear;
+    /// - another medium: only offload copies go; GPU copies stay.
+    ///
+    /// Entries move by ordinary ops (`Store` T2, `Remove`); when nothing is left the replica is
+    /// cleared (one `Clear` op) and its state is known again.
+    fn on_cleared(&mut self, medium: Option<&str>, report: &mut ApplyReport) {
+        let gpu_tier = is_gpu(medium);
+        self.prev_page = None;
+        if gpu_tier && self.in_process_host_tier && medium.is_none() {
+            self.clear(CLEAR_ALL_BLOCKS);
+            return;
+        }
+        let keeps_l2 = self.cfg.keeps_l2;
+        let ids: Vec<BlockId> = self.blocks.keys().chain(self.orphans.keys()).copied().collect();
+        for id in ids {
+            self.update_media(id, report, |gpu, off| {
+                if gpu_tier {
+                    if *gpu > 0 {
+                        *gpu = 0;
+                        if keeps_l2 {
+                            *off = (*off).max(1);
+                        }
+                    }
+                } else {
+                    *off = 0;
+                }
+            });
+        }
+        if self.blocks.is_empty() && self.orphans.is_empty() {
+            self.clear(CLEAR_ALL_BLOCKS);
         }
     }
 
@@ -1752,7 +1814,7 @@ mod tests {
             Coverage::new(CoverageState::Partial, coverage::HASH_COLLISION)
         );
         // AllBlocksCleared makes the state known again.
-        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), 0);
+        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared { medium: None }]), 0);
         assert_eq!(st.coverage(), Coverage::EXACT);
     }
 
@@ -1784,7 +1846,7 @@ mod tests {
         assert!(ops.is_empty());
         assert!(!st.has_pending());
         // A clear by the engine (AllBlocksCleared) leaves nothing unknown; the tail flag too.
-        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared]), 0);
+        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared { medium: None }]), 0);
         assert_eq!(st.coverage(), Coverage::EXACT);
         // An unhealed gap is Partial/SequenceGap until the engine's state is known again.
         st.mark_gap(9);
@@ -1965,7 +2027,7 @@ mod tests {
 
         st.apply(
             0,
-            &batch(vec![stored(&[1], None, 0..16), KvEvent::AllBlocksCleared]),
+            &batch(vec![stored(&[1], None, 0..16), KvEvent::AllBlocksCleared { medium: None }]),
             0,
         );
         let (_, ops, _) = st.take_delta().unwrap();

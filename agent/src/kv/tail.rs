@@ -278,7 +278,8 @@ fn event_line(e: &KvEvent) -> String {
             }
             line
         }
-        KvEvent::AllBlocksCleared => "AllBlocksCleared".to_string(),
+        KvEvent::AllBlocksCleared { medium: None } => "AllBlocksCleared".to_string(),
+        KvEvent::AllBlocksCleared { medium: Some(m) } => format!("AllBlocksCleared medium={m}"),
     }
 }
 

@@ -71,6 +71,11 @@ pub const BLOCK_STORED_FIELDS: &[&str] = &[
     "lookahead_token_ids",
 ];
 
+/// Field order of `AllBlocksCleared` in array-encoded events: no release in
+/// `docs/kv-event-wire.md`'s range sends a field; a `medium` (map key, or the first element after
+/// the tag) scopes the clear to one tier (issue 39 item 12).
+pub const ALL_BLOCKS_CLEARED_FIELDS: &[&str] = &["medium"];
+
 /// Field order of `BlockRemoved` in array-encoded events.
 pub const BLOCK_REMOVED_FIELDS: &[&str] = &[
     "block_hashes",
@@ -112,8 +117,13 @@ pub enum KvEvent {
     BlockStored(BlockStored),
     /// Blocks were evicted from a medium.
     BlockRemoved(BlockRemoved),
-    /// The engine reset its prefix cache: the replica holds nothing.
-    AllBlocksCleared,
+    /// The engine reset its prefix cache. `medium`: `None` (every release so far) — the cache
+    /// the engine's own reset clears; `Some(m)` — only medium `m` (`GPU`, `CPU`, …) was wiped
+    /// (a tier-scoped clear; an unexpected type reads as `None`).
+    AllBlocksCleared {
+        /// The medium wiped, when the event names one.
+        medium: Option<String>,
+    },
 }
 
 impl KvEvent {
@@ -122,7 +132,7 @@ impl KvEvent {
         match self {
             KvEvent::BlockStored(_) => "BlockStored",
             KvEvent::BlockRemoved(_) => "BlockRemoved",
-            KvEvent::AllBlocksCleared => "AllBlocksCleared",
+            KvEvent::AllBlocksCleared { .. } => "AllBlocksCleared",
         }
     }
 }
@@ -342,7 +352,9 @@ fn decode_event(raw: &Value) -> Result<KvEvent, DecodeError> {
         "BlockRemoved" => {
             decode_removed(&body.fields(BLOCK_REMOVED_FIELDS)).map(KvEvent::BlockRemoved)
         }
-        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared {
+            medium: opt_string(body.fields(ALL_BLOCKS_CLEARED_FIELDS).get("medium")),
+        }),
         other => Err(DecodeError::UnknownTag(truncate(other, 64))),
     }
 }
@@ -550,7 +562,14 @@ fn encode_event(e: &KvEvent, shape: EventShape) -> Value {
                 ("ownership", opt_str_value(&r.ownership)),
             ],
         ),
-        KvEvent::AllBlocksCleared => ("AllBlocksCleared", Vec::new()),
+        // No field when unscoped: the engines send `["AllBlocksCleared"]`.
+        KvEvent::AllBlocksCleared { medium } => (
+            "AllBlocksCleared",
+            medium
+                .iter()
+                .map(|m| ("medium", Value::from(m.as_str())))
+                .collect(),
+        ),
     };
     match shape {
         EventShape::Array => {
@@ -647,7 +666,7 @@ mod tests {
             ]),
         ]));
         let b = decode_batch(&payload).unwrap();
-        assert_eq!(b.events, vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(b.events, vec![KvEvent::AllBlocksCleared { medium: None }]);
         let reasons: Vec<_> = b
             .skipped
             .iter()

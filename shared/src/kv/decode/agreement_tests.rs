@@ -175,7 +175,8 @@ fn batch() -> impl Strategy<Value = EventBatch> {
             prop_oneof![
                 stored().prop_map(KvEvent::BlockStored),
                 removed().prop_map(KvEvent::BlockRemoved),
-                Just(KvEvent::AllBlocksCleared),
+                prop::option::of(prop_oneof![Just("GPU"), Just("CPU"), Just("STORAGE")])
+                    .prop_map(|m| KvEvent::AllBlocksCleared { medium: m.map(str::to_string) }),
             ],
             0..6,
         ),
@@ -783,5 +784,5 @@ fn skipped_events_are_decided_on_the_fast_path_with_the_reference_reasons() {
             (9, DecodeError::BadHash("block_hashes")),
         ]
     );
-    assert_eq!(got.events, vec![KvEvent::AllBlocksCleared]);
+    assert_eq!(got.events, vec![KvEvent::AllBlocksCleared { medium: None }]);
 }

@@ -140,6 +140,9 @@ const STORED_ORDER: [Field; 15] = [
     Field::LookaheadTokenIds,
 ];
 
+/// Positional order of `AllBlocksCleared` array events (mirrors `ALL_BLOCKS_CLEARED_FIELDS`).
+const CLEARED_ORDER: [Field; 1] = [Field::Medium];
+
 /// Positional order of `BlockRemoved` array events (mirrors `BLOCK_REMOVED_FIELDS`).
 const REMOVED_ORDER: [Field; 5] = [
     Field::BlockHashes,
@@ -285,7 +288,9 @@ impl Slots {
                 locality: self.locality,
                 ownership: self.ownership,
             })),
-            Kind::Cleared => Ok(KvEvent::AllBlocksCleared),
+            Kind::Cleared => Ok(KvEvent::AllBlocksCleared {
+                medium: self.medium,
+            }),
         }
     }
 }
@@ -621,7 +626,8 @@ impl<'a> Reader<'a> {
         let order: &[Field] = match kind {
             Ok(Kind::Stored) => &STORED_ORDER,
             Ok(Kind::Removed) => &REMOVED_ORDER,
-            Ok(Kind::Cleared) | Err(_) => &[],
+            Ok(Kind::Cleared) => &CLEARED_ORDER,
+            Err(_) => &[],
         };
         let mut slots = Slots::new();
         let mut pos = 0usize;
@@ -785,7 +791,7 @@ mod tests {
         p.push(0xc0);
         assert_eq!(
             decode_batch(&p).unwrap().events,
-            vec![KvEvent::AllBlocksCleared]
+            vec![KvEvent::AllBlocksCleared { medium: None }]
         );
         let mut deeper = vec![0x92, 0x01, 0x91, 0x92, 0xb0];
         deeper.extend_from_slice(b"AllBlocksCleared");
@@ -795,7 +801,7 @@ mod tests {
         // The reference path still decides it.
         assert_eq!(
             crate::kv::decode::decode_batch(&deeper).unwrap().events,
-            vec![KvEvent::AllBlocksCleared]
+            vec![KvEvent::AllBlocksCleared { medium: None }]
         );
     }
 }
