@@ -5,6 +5,8 @@
 //! - [`admission`] — the AdmissionReview server and its logic.
 //! - [`catalog`] — the storage capability catalog of the model cache.
 //! - [`crdgen`] — CRD manifests for `chart/crds`.
+//! - [`engine`] — what an engine pod says about itself: its engine container, parsed command and
+//!   flag meanings (below [`admission`], [`adapters`] and the node plans).
 //! - [`index`] — the KV-prefix index and lookups.
 //! - [`ingest`] — the agents' gRPC stream.
 //! - [`router`] — `RouterService.LookupRoute`.
@@ -24,6 +26,7 @@ pub mod catalog;
 pub mod crddoc;
 pub mod crdgen;
 pub mod crdupgrade;
+pub mod engine;
 pub mod http;
 pub mod incluster;
 pub mod index;

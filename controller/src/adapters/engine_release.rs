@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use ic_shared::crd::Runtime;
 
-use super::command::EngineCommand;
+use crate::engine::command::EngineCommand;
 use super::InjectError;
 
 /// Pod annotation recording the engine's release as its own `--version` prints it (`0.11.1`,

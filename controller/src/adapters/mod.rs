@@ -17,7 +17,6 @@
 //! command lines are found and edited by [`command`]; `spec.integration.engineOverrides` is
 //! applied by [`overrides`].
 
-pub mod command;
 pub mod converge;
 pub mod engine_release;
 pub mod overrides;
@@ -33,7 +32,7 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, Pod, SeccompProfile, SecurityContext,
 };
 
-pub use command::{CommandError, CommandForm, EngineCommand};
+use crate::engine::command::{CommandError, EngineCommand};
 pub use providers::{resolve_binding, Binding, BindingError, EndpointError};
 
 /// The structured binding a storage-provider adapter emits (spec: `lm`, `resp`, `mooncakestore`).

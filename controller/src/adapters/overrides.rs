@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ic_shared::crd::{EngineOverrides, Runtime};
 use k8s_openapi::api::core::v1::{Container, EnvVar};
 
-use super::command::{normalize_flag, Edit, EngineCommand, FlagOcc};
+use crate::engine::command::{normalize_flag, Edit, EngineCommand, FlagOcc};
 use super::InjectError;
 
 /// Flags and env of an engine container at one moment.

@@ -24,7 +24,7 @@
 use ic_shared::crd::{CacheType, EngineOverrides, HiCacheSpec, Runtime};
 use k8s_openapi::api::core::v1::{Container, Pod};
 
-use super::command::{normalize_flag, Edit, EngineCommand};
+use crate::engine::command::{normalize_flag, Edit, EngineCommand};
 use super::{
     engine_mut, engine_ref, user_containers, BindingKind, InjectContext, InjectError, InjectReport,
     RuntimeAdapter,

@@ -32,7 +32,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::command::{Edit, EngineCommand};
+use crate::engine::command::{Edit, EngineCommand};
 use super::{
     engine_image_security_context, engine_mut, engine_ref, env_var, is_rendered, parse_quantity,
     upsert_env, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,

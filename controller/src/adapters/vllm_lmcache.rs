@@ -33,7 +33,7 @@ use ic_shared::crd::{CacheType, IntegrationRole, Runtime};
 use k8s_openapi::api::core::v1::{Container, Pod, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::command::{Edit, EngineCommand};
+use crate::engine::command::{Edit, EngineCommand};
 use super::{
     default_env, engine_image_security_context, engine_mut, engine_ref, env_var, gib_text,
     host_memory_gib, is_rendered, requests_gpu, upsert_env, BindingKind, InjectContext,

@@ -35,7 +35,7 @@ use ic_shared::crd::Runtime;
 use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::host_ports::Listener;
-use crate::adapters::command::{CommandForm, EngineCommand};
+use crate::engine::command::{CommandForm, EngineCommand};
 use crate::reconcile::nodes::plans::{dp_ranks, flag_value, KvEventsConfig};
 
 /// One stream the subscriber follows: a data-parallel rank's publisher as seen from inside the

@@ -56,8 +56,9 @@ use crate::adapters::overrides::{apply_overrides, snapshot};
 use crate::adapters::sglang_lmcache_mp::WORKER_CONTAINER;
 use crate::adapters::{
     binding_label, env_var, hardened_security_context, is_rendered, resolve_binding,
-    select_engine_by_command, EngineCommand, InjectContext, Registry, ENV_COMPONENT,
+    select_engine_by_command, InjectContext, Registry, ENV_COMPONENT,
 };
+use crate::engine::command::EngineCommand;
 use crate::reconcile::nodes::plans;
 
 /// Pod annotation stamped on a wired pod: `<namespace>/<name>` of the CacheBackend.

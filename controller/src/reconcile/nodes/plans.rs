@@ -65,7 +65,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::ResourceExt;
 use serde::Deserialize;
 
-use crate::adapters::command::{normalize_flag, EngineCommand};
+use crate::engine::command::{normalize_flag, EngineCommand};
 use crate::adapters::select_engine_by_command;
 use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, WIRED_SPEC};
 use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
@@ -650,7 +650,7 @@ pub fn resolved_rank_args(
         .iter()
         .map(|f| normalize_flag(f))
         .collect();
-    let shell = cmd.form == crate::adapters::command::CommandForm::Shell;
+    let shell = cmd.form == crate::engine::command::CommandForm::Shell;
     let mut out = Vec::with_capacity(texts.len());
     let mut unknown = Vec::new();
     let mut i = 0;
