@@ -49,7 +49,6 @@ use crate::ingest::registry::NodeRecord;
 use crate::reconcile::cachebackend::path::{classify, BackendPath};
 
 use super::cachenode::vouches_for_nothing;
-use super::plans::backend_key;
 
 /// The condition type (`NodeHealthy`).
 pub const CONDITION_TYPE: &str = backend_condition::NODE_HEALTHY;
@@ -441,8 +440,10 @@ pub async fn sync_advisories(
 ) -> AdvisoryReport {
     let mut report = AdvisoryReport::default();
     for cb in backends {
-        let key = backend_key(cb);
         let ns = cb.namespace().unwrap_or_default();
+        // `namespace/name`, as the node plans key backends (not through `plans`: that would tie
+        // this file into the engine-pod import circle, scripts/check-imports.py).
+        let key = format!("{ns}/{}", cb.name_any());
         let api: Api<CacheBackend> = Api::namespaced(client.clone(), &ns);
         let mut obj = cb.clone();
         for attempt in 0..2 {
