@@ -378,10 +378,9 @@ async fn an_empty_replay_buffer_neither_wipes_nor_claims_exact() {
         s.blocks_held
     );
     assert_eq!(s.blocks_held, 2, "an empty replay buffer wipes nothing");
-    assert_eq!(
-        (s.coverage, s.coverage_reason),
-        ("Partial", Some("TailUnverified"))
-    );
+    // An empty buffer can never vouch for a tail: like an engine without a replay endpoint,
+    // only a loss seen locally (queue drops) makes it unverified (Stale, unrouted); none here.
+    assert_eq!((s.coverage, s.coverage_reason), ("Exact", None));
 }
 
 /// A restored stream whose first anchored replay fails is never checked again while the engine

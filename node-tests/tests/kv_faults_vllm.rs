@@ -640,6 +640,9 @@ enum ReplayPath {
     Slow,
     /// Accepts and closes at once: the replay socket cannot be reached.
     Unreachable,
+    /// Reads the engine's replies 1 KiB per 5 ms: a long replay backs up in the engine's
+    /// ROUTER, which drops what passes its send high-water mark (vLLM 0.24: holes).
+    Throttled,
 }
 
 /// A loopback TCP relay planned as the stream's replay endpoint, forwarding to the engine's
@@ -678,8 +681,16 @@ impl ReplayRelay {
                         let _ = tokio::io::copy(&mut cr, &mut ew).await;
                     });
                     let mut buf = vec![0u8; 64 << 10];
+                    let chunk = if mode == ReplayPath::Throttled {
+                        1 << 10
+                    } else {
+                        buf.len()
+                    };
                     loop {
-                        let n = match er.read(&mut buf).await {
+                        if mode == ReplayPath::Throttled {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        let n = match er.read(&mut buf[..chunk]).await {
                             Ok(0) | Err(_) => break,
                             Ok(n) => n,
                         };
@@ -838,4 +849,288 @@ async fn an_engine_restart_during_an_agent_restart_with_an_unreachable_replay_is
 async fn an_engine_restart_during_an_agent_restart_with_an_unreachable_replay_is_never_routed_as_the_old_one_024(
 ) {
     restart_during_agent_restart("0.24.0", ReplayPath::Unreachable).await;
+}
+
+// ---- Issue 37 items 3, 4 and 5: no stale entry routed, tail checks off the hot path, and
+// every Partial state heals once the engine answers again.
+
+/// The index keys of stream `i` that the engine no longer holds and a lookup still routes to
+/// `vllm-i` (a wrong answer), and how many such keys the index holds at all.
+fn routed_stale(c: &Controller, i: usize, truth: &BTreeSet<u64>) -> (usize, usize) {
+    let keys = index_keys(c, i).unwrap_or_default();
+    let extra: Vec<u64> = keys.difference(truth).copied().collect();
+    let ix = c.shared.index.read();
+    let replica = format!("vllm-{i}");
+    let routed = extra
+        .iter()
+        .filter(|k| {
+            ix.lookup(&LookupQuery {
+                content_keys: vec![**k],
+                block_size: Some(BS),
+                ..Default::default()
+            })
+            .replicas
+            .iter()
+            .any(|m| m.replica() == replica)
+        })
+        .count();
+    (routed, extra.len())
+}
+
+/// Item 5: once recovered, the stream's `lastError` is gone (the history keeps it).
+fn assert_error_cleared(agent: &AgentProc) {
+    let st = &agent.state().hub.status()[0];
+    assert!(
+        st.last_error.is_none(),
+        "lastError outlived the recovery: {:?}",
+        st.last_error
+    );
+}
+
+/// One engine behind a replay relay the test controls, an agent (with a state dir), a
+/// controller; the engine has run `warm` steps and the index is exact.
+async fn relayed(
+    version: &'static str,
+    num_blocks: u32,
+    seed: u64,
+    warm: u32,
+) -> (Controller, Engine, ReplayRelay, AgentProc, NodePlan, tempfile::TempDir) {
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let controller = start_controller(grpc).await;
+    let ps = ports(1);
+    let relay = ReplayRelay::start(ps[0].1).await;
+    let plan = plan(&[(ps[0].0, relay.port)]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = Engine::start(
+        &EngineOpts {
+            num_blocks,
+            ..opts(version, 10_000, seed)
+        },
+        ps[0].0,
+        ps[0].1,
+    );
+    let agent = start_agent(grpc, &plan, Some(dir.path()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    engine.steps(warm, 2, false);
+    let t = engine.truth();
+    converge(&controller, 0, &t, Duration::from_secs(10)).await;
+    (controller, engine, relay, agent, plan, dir)
+}
+
+/// Item 3: a tail lost to the HWM (batches with removals) while the replay socket is
+/// unreachable. The tail check fails; the entries still hold blocks the engine evicted in the
+/// lost batches, so the replica must not be routed (today: Partial TailUnverified, routed). Once
+/// the replay answers, the next check makes it Exact.
+async fn tail_loss_unverifiable(version: &'static str) {
+    let (controller, mut engine, relay, agent, _plan, _dir) = relayed(version, 300, 31, 150).await;
+    relay.set(ReplayPath::Unreachable);
+    engine.cmd(json!({"cmd": "drop", "n": 10}));
+    engine.steps(10, 3, false);
+    let t = engine.truth();
+    wait_until("the tail check to fail", Duration::from_secs(30), || {
+        agent.state().hub.status()[0].replays_failed >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (routed, extra) = routed_stale(&controller, 0, &t);
+    let st = agent.state().hub.status()[0].clone();
+    eprintln!(
+        "{version}: tail lost, check failed: agent {}/{:?}, index {:?}, {extra} keys the engine evicted, {routed} routed",
+        st.coverage,
+        st.coverage_reason,
+        coverage(&controller, 0)
+    );
+    assert!(extra > 0, "the lost batches evicted indexed blocks");
+    assert_eq!(
+        routed,
+        0,
+        "{routed} of {extra} evicted blocks routed under {:?}",
+        coverage(&controller, 0)
+    );
+    let back = Instant::now();
+    relay.set(ReplayPath::Pass);
+    let took = converge(&controller, 0, &t, Duration::from_secs(30)).await;
+    eprintln!(
+        "{version}: Exact {:?} after the replay answered again",
+        back.elapsed().max(took)
+    );
+    assert_error_cleared(&agent);
+    agent.kill9();
+    controller.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_tail_that_cannot_be_checked_is_not_routed_and_heals_033() {
+    tail_loss_unverifiable("0.33.0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_tail_that_cannot_be_checked_is_not_routed_and_heals_024() {
+    tail_loss_unverifiable("0.24.0").await;
+}
+
+/// Item 5: the publisher sends its last frame again (same seq, same bytes) while the replay
+/// socket is unreachable. A duplicate is no restart: nothing is cleared, and the stream stays
+/// Exact as the engine goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_sequence_number_is_a_duplicate_not_a_restart() {
+    let (controller, mut engine, relay, agent, _plan, _dir) =
+        relayed("0.33.0", 2048, 32, 100).await;
+    relay.set(ReplayPath::Unreachable);
+    let resyncs = agent.state().hub.status()[0].resyncs;
+    engine.cmd(json!({"cmd": "repeat"}));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    engine.steps(20, 2, false);
+    let t = engine.truth();
+    let took = converge(&controller, 0, &t, Duration::from_secs(10)).await;
+    eprintln!("repeated seq: Exact {took:?} after the next batches");
+    let st = &agent.state().hub.status()[0];
+    assert_eq!(st.resyncs, resyncs, "a duplicate cleared the replica: {st:?}");
+    agent.kill9();
+    controller.stop().await;
+}
+
+/// Item 5: a gap whose replay fails (the replay socket unreachable) leaves the replica Partial;
+/// once the replay answers again, it is Exact by itself (a full replay from seq 0, which the
+/// engine's buffer still holds), with `lastError` cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_gap_replay_heals_once_the_replay_answers_again() {
+    let (controller, mut engine, relay, agent, _plan, _dir) =
+        relayed("0.33.0", 2048, 33, 100).await;
+    relay.set(ReplayPath::Unreachable);
+    engine.cmd(json!({"cmd": "drop", "n": 5}));
+    engine.steps(25, 2, false);
+    wait_until("the gap replay to fail", Duration::from_secs(30), || {
+        let st = &agent.state().hub.status()[0];
+        st.gaps >= 1 && st.replays_failed >= 1
+    })
+    .await;
+    let t = engine.truth();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (routed, _) = routed_stale(&controller, 0, &t);
+    assert_eq!(routed, 0, "stale blocks routed after a failed gap replay");
+    eprintln!("failed gap replay: {:?}", coverage(&controller, 0));
+    let back = Instant::now();
+    relay.set(ReplayPath::Pass);
+    let took = converge(&controller, 0, &t, Duration::from_secs(30)).await;
+    eprintln!(
+        "failed gap replay: Exact {:?} after the replay answered again",
+        back.elapsed().max(took)
+    );
+    assert_error_cleared(&agent);
+    agent.kill9();
+    controller.stop().await;
+}
+
+/// Item 5: an agent resumed from kept state 6 000 batches behind a vLLM 0.24 engine, through a
+/// replay path slower than the engine sends (its ROUTER keeps the default send HWM of 1 000),
+/// gets a replay that does not finish within the attach deadline. The kept state is verified by
+/// its anchor and must not be thrown away, nor the run already received (before: every attempt
+/// ran into the deadline and was discarded — never verified, never routed); it is Exact once the
+/// rest is replayed from later anchors, and nothing was cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_024_resume_whose_replay_has_holes_keeps_its_state_and_becomes_exact() {
+    let (controller, mut engine, relay, agent, plan, dir) =
+        relayed("0.24.0", 2048, 34, 200).await;
+    wait_until(
+        "the kept state to reach the last seq",
+        Duration::from_secs(15),
+        || {
+            let st = &agent.state().hub.status()[0];
+            st.last_seq.is_some() && st.kept_seq == st.last_seq
+        },
+    )
+    .await;
+    agent.kill9();
+    engine.steps(6000, 2, false);
+    let t = engine.truth();
+    relay.set(ReplayPath::Throttled);
+    let back = Instant::now();
+    let grpc = controller.grpc;
+    let agent = start_agent(grpc, &plan, Some(dir.path()));
+    let took = converge(&controller, 0, &t, Duration::from_secs(90)).await;
+    let st = agent.state().hub.status()[0].clone();
+    eprintln!(
+        "0.24 resume 6 000 batches behind, throttled replay: Exact {:?} after the agent started ({} replays, {} resyncs)",
+        back.elapsed().max(took),
+        st.replays,
+        st.resyncs
+    );
+    assert_eq!(st.resyncs, 0, "the kept state was thrown away: {st:?}");
+    agent.kill9();
+    controller.stop().await;
+}
+
+/// Item 5: an agent that starts while the engine's replay socket is unreachable cannot
+/// bootstrap (Partial BootstrapIncomplete); once the replay answers, a complete bootstrap makes
+/// it Exact (today: Partial for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_bootstrap_followed_by_a_complete_one_is_exact() {
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let controller = start_controller(grpc).await;
+    let ps = ports(1);
+    let relay = ReplayRelay::start(ps[0].1).await;
+    let plan = plan(&[(ps[0].0, relay.port)]);
+    let mut engine = Engine::start(&opts("0.33.0", 10_000, 35), ps[0].0, ps[0].1);
+    std::thread::sleep(Duration::from_millis(300));
+    engine.steps(200, 2, false);
+    relay.set(ReplayPath::Unreachable);
+    let agent = start_agent(grpc, &plan, None);
+    wait_until("the bootstrap to fail", Duration::from_secs(30), || {
+        agent.state().hub.status()[0].replays_failed >= 1
+    })
+    .await;
+    engine.steps(5, 2, false);
+    let t = engine.truth();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    eprintln!("failed bootstrap: {:?}", coverage(&controller, 0));
+    let back = Instant::now();
+    relay.set(ReplayPath::Pass);
+    let took = converge(&controller, 0, &t, Duration::from_secs(30)).await;
+    eprintln!(
+        "failed bootstrap: Exact {:?} after the replay answered again",
+        back.elapsed().max(took)
+    );
+    assert_error_cleared(&agent);
+    agent.kill9();
+    controller.stop().await;
+}
+
+/// Item 4: a routine tail check whose replay answers slowly (4 s per chunk) must not hold back
+/// live batches: the engine's next batches are indexed while it waits, and the check shows
+/// Healing once it runs past its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tail_check_does_not_hold_back_live_batches() {
+    let (controller, mut engine, relay, agent, _plan, _dir) =
+        relayed("0.33.0", 2048, 36, 100).await;
+    relay.set(ReplayPath::Slow);
+    // One batch, then idle past the first tail check (300 ms), which waits on the slow replay
+    // (4 s per chunk; the agent gives up after 3 s per reply).
+    engine.steps(1, 2, false);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let during = agent.state().hub.status()[0].clone();
+    engine.steps(20, 2, false);
+    let t = engine.truth();
+    let sent = Instant::now();
+    wait_until(
+        "the new batches to be indexed",
+        Duration::from_secs(30),
+        || index_keys(&controller, 0).as_ref() == Some(&t),
+    )
+    .await;
+    let took = sent.elapsed();
+    let after = agent.state().hub.status()[0].clone();
+    eprintln!(
+        "slow tail check: coverage {} while it ran; live batches indexed {took:?} after they were sent (failed checks {} -> {})",
+        during.coverage, during.replays_failed, after.replays_failed
+    );
+    assert_eq!(during.coverage, "Healing", "a check past its bound shows Healing");
+    assert_eq!(
+        after.replays_failed, during.replays_failed,
+        "the live batches waited for the slow check to give up ({took:?})"
+    );
+    relay.set(ReplayPath::Pass);
+    converge(&controller, 0, &t, Duration::from_secs(30)).await;
+    agent.kill9();
+    controller.stop().await;
 }

@@ -26,6 +26,8 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
                                                       high-water mark does)
   {"cmd": "forge", "seq": S}                          send one frame with seq S that the engine
                                                       never produced (not in its buffer)
+  {"cmd": "repeat"}                                   send the last frame sent live again (same
+                                                      seq, same bytes: a duplicate)
   {"cmd": "clear"}                                    reset the prefix cache (AllBlocksCleared)
   {"cmd": "truth"}                                    -> {"blocks": [[prompt id, blocks], …],
                                                       "prompts": {id: [tokens]} (new ones)}
@@ -294,9 +296,11 @@ def main() -> None:
     # enter the replay buffer, as with a full high-water mark.
     drops = {"left": 0}
     real_send = pub._pub.send_multipart
+    last_frames = {"frames": None}
 
     def send(frames, *a, **kw):
         SENT_NS[int.from_bytes(frames[1], "big")] = time.time_ns()
+        last_frames["frames"] = [bytes(f) for f in frames]
         if drops["left"] > 0:
             drops["left"] -= 1
             return None
@@ -332,6 +336,11 @@ def main() -> None:
             payload = kv.msgspec.msgpack.encode(kv.KVEventBatch(ts=time.time(), events=[kv.AllBlocksCleared()]))
             real_send((b"", int(cmd["seq"]).to_bytes(8, "big"), payload))
             reply({"ok": True})
+        elif c == "repeat":
+            pub._event_queue.join()
+            if last_frames["frames"] is not None:
+                real_send(last_frames["frames"])
+            reply({"ok": last_frames["frames"] is not None})
         elif c == "clear":
             pool.clear()
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.AllBlocksCleared()]))

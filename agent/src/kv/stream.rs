@@ -90,6 +90,9 @@ pub const CLEAR_SEQUENCE_GAP: &str = "SequenceGap";
 pub const CLEAR_RANK_MISMATCH: &str = "RankMismatch";
 /// Clear reason when a replay came back with holes and the replica is rebuilt.
 pub const CLEAR_REPLAY_TRUNCATED: &str = "ReplayTruncated";
+/// Clear reason: a Partial replica is rebuilt from a complete replay of the engine's buffer
+/// (from seq 0) — the heal of issue 37 item 5. Not a resync (not counted in `resyncs_total`).
+pub const CLEAR_REBUILT: &str = "Rebuilt";
 
 /// What the subscriber knows of the publisher's socket, for [`StreamState::coverage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -287,6 +290,9 @@ pub const IGNORE_REASONS: &[&str] = &[
     // A live frame that arrived while the attach was not yet verified (applied, if it belongs
     // to the incarnation held, by the verifying replay).
     "unverified",
+    // A live frame with the seq and the bytes of one already applied (a repeated frame): a
+    // duplicate, never an engine restart.
+    "duplicate",
 ];
 
 /// An index entry: what the controller keys a replica's block by (within the stream's tenant,
@@ -511,9 +517,10 @@ impl StreamState {
     }
 
     /// The stream's coverage now, by precedence: EngineDown, Disconnected (the publisher gone, or
-    /// the attach not yet verified: [`LinkState::Unverified`]), Healing, then Partial
-    /// (RankMismatch, the incomplete-history reason, EventsDropped, HashCollision,
-    /// SequenceUnverified, TailUnverified, ParentUnknown while blocks are parked), else Exact.
+    /// the attach not yet verified: [`LinkState::Unverified`]), Healing, Partial RankMismatch
+    /// (nothing indexed), then Stale (EventsDropped, SequenceUnverified, TailUnverified: a
+    /// removal may have been missed), then Partial (the incomplete-history reason,
+    /// HashCollision, ParentUnknown while blocks are parked), else Exact.
     pub fn coverage(&self) -> Coverage {
         match self.link {
             LinkState::EngineDown => {
@@ -534,18 +541,21 @@ impl StreamState {
             LinkState::Up => {}
         }
         let partial = |r| Coverage::new(CoverageState::Partial, r);
+        let stale = |r| Coverage::new(CoverageState::Stale, r);
+        // What may hold blocks the engine no longer has (a missed removal) is Stale — before
+        // any Partial reason, which promises a subset.
         if self.rank_mismatch {
             partial(coverage::RANK_MISMATCH)
+        } else if self.events_lost {
+            stale(coverage::EVENTS_DROPPED)
+        } else if self.suspect {
+            stale(coverage::SEQUENCE_UNVERIFIED)
+        } else if self.tail_unverified {
+            stale(coverage::TAIL_UNVERIFIED)
         } else if let Some(r) = self.incomplete {
             partial(r)
-        } else if self.events_lost {
-            partial(coverage::EVENTS_DROPPED)
         } else if self.collision {
             partial(coverage::HASH_COLLISION)
-        } else if self.suspect {
-            partial(coverage::SEQUENCE_UNVERIFIED)
-        } else if self.tail_unverified {
-            partial(coverage::TAIL_UNVERIFIED)
         } else if !self.orphans.is_empty() || self.unplaced {
             partial(coverage::PARENT_UNKNOWN)
         } else {
@@ -582,6 +592,11 @@ impl StreamState {
     /// Messages may have been lost after the last one received and no replay could check.
     pub fn set_tail_unverified(&mut self, on: bool) {
         self.tail_unverified = on;
+    }
+
+    /// Whether the tail is unverified ([`Self::set_tail_unverified`]).
+    pub fn tail_unverified(&self) -> bool {
+        self.tail_unverified
     }
 
     /// A frame with an implausible sequence number is held back, unverified.
@@ -856,6 +871,19 @@ impl StreamState {
     /// sequence position, so the next message is [`SeqCheck::First`].
     pub fn restart(&mut self) {
         self.clear(CLEAR_ENGINE_RESTARTED);
+        self.last_seq = None;
+        self.stale = None;
+        self.last_digest = None;
+        self.rank_mismatch = false;
+        self.suspect = false;
+    }
+
+    /// Starts over before a rebuild from a complete replay of the engine's buffer (from seq 0):
+    /// clears with `reason` and forgets the sequence position, the anchor, the stale mark and
+    /// every incomplete-history fact, since the replay about to be applied describes the
+    /// engine's whole cache.
+    pub fn start_over(&mut self, reason: &'static str) {
+        self.clear(reason);
         self.last_seq = None;
         self.stale = None;
         self.last_digest = None;
@@ -1818,6 +1846,97 @@ mod tests {
         assert_eq!(st.coverage(), Coverage::EXACT);
     }
 
+    /// Issue 37 item 3: each coverage state's invariant (shared/src/kv/coverage.rs) against a
+    /// ground truth — a pool of root blocks `i` (hash `1000 + i`, tokens `16i..16i+16`) stored
+    /// in batches 0..4 and removed in batches 4..6. Exact = the truth; Partial ⊆ the truth;
+    /// whatever may hold a block the engine removed is Stale and not routed.
+    #[test]
+    fn every_coverage_state_keeps_its_invariant_against_the_ground_truth() {
+        let key = |i: u32| chain(&tokens(16 * i..16 * i + 16), 16)[0];
+        let store = |i: u32| stored(&[1000 + u64::from(i)], None, 16 * i..16 * i + 16);
+        let remove = |i: u32| removed(&[1000 + u64::from(i)], None);
+        let mut batches: Vec<EventBatch> = (0..4)
+            .map(|b| batch((3 * b..3 * b + 3).map(store).collect()))
+            .collect();
+        batches.push(batch((0..3).map(remove).collect()));
+        batches.push(batch((3..6).map(remove).collect()));
+        let truth: BTreeSet<u64> = (6..12).map(key).collect();
+        let entries = |st: &mut StreamState| -> BTreeSet<u64> {
+            st.snapshot().1.into_iter().map(|e| e.content_key).collect()
+        };
+        let run = |from: usize, upto: usize, st: &mut StreamState| {
+            for (seq, b) in batches.iter().enumerate().take(upto).skip(from) {
+                st.apply(seq as u64, b, 0);
+            }
+        };
+        // Exact: nothing missing, nothing extra.
+        let mut st = StreamState::new(StreamConfig::default());
+        run(0, 6, &mut st);
+        assert_eq!(st.coverage(), Coverage::EXACT);
+        assert_eq!(entries(&mut st), truth);
+        // Partial BootstrapIncomplete (the buffer starts at batch 3): a subset, routed.
+        let mut st = StreamState::new(StreamConfig::default());
+        st.set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
+        run(3, 6, &mut st);
+        assert_eq!(st.coverage().state, CoverageState::Partial);
+        let got = entries(&mut st);
+        assert!(got.is_subset(&truth) && got != truth, "{got:?}");
+        // Partial SequenceGap (batches 2..4 lost, the replica cleared): a subset.
+        let mut st = StreamState::new(StreamConfig::default());
+        run(0, 2, &mut st);
+        st.mark_gap(4);
+        run(4, 6, &mut st);
+        assert_eq!(st.coverage().state, CoverageState::Partial);
+        assert!(entries(&mut st).is_subset(&truth));
+        // Stale TailUnverified (batch 5, the last, lost): holds blocks the engine removed, so
+        // it is not routed — even under an incomplete-history reason.
+        let mut st = StreamState::new(StreamConfig::default());
+        run(0, 5, &mut st);
+        st.set_tail_unverified(true);
+        let got = entries(&mut st);
+        assert!(!got.is_subset(&truth), "the lost removals stay: {got:?}");
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Stale, coverage::TAIL_UNVERIFIED)
+        );
+        assert!(!st.coverage().state.routable());
+        st.set_incomplete(Some(coverage::SEQUENCE_GAP));
+        assert_eq!(st.coverage().state, CoverageState::Stale);
+        // Stale EventsDropped (batch 5's removals unreadable): extra blocks, not routed.
+        let mut st = StreamState::new(StreamConfig::default());
+        run(0, 5, &mut st);
+        let mut lost = batch(Vec::new());
+        lost.skipped.push(ic_shared::kv::decode::SkippedEvent {
+            index: 0,
+            error: ic_shared::kv::decode::DecodeError::UnknownTag("BlockRemovedV2".into()),
+        });
+        st.apply(5, &lost, 0);
+        assert!(!entries(&mut st).is_subset(&truth));
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Stale, coverage::EVENTS_DROPPED)
+        );
+        assert!(!st.coverage().state.routable());
+        // Healing: a verified prefix (batches 0..4) while the rest is replayed — extra only
+        // what the batches in flight remove; routed.
+        let mut st = StreamState::new(StreamConfig::default());
+        run(0, 4, &mut st);
+        st.set_link(LinkState::Healing);
+        assert!(st.coverage().state.routable());
+        let in_flight: BTreeSet<u64> = (0..6).map(key).collect();
+        assert!(entries(&mut st)
+            .difference(&truth)
+            .all(|k| in_flight.contains(k)));
+        // A rebuild from a complete replay (the heal) starts over: Exact again.
+        st.set_link(LinkState::Up);
+        st.set_incomplete(Some(coverage::REPLAY_TRUNCATED));
+        st.set_tail_unverified(true);
+        st.start_over(CLEAR_REBUILT);
+        run(0, 6, &mut st);
+        assert_eq!(st.coverage(), Coverage::EXACT);
+        assert_eq!(entries(&mut st), truth);
+    }
+
     #[test]
     fn coverage_precedence_and_coverage_only_deltas() {
         let mut st = StreamState::new(StreamConfig::default());
@@ -1826,10 +1945,18 @@ mod tests {
         st.set_incomplete(Some(coverage::BOOTSTRAP_INCOMPLETE));
         st.set_tail_unverified(true);
         assert!(st.has_pending(), "a coverage change alone is sent");
+        // A tail that may hold a missed removal outranks every Partial reason: Stale, unrouted.
+        assert_eq!(
+            st.coverage(),
+            Coverage::new(CoverageState::Stale, coverage::TAIL_UNVERIFIED)
+        );
+        assert!(!st.coverage().state.routable());
+        st.set_tail_unverified(false);
         assert_eq!(
             st.coverage(),
             Coverage::new(CoverageState::Partial, coverage::BOOTSTRAP_INCOMPLETE)
         );
+        st.set_tail_unverified(true);
         st.set_link(LinkState::Healing);
         assert_eq!(st.coverage().state, CoverageState::Healing);
         st.set_link(LinkState::Disconnected);

@@ -23,12 +23,13 @@
 //!   payload) to the one applied — proof that the engine is still the incarnation we followed,
 //!   whatever its sequence numbers say. Then:
 //!   - **gap** (`seq > L + 1`): the anchored replay fills `L+1..seq`. Holes (vLLM < 0.33 under
-//!     load) rebuild the replica from seq 0 (exact while the engine's buffer still holds it,
-//!     else Partial `ReplayTruncated`); a replay that ends before `seq` asks the engine for `seq`
+//!     load): the contiguous run after `L` is applied and the replay asked again from the new
+//!     anchor (3 times); holes left rebuild the replica from seq 0 (exact while the engine's
+//!     buffer still holds it, else Partial `ReplayTruncated`); a replay that ends before `seq` asks the engine for `seq`
 //!     itself, and a frame the engine never sent is dropped (`forged_seq`) instead of clearing
 //!     anything. Another incarnation clears (`EngineRestarted`) and bootstraps.
-//!   - **seq at or below `L`**: a batch already applied from a replay is skipped; otherwise the
-//!     anchor decides (same incarnation: the frame is dropped as forged; another: restart).
+//!   - **seq at or below `L`**: a batch already applied (from a replay, or live with the same
+//!     bytes: a repeated frame is a duplicate) is skipped; otherwise the anchor decides (same incarnation: the frame is dropped as forged; another: restart).
 //!   - **first message** of an incarnation with seq > 0: *bootstrap* replay from 0; if the
 //!     engine's buffer no longer holds seq 0 (or there is no replay endpoint) the replica is
 //!     Partial `BootstrapIncomplete` until the engine's state is known again.
@@ -44,10 +45,21 @@
 //!     last live message, then every [`SubscriberOptions::idle_verify_interval`]): an anchored
 //!     replay from `L` applies a lost tail and detects an engine that restarted while we were
 //!     away — so a burst that overflowed the publisher's high-water mark heals as soon as the
-//!     engine goes idle.
+//!     engine goes idle. The idle check runs beside live processing (a spawned replay; live
+//!     batches keep flowing, and a live batch applied meanwhile settles the tail, so its result
+//!     is dropped); one that runs past [`SubscriberOptions::routine_check_healing_after`] shows
+//!     Healing. A failed check makes the stream Stale `TailUnverified` (not routed: a lost
+//!     removal would leave a block indexed), checked again every
+//!     [`SubscriberOptions::tail_retry_interval`]. Holes in a check's replay after a verified
+//!     anchor keep the state: the contiguous run is applied, the rest is a tail to check.
+//!   - **heal**: a stream Partial for an incomplete history (`BootstrapIncomplete`,
+//!     `ReplayTruncated`, `SequenceGap`) asks, with the attach back-off, for a full replay from
+//!     seq 0; complete (from 0, no holes) → rebuilt from it, Exact. A buffer that no longer
+//!     starts at 0 (or holds nothing, or more than a replay accepts) cannot heal it: no more
+//!     tries until the engine's state is known again.
 //!   - **without a replay endpoint** an unhealed gap clears the replica (`SequenceGap`, stale
 //!     until a newer batch), except a jump beyond [`SubscriberOptions::suspicious_seq_jump`]:
-//!     that frame is held back (Partial `SequenceUnverified`) until the next frame shows whether
+//!     that frame is held back (Stale `SequenceUnverified`) until the next frame shows whether
 //!     the engine's sequence really moved there.
 //! - a publisher socket gone for [`SubscriberOptions::disconnect_grace`] makes the stream
 //!   Disconnected (no PREFIX_MATCH) until it is back and verified.
@@ -78,7 +90,7 @@ use std::sync::atomic::AtomicUsize;
 use super::metrics::KvMetrics;
 use super::stream::{
     ApplyReport, LinkState, SeqCheck, StreamConfig, StreamState, CLEAR_ENGINE_RESTARTED,
-    CLEAR_REPLAY_TRUNCATED, CLEAR_SEQUENCE_GAP,
+    CLEAR_REBUILT, CLEAR_REPLAY_TRUNCATED, CLEAR_SEQUENCE_GAP,
 };
 use super::zmtp_guard::{self, Dropped, GuardListener, Guarded, OnDrop, ZmtpLimits};
 
@@ -154,8 +166,16 @@ pub struct SubscriberOptions {
     /// [`SubscriberOptions::attach_retry_max`], and never give up.
     pub attach_retry_initial: Duration,
     /// Longest wait between attach verification attempts (default 2 s; jitter adds up to as
-    /// much again).
+    /// much again). The heal of a Partial stream (a full replay from seq 0) is retried on the
+    /// same schedule.
     pub attach_retry_max: Duration,
+    /// How long an idle tail check may run beside live processing before the stream shows
+    /// Healing (default 1 s).
+    pub routine_check_healing_after: Duration,
+    /// How often a stream that is Stale `TailUnverified` (a failed tail check) is checked again
+    /// (default 1 s; an idle stream otherwise every
+    /// [`SubscriberOptions::idle_verify_interval`]).
+    pub tail_retry_interval: Duration,
 }
 
 impl Default for SubscriberOptions {
@@ -179,6 +199,8 @@ impl Default for SubscriberOptions {
             attach_verify_deadline: Duration::from_secs(30),
             attach_retry_initial: Duration::from_millis(250),
             attach_retry_max: Duration::from_secs(2),
+            routine_check_healing_after: Duration::from_secs(1),
+            tail_retry_interval: Duration::from_secs(1),
         }
     }
 }
@@ -634,6 +656,10 @@ fn split_live(msg: ZmqMessage) -> Result<(u64, Vec<u8>), &'static str> {
 enum Anchored {
     /// The engine's batch at our last seq is the one we applied; the replies after it follow.
     Same(Vec<(u64, Vec<u8>)>),
+    /// As `Same`, but the replay ended without its end marker (replies lost past the engine's
+    /// send high-water mark, vLLM < 0.33): the replies received after the anchor; the rest of
+    /// the tail is unknown.
+    Cut(Vec<(u64, Vec<u8>)>),
     /// The engine holds another batch at that seq, or nothing from it on: another incarnation.
     Other,
     /// The engine's buffer starts after our last seq: it cannot be told.
@@ -725,6 +751,94 @@ struct Processor {
     /// schedule. Only an anchored replay ends it — never a live frame's sequence number.
     unverified: Option<AttachRetry>,
     coverage: Option<Coverage>,
+    /// The heal schedule of a stream Partial for an incomplete history (a full replay from
+    /// seq 0, retried with the attach back-off).
+    heal: Option<AttachRetry>,
+    /// The engine's buffer cannot heal this incarnation (it no longer starts at seq 0, is
+    /// empty, or holds more than a replay accepts): no more heal tries until the state is known
+    /// again.
+    heal_hopeless: bool,
+    /// The idle tail check in flight beside live processing.
+    routine: Option<RoutineCheck>,
+}
+
+/// What an idle tail check's spawned replay brings back: the replies from the anchor, and —
+/// when there are none — whether the engine holds older batches (it restarted) or nothing at
+/// all.
+type RoutineReplies = Result<(Vec<(u64, Vec<u8>)>, Option<bool>), ReplayError>;
+
+/// An idle tail check running beside live processing.
+struct RoutineCheck {
+    /// `(seq, digest)` it is anchored at; a result is used only if the stream is still there.
+    anchor: (u64, u64),
+    started: Instant,
+    /// It ran past its bound and set Healing.
+    healing: bool,
+}
+
+/// The replay of an idle tail check, run as its own task (see [`RoutineReplies`]).
+async fn routine_replay(
+    ep: String,
+    last: u64,
+    topic: String,
+    opts: SubscriberOptions,
+) -> RoutineReplies {
+    let replies = request_replay(&ep, last, u64::MAX, &topic, &opts).await?;
+    if !replies.is_empty() {
+        return Ok((replies, None));
+    }
+    let older = request_replay(&ep, 0, last, &topic, &opts).await?;
+    Ok((replies, Some(!older.is_empty())))
+}
+
+/// Judges replies from `last` against the anchor digest (see [`Anchored`]); `older`: for an
+/// empty reply, whether the engine holds batches before `last`.
+fn judge_anchor(
+    last: u64,
+    digest: u64,
+    mut replies: Vec<(u64, Vec<u8>)>,
+    older: Option<bool>,
+) -> Anchored {
+    match replies.first() {
+        // Nothing at or after our last seq. The engine keeps its newest batches, so if it
+        // holds any at all it has restarted (all of them are older than ours); if it holds
+        // none, its replay buffer is off or empty and tells nothing.
+        None if older == Some(true) => Anchored::Other,
+        None => Anchored::Silent,
+        Some((s, p)) if *s == last && xxh3_64(p) == digest => {
+            replies.remove(0);
+            Anchored::Same(replies)
+        }
+        Some((s, _)) if *s <= last => Anchored::Other,
+        Some(_) => Anchored::Unverifiable,
+    }
+}
+
+/// A verified anchor from a replay that ended without its end marker is [`Anchored::Cut`].
+fn cut(a: Anchored) -> Anchored {
+    match a {
+        Anchored::Same(r) => Anchored::Cut(r),
+        other => other,
+    }
+}
+
+/// Waits for the idle check's task (pending forever when there is none; guarded by the caller).
+async fn join_routine(
+    t: &mut Option<tokio::task::JoinHandle<RoutineReplies>>,
+) -> Result<RoutineReplies, tokio::task::JoinError> {
+    match t {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How many replies continue contiguously from `next`.
+fn contiguous_len(next: u64, replies: &[(u64, Vec<u8>)]) -> usize {
+    replies
+        .iter()
+        .enumerate()
+        .take_while(|(i, (s, _))| next.checked_add(*i as u64) == Some(*s))
+        .count()
 }
 
 async fn process_loop(
@@ -748,21 +862,53 @@ async fn process_loop(
         suspect: None,
         unverified: None,
         coverage: None,
+        heal: None,
+        heal_hopeless: false,
+        routine: None,
     };
     p.observe();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The idle tail check's replay, beside live processing (issue 37 item 4).
+    let mut routine: Option<tokio::task::JoinHandle<RoutineReplies>> = None;
     loop {
-        tokio::select! {
+        let start = tokio::select! {
             m = rx.recv() => match m {
                 Some((epoch, msg)) => {
                     queued.fetch_sub(message_bytes(&msg), Ordering::Relaxed);
-                    p.on_message(epoch, msg).await
+                    p.on_message(epoch, msg).await;
+                    None
                 }
-                None => return,
+                None => {
+                    if let Some(t) = routine.take() {
+                        t.abort();
+                    }
+                    return;
+                }
             },
+            r = join_routine(&mut routine), if routine.is_some() => {
+                routine = None;
+                let r = r.unwrap_or_else(|e| Err(ReplayError::Socket(format!("tail check task: {e}"))));
+                p.on_routine_done(r).await;
+                None
+            }
             _ = p.shared.link_changed.notified() => p.on_tick(rx.is_empty()).await,
             _ = tick.tick() => p.on_tick(rx.is_empty()).await,
+        };
+        if let Some((ep, anchor)) = start {
+            if routine.is_none() {
+                p.routine = Some(RoutineCheck {
+                    anchor,
+                    started: Instant::now(),
+                    healing: false,
+                });
+                routine = Some(tokio::spawn(routine_replay(
+                    ep,
+                    anchor.0,
+                    p.shared.spec.topic.clone(),
+                    p.opts.clone(),
+                )));
+            }
         }
         // Flush on idle: the link is woken once the queue is drained (or the pending ops are
         // large), so a burst of batches leaves as one delta and a lone batch leaves at once.
@@ -803,7 +949,10 @@ impl Processor {
             match (self.coverage, cov.state) {
                 (None, _) => tracing::debug!(stream = %id, coverage = %cov, "kv events: coverage"),
                 (Some(_), CoverageState::Exact) => {
-                    tracing::info!(stream = %id, coverage = %cov, from = ?from, blocks, "kv events: coverage back to Exact")
+                    // Recovered: the error that explained the inexact state is history (this
+                    // line keeps it).
+                    let was = self.shared.lock().stats.last_error.take();
+                    tracing::info!(stream = %id, coverage = %cov, from = ?from, blocks, last_error = ?was, "kv events: coverage back to Exact")
                 }
                 (Some(_), _) => {
                     tracing::warn!(stream = %id, coverage = %cov, from = ?from, blocks, orphans, last_error = ?err, "kv events: stream not exact")
@@ -847,6 +996,9 @@ impl Processor {
     /// verify): routable again while the socket is connected.
     fn attach_done(&mut self) {
         self.unverified = None;
+        // The idle tail check runs from here even before a live batch arrives (a resumed
+        // stream whose replay left a tail unchecked).
+        self.last_live.get_or_insert_with(Instant::now);
         let connected = self.shared.connected.load(Ordering::Relaxed);
         let mut g = self.shared.lock();
         if matches!(
@@ -987,9 +1139,24 @@ impl Processor {
                     .inc();
                 return;
             }
+            if self.shared.lock().state.last_digest() == Some((seq, digest)) {
+                // The last frame again, byte for byte (a publisher or relay resend): a
+                // duplicate, not a restart — a restarted engine's batch carries another
+                // timestamp. (Older seqs are judged by the anchor: a stand-in publisher that
+                // replays a recording does send the same bytes again after a restart.)
+                self.sink
+                    .metrics
+                    .ignored
+                    .with_label_values(&[self.id(), "duplicate"])
+                    .inc();
+                tracing::debug!(stream = %self.id(), seq, "kv events: duplicate frame skipped");
+                return;
+            }
             let check = self.shared.lock().state.check_seq(seq);
             match check {
                 SeqCheck::InOrder => {
+                    // The batch after the last applied: nothing was lost in between.
+                    self.shared.lock().state.set_tail_unverified(false);
                     self.apply(seq, &payload, true);
                     return;
                 }
@@ -1067,7 +1234,10 @@ impl Processor {
         self.attach_done();
     }
 
-    async fn on_tick(&mut self, queue_empty: bool) {
+    /// The periodic work: the disconnect grace, an attach not yet handled, the attach retry,
+    /// the heal of a Partial stream, and the idle tail check — returned as `(replay endpoint,
+    /// anchor)` for the caller to spawn beside live processing.
+    async fn on_tick(&mut self, queue_empty: bool) -> Option<(String, (u64, u64))> {
         let connected = self.shared.connected.load(Ordering::Relaxed);
         if !connected {
             let since = self.shared.disconnected_at_ms.load(Ordering::Relaxed);
@@ -1081,12 +1251,12 @@ impl Processor {
                     g.state.set_link(LinkState::Disconnected);
                 }
             }
-            return;
+            return None;
         }
         let epoch = self.shared.epoch.load(Ordering::Relaxed);
         if epoch > self.handled_epoch && queue_empty {
             self.on_attach(epoch).await;
-            return;
+            return None;
         }
         if let Some(retry) = &self.unverified {
             // Live frames are not applied meanwhile, so the queue drains: no need to wait for
@@ -1100,28 +1270,161 @@ impl Processor {
                     self.attach_done();
                 }
             }
-            return;
+            return None;
         }
-        let Some(last) = self.last_live else { return };
+        if let Some(r) = &mut self.routine {
+            if !r.healing && r.started.elapsed() >= self.opts.routine_check_healing_after {
+                r.healing = true;
+                self.begin_healing();
+            }
+            return None;
+        }
+        if queue_empty && self.heal_due() {
+            self.heal_now().await;
+            return None;
+        }
+        let last = self.last_live?;
         if !queue_empty {
-            return;
+            return None;
         }
+        let tail_unverified = self.shared.lock().state.tail_unverified();
         let due = if self.tail_checked {
-            self.last_check
-                .is_some_and(|t| t.elapsed() >= self.opts.idle_verify_interval)
+            let every = if tail_unverified {
+                self.opts.tail_retry_interval
+            } else {
+                self.opts.idle_verify_interval
+            };
+            self.last_check.is_some_and(|t| t.elapsed() >= every)
         } else {
             last.elapsed() >= self.opts.idle_verify_after
         };
         if !due {
-            return;
+            return None;
         }
         self.tail_checked = true;
         self.last_check = Some(Instant::now());
-        if self.replay_ep.is_some() {
-            self.verify(Check::Routine).await;
+        if let Some(ep) = self.replay_ep.clone() {
+            let anchor = self.shared.lock().state.last_digest()?;
+            return Some((ep, anchor));
         } else if self.queue_drops() > self.drops_at_last_live {
             // We dropped messages after the last one we applied and cannot ask for them.
             self.shared.lock().state.set_tail_unverified(true);
+        }
+        None
+    }
+
+    /// The idle tail check's replay came back. Used only if the stream is still at the anchor
+    /// it started from (a live batch applied meanwhile settled the tail itself, and a replay
+    /// of the processor's own — a gap, an attach — decided more recently).
+    async fn on_routine_done(&mut self, r: RoutineReplies) {
+        let Some(check) = self.routine.take() else {
+            return;
+        };
+        let current = self.shared.lock().state.last_digest();
+        if let Err(ReplayError::PeerDropped(d)) = &r {
+            record_peer_drop(&self.shared, &self.sink, "replay", *d);
+        }
+        let moved_on = self.unverified.is_some()
+            || current != Some(check.anchor)
+            || self.shared.epoch.load(Ordering::Relaxed) > self.handled_epoch;
+        if moved_on {
+            self.end_healing();
+            return;
+        }
+        let (last, digest) = check.anchor;
+        let anchored = match r {
+            Ok((replies, older)) => Ok((last, judge_anchor(last, digest, replies, older))),
+            Err(ReplayError::Unterminated(replies)) => {
+                Ok((last, cut(judge_anchor(last, digest, replies, None))))
+            }
+            Err(e) => Err(e),
+        };
+        if let Some(ep) = self.replay_ep.clone() {
+            self.settle(Check::Routine, &ep, anchored).await;
+        }
+        self.end_healing();
+    }
+
+    /// Whether a heal try is due: the stream is Partial for an incomplete history that a full
+    /// replay from seq 0 could make whole, and its back-off has passed.
+    fn heal_due(&mut self) -> bool {
+        let (incomplete, link) = {
+            let g = self.shared.lock();
+            (g.state.incomplete(), g.state.link())
+        };
+        let healable = matches!(
+            incomplete,
+            Some(coverage::BOOTSTRAP_INCOMPLETE | coverage::REPLAY_TRUNCATED | coverage::SEQUENCE_GAP)
+        );
+        if !healable {
+            self.heal = None;
+            self.heal_hopeless = false;
+            return false;
+        }
+        if self.heal_hopeless
+            || self.replay_ep.is_none()
+            || !self.opts.bootstrap_replay
+            || link != LinkState::Up
+        {
+            return false;
+        }
+        let opts = &self.opts;
+        let heal = self.heal.get_or_insert_with(|| {
+            let mut h = AttachRetry::new(opts);
+            h.schedule();
+            h.attempts = 0;
+            h
+        });
+        Instant::now() >= heal.next_at
+    }
+
+    /// One heal try: a full replay from seq 0. Complete (from 0, no holes) → the replica is
+    /// rebuilt from it and Exact (`replays_total{result="healed"}`); holes or a failure → tried
+    /// again with back-off; a buffer that starts after 0, holds nothing, or is more than a
+    /// replay accepts → no more tries for this incarnation.
+    async fn heal_now(&mut self) {
+        let Some(ep) = self.replay_ep.clone() else {
+            return;
+        };
+        let reason = self.shared.lock().state.incomplete();
+        let replies = self.replay(&ep, 0, u64::MAX, &self.shared.spec.topic).await;
+        let retry = |p: &mut Self| {
+            if let Some(h) = &mut p.heal {
+                h.schedule();
+            }
+        };
+        match replies {
+            Err(e @ (ReplayError::TooMany(_) | ReplayError::TooLarge(_) | ReplayError::TopicMismatch { .. })) => {
+                tracing::info!(stream = %self.id(), error = %e, "kv events: the engine's buffer cannot heal the replica");
+                self.heal_hopeless = true;
+            }
+            Err(e) => {
+                self.count_replay("failed");
+                self.set_error(format!("heal replay from 0: {e}"));
+                retry(self);
+            }
+            Ok(r) => {
+                let (start, holes) = tail_run(&r, None);
+                let complete =
+                    start == Some(0) && !holes && r.first().is_some_and(|(s, _)| *s == 0);
+                if complete {
+                    {
+                        let mut g = self.shared.lock();
+                        g.state.start_over(CLEAR_REBUILT);
+                    }
+                    self.replayed.clear();
+                    self.suspect = None;
+                    self.apply_all(&r);
+                    self.count_replay("healed");
+                    self.heal = None;
+                    tracing::info!(stream = %self.id(), was = ?reason, batches = r.len(), "kv events: replica rebuilt from a complete replay of the engine's buffer");
+                } else if holes {
+                    retry(self);
+                } else {
+                    tracing::info!(stream = %self.id(), was = ?reason, first = ?r.first().map(|(s, _)| *s), "kv events: the engine's buffer no longer starts at seq 0; the replica stays Partial until its cache is known again");
+                    self.heal_hopeless = true;
+                }
+            }
         }
     }
 
@@ -1151,26 +1454,62 @@ impl Processor {
             return Ok((0, Anchored::Unverifiable));
         };
         let topic = &self.shared.spec.topic;
-        let mut replies = self
-            .replay(ep, last, upto.unwrap_or(u64::MAX), topic)
-            .await?;
-        let anchored = match replies.first() {
-            // Nothing at or after our last seq. The engine keeps its newest batches, so if it
-            // holds any at all it has restarted (all of them are older than ours); if it holds
-            // none, its replay buffer is off or empty and tells nothing.
-            None => match self.replay(ep, 0, last, topic).await {
-                Ok(older) if !older.is_empty() => Anchored::Other,
-                Ok(_) => Anchored::Silent,
-                Err(e) => return Err(e),
-            },
-            Some((s, p)) if *s == last && xxh3_64(p) == digest => {
-                replies.remove(0);
-                Anchored::Same(replies)
+        let replies = match self.replay(ep, last, upto.unwrap_or(u64::MAX), topic).await {
+            Ok(r) => r,
+            Err(ReplayError::Unterminated(r)) => {
+                return Ok((last, cut(judge_anchor(last, digest, r, None))));
             }
-            Some((s, _)) if *s <= last => Anchored::Other,
-            Some(_) => Anchored::Unverifiable,
+            Err(e) => return Err(e),
         };
-        Ok((last, anchored))
+        let older = if replies.is_empty() {
+            Some(!self.replay(ep, 0, last, topic).await?.is_empty())
+        } else {
+            None
+        };
+        Ok((last, judge_anchor(last, digest, replies, older)))
+    }
+
+    /// Holes in a replay after a verified anchor, or a replay cut short (vLLM < 0.33 loses
+    /// replies past its ROUTER's send high-water mark): applies the contiguous run after `last`
+    /// and asks again from the new anchor, up to 3 times while that makes progress. Returns the
+    /// last answer with its anchor: the caller classifies it again (holes may be left).
+    async fn narrow_holes(
+        &mut self,
+        ep: &str,
+        mut last: u64,
+        mut a: Anchored,
+        upto: Option<u64>,
+    ) -> (u64, Anchored) {
+        for _ in 0..3 {
+            let (mut rest, was_cut) = match std::mem::replace(&mut a, Anchored::Silent) {
+                Anchored::Cut(r) => (r, true),
+                Anchored::Same(r) if classify_run(last + 1, &r, upto) == Run::Holes => (r, false),
+                other => {
+                    a = other;
+                    break;
+                }
+            };
+            let n = contiguous_len(last + 1, &rest);
+            if n == 0 {
+                a = if was_cut {
+                    Anchored::Cut(rest)
+                } else {
+                    Anchored::Same(rest)
+                };
+                break;
+            }
+            rest.truncate(n);
+            self.apply_all(&rest);
+            let applied = last + n as u64;
+            match self.anchored_replay(ep, upto).await {
+                Ok((l, next @ (Anchored::Same(_) | Anchored::Cut(_)))) => {
+                    last = l;
+                    a = next;
+                }
+                _ => return (applied, Anchored::Cut(Vec::new())),
+            }
+        }
+        (last, a)
     }
 
     /// Checks the engine's tail (and incarnation) by an anchored replay. A
@@ -1185,35 +1524,46 @@ impl Processor {
             self.begin_healing();
         }
         let anchored = if check == Check::Attach {
-            match tokio::time::timeout(
-                self.opts.attach_verify_deadline,
+            // The replay itself stops at the attach deadline and keeps what it received (a
+            // verified anchor and the run after it are progress, not thrown away); the outer
+            // bound only guards a second request.
+            let saved = self.opts.replay_deadline;
+            self.opts.replay_deadline = saved.min(self.opts.attach_verify_deadline);
+            let r = match tokio::time::timeout(
+                self.opts.attach_verify_deadline + self.opts.replay_timeout,
                 self.anchored_replay(&ep, None),
             )
             .await
             {
                 Ok(r) => r,
                 Err(_) => Err(ReplayError::Timeout),
-            }
+            };
+            self.opts.replay_deadline = saved;
+            r
         } else {
             self.anchored_replay(&ep, None).await
         };
-        let verdict = match anchored {
-            Ok((last, Anchored::Same(rest))) => match classify_run(last + 1, &rest, None) {
-                Run::Holes => {
-                    tracing::warn!(stream = %self.id(), from = last + 1, "kv events: replay came back with holes; rebuilding the replica");
-                    self.rebuild(None).await;
-                    Verdict::Reset
+        let verdict = self.settle(check, &ep, anchored).await;
+        self.end_healing();
+        verdict
+    }
+
+    /// Acts on an anchored replay's answer (see [`Processor::verify`]).
+    async fn settle(
+        &mut self,
+        check: Check,
+        ep: &str,
+        anchored: Result<(u64, Anchored), ReplayError>,
+    ) -> Verdict {
+        match anchored {
+            Ok((last, a @ (Anchored::Same(_) | Anchored::Cut(_)))) => {
+                match self.narrow_holes(ep, last, a, None).await {
+                    (last, Anchored::Cut(rest)) => self.settle_same(last, rest, true),
+                    (last, Anchored::Same(rest)) => self.settle_same(last, rest, false),
+                    // narrow_holes answers Same or Cut only.
+                    (last, _) => self.settle_same(last, Vec::new(), true),
                 }
-                _ => {
-                    if !rest.is_empty() {
-                        tracing::info!(stream = %self.id(), from = last + 1, batches = rest.len(), "kv events: lost tail recovered by replay");
-                    }
-                    self.apply_all(&rest);
-                    self.count_replay("verified");
-                    self.shared.lock().state.set_tail_unverified(false);
-                    Verdict::Same
-                }
-            },
+            }
             Ok((last, Anchored::Other)) => {
                 tracing::warn!(stream = %self.id(), last_seq = last, "kv events: the engine no longer holds the batches we applied: it restarted");
                 self.shared.lock().state.restart();
@@ -1246,9 +1596,13 @@ impl Processor {
                 Verdict::Reset
             }
             Ok((_, Anchored::Silent)) => {
+                // The engine's buffer is off or empty: no check can ever succeed, so only a
+                // loss we saw ourselves (the queue's drops) makes the tail unverified — as
+                // without a replay endpoint.
                 self.count_replay("failed");
                 self.set_error("tail check: the engine's replay buffer is empty".into());
-                self.shared.lock().state.set_tail_unverified(true);
+                let lost = self.queue_drops() > self.drops_at_last_live;
+                self.shared.lock().state.set_tail_unverified(lost);
                 Verdict::Failed
             }
             Err(e) if check == Check::Attach => {
@@ -1262,10 +1616,34 @@ impl Processor {
                 self.shared.lock().state.set_tail_unverified(true);
                 Verdict::Failed
             }
-        };
-        self.end_healing();
-        verdict
+        }
     }
+
+    /// A replay from a verified anchor `last`: applies the contiguous run of `rest`; what is
+    /// left after a hole is a tail still to check (Stale `TailUnverified`, checked again within
+    /// [`SubscriberOptions::tail_retry_interval`]) — the verified state is kept, never rebuilt
+    /// for holes.
+    fn settle_same(&mut self, last: u64, rest: Vec<(u64, Vec<u8>)>, cut: bool) -> Verdict {
+        let n = contiguous_len(last + 1, &rest);
+        if n > 0 {
+            tracing::info!(stream = %self.id(), from = last + 1, batches = n, "kv events: lost tail recovered by replay");
+        }
+        self.apply_all(&rest[..n]);
+        if n < rest.len() || cut {
+            tracing::warn!(stream = %self.id(), after = last + n as u64, "kv events: replay came back with holes (or cut short); the rest is checked again");
+            self.count_replay("truncated");
+            self.set_error(format!(
+                "replay from {last}: holes after seq {}",
+                last + n as u64
+            ));
+            self.shared.lock().state.set_tail_unverified(true);
+        } else {
+            self.count_replay("verified");
+            self.shared.lock().state.set_tail_unverified(false);
+        }
+        Verdict::Same
+    }
+
 
     /// A gap `from..seq` before live batch `seq`.
     async fn on_gap(&mut self, from: u64, seq: u64, payload: &[u8], digest: u64) {
@@ -1277,9 +1655,17 @@ impl Processor {
             return;
         };
         self.begin_healing();
-        match self.anchored_replay(&ep, Some(seq)).await {
+        let anchored = match self.anchored_replay(&ep, Some(seq)).await {
+            Ok((last, a @ (Anchored::Same(_) | Anchored::Cut(_)))) => {
+                // Still cut short after narrowing: a failed replay (cleared; healed later).
+                Ok(self.narrow_holes(&ep, last, a, Some(seq)).await)
+            }
+            other => other,
+        };
+        match anchored {
             Ok((last, Anchored::Same(rest))) => match classify_run(last + 1, &rest, Some(seq)) {
                 Run::Complete => {
+                    self.shared.lock().state.set_tail_unverified(false);
                     self.apply_all(&rest);
                     self.count_replay("healed");
                     self.apply(seq, payload, true);
@@ -1330,16 +1716,23 @@ impl Processor {
                 self.count_clear(CLEAR_SEQUENCE_GAP);
                 self.apply(seq, payload, true);
             }
-            Err(e) => {
-                self.count_replay("failed");
-                self.set_error(format!("replay from {from}: {e}"));
-                tracing::warn!(stream = %self.id(), from, to = seq, error = %e, "kv events: gap replay failed; the replica is cleared");
-                self.shared.lock().state.mark_gap(seq);
-                self.count_clear(CLEAR_SEQUENCE_GAP);
-                self.apply(seq, payload, true);
+            Ok((_, Anchored::Cut(r))) => {
+                self.gap_replay_failed(from, seq, payload, ReplayError::Unterminated(r));
             }
+            Err(e) => self.gap_replay_failed(from, seq, payload, e),
         }
         self.end_healing();
+    }
+
+    /// A gap replay failed: the replica is cleared (Partial `SequenceGap`, healed by a full
+    /// replay once the engine answers again) and batch `seq` applied.
+    fn gap_replay_failed(&mut self, from: u64, seq: u64, payload: &[u8], e: ReplayError) {
+        self.count_replay("failed");
+        self.set_error(format!("replay from {from}: {e}"));
+        tracing::warn!(stream = %self.id(), from, to = seq, error = %e, "kv events: gap replay failed; the replica is cleared");
+        self.shared.lock().state.mark_gap(seq);
+        self.count_clear(CLEAR_SEQUENCE_GAP);
+        self.apply(seq, payload, true);
     }
 
     /// Whether the engine's replay holds batch `seq` with this digest.
@@ -1652,6 +2045,11 @@ pub enum ReplayError {
     /// No reply (or no end marker) within the timeout.
     #[error("timed out waiting for replies")]
     Timeout,
+    /// Replies came, then none (and no end marker) within the timeout: what was received,
+    /// seqs ascending (vLLM < 0.33 drops replies, the end marker included, past its ROUTER's
+    /// send high-water mark).
+    #[error("timed out after {} replies without the end marker", .0.len())]
+    Unterminated(Vec<(u64, Vec<u8>)>),
     /// A reply had fewer than 2 frames or a seq frame that is not 8 bytes.
     #[error("malformed reply")]
     BadReply,
@@ -1751,7 +2149,13 @@ pub async fn request_replay(
         let msg = match msg {
             Ok(Ok(m)) => m,
             Ok(Err(e)) => return Err(peer_dropped().unwrap_or(ReplayError::Socket(e.to_string()))),
-            Err(_) => return Err(peer_dropped().unwrap_or(ReplayError::Timeout)),
+            Err(_) => {
+                return Err(peer_dropped().unwrap_or(if out.is_empty() {
+                    ReplayError::Timeout
+                } else {
+                    ReplayError::Unterminated(out)
+                }))
+            }
         };
         let frames = msg.into_vec();
         let n = frames.len();

@@ -267,7 +267,7 @@ pub fn planned_streams<'a>(
 /// gauges nor a lookup walks every replica.
 #[derive(Debug, Default)]
 struct CoverageTally {
-    by_state: [usize; 6],
+    by_state: [usize; CoverageState::ALL.len()],
     inexact: HashMap<StreamScope, u32>,
     /// The streams the node plans expect ([`PrefixIndex::set_planned_streams`]), by stream id.
     planned: HashMap<String, StreamScope>,
@@ -356,7 +356,7 @@ impl CoverageTally {
 
 /// Moves one replica between the per-state counts of [`PrefixIndex::coverage_counts`]
 /// (`None`: the replica is created or removed).
-fn retally(tally: &mut [usize; 6], from: Option<CoverageState>, to: Option<CoverageState>) {
+fn retally(tally: &mut [usize; CoverageState::ALL.len()], from: Option<CoverageState>, to: Option<CoverageState>) {
     if from == to {
         return;
     }
@@ -936,7 +936,7 @@ impl PrefixIndex {
 
     /// Replicas per coverage state, every state listed (the
     /// `inferencecache_controller_index_replicas_by_coverage` gauge).
-    pub fn coverage_counts(&self) -> [(CoverageState, usize); 6] {
+    pub fn coverage_counts(&self) -> [(CoverageState, usize); CoverageState::ALL.len()] {
         let mut out = CoverageState::ALL.map(|s| (s, 0usize));
         for (c, n) in out.iter_mut().zip(self.coverage_tally.by_state) {
             c.1 = n;
@@ -1002,7 +1002,7 @@ impl PrefixIndex {
 
     /// [`Self::coverage_counts`] by walking every replica (what the tally must equal).
     #[cfg(test)]
-    fn coverage_counts_walked(&self) -> [(CoverageState, usize); 6] {
+    fn coverage_counts_walked(&self) -> [(CoverageState, usize); CoverageState::ALL.len()] {
         let mut out = CoverageState::ALL.map(|s| (s, 0usize));
         for (_, r) in self.live_replicas() {
             if let Some(c) = out

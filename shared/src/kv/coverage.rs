@@ -4,12 +4,14 @@
 //! replica and routes by it) and every surface that shows it (`/v1/report`, `/snapshot`,
 //! `LookupRoute`, metrics, CacheNode and CacheBackend status).
 //!
-//! The invariant behind every *routed* state but [`CoverageState::Exact`]: a replica's entries
-//! are a **subset** of the blocks its engine holds (each state's doc says what may be missing and
-//! what may be extra). The agent never guesses a key and never keeps an
-//! entry whose removal it may have missed; where it cannot know, it forgets and says so here.
-//! One exception says so in its name: [`EVENTS_DROPPED`] (an event that could not be read may
-//! have been a removal).
+//! Every state's doc says what its entries **may miss** (blocks the engine holds that are not
+//! indexed) and what they **may have extra** (indexed blocks the engine no longer holds), both
+//! relative to the engine's cache as of the last batch the agent applied; a test per state
+//! (`agent/src/kv/stream.rs`, and the vLLM fault suite against vLLM's own publisher) holds it to
+//! that. The rule behind the routed states: a routed replica never has extra entries beyond the
+//! batches in flight — [`CoverageState::Partial`] promises a **subset**. A state that may hold
+//! blocks the engine evicted is [`CoverageState::Stale`] (or Disconnected), and is not routed
+//! (issue 37 item 3: a failed tail check had kept 3 000 evicted blocks under Partial).
 
 use serde::Serialize;
 
@@ -25,14 +27,36 @@ pub enum CoverageState {
     /// one applied, or a bootstrap that saw the incarnation from seq 0) is Exact; sequence
     /// order alone never makes it so (numbers restart at 0 and carry no epoch).
     Exact,
-    /// A replay is in flight (a gap, a reconnect, an idle check).
+    /// A replay is in flight (a gap, a bootstrap, a rebuild, or an idle tail check that ran
+    /// past its bound of 1 s) — routed.
     ///
-    /// Invariant: entries of an incarnation already verified; blocks may be missing. An attach
-    /// whose incarnation is not yet verified is never Healing: it is
-    /// [`CoverageState::Disconnected`] with [`ATTACH_UNVERIFIED`].
+    /// Invariant: the entries are those of an incarnation already verified, as of the last
+    /// batch applied. May miss: the blocks stored by the batches being replayed (and, during a
+    /// bootstrap, everything before it). May have extra: only the blocks that the batches being
+    /// replayed remove — the same lag an Exact stream has between a batch leaving the engine and
+    /// its arrival, here bounded by the replay's deadline (3 s per reply). An attach whose
+    /// incarnation is not yet verified is never Healing: it is [`CoverageState::Disconnected`]
+    /// with [`ATTACH_UNVERIFIED`].
     Healing,
-    /// Some of the engine's blocks are known to be missing; the reason says why.
+    /// Some of the engine's blocks are known to be missing; the reason says why — routed.
+    ///
+    /// Invariant: may miss blocks (what the reason names: stored before the buffer reached,
+    /// in a gap or hole, behind an unknown parent, beyond a cap); extra: none — the entries are a
+    /// **subset** of the engine's as of the last batch applied (the agent never guesses a key,
+    /// and what it may have missed the removal of it forgets or reports as
+    /// [`CoverageState::Stale`]).
     Partial,
+    /// The entries may include blocks the engine no longer holds: a removal may have been
+    /// missed ([`TAIL_UNVERIFIED`]: batches lost after the last one received and the tail check
+    /// could not ask for them; [`EVENTS_DROPPED`]: an event that could not be read may have been
+    /// a removal; [`SEQUENCE_UNVERIFIED`]: a frame past an implausible sequence jump is held
+    /// back, and the jump may hide removals) — **not routed** (no PREFIX_MATCH for this replica).
+    ///
+    /// Invariant: may miss blocks and may have extra blocks; nothing is promised, so nothing is
+    /// routed. TailUnverified is Exact again at the next successful tail check (retried every
+    /// second while it lasts) or the next in-order live batch; EventsDropped at a clear or a
+    /// restart of the engine; SequenceUnverified at the next frame.
+    Stale,
     /// The publisher socket is gone past the grace period ([`PUBLISHER_DISCONNECTED`]), or the
     /// agent (re)attached and has not yet proved that the engine is the incarnation whose entries
     /// it holds ([`ATTACH_UNVERIFIED`]): no PREFIX_MATCH for this replica.
@@ -41,17 +65,24 @@ pub enum CoverageState {
     /// longer has (a restarted engine), so nothing of it is routed.
     Disconnected,
     /// The engine process is known to be gone: no PREFIX_MATCH for this replica.
+    ///
+    /// Invariant: none (the engine's cache is gone; the entries are what it held); not routed.
     EngineDown,
-    /// Not reported (an agent that predates coverage).
+    /// Not reported (an agent that predates coverage), or the controller's word for a replica
+    /// whose reporter it has not heard from (see the controller-side reasons).
+    ///
+    /// Invariant: none promised (entries as last reported); routed as before coverage existed,
+    /// except where the controller's reason says otherwise.
     Unknown,
 }
 
 impl CoverageState {
     /// Every state, in display order (metric label values).
-    pub const ALL: [CoverageState; 6] = [
+    pub const ALL: [CoverageState; 7] = [
         CoverageState::Exact,
         CoverageState::Healing,
         CoverageState::Partial,
+        CoverageState::Stale,
         CoverageState::Disconnected,
         CoverageState::EngineDown,
         CoverageState::Unknown,
@@ -63,17 +94,19 @@ impl CoverageState {
             CoverageState::Exact => "Exact",
             CoverageState::Healing => "Healing",
             CoverageState::Partial => "Partial",
+            CoverageState::Stale => "Stale",
             CoverageState::Disconnected => "Disconnected",
             CoverageState::EngineDown => "EngineDown",
             CoverageState::Unknown => "Unknown",
         }
     }
 
-    /// Whether the replica may be returned by a lookup: not when its engine or publisher is gone.
+    /// Whether the replica may be returned by a lookup: not when its engine or publisher is
+    /// gone, nor when its entries may include blocks the engine no longer holds (Stale).
     pub fn routable(self) -> bool {
         !matches!(
             self,
-            CoverageState::Disconnected | CoverageState::EngineDown
+            CoverageState::Stale | CoverageState::Disconnected | CoverageState::EngineDown
         )
     }
 
@@ -83,6 +116,7 @@ impl CoverageState {
             CoverageState::Exact => proto::Coverage::Exact,
             CoverageState::Healing => proto::Coverage::Healing,
             CoverageState::Partial => proto::Coverage::Partial,
+            CoverageState::Stale => proto::Coverage::Stale,
             CoverageState::Disconnected => proto::Coverage::Disconnected,
             CoverageState::EngineDown => proto::Coverage::EngineDown,
             CoverageState::Unknown => proto::Coverage::Unspecified,
@@ -95,6 +129,7 @@ impl CoverageState {
             Ok(proto::Coverage::Exact) => CoverageState::Exact,
             Ok(proto::Coverage::Healing) => CoverageState::Healing,
             Ok(proto::Coverage::Partial) => CoverageState::Partial,
+            Ok(proto::Coverage::Stale) => CoverageState::Stale,
             Ok(proto::Coverage::Disconnected) => CoverageState::Disconnected,
             Ok(proto::Coverage::EngineDown) => CoverageState::EngineDown,
             Ok(proto::Coverage::Unspecified) | Err(_) => CoverageState::Unknown,
@@ -117,7 +152,8 @@ pub const REPLAY_TRUNCATED: &str = "ReplayTruncated";
 /// Partial: a sequence gap could not be replayed; the replica was cleared and rebuilt from live
 /// events.
 pub const SEQUENCE_GAP: &str = "SequenceGap";
-/// Partial: messages were lost after the last one received, and no replay could check the tail.
+/// Stale: messages were lost after the last one received (or may have been: a tail check
+/// failed), and no replay could check the tail; a lost removal would leave a block indexed.
 pub const TAIL_UNVERIFIED: &str = "TailUnverified";
 /// Partial: blocks are parked because their parent block was never seen.
 pub const PARENT_UNKNOWN: &str = "ParentUnknown";
@@ -126,11 +162,12 @@ pub const RANK_MISMATCH: &str = "RankMismatch";
 /// Partial: one engine hash named two different contents (a content-hash release): the older
 /// entry was dropped.
 pub const HASH_COLLISION: &str = "HashCollision";
-/// Partial: an event or batch could not be read (undecodable, skipped by the decoder, tokens
-/// that do not fit their hashes). The one Partial reason whose entries may include a block the
-/// engine removed — the removal may have been in what was lost.
+/// Stale: an event or batch could not be read (undecodable, skipped by the decoder, tokens
+/// that do not fit their hashes); the entries may include a block the engine removed — the
+/// removal may have been in what was lost.
 pub const EVENTS_DROPPED: &str = "EventsDropped";
-/// Partial: a frame with an implausible sequence number was held back, unverified.
+/// Stale: a frame with an implausible sequence number was held back, unverified (a real jump
+/// would hide removals).
 pub const SEQUENCE_UNVERIFIED: &str = "SequenceUnverified";
 /// Partial: the engine's replay replies carry a topic the plan's subscription does not match,
 /// so its live events never pass the SUB filter; nothing is indexed.
@@ -209,12 +246,12 @@ pub fn describe(reason: &str) -> Option<&'static str> {
         BOOTSTRAP_INCOMPLETE => "the engine's replay buffer no longer reached back to its start when the agent attached: blocks stored before are missing until the engine's cache is reset or it restarts",
         REPLAY_TRUNCATED => "a replay came back with holes (vLLM < 0.33 under load); the replica was rebuilt from what could be verified",
         SEQUENCE_GAP => "messages were lost and could not be replayed; the replica was rebuilt from live events",
-        TAIL_UNVERIFIED => "messages were lost after the last one received and no replay could check",
+        TAIL_UNVERIFIED => "messages may have been lost after the last one received and no replay could check them; a lost removal would leave a block indexed, so the replica is not routed until a tail check succeeds (retried every second)",
         PARENT_UNKNOWN => "blocks are parked because their parent block was never seen",
         RANK_MISMATCH => "the engine reports another data-parallel rank than planned; nothing is indexed",
         HASH_COLLISION => "one engine hash named two different contents; the older entry was dropped",
-        EVENTS_DROPPED => "events could not be read (undecodable, unknown to this agent, or tokens that do not fit their hashes); entries may be missing or stale until the engine's cache is reset or it restarts",
-        SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back",
+        EVENTS_DROPPED => "events could not be read (undecodable, unknown to this agent, or tokens that do not fit their hashes); entries may be missing or stale, so the replica is not routed until the engine's cache is reset or it restarts",
+        SEQUENCE_UNVERIFIED => "a frame with an implausible sequence number is held back; the replica is not routed until the next frame settles it",
         TOPIC_MISMATCH => "the engine publishes its KV events under another topic than the plan subscribes to, so none arrives; nothing is indexed. Check the topic in the engine's --kv-events-config",
         TENANT_QUOTA_EXCEEDED => "the tenant reached its CacheTenant quota (spec.quota.maxIndexEntries): the index evicted its oldest entries, so some blocks the engine holds are not routed to it",
         STREAM_CAP_EXCEEDED => "the stream reached the controller's per-stream block cap (--max-blocks-per-stream): blocks beyond it are not indexed",
@@ -301,6 +338,7 @@ mod tests {
         assert_eq!(CoverageState::from_proto(99), CoverageState::Unknown);
         assert!(!CoverageState::Disconnected.routable());
         assert!(!CoverageState::EngineDown.routable());
+        assert!(!CoverageState::Stale.routable(), "Stale may hold evicted blocks");
         assert!(CoverageState::Partial.routable() && CoverageState::Unknown.routable());
         let c = Coverage::from_proto(proto::Coverage::Partial as i32, BOOTSTRAP_INCOMPLETE);
         assert_eq!(
