@@ -9,6 +9,8 @@
 //! generator against the wheel's files (`scripts/fetch-sglang-radix.sh`, run by
 //! `scripts/setup.sh`) and requires the committed batches to be what SGLang emits.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
@@ -46,7 +48,12 @@ fn run(scenario: &serde_json::Value) -> (StreamState, BTreeMap<u64, i32>) {
         ..StreamConfig::default()
     });
     let mut index = BTreeMap::new();
-    for (seq, step) in scenario["steps"].as_array().expect("steps").iter().enumerate() {
+    for (seq, step) in scenario["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .enumerate()
+    {
         let payload = hex::decode(step["payload_hex"].as_str().expect("hex")).expect("hex");
         let batch = decode_batch(&payload).expect("SGLang's batch decodes");
         st.apply(seq as u64, &batch, 0);
@@ -108,11 +115,22 @@ fn scenario(label_start: &str) -> serde_json::Value {
 #[test]
 fn a_parentless_continuation_page_is_never_a_prompt_root() {
     let s = scenario("split and continuation");
-    let requests: Vec<Vec<u32>> = s["requests"].as_array().expect("requests").iter().map(tokens).collect();
+    let requests: Vec<Vec<u32>> = s["requests"]
+        .as_array()
+        .expect("requests")
+        .iter()
+        .map(tokens)
+        .collect();
     let (st, index) = run(&s);
-    let truth: BTreeSet<u64> = requests.iter().flat_map(|r| chain(r, PAGE as usize)).collect();
+    let truth: BTreeSet<u64> = requests
+        .iter()
+        .flat_map(|r| chain(r, PAGE as usize))
+        .collect();
     for k in index.keys() {
-        assert!(truth.contains(k), "indexed key {k:#x} is no prefix the engine caches");
+        assert!(
+            truth.contains(k),
+            "indexed key {k:#x} is no prefix the engine caches"
+        );
     }
     for probe in s["probes"].as_array().expect("probes").iter().map(tokens) {
         let (got, real) = (depth(&index, &probe), truth_depth(&requests, &probe));
@@ -127,7 +145,10 @@ fn a_parentless_continuation_page_is_never_a_prompt_root() {
     let from_32: Vec<u32> = (32..64).collect();
     assert_eq!(depth(&index, &from_32), 0);
     let from_0: Vec<u32> = (0..64).collect();
-    assert!(depth(&index, &from_0) >= 2, "the prompt's real first pages keep their hint");
+    assert!(
+        depth(&index, &from_0) >= 2,
+        "the prompt's real first pages keep their hint"
+    );
     // Pages the engine holds but the stream could not place: a subset, and said so.
     let c = st.coverage();
     assert_eq!(c.state, CoverageState::Partial, "{c:?}");
@@ -136,7 +157,12 @@ fn a_parentless_continuation_page_is_never_a_prompt_root() {
 #[test]
 fn a_repeated_page_keeps_the_whole_prefix_hinted() {
     let s = scenario("repeated page: P Q S P T");
-    let requests: Vec<Vec<u32>> = s["requests"].as_array().expect("requests").iter().map(tokens).collect();
+    let requests: Vec<Vec<u32>> = s["requests"]
+        .as_array()
+        .expect("requests")
+        .iter()
+        .map(tokens)
+        .collect();
     let (st, index) = run(&s);
     let req = &requests[0];
     assert_eq!(req.len(), 80);
@@ -153,7 +179,10 @@ fn a_repeated_page_keeps_the_whole_prefix_hinted() {
 fn a_repeated_page_evicted_leaves_nothing_indexed() {
     let s = scenario("repeated page evicted");
     let (st, index) = run(&s);
-    assert!(index.is_empty(), "left after every page was removed: {index:?}");
+    assert!(
+        index.is_empty(),
+        "left after every page was removed: {index:?}"
+    );
     assert!(st.coverage().state.routable());
 }
 
@@ -162,7 +191,9 @@ fn a_repeated_page_evicted_leaves_nothing_indexed() {
 fn sglang_dir() -> PathBuf {
     let base = std::env::var_os("IC_SGLANG_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ci-cache/sglang"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ci-cache/sglang")
+        });
     assert!(
         base.join("0.5.5/sglang/srt/mem_cache/radix_cache.py").is_file()
             && base.join("venv/bin/python").is_file(),
@@ -181,7 +212,11 @@ fn the_committed_batches_are_what_sglang_0_5_5_emits() {
         .arg(dir.join("0.5.5"))
         .output()
         .expect("run the generator");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let committed = std::fs::read_to_string(fixture_path()).expect("fixture");
     assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
 }

@@ -6,6 +6,8 @@
 //! stream state; the ops each stream emits are folded into an index the way the controller
 //! applies them.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeMap;
 
 use ic_agent::kv::{StreamConfig, StreamState};
@@ -44,11 +46,18 @@ impl Index {
     }
 
     fn tier(&self, key: u64) -> Option<Tier> {
-        self.0.get(&key).map(|t| Tier::try_from(*t).unwrap_or(Tier::Unspecified))
+        self.0
+            .get(&key)
+            .map(|t| Tier::try_from(*t).unwrap_or(Tier::Unspecified))
     }
 }
 
-fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>, medium: &str) -> KvEvent {
+fn stored(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: std::ops::Range<u32>,
+    medium: &str,
+) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: hashes.to_vec(),
         parent_block_hash: parent,
@@ -83,12 +92,31 @@ fn a_gpu_cache_reset_keeps_the_offload_copies() {
     // connector reports them with medium CPU). The engine's prefix-cache reset wipes the GPU.
     let mut st = StreamState::new(StreamConfig::default());
     let mut ix = Index::default();
-    apply(&mut st, &mut ix, 0, vec![stored(&[1, 2, 3], None, 0..48, "GPU")]);
-    apply(&mut st, &mut ix, 1, vec![stored(&[1, 2], None, 0..32, "CPU")]);
+    apply(
+        &mut st,
+        &mut ix,
+        0,
+        vec![stored(&[1, 2, 3], None, 0..48, "GPU")],
+    );
+    apply(
+        &mut st,
+        &mut ix,
+        1,
+        vec![stored(&[1, 2], None, 0..32, "CPU")],
+    );
     let k = keys();
     assert_eq!(ix.tier(k[0]), Some(Tier::T1));
-    apply(&mut st, &mut ix, 2, vec![KvEvent::AllBlocksCleared { medium: None }]);
-    assert_eq!(ix.tier(k[0]), Some(Tier::T2), "the offload copy survives the GPU reset");
+    apply(
+        &mut st,
+        &mut ix,
+        2,
+        vec![KvEvent::AllBlocksCleared { medium: None }],
+    );
+    assert_eq!(
+        ix.tier(k[0]),
+        Some(Tier::T2),
+        "the offload copy survives the GPU reset"
+    );
     assert_eq!(ix.tier(k[1]), Some(Tier::T2));
     assert_eq!(ix.tier(k[2]), None, "a GPU-only block is gone");
     assert!(st.coverage().state.routable());
@@ -102,8 +130,18 @@ fn a_gpu_cache_reset_with_an_l2_leaves_every_block_at_t2() {
         ..StreamConfig::default()
     });
     let mut ix = Index::default();
-    apply(&mut st, &mut ix, 0, vec![stored(&[1, 2, 3], None, 0..48, "GPU")]);
-    apply(&mut st, &mut ix, 1, vec![KvEvent::AllBlocksCleared { medium: None }]);
+    apply(
+        &mut st,
+        &mut ix,
+        0,
+        vec![stored(&[1, 2, 3], None, 0..48, "GPU")],
+    );
+    apply(
+        &mut st,
+        &mut ix,
+        1,
+        vec![KvEvent::AllBlocksCleared { medium: None }],
+    );
     for k in keys() {
         assert_eq!(ix.tier(k), Some(Tier::T2));
     }
@@ -114,8 +152,18 @@ fn a_clear_of_one_medium_wipes_only_that_tier() {
     // Block 0 on GPU and CPU, block 1 only on CPU (evicted from GPU), block 2 only on GPU.
     let mut st = StreamState::new(StreamConfig::default());
     let mut ix = Index::default();
-    apply(&mut st, &mut ix, 0, vec![stored(&[1, 2, 3], None, 0..48, "GPU")]);
-    apply(&mut st, &mut ix, 1, vec![stored(&[1, 2], None, 0..32, "CPU")]);
+    apply(
+        &mut st,
+        &mut ix,
+        0,
+        vec![stored(&[1, 2, 3], None, 0..48, "GPU")],
+    );
+    apply(
+        &mut st,
+        &mut ix,
+        1,
+        vec![stored(&[1, 2], None, 0..32, "CPU")],
+    );
     apply(
         &mut st,
         &mut ix,
@@ -136,7 +184,11 @@ fn a_clear_of_one_medium_wipes_only_that_tier() {
             medium: Some("CPU".into()),
         }],
     );
-    assert_eq!(ix.tier(k[1]), None, "the wiped CPU-only block is no longer matched");
+    assert_eq!(
+        ix.tier(k[1]),
+        None,
+        "the wiped CPU-only block is no longer matched"
+    );
     assert_eq!(ix.tier(k[0]), Some(Tier::T1), "GPU copies are untouched");
     assert_eq!(ix.tier(k[2]), Some(Tier::T1));
     // And the GPU tier alone, named: only the CPU copy would have stayed; none is left.
@@ -159,9 +211,24 @@ fn a_reset_of_an_engine_with_its_own_host_tier_clears_everything() {
         ..StreamConfig::default()
     });
     let mut ix = Index::default();
-    apply(&mut st, &mut ix, 0, vec![stored(&[1, 2, 3], None, 0..48, "GPU")]);
-    apply(&mut st, &mut ix, 1, vec![stored(&[1, 2], None, 0..32, "CPU_PINNED")]);
-    apply(&mut st, &mut ix, 2, vec![KvEvent::AllBlocksCleared { medium: None }]);
+    apply(
+        &mut st,
+        &mut ix,
+        0,
+        vec![stored(&[1, 2, 3], None, 0..48, "GPU")],
+    );
+    apply(
+        &mut st,
+        &mut ix,
+        1,
+        vec![stored(&[1, 2], None, 0..32, "CPU_PINNED")],
+    );
+    apply(
+        &mut st,
+        &mut ix,
+        2,
+        vec![KvEvent::AllBlocksCleared { medium: None }],
+    );
     assert!(ix.0.is_empty(), "{:?}", ix.0);
 }
 

@@ -1093,7 +1093,9 @@ impl StreamState {
                 // Its position is unknowable: never a prompt root, never under a guessed parent.
                 self.unplaced = true;
                 self.prev_page = s.block_hashes.last().map(|h| ((g, *h), None));
-                report.ignored.add("unknown_parent", s.block_hashes.len() as u64);
+                report
+                    .ignored
+                    .add("unknown_parent", s.block_hashes.len() as u64);
                 return;
             };
             Some(k)
@@ -1194,7 +1196,12 @@ impl StreamState {
             return;
         }
         let keeps_l2 = self.cfg.keeps_l2;
-        let ids: Vec<BlockId> = self.blocks.keys().chain(self.orphans.keys()).copied().collect();
+        let ids: Vec<BlockId> = self
+            .blocks
+            .keys()
+            .chain(self.orphans.keys())
+            .copied()
+            .collect();
         for id in ids {
             self.update_media(id, report, |gpu, off| {
                 if gpu_tier {
@@ -1842,7 +1849,11 @@ mod tests {
             Coverage::new(CoverageState::Partial, coverage::HASH_COLLISION)
         );
         // AllBlocksCleared makes the state known again.
-        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared { medium: None }]), 0);
+        st.apply(
+            1,
+            &batch(vec![KvEvent::AllBlocksCleared { medium: None }]),
+            0,
+        );
         assert_eq!(st.coverage(), Coverage::EXACT);
     }
 
@@ -1973,7 +1984,11 @@ mod tests {
         assert!(ops.is_empty());
         assert!(!st.has_pending());
         // A clear by the engine (AllBlocksCleared) leaves nothing unknown; the tail flag too.
-        st.apply(1, &batch(vec![KvEvent::AllBlocksCleared { medium: None }]), 0);
+        st.apply(
+            1,
+            &batch(vec![KvEvent::AllBlocksCleared { medium: None }]),
+            0,
+        );
         assert_eq!(st.coverage(), Coverage::EXACT);
         // An unhealed gap is Partial/SequenceGap until the engine's state is known again.
         st.mark_gap(9);
@@ -2154,7 +2169,10 @@ mod tests {
 
         st.apply(
             0,
-            &batch(vec![stored(&[1], None, 0..16), KvEvent::AllBlocksCleared { medium: None }]),
+            &batch(vec![
+                stored(&[1], None, 0..16),
+                KvEvent::AllBlocksCleared { medium: None },
+            ]),
             0,
         );
         let (_, ops, _) = st.take_delta().unwrap();

@@ -175,8 +175,11 @@ fn batch() -> impl Strategy<Value = EventBatch> {
             prop_oneof![
                 stored().prop_map(KvEvent::BlockStored),
                 removed().prop_map(KvEvent::BlockRemoved),
-                prop::option::of(prop_oneof![Just("GPU"), Just("CPU"), Just("STORAGE")])
-                    .prop_map(|m| KvEvent::AllBlocksCleared { medium: m.map(str::to_string) }),
+                prop::option::of(prop_oneof![Just("GPU"), Just("CPU"), Just("STORAGE")]).prop_map(
+                    |m| KvEvent::AllBlocksCleared {
+                        medium: m.map(str::to_string)
+                    }
+                ),
             ],
             0..6,
         ),

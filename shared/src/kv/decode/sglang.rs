@@ -74,13 +74,19 @@ mod tests {
     #[test]
     fn tuple_hash_equals_cpython() {
         // python3 -c 'print(hash(tuple(range(16))), hash(tuple(range(16, 32))), hash(()), hash((7,)))'
-        assert_eq!(python_tuple_hash(&(0..16).collect::<Vec<_>>()), 2_828_489_712_818_767_170);
+        assert_eq!(
+            python_tuple_hash(&(0..16).collect::<Vec<_>>()),
+            2_828_489_712_818_767_170
+        );
         assert_eq!(
             python_tuple_hash(&(16..32).collect::<Vec<_>>()) as i64,
             -2_299_187_964_520_990_307
         );
         assert_eq!(python_tuple_hash(&[]) as i64, 5_740_354_900_026_072_187);
-        assert_eq!(python_tuple_hash(&[7]) as i64, -6_198_871_656_470_064_846_i64);
+        assert_eq!(
+            python_tuple_hash(&[7]) as i64,
+            -6_198_871_656_470_064_846_i64
+        );
     }
 
     #[test]
