@@ -806,7 +806,7 @@ pub struct IndexParticipation {
     pub t2_hit_rate: Option<String>,
 
     /// This backend's replicas whose index entries are not exact (`Healing`, `Partial`,
-    /// `Disconnected`, `EngineDown`, `Unknown`; `docs/kv-events.md` "Coverage"), at most 32:
+    /// `Stale`, `Disconnected`, `EngineDown`, `Unknown`; `docs/kv-events.md` "Coverage"), at most 32:
     /// those the index holds first, then each planned engine stream it holds nothing of
     /// (`Unknown` / `NotReported`), each group by replica id. Absent when every replica is
     /// Exact: then `prefixCount` is the engines' own count.

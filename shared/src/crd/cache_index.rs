@@ -124,7 +124,7 @@ pub struct ReplicaCacheStatus {
     pub last_event_at: Option<Time>,
 
     /// Whether the index holds exactly what the engine holds (`Exact`, `Healing`, `Partial`,
-    /// `Disconnected`, `EngineDown`, `Unknown`; see docs/kv-events.md "Coverage").
+    /// `Stale`, `Disconnected`, `EngineDown`, `Unknown`; see docs/kv-events.md "Coverage").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coverage: Option<String>,
 

@@ -249,7 +249,7 @@ pub struct KvStreamStatus {
     pub prefix_count: i64,
 
     /// How far the stream's index entries can be trusted: `Exact`, `Healing`, `Partial`,
-    /// `Disconnected`, `EngineDown`, `Unknown` (`docs/kv-events.md` "Coverage").
+    /// `Stale`, `Disconnected`, `EngineDown`, `Unknown` (`docs/kv-events.md` "Coverage").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coverage: Option<String>,
 
