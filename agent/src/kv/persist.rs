@@ -32,7 +32,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::stream::{PersistedState, StreamState};
+use super::stream::persisted::PersistedState;
+use super::stream::StreamState;
 use super::subscriber::StreamSpec;
 
 /// Version of [`StateFile`] written: 2, with an explicit [`StreamIdentity`]. Format 1 files
