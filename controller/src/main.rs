@@ -120,6 +120,17 @@ struct StandaloneArgs {
     #[arg(long, env = "IC_COVERAGE_HEARTBEAT_BOUND_MS", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(3001..))]
     coverage_heartbeat_bound_ms: u64,
+    /// Most distinct engine streams one reporter (a node agent, a per-pod subscriber) may
+    /// register in one resync; the rest are left out and counted in
+    /// kv_streams_refused_total{reason="stream_cap"} (in cluster the node plans also limit each
+    /// pod to the data-parallel ranks they have). Bounds the index write lock's hold per resync.
+    #[arg(long, env = "IC_MAX_STREAMS_PER_REPORTER", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_streams_per_reporter: u64,
+    /// LookupRoute budget in milliseconds where the tenant's CachePolicy sets no
+    /// lookupTimeoutMs (and for lookups without a tenant): past it the answer is NO_HINT with
+    /// reason LookupTimeout (fail open).
+    #[arg(long, env = "IC_LOOKUP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    lookup_timeout_ms: u64,
     #[command(flatten)]
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
@@ -244,6 +255,17 @@ struct RunArgs {
     #[arg(long, env = "IC_COVERAGE_HEARTBEAT_BOUND_MS", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(3001..))]
     coverage_heartbeat_bound_ms: u64,
+    /// Most distinct engine streams one reporter (a node agent, a per-pod subscriber) may
+    /// register in one resync; the rest are left out and counted in
+    /// kv_streams_refused_total{reason="stream_cap"} (in cluster the node plans also limit each
+    /// pod to the data-parallel ranks they have). Bounds the index write lock's hold per resync.
+    #[arg(long, env = "IC_MAX_STREAMS_PER_REPORTER", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_streams_per_reporter: u64,
+    /// LookupRoute budget in milliseconds where the tenant's CachePolicy sets no
+    /// lookupTimeoutMs (and for lookups without a tenant): past it the answer is NO_HINT with
+    /// reason LookupTimeout (fail open).
+    #[arg(long, env = "IC_LOOKUP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    lookup_timeout_ms: u64,
     /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
     #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
     node_plan_interval_seconds: u64,
@@ -474,6 +496,8 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             minimum_prefix_tokens: a.minimum_prefix_tokens,
             max_blocks_per_stream: (a.max_blocks_per_stream > 0).then_some(a.max_blocks_per_stream),
             resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
+            max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
+            lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
             coverage_heartbeat_bound: Some(Duration::from_millis(a.coverage_heartbeat_bound_ms)),
         },
         webhook: WebhookSettings {
@@ -634,6 +658,8 @@ async fn run_main() -> anyhow::Result<()> {
                     max_blocks_per_stream: (a.max_blocks_per_stream > 0)
                         .then_some(a.max_blocks_per_stream),
                     resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
+                    max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
+                    lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
                     coverage_heartbeat_bound: Some(Duration::from_millis(
                         a.coverage_heartbeat_bound_ms,
                     )),

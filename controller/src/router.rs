@@ -46,6 +46,13 @@ use crate::tokenize::{PromptRefusal, TOKENIZER_STALE};
 /// NO_HINT may not be "nobody holds it".
 pub const INDEX_INCOMPLETE: &str = "IndexIncomplete";
 
+/// `LookupRouteResponse.warnings` entry of a request without a tenant that replicas of more
+/// than one namespace (of those the caller may read) could answer: the replicas named may be
+/// another tenant's than the caller's — the namespace is the part of `stream_id` before `/`
+/// (issue 38 item 6: a pod in an unrelated namespace was named first for team-a's prompt,
+/// without a word). A gateway that knows its tenant should name it; one that does not is told.
+pub const SEVERAL_TENANTS: &str = "ReplicasOfSeveralTenants";
+
 /// Replicas listed in one answer by default (the best ones).
 pub const DEFAULT_MAX_REPLICAS: usize = 32;
 
@@ -127,7 +134,9 @@ impl Router {
         let policy = self.policies.resolve_or(
             &req.tenant,
             ResolvedPolicy {
-                lookup_timeout: None,
+                // Where no CachePolicy sets one, `--lookup-timeout-ms` (issue 38 item 5: a
+                // lookup without a budget took 8.6 s).
+                lookup_timeout: Some(self.shared.policy.default_lookup_timeout()),
                 minimum_prefix_tokens: self.shared.policy.minimum_prefix_tokens,
             },
         );
@@ -157,8 +166,12 @@ impl Router {
             .metrics
             .lookup_lock_wait_seconds
             .observe(waiting.elapsed().as_secs_f64());
+        let mut several_tenants = false;
         let result = match guard {
-            Some(ix) => ix.lookup(&q),
+            Some(ix) => {
+                several_tenants = q.tenant.is_empty() && ix.spans_tenants(&q);
+                ix.lookup(&q)
+            }
             None => LookupResult {
                 prefix_match: false,
                 replicas: Vec::new(),
@@ -187,6 +200,9 @@ impl Router {
             warnings.push(INDEX_INCOMPLETE.to_string());
         }
         let mut answer = to_proto(result);
+        if several_tenants {
+            warnings.push(SEVERAL_TENANTS.to_string());
+        }
         answer.warnings = warnings;
         answer.prompt_tokens = prompt_tokens;
         answer.narrowed = !matches!(grant, TenantGrant::All);
@@ -358,11 +374,24 @@ mod tests {
     use crate::state::LookupPolicy;
 
     fn router_with_prefix() -> Router {
-        let shared = Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        router_with(LookupPolicy::default(), &["team-a"], 16)
+    }
+
+    /// A router whose index holds, for each tenant, replica `p` with `tokens` tokens (blocks
+    /// of 4) of the prompt `0..`.
+    fn router_with(policy: LookupPolicy, tenants: &[&str], tokens: u32) -> Router {
+        let shared = Arc::new(Shared::new(policy).unwrap());
+        for (i, tenant) in tenants.iter().enumerate() {
+            hold_prefix(&shared, &format!("n{i}"), tenant, tokens - 4 * i as u32);
+        }
+        Router::new(shared)
+    }
+
+    fn hold_prefix(shared: &Shared, node: &str, tenant: &str, tokens: u32) {
         let desc = StreamDescriptor {
-            stream_id: "team-a/p#0".into(),
+            stream_id: format!("{tenant}/p#0"),
             replica: "p".into(),
-            tenant: "team-a".into(),
+            tenant: tenant.into(),
             model: "m".into(),
             hash_scheme: "vllm".into(),
             ..Default::default()
@@ -370,14 +399,14 @@ mod tests {
         {
             let mut ix = shared.index.write();
             ix.resync_node(
-                "n",
+                node,
                 &[proto::StreamSnapshot {
                     stream: Some(desc.clone()),
                     ..Default::default()
                 }],
             );
             ix.apply_delta(
-                "n",
+                node,
                 &StreamDelta {
                     coverage: ic_shared::proto::Coverage::Exact as i32,
                     coverage_reason: String::new(),
@@ -388,7 +417,7 @@ mod tests {
                             adapter: String::new(),
                             block_size: 4,
                             tier: proto::Tier::T1 as i32,
-                            content_keys: chain(&(0..16).collect::<Vec<_>>(), 4),
+                            content_keys: chain(&(0..tokens).collect::<Vec<_>>(), 4),
                         })),
                     }],
                     last_event_unix_ms: 1,
@@ -396,7 +425,56 @@ mod tests {
             )
             .unwrap();
         }
-        Router::new(shared)
+    }
+
+    /// Issue 38 item 5: lookups had no deadline unless a CachePolicy set one (a 1 M-token
+    /// lookup took 8.6 s). `--lookup-timeout-ms` now applies where none is set, tenant-less
+    /// lookups included; a CachePolicy's own value still wins.
+    #[test]
+    fn lookups_without_a_cache_policy_get_the_default_budget() {
+        let r = router_with(
+            LookupPolicy {
+                lookup_timeout: Some(Duration::from_millis(20)),
+                ..Default::default()
+            },
+            &["team-a"],
+            16,
+        );
+        let shared = r.shared.clone();
+        let held = shared.index.write();
+        assert_eq!(r.lookup(&req("team-a", 16)).reason, LOOKUP_TIMEOUT);
+        assert_eq!(r.lookup(&req("", 16)).reason, LOOKUP_TIMEOUT);
+        drop(held);
+        assert_eq!(
+            r.lookup(&req("team-a", 16)).decision,
+            proto::Decision::PrefixMatch as i32
+        );
+        assert_eq!(
+            crate::state::LookupPolicy::default().default_lookup_timeout(),
+            crate::state::DEFAULT_LOOKUP_TIMEOUT
+        );
+    }
+
+    /// Issue 38 item 6: a replica of an unrelated namespace was named first for team-a's prompt
+    /// in a tenant-less lookup, without a word. The answer now says so.
+    #[test]
+    fn a_tenantless_answer_naming_several_namespaces_says_so() {
+        // `intruder` holds 16 tokens, team-a 12: the intruder ranks first.
+        let r = router_with(LookupPolicy::default(), &["intruder", "team-a"], 16);
+        let a = r.lookup(&req("", 16));
+        assert_eq!(a.replicas[0].stream_id, "intruder/p#0");
+        assert!(a.warnings.contains(&SEVERAL_TENANTS.to_string()), "{a:?}");
+        // Naming the tenant: only its own replica, no warning.
+        let a = r.lookup(&req("team-a", 16));
+        assert_eq!(a.replicas.len(), 1);
+        assert!(!a.warnings.contains(&SEVERAL_TENANTS.to_string()), "{a:?}");
+        // A prompt both hold: the answer lists both namespaces, and says so.
+        let r = router_with(LookupPolicy::default(), &["intruder", "team-a"], 16);
+        let a = r.lookup(&req("", 8));
+        assert!(a.warnings.contains(&SEVERAL_TENANTS.to_string()), "{a:?}");
+        // One namespace only: nothing to say.
+        let r = router_with(LookupPolicy::default(), &["team-a"], 16);
+        assert!(r.lookup(&req("", 16)).warnings.is_empty());
     }
 
     fn req(tenant: &str, n: u32) -> proto::LookupRouteRequest {

@@ -26,13 +26,39 @@ pub struct LookupPolicy {
     /// read Unknown / `HeartbeatMissed` and are not routed (`--coverage-heartbeat-bound-ms`,
     /// the agent ingest's heartbeat watcher); `None`: [`DEFAULT_COVERAGE_HEARTBEAT_BOUND`].
     pub coverage_heartbeat_bound: Option<std::time::Duration>,
+    /// Most distinct streams one reporter (a node agent, a per-pod subscriber) may register in
+    /// one resync (`--max-streams-per-reporter`); `None`: [`DEFAULT_MAX_STREAMS_PER_REPORTER`].
+    pub max_streams_per_reporter: Option<usize>,
+    /// Budget of a lookup whose tenant has no CachePolicy `lookupTimeoutMs`
+    /// (`--lookup-timeout-ms`); `None`: [`DEFAULT_LOOKUP_TIMEOUT`].
+    pub lookup_timeout: Option<std::time::Duration>,
 }
 
+/// Default of `--max-streams-per-reporter`: 256 streams (a node of 8 engines × 8
+/// data-parallel ranks needs 64).
+pub const DEFAULT_MAX_STREAMS_PER_REPORTER: usize = 256;
+
+/// Default of `--lookup-timeout-ms`: 1 s. A lookup past it answers NO_HINT / `LookupTimeout`
+/// (fail open); issue 38 item 5 measured 8.6 s for one 1 M-token lookup without a budget.
+pub const DEFAULT_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(1000);
+
 impl LookupPolicy {
+    /// [`Self::max_streams_per_reporter`] or its default (at least 1).
+    pub fn streams_per_reporter(&self) -> usize {
+        self.max_streams_per_reporter
+            .unwrap_or(DEFAULT_MAX_STREAMS_PER_REPORTER)
+            .max(1)
+    }
+
     /// [`Self::coverage_heartbeat_bound`] or its default.
     pub fn heartbeat_bound(&self) -> std::time::Duration {
         self.coverage_heartbeat_bound
             .unwrap_or(DEFAULT_COVERAGE_HEARTBEAT_BOUND)
+    }
+
+    /// [`Self::lookup_timeout`] or its default.
+    pub fn default_lookup_timeout(&self) -> std::time::Duration {
+        self.lookup_timeout.unwrap_or(DEFAULT_LOOKUP_TIMEOUT)
     }
 }
 
@@ -261,7 +287,6 @@ mod tests {
         let shared = Shared::new(LookupPolicy {
             minimum_prefix_tokens: 0,
             max_blocks_per_stream: Some(3),
-            resync_turns: None,
             ..Default::default()
         })
         .unwrap();

@@ -237,6 +237,24 @@ impl PrefixIndex {
         r
     }
 
+    /// Whether partitions of more than one tenant could answer `q` (a lookup without a tenant
+    /// then chooses among namespaces; the router says so, issue 38 item 6). O(partitions).
+    pub fn spans_tenants(&self, q: &LookupQuery) -> bool {
+        let mut first: Option<&str> = None;
+        for p in self
+            .partitions
+            .iter()
+            .filter(|p| !p.blocks.is_empty() && partition_matches(q, &p.key))
+        {
+            match first {
+                None => first = Some(p.key.tenant.as_str()),
+                Some(t) if t != p.key.tenant => return true,
+                Some(_) => {}
+            }
+        }
+        false
+    }
+
     /// Replicas of (tenant, model, hash scheme) — an empty one matches any; `visible` narrows
     /// the tenants — whose coverage says their entries may miss blocks (anything but Exact and
     /// EngineDown). O(scopes with such replicas), from a tally kept as coverage changes.

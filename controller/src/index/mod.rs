@@ -1807,6 +1807,30 @@ impl PrefixIndex {
         self.block_sizes_of(&|_| true)
     }
 
+    /// The block sizes registered per hash scheme and, per tenant, its (hash scheme, block
+    /// size) pairs: what the ingest caps count from (`ingest::scope::BlockSizeBudget`,
+    /// issue 38 items 4 and 5). O(partitions).
+    pub fn registered_block_sizes(&self) -> crate::ingest::scope::Registered {
+        let mut sizes: std::collections::BTreeMap<String, std::collections::BTreeSet<u32>> =
+            Default::default();
+        let mut tenants: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeSet<(String, u32)>,
+        > =
+            Default::default();
+        for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
+            sizes
+                .entry(p.key.hash_scheme.clone())
+                .or_default()
+                .insert(p.key.block_size);
+            tenants
+                .entry(p.key.tenant.clone())
+                .or_default()
+                .insert((p.key.hash_scheme.clone(), p.key.block_size));
+        }
+        (sizes, tenants)
+    }
+
     /// [`Self::block_sizes`] of the partitions of tenants `visible` accepts.
     pub(crate) fn block_sizes_of(
         &self,

@@ -65,6 +65,72 @@ pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(60);
 pub const DEFAULT_NEGATIVE_CACHE_TTL: Duration = Duration::from_secs(10);
 /// Default bound on cached tokens.
 pub const DEFAULT_CACHE_ENTRIES: usize = 4096;
+/// TokenReviews one source address may cause at once before it is limited (cache hits cost
+/// none): agents and subscribers review once per connection and are cached for
+/// [`DEFAULT_CACHE_TTL`], so a burst of 16 covers a node's restarting sidecars.
+pub const DEFAULT_REVIEW_BURST_PER_SOURCE: u32 = 16;
+/// TokenReviews per second one source address earns back after its burst.
+pub const DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE: f64 = 2.0;
+/// Source addresses the per-source review limiter remembers (full buckets are forgotten
+/// first, then the least recently used).
+pub const MAX_REVIEW_SOURCES: usize = 4096;
+
+/// A token bucket of TokenReviews per source address (issue 38 item 8: every garbage token cost
+/// one TokenReview — 4 000 requests, 4 004 reviews). Cache hits never reach it.
+#[derive(Debug)]
+pub struct SourceLimiter {
+    burst: f64,
+    per_second: f64,
+    buckets: Mutex<HashMap<std::net::IpAddr, (f64, Instant)>>,
+}
+
+impl SourceLimiter {
+    /// `burst` reviews at once per source, `per_second` more each second.
+    pub fn new(burst: u32, per_second: f64) -> Self {
+        SourceLimiter {
+            burst: f64::from(burst.max(1)),
+            per_second: per_second.max(0.0),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes one review from `source`'s bucket; false when it is empty.
+    pub fn try_take(&self, source: std::net::IpAddr, now: Instant) -> bool {
+        let mut b = self.buckets.lock();
+        if b.len() >= MAX_REVIEW_SOURCES && !b.contains_key(&source) {
+            let (burst, rate) = (self.burst, self.per_second);
+            b.retain(|_, (tokens, at)| {
+                *tokens + now.duration_since(*at).as_secs_f64() * rate < burst
+            });
+            while b.len() >= MAX_REVIEW_SOURCES {
+                let Some(oldest) = b.iter().min_by_key(|(_, (_, at))| *at).map(|(k, _)| *k)
+                else {
+                    break;
+                };
+                b.remove(&oldest);
+            }
+        }
+        let (tokens, at) = b.entry(source).or_insert((self.burst, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.per_second)
+            .min(self.burst);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+impl Default for SourceLimiter {
+    fn default() -> Self {
+        Self::new(
+            DEFAULT_REVIEW_BURST_PER_SOURCE,
+            DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE,
+        )
+    }
+}
 
 /// A service account, `NAMESPACE:NAME` on the command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +217,12 @@ pub enum VerifyError {
 pub trait TokenVerifier: Send + Sync {
     /// The identity the token authenticates as, or why not.
     async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError>;
+
+    /// A cached answer for (`token`, `audience`) that costs no review, when this verifier
+    /// keeps one ([`CachingVerifier`]); `None` otherwise (the default).
+    fn cached(&self, _token: &str, _audience: &str) -> Option<Result<TokenIdentity, VerifyError>> {
+        None
+    }
 }
 
 /// TokenReview against the cluster's API server. Needs RBAC `create` on
@@ -337,13 +409,26 @@ impl<T: TokenVerifier + ?Sized> TokenVerifier for Arc<T> {
     async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
         (**self).verify(token, audience).await
     }
+
+    fn cached(&self, token: &str, audience: &str) -> Option<Result<TokenIdentity, VerifyError>> {
+        (**self).cached(token, audience)
+    }
 }
 
 struct CacheEntry {
     at: Instant,
     ttl: Duration,
+    /// The token itself, for a success only: a hit must present the same token (a hash
+    /// collision can then never hand out another token's identity). A rejection keeps only
+    /// the hash — a flood of garbage tokens (up to the 64 KiB pre-authentication cap each)
+    /// costs 16 bytes of key per entry, not the token.
+    token: Option<Box<str>>,
     result: Result<TokenIdentity, VerifyError>,
 }
+
+/// The cache key of (token, audience): a SipHash with this cache's random keys (std's
+/// `RandomState`), so nobody outside can aim garbage at a given slot.
+type CacheKey = (u64, String);
 
 /// A monotonic time source (injected so tests control cache expiry).
 pub type MonotonicClock = Arc<dyn Fn() -> Instant + Send + Sync>;
@@ -358,7 +443,8 @@ pub struct CachingVerifier<V> {
     negative_ttl: Duration,
     max_entries: usize,
     clock: MonotonicClock,
-    cache: Mutex<HashMap<(String, String), CacheEntry>>,
+    hasher: std::collections::hash_map::RandomState,
+    cache: Mutex<HashMap<CacheKey, CacheEntry>>,
 }
 
 impl<V: TokenVerifier> CachingVerifier<V> {
@@ -380,8 +466,14 @@ impl<V: TokenVerifier> CachingVerifier<V> {
             negative_ttl,
             max_entries: max_entries.max(1),
             clock: Arc::new(Instant::now),
+            hasher: std::collections::hash_map::RandomState::new(),
             cache: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn key(&self, token: &str, audience: &str) -> CacheKey {
+        use std::hash::BuildHasher;
+        (self.hasher.hash_one(token), audience.to_string())
     }
 
     /// Replaces the time source (tests).
@@ -397,17 +489,24 @@ impl<V: TokenVerifier> CachingVerifier<V> {
 
     fn lookup(
         &self,
-        key: &(String, String),
+        key: &CacheKey,
+        token: &str,
         now: Instant,
     ) -> Option<Result<TokenIdentity, VerifyError>> {
         let cache = self.cache.lock();
         let e = cache.get(key)?;
+        if let (Ok(_), Some(t)) = (&e.result, &e.token) {
+            if &**t != token {
+                return None;
+            }
+        }
         (now.duration_since(e.at) < e.ttl).then(|| e.result.clone())
     }
 
     fn store(
         &self,
-        key: (String, String),
+        key: CacheKey,
+        token: &str,
         result: Result<TokenIdentity, VerifyError>,
         now: Instant,
     ) {
@@ -437,6 +536,7 @@ impl<V: TokenVerifier> CachingVerifier<V> {
             CacheEntry {
                 at: now,
                 ttl,
+                token: result.is_ok().then(|| token.into()),
                 result,
             },
         );
@@ -446,13 +546,17 @@ impl<V: TokenVerifier> CachingVerifier<V> {
 #[tonic::async_trait]
 impl<V: TokenVerifier> TokenVerifier for CachingVerifier<V> {
     async fn verify(&self, token: &str, audience: &str) -> Result<TokenIdentity, VerifyError> {
-        let key = (token.to_string(), audience.to_string());
-        if let Some(hit) = self.lookup(&key, (self.clock)()) {
+        let key = self.key(token, audience);
+        if let Some(hit) = self.lookup(&key, token, (self.clock)()) {
             return hit;
         }
         let result = self.inner.verify(token, audience).await;
-        self.store(key, result.clone(), (self.clock)());
+        self.store(key, token, result.clone(), (self.clock)());
         result
+    }
+
+    fn cached(&self, token: &str, audience: &str) -> Option<Result<TokenIdentity, VerifyError>> {
+        self.lookup(&self.key(token, audience), token, (self.clock)())
     }
 }
 
@@ -518,6 +622,23 @@ pub enum AuthError {
         /// Pod in Hello.
         hello_pod: String,
     },
+    /// The source address caused more TokenReviews than its share (a cache miss each).
+    #[error("too many token reviews from {source_addr}: at most {burst} at once and {per_second} per second per source address; retry later")]
+    RateLimited {
+        /// The caller's address.
+        source_addr: String,
+        /// The bucket size.
+        burst: u32,
+        /// The refill rate (reviews per second).
+        per_second: String,
+    },
+    /// A subscriber's pod is not an engine pod the node plans know (or the plans are not
+    /// derived yet, `plans_pending`).
+    #[error("{0}")]
+    NotPlanned(String),
+    /// This replica has not derived node plans yet, so it cannot tell a planned engine pod.
+    #[error("the controller has not derived its node plans yet, so it cannot check that pod {0:?} is a planned engine pod; retry shortly")]
+    PlansPending(String),
     /// A subscriber reported a stream of another pod or namespace.
     #[error("the subscriber of pod {pod:?} may only report that pod's streams: stream {stream_id:?} has {field} {got:?}, expected {want:?}")]
     StreamOutOfScope {
@@ -540,8 +661,10 @@ impl AuthError {
         let msg = self.to_string();
         match self {
             AuthError::MissingToken { .. } | AuthError::Rejected(_) => Status::unauthenticated(msg),
-            AuthError::Unavailable(_) => Status::unavailable(msg),
+            AuthError::Unavailable(_) | AuthError::PlansPending(_) => Status::unavailable(msg),
+            AuthError::RateLimited { .. } => Status::resource_exhausted(msg),
             AuthError::InvalidSubscriber(_) => Status::invalid_argument(msg),
+            AuthError::NotPlanned(_) => Status::permission_denied(msg),
             AuthError::WrongServiceAccount { .. }
             | AuthError::NoNodeBinding { .. }
             | AuthError::NodeMismatch { .. }
@@ -566,6 +689,9 @@ impl AuthError {
             AuthError::NamespaceMismatch { .. } => "namespace_mismatch",
             AuthError::PodMismatch { .. } => "pod_mismatch",
             AuthError::StreamOutOfScope { .. } => "stream_out_of_scope",
+            AuthError::RateLimited { .. } => "rate_limited",
+            AuthError::NotPlanned(_) => "not_planned",
+            AuthError::PlansPending(_) => "plans_pending",
         }
     }
 }
@@ -659,6 +785,9 @@ pub struct AgentIdentity {
     pub node: String,
     /// For a per-pod subscriber: the pod it may report for. `None` for a node agent.
     pub scope: Option<PodScope>,
+    /// For a per-pod subscriber: the UID of the pod its token is bound to (the `pod-uid`
+    /// extra), checked against the plan's.
+    pub pod_uid: Option<String>,
 }
 
 /// Checks agents' Hello messages: token, service account, node binding.
@@ -667,6 +796,8 @@ pub struct AgentAuthenticator {
     audience: String,
     service_account: ServiceAccountRef,
     outcomes: Option<IntCounterVec>,
+    sources: SourceLimiter,
+    limited: Option<prometheus::IntCounter>,
 }
 
 impl AgentAuthenticator {
@@ -682,7 +813,17 @@ impl AgentAuthenticator {
             audience: audience.into(),
             service_account,
             outcomes: None,
+            sources: SourceLimiter::default(),
+            limited: None,
         }
+    }
+
+    /// Limits the TokenReviews each source address may cause (cache misses only; default
+    /// [`DEFAULT_REVIEW_BURST_PER_SOURCE`] at once, [`DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE`]
+    /// per second).
+    pub fn with_source_limit(mut self, burst: u32, per_second: f64) -> Self {
+        self.sources = SourceLimiter::new(burst, per_second);
+        self
     }
 
     /// Counts outcomes in `inferencecache_controller_agent_auth_total{result}` registered in
@@ -697,6 +838,12 @@ impl AgentAuthenticator {
         )?;
         registry.register(Box::new(c.clone()))?;
         self.outcomes = Some(c);
+        let limited = prometheus::IntCounter::new(
+            "inferencecache_controller_token_reviews_limited_total",
+            "Agent and subscriber Hellos refused without a TokenReview because their source address used up its review budget (cache misses only).",
+        )?;
+        registry.register(Box::new(limited.clone()))?;
+        self.limited = Some(limited);
         Ok(self)
     }
 
@@ -711,7 +858,19 @@ impl AgentAuthenticator {
         &self,
         hello: &ic_shared::proto::Hello,
     ) -> Result<AgentIdentity, AuthError> {
-        let result = self.check(hello).await;
+        self.authenticate_from(hello, None).await
+    }
+
+    /// [`Self::authenticate`] for a Hello that came from `source`: a token the cache does not
+    /// answer costs a TokenReview, and each source address may cause at most its share of them
+    /// ([`SourceLimiter`]); beyond it the stream is refused with `ResourceExhausted` and no
+    /// review, counted in `inferencecache_controller_token_reviews_limited_total`.
+    pub async fn authenticate_from(
+        &self,
+        hello: &ic_shared::proto::Hello,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<AgentIdentity, AuthError> {
+        let result = self.check(hello, source).await;
         if let Some(c) = &self.outcomes {
             let label = match &result {
                 Ok(_) => "ok",
@@ -722,12 +881,30 @@ impl AgentAuthenticator {
         result
     }
 
-    async fn verify(&self, hello: &ic_shared::proto::Hello) -> Result<TokenIdentity, AuthError> {
+    async fn verify(
+        &self,
+        hello: &ic_shared::proto::Hello,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<TokenIdentity, AuthError> {
         let token = hello.token.trim();
         if token.is_empty() {
             return Err(AuthError::MissingToken {
                 audience: self.audience.clone(),
             });
+        }
+        if let Some(source) = source {
+            if self.verifier.cached(token, &self.audience).is_none()
+                && !self.sources.try_take(source, Instant::now())
+            {
+                if let Some(c) = &self.limited {
+                    c.inc();
+                }
+                return Err(AuthError::RateLimited {
+                    source_addr: source.to_string(),
+                    burst: self.sources.burst as u32,
+                    per_second: self.sources.per_second.to_string(),
+                });
+            }
         }
         self.verifier
             .verify(token, &self.audience)
@@ -738,11 +915,15 @@ impl AgentAuthenticator {
             })
     }
 
-    async fn check(&self, hello: &ic_shared::proto::Hello) -> Result<AgentIdentity, AuthError> {
+    async fn check(
+        &self,
+        hello: &ic_shared::proto::Hello,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<AgentIdentity, AuthError> {
         if let Some(scope) = PodScope::from_hello(hello)? {
-            return self.check_subscriber(hello, scope).await;
+            return self.check_subscriber(hello, scope, source).await;
         }
-        let id = self.verify(hello).await?;
+        let id = self.verify(hello, source).await?;
         let want = self.service_account.username();
         if id.username != want {
             return Err(AuthError::WrongServiceAccount {
@@ -765,6 +946,7 @@ impl AgentAuthenticator {
             username: id.username,
             node,
             scope: None,
+            pod_uid: None,
         })
     }
 
@@ -773,14 +955,15 @@ impl AgentAuthenticator {
         &self,
         hello: &ic_shared::proto::Hello,
         scope: PodScope,
+        source: Option<std::net::IpAddr>,
     ) -> Result<AgentIdentity, AuthError> {
-        let id = self.verify(hello).await?;
+        let id = self.verify(hello, source).await?;
         let namespace = id
             .username
             .strip_prefix("system:serviceaccount:")
             .and_then(|r| r.split_once(':'))
             .map(|(ns, _)| ns.to_string());
-        let (Some(namespace), Some(pod), Some(_uid)) = (
+        let (Some(namespace), Some(pod), Some(uid)) = (
             namespace,
             id.extra_value(EXTRA_POD_NAME),
             id.extra_value(EXTRA_POD_UID),
@@ -812,10 +995,12 @@ impl AgentAuthenticator {
                 hello_node: scope.node,
             });
         }
+        let pod_uid = Some(uid.to_string());
         Ok(AgentIdentity {
             username: id.username,
             node,
             scope: Some(scope),
+            pod_uid,
         })
     }
 }
@@ -1042,5 +1227,97 @@ mod tests {
             .unwrap();
         assert_eq!(scope.pod_ref(), "ns/p");
         assert!(PodScope::from_hello(&subscriber_hello("", "ns", "p", "t")).is_err());
+    }
+
+    /// Issue 38 item 8: every garbage token cost one TokenReview (4 000 requests, 4 004
+    /// reviews). One source address now causes at most its burst (then its refill rate); the
+    /// rest are refused without a review and counted; a cached token costs nothing and other
+    /// sources keep their own budget; a repeated garbage token is answered from the cache,
+    /// which keeps only its hash.
+    #[tokio::test]
+    async fn token_reviews_are_limited_per_source_and_rejections_are_cached_by_hash() {
+        let fake = Arc::new(FakeTokenVerifier::new().with_pod_token(
+            "tok-agent",
+            &agent_sa(),
+            Some("node-1"),
+            Some("agent-xyz"),
+        ));
+        let registry = Registry::new();
+        let auth = AgentAuthenticator::new(
+            Arc::new(CachingVerifier::new(fake.clone())),
+            DEFAULT_AUDIENCE,
+            agent_sa(),
+        )
+        .with_source_limit(4, 0.0)
+        .with_metrics(&registry)
+        .unwrap();
+        let attacker: std::net::IpAddr = "10.0.0.66".parse().unwrap();
+        let agent: std::net::IpAddr = "10.0.0.7".parse().unwrap();
+        // The agent's token is reviewed once and cached.
+        auth.authenticate_from(&agent_hello("node-1", "tok-agent"), Some(attacker))
+            .await
+            .unwrap();
+        let mut labels = Vec::new();
+        for i in 0..100 {
+            let err = auth
+                .authenticate_from(&agent_hello("node-1", &format!("garbage-{i}")), Some(attacker))
+                .await
+                .unwrap_err();
+            labels.push(err.label());
+        }
+        assert_eq!(fake.calls(), 4, "the burst of 4, the agent's review included");
+        assert_eq!(labels.iter().filter(|l| **l == "rejected").count(), 3);
+        assert_eq!(labels.iter().filter(|l| **l == "rate_limited").count(), 97);
+        let err = auth
+            .authenticate_from(&agent_hello("node-1", "garbage-99"), Some(attacker))
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_status().code(), tonic::Code::ResourceExhausted);
+        assert!(err.to_string().contains("10.0.0.66"), "{err}");
+        // A cached answer costs no review, so the limited source still gets it.
+        auth.authenticate_from(&agent_hello("node-1", "tok-agent"), Some(attacker))
+            .await
+            .unwrap();
+        // A cached rejection too: no review, no budget.
+        assert_eq!(
+            auth.authenticate_from(&agent_hello("node-1", "garbage-0"), Some(attacker))
+                .await
+                .unwrap_err()
+                .label(),
+            "rejected"
+        );
+        // Another source has its own budget.
+        assert_eq!(
+            auth.authenticate_from(&agent_hello("node-1", "garbage-x"), Some(agent))
+                .await
+                .unwrap_err()
+                .label(),
+            "rejected"
+        );
+        assert_eq!(fake.calls(), 5);
+        let mut text = String::new();
+        for f in registry.gather() {
+            if f.name() == "inferencecache_controller_token_reviews_limited_total" {
+                text = format!("{:?}", f.get_metric()[0].get_counter().get_value());
+            }
+        }
+        assert_eq!(text, "98.0");
+    }
+
+    #[test]
+    fn a_colliding_hash_never_hands_out_another_tokens_identity() {
+        let cache = CachingVerifier::new(FakeTokenVerifier::new());
+        let key = cache.key("tok", "aud");
+        cache.store(
+            key.clone(),
+            "tok",
+            Ok(TokenIdentity::default()),
+            Instant::now(),
+        );
+        assert!(cache.lookup(&key, "tok", Instant::now()).is_some());
+        assert!(
+            cache.lookup(&key, "forged", Instant::now()).is_none(),
+            "the same key with another token is a miss"
+        );
     }
 }

@@ -159,6 +159,40 @@ impl AgentIngest {
         }
     }
 
+    /// In cluster: `scope`'s pod must be an engine pod the node plans place on its node, and,
+    /// when the plan knows its UID, the token's pod UID must be that one (a pod replaced under
+    /// the same name is another pod). Refusals are counted in
+    /// `kv_streams_refused_total{reason="subscriber_not_planned"}`.
+    fn check_planned(
+        &self,
+        scope: &auth::PodScope,
+        token_pod_uid: Option<&str>,
+    ) -> Result<(), auth::AuthError> {
+        let nodes = self.shared.nodes.lock();
+        let result = match nodes.planned_pod(&scope.node, &scope.namespace, &scope.pod) {
+            Ok(None) => Err(auth::AuthError::PlansPending(scope.pod_ref())),
+            Err(why) => Err(auth::AuthError::NotPlanned(why)),
+            Ok(Some(planned)) => match (planned.uid.as_deref(), token_pod_uid) {
+                (Some(want), Some(got)) if want != got => Err(auth::AuthError::NotPlanned(
+                    format!(
+                        "the token is bound to pod {} with UID {got:?}, but the planned engine pod of that name has UID {want:?}",
+                        scope.pod_ref()
+                    ),
+                )),
+                _ => Ok(()),
+            },
+        };
+        drop(nodes);
+        if result.is_err() {
+            self.shared
+                .metrics
+                .kv_streams_refused_total
+                .with_label_values(&["subscriber_not_planned"])
+                .inc();
+        }
+        result
+    }
+
     fn reject(&self, status: Status) -> Status {
         self.shared
             .metrics
@@ -185,6 +219,7 @@ impl AgentService for AgentIngest {
             .extensions()
             .get::<handshake::PreAuthGate>()
             .cloned();
+        let source = request.remote_addr().map(|a| a.ip());
         let pending = self
             .handshake
             .pending
@@ -241,7 +276,13 @@ impl AgentService for AgentIngest {
         };
         let scope = auth::PodScope::from_hello(&hello).map_err(refuse)?;
         if let Some(auth) = &self.auth {
-            auth.authenticate(&hello).await.map_err(refuse)?;
+            let id = auth.authenticate_from(&hello, source).await.map_err(refuse)?;
+            // In cluster a subscriber speaks only for an engine pod the node plans know, bound
+            // by its own token (docs/security.md "Only planned engine pods report").
+            if let Some(scope) = &scope {
+                self.check_planned(scope, id.pod_uid.as_deref())
+                    .map_err(refuse)?;
+            }
         }
         // Accepted: full-size messages from here on.
         if let Some(gate) = gate {
@@ -313,6 +354,7 @@ impl AgentService for AgentIngest {
                 owned: HashSet::new(),
                 chunks: ic_shared::resync::ResyncAssembler::new(MAX_RESYNC_ENTRIES),
                 turn: None,
+                handed_on: None,
                 opening_pending: true,
                 heard,
                 heard_paused: false,
@@ -325,26 +367,44 @@ impl AgentService for AgentIngest {
                 }
                 // The opening resync follows Hello: wait for a turn before reading it, so a
                 // waiting agent's resync stays in its connection's flow-control window.
-                if session.opening_pending && session.turn.is_none() {
+                // (Not after a turn was handed on for want of a message: the next one takes it.)
+                if session.opening_pending && session.turn.is_none() && session.handed_on.is_none() {
                     if let Err(e) = session.take_turn().await {
                         break session.finish(e).await;
                     }
                 }
-                let gap = session
-                    .turn
-                    .is_some()
-                    .then(|| shared.resync_turns.chunk_gap());
+                // Holding a turn, the stream may be silent for `turn_idle` only: then the turn
+                // goes to the next session (one staller cannot delay the others by the whole
+                // gap, issue 38 item 8); a resync in flight still ends `chunk_gap` after its
+                // last message.
+                let gap = shared.resync_turns.chunk_gap();
+                let wait = if session.turn.is_some() {
+                    Some(shared.resync_turns.turn_idle().min(gap))
+                } else {
+                    session.handed_on.map(|at| gap.saturating_sub(at.elapsed()))
+                };
                 tokio::select! {
-                    msg = next_message(&mut inbound, gap) => match msg {
+                    msg = next_message(&mut inbound, wait) => match msg {
+                        None if session.turn.is_some() => {
+                            let idle_ms = shared.resync_turns.turn_idle().min(gap).as_millis() as u64;
+                            info!(node = %session.ticket.node, idle_ms, "no resync message while holding a resync turn; handing the turn on");
+                            session.turn = None;
+                            session.handed_on = Some(
+                                tokio::time::Instant::now()
+                                    .checked_sub(shared.resync_turns.turn_idle().min(gap))
+                                    .unwrap_or_else(tokio::time::Instant::now),
+                            );
+                            continue;
+                        }
                         None => {
-                            let gap_ms = shared.resync_turns.chunk_gap().as_millis() as u64;
-                            warn!(node = %session.ticket.node, gap_ms, "no resync message within the gap while holding a resync turn; closing the stream");
+                            let gap_ms = gap.as_millis() as u64;
+                            warn!(node = %session.ticket.node, gap_ms, "no resync message within the gap; closing the stream");
                             let _ = session.tx.try_send(Err(Status::deadline_exceeded(format!(
-                                "the controller waited {gap_ms} ms for the next message of this stream's resync while it held a resync turn; reconnect and resend it"
+                                "the controller waited {gap_ms} ms for the next message of this stream's resync (its resync turn was handed on meanwhile); reconnect and resend it"
                             ))));
                             break "resync stalled";
                         }
-                        Some(Ok(Some(msg))) => match session.handle(msg).await {
+                        Some(Ok(Some(msg))) => match { session.handed_on = None; session.handle(msg).await } {
                             Ok(()) => {}
                             Err(e) => break session.finish(e).await,
                         },
@@ -446,6 +506,9 @@ struct Session {
     heard_paused: bool,
     /// The agent's heartbeat interval was found too long for the bound (warned once).
     heartbeat_warned: bool,
+    /// When this session's last message arrived, once its resync turn was handed on for want
+    /// of a message ([`turns::ResyncTurns::turn_idle`]); cleared by the next message.
+    handed_on: Option<tokio::time::Instant>,
 }
 
 impl Session {
@@ -544,8 +607,33 @@ impl Session {
         let Some(scope) = &self.ticket.scope else {
             return Ok(());
         };
+        // In cluster, the ranks the plan gives the pod (issue 38 item 4: any rank was accepted).
+        let ranks = self
+            .shared
+            .nodes
+            .lock()
+            .planned_pod(&scope.node, &scope.namespace, &scope.pod)
+            .ok()
+            .flatten()
+            .map(|p| p.ranks.clone());
         for d in descriptors.into_iter().flatten() {
             scope.authorize(d).map_err(SessionEnd::Refused)?;
+            if let Some(ranks) = &ranks {
+                if !ranks.contains(&d.dp_rank) {
+                    self.shared
+                        .metrics
+                        .kv_streams_refused_total
+                        .with_label_values(&["rank_not_planned"])
+                        .inc();
+                    return Err(SessionEnd::Refused(auth::AuthError::StreamOutOfScope {
+                        pod: scope.pod_ref(),
+                        stream_id: d.stream_id.clone(),
+                        field: "data-parallel rank",
+                        got: d.dp_rank.to_string(),
+                        want: format!("one of the plan's ranks {ranks:?}"),
+                    }));
+                }
+            }
         }
         Ok(())
     }
@@ -616,7 +704,7 @@ impl Session {
                     let Some(mut ix) = self.index_write_if_current(WriteHold::Deltas) else {
                         return Err(SessionEnd::Superseded);
                     };
-                    let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
+                    let mut budget = scope::BlockSizeBudget::new(ix.registered_block_sizes());
                     let capped: Vec<bool> = deltas
                         .iter_mut()
                         .map(|d| scope::cap_delta(d, &mut budget) > 0)
@@ -778,6 +866,38 @@ impl Session {
         kept
     }
 
+    /// The resync's first `--max-streams-per-reporter` distinct streams; the rest are left out
+    /// and counted (`kv_streams_refused_total{reason="stream_cap"}`). Bounds what one agent or
+    /// pod token can register (issue 38 item 4: 200 000 one-entry streams held the index write
+    /// lock 7.4 s in one `begin_resync`), and so the streams one resync registers under one
+    /// hold of the lock.
+    fn within_stream_cap(
+        &self,
+        mut streams: Vec<proto::StreamSnapshot>,
+    ) -> Vec<proto::StreamSnapshot> {
+        let cap = self.shared.policy.streams_per_reporter();
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut keep = streams.len();
+        for (i, s) in streams.iter().enumerate() {
+            seen.insert(s.stream.as_ref().map_or("", |d| d.stream_id.as_str()));
+            if seen.len() > cap {
+                keep = i;
+                break;
+            }
+        }
+        if keep < streams.len() {
+            let dropped = streams.len() - keep;
+            streams.truncate(keep);
+            self.shared
+                .metrics
+                .kv_streams_refused_total
+                .with_label_values(&["stream_cap"])
+                .inc_by(dropped as u64);
+            warn!(node = %self.ticket.node, cap, dropped, "resync carried more streams than one reporter may register (--max-streams-per-reporter); the rest were left out");
+        }
+        streams
+    }
+
     /// The index write lock for `what` while this stream is still its node's (or pod's)
     /// current one; `None` once a newer one took over. Checked under the registry lock, which
     /// a newer stream's connect holds while it supersedes this one's replicas
@@ -806,7 +926,7 @@ impl Session {
         } else {
             "connect"
         };
-        let streams = self.in_scope_snapshots(streams);
+        let streams = self.within_stream_cap(self.in_scope_snapshots(streams));
         let mut streams = with_node(streams, self.ticket.reporting_node());
         let mut apply = {
             let Some(mut ix) = self.index_write_if_current(WriteHold::ResyncBegin) else {
@@ -814,7 +934,7 @@ impl Session {
                 self.turn = None;
                 return;
             };
-            let mut budget = scope::BlockSizeBudget::new(ix.block_sizes());
+            let mut budget = scope::BlockSizeBudget::new(ix.registered_block_sizes());
             let mut capped: Vec<String> = Vec::new();
             for s in streams.iter_mut() {
                 if scope::cap_snapshot(s, &mut budget) > 0 {
@@ -1948,6 +2068,10 @@ mod tests {
             agent,
         ));
         let (url, shared) = serve(Some(authn)).await;
+        shared
+            .nodes
+            .lock()
+            .set_node_scope(&[("n1".to_string(), plan_with(&[("ns", "pod-a")]))].into());
         let (refused, _tx) = open(&url, hello("n1", Some(("ns", "pod-b")), "tok-a")).await;
         let st = refused.err().unwrap();
         assert_eq!(st.code(), tonic::Code::PermissionDenied);
@@ -1968,5 +2092,162 @@ mod tests {
         })
         .await;
         assert_eq!(shared.nodes.lock().subscribers()[0].pod, "pod-a");
+    }
+
+    /// Issue 38 item 6: a valid pod-bound token of a pod the plans do not know (a non-engine
+    /// pod of the tenant, under another service account) is refused, so it cannot outrank the
+    /// tenant's engine; before plans exist the stream is refused UNAVAILABLE.
+    #[tokio::test]
+    async fn in_cluster_only_planned_engine_pods_may_subscribe() {
+        let engine: auth::ServiceAccountRef = "team-a:engine".parse().unwrap();
+        let other: auth::ServiceAccountRef = "team-a:other".parse().unwrap();
+        let verifier = auth::FakeTokenVerifier::new()
+            .with_pod_token("tok-engine", &engine, Some("n1"), Some("vllm-a"))
+            .with_pod_token("tok-other", &other, Some("n1"), Some("sidecar-x"));
+        let authn = Arc::new(auth::AgentAuthenticator::new(
+            Arc::new(verifier),
+            auth::DEFAULT_AUDIENCE,
+            "ic:agent".parse().unwrap(),
+        ));
+        let (url, shared) = serve(Some(authn)).await;
+        let (refused, _tx) =
+            open(&url, hello("n1", Some(("team-a", "sidecar-x")), "tok-other")).await;
+        assert_eq!(refused.err().unwrap().code(), tonic::Code::Unavailable);
+        shared
+            .nodes
+            .lock()
+            .set_node_scope(&[("n1".to_string(), plan_with(&[("team-a", "vllm-a")]))].into());
+        let (refused, _tx) =
+            open(&url, hello("n1", Some(("team-a", "sidecar-x")), "tok-other")).await;
+        let st = refused.err().unwrap();
+        assert_eq!(st.code(), tonic::Code::PermissionDenied);
+        assert!(st.message().contains("not an engine pod"), "{}", st.message());
+        let (accepted, tx) =
+            open(&url, hello("n1", Some(("team-a", "vllm-a")), "tok-engine")).await;
+        let _inbound = accepted.unwrap();
+        tx.send(resync(&[("team-a", "vllm-a", "a1")])).await.unwrap();
+        until("the engine's stream", || {
+            shared.index.read().stream_entries("team-a/vllm-a#0").is_some()
+        })
+        .await;
+        assert!(shared.index.read().stream_entries("team-a/sidecar-x#0").is_none());
+    }
+
+    fn ranked(tenant: &str, pod: &str, ranks: std::ops::Range<u32>) -> AgentMessage {
+        AgentMessage {
+            msg: Some(Msg::Resync(Resync {
+                streams: ranks
+                    .map(|r| StreamSnapshot {
+                        stream: Some(StreamDescriptor {
+                            stream_id: format!("{tenant}/{pod}#{r}"),
+                            replica: if r == 0 { pod.to_string() } else { format!("{pod}#{r}") },
+                            dp_rank: r,
+                            tenant: tenant.to_string(),
+                            model: "m".into(),
+                            hash_scheme: "vllm".into(),
+                            ..Default::default()
+                        }),
+                        entries: vec![BlockEntry {
+                            adapter: String::new(),
+                            block_size: 16,
+                            content_key: u64::from(r) + 1,
+                            tier: proto::Tier::T1 as i32,
+                        }],
+                        ..Default::default()
+                    })
+                    .collect(),
+            })),
+        }
+    }
+
+    fn refused(shared: &Shared, reason: &str) -> u64 {
+        shared
+            .metrics
+            .kv_streams_refused_total
+            .with_label_values(&[reason])
+            .get()
+    }
+
+    /// Issue 38 item 4: one pod token registered 200 000 streams (any rank was accepted), and
+    /// 200 000 one-entry streams held the index write lock 7.4 s. Now a reporter registers at
+    /// most `--max-streams-per-reporter` streams per resync, and with node plans only the
+    /// ranks the plan has.
+    #[tokio::test]
+    async fn streams_per_reporter_are_capped_and_ranks_follow_the_plan() {
+        let shared = Shared::new(LookupPolicy {
+            max_streams_per_reporter: Some(8),
+            ..Default::default()
+        })
+        .unwrap();
+        let (url, shared) = serve_state(shared, None).await;
+        // Standalone: a subscriber claiming 1 000 ranks registers 8 of them.
+        let (accepted, tx) = open(&url, hello("n1", Some(("ns", "pod-a")), "")).await;
+        let _a = accepted.unwrap();
+        tx.send(ranked("ns", "pod-a", 0..1000)).await.unwrap();
+        until("the capped resync", || refused(&shared, "stream_cap") == 992).await;
+        until("8 streams", || shared.index.read().stream_entries("ns/pod-a#7").is_some()).await;
+        assert!(shared.index.read().stream_entries("ns/pod-a#8").is_none());
+        // A node agent is held to the same cap.
+        let (accepted, tx) = open(&url, hello("n2", None, "")).await;
+        let _b = accepted.unwrap();
+        tx.send(ranked("ns", "pod-b", 0..20)).await.unwrap();
+        until("the node's capped resync", || refused(&shared, "stream_cap") == 1004).await;
+
+        // With node plans: the plan has rank 0 only; rank 1 of the node agent is left out.
+        shared
+            .nodes
+            .lock()
+            .set_node_scope(&[("n3".to_string(), plan_with(&[("ns", "pod-c")]))].into());
+        let before = refused(&shared, "outside_node_scope");
+        let (accepted, tx) = open(&url, hello("n3", None, "")).await;
+        let _c = accepted.unwrap();
+        tx.send(ranked("ns", "pod-c", 0..2)).await.unwrap();
+        until("rank 0 applied", || shared.index.read().stream_entries("ns/pod-c#0").is_some()).await;
+        assert!(shared.index.read().stream_entries("ns/pod-c#1").is_none());
+        assert_eq!(refused(&shared, "outside_node_scope"), before + 1);
+        // A subscriber of a planned pod reporting an unplanned rank is cut off.
+        let (accepted, tx) = open(&url, hello("n3", Some(("ns", "pod-c")), "")).await;
+        let mut inbound = accepted.unwrap();
+        tx.send(ranked("ns", "pod-c", 3..4)).await.unwrap();
+        let st = final_status(&mut inbound).await;
+        assert_eq!(st.code(), tonic::Code::PermissionDenied);
+        assert!(st.message().contains("data-parallel rank"), "{}", st.message());
+        assert_eq!(refused(&shared, "rank_not_planned"), 1);
+    }
+
+    /// Issue 38 item 8: a stream that holds the only resync turn and sends nothing (three such
+    /// delayed another node by 31.6 s) hands the turn on after `turn_idle`, long before its
+    /// chunk gap ends it; the next node's resync is applied while the staller is still open.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_turn_holder_hands_the_turn_on() {
+        let shared = Shared::new(LookupPolicy::default())
+            .unwrap()
+            .with_resync_turns(
+                turns::ResyncTurns::new(1)
+                    .with_timing(Duration::from_millis(50), Duration::from_secs(120))
+                    .with_turn_idle(Duration::from_millis(200)),
+            );
+        let (url, shared) = serve_state(shared, None).await;
+        let mut stallers = Vec::new();
+        for i in 0..3 {
+            let (s_in, s_tx) = open(&url, hello(&format!("staller-{i}"), None, "")).await;
+            stallers.push((s_in.unwrap(), s_tx));
+        }
+        let (b_in, b_tx) = open(&url, hello("n-b", None, "")).await;
+        let _b_in = b_in.unwrap();
+        b_tx.send(resync(&[("ns", "b", "a1")])).await.unwrap();
+        until("B applied", || {
+            shared.index.read().stream_entries("ns/b#0").is_some()
+        })
+        .await;
+        // The stallers were not cut off (their gap is 120 s): they only lost the turn.
+        assert_eq!(shared.nodes.lock().connected_count(), 4);
+        // A staller that then sends its resync gets a turn and is applied.
+        let (_, s_tx) = &stallers[0];
+        s_tx.send(resync(&[("ns", "s0", "a2")])).await.unwrap();
+        until("the late resync applied", || {
+            shared.index.read().stream_entries("ns/s0#0").is_some()
+        })
+        .await;
     }
 }

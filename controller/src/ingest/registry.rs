@@ -124,9 +124,21 @@ pub struct NodeRegistry {
     plans: BTreeMap<String, NodePlan>,
     plans_authoritative: bool,
     generation_base: u64,
-    /// Node → the engine pods (`namespace`, `pod`) known to run there; `None` until this
-    /// replica derived plans once (standalone never does: no node scope).
-    scope: Option<BTreeMap<String, BTreeSet<(String, String)>>>,
+    /// Node → the engine pods (`namespace`, `pod`) known to run there, with what the plan says
+    /// of each ([`PlannedPod`]); `None` until this replica derived plans once (standalone never
+    /// does: no node scope).
+    scope: Option<BTreeMap<String, BTreeMap<(String, String), PlannedPod>>>,
+}
+
+/// What the node plans say of one engine pod: the only streams anyone may report for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlannedPod {
+    /// The pod's UID when the plan knows it (a subscriber's token must carry the same one).
+    pub uid: Option<String>,
+    /// The data-parallel ranks the plan's KV-event sources have (`{0}` for an engine planned
+    /// without a source: a single-rank engine). A stream of any other rank is refused
+    /// (issue 38 item 4: any rank was accepted, so one pod token registered 200 000 streams).
+    pub ranks: BTreeSet<u32>,
 }
 
 /// What one [`NodeRegistry::publish_plans`] call did.
@@ -507,7 +519,20 @@ impl NodeRegistry {
                     let pods = plan
                         .engines
                         .iter()
-                        .map(|e| (e.namespace.clone(), e.pod.clone()))
+                        .map(|e| {
+                            let mut ranks: BTreeSet<u32> =
+                                e.kv_events.iter().map(|k| k.dp_rank).collect();
+                            if ranks.is_empty() {
+                                ranks.insert(0);
+                            }
+                            (
+                                (e.namespace.clone(), e.pod.clone()),
+                                PlannedPod {
+                                    uid: e.pod_uid.clone(),
+                                    ranks,
+                                },
+                            )
+                        })
                         .collect();
                     (node.clone(), pods)
                 })
@@ -518,7 +543,8 @@ impl NodeRegistry {
     /// Whether node `node`'s agent may report `desc`: always without a node scope (standalone,
     /// or before this replica's first plan derivation); otherwise only a stream of an engine
     /// pod the plans place on `node` — tenant = the pod's namespace, replica = the pod
-    /// (`pod` or `pod#rank`), stream id `namespace/pod#rank`.
+    /// (`pod` or `pod#rank`), stream id `namespace/pod#rank`, rank one the plan has
+    /// ([`PlannedPod::ranks`]).
     ///
     /// # Errors
     /// A sentence naming the stream and why it is outside the node's scope.
@@ -534,15 +560,15 @@ impl NodeRegistry {
             .replica
             .split_once('#')
             .map_or(desc.replica.as_str(), |(p, _)| p);
-        let known = scope
+        let Some(planned) = scope
             .get(node)
-            .is_some_and(|pods| pods.contains(&(desc.tenant.clone(), pod.to_string())));
-        if !known {
+            .and_then(|pods| pods.get(&(desc.tenant.clone(), pod.to_string())))
+        else {
             return Err(format!(
                 "stream {:?} (pod {}/{}) is not an engine pod the controller knows on node {node:?}",
                 desc.stream_id, desc.tenant, pod
             ));
-        }
+        };
         let want = format!("{}/{}#{}", desc.tenant, pod, desc.dp_rank);
         if desc.stream_id != want {
             return Err(format!(
@@ -550,7 +576,40 @@ impl NodeRegistry {
                 desc.stream_id
             ));
         }
+        if !planned.ranks.contains(&desc.dp_rank) {
+            return Err(format!(
+                "stream {:?} has data-parallel rank {} but the plan of pod {}/{} has ranks {:?}",
+                desc.stream_id, desc.dp_rank, desc.tenant, pod, planned.ranks
+            ));
+        }
         Ok(())
+    }
+
+    /// The plan's record of engine pod `namespace/pod` on `node`, when a node scope is in
+    /// force: `Ok(None)` without one (standalone, or before this replica first derived plans),
+    /// `Ok(Some(_))` for a planned engine pod.
+    ///
+    /// # Errors
+    /// A sentence saying the pod is not an engine pod the plans place on `node` (issue 38 item
+    /// 6: a per-pod subscriber stream is accepted only for such a pod).
+    pub fn planned_pod(
+        &self,
+        node: &str,
+        namespace: &str,
+        pod: &str,
+    ) -> Result<Option<&PlannedPod>, String> {
+        let Some(scope) = &self.scope else {
+            return Ok(None);
+        };
+        scope
+            .get(node)
+            .and_then(|pods| pods.get(&(namespace.to_string(), pod.to_string())))
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "pod {namespace}/{pod} is not an engine pod the controller's node plans place on node {node:?}: only a planned engine pod's own subscriber may report KV events"
+                )
+            })
     }
 
     /// Whether a node scope is in force on this replica.

@@ -12,8 +12,10 @@
 //! A waiting or applying session tells its agent every [`PROGRESS_EVERY`] with a
 //! `ResyncProgress` message (its delta batches cannot be acked before the resync is applied;
 //! the agent does not count that time against its ack timeout). A session that holds a turn
-//! and receives nothing for [`RESYNC_CHUNK_GAP`] ends its stream, so a stalled agent cannot
-//! keep a turn from the others.
+//! and receives nothing for [`TURN_IDLE`] hands the turn to the next session (issue 38 item 8:
+//! stalled resyncs held the single turn 10 s each, and three stallers delayed another node by
+//! 31.6 s); a resync that then receives nothing for [`RESYNC_CHUNK_GAP`] since its last message
+//! ends its stream. Its next message queues for a turn again, at the back.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +30,11 @@ pub const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 /// the stream (`DEADLINE_EXCEEDED`; the agent reconnects and resends).
 pub const RESYNC_CHUNK_GAP: Duration = Duration::from_secs(10);
 
+/// Longest a session holds a turn while its stream sends nothing (an agent sends its resync
+/// right after its Hello, chunk after chunk, from its connection's flow-control window): then
+/// the turn goes to the next session in line.
+pub const TURN_IDLE: Duration = Duration::from_secs(1);
+
 /// Most turns [`ResyncTurns::for_this_machine`] gives, whatever the core count: beyond a few,
 /// more concurrent applies only contend for the index write lock.
 const MAX_TURNS: usize = 4;
@@ -38,6 +45,7 @@ pub struct ResyncTurns {
     sem: Arc<Semaphore>,
     progress_every: Duration,
     chunk_gap: Duration,
+    turn_idle: Duration,
 }
 
 impl ResyncTurns {
@@ -47,7 +55,20 @@ impl ResyncTurns {
             sem: Arc::new(Semaphore::new(size.max(1))),
             progress_every: PROGRESS_EVERY,
             chunk_gap: RESYNC_CHUNK_GAP,
+            turn_idle: TURN_IDLE,
         }
+    }
+
+    /// The same turns, handed on after `turn_idle` without a message (tests).
+    pub fn with_turn_idle(mut self, turn_idle: Duration) -> Self {
+        self.turn_idle = turn_idle;
+        self
+    }
+
+    /// How long a turn holder may be silent before the turn goes to the next session
+    /// ([`TURN_IDLE`]; never longer than [`Self::chunk_gap`]).
+    pub fn turn_idle(&self) -> Duration {
+        self.turn_idle
     }
 
     /// The same turns with other timings (tests: `ResyncProgress` every `progress_every`, a
