@@ -33,6 +33,7 @@
 mod e2e;
 mod grpc;
 mod race;
+mod stable;
 #[path = "workload.rs"]
 mod workload;
 
@@ -193,6 +194,14 @@ struct Args {
     vllm_version: String,
     ingest_only: usize,
     prefault_mib: usize,
+    /// `--stable`: run the phases under callgrind (stable.rs) instead of the wall-clock table.
+    stable: bool,
+    /// `--stable-phases a,b`: which phases `--stable` runs (default: all).
+    stable_phases: Vec<stable::Phase>,
+    /// `--stable-dir`: where the callgrind dumps go.
+    stable_dir: PathBuf,
+    /// `--stable-phase X`: the child side: measure phase X only (under valgrind).
+    stable_phase: Option<stable::Phase>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -217,18 +226,24 @@ fn parse_args() -> Result<Args, String> {
         vllm_version: "0.33.0".into(),
         ingest_only: 0,
         prefault_mib: 2048,
+        stable: false,
+        stable_phases: stable::Phase::ALL.to_vec(),
+        stable_dir: std::env::var_os("IC_BENCH_STABLE_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("ic-bench-stable")),
+        stable_phase: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--reps" => a.reps = val()?.parse::<usize>().map_err(|e| format!("{e}"))?.max(1),
             "--workers" => a.workers = val()?.parse().map_err(|e| format!("{e}"))?,
             "--capacity" => a.capacity = val()?.parse().map_err(|e| format!("{e}"))?,
             "--copies" => a.copies = val()?.parse().map_err(|e| format!("{e}"))?,
             "--lookups" => a.lookups = val()?.parse().map_err(|e| format!("{e}"))?,
-            "--decode-seconds" => a.decode_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
             "--trace" => a.trace = Some(val()?.into()),
+            "--reps" => a.reps = val()?.parse::<usize>().map_err(|e| format!("{e}"))?.max(1),
+            "--decode-seconds" => a.decode_seconds = val()?.parse().map_err(|e| format!("{e}"))?,
             "--fixtures" => a.fixtures = Some(val()?.into()),
             "--race-lookups" => a.race_lookups = val()?.parse().map_err(|e| format!("{e}"))?,
             "--race-batch" => a.race_batch = val()?.parse().map_err(|e| format!("{e}"))?,
@@ -252,6 +267,15 @@ fn parse_args() -> Result<Args, String> {
             "--vllm-version" => a.vllm_version = val()?,
             "--ingest-only" => a.ingest_only = val()?.parse().map_err(|e| format!("{e}"))?,
             "--prefault-mib" => a.prefault_mib = val()?.parse().map_err(|e| format!("{e}"))?,
+            "--stable" => a.stable = true,
+            "--stable-phases" => {
+                a.stable_phases = val()?
+                    .split(',')
+                    .map(stable::Phase::parse)
+                    .collect::<Result<_, _>>()?
+            }
+            "--stable-dir" => a.stable_dir = val()?.into(),
+            "--stable-phase" => a.stable_phase = Some(stable::Phase::parse(&val()?)?),
             "-h" | "--help" => {
                 println!(
                     "ic-bench [--reps 3] [--workers 1000] [--capacity 1024 blocks/worker] [--copies 4] \
@@ -263,6 +287,10 @@ fn parse_args() -> Result<Args, String> {
                      \x20        [--vllm-version 0.33.0] (IC_VLLM_DIR: scripts/fetch-vllm.sh output)\n\
                      \x20        [--ingest-only N: only our ingest, N fresh builds, each rate printed (for profiling)]\n\
                      \x20        [--prefault-mib 2048: touch and free this much memory first (0: none)]\n\
+                     \x20        [--stable: each phase alone under valgrind callgrind (cache + branch simulation): per-op\n\
+                     \x20         instructions, misses, mispredicts and cycle estimate instead of the wall-clock table]\n\
+                     \x20        [--stable-phases ingest-ours,ingest-radix,ingest-crtc,score-ours,answer-ours,score-radix,score-crtc]\n\
+                     \x20        [--stable-dir DIR: callgrind dumps (IC_BENCH_STABLE_DIR; default $TMPDIR/ic-bench-stable)]\n\
                      Ingest: best of --reps alternating runs; lookups: the pass with the lowest p99."
                 );
                 std::process::exit(0);
@@ -679,7 +707,9 @@ fn main() {
             std::process::exit(2);
         }
     };
-    prefault(args.prefault_mib);
+    if args.stable_phase.is_none() && !args.stable {
+        prefault(args.prefault_mib);
+    }
     let cwd = std::env::current_dir().unwrap_or_default();
     let Some(trace_path) = args.trace.clone().or_else(|| workload::find_trace(&cwd)) else {
         eprintln!("ic-bench: trace not found (set IC_TRACE or pass --trace)");
@@ -716,6 +746,32 @@ fn main() {
         picks.len()
     );
 
+    if args.stable && args.stable_phase.is_none() {
+        let mut child = vec![
+            "--workers".to_string(),
+            args.workers.to_string(),
+            "--capacity".into(),
+            args.capacity.to_string(),
+            "--copies".into(),
+            args.copies.to_string(),
+            "--lookups".into(),
+            args.lookups.to_string(),
+            "--trace".into(),
+            trace_path.display().to_string(),
+        ];
+        child.extend(["--reps".into(), "1".into()]);
+        if let Err(e) = stable::drive(
+            &args.stable_phases,
+            &args.stable_dir,
+            &child,
+            &w,
+            picks.len(),
+        ) {
+            eprintln!("ic-bench --stable: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let block_ops = w.stored_blocks + w.removed_blocks;
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -728,6 +784,13 @@ fn main() {
         }
     };
     let (deltas, snaps) = ours_deltas(&w);
+    if let Some(phase) = args.stable_phase {
+        if let Err(e) = stable::run_phase(phase, &w, &picks, &deltas, &snaps, &rt) {
+            eprintln!("ic-bench --stable-phase {}: {e}", phase.name());
+            std::process::exit(1);
+        }
+        return;
+    }
     if args.ingest_only > 0 {
         for rep in 0..args.ingest_only {
             let (ix, secs, bytes) = build_ours(&deltas, &snaps);
