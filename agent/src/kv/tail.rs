@@ -30,7 +30,8 @@ use thiserror::Error;
 use zeromq::{Socket, SocketOptions, SocketRecv, SubSocket};
 
 use super::inspect::{message_json, topic_text, write_zmtp, RawMessage};
-use super::subscriber::{request_replay, SubscriberOptions};
+use super::subscriber::replay::request_replay;
+use super::subscriber::SubscriberOptions;
 use super::zmtp_guard::{self, Dropped, OnDrop, ZmtpLimits};
 
 /// What to follow and how to print it.

@@ -10,13 +10,13 @@
 //!   on GPU and on an offload medium. Several engine hashes can map to one content key (the same
 //!   tokens under different cache salts, or several full-attention groups), so an entry is
 //!   removed only when its last holder goes;
-//! - the pending [`KvOp`](ic_shared::proto::KvOp)s not yet taken by the link, and the per-stream delta sequence.
+//! - the pending [`KvOp`]s not yet taken by the link, and the per-stream delta sequence.
 //!
 //! # Rules
 //!
 //! - **BlockStored** (tokens present): the run's blocks are split at the event's `block_size` (the
 //!   plan's when the event says 0); block *i* gets `block_key(key of block i-1, tokens of block
-//!   i)`, block 0 chains from the parent's key, or [`ROOT`](ic_shared::kv::content_key::ROOT) when `parent_block_hash` is null.
+//!   i)`, block 0 chains from the parent's key, or [`ROOT`] when `parent_block_hash` is null.
 //!   Medium `GPU` (or none) makes the block held at T1; any other medium (`CPU`, `CPU_PINNED`,
 //!   `STORAGE`…) marks an offload copy (T2). An entry's tier is T1 while any holder has it on GPU,
 //!   else T2 while any holder has an offload copy. Ops are emitted only on tier transitions, so
@@ -32,7 +32,7 @@
 //!   replay); descendants of orphans are parked too. Parked blocks are bounded
 //!   ([`StreamConfig::max_orphans`], oldest evicted first). So a subscriber that starts late loses
 //!   only what it cannot know, and never poisons the index.
-//! - **Content-hashed pages** (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`](ic_shared::kv::decode::sglang::is_content_hashed): one hash per page
+//! - **Content-hashed pages** (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`]: one hash per page
 //!   content wherever it sits, and no parent on any radix node's first page): a parentless page
 //!   is a prompt's first page only while the engine's cache is provably empty (followed from
 //!   empty, nothing held); otherwise it and the pages chained to it are not indexed (Partial
@@ -81,6 +81,10 @@
 //!   snapshots;
 //! - [`persisted`]: the state kept on disk across agent restarts
 //!   ([`persisted::PersistedState`]).
+//!
+//! [`KvOp`]: ic_shared::proto::KvOp
+//! [`ROOT`]: ic_shared::kv::content_key::ROOT
+//! [`sglang::is_content_hashed`]: ic_shared::kv::decode::sglang::is_content_hashed
 
 mod blocks;
 mod ops;
@@ -339,9 +343,11 @@ pub struct StreamState {
     /// `(seq, xxh3 of the payload)` of the last batch applied: proves on a replay that the
     /// engine is still the incarnation we followed.
     last_digest: Option<(u64, u64)>,
-    /// Content-hashed pages (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`](ic_shared::kv::decode::sglang::is_content_hashed)): the engine's whole
+    /// Content-hashed pages (SGLang ≤ 0.5.5, [`is_content_hashed`]): the engine's whole
     /// cache has been followed from empty (its first batch, or `AllBlocksCleared`), so while
     /// nothing is held a parentless page is provably a prompt's first page.
+    ///
+    /// [`is_content_hashed`]: ic_shared::kv::decode::sglang::is_content_hashed
     tree_known: bool,
     /// Content-hashed pages the engine holds that could not be placed (a parentless page while
     /// other pages are held, and its followers): not indexed, Partial `ParentUnknown` until the

@@ -1,6 +1,8 @@
 //! The ops a stream hands the link: pending [`KvOp`]s coalesced by kind, adapter, block size
-//! and tier, bounded ([`super::StreamConfig::max_pending_keys`]: on overflow they are discarded and the
+//! and tier, bounded ([`StreamConfig::max_pending_keys`]: on overflow they are discarded and the
 //! next delta skips a sequence number, forcing a resync), and taken as deltas or snapshots.
+//!
+//! [`StreamConfig::max_pending_keys`]: super::StreamConfig::max_pending_keys
 
 use ic_shared::proto::{kv_op, BlockEntry, ClearOp, KvOp, RemoveOp, StoreOp, Tier};
 

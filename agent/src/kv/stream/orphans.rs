@@ -1,6 +1,8 @@
 //! Parent links that cannot be followed yet: a run whose parent is unknown is parked (bounded by
-//! [`super::StreamConfig::max_orphans`], oldest evicted) and indexed once the parent's key is known; a
+//! [`StreamConfig::max_orphans`], oldest evicted) and indexed once the parent's key is known; a
 //! forgotten block's key is kept as a bounded tombstone so a child stored later still chains.
+//!
+//! [`StreamConfig::max_orphans`]: super::StreamConfig::max_orphans
 
 use ic_shared::kv::content_key::block_key;
 

@@ -1,7 +1,9 @@
-//! Content-hashed pages (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`](ic_shared::kv::decode::sglang::is_content_hashed)): one engine hash per
+//! Content-hashed pages (SGLang ≤ 0.5.5, [`sglang::is_content_hashed`]): one engine hash per
 //! page content wherever it sits, and no parent on a radix node's first page. Where such a page
 //! is placed (a prompt root only while the engine's cache is provably empty; under the page the
 //! event before stored) and the alias records of a page held at several depths.
+//!
+//! [`sglang::is_content_hashed`]: ic_shared::kv::decode::sglang::is_content_hashed
 
 use ic_shared::kv::content_key::{block_key, ROOT};
 
