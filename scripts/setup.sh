@@ -35,8 +35,9 @@ mkdir -p "$cache" target/cluster
 #   both images on a debootstrap base (no registry is reachable);
 #   (scripts/image-tests.sh starts dockerd itself when none answers);
 # iptables: scripts/install-tests.sh routes the chart's Services to the controller (DNAT);
-# wget: the chart's agent `helm test` pod's command, run on this host by cluster/host_kubelet.py.
-pairs=(cc:gcc unshare:util-linux flock:util-linux losetup:mount mkfs.ext4:e2fsprogs mkfs.xfs:xfsprogs
+# wget: the chart's agent `helm test` pod's command, run on this host by cluster/host_kubelet.py;
+# valgrind: `scripts/bench-kv.sh --stable` (callgrind), and its headers for the bench's crabgrind.
+pairs=(cc:gcc valgrind:valgrind unshare:util-linux flock:util-linux losetup:mount mkfs.ext4:e2fsprogs mkfs.xfs:xfsprogs
   ip:iproute2 kill:procps openssl:openssl curl:curl promtool:prometheus redis-server:redis-server)
 # The image and chart-install tests run only as root (scripts/test.sh reports them skipped
 # otherwise): their tools are needed only then.
