@@ -356,7 +356,11 @@ impl CoverageTally {
 
 /// Moves one replica between the per-state counts of [`PrefixIndex::coverage_counts`]
 /// (`None`: the replica is created or removed).
-fn retally(tally: &mut [usize; CoverageState::ALL.len()], from: Option<CoverageState>, to: Option<CoverageState>) {
+fn retally(
+    tally: &mut [usize; CoverageState::ALL.len()],
+    from: Option<CoverageState>,
+    to: Option<CoverageState>,
+) {
     if from == to {
         return;
     }
@@ -1816,8 +1820,7 @@ impl PrefixIndex {
         let mut tenants: std::collections::BTreeMap<
             String,
             std::collections::BTreeSet<(String, u32)>,
-        > =
-            Default::default();
+        > = Default::default();
         for p in self.partitions.iter().filter(|p| !p.blocks.is_empty()) {
             sizes
                 .entry(p.key.hash_scheme.clone())

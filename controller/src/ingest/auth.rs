@@ -103,16 +103,15 @@ impl SourceLimiter {
                 *tokens + now.duration_since(*at).as_secs_f64() * rate < burst
             });
             while b.len() >= MAX_REVIEW_SOURCES {
-                let Some(oldest) = b.iter().min_by_key(|(_, (_, at))| *at).map(|(k, _)| *k)
-                else {
+                let Some(oldest) = b.iter().min_by_key(|(_, (_, at))| *at).map(|(k, _)| *k) else {
                     break;
                 };
                 b.remove(&oldest);
             }
         }
         let (tokens, at) = b.entry(source).or_insert((self.burst, now));
-        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.per_second)
-            .min(self.burst);
+        *tokens =
+            (*tokens + now.duration_since(*at).as_secs_f64() * self.per_second).min(self.burst);
         *at = now;
         if *tokens >= 1.0 {
             *tokens -= 1.0;
@@ -1260,12 +1259,19 @@ mod tests {
         let mut labels = Vec::new();
         for i in 0..100 {
             let err = auth
-                .authenticate_from(&agent_hello("node-1", &format!("garbage-{i}")), Some(attacker))
+                .authenticate_from(
+                    &agent_hello("node-1", &format!("garbage-{i}")),
+                    Some(attacker),
+                )
                 .await
                 .unwrap_err();
             labels.push(err.label());
         }
-        assert_eq!(fake.calls(), 4, "the burst of 4, the agent's review included");
+        assert_eq!(
+            fake.calls(),
+            4,
+            "the burst of 4, the agent's review included"
+        );
         assert_eq!(labels.iter().filter(|l| **l == "rejected").count(), 3);
         assert_eq!(labels.iter().filter(|l| **l == "rate_limited").count(), 97);
         let err = auth

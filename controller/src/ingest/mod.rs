@@ -276,7 +276,10 @@ impl AgentService for AgentIngest {
         };
         let scope = auth::PodScope::from_hello(&hello).map_err(refuse)?;
         if let Some(auth) = &self.auth {
-            let id = auth.authenticate_from(&hello, source).await.map_err(refuse)?;
+            let id = auth
+                .authenticate_from(&hello, source)
+                .await
+                .map_err(refuse)?;
             // In cluster a subscriber speaks only for an engine pod the node plans know, bound
             // by its own token (docs/security.md "Only planned engine pods report").
             if let Some(scope) = &scope {
@@ -368,7 +371,8 @@ impl AgentService for AgentIngest {
                 // The opening resync follows Hello: wait for a turn before reading it, so a
                 // waiting agent's resync stays in its connection's flow-control window.
                 // (Not after a turn was handed on for want of a message: the next one takes it.)
-                if session.opening_pending && session.turn.is_none() && session.handed_on.is_none() {
+                if session.opening_pending && session.turn.is_none() && session.handed_on.is_none()
+                {
                     if let Err(e) = session.take_turn().await {
                         break session.finish(e).await;
                     }
@@ -404,10 +408,12 @@ impl AgentService for AgentIngest {
                             ))));
                             break "resync stalled";
                         }
-                        Some(Ok(Some(msg))) => match { session.handed_on = None; session.handle(msg).await } {
-                            Ok(()) => {}
-                            Err(e) => break session.finish(e).await,
-                        },
+                        Some(Ok(Some(msg))) => {
+                            session.handed_on = None;
+                            if let Err(e) = session.handle(msg).await {
+                                break session.finish(e).await;
+                            }
+                        }
                         Some(Ok(None)) => break "agent closed the stream",
                         Some(Err(e)) => {
                             // Tell the agent why (e.g. a message above the size limit), so
@@ -2110,27 +2116,47 @@ mod tests {
             "ic:agent".parse().unwrap(),
         ));
         let (url, shared) = serve(Some(authn)).await;
-        let (refused, _tx) =
-            open(&url, hello("n1", Some(("team-a", "sidecar-x")), "tok-other")).await;
+        let (refused, _tx) = open(
+            &url,
+            hello("n1", Some(("team-a", "sidecar-x")), "tok-other"),
+        )
+        .await;
         assert_eq!(refused.err().unwrap().code(), tonic::Code::Unavailable);
         shared
             .nodes
             .lock()
             .set_node_scope(&[("n1".to_string(), plan_with(&[("team-a", "vllm-a")]))].into());
-        let (refused, _tx) =
-            open(&url, hello("n1", Some(("team-a", "sidecar-x")), "tok-other")).await;
+        let (refused, _tx) = open(
+            &url,
+            hello("n1", Some(("team-a", "sidecar-x")), "tok-other"),
+        )
+        .await;
         let st = refused.err().unwrap();
         assert_eq!(st.code(), tonic::Code::PermissionDenied);
-        assert!(st.message().contains("not an engine pod"), "{}", st.message());
+        assert!(
+            st.message().contains("not an engine pod"),
+            "{}",
+            st.message()
+        );
         let (accepted, tx) =
             open(&url, hello("n1", Some(("team-a", "vllm-a")), "tok-engine")).await;
         let _inbound = accepted.unwrap();
-        tx.send(resync(&[("team-a", "vllm-a", "a1")])).await.unwrap();
+        tx.send(resync(&[("team-a", "vllm-a", "a1")]))
+            .await
+            .unwrap();
         until("the engine's stream", || {
-            shared.index.read().stream_entries("team-a/vllm-a#0").is_some()
+            shared
+                .index
+                .read()
+                .stream_entries("team-a/vllm-a#0")
+                .is_some()
         })
         .await;
-        assert!(shared.index.read().stream_entries("team-a/sidecar-x#0").is_none());
+        assert!(shared
+            .index
+            .read()
+            .stream_entries("team-a/sidecar-x#0")
+            .is_none());
     }
 
     fn ranked(tenant: &str, pod: &str, ranks: std::ops::Range<u32>) -> AgentMessage {
@@ -2140,7 +2166,11 @@ mod tests {
                     .map(|r| StreamSnapshot {
                         stream: Some(StreamDescriptor {
                             stream_id: format!("{tenant}/{pod}#{r}"),
-                            replica: if r == 0 { pod.to_string() } else { format!("{pod}#{r}") },
+                            replica: if r == 0 {
+                                pod.to_string()
+                            } else {
+                                format!("{pod}#{r}")
+                            },
                             dp_rank: r,
                             tenant: tenant.to_string(),
                             model: "m".into(),
@@ -2184,14 +2214,23 @@ mod tests {
         let (accepted, tx) = open(&url, hello("n1", Some(("ns", "pod-a")), "")).await;
         let _a = accepted.unwrap();
         tx.send(ranked("ns", "pod-a", 0..1000)).await.unwrap();
-        until("the capped resync", || refused(&shared, "stream_cap") == 992).await;
-        until("8 streams", || shared.index.read().stream_entries("ns/pod-a#7").is_some()).await;
+        until("the capped resync", || {
+            refused(&shared, "stream_cap") == 992
+        })
+        .await;
+        until("8 streams", || {
+            shared.index.read().stream_entries("ns/pod-a#7").is_some()
+        })
+        .await;
         assert!(shared.index.read().stream_entries("ns/pod-a#8").is_none());
         // A node agent is held to the same cap.
         let (accepted, tx) = open(&url, hello("n2", None, "")).await;
         let _b = accepted.unwrap();
         tx.send(ranked("ns", "pod-b", 0..20)).await.unwrap();
-        until("the node's capped resync", || refused(&shared, "stream_cap") == 1004).await;
+        until("the node's capped resync", || {
+            refused(&shared, "stream_cap") == 1004
+        })
+        .await;
 
         // With node plans: the plan has rank 0 only; rank 1 of the node agent is left out.
         shared
@@ -2202,7 +2241,10 @@ mod tests {
         let (accepted, tx) = open(&url, hello("n3", None, "")).await;
         let _c = accepted.unwrap();
         tx.send(ranked("ns", "pod-c", 0..2)).await.unwrap();
-        until("rank 0 applied", || shared.index.read().stream_entries("ns/pod-c#0").is_some()).await;
+        until("rank 0 applied", || {
+            shared.index.read().stream_entries("ns/pod-c#0").is_some()
+        })
+        .await;
         assert!(shared.index.read().stream_entries("ns/pod-c#1").is_none());
         assert_eq!(refused(&shared, "outside_node_scope"), before + 1);
         // A subscriber of a planned pod reporting an unplanned rank is cut off.
@@ -2211,7 +2253,11 @@ mod tests {
         tx.send(ranked("ns", "pod-c", 3..4)).await.unwrap();
         let st = final_status(&mut inbound).await;
         assert_eq!(st.code(), tonic::Code::PermissionDenied);
-        assert!(st.message().contains("data-parallel rank"), "{}", st.message());
+        assert!(
+            st.message().contains("data-parallel rank"),
+            "{}",
+            st.message()
+        );
         assert_eq!(refused(&shared, "rank_not_planned"), 1);
     }
 

@@ -127,8 +127,11 @@ pub struct NodeRegistry {
     /// Node → the engine pods (`namespace`, `pod`) known to run there, with what the plan says
     /// of each ([`PlannedPod`]); `None` until this replica derived plans once (standalone never
     /// does: no node scope).
-    scope: Option<BTreeMap<String, BTreeMap<(String, String), PlannedPod>>>,
+    scope: Option<BTreeMap<String, NodeScope>>,
 }
+
+/// One node's planned engine pods, keyed by (`namespace`, `pod`).
+type NodeScope = BTreeMap<(String, String), PlannedPod>;
 
 /// What the node plans say of one engine pod: the only streams anyone may report for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

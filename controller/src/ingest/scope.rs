@@ -103,7 +103,10 @@ impl BlockSizeBudget {
 
 fn tenant_schemes(pairs: Option<&BTreeSet<(String, u32)>>) -> usize {
     pairs.map_or(0, |p| {
-        p.iter().map(|(s, _)| s.as_str()).collect::<BTreeSet<_>>().len()
+        p.iter()
+            .map(|(s, _)| s.as_str())
+            .collect::<BTreeSet<_>>()
+            .len()
     })
 }
 
@@ -191,7 +194,10 @@ mod tests {
             }
         }
         assert_eq!(admitted, MAX_BLOCK_SIZES_PER_TENANT);
-        let schemes: BTreeSet<&str> = b.tenants["attacker"].iter().map(|(s, _)| s.as_str()).collect();
+        let schemes: BTreeSet<&str> = b.tenants["attacker"]
+            .iter()
+            .map(|(s, _)| s.as_str())
+            .collect();
         assert!(schemes.len() <= MAX_HASH_SCHEMES_PER_TENANT, "{schemes:?}");
         // Schemes spread over 64 sizes each stop at 4 per tenant.
         let mut b = BlockSizeBudget::default();
@@ -206,6 +212,9 @@ mod tests {
             .filter(|t| b.admit(&format!("tenant-{t}"), &format!("other-{t}"), 16))
             .count();
         assert_eq!(more, MAX_OTHER_HASH_SCHEMES - MAX_HASH_SCHEMES_PER_TENANT);
-        assert!(b.admit("team-b", "sglang", 16), "an engine scheme stays usable");
+        assert!(
+            b.admit("team-b", "sglang", 16),
+            "an engine scheme stays usable"
+        );
     }
 }
