@@ -162,6 +162,7 @@ fn stream(node: usize, i: usize) -> StreamDescriptor {
         hash_scheme: "vllm".into(),
         backend: String::new(),
         node: format!("node-{node:04}"),
+        offload_chunk_tokens: 0,
     }
 }
 

@@ -50,6 +50,7 @@ fn descriptor(i: usize) -> StreamDescriptor {
         hash_scheme: "vllm".into(),
         backend: String::new(),
         node: String::new(),
+        offload_chunk_tokens: 0,
     }
 }
 

@@ -209,6 +209,7 @@ pub fn run(shared: &Shared, router: &Router, req: &ProbeRequest) -> ProbeReport 
         hash_scheme: hash_scheme.clone(),
         backend: req.backend.clone().unwrap_or_default(),
         node: node.clone(),
+        offload_chunk_tokens: 0,
     };
     // Long enough to pass the tenant's minimum-prefix gate.
     let minimum = router

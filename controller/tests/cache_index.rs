@@ -40,6 +40,7 @@ fn desc(tenant: &str, replica: &str, rank: u32) -> proto::StreamDescriptor {
         hash_scheme: "vllm".into(),
         backend: format!("{tenant}/kv"),
         node: "n1".into(),
+        offload_chunk_tokens: 0,
     }
 }
 

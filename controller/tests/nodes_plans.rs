@@ -146,6 +146,11 @@ fn vllm_engine_gets_one_publisher_per_dp_rank_at_the_pod_ip() {
     assert_eq!(e.hash_scheme, HashScheme::Vllm);
     assert_eq!(e.block_size, 16);
     assert!(e.keeps_l2, "Offload (the default mode) keeps an L2");
+    assert_eq!(
+        (e.offload_chunk_tokens, e.descriptor(1).offload_chunk_tokens),
+        (Some(256), 256),
+        "LMCache loads whole chunks of spec.lmCache.chunkSizeTokens (256 by default)"
+    );
     assert_eq!(e.mp_worker_port, None);
     assert_eq!(e.shm_required_bytes, None);
     assert_eq!(
@@ -166,6 +171,11 @@ fn sglang_mp_worker_host_network_pod_plans_shm_worker_port_and_host_ports() {
     assert_eq!(e.hash_scheme, HashScheme::Sglang);
     assert_eq!(e.block_size, 64, "--page-size=64");
     assert_eq!(e.mp_worker_port, Some(6000));
+    assert_eq!(
+        e.offload_chunk_tokens,
+        Some(256),
+        "the MP worker's --chunk-size"
+    );
     assert_eq!(
         e.shm_required_bytes,
         Some(8 << 30),
@@ -318,6 +328,10 @@ fn engine_container_is_found_beside_a_main_container_and_events_only_keeps_no_l2
     let derived = derive_plans(&[pod], &[cb]);
     let e = &derived.plans["gpu-4"].engines[0];
     assert!(!e.keeps_l2, "events-only has no L2: BlockRemoved evicts");
+    assert_eq!(
+        e.offload_chunk_tokens, None,
+        "events-only has no offload tier"
+    );
     assert_eq!(e.mp_worker_port, None, "events-only wires no MP worker");
     assert_eq!(e.block_size, 1, "SGLang's default page size");
     assert!(e.kv_events.is_empty());
@@ -659,6 +673,10 @@ fn a_hicache_backend_plans_the_metrics_url() {
     );
     assert!(!e.kv_events.is_empty());
     assert_eq!(e.mp_worker_port, None, "HiCache runs no LMCache MP worker");
+    assert_eq!(
+        e.offload_chunk_tokens, None,
+        "HiCache's host pool is page-granular"
+    );
     let mut pod = sglang_hostnet_pod();
     pod.spec.as_mut().unwrap().containers[0]
         .args

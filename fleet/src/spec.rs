@@ -106,6 +106,7 @@ impl FleetSpec {
             hash_scheme: "vllm".into(),
             backend: String::new(),
             node: String::new(),
+            offload_chunk_tokens: 0,
         }
     }
 

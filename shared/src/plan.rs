@@ -244,6 +244,13 @@ pub struct EnginePlan {
     /// demotes a block to T2 instead of evicting it.
     #[serde(default)]
     pub keeps_l2: bool,
+    /// Tokens per chunk of the pod's offload tier when it loads only whole chunks (LMCache's
+    /// `chunk_size`: the CacheBackend's `spec.lmCache.chunkSizeTokens` with integration mode
+    /// Offload); `None` when the pod has no such tier. Reported on each stream's descriptor
+    /// (`offload_chunk_tokens`) so the index credits an offload-only match in whole chunks
+    /// (docs/kv-events.md, "Chunked offload tiers").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_chunk_tokens: Option<u32>,
     /// CacheBackend `namespace/name` that wired the pod, if any.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub backend: String,
@@ -344,6 +351,7 @@ impl EnginePlan {
             hash_scheme: self.hash_scheme.as_str().to_string(),
             backend: self.backend.clone(),
             node: String::new(),
+            offload_chunk_tokens: self.offload_chunk_tokens.unwrap_or(0),
         }
     }
 }

@@ -464,6 +464,7 @@ mod identity_tests {
                 hash_scheme: "vllm".into(),
                 backend: "default/cb".into(),
                 node: String::new(),
+                offload_chunk_tokens: 0,
             },
             endpoint: "tcp://127.0.0.1:5557".into(),
             replay_endpoint: Some("tcp://127.0.0.1:5558".into()),

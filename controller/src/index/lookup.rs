@@ -415,7 +415,8 @@ impl PrefixIndex {
                     .entry(bs)
                     .or_insert_with(|| content_key::chain(&q.token_ids, bs as usize))
             };
-            let found = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
+            let mut found = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
+            self.whole_offload_chunks(pid as PartitionId, keys, &mut found);
             let depth = found.iter().map(ReplicaScore::tokens).max().unwrap_or(0);
             // With no match anywhere, the answer speaks of the partition the request has the
             // most blocks in (the smallest block size): "shorter than one block" only when it
@@ -447,6 +448,59 @@ impl PrefixIndex {
             best.replicas.dedup_by_key(|s| s.slot);
         }
         Ok(best)
+    }
+
+    /// Credits an offload-only match in whole chunks of the replica's offload tier (issue 39
+    /// item 12; docs/kv-events.md, "Chunked offload tiers").
+    ///
+    /// An offload tier that stores and loads whole chunks of `C` tokens (LMCache's
+    /// `chunk_size`, the descriptor's `offload_chunk_tokens`) may announce each chunk as several
+    /// engine-sized blocks (4 × 16 for a 64-token chunk); a prompt matching only the first of
+    /// them cannot load anything from that chunk. So a score with an offload-only (T2) block
+    /// keeps `max(g, ⌊d / C⌋ · C)` tokens, where `d` is its matched depth and `g` the depth
+    /// of its leading run of GPU (T1) blocks (GPU-tier depth is unaffected), rounded down to
+    /// whole blocks of `keys`' block size. A score left with no block is dropped (scores list
+    /// replicas with ≥ 1 matched block); one cut back to its GPU run reads T1 again.
+    ///
+    /// Replicas with no chunk size (0), a chunk no longer than the block, and all-T1 scores
+    /// are untouched; only the few scores rounded cost a second look at their blocks.
+    fn whole_offload_chunks(&self, pid: PartitionId, keys: &[u64], found: &mut Vec<ReplicaScore>) {
+        let Some(part) = self.partitions.get(pid as usize) else {
+            return;
+        };
+        found.retain_mut(|s| {
+            if s.t1 || s.block_size == 0 {
+                return true;
+            }
+            let chunk = self
+                .replicas
+                .get(s.slot as usize)
+                .and_then(Option::as_ref)
+                .map_or(0, |r| r.desc.offload_chunk_tokens);
+            if chunk <= s.block_size {
+                return true;
+            }
+            let tokens = s.tokens();
+            let whole = tokens - tokens % chunk;
+            if whole == tokens {
+                return true;
+            }
+            // The leading run of blocks this replica holds on GPU.
+            let gpu = keys
+                .iter()
+                .take(s.matched_blocks as usize)
+                .take_while(|k| {
+                    part.blocks
+                        .get(**k)
+                        .and_then(|h| h.find(&self.arena, s.slot))
+                        .is_some_and(|h| !is_t2(h))
+                })
+                .count() as u32;
+            let blocks = gpu.max(whole / s.block_size);
+            s.t1 = blocks <= gpu;
+            s.matched_blocks = blocks;
+            blocks > 0
+        });
     }
 
     /// Walks the chain in one partition; returns every replica with ≥ 1 matched block

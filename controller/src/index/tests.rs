@@ -13,6 +13,7 @@ fn desc(pod: &str, rank: u32) -> proto::StreamDescriptor {
         hash_scheme: "vllm".into(),
         backend: String::new(),
         node: String::new(),
+        offload_chunk_tokens: 0,
     }
 }
 
@@ -2125,4 +2126,105 @@ engines:
     ix.set_planned_streams(HashMap::new());
     assert_eq!(ix.planned_streams_absent(), 0);
     assert!(ix.coverage_tally.inexact.is_empty());
+}
+
+/// Issue 39 item 12: an offload tier that loads whole 64-token chunks (LMCache
+/// `chunk_size: 64`), announced as 4 × 16-token blocks, gets no credit for a prompt that
+/// matches only part of a chunk; the GPU-held run is credited as before.
+#[test]
+fn a_chunked_offload_tier_is_credited_in_whole_chunks_only() {
+    let chunked = |pod: &str, chunk: u32| proto::StreamSnapshot {
+        stream: Some(proto::StreamDescriptor {
+            offload_chunk_tokens: chunk,
+            ..desc(pod, 0)
+        }),
+        ..empty_snapshot(pod)
+    };
+    let store16 = |keys: &[u64], tier: proto::Tier| proto::KvOp {
+        op: Some(Op::Store(proto::StoreOp {
+            adapter: String::new(),
+            block_size: 16,
+            tier: tier as i32,
+            content_keys: keys.to_vec(),
+        })),
+    };
+    let delta_of = |pod: &str, chunk: u32, ops: Vec<proto::KvOp>| proto::StreamDelta {
+        stream: Some(proto::StreamDescriptor {
+            offload_chunk_tokens: chunk,
+            ..desc(pod, 0)
+        }),
+        ..delta(pod, 1, ops)
+    };
+    let mut ix = PrefixIndex::new();
+    // "lm": one 64-token chunk offloaded, announced as 4 × 16; "mixed": the first block still
+    // on GPU, the rest offloaded; "plain": an offload tier of engine-sized blocks (no chunk).
+    ix.resync_node(
+        "n1",
+        &[
+            chunked("lm", 64),
+            chunked("mixed", 64),
+            empty_snapshot("plain"),
+        ],
+    );
+    let keys = chain(&tokens(0..64), 16);
+    ix.apply_delta(
+        "n1",
+        &delta_of("lm", 64, vec![store16(&keys, proto::Tier::T2)]),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta_of(
+            "mixed",
+            64,
+            vec![
+                store16(&keys[..1], proto::Tier::T1),
+                store16(&keys[1..], proto::Tier::T2),
+            ],
+        ),
+    )
+    .unwrap();
+    ix.apply_delta(
+        "n1",
+        &delta_of("plain", 0, vec![store16(&keys, proto::Tier::T2)]),
+    )
+    .unwrap();
+    let got = |prompt: Vec<u32>| -> Vec<(String, u32, Tier)> {
+        let mut v: Vec<(String, u32, Tier)> = ix
+            .lookup(&query(&prompt))
+            .replicas
+            .iter()
+            .map(|m| (m.replica().to_string(), m.matched_tokens, m.tier))
+            .collect();
+        v.sort();
+        v
+    };
+    // The prompt shares the first 16 tokens only.
+    let first16: Vec<u32> = tokens(0..16).into_iter().chain(1000..1048).collect();
+    assert_eq!(
+        got(first16),
+        vec![
+            ("mixed".to_string(), 16, Tier::T1),
+            ("plain".to_string(), 16, Tier::T2),
+        ],
+        "no T2 credit for part of a 64-token chunk; the GPU block and the unchunked tier count"
+    );
+    // 48 of the chunk's 64 tokens: still no whole chunk.
+    let first48: Vec<u32> = tokens(0..48).into_iter().chain(1000..1016).collect();
+    assert_eq!(
+        got(first48),
+        vec![
+            ("mixed".to_string(), 16, Tier::T1),
+            ("plain".to_string(), 48, Tier::T2),
+        ]
+    );
+    // The whole chunk: 64 tokens everywhere.
+    assert_eq!(
+        got(tokens(0..64)),
+        vec![
+            ("lm".to_string(), 64, Tier::T2),
+            ("mixed".to_string(), 64, Tier::T2),
+            ("plain".to_string(), 64, Tier::T2),
+        ]
+    );
 }

@@ -394,6 +394,7 @@ mod tests {
             hash_scheme: "vllm".into(),
             backend: "b".into(),
             node: "n1".into(),
+            offload_chunk_tokens: 0,
         };
         let snapshot = |pod: &str, rank: u32| proto::StreamSnapshot {
             coverage: proto::Coverage::Exact as i32,

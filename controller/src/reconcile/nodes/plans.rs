@@ -56,7 +56,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec};
+use ic_shared::crd::{
+    CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec, DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS,
+};
 use ic_shared::plan::{
     EnginePlan, HashScheme, KvEventSource, NodePlan, PlannedContainer, PortExpect, PortExpectation,
     PortOwner, ReaderMount, ShmRequirement,
@@ -956,6 +958,18 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         hash_scheme,
         block_size,
         keeps_l2: offload,
+        // LMCache loads whole chunks only: the index credits an offload-only match in them.
+        offload_chunk_tokens: (offload && spec.cache_type == CacheType::LMCache)
+            .then(|| {
+                backend
+                    .spec
+                    .lm_cache
+                    .as_ref()
+                    .map_or(DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS, |l| {
+                        l.effective_chunk_size_tokens()
+                    })
+            })
+            .and_then(|c| u32::try_from(c).ok()),
         backend: backend_key(backend),
         shm_required_bytes: shm,
         shm_containers: command
