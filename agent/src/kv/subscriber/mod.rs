@@ -86,11 +86,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt;
 use ic_shared::plan::HashScheme;
 use ic_shared::proto::StreamDescriptor;
 use tokio::sync::{mpsc, Notify};
-use zeromq::Socket;
 
 use std::sync::atomic::AtomicUsize;
 

@@ -5,7 +5,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use thiserror::Error;
 use tokio::sync::Notify;
 use xxhash_rust::xxh3::xxh3_64;

@@ -9,13 +9,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use ic_shared::kv::coverage::{self, Coverage, CoverageState};
 use ic_shared::kv::decode::decode_batch;
 use ic_shared::timing::{self, Stage};
 use tokio::sync::mpsc;
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::{Socket, SocketRecv, ZmqMessage};
+use zeromq::ZmqMessage;
 
 use std::sync::atomic::AtomicUsize;
 

@@ -3,10 +3,8 @@
 
 use std::time::Instant;
 
-use futures::StreamExt;
 use ic_shared::kv::coverage::{self};
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::Socket;
 
 use super::super::super::stream::{
     LinkState, CLEAR_ENGINE_RESTARTED, CLEAR_REBUILT, CLEAR_REPLAY_TRUNCATED, CLEAR_SEQUENCE_GAP,
