@@ -443,7 +443,7 @@ fn a_port_an_outgoing_connection_holds_is_not_free() {
     }
     // The range: 50051 is the whole range here, and not reserved.
     let range = &r[3];
-    assert_eq!(range.subject, ports::EPHEMERAL_SUBJECT);
+    assert_eq!(range.subject, ports::ephemeral::EPHEMERAL_SUBJECT);
     assert_eq!(
         (range.status, range.reason.as_str()),
         (CheckStatus::Warning, "PortsInEphemeralRange")

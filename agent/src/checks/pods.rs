@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use ic_shared::check::{CheckResult, CheckStatus};
 use parking_lot::Mutex;
 
-pub use super::ports::{normalise_pod_uid, pod_uid_from_cgroup};
+pub use super::ports::owners::{normalise_pod_uid, pod_uid_from_cgroup};
 
 /// One container of a pod, as seen through one of its processes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,7 +106,7 @@ fn pid_uid(proc_root: &Path, pid: u32) -> Option<String> {
 /// (`crio-conmon-<id>.scope`, which runs in the host's namespaces), and for a segment that is
 /// not at least 12 hex digits.
 pub fn container_id_from_cgroup(text: &str) -> Option<String> {
-    for path in super::ports::kubepods_paths(text) {
+    for path in super::ports::owners::kubepods_paths(text) {
         let Some(last) = path.trim_end_matches('/').rsplit('/').next() else {
             continue;
         };
