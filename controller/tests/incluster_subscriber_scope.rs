@@ -182,7 +182,9 @@ async fn only_a_planned_engine_pod_on_its_own_token_may_subscribe() {
 
     // Before this replica derived its plans it cannot tell an engine pod: retry later.
     let (refused, _tx) = open(&url, &n, &ns, "vllm-a", &engine_token).await;
-    let st = refused.err().expect("refused before plans");
+    let Err(st) = refused else {
+        panic!("refused before plans")
+    };
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(st.message().contains("node plans"), "{st:?}");
 
@@ -193,7 +195,9 @@ async fn only_a_planned_engine_pod_on_its_own_token_may_subscribe() {
 
     // A non-engine pod of the same namespace, on its own valid pod-bound token: refused.
     let (refused, _tx) = open(&url, &n, &ns, "intruder", &intruder_token).await;
-    let st = refused.err().expect("the intruder is refused");
+    let Err(st) = refused else {
+        panic!("the intruder is refused")
+    };
     assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
     assert!(
         st.message().contains("not an engine pod"),
@@ -208,14 +212,18 @@ async fn only_a_planned_engine_pod_on_its_own_token_may_subscribe() {
     let (accepted, tx) = open(&url, &n, &ns, "vllm-a", &engine_token).await;
     let mut inbound = accepted.unwrap();
     tx.send(resync(&ns, "vllm-a", 0)).await.unwrap();
-    incluster_support::wait_for("the engine's stream", std::time::Duration::from_secs(30), || {
-        let found = shared
-            .index
-            .read()
-            .stream_entries(&format!("{ns}/vllm-a#0"))
-            .is_some();
-        async move { found.then_some(()) }
-    })
+    incluster_support::wait_for(
+        "the engine's stream",
+        std::time::Duration::from_secs(30),
+        || {
+            let found = shared
+                .index
+                .read()
+                .stream_entries(&format!("{ns}/vllm-a#0"))
+                .is_some();
+            async move { found.then_some(()) }
+        },
+    )
     .await;
     tx.send(resync(&ns, "vllm-a", 7)).await.unwrap();
     let st = final_status(&mut inbound).await;
@@ -233,7 +241,9 @@ async fn only_a_planned_engine_pod_on_its_own_token_may_subscribe() {
         plan(&ns, "vllm-a", Some("0000-not-this-pod".into())),
     )]));
     let (refused, _tx) = open(&url, &n, &ns, "vllm-a", &engine_token).await;
-    let st = refused.err().expect("a UID mismatch is refused");
+    let Err(st) = refused else {
+        panic!("a UID mismatch is refused")
+    };
     assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
     assert!(st.message().contains("UID"), "{st:?}");
 
@@ -253,7 +263,7 @@ async fn garbage_tokens_from_one_source_cost_at_most_its_burst_of_token_reviews(
     let mut limited = 0;
     for i in 0..attempts {
         let (refused, _tx) = open(&url, &n, "ns", "p", &format!("garbage-{i}")).await;
-        match refused.err().expect("garbage is refused").code() {
+        match refused.map(|_| ()).expect_err("garbage is refused").code() {
             Code::Unauthenticated => {}
             Code::ResourceExhausted => limited += 1,
             other => panic!("{other:?}"),
@@ -261,7 +271,10 @@ async fn garbage_tokens_from_one_source_cost_at_most_its_burst_of_token_reviews(
     }
     // Refill (2 per second) may add a few while the loop runs; never one per token.
     let reviewed = reviews.load(Ordering::SeqCst);
-    assert!(reviewed < 2 * DEFAULT_REVIEW_BURST_PER_SOURCE as usize, "{reviewed} reviews");
+    assert!(
+        reviewed < 2 * DEFAULT_REVIEW_BURST_PER_SOURCE as usize,
+        "{reviewed} reviews"
+    );
     assert_eq!(reviewed + limited, attempts);
     // The same garbage token again costs nothing: its rejection is cached (by hash).
     let before = reviews.load(Ordering::SeqCst);
