@@ -32,26 +32,6 @@ ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
 
 # Circles that exist today, each with the issue that removes it. Only ever delete from this.
 KNOWN = {
-    # issue 42 Deliver 1: the engine pod's self-description (one `controller/src/engine/`
-    # module below admission, the adapters and the node plans). Its core is the five files
-    # admission/{pod,kv_topology}.rs, adapters/{mod,vllm_lmcache}.rs and reconcile/nodes/plans.rs;
-    # the CacheBackend reconciler joins through admission/pod.rs -> reconcile/mod.rs
-    # (`annotations`), whose `pub use` of cachebackend and run reaches cachebackend/engine.rs,
-    # which imports the adapters and the node plans.
-    "issue 42": {
-        "controller/src/adapters/mod.rs",
-        "controller/src/adapters/vllm_lmcache.rs",
-        "controller/src/admission/kv_topology.rs",
-        "controller/src/admission/pod.rs",
-        "controller/src/reconcile/cachebackend/engine.rs",
-        "controller/src/reconcile/cachebackend/host_tier.rs",
-        "controller/src/reconcile/cachebackend/mod.rs",
-        "controller/src/reconcile/cachebackend/status.rs",
-        "controller/src/reconcile/engine_pods.rs",
-        "controller/src/reconcile/mod.rs",
-        "controller/src/reconcile/nodes/plans.rs",
-        "controller/src/reconcile/run.rs",
-    },
 }
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -6,9 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use ic_controller::reconcile::nodes::plans::{
-    self, derive_plans, issue, TENSOR_PARALLEL_SHM_BYTES,
-};
+use ic_controller::engine::TENSOR_PARALLEL_SHM_BYTES;
+use ic_controller::reconcile::nodes::plans::{self, derive_plans, issue};
 use ic_shared::crd::CacheBackend;
 use ic_shared::plan::{HashScheme, KvEventSource, NodePlan, PortExpect};
 use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};

@@ -33,13 +33,13 @@ use ic_shared::crd::{CacheType, IntegrationRole, Runtime};
 use k8s_openapi::api::core::v1::{Container, Pod, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::engine::command::{Edit, EngineCommand};
 use super::{
     default_env, engine_image_security_context, engine_mut, engine_ref, env_var, gib_text,
     host_memory_gib, is_rendered, requests_gpu, upsert_env, BindingKind, InjectContext,
     InjectError, InjectReport, RuntimeAdapter, ENV_COMPONENT, ENV_FAIL_OPEN,
     KERNEL_CHECK_ANNOTATION,
 };
+use crate::engine::command::{Edit, EngineCommand};
 
 /// The connector this adapter wires.
 pub const CONNECTOR: &str = "LMCacheConnectorV1";
@@ -470,7 +470,7 @@ impl RuntimeAdapter for VllmLmCache {
             });
         }
         report.warnings.extend(cmd.warnings.iter().cloned());
-        let tp = crate::reconcile::nodes::plans::tensor_parallel(Runtime::Vllm, &cmd.texts());
+        let tp = crate::engine::flags::tensor_parallel(Runtime::Vllm, &cmd.texts());
         let host_ipc = pod.spec.as_ref().and_then(|s| s.host_ipc) == Some(true);
         if tp > 1 && !host_ipc && super::shm_mount(&original).is_none() {
             report.warnings.push(format!(

@@ -15,7 +15,7 @@
 //!   scheduler's `tcp://<epp-service>:5557`) is not followed, since the events go there;
 //!   `ipc://` needs a volume the sidecar does not share.
 //! - Data parallelism: each rank `r` of this pod publishes on `port + r` and serves replay on
-//!   `replay_port + r` ([`crate::reconcile::nodes::plans::dp_ranks`]: the same ranks the node
+//!   `replay_port + r` ([`crate::engine::flags::dp_ranks`]: the same ranks the node
 //!   plan uses). The replay (ROUTER) endpoint is always bound; it is passed to each stream.
 //! - The port plan is checked: two ranks' publisher or replay ports, or one of them and another
 //!   listener of the pod (the engine's HTTP port, the LMCache MP worker, a declared container
@@ -26,7 +26,7 @@
 //!   value is not a literal env entry of the engine container.
 //!
 //! With no `--kv-events-config` (or no engine container) the sidecar follows the default
-//! [`DEFAULT_KV_EVENTS_ENDPOINT`](super::pod::DEFAULT_KV_EVENTS_ENDPOINT) of rank 0 with a
+//! [`ASSUMED_KV_EVENTS_ENDPOINT`] of rank 0 with a
 //! warning, as before.
 
 use std::collections::BTreeMap;
@@ -36,7 +36,12 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::host_ports::Listener;
 use crate::engine::command::{CommandForm, EngineCommand};
-use crate::reconcile::nodes::plans::{dp_ranks, flag_value, KvEventsConfig};
+use crate::engine::flags::{dp_ranks, non_literal_dp_flag};
+use crate::engine::kv_events::{KvEventsConfig, DEFAULT_KV_EVENTS_ENDPOINT, KV_EVENTS_CONFIG_FLAG};
+
+/// Engine KV-event endpoint the kvevent-subscriber follows when the engine has no readable
+/// `--kv-events-config` (rank 0, inside the pod).
+pub const ASSUMED_KV_EVENTS_ENDPOINT: &str = "tcp://127.0.0.1:5557";
 
 /// One stream the subscriber follows: a data-parallel rank's publisher as seen from inside the
 /// pod.
@@ -88,7 +93,7 @@ fn default_topology(warning: String) -> SubscriberTopology {
     SubscriberTopology {
         streams: vec![SubscriberStream {
             rank: 0,
-            endpoint: super::pod::DEFAULT_KV_EVENTS_ENDPOINT.to_string(),
+            endpoint: ASSUMED_KV_EVENTS_ENDPOINT.to_string(),
             replay: None,
             bind: false,
         }],
@@ -104,7 +109,7 @@ fn default_topology(warning: String) -> SubscriberTopology {
     }
 }
 
-/// Port of [`DEFAULT_KV_EVENTS_ENDPOINT`](super::pod::DEFAULT_KV_EVENTS_ENDPOINT).
+/// Port of [`ASSUMED_KV_EVENTS_ENDPOINT`].
 const DEFAULT_PORT: u16 = 5557;
 
 /// Resolves Kubernetes `$(VAR)` references from the container's literal env, as the kubelet
@@ -224,7 +229,7 @@ pub fn subscriber_topology(
     runtime: Runtime,
     others: &OtherListeners,
 ) -> Result<SubscriberTopology, Unresolved> {
-    let default = super::pod::DEFAULT_KV_EVENTS_ENDPOINT;
+    let default = ASSUMED_KV_EVENTS_ENDPOINT;
     let checked = |t: SubscriberTopology| -> Result<SubscriberTopology, Unresolved> {
         match others.get(&DEFAULT_PORT) {
             Some(other) => Err(Unresolved(format!(
@@ -248,8 +253,8 @@ pub fn subscriber_topology(
         return no_config();
     };
     // The last occurrence: the engine's argparse keeps the last value of a repeated flag, and
-    // so does the node plan (`plans::flag_value`).
-    let Some(occ) = cmd.find("--kv-events-config").into_iter().last() else {
+    // so does the node plan (`engine::flags::flag_value`).
+    let Some(occ) = cmd.find(KV_EVENTS_CONFIG_FLAG).into_iter().last() else {
         return no_config();
     };
     let Some((raw, value_index)) = cmd.value_of(&occ) else {
@@ -268,7 +273,7 @@ pub fn subscriber_topology(
     } else {
         raw.clone()
     };
-    let config: KvEventsConfig = match serde_json::from_str(&text) {
+    let config = match KvEventsConfig::parse(&text) {
         Ok(v) => v,
         Err(_) if opaque || text.contains('$') => {
             return Err(Unresolved(format!(
@@ -281,7 +286,7 @@ pub fn subscriber_topology(
     let endpoint = config
         .endpoint
         .clone()
-        .unwrap_or_else(|| crate::reconcile::nodes::plans::DEFAULT_KV_EVENTS_ENDPOINT.into());
+        .unwrap_or_else(|| DEFAULT_KV_EVENTS_ENDPOINT.into());
     let unknown_text = |field: &str, value: &str| -> Option<Unresolved> {
         let var = value.contains("${") || value.contains('$');
         var.then(|| {
@@ -304,22 +309,7 @@ pub fn subscriber_topology(
     let ranks = {
         let args = cmd.texts();
         let ranks = dp_ranks(runtime, &args);
-        if let Some(v) = [
-            "--data-parallel-size",
-            "-dp",
-            "--data-parallel-size-local",
-            "-dpl",
-            "--data-parallel-start-rank",
-            "-dpr",
-            "--data-parallel-rank",
-            "-dpn",
-            "--dp-size",
-            "--dp",
-        ]
-        .iter()
-        .find_map(|f| flag_value(&args, &[f]))
-        .filter(|v| v.trim().parse::<u32>().is_err())
-        {
+        if let Some(v) = non_literal_dp_flag(&args) {
             return Err(Unresolved(format!(
                 "container {:?}: the data-parallel size or rank {v:?} is known only when the engine starts, so the publishers' ports (port + rank) are unknown at admission",
                 c.name
@@ -613,7 +603,7 @@ mod tests {
         let t = topo(&args).unwrap();
         assert_eq!(t.streams.len(), 1);
         assert_eq!(t.streams[0].endpoint, "tcp://127.0.0.1:6100");
-        let planned = crate::reconcile::nodes::plans::flag_value(&args, &["--kv-events-config"]);
+        let planned = crate::engine::flags::kv_events_config_arg(&args);
         assert_eq!(planned.as_deref(), Some(last));
     }
 }

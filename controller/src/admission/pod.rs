@@ -59,7 +59,8 @@ use crate::adapters::{
     select_engine_by_command, InjectContext, Registry, ENV_COMPONENT,
 };
 use crate::engine::command::EngineCommand;
-use crate::reconcile::nodes::plans;
+use crate::engine::flags as engine_flags;
+use crate::engine::SUBSCRIBER_CONTAINER;
 
 /// Pod annotation stamped on a wired pod: `<namespace>/<name>` of the CacheBackend.
 pub const ANNOTATION_INJECTED_BY: &str = "inferencecache.io/injected-by";
@@ -84,8 +85,6 @@ pub const ANNOTATION_SKIP_INJECT: &str = crate::reconcile::annotations::SKIP_INJ
 pub const SKIPPED_BY_OPERATOR: &str = "skip-inject-annotation";
 /// `PodOutcome::reason` of a wired pod.
 pub const REASON_INJECTED: &str = "Injected";
-/// Name of the kvevent-subscriber sidecar (a regular container: no Kubernetes version floor).
-pub const SUBSCRIBER_CONTAINER: &str = "kvevent-subscriber";
 /// Projected service-account token volume of the kvevent-subscriber sidecar (added only when the
 /// pod has no volume of that name).
 pub const SUBSCRIBER_TOKEN_VOLUME: &str = "inference-cache-token";
@@ -94,8 +93,6 @@ pub const SUBSCRIBER_TOKEN_VOLUME: &str = "inference-cache-token";
 pub const SUBSCRIBER_TOKEN_DIR: &str = "/var/run/secrets/inference-cache";
 /// Lifetime of the sidecar's projected token in seconds (the kubelet rotates it at 80 %).
 pub const SUBSCRIBER_TOKEN_EXPIRATION_SECONDS: i64 = 3600;
-/// Engine KV-event endpoint assumed when the engine has no `--kv-events-config`.
-pub const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://127.0.0.1:5557";
 
 /// Controller flags the Pod webhook depends on.
 #[derive(Debug, Clone)]
@@ -755,12 +752,7 @@ fn other_listeners(
     if let Some(c) = engine_c {
         if let Ok(cmd) = EngineCommand::parse(c, runtime) {
             let args = cmd.texts();
-            let http = plans::flag_value(&args, &["--port"])
-                .and_then(|v| v.trim().parse::<u16>().ok())
-                .unwrap_or(match runtime {
-                    Runtime::Vllm => plans::VLLM_DEFAULT_PORT,
-                    Runtime::SgLang => plans::SGLANG_DEFAULT_PORT,
-                });
+            let http = engine_flags::http_port(runtime, &args);
             out.entry(http)
                 .or_insert_with(|| format!("the engine's HTTP port (container {:?})", c.name));
         }
@@ -772,7 +764,7 @@ fn other_listeners(
 }
 
 /// The block size the kvevent-subscriber chains at: the engine's own
-/// ([`plans::engine_block_size`] over its literal arguments — the node plan's rule). The
+/// ([`engine_flags::engine_block_size`] over its literal arguments — the node plan's rule). The
 /// subscriber treats a block shorter than it as partial and does not index it, so a wrong value
 /// either drops every block (an SGLang engine at its default page size 1 against the
 /// subscriber's default 16) or splits one block into several keys. When the flag's value is a
@@ -785,14 +777,14 @@ fn subscriber_block_size(
 ) -> u32 {
     let engine_c = engine.and_then(|i| pod.spec.as_ref().and_then(|s| s.containers.get(i)));
     let Some(cmd) = engine_c.and_then(|c| EngineCommand::parse(c, runtime).ok()) else {
-        return plans::engine_block_size(runtime, &[]);
+        return engine_flags::engine_block_size(runtime, &[]);
     };
-    let flag = plans::block_size_flag(runtime);
-    let unknown = plans::unknown_block_size(&cmd, runtime);
+    let flag = engine_flags::block_size_flag(runtime);
+    let unknown = engine_flags::unknown_block_size(&cmd, runtime);
     let size = if unknown.is_some() {
-        plans::engine_block_size(runtime, &[])
+        engine_flags::engine_block_size(runtime, &[])
     } else {
-        plans::engine_block_size(runtime, &cmd.literal_texts())
+        engine_flags::engine_block_size(runtime, &cmd.literal_texts())
     };
     if let Some(raw) = unknown {
         warnings.push(format!(

@@ -56,6 +56,20 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::adapters::select_engine_by_command;
+use crate::engine::command::EngineCommand;
+use crate::engine::flags::{
+    block_size_flag, dp_ranks, engine_block_size, engine_metrics_url, flag_set,
+    kv_events_config_arg, resolved_rank_args, tensor_parallel, unknown_block_size,
+};
+use crate::engine::kv_events::{
+    resolve_pub_endpoint, resolve_replay_endpoint, split_tcp, KvEventsConfig,
+    DEFAULT_KV_EVENTS_ENDPOINT,
+};
+use crate::engine::{has_subscriber_sidecar, host_network, pod_ip, TENSOR_PARALLEL_SHM_BYTES};
+use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, WIRED_SPEC};
+use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
+use crate::reconcile::render::{ProviderRenderer, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY};
 use ic_shared::crd::{
     CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec, DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS,
 };
@@ -65,27 +79,6 @@ use ic_shared::plan::{
 };
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::ResourceExt;
-use serde::Deserialize;
-
-use crate::engine::command::{normalize_flag, EngineCommand};
-use crate::adapters::select_engine_by_command;
-use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, WIRED_SPEC};
-use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
-use crate::reconcile::render::{ProviderRenderer, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY};
-
-/// Minimum `/dev/shm` for an engine with tensor parallelism above 1 (NCCL's shared-memory
-/// transport; the container default of 64 MiB is far too small): 1 GiB.
-pub const TENSOR_PARALLEL_SHM_BYTES: u64 = 1 << 30;
-/// vLLM's default `--kv-events-config` endpoint.
-pub const DEFAULT_KV_EVENTS_ENDPOINT: &str = "tcp://*:5557";
-/// vLLM's default `--block-size`.
-pub const VLLM_DEFAULT_BLOCK_SIZE: u32 = 16;
-/// SGLang's default `--page-size`.
-pub const SGLANG_DEFAULT_PAGE_SIZE: u32 = 1;
-/// vLLM's default `--port` (its OpenAI server also serves `/metrics`).
-pub const VLLM_DEFAULT_PORT: u16 = 8000;
-/// SGLang's default `--port`.
-pub const SGLANG_DEFAULT_PORT: u16 = 30000;
 
 /// The containers whose `/dev/shm` the engine's requirement is for (plan `shmContainers`): the
 /// engine container, then every other container or native sidecar that mounts the same volume
@@ -196,9 +189,9 @@ pub mod issue {
     /// `--kv-events-config` is not valid JSON.
     pub const KV_EVENTS_CONFIG_INVALID: &str = "KVEventsConfigInvalid";
     /// The publisher endpoint cannot be reached from the node agent.
-    pub const ENDPOINT_UNREACHABLE: &str = "EndpointUnreachable";
+    pub const ENDPOINT_UNREACHABLE: &str = crate::engine::kv_events::ENDPOINT_UNREACHABLE;
     /// The pod has no IP yet (wildcard endpoints cannot be resolved).
-    pub const NO_POD_IP: &str = "NoPodIP";
+    pub const NO_POD_IP: &str = crate::engine::kv_events::NO_POD_IP;
     /// Two pods on one node claim the same host port.
     pub const HOST_PORT_CONFLICT: &str = "HostPortConflict";
     /// A quantity in the CacheBackend could not be parsed.
@@ -218,19 +211,6 @@ pub mod issue {
     /// `--nnodes`, `--dp-size`) is an expansion the plan cannot resolve from the pod: the
     /// planned publishers may not be the pod's.
     pub const DATA_PARALLEL_RANK_UNKNOWN: &str = "DataParallelRankUnknown";
-}
-
-/// True when the webhook rendered a kvevent-subscriber sidecar into `pod` (rank 0's
-/// `kvevent-subscriber`, rank r's `kvevent-subscriber-r`).
-fn has_subscriber_sidecar(pod: &Pod) -> bool {
-    let name = crate::admission::pod::SUBSCRIBER_CONTAINER;
-    pod.spec.iter().flat_map(|s| &s.containers).any(|c| {
-        c.name == name
-            || c.name
-                .strip_prefix(name)
-                .and_then(|r| r.strip_prefix('-'))
-                .is_some_and(|r| r.parse::<u32>().is_ok())
-    })
 }
 
 /// What the plan of `pod` wired by `backend` follows: the pod's recorded
@@ -377,22 +357,8 @@ fn finished(pod: &Pod) -> bool {
     )
 }
 
-fn host_network(pod: &Pod) -> bool {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.host_network)
-        .unwrap_or(false)
-}
-
 fn host_ipc(pod: &Pod) -> bool {
     pod.spec.as_ref().and_then(|s| s.host_ipc).unwrap_or(false)
-}
-
-fn pod_ip(pod: &Pod) -> Option<String> {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.pod_ip.clone())
-        .filter(|ip| !ip.is_empty())
 }
 
 fn requests_gpu(pod: &Pod) -> bool {
@@ -426,406 +392,6 @@ pub fn engine_command(pod: &Pod, runtime: Runtime) -> Result<(Container, EngineC
         .ok_or_else(|| "the engine container is gone".to_string())?;
     let cmd = EngineCommand::parse(c, runtime).map_err(|e| e.to_string())?;
     Ok((c.clone(), cmd))
-}
-
-/// The value of the last occurrence of any of `names` (long flags in any `_`/`-` spelling,
-/// `--flag value` or `--flag=value`; short aliases such as `-tp` verbatim).
-pub fn flag_value(args: &[&str], names: &[&str]) -> Option<String> {
-    let wanted: Vec<String> = names.iter().map(|n| normalize_flag(n)).collect();
-    let mut found = None;
-    let mut i = 0;
-    while i < args.len() {
-        let a = args[i];
-        if a.starts_with('-') {
-            let (name, inline) = match a.split_once('=') {
-                Some((n, v)) => (n, Some(v)),
-                None => (a, None),
-            };
-            if wanted.contains(&normalize_flag(name)) {
-                match inline {
-                    Some(v) => found = Some(v.to_string()),
-                    None => {
-                        if let Some(next) = args.get(i + 1) {
-                            if !next.starts_with("--") {
-                                found = Some((*next).to_string());
-                                i += 1;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        i += 1;
-    }
-    found
-}
-
-/// True when any of `names` occurs as a boolean flag (`--flag`, `--flag=true`).
-pub fn flag_set(args: &[&str], names: &[&str]) -> bool {
-    let wanted: Vec<String> = names.iter().map(|n| normalize_flag(n)).collect();
-    args.iter().any(|a| {
-        let (name, inline) = match a.split_once('=') {
-            Some((n, v)) => (n, Some(v)),
-            None => (*a, None),
-        };
-        wanted.contains(&normalize_flag(name))
-            && inline
-                .is_none_or(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
-    })
-}
-
-fn flag_u32(args: &[&str], names: &[&str]) -> Option<u32> {
-    flag_value(args, names).and_then(|v| v.trim().parse().ok())
-}
-
-/// `--kv-events-config`, as both engines read it (unknown keys ignored).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-pub struct KvEventsConfig {
-    /// vLLM: events are produced only when true.
-    #[serde(default)]
-    pub enable_kv_cache_events: Option<bool>,
-    /// `zmq` or `null`.
-    #[serde(default)]
-    pub publisher: Option<String>,
-    /// PUB endpoint (default `tcp://*:5557`).
-    #[serde(default)]
-    pub endpoint: Option<String>,
-    /// ROUTER replay endpoint (off when absent).
-    #[serde(default)]
-    pub replay_endpoint: Option<String>,
-    /// Topic (default empty).
-    #[serde(default)]
-    pub topic: Option<String>,
-}
-
-impl KvEventsConfig {
-    /// Whether the engine of `runtime` publishes with this config.
-    pub fn active(&self, runtime: Runtime) -> bool {
-        let publisher = self.publisher.as_deref().map(str::to_ascii_lowercase);
-        match runtime {
-            Runtime::Vllm => {
-                self.enable_kv_cache_events == Some(true) && publisher.as_deref() != Some("null")
-            }
-            Runtime::SgLang => match publisher.as_deref() {
-                Some(p) => p == "zmq",
-                None => self.enable_kv_cache_events == Some(true),
-            },
-        }
-    }
-}
-
-/// Splits `tcp://HOST:PORT` into (host, port); `None` for other transports or malformed text.
-fn split_tcp(endpoint: &str) -> Option<(&str, u16)> {
-    let rest = endpoint.strip_prefix("tcp://")?;
-    let (host, port) = rest.rsplit_once(':')?;
-    Some((host, port.parse().ok()?))
-}
-
-fn is_wildcard(host: &str) -> bool {
-    matches!(host, "*" | "[*]") || host.contains("::") && !is_loopback(host)
-}
-
-fn is_loopback(host: &str) -> bool {
-    matches!(host, "localhost" | "::1" | "[::1]") || host.starts_with("127.")
-}
-
-fn host_for(ip: &str) -> String {
-    if ip.contains(':') && !ip.starts_with('[') {
-        format!("[{ip}]")
-    } else {
-        ip.to_string()
-    }
-}
-
-fn offset(port: u16, rank: u32) -> Option<u16> {
-    u16::try_from(u32::from(port) + rank).ok()
-}
-
-/// Resolves the PUB endpoint of data-parallel rank `rank`: a wildcard host becomes `pod_ip`.
-pub fn resolve_pub_endpoint(
-    endpoint: &str,
-    pod_ip: Option<&str>,
-    rank: u32,
-) -> Result<String, (&'static str, String)> {
-    let (host, port) = split_tcp(endpoint).ok_or_else(|| {
-        (
-            issue::ENDPOINT_UNREACHABLE,
-            format!("KV-event endpoint {endpoint:?} is not tcp://HOST:PORT; the node agent can only subscribe over TCP"),
-        )
-    })?;
-    if !is_wildcard(host) {
-        return Err((
-            issue::ENDPOINT_UNREACHABLE,
-            format!("KV-event endpoint {endpoint:?} names a host, so the engine connects to it instead of binding; use tcp://*:{port} so the node agent can subscribe"),
-        ));
-    }
-    let ip = pod_ip.ok_or_else(|| {
-        (
-            issue::NO_POD_IP,
-            "the pod has no IP yet; its KV-event publisher is planned once it has one".to_string(),
-        )
-    })?;
-    let port = offset(port, rank).ok_or_else(|| {
-        (
-            issue::ENDPOINT_UNREACHABLE,
-            format!("port {port} + data-parallel rank {rank} exceeds 65535"),
-        )
-    })?;
-    Ok(format!("tcp://{}:{port}", host_for(ip)))
-}
-
-/// Resolves the replay (ROUTER, always bound) endpoint of rank `rank`.
-pub fn resolve_replay_endpoint(
-    endpoint: &str,
-    pod_ip: Option<&str>,
-    host_network: bool,
-    rank: u32,
-) -> Result<String, (&'static str, String)> {
-    let (host, port) = split_tcp(endpoint).ok_or_else(|| {
-        (
-            issue::ENDPOINT_UNREACHABLE,
-            format!("replay endpoint {endpoint:?} is not tcp://HOST:PORT"),
-        )
-    })?;
-    let port = offset(port, rank).ok_or_else(|| {
-        (
-            issue::ENDPOINT_UNREACHABLE,
-            format!("replay port {port} + data-parallel rank {rank} exceeds 65535"),
-        )
-    })?;
-    let host = if is_wildcard(host) || host == "0.0.0.0" {
-        host_for(pod_ip.ok_or_else(|| (issue::NO_POD_IP, "the pod has no IP yet".to_string()))?)
-    } else if is_loopback(host) {
-        if !host_network {
-            return Err((
-                issue::ENDPOINT_UNREACHABLE,
-                format!("replay endpoint {endpoint:?} is bound to the pod's loopback, which the node agent cannot reach; bind tcp://*:{port}"),
-            ));
-        }
-        host.to_string()
-    } else {
-        host.to_string()
-    };
-    Ok(format!("tcp://{host}:{port}"))
-}
-
-/// The flags [`dp_ranks`] reads for `runtime`.
-fn rank_flags(runtime: Runtime) -> &'static [&'static str] {
-    match runtime {
-        Runtime::Vllm => &[
-            "--data-parallel-rank",
-            "-dpn",
-            "--data-parallel-start-rank",
-            "-dpr",
-            "--data-parallel-size-local",
-            "-dpl",
-            "--data-parallel-size",
-            "-dp",
-        ],
-        Runtime::SgLang => &[
-            "--node-rank",
-            "--nnodes",
-            "--data-parallel-size",
-            "--dp-size",
-            "--dp",
-        ],
-    }
-}
-
-/// The engine arguments [`dp_ranks`] should read: every argument of `cmd` (shell expansions
-/// included), with the value of each rank flag ([`rank_flags`]) that is a variable resolved
-/// from the engine container's env the way the pod resolves it — a literal `value`, or a
-/// `fieldRef` to the pod's own `metadata.name`, `metadata.namespace`,
-/// `metadata.labels['…']` or `metadata.annotations['…']` (a StatefulSet's
-/// `apps.kubernetes.io/pod-index`, a LeaderWorkerSet's worker index). `$(VAR)` is the
-/// kubelet's (any command form); `$VAR` and `${VAR}` only a shell's. The second element lists
-/// the `flag value` pairs that stay unknown; those flags are left out of the returned
-/// arguments (so [`dp_ranks`] falls back to its defaults for them).
-pub fn resolved_rank_args(
-    pod: &Pod,
-    c: &Container,
-    cmd: &EngineCommand,
-    runtime: Runtime,
-) -> (Vec<String>, Vec<String>) {
-    let texts = cmd.texts();
-    let flags: Vec<String> = rank_flags(runtime)
-        .iter()
-        .map(|f| normalize_flag(f))
-        .collect();
-    let shell = cmd.form == crate::engine::command::CommandForm::Shell;
-    let mut out = Vec::with_capacity(texts.len());
-    let mut unknown = Vec::new();
-    let mut i = 0;
-    while i < texts.len() {
-        let a = texts[i];
-        let (name, inline) = match a.split_once('=') {
-            Some((n, v)) => (n, Some(v)),
-            None => (a, None),
-        };
-        let is_rank_flag = a.starts_with('-') && flags.contains(&normalize_flag(name));
-        if !is_rank_flag {
-            out.push(a.to_string());
-            i += 1;
-            continue;
-        }
-        let (value, consumed) = match inline {
-            Some(v) => (Some(v), 1),
-            None => match texts.get(i + 1) {
-                Some(v) if !v.starts_with("--") => (Some(*v), 2),
-                _ => (None, 1),
-            },
-        };
-        match value {
-            Some(v) if v.trim().parse::<u32>().is_err() => {
-                match resolve_env_ref(pod, c, v.trim(), shell) {
-                    Some(r) if r.trim().parse::<u32>().is_ok() => {
-                        out.push(name.to_string());
-                        out.push(r.trim().to_string());
-                    }
-                    _ => unknown.push(format!("{name} {v}")),
-                }
-            }
-            Some(v) => {
-                out.push(name.to_string());
-                out.push(v.to_string());
-            }
-            None => out.push(a.to_string()),
-        }
-        i += consumed;
-    }
-    (out, unknown)
-}
-
-/// The value of `text` when it is exactly one variable reference (`$(VAR)`; with `shell` also
-/// `$VAR`, `${VAR}`, optionally double-quoted) to an env entry of `c` the plan can evaluate
-/// ([`resolved_rank_args`]).
-fn resolve_env_ref(pod: &Pod, c: &Container, text: &str, shell: bool) -> Option<String> {
-    let text = text.trim_matches('"');
-    let var = if let Some(v) = text.strip_prefix("$(").and_then(|t| t.strip_suffix(')')) {
-        v
-    } else if !shell {
-        return None;
-    } else if let Some(v) = text.strip_prefix("${").and_then(|t| t.strip_suffix('}')) {
-        v
-    } else {
-        text.strip_prefix('$')?
-    };
-    if var.is_empty()
-        || !var
-            .chars()
-            .all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
-    {
-        return None;
-    }
-    // The last entry of a name is the one the container gets.
-    let e = c.env.iter().flatten().rev().find(|e| e.name == var)?;
-    if let Some(from) = &e.value_from {
-        let path = from.field_ref.as_ref()?.field_path.as_str();
-        return pod_field(pod, path);
-    }
-    e.value.clone()
-}
-
-/// A `fieldRef` path of the pod's metadata (`metadata.name`, `metadata.namespace`,
-/// `metadata.labels['k']`, `metadata.annotations['k']`).
-fn pod_field(pod: &Pod, path: &str) -> Option<String> {
-    let keyed = |prefix: &str| {
-        path.strip_prefix(prefix)?
-            .strip_prefix("['")?
-            .strip_suffix("']")
-            .map(str::to_string)
-    };
-    match path {
-        "metadata.name" => pod.metadata.name.clone(),
-        "metadata.namespace" => pod.metadata.namespace.clone(),
-        _ => {
-            if let Some(k) = keyed("metadata.labels") {
-                pod.labels().get(&k).cloned()
-            } else if let Some(k) = keyed("metadata.annotations") {
-                pod.annotations().get(&k).cloned()
-            } else {
-                None
-            }
-        }
-    }
-}
-
-/// The global data-parallel ranks whose publishers run in this pod.
-pub fn dp_ranks(runtime: Runtime, args: &[&str]) -> Vec<u32> {
-    match runtime {
-        Runtime::Vllm => {
-            if let Some(r) = flag_u32(args, &["--data-parallel-rank", "-dpn"]) {
-                return vec![r];
-            }
-            let size = flag_u32(args, &["--data-parallel-size", "-dp"])
-                .unwrap_or(1)
-                .max(1);
-            let local = flag_u32(args, &["--data-parallel-size-local", "-dpl"])
-                .unwrap_or(size)
-                .max(1);
-            let start = flag_u32(args, &["--data-parallel-start-rank", "-dpr"]).unwrap_or(0);
-            (start..start.saturating_add(local)).collect()
-        }
-        Runtime::SgLang => {
-            if !flag_set(args, &["--enable-dp-attention"]) {
-                return vec![0];
-            }
-            let size = flag_u32(args, &["--data-parallel-size", "--dp-size", "--dp"])
-                .unwrap_or(1)
-                .max(1);
-            let nnodes = flag_u32(args, &["--nnodes"]).unwrap_or(1).max(1);
-            let node_rank = flag_u32(args, &["--node-rank"]).unwrap_or(0);
-            let per_node = (size / nnodes).max(1);
-            let start = node_rank.saturating_mul(per_node);
-            (start..start.saturating_add(per_node)).collect()
-        }
-    }
-}
-
-/// The flag that sets the engine's KV block size in tokens: vLLM `--block-size`, SGLang
-/// `--page-size`.
-pub fn block_size_flag(runtime: Runtime) -> &'static str {
-    match runtime {
-        Runtime::Vllm => "--block-size",
-        Runtime::SgLang => "--page-size",
-    }
-}
-
-/// The engine's KV block size in tokens from its (literal) arguments: [`block_size_flag`]'s
-/// value, else the engine's default ([`VLLM_DEFAULT_BLOCK_SIZE`], [`SGLANG_DEFAULT_PAGE_SIZE`]);
-/// at least 1. The node plan and the Pod webhook's kvevent-subscriber both chain at it.
-pub fn engine_block_size(runtime: Runtime, args: &[&str]) -> u32 {
-    let default = match runtime {
-        Runtime::Vllm => VLLM_DEFAULT_BLOCK_SIZE,
-        Runtime::SgLang => SGLANG_DEFAULT_PAGE_SIZE,
-    };
-    flag_u32(args, &[block_size_flag(runtime)])
-        .unwrap_or(default)
-        .max(1)
-}
-
-/// The raw value of the engine's block-size flag ([`block_size_flag`], its last occurrence) when
-/// it is given but is not a literal number: a shell expansion (`$BLOCK`, `$(BLOCK)`), or text no
-/// integer parses from. Neither admission nor the node plan can know the size then; both assume
-/// the engine's bare default (`engine_block_size(runtime, &[])`: an earlier literal value does
-/// not win over a later expansion) and say so — the Pod webhook as an admission warning, the
-/// plan (when it plans KV events) as [`issue::BLOCK_SIZE_UNKNOWN`]. `None` when the flag is
-/// absent (the engine's default is then the truth) or literal.
-pub fn unknown_block_size(cmd: &EngineCommand, runtime: Runtime) -> Option<String> {
-    cmd.find(block_size_flag(runtime)).last().and_then(|occ| {
-        let (raw, index) = cmd.value_of(occ)?;
-        let opaque = index.is_some_and(|i| cmd.is_opaque(i)) || raw.contains('$');
-        (opaque || raw.trim().parse::<u32>().is_err()).then_some(raw)
-    })
-}
-
-/// Tensor-parallel size from the engine args (default 1).
-pub fn tensor_parallel(runtime: Runtime, args: &[&str]) -> u32 {
-    let names: &[&str] = match runtime {
-        Runtime::Vllm => &["--tensor-parallel-size", "-tp"],
-        Runtime::SgLang => &["--tensor-parallel-size", "--tp-size", "--tp"],
-    };
-    flag_u32(args, names).unwrap_or(1).max(1)
 }
 
 fn bytes_of(q: &str) -> Option<u64> {
@@ -985,46 +551,6 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
     (plan, issues)
 }
 
-/// The engine's Prometheus endpoint, `http://<host>:<port>/metrics`, as the node agent can
-/// reach it; `args` are every engine argument (shell expansions included, so an unknown
-/// `--port $PORT` plans nothing rather than a wrong port).
-///
-/// Port: `--port` (vLLM default [`VLLM_DEFAULT_PORT`], SGLang [`SGLANG_DEFAULT_PORT`]). Host:
-/// the pod IP when the server binds every interface (vLLM's default; `0.0.0.0`, `::`) or an
-/// address from an expansion (`$(POD_IP)`); the loopback address only for hostNetwork pods
-/// (none otherwise: the agent cannot reach a pod's loopback); another literal host as given.
-/// SGLang binds `127.0.0.1` by default and serves `/metrics` only with `--enable-metrics`.
-pub fn engine_metrics_url(pod: &Pod, runtime: Runtime, args: &[&str]) -> Option<String> {
-    if runtime == Runtime::SgLang && !flag_set(args, &["--enable-metrics"]) {
-        return None;
-    }
-    let port = match flag_value(args, &["--port"]) {
-        Some(v) => v.trim().parse::<u16>().ok().filter(|p| *p > 0)?,
-        None => match runtime {
-            Runtime::Vllm => VLLM_DEFAULT_PORT,
-            Runtime::SgLang => SGLANG_DEFAULT_PORT,
-        },
-    };
-    let host = flag_value(args, &["--host"]).map(|h| h.trim().to_string());
-    let host = match host.as_deref() {
-        None if runtime == Runtime::SgLang => Some("127.0.0.1"),
-        h => h,
-    };
-    let host = match host {
-        Some(h) if is_loopback(h) => {
-            if !host_network(pod) {
-                return None;
-            }
-            host_for(h.trim_start_matches('[').trim_end_matches(']'))
-        }
-        Some(h) if !h.is_empty() && !is_wildcard(h) && h != "0.0.0.0" && !h.contains('$') => {
-            host_for(h.trim_start_matches('[').trim_end_matches(']'))
-        }
-        _ => host_for(&pod_ip(pod)?),
-    };
-    Some(format!("http://{host}:{port}/metrics"))
-}
-
 fn kv_sources(
     pod: &Pod,
     runtime: Runtime,
@@ -1032,7 +558,7 @@ fn kv_sources(
     ranks: Vec<u32>,
     note: &mut impl FnMut(&'static str, String),
 ) -> Vec<KvEventSource> {
-    let Some(raw) = flag_value(args, &["--kv-events-config"]) else {
+    let Some(raw) = kv_events_config_arg(args) else {
         note(
             issue::KV_EVENTS_DISABLED,
             format!(
@@ -1045,7 +571,7 @@ fn kv_sources(
         );
         return Vec::new();
     };
-    let cfg: KvEventsConfig = match serde_json::from_str(&raw) {
+    let cfg = match KvEventsConfig::parse(&raw) {
         Ok(c) => c,
         Err(_) if raw.contains('$') => {
             note(
@@ -1384,65 +910,6 @@ mod tests {
     }
 
     #[test]
-    fn flags_in_every_spelling() {
-        let args = [
-            "--tp",
-            "2",
-            "--kv_events_config={}",
-            "-dp",
-            "4",
-            "--block-size=32",
-        ];
-        assert_eq!(
-            flag_value(&args, &["--tp-size", "--tp"]).as_deref(),
-            Some("2")
-        );
-        assert_eq!(
-            flag_value(&args, &["--kv-events-config"]).as_deref(),
-            Some("{}")
-        );
-        assert_eq!(flag_u32(&args, &["--data-parallel-size", "-dp"]), Some(4));
-        assert_eq!(flag_u32(&args, &["--block-size"]), Some(32));
-        assert!(flag_set(
-            &["--enable-dp-attention"],
-            &["--enable-dp-attention"]
-        ));
-        assert!(!flag_set(
-            &["--enable-dp-attention=false"],
-            &["--enable-dp-attention"]
-        ));
-    }
-
-    #[test]
-    fn endpoints_resolve_to_the_pod_ip_with_rank_offsets() {
-        assert_eq!(
-            resolve_pub_endpoint("tcp://*:5557", Some("10.0.0.5"), 2).unwrap(),
-            "tcp://10.0.0.5:5559"
-        );
-        assert_eq!(
-            resolve_pub_endpoint("tcp://*:5557", Some("fd00::5"), 0).unwrap(),
-            "tcp://[fd00::5]:5557"
-        );
-        assert_eq!(
-            resolve_pub_endpoint("tcp://collector:5557", Some("10.0.0.5"), 0)
-                .unwrap_err()
-                .0,
-            issue::ENDPOINT_UNREACHABLE
-        );
-        assert_eq!(
-            resolve_pub_endpoint("tcp://*:5557", None, 0).unwrap_err().0,
-            issue::NO_POD_IP
-        );
-        assert_eq!(
-            resolve_replay_endpoint("tcp://127.0.0.1:5558", Some("10.0.0.5"), true, 1).unwrap(),
-            "tcp://127.0.0.1:5559"
-        );
-        assert!(
-            resolve_replay_endpoint("tcp://127.0.0.1:5558", Some("10.0.0.5"), false, 0).is_err()
-        );
-    }
-
-    #[test]
     fn reader_mounts_join_or_create_node_plans() {
         let mut plans = BTreeMap::from([(
             "n1".to_string(),
@@ -1468,55 +935,5 @@ mod tests {
         assert_eq!(plans["n1"].reader_mounts[0].pod, "a");
         assert_eq!(plans["n2"].reader_mounts.len(), 1);
         assert!(!plans.contains_key("n3"));
-    }
-
-    #[test]
-    fn dp_ranks_per_engine() {
-        assert_eq!(dp_ranks(Runtime::Vllm, &[]), vec![0]);
-        assert_eq!(dp_ranks(Runtime::Vllm, &["-dp", "4"]), vec![0, 1, 2, 3]);
-        assert_eq!(
-            dp_ranks(
-                Runtime::Vllm,
-                &[
-                    "--data-parallel-size",
-                    "4",
-                    "--data-parallel-size-local",
-                    "2",
-                    "--data-parallel-start-rank",
-                    "2"
-                ]
-            ),
-            vec![2, 3]
-        );
-        assert_eq!(
-            dp_ranks(
-                Runtime::Vllm,
-                &["--data-parallel-size", "4", "--data-parallel-rank", "3"]
-            ),
-            vec![3]
-        );
-        assert_eq!(dp_ranks(Runtime::SgLang, &["--dp-size", "4"]), vec![0]);
-        assert_eq!(
-            dp_ranks(
-                Runtime::SgLang,
-                &["--dp-size", "4", "--enable-dp-attention"]
-            ),
-            vec![0, 1, 2, 3]
-        );
-        assert_eq!(
-            dp_ranks(
-                Runtime::SgLang,
-                &[
-                    "--dp-size",
-                    "4",
-                    "--enable-dp-attention",
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    "1"
-                ]
-            ),
-            vec![2, 3]
-        );
     }
 }
