@@ -322,7 +322,10 @@ fn engine_container_is_found_beside_a_main_container_and_events_only_keeps_no_l2
         "cb-events",
         json!({"runtime": "SGLang", "integration": {"mode": "EventsOnly"}, "observation": {"modelID": "Qwen/Qwen3-0.6B"}}),
     );
-    let (container, _) = plans::engine_command(&pod, ic_shared::crd::Runtime::SgLang).unwrap();
+    let container =
+        ic_controller::engine::container::EnginePod::read(&pod, ic_shared::crd::Runtime::SgLang)
+            .unwrap()
+            .container;
     assert_eq!(container.name, "sglang-engine");
     let derived = derive_plans(&[pod], &[cb]);
     let e = &derived.plans["gpu-4"].engines[0];

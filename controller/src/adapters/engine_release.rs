@@ -20,8 +20,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use ic_shared::crd::Runtime;
 
-use crate::engine::command::EngineCommand;
 use super::InjectError;
+use crate::engine::command::EngineCommand;
 
 /// Pod annotation recording the engine's release as its own `--version` prints it (`0.11.1`,
 /// `v0.5.13`). Wins over the image tag (a private image built from the engine has its own

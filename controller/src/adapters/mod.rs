@@ -32,7 +32,8 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, Pod, SeccompProfile, SecurityContext,
 };
 
-use crate::engine::command::{CommandError, EngineCommand};
+use crate::engine::command::CommandError;
+use crate::engine::container::{select_engine_container, SelectError, ENV_COMPONENT};
 pub use providers::{resolve_binding, Binding, BindingError, EndpointError};
 
 /// The structured binding a storage-provider adapter emits (spec: `lm`, `resp`, `mooncakestore`).
@@ -53,10 +54,6 @@ pub const KERNEL_CHECK_ANNOTATION: &str = "inferencecache.io/lmcache-kernel-chec
 pub const KERNEL_CHECK_VALUES: &[&str] = &["auto", "report-only", "strict", "off"];
 /// Env var `INFERENCECACHE_FAIL_OPEN`: mirror of `spec.integration.failOpen` on the engine.
 pub const ENV_FAIL_OPEN: &str = "INFERENCECACHE_FAIL_OPEN";
-/// Env var on containers the webhook renders, naming the component; how an adapter recognises
-/// its own prior injection (converge) versus an operator's object squatting a reserved name
-/// (reject).
-pub const ENV_COMPONENT: &str = "INFERENCECACHE_COMPONENT";
 
 /// What an adapter needs to wire one engine pod.
 #[derive(Debug, Clone, Copy)]
@@ -255,6 +252,27 @@ pub enum InjectError {
     BadContainerIndex(usize),
 }
 
+impl From<SelectError> for InjectError {
+    /// The engine container could not be chosen: the same variant and message as before the
+    /// choice moved to [`crate::engine::container`].
+    fn from(e: SelectError) -> Self {
+        match e {
+            SelectError::NoEngineContainer { runtime, detail } => {
+                InjectError::NoEngineContainer { runtime, detail }
+            }
+            SelectError::AmbiguousEngine {
+                runtime,
+                containers,
+                preferred,
+            } => InjectError::AmbiguousEngine {
+                runtime,
+                containers,
+                preferred,
+            },
+        }
+    }
+}
+
 /// One runtime adapter: how a (runtime, cache type) pair wires an engine pod.
 pub trait RuntimeAdapter: Send + Sync {
     /// Display name, e.g. `vllm+lmcache`.
@@ -279,9 +297,9 @@ pub trait RuntimeAdapter: Send + Sync {
     }
 
     /// Index of the engine container in `pod.spec.containers`. The default finds the one
-    /// container that launches this runtime (see [`select_engine_by_command`]).
+    /// container that launches this runtime (see [`select_engine_container`]).
     fn select_engine(&self, pod: &Pod) -> Result<usize, InjectError> {
-        select_engine_by_command(pod, self.runtime())
+        Ok(select_engine_container(pod, self.runtime())?)
     }
 
     /// Wires the engine container `engine` of `pod` (InjectEngineConfig). Must converge: run on
@@ -359,98 +377,6 @@ pub fn binding_label(binding: Option<BindingKind>) -> String {
     binding.map_or_else(|| "host-only".to_string(), |k| k.to_string())
 }
 
-/// The container name that disambiguates several engine candidates.
-fn runtime_container_name(runtime: Runtime) -> &'static str {
-    match runtime {
-        Runtime::Vllm => "vllm",
-        Runtime::SgLang => "sglang",
-    }
-}
-
-/// Finds the engine container: the one container whose command launches `runtime` (direct,
-/// through a wrapper, or inside a `sh -c` script); several such containers are disambiguated by
-/// the name `vllm`/`sglang`. A container without `command` (image entrypoint) is accepted when
-/// no command launches the engine and it is the only container, is named after the runtime, or
-/// runs an image whose name contains it.
-///
-/// Errors: [`InjectError::NoEngineContainer`] (with each container's finding),
-/// [`InjectError::AmbiguousEngine`].
-pub fn select_engine_by_command(pod: &Pod, runtime: Runtime) -> Result<usize, InjectError> {
-    let containers = pod
-        .spec
-        .as_ref()
-        .map(|s| s.containers.as_slice())
-        .unwrap_or(&[]);
-    if containers.is_empty() {
-        return Err(InjectError::NoEngineContainer {
-            runtime: runtime.as_str(),
-            detail: "the pod has no containers".to_string(),
-        });
-    }
-    let preferred = runtime_container_name(runtime);
-    let mut strong = Vec::new();
-    let mut weak = Vec::new();
-    let mut findings = Vec::new();
-    let users: Vec<(usize, &Container)> = user_containers(containers).collect();
-    for &(i, c) in &users {
-        match EngineCommand::parse(c, runtime) {
-            Ok(cmd) if cmd.found_engine => strong.push(i),
-            Ok(_) => {
-                let image = c.image.as_deref().unwrap_or("").to_ascii_lowercase();
-                if users.len() == 1 || c.name == preferred || image.contains(preferred) {
-                    weak.push(i);
-                } else {
-                    findings.push(format!(
-                        "container {:?} has no command and its image does not name {}",
-                        c.name, preferred
-                    ));
-                }
-            }
-            Err(e) => findings.push(e.to_string()),
-        }
-    }
-    let pick = |cands: &[usize]| -> Result<Option<usize>, InjectError> {
-        match cands {
-            [] => Ok(None),
-            [one] => Ok(Some(*one)),
-            many => match many.iter().find(|&&i| containers[i].name == preferred) {
-                Some(&i) => Ok(Some(i)),
-                None => Err(InjectError::AmbiguousEngine {
-                    runtime: runtime.as_str(),
-                    containers: many
-                        .iter()
-                        .map(|&i| containers[i].name.clone())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    preferred,
-                }),
-            },
-        }
-    };
-    if let Some(i) = pick(&strong)? {
-        return Ok(i);
-    }
-    if let Some(i) = pick(&weak)? {
-        return Ok(i);
-    }
-    Err(InjectError::NoEngineContainer {
-        runtime: runtime.as_str(),
-        detail: findings.join("; "),
-    })
-}
-
-/// The pod's own containers with their indices: those the webhook rendered (carrying
-/// [`ENV_COMPONENT`], such as the kvevent-subscriber) are left out, so wiring a pod never changes
-/// which container is its engine.
-pub fn user_containers(containers: &[Container]) -> impl Iterator<Item = (usize, &Container)> {
-    containers.iter().enumerate().filter(|(_, c)| {
-        !c.env
-            .iter()
-            .flatten()
-            .any(|e| e.name == ENV_COMPONENT && e.value.is_some())
-    })
-}
-
 /// The engine container, mutable.
 pub(crate) fn engine_mut(pod: &mut Pod, engine: usize) -> Result<&mut Container, InjectError> {
     pod.spec
@@ -517,29 +443,6 @@ pub(crate) fn default_env(c: &mut Container, name: &str, value: &str, warnings: 
         }
         None => env.push(env_var(name, value)),
     }
-}
-
-/// A mount path as the kubelet resolves it: repeated and trailing slashes and `.` segments
-/// removed (`/dev//shm/` → `/dev/shm`), so two spellings of one directory are one mount.
-pub fn normalize_mount_path(path: &str) -> String {
-    let segs: Vec<&str> = path
-        .split('/')
-        .filter(|s| !s.is_empty() && *s != ".")
-        .collect();
-    let joined = segs.join("/");
-    if path.starts_with('/') {
-        format!("/{joined}")
-    } else {
-        joined
-    }
-}
-
-/// The engine container's mount at `/dev/shm` (any spelling), if any.
-pub(crate) fn shm_mount(c: &Container) -> Option<&k8s_openapi::api::core::v1::VolumeMount> {
-    c.volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| normalize_mount_path(&m.mount_path) == "/dev/shm")
 }
 
 /// Whether container `c` carries `ENV_COMPONENT=component` (rendered by this webhook).
@@ -707,14 +610,6 @@ mod tests {
         assert!(h.supports_binding(None));
         assert!(!h.supports_binding(Some(BindingKind::Resp)));
         assert!(h.reserved_env().is_empty());
-    }
-
-    #[test]
-    fn mount_paths_normalise() {
-        assert_eq!(normalize_mount_path("/dev//shm"), "/dev/shm");
-        assert_eq!(normalize_mount_path("/dev/shm/"), "/dev/shm");
-        assert_eq!(normalize_mount_path("/dev/./shm"), "/dev/shm");
-        assert_eq!(normalize_mount_path("/"), "/");
     }
 
     #[test]

@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use ic_shared::crd::{EngineOverrides, Runtime};
 use k8s_openapi::api::core::v1::{Container, EnvVar};
 
-use crate::engine::command::{normalize_flag, Edit, EngineCommand, FlagOcc};
 use super::InjectError;
+use crate::engine::command::{normalize_flag, Edit, EngineCommand, FlagOcc};
 
 /// Flags and env of an engine container at one moment.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -24,11 +24,11 @@
 use ic_shared::crd::{CacheType, EngineOverrides, HiCacheSpec, Runtime};
 use k8s_openapi::api::core::v1::{Container, Pod};
 
-use crate::engine::command::{normalize_flag, Edit, EngineCommand};
 use super::{
-    engine_mut, engine_ref, user_containers, BindingKind, InjectContext, InjectError, InjectReport,
-    RuntimeAdapter,
+    engine_mut, engine_ref, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,
 };
+use crate::engine::command::{normalize_flag, Edit, EngineCommand};
+use crate::engine::container::user_containers;
 
 /// The container name a multi-container pod must give its engine.
 pub const ENGINE_CONTAINER: &str = "sglang";

@@ -32,12 +32,13 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::engine::command::{Edit, EngineCommand};
 use super::{
     engine_image_security_context, engine_mut, engine_ref, env_var, is_rendered, parse_quantity,
     upsert_env, BindingKind, InjectContext, InjectError, InjectReport, RuntimeAdapter,
-    ENV_COMPONENT, ENV_FAIL_OPEN,
+    ENV_FAIL_OPEN,
 };
+use crate::engine::command::{Edit, EngineCommand};
+use crate::engine::container::{normalize_mount_path, shm_mount, ENV_COMPONENT};
 
 /// Name of the MP worker native sidecar.
 pub const WORKER_CONTAINER: &str = "lmcache-mp-worker";
@@ -205,7 +206,7 @@ impl SglangLmCacheMp {
             }
         }
         for m in mounts {
-            if super::normalize_mount_path(&m.mount_path) == CONFIG_DIR
+            if normalize_mount_path(&m.mount_path) == CONFIG_DIR
                 && !(ours && m.name == CONFIG_VOLUME)
             {
                 return Err(InjectError::ReservedName {
@@ -214,8 +215,8 @@ impl SglangLmCacheMp {
                 });
             }
         }
-        let shm_mount = super::shm_mount(engine);
-        let shm = match shm_mount {
+        let engine_shm = shm_mount(engine);
+        let shm = match engine_shm {
             None => Shm::Render,
             Some(m) => {
                 if m.read_only == Some(true) {
@@ -874,7 +875,7 @@ mod tests {
             .volume_mounts
             .iter()
             .flatten()
-            .filter(|m| crate::adapters::normalize_mount_path(&m.mount_path) == "/dev/shm")
+            .filter(|m| crate::engine::container::normalize_mount_path(&m.mount_path) == "/dev/shm")
             .collect();
         assert_eq!(shm.len(), 1, "{:?}", e.volume_mounts);
         assert!(p

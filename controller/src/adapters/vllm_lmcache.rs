@@ -36,10 +36,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use super::{
     default_env, engine_image_security_context, engine_mut, engine_ref, env_var, gib_text,
     host_memory_gib, is_rendered, requests_gpu, upsert_env, BindingKind, InjectContext,
-    InjectError, InjectReport, RuntimeAdapter, ENV_COMPONENT, ENV_FAIL_OPEN,
-    KERNEL_CHECK_ANNOTATION,
+    InjectError, InjectReport, RuntimeAdapter, ENV_FAIL_OPEN, KERNEL_CHECK_ANNOTATION,
 };
 use crate::engine::command::{Edit, EngineCommand};
+use crate::engine::container::{shm_mount, ENV_COMPONENT};
 
 /// The connector this adapter wires.
 pub const CONNECTOR: &str = "LMCacheConnectorV1";
@@ -472,7 +472,7 @@ impl RuntimeAdapter for VllmLmCache {
         report.warnings.extend(cmd.warnings.iter().cloned());
         let tp = crate::engine::flags::tensor_parallel(Runtime::Vllm, &cmd.texts());
         let host_ipc = pod.spec.as_ref().and_then(|s| s.host_ipc) == Some(true);
-        if tp > 1 && !host_ipc && super::shm_mount(&original).is_none() {
+        if tp > 1 && !host_ipc && shm_mount(&original).is_none() {
             report.warnings.push(format!(
                 "container {:?} runs tensor-parallel size {tp} without a /dev/shm mount: the container runtime's default /dev/shm is 64 MiB, which NCCL exhausts (SIGBUS; vllm-project/production-stack#276) — mount an emptyDir with medium: Memory at /dev/shm",
                 original.name

@@ -55,10 +55,11 @@ use crate::adapters::converge::converge_rendered;
 use crate::adapters::overrides::{apply_overrides, snapshot};
 use crate::adapters::sglang_lmcache_mp::WORKER_CONTAINER;
 use crate::adapters::{
-    binding_label, env_var, hardened_security_context, is_rendered, resolve_binding,
-    select_engine_by_command, InjectContext, Registry, ENV_COMPONENT,
+    binding_label, env_var, hardened_security_context, is_rendered, resolve_binding, InjectContext,
+    Registry,
 };
 use crate::engine::command::EngineCommand;
+use crate::engine::container::{select_engine_container, ENV_COMPONENT};
 use crate::engine::flags as engine_flags;
 use crate::engine::SUBSCRIBER_CONTAINER;
 
@@ -496,7 +497,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
                 "events-only backend without spec.observation.modelID, so the kvevent-subscriber sidecar cannot be configured",
             ));
         };
-        let engine = select_engine_by_command(pod, runtime).ok();
+        let engine = select_engine_container(pod, runtime).ok();
         warnings.extend(publisher_release_warning(pod, engine, runtime));
         let others = other_listeners(pod, engine, runtime, None);
         let listeners = add_subscribers(

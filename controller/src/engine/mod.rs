@@ -1,5 +1,6 @@
 //! The engine pod's self-description, read in one place (issue 42 Deliver 1): which container
-//! runs the engine, its command line ([`command::EngineCommand`]), and what its flags mean
+//! runs the engine ([`container::select_engine_container`], read once into a
+//! [`container::EnginePod`]), its command line ([`command::EngineCommand`]), what its flags mean
 //! ([`flags`]: block size, tensor- and data-parallel sizes and ranks, the HTTP/metrics port;
 //! [`kv_events`]: the `--kv-events-config` publisher and replay endpoints), plus the pod facts
 //! they are read with (pod IP, host network, `/dev/shm`, the webhook's own sidecar).
@@ -13,6 +14,7 @@
 use k8s_openapi::api::core::v1::Pod;
 
 pub mod command;
+pub mod container;
 pub mod flags;
 pub mod kv_events;
 

@@ -17,7 +17,7 @@
 //!
 //! # Engine container and crash loops
 //!
-//! The engine container is the one the adapters wire ([`select_engine_by_command`]: the
+//! The engine container is the one the adapters wire ([`select_engine_container`]: the
 //! container whose command launches the runtime), never a guess by name. A crash loop is what
 //! the kubelet says it is (spec 000 "EngineCompatibility": "only when an injected engine
 //! container is in CrashLoopBackOff"): the container's `state.waiting.reason` is
@@ -40,10 +40,10 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 
 use super::index_view::selector_matches;
-use crate::adapters::select_engine_by_command;
 use crate::adapters::vllm_lmcache::{
     KernelCheckVerdict, ENV_KERNEL_CHECK_MODE, KERNEL_CHECK_CONTAINER, KERNEL_CHECK_STRICT,
 };
+use crate::engine::container::select_engine_container;
 use crate::reconcile::annotations::{
     INJECTED_BY, INJECTED_BY_UID, INJECT_SKIPPED, NOT_INJECTED, WEBHOOK_OPT_OUT,
 };
@@ -244,11 +244,11 @@ pub fn engine_pods<'a>(cb: &CacheBackend, pods: &'a [Pod]) -> Vec<&'a Pod> {
 
 /// The engine container of a pod for `cb`'s runtime — the runtime the pod was wired under
 /// (its `inferencecache.io/wired-spec` record, as the node plan reads it), else the current
-/// spec's: the one the adapters wire ([`select_engine_by_command`]); `None` when none or
+/// spec's: the one the adapters wire ([`select_engine_container`]); `None` when none or
 /// several qualify.
 pub fn engine_container_name<'a>(cb: &CacheBackend, pod: &'a Pod) -> Option<&'a str> {
     let runtime = crate::reconcile::nodes::plans::wired_spec(pod, cb, &mut |_, _| {}).runtime;
-    let i = select_engine_by_command(pod, runtime).ok()?;
+    let i = select_engine_container(pod, runtime).ok()?;
     pod.spec
         .as_ref()?
         .containers

@@ -56,8 +56,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::adapters::select_engine_by_command;
-use crate::engine::command::EngineCommand;
+use crate::engine::container::{shm_mount, EnginePod};
 use crate::engine::flags::{
     block_size_flag, dp_ranks, engine_block_size, engine_metrics_url, flag_set,
     kv_events_config_arg, resolved_rank_args, tensor_parallel, unknown_block_size,
@@ -85,7 +84,7 @@ use kube::ResourceExt;
 /// at `/dev/shm` (SGLang's LMCache MP worker), each with its runtime ID while pod status says it
 /// is running.
 pub fn shm_containers(pod: &Pod, engine: &Container) -> Vec<PlannedContainer> {
-    let shm_volume = crate::adapters::shm_mount(engine).map(|m| m.name.as_str());
+    let shm_volume = shm_mount(engine).map(|m| m.name.as_str());
     let spec = pod.spec.as_ref();
     let others = spec
         .into_iter()
@@ -96,10 +95,7 @@ pub fn shm_containers(pod: &Pod, engine: &Container) -> Vec<PlannedContainer> {
                 .chain(s.containers.iter())
         })
         .filter(|c| c.name != engine.name)
-        .filter(|c| {
-            shm_volume.is_some()
-                && crate::adapters::shm_mount(c).map(|m| m.name.as_str()) == shm_volume
-        });
+        .filter(|c| shm_volume.is_some() && shm_mount(c).map(|m| m.name.as_str()) == shm_volume);
     std::iter::once(engine)
         .chain(others)
         .map(|c| planned_container(pod, &c.name))
@@ -378,22 +374,6 @@ fn requests_gpu(pod: &Pod) -> bool {
     })
 }
 
-/// The engine container and its parsed command line for `runtime`, chosen by the rule the Pod
-/// webhook wired it by ([`select_engine_by_command`]: a container whose command visibly launches
-/// the engine, else an args-only one whose name or image names the runtime, our own sidecars
-/// left out), so the plan never reads another container's args (an `istio-proxy` listed
-/// first). The error says why no container was chosen.
-pub fn engine_command(pod: &Pod, runtime: Runtime) -> Result<(Container, EngineCommand), String> {
-    let i = select_engine_by_command(pod, runtime).map_err(|e| e.to_string())?;
-    let c = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.containers.get(i))
-        .ok_or_else(|| "the engine container is gone".to_string())?;
-    let cmd = EngineCommand::parse(c, runtime).map_err(|e| e.to_string())?;
-    Ok((c.clone(), cmd))
-}
-
 fn bytes_of(q: &str) -> Option<u64> {
     let v = crate::adapters::parse_quantity(q)?;
     (v > 0.0).then(|| v.ceil() as u64)
@@ -418,8 +398,9 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         Runtime::Vllm => HashScheme::Vllm,
         Runtime::SgLang => HashScheme::Sglang,
     };
-    let command = match engine_command(pod, runtime) {
-        Ok(c) => Some(c),
+    // The engine pod read once (engine container, parsed command): every flag below is its.
+    let engine = match EnginePod::read(pod, runtime) {
+        Ok(e) => Some(e),
         Err(why) => {
             note(
                 issue::ENGINE_NOT_FOUND,
@@ -431,14 +412,14 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
             None
         }
     };
-    let args: Vec<&str> = command
+    let args: Vec<&str> = engine
         .as_ref()
-        .map(|(_, c)| c.literal_texts())
+        .map(|e| e.command.literal_texts())
         .unwrap_or_default();
 
-    let unknown_size = command
+    let unknown_size = engine
         .as_ref()
-        .and_then(|(_, cmd)| unknown_block_size(cmd, runtime));
+        .and_then(|e| unknown_block_size(&e.command, runtime));
     let block_size = match unknown_size {
         Some(_) => engine_block_size(runtime, &[]),
         None => engine_block_size(runtime, &args),
@@ -467,9 +448,12 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
     }
 
     let model = spec.model_id.clone();
-    let all_args: Vec<&str> = command.as_ref().map(|(_, c)| c.texts()).unwrap_or_default();
+    let all_args: Vec<&str> = engine
+        .as_ref()
+        .map(|e| e.command.texts())
+        .unwrap_or_default();
     let mut kv_events = Vec::new();
-    if command.is_some() {
+    if engine.is_some() {
         match model.as_deref() {
             None => note(
                 issue::NO_MODEL_ID,
@@ -479,9 +463,10 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
                 ),
             ),
             Some(_) => {
-                let ranks = match &command {
-                    Some((c, cmd)) => {
-                        let (rank_args, unknown) = resolved_rank_args(pod, c, cmd, runtime);
+                let ranks = match &engine {
+                    Some(e) => {
+                        let (rank_args, unknown) =
+                            resolved_rank_args(pod, &e.container, &e.command, runtime);
                         let refs: Vec<&str> = rank_args.iter().map(String::as_str).collect();
                         let ranks = dp_ranks(runtime, &refs);
                         // SGLang runs one publisher whatever its ranks without DP attention.
@@ -538,9 +523,9 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
             .and_then(|c| u32::try_from(c).ok()),
         backend: backend_key(backend),
         shm_required_bytes: shm,
-        shm_containers: command
+        shm_containers: engine
             .as_ref()
-            .map(|(c, _)| shm_containers(pod, c))
+            .map(|e| shm_containers(pod, &e.container))
             .unwrap_or_default(),
         mp_worker_port,
         metrics_url: (offload && !kv_events.is_empty())
