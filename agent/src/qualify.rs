@@ -20,9 +20,10 @@
 //!    must equal the payload's (polled up to `--reader-wait-seconds`, for attribute caches).
 //! 3. **Every write from the reader is refused with `EROFS`**: create, append, rename, chmod,
 //!    truncate, unlink (delete) and mkdir, with the agent's reader-volume probes
-//!    ([`crate::checks::mounts::write_probes`]; anything a probe changes is undone at once). A `ro`
-//!    mount flag alone is not proof, and neither is `EACCES`/`EPERM`. (`ftruncate` is shown but
-//!    proves nothing: it fails with `EINVAL` on a read-only descriptor on any mount.)
+//!    ([`crate::checks::mounts::probes::write_probes`]; anything a probe changes is undone at
+//!    once). A `ro` mount flag alone is not proof, and neither is `EACCES`/`EPERM`.
+//!    (`ftruncate` is shown but proves nothing: it fails with `EINVAL` on a read-only
+//!    descriptor on any mount.)
 //! 4. **Reclaim policy is `Retain`**: the `--reclaim-policy` the operator read from the PV
 //!    (`kubectl get pv <pv> -o jsonpath='{.spec.persistentVolumeReclaimPolicy}'`). The agent
 //!    has no API access, so the report states that the policy, `--provisioner` and
@@ -44,7 +45,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use thiserror::Error;
 
-use crate::checks::mounts::{sha256_file, write_probes, ProbeOutcome};
+use crate::checks::mounts::probes::{write_probes, ProbeOutcome};
+use crate::checks::mounts::samples::sha256_file;
 use crate::checks::shm::{find_mount, parse_mountinfo};
 
 /// Default payload size: 16 MiB, as in the spec's measurements.
