@@ -75,6 +75,27 @@ entries ≈ 0.86 GB all-in, ≈ 1.1 GB with headroom: set `controller.resources.
 Where one controller stops sufficing and the sharded design beyond it: docs/scaling.md.
 Alert on `process_resident_memory_bytes` against the limit (docs/operations.md "Capacity").
 
+## Sizing the agent
+
+The node agent keeps, per engine KV-event stream, the blocks its engines hold (to key children
+and report removals) and a bounded list of recently removed blocks. Its memory therefore grows
+with the blocks held on the node and with the number of streams that churn. Measured with
+`scripts/footprint.sh --blocks` (release agent, one vLLM stream: vLLM's own publisher churning
+at 20 000 block events/s, a controller receiving; [docs/benchmarks.md]({docs}/benchmarks.md)
+"Agent memory by held blocks"):
+
+| blocks held | 16 k | 65 k | 100 k | 300 k | 1 M |
+|---|---|---|---|---|---|
+| RSS during churn, max | 27 MiB | 33 MiB | 48 MiB | 75 MiB | 246 MiB |
+| peak (VmHWM) | 28 MiB | 33 MiB | 48 MiB | 82 MiB | 292 MiB |
+
+    memory limit ≈ 1.5 × (12 MiB + 7 MiB × churning streams + 0.3 KiB × blocks held)
+
+The default (`agent.resources`: request 64Mi, limit 256Mi) covers 300 k blocks spread over 8
+streams; for 1 M blocks on a node set `agent.resources.limits.memory: 512Mi`. Blocks held ≈ the
+sum over the node's engines of their GPU KV-cache blocks (vLLM logs `num_gpu_blocks`), plus the
+offload tier's with `keepsL2`. Watch `container_memory_working_set_bytes{{container="agent"}}`.
+
 ## Values
 
 | Key | Type | Default | Description |

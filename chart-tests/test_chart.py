@@ -344,7 +344,7 @@ def test_agent_daemonset(default: Rendered) -> None:
     assert c["securityContext"]["privileged"] is False
     assert spec["priorityClassName"] == "system-node-critical"
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
-    assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}
+    assert c["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
     assert c["args"][0] == "run"
     args = args_of(c)
     assert args["--http-addr"] == "127.0.0.1:9090"

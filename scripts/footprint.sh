@@ -17,8 +17,29 @@
 # parts fall back to paths and pods that do not exist.
 #
 #   WINDOW=60 CHECK_INTERVAL=5 ACTIVE_SECONDS=30 scripts/footprint.sh
+#
+# Memory by held block count (issue 37 item 6, issue 41 item 5): `--blocks N[,N…]` measures,
+# for each N in a fresh stack, the release agent's VmRSS / VmHWM while it holds N blocks of one
+# vLLM stream — vLLM's own publisher (node-tests/vllm-faults/engine.py: the released wheel's
+# kv_events.py over the fault suite's block-pool model with N physical blocks) churning at RATE
+# (20 000) block events/s for WINDOW (30) s, a release `ic-controller standalone` receiving —
+# and prints KiB per held block (scripts/footprint-blocks.py; docs/benchmarks.md "Agent memory
+# by held blocks"). Needs scripts/fetch-vllm.sh's output (IC_VLLM_DIR, default
+# target/ci-cache/vllm).
+#
+#   scripts/footprint.sh --blocks 16384,65536,100000,300000,1000000
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  --blocks | --blocks=*)
+    counts=${1#--blocks}
+    counts=${counts#=}
+    [ -n "$counts" ] || counts=${2:-}
+    [ -n "$counts" ] || { echo "usage: scripts/footprint.sh --blocks N[,N...]" >&2; exit 2; }
+    cargo build --release --quiet -p ic-agent --bin ic-agent -p ic-controller --bin ic-controller
+    exec python3 scripts/footprint-blocks.py "$counts"
+    ;;
+esac
 WINDOW=${WINDOW:-60}
 WARMUP=${WARMUP:-10}
 CHECK_INTERVAL=${CHECK_INTERVAL:-5}
