@@ -22,6 +22,7 @@ use ic_shared::crd::Runtime;
 
 use super::InjectError;
 use crate::engine::command::EngineCommand;
+use crate::engine::flags::{kv_events_config_json, served_model};
 
 /// Pod annotation recording the engine's release as its own `--version` prints it (`0.11.1`,
 /// `v0.5.13`). Wins over the image tag (a private image built from the engine has its own
@@ -205,9 +206,7 @@ pub fn sglang_lmcache_gate(pod: &Pod, engine: &Container) -> Result<Option<Strin
 /// The engine's `--kv-events-config` (the last one, as argparse keeps it) as JSON, if literal.
 fn kv_events_config(engine: &Container, runtime: Runtime) -> Option<serde_json::Value> {
     let cmd = EngineCommand::parse(engine, runtime).ok()?;
-    let occ = cmd.find("--kv-events-config").into_iter().last()?;
-    let (raw, _) = cmd.value_of(&occ)?;
-    serde_json::from_str(&raw).ok()
+    kv_events_config_json(&cmd)
 }
 
 /// vLLM KV-event publisher gate: a warning when the engine enables KV-cache events without
@@ -261,13 +260,7 @@ pub const SLIDING_WINDOW_MODELS: &[&str] = &[
 /// The model a vLLM engine serves: `--model`, else the first positional argument.
 fn vllm_model(engine: &Container) -> Option<String> {
     let cmd = EngineCommand::parse(engine, Runtime::Vllm).ok()?;
-    if let Some(occ) = cmd.find("--model").into_iter().last() {
-        return cmd.value_of(&occ).map(|(v, _)| v);
-    }
-    cmd.literal_texts()
-        .first()
-        .filter(|t| !t.starts_with('-'))
-        .map(|t| t.to_string())
+    served_model(&cmd)
 }
 
 /// vLLM + LMCache on a sliding-window model: a warning (the wiring proceeds — the engine starts,

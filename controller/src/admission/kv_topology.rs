@@ -36,8 +36,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::host_ports::Listener;
 use crate::engine::command::{CommandForm, EngineCommand};
-use crate::engine::flags::{dp_ranks, non_literal_dp_flag};
-use crate::engine::kv_events::{KvEventsConfig, DEFAULT_KV_EVENTS_ENDPOINT, KV_EVENTS_CONFIG_FLAG};
+use crate::engine::flags::{dp_ranks, kv_events_config_raw, non_literal_dp_flag};
+use crate::engine::kv_events::{KvEventsConfig, DEFAULT_KV_EVENTS_ENDPOINT};
 
 /// Engine KV-event endpoint the kvevent-subscriber follows when the engine has no readable
 /// `--kv-events-config` (rank 0, inside the pod).
@@ -254,13 +254,9 @@ pub fn subscriber_topology(
     };
     // The last occurrence: the engine's argparse keeps the last value of a repeated flag, and
     // so does the node plan (`engine::flags::flag_value`).
-    let Some(occ) = cmd.find(KV_EVENTS_CONFIG_FLAG).into_iter().last() else {
+    let Some((raw, opaque)) = kv_events_config_raw(&cmd) else {
         return no_config();
     };
-    let Some((raw, value_index)) = cmd.value_of(&occ) else {
-        return no_config();
-    };
-    let opaque = cmd.is_opaque(value_index.unwrap_or(occ.index));
     let shell = cmd.form == CommandForm::Shell;
     // `$(VAR)` is the kubelet's, for exec-form commands; the shell sees the result too.
     let text = if raw.contains("$(") {

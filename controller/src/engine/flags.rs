@@ -78,6 +78,41 @@ pub fn kv_events_config_arg(args: &[&str]) -> Option<String> {
     flag_value(args, &[KV_EVENTS_CONFIG_FLAG])
 }
 
+/// The engine's last `--kv-events-config` as written in `cmd` (the last one, as argparse keeps
+/// it), and whether its value is opaque (a shell expansion the webhook cannot see through).
+/// `None` when the flag is absent or has no value.
+pub fn kv_events_config_raw(cmd: &EngineCommand) -> Option<(String, bool)> {
+    let occ = cmd.find(KV_EVENTS_CONFIG_FLAG).into_iter().last()?;
+    let (raw, value_index) = cmd.value_of(&occ)?;
+    let opaque = cmd.is_opaque(value_index.unwrap_or(occ.index));
+    Some((raw, opaque))
+}
+
+/// The engine's last `--kv-events-config` as JSON when its value is literal JSON (any object
+/// shape: the caller reads the keys it needs); `None` when absent or not JSON.
+pub fn kv_events_config_json(cmd: &EngineCommand) -> Option<serde_json::Value> {
+    let (raw, _) = kv_events_config_raw(cmd)?;
+    serde_json::from_str(&raw).ok()
+}
+
+/// Whether SGLang runs data-parallel attention (`--enable-dp-attention`): only then does it run
+/// one KV-event publisher per data-parallel rank.
+pub fn dp_attention(args: &[&str]) -> bool {
+    flag_set(args, &["--enable-dp-attention"])
+}
+
+/// The model a vLLM engine serves: `--model` (its last occurrence), else the first positional
+/// argument.
+pub fn served_model(cmd: &EngineCommand) -> Option<String> {
+    if let Some(occ) = cmd.find("--model").into_iter().last() {
+        return cmd.value_of(&occ).map(|(v, _)| v);
+    }
+    cmd.literal_texts()
+        .first()
+        .filter(|t| !t.starts_with('-'))
+        .map(|t| t.to_string())
+}
+
 /// The engine's default HTTP `--port` ([`VLLM_DEFAULT_PORT`], [`SGLANG_DEFAULT_PORT`]).
 pub fn default_http_port(runtime: Runtime) -> u16 {
     match runtime {
@@ -275,7 +310,7 @@ pub fn dp_ranks(runtime: Runtime, args: &[&str]) -> Vec<u32> {
             (start..start.saturating_add(local)).collect()
         }
         Runtime::SgLang => {
-            if !flag_set(args, &["--enable-dp-attention"]) {
+            if !dp_attention(args) {
                 return vec![0];
             }
             let size = flag_u32(args, &["--data-parallel-size", "--dp-size", "--dp"])

@@ -58,7 +58,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::engine::container::{shm_mount, EnginePod};
 use crate::engine::flags::{
-    block_size_flag, dp_ranks, engine_block_size, engine_metrics_url, flag_set,
+    block_size_flag, dp_attention, dp_ranks, engine_block_size, engine_metrics_url,
     kv_events_config_arg, resolved_rank_args, tensor_parallel, unknown_block_size,
 };
 use crate::engine::kv_events::{
@@ -471,7 +471,7 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
                         let ranks = dp_ranks(runtime, &refs);
                         // SGLang runs one publisher whatever its ranks without DP attention.
                         let matters = runtime == Runtime::Vllm
-                            || flag_set(&refs, &["--enable-dp-attention"]);
+                            || dp_attention(&refs);
                         if !unknown.is_empty() && matters {
                             note(
                                 issue::DATA_PARALLEL_RANK_UNKNOWN,
