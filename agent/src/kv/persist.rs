@@ -194,10 +194,77 @@ impl StreamIdentity {
     }
 }
 
-/// How agents before [`StreamIdentity`] (format 1) identified a spec: xxh3 of its debug text.
-/// Read only to resume their files; it matches only while the spec's debug text is unchanged.
+/// How agents before [`StreamIdentity`] (format 1) identified a spec: xxh3 of its debug text,
+/// as that build rendered it. The text is rendered from [`format1`]'s frozen copy of the
+/// format-1 types, so a field added to today's spec, descriptor or config (e.g.
+/// `StreamDescriptor.offload_chunk_tokens`) does not make an older agent's file unreadable.
 pub fn legacy_fingerprint(spec: &StreamSpec) -> u64 {
-    xxh3_64(format!("{spec:?}").as_bytes())
+    xxh3_64(format!("{:?}", format1::StreamSpec::from(spec)).as_bytes())
+}
+
+/// The spec types as the format-1 agent (commit 7a5d494) declared them: same names, fields and
+/// order, so their derived `Debug` text is that agent's. Never add a field here.
+mod format1 {
+    #[derive(Debug)]
+    pub struct StreamSpec<'a> {
+        pub descriptor: StreamDescriptor<'a>,
+        pub endpoint: &'a str,
+        pub replay_endpoint: Option<&'a str>,
+        pub topic: &'a str,
+        pub config: StreamConfig,
+    }
+
+    #[derive(Debug)]
+    pub struct StreamDescriptor<'a> {
+        pub stream_id: &'a str,
+        pub replica: &'a str,
+        pub dp_rank: u32,
+        pub tenant: &'a str,
+        pub model: &'a str,
+        pub hash_scheme: &'a str,
+        pub backend: &'a str,
+        pub node: &'a str,
+    }
+
+    #[derive(Debug)]
+    pub struct StreamConfig {
+        pub keeps_l2: bool,
+        pub block_size: u32,
+        pub max_orphans: usize,
+        pub max_tombstones: usize,
+        pub max_pending_keys: usize,
+        pub dp_rank: Option<u32>,
+    }
+
+    impl<'a> From<&'a super::StreamSpec> for StreamSpec<'a> {
+        fn from(s: &'a super::StreamSpec) -> Self {
+            let d = &s.descriptor;
+            let c = &s.config;
+            StreamSpec {
+                descriptor: StreamDescriptor {
+                    stream_id: &d.stream_id,
+                    replica: &d.replica,
+                    dp_rank: d.dp_rank,
+                    tenant: &d.tenant,
+                    model: &d.model,
+                    hash_scheme: &d.hash_scheme,
+                    backend: &d.backend,
+                    node: &d.node,
+                },
+                endpoint: &s.endpoint,
+                replay_endpoint: s.replay_endpoint.as_deref(),
+                topic: &s.topic,
+                config: StreamConfig {
+                    keeps_l2: c.keeps_l2,
+                    block_size: c.block_size,
+                    max_orphans: c.max_orphans,
+                    max_tombstones: c.max_tombstones,
+                    max_pending_keys: c.max_pending_keys,
+                    dp_rank: c.dp_rank,
+                },
+            }
+        }
+    }
 }
 
 /// The agent's state directory.
