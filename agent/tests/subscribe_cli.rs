@@ -149,11 +149,18 @@ fn entries(s: &StreamSnapshot) -> BTreeSet<Entry> {
         .collect()
 }
 
+/// The next message other than a coverage heartbeat (sent every second whatever else flows;
+/// `coverage_heartbeat.rs` in the controller tests what they do).
 async fn next_message(rx: &mut mpsc::UnboundedReceiver<AgentMessage>, what: &str) -> AgentMessage {
-    tokio::time::timeout(Duration::from_secs(20), rx.recv())
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap()
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .unwrap();
+        if !matches!(m.msg, Some(Msg::Heartbeat(_))) {
+            return m;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
