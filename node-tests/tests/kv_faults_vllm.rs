@@ -894,7 +894,14 @@ async fn relayed(
     num_blocks: u32,
     seed: u64,
     warm: u32,
-) -> (Controller, Engine, ReplayRelay, AgentProc, NodePlan, tempfile::TempDir) {
+) -> (
+    Controller,
+    Engine,
+    ReplayRelay,
+    AgentProc,
+    NodePlan,
+    tempfile::TempDir,
+) {
     let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let controller = start_controller(grpc).await;
     let ps = ports(1);
@@ -985,7 +992,10 @@ async fn a_repeated_sequence_number_is_a_duplicate_not_a_restart() {
     let took = converge(&controller, 0, &t, Duration::from_secs(10)).await;
     eprintln!("repeated seq: Exact {took:?} after the next batches");
     let st = &agent.state().hub.status()[0];
-    assert_eq!(st.resyncs, resyncs, "a duplicate cleared the replica: {st:?}");
+    assert_eq!(
+        st.resyncs, resyncs,
+        "a duplicate cleared the replica: {st:?}"
+    );
     agent.kill9();
     controller.stop().await;
 }
@@ -1030,8 +1040,7 @@ async fn a_failed_gap_replay_heals_once_the_replay_answers_again() {
 /// rest is replayed from later anchors, and nothing was cleared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_024_resume_whose_replay_has_holes_keeps_its_state_and_becomes_exact() {
-    let (controller, mut engine, relay, agent, plan, dir) =
-        relayed("0.24.0", 2048, 34, 200).await;
+    let (controller, mut engine, relay, agent, plan, dir) = relayed("0.24.0", 2048, 34, 200).await;
     wait_until(
         "the kept state to reach the last seq",
         Duration::from_secs(15),
@@ -1124,7 +1133,10 @@ async fn a_slow_tail_check_does_not_hold_back_live_batches() {
         "slow tail check: coverage {} while it ran; live batches indexed {took:?} after they were sent (failed checks {} -> {})",
         during.coverage, during.replays_failed, after.replays_failed
     );
-    assert_eq!(during.coverage, "Healing", "a check past its bound shows Healing");
+    assert_eq!(
+        during.coverage, "Healing",
+        "a check past its bound shows Healing"
+    );
     assert_eq!(
         after.replays_failed, during.replays_failed,
         "the live batches waited for the slow check to give up ({took:?})"

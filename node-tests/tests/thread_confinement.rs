@@ -65,7 +65,11 @@ exec setpriv --bounding-set=-all --inh-caps=-all -- sh -c 'echo READY; grep CapP
 fn read_on_thread(
     path: &Path,
     setup: impl FnOnce() -> Option<Confinement> + Send + 'static,
-) -> (Option<Confinement>, std::io::Result<String>, std::io::Result<String>) {
+) -> (
+    Option<Confinement>,
+    std::io::Result<String>,
+    std::io::Result<String>,
+) {
     let path = path.to_path_buf();
     std::thread::spawn(move || {
         let c = setup();
@@ -82,7 +86,10 @@ fn read_on_thread(
 fn threads_without_capabilities_cannot_read_another_pods_token() {
     let name = "thread_confinement::threads_without_capabilities_cannot_read_another_pods_token";
     if !is_root() {
-        skip(name, "needs root (a mount namespace, /proc/<pid>/root of another process)");
+        skip(
+            name,
+            "needs root (a mount namespace, /proc/<pid>/root of another process)",
+        );
         return;
     }
     for tool in ["unshare", "setpriv", "mount"] {

@@ -192,9 +192,8 @@ fn set_validity(
             dt.month().unsigned_abs(),
             dt.day().unsigned_abs(),
         );
-        let time_of_day = i64::from(dt.hour()) * 3600
-            + i64::from(dt.minute()) * 60
-            + i64::from(dt.second());
+        let time_of_day =
+            i64::from(dt.hour()) * 3600 + i64::from(dt.minute()) * 60 + i64::from(dt.second());
         Ok::<_, TlsError>(day + Duration::from_secs(time_of_day.unsigned_abs()))
     };
     params.not_before = at(now_unix.saturating_sub(secs(BACKDATE)))?;
@@ -596,10 +595,16 @@ mod tests {
         assert_eq!(info.not_after, now + 2 * 86_400 + 45);
         let leaf = issue_serving(&ca, &["localhost".to_string()], now, lifetime).unwrap();
         let leaf_info = &parse_certs(leaf.cert_pem.as_bytes()).unwrap()[0];
-        assert_eq!(leaf_info.not_after, info.not_after, "capped at the CA's notAfter");
+        assert_eq!(
+            leaf_info.not_after, info.not_after,
+            "capped at the CA's notAfter"
+        );
         // Before the epoch: clamped to it, as before.
         let early = generate_ca(-10 * 86_400, lifetime).unwrap();
-        assert_eq!(parse_certs(early.cert_pem.as_bytes()).unwrap()[0].not_before, 0);
+        assert_eq!(
+            parse_certs(early.cert_pem.as_bytes()).unwrap()[0].not_before,
+            0
+        );
         match generate_ca(now, Duration::MAX) {
             Err(TlsError::Validity(msg)) => assert!(msg.contains("Unix seconds"), "{msg}"),
             other => panic!("want a Validity error, got {other:?}"),

@@ -338,7 +338,10 @@ mod tests {
         assert_eq!(CoverageState::from_proto(99), CoverageState::Unknown);
         assert!(!CoverageState::Disconnected.routable());
         assert!(!CoverageState::EngineDown.routable());
-        assert!(!CoverageState::Stale.routable(), "Stale may hold evicted blocks");
+        assert!(
+            !CoverageState::Stale.routable(),
+            "Stale may hold evicted blocks"
+        );
         assert!(CoverageState::Partial.routable() && CoverageState::Unknown.routable());
         let c = Coverage::from_proto(proto::Coverage::Partial as i32, BOOTSTRAP_INCOMPLETE);
         assert_eq!(
