@@ -124,6 +124,34 @@ impl HolderArena {
         Holders::spill(class, list.len(), i)
     }
 
+    /// Moves the full list (`len` holders in chunk `i` of `class`) into the next class with
+    /// `new` inserted at index `j`, copying straight from chunk to chunk (no temporary list),
+    /// and frees the old chunk. An arena without a larger class keeps the list as it was.
+    fn grow_insert(&mut self, class: usize, i: u32, len: usize, j: usize, new: Holder) -> Holders {
+        let old = Holders::spill(class, len, i);
+        let (lower, upper) = self.pools.split_at_mut(class + 1);
+        let (Some(from), Some(to)) = (lower.last_mut(), upper.first_mut()) else {
+            return old;
+        };
+        let k = to.alloc();
+        let src = from.chunk(i);
+        let dst = to.chunk_mut(k);
+        let (Some(head), Some(tail)) = (src.get(..j), src.get(j..len)) else {
+            return old;
+        };
+        let Some(d) = dst.get_mut(..=len) else {
+            return old;
+        };
+        let (d_head, d_rest) = d.split_at_mut(j);
+        d_head.copy_from_slice(head);
+        if let Some((cell, d_tail)) = d_rest.split_first_mut() {
+            *cell = new;
+            d_tail.copy_from_slice(tail);
+        }
+        from.free.push(i);
+        Holders::spill(class + 1, len + 1, k)
+    }
+
     fn release(&mut self, class: usize, i: u32) {
         if let Some(p) = self.pool_mut(class) {
             p.free.push(i);
@@ -272,18 +300,16 @@ impl Holders {
             Err(j) => {
                 let new = holder(slot, t2, pos);
                 if len < cap {
-                    if let Some(tail) = chunk.get_mut(j..=len) {
-                        tail.rotate_right(1);
-                        tail[0] = new;
+                    // Room in the chunk: shift the tail one place up, then fill the gap.
+                    if j < len {
+                        chunk.copy_within(j..len, j + 1);
+                    }
+                    if let Some(cell) = chunk.get_mut(j) {
+                        *cell = new;
                     }
                     *self = Holders::spill(class, len + 1, i);
                 } else {
-                    let mut grown = Vec::with_capacity(len + 1);
-                    grown.extend_from_slice(&list[..j]);
-                    grown.push(new);
-                    grown.extend_from_slice(&list[j..]);
-                    arena.release(class, i);
-                    *self = arena.store(&grown);
+                    *self = arena.grow_insert(class, i, len, j, new);
                 }
                 SetOutcome::Added
             }
@@ -334,7 +360,7 @@ impl Holders {
             return (None, Some(self));
         };
         let removed = list[j];
-        list[j..].rotate_left(1);
+        list.copy_within(j + 1.., j);
         let len = len - 1;
         if len == 1 {
             let last = list[0];
