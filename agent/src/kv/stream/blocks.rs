@@ -8,8 +8,8 @@ use ic_shared::kv::content_key::{block_key, ROOT};
 use ic_shared::kv::decode::{sglang, BlockRemoved, BlockStored};
 
 use super::{
-    ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState, CLEAR_ALL_BLOCKS, INDEXED_KINDS,
-    MEDIUM_CPU_PINNED,
+    copies, ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState, CLEAR_ALL_BLOCKS,
+    INDEXED_KINDS, MEDIUM_CPU_PINNED, PARTIAL,
 };
 
 /// Parent of the next block of a run.
@@ -102,6 +102,7 @@ impl StreamState {
             return;
         };
         let adapter = self.adapter(s);
+        let class = self.classes.of(&adapter, bs);
         let content_hashed = sglang::is_content_hashed(s);
         let placed = if content_hashed {
             let Some(k) = self.content_hashed_parent(g, s.parent_block_hash) else {
@@ -145,11 +146,7 @@ impl StreamState {
             match parent {
                 ParentRef::Known(pk) => {
                     let key = block_key(pk, toks);
-                    let entry = (!partial).then(|| EntryKey {
-                        adapter: adapter.clone(),
-                        block_size: bs,
-                        key,
-                    });
+                    let entry = (!partial).then_some(EntryKey { class, key });
                     if content_hashed {
                         // The same page content at another depth has the same engine hash: each
                         // position gets its own record, the link names the page just stored.
@@ -287,9 +284,9 @@ impl StreamState {
     ) {
         self.drop_orphan(id);
         let (gpu, offload) = match self.blocks.get(&id) {
-            Some(old) if old.key == key && old.entry == entry => (
-                old.gpu.saturating_add(gpu),
-                old.offload.saturating_add(offload),
+            Some(old) if old.key == key && old.entry() == entry => (
+                u32::from(old.gpu).saturating_add(gpu),
+                u32::from(old.offload).saturating_add(offload),
             ),
             Some(old) if old.key != key => {
                 self.collision = true;
@@ -298,14 +295,15 @@ impl StreamState {
             }
             _ => (gpu, offload),
         };
+        let (gpu, offload) = (copies(gpu), copies(offload));
         let old = self.blocks.remove(&id);
-        match (old.as_ref().and_then(|o| o.entry.clone()), &entry) {
+        match (old.and_then(|o| o.entry()), &entry) {
             (Some(oe), Some(ne)) if oe == *ne => {
-                let (og, oo) = old.as_ref().map(|o| (o.gpu, o.offload)).unwrap_or_default();
+                let (og, oo) = old.map(|o| (o.gpu, o.offload)).unwrap_or_default();
                 self.adjust(ne, has(gpu) - has(og), has(offload) - has(oo), report);
             }
             (oe, ne) => {
-                if let (Some(oe), Some(o)) = (oe, old.as_ref()) {
+                if let (Some(oe), Some(o)) = (oe, old) {
                     self.adjust(&oe, -has(o.gpu), -has(o.offload), report);
                 }
                 if let Some(ne) = ne {
@@ -317,7 +315,7 @@ impl StreamState {
             id,
             Block {
                 key,
-                entry,
+                class: entry.map_or(PARTIAL, |e| e.class),
                 gpu,
                 offload,
             },
@@ -342,12 +340,13 @@ impl StreamState {
             return;
         };
         let (old_gpu, old_off) = (b.gpu, b.offload);
-        let (mut gpu, mut off) = (old_gpu, old_off);
+        let (mut gpu, mut off) = (u32::from(old_gpu), u32::from(old_off));
         f(&mut gpu, &mut off);
+        let (gpu, off) = (copies(gpu), copies(off));
         if (gpu, off) == (old_gpu, old_off) {
             return;
         }
-        let entry = b.entry.clone();
+        let entry = b.entry();
         let key = b.key;
         if let Some(e) = &entry {
             self.adjust(e, has(gpu) - has(old_gpu), has(off) - has(old_off), report);
@@ -369,7 +368,7 @@ impl StreamState {
         if dgpu == 0 && doff == 0 {
             return;
         }
-        let h = self.held.entry(e.clone()).or_default();
+        let h = self.held.entry(*e).or_default();
         let before = h.tier();
         let step = |n: u32, d: i32| -> u32 {
             match d.signum() {
@@ -387,17 +386,14 @@ impl StreamState {
         if before != after {
             match after {
                 Some(t) => self.push_store(e, t, report),
-                None => {
-                    self.pending.remove(e);
-                    self.check_overflow(report);
-                }
+                None => self.push_remove(e, report),
             }
         }
     }
 }
 
 /// 1 when at least one copy is held.
-fn has(copies: u32) -> i32 {
+fn has(copies: u16) -> i32 {
     i32::from(copies > 0)
 }
 

@@ -254,12 +254,70 @@ pub const IGNORE_REASONS: &[&str] = &[
 ];
 
 /// An index entry: what the controller keys a replica's block by (within the stream's tenant,
-/// model and hash scheme).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// model and hash scheme): the entry class (adapter and block size, looked up in the stream's
+/// [`Classes`]) and the content key. 16 bytes, no reference count to move per store or removal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct EntryKey {
-    adapter: Arc<str>,
-    block_size: u32,
+    class: u32,
     key: u64,
+}
+
+/// [`Block::class`] of a partial block (tracked for parent links and removals, not indexed).
+const PARTIAL: u32 = u32::MAX;
+
+/// Fewest classes a stream keeps before it looks for unused ones ([`Classes::collect`]).
+const CLASSES_COLLECT_AT: usize = 1024;
+
+/// The stream's entry classes, `(adapter, block size in tokens)`, numbered: [`EntryKey::class`]
+/// and [`Block::class`] index `list`. Unused numbers are found and reused by
+/// [`StreamState::collect_classes`] (between batches, once the table reaches `collect_at`), so a
+/// publisher naming ever new adapters cannot grow it past what its held blocks use.
+#[derive(Debug)]
+struct Classes {
+    list: Vec<(Arc<str>, u32)>,
+    index: HashMap<(Arc<str>, u32), u32>,
+    free: Vec<u32>,
+    collect_at: usize,
+}
+
+impl Default for Classes {
+    fn default() -> Self {
+        Self {
+            list: Vec::new(),
+            index: HashMap::new(),
+            free: Vec::new(),
+            collect_at: CLASSES_COLLECT_AT,
+        }
+    }
+}
+
+impl Classes {
+    /// The number of `(adapter, block_size)`, given one if new.
+    fn of(&mut self, adapter: &Arc<str>, block_size: u32) -> u32 {
+        let k = (adapter.clone(), block_size);
+        if let Some(c) = self.index.get(&k) {
+            return *c;
+        }
+        let c = match self.free.pop() {
+            Some(c) => {
+                if let Some(slot) = self.list.get_mut(c as usize) {
+                    *slot = k.clone();
+                }
+                c
+            }
+            None => {
+                self.list.push(k.clone());
+                (self.list.len() - 1) as u32
+            }
+        };
+        self.index.insert(k, c);
+        c
+    }
+
+    /// `(adapter, block size)` of class `c` (`None` for [`PARTIAL`] or a number never given).
+    fn get(&self, c: u32) -> Option<(&str, u32)> {
+        self.list.get(c as usize).map(|(a, bs)| (&**a, *bs))
+    }
 }
 
 /// How many engine blocks hold an entry, per medium class.
@@ -281,17 +339,32 @@ impl Holders {
     }
 }
 
-/// An engine block we can key.
-#[derive(Debug, Clone)]
+/// An engine block we can key (32 bytes).
+#[derive(Debug, Clone, Copy)]
 struct Block {
     key: u64,
-    /// `None` for a partial block (tracked, not indexed).
-    entry: Option<EntryKey>,
+    /// The entry class ([`Classes`]); [`PARTIAL`] for a partial block (tracked, not indexed).
+    class: u32,
     /// Physical copies on GPU: vLLM's pool can hold one hash in several blocks, and stores and
-    /// removes each, so a removal drops one copy, not the block.
-    gpu: u32,
-    /// Copies on an offload medium.
-    offload: u32,
+    /// removes each, so a removal drops one copy, not the block. Saturates at `u16::MAX`.
+    gpu: u16,
+    /// Copies on an offload medium (saturates at `u16::MAX`).
+    offload: u16,
+}
+
+impl Block {
+    /// The index entry the block holds (`None` when partial).
+    fn entry(&self) -> Option<EntryKey> {
+        (self.class != PARTIAL).then_some(EntryKey {
+            class: self.class,
+            key: self.key,
+        })
+    }
+}
+
+/// A copy count as kept in a [`Block`] (saturating).
+fn copies(n: u32) -> u16 {
+    u16::try_from(n).unwrap_or(u16::MAX)
 }
 
 /// A block whose parent's content key is not known yet.
@@ -321,6 +394,7 @@ pub struct StreamState {
     orphan_order: VecDeque<BlockId>,
     indexed_groups: BTreeSet<u32>,
     adapters: HashMap<String, Arc<str>>,
+    classes: Classes,
     pending: OpBuffer,
     delta_seq: u64,
     last_seq: Option<u64>,
@@ -375,6 +449,7 @@ impl StreamState {
             orphan_order: VecDeque::new(),
             indexed_groups: BTreeSet::new(),
             adapters: HashMap::new(),
+            classes: Classes::default(),
             pending: OpBuffer::default(),
             delta_seq: 0,
             last_seq: None,
@@ -559,6 +634,7 @@ impl StreamState {
         self.orphans.clear();
         self.waiting.clear();
         self.orphan_order.clear();
+        self.classes = Classes::default();
         self.pending.clear(reason);
         // The engine's state is known again (empty, or rebuilt by the caller, who marks what it
         // cannot know).
@@ -607,6 +683,9 @@ impl StreamState {
     /// Applies batch `seq`. `now_unix_ms` stands in for a missing or absurd engine timestamp.
     pub fn apply(&mut self, seq: u64, batch: &EventBatch, now_unix_ms: i64) -> ApplyReport {
         let mut report = ApplyReport::default();
+        if self.classes.index.len() >= self.classes.collect_at {
+            self.collect_classes();
+        }
         if self.last_seq.is_none() && seq == 0 {
             // A fresh engine's first batch: its cache starts empty.
             self.tree_known = true;
@@ -652,7 +731,7 @@ impl StreamState {
                 let entries: Vec<(EntryKey, Tier)> = self
                     .held
                     .iter()
-                    .filter_map(|(e, h)| h.tier().map(|t| (e.clone(), t)))
+                    .filter_map(|(e, h)| h.tier().map(|t| (*e, t)))
                     .collect();
                 for (e, t) in entries {
                     self.push_store(&e, t, &mut report);
@@ -660,5 +739,27 @@ impl StreamState {
             }
         }
         report
+    }
+
+    /// Frees the class numbers no held block or entry uses (they are given again by
+    /// [`Classes::of`]); the next collection waits until the table is twice what is in use.
+    fn collect_classes(&mut self) {
+        let used: std::collections::HashSet<u32> = self
+            .blocks
+            .values()
+            .map(|b| b.class)
+            .chain(self.held.keys().map(|e| e.class))
+            .collect();
+        let classes = &mut self.classes;
+        classes.index.retain(|_, c| used.contains(c));
+        classes.free.clear();
+        let in_use: std::collections::HashSet<u32> = classes.index.values().copied().collect();
+        for (i, slot) in classes.list.iter_mut().enumerate() {
+            if !in_use.contains(&(i as u32)) {
+                *slot = (Arc::from(""), 0);
+                classes.free.push(i as u32);
+            }
+        }
+        classes.collect_at = CLASSES_COLLECT_AT.max(2 * classes.index.len());
     }
 }

@@ -17,43 +17,45 @@ pub(super) struct OpBuffer {
 }
 
 impl OpBuffer {
-    pub(super) fn store(&mut self, e: &EntryKey, tier: Tier) {
+    /// A `Store` of content key `key` under `adapter` and `block_size` (tokens) at `tier`.
+    pub(super) fn store(&mut self, adapter: &str, block_size: u32, key: u64, tier: Tier) {
         self.keys += 1;
         if let Some(KvOp {
             op: Some(kv_op::Op::Store(s)),
         }) = self.ops.last_mut()
         {
-            if s.tier == tier as i32 && s.block_size == e.block_size && *s.adapter == *e.adapter {
-                s.content_keys.push(e.key);
+            if s.tier == tier as i32 && s.block_size == block_size && s.adapter == adapter {
+                s.content_keys.push(key);
                 return;
             }
         }
         self.ops.push(KvOp {
             op: Some(kv_op::Op::Store(StoreOp {
-                adapter: e.adapter.to_string(),
-                block_size: e.block_size,
+                adapter: adapter.to_string(),
+                block_size,
                 tier: tier as i32,
-                content_keys: vec![e.key],
+                content_keys: vec![key],
             })),
         });
     }
 
-    pub(super) fn remove(&mut self, e: &EntryKey) {
+    /// A `Remove` of content key `key` under `adapter` and `block_size` (tokens).
+    pub(super) fn remove(&mut self, adapter: &str, block_size: u32, key: u64) {
         self.keys += 1;
         if let Some(KvOp {
             op: Some(kv_op::Op::Remove(r)),
         }) = self.ops.last_mut()
         {
-            if r.block_size == e.block_size && *r.adapter == *e.adapter {
-                r.content_keys.push(e.key);
+            if r.block_size == block_size && r.adapter == adapter {
+                r.content_keys.push(key);
                 return;
             }
         }
         self.ops.push(KvOp {
             op: Some(kv_op::Op::Remove(RemoveOp {
-                adapter: e.adapter.to_string(),
-                block_size: e.block_size,
-                content_keys: vec![e.key],
+                adapter: adapter.to_string(),
+                block_size,
+                content_keys: vec![key],
             })),
         });
     }
@@ -117,9 +119,10 @@ impl StreamState {
                 .held
                 .iter()
                 .filter_map(|(e, h)| {
+                    let (adapter, block_size) = self.classes.get(e.class)?;
                     h.tier().map(|t| BlockEntry {
-                        adapter: e.adapter.to_string(),
-                        block_size: e.block_size,
+                        adapter: adapter.to_string(),
+                        block_size,
                         content_key: e.key,
                         tier: t as i32,
                     })
@@ -138,7 +141,17 @@ impl StreamState {
     }
 
     pub(super) fn push_store(&mut self, e: &EntryKey, t: Tier, report: &mut ApplyReport) {
-        self.pending.store(e, t);
+        if let Some((adapter, block_size)) = self.classes.get(e.class) {
+            self.pending.store(adapter, block_size, e.key, t);
+        }
+        self.check_overflow(report);
+    }
+
+    /// Queues the `Remove` of entry `e`.
+    pub(super) fn push_remove(&mut self, e: &EntryKey, report: &mut ApplyReport) {
+        if let Some((adapter, block_size)) = self.classes.get(e.class) {
+            self.pending.remove(adapter, block_size, e.key);
+        }
         self.check_overflow(report);
     }
 

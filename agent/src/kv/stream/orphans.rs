@@ -69,8 +69,7 @@ impl StreamState {
                 };
                 let ckey = block_key(pkey, &o.tokens);
                 let entry = (!o.partial).then(|| EntryKey {
-                    adapter: o.adapter.clone(),
-                    block_size: o.block_size,
+                    class: self.classes.of(&o.adapter, o.block_size),
                     key: ckey,
                 });
                 self.store_block(cid, ckey, entry, o.gpu, o.offload, report);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ic_shared::kv::coverage;
 
-use super::{Block, EntryKey, Orphan, StreamConfig, StreamState};
+use super::{copies, Block, EntryKey, Orphan, StreamConfig, StreamState, PARTIAL};
 
 /// A stream's state as the agent keeps it on disk across its own restarts (`kv::persist`):
 /// everything [`StreamState`] needs to resume where it was, in plain records.
@@ -95,11 +95,14 @@ impl StreamState {
             .blocks
             .iter()
             .map(|(&(g, h), b)| {
-                let (ai, bs) = match &b.entry {
-                    Some(e) => (adapter_ix(&e.adapter), e.block_size),
+                let (ai, bs) = match b
+                    .entry()
+                    .and_then(|e| self.classes.list.get(e.class as usize))
+                {
+                    Some((adapter, bs)) => (adapter_ix(adapter), *bs),
                     None => (u32::MAX, 0),
                 };
-                (g, h, b.key, ai, bs, b.gpu, b.offload)
+                (g, h, b.key, ai, bs, u32::from(b.gpu), u32::from(b.offload))
             })
             .collect();
         let orphans = self
@@ -164,13 +167,12 @@ impl StreamState {
                 None
             } else {
                 Some(EntryKey {
-                    adapter: adapters.get(ai as usize)?.clone(),
-                    block_size: bs,
+                    class: st.classes.of(adapters.get(ai as usize)?, bs),
                     key,
                 })
             };
             if let Some(e) = &entry {
-                let hd = st.held.entry(e.clone()).or_default();
+                let hd = st.held.entry(*e).or_default();
                 hd.gpu += u32::from(gpu > 0);
                 hd.offload += u32::from(offload > 0);
             }
@@ -179,9 +181,9 @@ impl StreamState {
                 (g, h),
                 Block {
                     key,
-                    entry,
-                    gpu,
-                    offload,
+                    class: entry.map_or(PARTIAL, |e| e.class),
+                    gpu: copies(gpu),
+                    offload: copies(offload),
                 },
             );
         }

@@ -677,3 +677,65 @@ fn a_replaced_stream_forces_a_resync() {
     assert_eq!(st.snapshot().0, 7);
     assert!(st.take_delta().is_none());
 }
+
+/// Issue 41 item 5: a held block costs a 16-byte id + 16-byte record in `blocks` and a 16-byte
+/// entry + 8-byte holder count in `held` (it was 16 + 48 and 32 + 8: an `Arc<str>` adapter and
+/// the content key twice).
+#[test]
+fn per_block_records_stay_small() {
+    assert_eq!(std::mem::size_of::<Block>(), 16);
+    assert_eq!(std::mem::size_of::<EntryKey>(), 16);
+    assert_eq!(std::mem::size_of::<Holders>(), 8);
+}
+
+/// A publisher naming a new adapter in every batch: class numbers of adapters no block holds
+/// any more are reused, so the table stays bounded, and every op still names its own adapter.
+#[test]
+fn entry_classes_of_gone_adapters_are_reused_and_ops_keep_their_adapter() {
+    let mut st = StreamState::new(StreamConfig::default());
+    let n = 3 * CLASSES_COLLECT_AT as u64;
+    for i in 0..n {
+        let name = format!("lora-{i}");
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![i + 1],
+            parent_block_hash: None,
+            token_ids: tokens(0..16),
+            block_size: 16,
+            lora_name: Some(name.clone()),
+            ..BlockStored::default()
+        });
+        let mut events = vec![ev];
+        if i > 0 {
+            events.push(removed(&[i], None));
+        }
+        st.apply(i, &batch(events), 0);
+        let (_, ops, _) = st.take_delta().unwrap();
+        let store = ops
+            .iter()
+            .find_map(|o| match &o.op {
+                Some(kv_op::Op::Store(s)) => Some(s.adapter.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(store, name);
+        if i > 0 {
+            let gone = ops
+                .iter()
+                .find_map(|o| match &o.op {
+                    Some(kv_op::Op::Remove(r)) => Some(r.adapter.clone()),
+                    _ => None,
+                })
+                .unwrap();
+            assert_eq!(gone, format!("lora-{}", i - 1));
+        }
+    }
+    assert_eq!(st.blocks_held(), 1);
+    assert!(
+        st.classes.list.len() <= CLASSES_COLLECT_AT + 1,
+        "{} classes for 1 held block",
+        st.classes.list.len()
+    );
+    let (_, entries, _) = st.snapshot();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].adapter, format!("lora-{}", n - 1));
+}
