@@ -44,7 +44,8 @@
 //! - **BlockRemoved**: GPU medium (or none) drops the GPU copy and, when the plan says the pod
 //!   keeps an L2 (`keeps_l2`), records an offload copy instead (the entry goes to T2); another
 //!   medium drops the offload copy. A block with no copy left is forgotten (its key is kept in a
-//!   bounded tombstone list so a child stored later can still chain from it). Removal of an
+//!   tombstone list, bounded by a quarter of the blocks held and at least 4 096, so a child
+//!   stored just after its parent was evicted can still chain from it). Removal of an
 //!   unknown hash is ignored.
 //! - **AllBlocksCleared** is tier-scoped: unscoped or `GPU`, the GPU copies go (with `keeps_l2`
 //!   the block stays at T2) and offload copies stay, unless the engine keeps them in its own host
@@ -151,7 +152,8 @@ pub struct StreamConfig {
     pub block_size: u32,
     /// Most parked (unknown-parent) blocks kept; the oldest are evicted beyond it.
     pub max_orphans: usize,
-    /// Most forgotten blocks whose content key is kept for parent links.
+    /// Most forgotten blocks whose content key is kept for parent links; a stream keeps at
+    /// most a quarter of the blocks it holds (at least 4 096) below this.
     pub max_tombstones: usize,
     /// Most content keys in pending ops before they are discarded in favour of a resync.
     pub max_pending_keys: usize,

@@ -8,15 +8,30 @@ use ic_shared::kv::content_key::block_key;
 
 use super::{ApplyReport, BlockId, EntryKey, Orphan, StreamState};
 
+/// Tombstones a stream may keep whatever few blocks it holds.
+pub(super) const TOMBSTONES_MIN: usize = 4096;
+
 impl StreamState {
+    /// Most tombstones kept now: a quarter of the blocks held (a pool's worth of forgotten keys
+    /// is never needed: a child names a parent the engine evicted only just before), at least
+    /// [`TOMBSTONES_MIN`], at most [`StreamConfig::max_tombstones`](super::StreamConfig).
+    pub(super) fn tombstone_limit(&self) -> usize {
+        self.cfg
+            .max_tombstones
+            .min(TOMBSTONES_MIN.max(self.blocks.len() / 4))
+    }
+
+    /// Keeps the content key of forgotten block `id`, evicting the oldest beyond
+    /// [`Self::tombstone_limit`].
     pub(super) fn tombstone(&mut self, id: BlockId, key: u64) {
-        if self.cfg.max_tombstones == 0 {
+        let limit = self.tombstone_limit();
+        if limit == 0 {
             return;
         }
         if self.tombstones.insert(id, key).is_none() {
             self.tombstone_order.push_back(id);
         }
-        while self.tombstones.len() > self.cfg.max_tombstones {
+        while self.tombstones.len() > limit {
             match self.tombstone_order.pop_front() {
                 Some(old) => {
                     self.tombstones.remove(&old);

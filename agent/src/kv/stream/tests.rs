@@ -739,3 +739,24 @@ fn entry_classes_of_gone_adapters_are_reused_and_ops_keep_their_adapter() {
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].adapter, format!("lora-{}", n - 1));
 }
+
+/// Issue 41 item 5: forgotten blocks' keys are bounded by the pool (a quarter of the blocks
+/// held, at least 4 096), not 65 536 per stream whatever the pool; the newest still anchor.
+#[test]
+fn tombstones_are_bounded_by_the_blocks_held() {
+    let mut st = StreamState::new(StreamConfig::default());
+    let n = 3 * orphans::TOMBSTONES_MIN as u64;
+    for i in 0..n {
+        let h = i + 1;
+        st.apply(
+            i,
+            &batch(vec![stored(&[h], None, 0..16), removed(&[h], None)]),
+            0,
+        );
+    }
+    assert_eq!(st.tombstones.len(), orphans::TOMBSTONES_MIN);
+    assert_eq!(st.tombstone_order.len(), orphans::TOMBSTONES_MIN);
+    st.apply(n, &batch(vec![stored(&[n + 1], Some(n), 16..32)]), 0);
+    let keys = flat(&st.take_delta().unwrap().1);
+    assert_eq!(keys.last().unwrap().2, chain(&tokens(0..32), 16)[1]);
+}
