@@ -8,7 +8,7 @@ use ic_shared::kv::content_key::{block_key, ROOT};
 use ic_shared::kv::decode::{sglang, BlockRemoved, BlockStored};
 
 use super::{
-    copies, ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState, CLEAR_ALL_BLOCKS,
+    copies, make_room, ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState, CLEAR_ALL_BLOCKS,
     INDEXED_KINDS, MEDIUM_CPU_PINNED, PARTIAL,
 };
 
@@ -311,6 +311,7 @@ impl StreamState {
                 }
             }
         }
+        make_room(&mut self.blocks);
         self.blocks.insert(
             id,
             Block {
@@ -368,6 +369,7 @@ impl StreamState {
         if dgpu == 0 && doff == 0 {
             return;
         }
+        make_room(&mut self.held);
         let h = self.held.entry(*e).or_default();
         let before = h.tier();
         let step = |n: u32, d: i32| -> u32 {

@@ -28,6 +28,7 @@ impl StreamState {
         if limit == 0 {
             return;
         }
+        super::make_room(&mut self.tombstones);
         if self.tombstones.insert(id, key).is_none() {
             self.tombstone_order.push_back(id);
         }

@@ -760,3 +760,33 @@ fn tombstones_are_bounded_by_the_blocks_held() {
     let keys = flat(&st.take_delta().unwrap().1);
     assert_eq!(keys.last().unwrap().2, chain(&tokens(0..32), 16)[1]);
 }
+
+/// Issue 41 item 5: a pool of steady size churning (each store evicts an older block) keeps
+/// its tables at the size its entries need; the standard table, full of removed-slot markers,
+/// doubled past half load instead.
+#[test]
+fn churn_at_a_steady_pool_size_does_not_grow_the_tables() {
+    let mut st = StreamState::new(StreamConfig::default());
+    let pool = 10_000u64;
+    let mut seq = 0;
+    for h in 1..=pool {
+        st.apply(seq, &batch(vec![stored(&[h], None, 0..16)]), 0);
+        seq += 1;
+    }
+    for h in pool + 1..=12 * pool {
+        // Distinct contents, so every store is a new entry.
+        let t = (h as u32) * 16;
+        st.apply(
+            seq,
+            &batch(vec![stored(&[h], None, t..t + 16), removed(&[h - pool], None)]),
+            0,
+        );
+        seq += 1;
+        let _ = st.take_delta();
+    }
+    assert_eq!(st.blocks.len(), pool as usize);
+    assert_eq!(st.blocks_held(), pool as usize);
+    // 16 384 slots hold up to 14 336 entries; doubled, 28 672.
+    assert!(st.blocks.capacity() < 2 * pool as usize, "blocks {}", st.blocks.capacity());
+    assert!(st.held.capacity() < 2 * pool as usize, "held {}", st.held.capacity());
+}
