@@ -8,8 +8,8 @@ use ic_shared::kv::content_key::{block_key, ROOT};
 use ic_shared::kv::decode::{sglang, BlockRemoved, BlockStored};
 
 use super::{
-    copies, make_room, ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState, CLEAR_ALL_BLOCKS,
-    INDEXED_KINDS, MEDIUM_CPU_PINNED, PARTIAL,
+    copies, make_room, ApplyReport, Block, BlockId, EntryKey, Orphan, StreamState,
+    CLEAR_ALL_BLOCKS, INDEXED_KINDS, MEDIUM_CPU_PINNED, PARTIAL,
 };
 
 /// Parent of the next block of a run.

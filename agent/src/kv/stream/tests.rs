@@ -778,7 +778,10 @@ fn churn_at_a_steady_pool_size_does_not_grow_the_tables() {
         let t = (h as u32) * 16;
         st.apply(
             seq,
-            &batch(vec![stored(&[h], None, t..t + 16), removed(&[h - pool], None)]),
+            &batch(vec![
+                stored(&[h], None, t..t + 16),
+                removed(&[h - pool], None),
+            ]),
             0,
         );
         seq += 1;
@@ -787,6 +790,14 @@ fn churn_at_a_steady_pool_size_does_not_grow_the_tables() {
     assert_eq!(st.blocks.len(), pool as usize);
     assert_eq!(st.blocks_held(), pool as usize);
     // 16 384 slots hold up to 14 336 entries; doubled, 28 672.
-    assert!(st.blocks.capacity() < 2 * pool as usize, "blocks {}", st.blocks.capacity());
-    assert!(st.held.capacity() < 2 * pool as usize, "held {}", st.held.capacity());
+    assert!(
+        st.blocks.capacity() < 2 * pool as usize,
+        "blocks {}",
+        st.blocks.capacity()
+    );
+    assert!(
+        st.held.capacity() < 2 * pool as usize,
+        "held {}",
+        st.held.capacity()
+    );
 }
