@@ -84,15 +84,15 @@ with the blocks held on the node and with the number of streams that churn. Meas
 at 20 000 block events/s, a controller receiving; [docs/benchmarks.md]({docs}/benchmarks.md)
 "Agent memory by held blocks"):
 
-| blocks held | 16 k | 65 k | 100 k | 300 k | 1 M |
-|---|---|---|---|---|---|
-| RSS during churn, max | 27 MiB | 33 MiB | 48 MiB | 75 MiB | 246 MiB |
-| peak (VmHWM) | 28 MiB | 33 MiB | 48 MiB | 82 MiB | 292 MiB |
+| blocks held | 16 k | 65 k | 100 k | 300 k |
+|---|---|---|---|---|
+| RSS during churn, max | 16 MiB | 23 MiB | 31 MiB | 52 MiB |
+| peak (VmHWM) | 16 MiB | 23 MiB | 31 MiB | 52 MiB |
 
-    memory limit ≈ 1.5 × (12 MiB + 7 MiB × churning streams + 0.3 KiB × blocks held)
+    memory limit ≈ 1.5 × (12 MiB + 0.25 KiB × blocks held)
 
-The default (`agent.resources`: request 64Mi, limit 256Mi) covers 300 k blocks spread over 8
-streams; for 1 M blocks on a node set `agent.resources.limits.memory: 512Mi`. Blocks held ≈ the
+The default (`agent.resources`: request 64Mi, limit 256Mi) covers about 650 k blocks on the node;
+for 1 M blocks or more set `agent.resources.limits.memory: 512Mi`. Blocks held ≈ the
 sum over the node's engines of their GPU KV-cache blocks (vLLM logs `num_gpu_blocks`), plus the
 offload tier's with `keepsL2`. Watch `container_memory_working_set_bytes{{container="agent"}}`.
 
