@@ -14,9 +14,19 @@ use ic_shared::kv::decode::{encode_batch, BlockStored, EventBatch, EventShape, K
 use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
+/// A loopback port free now, picked below the kernel's ephemeral range (32768–60999 by default):
+/// the engines here bind a port again after a restart, and a port from `:0` could meanwhile
+/// become another connection's source port or another test's listener (seen under load).
 fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = (std::process::id() % 10_000) as u16;
+    loop {
+        let p = 21_000 + (base + NEXT.fetch_add(1, Ordering::Relaxed)) % 10_000;
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
 }
 
 fn plan(pub_port: u16, replay_port: Option<u16>) -> NodePlan {
