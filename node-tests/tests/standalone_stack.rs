@@ -349,12 +349,27 @@ async fn an_agent_feeds_every_controller_replica_the_same_index() {
         )
         .await;
     }
-    let sa = a.shared.index.read().snapshot();
-    let sb = b.shared.index.read().snapshot();
+    // Each replica's coverage age is its own clock's (milliseconds since it last heard the
+    // agent): present on both, compared apart from the rest.
+    let mut sa = a.shared.index.read().snapshot();
+    let mut sb = b.shared.index.read().snapshot();
+    for r in sa.replicas.iter_mut().chain(sb.replicas.iter_mut()) {
+        let age = r
+            .coverage_age_ms
+            .take()
+            .expect("every replica carries its coverage age");
+        assert!(age < 10_000, "the agent was heard {age} ms ago");
+    }
     assert!(sa.entries > 0);
     assert_eq!(sa, sb);
-    let ra = lookup(a.grpc, 0..64).await.unwrap();
-    let rb = lookup(b.grpc, 0..64).await.unwrap();
+    let mut ra = lookup(a.grpc, 0..64).await.unwrap();
+    let mut rb = lookup(b.grpc, 0..64).await.unwrap();
+    for m in ra.replicas.iter_mut().chain(rb.replicas.iter_mut()) {
+        assert!(
+            m.coverage_age_ms.take().is_some(),
+            "every match carries its coverage age"
+        );
+    }
     assert_eq!(ra, rb);
     assert_eq!(ra.decision, Decision::PrefixMatch as i32);
     assert_eq!(agent.state.link.read().connected_count(), 2);
