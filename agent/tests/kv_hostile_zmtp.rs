@@ -7,9 +7,9 @@
 //! - `ic-agent run` (the DaemonSet's process, a child here: an abort would kill the test
 //!   process) with a plan of three engines — one whose publisher announces 1 TiB, one whose
 //!   publisher sends 256 MiB frames, one genuine publisher (the vLLM 0.24.0 golden frames)
-//!   whose *replay* socket sends 256 MiB frames — survives, stays under the chart's 128 Mi
-//!   memory limit (VmHWM), counts each dropped peer by socket and reason on `/metrics`, and
-//!   keeps decoding the genuine stream;
+//!   whose *replay* socket sends 256 MiB frames — survives, stays under 128 MiB (VmHWM; half
+//!   the chart's 256 Mi memory limit), counts each dropped peer by socket and reason on
+//!   `/metrics`, and keeps decoding the genuine stream;
 //! - `ic-agent subscribe` survives a publisher announcing 1 TiB and counts it;
 //! - `ic-agent kv tail` ends with an error naming the drop (not an abort), and a hostile replay
 //!   socket is reported as a failed replay while the live stream is still printed;
@@ -39,7 +39,8 @@ use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 const TIB: u64 = 1 << 40;
 const BIG: usize = 256 << 20;
-/// The chart's memory limit of the agent (`resources.limits.memory: 128Mi`).
+/// The bound a hostile peer must stay under: 128 MiB, half the chart's agent memory limit
+/// (`resources.limits.memory: 256Mi`), which leaves the rest for the blocks the node holds.
 const CHART_LIMIT_BYTES: u64 = 128 << 20;
 
 /// What a hostile peer sends after its handshake, on every connection.
@@ -335,7 +336,7 @@ async fn run_survives_hostile_publishers_and_replay_sockets_within_its_memory_li
     assert!(tib.attacked.load(Ordering::SeqCst) >= 2);
     assert!(
         peak < CHART_LIMIT_BYTES,
-        "peak RSS {peak} bytes is over the chart's 128 Mi limit"
+        "peak RSS {peak} bytes is over 128 Mi (half the chart's limit)"
     );
     // Nothing else was counted against the hostile peers (the reason is the frame's size).
     assert_eq!(
