@@ -15,17 +15,16 @@ mod agent_stream_support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent_stream_support::serve_ingest;
+use agent_stream_support::{connect_with, serve_ingest};
 use ic_controller::router::Router;
 use ic_controller::state::{LookupPolicy, Shared};
 use ic_shared::proto::{
-    self, agent_message::Msg, agent_service_client::AgentServiceClient,
-    router_service_client::RouterServiceClient, router_service_server::RouterServiceServer,
-    AgentMessage, BlockEntry, CoverageHeartbeat, Decision, LookupRouteRequest, LookupRouteResponse,
-    Resync, StreamDescriptor, StreamSnapshot,
+    self, agent_message::Msg, router_service_client::RouterServiceClient,
+    router_service_server::RouterServiceServer, AgentMessage, BlockEntry, CoverageHeartbeat,
+    Decision, LookupRouteRequest, LookupRouteResponse, Resync, StreamDescriptor, StreamSnapshot,
 };
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::TcpListenerStream;
 
 /// The controller's bound in this test (the flag's least legal value is just over 3 s).
 const BOUND: Duration = Duration::from_secs(4);
@@ -64,26 +63,15 @@ async fn connect(
     mpsc::Sender<AgentMessage>,
     tonic::Streaming<proto::ControllerMessage>,
 ) {
-    let channel = tonic::transport::Endpoint::from_shared(grpc.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel(16);
-    tx.send(AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: node.into(),
-            capabilities: vec![
-                "kv-events".into(),
-                ic_shared::link::COVERAGE_HEARTBEAT.into(),
-            ],
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    tx.send(AgentMessage {
+    let hello = proto::Hello {
+        node: node.into(),
+        capabilities: vec![
+            "kv-events".into(),
+            ic_shared::link::COVERAGE_HEARTBEAT.into(),
+        ],
+        ..Default::default()
+    };
+    let first = AgentMessage {
         msg: Some(Msg::Resync(Resync {
             streams: vec![StreamSnapshot {
                 stream: Some(descriptor(pod)),
@@ -97,15 +85,9 @@ async fn connect(
                 ..Default::default()
             }],
         })),
-    })
-    .await
-    .unwrap();
-    let inbound = client
-        .connect(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    (tx, inbound)
+    };
+    let s = connect_with(grpc, hello, first).await;
+    (s.tx, s.inbound)
 }
 
 fn heartbeat() -> AgentMessage {

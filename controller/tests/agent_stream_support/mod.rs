@@ -81,29 +81,40 @@ impl Engines {
 /// An open agent stream: what the test sends goes to the controller in order.
 pub struct AgentStream {
     pub tx: mpsc::Sender<AgentMessage>,
-    _inbound: tonic::Response<tonic::Streaming<proto::ControllerMessage>>,
+    /// What the controller sends down the stream (acks, plans, resync requests).
+    pub inbound: tonic::Streaming<proto::ControllerMessage>,
 }
 
 /// Connects to `grpc` as node `node`'s agent: Hello, then `first` (a Resync).
 pub async fn connect(grpc: &str, node: &str, first: AgentMessage) -> AgentStream {
+    let hello = proto::Hello {
+        node: node.into(),
+        ..Default::default()
+    };
+    connect_with(grpc, hello, first).await
+}
+
+/// Connects to `grpc` with `hello` (its node, capabilities, token), then sends `first`.
+pub async fn connect_with(grpc: &str, hello: proto::Hello, first: AgentMessage) -> AgentStream {
     let channel = tonic::transport::Endpoint::from_shared(grpc.to_string())
         .unwrap()
         .connect()
         .await
         .unwrap();
     let mut client = AgentServiceClient::new(channel);
-    let (tx, rx) = mpsc::channel(8);
+    let (tx, rx) = mpsc::channel(16);
     tx.send(AgentMessage {
-        msg: Some(Msg::Hello(proto::Hello {
-            node: node.into(),
-            ..Default::default()
-        })),
+        msg: Some(Msg::Hello(hello)),
     })
     .await
     .unwrap();
     tx.send(first).await.unwrap();
-    let _inbound = client.connect(ReceiverStream::new(rx)).await.unwrap();
-    AgentStream { tx, _inbound }
+    let inbound = client
+        .connect(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    AgentStream { tx, inbound }
 }
 
 /// Polls `f` every 10 ms until it holds; panics naming `what` after 30 s.
