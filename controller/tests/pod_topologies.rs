@@ -979,3 +979,104 @@ fn native_sidecars_only_where_the_apiserver_runs_them() {
         }
     );
 }
+
+/// LMCache loads whole chunks, and the index credits an offload-only match in the chunk size
+/// the running engine (vLLM) or MP worker (SGLang) was started with. That is the pod's own
+/// wiring: a user's `LMCACHE_CHUNK_SIZE` on the vLLM container stands (the adapter only defaults
+/// it), and a later `spec.lmCache.chunkSizeTokens` edit does not reach a running worker.
+#[test]
+fn offload_chunks_follow_the_chunk_size_the_pod_runs_with() {
+    let schedule = |wired: &Value, uid: &str| -> k8s_openapi::api::core::v1::Pod {
+        let mut scheduled = wired.clone();
+        scheduled["metadata"]["uid"] = json!(uid);
+        scheduled["spec"]["nodeName"] = json!("gpu-node-1");
+        scheduled["status"] = json!({"phase": "Running", "podIP": "10.0.0.9",
+            "conditions": [{"type": "Ready", "status": "True"}]});
+        serde_json::from_value(scheduled).unwrap()
+    };
+    let chunk = |cb: ic_shared::crd::CacheBackend| {
+        let mut cb = cb;
+        cb.spec.lm_cache = Some(serde_json::from_value(json!({"chunkSizeTokens": 128})).unwrap());
+        cb
+    };
+
+    // SGLang: the worker was rendered with the default 256; the backend now says 128.
+    let cb = backend(SGLANG_LMCACHE);
+    let (outcome, wired) =
+        admit_converged(&load_repo_pod(HOST_NET), std::slice::from_ref(&cb), &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+    let worker_args = strings(&init_container(&wired, "lmcache-mp-worker").unwrap()["args"]);
+    assert!(
+        worker_args.windows(2).any(|w| w == ["--chunk-size", "256"]),
+        "{worker_args:?}"
+    );
+    let pod = schedule(&wired, "0f6e3f52-7d2a-4d0c-9b1e-30a000000011");
+    let derived = derive_plans(std::slice::from_ref(&pod), &[chunk(cb.clone())]);
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].offload_chunk_tokens,
+        Some(256),
+        "the running worker's --chunk-size, not the edited spec's 128"
+    );
+    // A pod without a rendered worker is planned from the current spec.
+    let mut bare = wired.clone();
+    bare["spec"]["initContainers"] = json!([]);
+    let pod = schedule(&bare, "0f6e3f52-7d2a-4d0c-9b1e-30a000000012");
+    let derived = derive_plans(std::slice::from_ref(&pod), &[chunk(cb)]);
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].offload_chunk_tokens,
+        Some(128)
+    );
+
+    // vLLM: the user's own LMCACHE_CHUNK_SIZE=512 is kept by the webhook and planned.
+    let mut pod = load_repo_pod(OUTWARD);
+    edit_script(
+        &mut pod,
+        "vllm",
+        "--kv-transfer-config '{\"kv_connector\":\"NixlConnector\", \"kv_role\":\"kv_both\"}' \\\n",
+        "",
+    );
+    let vllm = pod["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "vllm")
+        .unwrap();
+    let own = json!({"name": "LMCACHE_CHUNK_SIZE", "value": "512"});
+    match vllm["env"].as_array_mut() {
+        Some(env) => env.push(own),
+        None => vllm["env"] = json!([own]),
+    }
+    let cb = backend(QWEN_LMCACHE);
+    let (outcome, wired) = admit_converged(&pod, std::slice::from_ref(&cb), &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{outcome:?}");
+    assert_eq!(
+        env_value(container(&wired, "vllm"), "LMCACHE_CHUNK_SIZE").as_deref(),
+        Some("512")
+    );
+    let scheduled = schedule(&wired, "0f6e3f52-7d2a-4d0c-9b1e-30a000000013");
+    let derived = derive_plans(std::slice::from_ref(&scheduled), std::slice::from_ref(&cb));
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].offload_chunk_tokens,
+        Some(512)
+    );
+    // The same value from a Secret cannot be read: the spec's (default 256) is planned.
+    let mut from_secret = wired.clone();
+    let vllm = from_secret["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "vllm")
+        .unwrap();
+    for e in vllm["env"].as_array_mut().unwrap() {
+        if e["name"] == "LMCACHE_CHUNK_SIZE" {
+            *e = json!({"name": "LMCACHE_CHUNK_SIZE",
+                "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}});
+        }
+    }
+    let scheduled = schedule(&from_secret, "0f6e3f52-7d2a-4d0c-9b1e-30a000000014");
+    let derived = derive_plans(std::slice::from_ref(&scheduled), &[cb]);
+    assert_eq!(
+        derived.plans["gpu-node-1"].engines[0].offload_chunk_tokens,
+        Some(256)
+    );
+}

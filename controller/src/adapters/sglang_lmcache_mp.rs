@@ -137,6 +137,32 @@ sys.exit(1)
     )
 }
 
+/// The LMCache chunk size, in tokens, that `pod`'s rendered MP worker runs with: the literal
+/// value of its `--chunk-size N` / `--chunk-size=N` argument (the last one). `None` when the pod
+/// has no worker this adapter rendered, or the value is not a positive whole number. The node
+/// plan credits offload-only matches in these chunks (spec 000 "SGLang LMCache MP mode"): a
+/// spec edit since the pod was wired does not reach the running worker.
+pub fn wired_chunk_size_tokens(pod: &Pod) -> Option<u32> {
+    let spec = pod.spec.as_ref()?;
+    let worker = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+        .find(|c| c.name == WORKER_CONTAINER && is_rendered(c, WORKER_CONTAINER))?;
+    let args = worker.args.as_deref().unwrap_or_default();
+    let mut chunk = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--chunk-size" {
+            chunk = it.next().map(String::as_str);
+        } else if let Some(v) = a.strip_prefix("--chunk-size=") {
+            chunk = Some(v);
+        }
+    }
+    chunk?.parse::<u32>().ok().filter(|&c| c > 0)
+}
+
 /// The config file content (`chunk_size`, `mp_host`, `mp_port`).
 pub fn config_yaml(chunk: i32, port: i32) -> String {
     format!("chunk_size: {chunk}\nmp_host: \"127.0.0.1\"\nmp_port: {port}\n")

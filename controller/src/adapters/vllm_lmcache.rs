@@ -237,6 +237,37 @@ fn kernel_check_container(
     }
 }
 
+/// The LMCache chunk size, in tokens, that the vLLM engine container `engine` runs with: its
+/// literal `LMCACHE_CHUNK_SIZE` (the adapter only defaults it, so a user's own value stands;
+/// the last entry wins, as in the kubelet), or LMCache's default
+/// ([`ic_shared::crd::DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS`]) when the container sets none. `None`
+/// when the value comes from `valueFrom` (or may come from `envFrom`) or is not a positive
+/// whole number. The node plan
+/// credits offload-only matches in these chunks (spec 000 "LMCache on vLLM").
+pub fn wired_chunk_size_tokens(engine: &Container) -> Option<u32> {
+    let Some(entry) = engine
+        .env
+        .iter()
+        .flatten()
+        .rev()
+        .find(|e| e.name == "LMCACHE_CHUNK_SIZE")
+    else {
+        // An `envFrom` source may set it: not readable from the pod.
+        if engine.env_from.as_ref().is_some_and(|f| !f.is_empty()) {
+            return None;
+        }
+        return u32::try_from(ic_shared::crd::DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS).ok();
+    };
+    entry
+        .value
+        .as_deref()
+        .filter(|_| entry.value_from.is_none())?
+        .trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|&c| c > 0)
+}
+
 /// `PYTHONHASHSEED` on the engine: LMCache hashes chunk keys with Python's `hash()`, so a
 /// random seed makes every TP rank (and every restart) compute different keys and never hit its
 /// own cache; llm-d's precise-prefix scorer must also use the engine's seed. Any fixed value

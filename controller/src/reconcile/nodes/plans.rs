@@ -277,6 +277,34 @@ pub fn wired_spec(
     }
 }
 
+/// The LMCache chunk size, in tokens, that `pod`'s wiring runs with (what the engine or its MP
+/// worker was started with: vLLM's `LMCACHE_CHUNK_SIZE`, the SGLang worker's `--chunk-size`),
+/// else `backend`'s current `spec.lmCache.chunkSizeTokens` (a pod whose wiring names no
+/// literal value). A spec edit since the pod was wired does not change a running engine's
+/// chunks, so the pod's own value wins.
+fn offload_chunk_tokens(
+    pod: &Pod,
+    runtime: Runtime,
+    engine: Option<&EnginePod>,
+    backend: &CacheBackend,
+) -> Option<u32> {
+    let wired = match runtime {
+        Runtime::Vllm => engine
+            .and_then(|e| crate::adapters::vllm_lmcache::wired_chunk_size_tokens(&e.container)),
+        Runtime::SgLang => crate::adapters::sglang_lmcache_mp::wired_chunk_size_tokens(pod),
+    };
+    wired.or_else(|| {
+        let spec = backend
+            .spec
+            .lm_cache
+            .as_ref()
+            .map_or(DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS, |l| {
+                l.effective_chunk_size_tokens()
+            });
+        u32::try_from(spec).ok()
+    })
+}
+
 /// Plans per node plus what could not be planned.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DerivedPlans {
@@ -511,16 +539,8 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         keeps_l2: offload,
         // LMCache loads whole chunks only: the index credits an offload-only match in them.
         offload_chunk_tokens: (offload && spec.cache_type == CacheType::LMCache)
-            .then(|| {
-                backend
-                    .spec
-                    .lm_cache
-                    .as_ref()
-                    .map_or(DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS, |l| {
-                        l.effective_chunk_size_tokens()
-                    })
-            })
-            .and_then(|c| u32::try_from(c).ok()),
+            .then(|| offload_chunk_tokens(pod, runtime, engine.as_ref(), backend))
+            .flatten(),
         backend: backend_key(backend),
         shm_required_bytes: shm,
         shm_containers: engine
