@@ -111,6 +111,12 @@ pub struct SubscribeArgs {
         action = clap::ArgAction::Set
     )]
     pub ignore_block_removed: bool,
+    /// Tokens per chunk of the pod's offload tier (LMCache's `chunk_size`, which loads whole
+    /// chunks only), sent on the stream's descriptor so the index credits an offload-only match
+    /// in whole chunks (docs/kv-events.md "Chunked offload tiers"); 0 (the default): no chunking.
+    /// The webhook renders it for integration mode Offload with `type: LMCache`.
+    #[arg(long, env = "IC_OFFLOAD_CHUNK_TOKENS", default_value_t = 0)]
+    pub offload_chunk_tokens: u32,
     /// Controller gRPC address: a URL (http://host:port) or host:port; several may be
     /// comma-separated. A name is resolved every 10 s and one stream is kept per address.
     #[arg(long, env = "IC_CONTROLLER", default_value = DEFAULT_CONTROLLER)]
@@ -202,6 +208,8 @@ pub struct SubscribeConfig {
     pub block_size: u32,
     /// The backend keeps an L2: BlockRemoved demotes to T2.
     pub keeps_l2: bool,
+    /// Tokens per offload-tier chunk (0: none); the plan's `offload_chunk_tokens`.
+    pub offload_chunk_tokens: u32,
     /// Controller URL(s), normalised to `scheme://host:port`.
     pub controller: String,
     /// Token file, `None` to connect without a token.
@@ -288,6 +296,7 @@ impl SubscribeArgs {
             dp_rank: self.data_parallel_rank,
             block_size: self.block_size,
             keeps_l2: self.ignore_block_removed,
+            offload_chunk_tokens: self.offload_chunk_tokens,
             controller,
             token_file,
             node: self
@@ -339,6 +348,8 @@ impl SubscribeConfig {
                 hash_scheme: self.hash_scheme,
                 block_size: self.block_size,
                 keeps_l2: self.keeps_l2,
+                offload_chunk_tokens: (self.offload_chunk_tokens > 0)
+                    .then_some(self.offload_chunk_tokens),
                 kv_events: vec![KvEventSource {
                     endpoint: self.endpoint.clone(),
                     replay_endpoint: self.replay.clone(),
@@ -623,6 +634,11 @@ mod tests {
         assert_eq!(ranked.plan().engines[0].replica_id(2), "pod-a#2");
         assert_eq!(ranked.stream_id(), "team-a/pod-a#2");
         assert_eq!(ranked.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        // No chunked offload tier unless the webhook says so; with it, the descriptor says so.
+        assert_eq!(cfg.plan().engines[0].descriptor(0).offload_chunk_tokens, 0);
+        let chunked = parse(&["--offload-chunk-tokens=256"]).unwrap();
+        assert_eq!(chunked.plan().engines[0].offload_chunk_tokens, Some(256));
+        assert_eq!(chunked.plan().engines[0].descriptor(0).offload_chunk_tokens, 256);
     }
 
     #[test]
