@@ -1,7 +1,10 @@
 //! Simulated node agents: one task and one HTTP/2 connection each, speaking
 //! `AgentService.Connect` the way `ic-agent` does (`agent/src/link`): the same Hello and opening
-//! resync (`ic_shared::link`), chunked by the same rule, a fresh resync on `ResyncRequest`, and
-//! the agent's reconnect backoff (250 ms doubling to 5 s, reset after a stream was up).
+//! resync (`ic_shared::link`), chunked by the same rule, a fresh resync on `ResyncRequest`, a
+//! `CoverageHeartbeat` every second (Hello announces `coverage-heartbeat`, so the controller
+//! holds the simulated agents to its heartbeat bound as it holds real ones), and the agent's
+//! reconnect back-off (`backon`: 250 ms doubling to 5 s, each wait plus a random jitter of up to
+//! as much again, afresh after a stream was up).
 //!
 //! Each agent's resync is built and protobuf-encoded once per epoch and kept as bytes
 //! ([`Fleet::resync_frames`]); every (re)connect resends those bytes through
@@ -14,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ic_shared::proto::{
-    agent_message::Msg, controller_message, AgentMessage, ControllerMessage, KvDeltaBatch,
+    agent_message::Msg, controller_message, AgentMessage, ControllerMessage, CoverageHeartbeat,
+    KvDeltaBatch,
 };
 use parking_lot::Mutex;
 use prost::bytes::BufMut;
@@ -26,9 +30,27 @@ use tonic::codegen::http::uri::PathAndQuery;
 
 use crate::spec::FleetSpec;
 
-/// `ic-agent`'s `LinkConfig::new` reconnect backoff.
+/// `ic-agent`'s `LinkConfig::new` reconnect back-off: the first wait (before jitter).
 const BACKOFF_INITIAL: Duration = Duration::from_millis(250);
+/// `ic-agent`'s `LinkConfig::new` reconnect back-off: the cap of the doubling (before jitter).
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// The waits between one simulated agent's reconnect attempts, as `ic-agent`'s
+/// `link::reconnect_delays` draws them for its default `LinkConfig`: [`BACKOFF_INITIAL`]
+/// doubling per failure up to [`BACKOFF_MAX`], each plus a random jitter of up to the same
+/// again (`backon`, seeded per schedule), never exhausted. Without the jitter every simulated
+/// agent would come back in the same instant at each doubling after a controller restart, a
+/// storm no real fleet sends.
+pub fn reconnect_delays() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(BACKOFF_INITIAL)
+        .with_max_delay(BACKOFF_MAX)
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
 
 /// What the fleet's agents saw, for the report.
 #[derive(Debug, Default)]
@@ -189,31 +211,47 @@ const CONNECT_PATH: &str = "/inferencecache.v1alpha1.AgentService/Connect";
 pub async fn run_agent(fleet: Arc<Fleet>, a: usize, url: String) {
     let instance = format!("fleet-{:x}-{a}", std::process::id());
     let node = fleet.spec.node(a);
-    let mut delay = BACKOFF_INITIAL;
+    let mut delays = reconnect_delays();
     while !fleet.stop.load(Ordering::Relaxed) {
         let (was_up, result) = session(&fleet, a, &url, &node, &instance).await;
         if let Err(e) = result {
             fleet.stats.error(e);
         }
         if was_up {
-            delay = BACKOFF_INITIAL;
+            delays = reconnect_delays();
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(BACKOFF_MAX);
+        tokio::time::sleep(delays.next().unwrap_or(BACKOFF_MAX)).await;
     }
 }
 
 /// The agent's Hello (`ic_shared::link::hello`, as `ic-agent` sends it in standalone mode: no
-/// token).
+/// token), announcing [`ic_shared::link::COVERAGE_HEARTBEAT`] as `ic-agent`'s link does: every
+/// stream sends [`heartbeat`] each [`ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL`].
 fn hello(node: &str, instance: &str) -> AgentMessage {
-    ic_shared::link::hello(ic_shared::link::HelloFields {
+    let mut m = ic_shared::link::hello(ic_shared::link::HelloFields {
         node,
         boot_id: "fleet-boot",
         version: env!("CARGO_PKG_VERSION"),
         token: "",
         agent_instance: instance,
         pod_subscriber: None,
-    })
+    });
+    if let Some(Msg::Hello(h)) = m.msg.as_mut() {
+        h.capabilities
+            .push(ic_shared::link::COVERAGE_HEARTBEAT.to_string());
+    }
+    m
+}
+
+/// The `CoverageHeartbeat` `ic-agent` sends every
+/// [`ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL`] (its `interval_ms` is that interval).
+fn heartbeat() -> AgentMessage {
+    AgentMessage {
+        msg: Some(Msg::Heartbeat(CoverageHeartbeat {
+            interval_ms: u32::try_from(ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL.as_millis())
+                .unwrap_or(u32::MAX),
+        })),
+    }
 }
 
 /// One stream: (whether it opened, why it ended).
@@ -307,6 +345,10 @@ async fn stream_loop(
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_churn = tokio::time::Instant::now();
+    // Heartbeats at a fixed cadence, whatever else is sent (as `ic-agent`'s link): the
+    // controller's clock of this stream's liveness. A late tick is sent once, not in a burst.
+    let mut heartbeat_tick = tokio::time::interval(ic_shared::link::COVERAGE_HEARTBEAT_INTERVAL);
+    heartbeat_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         if fleet.stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -330,6 +372,16 @@ async fn stream_loop(
                 Ok(None) => return Err("controller closed the stream".into()),
                 Err(st) => return Err(format!("{:?}: {}", st.code(), st.message())),
             },
+            _ = heartbeat_tick.tick() => {
+                // try_send, as `ic-agent` does: a full outbound queue means the stream is busy
+                // sending (the controller hears those messages); a heartbeat behind them adds
+                // nothing.
+                if let Err(mpsc::error::TrySendError::Closed(_)) =
+                    tx.try_send(Frame::Msg(heartbeat()))
+                {
+                    return Err("outbound closed".into());
+                }
+            }
             _ = tick.tick() => {
                 let every = fleet.churn_every_ms.load(Ordering::Relaxed);
                 if every == 0 || last_churn.elapsed() < Duration::from_millis(every) {
@@ -389,5 +441,45 @@ mod tests {
             panic!("not a chunk");
         };
         assert_eq!(c.streams[0].seq, 1);
+    }
+
+    /// The simulated agent announces and sends the heartbeat as `ic-agent` does: without the
+    /// capability the controller would not hold it to its bound, and a fleet run would not
+    /// carry the heartbeat traffic a real fleet sends.
+    #[test]
+    fn hello_announces_the_heartbeat_that_the_stream_sends() {
+        let Some(Msg::Hello(h)) = hello("n", "i").msg else {
+            panic!("not a Hello");
+        };
+        assert!(
+            h.capabilities
+                .iter()
+                .any(|c| c == ic_shared::link::COVERAGE_HEARTBEAT),
+            "{:?}",
+            h.capabilities
+        );
+        let Some(Msg::Heartbeat(hb)) = heartbeat().msg else {
+            panic!("not a heartbeat");
+        };
+        assert_eq!(hb.interval_ms, 1000);
+    }
+
+    /// The reconnect schedule is `ic-agent`'s: 250 ms doubling to 5 s, never exhausted, each
+    /// wait plus a jitter of up to as much again, drawn afresh per schedule (two simulated
+    /// agents must not wait alike).
+    #[test]
+    fn reconnect_delays_double_to_the_cap_with_jitter_drawn_per_schedule() {
+        let a: Vec<Duration> = reconnect_delays().take(40).collect();
+        assert_eq!(a.len(), 40, "never exhausted");
+        for (i, d) in a.iter().enumerate() {
+            let base = (BACKOFF_INITIAL * 2u32.pow(i.min(10) as u32)).min(BACKOFF_MAX);
+            assert!(
+                *d >= base && *d <= base * 2,
+                "delay {i}: {d:?} outside [{base:?}, {:?}]",
+                base * 2
+            );
+        }
+        let b: Vec<Duration> = reconnect_delays().take(40).collect();
+        assert_ne!(a, b, "two schedules drew the same jitter");
     }
 }
