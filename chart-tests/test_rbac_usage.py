@@ -54,7 +54,7 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     ("inferencecache.io", "cachenodes", "create"): ("reconcile/nodes/cachenode.rs", [r"\.create\(&PostParams::default\(\), &obj\)"]),
     ("inferencecache.io", "cachenodes/status", "patch"): ("reconcile/nodes/cachenode.rs", [r"\.patch_status\(&node"]),
     # Pods
-    ("", "pods", "get"): ("ingest/auth.rs", [r"Api<Pod>", r"\.get_opt\(pod_name\)"]),
+    ("", "pods", "get"): ("ingest/auth/verifier.rs", [r"Api<Pod>", r"\.get_opt\(pod_name\)"]),
     ("", "pods", "list"): ("reconcile/nodes/mod.rs", [r"Api::<Pod>::all", r"\.list\(&ListParams::default\(\)\)"]),
     ("", "pods", "watch"): ("reconcile/engine_pods.rs", [r"Controller::new\(Api::<Pod>::all\(client\)"]),
     # Provider workloads: owned (list/watch), server-side apply (patch; create when it creates),
@@ -80,7 +80,7 @@ RULES: dict[tuple[str, str, str], tuple[str, list[str]]] = {
     # kube-runtime's Recorder patches a repeated Event's series (the real apiserver's audit log
     # showed it: cluster/audit_check.py).
     ("events.k8s.io", "events", "patch"): ("reconcile/cachebackend/events.rs", [r"Recorder::new\(client\.clone\(\), reporter\.clone\(\)\)", r"\.recorder\s*\.publish\(&ev, object\)"]),
-    ("authentication.k8s.io", "tokenreviews", "create"): ("ingest/auth.rs", [r"Api<TokenReview>", r"\.create\(&PostParams::default\(\), &review\)"]),
+    ("authentication.k8s.io", "tokenreviews", "create"): ("ingest/auth/verifier.rs", [r"Api<TokenReview>", r"\.create\(&PostParams::default\(\), &review\)"]),
     ("authorization.k8s.io", "subjectaccessreviews", "create"): ("access.rs", [r"Api<SubjectAccessReview>", r"\.create\(&PostParams::default\(\), &sar\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "get"): ("admission/ca_bundle.rs", [r"api\.get_opt\(name\)"]),
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "update"): ("admission/ca_bundle.rs", [r"api\.replace\(name"]),
