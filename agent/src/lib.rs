@@ -1,6 +1,7 @@
 //! `ic-agent` library: everything the binary wires together (DESIGN.md "Layout").
 //!
-//! - [`checks`] — node checks behind one trait.
+//! - [`checks`] — node checks behind one trait; [`checks_worker`] — the processes `ic-agent run`
+//!   runs them in (the only ones that keep capabilities).
 //! - [`engine_metrics`] — tier-2 counters scraped from the engines' Prometheus endpoints.
 //! - [`kv`] — engine KV-event subscribers and their aggregation into index deltas.
 //! - [`link`] — the gRPC stream to the controller.
@@ -11,6 +12,7 @@
 //! - [`subscribe`] — `ic-agent subscribe`, the per-pod kvevent-subscriber sidecar.
 
 pub mod checks;
+pub mod checks_worker;
 
 /// This build's version and commit (`inferencecache_build_info` on `/metrics`).
 pub const BUILD_INFO: ic_shared::telemetry::BuildInfo = ic_shared::build_info!();

@@ -45,6 +45,14 @@ enum Command {
     /// stream its blocks to the controller, like the node agent does for a planned stream.
     /// Runs until SIGTERM / Ctrl-C (exit 0); exit 2 on unusable flags.
     Subscribe(ic_agent::subscribe::SubscribeArgs),
+    /// Internal: the process `ic-agent run` starts before it drops its capabilities; it keeps
+    /// them, starts the checks worker and restarts it (ic_agent::checks_worker).
+    #[command(name = "checks-supervisor", hide = true)]
+    ChecksSupervisor(ic_agent::checks_worker::WorkerArgs),
+    /// Internal: runs the node checks for the supervisor, one plan frame in, one result frame
+    /// out (ic_agent::checks_worker).
+    #[command(name = "checks-worker", hide = true)]
+    ChecksWorker(ic_agent::checks_worker::WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -207,6 +215,16 @@ struct RunArgs {
     /// to and no plan.
     #[arg(long, env = "IC_CHECKS_ONLY")]
     checks_only: bool,
+    /// Seconds one check pass may take in the checks worker process before it is killed, the
+    /// pass reads ChecksUnavailable and a new worker is started (with a growing delay). Above
+    /// the longest legitimate pass: a first CUDA probe may wait IC_CUDA_TIMEOUT_SECONDS (60).
+    #[arg(long, env = "IC_CHECKS_PASS_TIMEOUT_SECONDS", default_value_t = 180)]
+    checks_pass_timeout_seconds: u64,
+    /// Debugging only: run the checks on a thread of this process instead of the checks worker
+    /// process. That thread keeps the agent's capabilities in the same address space as the
+    /// parsers of engine and controller input (docs/security.md).
+    #[arg(long, env = "IC_CHECKS_IN_PROCESS")]
+    checks_in_process: bool,
 }
 
 #[derive(Args)]
@@ -408,15 +426,49 @@ fn run_main() -> anyhow::Result<()> {
                 );
                 std::process::exit(2);
             }
-            // Every runtime thread drops its capabilities; only the checks thread, which
-            // `runtime::start_with` spawns from this (main) thread, keeps them.
+            // The checks' processes first, from this (main) thread while it still holds the
+            // capabilities and no Landlock domain: both are inherited across fork/exec, and a
+            // process without capabilities cannot give a child any.
+            let worker = if a.checks_in_process {
+                None
+            } else {
+                // Fail here on a malformed IC_* variable rather than in the worker.
+                a.common.checks_config()?;
+                let args = ic_agent::checks_worker::WorkerArgs {
+                    proc_root: a.common.proc_root.clone(),
+                    shm_path: a.common.shm_path.clone(),
+                    nvml_library: a.common.nvml_library.clone(),
+                    state_dir: a.state_dir.clone(),
+                    pass_timeout_seconds: a.checks_pass_timeout_seconds,
+                };
+                let format = clap::ValueEnum::to_possible_value(&cli.log_format)
+                    .map(|v| v.get_name().to_string())
+                    .unwrap_or_default();
+                let client = ic_agent::checks_worker::SupervisorClient::spawn(
+                    &args,
+                    &[("IC_LOG_FORMAT", format)],
+                )?;
+                // No thread of this process needs a capability from now on: this one drops
+                // them (and is confined) before it starts the runtime, whose threads do the
+                // same (a failure is logged; the agent keeps running).
+                ic_agent::privilege::drop_all_and_confine_or_warn();
+                Some(client)
+            };
+            // Every runtime thread drops its capabilities; with --checks-in-process only the
+            // checks thread, which `runtime::start_with` spawns from this (main) thread, keeps
+            // them.
             let rt = ic_agent::runtime::build_runtime()?;
-            rt.block_on(run(a))
+            rt.block_on(run(a, worker))
         }
+        Command::ChecksSupervisor(a) => Ok(ic_agent::checks_worker::run_supervisor(&a)?),
+        Command::ChecksWorker(a) => ic_agent::checks_worker::run_worker(&a),
     }
 }
 
-async fn run(a: RunArgs) -> anyhow::Result<()> {
+async fn run(
+    a: RunArgs,
+    worker: Option<ic_agent::checks_worker::SupervisorClient>,
+) -> anyhow::Result<()> {
     let plan = a.common.plan()?;
     let node = a.common.node();
     let state_dir = match &a.state_dir {
@@ -444,7 +496,15 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let running = ic_agent::runtime::start_with(
+    let checks = match worker {
+        Some(client) => ic_agent::runtime::CheckRunner::process(client),
+        None => ic_agent::runtime::CheckRunner::spawn(Checks::new(&ChecksConfig {
+            state_dir: a.state_dir.clone(),
+            ..a.common.checks_config()?
+        }))
+        .context("starting the checks thread")?,
+    };
+    let running = ic_agent::runtime::start_with_runner(
         ic_agent::runtime::RunConfig {
             link,
             http_addr: a.http_addr,
@@ -454,10 +514,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             http_bearer_token_file: a.http_bearer_token_file.clone(),
         },
         state,
-        Checks::new(&ChecksConfig {
-            state_dir: a.state_dir.clone(),
-            ..a.common.checks_config()?
-        }),
+        checks,
         ic_agent::engine_metrics::ScrapeConfig {
             interval: Duration::from_secs(a.t2_scrape_interval_seconds),
             timeout: Duration::from_millis(a.t2_scrape_timeout_ms.max(1)),
@@ -465,9 +522,10 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
-    // The checks thread has inherited this thread's capabilities (and no Landlock domain); this
-    // one needs neither from now on (a failure is logged, as for the runtime's threads: the agent
-    // keeps running).
+    // With --checks-in-process the checks thread has inherited this thread's capabilities (and
+    // no Landlock domain); this one needs neither from now on (a failure is logged, as for the
+    // runtime's threads: the agent keeps running). Without it, this thread dropped them before
+    // the runtime started; again is a no-op.
     ic_agent::privilege::drop_all_and_confine_or_warn();
     telemetry::shutdown_signal().await;
     running.abort();

@@ -77,12 +77,21 @@ pub(crate) async fn serve_limited(
     }
 }
 
-/// The thread that runs the checks: the only long-lived thread of `ic-agent run` that keeps the
-/// agent's capabilities (it inherits those of the thread that spawns it; [`crate::privilege`]).
-/// Passes queue on a channel and run one at a time; the thread ends when the runner is dropped.
+/// Where the checks run: on a thread of this process ([`CheckRunner::spawn`]; tests, `ic-agent
+/// run --checks-in-process`) or in the checks worker process ([`CheckRunner::process`], what
+/// `ic-agent run` uses: [`crate::checks_worker`]). Either way, one pass at a time; a pass that
+/// could not run is the one `ChecksUnavailable` result.
 #[derive(Clone)]
 pub struct CheckRunner {
-    jobs: std::sync::mpsc::Sender<CheckJob>,
+    inner: Runner,
+}
+
+#[derive(Clone)]
+enum Runner {
+    /// The checks thread: passes queue on a channel; the thread ends when the runner is dropped.
+    Thread(std::sync::mpsc::Sender<CheckJob>),
+    /// The checks supervisor and worker processes.
+    Process(Arc<crate::checks_worker::SupervisorClient>),
 }
 
 /// One queued pass: the plan and where its results go.
@@ -91,11 +100,12 @@ type CheckJob = (
     tokio::sync::oneshot::Sender<Vec<ic_shared::check::CheckResult>>,
 );
 
-/// Name of the checks thread (`/proc/<pid>/task/<tid>/comm`).
+/// Name of the checks thread (`/proc/<pid>/task/<tid>/comm`) of [`CheckRunner::spawn`].
 pub const CHECKS_THREAD_NAME: &str = "ic-checks";
 
 impl CheckRunner {
-    /// Starts the checks thread, which inherits the calling thread's capabilities.
+    /// Starts the checks thread, which inherits the calling thread's capabilities (and shares
+    /// this process's memory with every parser of it: `ic-agent run` uses [`Self::process`]).
     ///
     /// # Errors
     /// The thread could not be created.
@@ -108,15 +118,48 @@ impl CheckRunner {
                     let _ = reply.send(checks.run_all(&plan));
                 }
             })?;
-        Ok(CheckRunner { jobs })
+        Ok(CheckRunner {
+            inner: Runner::Thread(jobs),
+        })
     }
 
-    /// Runs every check against `plan` on the checks thread. When the thread is gone (or the
-    /// pass died on it) the pass is one Unknown result, `checks`/`host`/`ChecksUnavailable`:
-    /// an empty pass would read "every check passes" on the CacheNode.
+    /// Runs the checks in the worker process behind `client` (started before this process
+    /// dropped its capabilities).
+    pub fn process(client: crate::checks_worker::SupervisorClient) -> Self {
+        CheckRunner {
+            inner: Runner::Process(Arc::new(client)),
+        }
+    }
+
+    /// Registers the runner's metrics (the process runner's
+    /// `inferencecache_agent_checks_worker_restarts_total`) in `registry`.
+    pub fn register_metrics(&self, registry: &prometheus::Registry) {
+        if let Runner::Process(client) = &self.inner {
+            client.register_metrics(registry);
+        }
+    }
+
+    /// Runs every check against `plan` on the checks thread or in the worker. When the pass
+    /// cannot run there (the thread is gone, the worker died, hung or is restarting) the pass is
+    /// one Unknown result, `checks`/`host`/`ChecksUnavailable`: an empty pass would read "every
+    /// check passes" on the CacheNode.
     pub async fn run(&self, plan: ic_shared::plan::NodePlan) -> Vec<ic_shared::check::CheckResult> {
+        let jobs = match &self.inner {
+            Runner::Thread(jobs) => jobs,
+            Runner::Process(client) => {
+                return client.run(&plan).await.unwrap_or_else(|why| {
+                    warn!(reason = %why, "no check ran this pass");
+                    vec![checks_unavailable_with(
+                        &why,
+                        "a new checks worker is started by itself \
+                         (inferencecache_agent_checks_worker_restarts_total); read the agent's \
+                         log if this persists.",
+                    )]
+                })
+            }
+        };
         let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.jobs.send((plan, tx)).is_err() {
+        if jobs.send((plan, tx)).is_err() {
             warn!("the checks thread is gone");
             return vec![checks_unavailable("the agent's checks thread is gone")];
         }
@@ -131,16 +174,21 @@ impl CheckRunner {
 
 /// The one result of a pass that could not run: no check's verdict is known.
 fn checks_unavailable(why: &str) -> ic_shared::check::CheckResult {
+    checks_unavailable_with(why, "restart the agent pod and read its log.")
+}
+
+/// [`checks_unavailable`] with `advice` after the reason.
+fn checks_unavailable_with(why: &str, advice: &str) -> ic_shared::check::CheckResult {
     ic_shared::check::CheckResult::new(
         "checks",
         "host",
         ic_shared::check::CheckStatus::Unknown,
         ic_shared::check::CHECKS_UNAVAILABLE,
-        format!("{why}, so no node check ran; restart the agent pod and read its log."),
+        format!("{why}, so no node check ran; {advice}"),
     )
 }
 
-/// Runs one pass of every check on the checks thread and stores it; `interval` is the time
+/// Runs one pass of every check (thread or worker process) and stores it; `interval` is the time
 /// to the next pass.
 pub async fn check_pass(
     state: &Arc<AgentState>,
@@ -217,6 +265,18 @@ pub async fn start_with(
     checks: Checks,
     scrape: ScrapeConfig,
 ) -> Result<Running, RunError> {
+    let checks = CheckRunner::spawn(checks).map_err(RunError::ChecksThread)?;
+    start_with_runner(cfg, state, checks, scrape).await
+}
+
+/// Like [`start_with`], running the checks with `checks` (`ic-agent run`: the worker process,
+/// [`CheckRunner::process`]).
+pub async fn start_with_runner(
+    cfg: RunConfig,
+    state: Arc<AgentState>,
+    checks: CheckRunner,
+    scrape: ScrapeConfig,
+) -> Result<Running, RunError> {
     let token = match &cfg.http_bearer_token_file {
         Some(p) => Some(
             crate::http::auth::BearerToken::from_file(p.clone()).map_err(RunError::BearerToken)?,
@@ -242,7 +302,7 @@ pub async fn start_with(
         None => None,
     };
     crate::privilege::register_metrics(&state.metrics.registry);
-    let checks = CheckRunner::spawn(checks).map_err(RunError::ChecksThread)?;
+    checks.register_metrics(&state.metrics.registry);
     let (pass_tx, pass_rx) = watch::channel(0u64);
     let plan_applied = Arc::new(Notify::new());
     let mut tasks = Vec::new();
@@ -334,7 +394,9 @@ mod tests {
     async fn a_gone_checks_thread_is_one_unknown_result() {
         let (jobs, rx) = std::sync::mpsc::channel::<CheckJob>();
         drop(rx);
-        let runner = CheckRunner { jobs };
+        let runner = CheckRunner {
+            inner: Runner::Thread(jobs),
+        };
         let r = runner.run(ic_shared::plan::NodePlan::default()).await;
         assert_eq!(r.len(), 1);
         assert_eq!(
