@@ -21,6 +21,11 @@
 //!   (so that `helm uninstall` deletes it) and Helm's ownership metadata must survive renewals.
 //! - [`spawn`] runs attempts every `retry_period`, publishes leadership through a
 //!   [`LeaderHandle`], and releases the Lease on shutdown so a successor need not wait.
+//!
+//! Written here rather than taken from a crate (issue 42 item 4): `kube-lease-manager` 0.13.1,
+//! the maintained one on kube 5, keeps a cut-off leader's leadership `true` indefinitely (no
+//! renew deadline), clears an expired holder with a patch that carries no `resourceVersion`,
+//! and needs PATCH on the Lease; docs/architecture.md "Not yet done" gives the run that showed it.
 
 use std::sync::Arc;
 use std::time::Duration;
