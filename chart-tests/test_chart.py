@@ -759,7 +759,7 @@ def test_self_signed_mode() -> None:
     args = args_of(c)
     assert "--webhook-self-signed" in args and "--webhook-cert-dir" not in args
     # Both configurations carry the one name the controller patches the CA into, and the
-    # ClusterRole may get and update (PUT, admission/ca_bundle.rs) exactly those two objects.
+    # ClusterRole may get and update (PUT, admission/ca_bundle/webhook_config.rs) exactly those two objects.
     names = set()
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         cfg = r.one(kind)
