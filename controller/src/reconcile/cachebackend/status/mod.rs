@@ -13,8 +13,12 @@
 //! `NodeHealthy` mirrors `status.nodeHealth` where the spec's condition set leaves room for it
 //! and is removed on events-only and External backends
 //! ([`crate::reconcile::nodes::advisory::publishes_condition`]).
+//!
+//! Split by concept: `inputs.rs` holds what the machine is given ([`Settings`], [`Observed`]
+//! with its [`WorkloadState`], [`Memory`]); this file computes the conditions (the base verdict,
+//! the gates, the per-path condition sets, the node roll-up, the cascade decision); and
+//! `transitions.rs` derives the Events from the prior and the new status.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ic_shared::crd::{
@@ -22,214 +26,24 @@ use ic_shared::crd::{
     remove_condition, set_condition, CacheBackend, CacheBackendSpec, CacheBackendStatus,
     ConditionStatus, DeploymentKind,
 };
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use k8s_openapi::jiff::Timestamp;
 
 use super::cascade::{self, CascadeDecision, Convergence};
 use super::endpoint::{check_endpoint, EndpointCheck};
 use super::engine::{self, KernelResult};
-use super::events::{reason as ev, EventSpec};
+use super::events::EventSpec;
 use super::host_tier;
-use super::index_view::{participation, IndexUnavailable, ReplicaObservation};
+use super::index_view::participation;
 use super::path::{classify, BackendPath, PathKind};
 use super::probe::{ProbeInput, ProbeOutcome, StageResult};
 use crate::reconcile::annotations::{REQUIRE_KV_EVENTS, SKIP_FUNCTIONAL_PROBE};
 use crate::reconcile::clock::{add, elapsed, to_time};
 use crate::reconcile::nodes::advisory;
 
-/// Cadences and rate limits of the status machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Settings {
-    /// Steady requeue cadence (spec: 30 s).
-    pub steady_requeue: Duration,
-    /// Requeue cadence while matched engine pods differ from the desired replica sum (5 s).
-    pub churn_requeue: Duration,
-    /// Functional-probe rate-limit window per backend (~30 s).
-    pub probe_interval: Duration,
-    /// Minimum interval between two cascades of one backend (~30 s).
-    pub cascade_min_interval: Duration,
-}
+mod inputs;
+mod transitions;
 
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            steady_requeue: Duration::from_secs(30),
-            churn_requeue: Duration::from_secs(5),
-            probe_interval: Duration::from_secs(30),
-            cascade_min_interval: Duration::from_secs(30),
-        }
-    }
-}
-
-/// The observed state of the owned workload, kind-neutral.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct WorkloadState {
-    /// Deployment or StatefulSet.
-    pub kind: DeploymentKind,
-    /// Object name.
-    pub name: String,
-    /// `metadata.generation`.
-    pub generation: i64,
-    /// `status.observedGeneration`.
-    pub observed_generation: i64,
-    /// `spec.replicas` (1 when unset, as the API server defaults it).
-    pub spec_replicas: i32,
-    /// `status.replicas` (pods of every revision).
-    pub replicas: i32,
-    /// `status.updatedReplicas`.
-    pub updated_replicas: i32,
-    /// `status.readyReplicas`.
-    pub ready_replicas: i32,
-    /// `status.availableReplicas`.
-    pub available_replicas: i32,
-    /// Deployment `Progressing` reason `NewReplicaSetAvailable`: the last rollout completed.
-    pub rollout_completed: bool,
-    /// Deployment `Progressing` reason `ProgressDeadlineExceeded`: the rollout is stuck.
-    pub progress_deadline_exceeded: bool,
-    /// Pods the workload may have unavailable and still be Available, as the Deployment
-    /// controller reads it: `spec.strategy.rollingUpdate.maxUnavailable` resolved against the
-    /// desired replicas (default 25 %, rounded down; 0 for `Recreate` and StatefulSets).
-    pub max_unavailable: i32,
-}
-
-/// `maxUnavailable` (an int or a percentage, default `25%`) resolved against `desired`, rounded
-/// down as the Deployment controller does.
-pub fn resolve_max_unavailable(
-    v: Option<&k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>,
-    desired: i32,
-) -> i32 {
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-    let n = match v {
-        Some(IntOrString::Int(n)) => *n,
-        Some(IntOrString::String(s)) => match s.trim().strip_suffix('%').map(str::parse::<i64>) {
-            Some(Ok(p)) => (i64::from(desired.max(0)) * p.clamp(0, 100) / 100) as i32,
-            _ => 0,
-        },
-        None => desired.max(0) / 4,
-    };
-    n.clamp(0, desired.max(0))
-}
-
-impl WorkloadState {
-    /// From a live Deployment.
-    pub fn from_deployment(d: &Deployment) -> Self {
-        let st = d.status.clone().unwrap_or_default();
-        let progressing = st
-            .conditions
-            .iter()
-            .flatten()
-            .find(|c| c.type_ == "Progressing")
-            .and_then(|c| c.reason.clone());
-        WorkloadState {
-            kind: DeploymentKind::Deployment,
-            name: d.metadata.name.clone().unwrap_or_default(),
-            generation: d.metadata.generation.unwrap_or(0),
-            observed_generation: st.observed_generation.unwrap_or(0),
-            spec_replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
-            replicas: st.replicas.unwrap_or(0),
-            updated_replicas: st.updated_replicas.unwrap_or(0),
-            ready_replicas: st.ready_replicas.unwrap_or(0),
-            available_replicas: st.available_replicas.unwrap_or(0),
-            rollout_completed: progressing.as_deref() == Some("NewReplicaSetAvailable"),
-            progress_deadline_exceeded: progressing.as_deref() == Some("ProgressDeadlineExceeded"),
-            max_unavailable: {
-                let spec = d.spec.as_ref();
-                let desired = spec.and_then(|s| s.replicas).unwrap_or(1);
-                match spec.and_then(|s| s.strategy.as_ref()) {
-                    Some(st) if st.type_.as_deref() == Some("Recreate") => 0,
-                    st => resolve_max_unavailable(
-                        st.and_then(|s| s.rolling_update.as_ref())
-                            .and_then(|r| r.max_unavailable.as_ref()),
-                        desired,
-                    ),
-                }
-            },
-        }
-    }
-
-    /// From a live StatefulSet (no Progressing condition: completion comes from the revisions).
-    pub fn from_statefulset(s: &StatefulSet) -> Self {
-        let st = s.status.clone().unwrap_or_default();
-        WorkloadState {
-            kind: DeploymentKind::StatefulSet,
-            name: s.metadata.name.clone().unwrap_or_default(),
-            generation: s.metadata.generation.unwrap_or(0),
-            observed_generation: st.observed_generation.unwrap_or(0),
-            spec_replicas: s.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
-            replicas: st.replicas,
-            updated_replicas: st.updated_replicas.unwrap_or(0),
-            ready_replicas: st.ready_replicas.unwrap_or(0),
-            available_replicas: st.available_replicas.unwrap_or(0),
-            rollout_completed: st.current_revision.is_some()
-                && st.current_revision == st.update_revision,
-            progress_deadline_exceeded: false,
-            max_unavailable: 0,
-        }
-    }
-}
-
-/// Everything one reconcile observed. Owned data so tests can build it by hand.
-#[derive(Debug, Clone)]
-pub struct Observed {
-    /// The live CacheBackend (its `status` is the prior status).
-    pub backend: CacheBackend,
-    /// Clock reading for this reconcile.
-    pub now: Timestamp,
-    /// The owned workload of the desired kind, when it exists (Managed only).
-    pub workload: Option<WorkloadState>,
-    /// Whether any owned workload existed when the reconcile started (before shedding).
-    pub owned_workload_present: bool,
-    /// `status.endpoint` of a Managed backend: the rendered Service's address.
-    pub service_endpoint: Option<String>,
-    /// Labels selecting the managed cache-server pods (Managed only).
-    pub server_selector: Option<BTreeMap<String, String>>,
-    /// Cache-server container names on the owned pod template.
-    pub server_containers: Vec<String>,
-    /// Pods of the backend's namespace; `None` when the list failed.
-    pub pods: Option<Vec<Pod>>,
-    /// Deployments of the namespace; `None` when the list failed.
-    pub deployments: Option<Vec<Deployment>>,
-    /// CacheBackends of the namespace (for index attribution); `None` when the list failed.
-    pub backends: Option<Vec<CacheBackend>>,
-    /// The index's replicas, or why it could not be read.
-    pub index: Result<Vec<ReplicaObservation>, IndexUnavailable>,
-    /// Whether the controller runs the functional-probe gate (a prober is wired).
-    pub probe_enabled: bool,
-}
-
-impl Observed {
-    /// A minimal observation of `backend` at `now`: nothing owned, no pods, empty index.
-    pub fn new(backend: CacheBackend, now: Timestamp) -> Self {
-        Observed {
-            backend,
-            now,
-            workload: None,
-            owned_workload_present: false,
-            service_endpoint: None,
-            server_selector: None,
-            server_containers: Vec::new(),
-            pods: Some(Vec::new()),
-            deployments: Some(Vec::new()),
-            backends: Some(Vec::new()),
-            index: Ok(Vec::new()),
-            probe_enabled: false,
-        }
-    }
-}
-
-/// In-process memory of earlier reconciles of one backend (lost on restart; the durable
-/// parts of the state machine live in `status`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Memory {
-    /// The path of the last successful reconcile.
-    pub last_path: Option<PathKind>,
-    /// When the functional probe last ran.
-    pub last_probe_at: Option<Timestamp>,
-    /// When the last cascade restart ran.
-    pub last_cascade_at: Option<Timestamp>,
-}
+pub use inputs::{resolve_max_unavailable, Memory, Observed, Settings, WorkloadState};
 
 /// The result of [`evaluate`].
 #[derive(Debug, Clone)]
@@ -395,18 +209,6 @@ impl Writer<'_> {
     }
 }
 
-/// The note of an [`ev::ENGINE_PODS_UNWIRED`] Event: the count, at most 5 pod names, and the
-/// re-wire by re-creation (`docs/troubleshooting.md`).
-fn unwired_note(n: i32, pods: &[String]) -> String {
-    let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();
-    let more = pods.len().saturating_sub(shown.len());
-    format!(
-        "{n} engine pod(s) selected by spec.engineSelector run without the cache: the Pod webhook          never saw them (unreachable or past its timeout when they were created, or they predate          this CacheBackend): {}{}. Re-create them to have them wired (kubectl rollout restart of          their workload, or delete the pods); each carries a Warning NotInjected Event.",
-        shown.join(", "),
-        if more > 0 { format!(" and {more} more") } else { String::new() }
-    )
-}
-
 /// Computes the new status, events, cascade decision and requeue (see the module docs).
 pub fn evaluate(
     obs: &Observed,
@@ -424,7 +226,6 @@ pub fn evaluate(
     let now = obs.now;
     let now_t = to_time(now);
     let mut requeue = settings.steady_requeue;
-    let mut events = Vec::new();
     let mut st = prior.clone();
 
     st.observed_generation = generation;
@@ -1127,116 +928,7 @@ pub fn evaluate(
     }
 
     // Events: transition-keyed, compared with the prior status.
-    let was = &prior.conditions;
-    let now_c = &st.conditions;
-    if st.fail_open == Some(false) && prior.fail_open != Some(false) {
-        events.push(EventSpec::warning(
-            ev::FAIL_CLOSED_ENABLED,
-            "spec.integration.failOpen is false: the cache is now a serving dependency of \
-             matched engine pods (fail-closed).",
-        ));
-    }
-    if st.fail_open == Some(true) && prior.fail_open == Some(false) {
-        events.push(EventSpec::normal(
-            ev::FAIL_OPEN_RESTORED,
-            "spec.integration.failOpen is true again: engines fall back to local prefill when \
-             the cache is unreachable.",
-        ));
-    }
-    if let (true, Some(msg)) = (sel.observed, sel.message.as_ref()) {
-        let steady = prior.matched_engine_pods == Some(0)
-            && prior.engine_selector_message.as_ref() == Some(msg);
-        if !steady {
-            events.push(EventSpec::normal(
-                ev::ENGINE_SELECTOR_UNMATCHED,
-                msg.clone(),
-            ));
-        }
-    }
-    // Engine pods the webhook never saw: one Warning each time their number rises (a steady
-    // or falling count is no news; the persisted status keeps a restarted leader quiet).
-    if let (true, Some(n)) = (sel.observed, sel.unwired) {
-        if n > prior.unwired_engine_pods.unwrap_or(0) {
-            events.push(EventSpec::warning(
-                ev::ENGINE_PODS_UNWIRED,
-                unwired_note(n, &sel.unwired_pods),
-            ));
-        }
-    }
-    let degraded_with = |r: &str| is(now_c, cond::DEGRADED, ConditionStatus::True, r);
-    let was_degraded_with = |r: &str| is(was, cond::DEGRADED, ConditionStatus::True, r);
-    if degraded_with(reason::REPLICAS_UNAVAILABLE)
-        && !was_degraded_with(reason::REPLICAS_UNAVAILABLE)
-    {
-        let m = find_condition(now_c, cond::DEGRADED)
-            .map(|c| c.message.clone())
-            .unwrap_or_default();
-        events.push(EventSpec::warning(ev::BACKEND_DEGRADED, m));
-    }
-    let ready_reason = |cs: &[Condition]| find_condition(cs, cond::READY).map(|c| c.reason.clone());
-    if ready_reason(now_c).as_deref() == Some(reason::AWAITING_FIRST_KV_EVENT)
-        && ready_reason(was).as_deref() != Some(reason::AWAITING_FIRST_KV_EVENT)
-    {
-        events.push(EventSpec::normal(
-            ev::AWAITING_FIRST_KV_EVENT,
-            format!(
-                "Waiting up to {} for the first KV event from this backend's engine pods.",
-                fmt_duration(timeout)
-            ),
-        ));
-    }
-    if kv_latched_now {
-        events.push(EventSpec::normal(
-            ev::KV_EVENTS_OBSERVED,
-            "The first KV event from this backend's engine pods reached the index.",
-        ));
-    }
-    if degraded_with(reason::NO_KV_EVENTS_OBSERVED)
-        && !was_degraded_with(reason::NO_KV_EVENTS_OBSERVED)
-    {
-        events.push(EventSpec::warning(
-            ev::NO_KV_EVENTS_OBSERVED,
-            format!(
-                "No KV event observed within firstEventTimeout ({}): check that engine pods are \
-                 wired to this backend and that their KV-event publisher is configured.",
-                fmt_duration(timeout)
-            ),
-        ));
-    }
-    let prior_ready = find_condition(was, cond::READY);
-    let now_ready_true = is_status(now_c, cond::READY, ConditionStatus::True);
-    if now_ready_true {
-        if let Some(p) = prior_ready {
-            // Exactly the spec's narrative: ReplicasUnavailable → BackendReady /
-            // KVEventsObserved (a stuck first rollout that recovers included). A rollout, a
-            // scale from zero, a probe or kernel verdict clearing, or the KV-event gate
-            // opening are not recoveries of a degraded backend.
-            if p.status == ConditionStatus::False.as_str()
-                && p.reason == reason::REPLICAS_UNAVAILABLE
-            {
-                events.push(EventSpec::normal(
-                    ev::BACKEND_RECOVERED,
-                    format!("The backend is Ready again (was {}).", p.reason),
-                ));
-            }
-        }
-    }
-    if is(
-        now_c,
-        cond::ENGINE_COMPATIBILITY,
-        ConditionStatus::False,
-        reason::INJECTED_ENGINE_CRASH_LOOPING,
-    ) && !is(
-        was,
-        cond::ENGINE_COMPATIBILITY,
-        ConditionStatus::False,
-        reason::INJECTED_ENGINE_CRASH_LOOPING,
-    ) {
-        let m = find_condition(now_c, cond::ENGINE_COMPATIBILITY)
-            .map(|c| c.message.clone())
-            .unwrap_or_default();
-        events.push(EventSpec::warning(ev::INJECTED_ENGINE_CRASH_LOOPING, m));
-    }
+    let events = transitions::transition_events(&prior, &st, &sel, timeout, kv_latched_now);
 
     Evaluation {
         path,
