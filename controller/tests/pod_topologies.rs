@@ -1079,4 +1079,30 @@ fn offload_chunks_follow_the_chunk_size_the_pod_runs_with() {
         derived.plans["gpu-node-1"].engines[0].offload_chunk_tokens,
         Some(256)
     );
+    // The kvevent-subscriber sidecars of an offload pod carry the same chunk size on their
+    // streams (`--offload-chunk-tokens`), here the spec's 512 the adapter rendered.
+    let mut glm = backend(GLM_LMCACHE);
+    glm.spec.lm_cache = Some(serde_json::from_value(json!({"chunkSizeTokens": 512})).unwrap());
+    let (outcome, wired) = admit_converged(&load_repo_pod(DP8), std::slice::from_ref(&glm), &cfg());
+    assert_eq!(outcome.reason, REASON_INJECTED, "{:?}", outcome.warnings);
+    let names = subscriber_names(&wired);
+    assert_eq!(names.len(), 8);
+    for name in &names {
+        let args = strings(&container(&wired, name)["args"]);
+        assert!(
+            args.contains(&"--offload-chunk-tokens=512".to_string()),
+            "{name}: {args:?}"
+        );
+    }
+    // An events-only pod has no offload tier: no chunk flag.
+    let (_, wired) = admit_converged(&load_repo_pod(DP8), &[backend(GLM_EVENTS_ONLY)], &cfg());
+    let names = subscriber_names(&wired);
+    assert!(!names.is_empty());
+    for name in &names {
+        let args = strings(&container(&wired, name)["args"]);
+        assert!(
+            !args.iter().any(|a| a.starts_with("--offload-chunk-tokens")),
+            "{args:?}"
+        );
+    }
 }

@@ -372,6 +372,36 @@ impl std::fmt::Debug for Registry {
     }
 }
 
+/// Tokens per LMCache chunk that `pod` runs with, for `runtime` with `engine` its engine
+/// container: the pod's own wiring — vLLM's literal `LMCACHE_CHUNK_SIZE`
+/// ([`vllm_lmcache::wired_chunk_size_tokens`]), the SGLang MP worker's `--chunk-size`
+/// ([`sglang_lmcache_mp::wired_chunk_size_tokens`]) — else `backend`'s current
+/// `spec.lmCache.chunkSizeTokens` (default 256), for a pod whose wiring names no literal value.
+/// A spec edit since the pod was wired does not change a running engine's chunks, so the pod's
+/// own value wins. The node plan's `offloadChunkTokens` and the kvevent-subscriber sidecar's
+/// `--offload-chunk-tokens` both take it from here (docs/kv-events.md "Chunked offload tiers").
+pub fn lmcache_chunk_tokens(
+    pod: &Pod,
+    runtime: Runtime,
+    engine: Option<&Container>,
+    backend: &CacheBackend,
+) -> Option<u32> {
+    let wired = match runtime {
+        Runtime::Vllm => engine.and_then(vllm_lmcache::wired_chunk_size_tokens),
+        Runtime::SgLang => sglang_lmcache_mp::wired_chunk_size_tokens(pod),
+    };
+    wired.or_else(|| {
+        let spec = backend
+            .spec
+            .lm_cache
+            .as_ref()
+            .map_or(ic_shared::crd::DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS, |l| {
+                l.effective_chunk_size_tokens()
+            });
+        u32::try_from(spec).ok()
+    })
+}
+
 /// `host-only` or the binding kind, for messages.
 pub fn binding_label(binding: Option<BindingKind>) -> String {
     binding.map_or_else(|| "host-only".to_string(), |k| k.to_string())

@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use ic_shared::crd::{CacheBackend, Runtime};
+use ic_shared::crd::{CacheBackend, CacheType, Runtime};
 use k8s_openapi::api::core::v1::{
     Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ProjectedVolumeSource,
     ResourceRequirements, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
@@ -506,7 +506,7 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
             runtime,
             image,
             model,
-            false,
+            None,
             cfg,
             &others,
             &mut warnings,
@@ -644,13 +644,20 @@ fn wire(pod: &mut Pod, cb: &CacheBackend, cfg: &PodWebhookConfig) -> Result<Vec<
         .collect();
     match (cfg.kvevent_subscriber_image.as_deref(), spec.model_id()) {
         (Some(image), Some(model)) => {
+            // LMCache loads whole chunks: the sidecar's streams say of which size.
+            let chunk_tokens = (cache_type == CacheType::LMCache)
+                .then(|| {
+                    let container = pod.spec.as_ref().and_then(|s| s.containers.get(engine));
+                    crate::adapters::lmcache_chunk_tokens(pod, runtime, container, cb)
+                })
+                .flatten();
             listeners.extend(add_subscribers(
                 pod,
                 Some(engine),
                 runtime,
                 image,
                 model,
-                true,
+                Some(Offload { chunk_tokens }),
                 cfg,
                 &others,
                 &mut warnings,
@@ -831,11 +838,21 @@ fn remove_subscribers(pod: &mut Pod, keep: &[String]) {
     }
 }
 
+/// What a kvevent-subscriber sidecar of a pod wired for offload (integration mode Offload)
+/// is told about the offload tier.
+#[derive(Debug, Clone, Copy)]
+struct Offload {
+    /// Tokens per chunk the tier loads whole (LMCache's `chunk_size`), `--offload-chunk-tokens`;
+    /// `None` for a tier without chunks.
+    chunk_tokens: Option<u32>,
+}
+
 /// Appends (or converges) one kvevent-subscriber sidecar per data-parallel rank the engine
 /// publishes ([`subscriber_topology`]): the agent binary in per-pod mode, `--endpoint` and
 /// `--replay` of that rank, `--data-parallel-rank` above 0, `--hash-scheme` from the runtime,
 /// `--block-size` from the engine's own ([`subscriber_block_size`]),
-/// `--ignore-block-removed=true` in Offload mode, tenant = pod namespace, replica id = pod name
+/// `--ignore-block-removed=true` in Offload mode (and `--offload-chunk-tokens` with LMCache's
+/// chunk size, [`crate::adapters::lmcache_chunk_tokens`]), tenant = pod namespace, replica id = pod name
 /// (downward API). Each sidecar mounts a projected service-account token (audience
 /// `inference-cache`, 1 h) read-only at [`SUBSCRIBER_TOKEN_DIR`], which the controller verifies
 /// as the pod's own ([`crate::ingest::auth`], per-pod subscribers); the volume is added unless
@@ -852,11 +869,13 @@ fn add_subscribers(
     runtime: Runtime,
     image: &str,
     model: &str,
-    offload: bool,
+    offload: Option<Offload>,
     cfg: &PodWebhookConfig,
     others: &OtherListeners,
     warnings: &mut Vec<String>,
 ) -> Result<Vec<Listener>, Unwired> {
+    let offload_chunk_tokens = offload.and_then(|o| o.chunk_tokens);
+    let offload = offload.is_some();
     let topology = match subscriber_topology(pod, engine, runtime, others) {
         Ok(t) => t,
         Err(u) if offload => {
@@ -930,6 +949,9 @@ fn add_subscribers(
         ]);
         if offload {
             args.push("--ignore-block-removed=true".to_string());
+        }
+        if let Some(chunk) = offload_chunk_tokens {
+            args.push(format!("--offload-chunk-tokens={chunk}"));
         }
         if let Some(ctl) = cfg.kvevent_subscriber_controller.as_deref() {
             args.push(format!("--controller={ctl}"));

@@ -69,9 +69,7 @@ use crate::engine::{has_subscriber_sidecar, host_network, pod_ip, TENSOR_PARALLE
 use crate::reconcile::annotations::{INJECTED_BY, INJECTED_BY_UID, WIRED_SPEC};
 use crate::reconcile::render::mooncake::{METADATA_PORT, METRICS_PORT, RPC_PORT};
 use crate::reconcile::render::{ProviderRenderer, LABEL_MANAGED_BY, LABEL_NAME, MANAGED_BY};
-use ic_shared::crd::{
-    CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec, DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS,
-};
+use ic_shared::crd::{CacheBackend, CacheType, IntegrationMode, Runtime, WiredSpec};
 use ic_shared::plan::{
     EnginePlan, HashScheme, KvEventSource, NodePlan, PlannedContainer, PortExpect, PortExpectation,
     PortOwner, ReaderMount, ShmRequirement,
@@ -275,34 +273,6 @@ pub fn wired_spec(
             now
         }
     }
-}
-
-/// The LMCache chunk size, in tokens, that `pod`'s wiring runs with (what the engine or its MP
-/// worker was started with: vLLM's `LMCACHE_CHUNK_SIZE`, the SGLang worker's `--chunk-size`),
-/// else `backend`'s current `spec.lmCache.chunkSizeTokens` (a pod whose wiring names no
-/// literal value). A spec edit since the pod was wired does not change a running engine's
-/// chunks, so the pod's own value wins.
-fn offload_chunk_tokens(
-    pod: &Pod,
-    runtime: Runtime,
-    engine: Option<&EnginePod>,
-    backend: &CacheBackend,
-) -> Option<u32> {
-    let wired = match runtime {
-        Runtime::Vllm => engine
-            .and_then(|e| crate::adapters::vllm_lmcache::wired_chunk_size_tokens(&e.container)),
-        Runtime::SgLang => crate::adapters::sglang_lmcache_mp::wired_chunk_size_tokens(pod),
-    };
-    wired.or_else(|| {
-        let spec = backend
-            .spec
-            .lm_cache
-            .as_ref()
-            .map_or(DEFAULT_LMCACHE_CHUNK_SIZE_TOKENS, |l| {
-                l.effective_chunk_size_tokens()
-            });
-        u32::try_from(spec).ok()
-    })
 }
 
 /// Plans per node plus what could not be planned.
@@ -539,7 +509,14 @@ pub fn engine_plan(pod: &Pod, backend: &CacheBackend) -> (EnginePlan, Vec<PlanIs
         keeps_l2: offload,
         // LMCache loads whole chunks only: the index credits an offload-only match in them.
         offload_chunk_tokens: (offload && spec.cache_type == CacheType::LMCache)
-            .then(|| offload_chunk_tokens(pod, runtime, engine.as_ref(), backend))
+            .then(|| {
+                crate::adapters::lmcache_chunk_tokens(
+                    pod,
+                    runtime,
+                    engine.as_ref().map(|e| &e.container),
+                    backend,
+                )
+            })
             .flatten(),
         backend: backend_key(backend),
         shm_required_bytes: shm,
