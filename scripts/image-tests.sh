@@ -327,13 +327,27 @@ done
 sleep 2 # a second pass, so the MP-worker probe thread has come and gone again
 curl -fsS --max-time 5 "http://127.0.0.1:$AGENT_PORT/v1/report" >"$WORK/report.json"
 apid=$($DOCKER inspect -f '{{.State.Pid}}' "$aid")
+# The checks run in the supervisor (the agent's child) and its worker (the supervisor's child):
+# ic_agent::checks_worker. Their pids from /proc/*/stat's ppid field (comm ic-checks-sup / -work).
+child_of() { # PARENT COMM -> pid of the live child of PARENT named COMM
+  local s
+  for s in /proc/[0-9]*/stat; do
+    awk -v p="$1" -v c="($2)" '$2 == c && $3 != "Z" && $4 == p { print $1 }' "$s" 2>/dev/null
+  done | head -1
+}
+spid=$(child_of "$apid" ic-checks-sup)
+wpid=""
+[ -n "$spid" ] && wpid=$(child_of "$spid" ic-checks-work)
+[ -n "$spid" ] && [ -n "$wpid" ] || fail "ic-agent run has no checks supervisor/worker child (supervisor '${spid}', worker '${wpid}')"
 : >"$WORK/threads.txt"
-for t in /proc/"$apid"/task/*; do
-  # A short-lived thread (the MP-worker probe's, checked through the report below) may end
-  # between the listing and these reads: it is skipped, not read half.
-  comm=$(cat "$t/comm" 2>/dev/null) && status=$(cat "$t/status" 2>/dev/null) || continue
-  printf '%s %s %s %s\n' "${t##*/}" "$comm" "$(awk '$1 == "CapEff:" { print $2 }' <<<"$status")" \
-    "$(awk '$1 == "CapPrm:" { print $2 }' <<<"$status")" >>"$WORK/threads.txt"
+for who in agent:"$apid" supervisor:"$spid" worker:"$wpid"; do
+  for t in /proc/"${who#*:}"/task/*; do
+    # A short-lived thread (the MP-worker probe's, checked through the report below) may end
+    # between the listing and these reads: it is skipped, not read half.
+    comm=$(cat "$t/comm" 2>/dev/null) && status=$(cat "$t/status" 2>/dev/null) || continue
+    printf '%s %s %s %s %s\n' "${who%%:*}" "${t##*/}" "$comm" "$(awk '$1 == "CapEff:" { print $2 }' <<<"$status")" \
+      "$(awk '$1 == "CapPrm:" { print $2 }' <<<"$status")" >>"$WORK/threads.txt"
+  done
 done
 "$PY" - "$WORK/threads.txt" "$WORK/report.json" "$(status_field "$apid" CapBnd)" <<'PYEOF' || fail "thread capabilities of ic-agent run"
 import json, sys
@@ -341,25 +355,26 @@ threads = [l.split() for l in open(sys.argv[1]) if l.strip()]
 report = json.load(open(sys.argv[2]))
 bounding = int(sys.argv[3], 16)
 zero = "0000000000000000"
-# Threads the checks thread starts inherit its set: NVML's monitor and the CUDA probe.
-keep = {"ic-checks", "ic-nvml", "ic-cuda-probe"}
 errors = []
-checks = [t for t in threads if t[1] == "ic-checks"]
-if len(checks) != 1:
-    errors.append(f"want one ic-checks thread, have {len(checks)}")
-elif int(checks[0][2], 16) != bounding:
-    errors.append(f"the checks thread holds {checks[0][2]}, not the granted set {bounding:016x}")
-for tid, comm, eff, prm in threads:
-    if comm not in keep and (eff, prm) != (zero, zero):
-        errors.append(f"thread {tid} ({comm}) holds CapEff {eff} CapPrm {prm}")
+for who, tid, comm, eff, prm in threads:
+    if who == "agent":
+        # No thread of the agent's own process holds a capability, the main thread included.
+        if (eff, prm) != (zero, zero):
+            errors.append(f"agent thread {tid} ({comm}) holds CapEff {eff} CapPrm {prm}")
+    elif comm != "ic-mp-probe" and (int(eff, 16), int(prm, 16)) != (bounding, bounding):
+        # The checks processes hold the granted set (the MP-worker probe thread drops it).
+        errors.append(f"{who} thread {tid} ({comm}) holds CapEff {eff} CapPrm {prm}, not {bounding:016x}")
+for who in ("agent", "supervisor", "worker"):
+    if not any(t[0] == who for t in threads):
+        errors.append(f"no thread of the {who} read")
 mp = [r for r in report["checks"] if r["name"] == "mp_worker" and r["subject"] == "team-a/engine-0"]
 if not mp or mp[0]["reason"] != "MpWorkerLive" or mp[0]["observed"].get("probeThreadCapEff") != zero:
     errors.append(f"the MP-worker probe thread: {mp}")
 if errors:
     print("\n".join(errors), file=sys.stderr)
     sys.exit(1)
-print(f"  {len(threads)} threads; only {sorted({t[1] for t in threads if t[1] in keep})} hold {bounding:016x}; "
+print(f"  {sum(t[0] == 'agent' for t in threads)} agent threads hold nothing; the checks supervisor and worker hold {bounding:016x}; "
       f"the MP-worker probe parsed the reply with CapEff {mp[0]['observed']['probeThreadCapEff']}")
 PYEOF
-say "ok: in ic-agent run only the checks thread holds capabilities"
+say "ok: in ic-agent run only the checks supervisor and worker processes hold capabilities"
 say "passed in $(($(date +%s) - started)) s"

@@ -1,28 +1,31 @@
 //! Linux capabilities of the agent's threads (docs/checks.md "Capabilities", docs/security.md
-//! "The agent holds capabilities only where a check needs them").
+//! "The agent mounts only what its checks read").
 //!
 //! The agent is not privileged: the DaemonSet grants `CAP_SYS_PTRACE` (another process's
 //! `/proc/<pid>/{root,fd,exe,ns,mountinfo}`), `CAP_SYS_ADMIN` (`setns(2)` into a pod's network
 //! namespace) and `CAP_DAC_READ_SEARCH` (reader-volume samples of another uid) and drops every
-//! other capability. Capabilities are per thread, so `ic-agent run`
-//! keeps them only on the checks thread ([`crate::runtime::CheckRunner`]) and the threads it
-//! starts, which inherit them. Every other thread — the tokio runtime that decodes engine
-//! KV-event frames (ZMQ/msgpack), parses engine `/metrics`, talks to the controller and serves
-//! HTTP — clears its effective, permitted, inheritable and ambient sets before it runs anything
-//! ([`drop_all`]). A cleared permitted set cannot be raised again without `execve` of a file
-//! with capabilities, which the agent never does. The MP-worker probe thread drops them too,
-//! right after `setns`, before it reads a byte from the worker.
+//! other capability. `ic-agent run` keeps them only in its checks processes
+//! ([`crate::checks_worker`]: the supervisor and the worker it starts, children of the agent,
+//! started before anything is dropped) and the threads the worker starts, which inherit them.
+//! Every thread of the agent's own process — the main thread, and the tokio runtime that decodes
+//! engine KV-event frames (ZMQ/msgpack), parses engine `/metrics`, talks to the controller and
+//! serves HTTP — clears its effective, permitted, inheritable and ambient sets before it runs
+//! anything ([`drop_all`]). A cleared permitted set is not raised again: the Landlock
+//! confinement below sets `no_new_privs`, under which even an `execve` as uid 0 gains nothing.
+//! The MP-worker probe thread drops them too, right after `setns`, before it reads a byte from
+//! the worker. (`--checks-in-process` runs the checks on a thread of the agent's process that
+//! keeps them, [`crate::runtime::CheckRunner::spawn`]: debugging only.)
 //!
 //! The threads without capabilities are also confined with Landlock to the agent's own mount
 //! tree ([`confine_to_own_mount_tree`], [`drop_all_and_confine_or_warn`]): as uid 0 without
 //! capabilities they could still open `/proc/<pid>/root/…` of a pod that runs as root with every
 //! capability dropped (the kernel's ptrace read check passes for the same uid when the target's
 //! permitted set, empty, is a subset of the caller's), and with it that pod's projected
-//! service-account token and Secrets (docs/security.md "The agent mounts only what its checks
-//! read"). A Landlock domain refuses the ptrace check on every process outside it and every file
-//! outside its rules: the rule allows everything beneath the agent's own `/`, so the agent's own
-//! files, `/host/proc` text, sockets and devices work as before. The checks thread is not
-//! confined: its `/proc/<pid>` reads of engine and reader pods are the ptrace check.
+//! service-account token and Secrets. A Landlock domain refuses the ptrace check on every
+//! process outside it and every file outside its rules: the rule allows everything beneath the
+//! agent's own `/`, so the agent's own files, `/host/proc` text, sockets and devices work as
+//! before. The checks processes are not confined: their `/proc/<pid>` reads of engine and reader
+//! pods are the ptrace check.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -157,8 +160,8 @@ impl ConfineError {
 /// through `/proc/<pid>/root` of a process in another mount namespace (a pod) are beneath no
 /// rule, and a confined thread fails the ptrace access check on every process outside its
 /// domain: both are refused with `EACCES`. The calling thread's own `/proc/self`, sockets,
-/// pipes and `/host/proc` text are unaffected. Sets the thread's `no_new_privs` (the agent
-/// never executes a program). Cannot be undone.
+/// pipes and `/host/proc` text are unaffected. Sets the thread's `no_new_privs` (`ic-agent run`
+/// executes its checks processes before any thread is confined). Cannot be undone.
 ///
 /// # Errors
 /// `/` could not be opened, or a Landlock call failed; a kernel without Landlock is

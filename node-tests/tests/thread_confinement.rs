@@ -197,8 +197,11 @@ fn agent_bin() -> PathBuf {
     bin
 }
 
-/// `(tid, comm, CapEff, CapPrm, NoNewPrivs)` of every thread of `pid`.
-fn threads(pid: u32) -> Vec<(String, String, String, String, String)> {
+/// One thread as the kernel shows it: `(tid, comm, CapEff, CapPrm, NoNewPrivs)`.
+type ThreadCaps = (String, String, String, String, String);
+
+/// Every thread of `pid`.
+fn threads(pid: u32) -> Vec<ThreadCaps> {
     let mut out = Vec::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return out;
@@ -268,8 +271,11 @@ fn http_get(port: u16, path: &str) -> Option<String> {
     head.starts_with("HTTP/1.1 200").then(|| body.to_string())
 }
 
-/// `/v1/report`'s checks: `(name, subject, reason, message, observed pid)`.
-fn report(port: u16) -> Option<Vec<(String, String, String, String, String)>> {
+/// One check result as the test reads it: `(name, subject, reason, message, observed pid)`.
+type Reported = (String, String, String, String, String);
+
+/// `/v1/report`'s checks.
+fn report(port: u16) -> Option<Vec<Reported>> {
     let doc: serde_json::Value = serde_json::from_str(&http_get(port, "/v1/report")?).ok()?;
     Some(
         doc["checks"]

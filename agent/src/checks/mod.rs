@@ -6,9 +6,9 @@
 //! result with status [`CheckStatus::Unknown`] and a reason saying why. Reasons, statuses and
 //! observed keys of every check are documented in `docs/checks.md`.
 //!
-//! Checks are synchronous and may block on the file system or on NVML; the async caller runs
-//! [`Checks::run_all`] on the checks thread (`runtime::CheckRunner`, the one thread of `ic-agent
-//! run` that keeps the agent's capabilities).
+//! Checks are synchronous and may block on the file system or on NVML; `ic-agent run` runs
+//! [`Checks::run_all`] in its checks worker process (`crate::checks_worker`, with the
+//! supervisor the only processes of the agent that keep its capabilities).
 //!
 //! | check | module | subjects |
 //! |---|---|---|
