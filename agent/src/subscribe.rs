@@ -638,7 +638,10 @@ mod tests {
         assert_eq!(cfg.plan().engines[0].descriptor(0).offload_chunk_tokens, 0);
         let chunked = parse(&["--offload-chunk-tokens=256"]).unwrap();
         assert_eq!(chunked.plan().engines[0].offload_chunk_tokens, Some(256));
-        assert_eq!(chunked.plan().engines[0].descriptor(0).offload_chunk_tokens, 256);
+        assert_eq!(
+            chunked.plan().engines[0].descriptor(0).offload_chunk_tokens,
+            256
+        );
     }
 
     #[test]
