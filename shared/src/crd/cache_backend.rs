@@ -24,6 +24,10 @@
 //! server-side apply must not claim empty nested objects). Scalar defaults live in the generated
 //! schema (the API server applies them) and are mirrored by the `effective_*` accessors for
 //! callers that bypass the API server.
+//!
+//! One concept, kept in one file although it passes 1 000 lines: the CacheBackend API type —
+//! its spec and status structs, their enums and defaults, the condition and reason names its
+//! status carries, and the `effective_*` accessors that read it.
 
 use std::collections::BTreeMap;
 
