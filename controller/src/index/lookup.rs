@@ -190,6 +190,28 @@ pub struct Scores {
     pub no_partition: bool,
 }
 
+/// [`PrefixIndex::score`]'s answer and what the router's answer selects with.
+#[derive(Debug)]
+struct Scored {
+    scores: Scores,
+    /// The deepest score's matched tokens (0 when none).
+    deepest: u32,
+    /// True when `scores.replicas` are one walk's scores, all T1: in the order replicas dropped
+    /// out, so sorted by primary key ([`primary`]) from worst to best.
+    shallowest_first: bool,
+}
+
+/// What [`PrefixIndex::walk`] found in one partition.
+#[derive(Debug, Default)]
+struct Walked {
+    /// Every replica with ≥ 1 matched block, in the order they dropped out: by matched depth,
+    /// shallowest first.
+    scores: Vec<ReplicaScore>,
+    /// False when every matched block of every score is T1 (all scores T1: no offload chunk
+    /// rounding to do).
+    any_t2: bool,
+}
+
 /// The lookup ran past its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TimedOut;
@@ -307,19 +329,17 @@ impl PrefixIndex {
                 return no_hint("BelowMinimumPrefixTokens", q_bs, 0);
             }
         }
-        let scores = match self.score(q) {
+        let Scored {
+            scores,
+            deepest,
+            shallowest_first,
+        } = match self.score_deepest(q) {
             Ok(s) => s,
             Err(TimedOut) => return no_hint(LOOKUP_TIMEOUT, q_bs, 0),
         };
         if scores.no_partition {
             return no_hint("NoBlockSizeRegistered", q_bs, 0);
         }
-        let deepest = scores
-            .replicas
-            .iter()
-            .map(ReplicaScore::tokens)
-            .max()
-            .unwrap_or(0);
         let prefix_match = deepest > 0 && deepest >= q.minimum_prefix_tokens;
         if !prefix_match {
             let reason = if scores.request_blocks == 0 {
@@ -338,7 +358,7 @@ impl PrefixIndex {
         }
         LookupResult {
             prefix_match,
-            replicas: self.materialize(scores.replicas, q.max_replicas),
+            replicas: self.materialize(scores.replicas, q.max_replicas, shallowest_first),
             block_size: scores.block_size,
             request_blocks: scores.request_blocks,
             reason: String::new(),
@@ -384,6 +404,12 @@ impl PrefixIndex {
     /// # Errors
     /// [`TimedOut`] when `q.deadline` passes during the walk.
     pub fn score(&self, q: &LookupQuery) -> Result<Scores, TimedOut> {
+        self.score_deepest(q).map(|s| s.scores)
+    }
+
+    /// [`Self::score`], with the deepest score's matched tokens and whether the scores are in
+    /// walk order with every score T1 ([`Scored::shallowest_first`]).
+    fn score_deepest(&self, q: &LookupQuery) -> Result<Scored, TimedOut> {
         let mut chains: HashMap<u32, Vec<u64>> = HashMap::new();
         let mut best = Scores {
             no_partition: true,
@@ -393,6 +419,8 @@ impl PrefixIndex {
         let mut best_depth = 0u32;
         // True once `best` holds the replicas of more than one partition (may list a slot twice).
         let mut merged = false;
+        // True while `best` is one walk's scores, all T1 (so shallowest first).
+        let mut best_all_t1 = true;
         for (pid, p) in self.partitions.iter().enumerate() {
             // A partition nobody holds blocks in any more (streams gone, probe streams) is not a
             // registered block size.
@@ -415,9 +443,16 @@ impl PrefixIndex {
                     .entry(bs)
                     .or_insert_with(|| content_key::chain(&q.token_ids, bs as usize))
             };
-            let mut found = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
-            self.whole_offload_chunks(pid as PartitionId, keys, &mut found);
-            let depth = found.iter().map(ReplicaScore::tokens).max().unwrap_or(0);
+            let walked = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
+            let mut found = walked.scores;
+            let depth = if walked.any_t2 {
+                self.whole_offload_chunks(pid as PartitionId, keys, &mut found);
+                found.iter().map(ReplicaScore::tokens).max()
+            } else {
+                // All T1 (no chunk rounding), and a walk lists the deepest last.
+                found.last().map(ReplicaScore::tokens)
+            }
+            .unwrap_or(0);
             // With no match anywhere, the answer speaks of the partition the request has the
             // most blocks in (the smallest block size): "shorter than one block" only when it
             // is shorter than every registered size, whichever partition came first.
@@ -432,6 +467,7 @@ impl PrefixIndex {
                 };
                 best_depth = depth;
                 merged = false;
+                best_all_t1 = !walked.any_t2;
             } else if depth > 0 && depth == best_depth {
                 // Same depth in another partition (e.g. another tenant under a wildcard): merge.
                 best.replicas.extend(found);
@@ -447,7 +483,11 @@ impl PrefixIndex {
                 .sort_by_key(|s| (s.slot, std::cmp::Reverse(s.tokens()), !s.t1));
             best.replicas.dedup_by_key(|s| s.slot);
         }
-        Ok(best)
+        Ok(Scored {
+            scores: best,
+            deepest: best_depth,
+            shallowest_first: best_all_t1 && !merged,
+        })
     }
 
     /// Credits an offload-only match in whole chunks of the replica's offload tier (issue 39
@@ -510,20 +550,21 @@ impl PrefixIndex {
     /// still matching — every level of a shared system prompt — costs one sequential compare
     /// of the two slot lists; otherwise the smaller side is walked and each element found in
     /// the other by a galloping search from the last match. A replica that drops out is scored
-    /// with the depth it reached.
+    /// with the depth it reached, so the scores come shallowest first and the deepest last.
     fn walk(
         &self,
         pid: PartitionId,
         keys: &[u64],
         block_size: u32,
         deadline: Option<Instant>,
-    ) -> Result<Vec<ReplicaScore>, TimedOut> {
+    ) -> Result<Walked, TimedOut> {
         let Some(part) = self.partitions.get(pid as usize) else {
-            return Ok(Vec::new());
+            return Ok(Walked::default());
         };
         let Some(first) = keys.first().and_then(|k| part.blocks.get(*k)) else {
-            return Ok(Vec::new());
+            return Ok(Walked::default());
         };
+        let mut saw_t2 = false;
         let mut buf: [Holder; 1] = [0; 1];
         // The replicas still matching: slots (sorted) and whether every block so far is T1.
         let list = first.holders(&self.arena, &mut buf);
@@ -534,6 +575,7 @@ impl PrefixIndex {
             if self.routable(slot_of(h)) {
                 slots.push(slot_of(h));
                 t1.push(!is_t2(h));
+                saw_t2 |= is_t2(h);
             }
         }
         let mut out: Vec<ReplicaScore> = Vec::with_capacity(slots.len());
@@ -572,6 +614,7 @@ impl PrefixIndex {
                     match h.find(&self.arena, *slot) {
                         Some(x) => {
                             *t &= !is_t2(x);
+                            saw_t2 |= is_t2(x);
                             depth += 1;
                             continue;
                         }
@@ -584,6 +627,7 @@ impl PrefixIndex {
                     && holders.iter().zip(&slots).all(|(w, s)| slot_of(*w) == *s)
                 {
                     if holders.iter().any(|w| is_t2(*w)) {
+                        saw_t2 = true;
                         for (w, t) in holders.iter().zip(t1.iter_mut()) {
                             *t &= !is_t2(*w);
                         }
@@ -601,6 +645,7 @@ impl PrefixIndex {
                             Some(&w) if slot_of(w) == s => {
                                 next_slots.push(s);
                                 next_t1.push(t && !is_t2(w));
+                                saw_t2 |= is_t2(w);
                             }
                             _ => out.push(score(s, depth, t)),
                         }
@@ -623,6 +668,7 @@ impl PrefixIndex {
                             (Some(&s), Some(&t)) if s == slot_of(w) => {
                                 next_slots.push(s);
                                 next_t1.push(t && !is_t2(w));
+                                saw_t2 |= is_t2(w);
                                 k = at + 1;
                             }
                             (Some(_), _) => {}
@@ -643,7 +689,10 @@ impl PrefixIndex {
             }
         }
         out.extend(slots.iter().zip(&t1).map(|(&s, &t)| score(s, depth, t)));
-        Ok(out)
+        Ok(Walked {
+            scores: out,
+            any_t2: saw_t2,
+        })
     }
 
     /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
@@ -651,15 +700,40 @@ impl PrefixIndex {
     ///
     /// Only the kept replicas are dereferenced (see [`select_answer`]); their names are shared,
     /// not copied.
-    fn materialize(&self, scores: Vec<ReplicaScore>, max: usize) -> Vec<ReplicaMatch> {
-        let order = select_answer(&scores, max, |slot| self.order.label(slot));
+    ///
+    /// `shallowest_first`: `scores` are sorted by primary key, worst first
+    /// ([`Scored::shallowest_first`]), which lets [`select_sorted_answer`] read only the
+    /// deepest scores and the labels of those tied at the cut.
+    fn materialize(
+        &self,
+        scores: Vec<ReplicaScore>,
+        max: usize,
+        shallowest_first: bool,
+    ) -> Vec<ReplicaMatch> {
+        let label = |slot| self.order.label(slot);
+        let order = if shallowest_first {
+            select_sorted_answer(&scores, max, label)
+        } else {
+            select_answer(&scores, max, label)
+        };
         let mut out = Vec::with_capacity(order.len());
+        // Replicas of one reporter are usually listed together: its heard cell is looked up
+        // once (a string hash) per run of them.
+        let mut heard: Option<(&str, Option<u64>)> = None;
         for i in order {
             let Some(s) = scores.get(i) else {
                 continue;
             };
             let Some(r) = self.replica(s.slot as ReplicaSlot) else {
                 continue;
+            };
+            let heard_at_ms = match heard {
+                Some((node, at)) if node == r.node => at,
+                _ => {
+                    let at = self.heard_at_ms(&r.node);
+                    heard = Some((&r.node, at));
+                    at
+                }
             };
             out.push(ReplicaMatch {
                 names: r.names.clone(),
@@ -669,7 +743,7 @@ impl PrefixIndex {
                 block_size: s.block_size,
                 tier: if s.t1 { Tier::T1 } else { Tier::T2 },
                 coverage: r.effective_coverage(),
-                heard_at_ms: self.heard_at_ms(&r.node),
+                heard_at_ms,
             });
         }
         out
@@ -719,13 +793,20 @@ fn primary(s: &ReplicaScore) -> u64 {
 /// by stream id — `label(slot)` is the slot's stream-order label ([`super::order`]), whose
 /// order is the stream ids' order. At most `max` (0 = all).
 ///
-/// One pass keeps the best `max` so far in a bounded max-heap keyed by (primary, label, index),
-/// the worst kept on top: a score whose primary key is worse than the top's is skipped without
-/// reading its label, and only one that beats the top replaces it. A shared system prompt ties
-/// the whole fleet at depth 1; those compete on labels, and the heap is touched only by the few
-/// that beat the kept worst. O(n + k log k) for scores already near label order, O(n log k) at
-/// worst, with no per-score allocation. Equal to sorting every score by (primary, label) and
-/// truncating (a property test holds them equal).
+/// Two passes, no per-score allocation, labels read only where they decide:
+///
+/// 1. The `max`-th best primary key (depth, tier) `P*`, from a bounded max-heap of primary keys
+///    alone, fed from the end of `scores`: a walk lists replicas in the order they drop out,
+///    shallowest first, so the deepest fill the heap and every shallower score is rejected by
+///    one compare, without a heap operation.
+/// 2. Every score strictly better than `P*` is in the answer (fewer than `max` of them); of
+///    those tied at `P*` — on a shared system prompt, the whole fleet at depth 1 — the
+///    `max − better` with the least (label, index) are kept by a second bounded heap. Only the
+///    tied scores read their label.
+///
+/// The kept (at most `max`) are then sorted. O(n + k log k) when the scores come shallowest
+/// first and the ties in label order, O(n log k) at worst. Equal to sorting every score by
+/// (primary, label, index) and truncating (a property test holds them equal).
 pub(super) fn select_answer(
     scores: &[ReplicaScore],
     max: usize,
@@ -738,35 +819,109 @@ pub(super) fn select_answer(
         all.sort_unstable();
         return all.into_iter().map(|(_, _, i)| i).collect();
     }
-    let mut kept: BinaryHeap<(u64, u64, usize)> = BinaryHeap::with_capacity(max);
-    for (i, s) in scores.iter().enumerate() {
-        if kept.len() < max {
-            kept.push(key(i, s));
-            continue;
-        }
-        let Some(mut worst) = kept.peek_mut() else {
-            continue;
-        };
+    // Pass 1: the `max` least primary keys; the greatest of them is P*. `top` caches the
+    // heap's greatest, so a rejected score costs one compare.
+    let mut least: BinaryHeap<u64> = BinaryHeap::with_capacity(max);
+    let mut top = u64::MAX;
+    for s in scores.iter().rev() {
         let p = primary(s);
-        if p > worst.0 {
-            continue;
-        }
-        // Ties on (primary, label) go to the earlier index, which is already kept.
-        let k = (p, label(s.slot), i);
-        if k < *worst {
-            *worst = k;
+        if least.len() < max {
+            least.push(p);
+            top = least.peek().copied().unwrap_or(u64::MAX);
+        } else if p < top {
+            if let Some(mut t) = least.peek_mut() {
+                *t = p;
+            }
+            top = least.peek().copied().unwrap_or(u64::MAX);
         }
     }
-    kept.into_sorted_vec()
-        .into_iter()
-        .map(|(_, _, i)| i)
-        .collect()
+    let cut = top;
+    let better = least.iter().filter(|p| **p < cut).count();
+    let need = max.saturating_sub(better);
+    // Pass 2: all better than P*, and the `need` least (label, index) tied at P*. Ties come in
+    // index order, so a later tie with the worst kept label never replaces it: `worst` caches
+    // the heap's greatest label.
+    let mut kept: Vec<(u64, u64, usize)> = Vec::with_capacity(max);
+    let mut tied: BinaryHeap<(u64, usize)> = BinaryHeap::with_capacity(need);
+    let mut worst = u64::MAX;
+    for (i, s) in scores.iter().enumerate() {
+        let p = primary(s);
+        if p > cut {
+            continue;
+        }
+        let l = label(s.slot);
+        if p < cut {
+            kept.push((p, l, i));
+        } else if tied.len() < need {
+            tied.push((l, i));
+            worst = tied.peek().map_or(u64::MAX, |w| w.0);
+        } else if l < worst {
+            if let Some(mut w) = tied.peek_mut() {
+                *w = (l, i);
+            }
+            worst = tied.peek().map_or(u64::MAX, |w| w.0);
+        }
+    }
+    kept.extend(tied.into_iter().map(|(l, i)| (cut, l, i)));
+    kept.sort_unstable();
+    kept.into_iter().map(|(_, _, i)| i).collect()
+}
+
+/// [`select_answer`] for `scores` sorted by [`primary`] key from worst to best (one walk's
+/// scores, all T1: shallowest first). The cut `P*` is the primary key of the `max`-th score
+/// from the end; the scores after the last tie are in the answer, and only those tied at `P*`
+/// (a contiguous run, found by binary search) read their label, keeping the `need` least
+/// (label, index) in a bounded heap. O(log n + ties + k log k); the same indices as
+/// [`select_answer`] (a property test holds them equal).
+pub(super) fn select_sorted_answer(
+    scores: &[ReplicaScore],
+    max: usize,
+    label: impl Fn(u32) -> u64,
+) -> Vec<usize> {
+    let n = scores.len();
+    if max == 0 || n <= max {
+        return select_answer(scores, max, label);
+    }
+    let Some(cut) = scores.get(n - max).map(primary) else {
+        return Vec::new();
+    };
+    // Scores before `lo` are worse than the cut, from `hi` on better.
+    let lo = scores.partition_point(|s| primary(s) > cut);
+    let hi = lo
+        + scores
+            .get(lo..)
+            .unwrap_or(&[])
+            .partition_point(|s| primary(s) >= cut);
+    let need = max.saturating_sub(n - hi);
+    let mut tied: BinaryHeap<(u64, usize)> = BinaryHeap::with_capacity(need);
+    let mut worst = u64::MAX;
+    for (i, s) in scores.iter().enumerate().take(hi).skip(lo) {
+        let l = label(s.slot);
+        if tied.len() < need {
+            tied.push((l, i));
+            worst = tied.peek().map_or(u64::MAX, |w| w.0);
+        } else if l < worst {
+            if let Some(mut w) = tied.peek_mut() {
+                *w = (l, i);
+            }
+            worst = tied.peek().map_or(u64::MAX, |w| w.0);
+        }
+    }
+    let mut kept: Vec<(u64, u64, usize)> = scores
+        .iter()
+        .enumerate()
+        .skip(hi)
+        .map(|(i, s)| (primary(s), label(s.slot), i))
+        .collect();
+    kept.extend(tied.into_iter().map(|(l, i)| (cut, l, i)));
+    kept.sort_unstable();
+    kept.into_iter().map(|(_, _, i)| i).collect()
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::gallop;
+    use super::{gallop, select_answer, select_sorted_answer, ReplicaScore};
     use proptest::prelude::*;
 
     proptest! {
@@ -780,6 +935,30 @@ mod tests {
             v.sort_unstable();
             let want = (from..v.len()).find(|&i| v[i] >= target).unwrap_or(v.len().max(from.min(v.len())));
             prop_assert_eq!(gallop(&v, from, target, |x| *x), want);
+        }
+
+        /// On scores in walk order (all T1, shallowest first), the sorted selection picks
+        /// what sorting every score by (depth, label, index) and truncating picks.
+        #[test]
+        fn sorted_selection_equals_a_full_sort(
+            mut depths in prop::collection::vec(1..6u32, 0..300),
+            labels in prop::collection::vec(0..50u64, 300),
+            max in 0..40usize,
+        ) {
+            depths.sort_unstable();
+            let scores: Vec<ReplicaScore> = depths
+                .iter()
+                .enumerate()
+                .map(|(i, d)| ReplicaScore { slot: i as u32, matched_blocks: *d, block_size: 16, t1: true })
+                .collect();
+            let label = |s: u32| labels[s as usize];
+            let mut want: Vec<usize> = (0..scores.len()).collect();
+            want.sort_by_key(|&i| (std::cmp::Reverse(depths[i]), labels[i], i));
+            if max > 0 {
+                want.truncate(max);
+            }
+            prop_assert_eq!(select_sorted_answer(&scores, max, label), want.clone());
+            prop_assert_eq!(select_answer(&scores, max, label), want);
         }
     }
 }
