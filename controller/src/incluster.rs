@@ -136,6 +136,9 @@ pub struct InClusterConfig {
     pub token_audience: String,
     /// How long a successful TokenReview is cached.
     pub token_cache_ttl: Duration,
+    /// TokenReviews one source address may cause on agent streams (cache misses only;
+    /// `--token-review-burst-per-source`, `--token-reviews-per-second-per-source`).
+    pub review_source_limit: crate::ingest::auth::ReviewSourceLimit,
     /// Caller identity on LookupRoute, `/snapshot`, `/v1/nodes` and `/probe`
     /// ([`crate::access`]); `None` serves them to anyone who reaches the ports (logged loudly).
     pub data_plane_auth: Option<DataPlaneAuthSettings>,
@@ -714,6 +717,10 @@ where
             verifier,
             cfg.token_audience.clone(),
             cfg.agent_service_account.clone(),
+        )
+        .with_source_limit(
+            cfg.review_source_limit.burst,
+            cfg.review_source_limit.per_second,
         )
         .with_metrics(&registry)?,
     );

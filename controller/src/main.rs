@@ -131,6 +131,12 @@ struct StandaloneArgs {
     /// reason LookupTimeout (fail open).
     #[arg(long, env = "IC_LOOKUP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     lookup_timeout_ms: u64,
+    /// Milliseconds a session holding a resync turn may receive nothing before the turn goes
+    /// to the next agent in line (a silent agent then waits for a turn again with its next
+    /// message, and is still cut off 10 s after its last one). At most 10000 (the resync chunk
+    /// gap).
+    #[arg(long, env = "IC_RESYNC_TURN_IDLE_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    resync_turn_idle_ms: u64,
     #[command(flatten)]
     limits: ic_shared::serve::ConnectionLimitArgs,
     #[command(flatten)]
@@ -215,6 +221,15 @@ struct RunArgs {
     /// Seconds a successful TokenReview of an agent token is cached.
     #[arg(long, env = "IC_TOKEN_CACHE_TTL_SECONDS", default_value_t = 60)]
     token_cache_ttl_seconds: u64,
+    /// TokenReviews one source address may cause at once on agent streams (tokens not in the
+    /// cache); beyond it the stream is refused RESOURCE_EXHAUSTED without a review and counted
+    /// in token_reviews_limited_total.
+    #[arg(long, env = "IC_TOKEN_REVIEW_BURST_PER_SOURCE", default_value_t = ic_controller::ingest::auth::DEFAULT_REVIEW_BURST_PER_SOURCE, value_parser = clap::value_parser!(u32).range(1..))]
+    token_review_burst_per_source: u32,
+    /// TokenReviews per second one source address earns back after its burst (a number ≥ 0,
+    /// fractions allowed; 0 = none).
+    #[arg(long, env = "IC_TOKEN_REVIEWS_PER_SECOND_PER_SOURCE", default_value_t = ic_controller::ingest::auth::DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE, value_parser = ic_controller::ingest::auth::parse_reviews_per_second)]
+    token_reviews_per_second_per_source: f64,
     /// Require a caller identity on LookupRoute, /snapshot, /v1/nodes and /probe: a bearer
     /// token verified by TokenReview for --caller-audience, then a SubjectAccessReview (get/list
     /// on cacheroutes.inferencecache.io in the tenant's namespace, list/get on cachenodes, the
@@ -266,6 +281,12 @@ struct RunArgs {
     /// reason LookupTimeout (fail open).
     #[arg(long, env = "IC_LOOKUP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     lookup_timeout_ms: u64,
+    /// Milliseconds a session holding a resync turn may receive nothing before the turn goes
+    /// to the next agent in line (a silent agent then waits for a turn again with its next
+    /// message, and is still cut off 10 s after its last one). At most 10000 (the resync chunk
+    /// gap).
+    #[arg(long, env = "IC_RESYNC_TURN_IDLE_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    resync_turn_idle_ms: u64,
     /// Seconds between node-plan derivations (pods and CacheBackends are listed each time).
     #[arg(long, env = "IC_NODE_PLAN_INTERVAL_SECONDS", default_value_t = 10)]
     node_plan_interval_seconds: u64,
@@ -498,6 +519,7 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
             max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
             lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
+            resync_turn_idle: Some(Duration::from_millis(a.resync_turn_idle_ms)),
             coverage_heartbeat_bound: Some(Duration::from_millis(a.coverage_heartbeat_bound_ms)),
         },
         webhook: WebhookSettings {
@@ -531,6 +553,10 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
         agent_service_account: agent_sa,
         token_audience: a.token_audience,
         token_cache_ttl: Duration::from_secs(a.token_cache_ttl_seconds),
+        review_source_limit: ic_controller::ingest::auth::ReviewSourceLimit {
+            burst: a.token_review_burst_per_source,
+            per_second: a.token_reviews_per_second_per_source,
+        },
         data_plane_auth: a.data_plane_auth.then(|| incluster::DataPlaneAuthSettings {
             caller: ic_controller::access::CallerAuthSettings {
                 audience: a.caller_audience,
@@ -660,6 +686,7 @@ async fn run_main() -> anyhow::Result<()> {
                     resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
                     max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
                     lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
+                    resync_turn_idle: Some(Duration::from_millis(a.resync_turn_idle_ms)),
                     coverage_heartbeat_bound: Some(Duration::from_millis(
                         a.coverage_heartbeat_bound_ms,
                     )),

@@ -22,6 +22,10 @@ pub struct LookupPolicy {
     /// Agent resyncs read and applied at once (`--resync-turns`, `ingest::turns`); `None`:
     /// [`crate::ingest::turns::ResyncTurns::for_this_machine`].
     pub resync_turns: Option<usize>,
+    /// How long a session holding a resync turn may receive nothing before the turn goes to
+    /// the next session (`--resync-turn-idle-ms`, `ingest::turns`); `None`:
+    /// [`crate::ingest::turns::TURN_IDLE`]. Never longer than the resync chunk gap (10 s).
+    pub resync_turn_idle: Option<std::time::Duration>,
     /// How long an agent that sends coverage heartbeats may stay unheard before its replicas
     /// read Unknown / `HeartbeatMissed` and are not routed (`--coverage-heartbeat-bound-ms`,
     /// the agent ingest's heartbeat watcher); `None`: [`DEFAULT_COVERAGE_HEARTBEAT_BOUND`].
@@ -109,9 +113,15 @@ impl Shared {
             node_events: tokio::sync::watch::Sender::new(0),
             tokenizers: std::sync::Arc::default(),
             host_tier: RwLock::new(HostTierReadings::default()),
-            resync_turns: match policy.resync_turns {
-                Some(n) => crate::ingest::turns::ResyncTurns::new(n),
-                None => crate::ingest::turns::ResyncTurns::for_this_machine(),
+            resync_turns: {
+                let turns = match policy.resync_turns {
+                    Some(n) => crate::ingest::turns::ResyncTurns::new(n),
+                    None => crate::ingest::turns::ResyncTurns::for_this_machine(),
+                };
+                match policy.resync_turn_idle {
+                    Some(idle) => turns.with_turn_idle(idle),
+                    None => turns,
+                }
             },
             plans_pending: std::sync::atomic::AtomicBool::new(false),
         })

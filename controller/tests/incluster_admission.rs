@@ -169,6 +169,7 @@ fn config(env: &Env, identity: &str) -> InClusterConfig {
         },
         token_audience: "inference-cache".into(),
         token_cache_ttl: Duration::from_secs(60),
+        review_source_limit: Default::default(),
         data_plane_auth: Some(Default::default()),
         limits: Default::default(),
         nodes: Default::default(),

@@ -4,7 +4,9 @@
 //! node B, and missing, unknown, foreign and unbound tokens are refused with a clear status (an
 //! unreachable apiserver is a fault layer's error); the TokenReview verifier reads the node from
 //! the token, or from the bound pod when the token has none. The TokenReview cache's TTLs are
-//! tested with the fake verifier and an injected clock (no apiserver).
+//! tested with the fake verifier and an injected clock (no apiserver). The in-cluster controller
+//! (`incluster::start`) honours `--token-review-burst-per-source` /
+//! `--token-reviews-per-second-per-source` (its `review_source_limit`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod bare_apiserver_support;
@@ -15,17 +17,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bare_apiserver_support::{unique, BareCluster, Faults, Step};
+use ic_controller::incluster::{
+    self, InClusterConfig, LeaderElectionSettings, Overrides, WebhookSettings,
+};
+use ic_controller::ingest::auth::ReviewSourceLimit;
 use ic_controller::ingest::auth::{
     AgentAuthenticator, CachingVerifier, FakeTokenVerifier, KubeTokenVerifier, ServiceAccountRef,
     TokenVerifier, VerifyError, EXTRA_NODE_NAME, EXTRA_POD_NAME,
 };
 use ic_controller::ingest::AgentIngest;
+use ic_controller::leader::ElectionConfig;
 use ic_controller::state::{LookupPolicy, Shared};
 use ic_shared::proto::{
     self, agent_message::Msg, agent_service_client::AgentServiceClient,
     agent_service_server::AgentServiceServer, AgentMessage,
 };
-use incluster_support::{node, pod, service_account, token, AUDIENCE};
+use incluster_support::{
+    controller_client, node, pod, service_account, token, ControllerGrants, AUDIENCE,
+};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -397,4 +406,92 @@ async fn token_review_verifier_against_the_real_apiserver() {
         }
         other => panic!("a deleted pod's token: {other:?}"),
     }
+}
+
+/// Counts the TokenReviews asked of it and rejects every token.
+struct Rejecting(std::sync::atomic::AtomicUsize);
+
+#[tonic::async_trait]
+impl TokenVerifier for Rejecting {
+    async fn verify(
+        &self,
+        _token: &str,
+        _audience: &str,
+    ) -> Result<ic_controller::ingest::auth::TokenIdentity, VerifyError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(VerifyError::Rejected("unknown token".into()))
+    }
+}
+
+/// `--token-review-burst-per-source=2 --token-reviews-per-second-per-source=0`
+/// (`InClusterConfig::review_source_limit`, as `ic-controller run` builds it): the in-cluster
+/// controller reviews the first two garbage tokens from one source address and refuses the
+/// third RESOURCE_EXHAUSTED without a review (the default burst, 16, would review it).
+#[tokio::test]
+async fn in_cluster_the_review_burst_flag_refuses_the_third_review_from_one_source() {
+    let bare = BareCluster::get().await;
+    let ns = bare.namespace("review-burst").await;
+    let client = controller_client(&bare, &ns, ControllerGrants::default()).await;
+    let mut election = ElectionConfig::new("replica-1");
+    election.retry_period = Duration::from_millis(100);
+    let cfg = InClusterConfig {
+        grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        agent_expiry: Duration::from_secs(60),
+        policy: LookupPolicy::default(),
+        webhook: WebhookSettings {
+            enabled: false,
+            addr: "127.0.0.1:0".parse().unwrap(),
+            ..Default::default()
+        },
+        leader_election: LeaderElectionSettings {
+            namespace: ns.clone(),
+            lease_name: "inference-cache-controller".into(),
+            election,
+        },
+        agent_service_account: format!("{ns}:inference-cache-agent").parse().unwrap(),
+        token_audience: AUDIENCE.into(),
+        token_cache_ttl: Duration::from_secs(60),
+        review_source_limit: ReviewSourceLimit {
+            burst: 2,
+            per_second: 0.0,
+        },
+        data_plane_auth: None,
+        nodes: Default::default(),
+        limits: Default::default(),
+        model_cache: None,
+        functional_probe: false,
+        tokenizers: Default::default(),
+    };
+    let reviews = Arc::new(Rejecting(std::sync::atomic::AtomicUsize::new(0)));
+    let overrides = Overrides {
+        token_verifier: Some(reviews.clone()),
+        ..Default::default()
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = incluster::start(client, cfg, overrides, async {
+        let _ = stop_rx.await;
+    })
+    .await
+    .unwrap();
+    let url = format!("http://{}", running.grpc_addr);
+    let mut codes = Vec::new();
+    for i in 0..3 {
+        let (refused, _tx) = open(&url, "node-x", &format!("garbage-{i}")).await;
+        codes.push(refused.err().expect("garbage is refused").code());
+    }
+    assert_eq!(
+        codes,
+        [
+            Code::Unauthenticated,
+            Code::Unauthenticated,
+            Code::ResourceExhausted
+        ]
+    );
+    assert_eq!(reviews.0.load(Ordering::SeqCst), 2);
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(60), running.wait())
+        .await
+        .unwrap()
+        .unwrap();
 }

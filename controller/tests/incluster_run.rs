@@ -152,6 +152,7 @@ async fn run_mode_end_to_end() {
         agent_service_account: agent_sa,
         token_audience: AUDIENCE.into(),
         token_cache_ttl: Duration::from_secs(60),
+        review_source_limit: Default::default(),
         data_plane_auth: Some(Default::default()),
         nodes: NodeLoopConfig {
             plan_interval: Duration::from_millis(200),

@@ -1236,3 +1236,42 @@ async fn a_silent_turn_holder_hands_the_turn_on() {
     })
     .await;
 }
+
+/// `--resync-turn-idle-ms` (`LookupPolicy::resync_turn_idle`) sets how long a silent turn
+/// holder keeps the only turn: at 5 s, another agent's resync waits behind a silent holder
+/// well past the 1 s default, and is applied once the 5 s have passed.
+#[tokio::test]
+async fn the_resync_turn_idle_flag_sets_how_long_a_silent_holder_keeps_the_turn() {
+    let idle = Duration::from_secs(5);
+    let shared = Shared::new(LookupPolicy {
+        resync_turns: Some(1),
+        resync_turn_idle: Some(idle),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(shared.resync_turns.turn_idle(), idle);
+    let (url, shared) = serve_state(shared, None).await;
+    // The staller takes the only turn with its Hello and sends nothing more: it holds it
+    // until at least `idle` after this instant.
+    let start = tokio::time::Instant::now();
+    let (s_in, _s_tx) = open(&url, hello("staller", None, "")).await;
+    let _s_in = s_in.unwrap();
+    until("the staller holds the turn", || {
+        pending(&shared, "applying") == 1
+    })
+    .await;
+    let (b_in, b_tx) = open(&url, hello("n-b", None, "")).await;
+    let _b_in = b_in.unwrap();
+    b_tx.send(resync(&[("ns", "b", "a1")])).await.unwrap();
+    // With the default (1 s) the turn would have been handed on and B applied long before;
+    // with 5 s the staller still holds it 4 s after it took it.
+    tokio::time::sleep_until(start + Duration::from_secs(4)).await;
+    assert!(
+        shared.index.read().stream_entries("ns/b#0").is_none(),
+        "B's resync was applied while the silent staller still had {idle:?} of its turn"
+    );
+    until("B applied once the staller's turn is handed on", || {
+        shared.index.read().stream_entries("ns/b#0").is_some()
+    })
+    .await;
+}

@@ -12,7 +12,7 @@
 //! A waiting or applying session tells its agent every [`PROGRESS_EVERY`] with a
 //! `ResyncProgress` message (its delta batches cannot be acked before the resync is applied;
 //! the agent does not count that time against its ack timeout). A session that holds a turn
-//! and receives nothing for [`TURN_IDLE`] hands the turn to the next session (issue 38 item 8:
+//! and receives nothing for `--resync-turn-idle-ms` (default [`TURN_IDLE`]) hands the turn to the next session (issue 38 item 8:
 //! stalled resyncs held the single turn 10 s each, and three stallers delayed another node by
 //! 31.6 s); a resync that then receives nothing for [`RESYNC_CHUNK_GAP`] since its last message
 //! ends its stream. Its next message queues for a turn again, at the back.
@@ -30,7 +30,8 @@ pub const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 /// the stream (`DEADLINE_EXCEEDED`; the agent reconnects and resends).
 pub const RESYNC_CHUNK_GAP: Duration = Duration::from_secs(10);
 
-/// Longest a session holds a turn while its stream sends nothing (an agent sends its resync
+/// Default of `--resync-turn-idle-ms` ([`crate::state::LookupPolicy::resync_turn_idle`]):
+/// longest a session holds a turn while its stream sends nothing (an agent sends its resync
 /// right after its Hello, chunk after chunk, from its connection's flow-control window): then
 /// the turn goes to the next session in line.
 pub const TURN_IDLE: Duration = Duration::from_secs(1);
@@ -59,14 +60,16 @@ impl ResyncTurns {
         }
     }
 
-    /// The same turns, handed on after `turn_idle` without a message (tests).
+    /// The same turns, handed on after `turn_idle` without a message (`--resync-turn-idle-ms`;
+    /// tests). Used up to [`Self::chunk_gap`] at most.
     pub fn with_turn_idle(mut self, turn_idle: Duration) -> Self {
         self.turn_idle = turn_idle;
         self
     }
 
     /// How long a turn holder may be silent before the turn goes to the next session
-    /// ([`TURN_IDLE`]; never longer than [`Self::chunk_gap`]).
+    /// (`--resync-turn-idle-ms`, default [`TURN_IDLE`]; the session uses at most
+    /// [`Self::chunk_gap`]).
     pub fn turn_idle(&self) -> Duration {
         self.turn_idle
     }

@@ -27,6 +27,47 @@ pub const DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE: f64 = 2.0;
 /// first, then the least recently used).
 pub const MAX_REVIEW_SOURCES: usize = 4096;
 
+/// The per-source TokenReview limit of the in-cluster controller
+/// (`--token-review-burst-per-source`, `--token-reviews-per-second-per-source`; chart
+/// `controller.tokenReviewBurstPerSource`, `controller.tokenReviewsPerSecondPerSource`):
+/// [`SourceLimiter`]'s two numbers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReviewSourceLimit {
+    /// TokenReviews one source address may cause at once (at least 1 is used).
+    pub burst: u32,
+    /// TokenReviews per second a source earns back after its burst (0 = none; negative reads
+    /// as 0).
+    pub per_second: f64,
+}
+
+impl Default for ReviewSourceLimit {
+    /// [`DEFAULT_REVIEW_BURST_PER_SOURCE`] at once, [`DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE`]
+    /// after.
+    fn default() -> Self {
+        ReviewSourceLimit {
+            burst: DEFAULT_REVIEW_BURST_PER_SOURCE,
+            per_second: DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE,
+        }
+    }
+}
+
+/// Parses `--token-reviews-per-second-per-source`: a finite number ≥ 0 (reviews per second).
+///
+/// # Errors
+/// Not a number, negative, infinite or NaN: the message says which.
+pub fn parse_reviews_per_second(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of TokenReviews per second: {e}"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!(
+            "{s:?}: TokenReviews per second must be a finite number of at least 0"
+        ));
+    }
+    Ok(v)
+}
+
 /// A token bucket of TokenReviews per source address (issue 38 item 8: every garbage token cost
 /// one TokenReview — 4 000 requests, 4 004 reviews). Cache hits never reach it.
 #[derive(Debug)]
@@ -243,6 +284,16 @@ impl<V: TokenVerifier> TokenVerifier for CachingVerifier<V> {
 mod tests {
     use super::*;
     use crate::ingest::auth::FakeTokenVerifier;
+
+    #[test]
+    fn reviews_per_second_must_be_a_finite_number_of_at_least_zero() {
+        assert_eq!(parse_reviews_per_second("2"), Ok(2.0));
+        assert_eq!(parse_reviews_per_second("0.5"), Ok(0.5));
+        assert_eq!(parse_reviews_per_second("0"), Ok(0.0));
+        for bad in ["-1", "inf", "NaN", "two", ""] {
+            assert!(parse_reviews_per_second(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_colliding_hash_never_hands_out_another_tokens_identity() {

@@ -52,9 +52,9 @@ mod identity;
 mod verifier;
 
 pub use cache::{
-    CachingVerifier, MonotonicClock, SourceLimiter, DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL,
-    DEFAULT_NEGATIVE_CACHE_TTL, DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE,
-    DEFAULT_REVIEW_BURST_PER_SOURCE, MAX_REVIEW_SOURCES,
+    parse_reviews_per_second, CachingVerifier, MonotonicClock, ReviewSourceLimit, SourceLimiter,
+    DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, DEFAULT_NEGATIVE_CACHE_TTL,
+    DEFAULT_REVIEWS_PER_SECOND_PER_SOURCE, DEFAULT_REVIEW_BURST_PER_SOURCE, MAX_REVIEW_SOURCES,
 };
 pub use identity::{PodScope, ServiceAccountRef};
 pub use verifier::{
