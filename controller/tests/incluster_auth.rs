@@ -478,7 +478,7 @@ async fn in_cluster_the_review_burst_flag_refuses_the_third_review_from_one_sour
     let mut codes = Vec::new();
     for i in 0..3 {
         let (refused, _tx) = open(&url, "node-x", &format!("garbage-{i}")).await;
-        codes.push(refused.err().expect("garbage is refused").code());
+        codes.push(refused.map(|_| ()).expect_err("garbage is refused").code());
     }
     assert_eq!(
         codes,
