@@ -44,26 +44,17 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use ic_shared::crd::{CacheBackend, CacheType, Runtime};
-use k8s_openapi::api::core::v1::{
-    Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ProjectedVolumeSource,
-    ResourceRequirements, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 
 use super::host_ports::{declare_host_ports, declared_ports, Listener};
-use super::kv_topology::{engine_kv_listeners, subscriber_topology, OtherListeners};
-use crate::adapters::converge::converge_rendered;
+use super::kv_topology::{engine_kv_listeners, OtherListeners};
 use crate::adapters::overrides::{apply_overrides, snapshot};
 use crate::adapters::sglang_lmcache_mp::WORKER_CONTAINER;
-use crate::adapters::{
-    binding_label, env_var, hardened_security_context, is_rendered, resolve_binding, InjectContext,
-    Registry,
-};
+use crate::adapters::{binding_label, is_rendered, resolve_binding, InjectContext, Registry};
 use crate::engine::command::EngineCommand;
-use crate::engine::container::{select_engine_container, ENV_COMPONENT};
+use crate::engine::container::select_engine_container;
 use crate::engine::flags as engine_flags;
-use crate::engine::SUBSCRIBER_CONTAINER;
 
 mod subscriber;
 

@@ -3,7 +3,28 @@
 //! and offload facts they index by, the projected token they authenticate with, and their
 //! removal when the engine no longer publishes a rank.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use ic_shared::crd::Runtime;
+use k8s_openapi::api::core::v1::{
+    Container, EnvVar, EnvVarSource, ObjectFieldSelector, Pod, ProjectedVolumeSource,
+    ResourceRequirements, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::adapters::converge::converge_rendered;
+use crate::adapters::{env_var, hardened_security_context, is_rendered};
+use crate::admission::host_ports::Listener;
+use crate::admission::kv_topology::{subscriber_topology, OtherListeners};
+use crate::engine::command::EngineCommand;
+use crate::engine::container::ENV_COMPONENT;
+use crate::engine::flags as engine_flags;
+use crate::engine::SUBSCRIBER_CONTAINER;
+
+use super::{
+    PodWebhookConfig, Unwired, SUBSCRIBER_TOKEN_DIR, SUBSCRIBER_TOKEN_EXPIRATION_SECONDS,
+    SUBSCRIBER_TOKEN_VOLUME,
+};
 
 /// The block size the kvevent-subscriber chains at: the engine's own
 /// ([`engine_flags::engine_block_size`] over its literal arguments — the node plan's rule). The
