@@ -363,7 +363,7 @@ pub async fn start_admission(
         match &settings.tls_secret {
             Some(secret) => {
                 // Read (or create) the shared Secret, repair or rotate what is due, and serve
-                // its pair; the keeper re-reads it every resync (admission/ca_bundle.rs).
+                // its pair; the keeper re-reads it every resync (admission/ca_bundle/keeper.rs).
                 let metrics = ca_bundle::CertMetrics::register(&ctx.shared.metrics.registry)
                     .map_err(|e| part(e.to_string()))?;
                 let mut keeper = ca_bundle::CertKeeper::new(
