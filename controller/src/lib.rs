@@ -34,6 +34,7 @@ pub mod ingest;
 pub mod leader;
 pub mod metrics;
 pub mod probe;
+pub mod quantity;
 pub mod reconcile;
 pub mod router;
 pub mod standalone;

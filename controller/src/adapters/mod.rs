@@ -524,41 +524,7 @@ pub(crate) fn hardened_security_context() -> SecurityContext {
     }
 }
 
-/// Parses a Kubernetes quantity (`4Gi`, `1536Mi`, `10G`, `1e9`, `250m`, `2`) into its value in
-/// base units. `None` when malformed.
-pub fn parse_quantity(s: &str) -> Option<f64> {
-    let s = s.trim();
-    let num_end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
-        .unwrap_or(s.len());
-    let (num, suffix) = s.split_at(num_end);
-    if num.is_empty() || num == "." || num == "+" || num == "-" {
-        return None;
-    }
-    let value: f64 = num.parse().ok()?;
-    let mult = match suffix {
-        "" => 1.0,
-        "Ki" => 1024f64,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        "n" => 1e-9,
-        "u" => 1e-6,
-        "m" => 1e-3,
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        e if e.starts_with(['e', 'E']) => 10f64.powi(e[1..].parse::<i32>().ok()?),
-        _ => return None,
-    };
-    let v = value * mult;
-    v.is_finite().then_some(v)
-}
+pub use crate::quantity::parse_quantity;
 
 /// `spec.lmCache.hostMemory.capacity` (default `4Gi`) in GiB. Errors when it is not a positive
 /// quantity.

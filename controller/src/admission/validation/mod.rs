@@ -30,7 +30,7 @@ pub mod hicache;
 pub mod hierarchy;
 pub mod integration;
 pub mod lmcache;
-pub mod quantity;
+pub use crate::quantity;
 pub mod replicas;
 pub mod resources;
 pub mod runtime;

@@ -56,46 +56,7 @@ pub fn provider_resources(
     out
 }
 
-/// Parses a Kubernetes quantity (`8Gi`, `512Mi`, `1.5G`, `250m`, `1e3`, `-1`) into its value in
-/// base units (bytes for memory, cores for CPU). `None` when malformed.
-pub fn parse_quantity(s: &str) -> Option<f64> {
-    let s = s.trim();
-    if s.is_empty() {
-        return None;
-    }
-    let num_end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
-        .unwrap_or(s.len());
-    let (num, suffix) = s.split_at(num_end);
-    let value: f64 = num.parse().ok()?;
-    let scale = match suffix {
-        "" => 1.0,
-        "n" => 1e-9,
-        "u" => 1e-6,
-        "m" => 1e-3,
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        "Ki" => 1024.0,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        other => {
-            let exp = other
-                .strip_prefix('e')
-                .or_else(|| other.strip_prefix('E'))?;
-            let exp: i32 = exp.parse().ok()?;
-            10f64.powi(exp)
-        }
-    };
-    let v = value * scale;
-    v.is_finite().then_some(v)
-}
+pub use crate::quantity::parse_quantity;
 
 /// `limits.memory` of `resources` in bytes, when present and parsable.
 pub fn memory_limit_bytes(resources: &ResourceRequirements) -> Option<f64> {

@@ -1,4 +1,6 @@
-//! Exact Kubernetes resource quantities (`resource.Quantity`), for the provider-resource rules.
+//! Kubernetes resource quantities (`resource.Quantity`): the one parser of the controller —
+//! exact for the admission rules (provider resources, `hostMemory`), and as a float
+//! ([`parse_quantity`]) for sizes the adapters and renderers compute with.
 //!
 //! Grammar (as `k8s.io/apimachinery/pkg/api/resource`): `<sign>?<digits>[.<digits>]<suffix>` with
 //! suffix a binary SI unit (`Ki`…`Ei`), a decimal SI unit (`n u m "" k M G T P E`) or a decimal
@@ -86,6 +88,11 @@ impl Quantity {
         self.nanos
     }
 
+    /// The value in units, as a float (exact up to 2^53 nano-units, then rounded).
+    pub fn as_f64(self) -> f64 {
+        self.nanos as f64 / NANOS_PER_UNIT as f64
+    }
+
     /// Strictly below zero.
     pub fn is_negative(self) -> bool {
         self.nanos < 0
@@ -105,6 +112,13 @@ impl Quantity {
     pub fn is_multiple_of(self, unit: Quantity) -> bool {
         unit.nanos > 0 && self.nanos % unit.nanos == 0
     }
+}
+
+/// A quantity string (surrounding whitespace ignored) in units, e.g. `"4Gi"` → 4294967296.0,
+/// `"250m"` → 0.25, `"1e3"` → 1000.0. `None` when it is not a quantity or too large
+/// ([`Quantity::parse`]).
+pub fn parse_quantity(s: &str) -> Option<f64> {
+    Quantity::parse(s.trim()).ok().map(Quantity::as_f64)
 }
 
 fn pow10(e: i32) -> Option<i128> {
