@@ -323,6 +323,13 @@ pub struct StreamEntry {
     pub tier: Tier,
 }
 
+/// What the index has registered ([`PrefixIndex::registered_block_sizes`]): per hash scheme
+/// its block sizes, and per tenant its (hash scheme, block size) pairs.
+pub type RegisteredBlockSizes = (
+    std::collections::BTreeMap<String, std::collections::BTreeSet<u32>>,
+    std::collections::BTreeMap<String, std::collections::BTreeSet<(String, u32)>>,
+);
+
 /// The in-memory prefix index. Not internally synchronised (except its [`PolicyTable`]): wrap it
 /// in a lock.
 #[derive(Debug)]
@@ -549,9 +556,8 @@ impl PrefixIndex {
     }
 
     /// The block sizes registered per hash scheme and, per tenant, its (hash scheme, block
-    /// size) pairs: what the ingest caps count from (`ingest::scope::BlockSizeBudget`,
-    /// issue 38 items 4 and 5). O(partitions).
-    pub fn registered_block_sizes(&self) -> crate::ingest::scope::Registered {
+    /// size) pairs: what the ingest caps count from (issue 38 items 4 and 5). O(partitions).
+    pub fn registered_block_sizes(&self) -> RegisteredBlockSizes {
         let mut sizes: std::collections::BTreeMap<String, std::collections::BTreeSet<u32>> =
             Default::default();
         let mut tenants: std::collections::BTreeMap<

@@ -35,12 +35,8 @@ pub const MAX_BLOCK_SIZES_PER_TENANT: usize = MAX_BLOCK_SIZES;
 /// walks all of them.
 pub const MAX_OTHER_HASH_SCHEMES: usize = 8;
 
-/// What the index has registered: per hash scheme its block sizes, per tenant its
-/// (scheme, block size) pairs ([`crate::index::PrefixIndex::registered_block_sizes`]).
-pub type Registered = (
-    BTreeMap<String, BTreeSet<u32>>,
-    BTreeMap<String, BTreeSet<(String, u32)>>,
-);
+/// What the index has registered ([`crate::index::RegisteredBlockSizes`]).
+pub use crate::index::RegisteredBlockSizes as Registered;
 
 /// The block sizes registered per hash scheme and per tenant, and the caps new ones are held
 /// to.

@@ -1,7 +1,7 @@
 //! Kubernetes Events (spec 000 "Contract Notes").
 //!
 //! Events are emitted only on meaningful transitions, never on steady-state reconciles; the
-//! decision of *which* events a reconcile emits is pure (see `status::evaluate`); publishing goes
+//! decision of *which* events a reconcile emits is pure (see `status::transitions`); publishing goes
 //! through the small [`EventSink`] trait: [`KubeEventSink`] (kube-runtime's `Recorder`,
 //! `events.k8s.io/v1`) in the cluster, [`RecordingEventSink`] in tests.
 
