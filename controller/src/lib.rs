@@ -18,6 +18,7 @@
 
 pub mod access;
 pub mod adapters;
+pub mod annotations;
 
 /// This build's version and commit (`inferencecache_build_info` on `/metrics`).
 pub const BUILD_INFO: ic_shared::telemetry::BuildInfo = ic_shared::build_info!();

@@ -67,7 +67,7 @@ pub const ANNOTATION_INJECTED_BY: &str = "inferencecache.io/injected-by";
 pub const ANNOTATION_INJECTED_BY_UID: &str = "inferencecache.io/injected-by-uid";
 /// Pod annotation stamped on a wired pod: the JSON [`ic_shared::crd::WiredSpec`] of the
 /// CacheBackend spec it was wired under (the node plan reads it instead of the current spec).
-pub const ANNOTATION_WIRED_SPEC: &str = crate::reconcile::annotations::WIRED_SPEC;
+pub const ANNOTATION_WIRED_SPEC: &str = crate::annotations::WIRED_SPEC;
 /// Pod annotation stamped when the operator opted out with [`ANNOTATION_SKIP_INJECT`].
 pub const ANNOTATION_INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
 /// Pod annotation stamped on a pod a CacheBackend selects but that is admitted unwired:
@@ -75,11 +75,11 @@ pub const ANNOTATION_INJECT_SKIPPED: &str = "inferencecache.io/inject-skipped";
 /// the lasting record of the fail-open (admission warnings of a ReplicaSet's pods reach the
 /// kube-controller-manager, not the user); the engine-pod Events controller turns it into a
 /// Warning `NotInjected` Event on the pod. Never read as wiring.
-pub const ANNOTATION_NOT_INJECTED: &str = crate::reconcile::annotations::NOT_INJECTED;
+pub const ANNOTATION_NOT_INJECTED: &str = crate::annotations::NOT_INJECTED;
 /// Longest [`ANNOTATION_NOT_INJECTED`] value, characters.
 pub const MAX_NOT_INJECTED_CHARS: usize = 1024;
 /// Pod annotation by which an operator opts a pod out of wiring (truthy value).
-pub const ANNOTATION_SKIP_INJECT: &str = crate::reconcile::annotations::SKIP_INJECT;
+pub const ANNOTATION_SKIP_INJECT: &str = crate::annotations::SKIP_INJECT;
 /// Value of [`ANNOTATION_INJECT_SKIPPED`].
 pub const SKIPPED_BY_OPERATOR: &str = "skip-inject-annotation";
 /// `PodOutcome::reason` of a wired pod.
@@ -215,7 +215,7 @@ pub fn mutate_pod<B: Borrow<CacheBackend>>(
     })
 }
 
-use crate::reconcile::annotations::is_truthy as truthy;
+use crate::annotations::is_truthy as truthy;
 
 fn annotations(pod: &mut Pod) -> &mut BTreeMap<String, String> {
     pod.metadata.annotations.get_or_insert_with(BTreeMap::new)
