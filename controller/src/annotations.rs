@@ -1,4 +1,5 @@
-//! Annotation keys of inference-cache on engine pods and its objects (spec 000), and how a truthy value reads.
+//! Annotation keys of inference-cache on engine pods and its objects (spec 000), and how a
+//! truthy value reads.
 //!
 //! The contract between the Pod webhook (which writes them) and the reconcilers (which read
 //! them); both import it from here.
