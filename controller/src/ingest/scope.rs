@@ -11,6 +11,9 @@
 //!   [`MAX_BLOCK_SIZE`](ic_shared::limits::MAX_BLOCK_SIZE), or one that would register more
 //!   than [`MAX_BLOCK_SIZES`](ic_shared::limits::MAX_BLOCK_SIZES) distinct sizes for a hash
 //!   scheme, is dropped and counted (`reason="block_size_cap"`); the rest of its stream is kept.
+//!   Every tenant's first [`BLOCK_SIZE_FLOOR_PER_TENANT`] sizes of a scheme are admitted
+//!   whatever other tenants registered: only sizes beyond that floor compete for the scheme's
+//!   shared budget (issue 38 Deliver 4: a tenant must not refuse another tenant's stream).
 //! - **hash schemes and block sizes per tenant** (issue 38 item 5: 32 schemes × 64 sizes made
 //!   one 1 M-token lookup take 8.6 s) — a tenant may register at most
 //!   [`MAX_HASH_SCHEMES_PER_TENANT`] hash schemes and [`MAX_BLOCK_SIZES_PER_TENANT`]
@@ -30,6 +33,16 @@ pub const MAX_HASH_SCHEMES_PER_TENANT: usize = 4;
 /// tenant chunks and hashes its prompt once per block size, so this bounds that work to what
 /// one scheme could cost before.
 pub const MAX_BLOCK_SIZES_PER_TENANT: usize = MAX_BLOCK_SIZES;
+/// Block sizes per hash scheme every tenant may register whatever other tenants registered
+/// (its first ones: real engines use one or two). Sizes within a tenant's floor are admitted
+/// whatever the scheme's shared [`MAX_BLOCK_SIZES`] budget holds; only its sizes beyond the
+/// floor compete for that budget (admitted while the scheme holds fewer than
+/// [`MAX_BLOCK_SIZES`] sizes, every tenant's included, or when the size is registered already).
+/// So one tenant's 64 sizes cannot refuse another tenant's stream (issue 38 Deliver 4). The
+/// per-tenant caps ([`MAX_HASH_SCHEMES_PER_TENANT`], [`MAX_BLOCK_SIZES_PER_TENANT`]) still
+/// apply to it. A scheme then holds at most `MAX_BLOCK_SIZES + 4 × tenants` sizes (and never
+/// more than [`MAX_BLOCK_SIZE`] distinct ones).
+pub const BLOCK_SIZE_FLOOR_PER_TENANT: usize = 4;
 /// Most hash schemes the whole index may hold besides the engines' own (`vllm`, `sglang`, which
 /// are always admitted, so other tenants' names cannot crowd them out): a tenant-less lookup
 /// walks all of them.
@@ -54,7 +67,8 @@ impl BlockSizeBudget {
     }
 
     /// Whether `block_size` may be used for `scheme` by `tenant` (registering it when new and
-    /// under every cap).
+    /// under every cap). A size within the tenant's [`BLOCK_SIZE_FLOOR_PER_TENANT`] for the
+    /// scheme skips the scheme's shared [`MAX_BLOCK_SIZES`] cap (not the per-tenant ones).
     pub fn admit(&mut self, tenant: &str, scheme: &str, block_size: u32) -> bool {
         if block_size > MAX_BLOCK_SIZE {
             return false;
@@ -70,14 +84,21 @@ impl BlockSizeBudget {
         {
             return false;
         }
+        let mine = self.tenants.get(tenant);
         let size_known = self
             .sizes
             .get(scheme)
             .is_some_and(|set| set.contains(&block_size));
-        if !size_known && self.sizes.get(scheme).map_or(0, BTreeSet::len) >= MAX_BLOCK_SIZES {
+        // A tenant's first sizes of a scheme are its own (issue 38 Deliver 4: another tenant's
+        // registrations must not refuse them); only the sizes beyond that floor compete for the
+        // scheme's shared budget.
+        let within_floor = tenant_sizes_of(mine, scheme) < BLOCK_SIZE_FLOOR_PER_TENANT;
+        if !size_known
+            && !within_floor
+            && self.sizes.get(scheme).map_or(0, BTreeSet::len) >= MAX_BLOCK_SIZES
+        {
             return false;
         }
-        let mine = self.tenants.get(tenant);
         let tenant_has_scheme = mine.is_some_and(|t| t.iter().any(|(s, _)| s == scheme));
         if !tenant_has_scheme && tenant_schemes(mine) >= MAX_HASH_SCHEMES_PER_TENANT {
             return false;
@@ -95,6 +116,10 @@ impl BlockSizeBudget {
             .insert(pair);
         true
     }
+}
+
+fn tenant_sizes_of(pairs: Option<&BTreeSet<(String, u32)>>, scheme: &str) -> usize {
+    pairs.map_or(0, |p| p.iter().filter(|(s, _)| s == scheme).count())
 }
 
 fn tenant_schemes(pairs: Option<&BTreeSet<(String, u32)>>) -> usize {
@@ -173,6 +198,34 @@ mod tests {
         assert!(b.admit("u", "sglang", 1), "a registered size stays usable");
         // Another scheme has its own budget.
         assert!(b.admit("v", "vllm", 2048));
+    }
+
+    /// Issue 38 Deliver 4 (breaker D3): one tenant's 64 vLLM sizes left another tenant's
+    /// genuine size-16 stream at 0 entries (`BlockSizeCapExceeded`). Every tenant's first
+    /// sizes are now its own; only sizes beyond the floor compete for the shared budget.
+    #[test]
+    fn a_tenant_with_64_sizes_does_not_refuse_another_tenants_first_sizes() {
+        let mut b = BlockSizeBudget::default();
+        let taken = (100..200u32)
+            .filter(|s| b.admit("attacker", "vllm", *s))
+            .count();
+        assert_eq!(taken, MAX_BLOCK_SIZES);
+        for t in ["team-a", "team-b"] {
+            for size in [16, 32, 8, 1].iter().take(BLOCK_SIZE_FLOOR_PER_TENANT) {
+                assert!(b.admit(t, "vllm", *size), "{t} size {size}");
+            }
+            assert!(b.admit(t, "vllm", 16), "an admitted size stays usable");
+        }
+        // Beyond its floor a tenant competes for the full shared budget: a new size is refused,
+        // one the scheme registered already is not.
+        assert!(!b.admit("team-a", "vllm", 64));
+        assert!(b.admit("team-a", "vllm", 100));
+        // The attacker gets no more than before from the floors of the others.
+        assert!(!b.admit("attacker", "vllm", 7));
+        // Rebuilt from the index's registrations (as every resync does), the floor still holds.
+        let mut b = BlockSizeBudget::new((b.sizes, b.tenants));
+        assert!(b.admit("team-c", "vllm", 16));
+        assert!(b.admit("team-a", "vllm", 32));
     }
 
     /// Issue 38 item 5: 32 schemes × 64 sizes of one tenant made a 1 M-token lookup take 8.6 s.

@@ -1275,3 +1275,78 @@ async fn the_resync_turn_idle_flag_sets_how_long_a_silent_holder_keeps_the_turn(
     })
     .await;
 }
+
+/// Issue 38 Deliver 4 (breaker D3): a tenant that registered 64 vLLM block sizes (none of
+/// them 16) left another tenant's genuine size-16 stream at 0 entries, Partial /
+/// `BlockSizeCapExceeded`, counted under `block_size_cap` against the victim. A tenant's first
+/// sizes are now its own whatever other tenants registered.
+#[tokio::test]
+async fn a_tenant_with_64_block_sizes_does_not_refuse_another_tenants_stream() {
+    let (url, shared) = serve(None).await;
+    let (_attacker, tx) = open(&url, hello("n1", None, "")).await;
+    let mut r = exact_resync(&[("evil", "pod-x", "e1")]);
+    let first = r.streams[0].entries[0].clone();
+    r.streams[0].entries = (0..ic_shared::limits::MAX_BLOCK_SIZES as u32)
+        .map(|i| BlockEntry {
+            block_size: 100 + i,
+            content_key: 0xe000 + u64::from(i),
+            ..first.clone()
+        })
+        .collect();
+    tx.send(AgentMessage {
+        msg: Some(Msg::Resync(r)),
+    })
+    .await
+    .unwrap();
+    until("the attacker's 64 sizes", || {
+        shared.index.read().block_sizes().get("vllm").map(Vec::len)
+            == Some(ic_shared::limits::MAX_BLOCK_SIZES)
+    })
+    .await;
+    assert_eq!(refused(&shared, "block_size_cap"), 0);
+    let (_victim, tx) = open(&url, hello("n2", None, "")).await;
+    tx.send(AgentMessage {
+        msg: Some(Msg::Resync(exact_resync(&[("team-a", "pod-a", "a1")]))),
+    })
+    .await
+    .unwrap();
+    until("the victim's resync", || {
+        coverage(&shared, "team-a/pod-a#0").is_some()
+    })
+    .await;
+    assert_eq!(
+        coverage(&shared, "team-a/pod-a#0"),
+        Some(("Exact", None)),
+        "another tenant's sizes must not refuse team-a's first size"
+    );
+    assert_eq!(
+        shared
+            .index
+            .read()
+            .stream_entries("team-a/pod-a#0")
+            .map(|e| e.len()),
+        Some(1)
+    );
+    assert_eq!(refused(&shared, "block_size_cap"), 0);
+    // A delta of team-a's own size keeps it Exact and lands.
+    tx.send(AgentMessage {
+        msg: Some(Msg::KvDeltas(proto::KvDeltaBatch {
+            batch_id: 1,
+            deltas: vec![proto::StreamDelta {
+                coverage: proto::Coverage::Exact as i32,
+                ..delta("team-a", "pod-a", 1, 0xa2)
+            }],
+        })),
+    })
+    .await
+    .unwrap();
+    until("the delta", || {
+        shared
+            .index
+            .read()
+            .stream_entries("team-a/pod-a#0")
+            .is_some_and(|e| e.len() == 2)
+    })
+    .await;
+    assert_eq!(refused(&shared, "block_size_cap"), 0);
+}
