@@ -361,7 +361,7 @@ pub async fn start_with_runner(
             listener,
             app,
             cfg.limits,
-            Default::default(),
+            state.metrics.listeners.stats("http"),
             "HTTP",
         )));
     }
@@ -371,7 +371,7 @@ pub async fn start_with_runner(
             listener,
             app,
             cfg.limits,
-            Default::default(),
+            state.metrics.listeners.stats("metrics"),
             "metrics",
         )));
     }

@@ -81,6 +81,10 @@ pub struct AgentMetrics {
     pub kv_batches_sent_total: IntCounter,
     /// Per-check detail gauges (bounded labels), see `checks::metrics`.
     pub check_details: crate::checks::metrics::CheckMetrics,
+    /// Connections each HTTP listener (`http`, `metrics`) closed on its own, by reason:
+    /// `inferencecache_agent_listener_connections_closed_total{listener, reason}`
+    /// ([`ic_shared::serve::ListenerMetrics`]).
+    pub listeners: ic_shared::serve::ListenerMetrics,
 }
 
 impl AgentMetrics {
@@ -125,6 +129,7 @@ impl AgentMetrics {
         registry.register(Box::new(link_connects_total.clone()))?;
         registry.register(Box::new(kv_batches_sent_total.clone()))?;
         let check_details = crate::checks::metrics::CheckMetrics::register(&registry)?;
+        let listeners = ic_shared::serve::ListenerMetrics::register(&registry, p)?;
         ic_shared::telemetry::register_process_and_build_info(&registry, crate::BUILD_INFO)?;
         Ok(AgentMetrics {
             registry,
@@ -134,6 +139,7 @@ impl AgentMetrics {
             link_connects_total,
             kv_batches_sent_total,
             check_details,
+            listeners,
         })
     }
 

@@ -429,7 +429,7 @@ pub async fn start(cfg: SubscribeConfig) -> Result<Subscriber, SubscribeError> {
         pass_rx,
         Arc::new(Notify::new()),
     ))];
-    let metrics_stats = Arc::new(ic_shared::serve::ListenerStats::default());
+    let metrics_stats = state.metrics.listeners.stats("metrics");
     if let Some(listener) = metrics_listener {
         tasks.push(tokio::spawn(crate::runtime::serve_limited(
             listener,

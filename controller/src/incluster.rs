@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use ic_shared::proto::agent_service_server::AgentServiceServer;
 use ic_shared::proto::router_service_server::RouterServiceServer;
-use ic_shared::serve::{self, ConnectionLimits, ListenerStats};
+use ic_shared::serve::{self, ConnectionLimits};
 use kube::Client;
 use thiserror::Error;
 use tokio::net::TcpListener;
@@ -424,6 +424,10 @@ pub async fn start_admission(
     let running = server::start(admission, server_config)
         .await
         .map_err(|e| part(e.to_string()))?;
+    ctx.shared
+        .metrics
+        .listeners
+        .add("webhook", running.stats.clone());
     if let Some(mut keeper) = shared_keeper {
         // Every replica, leader or not: renews when due (writes are serialized by the Secret's
         // resourceVersion), keeps the caBundle, and reloads the Secret's pair when it changes.
@@ -804,7 +808,7 @@ where
                 serve::grpc_incoming(
                     grpc_listener,
                     cfg.limits,
-                    Arc::new(ListenerStats::default()),
+                    shared.metrics.listeners.stats("grpc"),
                 ),
                 async move {
                     let _ = grpc_stop.wait_for(|s| *s).await;
@@ -822,7 +826,7 @@ where
         http_listener,
         app,
         cfg.limits,
-        Arc::new(ListenerStats::default()),
+        shared.metrics.listeners.stats("http"),
         serve::plain,
         async move {
             let _ = http_stop.wait_for(|s| *s).await;
@@ -839,13 +843,14 @@ where
         let mut health_stop = stop_rx.clone();
         let app = http::health_router(ready.clone());
         let limits = cfg.limits.health();
+        let health_stats = shared.metrics.listeners.stats("health");
         health_addr = Some(addr);
         health_task = Some(tokio::spawn(async move {
             if let Err(e) = serve::serve_http(
                 listener,
                 app,
                 limits,
-                Arc::new(ListenerStats::default()),
+                health_stats,
                 serve::plain,
                 async move {
                     let _ = health_stop.wait_for(|s| *s).await;

@@ -7,7 +7,7 @@ use prometheus::{
     Registry,
 };
 
-use labels::{PromptRefusal, WriteHold};
+use labels::{PromptRefusal, StreamRejection, WriteHold};
 
 /// Bucket bounds of the controller's sub-second latency histograms, seconds (10 µs – 100 ms);
 /// the lock-wait histogram adds 1 µs below, the write-hold histogram 0.25 s and 1 s above.
@@ -23,7 +23,9 @@ pub struct ControllerMetrics {
     pub registry: Registry,
     /// Agents with an open stream.
     pub agents_connected: IntGauge,
-    /// Agent streams opened, by outcome (`accepted`, `rejected`).
+    /// Agent streams opened, by outcome (`accepted`, `rejected`) and, for `rejected`, reason
+    /// ([`StreamRejection`]; empty for `accepted`). Count through [`Self::stream_accepted`]
+    /// and [`Self::stream_rejected`].
     pub agent_streams_total: IntCounterVec,
     /// KV delta batches received.
     pub kv_batches_total: IntCounter,
@@ -89,6 +91,10 @@ pub struct ControllerMetrics {
     /// 1 while a model's tokenizer file on disk failed to load (the last good one, if any, is
     /// still used), else 0; by model.
     pub tokenizer_load_failing: IntGaugeVec,
+    /// Connections each listener (`grpc`, `http`, `health`, `webhook`) closed on its own, by
+    /// reason: `inferencecache_controller_listener_connections_closed_total{listener, reason}`
+    /// ([`ic_shared::serve::ListenerMetrics`]). Listeners take their stats from it.
+    pub listeners: ic_shared::serve::ListenerMetrics,
 }
 
 impl ControllerMetrics {
@@ -103,9 +109,9 @@ impl ControllerMetrics {
         let agent_streams_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}agent_streams_total"),
-                "Agent streams opened, by outcome.",
+                "AgentService.Connect streams, by outcome (accepted, rejected) and the rejection's reason (pending_hellos_full, pending_per_source_full, hello_timeout, first_message_too_large, stream_error, no_hello, invalid_hello, unauthenticated, wrong_identity, review_unavailable, review_rate_limited, not_planned; empty when accepted).",
             ),
-            &["outcome"],
+            &["outcome", "reason"],
         )?;
         let kv_batches_total = IntCounter::new(
             format!("{p}kv_batches_total"),
@@ -264,11 +270,11 @@ impl ControllerMetrics {
         registry.register(Box::new(prompt_text_refusals_total.clone()))?;
         registry.register(Box::new(tokenizer_loads_total.clone()))?;
         registry.register(Box::new(tokenizer_load_failing.clone()))?;
+        let listeners = ic_shared::serve::ListenerMetrics::register(&registry, p)?;
         ic_shared::telemetry::register_process_and_build_info(&registry, crate::BUILD_INFO)?;
         // Every value of these bounded labels exists from the start at 0, so a dashboard or
         // alert reads 0 (not "No data") until the first event of its kind.
         for (vec, values) in [
-            (&agent_streams_total, &["accepted", "rejected"][..]),
             (
                 &kv_deltas_refused_total,
                 &[
@@ -293,6 +299,10 @@ impl ControllerMetrics {
             for v in values {
                 vec.with_label_values(&[*v]);
             }
+        }
+        agent_streams_total.with_label_values(&["accepted", ""]);
+        for r in StreamRejection::ALL {
+            agent_streams_total.with_label_values(&["rejected", r.as_str()]);
         }
         for v in ["waiting", "applying"] {
             resyncs_pending.with_label_values(&[v]);
@@ -326,7 +336,22 @@ impl ControllerMetrics {
             prompt_text_refusals_total,
             tokenizer_loads_total,
             tokenizer_load_failing,
+            listeners,
         })
+    }
+
+    /// Counts an accepted agent stream.
+    pub fn stream_accepted(&self) {
+        self.agent_streams_total
+            .with_label_values(&["accepted", ""])
+            .inc();
+    }
+
+    /// Counts a refused agent stream under `reason`.
+    pub fn stream_rejected(&self, reason: StreamRejection) {
+        self.agent_streams_total
+            .with_label_values(&["rejected", reason.as_str()])
+            .inc();
     }
 
     /// Prometheus text exposition of the registry.
@@ -345,7 +370,8 @@ mod tests {
         let m = ControllerMetrics::new().unwrap();
         let text = ic_shared::telemetry::encode_metrics(&m.registry);
         for series in [
-            "inferencecache_controller_agent_streams_total{outcome=\"rejected\"} 0",
+            "inferencecache_controller_agent_streams_total{outcome=\"rejected\",reason=\"hello_timeout\"} 0",
+            "inferencecache_controller_agent_streams_total{outcome=\"accepted\",reason=\"\"} 0",
             "inferencecache_controller_kv_deltas_refused_total{reason=\"awaiting_resync\"} 0",
             "inferencecache_controller_kv_deltas_refused_total{reason=\"sequence_gap\"} 0",
             "inferencecache_controller_kv_resyncs_total{trigger=\"requested\"} 0",

@@ -204,8 +204,8 @@ where
         info!("standalone mode: agent streams are not authenticated (loopback only)");
     }
 
-    let grpc_stats = Arc::new(ListenerStats::default());
-    let http_stats = Arc::new(ListenerStats::default());
+    let grpc_stats = shared.metrics.listeners.stats("grpc");
+    let http_stats = shared.metrics.listeners.stats("http");
     let grpc = tokio::spawn(
         cfg.limits
             .grpc_server()
@@ -249,7 +249,7 @@ where
                 listener,
                 http::health_router(ready.clone()),
                 limits,
-                Arc::new(ListenerStats::default()),
+                shared.metrics.listeners.stats("health"),
                 serve::plain,
                 async move {
                     let _ = health_stop.wait_for(|s| *s).await;

@@ -830,3 +830,176 @@ async fn idle_http2_and_half_prefaces_on_the_webhook_listener_are_closed() {
     }
     assert!(running.stats.timed_out() >= 1);
 }
+
+// ---- the binary's /metrics: every refusal counted with its reason ------------------------
+
+/// `GET path` over HTTP/1.1 on a fresh connection: the body.
+async fn get_body(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(GUARD, s.read_to_end(&mut out))
+        .await
+        .expect("no answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+/// The value of the series `name{labels}` in a Prometheus text exposition (labels as the
+/// exposition writes them, sorted by name); `None` when absent.
+fn series(text: &str, name: &str, labels: &str) -> Option<u64> {
+    let key = format!("{name}{{{labels}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Issue 38 acceptance "the attacker refused and counted" (breaker D5): connection-level
+/// refusals, header-read and idle closes were kept in-process only, and rejected agent streams
+/// had no reason. The real binary, attacked on each listener, then scraped: every refusal is
+/// on `/metrics` under its listener and reason. (`RST_STREAM(REFUSED_STREAM)` beyond
+/// `--max-concurrent-streams` is sent by hyper's h2 and never reaches the application, so it
+/// is not counted: the streams it admits are, by their Hello outcome.)
+#[tokio::test]
+async fn the_binarys_metrics_count_each_refusal_with_its_listener_and_reason() {
+    let (grpc, http, health) = (free_port(), free_port(), free_port());
+    let _child = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_ic-controller"))
+            .args([
+                "standalone",
+                &format!("--grpc-addr=127.0.0.1:{grpc}"),
+                &format!("--http-addr=127.0.0.1:{http}"),
+                &format!("--health-addr=127.0.0.1:{health}"),
+                "--max-connections=6",
+                "--max-concurrent-streams=4",
+                "--header-read-timeout-seconds=2",
+                "--idle-timeout-seconds=2",
+                "--agent-hello-timeout-seconds=1",
+                "--agent-pre-auth-bytes=65536",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let grpc: SocketAddr = format!("127.0.0.1:{grpc}").parse().unwrap();
+    let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
+    let health: SocketAddr = format!("127.0.0.1:{health}").parse().unwrap();
+    let deadline = Instant::now() + GUARD;
+    while TcpStream::connect(health).await.is_err() || get(health, "/readyz").await != 200 {
+        assert!(Instant::now() < deadline, "the controller did not start");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let closed = "inferencecache_controller_listener_connections_closed_total";
+    let rejected = "inferencecache_controller_agent_streams_total";
+    let text = get_body(http, "/metrics").await;
+    for listener in ["grpc", "http", "health"] {
+        for reason in ["connection_cap", "header_read_timeout", "idle_timeout"] {
+            assert!(
+                series(
+                    &text,
+                    closed,
+                    &format!("listener=\"{listener}\",reason=\"{reason}\"")
+                )
+                .is_some(),
+                "no {listener}/{reason} series before the attacks:\n{text}"
+            );
+        }
+    }
+
+    // A stream flood on one connection: 10 Connect streams, 4 admitted (hyper refuses the
+    // rest itself), none sends a Hello: each admitted one ends at the Hello deadline.
+    let (mut c, _) = raw_h2(grpc).await;
+    let mut burst = Vec::new();
+    for i in 0..10u32 {
+        burst.extend(connect_headers(2 * i + 1));
+    }
+    c.write_all(&burst).await.unwrap();
+    // A first message announcing 8 MiB on another connection.
+    let (mut send, _conn) = h2_client(grpc).await;
+    let (tx, body) = fed_body();
+    let mut first = vec![0u8];
+    first.extend_from_slice(&(8u32 * 1024 * 1024).to_be_bytes());
+    tx.send(Ok(Frame::data(Bytes::from(first)))).await.unwrap();
+    let resp = tokio::time::timeout(GUARD, send.send_request(grpc_request(CONNECT_PATH, body)))
+        .await
+        .expect("the oversized first message was held")
+        .unwrap();
+    assert_eq!(grpc_status(resp).await.0, "8");
+    drop(tx);
+    // A half-sent preface on the gRPC listener: cut at the header-read deadline.
+    let mut half = TcpStream::connect(grpc).await.unwrap();
+    half.write_all(&PREFACE[..12]).await.unwrap();
+    until_closed(&mut half).await;
+    // An HTTP/2 client that asks once, then idles answering pings: an idle close.
+    let (mut send, conn) = h2_client(http).await;
+    let (tx, body) = fed_body();
+    drop(tx);
+    let resp = send
+        .send_request(http::Request::get("http://x/healthz").body(body).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    tokio::time::timeout(GUARD, conn)
+        .await
+        .expect("the idle HTTP/2 connection was kept open")
+        .unwrap();
+    // The health listener's slots, held by silent clients, then one more: refused at accept.
+    let mut held = Vec::new();
+    for _ in 0..32 {
+        held.push(TcpStream::connect(health).await.unwrap());
+    }
+    let mut extra = TcpStream::connect(health).await.unwrap();
+    until_closed(&mut extra).await;
+
+    // Everything above is on /metrics, by listener and reason.
+    let deadline = Instant::now() + GUARD;
+    let text = loop {
+        let text = get_body(http, "/metrics").await;
+        let value = |name: &str, labels: &str| series(&text, name, labels).unwrap_or(0);
+        let done = value(rejected, "outcome=\"rejected\",reason=\"hello_timeout\"") >= 4
+            && value(closed, "listener=\"health\",reason=\"connection_cap\"") >= 1;
+        if done || Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let value = |name: &str, labels: &str| series(&text, name, labels).unwrap_or(0);
+    assert_eq!(
+        value(rejected, "outcome=\"rejected\",reason=\"hello_timeout\""),
+        4,
+        "the 4 admitted Hello-less streams:\n{text}"
+    );
+    assert_eq!(
+        value(
+            rejected,
+            "outcome=\"rejected\",reason=\"first_message_too_large\""
+        ),
+        1,
+        "{text}"
+    );
+    assert_eq!(
+        value(rejected, "outcome=\"accepted\",reason=\"\""),
+        0,
+        "{text}"
+    );
+    assert!(
+        value(closed, "listener=\"grpc\",reason=\"header_read_timeout\"") >= 1,
+        "{text}"
+    );
+    assert!(
+        value(closed, "listener=\"http\",reason=\"idle_timeout\"") >= 1,
+        "{text}"
+    );
+    assert!(
+        value(closed, "listener=\"health\",reason=\"connection_cap\"") >= 1,
+        "{text}"
+    );
+    drop(held);
+    drop(c);
+}

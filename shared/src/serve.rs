@@ -295,13 +295,15 @@ impl ConnectionLimitArgs {
     }
 }
 
-/// Counters of one listener (tests and logs read them).
+/// Counters of one listener (tests read them; [`ListenerMetrics`] exports them as
+/// `…_listener_connections_closed_total{listener, reason}`).
 #[derive(Debug, Default)]
 pub struct ListenerStats {
     /// Connections closed at accept because the cap was reached.
     pub refused: AtomicU64,
     /// Connections closed because the header-read (or first-byte, or handshake, or
-    /// first-request) deadline passed.
+    /// first-request) deadline passed, hyper's own HTTP/1.1 header-read timeout on a
+    /// keep-alive connection included.
     pub timed_out: AtomicU64,
     /// Connections closed after [`ConnectionLimits::idle_timeout`] with no request in flight.
     pub idle_closed: AtomicU64,
@@ -320,6 +322,110 @@ impl ListenerStats {
     /// Connections closed for having no request in flight for the idle timeout so far.
     pub fn idle_closed(&self) -> u64 {
         self.idle_closed.load(Ordering::Relaxed)
+    }
+}
+
+/// The `reason` label values of `…_listener_connections_closed_total`, in the order of
+/// [`ListenerStats`]' counters: `connection_cap` ([`ListenerStats::refused`]),
+/// `header_read_timeout` ([`ListenerStats::timed_out`]), `idle_timeout`
+/// ([`ListenerStats::idle_closed`]).
+pub const CLOSE_REASONS: [&str; 3] = ["connection_cap", "header_read_timeout", "idle_timeout"];
+
+/// The listeners of one binary exported on its registry as the counter
+/// `{prefix}listener_connections_closed_total{listener, reason}` (connections; reasons
+/// [`CLOSE_REASONS`]), read from each listener's [`ListenerStats`] at every scrape. Every
+/// listener's series exist at 0 from when it is added. Streams that hyper's HTTP/2 server
+/// refuses itself (`RST_STREAM(REFUSED_STREAM)` beyond
+/// [`ConnectionLimits::max_concurrent_streams`]) are not counted: hyper and h2 do not report
+/// them to the application (docs/security.md "Streams, handshakes and idle connections").
+#[derive(Clone)]
+pub struct ListenerMetrics {
+    closed: prometheus::IntCounterVec,
+    listeners: Arc<std::sync::Mutex<Vec<(&'static str, Arc<ListenerStats>)>>>,
+}
+
+impl std::fmt::Debug for ListenerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerMetrics").finish_non_exhaustive()
+    }
+}
+
+impl ListenerMetrics {
+    /// Registers `{prefix}listener_connections_closed_total` on `registry` (`prefix`:
+    /// `inferencecache_controller_`, `inferencecache_agent_`).
+    ///
+    /// # Errors
+    /// The registry's, when the name is registered already.
+    pub fn register(
+        registry: &prometheus::Registry,
+        prefix: &str,
+    ) -> Result<Self, prometheus::Error> {
+        let closed = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                format!("{prefix}listener_connections_closed_total"),
+                "Connections a listener closed on its own, by listener and reason \
+                 (connection_cap: refused at accept with every slot taken; header_read_timeout: \
+                 no request headers, gRPC first byte, TLS handshake or first HTTP/2 request \
+                 within the header-read deadline; idle_timeout: no request in flight for the \
+                 idle timeout, HTTP/2 pings not counting).",
+            ),
+            &["listener", "reason"],
+        )?;
+        let m = ListenerMetrics {
+            closed,
+            listeners: Arc::default(),
+        };
+        registry.register(Box::new(m.clone()))?;
+        Ok(m)
+    }
+
+    /// New stats for the listener `listener` (`grpc`, `http`, `health`, `webhook`, `metrics`),
+    /// exported from now on.
+    pub fn stats(&self, listener: &'static str) -> Arc<ListenerStats> {
+        let stats = Arc::new(ListenerStats::default());
+        self.add(listener, stats.clone());
+        stats
+    }
+
+    /// Exports `stats` under `listener` from now on.
+    pub fn add(&self, listener: &'static str, stats: Arc<ListenerStats>) {
+        for reason in CLOSE_REASONS {
+            self.closed.with_label_values(&[listener, reason]);
+        }
+        self.lock().push((listener, stats));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(&'static str, Arc<ListenerStats>)>> {
+        self.listeners
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl prometheus::core::Collector for ListenerMetrics {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.closed.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        // Held while the counters catch up with the stats, so two scrapes cannot both add.
+        let listeners = self.lock();
+        // Listeners that share a name (a restarted server's, a test's stacks) add up.
+        let mut sums: std::collections::BTreeMap<(&str, &str), u64> = Default::default();
+        for (listener, stats) in listeners.iter() {
+            let now = [stats.refused(), stats.timed_out(), stats.idle_closed()];
+            for (reason, now) in CLOSE_REASONS.iter().zip(now) {
+                *sums.entry((listener, reason)).or_default() += now;
+            }
+        }
+        for ((listener, reason), now) in sums {
+            let c = self.closed.with_label_values(&[listener, reason]);
+            let have = c.get();
+            if now > have {
+                c.inc_by(now - have);
+            }
+        }
+        self.closed.collect()
     }
 }
 
@@ -743,6 +849,12 @@ where
             // in flight for the idle timeout (HTTP/2 pings do not count).
             let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
             if let Err(e) = conn.await {
+                // hyper's HTTP/1.1 header-read timeout on a keep-alive connection.
+                if e.downcast_ref::<hyper::Error>()
+                    .is_some_and(hyper::Error::is_timeout)
+                {
+                    stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                }
                 debug!(%peer, error = %e, "HTTP connection ended with an error");
             }
         });

@@ -88,6 +88,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
+use crate::metrics::labels::StreamRejection;
 use crate::state::{now_unix_ms, Shared, WriteHold};
 
 /// Outbound queue depth per agent stream.
@@ -195,12 +196,8 @@ impl AgentIngest {
         result
     }
 
-    fn reject(&self, status: Status) -> Status {
-        self.shared
-            .metrics
-            .agent_streams_total
-            .with_label_values(&["rejected"])
-            .inc();
+    fn reject(&self, reason: StreamRejection, status: Status) -> Status {
+        self.shared.metrics.stream_rejected(reason);
         status
     }
 }
@@ -228,11 +225,14 @@ impl AgentService for AgentIngest {
             .clone()
             .try_acquire_owned()
             .map_err(|_| {
-                self.reject(Status::resource_exhausted(format!(
-                    "{} AgentService.Connect streams are awaiting their Hello or its \
+                self.reject(
+                    StreamRejection::PendingHellosFull,
+                    Status::resource_exhausted(format!(
+                        "{} AgentService.Connect streams are awaiting their Hello or its \
                      authentication (--agent-max-pending-hellos); retry shortly",
-                    self.handshake.max_pending
-                )))
+                        self.handshake.max_pending
+                    )),
+                )
             })?;
         let mut inbound = request.into_inner();
         let first = handshake::first_message(self.handshake.hello_timeout, inbound.message())
@@ -241,38 +241,31 @@ impl AgentService for AgentIngest {
                 if s.code() == tonic::Code::DeadlineExceeded {
                     warn!("an agent stream sent no Hello within its deadline; closed");
                 }
-                self.reject(s)
+                self.reject(StreamRejection::of_first_message(&s), s)
             })?;
         let hello = match first.and_then(|m| m.msg) {
             Some(Msg::Hello(h)) if !h.node.trim().is_empty() => {
-                handshake::check_hello_sizes(&h).map_err(|s| self.reject(s))?;
+                handshake::check_hello_sizes(&h)
+                    .map_err(|s| self.reject(StreamRejection::InvalidHello, s))?;
                 h
             }
             Some(Msg::Hello(_)) => {
-                self.shared
-                    .metrics
-                    .agent_streams_total
-                    .with_label_values(&["rejected"])
-                    .inc();
-                return Err(Status::invalid_argument("Hello.node must not be empty"));
+                return Err(self.reject(
+                    StreamRejection::InvalidHello,
+                    Status::invalid_argument("Hello.node must not be empty"),
+                ));
             }
             _ => {
                 self.shared
                     .metrics
-                    .agent_streams_total
-                    .with_label_values(&["rejected"])
-                    .inc();
+                    .stream_rejected(StreamRejection::NoHello);
                 return Err(Status::invalid_argument(
                     "the first message on AgentService.Connect must be Hello",
                 ));
             }
         };
         let refuse = |e: auth::AuthError| {
-            self.shared
-                .metrics
-                .agent_streams_total
-                .with_label_values(&["rejected"])
-                .inc();
+            self.shared.metrics.stream_rejected(e.rejection());
             warn!(node = %hello.node, error = %e, "agent stream refused");
             e.to_status()
         };
@@ -334,11 +327,7 @@ impl AgentService for AgentIngest {
                 .set(nodes.connected_count() as i64);
             (ticket, plan_generation, heard)
         };
-        self.shared
-            .metrics
-            .agent_streams_total
-            .with_label_values(&["accepted"])
-            .inc();
+        self.shared.metrics.stream_accepted();
         match &scope {
             Some(scope) => {
                 info!(node = %hello.node, pod = %scope.pod_ref(), version = %hello.version, instance = %hello.agent_instance, "pod subscriber connected")

@@ -109,3 +109,84 @@ impl PromptRefusal {
         }
     }
 }
+
+/// Why an `AgentService.Connect` stream was refused: the `reason` label of
+/// `inferencecache_controller_agent_streams_total{outcome="rejected"}` (docs/operations.md).
+/// Authentication failures are told apart further in `agent_auth_total{result}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamRejection {
+    /// `--agent-max-pending-hellos` streams were already awaiting their Hello.
+    PendingHellosFull,
+    /// The source address already held its share of the pending-Hello slots
+    /// (`--agent-max-pending-hellos-per-source`).
+    PendingPerSourceFull,
+    /// No first message within `--agent-hello-timeout-seconds`.
+    HelloTimeout,
+    /// The first message announced, or the stream sent, more than `--agent-pre-auth-bytes`
+    /// before its Hello was accepted.
+    FirstMessageTooLarge,
+    /// The stream failed (reset, undecodable message) before its first message.
+    StreamError,
+    /// The first message was not a Hello (or the stream ended before one).
+    NoHello,
+    /// A Hello with an empty node, names over the length cap, too many capabilities, or an
+    /// incomplete `pod_subscriber`.
+    InvalidHello,
+    /// The token was missing or did not verify.
+    Unauthenticated,
+    /// A valid token of another identity (service account, node, namespace or pod).
+    WrongIdentity,
+    /// The token could not be verified right now (TokenReview failed).
+    ReviewUnavailable,
+    /// The source address used up its share of TokenReviews.
+    ReviewRateLimited,
+    /// A subscriber of a pod the node plans do not know (or before plans are derived).
+    NotPlanned,
+}
+
+impl StreamRejection {
+    /// Every value, in label order.
+    pub const ALL: [StreamRejection; 12] = [
+        StreamRejection::PendingHellosFull,
+        StreamRejection::PendingPerSourceFull,
+        StreamRejection::HelloTimeout,
+        StreamRejection::FirstMessageTooLarge,
+        StreamRejection::StreamError,
+        StreamRejection::NoHello,
+        StreamRejection::InvalidHello,
+        StreamRejection::Unauthenticated,
+        StreamRejection::WrongIdentity,
+        StreamRejection::ReviewUnavailable,
+        StreamRejection::ReviewRateLimited,
+        StreamRejection::NotPlanned,
+    ];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamRejection::PendingHellosFull => "pending_hellos_full",
+            StreamRejection::PendingPerSourceFull => "pending_per_source_full",
+            StreamRejection::HelloTimeout => "hello_timeout",
+            StreamRejection::FirstMessageTooLarge => "first_message_too_large",
+            StreamRejection::StreamError => "stream_error",
+            StreamRejection::NoHello => "no_hello",
+            StreamRejection::InvalidHello => "invalid_hello",
+            StreamRejection::Unauthenticated => "unauthenticated",
+            StreamRejection::WrongIdentity => "wrong_identity",
+            StreamRejection::ReviewUnavailable => "review_unavailable",
+            StreamRejection::ReviewRateLimited => "review_rate_limited",
+            StreamRejection::NotPlanned => "not_planned",
+        }
+    }
+
+    /// The rejection of a failed first message ([`tonic::Status`] of
+    /// `ingest::handshake::first_message`): `DEADLINE_EXCEEDED` is the Hello deadline,
+    /// `RESOURCE_EXHAUSTED` the pre-authentication byte cap, anything else a stream error.
+    pub fn of_first_message(status: &tonic::Status) -> Self {
+        match status.code() {
+            tonic::Code::DeadlineExceeded => StreamRejection::HelloTimeout,
+            tonic::Code::ResourceExhausted => StreamRejection::FirstMessageTooLarge,
+            _ => StreamRejection::StreamError,
+        }
+    }
+}

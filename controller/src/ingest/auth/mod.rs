@@ -180,6 +180,26 @@ impl AuthError {
         }
     }
 
+    /// The `reason` of `agent_streams_total{outcome="rejected"}` this failure counts under
+    /// (coarser than [`Self::label`], which `agent_auth_total{result}` keeps).
+    pub fn rejection(&self) -> crate::metrics::labels::StreamRejection {
+        use crate::metrics::labels::StreamRejection as R;
+        match self {
+            AuthError::MissingToken { .. } | AuthError::Rejected(_) => R::Unauthenticated,
+            AuthError::Unavailable(_) => R::ReviewUnavailable,
+            AuthError::RateLimited { .. } => R::ReviewRateLimited,
+            AuthError::InvalidSubscriber(_) => R::InvalidHello,
+            AuthError::NotPlanned(_) | AuthError::PlansPending(_) => R::NotPlanned,
+            AuthError::WrongServiceAccount { .. }
+            | AuthError::NoNodeBinding { .. }
+            | AuthError::NodeMismatch { .. }
+            | AuthError::NoPodBinding { .. }
+            | AuthError::NamespaceMismatch { .. }
+            | AuthError::PodMismatch { .. }
+            | AuthError::StreamOutOfScope { .. } => R::WrongIdentity,
+        }
+    }
+
     /// Stable metric label.
     pub fn label(&self) -> &'static str {
         match self {
