@@ -341,8 +341,11 @@ pub const CLOSE_REASONS: [&str; 3] = ["connection_cap", "header_read_timeout", "
 #[derive(Clone)]
 pub struct ListenerMetrics {
     closed: prometheus::IntCounterVec,
-    listeners: Arc<std::sync::Mutex<Vec<(&'static str, Arc<ListenerStats>)>>>,
+    listeners: Arc<std::sync::Mutex<Named>>,
 }
+
+/// Listeners by name ([`ListenerMetrics`]).
+type Named = Vec<(&'static str, Arc<ListenerStats>)>;
 
 impl std::fmt::Debug for ListenerMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -395,7 +398,7 @@ impl ListenerMetrics {
         self.lock().push((listener, stats));
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(&'static str, Arc<ListenerStats>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Named> {
         self.listeners
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
