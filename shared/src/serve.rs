@@ -987,6 +987,49 @@ mod tests {
         assert_eq!(limits(usize::MAX).listen_backlog(), u32::MAX);
     }
 
+    /// Each listener's stats reach the registry at a scrape, by listener and reason; listeners
+    /// of one name add up; every series exists at 0 from the listener's start.
+    #[test]
+    fn listener_stats_are_exported_by_listener_and_reason() {
+        let registry = prometheus::Registry::new();
+        let m = ListenerMetrics::register(&registry, "test_").unwrap();
+        let grpc = m.stats("grpc");
+        let text = || crate::telemetry::encode_metrics(&registry);
+        let line = |l: &str, r: &str| {
+            format!("test_listener_connections_closed_total{{listener=\"{l}\",reason=\"{r}\"}}")
+        };
+        for r in CLOSE_REASONS {
+            assert!(
+                text().contains(&format!("{} 0", line("grpc", r))),
+                "{}",
+                text()
+            );
+        }
+        grpc.refused.fetch_add(3, Ordering::Relaxed);
+        grpc.idle_closed.fetch_add(1, Ordering::Relaxed);
+        m.stats("http").timed_out.fetch_add(2, Ordering::Relaxed);
+        let again = Arc::new(ListenerStats::default());
+        again.refused.fetch_add(1, Ordering::Relaxed);
+        m.add("grpc", again);
+        let t = text();
+        assert!(
+            t.contains(&format!("{} 4", line("grpc", "connection_cap"))),
+            "{t}"
+        );
+        assert!(
+            t.contains(&format!("{} 1", line("grpc", "idle_timeout"))),
+            "{t}"
+        );
+        assert!(
+            t.contains(&format!("{} 2", line("http", "header_read_timeout"))),
+            "{t}"
+        );
+        // A second scrape adds nothing twice.
+        assert!(text().contains(&format!("{} 4", line("grpc", "connection_cap"))));
+        // The name is the registry's once.
+        assert!(ListenerMetrics::register(&registry, "test_").is_err());
+    }
+
     /// A gRPC connection the listener hands to tonic has Nagle's algorithm off: an ack or a
     /// LookupRoute answer is one small write, which Nagle would hold until the peer's delayed
     /// ACK (up to 40 ms on Linux).
