@@ -225,6 +225,13 @@ struct RunArgs {
     /// parsers of engine and controller input (docs/security.md).
     #[arg(long, env = "IC_CHECKS_IN_PROCESS")]
     checks_in_process: bool,
+    /// Node-wide budget of KV-event bytes in flight, all engine streams together: a live
+    /// message is charged its bytes plus what decoding it may allocate from the socket until it
+    /// is applied; beyond the budget messages are dropped
+    /// (kv_events_dropped_total{reason="inflight_budget"}) and their stream reads Stale
+    /// TailUnverified until healed (docs/security.md, hostile engines). Default 48 MiB.
+    #[arg(long, env = "IC_KV_INFLIGHT_BYTES", default_value_t = ic_agent::kv::subscriber::budget::DEFAULT_INFLIGHT_BYTES)]
+    kv_inflight_bytes: usize,
 }
 
 #[derive(Args)]
@@ -270,6 +277,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run_main() -> anyhow::Result<()> {
+    ic_agent::kv::subscriber::budget::return_large_buffers_to_the_os();
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
@@ -479,6 +487,7 @@ async fn run(
         None => None,
     };
     let state = ic_agent::state::AgentState::with_state_dir(node, plan, state_dir)?;
+    state.hub.set_inflight_bytes(a.kv_inflight_bytes);
     let link = match &a.controller {
         Some(url) => {
             // A bare HOST:PORT means http://HOST:PORT, as for `subscribe` and `lookup`.

@@ -158,6 +158,9 @@ impl KvHub {
                 sink: Sink {
                     metrics: KvMetrics::new(registry)?,
                     notify: Arc::new(Notify::new()),
+                    budget: subscriber::budget::InflightBudget::new(
+                        subscriber::budget::DEFAULT_INFLIGHT_BYTES,
+                    ),
                 },
                 opts,
                 stream_defaults,
@@ -165,6 +168,21 @@ impl KvHub {
                 state_dir: Mutex::new(None),
             }),
         })
+    }
+
+    /// Sets the node-wide budget of KV-event bytes in flight (`--kv-inflight-bytes`; default
+    /// [`subscriber::budget::DEFAULT_INFLIGHT_BYTES`]), for every stream, running ones
+    /// included: a live message is charged its bytes plus what decoding it may allocate from
+    /// the socket until it is applied; one the budget cannot take is dropped
+    /// (`events_dropped_total{reason="inflight_budget"}`) and its stream reads Stale
+    /// `TailUnverified` until the gap is healed.
+    pub fn set_inflight_bytes(&self, bytes: usize) {
+        self.inner.sink.budget.set_limit(bytes);
+    }
+
+    /// Bytes charged against the in-flight budget now (see [`KvHub::set_inflight_bytes`]).
+    pub fn inflight_bytes(&self) -> usize {
+        self.inner.sink.budget.used()
     }
 
     /// Keeps stream state in `dir` across agent restarts: streams started afterwards resume

@@ -9,7 +9,7 @@
 //! | `inferencecache_agent_kv_batches_received_total` | stream, source | messages received (`live` from the SUB socket, `replay` from the replay socket) |
 //! | `inferencecache_agent_kv_batches_decoded_total` | stream | batches whose payload decoded |
 //! | `inferencecache_agent_kv_events_decoded_total` | stream, type | events applied, by tag |
-//! | `inferencecache_agent_kv_events_dropped_total` | stream, reason | batches or events lost (queue full, bad frames, undecodable, token mismatch, evicted orphans, op overflow) |
+//! | `inferencecache_agent_kv_events_dropped_total` | stream, reason | batches or events lost (queue full, `inflight_budget`: the node-wide budget of bytes in flight spent, bad frames, undecodable, token mismatch, evicted orphans, op overflow) |
 //! | `inferencecache_agent_kv_events_ignored_total` | stream, reason | events or blocks deliberately not indexed (other group, partial block, unknown hash, parked/resolved orphans) |
 //! | `inferencecache_agent_kv_gaps_total` | stream | sequence gaps detected |
 //! | `inferencecache_agent_kv_replays_total` | stream, result | replay requests: `healed` (gap filled), `failed` (no answer), `bootstrap` (complete from seq 0), `bootstrap_incomplete` (the buffer no longer held seq 0, or holes), `truncated` (holes in a gap replay), `verified` (idle or reconnect check: same incarnation), `restart_detected` (the replay showed another incarnation), `forged` (a live seq the engine never sent) |
@@ -35,7 +35,13 @@ use super::zmtp_guard::Violation;
 
 /// Batch-level drop reasons of the subscriber itself (besides the decoder's and the state
 /// machine's).
-pub const SUBSCRIBER_DROP_REASONS: &[&str] = &["queue_full", "bad_frames", "bad_seq", "forged_seq"];
+pub const SUBSCRIBER_DROP_REASONS: &[&str] = &[
+    "queue_full",
+    "inflight_budget",
+    "bad_frames",
+    "bad_seq",
+    "forged_seq",
+];
 
 /// `socket` label values of `peers_dropped_total`.
 const PEER_SOCKETS: &[&str] = &["events", "replay"];

@@ -119,6 +119,11 @@ pub enum Violation {
     MessageTooLarge,
     /// A message had more frames than [`ZmtpLimits::max_frames`].
     TooManyFrames,
+    /// A command frame that is not a well-formed READY ([`check_command`]): an unknown
+    /// command name, or a property name or value running past the frame (a 4 GiB value
+    /// length). The `zeromq` library closes such a connection itself, without a word; the guard
+    /// refuses it first so it is counted and logged.
+    BadCommand,
 }
 
 impl Violation {
@@ -130,6 +135,7 @@ impl Violation {
         "frame_too_large",
         "message_too_large",
         "too_many_frames",
+        "bad_command",
     ];
 
     /// The `reason` label value.
@@ -141,6 +147,7 @@ impl Violation {
             Violation::FrameTooLarge => "frame_too_large",
             Violation::MessageTooLarge => "message_too_large",
             Violation::TooManyFrames => "too_many_frames",
+            Violation::BadCommand => "bad_command",
         }
     }
 }
@@ -162,6 +169,11 @@ impl fmt::Display for Dropped {
         match self.violation {
             Violation::BadGreeting => write!(f, "not a ZMTP greeting"),
             Violation::BadFlags => write!(f, "frame header with reserved flags set"),
+            Violation::BadCommand => write!(
+                f,
+                "a command frame that is not a well-formed READY ({} bytes)",
+                self.announced
+            ),
             Violation::TooManyFrames => write!(
                 f,
                 "a message of more than {} frames ({} so far)",
@@ -212,6 +224,39 @@ pub struct FrameGuard {
     msg_bytes: u64,
     /// Frames of the message in progress.
     msg_frames: usize,
+    /// Body of the command frame in progress (at most [`MAX_COMMAND_BYTES`]).
+    command: Vec<u8>,
+}
+
+/// Checks one command frame's body as the `zeromq` library reads it (its only command is READY):
+/// a name length and name `READY`, then properties — name length (1 byte), a UTF-8 name, value
+/// length (4 bytes big-endian), value — each within the frame.
+///
+/// # Errors
+/// A static description of the first defect.
+pub fn check_command(body: &[u8]) -> Result<(), &'static str> {
+    let (&name_len, rest) = body.split_first().ok_or("missing command name")?;
+    let (name, mut rest) = rest
+        .split_at_checked(usize::from(name_len))
+        .ok_or("command name past the frame")?;
+    if name != b"READY" {
+        return Err("unknown command");
+    }
+    while let Some((&len, after)) = rest.split_first() {
+        let (prop, after) = after
+            .split_at_checked(usize::from(len))
+            .ok_or("property name past the frame")?;
+        std::str::from_utf8(prop).map_err(|_| "property name not UTF-8")?;
+        let (value_len, after) = after
+            .split_first_chunk::<4>()
+            .ok_or("missing property value length")?;
+        let value_len = usize::try_from(u32::from_be_bytes(*value_len))
+            .map_err(|_| "property value past the frame")?;
+        rest = after
+            .get(value_len..)
+            .ok_or("property value past the frame")?;
+    }
+    Ok(())
 }
 
 const GREETING_LEN: u8 = 64;
@@ -224,6 +269,7 @@ impl FrameGuard {
             state: State::Greeting(GREETING_LEN),
             msg_bytes: 0,
             msg_frames: 0,
+            command: Vec::new(),
         }
     }
 
@@ -293,7 +339,12 @@ impl FrameGuard {
                 } => {
                     let n = (bytes.len() as u64).min(left);
                     // n <= bytes.len()
-                    bytes = &bytes[n as usize..];
+                    let (body, rest) = bytes.split_at(n as usize);
+                    bytes = rest;
+                    if command {
+                        // At most MAX_COMMAND_BYTES: the header was checked.
+                        self.command.extend_from_slice(body);
+                    }
                     let left = left - n;
                     if left > 0 {
                         self.state = State::Body {
@@ -302,7 +353,7 @@ impl FrameGuard {
                             command,
                         };
                     } else {
-                        self.frame_done(command, more);
+                        self.frame_done(command, more)?;
                     }
                 }
             }
@@ -346,7 +397,7 @@ impl FrameGuard {
             }
         }
         if len == 0 {
-            self.frame_done(command, more);
+            self.frame_done(command, more)?;
         } else {
             self.state = State::Body {
                 left: len,
@@ -357,12 +408,23 @@ impl FrameGuard {
         Ok(())
     }
 
-    fn frame_done(&mut self, command: bool, more: bool) {
-        if !command && !more {
+    fn frame_done(&mut self, command: bool, more: bool) -> Result<(), Dropped> {
+        if command {
+            let body = std::mem::take(&mut self.command);
+            if let Err(why) = check_command(&body) {
+                tracing::debug!(why, "zmtp guard: bad command frame");
+                return Err(Dropped {
+                    violation: Violation::BadCommand,
+                    announced: body.len() as u64,
+                    limit: 0,
+                });
+            }
+        } else if !more {
             self.msg_bytes = 0;
             self.msg_frames = 0;
         }
         self.state = State::Flags;
+        Ok(())
     }
 }
 
@@ -709,6 +771,40 @@ mod tests {
                 .violation,
             Violation::BadGreeting
         );
+    }
+
+    #[test]
+    fn malformed_ready_commands_are_refused_before_the_library_sees_them() {
+        // The breaker's D6: a 4 GiB property value length, a property name running past the
+        // frame, an unknown command name — and an empty command, a non-UTF-8 property name.
+        let mut four_gib = b"\x05READY\x0bSocket-Type".to_vec();
+        four_gib.extend_from_slice(&u32::MAX.to_be_bytes());
+        four_gib.extend_from_slice(b"PUB");
+        for body in [
+            &four_gib[..],
+            b"\x05READY\xffSocket-Type",
+            b"\x05HELLO",
+            b"\x04PING\x00\x00",
+            b"",
+            b"\x05READY\x02\xff\xfe\x00\x00\x00\x00",
+            b"\x09READY",
+        ] {
+            let mut s = greeting();
+            s.extend(frame(0b100, body));
+            let err = check_both(limits(1000), &s).unwrap_err();
+            assert_eq!(err.violation, Violation::BadCommand, "{body:02x?}");
+            assert_eq!(err.violation.reason(), "bad_command");
+        }
+        // Well-formed READYs pass: no properties, an empty value, two properties.
+        for body in [
+            &b"\x05READY"[..],
+            b"\x05READY\x08Identity\x00\x00\x00\x00",
+            b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB\x08Identity\x00\x00\x00\x01x",
+        ] {
+            let mut s = greeting();
+            s.extend(frame(0b100, body));
+            assert_eq!(check_both(limits(1000), &s), Ok(()), "{body:02x?}");
+        }
     }
 
     #[test]

@@ -256,7 +256,43 @@ impl DecodeError {
 
 /// Decodes one batch payload. See the module documentation for accepted shapes and errors.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    if let Some(e) = stream::scalar_payload(payload) {
+        return Err(e);
+    }
     stream::decode_batch(payload).or_else(|stream::Bail| decode_batch_value(payload))
+}
+
+/// An upper bound of the heap bytes [`decode_batch`] may hold at once while it decodes
+/// `payload` (bytes), computed in one pass over the payload without allocating: what a caller
+/// charges against a memory budget **before** decoding (issue 38, D1).
+///
+/// A decoded batch is larger than its wire form: a msgpack value of 1 byte becomes a 32-byte
+/// `rmpv::Value` in the reference path, and an event of about 25 bytes (SGLang's page-size-1
+/// `BlockStored`) a [`KvEvent`] of a few hundred bytes plus its vectors; vectors grow by
+/// doubling. The bound is `2 × payload.len()` (strings and bins copied, with growth) plus the
+/// larger of the two paths: the reference tree (`2 × values × size_of::<Value>()`) and the typed
+/// batch (`2 × events × size_of::<KvEvent>()` plus 16 bytes per value for the event vectors and
+/// strings), where `values` counts every msgpack value present and `events` the length the
+/// batch's `events` array announces (both limited to what the payload holds). A payload whose
+/// top value is a scalar costs nothing: it is refused (`NotArray`) without a copy. Never
+/// panics.
+pub fn decoded_bytes_bound(payload: &[u8]) -> usize {
+    if stream::scalar_payload(payload).is_some() {
+        // Refused before anything is copied.
+        return 0;
+    }
+    let (values, events) = stream::shape(payload);
+    let values = usize::try_from(values).unwrap_or(usize::MAX);
+    let events = usize::try_from(events).unwrap_or(usize::MAX);
+    let event_size = std::mem::size_of::<KvEvent>().max(std::mem::size_of::<SkippedEvent>());
+    let tree = values.saturating_mul(2 * std::mem::size_of::<Value>());
+    let typed = events
+        .saturating_mul(2 * event_size)
+        .saturating_add(values.saturating_mul(16));
+    payload
+        .len()
+        .saturating_mul(2)
+        .saturating_add(tree.max(typed))
 }
 
 /// The reference decoder: the whole payload as one `rmpv::Value` tree, then the fields. Decides
@@ -615,6 +651,64 @@ mod tests {
         let mut out = Vec::new();
         rmpv::encode::write_value(&mut out, &v).unwrap();
         out
+    }
+
+    #[test]
+    fn the_decoded_size_bound_follows_values_not_bytes() {
+        // A 1 MiB bin (the breaker's flood payload): refused without a copy, as the reference
+        // path refuses it.
+        let mut bin = vec![0xc6];
+        bin.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        bin.resize(bin.len() + (1 << 20), 0);
+        assert_eq!(decoded_bytes_bound(&bin), 0);
+        assert_eq!(decode_batch(&bin), Err(DecodeError::NotArray));
+        assert_eq!(decode_batch(&bin), decode_batch_value(&bin));
+        bin.push(0);
+        assert_eq!(decode_batch(&bin), Err(DecodeError::TrailingBytes(1)));
+        assert_eq!(decode_batch(&bin), decode_batch_value(&bin));
+        // Wrapped in an array it is copied: twice its size bounds it.
+        let mut arr = vec![0x91];
+        arr.extend_from_slice(&bin[..bin.len() - 1]);
+        let b = decoded_bytes_bound(&arr);
+        assert!((2 << 20..(2 << 20) + 1024).contains(&b), "{b}");
+        eprintln!(
+            "size_of: KvEvent {} SkippedEvent {} Value {}",
+            std::mem::size_of::<KvEvent>(),
+            std::mem::size_of::<SkippedEvent>(),
+            std::mem::size_of::<Value>()
+        );
+        // One-byte events (each a skipped event, or a Value in the tree) cost far more than
+        // their bytes: the bound says so.
+        let n = 100_000usize;
+        let mut tiny = vec![0x92, 0x01, 0xdd];
+        tiny.extend_from_slice(&(n as u32).to_be_bytes());
+        tiny.resize(tiny.len() + n, 0x80);
+        let per_event = decoded_bytes_bound(&tiny) / n;
+        assert!(
+            per_event >= 2 * std::mem::size_of::<SkippedEvent>(),
+            "{per_event}"
+        );
+        assert_eq!(decode_batch(&tiny).unwrap().skipped.len(), n);
+        // An announced length the payload does not hold is not counted.
+        let mut lying = vec![0x92, 0x01, 0xdd, 0xff, 0xff, 0xff, 0xff];
+        lying.extend_from_slice(&[0x80; 10]);
+        assert!(decoded_bytes_bound(&lying) < 10_000);
+        // Nothing (and garbage) is cheap and never panics.
+        assert_eq!(decoded_bytes_bound(&[]), 0);
+        assert!(decoded_bytes_bound(&[0xc1, 0xdf, 0xff]) < 1000);
+        // A genuine batch: bounded by a few hundred bytes per event.
+        let one = enc(Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![Value::Array(vec![
+                Value::from("BlockStored"),
+                Value::Array(vec![Value::from(7u64)]),
+                Value::Nil,
+                Value::Array(vec![Value::from(1u64); 16]),
+                Value::from(16u64),
+            ])]),
+        ]));
+        let b = decoded_bytes_bound(&one);
+        assert!(b >= std::mem::size_of::<KvEvent>() && b < 8192, "{b}");
     }
 
     #[test]

@@ -16,6 +16,10 @@
 //!   Every connection has an *epoch*; each message goes into a bounded queue
 //!   ([`SubscriberOptions::queue_capacity`]) tagged with it. When the queue is full the message
 //!   is dropped and counted (`queue_full`) — the processor then sees a gap, or checks the tail.
+//!   Each message is also charged, from the socket until it is applied, against the node-wide
+//!   [`budget`] (its bytes plus what decoding it may allocate); a message the budget cannot
+//!   take is dropped the same way (`inflight_budget`), and its stream reads Stale
+//!   `TailUnverified` until the gap is healed.
 //! - the **processor** applies messages `[topic, seq (8 bytes big-endian), payload]` in order.
 //!   Every replay (DEALER sends `["", start]`, replies `["", seq, payload]` or
 //!   `["", topic, seq, payload]` up to an end marker of seq `u64::MAX`) is *anchored*: it starts
@@ -73,10 +77,12 @@
 //! - [`reader`]: the SUB socket through the ZMTP guard, its reconnect back-off and the queue;
 //! - [`processor`]: the processor task — live messages, attach, idle tail checks, coverage;
 //!   its verification and healing by anchored replay live in `processor/verify.rs`;
+//! - [`budget`]: the node-wide budget of message bytes in flight (all streams);
 //! - [`replay`]: the replay client (DEALER request, replies up to the end marker) and what a
 //!   replay's replies show (anchor judgment, contiguous runs);
 //! - [`clock`]: the engine clock's skew, left out of the stream lag.
 
+pub mod budget;
 mod clock;
 mod processor;
 mod reader;
@@ -155,8 +161,9 @@ pub struct SubscriberOptions {
     /// anything of that size is allocated ([`zmtp_guard`]).
     pub max_message_bytes: usize,
     /// Payload bytes buffered between the socket and the processor before messages are
-    /// dropped as `queue_full` (default 32 MiB): bounds memory while the processor is busy
-    /// (a replay) however large the messages are.
+    /// dropped as `queue_full` (default 32 MiB): bounds one stream's queue while its processor
+    /// is busy (a replay) however large the messages are. Every stream's messages together are
+    /// bounded by the node-wide [`budget`] (`--kv-inflight-bytes`).
     pub queue_max_bytes: usize,
     /// Most payload bytes accepted from one replay (default 64 MiB): beyond it the replay
     /// fails ([`ReplayError::TooLarge`]) like one with too many batches.
@@ -288,6 +295,8 @@ pub const FLUSH_KEYS: usize = 4096;
 pub(crate) struct Sink {
     pub metrics: KvMetrics,
     pub notify: Arc<Notify>,
+    /// The node-wide budget of message bytes in flight, shared by every stream ([`budget`]).
+    pub budget: Arc<budget::InflightBudget>,
 }
 
 /// Handles of a running stream's tasks; dropping it stops them (and closes the sockets).

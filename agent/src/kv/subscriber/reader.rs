@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use ic_shared::kv::decode::decoded_bytes_bound;
 use ic_shared::timing::{self, Stage};
 use tokio::sync::mpsc;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket, ZmqMessage};
@@ -14,6 +15,7 @@ use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket, ZmqMessa
 use std::sync::atomic::AtomicUsize;
 
 use super::super::zmtp_guard::{self, Dropped, GuardListener, Guarded, OnDrop, ZmtpLimits};
+use super::budget::{self, InflightPermit};
 use super::{
     bound_endpoint, now_unix_ms, record_drop, set_connected, Sink, StreamShared, SubscriberOptions,
 };
@@ -130,9 +132,13 @@ pub(super) fn next_backoff(backoff: Duration, opts: &SubscriberOptions) -> Durat
     (backoff * 2).min(opts.reconnect_max.max(opts.reconnect_initial))
 }
 
+/// One queued message: its connection epoch, the message, and its charge against the
+/// node-wide budget (returned once the processor is done with it).
+pub(super) type Queued = (u64, ZmqMessage, InflightPermit);
+
 /// The reader's end of the queue: messages and the payload bytes they hold.
 pub(super) struct Queue {
-    pub(super) tx: mpsc::Sender<(u64, ZmqMessage)>,
+    pub(super) tx: mpsc::Sender<Queued>,
     pub(super) bytes: Arc<AtomicUsize>,
 }
 
@@ -182,8 +188,22 @@ pub(super) async fn read_loop(
                 record_drop(&shared, &sink, "queue_full", 1);
                 return true;
             }
+            // Its bytes and what decoding it may allocate, charged before anything is decoded.
+            let cost = size.saturating_add(
+                m.get(2)
+                    .map_or(0, |payload| decoded_bytes_bound(payload.as_ref())),
+            );
+            let Some(permit) = sink.budget.try_charge(cost) else {
+                record_drop(&shared, &sink, budget::DROP_REASON, 1);
+                // Whatever it held is missing from the replica from now on: Stale
+                // TailUnverified (not routed) until the processor sees the gap it left healed,
+                // or a tail check finds nothing lost.
+                shared.lock().state.set_tail_unverified(true);
+                tracing::debug!(stream = %id, bytes = size, charge = cost, in_flight = sink.budget.used(), limit = sink.budget.limit(), "kv events: message dropped: the node's in-flight budget is spent");
+                return true;
+            };
             queue.bytes.fetch_add(size, Ordering::Relaxed);
-            match queue.tx.try_send((epoch, m)) {
+            match queue.tx.try_send((epoch, m, permit)) {
                 Ok(()) => true,
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     queue.bytes.fetch_sub(size, Ordering::Relaxed);
@@ -238,12 +258,14 @@ pub(super) async fn read_loop(
     }
 }
 
-/// A message's engine seq and payload, or the drop reason.
-pub(super) fn split_live(msg: ZmqMessage) -> Result<(u64, Vec<u8>), &'static str> {
-    let frames = msg.into_vec();
+/// A message's engine seq and payload (the received frame itself, not a copy), or the drop
+/// reason.
+pub(super) fn split_live(msg: ZmqMessage) -> Result<(u64, prost::bytes::Bytes), &'static str> {
+    let mut frames = msg.into_vec();
     if frames.len() != 3 {
         return Err("bad_frames");
     }
     let seq: [u8; 8] = frames[1].as_ref().try_into().map_err(|_| "bad_seq")?;
-    Ok((u64::from_be_bytes(seq), frames[2].to_vec()))
+    let payload = frames.pop().ok_or("bad_frames")?;
+    Ok((u64::from_be_bytes(seq), payload))
 }

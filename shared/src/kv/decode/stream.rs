@@ -730,6 +730,82 @@ pub(super) fn decode_batch(payload: &[u8]) -> Fast<EventBatch> {
     })
 }
 
+/// The whole-batch error of a payload whose top value is a scalar (a string, a bin, a number…,
+/// not an array or map), decided without copying it: `TrailingBytes` when bytes follow it, else
+/// `NotArray` — what the reference path returns after reading the value into a tree (a 15 MiB
+/// bin would be copied whole). `None` for anything else (a container, malformed or truncated
+/// bytes: the other paths decide).
+pub(super) fn scalar_payload(payload: &[u8]) -> Option<DecodeError> {
+    let mut rd = Reader { buf: payload };
+    match rd.head().ok()? {
+        Head::Array(_) | Head::Map(_) => None,
+        _ if !rd.buf.is_empty() => Some(DecodeError::TrailingBytes(rd.buf.len())),
+        _ => Some(DecodeError::NotArray),
+    }
+}
+
+/// Consumes up to `pending` whole values without allocating or recursing (a container adds its
+/// elements to `pending`), counting each value read in `elements`; `false` when the payload
+/// ends (or is malformed) first.
+fn walk(rd: &mut Reader<'_>, mut pending: u64, elements: &mut u64) -> bool {
+    while pending > 0 {
+        let Ok(head) = rd.head() else {
+            return false;
+        };
+        pending -= 1;
+        *elements += 1;
+        pending = pending.saturating_add(children(head));
+    }
+    true
+}
+
+/// Values inside a container head (a map's keys and values); 0 for a scalar.
+fn children(head: Head<'_>) -> u64 {
+    match head {
+        Head::Array(n) => u64::from(n),
+        Head::Map(n) => u64::from(n) * 2,
+        _ => 0,
+    }
+}
+
+/// The shape of a payload as far as it is well-formed, read without allocating: `(values,
+/// events)` — every msgpack value present (containers, their elements, keys), and the length
+/// the batch's `events` array announces (at most `values`; 0 when the payload is not a batch).
+/// Announced lengths past the payload's end are not counted: neither decoder allocates for
+/// values that are not there.
+pub(super) fn shape(payload: &[u8]) -> (u64, u64) {
+    let mut rd = Reader { buf: payload };
+    let mut values = 0u64;
+    let Ok(top) = rd.head() else {
+        return (0, 0);
+    };
+    values += 1;
+    let n = match top {
+        Head::Array(n) if n >= 2 => n,
+        other => {
+            walk(&mut rd, children(other), &mut values);
+            return (values, 0);
+        }
+    };
+    if !walk(&mut rd, 1, &mut values) {
+        return (values, 0);
+    }
+    let Ok(events) = rd.head() else {
+        return (values, 0);
+    };
+    values += 1;
+    walk(
+        &mut rd,
+        children(events).saturating_add(u64::from(n - 2)),
+        &mut values,
+    );
+    let announced = match events {
+        Head::Array(c) => u64::from(c),
+        _ => 0,
+    };
+    (values, announced.min(values))
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {

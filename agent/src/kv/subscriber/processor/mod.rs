@@ -21,8 +21,9 @@ use std::sync::atomic::AtomicUsize;
 use super::super::stream::{
     ApplyReport, LinkState, SeqCheck, CLEAR_ENGINE_RESTARTED, CLEAR_SEQUENCE_GAP,
 };
+use super::budget;
 use super::clock::{corrected_lag, CLOCK_SKEW_FLAG_SECONDS};
-use super::reader::{message_bytes, record_peer_drop, split_live};
+use super::reader::{message_bytes, record_peer_drop, split_live, Queued};
 use super::replay::{cut, judge_anchor, request_replay, ReplayError};
 use super::{now_unix_ms, record_drop, Sink, StreamShared, SubscriberOptions, FLUSH_KEYS};
 
@@ -103,7 +104,7 @@ pub(super) async fn process_loop(
     shared: Arc<StreamShared>,
     sink: Sink,
     opts: SubscriberOptions,
-    mut rx: mpsc::Receiver<(u64, ZmqMessage)>,
+    mut rx: mpsc::Receiver<Queued>,
     queued: Arc<AtomicUsize>,
 ) {
     let mut p = Processor {
@@ -132,9 +133,11 @@ pub(super) async fn process_loop(
     loop {
         let start = tokio::select! {
             m = rx.recv() => match m {
-                Some((epoch, msg)) => {
+                Some((epoch, msg, permit)) => {
                     queued.fetch_sub(message_bytes(&msg), Ordering::Relaxed);
                     p.on_message(epoch, msg).await;
+                    // Applied (or dropped): its charge goes back to the node's budget.
+                    drop(permit);
                     None
                 }
                 None => {
@@ -359,23 +362,29 @@ impl Processor {
         self.last_live = Some(Instant::now());
         self.tail_checked = false;
         self.on_live(seq, payload).await;
-        self.drops_at_last_live = self.queue_drops();
         if self.replay_ep.is_none() {
             self.shared.lock().state.set_tail_unverified(false);
         }
+        let drops = self.queue_drops();
+        if drops > self.drops_at_last_live {
+            // Messages were dropped (queue full, in-flight budget) since the last one applied:
+            // what came after this one is not known until the next in-order batch or a tail
+            // check — Stale TailUnverified, never a silent miss.
+            self.shared.lock().state.set_tail_unverified(true);
+        }
+        self.drops_at_last_live = drops;
     }
 
+    /// Live messages dropped before the processor saw them (`queue_full`, `inflight_budget`).
     fn queue_drops(&self) -> u64 {
-        self.shared
-            .lock()
-            .stats
-            .dropped_by_reason
-            .get("queue_full")
-            .copied()
-            .unwrap_or(0)
+        let g = self.shared.lock();
+        ["queue_full", budget::DROP_REASON]
+            .iter()
+            .filter_map(|r| g.stats.dropped_by_reason.get(r))
+            .sum()
     }
 
-    async fn on_live(&mut self, seq: u64, payload: Vec<u8>) {
+    async fn on_live(&mut self, seq: u64, payload: prost::bytes::Bytes) {
         if self.unverified.is_some() {
             // Nothing proves yet which incarnation sent this frame, and a restarted engine's
             // sequence can pass through our last seq + 1: it is not applied. The replay that
