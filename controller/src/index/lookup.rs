@@ -193,19 +193,41 @@ pub struct Scores {
 /// [`PrefixIndex::score`]'s answer and what the router's answer selects with.
 #[derive(Debug)]
 struct Scored {
+    /// The scores; when `depth_one` is `Some`, without that group's (which come before all of
+    /// them in walk order).
     scores: Scores,
+    /// The replicas that matched exactly one block, kept implicitly ([`DepthOne`]); `Some` only
+    /// when `shallowest_first`.
+    depth_one: Option<DepthOne>,
     /// The deepest score's matched tokens (0 when none).
     deepest: u32,
-    /// True when `scores.replicas` are one walk's scores, all T1: in the order replicas dropped
-    /// out, so sorted by primary key ([`primary`]) from worst to best.
+    /// True when the scores (`depth_one`'s, then `scores.replicas`) are one walk's scores, all
+    /// T1: in the order replicas dropped out, so sorted by primary key ([`primary`]) from worst
+    /// to best.
     shallowest_first: bool,
+}
+
+/// The replicas of one walk that matched block 0 but not block 1, without a score apiece: the
+/// routable holders of block 0 (`first`) minus the holders of block 1 (`second`; `None` when
+/// the walk stopped at block 0). On a shared system prompt that is nearly the whole fleet,
+/// and a capped answer reads only the few of them it lists ([`PrefixIndex::best_of_depth_one`]).
+#[derive(Debug, Clone, Copy)]
+struct DepthOne {
+    first: Holders,
+    second: Option<Holders>,
+    /// Block size of the partition walked.
+    block_size: u32,
+    /// How many replicas the group holds (≥ 1 when it exists).
+    len: usize,
 }
 
 /// What [`PrefixIndex::walk`] found in one partition.
 #[derive(Debug, Default)]
 struct Walked {
-    /// Every replica with ≥ 1 matched block, in the order they dropped out: by matched depth,
-    /// shallowest first.
+    /// The replicas that matched exactly one block (listed before `scores` in walk order).
+    depth_one: Option<DepthOne>,
+    /// Every other replica with ≥ 1 matched block (≥ 2 when `depth_one` is `Some`), in the
+    /// order they dropped out: by matched depth, shallowest first.
     scores: Vec<ReplicaScore>,
     /// False when every matched block of every score is T1 (all scores T1: no offload chunk
     /// rounding to do).
@@ -331,6 +353,7 @@ impl PrefixIndex {
         }
         let Scored {
             scores,
+            depth_one,
             deepest,
             shallowest_first,
         } = match self.score_deepest(q) {
@@ -358,7 +381,7 @@ impl PrefixIndex {
         }
         LookupResult {
             prefix_match,
-            replicas: self.materialize(scores.replicas, q.max_replicas, shallowest_first),
+            replicas: self.answer(scores.replicas, depth_one, q.max_replicas, shallowest_first),
             block_size: scores.block_size,
             request_blocks: scores.request_blocks,
             reason: String::new(),
@@ -404,7 +427,11 @@ impl PrefixIndex {
     /// # Errors
     /// [`TimedOut`] when `q.deadline` passes during the walk.
     pub fn score(&self, q: &LookupQuery) -> Result<Scores, TimedOut> {
-        self.score_deepest(q).map(|s| s.scores)
+        let s = self.score_deepest(q)?;
+        Ok(Scores {
+            replicas: self.with_depth_one(s.depth_one, s.scores.replicas),
+            ..s.scores
+        })
     }
 
     /// [`Self::score`], with the deepest score's matched tokens and whether the scores are in
@@ -417,6 +444,8 @@ impl PrefixIndex {
             ..Scores::default()
         };
         let mut best_depth = 0u32;
+        // The depth-one group of `best` while it is one walk's scores, all T1.
+        let mut best_depth_one: Option<DepthOne> = None;
         // True once `best` holds the replicas of more than one partition (may list a slot twice).
         let mut merged = false;
         // True while `best` is one walk's scores, all T1 (so shallowest first).
@@ -445,12 +474,17 @@ impl PrefixIndex {
             };
             let walked = self.walk(pid as PartitionId, keys, bs, q.deadline)?;
             let mut found = walked.scores;
+            let mut depth_one = walked.depth_one;
             let depth = if walked.any_t2 {
+                found = self.with_depth_one(depth_one.take(), found);
                 self.whole_offload_chunks(pid as PartitionId, keys, &mut found);
                 found.iter().map(ReplicaScore::tokens).max()
             } else {
                 // All T1 (no chunk rounding), and a walk lists the deepest last.
-                found.last().map(ReplicaScore::tokens)
+                found
+                    .last()
+                    .map(ReplicaScore::tokens)
+                    .or(depth_one.map(|_| bs))
             }
             .unwrap_or(0);
             // With no match anywhere, the answer speaks of the partition the request has the
@@ -466,11 +500,14 @@ impl PrefixIndex {
                     no_partition: false,
                 };
                 best_depth = depth;
+                best_depth_one = depth_one;
                 merged = false;
                 best_all_t1 = !walked.any_t2;
             } else if depth > 0 && depth == best_depth {
                 // Same depth in another partition (e.g. another tenant under a wildcard): merge.
-                best.replicas.extend(found);
+                let replicas = std::mem::take(&mut best.replicas);
+                best.replicas = self.with_depth_one(best_depth_one.take(), replicas);
+                best.replicas.extend(self.with_depth_one(depth_one, found));
                 merged = true;
             }
         }
@@ -485,6 +522,7 @@ impl PrefixIndex {
         }
         Ok(Scored {
             scores: best,
+            depth_one: best_depth_one,
             deepest: best_depth,
             shallowest_first: best_all_t1 && !merged,
         })
@@ -564,20 +602,56 @@ impl PrefixIndex {
         let Some(first) = keys.first().and_then(|k| part.blocks.get(*k)) else {
             return Ok(Walked::default());
         };
-        let mut saw_t2 = false;
         let mut buf: [Holder; 1] = [0; 1];
-        // The replicas still matching: slots (sorted) and whether every block so far is T1.
         let list = first.holders(&self.arena, &mut buf);
-        let mut slots: Vec<u32> = Vec::with_capacity(list.len());
-        let mut t1: Vec<bool> = Vec::with_capacity(list.len());
-        for &h in list {
-            // Replicas whose engine or publisher is gone are never matched.
-            if self.routable(slot_of(h)) {
-                slots.push(slot_of(h));
-                t1.push(!is_t2(h));
-                saw_t2 |= is_t2(h);
+        // Replicas whose engine or publisher is gone are never matched. Any routable holder of
+        // block 0 at T2 makes some score T2 (the holder bits of the slots and positions do not
+        // reach the tier bit, so one OR over the list tells).
+        let (routable, mut saw_t2) = if self.unroutable_count == 0 {
+            (list.len(), is_t2(list.iter().fold(0, |a, &h| a | h)))
+        } else {
+            list.iter()
+                .filter(|h| self.routable(slot_of(**h)))
+                .fold((0, false), |(n, t2), &h| (n + 1, t2 | is_t2(h)))
+        };
+        if keys.len() > 1 && past(deadline) {
+            return Err(TimedOut);
+        }
+        // Block 1: the replicas still matching after it (slots, sorted, and whether every block
+        // so far is T1) are block 0's routable holders that hold it too. Block 0's other
+        // routable holders drop out at depth 1 and are not listed one by one ([`DepthOne`]).
+        let second = keys.get(1).and_then(|k| part.blocks.get(*k));
+        let mut buf2: [Holder; 1] = [0; 1];
+        let list2: &[Holder] = match &second {
+            Some(h) => h.holders(&self.arena, &mut buf2),
+            None => &[],
+        };
+        let mut slots: Vec<u32> = Vec::with_capacity(list2.len().min(list.len()));
+        let mut t1: Vec<bool> = Vec::with_capacity(slots.capacity());
+        let (small, large, small_is_first) = if list2.len() <= list.len() {
+            (list2, list, false)
+        } else {
+            (list, list2, true)
+        };
+        let mut j = 0usize;
+        for &w in small {
+            j = gallop(large, j, slot_of(w), |h| slot_of(*h));
+            match large.get(j) {
+                Some(&h) if slot_of(h) == slot_of(w) && self.routable(slot_of(w)) => {
+                    let (at0, at1) = if small_is_first { (w, h) } else { (h, w) };
+                    slots.push(slot_of(w));
+                    t1.push(!is_t2(at0) && !is_t2(at1));
+                    saw_t2 |= is_t2(at1);
+                }
+                _ => {}
             }
         }
+        let depth_one = (routable > slots.len()).then_some(DepthOne {
+            first,
+            second,
+            block_size,
+            len: routable - slots.len(),
+        });
         let mut out: Vec<ReplicaScore> = Vec::with_capacity(slots.len());
         let score = |slot: u32, depth: usize, t1: bool| ReplicaScore {
             slot,
@@ -588,7 +662,7 @@ impl PrefixIndex {
         let mut next_slots: Vec<u32> = Vec::with_capacity(slots.len());
         let mut next_t1: Vec<bool> = Vec::with_capacity(slots.len());
         let mut level: [Option<Holders>; CHUNK] = [None; CHUNK];
-        let mut depth = 1usize;
+        let mut depth = 2usize;
         'walk: while depth < keys.len() && !slots.is_empty() {
             if past(deadline) {
                 return Err(TimedOut);
@@ -690,40 +764,141 @@ impl PrefixIndex {
         }
         out.extend(slots.iter().zip(&t1).map(|(&s, &t)| score(s, depth, t)));
         Ok(Walked {
+            depth_one,
             scores: out,
             any_t2: saw_t2,
         })
     }
 
     /// Orders scores (deepest first, T1 before T2, then by stream id), keeps the best `max`
-    /// (0 = all) and attaches names.
+    /// (0 = all) and attaches names. `deeper` are the scores; `depth_one` the replicas that
+    /// matched one block, not listed in `deeper` ([`Scored::depth_one`]).
     ///
     /// Only the kept replicas are dereferenced (see [`select_answer`]); their names are shared,
     /// not copied.
     ///
-    /// `shallowest_first`: `scores` are sorted by primary key, worst first
+    /// `shallowest_first`: the scores are sorted by primary key, worst first
     /// ([`Scored::shallowest_first`]), which lets [`select_sorted_answer`] read only the
-    /// deepest scores and the labels of those tied at the cut.
-    fn materialize(
+    /// deepest scores and the labels of those tied at the cut. Then every depth-one replica is
+    /// worse than every score in `deeper` (fewer blocks, all T1), so a capped answer takes the
+    /// best of `deeper` and, when they are fewer than `max`, the rest from the depth-one group by
+    /// label alone ([`Self::best_of_depth_one`]) — without listing the group.
+    fn answer(
         &self,
-        scores: Vec<ReplicaScore>,
+        deeper: Vec<ReplicaScore>,
+        depth_one: Option<DepthOne>,
         max: usize,
         shallowest_first: bool,
     ) -> Vec<ReplicaMatch> {
         let label = |slot| self.order.label(slot);
-        let order = if shallowest_first {
-            select_sorted_answer(&scores, max, label)
-        } else {
-            select_answer(&scores, max, label)
+        let chosen: Vec<ReplicaScore> = match depth_one {
+            Some(g) if shallowest_first && max > 0 => {
+                let mut chosen: Vec<ReplicaScore> = select_sorted_answer(&deeper, max, label)
+                    .into_iter()
+                    .filter_map(|i| deeper.get(i).copied())
+                    .collect();
+                let need = max.saturating_sub(chosen.len());
+                if need > 0 {
+                    chosen.extend(self.best_of_depth_one(&g, need));
+                }
+                chosen
+            }
+            g => {
+                let scores = self.with_depth_one(g, deeper);
+                let order = if shallowest_first {
+                    select_sorted_answer(&scores, max, label)
+                } else {
+                    select_answer(&scores, max, label)
+                };
+                order
+                    .into_iter()
+                    .filter_map(|i| scores.get(i).copied())
+                    .collect()
+            }
         };
-        let mut out = Vec::with_capacity(order.len());
+        self.name(&chosen)
+    }
+
+    /// Calls `f(slot, t1)` for every replica of `g`, in slot order (the order a walk lists
+    /// them in).
+    fn each_depth_one(&self, g: &DepthOne, mut f: impl FnMut(u32, bool)) {
+        let mut buf: [Holder; 1] = [0; 1];
+        let mut buf2: [Holder; 1] = [0; 1];
+        let first = g.first.holders(&self.arena, &mut buf);
+        let second: &[Holder] = match &g.second {
+            Some(h) => h.holders(&self.arena, &mut buf2),
+            None => &[],
+        };
+        let mut j = 0usize;
+        for &h in first {
+            let s = slot_of(h);
+            j = gallop(second, j, s, |w| slot_of(*w));
+            if second.get(j).is_some_and(|w| slot_of(*w) == s) || !self.routable(s) {
+                continue;
+            }
+            f(s, !is_t2(h));
+        }
+    }
+
+    /// `deeper` with the scores of `g` (one block each) listed before them, as a walk lists
+    /// them.
+    fn with_depth_one(&self, g: Option<DepthOne>, deeper: Vec<ReplicaScore>) -> Vec<ReplicaScore> {
+        let Some(g) = g else {
+            return deeper;
+        };
+        let mut out = Vec::with_capacity(g.len + deeper.len());
+        self.each_depth_one(&g, |slot, t1| {
+            out.push(ReplicaScore {
+                slot,
+                matched_blocks: 1,
+                block_size: g.block_size,
+                t1,
+            });
+        });
+        out.extend(deeper);
+        out
+    }
+
+    /// The `need` best replicas of `g` (all T1: one primary key) — least (label, walk order)
+    /// first, as [`select_sorted_answer`] orders ties — from a bounded heap fed in slot order;
+    /// a replica whose label is not below the heap's greatest costs one compare.
+    fn best_of_depth_one(&self, g: &DepthOne, need: usize) -> Vec<ReplicaScore> {
+        let mut kept: BinaryHeap<(u64, usize, u32)> = BinaryHeap::with_capacity(need);
+        let mut worst = u64::MAX;
+        let mut i = 0usize;
+        self.each_depth_one(g, |slot, _| {
+            let l = self.order.label(slot);
+            if kept.len() < need {
+                kept.push((l, i, slot));
+                worst = kept.peek().map_or(u64::MAX, |w| w.0);
+            } else if l < worst {
+                if let Some(mut w) = kept.peek_mut() {
+                    *w = (l, i, slot);
+                }
+                worst = kept.peek().map_or(u64::MAX, |w| w.0);
+            }
+            i += 1;
+        });
+        let mut kept = kept.into_vec();
+        kept.sort_unstable();
+        kept.into_iter()
+            .map(|(_, _, slot)| ReplicaScore {
+                slot,
+                matched_blocks: 1,
+                block_size: g.block_size,
+                t1: true,
+            })
+            .collect()
+    }
+
+    /// The answer's entries for `chosen` (in that order): names, coverage and when the
+    /// reporter was last heard.
+    fn name(&self, chosen: &[ReplicaScore]) -> Vec<ReplicaMatch> {
+        let mut out = Vec::with_capacity(chosen.len());
         // Replicas of one reporter are usually listed together: its heard cell is looked up
         // once (a string hash) per run of them.
         let mut heard: Option<(&str, Option<u64>)> = None;
-        for i in order {
-            let Some(s) = scores.get(i) else {
-                continue;
-            };
+        for s in chosen {
             let Some(r) = self.replica(s.slot as ReplicaSlot) else {
                 continue;
             };
@@ -921,8 +1096,178 @@ pub(super) fn select_sorted_answer(
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::{gallop, select_answer, select_sorted_answer, ReplicaScore};
+    use super::{gallop, select_answer, select_sorted_answer, LookupQuery, ReplicaScore};
+    use crate::index::{PrefixIndex, Tier};
+    use ic_shared::kv::content_key::chain;
+    use ic_shared::proto::{self, kv_op::Op};
     use proptest::prelude::*;
+
+    fn desc(pod: &str) -> proto::StreamDescriptor {
+        proto::StreamDescriptor {
+            stream_id: format!("default/{pod}#0"),
+            replica: pod.to_string(),
+            tenant: "default".into(),
+            model: "m".into(),
+            hash_scheme: "vllm".into(),
+            ..Default::default()
+        }
+    }
+
+    fn delta(
+        pod: &str,
+        seq: u64,
+        ops: Vec<proto::KvOp>,
+        cov: proto::Coverage,
+    ) -> proto::StreamDelta {
+        proto::StreamDelta {
+            coverage: cov as i32,
+            stream: Some(desc(pod)),
+            seq,
+            ops,
+            ..Default::default()
+        }
+    }
+
+    fn store(keys: &[u64], tier: proto::Tier) -> proto::KvOp {
+        proto::KvOp {
+            op: Some(Op::Store(proto::StoreOp {
+                adapter: String::new(),
+                block_size: 4,
+                tier: tier as i32,
+                content_keys: keys.to_vec(),
+            })),
+        }
+    }
+
+    /// A fleet sharing block 0 — most replicas hold only it, a few go deeper — registered out
+    /// of stream-id order (slot order is not label order), with replicas offloaded at block 0
+    /// or 1 and replicas unroutable (publisher gone) in some rounds: the router's capped answer
+    /// equals a naive model's full sort by (depth, tier, stream id) truncated, and the scoring
+    /// pass lists every routable replica with its depth and tier. The depth-one group is kept
+    /// implicitly by the walk; this holds its enumeration (exclusion of block 1's holders and
+    /// of unroutable ones) and its top-k by label to the model.
+    #[test]
+    fn shared_first_block_answers_equal_a_naive_model() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let keys = chain(&(0..4 * 12).collect::<Vec<u32>>(), 4);
+        for round in 0..12 {
+            let n = 40 + (next() % 260) as usize;
+            let with_t2 = round % 3 == 1;
+            let with_down = round % 2 == 1;
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                order.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            // (pod, depth stored, index of a T2 block, routable)
+            let fleet: Vec<(String, usize, Option<usize>, bool)> = (0..n)
+                .map(|i| {
+                    let depth = if next() % 100 < 85 {
+                        1
+                    } else {
+                        2 + (next() % 10) as usize
+                    };
+                    let t2 = (with_t2 && next() % 10 == 0).then(|| (next() % 2) as usize);
+                    let up = !(with_down && next() % 8 == 0);
+                    (format!("p{i:03}"), depth, t2, up)
+                })
+                .collect();
+            let mut ix = PrefixIndex::new();
+            let snaps: Vec<proto::StreamSnapshot> = order
+                .iter()
+                .map(|&i| proto::StreamSnapshot {
+                    coverage: proto::Coverage::Exact as i32,
+                    stream: Some(desc(&fleet[i].0)),
+                    ..Default::default()
+                })
+                .collect();
+            ix.resync_node("n1", &snaps);
+            for &i in &order {
+                let (pod, depth, t2, up) = &fleet[i];
+                let mut ops = vec![store(&keys[..*depth], proto::Tier::T1)];
+                if let Some(j) = t2.filter(|j| j < depth) {
+                    ops.push(store(&keys[j..=j], proto::Tier::T2));
+                }
+                ix.apply_delta("n1", &delta(pod, 1, ops, proto::Coverage::Exact))
+                    .unwrap();
+                if !up {
+                    ix.apply_delta("n1", &delta(pod, 2, vec![], proto::Coverage::Disconnected))
+                        .unwrap();
+                }
+            }
+            for (len, max) in [
+                (1, 32),
+                (2, 32),
+                (12, 32),
+                (12, 1),
+                (12, 0),
+                (5, 7),
+                (12, 400),
+            ] {
+                let q = LookupQuery {
+                    content_keys: keys[..len].to_vec(),
+                    block_size: Some(4),
+                    max_replicas: max,
+                    ..Default::default()
+                };
+                let mut want: Vec<(std::cmp::Reverse<u32>, Tier, String)> = fleet
+                    .iter()
+                    .filter(|(.., up)| *up)
+                    .map(|(pod, depth, t2, _)| {
+                        let d = (*depth).min(len);
+                        let tier = if t2.is_some_and(|j| j < d) {
+                            Tier::T2
+                        } else {
+                            Tier::T1
+                        };
+                        (
+                            std::cmp::Reverse(d as u32),
+                            tier,
+                            format!("default/{pod}#0"),
+                        )
+                    })
+                    .collect();
+                want.sort();
+                let mut scored: Vec<(std::cmp::Reverse<u32>, Tier, String)> = ix
+                    .score(&q)
+                    .unwrap()
+                    .replicas
+                    .iter()
+                    .map(|s| {
+                        let tier = if s.t1 { Tier::T1 } else { Tier::T2 };
+                        (
+                            std::cmp::Reverse(s.matched_blocks),
+                            tier,
+                            ix.stream_of(s.slot).unwrap().to_string(),
+                        )
+                    })
+                    .collect();
+                scored.sort();
+                assert_eq!(scored, want, "round {round}, score of {len} blocks");
+                if max > 0 {
+                    want.truncate(max);
+                }
+                let got: Vec<(std::cmp::Reverse<u32>, Tier, String)> = ix
+                    .lookup(&q)
+                    .replicas
+                    .iter()
+                    .map(|m| {
+                        (
+                            std::cmp::Reverse(m.matched_blocks),
+                            m.tier,
+                            m.stream_id().to_string(),
+                        )
+                    })
+                    .collect();
+                assert_eq!(got, want, "round {round}, {len} blocks, max {max}");
+            }
+        }
+    }
 
     proptest! {
         /// `gallop` equals a linear scan for the first element at or above the target.
