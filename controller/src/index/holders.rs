@@ -54,7 +54,9 @@ impl Pool {
             return i;
         }
         let i = self.data.len() / self.cap.max(1);
-        self.data.resize(self.data.len() + self.cap, 0);
+        // `extend` of a counted repeat reserves once and writes in place (a `resize` call costs
+        // more than the two cells of the smallest class).
+        self.data.extend(std::iter::repeat_n(0, self.cap));
         i as u32
     }
 
@@ -119,7 +121,7 @@ impl HolderArena {
         };
         let i = pool.alloc();
         if let Some(dst) = pool.chunk_mut(i).get_mut(..list.len()) {
-            dst.copy_from_slice(list);
+            copy_holders(dst, list);
         }
         Holders::spill(class, list.len(), i)
     }
@@ -143,10 +145,10 @@ impl HolderArena {
             return old;
         };
         let (d_head, d_rest) = d.split_at_mut(j);
-        d_head.copy_from_slice(head);
+        copy_holders(d_head, head);
         if let Some((cell, d_tail)) = d_rest.split_first_mut() {
             *cell = new;
-            d_tail.copy_from_slice(tail);
+            copy_holders(d_tail, tail);
         }
         from.free.push(i);
         Holders::spill(class + 1, len + 1, k)
@@ -155,6 +157,31 @@ impl HolderArena {
     fn release(&mut self, class: usize, i: u32) {
         if let Some(p) = self.pool_mut(class) {
             p.free.push(i);
+        }
+    }
+}
+
+/// `dst.copy_from_slice(src)` (equal lengths), with the short copies of small lists done in
+/// registers: most spilled lists hold two to four holders, and a `memcpy` call costs more than
+/// moving them.
+#[inline]
+fn copy_holders(dst: &mut [Holder], src: &[Holder]) {
+    match (dst, src) {
+        ([], []) => {}
+        ([d0], [s0]) => *d0 = *s0,
+        ([d0, d1], [s0, s1]) => {
+            *d0 = *s0;
+            *d1 = *s1;
+        }
+        ([d0, d1, d2], [s0, s1, s2]) => {
+            *d0 = *s0;
+            *d1 = *s1;
+            *d2 = *s2;
+        }
+        (d, s) => {
+            if d.len() == s.len() {
+                d.copy_from_slice(s);
+            }
         }
     }
 }
@@ -300,8 +327,17 @@ impl Holders {
             Err(j) => {
                 let new = holder(slot, t2, pos);
                 if len < cap {
-                    // Room in the chunk: shift the tail one place up, then fill the gap.
-                    if j < len {
+                    // Room in the chunk: shift the tail one place up (from its end: short
+                    // tails, no `memmove` call), then fill the gap.
+                    if len - j <= 3 {
+                        for k in (j..len).rev() {
+                            if let Some(&h) = chunk.get(k) {
+                                if let Some(cell) = chunk.get_mut(k + 1) {
+                                    *cell = h;
+                                }
+                            }
+                        }
+                    } else {
                         chunk.copy_within(j..len, j + 1);
                     }
                     if let Some(cell) = chunk.get_mut(j) {
