@@ -21,6 +21,13 @@
 //! the announced size is ever allocated: the relay reads in [`RELAY_CHUNK`]-byte chunks, and
 //! the library buffers at most one accepted message.
 //!
+//! A command frame must also be a well-formed READY ([`check_command`]; the library knows no
+//! other command and would close the connection without a word). With a [`RelayBudget`] (the
+//! subscriber's SUB sockets), each message frame of [`RELAY_CHUNK`] bytes or more is charged
+//! [`LIBRARY_FACTOR`] × its length against the node-wide in-flight budget before any of it is
+//! relayed, waiting for the budget up to [`RelayBudget::wait`] (the engine is slowed meanwhile);
+//! the charge of each completed message goes to [`RelayBudget::charges`] for the reader.
+//!
 //! The bytes the library sends to the engine (subscriptions, replay requests) are relayed
 //! unchanged. The loopback listener accepts exactly one connection and is closed at once: the
 //! library *connects* to it, so a local process that raced to it could only read the engine's
@@ -34,6 +41,8 @@ use std::time::Duration;
 use ic_shared::plan::HashScheme;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use super::subscriber::budget::{InflightBudget, InflightPermit};
 
 /// The hard cap on one accepted ZMQ message (all frames together), bytes: 16 MiB. No plan or
 /// option can raise a stream's limit above it (the chart gives the agent 128 Mi for every
@@ -124,6 +133,9 @@ pub enum Violation {
     /// length). The `zeromq` library closes such a connection itself, without a word; the guard
     /// refuses it first so it is counted and logged.
     BadCommand,
+    /// A large frame waited longer than [`RelayBudget::wait`] for the node's in-flight budget
+    /// (or needs more than all of it).
+    InflightBudget,
 }
 
 impl Violation {
@@ -136,6 +148,7 @@ impl Violation {
         "message_too_large",
         "too_many_frames",
         "bad_command",
+        "inflight_budget",
     ];
 
     /// The `reason` label value.
@@ -148,6 +161,7 @@ impl Violation {
             Violation::MessageTooLarge => "message_too_large",
             Violation::TooManyFrames => "too_many_frames",
             Violation::BadCommand => "bad_command",
+            Violation::InflightBudget => "inflight_budget",
         }
     }
 }
@@ -169,6 +183,11 @@ impl fmt::Display for Dropped {
         match self.violation {
             Violation::BadGreeting => write!(f, "not a ZMTP greeting"),
             Violation::BadFlags => write!(f, "frame header with reserved flags set"),
+            Violation::InflightBudget => write!(
+                f,
+                "a frame needing {} bytes of the node's in-flight budget of {} waited too long",
+                self.announced, self.limit
+            ),
             Violation::BadCommand => write!(
                 f,
                 "a command frame that is not a well-formed READY ({} bytes)",
@@ -226,6 +245,9 @@ pub struct FrameGuard {
     msg_frames: usize,
     /// Body of the command frame in progress (at most [`MAX_COMMAND_BYTES`]).
     command: Vec<u8>,
+    /// What the last [`FrameGuard::check`] saw, in order: message frames of at least
+    /// [`RELAY_CHUNK`] bytes (their length) and completed messages (`None`).
+    events: Vec<Option<u64>>,
 }
 
 /// Checks one command frame's body as the `zeromq` library reads it (its only command is READY):
@@ -270,6 +292,7 @@ impl FrameGuard {
             msg_bytes: 0,
             msg_frames: 0,
             command: Vec::new(),
+            events: Vec::new(),
         }
     }
 
@@ -279,6 +302,7 @@ impl FrameGuard {
     /// # Errors
     /// [`Dropped`] naming the violation.
     pub fn check(&mut self, mut bytes: &[u8]) -> Result<(), Dropped> {
+        self.events.clear();
         let drop = |violation, announced, limit| Dropped {
             violation,
             announced,
@@ -395,6 +419,9 @@ impl FrameGuard {
                     limit: max,
                 });
             }
+            if len >= RELAY_CHUNK as u64 {
+                self.events.push(Some(len));
+            }
         }
         if len == 0 {
             self.frame_done(command, more)?;
@@ -422,6 +449,7 @@ impl FrameGuard {
         } else if !more {
             self.msg_bytes = 0;
             self.msg_frames = 0;
+            self.events.push(None);
         }
         self.state = State::Flags;
         Ok(())
@@ -471,6 +499,28 @@ fn parse_endpoint(endpoint: &str) -> Result<Target, String> {
 
 /// Called with each violation (count it, log it).
 pub type OnDrop = Arc<dyn Fn(Dropped) + Send + Sync>;
+
+/// Charges of the messages the relay passed to the library, in order, for the socket's reader
+/// to take one per message it receives (`None`: a message of small frames, not charged here).
+pub type Charges = Arc<std::sync::Mutex<std::collections::VecDeque<Option<InflightPermit>>>>;
+
+/// The node-wide budget a relay charges the large frames it passes to the library against
+/// (issue 38, D1): the library buffers a whole message before the socket's reader sees it (up
+/// to twice its size, measured), so a flood of under-cap messages on many streams is bounded
+/// only if those bytes are charged before they are relayed.
+#[derive(Clone)]
+pub struct RelayBudget {
+    /// The budget.
+    pub budget: Arc<InflightBudget>,
+    /// Where each completed message's charge goes.
+    pub charges: Charges,
+    /// Longest wait for the budget before the peer is dropped ([`Violation::InflightBudget`]).
+    pub wait: Duration,
+}
+
+/// What the library may hold for a frame of `len` bytes: twice it (measured: a stream whose
+/// 15 MiB messages were all dropped on arrival held 31 MiB).
+pub const LIBRARY_FACTOR: u64 = 2;
 
 /// A relay from one engine connection to a loopback endpoint the library connects to; dropping
 /// it closes both connections.
@@ -526,8 +576,22 @@ pub async fn connect(
     timeout: Duration,
     on_drop: OnDrop,
 ) -> Result<Guarded, String> {
+    connect_budgeted(endpoint, limits, timeout, on_drop, None).await
+}
+
+/// [`connect`], charging the large frames relayed against `budget` ([`RelayBudget`]).
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_budgeted(
+    endpoint: &str,
+    limits: ZmtpLimits,
+    timeout: Duration,
+    on_drop: OnDrop,
+    budget: Option<RelayBudget>,
+) -> Result<Guarded, String> {
     let engine = connect_io(endpoint, timeout).await?;
-    relay_via_loopback(engine, limits, timeout, on_drop).await
+    relay_via_loopback(engine, limits, timeout, on_drop, budget).await
 }
 
 /// A listener where engines connect (a SUB that binds, `@tcp://host:port`).
@@ -579,6 +643,7 @@ impl GuardListener {
         limits: ZmtpLimits,
         timeout: Duration,
         on_drop: OnDrop,
+        budget: Option<RelayBudget>,
     ) -> Result<Guarded, String> {
         let engine: Box<dyn Io> = match &self.inner {
             Listener::Tcp(l) => {
@@ -588,7 +653,7 @@ impl GuardListener {
             }
             Listener::Ipc(l) => Box::new(l.accept().await.map_err(|e| format!("accept: {e}"))?.0),
         };
-        relay_via_loopback(engine, limits, timeout, on_drop).await
+        relay_via_loopback(engine, limits, timeout, on_drop, budget).await
     }
 }
 
@@ -597,6 +662,7 @@ async fn relay_via_loopback(
     limits: ZmtpLimits,
     timeout: Duration,
     on_drop: OnDrop,
+    budget: Option<RelayBudget>,
 ) -> Result<Guarded, String> {
     let listener = TcpListener::bind(("127.0.0.1", 0))
         .await
@@ -611,7 +677,7 @@ async fn relay_via_loopback(
         };
         drop(listener);
         let _ = lib.set_nodelay(true);
-        relay(engine, lib, limits, on_drop).await;
+        relay(engine, lib, limits, on_drop, budget).await;
     });
     Ok(Guarded {
         endpoint: format!("tcp://127.0.0.1:{port}"),
@@ -619,12 +685,43 @@ async fn relay_via_loopback(
     })
 }
 
-async fn relay(engine: Box<dyn Io>, lib: TcpStream, limits: ZmtpLimits, on_drop: OnDrop) {
+/// Charges `bytes` against the budget, waiting up to `rb.wait`; the violation when it cannot.
+async fn charge(rb: &RelayBudget, bytes: u64) -> Result<InflightPermit, Dropped> {
+    let over = Dropped {
+        violation: Violation::InflightBudget,
+        announced: bytes,
+        limit: rb.budget.limit() as u64,
+    };
+    let want = usize::try_from(bytes).map_err(|_| over)?;
+    let deadline = tokio::time::Instant::now() + rb.wait;
+    loop {
+        if want > rb.budget.limit() {
+            return Err(over);
+        }
+        if let Some(p) = rb.budget.try_charge(want) {
+            return Ok(p);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(over);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn relay(
+    engine: Box<dyn Io>,
+    lib: TcpStream,
+    limits: ZmtpLimits,
+    on_drop: OnDrop,
+    budget: Option<RelayBudget>,
+) {
     let (mut er, mut ew) = tokio::io::split(engine);
     let (mut lr, mut lw) = lib.into_split();
     let to_lib = async {
         let mut guard = FrameGuard::new(limits);
         let mut buf = vec![0u8; RELAY_CHUNK];
+        // The charge of the message being relayed (its large frames).
+        let mut pending: Option<InflightPermit> = None;
         loop {
             let n = match er.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
@@ -633,6 +730,34 @@ async fn relay(engine: Box<dyn Io>, lib: TcpStream, limits: ZmtpLimits, on_drop:
             if let Err(d) = guard.check(&buf[..n]) {
                 on_drop(d);
                 return;
+            }
+            if let Some(rb) = &budget {
+                // Before any of these bytes reach the library: charge each large frame they
+                // start, and hand each message they complete its charge, in order.
+                for ev in std::mem::take(&mut guard.events) {
+                    match ev {
+                        Some(len) => match charge(rb, len.saturating_mul(LIBRARY_FACTOR)).await {
+                            Ok(p) => {
+                                pending = Some(match pending.take() {
+                                    Some(mut held) => {
+                                        held.absorb(p);
+                                        held
+                                    }
+                                    None => p,
+                                });
+                            }
+                            Err(d) => {
+                                on_drop(d);
+                                return;
+                            }
+                        },
+                        None => rb
+                            .charges
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push_back(pending.take()),
+                    }
+                }
             }
             if lw.write_all(&buf[..n]).await.is_err() {
                 return;

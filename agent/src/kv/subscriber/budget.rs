@@ -6,10 +6,13 @@
 //! reads Stale `TailUnverified` until the gap it left is healed — the index never silently
 //! misses what was dropped.
 //!
-//! A message is charged its wire bytes (held in the queue) plus
-//! [`decoded_bytes_bound`](ic_shared::kv::decode::decoded_bytes_bound) of its payload (what
-//! decoding it may allocate, counted before it is decoded): a decoded batch is many times its
-//! wire size, so a budget of wire bytes alone would not bound memory.
+//! A message is charged, first, in the ZMTP relay: each frame of 64 KiB or more twice its size
+//! (what the `zeromq` library may hold while it assembles the message) before the library sees
+//! it, the relay waiting for the budget ([`super::super::zmtp_guard::RelayBudget`]); then, on
+//! arrival, [`decoded_bytes_bound`](ic_shared::kv::decode::decoded_bytes_bound) of its payload
+//! (what decoding it may allocate, counted before it is decoded) plus its bytes when the relay
+//! charged none: a decoded batch is many times its wire size, so a budget of wire bytes alone
+//! would not bound memory.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -79,6 +82,11 @@ impl InflightPermit {
     /// Bytes charged.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Takes over `other`'s charge (same budget): one permit returns both on drop.
+    pub fn absorb(&mut self, mut other: InflightPermit) {
+        self.bytes += std::mem::take(&mut other.bytes);
     }
 }
 

@@ -75,6 +75,7 @@ pub(super) async fn connect_sub(
     SubSocket,
     futures::channel::mpsc::Receiver<SocketEvent>,
     Guarded,
+    zmtp_guard::Charges,
 ) {
     let id = shared.id();
     let on_drop: OnDrop = {
@@ -82,20 +83,32 @@ pub(super) async fn connect_sub(
         Arc::new(move |d| record_peer_drop(&shared, &sink, "events", d))
     };
     loop {
+        let charges = zmtp_guard::Charges::default();
+        let relay_budget = Some(zmtp_guard::RelayBudget {
+            budget: sink.budget.clone(),
+            charges: charges.clone(),
+            wait: RELAY_BUDGET_WAIT,
+        });
         let guarded = if let Some(ep) = bound_endpoint(&shared.spec.endpoint) {
             match GuardListener::bind(&super::super::publish::bind_endpoint(ep)).await {
                 Ok(l) => {
-                    l.accept(limits(opts), opts.connect_timeout, on_drop.clone())
-                        .await
+                    l.accept(
+                        limits(opts),
+                        opts.connect_timeout,
+                        on_drop.clone(),
+                        relay_budget,
+                    )
+                    .await
                 }
                 Err(e) => Err(e),
             }
         } else {
-            zmtp_guard::connect(
+            zmtp_guard::connect_budgeted(
                 &shared.spec.endpoint,
                 limits(opts),
                 opts.connect_timeout,
                 on_drop.clone(),
+                relay_budget,
             )
             .await
         };
@@ -115,7 +128,7 @@ pub(super) async fn connect_sub(
                 )
                 .await;
                 match attempt {
-                    Ok(Ok(())) => return (sock, monitor, guarded),
+                    Ok(Ok(())) => return (sock, monitor, guarded, charges),
                     Ok(Err(e)) => format!("connect {}: {e}", shared.spec.endpoint),
                     Err(_) => format!("connect {}: timed out", shared.spec.endpoint),
                 }
@@ -127,6 +140,10 @@ pub(super) async fn connect_sub(
         *backoff = next_backoff(*backoff, opts);
     }
 }
+
+/// Longest a large frame waits for the node's in-flight budget in the relay before its engine
+/// is dropped (`peers_dropped_total{reason="inflight_budget"}`): 10 s.
+const RELAY_BUDGET_WAIT: Duration = Duration::from_secs(10);
 
 pub(super) fn next_backoff(backoff: Duration, opts: &SubscriberOptions) -> Duration {
     (backoff * 2).min(opts.reconnect_max.max(opts.reconnect_initial))
@@ -158,7 +175,7 @@ pub(super) async fn read_loop(
     let mut backoff = opts.reconnect_initial;
     loop {
         // `_relay` carries the engine's bytes to `sock`; dropping it closes the connection.
-        let (mut sock, mut monitor, _relay) =
+        let (mut sock, mut monitor, _relay, charges) =
             connect_sub(&shared, &sink, &opts, &mut backoff).await;
         let received_before = shared.lock().stats.batches_received;
         let epoch = shared.epoch.fetch_add(1, Ordering::Relaxed) + 1;
@@ -184,16 +201,25 @@ pub(super) async fn read_loop(
                 g.stats.last_message_unix_ms = Some(now_unix_ms());
             }
             let size = message_bytes(&m);
+            // What the relay charged for this message's large frames (the library's buffer);
+            // dropped with the message.
+            let relayed = charges
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front()
+                .flatten();
             if queue.bytes.load(Ordering::Relaxed).saturating_add(size) > opts.queue_max_bytes {
                 record_drop(&shared, &sink, "queue_full", 1);
                 return true;
             }
-            // Its bytes and what decoding it may allocate, charged before anything is decoded.
-            let cost = size.saturating_add(
+            // What decoding it may allocate, charged before anything is decoded, and its bytes
+            // unless the relay charged them already.
+            let wire = if relayed.is_some() { 0 } else { size };
+            let cost = wire.saturating_add(
                 m.get(2)
                     .map_or(0, |payload| decoded_bytes_bound(payload.as_ref())),
             );
-            let Some(permit) = sink.budget.try_charge(cost) else {
+            let Some(mut permit) = sink.budget.try_charge(cost) else {
                 record_drop(&shared, &sink, budget::DROP_REASON, 1);
                 // Whatever it held is missing from the replica from now on: Stale
                 // TailUnverified (not routed) until the processor sees the gap it left healed,
@@ -202,6 +228,9 @@ pub(super) async fn read_loop(
                 tracing::debug!(stream = %id, bytes = size, charge = cost, in_flight = sink.budget.used(), limit = sink.budget.limit(), "kv events: message dropped: the node's in-flight budget is spent");
                 return true;
             };
+            if let Some(r) = relayed {
+                permit.absorb(r);
+            }
             queue.bytes.fetch_add(size, Ordering::Relaxed);
             match queue.tx.try_send((epoch, m, permit)) {
                 Ok(()) => true,
