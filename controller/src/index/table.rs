@@ -311,41 +311,13 @@ impl BlockTable {
 
     /// Moves every key into a fresh array of `cap` slots (`cap` > `len`). Home slots rise with
     /// the hash, so the old array is read and the new one written nearly in order.
-    ///
-    /// The new array is filled with vacant slots a stretch at a time ([`FILL_STRETCH`]), just
-    /// ahead of the keys being placed, so each slot is placed into while its line is still in
-    /// the L1 cache (a fill of the whole array first evicts it before the placing reads it
-    /// back). The old array is walked from a vacant slot, where no probe run straddles, so keys
-    /// arrive in nearly ascending home order.
     fn resize(&mut self, cap: usize) {
-        let old = std::mem::replace(&mut self.slots, Vec::with_capacity(cap));
-        if cap.saturating_mul(std::mem::size_of::<Slot>()) >= HUGE_MIN_BYTES {
-            advise_huge_pages(self.slots.spare_capacity_mut());
-        }
-        let start = old.iter().position(|s| s.key == EMPTY).unwrap_or(0);
-        let (head, tail) = old.split_at(start);
-        for s in tail.iter().chain(head) {
-            if s.key == EMPTY {
-                continue;
-            }
-            let mut i = self.ideal(s.key, cap);
-            loop {
-                match self.slots.get_mut(i) {
-                    Some(t) if t.key == EMPTY => {
-                        *t = *s;
-                        break;
-                    }
-                    Some(_) => i = next_slot(i, cap),
-                    None => {
-                        // Past the filled part (`i` ≥ length < cap): fill up to a stretch
-                        // beyond `i`, then place.
-                        let to = (i + FILL_STRETCH).min(cap);
-                        self.slots.resize(to, VACANT);
-                    }
-                }
+        let old = std::mem::replace(&mut self.slots, vacant_slots(cap));
+        for s in old {
+            if s.key != EMPTY {
+                self.place(s);
             }
         }
-        self.slots.resize(cap, VACANT);
     }
 
     /// Removes `key`; returns its holders.
@@ -412,10 +384,6 @@ fn vacant_slots(cap: usize) -> Vec<Slot> {
     slots.resize(cap, VACANT);
     slots
 }
-
-/// Slots a growing table's new array is filled with at a time, ahead of the keys placed into
-/// it (1 KiB: the fill stays in the L1 cache until the keys land).
-const FILL_STRETCH: usize = 64;
 
 /// A fast hasher for short strings (stream ids looked up once per delta): 8 bytes per fold.
 /// Stream ids come from authenticated agents and the map holds one entry per stream, so the
