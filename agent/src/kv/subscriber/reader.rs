@@ -270,6 +270,9 @@ pub(super) async fn read_loop(
             }
         }
         drop(sock);
+        // Charges of messages the library never delivered go back to the budget now, not at
+        // the next connection.
+        drop(charges);
         shared
             .disconnected_at_ms
             .store(now_unix_ms().max(1), Ordering::Relaxed);
