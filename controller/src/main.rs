@@ -126,6 +126,18 @@ struct StandaloneArgs {
     /// pod to the data-parallel ranks they have). Bounds the index write lock's hold per resync.
     #[arg(long, env = "IC_MAX_STREAMS_PER_REPORTER", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     max_streams_per_reporter: u64,
+    /// Most block entries one reporter's resync (all its chunks together) may carry; a resync
+    /// with more ends its stream with RESOURCE_EXHAUSTED as soon as the chunk that passes the
+    /// bound arrives, counted in kv_streams_refused_total{reason="resync_entry_cap"}. Default
+    /// 2 Mi: twice the largest planned node (1 M blocks), sized to the chart's memory limit.
+    #[arg(long, env = "IC_MAX_RESYNC_ENTRIES", default_value_t = 2 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    max_resync_entries: u64,
+    /// Most AgentService.Connect streams one source address (an IPv4 address, an IPv6 /64)
+    /// may have awaiting their Hello or its authentication at once; one more ends at once with
+    /// RESOURCE_EXHAUSTED, counted in agent_streams_total{outcome="rejected",reason="pending_per_source_full"}.
+    /// Many sources together are still held only by --agent-max-pending-hellos.
+    #[arg(long, env = "IC_AGENT_MAX_PENDING_HELLOS_PER_SOURCE", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    agent_max_pending_hellos_per_source: u64,
     /// LookupRoute budget in milliseconds where the tenant's CachePolicy sets no
     /// lookupTimeoutMs (and for lookups without a tenant): past it the answer is NO_HINT with
     /// reason LookupTimeout (fail open).
@@ -276,6 +288,18 @@ struct RunArgs {
     /// pod to the data-parallel ranks they have). Bounds the index write lock's hold per resync.
     #[arg(long, env = "IC_MAX_STREAMS_PER_REPORTER", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     max_streams_per_reporter: u64,
+    /// Most block entries one reporter's resync (all its chunks together) may carry; a resync
+    /// with more ends its stream with RESOURCE_EXHAUSTED as soon as the chunk that passes the
+    /// bound arrives, counted in kv_streams_refused_total{reason="resync_entry_cap"}. Default
+    /// 2 Mi: twice the largest planned node (1 M blocks), sized to the chart's memory limit.
+    #[arg(long, env = "IC_MAX_RESYNC_ENTRIES", default_value_t = 2 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    max_resync_entries: u64,
+    /// Most AgentService.Connect streams one source address (an IPv4 address, an IPv6 /64)
+    /// may have awaiting their Hello or its authentication at once; one more ends at once with
+    /// RESOURCE_EXHAUSTED, counted in agent_streams_total{outcome="rejected",reason="pending_per_source_full"}.
+    /// Many sources together are still held only by --agent-max-pending-hellos.
+    #[arg(long, env = "IC_AGENT_MAX_PENDING_HELLOS_PER_SOURCE", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    agent_max_pending_hellos_per_source: u64,
     /// LookupRoute budget in milliseconds where the tenant's CachePolicy sets no
     /// lookupTimeoutMs (and for lookups without a tenant): past it the answer is NO_HINT with
     /// reason LookupTimeout (fail open).
@@ -518,6 +542,9 @@ async fn run_in_cluster(a: RunArgs) -> anyhow::Result<()> {
             max_blocks_per_stream: (a.max_blocks_per_stream > 0).then_some(a.max_blocks_per_stream),
             resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
             max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
+            max_resync_entries: usize::try_from(a.max_resync_entries).ok(),
+            max_pending_hellos_per_source: usize::try_from(a.agent_max_pending_hellos_per_source)
+                .ok(),
             lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
             resync_turn_idle: Some(Duration::from_millis(a.resync_turn_idle_ms)),
             coverage_heartbeat_bound: Some(Duration::from_millis(a.coverage_heartbeat_bound_ms)),
@@ -685,6 +712,11 @@ async fn run_main() -> anyhow::Result<()> {
                         .then_some(a.max_blocks_per_stream),
                     resync_turns: (a.resync_turns > 0).then_some(a.resync_turns),
                     max_streams_per_reporter: usize::try_from(a.max_streams_per_reporter).ok(),
+                    max_resync_entries: usize::try_from(a.max_resync_entries).ok(),
+                    max_pending_hellos_per_source: usize::try_from(
+                        a.agent_max_pending_hellos_per_source,
+                    )
+                    .ok(),
                     lookup_timeout: Some(Duration::from_millis(a.lookup_timeout_ms)),
                     resync_turn_idle: Some(Duration::from_millis(a.resync_turn_idle_ms)),
                     coverage_heartbeat_bound: Some(Duration::from_millis(

@@ -33,6 +33,13 @@ pub struct LookupPolicy {
     /// Most distinct streams one reporter (a node agent, a per-pod subscriber) may register in
     /// one resync (`--max-streams-per-reporter`); `None`: [`DEFAULT_MAX_STREAMS_PER_REPORTER`].
     pub max_streams_per_reporter: Option<usize>,
+    /// Most block entries one resync (all its chunks together) may carry
+    /// (`--max-resync-entries`); `None`: [`crate::ingest::DEFAULT_MAX_RESYNC_ENTRIES`].
+    pub max_resync_entries: Option<usize>,
+    /// Most `AgentService.Connect` streams one source address may have awaiting their Hello at
+    /// once (`--agent-max-pending-hellos-per-source`); `None`:
+    /// [`crate::ingest::handshake::DEFAULT_MAX_PENDING_HELLOS_PER_SOURCE`].
+    pub max_pending_hellos_per_source: Option<usize>,
     /// Budget of a lookup whose tenant has no CachePolicy `lookupTimeoutMs`
     /// (`--lookup-timeout-ms`); `None`: [`DEFAULT_LOOKUP_TIMEOUT`].
     pub lookup_timeout: Option<std::time::Duration>,
@@ -51,6 +58,20 @@ impl LookupPolicy {
     pub fn streams_per_reporter(&self) -> usize {
         self.max_streams_per_reporter
             .unwrap_or(DEFAULT_MAX_STREAMS_PER_REPORTER)
+            .max(1)
+    }
+
+    /// [`Self::max_resync_entries`] or its default (at least 1).
+    pub fn resync_entries(&self) -> usize {
+        self.max_resync_entries
+            .unwrap_or(crate::ingest::DEFAULT_MAX_RESYNC_ENTRIES)
+            .max(1)
+    }
+
+    /// [`Self::max_pending_hellos_per_source`] or its default (at least 1).
+    pub fn pending_hellos_per_source(&self) -> usize {
+        self.max_pending_hellos_per_source
+            .unwrap_or(crate::ingest::handshake::DEFAULT_MAX_PENDING_HELLOS_PER_SOURCE)
             .max(1)
     }
 

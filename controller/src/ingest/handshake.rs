@@ -3,15 +3,18 @@
 //! ([`HandshakeLimits::hello_timeout`]), a bound on the bytes buffered for it
 //! ([`HandshakeLimits::pre_auth_bytes`], enforced on the request body by [`PreAuthGated`]
 //! before tonic's decoder reserves or buffers anything), a cap on streams awaiting their
-//! `Hello` or its authentication at once ([`HandshakeLimits::pending`]), and bounds on the
-//! `Hello`'s strings ([`check_hello_sizes`]). [`TokenFirst`] checks a `LookupRoute` caller's token
+//! `Hello` or its authentication at once ([`HandshakeLimits::pending`]) and from one source
+//! address at once ([`PendingBySource`], so one client cannot hold every slot), and bounds on
+//! the `Hello`'s strings ([`check_hello_sizes`]). [`TokenFirst`] checks a `LookupRoute` caller's token
 //! before its body is read.
 //!
 //! Without these, one client could open streams that never speak (≈ 12 KiB each: 100 000 on
 //! one connection took the controller from 53 to 1 237 MB) or announce an 8 MiB first message
 //! and send half of it (64 such streams: 25 → 588 MB), all before any token was reviewed.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,6 +25,7 @@ use axum::body::Bytes;
 use axum::http;
 use ic_shared::proto;
 use ic_shared::serve::ConnectionLimits;
+use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tonic::Status;
 
@@ -30,6 +34,95 @@ const GRPC_HEADER_BYTES: usize = 5;
 
 /// Most capabilities a `Hello` may list.
 pub const MAX_HELLO_CAPABILITIES: usize = 64;
+
+/// Default of `--agent-max-pending-hellos-per-source`: 64 streams, a sixteenth of the default
+/// global cap (`--agent-max-pending-hellos`, 1 024). A node agent opens one stream at a time
+/// and a node's per-pod subscribers one each, so a real source rarely has more than a few
+/// awaiting their Hello; issue 38 D4 kept every agent out from one client with 8 connections
+/// × 128 Hello-less streams.
+pub const DEFAULT_MAX_PENDING_HELLOS_PER_SOURCE: usize = 64;
+
+/// Streams awaiting their `Hello` (or its authentication) per source address
+/// (`--agent-max-pending-hellos-per-source`). A source is the peer's IP address: an IPv4
+/// address (IPv4-mapped IPv6 included) as is, an IPv6 address by its /64 prefix (one host is
+/// usually given a whole /64). Streams without a peer address (not over TCP) are not counted
+/// here; the global cap ([`HandshakeLimits::pending`]) still holds them. Entries are removed
+/// when their count returns to 0, so the map holds at most one entry per pending stream.
+#[derive(Debug)]
+pub struct PendingBySource {
+    max: usize,
+    counts: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl PendingBySource {
+    /// A tracker allowing `max` pending streams per source (0 raised to 1).
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(PendingBySource {
+            max: max.max(1),
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The per-source cap.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// The key `ip` is counted under: IPv4 (and IPv4-mapped IPv6) as is, other IPv6 by /64.
+    pub fn source_key(ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
+            IpAddr::V4(v4) => IpAddr::V4(v4),
+            IpAddr::V6(v6) => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(std::net::Ipv6Addr::from(bits))
+            }
+        }
+    }
+
+    /// A slot for one more pending stream of `source`, held until the returned guard drops;
+    /// `None` when `source` already has [`Self::max`] pending (the caller refuses the stream).
+    pub fn try_acquire(self: &Arc<Self>, source: IpAddr) -> Option<SourceSlot> {
+        let key = Self::source_key(source);
+        let mut counts = self.counts.lock();
+        let n = counts.entry(key).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot {
+            owner: self.clone(),
+            key,
+        })
+    }
+
+    /// Streams of `source` pending now (tests, diagnostics).
+    pub fn pending(&self, source: IpAddr) -> usize {
+        self.counts
+            .lock()
+            .get(&Self::source_key(source))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// One pending stream's place in [`PendingBySource`]; dropping it frees the place.
+#[derive(Debug)]
+pub struct SourceSlot {
+    owner: Arc<PendingBySource>,
+    key: IpAddr,
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut counts = self.owner.counts.lock();
+        if let Some(n) = counts.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&self.key);
+            }
+        }
+    }
+}
 
 /// The pre-authentication bounds of one `AgentService` (from [`ConnectionLimits`]).
 #[derive(Debug, Clone)]

@@ -3,11 +3,18 @@
 //! Protocol, per stream:
 //! 1. the agent sends `Hello` first (anything else → `InvalidArgument`), within the handshake
 //!    bounds of [`handshake`]: `--agent-hello-timeout-seconds` (`DeadlineExceeded`), at most
-//!    `--agent-pre-auth-bytes` before it is accepted and `--agent-max-pending-hellos` streams
-//!    waiting at once (`ResourceExhausted`);
+//!    `--agent-pre-auth-bytes` before it is accepted, `--agent-max-pending-hellos` streams
+//!    waiting at once and `--agent-max-pending-hellos-per-source` of them from one source
+//!    address (`ResourceExhausted`);
 //! 2. the agent sends a full `Resync` (or, when it is larger than one message may be, a series
 //!    of `ResyncChunk`s applied together when the last arrives — `ic_shared::resync`); the index
-//!    replaces every stream of that node;
+//!    replaces every stream of that node. A resync of more than `--max-resync-entries` entries,
+//!    or a chunked one whose chunks name more than `--max-streams-per-reporter` distinct
+//!    streams, is refused as soon as the chunk that crosses the bound arrives: the partial
+//!    resync is dropped and the stream ends with `ResourceExhausted` naming the flag (counted in
+//!    `kv_streams_refused_total{reason="resync_entry_cap"|"resync_stream_cap"}`, one per refused
+//!    resync). A single `Resync` message over the stream cap (bounded by the message limit)
+//!    keeps its first streams and counts the rest (`reason="stream_cap"`);
 //! 3. `KvDeltaBatch`es are applied stream by stream; each batch is acked. A delta whose seq does
 //!    not follow, or of a stream the index does not know, is refused: the controller sends one
 //!    `ResyncRequest` and ignores further deltas of that agent until the next `Resync`;
@@ -94,9 +101,12 @@ use crate::state::{now_unix_ms, Shared, WriteHold};
 /// Outbound queue depth per agent stream.
 const OUTBOUND_DEPTH: usize = 64;
 
-/// Most entries one node's resync may carry (all chunks together): 16 M, sixteen times the
-/// largest node we plan for (1 M blocks), ≈ 0.5 GiB while assembled.
-pub const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
+/// Default of `--max-resync-entries`, the most block entries one reporter's resync may carry
+/// (all its chunks together): 2 Mi, twice the largest node we plan for (1 M blocks). Chunks are
+/// assembled only while their session holds a resync turn, so at most `--resync-turns` (≤ 4)
+/// resyncs are assembled at once; docs/security.md "Streams, handshakes and idle connections"
+/// has the measured peak of one maximal resync against the chart's 512 Mi memory limit.
+pub const DEFAULT_MAX_RESYNC_ENTRIES: usize = 2 * 1024 * 1024;
 
 /// Entries of a node's resync applied under one hold of the index write lock
 /// (a node's resync, `Session::apply_resync`): ≈ 0.1–0.5 ms of work, so a lookup waits at most
@@ -115,6 +125,9 @@ pub struct AgentIngest {
     shared: Arc<Shared>,
     auth: Option<Arc<auth::AgentAuthenticator>>,
     handshake: handshake::HandshakeLimits,
+    /// Streams awaiting their Hello per source address (`--agent-max-pending-hellos-per-source`,
+    /// from `shared.policy`).
+    per_source: Arc<handshake::PendingBySource>,
     /// Set once [`heartbeat::watch`] runs for `shared` (started by the first accepted stream).
     heartbeat_watch: Arc<std::sync::OnceLock<()>>,
 }
@@ -124,6 +137,7 @@ impl AgentIngest {
     /// default handshake bounds ([`Self::with_limits`]).
     pub fn new(shared: Arc<Shared>) -> Self {
         AgentIngest {
+            per_source: handshake::PendingBySource::new(shared.policy.pending_hellos_per_source()),
             shared,
             auth: None,
             handshake: handshake::HandshakeLimits::default(),
@@ -155,6 +169,7 @@ impl AgentIngest {
     /// A service that authenticates every Hello with `auth` (in-cluster mode).
     pub fn with_auth(shared: Arc<Shared>, auth: Arc<auth::AgentAuthenticator>) -> Self {
         AgentIngest {
+            per_source: handshake::PendingBySource::new(shared.policy.pending_hellos_per_source()),
             shared,
             auth: Some(auth),
             handshake: handshake::HandshakeLimits::default(),
@@ -219,6 +234,22 @@ impl AgentService for AgentIngest {
             .get::<handshake::PreAuthGate>()
             .cloned();
         let source = request.remote_addr().map(|a| a.ip());
+        // One source may hold only its share of the pending slots (issue 38 D4: one client
+        // with 8 connections × 128 Hello-less streams kept every agent out).
+        let source_slot = match source {
+            Some(ip) => Some(self.per_source.try_acquire(ip).ok_or_else(|| {
+                self.shared
+                    .metrics
+                    .stream_rejected(StreamRejection::PendingPerSourceFull);
+                Status::resource_exhausted(format!(
+                    "{} AgentService.Connect streams from this source address are awaiting \
+                     their Hello or its authentication (--agent-max-pending-hellos-per-source); \
+                     retry shortly",
+                    self.per_source.max()
+                ))
+            })?),
+            None => None,
+        };
         let pending = self
             .handshake
             .pending
@@ -229,7 +260,7 @@ impl AgentService for AgentIngest {
                     StreamRejection::PendingHellosFull,
                     Status::resource_exhausted(format!(
                         "{} AgentService.Connect streams are awaiting their Hello or its \
-                     authentication (--agent-max-pending-hellos); retry shortly",
+                         authentication (--agent-max-pending-hellos); retry shortly",
                         self.handshake.max_pending
                     )),
                 )
@@ -287,6 +318,7 @@ impl AgentService for AgentIngest {
             gate.open();
         }
         drop(pending);
+        drop(source_slot);
         let (tx, rx) = mpsc::channel(OUTBOUND_DEPTH);
         let bound = self.shared.policy.heartbeat_bound();
         heartbeat::start_once(&self.heartbeat_watch, &self.shared, bound);

@@ -18,7 +18,7 @@ use tonic::{Status, Streaming};
 use tracing::{info, warn};
 
 use super::registry::StreamTicket;
-use super::{auth, heartbeat, scope, superseded_status, turns, MAX_RESYNC_ENTRIES};
+use super::{auth, heartbeat, scope, superseded_status, turns};
 use crate::state::{now_unix_ms, Shared, WriteHold};
 
 /// Runs the session of a stream whose Hello was accepted until the stream ends, then marks
@@ -38,7 +38,8 @@ pub(super) async fn run(
         tx,
         awaiting_resync: false,
         owned: HashSet::new(),
-        chunks: ic_shared::resync::ResyncAssembler::new(MAX_RESYNC_ENTRIES),
+        chunks: ic_shared::resync::ResyncAssembler::new(shared.policy.resync_entries()),
+        chunk_streams: HashSet::new(),
         turn: None,
         handed_on: None,
         opening_pending: true,
@@ -156,7 +157,7 @@ enum SessionEnd {
     Closed,
     /// A newer stream of the same node (or pod) took over.
     Superseded,
-    /// A chunked resync exceeded [`MAX_RESYNC_ENTRIES`].
+    /// A resync exceeded `--max-resync-entries`, or a chunked one `--max-streams-per-reporter`.
     TooLarge(String),
     /// A subscriber reported a stream outside its pod.
     Refused(auth::AuthError),
@@ -173,8 +174,12 @@ struct Session {
     /// Stream ids of this connection's last applied `Resync`: the streams it may report
     /// counters for.
     owned: HashSet<String>,
-    /// A chunked resync being put back together.
+    /// A chunked resync being put back together (at most `--max-resync-entries` entries).
     chunks: ic_shared::resync::ResyncAssembler,
+    /// The distinct stream ids of the chunked resync in [`Self::chunks`]: at most
+    /// `--max-streams-per-reporter` (a chunk that would pass it ends the stream before it is
+    /// buffered, [`Session::check_chunk_streams`]).
+    chunk_streams: HashSet<String>,
     /// The resync turn this session holds ([`turns`]), from before its resync is read until
     /// it is applied.
     turn: Option<turns::Turn>,
@@ -318,6 +323,57 @@ impl Session {
         Ok(())
     }
 
+    /// Refuses `chunk` when the distinct streams of the chunked resync so far and of `chunk`
+    /// together are more than `--max-streams-per-reporter`: the partial resync is dropped
+    /// before `chunk` is buffered and the stream ends (issue 38 D2: the cap was applied only
+    /// to the whole assembled resync, and 1 000 000 one-entry streams took the controller to
+    /// 811 MiB first). Otherwise records `chunk`'s new stream ids.
+    fn check_chunk_streams(&mut self, chunk: &proto::ResyncChunk) -> Result<(), SessionEnd> {
+        let cap = self.shared.policy.streams_per_reporter();
+        for s in &chunk.streams {
+            let id = s.stream.as_ref().map_or("", |d| d.stream_id.as_str());
+            if self.chunk_streams.contains(id) {
+                continue;
+            }
+            if self.chunk_streams.len() >= cap {
+                self.chunks.reset();
+                self.chunk_streams.clear();
+                self.turn = None;
+                self.shared
+                    .metrics
+                    .kv_streams_refused_total
+                    .with_label_values(&["resync_stream_cap"])
+                    .inc();
+                return Err(SessionEnd::TooLarge(format!(
+                    "the chunked resync names more than {cap} distinct streams \
+                     (--max-streams-per-reporter); it was refused at chunk {} before being \
+                     buffered",
+                    chunk.chunk
+                )));
+            }
+            self.chunk_streams.insert(id.to_string());
+        }
+        Ok(())
+    }
+
+    /// The refusal of a resync of more than `--max-resync-entries` entries (counted in
+    /// `kv_streams_refused_total{reason="resync_entry_cap"}`); the partial resync is dropped.
+    fn entry_cap_refusal(&mut self) -> SessionEnd {
+        self.chunks.reset();
+        self.chunk_streams.clear();
+        self.turn = None;
+        self.shared
+            .metrics
+            .kv_streams_refused_total
+            .with_label_values(&["resync_entry_cap"])
+            .inc();
+        SessionEnd::TooLarge(format!(
+            "the resync carries more than {} block entries (--max-resync-entries); it was \
+             refused and nothing of it was applied",
+            self.shared.policy.resync_entries()
+        ))
+    }
+
     async fn handle(&mut self, msg: proto::AgentMessage) -> Result<(), SessionEnd> {
         let now = now_unix_ms();
         if !self.shared.nodes.lock().is_current(&self.ticket) {
@@ -344,18 +400,29 @@ impl Session {
             ),
             Some(Msg::Resync(r)) => {
                 self.chunks.reset();
+                self.chunk_streams.clear();
                 self.authorize(r.streams.iter().map(|s| s.stream.as_ref()))?;
+                let entries: usize = r.streams.iter().map(|s| s.entries.len()).sum();
+                if entries > self.shared.policy.resync_entries() {
+                    return Err(self.entry_cap_refusal());
+                }
                 self.take_turn().await?;
                 self.apply_resync(r.streams).await;
             }
             Some(Msg::ResyncChunk(c)) => {
                 self.authorize(c.streams.iter().map(|s| s.stream.as_ref()))?;
                 self.take_turn().await?;
-                match self.chunks.push(c) {
+                self.check_chunk_streams(&c)?;
+                let pushed = self.chunks.push(c);
+                if !matches!(pushed, Ok(None)) {
+                    // Applied or discarded: the next chunked resync starts afresh.
+                    self.chunk_streams.clear();
+                }
+                match pushed {
                     Ok(Some(streams)) => self.apply_resync(streams).await,
                     Ok(None) => {}
-                    Err(e @ ic_shared::resync::AssembleError::TooLarge { .. }) => {
-                        return Err(SessionEnd::TooLarge(e.to_string()));
+                    Err(ic_shared::resync::AssembleError::TooLarge { .. }) => {
+                        return Err(self.entry_cap_refusal());
                     }
                     Err(e) => {
                         warn!(node = %self.ticket.node, error = %e, "resync chunk out of order; requesting a resync");
