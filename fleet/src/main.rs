@@ -39,9 +39,10 @@ use controller::{
 };
 use spec::FleetSpec;
 
-/// `ic_controller::ingest::MAX_RESYNC_ENTRIES` (not a dependency: the controller crate would
-/// pull its whole dependency tree into this build): a larger node resync is refused.
-const MAX_RESYNC_ENTRIES: usize = 16 * 1024 * 1024;
+/// The controller's default `--max-resync-entries` (`ic_controller::ingest::DEFAULT_MAX_RESYNC_ENTRIES`;
+/// not a dependency: the controller crate would pull its whole dependency tree into this
+/// build): a larger node resync is refused unless the controller is started with a larger one.
+const MAX_RESYNC_ENTRIES: usize = 2 * 1024 * 1024;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -365,7 +366,7 @@ async fn run(args: &Args, agents_rt: &tokio::runtime::Handle) -> Result<Report, 
     );
     if spec.streams_per_agent * spec.entries_per_stream() > MAX_RESYNC_ENTRIES {
         return Err(format!(
-            "{} entries per agent is above the controller's resync cap of {}",
+            "{} entries per agent is above the controller's default --max-resync-entries of {}",
             spec.streams_per_agent * spec.entries_per_stream(),
             MAX_RESYNC_ENTRIES
         ));
