@@ -46,7 +46,11 @@ pub struct ControllerMetrics {
     /// not an engine pod the plans place on the agent's node, one per stream snapshot or
     /// delta dropped; `block_size_cap`: one per snapshot or delta that lost entries or ops to
     /// a block size above the cap or past the registered-sizes cap, its stream then reads
-    /// Partial / `BlockSizeCapExceeded`).
+    /// Partial / `BlockSizeCapExceeded`; `stream_cap`: one per stream past
+    /// `--max-streams-per-reporter` in one resync; `resync_stream_cap`, `resync_entry_cap`: one
+    /// per chunked resync refused as it passed `--max-streams-per-reporter` or
+    /// `--max-resync-entries`, its stream ended with `RESOURCE_EXHAUSTED`;
+    /// `subscriber_not_planned`: a per-pod subscriber's stream of no planned engine rank).
     pub kv_streams_refused_total: IntCounterVec,
     /// Check reports received.
     pub check_reports_total: IntCounter,
@@ -145,7 +149,7 @@ impl ControllerMetrics {
         let kv_streams_refused_total = IntCounterVec::new(
             Opts::new(
                 format!("{p}kv_streams_refused_total"),
-                "Stream snapshots and deltas of agent resyncs left out (outside_node_scope) or cut (block_size_cap), by reason.",
+                "Stream snapshots and deltas of agent resyncs left out (outside_node_scope, stream_cap) or cut (block_size_cap), and whole resyncs refused (resync_stream_cap, resync_entry_cap), by reason.",
             ),
             &["reason"],
         )?;
@@ -287,7 +291,14 @@ impl ControllerMetrics {
             ),
             (
                 &kv_streams_refused_total,
-                &["outside_node_scope", "block_size_cap"][..],
+                &[
+                    "outside_node_scope",
+                    "block_size_cap",
+                    "stream_cap",
+                    "resync_stream_cap",
+                    "resync_entry_cap",
+                    "subscriber_not_planned",
+                ][..],
             ),
             (&kv_resyncs_total, &["connect", "requested"][..]),
             (&lookups_total, &["prefix_match", "no_hint"][..]),
