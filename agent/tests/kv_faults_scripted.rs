@@ -164,10 +164,14 @@ impl Engine {
             None => None,
         };
         let mut pub_sock = PubSocket::new();
-        pub_sock
-            .bind(&format!("tcp://127.0.0.1:{pub_port}"))
-            .await
-            .unwrap();
+        // A restarted engine's predecessor on this port may still be letting it go (its socket
+        // closes in the background; slower on a loaded machine).
+        let mut tries = 0;
+        while let Err(e) = pub_sock.bind(&format!("tcp://127.0.0.1:{pub_port}")).await {
+            tries += 1;
+            assert!(tries < 200, "bind the publisher port {pub_port}: {e}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         Engine {
             pub_sock,
             buffer,
