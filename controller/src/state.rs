@@ -34,7 +34,7 @@ pub struct LookupPolicy {
     /// one resync (`--max-streams-per-reporter`); `None`: [`DEFAULT_MAX_STREAMS_PER_REPORTER`].
     pub max_streams_per_reporter: Option<usize>,
     /// Most block entries one resync (all its chunks together) may carry
-    /// (`--max-resync-entries`); `None`: [`crate::ingest::DEFAULT_MAX_RESYNC_ENTRIES`].
+    /// (`--max-resync-entries`); `None`: [`DEFAULT_MAX_RESYNC_ENTRIES`].
     pub max_resync_entries: Option<usize>,
     /// Most `AgentService.Connect` streams one source address may have awaiting their Hello at
     /// once (`--agent-max-pending-hellos-per-source`); `None`:
@@ -44,6 +44,13 @@ pub struct LookupPolicy {
     /// (`--lookup-timeout-ms`); `None`: [`DEFAULT_LOOKUP_TIMEOUT`].
     pub lookup_timeout: Option<std::time::Duration>,
 }
+
+/// Default of `--max-resync-entries`, the most block entries one reporter's resync may carry
+/// (all its chunks together): 2 Mi, twice the largest node we plan for (1 M blocks). Chunks are
+/// assembled only while their session holds a resync turn, so at most `--resync-turns` resyncs
+/// are assembled at once; docs/security.md "Streams, handshakes and idle connections" has the
+/// measured peak of one maximal resync against the chart's 512 Mi memory limit.
+pub const DEFAULT_MAX_RESYNC_ENTRIES: usize = 2 * 1024 * 1024;
 
 /// Default of `--max-streams-per-reporter`: 256 streams (a node of 8 engines × 8
 /// data-parallel ranks needs 64).
@@ -64,7 +71,7 @@ impl LookupPolicy {
     /// [`Self::max_resync_entries`] or its default (at least 1).
     pub fn resync_entries(&self) -> usize {
         self.max_resync_entries
-            .unwrap_or(crate::ingest::DEFAULT_MAX_RESYNC_ENTRIES)
+            .unwrap_or(DEFAULT_MAX_RESYNC_ENTRIES)
             .max(1)
     }
 

@@ -101,12 +101,8 @@ use crate::state::{now_unix_ms, Shared, WriteHold};
 /// Outbound queue depth per agent stream.
 const OUTBOUND_DEPTH: usize = 64;
 
-/// Default of `--max-resync-entries`, the most block entries one reporter's resync may carry
-/// (all its chunks together): 2 Mi, twice the largest node we plan for (1 M blocks). Chunks are
-/// assembled only while their session holds a resync turn, so at most `--resync-turns` (≤ 4)
-/// resyncs are assembled at once; docs/security.md "Streams, handshakes and idle connections"
-/// has the measured peak of one maximal resync against the chart's 512 Mi memory limit.
-pub const DEFAULT_MAX_RESYNC_ENTRIES: usize = 2 * 1024 * 1024;
+/// Default of `--max-resync-entries` ([`crate::state::DEFAULT_MAX_RESYNC_ENTRIES`]).
+pub use crate::state::DEFAULT_MAX_RESYNC_ENTRIES;
 
 /// Entries of a node's resync applied under one hold of the index write lock
 /// (a node's resync, `Session::apply_resync`): ≈ 0.1–0.5 ms of work, so a lookup waits at most
