@@ -15,6 +15,9 @@
 //! these tests fail on it); unset, the one cargo built for this test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod h2_raw_support;
+use h2_raw_support::{connect_headers, frame, PREFACE};
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -30,7 +33,6 @@ use tokio_stream::wrappers::ReceiverStream;
 
 /// Generous guard for "the server answers or refuses it".
 const GUARD: Duration = Duration::from_secs(60);
-const CONNECT_PATH: &str = "/inferencecache.v1alpha1.AgentService/Connect";
 
 // ---- the binary ---------------------------------------------------------------------------
 
@@ -293,41 +295,6 @@ async fn a_resync_over_the_entry_bound_is_refused_and_one_within_it_is_applied()
 }
 
 // ---- D4: pending Hellos per source ----------------------------------------------------------
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-fn frame(ty: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len() as u32;
-    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, ty, flags];
-    f.extend_from_slice(&stream.to_be_bytes());
-    f.extend_from_slice(payload);
-    f
-}
-
-/// HPACK "literal header field without indexing, new name" (names and values < 127 bytes).
-fn literal(name: &str, value: &str) -> Vec<u8> {
-    let mut b = vec![0x00, name.len() as u8];
-    b.extend_from_slice(name.as_bytes());
-    b.push(value.len() as u8);
-    b.extend_from_slice(value.as_bytes());
-    b
-}
-
-/// A HEADERS frame opening `AgentService.Connect` on `stream`, left open without a Hello.
-fn connect_headers(stream: u32) -> Vec<u8> {
-    let mut block = Vec::new();
-    for (n, v) in [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", CONNECT_PATH),
-        (":authority", "x"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ] {
-        block.extend(literal(n, v));
-    }
-    frame(0x1, 0x4, stream, &block)
-}
 
 /// A raw HTTP/2 connection from 127.0.0.1 opening `streams` Hello-less Connect streams; the
 /// task holds it (reading what the server sends) until aborted.

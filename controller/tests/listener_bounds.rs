@@ -9,6 +9,9 @@
 //! as a child and reads its resident memory under a stream flood and half-sent messages.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod h2_raw_support;
+use h2_raw_support::{connect_headers, frame, CONNECT_PATH, PREFACE};
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -28,7 +31,6 @@ use tokio_stream::wrappers::ReceiverStream;
 
 /// Generous guard for "the server closes or answers it" (the bounds under test are 1–2 s).
 const GUARD: Duration = Duration::from_secs(30);
-const CONNECT_PATH: &str = "/inferencecache.v1alpha1.AgentService/Connect";
 
 fn limits() -> ConnectionLimits {
     ConnectionLimits {
@@ -53,42 +55,6 @@ async fn stack(limits: ConnectionLimits) -> Running {
 }
 
 // ---- raw HTTP/2 frames -------------------------------------------------------------------
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-fn frame(ty: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len() as u32;
-    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, ty, flags];
-    f.extend_from_slice(&stream.to_be_bytes());
-    f.extend_from_slice(payload);
-    f
-}
-
-/// HPACK "literal header field without indexing, new name" (names and values < 127 bytes).
-fn literal(name: &str, value: &str) -> Vec<u8> {
-    let mut b = vec![0x00, name.len() as u8];
-    b.extend_from_slice(name.as_bytes());
-    b.push(value.len() as u8);
-    b.extend_from_slice(value.as_bytes());
-    b
-}
-
-/// A HEADERS frame opening `AgentService.Connect` on `stream` (END_HEADERS, not END_STREAM:
-/// the stream stays open, as an agent's before its Hello).
-fn connect_headers(stream: u32) -> Vec<u8> {
-    let mut block = Vec::new();
-    for (n, v) in [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", CONNECT_PATH),
-        (":authority", "x"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ] {
-        block.extend(literal(n, v));
-    }
-    frame(0x1, 0x4, stream, &block)
-}
 
 /// Reads one frame: (type, flags, stream, payload); `None` at end of stream or error.
 async fn read_frame(s: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
