@@ -40,36 +40,92 @@ pub(super) fn pos_of(h: Holder) -> u32 {
     h as u32
 }
 
-/// Chunks of one capacity in one flat vector, with a free list.
+/// Holders per pool page (32 KiB). A pool grows a page at a time: what it holds never moves,
+/// so a growing pool costs no copy (a flat vector doubling copied the whole pool under the
+/// index's write lock — up to 16 MiB at once at 100 M entries, docs/scaling.md), and at most
+/// one page per class is partly used.
+const PAGE_HOLDERS: usize = 4096;
+
+/// Chunks of one capacity in pages of [`PAGE_HOLDERS`] holders (or one chunk per page for
+/// chunks larger than that), with a free list.
 #[derive(Debug, Default)]
 struct Pool {
     cap: usize,
-    data: Vec<Holder>,
+    /// log2 of the chunks per page.
+    shift: u32,
+    pages: Vec<Vec<Holder>>,
+    /// Chunks handed out so far, free ones included.
+    chunks: u32,
     free: Vec<u32>,
 }
 
 impl Pool {
-    fn alloc(&mut self) -> u32 {
-        if let Some(i) = self.free.pop() {
-            return i;
+    /// A pool of chunks of `cap` (a power of two) holders.
+    fn new(cap: usize) -> Self {
+        let per_page = (PAGE_HOLDERS / cap).max(1);
+        Pool {
+            cap,
+            shift: per_page.trailing_zeros(),
+            ..Pool::default()
         }
-        let i = self.data.len() / self.cap.max(1);
-        // `extend` of a counted repeat reserves once and writes in place (a `resize` call costs
-        // more than the two cells of the smallest class).
-        self.data.extend(std::iter::repeat_n(0, self.cap));
-        i as u32
     }
 
+    /// A chunk: a freed one if any, else the next of the last page (a new page when full).
+    #[inline]
+    fn alloc(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(i) => i,
+            None => self.fresh(),
+        }
+    }
+
+    #[inline(never)]
+    fn fresh(&mut self) -> u32 {
+        let i = self.chunks;
+        let page = (i >> self.shift) as usize;
+        if page == self.pages.len() {
+            self.pages.push(Vec::with_capacity(self.cap << self.shift));
+        }
+        if let Some(p) = self.pages.get_mut(page) {
+            // `extend` of a counted repeat writes in place within the page's capacity (a
+            // `resize` call costs more than the two cells of the smallest class).
+            p.extend(std::iter::repeat_n(0, self.cap));
+        }
+        self.chunks += 1;
+        i
+    }
+
+    /// Page and offset of chunk `i`.
+    #[inline]
+    fn at(&self, i: u32) -> (usize, usize) {
+        let within = i as usize & ((1usize << self.shift) - 1);
+        ((i >> self.shift) as usize, within * self.cap)
+    }
+
+    #[inline]
     fn chunk(&self, i: u32) -> &[Holder] {
-        let start = i as usize * self.cap;
-        self.data.get(start..start + self.cap).unwrap_or(&[])
+        let (page, start) = self.at(i);
+        self.pages
+            .get(page)
+            .and_then(|p| p.get(start..start + self.cap))
+            .unwrap_or(&[])
     }
 
+    #[inline]
     fn chunk_mut(&mut self, i: u32) -> &mut [Holder] {
-        let start = i as usize * self.cap;
-        self.data
-            .get_mut(start..start + self.cap)
+        let (page, start) = self.at(i);
+        let cap = self.cap;
+        self.pages
+            .get_mut(page)
+            .and_then(|p| p.get_mut(start..start + cap))
             .unwrap_or(&mut [])
+    }
+
+    /// Heap bytes (capacity, not length).
+    fn heap_bytes(&self) -> usize {
+        self.pages.iter().map(|p| p.capacity() * 8).sum::<usize>()
+            + self.pages.capacity() * std::mem::size_of::<Vec<Holder>>()
+            + self.free.capacity() * 4
     }
 }
 
@@ -86,12 +142,7 @@ pub(super) struct HolderArena {
 impl Default for HolderArena {
     fn default() -> Self {
         HolderArena {
-            pools: (0..=MAX_CLASS)
-                .map(|c| Pool {
-                    cap: 2 << c,
-                    ..Pool::default()
-                })
-                .collect(),
+            pools: (0..=MAX_CLASS).map(|c| Pool::new(2 << c)).collect(),
         }
     }
 }
@@ -107,10 +158,7 @@ impl HolderArena {
 
     /// Heap bytes of the pools (capacity, not length).
     pub(super) fn heap_bytes(&self) -> usize {
-        self.pools
-            .iter()
-            .map(|p| p.data.capacity() * 8 + p.free.capacity() * 4)
-            .sum()
+        self.pools.iter().map(Pool::heap_bytes).sum()
     }
 
     /// Stores `list` (sorted, ≥ 2 holders) in the smallest class that fits it.
@@ -448,7 +496,47 @@ mod tests {
         assert_eq!(h, Holders::one(holder(999, false, 999)));
         // Every chunk went back to its pool's free list.
         for p in &arena.pools {
-            assert_eq!(p.free.len() * p.cap, p.data.len(), "class of {}", p.cap);
+            assert_eq!(p.free.len(), p.chunks as usize, "class of {}", p.cap);
+        }
+    }
+
+    #[test]
+    fn pools_grow_a_page_at_a_time_and_never_move_a_chunk() {
+        // Chunks of 2 (4 096 holders a page: 2 048 chunks) and of 2 × PAGE_HOLDERS (one chunk
+        // per page): three pages of each, every chunk written with its own values.
+        for cap in [2, 2 * PAGE_HOLDERS] {
+            let mut pool = Pool::new(cap);
+            let n = 3 * ((PAGE_HOLDERS / cap).max(1) as u32);
+            let mut first_page_at = None;
+            for i in 0..n {
+                assert_eq!(pool.alloc(), i);
+                for (j, cell) in pool.chunk_mut(i).iter_mut().enumerate() {
+                    *cell = u64::from(i) << 32 | j as u64;
+                }
+                // The first page's memory stays where it was while later pages are added.
+                let at = pool.chunk(0).as_ptr();
+                assert_eq!(*first_page_at.get_or_insert(at), at);
+            }
+            assert_eq!(pool.pages.len(), 3);
+            assert!(pool
+                .pages
+                .iter()
+                .all(|p| p.capacity() == cap.max(PAGE_HOLDERS)));
+            for i in 0..n {
+                let c = pool.chunk(i);
+                assert_eq!(c.len(), cap);
+                assert!(c
+                    .iter()
+                    .enumerate()
+                    .all(|(j, v)| *v == (u64::from(i) << 32 | j as u64)));
+            }
+            // A freed chunk is handed out again before a new one.
+            pool.free.push(1);
+            assert_eq!(pool.alloc(), 1);
+            assert_eq!(pool.alloc(), n);
+            assert_eq!(pool.pages.len(), 4);
+            // Out of range: empty, never a panic.
+            assert!(pool.chunk(n + 10_000).is_empty());
         }
     }
 

@@ -336,14 +336,7 @@ impl Session {
                 continue;
             }
             if self.chunk_streams.len() >= cap {
-                self.chunks.reset();
-                self.chunk_streams.clear();
-                self.turn = None;
-                self.shared
-                    .metrics
-                    .kv_streams_refused_total
-                    .with_label_values(&["resync_stream_cap"])
-                    .inc();
+                self.drop_refused_resync("resync_stream_cap");
                 return Err(SessionEnd::TooLarge(format!(
                     "the chunked resync names more than {cap} distinct streams \
                      (--max-streams-per-reporter); it was refused at chunk {} before being \
@@ -359,19 +352,25 @@ impl Session {
     /// The refusal of a resync of more than `--max-resync-entries` entries (counted in
     /// `kv_streams_refused_total{reason="resync_entry_cap"}`); the partial resync is dropped.
     fn entry_cap_refusal(&mut self) -> SessionEnd {
+        self.drop_refused_resync("resync_entry_cap");
+        SessionEnd::TooLarge(format!(
+            "the resync carries more than {} block entries (--max-resync-entries); it was \
+             refused and nothing of it was applied",
+            self.shared.policy.resync_entries()
+        ))
+    }
+
+    /// Drops a refused resync's buffered chunks, its stream ids and its turn, and counts it in
+    /// `kv_streams_refused_total{reason}`.
+    fn drop_refused_resync(&mut self, reason: &str) {
         self.chunks.reset();
         self.chunk_streams.clear();
         self.turn = None;
         self.shared
             .metrics
             .kv_streams_refused_total
-            .with_label_values(&["resync_entry_cap"])
+            .with_label_values(&[reason])
             .inc();
-        SessionEnd::TooLarge(format!(
-            "the resync carries more than {} block entries (--max-resync-entries); it was \
-             refused and nothing of it was applied",
-            self.shared.policy.resync_entries()
-        ))
     }
 
     async fn handle(&mut self, msg: proto::AgentMessage) -> Result<(), SessionEnd> {
