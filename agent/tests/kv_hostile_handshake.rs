@@ -7,14 +7,14 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{http_get, kv_engine, sample, FakeController};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_shared::plan::{EnginePlan, HashScheme, NodePlan};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 
@@ -57,27 +57,12 @@ fn bad_handshake(command: Vec<u8>) -> u16 {
 }
 
 fn engine(pod: &str, port: u16) -> EnginePlan {
-    EnginePlan {
-        namespace: "team-a".into(),
-        pod: pod.into(),
-        model: "m".into(),
-        hash_scheme: HashScheme::Vllm,
-        block_size: 16,
-        kv_events: vec![KvEventSource {
-            endpoint: format!("tcp://127.0.0.1:{port}"),
-            replay_endpoint: None,
-            topic: String::new(),
-            dp_rank: 0,
-        }],
-        ..EnginePlan::default()
-    }
-}
-
-fn sample(text: &str, name: &str, needles: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && needles.iter().all(|n| l.contains(n)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kv_engine(
+        pod,
+        HashScheme::Vllm,
+        format!("tcp://127.0.0.1:{port}"),
+        None,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,7 +23,7 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{http_get, kv_engine, sample, FakeController};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ic_agent::kv::{publish_fixture, KvHub, PublishOptions};
-use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_shared::plan::{EnginePlan, HashScheme, NodePlan};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 const TIB: u64 = 1 << 40;
@@ -202,28 +202,7 @@ fn genuine_at(endpoint: String) -> tokio::task::JoinHandle<()> {
 }
 
 fn engine(pod: &str, endpoint: String, replay: Option<String>) -> EnginePlan {
-    EnginePlan {
-        namespace: "team-a".into(),
-        pod: pod.into(),
-        model: "m".into(),
-        hash_scheme: HashScheme::Vllm,
-        block_size: 16,
-        kv_events: vec![KvEventSource {
-            endpoint,
-            replay_endpoint: replay,
-            topic: String::new(),
-            dp_rank: 0,
-        }],
-        ..EnginePlan::default()
-    }
-}
-
-/// `name{labels…} value` from a Prometheus text page, matching every `needle` in the line.
-fn sample(text: &str, name: &str, needles: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && needles.iter().all(|n| l.contains(n)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kv_engine(pod, HashScheme::Vllm, endpoint, replay)
 }
 
 /// VmHWM (peak resident set) of `pid`, bytes.

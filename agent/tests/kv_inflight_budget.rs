@@ -24,7 +24,7 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{http_get, kv_engine, sample, FakeController};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ic_shared::plan::{EnginePlan, HashScheme, KvEventSource, NodePlan};
+use ic_shared::plan::{EnginePlan, HashScheme, NodePlan};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 const MIB: usize = 1 << 20;
@@ -153,28 +153,7 @@ fn free_port() -> u16 {
 }
 
 fn engine(pod: &str, port: u16, scheme: HashScheme) -> EnginePlan {
-    EnginePlan {
-        namespace: "team-a".into(),
-        pod: pod.into(),
-        model: "m".into(),
-        hash_scheme: scheme,
-        block_size: 16,
-        kv_events: vec![KvEventSource {
-            endpoint: format!("tcp://127.0.0.1:{port}"),
-            replay_endpoint: None,
-            topic: String::new(),
-            dp_rank: 0,
-        }],
-        ..EnginePlan::default()
-    }
-}
-
-/// Sum of the samples of `name` whose line contains every `needle`.
-fn sample(text: &str, name: &str, needles: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && needles.iter().all(|n| l.contains(n)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kv_engine(pod, scheme, format!("tcp://127.0.0.1:{port}"), None)
 }
 
 /// A line of `/proc/<pid>/status` in bytes (`VmHWM`, `VmRSS`).

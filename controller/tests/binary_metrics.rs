@@ -6,19 +6,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod http_support;
+mod process_support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http_support::http_get;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use process_support::{free_port, KillOnDrop};
 
 /// The commit the binary must report: `$IC_GIT_COMMIT` when the build was given one, else this
 /// checkout's HEAD (`git rev-parse HEAD`, run here independently of the build script), else
@@ -45,15 +39,8 @@ fn sample(text: &str, name: &str) -> f64 {
 }
 
 struct Controller {
-    child: Child,
+    child: KillOnDrop,
     http: String,
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Starts the binary on free loopback ports and waits for `/readyz`.
@@ -67,7 +54,10 @@ fn start() -> Controller {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let c = Controller { child, http };
+    let c = Controller {
+        child: KillOnDrop(child),
+        http,
+    };
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(&c.http).is_err()
         || http_get(&c.http, "/readyz") != "ready\n"
@@ -112,11 +102,11 @@ fn metrics_carry_process_series_and_build_info() {
 #[test]
 fn sigterm_stops_the_standalone_controller_with_status_0() {
     let mut c = start();
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(c.child.id()).unwrap());
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(c.child.0.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
-        if let Some(s) = c.child.try_wait().unwrap() {
+        if let Some(s) = c.child.0.try_wait().unwrap() {
             break s;
         }
         assert!(

@@ -16,7 +16,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod h2_raw_support;
+mod process_support;
 use h2_raw_support::{connect_headers, frame, PREFACE};
+use process_support::{free_port, status_kib, KillOnDrop};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -37,24 +39,9 @@ const GUARD: Duration = Duration::from_secs(60);
 // ---- the binary ---------------------------------------------------------------------------
 
 struct Controller {
-    child: std::process::Child,
+    child: KillOnDrop,
     grpc: SocketAddr,
     http: SocketAddr,
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Starts `ic-controller standalone` on free loopback ports with `extra` flags and waits for
@@ -74,7 +61,7 @@ async fn controller(extra: &[&str]) -> Controller {
         .spawn()
         .unwrap();
     let c = Controller {
-        child,
+        child: KillOnDrop(child),
         grpc: format!("127.0.0.1:{grpc}").parse().unwrap(),
         http: format!("127.0.0.1:{http}").parse().unwrap(),
     };
@@ -84,19 +71,6 @@ async fn controller(extra: &[&str]) -> Controller {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     c
-}
-
-/// `VmRSS` and `VmHWM` (peak) of `pid`, KiB.
-fn rss_and_peak_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap()
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// One HTTP/1.1 GET on a fresh connection: the status (0 when none) and the body.
@@ -228,10 +202,10 @@ async fn chunked_resync(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_stream_chunked_resync_is_refused_at_the_chunk_passing_the_stream_cap() {
     let c = controller(&[]).await;
-    let pid = c.child.id();
-    let (before, _) = rss_and_peak_kib(pid);
+    let pid = c.child.0.id();
+    let before = status_kib(pid, "VmRSS:");
     let (end, sent) = chunked_resync(c.grpc, "big-node", 1_000_000, 1, 4_000).await;
-    let (after, peak) = rss_and_peak_kib(pid);
+    let (after, peak) = (status_kib(pid, "VmRSS:"), status_kib(pid, "VmHWM:"));
     eprintln!(
         "controller RSS {before} KiB -> peak {peak} KiB, {after} KiB after; {sent} of 250 chunks taken; end {end:?}"
     );

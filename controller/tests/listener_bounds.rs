@@ -10,7 +10,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod h2_raw_support;
+mod process_support;
 use h2_raw_support::{connect_headers, frame, CONNECT_PATH, PREFACE};
+use process_support::{free_port, status_kib, KillOnDrop};
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -480,29 +482,8 @@ async fn healthz_answers_on_its_own_listener_while_the_data_slots_are_full() {
 
 // ---- the binary, its memory ------------------------------------------------------------------
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
-struct Child(std::process::Child);
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    status_kib(pid, "VmRSS:")
 }
 
 /// The binary under a flood: 8 connections × 5 000 streams that never send a Hello, then 32
@@ -513,7 +494,7 @@ impl Drop for Child {
 #[tokio::test]
 async fn the_binary_stays_small_under_a_stream_flood_and_half_sent_messages() {
     let (grpc, http) = (free_port(), free_port());
-    let child = Child(
+    let child = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_ic-controller"))
             .args([
                 "standalone",
@@ -834,7 +815,7 @@ fn series(text: &str, name: &str, labels: &str) -> Option<u64> {
 #[tokio::test]
 async fn the_binarys_metrics_count_each_refusal_with_its_listener_and_reason() {
     let (grpc, http, health) = (free_port(), free_port(), free_port());
-    let _child = Child(
+    let _child = KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_ic-controller"))
             .args([
                 "standalone",

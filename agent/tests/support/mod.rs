@@ -1,8 +1,9 @@
 //! Shared by the agent's integration tests (`engine_metrics`, `sglang_metrics`, `subscribe_cli`,
-//! `link_acks`, `link_flush`):
+//! `link_acks`, `link_flush`, `kv_hostile_handshake`, `kv_hostile_zmtp`, `kv_inflight_budget`):
 //! a stand-in controller (a real tonic `AgentService` on loopback that records every message an
 //! agent sends and lets the test push controller messages down the latest stream), an engine
-//! `/metrics` server whose page the test changes, and a plain HTTP GET.
+//! `/metrics` server whose page the test changes, a plain HTTP GET, a one-stream engine plan and
+//! a Prometheus sample reader.
 
 #![allow(dead_code)]
 
@@ -240,4 +241,36 @@ pub async fn agent_following_replay(
     .await
     .unwrap();
     (running, publisher)
+}
+
+/// A one-stream engine plan: pod `pod` in namespace `team-a`, model `m`, 16-token blocks,
+/// KV events of `hash_scheme` published on `endpoint` (and replayed on `replay_endpoint`).
+pub fn kv_engine(
+    pod: &str,
+    hash_scheme: ic_shared::plan::HashScheme,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+) -> ic_shared::plan::EnginePlan {
+    ic_shared::plan::EnginePlan {
+        namespace: "team-a".into(),
+        pod: pod.into(),
+        model: "m".into(),
+        hash_scheme,
+        block_size: 16,
+        kv_events: vec![ic_shared::plan::KvEventSource {
+            endpoint,
+            replay_endpoint,
+            topic: String::new(),
+            dp_rank: 0,
+        }],
+        ..ic_shared::plan::EnginePlan::default()
+    }
+}
+
+/// Sum of the samples of `name` in a Prometheus text page whose line contains every `needle`.
+pub fn sample(text: &str, name: &str, needles: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && needles.iter().all(|n| l.contains(n)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
