@@ -19,7 +19,9 @@ WINDOW defaults to 2.5 × N / RATE (every held block replaced 1.25 times), at le
 Reported per N: the blocks the agent holds (`inferencecache_agent_kv_blocks`) and the
 controller indexes, the block events/s the engine reached, the agent's RSS before any block,
 average and max during churn, its VmHWM, and KiB per held block (max RSS ÷ held, and the
-increment over the empty agent ÷ held).
+increment over the empty agent ÷ held); then, at the end, what the agent's pod holds besides:
+its checks processes (`checks-supervisor` and `checks-worker`, VmRSS and their count), and the
+PSS of the agent and those processes together (text shared among them counted once).
 
 Environment: IC_VLLM_DIR (default target/ci-cache/vllm), IC_VLLM_VERSION (0.33.0), IC_BIN_DIR
 (default target/release), RATE (20000), WINDOW (seconds; default above), BASE_PORT (26557); AGENT_WRAPPER (a command
@@ -93,9 +95,9 @@ def wait_for(what: str, probe, deadline_s: float = 60):
     raise RuntimeError(f"{what} not ready within {deadline_s:.0f} s ({last})")
 
 
-def agent_pid(parent: int) -> int | None:
-    """The `ic-agent` process among `parent`'s descendants (under AGENT_WRAPPER)."""
-    todo = [parent]
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (its checks supervisor and worker, for an agent)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
@@ -103,15 +105,33 @@ def agent_pid(parent: int) -> int | None:
                 kids = [int(x) for x in f.read().split()]
         except OSError:
             continue
-        for k in kids:
-            try:
-                with open(f"/proc/{k}/comm") as f:
-                    if f.read().strip() == "ic-agent":
-                        return k
-            except OSError:
-                pass
-            todo.append(k)
+        out += kids
+        todo += kids
+    return out
+
+
+def agent_pid(parent: int) -> int | None:
+    """The `ic-agent` process among `parent`'s descendants (under AGENT_WRAPPER)."""
+    for k in descendants(parent):
+        try:
+            with open(f"/proc/{k}/comm") as f:
+                if f.read().strip() == "ic-agent":
+                    return k
+        except OSError:
+            pass
     return None
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size (shared pages split among their users), KiB; 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 class Engine:
@@ -208,6 +228,11 @@ engines:
         held = gauge(m, "inferencecache_agent_kv_blocks") or 0
         hwm = status_kib(pid, "VmHWM")
         rss_end = status_kib(pid, "VmRSS")
+        # The agent's pod also holds its checks processes (`checks-supervisor`, `checks-worker`,
+        # docs/checks.md): their VmRSS, and the whole tree's PSS (shared text counted once).
+        kids = descendants(pid)
+        checks_kib = sum(status_kib(k, "VmRSS") for k in kids)
+        tree_pss = pss_kib(pid) + sum(pss_kib(k) for k in kids)
         cm = http(f"http://127.0.0.1:{chttp}/metrics")
         indexed = next((gauge(cm, n) for n in re.findall(r"^(\w*index_entries)\b", cm, re.M)), None)
         if agent.poll() is not None:
@@ -218,6 +243,7 @@ engines:
             "churn_s": churn["seconds"], "rate": churn["block_events"] / churn["seconds"], "engine_cpu": churn["cpu_s"] / churn["seconds"],
             "empty_kib": empty_rss, "avg_kib": sum(samples) / max(len(samples), 1),
             "max_kib": max(samples + [rss_end]), "end_kib": rss_end, "hwm_kib": hwm,
+            "checks_kib": checks_kib, "checks_procs": len(kids), "tree_pss_kib": tree_pss,
         }
     finally:
         # The agent itself first (under a wrapper such as heaptrack, which then writes its file).
@@ -253,16 +279,17 @@ def main() -> None:
         la = ["?"]
     print(f"load average at start: {' '.join(la)}")
     hdr = ("pool", "churn s", "held", "indexed", "ev/s", "empty MiB", "avg MiB", "max MiB", "VmHWM MiB",
-           "KiB/held", "Δ KiB/held")
+           "KiB/held", "Δ KiB/held", "checks processes MiB (VmRSS)", "agent + checks PSS MiB")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for n in counts:
         r = run_one(n, work)
         held = max(r["held"], 1)
-        print("| %d | %.0f | %d | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.3f | %.3f |" % (
+        print("| %d | %.0f | %d | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.3f | %.3f | %.1f (%d) | %.1f |" % (
             n, r["churn_s"], r["held"], r["indexed"], r["rate"], r["empty_kib"] / 1024, r["avg_kib"] / 1024,
             r["max_kib"] / 1024, r["hwm_kib"] / 1024, r["max_kib"] / held,
-            (r["max_kib"] - r["empty_kib"]) / held), flush=True)
+            (r["max_kib"] - r["empty_kib"]) / held, r["checks_kib"] / 1024, r["checks_procs"],
+            r["tree_pss_kib"] / 1024), flush=True)
     try:
         la = open("/proc/loadavg").read().split()[:3]
     except OSError:
