@@ -158,10 +158,7 @@ impl Router {
             },
         };
         let waiting = Instant::now();
-        let guard = match deadline {
-            Some(d) => self.shared.index.try_read_until(d),
-            None => Some(self.shared.index.read()),
-        };
+        let guard = self.shared.index_read_for_lookup(deadline);
         self.shared
             .metrics
             .lookup_lock_wait_seconds

@@ -11,6 +11,13 @@ use crate::ingest::registry::NodeRegistry;
 use crate::metrics::ControllerMetrics;
 use crate::tokenize::Tokenizers;
 
+/// Longest a lookup tries the index read lock without parking ([`Shared::index_read_for_lookup`]):
+/// about one resync slice's write hold (0.1–0.2 ms typically). A lookup that parks instead waits
+/// for a core to wake it on; trying this long at most costs ≤ 0.25 ms of CPU per lookup (a
+/// 1 ms spin measured the same gain but lengthened storms by competing with the slice holder
+/// for the cores; docs/scaling.md, issue 41 item 3).
+pub const LOOKUP_SPIN: std::time::Duration = std::time::Duration::from_micros(250);
+
 /// Lookup defaults until a CachePolicy says otherwise (spec 000: CachePolicy.spec), and the
 /// index's own bounds.
 #[derive(Debug, Clone, Copy, Default)]
@@ -192,6 +199,37 @@ impl Shared {
         IndexWrite::held(self.index.write(), &self.metrics, what)
     }
 
+    /// The index read lock for a lookup: tried without parking for up to [`LOOKUP_SPIN`] (or
+    /// until `deadline`, if sooner), then waited for until `deadline` (`None`: no bound).
+    /// `None` when the deadline passed first. A lookup that parks is woken only when a core is
+    /// free to run it; one that keeps trying takes the lock the moment a resync slice lets it
+    /// go, ahead of writers still parked (docs/scaling.md, issue 41 item 3).
+    pub fn index_read_for_lookup(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Option<parking_lot::RwLockReadGuard<'_, PrefixIndex>> {
+        let now = Instant::now();
+        let spin_until = match deadline {
+            Some(d) => d.min(now + LOOKUP_SPIN),
+            None => now + LOOKUP_SPIN,
+        };
+        loop {
+            if let Some(g) = self.index.try_read() {
+                return Some(g);
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
+        }
+        match deadline {
+            Some(d) => self.index.try_read_until(d),
+            None => Some(self.index.read()),
+        }
+    }
+
     /// Upgrades an upgradable read of the index to its write lock for `what`, timed like
     /// [`Shared::index_write`] from the moment the upgrade returns.
     pub fn index_upgrade<'a>(
@@ -358,6 +396,45 @@ mod tests {
             text.contains("inferencecache_controller_index_quota_evictions_total{tenant=\"t\"} 2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_lookup_read_gives_up_at_its_deadline_and_takes_the_lock_once_a_writer_lets_go() {
+        let shared = std::sync::Arc::new(Shared::new(LookupPolicy::default()).unwrap());
+        // Free: the lock at once, with or without a deadline.
+        assert!(shared.index_read_for_lookup(None).is_some());
+        assert!(shared
+            .index_read_for_lookup(Some(Instant::now() + std::time::Duration::from_millis(5)))
+            .is_some());
+        let write = shared.index_write(WriteHold::Probe);
+        // Held past the deadline (shorter than the spin): nothing, and the writer still holds it.
+        let t0 = Instant::now();
+        let deadline = t0 + LOOKUP_SPIN / 4;
+        assert!(shared.index_read_for_lookup(Some(deadline)).is_none());
+        assert!(Instant::now() >= deadline);
+        // Held past the deadline (longer than the spin: the park after it times out too).
+        assert!(shared
+            .index_read_for_lookup(Some(Instant::now() + 3 * LOOKUP_SPIN))
+            .is_none());
+        // A lookup without a deadline waits — through the spin and the park — for the writer.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = {
+            let shared = shared.clone();
+            std::thread::spawn(move || {
+                let got = shared.index_read_for_lookup(None).is_some();
+                tx.send(got).ok();
+            })
+        };
+        assert!(
+            rx.recv_timeout(4 * LOOKUP_SPIN).is_err(),
+            "a reader got in while the writer held the lock"
+        );
+        drop(write);
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(10)),
+            Ok(true)
+        );
+        reader.join().unwrap();
     }
 
     #[test]
