@@ -14,7 +14,7 @@ use crate::tokenize::Tokenizers;
 /// Longest a lookup tries the index read lock without parking ([`Shared::index_read_for_lookup`]):
 /// about one resync slice's write hold (0.1–0.2 ms typically). A lookup that parks instead waits
 /// for a core to wake it on; trying this long at most costs ≤ 0.25 ms of CPU per lookup (a
-/// 1 ms spin measured the same gain but lengthened storms by competing with the slice holder
+/// 1 ms spin measured a similar gain but lengthened storms by competing with the slice holder
 /// for the cores; docs/scaling.md, issue 41 item 3).
 pub const LOOKUP_SPIN: std::time::Duration = std::time::Duration::from_micros(250);
 
