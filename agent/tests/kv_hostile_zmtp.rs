@@ -23,12 +23,14 @@
 
 mod support;
 
-use support::{http_get, kv_engine, sample, FakeController};
+use support::{
+    assert_alive, free_port, http_get, kv_engine, proc_status_bytes, sample, FakeController,
+};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -171,14 +173,6 @@ fn hostile_ipc(path: &Path, socket_type: &'static str, what: Attack) -> Hostile 
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events/vllm-0.24.0.json")
 }
@@ -203,27 +197,6 @@ fn genuine_at(endpoint: String) -> tokio::task::JoinHandle<()> {
 
 fn engine(pod: &str, endpoint: String, replay: Option<String>) -> EnginePlan {
     kv_engine(pod, HashScheme::Vllm, endpoint, replay)
-}
-
-/// VmHWM (peak resident set) of `pid`, bytes.
-fn vm_hwm(pid: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
-/// Fails with the child's exit status (134 = the abort) and stderr when it is gone.
-fn assert_alive(child: &mut Child, stderr: &Path) {
-    if let Some(status) = child.try_wait().unwrap() {
-        panic!(
-            "the agent died ({status}):\n{}",
-            std::fs::read_to_string(stderr).unwrap_or_default()
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,7 +280,7 @@ async fn run_survives_hostile_publishers_and_replay_sockets_within_its_memory_li
         );
     };
     assert_alive(&mut child, &stderr);
-    let peak = vm_hwm(&pid);
+    let peak = proc_status_bytes(&pid, "VmHWM:");
     eprintln!("ic-agent run under attack: VmHWM {peak} bytes");
     let _ = child.kill();
     let _ = child.wait();
@@ -380,7 +353,7 @@ async fn subscribe_survives_a_publisher_announcing_one_tebibyte() {
         );
     }
     assert_alive(&mut child, &stderr);
-    assert!(vm_hwm(&child.id().to_string()) < CHART_LIMIT_BYTES);
+    assert!(proc_status_bytes(&child.id().to_string(), "VmHWM:") < CHART_LIMIT_BYTES);
     let _ = child.kill();
     let _ = child.wait();
 }
@@ -438,7 +411,7 @@ async fn kv_tail_reports_a_hostile_replay_socket_and_follows_the_live_stream() {
 
 /// Peak RSS of this test process, bytes.
 fn own_hwm() -> u64 {
-    vm_hwm("self")
+    proc_status_bytes("self", "VmHWM:")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,11 +24,13 @@
 
 mod support;
 
-use support::{http_get, kv_engine, sample, FakeController};
+use support::{
+    assert_alive, free_port, http_get, kv_engine, proc_status_bytes, sample, FakeController,
+};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -144,36 +146,8 @@ fn removed_payload(n: usize) -> Vec<u8> {
     p
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn engine(pod: &str, port: u16, scheme: HashScheme) -> EnginePlan {
     kv_engine(pod, scheme, format!("tcp://127.0.0.1:{port}"), None)
-}
-
-/// A line of `/proc/<pid>/status` in bytes (`VmHWM`, `VmRSS`).
-fn status_bytes(pid: u32, key: &str) -> usize {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: usize = s
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
-fn assert_alive(child: &mut Child, stderr: &std::path::Path) {
-    if let Some(status) = child.try_wait().unwrap() {
-        panic!(
-            "the agent died ({status}):\n{}",
-            std::fs::read_to_string(stderr).unwrap_or_default()
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,7 +187,7 @@ async fn under_cap_floods_stay_within_the_in_flight_budget() {
         .stderr(std::fs::File::create(&stderr).unwrap())
         .spawn()
         .unwrap();
-    let pid = child.id();
+    let pid = child.id().to_string();
     // Base + budget + what is not charged: per stream, frames under 64 KiB the library may
     // buffer (16 frames) and the relay's 64 KiB chunk — about 1 MiB. The chart's limit less
     // 100 k held blocks (256 − 31 MiB) is far above.
@@ -240,7 +214,7 @@ async fn under_cap_floods_stay_within_the_in_flight_budget() {
     let text = loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
         assert_alive(&mut child, &stderr);
-        peak_rss = peak_rss.max(status_bytes(pid, "VmRSS:"));
+        peak_rss = peak_rss.max(proc_status_bytes(&pid, "VmRSS:") as usize);
         assert!(
             peak_rss < bound,
             "RSS {} MiB is over the bound {} MiB (base + budget + receiving)",
@@ -302,7 +276,7 @@ async fn under_cap_floods_stay_within_the_in_flight_budget() {
         ),
         0.0
     );
-    let hwm = status_bytes(pid, "VmHWM:");
+    let hwm = proc_status_bytes(&pid, "VmHWM:") as usize;
     stop.store(true, Ordering::Relaxed);
     let _ = child.kill();
     let _ = child.wait();

@@ -9,7 +9,7 @@
 
 mod support;
 
-use support::{http_get, FakeController};
+use support::{free_port, http_get, FakeController};
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -29,14 +29,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_ic-agent");
 /// The vLLM 0.24.0 golden recording (`testdata/kv-events`).
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events/vllm-0.24.0.json")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Environment the binary must not inherit from the test runner.

@@ -2,8 +2,9 @@
 //! `link_acks`, `link_flush`, `kv_hostile_handshake`, `kv_hostile_zmtp`, `kv_inflight_budget`):
 //! a stand-in controller (a real tonic `AgentService` on loopback that records every message an
 //! agent sends and lets the test push controller messages down the latest stream), an engine
-//! `/metrics` server whose page the test changes, a plain HTTP GET, a one-stream engine plan and
-//! a Prometheus sample reader.
+//! `/metrics` server whose page the test changes, a plain HTTP GET, a one-stream engine plan,
+//! a Prometheus sample reader, a free loopback port, a `/proc/<pid>/status` reader and a check
+//! that a spawned agent is still alive.
 
 #![allow(dead_code)]
 
@@ -273,4 +274,34 @@ pub fn sample(text: &str, name: &str, needles: &[&str]) -> f64 {
         .filter(|l| l.starts_with(name) && needles.iter().all(|n| l.contains(n)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// A loopback TCP port that was free a moment ago (bound and released: the caller binds it next).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `kB` line of `/proc/<pid>/status` (`"VmHWM:"`, `"VmRSS:"`) in bytes; `pid` may be `"self"`.
+pub fn proc_status_bytes(pid: &str, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// Fails with the child's exit status (134 = the abort) and stderr when it is gone.
+pub fn assert_alive(child: &mut std::process::Child, stderr: &std::path::Path) {
+    if let Some(status) = child.try_wait().unwrap() {
+        panic!(
+            "the agent died ({status}):\n{}",
+            std::fs::read_to_string(stderr).unwrap_or_default()
+        );
+    }
 }
