@@ -482,10 +482,6 @@ async fn healthz_answers_on_its_own_listener_while_the_data_slots_are_full() {
 
 // ---- the binary, its memory ------------------------------------------------------------------
 
-fn rss_kib(pid: u32) -> u64 {
-    status_kib(pid, "VmRSS:")
-}
-
 /// The binary under a flood: 8 connections × 5 000 streams that never send a Hello, then 32
 /// streams each announcing an 8 MiB first message and sending 256 KiB of it. The issue saw
 /// 100 000 streams on one connection take the controller from 53 to 1 237 MB and 64 half
@@ -517,7 +513,7 @@ async fn the_binary_stays_small_under_a_stream_flood_and_half_sent_messages() {
         assert!(Instant::now() < deadline, "the controller did not start");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let before = rss_kib(pid);
+    let before = status_kib(pid, "VmRSS:");
 
     // Streams that never send a Hello.
     let mut floods = Vec::new();
@@ -544,7 +540,7 @@ async fn the_binary_stays_small_under_a_stream_flood_and_half_sent_messages() {
 
     eprintln!(
         "controller RSS {before} KiB -> {} KiB after 40 000 streams without a Hello",
-        rss_kib(pid)
+        status_kib(pid, "VmRSS:")
     );
     // Half-sent first messages announcing 8 MiB.
     let mut refused = 0;
@@ -586,7 +582,7 @@ async fn the_binary_stays_small_under_a_stream_flood_and_half_sent_messages() {
         }
     }
     assert_eq!(refused, 32);
-    let after = rss_kib(pid);
+    let after = status_kib(pid, "VmRSS:");
     let grown_mib = after.saturating_sub(before) / 1024;
     eprintln!("controller RSS {before} KiB -> {after} KiB under the flood");
     assert!(
